@@ -1,0 +1,82 @@
+"""The `xla` backend of `moe_ffn`: pure jnp, differentiable by plain autodiff.
+
+It is the reference the Pallas kernels are checked against and the path for CPU and TPU.
+Memory stays sane at training sizes: it walks the plan's row tiles (each inside one
+expert's group) in a `lax.scan`, a few tiles per step, so it never builds `[E, P, d]` and
+never calls `jax.lax.ragged_dot` (a dense fallback on GPU). Roundings mirror the kernels:
+fp32 accumulation, `H`, `A` and `Y` rounded to the input dtype, fp32 aggregation in
+ascending expert order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_moe.routing.plan import DispatchPlan, tile_schedule
+
+
+def swiglu(h: jax.Array) -> jax.Array:
+    """silu(gate) * up for `h = [..., 2n]` with gate = `h[..., :n]`; computed in fp32."""
+    n = h.shape[-1] // 2
+    h = h.astype(jnp.float32)
+    return jax.nn.silu(h[..., :n]) * h[..., n:]
+
+
+def moe_ffn_xla(
+    x: jax.Array,
+    plan: DispatchPlan,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    block_m: int = 128,
+    tiles_per_step: int = 8,
+) -> jax.Array:
+    """SwiGLU MoE forward, `O[t] = sum_r s[r] * (swiglu(X[tok[r]] @ W1[e]) @ W2[e])`.
+
+    Args:
+      x: [T, d] tokens.
+      plan: dispatch plan over T tokens and E experts.
+      w_gate_up: [E, d, 2n].
+      w_down: [E, n, d].
+      block_m: rows per tile.
+      tiles_per_step: tiles batched in one scan step (their weights are gathered:
+        `tiles_per_step * (d*2n + n*d)` elements live at once).
+
+    Returns:
+      [T, d] in x.dtype.
+    """
+    num_tokens, d = x.shape
+    dtype = x.dtype
+    tiles = tile_schedule(plan.group_sizes, plan.capacity, block_m)
+    num_tiles = tiles.max_tiles
+    num_steps = -(-num_tiles // tiles_per_step)
+    pad = num_steps * tiles_per_step - num_tiles
+
+    rows = tiles.row_start[:, None] + jnp.arange(block_m, dtype=jnp.int32)[None, :]  # [nt, bm]
+    valid = rows < tiles.row_end[:, None]  # [nt, bm]
+    rows = jnp.where(valid, rows, 0)
+    token = plan.token_ids[rows]  # [nt, bm]
+    score = jnp.where(valid, plan.scores[rows], 0.0)  # [nt, bm]
+    expert = tiles.expert  # [nt]
+    if pad:
+        # Extra tiles score 0 and reuse the last expert, so they add nothing.
+        token = jnp.pad(token, ((0, pad), (0, 0)))
+        score = jnp.pad(score, ((0, pad), (0, 0)))
+        expert = jnp.pad(expert, (0, pad), mode="edge")
+
+    def step(out, inputs):
+        tok, s, e = inputs  # [c, bm], [c, bm], [c]
+        xt = x[tok]  # [c, bm, d]
+        h = jnp.einsum("cmd,cdf->cmf", xt, w_gate_up[e], preferred_element_type=jnp.float32)
+        a = swiglu(h.astype(dtype)).astype(dtype)  # [c, bm, n]
+        y = jnp.einsum("cmn,cnd->cmd", a, w_down[e], preferred_element_type=jnp.float32)
+        y = y.astype(dtype).astype(jnp.float32) * s[..., None]  # [c, bm, d]
+        # Tiles go in ascending expert order and a token meets each expert once, so every
+        # token's sum runs in ascending expert order, as in the aggregation kernel.
+        return out.at[tok.reshape(-1)].add(y.reshape(-1, d)), None
+
+    reshape = lambda a: a.reshape(num_steps, tiles_per_step, *a.shape[1:])
+    out = jnp.zeros((num_tokens, d), jnp.float32)
+    out, _ = jax.lax.scan(step, out, (reshape(token), reshape(score), reshape(expert)))
+    return out.astype(dtype)
