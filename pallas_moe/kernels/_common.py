@@ -1,0 +1,185 @@
+"""Helpers shared by the forward kernels: input checks, per-tile metadata, row-exact stores.
+
+Everything here is either plain jnp (run once per plan, outside the kernels) or a small
+piece of Pallas Mosaic GPU code called from inside a kernel body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.routing.plan import TileSchedule, tile_schedule
+
+# bf16 with a 128-byte swizzle: the minor (K) dimension of an MMA operand tile in SMEM.
+SWIZZLE_BYTES = 128
+
+
+def mma_transforms(dtype) -> tuple:
+    """SMEM transforms for a wgmma operand tile whose minor dim is a multiple of 64 bf16."""
+    elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+
+
+def interpret_params(interpret: bool | plgpu.InterpretGPUParams, detect_races: bool = False):
+    """Maps the public `interpret` flag to what `plgpu.kernel` takes."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    if interpret:
+        return plgpu.InterpretGPUParams(detect_races=detect_races)
+    return None
+
+
+def require_multiple(arg: str, value: int, multiple: int, why: str) -> None:
+    """Raises a ValueError naming `arg` when `value % multiple != 0`."""
+    if value % multiple:
+        raise ValueError(f"{arg}={value} must be a multiple of {multiple} ({why}).")
+
+
+def require_shape(arg: str, x: jax.Array, shape: tuple[int, ...]) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{arg} must have shape {tuple(shape)}, got {tuple(x.shape)}.")
+
+
+def require_dtype(arg: str, x: jax.Array, dtype) -> None:
+    if x.dtype != jnp.dtype(dtype):
+        raise TypeError(f"{arg} must have dtype {jnp.dtype(dtype).name}, got {x.dtype}.")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["expert", "row_start", "num_rows", "row_ids"],
+    meta_fields=["block_m"],
+)
+@dataclasses.dataclass(frozen=True)
+class TileMeta:
+    """What the kernels read per row tile, derived once per plan from `TileSchedule`.
+
+    Attributes:
+      expert: i32[num_tiles] expert of each tile.
+      row_start: i32[num_tiles] first grouped row of the tile.
+      num_rows: i32[num_tiles] real rows in the tile (0 for the empty tiles past the end).
+      row_ids: i32[num_tiles, block_m] for the gathered up-proj: source token of each row of
+        the tile; rows past `num_rows` repeat the tile's last real row (so every copy is in
+        bounds and the number of copies per stage is static), empty tiles read token 0.
+      block_m: static tile height.
+    """
+
+    expert: jax.Array
+    row_start: jax.Array
+    num_rows: jax.Array
+    row_ids: jax.Array
+    block_m: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.expert.shape[0]
+
+
+def tile_meta(
+    group_sizes: jax.Array, token_ids: jax.Array, block_m: int, *, with_row_ids: bool = True
+) -> TileMeta:
+    """Per-tile metadata from `tile_schedule` (computed once per plan and block size)."""
+    capacity = token_ids.shape[0]
+    sched: TileSchedule = tile_schedule(group_sizes, capacity, block_m)
+    num_rows = sched.row_end - sched.row_start  # [nt]
+    if with_row_ids:
+        local = jnp.arange(block_m, dtype=jnp.int32)[None, :]  # [1, bm]
+        last = jnp.maximum(num_rows - 1, 0)[:, None]  # [nt, 1]
+        rows = sched.row_start[:, None] + jnp.minimum(local, last)  # [nt, bm]
+        rows = jnp.clip(rows, 0, capacity - 1)
+        row_ids = jnp.where(num_rows[:, None] > 0, token_ids[rows], 0).astype(jnp.int32)
+    else:
+        row_ids = jnp.zeros((sched.max_tiles, 1), jnp.int32)
+    return TileMeta(
+        expert=sched.expert,
+        row_start=sched.row_start,
+        num_rows=num_rows.astype(jnp.int32),
+        row_ids=row_ids,
+        block_m=block_m,
+    )
+
+
+def k_pipeline(num_k: int, stages: int, bars, issue, mma, mmas_per_step: int) -> None:
+    """Runs a `stages`-deep TMA -> wgmma pipeline over `num_k` contraction steps.
+
+    `issue(ki, slot)` starts the copies of step `ki` into SMEM slot `slot`, all arriving on
+    `bars.at[slot]`; `mma(slot)` issues `mmas_per_step` wgmmas reading that slot. Copies run
+    `stages - 1` steps ahead of the tensor cores: after issuing step ki's wgmmas we wait for
+    step ki-1's (so its slot is free) and refill that slot with step ki-1+stages.
+    """
+    for s in range(min(stages, num_k)):
+        issue(s, s)
+
+    def step(ki, carry):
+        slot = ki % stages
+        plgpu.barrier_wait(bars.at[slot])
+        mma(slot)
+        plgpu.wgmma_wait(mmas_per_step)  # step ki-1 is done reading its slot
+        nxt = ki - 1 + stages
+
+        @pl.when((ki >= 1) & (nxt < num_k))
+        def _():
+            issue(nxt, (ki - 1) % stages)
+
+        return carry
+
+    jax.lax.fori_loop(0, num_k, step, None)
+    plgpu.wgmma_wait(0)
+
+
+def row_gather_buffers(stages: int, block_m: int, block_k: int, dtype, interpret: bool):
+    """SMEM for gathered A stages: (scratch type, fn(scratch) -> (copy view, mma view)).
+
+    The wgmma view is tiled (8, 64) + 128-byte swizzle. Pallas only slices a tiled ref at
+    multiples of the tile height, so one-row TMA copies go through a second view of the
+    same bytes tiled (1, 64) + 128-byte swizzle: for a 64-column (128-byte) minor dim both
+    tilings are row-major and the swizzle is a function of the SMEM address, so the views
+    agree byte for byte. Interpret mode keeps logical (untiled) buffers and does not alias
+    `RefUnion` members, and it allows one-row slices of the tiled view, so there one ref
+    serves as both views.
+    """
+    shape = (stages, block_m, block_k)
+    sw = plgpu.SwizzleTransform(SWIZZLE_BYTES)
+    elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    mma_view = plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), sw))
+    if interpret:
+        return mma_view, lambda ref: (ref, ref)
+    copy_view = plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((1, elems)), sw))
+    return plgpu.RefUnion(copy_view, mma_view), lambda refs: tuple(refs)
+
+
+def store_rows(src_smem, dst_gmem, row0, num_rows, max_rows: int, src_row0=0) -> None:
+    """TMA-stores rows `[0, num_rows)` of an untiled SMEM block to `dst_gmem[row0 + i]`.
+
+    A TMA box has a static height, so the dynamic row count is written as a sum of powers
+    of two (at most log2(max_rows) + 1 stores); rows of the block past `num_rows` are never
+    written, so a tile never touches rows that belong to another expert's tiles.
+
+    Args:
+      src_smem: SMEM ref [max_rows, cols] (no tiling/swizzle).
+      dst_gmem: GMEM ref [rows, cols], already sliced to the destination columns.
+      row0: i32 first destination row.
+      num_rows: i32 number of rows to store, in [0, max_rows].
+      max_rows: static block height.
+      src_row0: first SMEM row to store (rows `[src_row0, src_row0 + num_rows)`).
+    """
+    start = jnp.int32(0)
+    size = 1 << (max_rows.bit_length() - 1)
+    while size >= 1:
+        this = size
+
+        @pl.when((num_rows & this) != 0)
+        def _():
+            plgpu.copy_smem_to_gmem(
+                src_smem.at[pl.ds(src_row0 + start, this)],
+                dst_gmem.at[pl.ds(row0 + start, this)],
+            )
+
+        start = start + (num_rows & this)
+        size //= 2

@@ -1,0 +1,84 @@
+"""Pure-jnp references of the forward kernels (same math, same rounding points).
+
+Each reference computes what its kernel computes on the real rows of a plan; rows past
+`sum(group_sizes)` (padding) are returned as zeros here, while the kernels leave them
+unwritten, so tests compare real rows only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _row_expert(group_sizes: jax.Array, capacity: int) -> jax.Array:
+    """i32[P] expert of each grouped row; E for padding rows."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    rows = jnp.arange(capacity, dtype=jnp.int32)
+    return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+
+
+def up_proj_reference(
+    x: jax.Array, token_ids: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """H = X[tok] @ W1[e] (fp32 accumulate, bf16 out); A = silu(H_gate) * H_up from bf16 H.
+
+    Returns (h bf16 [P, 2n], a bf16 [P, n]); padding rows are zero.
+    """
+    capacity = token_ids.shape[0]
+    num_experts = w_gate_up.shape[0]
+    n = w_gate_up.shape[2] // 2
+    expert = _row_expert(group_sizes, capacity)  # [P]
+    valid = expert < num_experts
+    xg = x[token_ids].astype(jnp.float32)  # [P, d]
+    w = w_gate_up[jnp.minimum(expert, num_experts - 1)].astype(jnp.float32)  # [P, d, 2n]
+    h = jnp.einsum("pd,pdf->pf", xg, w, precision=jax.lax.Precision.HIGHEST)
+    h = jnp.where(valid[:, None], h, 0.0).astype(x.dtype)
+    hg = h[:, :n].astype(jnp.float32)
+    hu = h[:, n:].astype(jnp.float32)
+    a = (hg * jax.nn.sigmoid(hg) * hu).astype(x.dtype)
+    return h, a
+
+
+def down_proj_reference(a: jax.Array, group_sizes: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Y = A @ W2[e] (fp32 accumulate, bf16 out), bf16 [P, d]; padding rows are zero."""
+    capacity = a.shape[0]
+    num_experts = w_down.shape[0]
+    expert = _row_expert(group_sizes, capacity)
+    valid = expert < num_experts
+    w = w_down[jnp.minimum(expert, num_experts - 1)].astype(jnp.float32)  # [P, n, d]
+    y = jnp.einsum("pn,pnd->pd", a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    return jnp.where(valid[:, None], y, 0.0).astype(a.dtype)
+
+
+def aggregate_reference(
+    y: jax.Array,
+    rows_by_token: jax.Array,
+    token_row_offsets: jax.Array,
+    scores: jax.Array | None,
+    out_dtype=None,
+) -> jax.Array:
+    """O[t] = sum over j in [off[t], off[t+1]) of s[r_j] * Y[r_j], r_j = rows_by_token[j].
+
+    fp32 accumulate in CSR (ascending expert) order; `scores=None` means weight 1.
+    """
+    num_tokens = token_row_offsets.shape[0] - 1
+    capacity = rows_by_token.shape[0]
+    pos = jnp.arange(capacity, dtype=jnp.int32)
+    token_of_pos = jnp.searchsorted(token_row_offsets[1:], pos, side="right")  # [P]
+    valid = pos < token_row_offsets[-1]
+    yr = y[rows_by_token].astype(jnp.float32)  # [P, d]
+    if scores is not None:
+        yr = yr * scores[rows_by_token].astype(jnp.float32)[:, None]
+    yr = jnp.where(valid[:, None], yr, 0.0)
+    out = jnp.zeros((num_tokens, y.shape[1]), jnp.float32)
+    out = out.at[jnp.where(valid, token_of_pos, num_tokens)].add(yr, mode="drop")
+    return out.astype(out_dtype or y.dtype)
+
+
+def moe_forward_reference(x, plan, w_gate_up, w_down):
+    """(out [T, d], h [P, 2n]) through the three references."""
+    h, a = up_proj_reference(x, plan.token_ids, plan.group_sizes, w_gate_up)
+    y = down_proj_reference(a, plan.group_sizes, w_down)
+    out = aggregate_reference(y, plan.rows_by_token, plan.token_row_offsets, plan.scores, x.dtype)
+    return out, h

@@ -1,0 +1,231 @@
+"""Up-projection: varlen-M grouped GEMM with the token gather fused into the A load, and a
+SwiGLU epilogue.
+
+    H[r] = X[tok[r]] @ W1[e(r)]            bf16 [P, 2n]   (kept for the backward)
+    A[r] = silu(H[r, :n]) * H[r, n:]       bf16 [P, n]
+
+One CTA computes one (row tile, column block) pair. A row tile holds at most `block_m` rows
+of a single expert (from `tile_schedule`, computed once per plan). A column block `j` holds
+gate columns `[j*bn, (j+1)*bn)` and the matching up columns `n + [j*bn, (j+1)*bn)`, loaded
+as two B tiles straight from the public `[E, d, 2n]` layout into two accumulators, so the
+SwiGLU epilogue has both halves in registers without re-laying the weights.
+
+The gather: Hopper's TMA has no row gather, so each of the `block_m` rows of an A stage is
+its own `[1, block_k]` TMA copy `X[tok, k:k+bk] -> a_smem[slot, r]`, landing in the
+swizzled layout wgmma reads. No gathered `[P, d]` copy of X is ever written.
+
+Pipeline: `num_stages` SMEM slots; each slot's barrier counts `block_m + 2` copies. The
+warpgroup waits for stage k, issues its two wgmmas, waits for stage k-1's wgmmas (so slot
+(k-1) is free) and then issues the copies of stage k-1+num_stages into it, so loads run
+`num_stages-1` steps ahead of the tensor cores.
+
+Epilogue: the tile's real rows are TMA-stored with a power-of-two ladder (`store_rows`), so
+a tile never writes rows of the next expert; empty tiles return before loading anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels import _common
+from pallas_moe.kernels._common import TileMeta
+
+
+@dataclasses.dataclass(frozen=True)
+class UpProjConfig:
+    """Block sizes of the up-proj kernel.
+
+    Attributes:
+      block_m: rows per tile (a multiple of 64: one wgmma M=64 per 64 rows).
+      block_n: gate (and up) columns per CTA; the CTA computes 2*block_n columns of H.
+        Must divide n and be a multiple of 64.
+      block_k: contraction step; must divide d and be 64 (one 128-byte swizzle row of bf16).
+      num_stages: SMEM pipeline depth.
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    num_stages: int = 4
+
+
+def _check(x, w_gate_up, token_ids, config: UpProjConfig):
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
+    if w_gate_up.ndim != 3:
+        raise ValueError(f"w_gate_up must be [E, d, 2n], got shape {tuple(w_gate_up.shape)}.")
+    _common.require_dtype("x", x, jnp.bfloat16)
+    _common.require_dtype("w_gate_up", w_gate_up, jnp.bfloat16)
+    _, d = x.shape
+    _, d2, two_n = w_gate_up.shape
+    if d2 != d:
+        raise ValueError(f"w_gate_up.shape[1]={d2} must equal x.shape[1]={d}.")
+    if two_n % 2:
+        raise ValueError(f"w_gate_up.shape[2]={two_n} must be even (gate and up halves).")
+    n = two_n // 2
+    if token_ids.ndim != 1:
+        raise ValueError(f"plan.token_ids must be 1-D, got shape {tuple(token_ids.shape)}.")
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    _common.require_multiple("config.block_m", bm, 64, "wgmma tiles rows by 64")
+    _common.require_multiple("config.block_n", bn, 64, "output tiles are 128-byte swizzled")
+    if bk != 64:
+        raise ValueError(f"config.block_k={bk} must be 64 (one 128-byte swizzle row of bf16).")
+    if config.num_stages < 2:
+        raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
+    _common.require_multiple("d (x.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
+    _common.require_multiple(
+        "n (w_gate_up.shape[2] // 2)", n, bn, f"a CTA computes block_n={bn} gate+up columns"
+    )
+    return d, n
+
+
+def up_proj(
+    x: jax.Array,
+    token_ids: jax.Array,
+    group_sizes: jax.Array,
+    w_gate_up: jax.Array,
+    *,
+    config: UpProjConfig = UpProjConfig(),
+    inference: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    meta: TileMeta | None = None,
+) -> tuple[jax.Array | None, jax.Array]:
+    """Gathered grouped up-projection with fused SwiGLU.
+
+    Args:
+      x: bf16 [T, d] tokens.
+      token_ids: i32 [P] source token of each grouped row (plan.token_ids).
+      group_sizes: i32 [E] rows per expert (plan.group_sizes); rows past the sum are padding.
+      w_gate_up: bf16 [E, d, 2n], gate = [..., :n], up = [..., n:].
+      config: block sizes.
+      inference: if True, only A is written (H is not needed without a backward).
+      interpret: run in Mosaic GPU interpret mode (CPU) if True or an InterpretGPUParams.
+      meta: precomputed `tile_meta(group_sizes, token_ids, config.block_m)`; computed here
+        if None.
+
+    Returns:
+      (h, a): h bf16 [P, 2n] (None if `inference`), a bf16 [P, n]. Padding rows are not
+      written (their contents are unspecified).
+    """
+    d, n = _check(x, w_gate_up, token_ids, config)
+    num_experts = w_gate_up.shape[0]
+    _common.require_shape("group_sizes", group_sizes, (num_experts,))
+    capacity = token_ids.shape[0]
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    if meta is None:
+        meta = _common.tile_meta(group_sizes, token_ids, bm)
+    if meta.block_m != bm:
+        raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
+    num_tiles = meta.num_tiles
+    num_k = d // bk
+    grid_n = n // bn
+    dtype = x.dtype
+    tf = _common.mma_transforms(dtype)
+
+    def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
+        if inference:
+            a_out, *scratch = rest
+            h_out = None
+        else:
+            h_out, a_out, *scratch = rest
+        ids_smem, a_bufs, bg_smem, bu_smem, o_smem, bars, ids_bar = scratch
+        a_copy, a_mma = a_views(a_bufs)
+        ni = jax.lax.axis_index("n")
+        mi = jax.lax.axis_index("m")
+        num_rows = rows_ref[mi]
+
+        @pl.when(num_rows > 0)
+        def _():
+            expert = expert_ref[mi]
+            row0 = start_ref[mi]
+            # Source token of each row of this tile -> SMEM, read back as scalars below.
+            plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
+            plgpu.barrier_wait(ids_bar)
+            w_e = w_ref.at[expert]  # [d, 2n]
+
+            def issue(ki, slot):
+                k0 = ki * bk
+
+                def row_copy(r, carry):
+                    tok = ids_smem[r]
+                    plgpu.copy_gmem_to_smem(
+                        x_ref.at[pl.ds(tok, 1), pl.ds(k0, bk)],  # [1, bk] of X[tok]
+                        a_copy.at[slot, pl.ds(r, 1)],
+                        bars.at[slot],
+                    )
+                    return carry
+
+                jax.lax.fori_loop(0, bm, row_copy, None, unroll=8)
+                plgpu.copy_gmem_to_smem(  # [bk, bn] gate columns of W1[e]
+                    w_e.at[pl.ds(k0, bk), pl.ds(ni * bn, bn)], bg_smem.at[slot], bars.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(  # [bk, bn] matching up columns
+                    w_e.at[pl.ds(k0, bk), pl.ds(n + ni * bn, bn)], bu_smem.at[slot], bars.at[slot]
+                )
+
+            def mma_scope(acc_g, acc_u):
+                def mma(slot):
+                    plgpu.wgmma(acc_g, a_mma.at[slot], bg_smem.at[slot])  # [bm,bk] @ [bk,bn]
+                    plgpu.wgmma(acc_u, a_mma.at[slot], bu_smem.at[slot])
+
+                _common.k_pipeline(num_k, stages, bars, issue, mma, mmas_per_step=2)
+                return acc_g[...], acc_u[...]
+
+            g, u = pl.run_scoped(
+                mma_scope, plgpu.ACC((bm, bn), jnp.float32), plgpu.ACC((bm, bn), jnp.float32)
+            )
+            hg = g.astype(dtype)  # [bm, bn]
+            hu = u.astype(dtype)
+            hg32 = hg.astype(jnp.float32)
+            act = (hg32 * jax.nn.sigmoid(hg32) * hu.astype(jnp.float32)).astype(dtype)
+            o_smem[0] = act
+            if h_out is not None:
+                o_smem[1] = hg
+                o_smem[2] = hu
+            plgpu.commit_smem()
+            _common.store_rows(o_smem.at[0], a_out.at[:, pl.ds(ni * bn, bn)], row0, num_rows, bm)
+            if h_out is not None:
+                _common.store_rows(
+                    o_smem.at[1], h_out.at[:, pl.ds(ni * bn, bn)], row0, num_rows, bm
+                )
+                _common.store_rows(
+                    o_smem.at[2], h_out.at[:, pl.ds(n + ni * bn, bn)], row0, num_rows, bm
+                )
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    out_types = [jax.ShapeDtypeStruct((capacity, n), dtype)]
+    if not inference:
+        out_types.insert(0, jax.ShapeDtypeStruct((capacity, 2 * n), dtype))
+    num_out = 1 if inference else 3
+    interpret_mode = _common.interpret_params(interpret)
+    a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret_mode is not None)
+    scratch = [
+        plgpu.SMEM((bm,), jnp.int32),
+        a_scratch,
+        plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),
+        plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),
+        plgpu.SMEM((num_out, bm, bn), dtype),
+        plgpu.Barrier(num_arrivals=bm + 2, num_barriers=stages),
+        plgpu.Barrier(),
+    ]
+    kernel = plgpu.kernel(
+        body,
+        out_type=tuple(out_types),
+        scratch_types=scratch,
+        grid=(grid_n, num_tiles),
+        grid_names=("n", "m"),
+        interpret=interpret_mode,
+    )
+    outs = kernel(meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
+    if inference:
+        (a,) = outs
+        return None, a
+    h, a = outs
+    return h, a
+
