@@ -1,0 +1,100 @@
+"""Train the byte-level MoE language model on the Python standard library's source.
+
+    python -m train.main --config tiny                 # CPU, a few minutes
+    python -m train.main --config tiny --routing token_rounding --steps 200 --out runs/tr
+    python -m train.main --config tiny --resume        # continue from runs/tiny's latest checkpoint
+
+Writes metrics (JSONL), orbax checkpoints and a loss-curve PNG under the output directory
+(default `runs/<config>/`) and prints where they went.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from train.configs import CONFIGS, ConfigError, get_config, with_overrides
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train.main", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny", help=f"named config: {', '.join(CONFIGS)}")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--out", help="output directory (default runs/<config>)")
+    p.add_argument("--routing", help="topk or token_rounding")
+    p.add_argument("--rounding", help="token rounding mode: nearest, up, down, stochastic, balance")
+    p.add_argument("--tile", type=int, help="GEMM tile height M_tile")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--batch-size", type=int, dest="batch_size")
+    p.add_argument("--seq-len", type=int, dest="seq_len")
+    p.add_argument("--eval-every", type=int, dest="eval_every")
+    p.add_argument("--checkpoint-every", type=int, dest="checkpoint_every")
+    p.add_argument("--resume", action="store_true", help="continue from the output directory's latest checkpoint")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override any config field, e.g. --set num_experts=16 (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def _parse_set(items: list[str], base) -> dict:
+    import dataclasses
+
+    types = {f.name: type(getattr(base, f.name)) for f in dataclasses.fields(base)}
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects FIELD=VALUE, got {item!r}.")
+        key, value = item.split("=", 1)
+        if key not in types:
+            raise ConfigError(f"unknown config field {key!r} in --set; fields are {sorted(types)}.")
+        kind = types[key]
+        try:
+            if kind is bool:
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                out[key] = value.lower() in ("true", "1")
+            else:
+                out[key] = kind(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be a {kind.__name__}, got {value!r}.") from None
+    return out
+
+
+def config_from_args(args: argparse.Namespace):
+    base = get_config(args.config)
+    overrides = _parse_set(args.set, base)
+    for key in ("steps", "out", "routing", "rounding", "tile", "seed", "lr", "batch_size", "seq_len",
+                "eval_every", "checkpoint_every"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    return with_overrides(base, **overrides)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        print(f"error: bad config: {e}", file=sys.stderr)
+        return 2
+
+    from train.trainer import train
+
+    print(f"config {cfg.name}: d={cfg.d_model} layers={cfg.num_layers} E={cfg.num_experts} "
+          f"K={cfg.top_k} n={cfg.d_expert} seq={cfg.seq_len} batch={cfg.batch_size} "
+          f"routing={cfg.routing}" + (f"/{cfg.rounding} tile={cfg.tile}" if cfg.routing == "token_rounding" else "")
+          + f" steps={cfg.steps}", flush=True)
+    result = train(cfg, resume=args.resume, progress=not args.no_progress)
+    val = ", ".join(f"{k}={v:.4f}" for k, v in result.final_val.items())
+    print(f"done: step {result.final_step}, {val}, {result.train_tokens_per_s:,.0f} train tokens/s")
+    print(f"metrics:    {result.metrics_path}")
+    print(f"checkpoint: {result.checkpoint_path}")
+    print(f"plot:       {result.plot_path}")
+    print(f"summary:    {result.out_dir / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
