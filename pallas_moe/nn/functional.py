@@ -1,0 +1,230 @@
+"""Pure functions behind `pallas_moe.nn.MoE`: router config, routing, aux terms, SwiGLU MLP.
+
+The module (`moe.py`) and expert parallelism (`expert_parallel.py`) share these, so the
+single-device and the sharded layer compute the same formulas. Aux terms are computed from
+*sufficient statistics* (sums over tokens); the sharded layer `psum`s those sums over the
+token shards before finishing them, which makes its aux pytree equal the single-device one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_moe import _checks
+from pallas_moe.routing.plan import DispatchPlan, plan_from_assignment
+from pallas_moe.routing.token_rounding import ROUNDING_MODES, token_rounding_assignment
+from pallas_moe.routing.topk import SCORE_ORDERS, check_router_inputs, topk_assignment
+
+ROUTINGS = ("topk", "token_rounding")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Static routing options of one MoE layer (hashable; safe as a jit static argument).
+
+    Attributes:
+      num_experts: E.
+      top_k: K, experts per token (token-choice step).
+      routing: "topk" (plain token choice) or "token_rounding" (counts rounded to `tile`).
+      score: "softmax_topk" | "topk_softmax" | "sigmoid" (see `pm.routing.topk_plan`).
+      renormalize: rescale each token's K weights to sum to 1 (softmax_topk, sigmoid).
+      tile: GEMM tile height; token rounding rounds counts to multiples of it, and the
+        routing stats count padding waste against it.
+      rounding: token-rounding mode ("nearest", "up", "down", "stochastic", "balance").
+      load_balance_weight: weight of the Switch load-balancing loss in `aux["loss"]`.
+      z_loss_weight: weight of the router z-loss in `aux["loss"]`.
+    """
+
+    num_experts: int
+    top_k: int
+    routing: str = "topk"
+    score: str = "softmax_topk"
+    renormalize: bool = False
+    tile: int = 128
+    rounding: str = "nearest"
+    load_balance_weight: float = 1e-2
+    z_loss_weight: float = 1e-3
+
+    def __post_init__(self):
+        _checks.check_positive_int("num_experts", self.num_experts)
+        _checks.check_positive_int("top_k", self.top_k)
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k={self.top_k} must be <= num_experts={self.num_experts}."
+            )
+        _checks.check_choice("routing", self.routing, ROUTINGS)
+        _checks.check_choice("score", self.score, SCORE_ORDERS)
+        _checks.check_positive_int("tile", self.tile)
+        _checks.check_choice("rounding", self.rounding, ROUNDING_MODES)
+        for name in ("load_balance_weight", "z_loss_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}.")
+
+    def capacity(self, num_tokens: int, num_experts: int | None = None) -> int:
+        """Static row capacity of a plan over `num_tokens` tokens and `num_experts` experts.
+
+        `num_experts` defaults to E; pass a smaller count for a plan over a subset of the
+        experts (a shard's local experts), where a token holds at most min(K, E_sub) top-K rows.
+        """
+        num_experts = self.num_experts if num_experts is None else num_experts
+        rows = num_tokens * min(self.top_k, num_experts)
+        if self.routing == "token_rounding":
+            rows += num_experts * self.tile  # each expert deviates by less than one tile
+        return min(rows, num_tokens * num_experts)
+
+
+def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+    """f32[T, E] router logits of x [T, d] and router [d, E], computed in fp32."""
+    return jnp.dot(
+        x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+
+
+def route_assignment(
+    logits: jax.Array,
+    cfg: RouterConfig,
+    *,
+    bias: jax.Array | None = None,
+    key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Routes logits [T, E] to a dense assignment (single device / one routing group).
+
+    Returns:
+      (selected bool[T, E], weights f32[T, E], tc_selected bool[T, E]): the routed pairs,
+      their router weights (differentiable in logits), and the plain top-K (token-choice)
+      pairs. For top-K routing `selected == tc_selected`.
+    """
+    check_router_inputs(logits, cfg.top_k, cfg.score, bias)
+    if cfg.routing == "topk":
+        selected, weights = topk_assignment(
+            logits, cfg.top_k, score=cfg.score, renormalize=cfg.renormalize, bias=bias
+        )
+        return selected, weights, selected
+    if cfg.rounding == "stochastic" and key is None:
+        raise ValueError("key must be a PRNG key for rounding='stochastic', got None.")
+    return token_rounding_assignment(
+        logits, cfg.top_k, tile=cfg.tile, rounding=cfg.rounding, key=key,
+        score=cfg.score, renormalize=cfg.renormalize, bias=bias,
+    )
+
+
+def route(
+    logits: jax.Array,
+    cfg: RouterConfig,
+    *,
+    bias: jax.Array | None = None,
+    key: jax.Array | None = None,
+) -> tuple[DispatchPlan, jax.Array, jax.Array]:
+    """Routes logits [T, E] to a `DispatchPlan`.
+
+    Same plans as `pm.routing.topk_plan` / `token_rounding_plan`, plus what the aux terms
+    need that the plan does not keep.
+
+    Returns:
+      (plan, selected bool[T, E], tc_selected bool[T, E]).
+    """
+    selected, weights, tc_selected = route_assignment(logits, cfg, bias=bias, key=key)
+    capacity = cfg.capacity(logits.shape[0])
+    plan = plan_from_assignment(selected, weights, selected & tc_selected, capacity=capacity)
+    return plan, selected, tc_selected
+
+
+def router_sums(
+    logits: jax.Array, selected: jax.Array, tc_selected: jax.Array
+) -> dict[str, jax.Array]:
+    """Sums over the tokens of one shard that the aux terms are finished from.
+
+    Args:
+      logits: f32[T, E]; selected, tc_selected: bool[T, E] as returned by `route`.
+
+    Returns:
+      num_tokens f32[], prob_sum f32[E] (full-softmax router probability summed over tokens,
+      differentiable), lse_sq_sum f32[] (sum of logsumexp^2, differentiable), counts i32[E]
+      (routed rows per expert), tc_counts i32[E] (plain top-K rows per expert), kept_tc_counts
+      i32[E] (top-K rows that stayed in the plan).
+    """
+    logits = logits.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)  # [T, E]
+    return {
+        "num_tokens": jnp.asarray(logits.shape[0], jnp.float32),
+        "prob_sum": jnp.sum(probs, axis=0),  # [E]
+        "lse_sq_sum": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "counts": jnp.sum(selected, axis=0, dtype=jnp.int32),  # [E]
+        "tc_counts": jnp.sum(tc_selected, axis=0, dtype=jnp.int32),  # [E]
+        "kept_tc_counts": jnp.sum(selected & tc_selected, axis=0, dtype=jnp.int32),  # [E]
+    }
+
+
+def finish_aux(
+    sums: dict[str, jax.Array],
+    cfg: RouterConfig,
+    reduce: Callable[[jax.Array], jax.Array] = lambda v: v,
+) -> dict[str, jax.Array]:
+    """Aux pytree of one layer from `router_sums` (after `reduce`, e.g. a psum over shards).
+
+    The formulas are those of `pm.routing.load_balancing_loss`, `router_z_loss` and
+    `routing_stats`.
+
+    Returns a dict of scalars and [E] vectors:
+      loss: f32[] weighted total, `load_balance_weight * load_balance_loss + z_loss_weight * z_loss`.
+      load_balance_loss: f32[] `E * sum_e f_e * p_e` (1 under perfect balance).
+      z_loss: f32[] mean over tokens of logsumexp(logits)^2.
+      counts: i32[E] rows per expert in the plan; tc_counts: i32[E] plain top-K rows per
+      expert (what the selection bias balances).
+      dropped_rows, added_rows: i32[] top-K rows token rounding dropped / non-top-K rows it added.
+      padding_rows, padding_fraction: rows a grouped GEMM with `tile`-row tiles pads, and the
+      fraction of padded rows; tc_padding_rows, tc_padding_fraction: the same for plain top-K.
+      max_load: f32[] max count over mean count.
+      capacity_dropped_rows: i32[] rows the ragged expert-parallel dispatch could not send for
+      lack of receive capacity (0 elsewhere; see `ExpertParallel.capacity_factor`).
+    """
+    sums = {name: reduce(value) for name, value in sums.items()}
+    num_tokens = sums["num_tokens"]
+    k, e, tile = cfg.top_k, cfg.num_experts, cfg.tile
+    fraction = sums["kept_tc_counts"].astype(jnp.float32) / (num_tokens * k)  # [E]
+    mean_prob = sums["prob_sum"] / num_tokens  # [E]
+    load_balance = e * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob)
+    z_loss = sums["lse_sq_sum"] / num_tokens
+    counts, tc_counts, kept = sums["counts"], sums["tc_counts"], sums["kept_tc_counts"]
+
+    def padding(c):
+        padded = ((c + tile - 1) // tile) * tile  # [E]
+        waste = jnp.sum(padded - c)
+        return waste, waste / jnp.maximum(jnp.sum(padded), 1)
+
+    pad, pad_frac = padding(counts)
+    tc_pad, tc_pad_frac = padding(tc_counts)
+    mean_count = jnp.maximum(jnp.mean(counts.astype(jnp.float32)), 1e-9)
+    return {
+        "loss": cfg.load_balance_weight * load_balance + cfg.z_loss_weight * z_loss,
+        "load_balance_loss": load_balance,
+        "z_loss": z_loss,
+        "counts": counts,
+        "tc_counts": tc_counts,
+        "dropped_rows": jnp.sum(tc_counts) - jnp.sum(kept),
+        "added_rows": jnp.sum(counts) - jnp.sum(kept),
+        "padding_rows": pad,
+        "padding_fraction": pad_frac,
+        "tc_padding_rows": tc_pad,
+        "tc_padding_fraction": tc_pad_frac,
+        "max_load": jnp.max(counts).astype(jnp.float32) / mean_count,
+        "capacity_dropped_rows": sums.get("capacity_dropped_rows", jnp.zeros((), jnp.int32)),
+    }
+
+
+def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Dense SwiGLU MLP (the shared experts): x [T, d], w_gate_up [d, 2m], w_down [m, d].
+
+    fp32 accumulation; the hidden activation is rounded to x.dtype as in `moe_ffn`.
+    Returns [T, d] in x.dtype.
+    """
+    m = w_down.shape[0]
+    h = jnp.dot(x, w_gate_up, preferred_element_type=jnp.float32).astype(x.dtype)  # [T, 2m]
+    h = h.astype(jnp.float32)
+    a = (jax.nn.silu(h[:, :m]) * h[:, m:]).astype(x.dtype)  # [T, m]
+    return jnp.dot(a, w_down, preferred_element_type=jnp.float32).astype(x.dtype)  # [T, d]

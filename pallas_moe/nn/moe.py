@@ -1,0 +1,288 @@
+"""`pallas_moe.nn.MoE`: a Flax NNX Mixture-of-Experts layer (SwiGLU experts).
+
+    layer = pm.nn.MoE(d_model, d_expert, num_experts, top_k, *, routing="topk", rngs=nnx.Rngs(0))
+    y, aux = layer(x)          # x [..., d_model] -> y [..., d_model]; aux: losses and stats
+    loss = task_loss + aux["loss"]
+    layer.update_bias(aux)     # aux-loss-free balancing (selection_bias=True), outside the optimizer
+
+Parameters (logical axis names in `out_sharding` metadata):
+
+| name                  | shape        | logical axes               |
+|-----------------------|--------------|----------------------------|
+| router                | [d, E]       | ("embed", None)            |
+| w_gate_up             | [E, d, 2n]   | ("expert", "embed", "mlp") |
+| w_down                | [E, n, d]    | ("expert", "mlp", "embed") |
+| shared_gate_up (opt.) | [d, 2m]      | ("embed", "mlp")           |
+| shared_down (opt.)    | [m, d]       | ("mlp", "embed")           |
+| selection_bias (opt.) | [E]          | (None,)  a `SelectionBias`, not an `nnx.Param` |
+
+The router and the bias stay replicated over experts: every token shard routes over all E.
+Map logical names to mesh axes with `nnx.logical_axis_rules(...)` or `sharding_rules=`;
+parameters are sharded eagerly only when a mesh is set (`jax.set_mesh`) and every logical
+name resolves to one of its axes (Flax's eager sharding); otherwise the names are metadata
+for `nnx.get_partition_spec`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import spmd as core_spmd
+
+from pallas_moe import _checks
+from pallas_moe.nn import functional as F
+from pallas_moe.nn.expert_parallel import ExpertParallel, expert_parallel_moe
+from pallas_moe.ops.moe_ffn import BACKENDS, moe_ffn
+from pallas_moe.routing.aux import update_selection_bias
+
+Initializer = Callable[..., jax.Array]
+
+ROUTER_AXES = ("embed", None)
+GATE_UP_AXES = ("expert", "embed", "mlp")
+DOWN_AXES = ("expert", "mlp", "embed")
+SHARED_GATE_UP_AXES = ("embed", "mlp")
+SHARED_DOWN_AXES = ("mlp", "embed")
+BIAS_AXES = (None,)
+
+
+class SelectionBias(nnx.Variable):
+    """Aux-loss-free selection bias f32[E] (DeepSeek-V3).
+
+    Deliberately not an `nnx.Param`: `nnx.Optimizer(model, tx, wrt=nnx.Param)` and
+    `nnx.grad` over `nnx.Param` never touch it. Update it with `MoE.update_bias(aux)`
+    (`pm.routing.update_selection_bias`) once per step, outside the optimizer.
+    """
+
+
+def expert_init(in_axis: int = -2, out_axis: int = -1) -> Initializer:
+    """Fan-in scaled truncated normal per expert for `[E, fan_in, fan_out]` weights."""
+    return nnx.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis, batch_axis=(0,)
+    )
+
+
+def _eager_shardable(axes: tuple, sharding_rules) -> bool:
+    """Whether Flax can shard a parameter with these logical axes right now."""
+    if not nnx.using_eager_sharding():
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return False
+    spec = core_spmd.apply_rules(jax.sharding.PartitionSpec(*axes), sharding_rules)
+    names = [a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))]
+    return all(name in mesh.axis_names for name in names)
+
+
+def _variable(cls, value: jax.Array, axes: tuple, sharding_rules) -> nnx.Variable:
+    metadata: dict[str, Any] = {"out_sharding": axes}
+    if sharding_rules is not None:
+        metadata["sharding_rules"] = sharding_rules
+    return cls(value, eager_sharding=_eager_shardable(axes, sharding_rules), **metadata)
+
+
+class MoE(nnx.Module):
+    """Mixture-of-Experts layer with SwiGLU experts, optional shared experts and EP.
+
+    `y = sum_k s_k * W2[e_k](silu(x W1g[e_k]) * (x W1u[e_k])) + shared(x)`, with the routed
+    part computed by `pm.moe_ffn` over a `DispatchPlan` from top-K or token-rounding routing.
+
+    Args:
+      d_model: d, model width.
+      d_expert: n, hidden width of one expert.
+      num_experts: E.
+      top_k: K, experts per token (1 <= K <= E).
+      routing: "topk" or "token_rounding" (counts rounded to multiples of `tile`).
+      rngs: `nnx.Rngs` for parameter init (and for `rounding="stochastic"`, a "routing"
+        stream, falling back to "default").
+      score: router score order, "softmax_topk" | "topk_softmax" | "sigmoid".
+      renormalize: rescale each token's K weights to sum to 1.
+      tile: token-rounding tile (and the tile of the padding-waste stats).
+      rounding: token-rounding mode, "nearest" | "up" | "down" | "stochastic" | "balance".
+      load_balance_weight, z_loss_weight: weights of the aux losses in `aux["loss"]`.
+      selection_bias: keep an aux-loss-free selection bias (needs score="sigmoid").
+      bias_update_rate: default rate of `update_bias`.
+      num_shared_experts: number of shared (always-on) experts, fused into one dense SwiGLU
+        MLP of width `d_shared` (default `num_shared_experts * d_expert`).
+      d_shared: width of the shared MLP.
+      backend: `pm.moe_ffn` backend, "auto" | "mosaic" | "interpret" | "xla".
+      dtype: compute dtype. Parameters are cast to it before `moe_ffn` and the shared MLP;
+        None promotes the input and parameter dtypes. Router logits are always fp32.
+      param_dtype: parameter storage dtype (default fp32).
+      router_init, kernel_init: initializers for the router [d, E] and for the expert
+        weights [E, fan_in, fan_out] (default fan-in truncated normal per expert); the
+        shared MLP uses `shared_init` (default lecun normal).
+      sharding_rules: logical-to-mesh axis rules stored with every parameter.
+      expert_parallel: an `ExpertParallel` to shard experts over a mesh axis (see
+        `pallas_moe.nn.expert_parallel`); None runs on one device (or under plain jit
+        sharding).
+
+    Call: `y, aux = layer(x, key=None)`; x [..., d_model] float; y has x's leading shape and
+    the compute dtype; `key` overrides the stream for stochastic rounding. `aux` is a dict
+    (see `functional.finish_aux`): "loss" (the weighted aux total to add to the task loss),
+    "load_balance_loss", "z_loss", "counts", "tc_counts", "dropped_rows", "added_rows",
+    "padding_rows", "padding_fraction", "tc_padding_rows", "tc_padding_fraction", "max_load".
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_expert: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        routing: str = "topk",
+        rngs: nnx.Rngs,
+        score: str = "softmax_topk",
+        renormalize: bool = False,
+        tile: int = 128,
+        rounding: str = "nearest",
+        load_balance_weight: float = 1e-2,
+        z_loss_weight: float = 1e-3,
+        selection_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        num_shared_experts: int = 0,
+        d_shared: int | None = None,
+        backend: str = "auto",
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        router_init: Initializer | None = None,
+        kernel_init: Initializer | None = None,
+        shared_init: Initializer | None = None,
+        sharding_rules: Any = None,
+        expert_parallel: ExpertParallel | None = None,
+    ):
+        d_model = _checks.check_positive_int("d_model", d_model)
+        d_expert = _checks.check_positive_int("d_expert", d_expert)
+        self.config = F.RouterConfig(
+            num_experts=num_experts, top_k=top_k, routing=routing, score=score,
+            renormalize=bool(renormalize), tile=tile, rounding=rounding,
+            load_balance_weight=load_balance_weight, z_loss_weight=z_loss_weight,
+        )
+        if selection_bias and score != "sigmoid":
+            raise ValueError(
+                f"selection_bias=True needs score='sigmoid' (the bias shifts sigmoid scores), "
+                f"got score={score!r}."
+            )
+        if isinstance(num_shared_experts, bool) or not isinstance(num_shared_experts, int) or num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be a non-negative int, got {num_shared_experts!r}.")
+        if d_shared is not None:
+            d_shared = _checks.check_positive_int("d_shared", d_shared)
+            if num_shared_experts == 0:
+                raise ValueError("d_shared is set but num_shared_experts=0; set num_shared_experts >= 1.")
+        _checks.check_choice("backend", backend, BACKENDS)
+        if not (isinstance(bias_update_rate, (int, float)) and bias_update_rate >= 0):
+            raise ValueError(f"bias_update_rate must be a non-negative number, got {bias_update_rate!r}.")
+        if expert_parallel is not None:
+            if not isinstance(expert_parallel, ExpertParallel):
+                raise TypeError(
+                    f"expert_parallel must be a pallas_moe.nn.ExpertParallel, got {type(expert_parallel).__name__}."
+                )
+            expert_parallel.check_experts(num_experts)
+
+        self.d_model, self.d_expert = d_model, d_expert
+        self.num_experts, self.top_k = num_experts, top_k
+        self.backend = backend
+        self.dtype, self.param_dtype = dtype, param_dtype
+        self.bias_update_rate = float(bias_update_rate)
+        self.expert_parallel = expert_parallel
+
+        router_init = router_init or nnx.initializers.normal(stddev=d_model**-0.5)
+        gate_up_init = kernel_init or expert_init()
+        down_init = kernel_init or expert_init()
+        shared_init = shared_init or nnx.initializers.lecun_normal()
+        key = rngs.params
+        self.router = _variable(
+            nnx.Param, router_init(key(), (d_model, num_experts), param_dtype), ROUTER_AXES, sharding_rules
+        )  # [d, E]
+        self.w_gate_up = _variable(
+            nnx.Param, gate_up_init(key(), (num_experts, d_model, 2 * d_expert), param_dtype),
+            GATE_UP_AXES, sharding_rules,
+        )  # [E, d, 2n]
+        self.w_down = _variable(
+            nnx.Param, down_init(key(), (num_experts, d_expert, d_model), param_dtype), DOWN_AXES, sharding_rules
+        )  # [E, n, d]
+        if num_shared_experts:
+            m = d_shared or num_shared_experts * d_expert
+            self.shared_gate_up = _variable(
+                nnx.Param, shared_init(key(), (d_model, 2 * m), param_dtype), SHARED_GATE_UP_AXES, sharding_rules
+            )  # [d, 2m]
+            self.shared_down = _variable(
+                nnx.Param, shared_init(key(), (m, d_model), param_dtype), SHARED_DOWN_AXES, sharding_rules
+            )  # [m, d]
+        else:
+            self.shared_gate_up = nnx.data(None)
+            self.shared_down = nnx.data(None)
+        if selection_bias:
+            self.selection_bias = _variable(
+                SelectionBias, jnp.zeros((num_experts,), jnp.float32), BIAS_AXES, sharding_rules
+            )  # [E]
+        else:
+            self.selection_bias = nnx.data(None)
+        if self.config.routing == "token_rounding" and rounding == "stochastic":
+            self.routing_rngs = rngs["routing"].fork()
+        else:
+            self.routing_rngs = nnx.data(None)
+
+    def compute_dtype(self, x: jax.Array):
+        """The dtype experts run in: `dtype`, else the promotion of x's and the params' dtype."""
+        if self.dtype is not None:
+            return jnp.dtype(self.dtype)
+        return jnp.promote_types(x.dtype, self.param_dtype)
+
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """Applies the layer.
+
+        Args:
+          x: [..., d_model] floating tokens.
+          key: PRNG key for rounding="stochastic" (default: the module's routing stream).
+
+        Returns:
+          (y [..., d_model] in the compute dtype, aux dict; see the class docstring).
+        """
+        _checks.check_floating("x", x)
+        if x.ndim < 1 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must be [..., d_model={self.d_model}], got shape {tuple(x.shape)}.")
+        lead = x.shape[:-1]
+        dtype = self.compute_dtype(x)
+        xt = x.reshape(-1, self.d_model).astype(dtype)  # [T, d]
+        if self.config.routing == "token_rounding" and self.config.rounding == "stochastic" and key is None:
+            key = self.routing_rngs()
+        bias = None if self.selection_bias is None else self.selection_bias[...]  # [E]
+        router = self.router[...]  # [d, E], used in fp32
+        w_gate_up = self.w_gate_up[...].astype(dtype)  # [E, d, 2n]
+        w_down = self.w_down[...].astype(dtype)  # [E, n, d]
+
+        if self.expert_parallel is None:
+            logits = F.router_logits(xt, router)  # f32[T, E]
+            plan, selected, tc_selected = F.route(logits, self.config, bias=bias, key=key)
+            y = moe_ffn(xt, plan, w_gate_up, w_down, backend=self.backend)  # [T, d]
+            aux = F.finish_aux(F.router_sums(logits, selected, tc_selected), self.config)
+        else:
+            y, aux = expert_parallel_moe(
+                xt, router, w_gate_up, w_down, self.config, self.expert_parallel,
+                bias=bias, key=key, backend=self.backend,
+            )  # [T, d]
+        if self.shared_gate_up is not None:
+            y = y + F.swiglu_mlp(
+                xt, self.shared_gate_up[...].astype(dtype), self.shared_down[...].astype(dtype)
+            )  # [T, d]
+        return y.reshape(*lead, self.d_model), aux
+
+    def update_bias(self, aux: dict, rate: float | None = None) -> None:
+        """Aux-loss-free balancing step: `bias += rate * sign(mean(tc_counts) - tc_counts)`.
+
+        Call once per step after the forward, outside the optimizer (under `nnx.jit` if the
+        train step is jitted). `aux` is this layer's aux (for a scanned stack, the stacked
+        aux of all layers: each layer's bias moves with its own counts).
+        """
+        if self.selection_bias is None:
+            raise ValueError("update_bias needs a layer built with selection_bias=True.")
+        rate = self.bias_update_rate if rate is None else rate
+        counts = aux["tc_counts"]  # [E], or [L, E] for a stack of layers
+        update = jnp.vectorize(
+            lambda b, c: update_selection_bias(b, c, rate), signature="(e),(e)->(e)"
+        )
+        self.selection_bias[...] = update(self.selection_bias[...], counts)
