@@ -154,6 +154,41 @@ def row_gather_buffers(stages: int, block_m: int, block_k: int, dtype, interpret
     return plgpu.RefUnion(copy_view, mma_view), lambda refs: tuple(refs)
 
 
+def aligned_tile_meta(group_sizes: jax.Array, capacity: int, block_m: int) -> TileMeta:
+    """Row tiles that never cross a `block_m`-aligned row boundary nor an expert boundary.
+
+    For kernels that load a contiguous, tiled A operand: Mosaic's tiled TMA needs row
+    offsets that are multiples of the 8-row tile, so each tile loads the aligned box
+    `[row_start // block_m * block_m, + block_m)` and keeps only its own rows. Tiles are the
+    non-empty pieces of [0, sum(group_sizes)) cut at every multiple of block_m and every
+    group offset, so there are at most `ceil(capacity / block_m) + E` of them (the same bound
+    as `tile_schedule`); the unused ones have `num_rows == 0`. Computed once per plan.
+    """
+    num_experts = group_sizes.shape[0]
+    group_sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(group_sizes, dtype=jnp.int32)  # [E]
+    total = ends[-1]
+    num_blocks = -(-capacity // block_m)
+    cuts = jnp.concatenate(
+        [jnp.arange(num_blocks, dtype=jnp.int32) * block_m, ends - group_sizes, ends[-1:]]
+    )
+    cuts = jnp.sort(jnp.minimum(cuts, total))  # [num_blocks + E + 1]
+    start = cuts[:-1]
+    end = cuts[1:]
+    num_rows = end - start  # [num_blocks + E]; zero for duplicate cuts
+    expert = jnp.searchsorted(ends, start, side="right").astype(jnp.int32)
+    expert = jnp.minimum(expert, num_experts - 1)
+    # Non-empty tiles first (stable), so consecutive CTAs walk rows in order.
+    order = jnp.argsort(num_rows == 0, stable=True)
+    return TileMeta(
+        expert=expert[order],
+        row_start=start[order],
+        num_rows=num_rows[order],
+        row_ids=jnp.zeros((start.shape[0], 1), jnp.int32),
+        block_m=block_m,
+    )
+
+
 def store_rows(src_smem, dst_gmem, row0, num_rows, max_rows: int, src_row0=0) -> None:
     """TMA-stores rows `[0, num_rows)` of an untiled SMEM block to `dst_gmem[row0 + i]`.
 

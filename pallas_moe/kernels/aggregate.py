@@ -1,0 +1,133 @@
+"""Aggregation: deterministic weighted sum of each token's expert rows.
+
+    O[t] = sum_{j in [off[t], off[t+1])} s[r_j] * Y[r_j],   r_j = rows_by_token[j]
+
+fp32 accumulation in the plan's CSR order (ascending expert), no atomics: each output
+element is produced by exactly one thread, so the result is bitwise reproducible. With
+`scores=None` the weights are 1 (the backward's dX sum).
+
+One CTA (one warpgroup) owns `block_t` consecutive tokens and `block_d` columns. For each
+token it walks the token's rows, loading `Y[r, c0:c0+block_d]` straight from HBM into
+registers (a strided warpgroup layout: `vec` contiguous elements per thread per load) and
+accumulating in fp32; the result is stored straight from registers. There is no SMEM
+traffic: the kernel is a pure HBM stream, and latency is hidden by many resident CTAs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels import _common
+
+_WG = 128  # threads in a warpgroup
+
+
+@dataclasses.dataclass(frozen=True)
+class AggregateConfig:
+    """Block sizes of the aggregation kernel.
+
+    Attributes:
+      block_t: tokens per CTA (walked one after another).
+      block_d: columns per CTA; a multiple of 128 * vec that divides d.
+      vec: elements each thread loads per row (8 -> 16-byte bf16 loads).
+    """
+
+    block_t: int = 4
+    block_d: int = 1024
+    vec: int = 8
+
+
+def aggregate(
+    y: jax.Array,
+    rows_by_token: jax.Array,
+    token_row_offsets: jax.Array,
+    scores: jax.Array | None = None,
+    *,
+    out_dtype=None,
+    config: AggregateConfig = AggregateConfig(),
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> jax.Array:
+    """Sums each token's rows of `y` in CSR order.
+
+    Args:
+      y: [P, d] rows in grouped order (bf16 or f32).
+      rows_by_token: i32 [P] grouped-row indices ordered by (token, expert) (plan.rows_by_token).
+      token_row_offsets: i32 [T + 1] CSR offsets (plan.token_row_offsets).
+      scores: f32 [P] per-row weights (plan.scores), or None for weight 1.
+      out_dtype: output dtype (default y.dtype).
+      config: block sizes.
+      interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
+
+    Returns:
+      [T, d] in out_dtype.
+    """
+    if y.ndim != 2:
+        raise ValueError(f"y must be [P, d], got shape {tuple(y.shape)}.")
+    capacity, d = y.shape
+    if rows_by_token.shape != (capacity,):
+        raise ValueError(
+            f"rows_by_token must have shape ({capacity},) to match y, got "
+            f"{tuple(rows_by_token.shape)}."
+        )
+    if token_row_offsets.ndim != 1 or token_row_offsets.shape[0] < 2:
+        raise ValueError(
+            f"token_row_offsets must be [T + 1] with T >= 1, got {tuple(token_row_offsets.shape)}."
+        )
+    if scores is not None:
+        _common.require_shape("scores", scores, (capacity,))
+        scores = scores.astype(jnp.float32)
+    num_tokens = token_row_offsets.shape[0] - 1
+    out_dtype = jnp.dtype(out_dtype or y.dtype)
+    bt, bd, vec = config.block_t, config.block_d, config.vec
+    if bt < 1:
+        raise ValueError(f"config.block_t={bt} must be >= 1.")
+    _common.require_multiple(
+        "config.block_d", bd, _WG * vec, f"each of the {_WG} threads loads vec={vec} elements"
+    )
+    _common.require_multiple("d (y.shape[1])", d, bd, f"a CTA sums block_d={bd} columns")
+    grid_t = pl.cdiv(num_tokens, bt)
+    layout = plgpu.Layout.WG_STRIDED((bd,), vec_size=vec)
+    weighted = scores is not None
+
+    def body(off_ref, rows_ref, *refs):
+        if weighted:
+            s_ref, y_ref, o_ref = refs
+        else:
+            y_ref, o_ref = refs
+            s_ref = None
+        ti = jax.lax.axis_index("t")
+        c0 = jax.lax.axis_index("d") * bd
+
+        for i in range(bt):
+            t = ti * bt + i
+
+            @pl.when(t < num_tokens)
+            def _():
+                def add_row(j, acc):
+                    r = rows_ref[j]
+                    yr = plgpu.load(y_ref.at[r, pl.ds(c0, bd)], layout=layout)  # [bd]
+                    yr = yr.astype(jnp.float32)
+                    if s_ref is not None:
+                        yr = yr * s_ref[r]
+                    return acc + yr
+
+                acc0 = plgpu.layout_cast(jnp.zeros((bd,), jnp.float32), layout)
+                acc = jax.lax.fori_loop(off_ref[t], off_ref[t + 1], add_row, acc0)
+                o_ref[t, pl.ds(c0, bd)] = acc.astype(out_dtype)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_tokens, d), out_dtype),
+        grid=(grid_t, d // bd),
+        grid_names=("t", "d"),
+        interpret=_common.interpret_params(interpret),
+    )
+    args = [token_row_offsets.astype(jnp.int32), rows_by_token.astype(jnp.int32)]
+    if weighted:
+        args.append(scores)
+    return kernel(*args, y)

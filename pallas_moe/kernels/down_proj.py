@@ -1,0 +1,159 @@
+"""Down-projection: varlen-M grouped GEMM over rows already grouped by expert.
+
+    Y[r] = A[r] @ W2[e(r)]        A bf16 [P, n], W2 bf16 [E, n, d] -> Y bf16 [P, d]
+
+One CTA computes one (row tile, column block) pair. A is contiguous here, so each stage is
+one `[block_m, block_k]` TMA box; Mosaic's tiled TMA needs the box's first row to be a
+multiple of 8, so tiles come from `aligned_tile_meta` (computed once per plan): a tile is a
+piece of one expert's rows inside one `block_m`-aligned block, and its CTA loads the whole
+aligned block. Rows of the box outside the tile (other experts, padding) are multiplied like
+the rest and then dropped: the epilogue TMA-stores only the tile's rows (`store_rows`), so a
+tile never writes another expert's rows. Same `num_stages`-deep pipeline as the up-proj.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels import _common
+from pallas_moe.kernels._common import TileMeta
+
+
+@dataclasses.dataclass(frozen=True)
+class DownProjConfig:
+    """Block sizes of the down-proj kernel.
+
+    Attributes:
+      block_m: rows per tile (multiple of 64).
+      block_n: output columns per CTA (multiple of 64, divides d, at most 256).
+      block_k: contraction step over n; must be 64 and divide n.
+      num_stages: SMEM pipeline depth.
+    """
+
+    block_m: int = 64
+    block_n: int = 256
+    block_k: int = 64
+    num_stages: int = 4
+
+
+def down_proj(
+    a: jax.Array,
+    group_sizes: jax.Array,
+    w_down: jax.Array,
+    *,
+    config: DownProjConfig = DownProjConfig(),
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    meta: TileMeta | None = None,
+    capacity: int | None = None,
+) -> jax.Array:
+    """Grouped down-projection.
+
+    Args:
+      a: bf16 [P_a, n] activations in grouped row order (the up-proj's A). `P_a` may exceed
+        the plan's capacity P (the up-proj pads A to a multiple of block_m, which saves a
+        copy here); extra rows are ignored.
+      group_sizes: i32 [E] rows per expert; rows past the sum are padding.
+      w_down: bf16 [E, n, d].
+      config: block sizes.
+      interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
+      meta: precomputed `aligned_tile_meta(group_sizes, capacity, config.block_m)`;
+        computed here if None.
+      capacity: the plan's row capacity P (default a.shape[0]).
+
+    Returns:
+      y: bf16 [P, d]. Padding rows are not written (their contents are unspecified).
+    """
+    if a.ndim != 2:
+        raise ValueError(f"a must be [P, n], got shape {tuple(a.shape)}.")
+    if w_down.ndim != 3:
+        raise ValueError(f"w_down must be [E, n, d], got shape {tuple(w_down.shape)}.")
+    _common.require_dtype("a", a, jnp.bfloat16)
+    _common.require_dtype("w_down", w_down, jnp.bfloat16)
+    a_rows, n = a.shape
+    capacity = a_rows if capacity is None else capacity
+    if capacity > a_rows:
+        raise ValueError(f"capacity={capacity} exceeds a.shape[0]={a_rows}.")
+    num_experts, n2, d = w_down.shape
+    if n2 != n:
+        raise ValueError(f"w_down.shape[1]={n2} must equal a.shape[1]={n}.")
+    _common.require_shape("group_sizes", group_sizes, (num_experts,))
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    _common.require_multiple("config.block_m", bm, 64, "wgmma tiles rows by 64")
+    _common.require_multiple("config.block_n", bn, 64, "output tiles are 128-byte swizzled")
+    if bn > 256:
+        raise ValueError(f"config.block_n={bn} must be at most 256 (one wgmma N).")
+    if bk != 64:
+        raise ValueError(f"config.block_k={bk} must be 64 (one 128-byte swizzle row of bf16).")
+    if stages < 2:
+        raise ValueError(f"config.num_stages={stages} must be >= 2.")
+    _common.require_multiple("n (w_down.shape[1])", n, bk, f"the K loop steps by block_k={bk}")
+    _common.require_multiple("d (w_down.shape[2])", d, bn, f"a CTA computes block_n={bn} columns")
+    if meta is None:
+        meta = _common.aligned_tile_meta(group_sizes, capacity, bm)
+    if meta.block_m != bm:
+        raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
+    # Each tile loads its whole aligned block: make `a` a whole number of blocks.
+    padded = -(-capacity // bm) * bm
+    if a_rows < padded:
+        a = jnp.pad(a, ((0, padded - a_rows), (0, 0)))
+    num_k = n // bk
+    grid_n = d // bn
+    dtype = a.dtype
+    tf = _common.mma_transforms(dtype)
+
+    def body(expert_ref, start_ref, rows_ref, a_ref, w_ref, y_out, a_smem, b_smem, o_smem, bars):
+        ni = jax.lax.axis_index("n")
+        mi = jax.lax.axis_index("m")
+        num_rows = rows_ref[mi]
+
+        @pl.when(num_rows > 0)
+        def _():
+            expert = expert_ref[mi]
+            row0 = start_ref[mi]
+            box0 = (row0 // bm) * bm  # the aligned block holding the tile
+            shift = row0 - box0  # SMEM row of the tile's first row
+            w_e = w_ref.at[expert]  # [n, d]
+
+            def issue(ki, slot):
+                k0 = ki * bk
+                plgpu.copy_gmem_to_smem(  # [bm, bk]
+                    a_ref.at[pl.ds(box0, bm), pl.ds(k0, bk)], a_smem.at[slot], bars.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(  # [bk, bn]
+                    w_e.at[pl.ds(k0, bk), pl.ds(ni * bn, bn)], b_smem.at[slot], bars.at[slot]
+                )
+
+            def mma_scope(acc):
+                def mma(slot):
+                    plgpu.wgmma(acc, a_smem.at[slot], b_smem.at[slot])  # [bm,bk] @ [bk,bn]
+
+                _common.k_pipeline(num_k, stages, bars, issue, mma, mmas_per_step=1)
+                return acc[...]
+
+            y = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))  # [bm, bn] f32
+            o_smem[0] = y.astype(dtype)
+            plgpu.commit_smem()
+            _common.store_rows(
+                o_smem.at[0], y_out.at[:, pl.ds(ni * bn, bn)], row0, num_rows, bm, src_row0=shift
+            )
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((capacity, d), dtype),
+        scratch_types=[
+            plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),
+            plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),
+            plgpu.SMEM((1, bm, bn), dtype),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ],
+        grid=(grid_n, meta.num_tiles),
+        grid_names=("n", "m"),
+        interpret=_common.interpret_params(interpret),
+    )
+    return kernel(meta.expert, meta.row_start, meta.num_rows, a, w_down)
