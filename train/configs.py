@@ -45,7 +45,7 @@ class Config:
     routing: str = "topk"  # "topk" or "token_rounding"
     rounding: str = "nearest"  # token rounding mode
     tile: int = 128  # GEMM tile height M_tile (token rounding and padding statistics)
-    aux_loss_weight: float = 1e-2  # load-balancing loss weight
+    load_balance_weight: float = 1e-2  # load-balancing loss weight
     z_loss_weight: float = 1e-3  # router z-loss weight
     # Data.
     seq_len: int = 128
@@ -179,7 +179,7 @@ def validate(c: Config) -> Config:
     ):
         _positive_int(c, field)
     for field in (
-        "aux_loss_weight", "z_loss_weight", "weight_decay", "grad_clip", "warmup_steps",
+        "load_balance_weight", "z_loss_weight", "weight_decay", "grad_clip", "warmup_steps",
         "final_lr_fraction", "max_train_bytes", "seed",
     ):
         _non_negative(c, field)

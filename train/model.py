@@ -70,7 +70,7 @@ class Block(nnx.Module):
         self.moe = MoE(
             cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.top_k,
             routing=cfg.routing, tile=cfg.tile, rounding=cfg.rounding,
-            aux_loss_weight=cfg.aux_loss_weight, z_loss_weight=cfg.z_loss_weight,
+            load_balance_weight=cfg.load_balance_weight, z_loss_weight=cfg.z_loss_weight,
             dtype=dtype, rngs=rngs,
         )
 

@@ -106,8 +106,8 @@ def make_steps(graphdef, tx: optax.GradientTransformation, eval_graphdefs: dict[
     def eval_step(params, rest, batch):
         inputs, targets = split_batch(batch)
         out = {}
-        for name, gd in eval_graphdefs.items():
-            logits, _ = nnx.merge(gd, params, rest)(inputs)
+        for name, (gd, own_rest) in eval_graphdefs.items():
+            logits, _ = nnx.merge(gd, params, rest if own_rest is None else own_rest)(inputs)
             out[name] = cross_entropy(logits, targets)
         return out
 
@@ -190,13 +190,13 @@ def train(
     model = build_model(cfg)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
-    eval_graphdefs = {"val_loss": graphdef}
+    eval_graphdefs = {"val_loss": (graphdef, None)}  # name -> (graph, own rest or None)
     if cfg.routing == "token_rounding":
         # The same weights evaluated with plain top-K routing (no expert-choice top-up).
         tc_model = nnx.eval_shape(lambda: build_model(dataclasses.replace(cfg, routing="topk")))
-        tc_graphdef, tc_params, _ = nnx.split(tc_model, nnx.Param, ...)
-        if jax.tree.structure(tc_params) == jax.tree.structure(params):
-            eval_graphdefs["val_loss_topk"] = tc_graphdef
+        tc_graphdef, tc_params, tc_rest = nnx.split(tc_model, nnx.Param, ...)
+        if jax.tree.structure(tc_params) == jax.tree.structure(params) and not jax.tree.leaves(tc_rest):
+            eval_graphdefs["val_loss_topk"] = (tc_graphdef, tc_rest)
     tx = build_optimizer(cfg)
     opt_state = tx.init(params)
     steps = make_steps(graphdef, tx, eval_graphdefs)
