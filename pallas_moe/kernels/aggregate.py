@@ -55,7 +55,7 @@ def aggregate(
     """Sums each token's rows of `y` in CSR order.
 
     Args:
-      y: [P, d] rows in grouped order (bf16 or f32).
+      y: [P_y, d] rows in grouped order (bf16 or f32), P_y >= P (extra rows are ignored).
       rows_by_token: i32 [P] grouped-row indices ordered by (token, expert) (plan.rows_by_token).
       token_row_offsets: i32 [T + 1] CSR offsets (plan.token_row_offsets).
       scores: f32 [P] per-row weights (plan.scores), or None for weight 1.
@@ -68,12 +68,13 @@ def aggregate(
     """
     if y.ndim != 2:
         raise ValueError(f"y must be [P, d], got shape {tuple(y.shape)}.")
-    capacity, d = y.shape
-    if rows_by_token.shape != (capacity,):
+    y_rows, d = y.shape
+    if rows_by_token.ndim != 1 or rows_by_token.shape[0] > y_rows:
         raise ValueError(
-            f"rows_by_token must have shape ({capacity},) to match y, got "
+            f"rows_by_token must be [P] with P <= y.shape[0]={y_rows}, got "
             f"{tuple(rows_by_token.shape)}."
         )
+    capacity = rows_by_token.shape[0]
     if token_row_offsets.ndim != 1 or token_row_offsets.shape[0] < 2:
         raise ValueError(
             f"token_row_offsets must be [T + 1] with T >= 1, got {tuple(token_row_offsets.shape)}."

@@ -50,6 +50,7 @@ def down_proj(
     interpret: bool | plgpu.InterpretGPUParams = False,
     meta: TileMeta | None = None,
     capacity: int | None = None,
+    out_cols: int | None = None,
 ) -> jax.Array:
     """Grouped down-projection.
 
@@ -64,9 +65,10 @@ def down_proj(
       meta: precomputed `aligned_tile_meta(group_sizes, capacity, config.block_m)`;
         computed here if None.
       capacity: the plan's row capacity P (default a.shape[0]).
+      out_cols: width of the returned array (default d); columns past d are not written.
 
     Returns:
-      y: bf16 [P, d]. Padding rows are not written (their contents are unspecified).
+      y: bf16 [P, out_cols]. Padding rows are not written (their contents are unspecified).
     """
     if a.ndim != 2:
         raise ValueError(f"a must be [P, n], got shape {tuple(a.shape)}.")
@@ -93,6 +95,9 @@ def down_proj(
         raise ValueError(f"config.num_stages={stages} must be >= 2.")
     _common.require_multiple("n (w_down.shape[1])", n, bk, f"the K loop steps by block_k={bk}")
     _common.require_multiple("d (w_down.shape[2])", d, bn, f"a CTA computes block_n={bn} columns")
+    out_cols = d if out_cols is None else out_cols
+    if out_cols < d:
+        raise ValueError(f"out_cols={out_cols} must be >= d={d}.")
     if meta is None:
         meta = _common.aligned_tile_meta(group_sizes, capacity, bm)
     if meta.block_m != bm:
@@ -145,7 +150,7 @@ def down_proj(
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((capacity, d), dtype),
+        out_type=jax.ShapeDtypeStruct((capacity, out_cols), dtype),
         scratch_types=[
             plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),
             plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),

@@ -95,6 +95,7 @@ def up_proj(
     inference: bool = False,
     interpret: bool | plgpu.InterpretGPUParams = False,
     meta: TileMeta | None = None,
+    pad_a_rows_to: int = 1,
 ) -> tuple[jax.Array | None, jax.Array]:
     """Gathered grouped up-projection with fused SwiGLU.
 
@@ -108,10 +109,12 @@ def up_proj(
       interpret: run in Mosaic GPU interpret mode (CPU) if True or an InterpretGPUParams.
       meta: precomputed `tile_meta(group_sizes, token_ids, config.block_m)`; computed here
         if None.
+      pad_a_rows_to: A gets `P` rounded up to a multiple of this many rows (the down-proj
+        loads whole aligned row blocks of A; padding here saves it a copy).
 
     Returns:
-      (h, a): h bf16 [P, 2n] (None if `inference`), a bf16 [P, n]. Padding rows are not
-      written (their contents are unspecified).
+      (h, a): h bf16 [P, 2n] (None if `inference`), a bf16 [P_a, n] with P_a = P rounded
+      up to `pad_a_rows_to`. Padding rows are not written (their contents are unspecified).
     """
     d, n = _check(x, w_gate_up, token_ids, config)
     num_experts = w_gate_up.shape[0]
@@ -199,7 +202,8 @@ def up_proj(
                 )
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    out_types = [jax.ShapeDtypeStruct((capacity, n), dtype)]
+    a_rows = -(-capacity // pad_a_rows_to) * pad_a_rows_to
+    out_types = [jax.ShapeDtypeStruct((a_rows, n), dtype)]
     if not inference:
         out_types.insert(0, jax.ShapeDtypeStruct((capacity, 2 * n), dtype))
     num_out = 1 if inference else 3

@@ -1,0 +1,378 @@
+"""Forward-kernel benchmark and on-device correctness check (run on an H100).
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/forward.py --out $OUT [--shapes 7b,30b]
+
+For each shape (DESIGN.md section 6; routing = real top-K over random logits, plus skewed
+logits) it:
+  1. checks every kernel against an XLA reference on fresh random data, over all real rows
+     (outputs are produced right after a NaN-filled buffer of the same size is freed, so an
+     unwritten row shows up as NaN or garbage instead of an old correct value);
+  2. times, with CUPTI (GPU kernel time only): the up-proj, down-proj and aggregation
+     kernels, the whole forward (with its per-plan metadata), the dense batched-matmul bound
+     of the same FLOPs (`einsum('emd,edn->emn')`, balanced groups), JAX's shipped
+     `ragged_dot_mgpu` on the up-proj GEMM (best of a small config sweep, given the
+     already-gathered X), an all-XLA forward, and a device copy (bandwidth reference);
+  3. prints a table and writes results.json and RESULTS.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+import traceback
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.mosaic.gpu import profiler
+
+from pallas_moe.kernels import _common
+from pallas_moe.kernels.aggregate import aggregate
+from pallas_moe.kernels.down_proj import DownProjConfig, down_proj
+from pallas_moe.kernels.moe_forward import ForwardConfig, aggregate_width, moe_forward
+from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
+from pallas_moe.routing.topk import topk_plan
+
+SHAPES = {
+    "7b": (24576, 1536, 256, 128, 8),
+    "7b-n512": (24576, 1536, 512, 64, 4),
+    "7b-n1024": (24576, 1536, 1024, 32, 2),
+    "30b": (32768, 4096, 512, 128, 8),
+    "30b-n256": (32768, 4096, 256, 256, 16),
+    "30b-n1024": (32768, 4096, 1024, 64, 4),
+}
+ITERS = 20
+
+
+def gpu_time_ms(f, *args, iters=ITERS):
+    """Median over `iters` calls of the summed GPU kernel time of one call of f (CUPTI)."""
+    jax.block_until_ready(f(*args))  # compile + warm up
+    _, times = profiler.measure(f, iterations=iters)(*args)
+    return statistics.median(times)
+
+
+def poison_then(f, *args, nbytes):
+    """Runs f after freeing a NaN-filled buffer of `nbytes`, so fresh outputs start dirty."""
+    junk = jnp.full((nbytes // 2,), jnp.nan, jnp.bfloat16)
+    junk.block_until_ready()
+    del junk
+    return jax.block_until_ready(f(*args))
+
+
+def rel_err(got, want, rows):
+    g = np.asarray(got[:rows], np.float32)
+    w = np.asarray(want[:rows], np.float32)
+    if not np.all(np.isfinite(g)):
+        return float("inf")
+    return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+
+
+def reference_tiles(x, plan, w1, w2, block_m=128, tiles_per_step=8):
+    """XLA reference of H [P, 2n], A [P, n], Y [P, d] (grouped rows) and O [T, d]."""
+    from pallas_moe.ops.xla import scan_row_tiles, swiglu
+
+    num_tokens, d = x.shape
+    cap = plan.capacity
+    n = w1.shape[2] // 2
+    dtype = x.dtype
+
+    def step(carry, rows, valid, tok, s, e):
+        h_all, a_all, y_all, out = carry
+        h = jnp.einsum("cmd,cdf->cmf", x[tok], w1[e], preferred_element_type=jnp.float32)
+        h = h.astype(dtype)
+        a = swiglu(h).astype(dtype)
+        y = jnp.einsum("cmn,cnd->cmd", a, w2[e], preferred_element_type=jnp.float32).astype(dtype)
+        r = jnp.where(valid, rows, cap).reshape(-1)
+        h_all = h_all.at[r].set(h.reshape(-1, 2 * n), mode="drop")
+        a_all = a_all.at[r].set(a.reshape(-1, n), mode="drop")
+        y_all = y_all.at[r].set(y.reshape(-1, d), mode="drop")
+        out = out.at[tok.reshape(-1)].add((y.astype(jnp.float32) * s[..., None]).reshape(-1, d))
+        return h_all, a_all, y_all, out
+
+    init = (
+        jnp.zeros((cap, 2 * n), dtype), jnp.zeros((cap, n), dtype), jnp.zeros((cap, d), dtype),
+        jnp.zeros((num_tokens, d), jnp.float32),
+    )
+    h, a, y, out = scan_row_tiles(plan, step, init, block_m=block_m, tiles_per_step=tiles_per_step)
+    return h, a, y, out.astype(dtype)
+
+
+def make_case(shape, skew: bool, seed: int):
+    T, d, n, E, K = shape
+    ks = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(ks[0], (T, d), jnp.float32).astype(jnp.bfloat16)
+    w1 = (jax.random.normal(ks[1], (E, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(ks[2], (E, n, d), jnp.float32) / np.sqrt(n)).astype(jnp.bfloat16)
+    logits = jax.random.normal(ks[3], (T, E), jnp.float32)
+    if skew:
+        # A quarter of the experts are strongly preferred: group sizes spread ~10x.
+        logits = logits + jnp.where(jnp.arange(E) < E // 4, 1.5, 0.0)
+    plan = jax.jit(lambda l: topk_plan(l, K, score="softmax_topk"))(logits)
+    return x, w1, w2, plan
+
+
+def dense_bound_ms(shape):
+    """Balanced batched matmuls with the forward's FLOPs: up [E,m,d]x[E,d,2n], down [E,m,n]x[E,n,d]."""
+    T, d, n, E, K = shape
+    m = T * K // E
+    ks = jax.random.split(jax.random.key(7), 4)
+    a1 = jax.random.normal(ks[0], (E, m, d), jnp.bfloat16)
+    b1 = jax.random.normal(ks[1], (E, d, 2 * n), jnp.bfloat16)
+    a2 = jax.random.normal(ks[2], (E, m, n), jnp.bfloat16)
+    b2 = jax.random.normal(ks[3], (E, n, d), jnp.bfloat16)
+    bmm = jax.jit(lambda a, b: jnp.einsum("emd,edn->emn", a, b))
+    return gpu_time_ms(bmm, a1, b1), gpu_time_ms(bmm, a2, b2)
+
+
+def ragged_dot_best_ms(xg, w1, group_sizes, log):
+    """JAX's shipped Hopper ragged_dot on [P, d] x [E, d, 2n], best of a small sweep."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    best = (float("inf"), None)
+    two_n = w1.shape[2]
+    for bm, bn, steps, gbn in [(128, 128, 4, 1), (128, 256, 4, 1), (64, 256, 4, 1),
+                               (128, 128, 5, 4), (128, 256, 3, 2)]:
+        if two_n % (bn * gbn):
+            continue
+        cfg = dict(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps, grid_block_n=gbn)
+        try:
+            f = jax.jit(functools.partial(ragged_dot_mgpu.ragged_dot, group_sizes=group_sizes, **cfg))
+            t = gpu_time_ms(f, xg, w1, iters=10)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
+            log(f"  ragged_dot {cfg}: failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        log(f"  ragged_dot {cfg}: {t * 1e3:.1f} us")
+        if t < best[0]:
+            best = (t, cfg)
+    return best
+
+
+def run_shape(name, shape, skew, up_cfgs, down_cfgs, log):
+    T, d, n, E, K = shape
+    x, w1, w2, plan = make_case(shape, skew, seed=hash((name, skew)) % 1000)
+    P = plan.capacity
+    rows = int(plan.num_rows)
+    gs = np.asarray(plan.group_sizes)
+    res = dict(name=name, skew=skew, T=T, d=d, n=n, E=E, K=K, P=P,
+               group_min=int(gs.min()), group_max=int(gs.max()))
+    log(f"== {name} skew={skew} (T,d,n,E,K)={shape} groups [{gs.min()}, {gs.max()}]")
+    flops_up = 2 * P * d * 2 * n
+    flops_down = 2 * P * n * d
+
+    h_ref, a_ref, y_ref, o_ref = jax.jit(reference_tiles)(x, plan, w1, w2)
+    jax.block_until_ready(o_ref)
+
+    # ---- correctness, every kernel alone and chained, all real rows
+    base = ForwardConfig.for_shape(d, n)
+    up_meta = jax.jit(lambda g, t: _common.tile_meta(g, t, base.up.block_m))(plan.group_sizes, plan.token_ids)
+    up_fn = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=base.up, meta=m))
+    h, a = poison_then(up_fn, x, plan.token_ids, plan.group_sizes, w1, up_meta, nbytes=P * 3 * n * 2)
+    res["err_h"] = rel_err(h, h_ref, rows)
+    res["err_a"] = rel_err(a, a_ref, rows)
+    dn_fn = jax.jit(lambda a, g, w: down_proj(a, g, w, config=base.down))
+    y = poison_then(dn_fn, a_ref, plan.group_sizes, w2, nbytes=P * d * 2)
+    res["err_y"] = rel_err(y, y_ref, rows)
+    ag_fn = jax.jit(lambda y, r, o, s: aggregate(y, r, o, s, config=dataclasses.replace(base.aggregate)))
+    if aggregate_width(d) == d:
+        o = poison_then(ag_fn, y_ref, plan.rows_by_token, plan.token_row_offsets, plan.scores, nbytes=T * d * 2)
+        res["err_agg"] = rel_err(o, o_ref, T)
+        o2 = ag_fn(y_ref, plan.rows_by_token, plan.token_row_offsets, plan.scores)
+        res["agg_bitwise_repeat"] = bool(np.array_equal(np.asarray(o), np.asarray(o2)))
+    fwd = jax.jit(lambda x, p, w1, w2: moe_forward(x, p, w1, w2, config=base))
+    out, h2 = poison_then(fwd, x, plan, w1, w2, nbytes=P * (3 * n + d) * 2)
+    res["err_out"] = rel_err(out, o_ref, T)
+    res["err_fwd_h"] = rel_err(h2, h_ref, rows)
+    log("  errors: " + " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
+                                for k, v in res.items() if k.startswith(("err", "agg_bit"))))
+    ok = all(v < 2e-2 for k, v in res.items() if k.startswith("err"))
+    res["correct"] = bool(ok)
+
+    # ---- timings
+    best_up = (float("inf"), None)
+    for cfg in up_cfgs(d, n):
+        try:
+            meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(plan.group_sizes, plan.token_ids)
+            f = jax.jit(lambda x, t, g, w, m, cfg=cfg: up_proj(x, t, g, w, config=cfg, meta=m))
+            t = gpu_time_ms(f, x, plan.token_ids, plan.group_sizes, w1, meta)
+            if cfg != base.up:
+                hh, aa = f(x, plan.token_ids, plan.group_sizes, w1, meta)
+                e = max(rel_err(hh, h_ref, rows), rel_err(aa, a_ref, rows))
+                if not e < 2e-2:
+                    log(f"  up {cfg}: WRONG (err {e:.2e}), not timed")
+                    continue
+        except Exception as e:  # noqa: BLE001
+            log(f"  up {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        log(f"  up {cfg}: {t * 1e3:.1f} us, {flops_up / t / 1e9:.0f} TFLOP/s")
+        if t < best_up[0]:
+            best_up = (t, cfg)
+    best_dn = (float("inf"), None)
+    for cfg in down_cfgs(d, n):
+        try:
+            meta = jax.jit(lambda g, cfg=cfg: _common.aligned_tile_meta(g, P, cfg.block_m))(plan.group_sizes)
+            f = jax.jit(lambda a, g, w, m, cfg=cfg: down_proj(a, g, w, config=cfg, meta=m))
+            t = gpu_time_ms(f, a_ref, plan.group_sizes, w2, meta)
+            if cfg != base.down:
+                e = rel_err(f(a_ref, plan.group_sizes, w2, meta), y_ref, rows)
+                if not e < 2e-2:
+                    log(f"  down {cfg}: WRONG (err {e:.2e}), not timed")
+                    continue
+        except Exception as e:  # noqa: BLE001
+            log(f"  down {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        log(f"  down {cfg}: {t * 1e3:.1f} us, {flops_down / t / 1e9:.0f} TFLOP/s")
+        if t < best_dn[0]:
+            best_dn = (t, cfg)
+    res["up_us"] = best_up[0] * 1e3
+    res["up_cfg"] = str(best_up[1])
+    res["down_us"] = best_dn[0] * 1e3
+    res["down_cfg"] = str(best_dn[1])
+    ypad = jnp.pad(y_ref, ((0, 0), (0, aggregate_width(d) - d)))
+    res["agg_us"] = gpu_time_ms(ag_fn, ypad, plan.rows_by_token, plan.token_row_offsets, plan.scores) * 1e3
+    agg_bytes = rows * aggregate_width(d) * 2 + T * aggregate_width(d) * 2 + rows * 12 + T * 4
+    res["agg_GBs"] = agg_bytes / (res["agg_us"] * 1e-6) / 1e9
+    copy_src = jax.random.normal(jax.random.key(3), (P, d), jnp.bfloat16)
+    t_copy = gpu_time_ms(jax.jit(lambda v: v + 1), copy_src)
+    res["copy_GBs"] = 2 * P * d * 2 / (t_copy * 1e-3) / 1e9
+    best_cfg = ForwardConfig(
+        up=best_up[1] or base.up, down=best_dn[1] or base.down, aggregate=base.aggregate
+    )
+    fwd_best = jax.jit(lambda x, p, w1, w2: moe_forward(x, p, w1, w2, config=best_cfg))
+    res["fwd_us"] = gpu_time_ms(fwd_best, x, plan, w1, w2) * 1e3
+    t_up_bmm, t_dn_bmm = dense_bound_ms(shape)
+    res["bmm_up_us"], res["bmm_down_us"] = t_up_bmm * 1e3, t_dn_bmm * 1e3
+    xg = x[plan.token_ids]
+    rd_t, rd_cfg = ragged_dot_best_ms(xg, w1, plan.group_sizes, log)
+    res["ragged_dot_up_us"], res["ragged_dot_cfg"] = rd_t * 1e3, str(rd_cfg)
+    from pallas_moe.ops.xla import moe_ffn_xla
+
+    try:
+        res["xla_fwd_us"] = gpu_time_ms(jax.jit(moe_ffn_xla), x, plan, w1, w2, iters=5) * 1e3
+    except Exception as e:  # noqa: BLE001
+        log(f"  xla forward failed: {type(e).__name__}: {str(e)[:200]}")
+        res["xla_fwd_us"] = float("nan")
+    res["up_tflops"] = flops_up / (res["up_us"] * 1e-6) / 1e12
+    res["down_tflops"] = flops_down / (res["down_us"] * 1e-6) / 1e12
+    res["fwd_tflops"] = (flops_up + flops_down) / (res["fwd_us"] * 1e-6) / 1e12
+    res["up_vs_bmm"] = res["bmm_up_us"] / res["up_us"]
+    res["down_vs_bmm"] = res["bmm_down_us"] / res["down_us"]
+    res["fwd_vs_bmm"] = (res["bmm_up_us"] + res["bmm_down_us"]) / res["fwd_us"]
+    res["up_vs_ragged_dot"] = res["ragged_dot_up_us"] / res["up_us"]
+    res["fwd_vs_xla"] = res["xla_fwd_us"] / res["fwd_us"]
+    res["agg_vs_copy"] = res["agg_GBs"] / res["copy_GBs"]
+    log("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}))
+    return res
+
+
+def default_up_cfgs(d, n):
+    out = []
+    for bn in (128, 64):
+        if n % bn == 0:
+            for stages in (4, 3):
+                out.append(UpProjConfig(block_m=64, block_n=bn, num_stages=stages))
+    return out
+
+
+def default_down_cfgs(d, n):
+    out = []
+    for bn in (256, 192, 128):
+        if d % bn == 0:
+            for stages in (4, 3):
+                out.append(DownProjConfig(block_m=64, block_n=bn, num_stages=stages))
+    return out
+
+
+TABLE_COLS = [
+    ("shape", lambda r: f"{r['name']}{' skew' if r['skew'] else ''}"),
+    ("ok", lambda r: "yes" if r["correct"] else "NO"),
+    ("up us", lambda r: f"{r['up_us']:.0f}"),
+    ("up TF/s", lambda r: f"{r['up_tflops']:.0f}"),
+    ("up/bmm", lambda r: f"{r['up_vs_bmm']:.2f}"),
+    ("up/ragged_dot", lambda r: f"{r['up_vs_ragged_dot']:.2f}"),
+    ("down us", lambda r: f"{r['down_us']:.0f}"),
+    ("down TF/s", lambda r: f"{r['down_tflops']:.0f}"),
+    ("down/bmm", lambda r: f"{r['down_vs_bmm']:.2f}"),
+    ("agg us", lambda r: f"{r['agg_us']:.0f}"),
+    ("agg GB/s", lambda r: f"{r['agg_GBs']:.0f}"),
+    ("agg/copy", lambda r: f"{r['agg_vs_copy']:.2f}"),
+    ("fwd us", lambda r: f"{r['fwd_us']:.0f}"),
+    ("fwd TF/s", lambda r: f"{r['fwd_tflops']:.0f}"),
+    ("fwd/bmm", lambda r: f"{r['fwd_vs_bmm']:.2f}"),
+    ("xla fwd us", lambda r: f"{r['xla_fwd_us']:.0f}"),
+    ("fwd speedup vs xla", lambda r: f"{r['fwd_vs_xla']:.1f}"),
+]
+
+
+def markdown(results, cmd, device):
+    lines = [
+        f"# Forward kernels on {device}",
+        "",
+        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}. "
+        f"jax {jax.__version__}. GPU kernel time (CUPTI), median of {ITERS} calls.",
+        "",
+        f"Reproduce: `{cmd}`",
+        "",
+        "Ratios: `x/bmm` = balanced dense batched-matmul time for the same FLOPs / our time "
+        "(1.0 = as fast as the bound); `up/ragged_dot` = JAX `ragged_dot_mgpu` time (best of a "
+        "small sweep, on pre-gathered X) / our up-proj time (gather fused); `agg/copy` = "
+        "aggregation bytes/s over a device copy's bytes/s; `fwd` includes per-plan metadata.",
+        "",
+        "| " + " | ".join(c for c, _ in TABLE_COLS) + " |",
+        "|" + "---|" * len(TABLE_COLS),
+    ]
+    for r in results:
+        try:
+            lines.append("| " + " | ".join(f(r) for _, f in TABLE_COLS) + " |")
+        except KeyError:
+            lines.append(f"| {r.get('name')} | failed: {r.get('error', '?')} |")
+    lines.append("")
+    lines.append("Chosen configs: " + "; ".join(
+        f"{r['name']}{' skew' if r['skew'] else ''}: up {r.get('up_cfg')}, down {r.get('down_cfg')}, "
+        f"ragged_dot {r.get('ragged_dot_cfg')}" for r in results if "up_cfg" in r))
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--shapes", default="7b,30b")
+    p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    log_f = open(os.path.join(args.out, "forward_log.txt"), "w")
+
+    def log(msg):
+        print(msg, flush=True)
+        log_f.write(msg + "\n")
+        log_f.flush()
+
+    device = jax.devices()[0].device_kind
+    log(f"device: {device}, jax {jax.__version__}")
+    results = []
+    skews = set(s for s in args.skew.split(",") if s)
+    for name in args.shapes.split(","):
+        for skew in ([False, True] if name in skews else [False]):
+            try:
+                results.append(run_shape(name, SHAPES[name], skew, default_up_cfgs, default_down_cfgs, log))
+            except Exception as e:  # noqa: BLE001 - report and go on to the next shape
+                log(f"{name} skew={skew}: FAILED {type(e).__name__}: {e}")
+                log(traceback.format_exc()[-3000:])
+                results.append(dict(name=name, skew=skew, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump(dict(device=device, results=results), f, indent=1)
+    cmd = "PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/forward.py " + " ".join(sys.argv[1:])
+    md = markdown(results, cmd, device)
+    with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
+        f.write(md)
+    log(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Forward of one MoE layer through the Mosaic GPU kernels.
+
+    H, A = up_proj(X, plan)            gather fused into the load, SwiGLU epilogue
+    Y    = down_proj(A, plan)          grouped GEMM, Y transient
+    O    = aggregate(Y, plan, scores)  deterministic CSR sum, fp32 accumulate
+
+Returns `(O [T, d], H [P, 2n])`: H is the residual the backward needs (with X and the plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels import _common
+from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
+from pallas_moe.kernels.down_proj import DownProjConfig, down_proj
+from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
+
+
+def _largest_block(dim: int, candidates: tuple[int, ...]) -> int | None:
+    for c in candidates:
+        if dim % c == 0:
+            return c
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """Block sizes of the three forward kernels."""
+
+    up: UpProjConfig = UpProjConfig()
+    down: DownProjConfig = DownProjConfig()
+    aggregate: AggregateConfig = AggregateConfig()
+
+    @classmethod
+    def for_shape(cls, d: int, n: int, **overrides) -> "ForwardConfig":
+        """Default block sizes that divide the model widths `d` and `n` (both multiples of 64).
+
+        `overrides` may replace the `up`, `down` or `aggregate` configs.
+        """
+        _common.require_multiple("d", d, 64, "the kernels tile the model width by 64")
+        _common.require_multiple("n", n, 64, "the kernels tile the expert width by 64")
+        up = UpProjConfig(block_n=_largest_block(n, (128, 64)))
+        down = DownProjConfig(block_n=_largest_block(d, (256, 192, 128, 64)))
+        agg = _aggregate_config(d)
+        cfg = cls(up=up, down=down, aggregate=agg)
+        return dataclasses.replace(cfg, **overrides)
+
+
+def _aggregate_config(d: int) -> AggregateConfig:
+    """Widest vectors and a column block dividing `aggregate_width(d)`."""
+    width = aggregate_width(d)
+    vec = _largest_block(width // 128, (8, 4, 2, 1))
+    chunk = 128 * vec
+    block_d = width if width <= 4096 else _largest_block(width, (4096, 3072, 2048, 1024))
+    block_d = block_d or chunk
+    return AggregateConfig(block_t=4, block_d=block_d, vec=vec)
+
+
+def aggregate_width(d: int) -> int:
+    """Columns the aggregation runs on: d rounded up to a multiple of 128 (one element per
+    thread of a warpgroup). Widths like 2880 get a padded Y and a final column slice."""
+    return -(-d // 128) * 128
+
+
+def moe_forward(
+    x: jax.Array,
+    plan,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    config: ForwardConfig | None = None,
+    inference: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """MoE layer forward through the Mosaic GPU kernels.
+
+    Args:
+      x: bf16 [T, d].
+      plan: a `DispatchPlan` over T tokens and E experts with capacity P.
+      w_gate_up: bf16 [E, d, 2n] (gate = [..., :n], up = [..., n:]).
+      w_down: bf16 [E, n, d].
+      interpret: run every kernel in Mosaic GPU interpret mode (CPU) if True or an
+        InterpretGPUParams.
+      config: block sizes; `ForwardConfig.for_shape(d, n)` if None.
+      inference: skip writing H (returns None for it).
+
+    Returns:
+      (out bf16 [T, d], h bf16 [P, 2n] or None). Padding rows of h are unspecified.
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
+    num_tokens, d = x.shape
+    if w_gate_up.ndim != 3 or w_down.ndim != 3:
+        raise ValueError(
+            f"w_gate_up must be [E, d, 2n] and w_down [E, n, d], got "
+            f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}."
+        )
+    num_experts, _, two_n = w_gate_up.shape
+    n = two_n // 2
+    _common.require_shape("w_down", w_down, (num_experts, n, d))
+    if plan.num_tokens != num_tokens:
+        raise ValueError(f"plan covers {plan.num_tokens} tokens but x has {num_tokens}.")
+    if plan.num_experts != num_experts:
+        raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
+    if config is None:
+        config = ForwardConfig.for_shape(d, n)
+    capacity = plan.capacity
+
+    # Tile metadata, once per plan and block size.
+    up_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.up.block_m)
+    down_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
+
+    h, a = up_proj(
+        x, plan.token_ids, plan.group_sizes, w_gate_up,
+        config=config.up, inference=inference, interpret=interpret, meta=up_meta,
+        pad_a_rows_to=config.down.block_m,
+    )
+    # Y gets unwritten pad columns when d is not a multiple of 128, so every aggregation
+    # block is whole; the output is sliced back below.
+    width = aggregate_width(d)
+    y = down_proj(
+        a, plan.group_sizes, w_down, config=config.down, interpret=interpret, meta=down_meta,
+        capacity=capacity, out_cols=width,
+    )
+    out = aggregate(
+        y, plan.rows_by_token, plan.token_row_offsets, plan.scores,
+        out_dtype=x.dtype, config=config.aggregate, interpret=interpret,
+    )
+    if width != d:
+        out = out[:, :d]
+    return out, h
