@@ -23,6 +23,38 @@ def swiglu(h: jax.Array) -> jax.Array:
     return jax.nn.silu(h[..., :n]) * h[..., n:]
 
 
+def scan_row_tiles(plan: DispatchPlan, step, init, *, block_m: int, tiles_per_step: int):
+    """Walks the plan's row tiles in ascending expert order, `tiles_per_step` per scan step.
+
+    `step(carry, rows, valid, token, score, expert) -> carry` gets `rows`, `valid`, `token`,
+    `score` of shape [c, bm] and `expert` of shape [c]. Invalid slots have row 0, token 0
+    and score 0. Padding tiles (past the real ones) are empty and repeat the last expert.
+    """
+    tiles = tile_schedule(plan.group_sizes, plan.capacity, block_m)
+    num_tiles = tiles.max_tiles
+    num_steps = -(-num_tiles // tiles_per_step)
+    pad = num_steps * tiles_per_step - num_tiles
+
+    rows = tiles.row_start[:, None] + jnp.arange(block_m, dtype=jnp.int32)[None, :]  # [nt, bm]
+    valid = rows < tiles.row_end[:, None]  # [nt, bm]
+    rows = jnp.where(valid, rows, 0)
+    token = plan.token_ids[rows]  # [nt, bm]
+    score = jnp.where(valid, plan.scores[rows], 0.0)  # [nt, bm]
+    expert = tiles.expert  # [nt]
+    if pad:
+        rows, valid, token, score = (
+            jnp.pad(a, ((0, pad), (0, 0))) for a in (rows, valid, token, score)
+        )
+        expert = jnp.pad(expert, (0, pad), mode="edge")
+
+    def body(carry, inputs):
+        return step(carry, *inputs), None
+
+    reshape = lambda a: a.reshape(num_steps, tiles_per_step, *a.shape[1:])
+    carry, _ = jax.lax.scan(body, init, tuple(map(reshape, (rows, valid, token, score, expert))))
+    return carry
+
+
 def moe_ffn_xla(
     x: jax.Array,
     plan: DispatchPlan,
@@ -48,25 +80,8 @@ def moe_ffn_xla(
     """
     num_tokens, d = x.shape
     dtype = x.dtype
-    tiles = tile_schedule(plan.group_sizes, plan.capacity, block_m)
-    num_tiles = tiles.max_tiles
-    num_steps = -(-num_tiles // tiles_per_step)
-    pad = num_steps * tiles_per_step - num_tiles
 
-    rows = tiles.row_start[:, None] + jnp.arange(block_m, dtype=jnp.int32)[None, :]  # [nt, bm]
-    valid = rows < tiles.row_end[:, None]  # [nt, bm]
-    rows = jnp.where(valid, rows, 0)
-    token = plan.token_ids[rows]  # [nt, bm]
-    score = jnp.where(valid, plan.scores[rows], 0.0)  # [nt, bm]
-    expert = tiles.expert  # [nt]
-    if pad:
-        # Extra tiles score 0 and reuse the last expert, so they add nothing.
-        token = jnp.pad(token, ((0, pad), (0, 0)))
-        score = jnp.pad(score, ((0, pad), (0, 0)))
-        expert = jnp.pad(expert, (0, pad), mode="edge")
-
-    def step(out, inputs):
-        tok, s, e = inputs  # [c, bm], [c, bm], [c]
+    def step(out, rows, valid, tok, s, e):  # [c, bm] x4, [c]
         xt = x[tok]  # [c, bm, d]
         h = jnp.einsum("cmd,cdf->cmf", xt, w_gate_up[e], preferred_element_type=jnp.float32)
         a = swiglu(h.astype(dtype)).astype(dtype)  # [c, bm, n]
@@ -74,9 +89,10 @@ def moe_ffn_xla(
         y = y.astype(dtype).astype(jnp.float32) * s[..., None]  # [c, bm, d]
         # Tiles go in ascending expert order and a token meets each expert once, so every
         # token's sum runs in ascending expert order, as in the aggregation kernel.
-        return out.at[tok.reshape(-1)].add(y.reshape(-1, d)), None
+        return out.at[tok.reshape(-1)].add(y.reshape(-1, d))
 
-    reshape = lambda a: a.reshape(num_steps, tiles_per_step, *a.shape[1:])
-    out = jnp.zeros((num_tokens, d), jnp.float32)
-    out, _ = jax.lax.scan(step, out, (reshape(token), reshape(score), reshape(expert)))
+    out = scan_row_tiles(
+        plan, step, jnp.zeros((num_tokens, d), jnp.float32),
+        block_m=block_m, tiles_per_step=tiles_per_step,
+    )
     return out.astype(dtype)

@@ -1,0 +1,99 @@
+"""The minimal-activation MoE backward (DESIGN.md section 2, SonicMoE appendix), in jnp.
+
+Given only `X`, the saved `H = X[tok] @ W1[e]` and the plan, it computes every gradient
+without `Y`, `dY` or a saved gathered `X`:
+
+    dA'[r] = dO[tok[r]] @ W2[e]^T                      [P, n]
+    dS[r]  = <dA'[r], A[r]>,  A = swiglu(H)            [P]     router-score gradient
+    dH[r]  = dSwiGLU(H[r], s[r] * dA'[r])              [P, 2n]
+    A'[r]  = s[r] * A[r]                               [P, n]
+    dW2[e] = A'[rows e]^T @ dO[tok[rows e]]            [E, n, d]
+    dX[t]  = sum over rows r of t of dH[r] @ W1[e]^T   [T, d]
+    dW1[e] = X[tok[rows e]]^T @ dH[rows e]             [E, d, 2n]
+
+This is the XLA path of the backward and the reference the backward kernels are checked
+against. Roundings mirror the kernels: fp32 accumulation, `dH` and `A'` rounded to the
+input dtype before they feed a GEMM.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_moe.ops.xla import scan_row_tiles
+from pallas_moe.routing.plan import DispatchPlan
+
+
+def dswiglu(h: jax.Array, grad_a: jax.Array) -> jax.Array:
+    """Gradient of `silu(g) * u` w.r.t. `h = [g, u]`, given `grad_a = dL/dA`. fp32 [..., 2n]."""
+    n = h.shape[-1] // 2
+    g, u = h[..., :n].astype(jnp.float32), h[..., n:].astype(jnp.float32)
+    sig = jax.nn.sigmoid(g)
+    dg = grad_a * u * sig * (1 + g * (1 - sig))
+    du = grad_a * g * sig
+    return jnp.concatenate([dg, du], axis=-1)
+
+
+def moe_ffn_backward(
+    x: jax.Array,
+    h: jax.Array,
+    plan: DispatchPlan,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    grad_out: jax.Array,
+    *,
+    block_m: int = 128,
+    tiles_per_step: int = 8,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Gradients of `moe_ffn` from its minimal residuals.
+
+    Args:
+      x: [T, d] forward input.
+      h: [P, 2n] saved up-proj output (x.dtype); padding rows are never read.
+      plan: the forward's dispatch plan.
+      w_gate_up: [E, d, 2n]; w_down: [E, n, d].
+      grad_out: [T, d] cotangent of the output.
+
+    Returns:
+      (dx [T, d] x.dtype, d_scores f32[P] (0 on padding), dw_gate_up [E, d, 2n],
+      dw_down [E, n, d]), the weight gradients in the weights' dtype.
+    """
+    num_tokens, d = x.shape
+    dtype = x.dtype
+    n = w_down.shape[1]
+    grad_out = grad_out.astype(dtype)
+
+    def step(carry, rows, valid, tok, s, e):  # [c, bm] x4, [c]
+        dx, dw1, dw2, d_scores = carry
+        h_t = h[rows]  # [c, bm, 2n]
+        do_t = grad_out[tok]  # [c, bm, d] gather of dO
+        x_t = x[tok]  # [c, bm, d] gather of X
+        da = jnp.einsum("cmd,cnd->cmn", do_t, w_down[e], preferred_element_type=jnp.float32)
+        a = jax.nn.silu(h_t[..., :n].astype(jnp.float32)) * h_t[..., n:].astype(jnp.float32)
+        ds = jnp.sum(da * a, axis=-1)  # [c, bm]
+        dh = dswiglu(h_t, s[..., None] * da).astype(dtype)  # [c, bm, 2n]
+        a_scaled = (s[..., None] * a).astype(dtype)  # [c, bm, n]
+        dw2_t = jnp.einsum("cmn,cmd->cnd", a_scaled, do_t, preferred_element_type=jnp.float32)
+        dw1_t = jnp.einsum("cmd,cmf->cdf", x_t, dh, preferred_element_type=jnp.float32)
+        dx_rows = jnp.einsum("cmf,cdf->cmd", dh, w_gate_up[e], preferred_element_type=jnp.float32)
+        dx_rows = dx_rows.astype(dtype).astype(jnp.float32)
+        # Invalid slots have s=0, so dh, a_scaled and their products are exactly 0 there.
+        dx = dx.at[tok.reshape(-1)].add(dx_rows.reshape(-1, d))
+        dw1 = dw1.at[e].add(dw1_t)
+        dw2 = dw2.at[e].add(dw2_t)
+        d_scores = d_scores.at[jnp.where(valid, rows, plan.capacity).reshape(-1)].set(
+            ds.reshape(-1), mode="drop"
+        )
+        return dx, dw1, dw2, d_scores
+
+    init = (
+        jnp.zeros((num_tokens, d), jnp.float32),
+        jnp.zeros(w_gate_up.shape, jnp.float32),
+        jnp.zeros(w_down.shape, jnp.float32),
+        jnp.zeros((plan.capacity,), jnp.float32),
+    )
+    dx, dw1, dw2, d_scores = scan_row_tiles(
+        plan, step, init, block_m=block_m, tiles_per_step=tiles_per_step
+    )
+    return dx.astype(dtype), d_scores, dw1.astype(w_gate_up.dtype), dw2.astype(w_down.dtype)
