@@ -154,7 +154,7 @@ def ragged_dot_best_ms(xg, w1, group_sizes, log):
     return best
 
 
-def run_shape(name, shape, skew, up_cfgs, down_cfgs, log):
+def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True):
     T, d, n, E, K = shape
     x, w1, w2, plan = make_case(shape, skew, seed=hash((name, skew)) % 1000)
     P = plan.capacity
@@ -249,11 +249,14 @@ def run_shape(name, shape, skew, up_cfgs, down_cfgs, log):
     t_up_bmm, t_dn_bmm = dense_bound_ms(shape)
     res["bmm_up_us"], res["bmm_down_us"] = t_up_bmm * 1e3, t_dn_bmm * 1e3
     xg = x[plan.token_ids]
-    rd_t, rd_cfg = ragged_dot_best_ms(xg, w1, plan.group_sizes, log)
+    rd_t, rd_cfg = (ragged_dot_best_ms(xg, w1, plan.group_sizes, log) if baselines
+                    else (float("nan"), None))
     res["ragged_dot_up_us"], res["ragged_dot_cfg"] = rd_t * 1e3, str(rd_cfg)
     from pallas_moe.ops.xla import moe_ffn_xla
 
     try:
+        if not baselines:
+            raise RuntimeError("skipped (--no-baselines)")
         res["xla_fwd_us"] = gpu_time_ms(jax.jit(moe_ffn_xla), x, plan, w1, w2, iters=5) * 1e3
     except Exception as e:  # noqa: BLE001
         log(f"  xla forward failed: {type(e).__name__}: {str(e)[:200]}")
@@ -269,6 +272,25 @@ def run_shape(name, shape, skew, up_cfgs, down_cfgs, log):
     res["agg_vs_copy"] = res["agg_GBs"] / res["copy_GBs"]
     log("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}))
     return res
+
+
+def variant_up_cfgs(d, n):
+    """Up-proj design variants (single warpgroup vs warp-specialized, lowering knobs)."""
+    out = [UpProjConfig(), UpProjConfig(lane_semantics=True), UpProjConfig(no_auto_barriers=True),
+           UpProjConfig(block_n=64, num_stages=2)]
+    for cons, bn, stages in [(2, 128, 3), (2, 128, 2), (1, 128, 4), (2, 64, 4), (4, 64, 3)]:
+        if n % (cons * bn) == 0:
+            out.append(UpProjConfig(block_n=bn, num_stages=stages, num_consumers=cons))
+    return out
+
+
+def variant_down_cfgs(d, n):
+    """Down-proj occupancy variants: fewer stages -> more CTAs per SM."""
+    out = []
+    for bn, stages in [(128, 4), (128, 2), (256, 2), (64, 2), (128, 3)]:
+        if d % bn == 0:
+            out.append(DownProjConfig(block_n=bn, num_stages=stages))
+    return out
 
 
 def default_up_cfgs(d, n):
@@ -344,6 +366,9 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants"])
+    p.add_argument("--down-sweep", default="default", choices=["default", "variants"])
+    p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log_f = open(os.path.join(args.out, "forward_log.txt"), "w")
@@ -360,7 +385,10 @@ def main():
     for name in args.shapes.split(","):
         for skew in ([False, True] if name in skews else [False]):
             try:
-                results.append(run_shape(name, SHAPES[name], skew, default_up_cfgs, default_down_cfgs, log))
+                up_cfgs = variant_up_cfgs if args.up_sweep == "variants" else default_up_cfgs
+                down_cfgs = variant_down_cfgs if args.down_sweep == "variants" else default_down_cfgs
+                results.append(run_shape(name, SHAPES[name], skew, up_cfgs, down_cfgs, log,
+                                         baselines=not args.no_baselines))
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape
                 log(f"{name} skew={skew}: FAILED {type(e).__name__}: {e}")
                 log(traceback.format_exc()[-3000:])

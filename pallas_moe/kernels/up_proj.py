@@ -47,12 +47,22 @@ class UpProjConfig:
         Must divide n and be a multiple of 64.
       block_k: contraction step; must divide d and be 64 (one 128-byte swizzle row of bf16).
       num_stages: SMEM pipeline depth.
+      num_consumers: 0 = one warpgroup issues the copies and the wgmmas (`_single_wg_body`).
+        C >= 1 = warp-specialized (`_warp_specialized_body`): one producer warpgroup whose 4
+        warps issue the row copies in parallel, and C consumer warpgroups that share each
+        gathered A stage and own `block_n` gate + `block_n` up columns each, so a CTA covers
+        `C * block_n` gate columns and every gathered row is loaded `n / (C * block_n)` times.
+      lane_semantics: lower with Lane semantics (always on for the warp-specialized kernel).
+      no_auto_barriers: `plgpu.CompilerParams.unsafe_no_auto_barriers`.
     """
 
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
     num_stages: int = 4
+    num_consumers: int = 0
+    lane_semantics: bool = False
+    no_auto_barriers: bool = False
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -79,9 +89,13 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
     if config.num_stages < 2:
         raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
     _common.require_multiple("d (x.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
+    cols = bn * max(config.num_consumers, 1)
     _common.require_multiple(
-        "n (w_gate_up.shape[2] // 2)", n, bn, f"a CTA computes block_n={bn} gate+up columns"
+        "n (w_gate_up.shape[2] // 2)", n, cols,
+        f"a CTA computes {cols} gate columns and the matching up columns",
     )
+    if config.num_consumers < 0:
+        raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
     return d, n
 
 
@@ -127,9 +141,31 @@ def up_proj(
         raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
     num_tiles = meta.num_tiles
     num_k = d // bk
-    grid_n = n // bn
     dtype = x.dtype
     tf = _common.mma_transforms(dtype)
+    interpret_mode = _common.interpret_params(interpret)
+    a_rows = -(-capacity // pad_a_rows_to) * pad_a_rows_to
+    out_types = [jax.ShapeDtypeStruct((a_rows, n), dtype)]
+    if not inference:
+        out_types.insert(0, jax.ShapeDtypeStruct((capacity, 2 * n), dtype))
+    params = dict(
+        # The warp-specialized kernel reads token ids from SMEM inside `warp_map`, which only
+        # the Lane lowering supports.
+        lowering_semantics=(
+            plgpu.LoweringSemantics.Lane if config.lane_semantics or config.num_consumers
+            else plgpu.LoweringSemantics.Warpgroup
+        ),
+        unsafe_no_auto_barriers=config.no_auto_barriers,
+    )
+    args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
+    if config.num_consumers:
+        outs = _warp_specialized_kernel(
+            config, d, n, num_tiles, out_types, inference, interpret_mode, params
+        )(*args)
+        if inference:
+            return None, outs[0]
+        return outs[0], outs[1]
+    grid_n = n // bn
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
         if inference:
@@ -202,12 +238,7 @@ def up_proj(
                 )
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    a_rows = -(-capacity // pad_a_rows_to) * pad_a_rows_to
-    out_types = [jax.ShapeDtypeStruct((a_rows, n), dtype)]
-    if not inference:
-        out_types.insert(0, jax.ShapeDtypeStruct((capacity, 2 * n), dtype))
     num_out = 1 if inference else 3
-    interpret_mode = _common.interpret_params(interpret)
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret_mode is not None)
     scratch = [
         plgpu.SMEM((bm,), jnp.int32),
@@ -224,12 +255,197 @@ def up_proj(
         scratch_types=scratch,
         grid=(grid_n, num_tiles),
         grid_names=("n", "m"),
+        compiler_params=plgpu.CompilerParams(**params),
         interpret=interpret_mode,
     )
-    outs = kernel(meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
+    outs = kernel(*args)
     if inference:
         (a,) = outs
         return None, a
     h, a = outs
     return h, a
 
+
+
+def _warp_specialized_kernel(
+    config: UpProjConfig, d: int, n: int, num_tiles: int, out_types, inference: bool,
+    interpret_mode, params,
+):
+    """The up-proj as one producer warpgroup + `config.num_consumers` consumer warpgroups.
+
+    Producer (warpgroup C): stages the tile's token ids in SMEM, then for every K step waits
+    until the consumers released the slot (`empty`), issues the `block_m` one-row copies of
+    the gathered A stage from its 4 warps in parallel (`plgpu.warp_map`, `block_m / 4` rows
+    each), and the two `[block_k, C * block_n]` weight tiles (gate and up columns), all
+    arriving on `full[slot]`.
+    Consumer c < C: waits `full[slot]`, issues wgmma on the shared A stage and its own
+    `block_n` columns of each weight tile, and releases the slot once the wgmma of the next
+    step is issued. After the K loop the consumers meet on a barrier (the pipeline buffers
+    are reused as the epilogue's SMEM) and each writes its H and A columns.
+    """
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    cons = config.num_consumers
+    cols = cons * bn  # gate columns per CTA
+    num_k = d // bk
+    grid_n = n // cols
+    dtype = jnp.bfloat16
+    tf = _common.mma_transforms(dtype)
+    num_out = 1 if inference else 3
+    rows_per_warp = bm // 4
+    interpret = interpret_mode is not None
+
+    def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
+        if inference:
+            a_out, *scratch = rest
+            h_out = None
+        else:
+            h_out, a_out, *scratch = rest
+        ids_smem, bufs, full, empty, ids_bar, epi_bar = scratch
+        (a_copy, bg_copy, bu_copy), (a_mma, bg_mma, bu_mma), o_smem = _ws_views(bufs, interpret)
+        wg = jax.lax.axis_index("wg")
+        ni = jax.lax.axis_index("n")
+        mi = jax.lax.axis_index("m")
+        num_rows = rows_ref[mi]
+
+        @pl.when((num_rows > 0) & (wg == cons))
+        def _producer():
+            expert = expert_ref[mi]
+            plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
+            plgpu.barrier_wait(ids_bar)
+            w_e = w_ref.at[expert]  # [d, 2n]
+
+            def step(ki, carry):
+                slot = ki % stages
+                k0 = ki * bk
+
+                @pl.when(ki >= stages)
+                def _():
+                    plgpu.barrier_wait(empty.at[slot])
+
+                def per_warp(w):
+                    def row_copy(i, c):
+                        r = w * rows_per_warp + i
+                        tok = ids_smem[r]
+                        plgpu.copy_gmem_to_smem(
+                            x_ref.at[pl.ds(tok, 1), pl.ds(k0, bk)],  # [1, bk] of X[tok]
+                            a_copy.at[slot, pl.ds(r, 1)],
+                            full.at[slot],
+                        )
+                        return c
+
+                    jax.lax.fori_loop(0, rows_per_warp, row_copy, None, unroll=4)
+
+                plgpu.warp_map(per_warp)
+                plgpu.copy_gmem_to_smem(  # [bk, C*bn] gate columns
+                    w_e.at[pl.ds(k0, bk), pl.ds(ni * cols, cols)], bg_copy.at[slot], full.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(  # [bk, C*bn] matching up columns
+                    w_e.at[pl.ds(k0, bk), pl.ds(n + ni * cols, cols)], bu_copy.at[slot],
+                    full.at[slot],
+                )
+                return carry
+
+            jax.lax.fori_loop(0, num_k, step, None)
+
+        for c in range(cons):
+            @pl.when((num_rows > 0) & (wg == c))
+            def _consumer(c=c):
+                row0 = start_ref[mi]
+                csl = pl.ds(c * bn, bn)
+
+                def mma_scope(acc_g, acc_u):
+                    def step(ki, carry):
+                        slot = ki % stages
+                        plgpu.barrier_wait(full.at[slot])
+                        plgpu.wgmma(acc_g, a_mma.at[slot], bg_mma.at[slot, :, csl])
+                        plgpu.wgmma(acc_u, a_mma.at[slot], bu_mma.at[slot, :, csl])
+                        plgpu.wgmma_wait(2)  # step ki-1 is done: release its slot
+
+                        @pl.when(ki >= 1)
+                        def _():
+                            plgpu.barrier_arrive(empty.at[(ki - 1) % stages])
+
+                        return carry
+
+                    jax.lax.fori_loop(0, num_k, step, None)
+                    plgpu.wgmma_wait(0)
+                    return acc_g[...], acc_u[...]
+
+                g, u = pl.run_scoped(
+                    mma_scope, plgpu.ACC((bm, bn), jnp.float32), plgpu.ACC((bm, bn), jnp.float32)
+                )
+                # Every consumer is done reading the pipeline buffers before any of them
+                # overwrites them with its epilogue tile.
+                plgpu.barrier_arrive(epi_bar)
+                plgpu.barrier_wait(epi_bar)
+                hg = g.astype(dtype)  # [bm, bn]
+                hu = u.astype(dtype)
+                hg32 = hg.astype(jnp.float32)
+                act = (hg32 * jax.nn.sigmoid(hg32) * hu.astype(jnp.float32)).astype(dtype)
+                o_smem[c, 0] = act
+                if h_out is not None:
+                    o_smem[c, 1] = hg
+                    o_smem[c, 2] = hu
+                plgpu.commit_smem()
+                col = ni * cols + c * bn
+                _common.store_rows(o_smem.at[c, 0], a_out.at[:, pl.ds(col, bn)], row0, num_rows, bm)
+                if h_out is not None:
+                    _common.store_rows(
+                        o_smem.at[c, 1], h_out.at[:, pl.ds(col, bn)], row0, num_rows, bm
+                    )
+                    _common.store_rows(
+                        o_smem.at[c, 2], h_out.at[:, pl.ds(n + col, bn)], row0, num_rows, bm
+                    )
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    sw = plgpu.SwizzleTransform(_common.SWIZZLE_BYTES)
+    a_shape, b_shape = (stages, bm, bk), (stages, bk, cols)
+    mma_group = (
+        plgpu.SMEM(a_shape, dtype, transforms=tf),
+        plgpu.SMEM(b_shape, dtype, transforms=tf),
+        plgpu.SMEM(b_shape, dtype, transforms=tf),
+    )
+    out_smem = plgpu.SMEM((cons, num_out, bm, bn), dtype)
+    if interpret:
+        bufs = (mma_group, out_smem)
+    else:
+        copy_group = (
+            plgpu.SMEM(a_shape, dtype, transforms=(plgpu.TilingTransform((1, 64)), sw)),
+            plgpu.SMEM(b_shape, dtype, transforms=tf),
+            plgpu.SMEM(b_shape, dtype, transforms=tf),
+        )
+        bufs = plgpu.RefUnion(copy_group, mma_group, out_smem)
+    scratch = [
+        plgpu.SMEM((bm,), jnp.int32),
+        bufs,
+        plgpu.Barrier(num_arrivals=bm + 2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=cons, num_barriers=stages),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=cons),
+    ]
+    return plgpu.kernel(
+        body,
+        out_type=tuple(out_types),
+        scratch_types=scratch,
+        grid=(grid_n, num_tiles),
+        grid_names=("n", "m"),
+        num_threads=cons + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(**params),
+        interpret=interpret_mode,
+    )
+
+
+def _ws_views(bufs, interpret: bool):
+    """(copy views, wgmma views, epilogue SMEM) of the warp-specialized kernel's buffers.
+
+    Compiled: a `RefUnion` whose three members share the bytes (copy views with the
+    one-row-sliceable A tiling, wgmma views, and the epilogue tile that reuses the pipeline
+    SMEM after the K loop). Interpret mode does not alias union members, so there the copy and
+    wgmma views are one set of refs and the epilogue tile is separate.
+    """
+    if interpret:
+        mma_group, out_smem = bufs
+        return mma_group, mma_group, out_smem
+    copy_group, mma_group, out_smem = bufs
+    return copy_group, mma_group, out_smem
