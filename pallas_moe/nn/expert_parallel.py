@@ -210,6 +210,7 @@ def expert_parallel_moe(
         mesh=ep.mesh,
         in_specs=(token_spec, P(), expert_spec, expert_spec, P()),
         out_specs=(token_spec, P()),
+        check_vma=False,
     )(x, router, w_gate_up, w_down, extras)
 
 

@@ -1,0 +1,181 @@
+"""Expert-parallel MoE vs the single-device MoE on a multi-device CPU mesh.
+
+Run in its own process (the device count is fixed when jax is imported):
+
+    python -m tests.ep_check --cases fast      # what tests/test_expert_parallel.py runs
+    python -m tests.ep_check --cases full      # every combination (slow)
+
+For each case it builds the same `MoE` twice (same init), once with
+`expert_parallel=ExpertParallel(mesh, ...)` on a (data, expert) mesh of 8 CPU devices, and
+compares outputs, the aux pytree, and the gradients of a loss that mixes the output and
+the aux loss with respect to every parameter and the input. Prints one JSON line per case
+and exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import argparse  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import pallas_moe as pm  # noqa: E402
+
+D, N, E, K, T, TILE = 16, 8, 8, 2, 64, 4
+
+
+def build(routing, skew, ep=None, **extra):
+    extra = {"tile": TILE, **extra}
+    layer = pm.nn.MoE(
+        D, N, E, K, routing=routing, backend="xla", rngs=nnx.Rngs(0),
+        load_balance_weight=1.0, z_loss_weight=0.1, num_shared_experts=1,
+        expert_parallel=ep, **extra,
+    )
+    if skew:
+        # Feature 0 of the input is a large constant and pushes tokens to the last experts.
+        layer.router[0, :] = jnp.linspace(-1.0, 2.0, E)
+    if extra.get("selection_bias"):
+        layer.selection_bias[...] = jnp.linspace(0.3, -0.3, E)  # moves which experts are picked
+    return layer
+
+
+def inputs(skew):
+    x = jax.random.normal(jax.random.key(1), (4, T // 4, D))  # [B, S, d]
+    if skew:
+        x = x.at[..., 0].set(3.0)
+    return x
+
+
+def loss_fn(layer, x):
+    y, aux = layer(x)
+    probe = jnp.sin(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
+    return jnp.sum(y * probe) + aux["loss"], (y, aux)
+
+
+value_and_grad = nnx.jit(nnx.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True))
+_reference_cache = {}
+
+
+def reference(routing, skew, extra):
+    key = (routing, skew, tuple(sorted(extra.items())))
+    if key not in _reference_cache:
+        _reference_cache[key] = value_and_grad(build(routing, skew, **extra), inputs(skew))
+    return _reference_cache[key]
+
+
+def max_rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-6))
+
+
+def run_case(routing, dispatch, ep_size, skew, extra):
+    devices = np.array(jax.devices()[:8])
+    mesh = Mesh(devices.reshape(8 // ep_size, ep_size), ("data", "expert"))
+    ep = pm.nn.ExpertParallel(mesh, axis="expert", dispatch=dispatch)
+    (l0, (y0, a0)), g0 = reference(routing, skew, extra)
+    start = time.time()
+    (l1, (y1, a1)), g1 = value_and_grad(build(routing, skew, ep, **extra), inputs(skew))
+    result = {
+        "routing": routing, "dispatch": dispatch, "ep": ep_size, "skew": skew, **extra,
+        "y": max_rel(y0, y1),
+        "loss": max_rel(l0, l1),
+        "grad": max(max_rel(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1))),
+        "aux": max(max_rel(a0[k], a1[k]) for k in a0),
+        "aux_keys_equal": sorted(a0) == sorted(a1),
+        "seconds": round(time.time() - start, 1),
+        "added_rows": int(a1["added_rows"]), "dropped_rows": int(a1["dropped_rows"]),
+        "max_load": round(float(a1["max_load"]), 2),
+    }
+    tol = 2e-5
+    result["ok"] = bool(
+        result["aux_keys_equal"] and result["y"] < tol and result["loss"] < tol
+        and result["grad"] < tol and result["aux"] < tol
+    )
+    return result
+
+
+FAST = [
+    # (routing, dispatch, ep_size, skew, extra)
+    ("topk", "all_gather", 2, True, {}),
+    ("topk", "all_gather", 8, False, {}),
+    ("token_rounding", "all_gather", 4, True, {"tile": 16}),
+    ("token_rounding", "all_gather", 1, False, {"tile": 16}),
+    ("topk", "emulated_ragged_all_to_all", 4, True, {}),
+    ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"}),
+    ("topk", "emulated_ragged_all_to_all", 2, False, {"score": "sigmoid", "selection_bias": True}),
+]
+
+
+def full_cases():
+    for routing, dispatch, ep_size, skew in itertools.product(
+        ("topk", "token_rounding"), ("all_gather", "emulated_ragged_all_to_all"), (1, 2, 4, 8), (False, True)
+    ):
+        yield routing, dispatch, ep_size, skew, {}
+        if routing == "token_rounding":
+            yield routing, dispatch, ep_size, skew, {"tile": 16}
+    for score in ("topk_softmax", "sigmoid"):
+        yield "token_rounding", "all_gather", 4, True, {"score": score, "renormalize": score == "sigmoid"}
+    for rounding in ("up", "down", "balance"):
+        yield "token_rounding", "emulated_ragged_all_to_all", 2, True, {"rounding": rounding, "tile": 16}
+
+
+def error_checks():
+    """Bad layouts on a real multi-device mesh give errors that name the problem."""
+    devices = np.array(jax.devices()[:6])
+    mesh = Mesh(devices.reshape(2, 3), ("data", "expert"))
+    checks = []
+
+    def expect(name, fn, fragment):
+        try:
+            fn()
+        except ValueError as err:
+            ok = fragment in str(err)
+            checks.append({"check": name, "ok": ok, "error": str(err)})
+        else:
+            checks.append({"check": name, "ok": False, "error": None})
+
+    ep = pm.nn.ExpertParallel(mesh, axis="expert")
+    expect("experts_not_divisible", lambda: pm.nn.MoE(D, N, 8, K, rngs=nnx.Rngs(0), expert_parallel=ep),
+           "num_experts=8 must be divisible by the size 3 of the expert mesh axis 'expert'")
+    layer = pm.nn.MoE(D, N, 6, K, rngs=nnx.Rngs(0), backend="xla", expert_parallel=ep)
+    expect("tokens_not_divisible", lambda: layer(jnp.zeros((10, D))),
+           "T=10 must be divisible by the 6 token shards")
+    expect("missing_axis", lambda: pm.nn.ExpertParallel(mesh, axis="experts"),
+           "axis='experts' is not an axis of the mesh")
+    y, _ = layer(jnp.ones((12, D)))  # and the valid layout on the same mesh runs
+    checks.append({"check": "valid_3way", "ok": bool(y.shape == (12, D))})
+    return checks
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", choices=("fast", "full"), default="fast")
+    args = parser.parse_args(argv)
+    assert len(jax.devices()) >= 8, jax.devices()
+    cases = FAST if args.cases == "fast" else list(full_cases())
+    failed = 0
+    for result in error_checks():
+        failed += not result["ok"]
+        print(json.dumps(result), flush=True)
+    for case in cases:
+        result = run_case(*case)
+        failed += not result["ok"]
+        print(json.dumps(result), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

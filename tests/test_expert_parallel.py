@@ -1,0 +1,93 @@
+"""Expert parallelism: EP layer vs single-device layer, and clear errors on bad layouts.
+
+The numerical comparisons need 8 CPU devices, fixed when jax is imported, so they run in a
+subprocess (`python -m tests.ep_check`); the error checks run here on one device.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import pallas_moe as pm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_ep_check(cases: str):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.ep_check", "--cases", cases],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+    )
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return proc, results
+
+
+def _check(proc, results, min_cases):
+    assert len(results) >= min_cases, proc.stdout + proc.stderr
+    bad = [r for r in results if not r["ok"]]
+    assert not bad, json.dumps(bad, indent=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_ep_matches_single_device():
+    """EP 1/2/4/8, top-K and token rounding, both dispatches, skewed routing: y, aux, grads.
+
+    Also the layout errors on a real 2x3 mesh (experts or tokens not divisible).
+    """
+    proc, results = _run_ep_check("fast")
+    _check(proc, results, 11)
+    checks = {r["check"] for r in results if "check" in r}
+    assert checks == {"experts_not_divisible", "tokens_not_divisible", "missing_axis", "valid_3way"}
+    results = [r for r in results if "check" not in r]
+    assert {r["ep"] for r in results} == {1, 2, 4, 8}
+    assert {r["dispatch"] for r in results} == {"all_gather", "emulated_ragged_all_to_all"}
+    tr = [r for r in results if r["routing"] == "token_rounding"]
+    assert any(r["added_rows"] > 0 and r["dropped_rows"] > 0 for r in tr)  # rounding both ways
+
+
+@pytest.mark.slow
+def test_ep_matches_single_device_full_matrix():
+    proc, results = _run_ep_check("full")
+    _check(proc, results, 44)
+
+
+def _mesh(shape=(1,), names=("expert",)):
+    return Mesh(np.array(jax.devices()[:1]).reshape(shape), names)
+
+
+def test_missing_mesh_axis():
+    with pytest.raises(ValueError, match="axis='expert'.*not an axis of the mesh"):
+        pm.nn.ExpertParallel(_mesh(names=("data",)), axis="expert")
+    with pytest.raises(ValueError, match="token_axes names 'batch'"):
+        pm.nn.ExpertParallel(_mesh(), token_axes=("batch", "expert"))
+    with pytest.raises(ValueError, match="must include the expert axis"):
+        pm.nn.ExpertParallel(_mesh((1, 1), ("data", "expert")), token_axes=("data",))
+
+
+def test_bad_dispatch_and_capacity():
+    with pytest.raises(ValueError, match="dispatch must be one of"):
+        pm.nn.ExpertParallel(_mesh(), dispatch="alltoall")
+    with pytest.raises(ValueError, match="capacity_factor applies to the ragged dispatch only"):
+        pm.nn.ExpertParallel(_mesh(), capacity_factor=1.5)
+    with pytest.raises(ValueError, match="capacity_factor must be positive"):
+        pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", capacity_factor=0)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU limitation only")
+def test_ragged_all_to_all_on_cpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="XLA:CPU has no ragged_all_to_all"):
+        pm.nn.ExpertParallel(_mesh(), dispatch="ragged_all_to_all")
+
+
+def test_expert_parallel_type_checked():
+    with pytest.raises(TypeError, match="expert_parallel must be a pallas_moe.nn.ExpertParallel"):
+        pm.nn.MoE(16, 8, 8, 2, rngs=nnx.Rngs(0), expert_parallel="expert")
