@@ -53,6 +53,14 @@ def save(mgr: ocp.CheckpointManager, step: int, state: dict, meta: dict) -> None
     mgr.wait_until_finished()
 
 
+def read_meta(mgr: ocp.CheckpointManager, step: int | None = None) -> tuple[int, dict]:
+    """(step, meta) of the latest (or given) checkpoint, without reading any array."""
+    step = mgr.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint in {mgr.directory}")
+    return step, mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
 def restore(mgr: ocp.CheckpointManager, template: dict, step: int | None = None) -> tuple[int, dict, dict]:
     """Restores (step, state, meta); `template` gives the state's structure, shapes and dtypes."""
     step = mgr.latest_step() if step is None else step

@@ -86,7 +86,13 @@ def main(argv=None) -> int:
           f"K={cfg.top_k} n={cfg.d_expert} seq={cfg.seq_len} batch={cfg.batch_size} "
           f"routing={cfg.routing}" + (f"/{cfg.rounding} tile={cfg.tile}" if cfg.routing == "token_rounding" else "")
           + f" steps={cfg.steps}", flush=True)
-    result = train(cfg, resume=args.resume, progress=not args.no_progress)
+    try:
+        result = train(cfg, resume=args.resume, progress=not args.no_progress)
+    except FileNotFoundError as e:
+        if not args.resume:
+            raise
+        print(f"error: --resume: {e}", file=sys.stderr)
+        return 2
     val = ", ".join(f"{k}={v:.4f}" for k, v in result.final_val.items())
     print(f"done: step {result.final_step}, {val}, {result.train_tokens_per_s:,.0f} train tokens/s")
     print(f"metrics:    {result.metrics_path}")

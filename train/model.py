@@ -86,7 +86,12 @@ class MoETransformer(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=self.dtype, rngs=rngs)
+        # Small embedding init: with a tied head, initial logits are x . embed, so unit-variance
+        # embeddings would start the loss well above ln(256).
+        self.embed = nnx.Embed(
+            cfg.vocab_size, cfg.d_model, dtype=self.dtype,
+            embedding_init=nnx.initializers.normal(stddev=0.02), rngs=rngs,
+        )
         if cfg.positions == "learned":
             init = jax.nn.initializers.normal(0.02)
             self.pos_embed = nnx.Param(init(rngs.params(), (cfg.seq_len, cfg.d_model)))

@@ -89,17 +89,17 @@ def make_steps(graphdef, tx: optax.GradientTransformation, eval_graphdefs: dict[
     def train_step(params, rest, opt_state, batch):
         inputs, targets = split_batch(batch)
 
-        def loss_fn(params):
-            model = nnx.merge(graphdef, params, rest)
+        def loss_fn(params, rest):
+            model = nnx.merge(graphdef, params, rest, copy=True)  # fresh Variables in this trace
             logits, aux = model(inputs)  # [B, S, V]
             ce = cross_entropy(logits, targets)
             new_rest = nnx.state(model, nnx.Not(nnx.Param))
             return ce + aux["loss"], (ce, aux, new_rest)
 
-        (loss, (ce, aux, new_rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (loss, (ce, aux, new_rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "ce": ce, "aux_loss": aux["loss"], "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "ce": ce, "aux_loss": aux["loss"], "grad_norm": optax.tree.norm(grads)}
         metrics.update(routing_summary(aux))
         return params, new_rest, opt_state, metrics
 
@@ -204,8 +204,7 @@ def train(
     mgr = checkpoint.manager(ckpt_dir, cfg.keep_checkpoints)
     start_step = 0
     if resume:
-        template = {"params": params, "rest": rest, "opt_state": opt_state}
-        start_step, state, meta = checkpoint.restore(mgr, template)
+        start_step, meta = checkpoint.read_meta(mgr)
         changed = {
             k for k, v in meta["config"].items() if k not in RESUMABLE_CHANGES and cfg.to_dict().get(k) != v
         }
@@ -214,6 +213,8 @@ def train(
                 f"cannot resume: config fields {sorted(changed)} differ from the checkpoint's "
                 f"({', '.join(f'{k}={meta['config'][k]!r}' for k in sorted(changed))})."
             )
+        template = {"params": params, "rest": rest, "opt_state": opt_state}
+        _, state, meta = checkpoint.restore(mgr, template, start_step)
         params, rest, opt_state = state["params"], state["rest"], state["opt_state"]
         loader.restore(meta["data"])
     log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None)
