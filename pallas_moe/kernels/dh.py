@@ -1,0 +1,310 @@
+"""dH: the backward's first grouped GEMM, the mirror image of the up-proj.
+
+    dA'[r] = dO[tok[r]] @ W2[e(r)]^T           f32 [bm, bn] per CTA, never written
+    A[r]   = silu(H_g[r]) * H_u[r]             recomputed from the saved H (fp32)
+    D      = s[r] * dA'[r]
+    dH[r]  = [D * u * sig * (1 + g * (1 - sig)),  D * silu(g)]    bf16 [P_pad, 2n]
+    A'[r]  = s[r] * A[r]                       bf16 [P_pad, n]   (feeds dW2)
+    dS[r]  = <dA'[r], A[r]>                    f32 [P]           (router-score gradient)
+
+One CTA computes one (row tile, column block) pair, exactly like the up-proj: a row tile
+holds at most `block_m` rows of one expert (`tile_meta`), a column block `j` holds columns
+`[j*bn, (j+1)*bn)` of dA' and therefore gate columns `j*bn + [0, bn)` and up columns
+`n + j*bn + [0, bn)` of H and dH.
+
+The gather: each of the `block_m` rows of an A stage is its own `[1, block_k]` TMA copy
+`dO[tok, k:k+bk] -> a_smem[slot, r]` (`row_gather_buffers`); no gathered `[P, d]` copy of dO
+is ever written. B is `W2[e][j*bn:(j+1)*bn, k:k+bk]` (`[bn, bk]`, K-minor), fed to wgmma
+transposed, so the public `[E, n, d]` layout is read as is.
+
+The epilogue's H rows (gate and up blocks) and the tile's scores are TMA-loaded at the start
+of the CTA, so they arrive while the K loop runs. H is loaded row-exactly (a power-of-two
+ladder of boxes, like `store_rows`), so nothing past the tile's rows, and nothing past `P`, is
+read. dH and A' rows are TMA-stored row-exactly. dS is reduced over the CTA's `bn` columns in
+registers and written as a per-(tile, column block) partial `[num_tiles, grid_n, bm]` (each
+CTA owns its slot: no atomics); `reduce_row_partials` sums the partials in a fixed order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels import _common
+from pallas_moe.kernels._common import TileMeta
+
+
+@dataclasses.dataclass(frozen=True)
+class DHConfig:
+    """Block sizes of the dH kernel.
+
+    Attributes:
+      block_m: rows per tile (a multiple of 64: one wgmma M=64 per 64 rows).
+      block_n: columns of dA' per CTA (multiple of 64, divides n, at most 256); the CTA
+        writes 2*block_n columns of dH and block_n of A'.
+      block_k: contraction step over d; must be 64 (one 128-byte swizzle row of bf16).
+      num_stages: SMEM pipeline depth.
+      pad_rows_to: dH and A' get `P` rounded up to a multiple of this (the dX and weight-
+        gradient kernels load whole aligned row blocks); padding rows are not written.
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    num_stages: int = 4
+    pad_rows_to: int = 64
+
+
+def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
+    if grad_out.ndim != 2:
+        raise ValueError(f"grad_out must be [T, d], got shape {tuple(grad_out.shape)}.")
+    if w_down.ndim != 3:
+        raise ValueError(f"w_down must be [E, n, d], got shape {tuple(w_down.shape)}.")
+    if h.ndim != 2:
+        raise ValueError(f"h must be [P, 2n], got shape {tuple(h.shape)}.")
+    for name, arr in (("grad_out", grad_out), ("h", h), ("w_down", w_down)):
+        _common.require_dtype(name, arr, jnp.bfloat16)
+    _, d = grad_out.shape
+    num_experts, n, d2 = w_down.shape
+    if d2 != d:
+        raise ValueError(f"w_down.shape[2]={d2} must equal grad_out.shape[1]={d}.")
+    capacity = token_ids.shape[0]
+    _common.require_shape("h", h, (capacity, 2 * n))
+    _common.require_shape("scores", scores, (capacity,))
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    _common.require_multiple("config.block_m", bm, 64, "wgmma tiles rows by 64")
+    _common.require_multiple("config.block_n", bn, 64, "B tiles are 128-byte swizzled")
+    if bn > 256:
+        raise ValueError(f"config.block_n={bn} must be at most 256 (one wgmma N).")
+    if bk != 64:
+        raise ValueError(f"config.block_k={bk} must be 64 (one 128-byte swizzle row of bf16).")
+    if config.num_stages < 2:
+        raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
+    if config.pad_rows_to < 1:
+        raise ValueError(f"config.pad_rows_to={config.pad_rows_to} must be >= 1.")
+    _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
+    _common.require_multiple(
+        "n (w_down.shape[1])", n, bn, f"a CTA computes block_n={bn} columns of dA'"
+    )
+    return d, n, num_experts
+
+
+def load_rows(src_gmem, dst_smem, row0, num_rows, max_rows: int, bars, issue: bool):
+    """TMA-loads rows `[row0, row0 + num_rows)` of `src_gmem` into rows `[0, num_rows)` of an
+    untiled SMEM block, as a power-of-two ladder of boxes (the mirror of `store_rows`).
+
+    Box `i` (height `2**i`) arrives on `bars.at[i]`, so the number of arrivals per barrier is
+    static. With `issue=True` this starts the copies; with `issue=False` it waits on the
+    barriers of the boxes once (one wait covers every block issued with the same `bars`, row0
+    and num_rows, if the barriers count that many arrivals). Rows past `num_rows` are not
+    touched.
+    """
+    start = jnp.int32(0)
+    size = 1 << (max_rows.bit_length() - 1)
+    i = 0
+    while size >= 1:
+        this, bar = size, bars.at[i]
+
+        @pl.when((num_rows & this) != 0)
+        def _():
+            if issue:
+                plgpu.copy_gmem_to_smem(
+                    src_gmem.at[pl.ds(row0 + start, this)], dst_smem.at[pl.ds(start, this)], bar
+                )
+            else:
+                plgpu.barrier_wait(bar)
+
+        start = start + (num_rows & this)
+        size //= 2
+        i += 1
+
+
+def ladder_len(max_rows: int) -> int:
+    """Number of boxes (and barriers) `load_rows` uses for blocks of `max_rows` rows."""
+    return max_rows.bit_length()
+
+
+def tile_scores(scores: jax.Array, meta: TileMeta) -> jax.Array:
+    """f32 [num_tiles, bm]: the score of each row slot of each tile, 0 past the tile's rows."""
+    capacity = scores.shape[0]
+    local = jnp.arange(meta.block_m, dtype=jnp.int32)[None, :]  # [1, bm]
+    valid = local < meta.num_rows[:, None]  # [nt, bm]
+    rows = jnp.clip(meta.row_start[:, None] + local, 0, capacity - 1)
+    return jnp.where(valid, scores.astype(jnp.float32)[rows], 0.0)
+
+
+def reduce_row_partials(partials: jax.Array, meta: TileMeta, capacity: int) -> jax.Array:
+    """f32 [P]: `sum_j partials[t, j, i]` for row `row_start[t] + i` of each tile; 0 elsewhere.
+
+    Deterministic: the column blocks are added in ascending order, and every row belongs to
+    exactly one tile (the scatter has unique indices).
+    """
+    total = partials[:, 0]
+    for j in range(1, partials.shape[1]):
+        total = total + partials[:, j]  # [nt, bm]
+    local = jnp.arange(meta.block_m, dtype=jnp.int32)[None, :]
+    valid = local < meta.num_rows[:, None]
+    rows = jnp.where(valid, meta.row_start[:, None] + local, capacity)
+    out = jnp.zeros((capacity,), jnp.float32)
+    return out.at[rows.reshape(-1)].set(jnp.where(valid, total, 0.0).reshape(-1), mode="drop")
+
+
+def dh_kernel(
+    grad_out: jax.Array,
+    h: jax.Array,
+    token_ids: jax.Array,
+    group_sizes: jax.Array,
+    scores: jax.Array,
+    w_down: jax.Array,
+    *,
+    config: DHConfig = DHConfig(),
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    meta: TileMeta | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dH, A' and dS from the saved H, with the gather of dO fused into the load.
+
+    Args:
+      grad_out: bf16 [T, d] cotangent of the layer output (dO).
+      h: bf16 [P, 2n] saved up-proj output; padding rows are never read.
+      token_ids: i32 [P] source token of each grouped row (plan.token_ids).
+      group_sizes: i32 [E] rows per expert (plan.group_sizes).
+      scores: f32 [P] router weight of each row (plan.scores).
+      w_down: bf16 [E, n, d].
+      config: block sizes.
+      interpret: run in Mosaic GPU interpret mode (CPU) if True or an InterpretGPUParams.
+      meta: precomputed `tile_meta(group_sizes, token_ids, config.block_m)`.
+
+    Returns:
+      (dh bf16 [P_pad, 2n], a_scaled bf16 [P_pad, n], d_scores f32 [P]) with P_pad = P
+      rounded up to `config.pad_rows_to`. Rows of dh and a_scaled past `sum(group_sizes)`
+      are not written (unspecified); d_scores is 0 there.
+    """
+    d, n, num_experts = _check(grad_out, h, w_down, token_ids, scores, config)
+    _common.require_shape("group_sizes", group_sizes, (num_experts,))
+    capacity = token_ids.shape[0]
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    if meta is None:
+        meta = _common.tile_meta(group_sizes, token_ids, bm)
+    if meta.block_m != bm:
+        raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
+    num_tiles = meta.num_tiles
+    num_k = d // bk
+    grid_n = n // bn
+    dtype = grad_out.dtype
+    tf = _common.mma_transforms(dtype)
+    num_ladder = ladder_len(bm)
+    s_tiles = tile_scores(scores, meta)  # [nt, bm]
+
+    def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
+             dh_out, ap_out, ds_out, *scratch):
+        (ids_smem, a_bufs, b_smem, h_smem, s_smem, o_smem, ds_smem,
+         bars, ids_bar, h_bars, s_bar) = scratch
+        a_copy, a_mma = a_views(a_bufs)
+        ni = jax.lax.axis_index("n")
+        mi = jax.lax.axis_index("m")
+        num_rows = rows_ref[mi]
+
+        @pl.when(num_rows > 0)
+        def _():
+            expert = expert_ref[mi]
+            row0 = start_ref[mi]
+            c0 = ni * bn
+            # Epilogue operands first, so they land while the K loop runs.
+            plgpu.copy_gmem_to_smem(s_ref.at[mi], s_smem, s_bar)  # [bm] f32
+            h_gate = h_ref.at[:, pl.ds(c0, bn)]  # [P, bn]
+            h_up = h_ref.at[:, pl.ds(n + c0, bn)]  # [P, bn]
+            load_rows(h_gate, h_smem.at[0], row0, num_rows, bm, h_bars, issue=True)
+            load_rows(h_up, h_smem.at[1], row0, num_rows, bm, h_bars, issue=True)
+            # Source token of each row of this tile -> SMEM, read back as scalars below.
+            plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
+            plgpu.barrier_wait(ids_bar)
+            w_e = w_ref.at[expert]  # [n, d]
+
+            def issue(ki, slot):
+                k0 = ki * bk
+
+                def row_copy(r, carry):
+                    tok = ids_smem[r]
+                    plgpu.copy_gmem_to_smem(
+                        do_ref.at[pl.ds(tok, 1), pl.ds(k0, bk)],  # [1, bk] of dO[tok]
+                        a_copy.at[slot, pl.ds(r, 1)],
+                        bars.at[slot],
+                    )
+                    return carry
+
+                jax.lax.fori_loop(0, bm, row_copy, None, unroll=8)
+                plgpu.copy_gmem_to_smem(  # [bn, bk] rows c0.. of W2[e], K-minor
+                    w_e.at[pl.ds(c0, bn), pl.ds(k0, bk)], b_smem.at[slot], bars.at[slot]
+                )
+
+            def mma_scope(acc):
+                def mma(slot):
+                    # [bm, bk] @ [bk, bn]
+                    plgpu.wgmma(acc, a_mma.at[slot], b_smem.at[slot].transpose((1, 0)))
+
+                _common.k_pipeline(num_k, stages, bars, issue, mma, mmas_per_step=1)
+                return acc[...]
+
+            da = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))  # [bm, bn] f32
+
+            # Epilogue: recompute A from H, dSwiGLU, A' and the dS partial.
+            plgpu.barrier_wait(s_bar)
+            load_rows(h_gate, h_smem.at[0], row0, num_rows, bm, h_bars, issue=False)  # both
+            layout = plgpu.Layout.WGMMA
+            g = plgpu.load(h_smem.at[0], layout=layout, optimized=False).astype(jnp.float32)
+            u = plgpu.load(h_smem.at[1], layout=layout, optimized=False).astype(jnp.float32)
+            s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
+            s = jax.lax.broadcast_in_dim(s, (bm, bn), [0])  # [bm, bn]
+            sig = jax.nn.sigmoid(g)
+            silu = g * sig
+            act = silu * u  # [bm, bn] f32
+            ds_smem[...] = jnp.sum(da * act, axis=1)  # [bm] partial over this column block
+            dd = s * da
+            o_smem[0] = (dd * u * sig * (1.0 + g * (1.0 - sig))).astype(dtype)  # d gate
+            o_smem[1] = (dd * silu).astype(dtype)  # d up
+            o_smem[2] = (s * act).astype(dtype)  # A'
+            plgpu.commit_smem()
+            _common.store_rows(o_smem.at[0], dh_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
+            _common.store_rows(o_smem.at[1], dh_out.at[:, pl.ds(n + c0, bn)], row0, num_rows, bm)
+            _common.store_rows(o_smem.at[2], ap_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
+            plgpu.copy_smem_to_gmem(ds_smem, ds_out.at[mi, ni])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    rows_pad = -(-capacity // config.pad_rows_to) * config.pad_rows_to
+    out_types = (
+        jax.ShapeDtypeStruct((rows_pad, 2 * n), dtype),  # dH
+        jax.ShapeDtypeStruct((rows_pad, n), dtype),  # A'
+        jax.ShapeDtypeStruct((num_tiles, grid_n, bm), jnp.float32),  # dS partials
+    )
+    interpret_mode = _common.interpret_params(interpret)
+    a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret_mode is not None)
+    scratch = [
+        plgpu.SMEM((bm,), jnp.int32),  # token ids of the tile
+        a_scratch,  # gathered dO stages [stages, bm, bk]
+        plgpu.SMEM((stages, bn, bk), dtype, transforms=tf),  # W2 stages
+        plgpu.SMEM((2, bm, bn), dtype),  # H gate, H up (untiled: row-exact loads)
+        plgpu.SMEM((bm,), jnp.float32),  # scores
+        plgpu.SMEM((3, bm, bn), dtype),  # dH gate, dH up, A'
+        plgpu.SMEM((bm,), jnp.float32),  # dS partial
+        plgpu.Barrier(num_arrivals=bm + 1, num_barriers=stages),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=2, num_barriers=num_ladder),
+        plgpu.Barrier(),
+    ]
+    kernel = plgpu.kernel(
+        body,
+        out_type=out_types,
+        scratch_types=scratch,
+        grid=(grid_n, num_tiles),
+        grid_names=("n", "m"),
+        interpret=interpret_mode,
+    )
+    dh, a_scaled, ds_part = kernel(
+        meta.expert, meta.row_start, meta.num_rows, meta.row_ids, s_tiles, grad_out, w_down, h
+    )
+    d_scores = reduce_row_partials(ds_part, meta, capacity)
+    return dh, a_scaled, d_scores

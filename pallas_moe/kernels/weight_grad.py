@@ -1,0 +1,317 @@
+"""Weight gradients: varlen-K grouped GEMMs with the token gather fused into the load.
+
+    dW2[e] = A'[rows e]^T @ dO[tok[rows e]]      [E, n, d]   (`weight_grad(..., gathered="rhs")`)
+    dW1[e] = X[tok[rows e]]^T @ dH[rows e]       [E, d, 2n]  (`weight_grad(..., gathered="lhs")`)
+
+Both are `out[e] = L[rows e]^T @ R[rows e]`, contracting over expert e's rows only; one of L,
+R is indexed by grouped row (contiguous: A' or dH) and the other by source token (gathered: dO
+or X, through `plan.token_ids`).
+
+One CTA computes one `[bm, bn]` output tile of one expert, walking that expert's rows in
+K-blocks of `block_k` rows. K-blocks are aligned to `block_k` (Mosaic's tiled TMA wants
+8-aligned row offsets), so the first and the last block of a group may hold rows of the
+neighbouring experts or padding (unwritten, possibly non-finite): only those two blocks are
+masked, by zeroing the contiguous operand's foreign rows in SMEM (`jnp.where`, never a
+multiply). The gathered operand's foreign rows repeat rows of the group (ids are clamped into
+the group once per plan in `k_block_ids`), so they are finite whenever the inputs are.
+
+The gather: each row of a gathered K-block is a `[1, 64]` TMA copy into a 128-byte-swizzled
+SMEM buffer (`row_gather_buffers`). The gathered side is split into chunks of 64 columns, one
+buffer and one fp32 accumulator per chunk, so every chunk keeps the layout wgmma reads.
+The token ids of each K-block are themselves TMA-prefetched into SMEM `num_stages` steps
+ahead, so issuing the row copies never waits on a global load.
+
+Empty experts run no K loop and store their zero accumulators: every output element is
+written. The grid walks experts by decreasing group size (largest first), so the long
+experts start early and the short ones fill the tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels import _common
+
+_CHUNK = 64  # columns of one gathered buffer: one 128-byte swizzle row of bf16
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGradConfig:
+    """Block sizes of a weight-gradient kernel.
+
+    Attributes:
+      block_m: output rows per CTA (columns of L). Multiple of 64; when L is the gathered
+        side it is split into `block_m // 64` chunks (one accumulator each).
+      block_n: output columns per CTA (columns of R). Multiple of 64, at most 256; when R is
+        the gathered side it is split into `block_n // 64` chunks.
+      block_k: rows (of the contraction) per step; a multiple of 64.
+      num_stages: SMEM pipeline depth.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_stages: int = 4
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["order", "row_lo", "row_hi", "block_off", "block_ids"],
+    meta_fields=["block_k"],
+)
+@dataclasses.dataclass(frozen=True)
+class KBlockMeta:
+    """Per-expert K-blocks of a varlen-K GEMM, computed once per plan and block_k.
+
+    Expert e's rows `[row_lo[e], row_hi[e])` are covered by the aligned K-blocks
+    `row_lo[e] // bk + i`, `i < num_blocks(e)`; block i of e is entry `block_off[e] + i` of
+    `block_ids`.
+
+    Attributes:
+      order: i32[E] experts by decreasing group size (the grid's expert order).
+      row_lo, row_hi: i32[E] first and one-past-last grouped row of each expert.
+      block_off: i32[E + 1] first entry of each expert's K-blocks in `block_ids`.
+      block_ids: i32[num_blocks, bk] source token of each row of each K-block; rows outside
+        the expert's group repeat its nearest row of the group.
+      block_k: static rows per K-block.
+    """
+
+    order: jax.Array
+    row_lo: jax.Array
+    row_hi: jax.Array
+    block_off: jax.Array
+    block_ids: jax.Array
+    block_k: int
+
+
+def k_block_meta(group_sizes: jax.Array, token_ids: jax.Array, block_k: int) -> KBlockMeta:
+    """K-blocks of every expert (at most `ceil(P / bk) + E` in all) and their token ids."""
+    capacity = token_ids.shape[0]
+    num_experts = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    hi = jnp.cumsum(sizes, dtype=jnp.int32)  # [E]
+    lo = hi - sizes
+    blocks = jnp.where(sizes > 0, (hi + block_k - 1) // block_k - lo // block_k, 0)  # [E]
+    block_off = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(blocks, dtype=jnp.int32)])
+    max_blocks = -(-capacity // block_k) + num_experts
+    b = jnp.arange(max_blocks, dtype=jnp.int32)
+    owner = jnp.clip(jnp.searchsorted(block_off[1:], b, side="right"), 0, num_experts - 1)
+    first_row = (lo[owner] // block_k + b - block_off[owner]) * block_k  # [nb]
+    rows = first_row[:, None] + jnp.arange(block_k, dtype=jnp.int32)[None, :]  # [nb, bk]
+    rows = jnp.clip(rows, lo[owner][:, None], hi[owner][:, None] - 1)
+    rows = jnp.clip(rows, 0, capacity - 1)
+    block_ids = token_ids.astype(jnp.int32)[rows]
+    order = jnp.argsort(-sizes, stable=True).astype(jnp.int32)
+    return KBlockMeta(order, lo, hi, block_off, block_ids, block_k)
+
+
+def weight_grad(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    token_ids: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    gathered: str,
+    out_dtype,
+    config: WeightGradConfig = WeightGradConfig(),
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    meta: KBlockMeta | None = None,
+) -> jax.Array:
+    """`out[e] = L[rows e]^T @ R[rows e]`, with L or R gathered by token.
+
+    Args:
+      lhs: bf16 L. `[T, M]` (indexed by token) if `gathered == "lhs"`, else `[P_pad, M]`
+        (indexed by grouped row, `P_pad >= P` a multiple of block_k).
+      rhs: bf16 R, `[T, N]` if `gathered == "rhs"`, else `[P_pad, N]`.
+      token_ids: i32 [P] source token of each grouped row (plan.token_ids).
+      group_sizes: i32 [E] rows per expert (plan.group_sizes).
+      gathered: "lhs" (dW1: L = X, R = dH) or "rhs" (dW2: L = A', R = dO).
+      out_dtype: dtype of the result (the weights' dtype).
+      config: block sizes.
+      interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
+      meta: precomputed `k_block_meta(group_sizes, token_ids, config.block_k)`.
+
+    Returns:
+      out_dtype [E, M, N]; experts without rows get exact zeros.
+    """
+    if gathered not in ("lhs", "rhs"):
+        raise ValueError(f'gathered must be "lhs" or "rhs", got {gathered!r}.')
+    if lhs.ndim != 2 or rhs.ndim != 2:
+        raise ValueError(
+            f"lhs and rhs must be 2-D, got {tuple(lhs.shape)} and {tuple(rhs.shape)}."
+        )
+    _common.require_dtype("lhs", lhs, jnp.bfloat16)
+    _common.require_dtype("rhs", rhs, jnp.bfloat16)
+    capacity = token_ids.shape[0]
+    num_experts = group_sizes.shape[0]
+    m_dim, n_dim = lhs.shape[1], rhs.shape[1]
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    _common.require_multiple("config.block_m", bm, 64, "wgmma tiles M by 64")
+    _common.require_multiple("config.block_n", bn, 64, "B tiles are 128-byte swizzled")
+    _common.require_multiple("config.block_k", bk, 64, "K-blocks hold whole 8-row tiles")
+    if bn > 256:
+        raise ValueError(f"config.block_n={bn} must be at most 256 (one wgmma N).")
+    if stages < 2:
+        raise ValueError(f"config.num_stages={stages} must be >= 2.")
+    _common.require_multiple("M (lhs.shape[1])", m_dim, bm, f"a CTA computes block_m={bm} rows")
+    _common.require_multiple("N (rhs.shape[1])", n_dim, bn, f"a CTA computes block_n={bn} columns")
+    contiguous = rhs if gathered == "lhs" else lhs
+    name = "rhs" if gathered == "lhs" else "lhs"
+    rows_pad = -(-capacity // bk) * bk
+    if contiguous.shape[0] < rows_pad:
+        raise ValueError(
+            f"{name}.shape[0]={contiguous.shape[0]} must be at least P={capacity} rounded up to "
+            f"block_k={bk} ({rows_pad}): whole aligned K-blocks are loaded."
+        )
+    if meta is None:
+        meta = k_block_meta(group_sizes, token_ids, bk)
+    if meta.block_k != bk:
+        raise ValueError(f"meta.block_k={meta.block_k} must equal config.block_k={bk}.")
+    dtype = lhs.dtype
+    tf = _common.mma_transforms(dtype)
+    grid_m, grid_n = m_dim // bm, n_dim // bn
+    gather_lhs = gathered == "lhs"
+    chunks = (bm if gather_lhs else bn) // _CHUNK
+    interpret_mode = _common.interpret_params(interpret)
+
+    def body(order_ref, lo_ref, hi_ref, off_ref, ids_ref, l_ref, r_ref, out_ref, *scratch):
+        ids_smem, g_bufs, c_smem, o_smem, bars, ids_bars = scratch
+        g_copy, g_mma = g_views(g_bufs)
+        tile = jax.lax.axis_index("tile")
+        expert = order_ref[jax.lax.axis_index("e")]
+        mi, ni = tile // grid_n, tile % grid_n
+        m0, n0 = mi * bm, ni * bn
+        lo, hi = lo_ref[expert], hi_ref[expert]
+        block0 = off_ref[expert]
+        num_k = off_ref[expert + 1] - block0
+        kb0 = lo // bk  # first aligned K-block of the group
+        g_ref = l_ref if gather_lhs else r_ref
+        c_ref = r_ref if gather_lhs else l_ref
+        g_col0 = m0 if gather_lhs else n0
+
+        def issue_ids(ki, slot):
+            plgpu.copy_gmem_to_smem(ids_ref.at[block0 + ki], ids_smem.at[slot], ids_bars.at[slot])
+
+        def issue(ki, slot):
+            k0 = (kb0 + ki) * bk
+            if gather_lhs:  # [bk, bn] of dH
+                c_src = c_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)]
+            else:  # [bk, bm] of A'
+                c_src = c_ref.at[pl.ds(k0, bk), pl.ds(m0, bm)]
+            plgpu.copy_gmem_to_smem(c_src, c_smem.at[slot], bars.at[slot])
+            plgpu.barrier_wait(ids_bars.at[slot])
+
+            def row_copy(r, carry):
+                tok = ids_smem[slot, r]
+                for j in range(chunks):
+                    plgpu.copy_gmem_to_smem(  # [1, 64] of X[tok] or dO[tok]
+                        g_ref.at[pl.ds(tok, 1), pl.ds(g_col0 + j * _CHUNK, _CHUNK)],
+                        g_copy.at[slot * chunks + j, pl.ds(r, 1)],
+                        bars.at[slot],
+                    )
+                return carry
+
+            jax.lax.fori_loop(0, bk, row_copy, None, unroll=8 // chunks if chunks <= 8 else 1)
+
+            # The ids slot is free again (read above): prefetch the ids of step ki + stages.
+            @pl.when(ki + stages < num_k)
+            def _():
+                issue_ids(ki + stages, slot)
+
+        def mask(ki, slot):
+            """Zeroes rows of the contiguous K-block outside [lo, hi) (first/last block only)."""
+            k0 = (kb0 + ki) * bk
+
+            @pl.when((k0 < lo) | (k0 + bk > hi))
+            def _():
+                ref = c_smem.at[slot]  # [bk, bn] or [bk, bm]
+                layout = plgpu.Layout.WGMMA
+                vals = plgpu.load(ref, layout=layout, optimized=False)
+                rows = plgpu.broadcasted_iota(jnp.int32, vals.shape, 0, layout=layout) + k0
+                keep = (rows >= lo) & (rows < hi)
+                ref[...] = jnp.where(keep, vals, jnp.zeros_like(vals))
+                plgpu.commit_smem()
+
+        def mma_scope(*accs):
+            def mma(slot):
+                for j in range(chunks):
+                    g_tile = g_mma.at[slot * chunks + j]  # [bk, 64]
+                    if gather_lhs:  # [64, bk] @ [bk, bn]
+                        plgpu.wgmma(accs[j], g_tile.transpose((1, 0)), c_smem.at[slot])
+                    else:  # [bm, bk] @ [bk, 64]
+                        plgpu.wgmma(accs[j], c_smem.at[slot].transpose((1, 0)), g_tile)
+
+            @pl.when(num_k > 0)
+            def _():
+                for s in range(stages):
+                    @pl.when(s < num_k)
+                    def _():
+                        issue_ids(s, s)
+
+                for s in range(stages):
+                    @pl.when(s < num_k)
+                    def _():
+                        issue(s, s)
+
+                def step(ki, carry):
+                    slot = ki % stages
+                    plgpu.barrier_wait(bars.at[slot])
+                    mask(ki, slot)
+                    mma(slot)
+                    plgpu.wgmma_wait(chunks)  # step ki-1 is done reading its slot
+                    nxt = ki - 1 + stages
+
+                    @pl.when((ki >= 1) & (nxt < num_k))
+                    def _():
+                        issue(nxt, (ki - 1) % stages)
+
+                    return carry
+
+                jax.lax.fori_loop(0, num_k, step, None)
+                plgpu.wgmma_wait(0)
+
+            return tuple(acc[...] for acc in accs)
+
+        acc_shape = (_CHUNK, bn) if gather_lhs else (bm, _CHUNK)
+        accs = pl.run_scoped(
+            mma_scope, *[plgpu.ACC(acc_shape, jnp.float32) for _ in range(chunks)]
+        )
+        for j in range(chunks):
+            o_smem[j] = accs[j].astype(o_smem.dtype)
+        plgpu.commit_smem()
+        for j in range(chunks):
+            if gather_lhs:
+                dst = out_ref.at[expert, pl.ds(m0 + j * _CHUNK, _CHUNK), pl.ds(n0, bn)]
+            else:
+                dst = out_ref.at[expert, pl.ds(m0, bm), pl.ds(n0 + j * _CHUNK, _CHUNK)]
+            plgpu.copy_smem_to_gmem(o_smem.at[j], dst)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    g_scratch, g_views = _common.row_gather_buffers(
+        stages * chunks, bk, _CHUNK, dtype, interpret_mode is not None
+    )
+    c_shape = (stages, bk, bn) if gather_lhs else (stages, bk, bm)
+    o_shape = (chunks, _CHUNK, bn) if gather_lhs else (chunks, bm, _CHUNK)
+    scratch = [
+        plgpu.SMEM((stages, bk), jnp.int32),  # token ids of each stage's K-block
+        g_scratch,  # gathered chunks [stages * chunks, bk, 64]
+        plgpu.SMEM(c_shape, dtype, transforms=tf),  # contiguous K-blocks
+        plgpu.SMEM(o_shape, jnp.dtype(out_dtype)),  # output tile
+        plgpu.Barrier(num_arrivals=bk * chunks + 1, num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+    ]
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_experts, m_dim, n_dim), out_dtype),
+        scratch_types=scratch,
+        grid=(grid_m * grid_n, num_experts),
+        grid_names=("tile", "e"),
+        interpret=interpret_mode,
+    )
+    return kernel(meta.order, meta.row_lo, meta.row_hi, meta.block_off, meta.block_ids, lhs, rhs)
