@@ -1,0 +1,110 @@
+"""Shared cases for the forward-kernel tests, plus tests of the per-plan tile metadata.
+
+The kernel tests run the Mosaic GPU kernels in interpret mode on CPU. Interpret mode fills
+fresh buffers (kernel outputs included) with NaN, so every output starts poisoned: a real row
+the kernel forgot to write stays NaN and fails the comparison, and rows a kernel must not
+touch (padding rows) are checked to still be NaN.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_moe.kernels import _common
+from pallas_moe.routing.plan import plan_from_assignment, tile_schedule
+
+
+def random_weights(key, num_experts, d, n):
+    k1, k2, k3 = jax.random.split(key, 3)
+    w1 = (jax.random.normal(k1, (num_experts, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(
+        jnp.bfloat16
+    )
+    w2 = (jax.random.normal(k2, (num_experts, n, d), jnp.float32) / np.sqrt(n)).astype(
+        jnp.bfloat16
+    )
+    return w1, w2
+
+
+def random_x(key, num_tokens, d):
+    return jax.random.normal(key, (num_tokens, d), jnp.float32).astype(jnp.bfloat16)
+
+
+def assignment_plan(key, num_tokens, num_experts, *, p=0.3, empty=(), only=None, extra=0):
+    """Plan from a random boolean assignment (ragged groups, any number of rows per token).
+
+    `empty`: experts that get no rows. `only`: a single expert that gets every token.
+    `extra`: padding rows past T*E.
+    """
+    k1, k2 = jax.random.split(key)
+    sel = jax.random.bernoulli(k1, p, (num_tokens, num_experts))
+    if only is not None:
+        sel = jnp.zeros_like(sel).at[:, only].set(True)
+    for e in empty:
+        sel = sel.at[:, e].set(False)
+    weights = jax.random.uniform(k2, (num_tokens, num_experts), jnp.float32, 0.1, 1.0)
+    return plan_from_assignment(sel, weights, sel, num_tokens * num_experts + extra)
+
+
+def close(got, want, rows, tol=1e-2):
+    """Relative Frobenius error over the first `rows` rows; NaN (unwritten) fails."""
+    g = np.asarray(got[:rows], np.float32)
+    w = np.asarray(want[:rows], np.float32)
+    assert np.all(np.isfinite(g)), "unwritten (NaN) or non-finite rows in the kernel output"
+    err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)
+    assert err < tol, f"relative error {err:.3e} >= {tol}"
+
+
+def assert_untouched(got, start, stop=None):
+    """Rows [start, stop) still hold interpret mode's NaN fill."""
+    g = np.asarray(got[start:stop], np.float32)
+    assert np.all(np.isnan(g)), "kernel wrote rows it does not own"
+
+
+def races_found() -> bool:
+    # Private interpret-mode API: the race detector's verdict for the last detect_races run.
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    return bool(get_races().races_found)
+
+
+@pytest.mark.parametrize("block_m", [8, 64])
+def test_tile_meta_covers_every_row_once(block_m):
+    plan = assignment_plan(jax.random.key(0), 37, 5, empty=(2,))
+    meta = _common.tile_meta(plan.group_sizes, plan.token_ids, block_m)
+    sched = tile_schedule(plan.group_sizes, plan.capacity, block_m)
+    np.testing.assert_array_equal(meta.expert, sched.expert)
+    rows = int(plan.num_rows)
+    owner = np.full(plan.capacity, -1)
+    for t in range(meta.num_tiles):
+        s, nr = int(meta.row_start[t]), int(meta.num_rows[t])
+        assert nr <= block_m
+        assert np.all(owner[s:s + nr] == -1)
+        owner[s:s + nr] = int(meta.expert[t])
+        ids = np.asarray(meta.row_ids[t])
+        if nr:
+            np.testing.assert_array_equal(ids[:nr], np.asarray(plan.token_ids[s:s + nr]))
+            assert np.all(ids[nr:] == ids[nr - 1])  # clamped, in bounds
+    np.testing.assert_array_equal(owner[:rows], np.asarray(plan.expert_ids[:rows]))
+    assert np.all(owner[rows:] == -1)
+
+
+@pytest.mark.parametrize("block_m", [8, 64])
+def test_aligned_tile_meta_stays_inside_aligned_blocks(block_m):
+    plan = assignment_plan(jax.random.key(1), 41, 6, empty=(0, 4), extra=13)
+    meta = _common.aligned_tile_meta(plan.group_sizes, plan.capacity, block_m)
+    assert meta.num_tiles <= -(-plan.capacity // block_m) + plan.num_experts
+    rows = int(plan.num_rows)
+    owner = np.full(plan.capacity, -1)
+    for t in range(meta.num_tiles):
+        s, nr = int(meta.row_start[t]), int(meta.num_rows[t])
+        if nr == 0:
+            continue
+        assert s // block_m == (s + nr - 1) // block_m  # one aligned block
+        assert np.all(owner[s:s + nr] == -1)
+        owner[s:s + nr] = int(meta.expert[t])
+    np.testing.assert_array_equal(owner[:rows], np.asarray(plan.expert_ids[:rows]))
+    assert np.all(owner[rows:] == -1)

@@ -1,0 +1,117 @@
+"""Up-proj kernel (gathered grouped GEMM + SwiGLU) in Mosaic GPU interpret mode vs jnp."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels.reference import up_proj_reference
+from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
+from pallas_moe.routing import token_rounding_plan, topk_plan
+from tests.test_kernels_common import (
+    assert_untouched, assignment_plan, close, races_found, random_weights, random_x,
+)
+
+SMALL = UpProjConfig(block_m=64, block_n=64, num_stages=2)
+# The warp-specialized kernel the forward uses on H100 (2 consumers share each A stage).
+WS = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
+
+
+def run_and_check(x, plan, w1, config, interpret=True):
+    h, a = up_proj(x, plan.token_ids, plan.group_sizes, w1, config=config, interpret=interpret)
+    h_ref, a_ref = up_proj_reference(x, plan.token_ids, plan.group_sizes, w1)
+    rows = int(plan.num_rows)
+    close(h, h_ref, rows)
+    close(a, a_ref, rows)
+    assert_untouched(h, rows)  # padding rows are never written
+    assert_untouched(a, rows)
+    return h, a
+
+
+@pytest.mark.parametrize("config", [SMALL, WS], ids=["single_wg", "warp_specialized"])
+def test_ragged_groups_with_empty_expert(config):
+    ks = jax.random.split(jax.random.key(10), 3)
+    x = random_x(ks[0], 40, 128)
+    w1, _ = random_weights(ks[1], 4, 128, 128)
+    plan = assignment_plan(ks[2], 40, 4, empty=(1,), extra=5)  # groups end inside tiles
+    run_and_check(x, plan, w1, config)
+
+
+def test_one_expert_holds_all_tokens_multi_tile():
+    ks = jax.random.split(jax.random.key(11), 3)
+    x = random_x(ks[0], 70, 64)  # 70 rows -> two tiles of one expert, the second ragged
+    w1, _ = random_weights(ks[1], 3, 64, 64)
+    plan = assignment_plan(ks[2], 70, 3, only=2)
+    run_and_check(x, plan, w1, SMALL)
+
+
+def test_single_expert_topk1():
+    ks = jax.random.split(jax.random.key(12), 4)
+    x = random_x(ks[0], 24, 64)
+    w1, _ = random_weights(ks[1], 1, 64, 64)
+    plan = topk_plan(jax.random.normal(ks[2], (24, 1)), 1)  # E = 1, K = 1
+    run_and_check(x, plan, w1, SMALL)
+
+
+def test_token_rounding_plan_with_padding_rows():
+    ks = jax.random.split(jax.random.key(13), 4)
+    x = random_x(ks[0], 48, 64)
+    w1, _ = random_weights(ks[1], 4, 64, 128)
+    plan = token_rounding_plan(jax.random.normal(ks[2], (48, 4)), 2, tile=8)
+    assert int(plan.num_rows) < plan.capacity
+    run_and_check(x, plan, w1, UpProjConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2))
+
+
+def test_inference_writes_only_a():
+    ks = jax.random.split(jax.random.key(14), 3)
+    x = random_x(ks[0], 30, 64)
+    w1, _ = random_weights(ks[1], 3, 64, 128)
+    plan = assignment_plan(ks[2], 30, 3)
+    h, a = up_proj(x, plan.token_ids, plan.group_sizes, w1, config=WS, inference=True,
+                   interpret=True)
+    assert h is None
+    _, a_ref = up_proj_reference(x, plan.token_ids, plan.group_sizes, w1)
+    close(a, a_ref, int(plan.num_rows))
+
+
+@pytest.mark.parametrize("config", [SMALL, WS], ids=["single_wg", "warp_specialized"])
+def test_no_races(config):
+    ks = jax.random.split(jax.random.key(15), 3)
+    x = random_x(ks[0], 20, 128)
+    w1, _ = random_weights(ks[1], 2, 128, 128)
+    plan = assignment_plan(ks[2], 20, 2, p=0.6)
+    run_and_check(x, plan, w1, config, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+
+
+@pytest.mark.parametrize(
+    "shape, config, match",
+    [
+        ((64, 96, 2, 64), SMALL, "d \\(x.shape\\[1\\]\\)=96 must be a multiple of 64"),
+        ((64, 64, 2, 96), SMALL, "n \\(w_gate_up.shape\\[2\\] // 2\\)=96 must be a multiple of 64"),
+        ((64, 64, 2, 64), WS, "n \\(w_gate_up.shape\\[2\\] // 2\\)=64 must be a multiple of 128"),
+        ((64, 64, 2, 64), UpProjConfig(block_k=128), "config.block_k=128 must be 64"),
+        ((64, 64, 2, 64), UpProjConfig(block_m=32), "config.block_m=32 must be a multiple of 64"),
+    ],
+)
+def test_bad_dims_raise_naming_the_argument(shape, config, match):
+    t, d, e, n = shape
+    x = jnp.zeros((t, d), jnp.bfloat16)
+    w1 = jnp.zeros((e, d, 2 * n), jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        up_proj(x, jnp.zeros((t,), jnp.int32), jnp.zeros((e,), jnp.int32), w1, config=config,
+                interpret=True)
+
+
+def test_bad_dtype_and_shape_raise():
+    x = jnp.zeros((8, 64), jnp.float32)
+    w1 = jnp.zeros((2, 64, 128), jnp.bfloat16)
+    with pytest.raises(TypeError, match="x must have dtype bfloat16"):
+        up_proj(x, jnp.zeros((8,), jnp.int32), jnp.zeros((2,), jnp.int32), w1, interpret=True)
+    with pytest.raises(ValueError, match="w_gate_up.shape\\[1\\]=64 must equal x.shape\\[1\\]=128"):
+        up_proj(jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((8,), jnp.int32),
+                jnp.zeros((2,), jnp.int32), w1, interpret=True)
