@@ -10,10 +10,21 @@ import pallas_moe as pm
 from pallas_moe.routing import plan as plan_lib
 
 
+# Shapes come from small sets so compiled programs are reused across examples (every new
+# shape compiles afresh); values, k, skew and tiles still vary freely.
+TOKEN_COUNTS = [1, 7, 16, 33, 48]
+EXPERT_COUNTS = [1, 2, 3, 5, 8, 12]
+
+topk_plan = jax.jit(pm.routing.topk_plan, static_argnums=1, static_argnames=("score", "renormalize"))
+token_rounding_plan = jax.jit(
+    pm.routing.token_rounding_plan, static_argnums=1, static_argnames=("tile", "rounding", "score")
+)
+
+
 @st.composite
-def routing_case(draw, max_tokens=48, max_experts=12):
-    num_experts = draw(st.integers(1, max_experts))
-    num_tokens = draw(st.integers(1, max_tokens))
+def routing_case(draw):
+    num_experts = draw(st.sampled_from(EXPERT_COUNTS))
+    num_tokens = draw(st.sampled_from(TOKEN_COUNTS))
     k = draw(st.integers(1, num_experts))
     skew = draw(st.sampled_from([0.0, 0.0, 3.0, 8.0]))
     seed = draw(st.integers(0, 2**16))
@@ -87,7 +98,7 @@ def plan_pairs(plan):
 @given(case=routing_case(), score=st.sampled_from(pm.routing.SCORE_ORDERS), renorm=st.booleans())
 def test_topk_plan_is_permutation_of_assignments(case, score, renorm):
     logits, k = case
-    plan = pm.routing.topk_plan(jnp.asarray(logits), k, score=score, renormalize=renorm)
+    plan = topk_plan(jnp.asarray(logits), k, score=score, renormalize=renorm)
     num_tokens = logits.shape[0]
     assert plan.capacity == num_tokens * k
     assert int(plan.num_rows) == num_tokens * k
@@ -116,7 +127,7 @@ def reference_token_rounding(logits, k, tile, rounding, score="softmax_topk"):
     out, targets, deviation = {}, [], 0
     for e in range(num_experts):
         f = sum(1 for (t, ee) in tc if ee == e)
-        lo, hi = (f // tile) * tile, -(-f // tile) * tile
+        lo, hi = (f // tile) * tile, min(-(-f // tile) * tile, num_tokens)
         if rounding == "up":
             r = hi
         elif rounding == "down":
@@ -136,13 +147,13 @@ def reference_token_rounding(logits, k, tile, rounding, score="softmax_topk"):
 
 @given(
     case=routing_case(),
-    tile=st.integers(1, 16),
+    tile=st.sampled_from([1, 2, 3, 4, 8, 16]),
     rounding=st.sampled_from(["nearest", "up", "down", "balance"]),
 )
 def test_token_rounding_matches_reference(case, tile, rounding):
     logits, k = case
     num_tokens, num_experts = logits.shape
-    plan = pm.routing.token_rounding_plan(jnp.asarray(logits), k, tile=tile, rounding=rounding)
+    plan = token_rounding_plan(jnp.asarray(logits), k, tile=tile, rounding=rounding)
     assert plan.capacity == num_tokens * k + num_experts * tile
     check_plan_structure(plan, num_tokens)
     ref, targets, tc = reference_token_rounding(logits, k, tile, rounding)
@@ -160,8 +171,7 @@ def test_token_rounding_matches_reference(case, tile, rounding):
     if rounding == "down":
         assert np.all(sizes <= tc_counts)
     if rounding == "balance":
-        clamped = sizes == num_tokens
-        running = np.cumsum(np.where(clamped, 0, sizes - tc_counts))
+        running = np.cumsum(sizes - tc_counts)
         assert np.all(np.abs(running) <= tile / 2)
     # Token-choice rows outrank added rows: an expert that added rows dropped none.
     is_tc = np.asarray(plan.is_token_choice)[: int(sizes.sum())]
@@ -172,15 +182,15 @@ def test_token_rounding_matches_reference(case, tile, rounding):
         assert added == 0 or kept_tc == tc_counts[e]
 
 
-@given(case=routing_case(), tile=st.integers(1, 16), seed=st.integers(0, 1000))
+@given(case=routing_case(), tile=st.sampled_from([1, 3, 4, 16]), seed=st.integers(0, 1000))
 def test_stochastic_rounding_picks_a_neighbour_multiple(case, tile, seed):
     logits, k = case
     num_tokens = logits.shape[0]
-    plan = pm.routing.token_rounding_plan(
+    plan = token_rounding_plan(
         jnp.asarray(logits), k, tile=tile, rounding="stochastic", key=jax.random.key(seed)
     )
     check_plan_structure(plan, num_tokens)
-    tc_counts = np.asarray(pm.routing.topk_plan(jnp.asarray(logits), k).group_sizes)
+    tc_counts = np.asarray(topk_plan(jnp.asarray(logits), k).group_sizes)
     sizes = np.asarray(plan.group_sizes)
     lo, hi = (tc_counts // tile) * tile, -(-tc_counts // tile) * tile
     assert np.all((sizes == lo) | (sizes == np.minimum(hi, num_tokens)))

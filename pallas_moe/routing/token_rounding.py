@@ -7,8 +7,9 @@ then every other token by router probability (expert choice). The expert keeps t
 rows. So an expert deviates from TC by less than one tile, and only in its last tile.
 
 Out of candidates: an expert cannot hold more than `T` rows. Where rounding up would need
-more than `T`, the count is clamped to `T` (every token goes to that expert) and is then not
-a multiple of `tile`. That only happens when `T` is within a tile of `f_e`.
+more than `T`, the upper option is `T` itself (every token goes to that expert), which is
+then not a multiple of `tile`; every mode chooses between the lower multiple and that
+clamped upper option. That only happens when `T` is within a tile of `f_e`.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def rounded_counts(
     counts = counts.astype(jnp.int32)
     down = (counts // tile) * tile  # [E]
     remainder = counts - down  # [E]
-    up = jnp.where(remainder > 0, down + tile, down)  # [E]
+    # An expert holds at most max_count rows; clamping here (not only at the end) lets
+    # "balance" account for the clamped count in its running deviation.
+    up = jnp.minimum(jnp.where(remainder > 0, down + tile, down), max_count)  # [E]
     if rounding == "down":
         target = down
     elif rounding == "up":
