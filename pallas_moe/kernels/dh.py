@@ -103,7 +103,7 @@ def load_rows(src_gmem, dst_smem, row0, num_rows, max_rows: int, bars, issue: bo
     and num_rows, if the barriers count that many arrivals). Rows past `num_rows` are not
     touched.
     """
-    start = jnp.int32(0)
+    start = 0  # a Python int until the first dynamic step (Mosaic wants Values or ints)
     size = 1 << (max_rows.bit_length() - 1)
     i = 0
     while size >= 1:

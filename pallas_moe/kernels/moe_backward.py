@@ -1,0 +1,161 @@
+"""Backward of one MoE layer through the Mosaic GPU kernels (DESIGN.md section 2, without Y).
+
+    dH, A', dS = dh_kernel(dO, H, plan)       gather of dO fused into the load, dSwiGLU epilogue
+    dW2        = weight_grad(A', dO)          varlen-K, gather of dO fused into the load
+    dW1        = weight_grad(X, dH)           varlen-K, gather of X fused into the load
+    dX~        = dx_rows(dH, W1)              varlen-M grouped GEMM, dX~ transient
+    dX         = aggregate(dX~, plan)         deterministic CSR sum (no scores), fp32 accumulate
+
+Same contract as `pallas_moe.ops.minimal_backward.moe_ffn_backward`, which is its reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels import _common
+from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
+from pallas_moe.kernels.dh import DHConfig, dh_kernel
+from pallas_moe.kernels.dx import DXConfig, dx_rows
+from pallas_moe.kernels.moe_forward import ForwardConfig, aggregate_width
+from pallas_moe.kernels.weight_grad import WeightGradConfig, k_block_meta, weight_grad
+
+
+def _largest_block(dim: int, candidates: tuple[int, ...]) -> int:
+    for c in candidates:
+        if dim % c == 0:
+            return c
+    raise ValueError(f"no block size in {candidates} divides {dim}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """Block sizes of the five backward kernels."""
+
+    dh: DHConfig = DHConfig()
+    dw_down: WeightGradConfig = WeightGradConfig()  # dW2 = A'^T dO: M = n, N = d (gathered)
+    dw_gate_up: WeightGradConfig = WeightGradConfig()  # dW1 = X^T dH: M = d (gathered), N = 2n
+    dx: DXConfig = DXConfig()
+    aggregate: AggregateConfig = AggregateConfig()
+
+    @classmethod
+    def for_shape(cls, d: int, n: int, **overrides) -> "BackwardConfig":
+        """Default block sizes dividing the model width `d` and expert width `n`.
+
+        Both must be multiples of 64 (`ValueError` naming the argument otherwise);
+        `overrides` may replace any of the five configs.
+        """
+        _common.require_multiple("d", d, 64, "the kernels tile the model width by 64")
+        _common.require_multiple("n", n, 64, "the kernels tile the expert width by 64")
+        k = 64  # contraction rows per step of the varlen-K kernels (one 8-row-tiled block)
+        cfg = cls(
+            dh=DHConfig(block_n=_largest_block(n, (128, 64)), pad_rows_to=k),
+            dw_down=WeightGradConfig(
+                block_m=_largest_block(n, (128, 64)), block_n=_largest_block(d, (128, 64)),
+                block_k=k,
+            ),
+            dw_gate_up=WeightGradConfig(
+                block_m=_largest_block(d, (128, 64)), block_n=_largest_block(2 * n, (128, 64)),
+                block_k=k,
+            ),
+            dx=DXConfig(block_n=_largest_block(d, (256, 192, 128, 64))),
+            aggregate=ForwardConfig.for_shape(d, n).aggregate,
+        )
+        return dataclasses.replace(cfg, **overrides)
+
+
+def moe_backward(
+    x: jax.Array,
+    h: jax.Array,
+    plan,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    grad_out: jax.Array,
+    *,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    config: BackwardConfig | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Gradients of the MoE layer from its minimal residuals, through the kernels.
+
+    Args:
+      x: bf16 [T, d] forward input.
+      h: bf16 [P, 2n] saved up-proj output; padding rows are never read.
+      plan: the forward's `DispatchPlan` (capacity P, E experts).
+      w_gate_up: bf16 [E, d, 2n] (gate = [..., :n], up = [..., n:]).
+      w_down: bf16 [E, n, d].
+      grad_out: [T, d] cotangent of the output (cast to x.dtype).
+      interpret: run every kernel in Mosaic GPU interpret mode (CPU) if True or an
+        InterpretGPUParams.
+      config: block sizes; `BackwardConfig.for_shape(d, n)` if None.
+
+    Returns:
+      (dx [T, d] x.dtype, d_scores f32[P] (0 on padding rows), dw_gate_up [E, d, 2n] in
+      w_gate_up.dtype, dw_down [E, n, d] in w_down.dtype).
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
+    if w_gate_up.ndim != 3 or w_down.ndim != 3:
+        raise ValueError(
+            f"w_gate_up must be [E, d, 2n] and w_down [E, n, d], got "
+            f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}."
+        )
+    num_tokens, d = x.shape
+    num_experts, _, two_n = w_gate_up.shape
+    n = two_n // 2
+    _common.require_shape("w_down", w_down, (num_experts, n, d))
+    _common.require_shape("grad_out", grad_out, (num_tokens, d))
+    if plan.num_tokens != num_tokens:
+        raise ValueError(f"plan covers {plan.num_tokens} tokens but x has {num_tokens}.")
+    if plan.num_experts != num_experts:
+        raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
+    _common.require_shape("h", h, (plan.capacity, two_n))
+    if config is None:
+        config = BackwardConfig.for_shape(d, n)
+    k_blocks = {config.dw_down.block_k, config.dw_gate_up.block_k}
+    if len(k_blocks) != 1:
+        raise ValueError(
+            f"config.dw_down.block_k and config.dw_gate_up.block_k must be equal, got {k_blocks}."
+        )
+    (block_k,) = k_blocks
+    _common.require_multiple(
+        "config.dh.pad_rows_to", config.dh.pad_rows_to, block_k,
+        f"the weight-gradient kernels load whole K-blocks of {block_k} rows of dH and A'",
+    )
+    capacity = plan.capacity
+    grad_out = grad_out.astype(x.dtype)
+
+    # Metadata, once per plan and block size.
+    dh_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.dh.block_m)
+    k_meta = k_block_meta(plan.group_sizes, plan.token_ids, block_k)
+    dx_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.dx.block_m)
+
+    dh, a_scaled, d_scores = dh_kernel(
+        grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w_down,
+        config=config.dh, interpret=interpret, meta=dh_meta,
+    )
+    dw_down = weight_grad(
+        a_scaled, grad_out, plan.token_ids, plan.group_sizes, gathered="rhs",
+        out_dtype=w_down.dtype, config=config.dw_down, interpret=interpret, meta=k_meta,
+    )
+    dw_gate_up = weight_grad(
+        x, dh, plan.token_ids, plan.group_sizes, gathered="lhs",
+        out_dtype=w_gate_up.dtype, config=config.dw_gate_up, interpret=interpret, meta=k_meta,
+    )
+    # dX~ gets unwritten pad columns when d is not a multiple of 128 (whole aggregation
+    # blocks); the result is sliced back below.
+    width = aggregate_width(d)
+    dx_tilde = dx_rows(
+        dh, plan.group_sizes, w_gate_up, capacity=capacity, config=config.dx,
+        interpret=interpret, meta=dx_meta, out_cols=width,
+    )
+    dx = aggregate(
+        dx_tilde, plan.rows_by_token, plan.token_row_offsets, None,
+        out_dtype=x.dtype, config=config.aggregate, interpret=interpret,
+    )
+    if width != d:
+        dx = dx[:, :d]
+    return dx, d_scores, dw_gate_up, dw_down
