@@ -17,6 +17,8 @@ from pallas_moe.routing.plan import DispatchPlan
 
 # forward(x, plan, w_gate_up, w_down) -> (out [T, d], h [P, 2n])
 Forward = Callable[..., tuple[jax.Array, jax.Array]]
+# backward(x, h, plan, w_gate_up, w_down, grad_out) -> (dx, d_scores, dw_gate_up, dw_down)
+Backward = Callable[..., tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
 
 
 def _zero_cotangent(leaf: jax.Array) -> np.ndarray:
@@ -29,11 +31,13 @@ def plan_cotangent(plan: DispatchPlan, d_scores: jax.Array) -> DispatchPlan:
     return zeros.with_scores(d_scores.astype(plan.scores.dtype))
 
 
-def minimal_residual_moe_ffn(forward: Forward):
+def minimal_residual_moe_ffn(forward: Forward, backward: Backward = moe_ffn_backward):
     """Wraps a forward that returns `(out, h)` into a differentiable `moe_ffn`.
 
     Args:
       forward: `(x, plan, w_gate_up, w_down) -> (out [T, d], h [P, 2n])`.
+      backward: the minimal-activation backward, with the contract of `moe_ffn_backward`
+        (its jnp implementation is the default).
 
     Returns:
       `f(x, plan, w_gate_up, w_down) -> out`, a `jax.custom_vjp` whose only new residual is `h`.
@@ -49,9 +53,7 @@ def minimal_residual_moe_ffn(forward: Forward):
 
     def moe_bwd(residuals, grad_out):
         x, h, plan, w_gate_up, w_down = residuals
-        dx, d_scores, dw_gate_up, dw_down = moe_ffn_backward(
-            x, h, plan, w_gate_up, w_down, grad_out
-        )
+        dx, d_scores, dw_gate_up, dw_down = backward(x, h, plan, w_gate_up, w_down, grad_out)
         return dx, plan_cotangent(plan, d_scores), dw_gate_up, dw_down
 
     moe.defvjp(moe_fwd, moe_bwd)
@@ -60,9 +62,14 @@ def minimal_residual_moe_ffn(forward: Forward):
 
 @functools.cache
 def _kernel_moe_ffn(interpret: bool):
-    from pallas_moe.kernels.moe_forward import moe_forward  # Pallas only when used.
+    # Pallas is imported only when a kernel backend is used.
+    from pallas_moe.kernels.moe_backward import moe_backward
+    from pallas_moe.kernels.moe_forward import moe_forward
 
-    return minimal_residual_moe_ffn(functools.partial(moe_forward, interpret=interpret))
+    return minimal_residual_moe_ffn(
+        functools.partial(moe_forward, interpret=interpret),
+        functools.partial(moe_backward, interpret=interpret),
+    )
 
 
 def moe_ffn_kernels(
