@@ -44,8 +44,16 @@ class ForwardConfig:
         """
         _common.require_multiple("d", d, 64, "the kernels tile the model width by 64")
         _common.require_multiple("n", n, 64, "the kernels tile the expert width by 64")
-        up = UpProjConfig(block_n=_largest_block(n, (128, 64)))
-        down = DownProjConfig(block_n=_largest_block(d, (256, 192, 128, 64)))
+        # Measured on H100 (benchmarks/RESULTS.md): the warp-specialized up-proj with two
+        # consumers sharing each gathered stage is fastest; fewer down-proj stages let more
+        # CTAs share an SM.
+        if n % 256 == 0:
+            up = UpProjConfig(block_n=128, num_stages=3, num_consumers=2)
+        elif n % 128 == 0:
+            up = UpProjConfig(block_n=128, num_stages=4, num_consumers=1)
+        else:
+            up = UpProjConfig(block_n=64, num_stages=4, num_consumers=1)
+        down = DownProjConfig(block_n=_largest_block(d, (256, 192, 128, 64)), num_stages=2)
         agg = _aggregate_config(d)
         cfg = cls(up=up, down=down, aggregate=agg)
         return dataclasses.replace(cfg, **overrides)
