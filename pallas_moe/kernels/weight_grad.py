@@ -219,9 +219,12 @@ def weight_grad(
 
             jax.lax.fori_loop(0, bk, row_copy, None, unroll=8 // chunks if chunks <= 8 else 1)
 
-            # The ids slot is free again (read above): prefetch the ids of step ki + stages.
+            # The ids slot is free again once every warp has read it (the barrier in
+            # commit_smem orders those reads before the TMA overwrite): prefetch the ids of
+            # step ki + stages into it.
             @pl.when(ki + stages < num_k)
             def _():
+                plgpu.commit_smem()
                 issue_ids(ki + stages, slot)
 
         def mask(ki, slot):

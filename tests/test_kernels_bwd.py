@@ -1,0 +1,420 @@
+"""Backward Mosaic GPU kernels (dH, dW2, dW1, dX~ and the `moe_backward` entry point).
+
+Everything runs in Mosaic GPU interpret mode on CPU. Interpret mode fills every fresh GMEM
+output (and SMEM) with NaN, so an element a kernel fails to write shows up as NaN: outputs
+are poisoned on every call. Inputs are fresh random data per test; padding rows of the
+contiguous inputs (H, dH, A') are poisoned with NaN/inf, so reading them fails the test.
+Interpret mode is slow (each one-row TMA copy is a host callback), so the default set is
+small; the per-kernel sweeps, race detection and the 30B lowering are `slow`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import pallas_moe as pm
+from pallas_moe.kernels import _common
+from pallas_moe.kernels.dh import DHConfig, dh_kernel
+from pallas_moe.kernels.dx import DXConfig, dx_rows
+from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
+from pallas_moe.kernels.reference import moe_forward_reference, up_proj_reference
+from pallas_moe.kernels.weight_grad import WeightGradConfig, weight_grad
+from pallas_moe.ops.minimal_backward import dswiglu, moe_ffn_backward
+from pallas_moe.ops.mosaic import plan_cotangent
+
+BF16 = jnp.bfloat16
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# ----------------------------------------------------------------------------- problems
+
+
+def make_plan(seed, num_tokens, num_experts, k, *, router="topk", skew=0.0, empty=(), tile=16):
+    """A routing plan over random logits; `empty` experts get no rows, `skew` favours expert 0,
+    router "all_to_one" sends every token to expert 0 (k must be 1)."""
+    logits = jax.random.normal(jax.random.key(seed), (num_tokens, num_experts))
+    logits = logits.at[:, 0].add(skew)
+    for e in empty:
+        logits = logits.at[:, e].set(-1e4)
+    if router == "all_to_one":
+        assert k == 1
+        return pm.routing.topk_plan(logits.at[:, 0].set(1e4), 1)
+    if router == "token_rounding":
+        return pm.routing.token_rounding_plan(logits, k, tile=tile, rounding="up")
+    return pm.routing.topk_plan(logits, k)
+
+
+def make_problem(seed, num_tokens, d, n, num_experts, k, **plan_kw):
+    """(x, h, plan, w_gate_up, w_down, grad_out), bf16, h = the forward's saved H with its
+    padding rows poisoned with NaN."""
+    plan = make_plan(seed, num_tokens, num_experts, k, **plan_kw)
+    ks = jax.random.split(jax.random.key(seed + 1000), 4)
+    x = jax.random.normal(ks[0], (num_tokens, d)).astype(BF16)
+    w1 = (jax.random.normal(ks[1], (num_experts, d, 2 * n)) / np.sqrt(d)).astype(BF16)
+    w2 = (jax.random.normal(ks[2], (num_experts, n, d)) / np.sqrt(n)).astype(BF16)
+    grad_out = jax.random.normal(ks[3], (num_tokens, d)).astype(BF16)
+    h, _ = up_proj_reference(x, plan.token_ids, plan.group_sizes, w1)
+    h = jnp.where(plan.row_is_valid[:, None], h, jnp.nan).astype(BF16)
+    return x, h, plan, w1, w2, grad_out
+
+
+def rel_err(got, ref):
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def assert_close(got, ref, tol, name):
+    got = np.asarray(got, np.float32)
+    assert np.isfinite(got).all(), f"{name}: non-finite (unwritten?) elements"
+    err = rel_err(got, ref)
+    assert err < tol, f"{name}: relative error {err:.3g} >= {tol}"
+
+
+def interp(detect_races=False):
+    return plgpu.InterpretGPUParams(detect_races=detect_races)
+
+
+def races_found() -> bool:
+    # Private interpret-mode API: the race detector's verdict for the last detect_races run.
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+    return bool(get_races().races_found)
+
+
+def assert_untouched(got, start, stop=None):
+    """Rows [start, stop) still hold interpret mode's NaN fill (the kernel must not own them)."""
+    g = np.asarray(got[start:stop], np.float32)
+    assert np.all(np.isnan(g)), "kernel wrote rows it does not own"
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def dh_reference(grad_out, h, plan, w_down):
+    """(dh bf16 [P, 2n], a_scaled bf16 [P, n], d_scores f32 [P]) on the real rows; fp32 math."""
+    n = w_down.shape[1]
+    valid = plan.row_is_valid
+    expert = jnp.minimum(plan.expert_ids, w_down.shape[0] - 1)
+    do = grad_out[plan.token_ids].astype(jnp.float32)
+    da = jnp.einsum("pd,pnd->pn", do, w_down[expert].astype(jnp.float32), precision=HIGHEST)
+    h = jnp.where(valid[:, None], h, 0).astype(h.dtype)
+    a = jax.nn.silu(h[:, :n].astype(jnp.float32)) * h[:, n:].astype(jnp.float32)
+    s = plan.scores[:, None]
+    d_scores = jnp.where(valid, jnp.sum(da * a, axis=-1), 0.0)
+    return dswiglu(h, s * da).astype(h.dtype), (s * a).astype(h.dtype), d_scores
+
+
+def weight_grad_reference(lhs_rows, rhs_rows, plan):
+    """out[e] = sum over e's rows r of lhs_rows[r]^T rhs_rows[r] (fp32), [E, M, N]."""
+    onehot = jax.nn.one_hot(plan.expert_ids, plan.num_experts, dtype=jnp.float32)  # padding: 0
+    return jnp.einsum(
+        "pe,pm,pn->emn", onehot, lhs_rows.astype(jnp.float32), rhs_rows.astype(jnp.float32),
+        precision=HIGHEST,
+    )
+
+
+def real_rows(a, plan):
+    """Rows of `a` past the real ones set to 0 (for references of row-indexed operands)."""
+    rows = a[: plan.capacity]
+    return jnp.where(plan.row_is_valid[:, None], rows, 0).astype(a.dtype)
+
+
+def padded_random(key, plan, cols, rows_to=64):
+    """bf16 [P rounded up to rows_to, cols] random rows, NaN past the real rows."""
+    rows = -(-plan.capacity // rows_to) * rows_to
+    a = jax.random.normal(key, (rows, cols)).astype(BF16)
+    valid = jnp.arange(rows) < plan.num_rows
+    return jnp.where(valid[:, None], a, jnp.nan).astype(BF16)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def check_backward(problem, config=None, tol=1e-2):
+    x, h, plan, w1, w2, grad_out = problem
+    got = moe_backward(x, h, plan, w1, w2, grad_out, interpret=True, config=config)
+    ref = moe_ffn_backward(x, h, plan, w1, w2, grad_out)
+    names = ("dx", "d_scores", "dw_gate_up", "dw_down")
+    for name, g, r in zip(names, got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype, (name, g.shape, g.dtype, r.dtype)
+        assert_close(g, r, tol, name)
+    d_scores = np.asarray(got[1])
+    assert not np.any(d_scores[int(plan.num_rows):]), "d_scores must be 0 on padding rows"
+    sizes = np.asarray(plan.group_sizes)
+    for e in np.flatnonzero(sizes == 0):  # empty experts: exact zeros, written
+        assert not np.any(np.asarray(got[2][e], np.float32)), f"dw_gate_up[{e}] not zero"
+        assert not np.any(np.asarray(got[3][e], np.float32)), f"dw_down[{e}] not zero"
+    return got
+
+
+def test_backward_token_rounding_with_padding_and_empty_expert():
+    # Token rounding pads rows (P_max = T*K + E*tile); expert 2 gets no rows; T*K is not a
+    # multiple of any block, so every tile and K-block edge is ragged.
+    problem = make_problem(0, 37, 128, 64, 4, 2, router="token_rounding", empty=(2,))
+    plan = problem[2]
+    assert int(plan.num_rows) < plan.capacity and int(plan.group_sizes[2]) == 0
+    check_backward(problem)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(num_tokens=48, num_experts=4, k=2),  # plain top-K
+        dict(num_tokens=40, num_experts=1, k=1),  # E=1, K=1
+        dict(num_tokens=70, num_experts=3, k=1, router="all_to_one"),  # one expert holds all
+        dict(num_tokens=64, num_experts=6, k=2, skew=6.0),  # skewed routing
+        dict(num_tokens=33, num_experts=5, k=2, empty=(0, 4)),  # first and last expert empty
+    ],
+    ids=["topk", "e1k1", "all_to_one", "skew", "empty_ends"],
+)
+def test_backward_plans(case):
+    case = dict(case)
+    check_backward(make_problem(1, case.pop("num_tokens"), 128, 64, case.pop("num_experts"),
+                                case.pop("k"), **case))
+
+
+@pytest.mark.slow
+def test_backward_wide_blocks():
+    # d = 192 and n = 192: 3-chunk gathered tiles (block 192) and block_n = 64 everywhere.
+    problem = make_problem(2, 24, 192, 192, 3, 2)
+    cfg = BackwardConfig.for_shape(192, 192)
+    cfg = BackwardConfig(
+        dh=cfg.dh, dx=DXConfig(block_n=192), aggregate=cfg.aggregate,
+        dw_down=WeightGradConfig(block_m=64, block_n=192, block_k=64, num_stages=2),
+        dw_gate_up=WeightGradConfig(block_m=192, block_n=128, block_k=64, num_stages=3),
+    )
+    check_backward(problem, config=cfg)
+
+
+def test_custom_vjp_gradients_through_kernels():
+    """Gradients of a loss through a custom_vjp built like `minimal_residual_moe_ffn`, with
+    the kernel backward, vs plain autodiff of the xla backend (router logits included)."""
+
+    @jax.custom_vjp
+    def moe(x, plan, w1, w2):
+        return moe_forward_reference(x, plan, w1, w2)[0]
+
+    def moe_fwd(x, plan, w1, w2):
+        out, h = moe_forward_reference(x, plan, w1, w2)
+        return out, (x, h, plan, w1, w2)
+
+    def moe_bwd(res, g):
+        x, h, plan, w1, w2 = res
+        dx, d_scores, dw1, dw2 = moe_backward(x, h, plan, w1, w2, g, interpret=True)
+        return dx, plan_cotangent(plan, d_scores), dw1, dw2
+
+    moe.defvjp(moe_fwd, moe_bwd)
+    xla = lambda x, plan, w1, w2: pm.moe_ffn(x, plan, w1, w2, backend="xla")
+
+    num_tokens, d, n, num_experts = 20, 64, 64, 3
+    ks = jax.random.split(jax.random.key(3), 5)
+    logits = jax.random.normal(ks[0], (num_tokens, num_experts))
+    x = jax.random.normal(ks[1], (num_tokens, d)).astype(BF16)
+    w1 = (jax.random.normal(ks[2], (num_experts, d, 2 * n)) / np.sqrt(d)).astype(BF16)
+    w2 = (jax.random.normal(ks[3], (num_experts, n, d)) / np.sqrt(n)).astype(BF16)
+    cot = jax.random.normal(ks[4], (num_tokens, d))
+
+    def grads(f):
+        def loss(logits, x, w1, w2):
+            plan = pm.routing.topk_plan(logits, 2)
+            return jnp.sum(f(x, plan, w1, w2).astype(jnp.float32) * cot)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(logits, x, w1, w2)
+
+    for name, g, r in zip(("logits", "x", "w_gate_up", "w_down"), grads(moe), grads(xla)):
+        assert_close(g, r, 2e-2, name)
+
+
+# ----------------------------------------------------------------------------- dH
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "plan_kw",
+    [dict(), dict(router="token_rounding"), dict(empty=(1,), skew=4.0)],
+    ids=["topk", "token_rounding", "skew_empty"],
+)
+def test_dh_kernel(plan_kw):
+    x, h, plan, w1, w2, grad_out = make_problem(4, 45, 128, 128, 4, 2, **plan_kw)
+    dh, a_scaled, d_scores = dh_kernel(
+        grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2,
+        config=DHConfig(block_n=64), interpret=True,
+    )
+    assert dh.shape[0] % 64 == 0 and dh.shape[0] >= plan.capacity
+    ref_dh, ref_a, ref_ds = dh_reference(grad_out, h, plan, w2)
+    rows = int(plan.num_rows)
+    assert_close(dh[:rows], ref_dh[:rows], 1e-2, "dh")
+    assert_close(a_scaled[:rows], ref_a[:rows], 1e-2, "a_scaled")
+    assert_close(d_scores, ref_ds, 1e-4, "d_scores")
+    assert not np.any(np.asarray(d_scores)[rows:])
+    assert_untouched(dh, rows)  # padding rows are not written
+    assert_untouched(a_scaled, rows)
+
+
+@pytest.mark.slow
+def test_dh_kernel_detect_races():
+    x, h, plan, w1, w2, grad_out = make_problem(5, 20, 64, 64, 2, 2)
+    dh, a_scaled, d_scores = dh_kernel(
+        grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2,
+        config=DHConfig(block_n=64, num_stages=2), interpret=interp(detect_races=True),
+    )
+    assert not races_found()
+    ref_dh, _, ref_ds = dh_reference(grad_out, h, plan, w2)
+    rows = int(plan.num_rows)
+    assert_close(dh[:rows], ref_dh[:rows], 1e-2, "dh")
+    assert_close(d_scores, ref_ds, 1e-4, "d_scores")
+
+
+# ----------------------------------------------------------------------------- dW
+
+
+def _wgrad_case(seed, gathered, plan, m_dim, n_dim, config, interpret=True):
+    ks = jax.random.split(jax.random.key(seed), 2)
+    num_tokens = plan.num_tokens
+    if gathered == "lhs":  # dW1 = X[tok]^T dH
+        lhs = jax.random.normal(ks[0], (num_tokens, m_dim)).astype(BF16)
+        rhs = padded_random(ks[1], plan, n_dim, config.block_k)
+        ref = weight_grad_reference(lhs[plan.token_ids], real_rows(rhs, plan), plan)
+    else:  # dW2 = A'^T dO[tok]
+        lhs = padded_random(ks[0], plan, m_dim, config.block_k)
+        rhs = jax.random.normal(ks[1], (num_tokens, n_dim)).astype(BF16)
+        ref = weight_grad_reference(real_rows(lhs, plan), rhs[plan.token_ids], plan)
+    got = weight_grad(
+        lhs, rhs, plan.token_ids, plan.group_sizes, gathered=gathered, out_dtype=BF16,
+        config=config, interpret=interpret,
+    )
+    assert got.shape == ref.shape and got.dtype == BF16
+    assert_close(got, ref, 1e-2, f"weight_grad[{gathered}]")
+    for e in np.flatnonzero(np.asarray(plan.group_sizes) == 0):
+        assert not np.any(np.asarray(got[e], np.float32)), f"expert {e} must be exactly 0"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gathered", ["lhs", "rhs"])
+@pytest.mark.parametrize(
+    "plan_kw",
+    [dict(num_tokens=50, k=2), dict(num_tokens=40, k=2, router="token_rounding", empty=(0,)),
+     dict(num_tokens=70, k=1, router="all_to_one")],
+    ids=["topk", "token_rounding_empty", "all_to_one"],
+)
+def test_weight_grad(gathered, plan_kw):
+    plan_kw = dict(plan_kw)
+    plan = make_plan(6, plan_kw.pop("num_tokens"), 4, plan_kw.pop("k"), **plan_kw)
+    config = WeightGradConfig(block_m=128 if gathered == "lhs" else 64, block_n=128, num_stages=3)
+    _wgrad_case(7, gathered, plan, 128, 128, config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gathered", ["lhs", "rhs"])
+def test_weight_grad_detect_races(gathered):
+    plan = make_plan(8, 24, 3, 2)
+    config = WeightGradConfig(block_m=64, block_n=64, num_stages=2)
+    _wgrad_case(9, gathered, plan, 64, 64, config, interpret=interp(detect_races=True))
+    assert not races_found()
+
+
+# ----------------------------------------------------------------------------- dX~
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("detect_races", [False, True], ids=["plain", "races"])
+def test_dx_rows(detect_races):
+    plan = make_plan(10, 45, 4, 2, router="token_rounding", empty=(3,))
+    ks = jax.random.split(jax.random.key(11), 2)
+    d, n = 128, 64
+    dh = padded_random(ks[0], plan, 2 * n)
+    w1 = jax.random.normal(ks[1], (4, d, 2 * n)).astype(BF16)
+    got = dx_rows(dh, plan.group_sizes, w1, capacity=plan.capacity, config=DXConfig(block_n=64),
+                  interpret=interp(detect_races), out_cols=256)
+    assert got.shape == (plan.capacity, 256)
+    expert = jnp.minimum(plan.expert_ids, 3)
+    ref = jnp.einsum("pf,pdf->pd", real_rows(dh, plan).astype(jnp.float32),
+                     w1[expert].astype(jnp.float32), precision=HIGHEST)
+    rows = int(plan.num_rows)
+    assert_close(got[:rows, :d], ref[:rows], 1e-2, "dx_rows")
+    assert_untouched(got[:, d:], 0)  # pad columns are not written
+    assert_untouched(got, rows)  # nor padding rows
+    if detect_races:
+        assert not races_found()
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _abstract_args(num_tokens, d, n, num_experts, k):
+    sd = jax.ShapeDtypeStruct
+    plan = jax.eval_shape(lambda l: pm.routing.topk_plan(l, k), sd((num_tokens, num_experts),
+                                                                   jnp.float32))
+    p = num_tokens * k
+    return (sd((num_tokens, d), BF16), sd((p, 2 * n), BF16), plan,
+            sd((num_experts, d, 2 * n), BF16), sd((num_experts, n, d), BF16),
+            sd((num_tokens, d), BF16))
+
+
+@pytest.mark.parametrize(
+    "d, n, match",
+    [(100, 64, r"d=100 must be a multiple of 64"), (128, 96, r"n=96 must be a multiple of 64")],
+)
+def test_unaligned_widths_raise(d, n, match):
+    args = _abstract_args(16, d, n, 2, 1)
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(functools.partial(moe_backward, interpret=True), *args)
+
+
+def test_bad_config_and_shapes_raise():
+    args = _abstract_args(16, 128, 64, 2, 1)
+    cfg = BackwardConfig.for_shape(128, 64, dh=DHConfig(block_n=128))
+    with pytest.raises(ValueError, match=r"n \(w_down.shape\[1\]\)=64 must be a multiple of 128"):
+        jax.eval_shape(functools.partial(moe_backward, interpret=True, config=cfg), *args)
+    cfg = BackwardConfig.for_shape(128, 64, dw_down=WeightGradConfig(block_m=64, block_k=128))
+    with pytest.raises(ValueError, match="block_k must be equal"):
+        jax.eval_shape(functools.partial(moe_backward, interpret=True, config=cfg), *args)
+    x, h, plan, w1, w2, g = args
+    bad_h = jax.ShapeDtypeStruct((h.shape[0] + 1, h.shape[1]), BF16)
+    with pytest.raises(ValueError, match="h must have shape"):
+        jax.eval_shape(functools.partial(moe_backward, interpret=True), x, bad_h, plan, w1, w2, g)
+    with pytest.raises(TypeError, match="grad_out must have dtype bfloat16"):
+        jax.eval_shape(
+            functools.partial(dh_kernel, interpret=True), jax.ShapeDtypeStruct(g.shape, jnp.float32),
+            h, plan.token_ids, plan.group_sizes, plan.scores, w2,
+        )
+
+
+@pytest.mark.parametrize("d, n", [(1536, 256), (2880, 1408), (4096, 512), (7168, 2048),
+                                  (4096, 768), (1536, 1024)])
+def test_real_widths_have_configs(d, n):
+    cfg = BackwardConfig.for_shape(d, n)
+    assert n % cfg.dh.block_n == 0 and d % cfg.dx.block_n == 0
+    assert n % cfg.dw_down.block_m == 0 and d % cfg.dw_down.block_n == 0
+    assert d % cfg.dw_gate_up.block_m == 0 and (2 * n) % cfg.dw_gate_up.block_n == 0
+
+
+# ----------------------------------------------------------------------------- cuda lowering
+
+
+def _lower_for_cuda(num_tokens, d, n, num_experts, k):
+    args = _abstract_args(num_tokens, d, n, num_experts, k)
+    f = jax.jit(functools.partial(moe_backward, interpret=False))
+    return f.trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_lowers_for_cuda_7b():
+    """Production block sizes at the 7B shape lower for cuda (SMEM limits are checked)."""
+    _lower_for_cuda(24576, 1536, 256, 128, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape", [(32768, 4096, 512, 128, 8), (4096, 2880, 1408, 8, 2), (4096, 7168, 2048, 8, 2)],
+    ids=["30b", "d2880_n1408", "d7168_n2048"],
+)
+def test_lowers_for_cuda_large(shape):
+    _lower_for_cuda(*shape)
