@@ -41,12 +41,16 @@ def _check(proc, results, min_cases):
 def test_ep_matches_single_device():
     """EP 1/2/4/8, top-K and token rounding, both dispatches, skewed routing: y, aux, grads.
 
-    Also the layout errors on a real 2x3 mesh (experts or tokens not divisible).
+    Also the layout errors on a real 2x3 mesh (experts or tokens not divisible), EP layers
+    inside `nnx.scan`, and the ragged dispatch's receive-capacity drop.
     """
     proc, results = _run_ep_check("fast")
-    _check(proc, results, 11)
+    _check(proc, results, 14)
     checks = {r["check"] for r in results if "check" in r}
-    assert checks == {"experts_not_divisible", "tokens_not_divisible", "missing_axis", "valid_3way"}
+    assert checks == {
+        "experts_not_divisible", "tokens_not_divisible", "missing_axis", "valid_3way",
+        "scan_ep", "capacity_drop", "capacity_ample",
+    }
     results = [r for r in results if "check" not in r]
     assert {r["ep"] for r in results} == {1, 2, 4, 8}
     assert {r["dispatch"] for r in results} == {"all_gather", "emulated_ragged_all_to_all"}
@@ -57,7 +61,7 @@ def test_ep_matches_single_device():
 @pytest.mark.slow
 def test_ep_matches_single_device_full_matrix():
     proc, results = _run_ep_check("full")
-    _check(proc, results, 44)
+    _check(proc, results, 47)
 
 
 def _mesh(shape=(1,), names=("expert",)):
