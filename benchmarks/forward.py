@@ -276,20 +276,22 @@ def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True):
 
 def variant_up_cfgs(d, n):
     """Up-proj design variants (single warpgroup vs warp-specialized, lowering knobs)."""
-    out = [UpProjConfig(), UpProjConfig(lane_semantics=True), UpProjConfig(no_auto_barriers=True),
-           UpProjConfig(block_n=64, num_stages=2)]
-    for cons, bn, stages in [(2, 128, 3), (2, 128, 2), (1, 128, 4), (2, 64, 4), (4, 64, 3)]:
+    out = []
+    for cons, bn, stages in [(2, 128, 3), (2, 64, 2), (2, 64, 3), (1, 128, 4), (1, 128, 3)]:
         if n % (cons * bn) == 0:
             out.append(UpProjConfig(block_n=bn, num_stages=stages, num_consumers=cons))
+    if n % 256 == 0:
+        out.append(UpProjConfig(block_n=128, num_stages=3, num_consumers=2, no_auto_barriers=True))
     return out
 
 
 def variant_down_cfgs(d, n):
     """Down-proj occupancy variants: fewer stages -> more CTAs per SM."""
     out = []
-    for bn, stages in [(128, 4), (128, 2), (256, 2), (64, 2), (128, 3)]:
+    for bn, stages, sms in [(256, 2, 0), (256, 4, 132), (256, 3, 132), (128, 4, 132),
+                            (192, 4, 132), (128, 6, 132)]:
         if d % bn == 0:
-            out.append(DownProjConfig(block_n=bn, num_stages=stages))
+            out.append(DownProjConfig(block_n=bn, num_stages=stages, num_sms=sms))
     return out
 
 

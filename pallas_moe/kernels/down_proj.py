@@ -33,12 +33,17 @@ class DownProjConfig:
       block_n: output columns per CTA (multiple of 64, divides d, at most 256).
       block_k: contraction step over n; must be 64 and divide n.
       num_stages: SMEM pipeline depth.
+      num_sms: 0 = one CTA per (tile, column block), single warpgroup. > 0 = persistent
+        ping-pong kernel on `num_sms` CTAs (`_persistent_kernel`): a producer warpgroup
+        streams the K steps of the CTA's work items back to back, and two consumer
+        warpgroups take alternate items, so one's epilogue overlaps the other's wgmmas.
     """
 
     block_m: int = 64
     block_n: int = 256
     block_k: int = 64
     num_stages: int = 4
+    num_sms: int = 0
 
 
 def down_proj(
@@ -110,6 +115,10 @@ def down_proj(
     grid_n = d // bn
     dtype = a.dtype
     tf = _common.mma_transforms(dtype)
+    if config.num_sms:
+        kernel = _persistent_kernel(config, n, d, capacity, out_cols, meta.num_tiles, interpret)
+        num_real = jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1)
+        return kernel(meta.expert, meta.row_start, meta.num_rows, num_real, a, w_down)
 
     def body(expert_ref, start_ref, rows_ref, a_ref, w_ref, y_out, a_smem, b_smem, o_smem, bars):
         ni = jax.lax.axis_index("n")
@@ -162,3 +171,135 @@ def down_proj(
         interpret=_common.interpret_params(interpret),
     )
     return kernel(meta.expert, meta.row_start, meta.num_rows, a, w_down)
+
+
+def _persistent_kernel(config: DownProjConfig, n, d, capacity, out_cols, num_tiles, interpret):
+    """Persistent ping-pong down-proj: 1 producer + 2 consumer warpgroups per CTA.
+
+    Work item w = (tile w // grid_n, column block w % grid_n); CTA s takes items
+    s, s + num_sms, ... over the real tiles (`aligned_tile_meta` puts them first). Its j-th
+    item is computed by consumer j % 2. The producer issues every K step of every item in
+    order into a `num_stages`-slot ring: step g uses slot g % num_stages, waits `empty[slot]`
+    (released by whichever consumer read the slot's previous contents) and arrives on
+    `full[j % 2, slot]`, so each consumer waits only on its own barriers and its phase
+    tracking stays exact. Each consumer has its own epilogue tile in SMEM.
+    """
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    num_sms = config.num_sms
+    num_k = n // bk
+    grid_n = d // bn
+    dtype = jnp.bfloat16
+    tf = _common.mma_transforms(dtype)
+
+    def body(expert_ref, start_ref, rows_ref, nreal_ref, a_ref, w_ref, y_out,
+             a_smem, b_smem, o_smem, full, empty):
+        wg = jax.lax.axis_index("wg")
+        sm = jax.lax.axis_index("sm")
+        total = nreal_ref[0] * grid_n  # real work items
+        my_items = jnp.maximum(total - sm + num_sms - 1, 0) // num_sms
+
+        def item(j):
+            w = sm + j * num_sms
+            tile = w // grid_n
+            return tile, w % grid_n
+
+        @pl.when(wg == 2)
+        def _producer():
+            def per_item(j, carry):
+                tile, ni = item(j)
+                box0 = (start_ref[tile] // bm) * bm  # the aligned block holding the tile
+                w_e = w_ref.at[expert_ref[tile]]  # [n, d]
+                c = j % 2
+
+                def per_step(k, carry):
+                    g = j * num_k + k
+                    slot = g % stages
+
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(empty.at[slot])
+
+                    k0 = k * bk
+                    plgpu.copy_gmem_to_smem(  # [bm, bk]
+                        a_ref.at[pl.ds(box0, bm), pl.ds(k0, bk)], a_smem.at[slot],
+                        full.at[c, slot],
+                    )
+                    plgpu.copy_gmem_to_smem(  # [bk, bn]
+                        w_e.at[pl.ds(k0, bk), pl.ds(ni * bn, bn)], b_smem.at[slot],
+                        full.at[c, slot],
+                    )
+                    return carry
+
+                jax.lax.fori_loop(0, num_k, per_step, None)
+                return carry
+
+            jax.lax.fori_loop(0, my_items, per_item, None)
+            # Observe the releases of the last `stages` steps too, so every barrier phase is
+            # consumed before exit (interpret mode checks this).
+            num_steps = my_items * num_k
+
+            def drain(g, carry):
+                plgpu.barrier_wait(empty.at[g % stages])
+                return carry
+
+            jax.lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
+
+        for c in range(2):
+            @pl.when(wg == c)
+            def _consumer(c=c):
+                def per_item(i, carry):
+                    j = 2 * i + c
+                    tile, ni = item(j)
+                    row0 = start_ref[tile]
+                    num_rows = rows_ref[tile]
+                    shift = row0 - (row0 // bm) * bm  # SMEM row of the tile's first row
+
+                    def mma_scope(acc):
+                        def per_step(k, carry):
+                            g = j * num_k + k
+                            slot = g % stages
+                            plgpu.barrier_wait(full.at[c, slot])
+                            plgpu.wgmma(acc, a_smem.at[slot], b_smem.at[slot])  # [bm,bk]@[bk,bn]
+                            plgpu.wgmma_wait(1)  # step g-1 is done: release its slot
+
+                            @pl.when(k >= 1)
+                            def _():
+                                plgpu.barrier_arrive(empty.at[(g - 1) % stages])
+
+                            return carry
+
+                        jax.lax.fori_loop(0, num_k, per_step, None)
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(empty.at[(j * num_k + num_k - 1) % stages])
+                        return acc[...]
+
+                    y = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))  # [bm, bn]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's store
+                    o_smem[c] = y.astype(dtype)
+                    plgpu.commit_smem()
+                    _common.store_rows(
+                        o_smem.at[c], y_out.at[:, pl.ds(ni * bn, bn)], row0, num_rows, bm,
+                        src_row0=shift,
+                    )
+                    return carry
+
+                jax.lax.fori_loop(0, (my_items - c + 1) // 2, per_item, None)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((capacity, out_cols), dtype),
+        scratch_types=[
+            plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),
+            plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),
+            plgpu.SMEM((2, bm, bn), dtype),
+            plgpu.Barrier(num_arrivals=2, num_barriers=(2, stages)),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        ],
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=_common.interpret_params(interpret),
+    )

@@ -346,6 +346,10 @@ def _warp_specialized_kernel(
                 return carry
 
             jax.lax.fori_loop(0, num_k, step, None)
+            # Observe the consumers' remaining releases (steps num_k-stages .. num_k-2), so
+            # every barrier phase is consumed before exit (interpret mode checks this).
+            for g in range(max(num_k - stages, 0), num_k - 1):
+                plgpu.barrier_wait(empty.at[g % stages])
 
         for c in range(cons):
             @pl.when((num_rows > 0) & (wg == c))
