@@ -50,6 +50,10 @@ class DHConfig:
       num_stages: SMEM pipeline depth.
       pad_rows_to: dH and A' get `P` rounded up to a multiple of this (the dX and weight-
         gradient kernels load whole aligned row blocks); padding rows are not written.
+      num_consumers: 0 = one warpgroup issues the copies and the wgmmas. C > 0 = warp
+        specialization: a producer warpgroup issues the gathered row copies from its 4 warps
+        and C consumer warpgroups share each gathered stage, each computing its own
+        `block_n` columns (a CTA covers C * block_n columns, which must divide n).
     """
 
     block_m: int = 64
@@ -57,6 +61,7 @@ class DHConfig:
     block_k: int = 64
     num_stages: int = 4
     pad_rows_to: int = 64
+    num_consumers: int = 0
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -86,28 +91,32 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
     if config.pad_rows_to < 1:
         raise ValueError(f"config.pad_rows_to={config.pad_rows_to} must be >= 1.")
+    if config.num_consumers < 0:
+        raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
+    cols = bn * max(config.num_consumers, 1)
     _common.require_multiple(
-        "n (w_down.shape[1])", n, bn, f"a CTA computes block_n={bn} columns of dA'"
+        "n (w_down.shape[1])", n, cols,
+        f"a CTA computes block_n * max(num_consumers, 1) = {cols} columns of dA'",
     )
     return d, n, num_experts
 
 
-def load_rows(src_gmem, dst_smem, row0, num_rows, max_rows: int, bars, issue: bool):
+def load_rows(src_gmem, dst_smem, row0, num_rows, max_rows: int, bars, issue: bool, bar0=0):
     """TMA-loads rows `[row0, row0 + num_rows)` of `src_gmem` into rows `[0, num_rows)` of an
     untiled SMEM block, as a power-of-two ladder of boxes (the mirror of `store_rows`).
 
     Box `i` (height `2**i`) arrives on `bars.at[i]`, so the number of arrivals per barrier is
     static. With `issue=True` this starts the copies; with `issue=False` it waits on the
     barriers of the boxes once (one wait covers every block issued with the same `bars`, row0
-    and num_rows, if the barriers count that many arrivals). Rows past `num_rows` are not
-    touched.
+    and num_rows, if the barriers count that many arrivals). Box `i` uses `bars.at[bar0 + i]`.
+    Rows past `num_rows` are not touched.
     """
     start = 0  # a Python int until the first dynamic step (Mosaic wants Values or ints)
     size = 1 << (max_rows.bit_length() - 1)
     i = 0
     while size >= 1:
-        this, bar = size, bars.at[i]
+        this, bar = size, bars.at[bar0 + i]
 
         @pl.when((num_rows & this) != 0)
         def _():
@@ -151,6 +160,23 @@ def reduce_row_partials(partials: jax.Array, meta: TileMeta, capacity: int) -> j
     rows = jnp.where(valid, meta.row_start[:, None] + local, capacity)
     out = jnp.zeros((capacity,), jnp.float32)
     return out.at[rows.reshape(-1)].set(jnp.where(valid, total, 0.0).reshape(-1), mode="drop")
+
+
+def dswiglu_epilogue(da, g, u, s):
+    """The dH epilogue on one [bm, bn] tile, all fp32 in registers.
+
+    Args:
+      da: dA' (the accumulator); g, u: H gate and up columns; s: scores broadcast to [bm, bn].
+
+    Returns:
+      (d gate, d up, A' = s * A, dS partial [bm] = sum over the tile's columns of dA' * A).
+    """
+    sig = jax.nn.sigmoid(g)
+    silu = g * sig
+    act = silu * u
+    dd = s * da
+    d_gate = dd * u * sig * (1.0 + g * (1.0 - sig))
+    return d_gate, dd * silu, s * act, jnp.sum(da * act, axis=1)
 
 
 def dh_kernel(
@@ -198,6 +224,18 @@ def dh_kernel(
     tf = _common.mma_transforms(dtype)
     num_ladder = ladder_len(bm)
     s_tiles = tile_scores(scores, meta)  # [nt, bm]
+    rows_pad = -(-capacity // config.pad_rows_to) * config.pad_rows_to
+    out_types = (
+        jax.ShapeDtypeStruct((rows_pad, 2 * n), dtype),  # dH
+        jax.ShapeDtypeStruct((rows_pad, n), dtype),  # A'
+        jax.ShapeDtypeStruct((num_tiles, grid_n, bm), jnp.float32),  # dS partials
+    )
+    interpret_mode = _common.interpret_params(interpret)
+    args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, s_tiles, grad_out, w_down, h)
+    if config.num_consumers:
+        kernel = _dh_warp_specialized(config, d, n, num_tiles, out_types, interpret_mode)
+        dh, a_scaled, ds_part = kernel(*args)
+        return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
              dh_out, ap_out, ds_out, *scratch):
@@ -259,14 +297,11 @@ def dh_kernel(
             u = plgpu.load(h_smem.at[1], layout=layout, optimized=False).astype(jnp.float32)
             s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
             s = jax.lax.broadcast_in_dim(s, (bm, bn), [0])  # [bm, bn]
-            sig = jax.nn.sigmoid(g)
-            silu = g * sig
-            act = silu * u  # [bm, bn] f32
-            ds_smem[...] = jnp.sum(da * act, axis=1)  # [bm] partial over this column block
-            dd = s * da
-            o_smem[0] = (dd * u * sig * (1.0 + g * (1.0 - sig))).astype(dtype)  # d gate
-            o_smem[1] = (dd * silu).astype(dtype)  # d up
-            o_smem[2] = (s * act).astype(dtype)  # A'
+            d_gate, d_up, a_scaled, ds = dswiglu_epilogue(da, g, u, s)
+            ds_smem[...] = ds  # [bm] partial over this column block
+            o_smem[0] = d_gate.astype(dtype)
+            o_smem[1] = d_up.astype(dtype)
+            o_smem[2] = a_scaled.astype(dtype)
             plgpu.commit_smem()
             _common.store_rows(o_smem.at[0], dh_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
             _common.store_rows(o_smem.at[1], dh_out.at[:, pl.ds(n + c0, bn)], row0, num_rows, bm)
@@ -274,13 +309,6 @@ def dh_kernel(
             plgpu.copy_smem_to_gmem(ds_smem, ds_out.at[mi, ni])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    rows_pad = -(-capacity // config.pad_rows_to) * config.pad_rows_to
-    out_types = (
-        jax.ShapeDtypeStruct((rows_pad, 2 * n), dtype),  # dH
-        jax.ShapeDtypeStruct((rows_pad, n), dtype),  # A'
-        jax.ShapeDtypeStruct((num_tiles, grid_n, bm), jnp.float32),  # dS partials
-    )
-    interpret_mode = _common.interpret_params(interpret)
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret_mode is not None)
     scratch = [
         plgpu.SMEM((bm,), jnp.int32),  # token ids of the tile
@@ -303,8 +331,157 @@ def dh_kernel(
         grid_names=("n", "m"),
         interpret=interpret_mode,
     )
-    dh, a_scaled, ds_part = kernel(
-        meta.expert, meta.row_start, meta.num_rows, meta.row_ids, s_tiles, grad_out, w_down, h
+    dh, a_scaled, ds_part = kernel(*args)
+    return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
+
+
+def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
+                         interpret_mode):
+    """The dH kernel as one producer warpgroup + `config.num_consumers` consumer warpgroups.
+
+    Producer (warpgroup C): stages the tile's token ids and scores in SMEM, then for every K
+    step waits until the consumers released the slot (`empty`), issues the `block_m` one-row
+    copies of the gathered dO stage from its 4 warps in parallel (`plgpu.warp_map`), and the
+    `[C * block_n, block_k]` W2 tile, all arriving on `full[slot]`.
+    Consumer c < C: first starts the TMA loads of its own H gate/up columns (they land while
+    the K loop runs), then waits `full[slot]`, issues wgmma on the shared dO stage and its own
+    `block_n` rows of the W2 tile, and releases the slot once the next step's wgmma is issued.
+    Its epilogue overwrites its H tile in SMEM with dH (each thread rewrites exactly the
+    elements it read), writes A' and its dS partial, and stores them row-exactly.
+    """
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    cons = config.num_consumers
+    cols = cons * bn
+    num_k = d // bk
+    grid_n = n // cols
+    dtype = jnp.bfloat16
+    tf = _common.mma_transforms(dtype)
+    num_ladder = ladder_len(bm)
+    rows_per_warp = bm // 4
+
+    def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
+             dh_out, ap_out, ds_out, *scratch):
+        (ids_smem, a_bufs, b_smem, h_smem, s_smem, ap_smem, ds_smem,
+         full, empty, ids_bar, h_bars, s_bar) = scratch
+        a_copy, a_mma = a_views(a_bufs)
+        wg = jax.lax.axis_index("wg")
+        ni = jax.lax.axis_index("n")
+        mi = jax.lax.axis_index("m")
+        num_rows = rows_ref[mi]
+
+        @pl.when((num_rows > 0) & (wg == cons))
+        def _producer():
+            expert = expert_ref[mi]
+            plgpu.copy_gmem_to_smem(s_ref.at[mi], s_smem, s_bar)  # [bm] f32
+            plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
+            plgpu.barrier_wait(ids_bar)
+            w_e = w_ref.at[expert]  # [n, d]
+
+            def step(ki, carry):
+                slot = ki % stages
+                k0 = ki * bk
+
+                @pl.when(ki >= stages)
+                def _():
+                    plgpu.barrier_wait(empty.at[slot])
+
+                def per_warp(w):
+                    def row_copy(i, c):
+                        r = w * rows_per_warp + i
+                        tok = ids_smem[r]
+                        plgpu.copy_gmem_to_smem(
+                            do_ref.at[pl.ds(tok, 1), pl.ds(k0, bk)],  # [1, bk] of dO[tok]
+                            a_copy.at[slot, pl.ds(r, 1)],
+                            full.at[slot],
+                        )
+                        return c
+
+                    jax.lax.fori_loop(0, rows_per_warp, row_copy, None, unroll=4)
+
+                plgpu.warp_map(per_warp)
+                plgpu.copy_gmem_to_smem(  # [C*bn, bk] rows of W2[e], K-minor
+                    w_e.at[pl.ds(ni * cols, cols), pl.ds(k0, bk)], b_smem.at[slot], full.at[slot]
+                )
+                return carry
+
+            jax.lax.fori_loop(0, num_k, step, None)
+
+        for c in range(cons):
+            @pl.when((num_rows > 0) & (wg == c))
+            def _consumer(c=c):
+                row0 = start_ref[mi]
+                c0 = ni * cols + c * bn  # first dA' column of this consumer
+                h_gate = h_ref.at[:, pl.ds(c0, bn)]  # [P, bn]
+                h_up = h_ref.at[:, pl.ds(n + c0, bn)]  # [P, bn]
+                bar0 = c * num_ladder
+                load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, True, bar0)
+                load_rows(h_up, h_smem.at[c, 1], row0, num_rows, bm, h_bars, True, bar0)
+
+                def mma_scope(acc):
+                    def step(ki, carry):
+                        slot = ki % stages
+                        plgpu.barrier_wait(full.at[slot])
+                        w_t = b_smem.at[slot, pl.ds(c * bn, bn)]  # [bn, bk]
+                        plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
+                        plgpu.wgmma_wait(1)  # step ki-1 is done: release its slot
+
+                        @pl.when(ki >= 1)
+                        def _():
+                            plgpu.barrier_arrive(empty.at[(ki - 1) % stages])
+
+                        return carry
+
+                    jax.lax.fori_loop(0, num_k, step, None)
+                    plgpu.wgmma_wait(0)
+                    return acc[...]
+
+                da = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))  # [bm, bn]
+                plgpu.barrier_wait(s_bar)
+                load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, False, bar0)
+                layout = plgpu.Layout.WGMMA
+                hg_ref, hu_ref = h_smem.at[c, 0], h_smem.at[c, 1]
+                g = plgpu.load(hg_ref, layout=layout, optimized=False).astype(jnp.float32)
+                u = plgpu.load(hu_ref, layout=layout, optimized=False).astype(jnp.float32)
+                s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
+                s = jax.lax.broadcast_in_dim(s, (bm, bn), [0])
+                d_gate, d_up, a_scaled, ds = dswiglu_epilogue(da, g, u, s)
+                ds_smem[c] = ds
+                # Same layout as the loads above: each thread overwrites only what it read.
+                hg_ref[...] = d_gate.astype(dtype)
+                hu_ref[...] = d_up.astype(dtype)
+                ap_smem[c] = a_scaled.astype(dtype)
+                plgpu.commit_smem()
+                _common.store_rows(hg_ref, dh_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
+                _common.store_rows(hu_ref, dh_out.at[:, pl.ds(n + c0, bn)], row0, num_rows, bm)
+                _common.store_rows(ap_smem.at[c], ap_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
+                plgpu.copy_smem_to_gmem(ds_smem.at[c], ds_out.at[mi, ni * cons + c])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    a_scratch, a_views = _common.row_gather_buffers(
+        stages, bm, bk, dtype, interpret_mode is not None
     )
-    d_scores = reduce_row_partials(ds_part, meta, capacity)
-    return dh, a_scaled, d_scores
+    scratch = [
+        plgpu.SMEM((bm,), jnp.int32),  # token ids of the tile
+        a_scratch,  # gathered dO stages [stages, bm, bk]
+        plgpu.SMEM((stages, cols, bk), dtype, transforms=tf),  # W2 stages
+        plgpu.SMEM((cons, 2, bm, bn), dtype),  # per consumer: H gate, H up -> dH gate, dH up
+        plgpu.SMEM((bm,), jnp.float32),  # scores
+        plgpu.SMEM((cons, bm, bn), dtype),  # per consumer: A'
+        plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: dS partial
+        plgpu.Barrier(num_arrivals=bm + 1, num_barriers=stages),  # full
+        plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
+        plgpu.Barrier(),  # ids
+        plgpu.Barrier(num_arrivals=2, num_barriers=cons * num_ladder),  # H boxes
+        plgpu.Barrier(),  # scores
+    ]
+    return plgpu.kernel(
+        body,
+        out_type=out_types,
+        scratch_types=scratch,
+        grid=(grid_n, num_tiles),
+        grid_names=("n", "m"),
+        num_threads=cons + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret_mode,
+    )
