@@ -53,11 +53,21 @@ def test_token_rounding_plan_with_padding_rows():
                   jax.random.key(29))
 
 
-def test_no_races():
+PERSISTENT = DownProjConfig(block_m=64, block_n=64, num_stages=3, num_sms=3)
+
+
+@pytest.mark.parametrize("config", [SMALL, PERSISTENT], ids=["per_tile", "persistent"])
+def test_no_races(config):
     plan = assignment_plan(jax.random.key(30), 40, 3, p=0.5)
-    run_and_check(plan, 128, 64, 3, SMALL, jax.random.key(31),
+    run_and_check(plan, 128, 128, 3, config, jax.random.key(31),
                   interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not races_found()
+
+
+def test_persistent_ping_pong_ragged_with_empty_experts_and_padding():
+    # 3 CTAs walk 2 column blocks x the real tiles; consumers alternate items.
+    plan = token_rounding_plan(jax.random.normal(jax.random.key(32), (56, 5)), 2, tile=8)
+    run_and_check(plan, 256, 128, 5, PERSISTENT, jax.random.key(33))
 
 
 @pytest.mark.parametrize(

@@ -81,8 +81,8 @@ def test_inference_writes_only_a():
 @pytest.mark.parametrize("config", [SMALL, WS], ids=["single_wg", "warp_specialized"])
 def test_no_races(config):
     ks = jax.random.split(jax.random.key(15), 3)
-    x = random_x(ks[0], 20, 128)
-    w1, _ = random_weights(ks[1], 2, 128, 128)
+    x = random_x(ks[0], 20, 256)  # 4 K steps > 2 stages: slots are refilled
+    w1, _ = random_weights(ks[1], 2, 256, 128)
     plan = assignment_plan(ks[2], 20, 2, p=0.6)
     run_and_check(x, plan, w1, config, interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not races_found()
