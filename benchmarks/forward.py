@@ -282,6 +282,7 @@ def variant_up_cfgs(d, n):
             out.append(UpProjConfig(block_n=bn, num_stages=stages, num_consumers=cons))
     if n % 256 == 0:
         out.append(UpProjConfig(block_n=128, num_stages=3, num_consumers=2, no_auto_barriers=True))
+        out.append(UpProjConfig(block_n=128, num_stages=3, num_consumers=2, row_unroll=16))
     return out
 
 

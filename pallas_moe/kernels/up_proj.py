@@ -54,6 +54,7 @@ class UpProjConfig:
         `C * block_n` gate columns and every gathered row is loaded `n / (C * block_n)` times.
       lane_semantics: lower with Lane semantics (always on for the warp-specialized kernel).
       no_auto_barriers: `plgpu.CompilerParams.unsafe_no_auto_barriers`.
+      row_unroll: unroll factor of each producer warp's row-copy loop.
     """
 
     block_m: int = 64
@@ -63,6 +64,7 @@ class UpProjConfig:
     num_consumers: int = 0
     lane_semantics: bool = False
     no_auto_barriers: bool = False
+    row_unroll: int = 4
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -333,7 +335,7 @@ def _warp_specialized_kernel(
                         )
                         return c
 
-                    jax.lax.fori_loop(0, rows_per_warp, row_copy, None, unroll=4)
+                    jax.lax.fori_loop(0, rows_per_warp, row_copy, None, unroll=config.row_unroll)
 
                 plgpu.warp_map(per_warp)
                 plgpu.copy_gmem_to_smem(  # [bk, C*bn] gate columns
