@@ -158,11 +158,18 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int)
     p.add_argument("--tile", type=int)
     p.add_argument("--seed", type=int)
+    p.add_argument("--backend", help="moe_ffn backend: auto, mosaic, interpret, xla")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override any config field (repeatable)")
     p.add_argument("--out", help="default runs/ablation_<config>")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
-        cfg = with_overrides(get_config(args.config), steps=args.steps, tile=args.tile, seed=args.seed)
+        from train.main import parse_set
+
+        base = get_config(args.config)
+        cfg = with_overrides(base, **{**parse_set(args.set, base), "steps": args.steps, "tile": args.tile,
+                                      "seed": args.seed, "backend": args.backend})
         roundings = [r.strip() for r in args.roundings.split(",") if r.strip()]
         for r in roundings:
             with_overrides(cfg, routing="token_rounding", rounding=r)

@@ -19,6 +19,7 @@ from typing import Any
 ROUTINGS = ("topk", "token_rounding")
 ROUNDINGS = ("nearest", "up", "down", "stochastic", "balance")
 DTYPES = ("float32", "bfloat16")
+BACKENDS = ("auto", "mosaic", "interpret", "xla")
 POSITIONS = ("rope", "learned")
 
 
@@ -41,6 +42,7 @@ class Config:
     rope_base: float = 10_000.0
     tie_embeddings: bool = True
     dtype: str = "float32"  # compute dtype; parameters are always float32
+    backend: str = "auto"  # pm.moe_ffn backend: "auto" = mosaic kernels on Hopper, xla elsewhere
     # Routing.
     routing: str = "topk"  # "topk" or "token_rounding"
     rounding: str = "nearest"  # token rounding mode
@@ -66,7 +68,7 @@ class Config:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 8
-    checkpoint_every: int = 200  # also at the last step
+    checkpoint_every: int = 200  # also at the last step; 0 = never checkpoint
     keep_checkpoints: int = 2
     out: str = ""  # "" = runs/<name>
 
@@ -175,17 +177,19 @@ def validate(c: Config) -> Config:
     for field in (
         "vocab_size", "d_model", "num_layers", "num_heads", "d_expert", "num_experts", "top_k",
         "tile", "seq_len", "batch_size", "steps", "log_every", "eval_every", "eval_batches",
-        "checkpoint_every", "keep_checkpoints",
+        "keep_checkpoints",
     ):
         _positive_int(c, field)
-    for field in (
-        "load_balance_weight", "z_loss_weight", "weight_decay", "grad_clip", "warmup_steps",
-        "final_lr_fraction", "max_train_bytes", "seed",
-    ):
+    for field in ("load_balance_weight", "z_loss_weight", "weight_decay", "grad_clip", "final_lr_fraction"):
         _non_negative(c, field)
+    for field in ("warmup_steps", "max_train_bytes", "seed", "checkpoint_every"):
+        _non_negative(c, field)
+        if not isinstance(getattr(c, field), int):
+            raise ConfigError(f"{field} must be an int, got {getattr(c, field)!r}.")
     _choice(c, "routing", ROUTINGS)
     _choice(c, "rounding", ROUNDINGS)
     _choice(c, "dtype", DTYPES)
+    _choice(c, "backend", BACKENDS)
     _choice(c, "positions", POSITIONS)
     if c.vocab_size != 256:
         raise ConfigError(f"vocab_size must be 256 (byte-level tokens), got {c.vocab_size}.")

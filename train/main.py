@@ -26,6 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounding", help="token rounding mode: nearest, up, down, stochastic, balance")
     p.add_argument("--tile", type=int, help="GEMM tile height M_tile")
     p.add_argument("--seed", type=int)
+    p.add_argument("--backend", help="moe_ffn backend: auto, mosaic, interpret, xla")
     p.add_argument("--lr", type=float)
     p.add_argument("--batch-size", type=int, dest="batch_size")
     p.add_argument("--seq-len", type=int, dest="seq_len")
@@ -38,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _parse_set(items: list[str], base) -> dict:
+def parse_set(items: list[str], base) -> dict:
     import dataclasses
 
     types = {f.name: type(getattr(base, f.name)) for f in dataclasses.fields(base)}
@@ -58,14 +59,14 @@ def _parse_set(items: list[str], base) -> dict:
             else:
                 out[key] = kind(value)
         except ValueError:
-            raise ConfigError(f"{key} must be a {kind.__name__}, got {value!r}.") from None
+            raise ConfigError(f"{key} must be of type {kind.__name__}, got {value!r}.") from None
     return out
 
 
 def config_from_args(args: argparse.Namespace):
     base = get_config(args.config)
-    overrides = _parse_set(args.set, base)
-    for key in ("steps", "out", "routing", "rounding", "tile", "seed", "lr", "batch_size", "seq_len",
+    overrides = parse_set(args.set, base)
+    for key in ("steps", "out", "routing", "rounding", "tile", "seed", "backend", "lr", "batch_size", "seq_len",
                 "eval_every", "checkpoint_every"):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)

@@ -71,7 +71,7 @@ class Block(nnx.Module):
             cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.top_k,
             routing=cfg.routing, tile=cfg.tile, rounding=cfg.rounding,
             load_balance_weight=cfg.load_balance_weight, z_loss_weight=cfg.z_loss_weight,
-            dtype=dtype, rngs=rngs,
+            backend=cfg.backend, dtype=dtype, rngs=rngs,
         )
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:

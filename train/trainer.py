@@ -201,7 +201,7 @@ def train(
     opt_state = tx.init(params)
     steps = make_steps(graphdef, tx, eval_graphdefs)
 
-    mgr = checkpoint.manager(ckpt_dir, cfg.keep_checkpoints)
+    mgr = checkpoint.manager(ckpt_dir, cfg.keep_checkpoints) if (cfg.checkpoint_every or resume) else None
     start_step = 0
     if resume:
         start_step, meta = checkpoint.read_meta(mgr)
@@ -289,12 +289,12 @@ def train(
             last_val = evaluate(step)
             bar.set_postfix(loss=f"{record['ce']:.3f}", val=f"{last_val['val_loss']:.3f}",
                             tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-        if step % cfg.checkpoint_every == 0 or step == stop_at:
+        if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == stop_at):
             last_ckpt = save(step)
         if step % cfg.log_every == 0 or step == stop_at:
             interval_start = time.perf_counter()  # eval and checkpoint time is not train time
     bar.close()
-    if last_ckpt is None and mgr.latest_step() is not None:
+    if last_ckpt is None and mgr is not None and mgr.latest_step() is not None:
         last_ckpt = ckpt_dir / str(mgr.latest_step())
 
     tokens_per_s = train_tokens / train_time if train_time else float("nan")
