@@ -52,12 +52,18 @@ class WeightGradConfig:
         the gathered side it is split into `block_n // 64` chunks.
       block_k: rows (of the contraction) per step; a multiple of 64.
       num_stages: SMEM pipeline depth.
+      num_consumers: 0 = one warpgroup issues the copies and the wgmmas. C > 0 = warp
+        specialization: a producer warpgroup issues the copies (the gathered rows from its 4
+        warps) and C consumer warpgroups share each gathered stage; they split the
+        contiguous side's columns, so a CTA covers `C * block_m` rows of the output when
+        the contiguous side is L (`gathered="rhs"`), `C * block_n` columns otherwise.
     """
 
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
     num_stages: int = 4
+    num_consumers: int = 0
 
 
 @functools.partial(
@@ -159,8 +165,13 @@ def weight_grad(
         raise ValueError(f"config.block_n={bn} must be at most 256 (one wgmma N).")
     if stages < 2:
         raise ValueError(f"config.num_stages={stages} must be >= 2.")
-    _common.require_multiple("M (lhs.shape[1])", m_dim, bm, f"a CTA computes block_m={bm} rows")
-    _common.require_multiple("N (rhs.shape[1])", n_dim, bn, f"a CTA computes block_n={bn} columns")
+    if config.num_consumers < 0:
+        raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
+    cons = max(config.num_consumers, 1)
+    cta_m = bm * (cons if gathered == "rhs" else 1)  # consumers split the contiguous side
+    cta_n = bn * (cons if gathered == "lhs" else 1)
+    _common.require_multiple("M (lhs.shape[1])", m_dim, cta_m, f"a CTA computes {cta_m} rows")
+    _common.require_multiple("N (rhs.shape[1])", n_dim, cta_n, f"a CTA computes {cta_n} columns")
     contiguous = rhs if gathered == "lhs" else lhs
     name = "rhs" if gathered == "lhs" else "lhs"
     rows_pad = -(-capacity // bk) * bk
@@ -179,6 +190,12 @@ def weight_grad(
     gather_lhs = gathered == "lhs"
     chunks = (bm if gather_lhs else bn) // _CHUNK
     interpret_mode = _common.interpret_params(interpret)
+    args = (meta.order, meta.row_lo, meta.row_hi, meta.block_off, meta.block_ids, lhs, rhs)
+    if config.num_consumers:
+        kernel = _weight_grad_ws(
+            config, gathered, m_dim, n_dim, num_experts, jnp.dtype(out_dtype), interpret_mode
+        )
+        return kernel(*args)
 
     def body(order_ref, lo_ref, hi_ref, off_ref, ids_ref, l_ref, r_ref, out_ref, *scratch):
         ids_smem, g_bufs, c_smem, o_smem, bars, ids_bars = scratch
@@ -317,4 +334,182 @@ def weight_grad(
         grid_names=("tile", "e"),
         interpret=interpret_mode,
     )
-    return kernel(meta.order, meta.row_lo, meta.row_hi, meta.block_off, meta.block_ids, lhs, rhs)
+    return kernel(*args)
+
+
+def _mask_foreign_rows(ref, k0, lo, hi):
+    """Zeroes the rows of a contiguous K-block in SMEM (rows `k0 + i`) outside `[lo, hi)`."""
+    layout = plgpu.Layout.WGMMA
+    vals = plgpu.load(ref, layout=layout, optimized=False)
+    rows = plgpu.broadcasted_iota(jnp.int32, vals.shape, 0, layout=layout) + k0
+    keep = (rows >= lo) & (rows < hi)
+    ref[...] = jnp.where(keep, vals, jnp.zeros_like(vals))
+    plgpu.commit_smem()  # fence + warpgroup barrier: visible to the wgmma that follows
+
+
+def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: int,
+                    num_experts: int, out_dtype, interpret_mode):
+    """The weight gradient as one producer warpgroup + `config.num_consumers` consumers.
+
+    Producer (warpgroup C): for every K-step waits until the consumers released the slot
+    (`empty`), waits for the step's token ids (TMA-prefetched `num_stages` steps ahead),
+    issues the contiguous K-block (`[bk, C * b]`, all consumers' columns) and the gathered
+    rows from its 4 warps in parallel (`plgpu.warp_map`, `bk / 4` rows per warp, one
+    `[1, 64]` copy per row and chunk), all arriving on `full[slot]`; after a warpgroup barrier
+    (every warp has read the ids) it refills the ids slot.
+    Consumer c < C: waits `full[slot]`, masks its own columns of the contiguous block on the
+    group's first and last K-block, issues one wgmma per gathered chunk, and releases the slot
+    once the next step's wgmmas are issued. Then it stores its own output tile.
+    """
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    cons = config.num_consumers
+    gather_lhs = gathered == "lhs"
+    chunks = (bm if gather_lhs else bn) // _CHUNK
+    cta_m = bm * (1 if gather_lhs else cons)
+    cta_n = bn * (cons if gather_lhs else 1)
+    grid_m, grid_n = m_dim // cta_m, n_dim // cta_n
+    dtype = jnp.bfloat16
+    tf = _common.mma_transforms(dtype)
+    rows_per_warp = bk // 4
+
+    def body(order_ref, lo_ref, hi_ref, off_ref, ids_ref, l_ref, r_ref, out_ref, *scratch):
+        ids_smem, g_bufs, c_smem, o_smem, full, empty, ids_bars = scratch
+        g_copy, g_mma = g_views(g_bufs)
+        wg = jax.lax.axis_index("wg")
+        tile = jax.lax.axis_index("tile")
+        expert = order_ref[jax.lax.axis_index("e")]
+        mi, ni = tile // grid_n, tile % grid_n
+        m0, n0 = mi * cta_m, ni * cta_n
+        lo, hi = lo_ref[expert], hi_ref[expert]
+        block0 = off_ref[expert]
+        num_k = off_ref[expert + 1] - block0
+        kb0 = lo // bk  # first aligned K-block of the group
+        g_ref = l_ref if gather_lhs else r_ref
+        c_ref = r_ref if gather_lhs else l_ref
+        g_col0 = m0 if gather_lhs else n0
+
+        def issue_ids(ki, slot):
+            plgpu.copy_gmem_to_smem(ids_ref.at[block0 + ki], ids_smem.at[slot], ids_bars.at[slot])
+
+        @pl.when((num_k > 0) & (wg == cons))
+        def _producer():
+            for s in range(stages):
+                @pl.when(s < num_k)
+                def _():
+                    issue_ids(s, s)
+
+            def step(ki, carry):
+                slot = ki % stages
+                k0 = (kb0 + ki) * bk
+
+                @pl.when(ki >= stages)
+                def _():
+                    plgpu.barrier_wait(empty.at[slot])
+
+                if gather_lhs:  # [bk, C*bn] of dH
+                    c_src = c_ref.at[pl.ds(k0, bk), pl.ds(n0, cta_n)]
+                else:  # [bk, C*bm] of A'
+                    c_src = c_ref.at[pl.ds(k0, bk), pl.ds(m0, cta_m)]
+                plgpu.copy_gmem_to_smem(c_src, c_smem.at[slot], full.at[slot])
+                plgpu.barrier_wait(ids_bars.at[slot])
+
+                def per_warp(w):
+                    def row_copy(i, c):
+                        r = w * rows_per_warp + i
+                        tok = ids_smem[slot, r]
+                        for j in range(chunks):
+                            plgpu.copy_gmem_to_smem(  # [1, 64] of X[tok] or dO[tok]
+                                g_ref.at[pl.ds(tok, 1), pl.ds(g_col0 + j * _CHUNK, _CHUNK)],
+                                g_copy.at[slot * chunks + j, pl.ds(r, 1)],
+                                full.at[slot],
+                            )
+                        return c
+
+                    jax.lax.fori_loop(0, rows_per_warp, row_copy, None, unroll=4)
+
+                plgpu.warp_map(per_warp)
+
+                @pl.when(ki + stages < num_k)
+                def _():
+                    plgpu.commit_smem()  # every warp has read the ids slot
+                    issue_ids(ki + stages, slot)
+
+                return carry
+
+            jax.lax.fori_loop(0, num_k, step, None)
+
+        for c in range(cons):
+            @pl.when(wg == c)
+            def _consumer(c=c):
+                def mma_scope(*accs):
+                    def step(ki, carry):
+                        slot = ki % stages
+                        k0 = (kb0 + ki) * bk
+                        own = c_smem.at[slot, :, pl.ds(c * (bn if gather_lhs else bm),
+                                                       bn if gather_lhs else bm)]
+                        plgpu.barrier_wait(full.at[slot])
+
+                        @pl.when((k0 < lo) | (k0 + bk > hi))
+                        def _():
+                            _mask_foreign_rows(own, k0, lo, hi)
+
+                        for j in range(chunks):
+                            g_tile = g_mma.at[slot * chunks + j]  # [bk, 64]
+                            if gather_lhs:  # [64, bk] @ [bk, bn]
+                                plgpu.wgmma(accs[j], g_tile.transpose((1, 0)), own)
+                            else:  # [bm, bk] @ [bk, 64]
+                                plgpu.wgmma(accs[j], own.transpose((1, 0)), g_tile)
+                        plgpu.wgmma_wait(chunks)  # step ki-1 is done: release its slot
+
+                        @pl.when(ki >= 1)
+                        def _():
+                            plgpu.barrier_arrive(empty.at[(ki - 1) % stages])
+
+                        return carry
+
+                    jax.lax.fori_loop(0, num_k, step, None)
+                    plgpu.wgmma_wait(0)
+                    return tuple(acc[...] for acc in accs)
+
+                acc_shape = (_CHUNK, bn) if gather_lhs else (bm, _CHUNK)
+                accs = pl.run_scoped(
+                    mma_scope, *[plgpu.ACC(acc_shape, jnp.float32) for _ in range(chunks)]
+                )
+                for j in range(chunks):
+                    o_smem[c, j] = accs[j].astype(out_dtype)
+                plgpu.commit_smem()
+                for j in range(chunks):
+                    if gather_lhs:
+                        dst = out_ref.at[expert, pl.ds(m0 + j * _CHUNK, _CHUNK),
+                                         pl.ds(n0 + c * bn, bn)]
+                    else:
+                        dst = out_ref.at[expert, pl.ds(m0 + c * bm, bm),
+                                         pl.ds(n0 + j * _CHUNK, _CHUNK)]
+                    plgpu.copy_smem_to_gmem(o_smem.at[c, j], dst)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    g_scratch, g_views = _common.row_gather_buffers(
+        stages * chunks, bk, _CHUNK, dtype, interpret_mode is not None
+    )
+    c_shape = (stages, bk, cta_n) if gather_lhs else (stages, bk, cta_m)
+    o_shape = (cons, chunks, _CHUNK, bn) if gather_lhs else (cons, chunks, bm, _CHUNK)
+    scratch = [
+        plgpu.SMEM((stages, bk), jnp.int32),  # token ids of each stage's K-block
+        g_scratch,  # gathered chunks [stages * chunks, bk, 64]
+        plgpu.SMEM(c_shape, dtype, transforms=tf),  # contiguous K-blocks, all consumers
+        plgpu.SMEM(o_shape, out_dtype),  # per consumer output tile
+        plgpu.Barrier(num_arrivals=bk * chunks + 1, num_barriers=stages),  # full
+        plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
+        plgpu.Barrier(num_barriers=stages),  # ids
+    ]
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_experts, m_dim, n_dim), out_dtype),
+        scratch_types=scratch,
+        grid=(grid_m * grid_n, num_experts),
+        grid_names=("tile", "e"),
+        num_threads=cons + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret_mode,
+    )
