@@ -283,6 +283,8 @@ def variant_up_cfgs(d, n):
     if n % 256 == 0:
         out.append(UpProjConfig(block_n=128, num_stages=3, num_consumers=2, no_auto_barriers=True))
         out.append(UpProjConfig(block_n=128, num_stages=3, num_consumers=2, row_unroll=16))
+        out.append(UpProjConfig(block_n=128, num_stages=3, num_consumers=2, num_producers=2,
+                                row_unroll=8))
     return out
 
 

@@ -55,6 +55,8 @@ class UpProjConfig:
       lane_semantics: lower with Lane semantics (always on for the warp-specialized kernel).
       no_auto_barriers: `plgpu.CompilerParams.unsafe_no_auto_barriers`.
       row_unroll: unroll factor of each producer warp's row-copy loop.
+      num_producers: producer warpgroups of the warp-specialized kernel (their 4 warps each
+        issue `block_m / (4 * num_producers)` row copies per stage).
     """
 
     block_m: int = 64
@@ -65,6 +67,7 @@ class UpProjConfig:
     lane_semantics: bool = False
     no_auto_barriers: bool = False
     row_unroll: int = 4
+    num_producers: int = 1
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -98,6 +101,8 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
     )
     if config.num_consumers < 0:
         raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
+    if config.num_producers not in (1, 2):
+        raise ValueError(f"config.num_producers={config.num_producers} must be 1 or 2.")
     return d, n
 
 
@@ -293,7 +298,10 @@ def _warp_specialized_kernel(
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
     num_out = 1 if inference else 3
-    rows_per_warp = bm // 4
+    prods = config.num_producers
+    rows_per_warp = bm // (4 * prods)
+    # Registers per consumer thread once the producers drop to 40 (multiple of 8).
+    cons_regs = min(((65536 // 128 - 40 * prods) // cons) // 8 * 8, 240)
     interpret = interpret_mode is not None
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
@@ -309,49 +317,64 @@ def _warp_specialized_kernel(
         mi = jax.lax.axis_index("m")
         num_rows = rows_ref[mi]
 
-        @pl.when((num_rows > 0) & (wg == cons))
-        def _producer():
-            expert = expert_ref[mi]
-            plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
-            plgpu.barrier_wait(ids_bar)
-            w_e = w_ref.at[expert]  # [d, 2n]
+        if prods > 1:  # give the consumers the registers the producers do not need
+            @pl.when(wg >= cons)
+            def _():
+                plgpu.set_max_registers(40, action="decrease")
 
-            def step(ki, carry):
-                slot = ki % stages
-                k0 = ki * bk
+            @pl.when(wg < cons)
+            def _():
+                plgpu.set_max_registers(cons_regs, action="increase")
 
-                @pl.when(ki >= stages)
-                def _():
-                    plgpu.barrier_wait(empty.at[slot])
+        for p in range(prods):
+            @pl.when((num_rows > 0) & (wg == cons + p))
+            def _producer(p=p):
+                expert = expert_ref[mi]
+                if p == 0:
+                    plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
+                plgpu.barrier_wait(ids_bar)
+                w_e = w_ref.at[expert]  # [d, 2n]
 
-                def per_warp(w):
-                    def row_copy(i, c):
-                        r = w * rows_per_warp + i
-                        tok = ids_smem[r]
-                        plgpu.copy_gmem_to_smem(
-                            x_ref.at[pl.ds(tok, 1), pl.ds(k0, bk)],  # [1, bk] of X[tok]
-                            a_copy.at[slot, pl.ds(r, 1)],
+                def step(ki, carry):
+                    slot = ki % stages
+                    k0 = ki * bk
+
+                    @pl.when(ki >= stages)
+                    def _():
+                        plgpu.barrier_wait(empty.at[slot])
+
+                    def per_warp(w):
+                        def row_copy(i, c):
+                            r = (p * 4 + w) * rows_per_warp + i
+                            tok = ids_smem[r]
+                            plgpu.copy_gmem_to_smem(
+                                x_ref.at[pl.ds(tok, 1), pl.ds(k0, bk)],  # [1, bk] of X[tok]
+                                a_copy.at[slot, pl.ds(r, 1)],
+                                full.at[slot],
+                            )
+                            return c
+
+                        jax.lax.fori_loop(
+                            0, rows_per_warp, row_copy, None, unroll=config.row_unroll
+                        )
+
+                    plgpu.warp_map(per_warp)
+                    if p == 0:
+                        plgpu.copy_gmem_to_smem(  # [bk, C*bn] gate columns
+                            w_e.at[pl.ds(k0, bk), pl.ds(ni * cols, cols)], bg_copy.at[slot],
                             full.at[slot],
                         )
-                        return c
+                        plgpu.copy_gmem_to_smem(  # [bk, C*bn] matching up columns
+                            w_e.at[pl.ds(k0, bk), pl.ds(n + ni * cols, cols)], bu_copy.at[slot],
+                            full.at[slot],
+                        )
+                    return carry
 
-                    jax.lax.fori_loop(0, rows_per_warp, row_copy, None, unroll=config.row_unroll)
-
-                plgpu.warp_map(per_warp)
-                plgpu.copy_gmem_to_smem(  # [bk, C*bn] gate columns
-                    w_e.at[pl.ds(k0, bk), pl.ds(ni * cols, cols)], bg_copy.at[slot], full.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(  # [bk, C*bn] matching up columns
-                    w_e.at[pl.ds(k0, bk), pl.ds(n + ni * cols, cols)], bu_copy.at[slot],
-                    full.at[slot],
-                )
-                return carry
-
-            jax.lax.fori_loop(0, num_k, step, None)
-            # Observe the consumers' remaining releases (steps num_k-stages .. num_k-2), so
-            # every barrier phase is consumed before exit (interpret mode checks this).
-            for g in range(max(num_k - stages, 0), num_k - 1):
-                plgpu.barrier_wait(empty.at[g % stages])
+                jax.lax.fori_loop(0, num_k, step, None)
+                # Observe the consumers' remaining releases (steps num_k-stages .. num_k-2),
+                # so every barrier phase is consumed before exit (interpret mode checks this).
+                for g in range(max(num_k - stages, 0), num_k - 1):
+                    plgpu.barrier_wait(empty.at[g % stages])
 
         for c in range(cons):
             @pl.when((num_rows > 0) & (wg == c))
@@ -435,7 +458,7 @@ def _warp_specialized_kernel(
         scratch_types=scratch,
         grid=(grid_n, num_tiles),
         grid_names=("n", "m"),
-        num_threads=cons + 1,
+        num_threads=cons + prods,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(**params),
         interpret=interpret_mode,
