@@ -108,12 +108,10 @@ def run_case(routing, dispatch, ep_size, skew, extra):
 
 
 FAST = [
-    # (routing, dispatch, ep_size, skew, extra)
+    # (routing, dispatch, ep_size, skew, extra); scan_and_capacity_checks adds EP=4 ragged top-K.
     ("topk", "all_gather", 2, True, {}),
-    ("topk", "all_gather", 8, False, {}),
     ("token_rounding", "all_gather", 4, True, {"tile": 16}),
     ("token_rounding", "all_gather", 1, False, {"tile": 16}),
-    ("topk", "emulated_ragged_all_to_all", 4, True, {}),
     ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"}),
     ("topk", "emulated_ragged_all_to_all", 2, False, {"score": "sigmoid", "selection_bias": True}),
 ]

@@ -45,7 +45,7 @@ def test_ep_matches_single_device():
     inside `nnx.scan`, and the ragged dispatch's receive-capacity drop.
     """
     proc, results = _run_ep_check("fast")
-    _check(proc, results, 14)
+    _check(proc, results, 12)
     checks = {r["check"] for r in results if "check" in r}
     assert checks == {
         "experts_not_divisible", "tokens_not_divisible", "missing_axis", "valid_3way",

@@ -232,13 +232,11 @@ def test_selection_bias_moves_selection_not_weights():
 def test_jit_and_jax_jit_and_grad():
     layer = make(routing="token_rounding", tile=4, num_shared_experts=1)
     x = tokens()
-    y_eager, aux_eager = layer(x)  # eager once
-    y_nnx, _ = nnx.jit(lambda m, x: m(x))(layer, x)
+    y_nnx, aux_nnx = apply(layer, x)
     graphdef, state = nnx.split(layer)
     y_jax, aux_jax = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
-    np.testing.assert_allclose(y_nnx, y_eager, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(y_jax, y_eager, rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(aux_jax["counts"], aux_eager["counts"])
+    np.testing.assert_allclose(y_jax, y_nnx, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(aux_jax["counts"], aux_nnx["counts"])
 
     def loss(m, x):
         y, aux = m(x)
@@ -281,7 +279,7 @@ def test_optax_training_loss_decreases():
 
 
 def test_scan_over_stacked_layers():
-    num_layers = 3
+    num_layers = 2
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
