@@ -155,6 +155,23 @@ def error_checks():
            "axis='experts' is not an axis of the mesh")
     y, _ = layer(jnp.ones((12, D)))  # and the valid layout on the same mesh runs
     checks.append({"check": "valid_3way", "ok": bool(y.shape == (12, D))})
+
+    # The emulated collective reproduces the example of `jax.lax.ragged_all_to_all`'s docstring.
+    from pallas_moe.nn.expert_parallel import emulated_ragged_all_to_all
+    from jax.sharding import PartitionSpec as Spec
+
+    mesh2 = Mesh(np.array(jax.devices()[:2]), ("x",))
+    args = [
+        [[1, 2, 2], [3, 4, 0]], [[0] * 4, [0] * 4], [[0, 1], [0, 1]],
+        [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]],
+    ]
+    args = [jnp.asarray(a, jnp.int32).reshape(-1) for a in args]
+    fn = jax.shard_map(
+        lambda *a: emulated_ragged_all_to_all(*a, axis_name="x"),
+        mesh=mesh2, in_specs=(Spec("x"),) * 6, out_specs=Spec("x"), check_vma=False,
+    )
+    result = np.asarray(fn(*args)).reshape(2, 4).tolist()
+    checks.append({"check": "emulation_doc_example", "ok": result == [[1, 3, 0, 0], [2, 2, 4, 0]], "result": result})
     return checks
 
 
