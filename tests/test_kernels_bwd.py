@@ -182,6 +182,22 @@ def test_backward_plans(case):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("consumers", [0, 2], ids=["single_wg", "two_consumers"])
+def test_backward_kernel_variants(consumers):
+    # n = 256 and d = 256: every kernel with 0 (one warpgroup) or 2 consumer warpgroups.
+    problem = make_problem(12, 30, 256, 256, 3, 2, router="token_rounding")
+    base = BackwardConfig.for_shape(256, 256)
+    cfg = BackwardConfig(
+        dh=DHConfig(block_n=128 if consumers else 64, num_stages=3, num_consumers=consumers),
+        dw_down=WeightGradConfig(block_m=64, block_n=128, num_stages=3, num_consumers=consumers),
+        dw_gate_up=WeightGradConfig(block_m=128, block_n=64, num_stages=3,
+                                    num_consumers=consumers),
+        dx=DXConfig(block_n=128), aggregate=base.aggregate,
+    )
+    check_backward(problem, config=cfg)
+
+
+@pytest.mark.slow
 def test_backward_wide_blocks():
     # d = 192 and n = 192: 3-chunk gathered tiles (block 192) and block_n = 64 everywhere.
     problem = make_problem(2, 24, 192, 192, 3, 2)
@@ -392,9 +408,11 @@ def test_bad_config_and_shapes_raise():
                                   (4096, 768), (1536, 1024)])
 def test_real_widths_have_configs(d, n):
     cfg = BackwardConfig.for_shape(d, n)
-    assert n % cfg.dh.block_n == 0 and d % cfg.dx.block_n == 0
-    assert n % cfg.dw_down.block_m == 0 and d % cfg.dw_down.block_n == 0
-    assert d % cfg.dw_gate_up.block_m == 0 and (2 * n) % cfg.dw_gate_up.block_n == 0
+    cons = lambda c: max(c.num_consumers, 1)
+    assert n % (cfg.dh.block_n * cons(cfg.dh)) == 0 and d % cfg.dx.block_n == 0
+    assert n % (cfg.dw_down.block_m * cons(cfg.dw_down)) == 0 and d % cfg.dw_down.block_n == 0
+    assert d % cfg.dw_gate_up.block_m == 0
+    assert (2 * n) % (cfg.dw_gate_up.block_n * cons(cfg.dw_gate_up)) == 0
 
 
 # ----------------------------------------------------------------------------- cuda lowering
@@ -413,8 +431,10 @@ def test_lowers_for_cuda_7b():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "shape", [(32768, 4096, 512, 128, 8), (4096, 2880, 1408, 8, 2), (4096, 7168, 2048, 8, 2)],
-    ids=["30b", "d2880_n1408", "d7168_n2048"],
+    "shape",
+    [(32768, 4096, 512, 128, 8), (4096, 2880, 1408, 8, 2), (4096, 7168, 2048, 8, 2),
+     (4096, 4096, 768, 8, 2), (4096, 1536, 1024, 8, 2)],
+    ids=["30b", "d2880_n1408", "d7168_n2048", "d4096_n768", "d1536_n1024"],
 )
 def test_lowers_for_cuda_large(shape):
     _lower_for_cuda(*shape)

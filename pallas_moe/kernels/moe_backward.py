@@ -52,16 +52,27 @@ class BackwardConfig:
         _common.require_multiple("d", d, 64, "the kernels tile the model width by 64")
         _common.require_multiple("n", n, 64, "the kernels tile the expert width by 64")
         k = 64  # contraction rows per step of the varlen-K kernels (one 8-row-tiled block)
+        # dH: two consumer warpgroups of 128 (or 64) columns share each gathered dO stage.
+        if n % 256 == 0:
+            dh = DHConfig(block_n=128, num_stages=3, num_consumers=2, pad_rows_to=k)
+        elif n % 128 == 0:
+            dh = DHConfig(block_n=64, num_stages=4, num_consumers=2, pad_rows_to=k)
+        else:
+            dh = DHConfig(block_n=64, num_stages=4, num_consumers=1, pad_rows_to=k)
+        # dW2 = A'^T dO[tok]: consumers split n (A' columns), the gathered dO chunks span d.
+        dw_down = WeightGradConfig(
+            block_m=64, block_n=_largest_block(d, (128, 192, 64)), block_k=k, num_stages=4,
+            num_consumers=2 if n % 128 == 0 else 1,
+        )
+        # dW1 = X[tok]^T dH: the gathered X chunks span d, consumers split 2n (dH columns).
+        dw_gate_up = WeightGradConfig(
+            block_m=_largest_block(d, (128, 192, 64)), block_n=64, block_k=k, num_stages=4,
+            num_consumers=2,
+        )
         cfg = cls(
-            dh=DHConfig(block_n=_largest_block(n, (128, 64)), pad_rows_to=k),
-            dw_down=WeightGradConfig(
-                block_m=_largest_block(n, (128, 64)), block_n=_largest_block(d, (128, 64)),
-                block_k=k,
-            ),
-            dw_gate_up=WeightGradConfig(
-                block_m=_largest_block(d, (128, 64)), block_n=_largest_block(2 * n, (128, 64)),
-                block_k=k,
-            ),
+            dh=dh,
+            dw_down=dw_down,
+            dw_gate_up=dw_gate_up,
             dx=DXConfig(block_n=_largest_block(d, (256, 192, 128, 64))),
             aggregate=ForwardConfig.for_shape(d, n).aggregate,
         )

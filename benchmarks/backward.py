@@ -1,0 +1,384 @@
+"""Backward-kernel benchmark and on-device correctness check (run on an H100).
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/backward.py [--out DIR] [--shapes 7b,30b]
+    PYTHONPATH=. python3 benchmarks/backward.py --smoke      # CPU: interpret mode, tiny shape
+
+For each shape (routing = real top-K over random router logits) it:
+  1. checks every backward kernel against XLA on fresh random data: the dH kernel (dH, A',
+     dS), both weight-gradient kernels and the dX~ kernel against per-kernel references
+     computed from the same jnp math as `moe_ffn_backward`, and the whole `moe_backward`
+     (dX, dS, dW1, dW2) against `moe_ffn_backward` itself. Every kernel call runs right after
+     a NaN-filled buffer of its outputs' size is freed, so unwritten elements show up;
+  2. times with CUPTI (GPU kernel time only) each backward kernel over a small config sweep,
+     the whole backward (default configs and the sweep's best, per-plan metadata included),
+     the dense batched-matmul bound of the same 12*P*n*d FLOPs (balanced groups, XLA
+     einsum), and the XLA backward (`moe_ffn_backward` jitted);
+  3. prints a table last and writes results.json and log.txt into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from pallas_moe.kernels import _common
+from pallas_moe.kernels.dh import DHConfig, dh_kernel
+from pallas_moe.kernels.dx import DXConfig, dx_rows
+from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
+from pallas_moe.kernels.moe_forward import aggregate_width
+from pallas_moe.kernels.weight_grad import WeightGradConfig, k_block_meta, weight_grad
+from pallas_moe.ops.minimal_backward import dswiglu, moe_ffn_backward
+from pallas_moe.ops.xla import scan_row_tiles
+from pallas_moe.routing.topk import topk_plan
+
+SHAPES = {
+    "7b": (24576, 1536, 256, 128, 8),
+    "30b": (32768, 4096, 512, 128, 8),
+    "smoke": (40, 128, 128, 4, 2),
+}
+ITERS = 20
+TOL = 2e-2  # relative Frobenius error, bf16 outputs
+SMOKE = False  # set by --smoke: interpret mode, wall-clock timing
+
+
+def gpu_time_ms(f, *args, iters=ITERS):
+    """Median over `iters` calls of the summed GPU kernel time of one call of f (CUPTI)."""
+    jax.block_until_ready(f(*args))  # compile + warm up
+    if SMOKE:
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        return (time.perf_counter() - t) * 1e3
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, times = profiler.measure(f, iterations=iters)(*args)
+    return statistics.median(times)
+
+
+def poison_then(f, *args, nbytes):
+    """Runs f after freeing a NaN-filled buffer of `nbytes`, so fresh outputs start dirty."""
+    junk = jnp.full((max(nbytes // 2, 1),), jnp.nan, jnp.bfloat16)
+    junk.block_until_ready()
+    del junk
+    return jax.block_until_ready(f(*args))
+
+
+def rel_err(got, want, rows=None):
+    g = np.asarray(got if rows is None else got[:rows], np.float32)
+    w = np.asarray(want if rows is None else want[:rows], np.float32)
+    if not np.all(np.isfinite(g)):
+        return float("inf")
+    return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+
+
+def make_case(shape, seed):
+    T, d, n, E, K = shape
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (T, d), jnp.float32).astype(jnp.bfloat16)
+    w1 = (jax.random.normal(ks[1], (E, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(ks[2], (E, n, d), jnp.float32) / np.sqrt(n)).astype(jnp.bfloat16)
+    logits = jax.random.normal(ks[3], (T, E), jnp.float32)
+    grad_out = jax.random.normal(ks[4], (T, d), jnp.float32).astype(jnp.bfloat16)
+    plan = jax.jit(lambda l: topk_plan(l, K, score="softmax_topk"))(logits)
+    return x, w1, w2, plan, grad_out
+
+
+@jax.jit
+def saved_h(x, plan, w1):
+    """The forward's residual H = X[tok] @ W1[e] (bf16 [P, 2n], fp32 accumulate), via XLA."""
+    cap, two_n = plan.capacity, w1.shape[2]
+
+    def step(h_all, rows, valid, tok, s, e):
+        h = jnp.einsum("cmd,cdf->cmf", x[tok], w1[e], preferred_element_type=jnp.float32)
+        r = jnp.where(valid, rows, cap).reshape(-1)
+        return h_all.at[r].set(h.astype(x.dtype).reshape(-1, two_n), mode="drop")
+
+    return scan_row_tiles(plan, step, jnp.zeros((cap, two_n), x.dtype), block_m=128,
+                          tiles_per_step=8)
+
+
+@jax.jit
+def reference_intermediates(h, plan, w1, w2, grad_out):
+    """XLA dH [P, 2n], A' [P, n], dS [P] and dX~ [P, d] (the same math as moe_ffn_backward)."""
+    cap, n, d = plan.capacity, w2.shape[1], w2.shape[2]
+    dtype = h.dtype
+
+    def step(carry, rows, valid, tok, s, e):
+        dh_all, ap_all, ds_all, dxr_all = carry
+        h_t = h[rows]
+        da = jnp.einsum("cmd,cnd->cmn", grad_out[tok], w2[e], preferred_element_type=jnp.float32)
+        a = jax.nn.silu(h_t[..., :n].astype(jnp.float32)) * h_t[..., n:].astype(jnp.float32)
+        dh = dswiglu(h_t, s[..., None] * da).astype(dtype)
+        dxr = jnp.einsum("cmf,cdf->cmd", dh, w1[e], preferred_element_type=jnp.float32)
+        r = jnp.where(valid, rows, cap).reshape(-1)
+        dh_all = dh_all.at[r].set(dh.reshape(-1, 2 * n), mode="drop")
+        ap_all = ap_all.at[r].set((s[..., None] * a).astype(dtype).reshape(-1, n), mode="drop")
+        ds_all = ds_all.at[r].set(jnp.sum(da * a, axis=-1).reshape(-1), mode="drop")
+        dxr_all = dxr_all.at[r].set(dxr.astype(dtype).reshape(-1, d), mode="drop")
+        return dh_all, ap_all, ds_all, dxr_all
+
+    init = (jnp.zeros((cap, 2 * n), dtype), jnp.zeros((cap, n), dtype),
+            jnp.zeros((cap,), jnp.float32), jnp.zeros((cap, d), dtype))
+    return scan_row_tiles(plan, step, init, block_m=128, tiles_per_step=8)
+
+
+def pad_rows(a, rows):
+    return jnp.pad(a, ((0, rows - a.shape[0]), (0, 0))) if a.shape[0] < rows else a
+
+
+def dense_bound_ms(shape):
+    """Balanced batched matmuls with the backward's 12*P*n*d FLOPs (m = P / E rows each):
+    dA' [E,m,d]x[E,d,n], dW2 [E,n,m]x[E,m,d], dW1 [E,d,m]x[E,m,2n], dX~ [E,m,2n]x[E,2n,d]."""
+    T, d, n, E, K = shape
+    m = T * K // E
+    bmm = jax.jit(lambda a, b: jnp.einsum("emk,ekn->emn", a, b))
+    total = 0.0
+    for i, (a_shape, b_shape) in enumerate([((E, m, d), (E, d, n)), ((E, n, m), (E, m, d)),
+                                            ((E, d, m), (E, m, 2 * n)),
+                                            ((E, m, 2 * n), (E, 2 * n, d))]):
+        ka, kb = jax.random.split(jax.random.key(100 + i))
+        a = jax.random.normal(ka, a_shape, jnp.bfloat16)
+        b = jax.random.normal(kb, b_shape, jnp.bfloat16)
+        total += gpu_time_ms(bmm, a, b)
+        del a, b
+    return total
+
+
+def sweep(name, configs, build, args, check, flops, log):
+    """Times `build(cfg)(*args)` per config (after checking it with `check(out)`); best first."""
+    best = (float("inf"), None)
+    rows = []
+    for cfg in configs:
+        try:
+            f = jax.jit(build(cfg))
+            err = check(f(*args))
+            if not err < TOL:
+                log(f"  {name} {cfg}: WRONG (err {err:.2e}), not timed")
+                rows.append(dict(config=str(cfg), err=err))
+                continue
+            t = gpu_time_ms(f, *args)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
+            log(f"  {name} {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        log(f"  {name} {cfg}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s, err {err:.1e}")
+        rows.append(dict(config=str(cfg), us=t * 1e3, err=err))
+        if t < best[0]:
+            best = (t, cfg)
+    return best, rows
+
+
+def configs_for(d, n, full: bool):
+    base = BackwardConfig.for_shape(d, n)
+    W = WeightGradConfig
+    dh = [base.dh]
+    dw2 = [base.dw_down]
+    dw1 = [base.dw_gate_up]
+    dx = [base.dx]
+    if full:
+        dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
+               DHConfig(block_n=64, num_stages=4, num_consumers=2),
+               DHConfig(block_n=128, num_stages=4, num_consumers=0)]
+        dw2 += [W(block_m=128, block_n=128, num_stages=3, num_consumers=2),
+                W(block_m=64, block_n=256 if d % 256 == 0 else 128, num_stages=3,
+                  num_consumers=2),
+                W(block_m=128, block_n=128, num_stages=4, num_consumers=1),
+                W(block_m=128, block_n=128, num_stages=4, num_consumers=0)]
+        dw1 += [W(block_m=128, block_n=128, num_stages=3, num_consumers=2),
+                W(block_m=64, block_n=128, num_stages=4, num_consumers=2),
+                W(block_m=128, block_n=128, num_stages=4, num_consumers=1),
+                W(block_m=128, block_n=128, num_stages=4, num_consumers=0)]
+        dx += [DXConfig(block_n=256, num_stages=2), DXConfig(block_n=128, num_stages=4)]
+    ok = lambda c, *dims: all(dim % m == 0 for dim, m in dims)
+    cons = lambda c: max(c.num_consumers, 1)
+    dh = [c for c in dh if ok(c, (n, c.block_n * cons(c)))]
+    dw2 = [c for c in dw2 if ok(c, (n, c.block_m * cons(c)), (d, c.block_n))]
+    dw1 = [c for c in dw1 if ok(c, (d, c.block_m), (2 * n, c.block_n * cons(c)))]
+    dx = [c for c in dx if ok(c, (d, c.block_n))]
+    return base, dh, dw2, dw1, dx
+
+
+def run_shape(name, shape, log, full_sweep: bool):
+    T, d, n, E, K = shape
+    x, w1, w2, plan, go = make_case(shape, seed=len(name) * 7 + 1)
+    P = plan.capacity
+    rows = int(plan.num_rows)
+    gs = np.asarray(plan.group_sizes)
+    res = dict(name=name, T=T, d=d, n=n, E=E, K=K, P=P, group_min=int(gs.min()),
+               group_max=int(gs.max()))
+    log(f"== {name} (T,d,n,E,K)={shape} groups [{gs.min()}, {gs.max()}]")
+    flops = 12 * P * n * d
+    interp = dict(interpret=True) if SMOKE else {}
+
+    h = jax.block_until_ready(saved_h(x, plan, w1))
+    ref = jax.block_until_ready(jax.jit(moe_ffn_backward)(x, h, plan, w1, w2, go))
+    r_dh, r_ap, r_ds, r_dxr = jax.block_until_ready(reference_intermediates(h, plan, w1, w2, go))
+    base, dh_cfgs, dw2_cfgs, dw1_cfgs, dx_cfgs = configs_for(d, n, full_sweep)
+
+    # ---- whole backward (default configs) vs moe_ffn_backward, poisoned outputs
+    bwd = jax.jit(lambda *a: moe_backward(*a, config=base, **interp))
+    got = poison_then(bwd, x, h, plan, w1, w2, go, nbytes=P * (5 * n + d) * 2)
+    for key, g, r in zip(("dx", "d_scores", "dw_gate_up", "dw_down"), got, ref):
+        res[f"err_bwd_{key}"] = rel_err(g, r)
+    res["d_scores_padding_zero"] = bool(not np.any(np.asarray(got[1])[rows:]))
+    got2 = bwd(x, h, plan, w1, w2, go)
+    res["bwd_bitwise_repeat"] = all(
+        bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in zip(got, got2))
+    del got, got2
+    log("  whole backward vs moe_ffn_backward: " + " ".join(
+        f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()
+        if k.startswith(("err_bwd", "d_scores_pad", "bwd_bit"))))
+
+    # ---- per kernel: correctness (poisoned) and timing sweeps
+    metas = {}
+
+    def dh_meta(bm):
+        if ("dh", bm) not in metas:
+            metas[("dh", bm)] = jax.jit(lambda g, t: _common.tile_meta(g, t, bm))(
+                plan.group_sizes, plan.token_ids)
+        return metas[("dh", bm)]
+
+    kmeta = jax.jit(lambda g, t: k_block_meta(g, t, 64))(plan.group_sizes, plan.token_ids)
+
+    def check_dh(out):
+        dh, ap, ds = out
+        e = max(rel_err(dh, r_dh, rows), rel_err(ap, r_ap, rows), rel_err(ds, r_ds))
+        return e
+
+    def build_dh(cfg):
+        meta = dh_meta(cfg.block_m)
+        return lambda go, h, t, g, s, w: dh_kernel(go, h, t, g, s, w, config=cfg, meta=meta,
+                                                   **interp)
+
+    dh_args = (go, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    poison_then(jax.jit(build_dh(base.dh)), *dh_args, nbytes=P * 3 * n * 2)
+    (t_dh, c_dh), res["dh_sweep"] = sweep("dH", dh_cfgs, build_dh, dh_args, check_dh,
+                                          2 * P * n * d, log)
+
+    p64 = -(-P // 64) * 64
+    ap_in, dh_in = pad_rows(r_ap, p64), pad_rows(r_dh, p64)
+
+    def build_wg(gathered, out_dtype):
+        def build(cfg):
+            return lambda l, r, t, g: weight_grad(l, r, t, g, gathered=gathered,
+                                                  out_dtype=out_dtype, config=cfg, meta=kmeta,
+                                                  **interp)
+        return build
+
+    dw2_args = (ap_in, go, plan.token_ids, plan.group_sizes)
+    poison_then(jax.jit(build_wg("rhs", w2.dtype)(base.dw_down)), *dw2_args, nbytes=E * n * d * 2)
+    (t_dw2, c_dw2), res["dw2_sweep"] = sweep(
+        "dW2", dw2_cfgs, build_wg("rhs", w2.dtype), dw2_args, lambda o: rel_err(o, ref[3]),
+        2 * P * n * d, log)
+    dw1_args = (x, dh_in, plan.token_ids, plan.group_sizes)
+    poison_then(jax.jit(build_wg("lhs", w1.dtype)(base.dw_gate_up)), *dw1_args,
+                nbytes=E * 2 * n * d * 2)
+    (t_dw1, c_dw1), res["dw1_sweep"] = sweep(
+        "dW1", dw1_cfgs, build_wg("lhs", w1.dtype), dw1_args, lambda o: rel_err(o, ref[2]),
+        4 * P * n * d, log)
+
+    width = aggregate_width(d)
+
+    def build_dx(cfg):
+        meta = jax.jit(lambda g: _common.aligned_tile_meta(g, P, cfg.block_m))(plan.group_sizes)
+        return lambda a, g, w: dx_rows(a, g, w, capacity=P, config=cfg, meta=meta,
+                                       out_cols=width, **interp)
+
+    dx_args = (dh_in, plan.group_sizes, w1)
+    poison_then(jax.jit(build_dx(base.dx)), *dx_args, nbytes=P * width * 2)
+    (t_dx, c_dx), res["dx_sweep"] = sweep(
+        "dX~", dx_cfgs, build_dx, dx_args, lambda o: rel_err(o[:, :d], r_dxr, rows),
+        4 * P * n * d, log)
+
+    # ---- whole backward, timed: defaults and the sweep's best
+    res["bwd_default_us"] = gpu_time_ms(bwd, x, h, plan, w1, w2, go) * 1e3
+    best = BackwardConfig(dh=c_dh or base.dh, dw_down=c_dw2 or base.dw_down,
+                          dw_gate_up=c_dw1 or base.dw_gate_up, dx=c_dx or base.dx,
+                          aggregate=base.aggregate)
+    bwd_best = jax.jit(lambda *a: moe_backward(*a, config=best, **interp))
+    got = bwd_best(x, h, plan, w1, w2, go)
+    res["err_bwd_best"] = max(rel_err(g, r) for g, r in zip(got, ref))
+    del got
+    res["bwd_best_us"] = gpu_time_ms(bwd_best, x, h, plan, w1, w2, go) * 1e3
+    res["best_config"] = str(best)
+    res.update(dh_us=t_dh * 1e3, dw2_us=t_dw2 * 1e3, dw1_us=t_dw1 * 1e3, dx_us=t_dx * 1e3)
+    res["bmm_bound_us"] = dense_bound_ms(shape) * 1e3 if not SMOKE else float("nan")
+    try:
+        res["xla_bwd_us"] = gpu_time_ms(jax.jit(moe_ffn_backward), x, h, plan, w1, w2, go,
+                                        iters=5) * 1e3
+    except Exception as e:  # noqa: BLE001
+        log(f"  xla backward failed: {type(e).__name__}: {str(e)[:300]}")
+        res["xla_bwd_us"] = float("nan")
+    bwd_us = min(res["bwd_default_us"], res["bwd_best_us"])
+    res["bwd_tflops"] = flops / (bwd_us * 1e-6) / 1e12
+    res["bwd_vs_bmm"] = res["bmm_bound_us"] / bwd_us
+    res["bwd_speedup_vs_xla"] = res["xla_bwd_us"] / bwd_us
+    errs = [v for k, v in res.items() if k.startswith("err")]
+    sweeps_ok = all(r.get("err", 0) < TOL for k in ("dh_sweep", "dw2_sweep", "dw1_sweep",
+                                                    "dx_sweep") for r in res[k])
+    res["correct"] = bool(all(e < TOL for e in errs) and res["d_scores_padding_zero"]
+                          and sweeps_ok)
+    log("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
+                           for k, v in res.items() if not k.endswith("_sweep")}))
+    return res
+
+
+def table(results):
+    head = ("| shape | ok | dH us | dW2 us | dW1 us | dX~ us | bwd us | bwd TF/s | bmm bound us | "
+            "bwd/bmm | xla bwd us | speedup vs xla |")
+    lines = [head, "|" + "---|" * 12]
+    for r in results:
+        bwd_us = min(r["bwd_default_us"], r["bwd_best_us"])
+        lines.append(
+            f"| {r['name']} | {'yes' if r['correct'] else 'NO'} | {r['dh_us']:.0f} | "
+            f"{r['dw2_us']:.0f} | {r['dw1_us']:.0f} | {r['dx_us']:.0f} | {bwd_us:.0f} | "
+            f"{r['bwd_tflops']:.0f} | {r['bmm_bound_us']:.0f} | {r['bwd_vs_bmm']:.2f} | "
+            f"{r['xla_bwd_us']:.0f} | {r['bwd_speedup_vs_xla']:.1f} |")
+    return "\n".join(lines)
+
+
+def main():
+    global SMOKE
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--shapes", default="7b,30b")
+    ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
+    args = ap.parse_args()
+    SMOKE = args.smoke
+    shapes = ["smoke"] if SMOKE else args.shapes.split(",")
+    os.makedirs(args.out, exist_ok=True)
+    log_f = open(os.path.join(args.out, "log.txt"), "w")
+
+    def log(msg):
+        print(msg, flush=True)
+        log_f.write(msg + "\n")
+        log_f.flush()
+
+    log(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    results = []
+    for i, name in enumerate(shapes):
+        try:
+            results.append(run_shape(name, SHAPES[name], log, full_sweep=(i == 0)))
+        except Exception:  # noqa: BLE001 - keep the other shapes' numbers
+            log(f"{name} failed:\n{traceback.format_exc()}")
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    log("\nbest configs: " + "; ".join(f"{r['name']}: {r['best_config']}" for r in results))
+    log("\n" + table(results))
+    return 0 if results and all(r["correct"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
