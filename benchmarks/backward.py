@@ -193,9 +193,11 @@ def configs_for(d, n, full: bool):
         dw2 += [W(block_m=128, block_n=128, num_stages=3, num_consumers=2),
                 W(block_m=64, block_n=256 if d % 256 == 0 else 128, num_stages=3,
                   num_consumers=2),
+                W(block_m=128, block_n=64, num_stages=4, num_consumers=2),
                 W(block_m=128, block_n=128, num_stages=4, num_consumers=1),
                 W(block_m=128, block_n=128, num_stages=4, num_consumers=0)]
-        dw1 += [W(block_m=128, block_n=128, num_stages=3, num_consumers=2),
+        dw1 += [W(block_m=64, block_n=256, num_stages=2, num_consumers=2),
+                W(block_m=128, block_n=128, num_stages=3, num_consumers=2),
                 W(block_m=64, block_n=128, num_stages=4, num_consumers=2),
                 W(block_m=128, block_n=128, num_stages=4, num_consumers=1),
                 W(block_m=128, block_n=128, num_stages=4, num_consumers=0)]
