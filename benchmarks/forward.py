@@ -299,20 +299,21 @@ def variant_down_cfgs(d, n):
 
 
 def default_up_cfgs(d, n):
-    out = []
-    for bn in (128, 64):
-        if n % bn == 0:
-            for stages in (4, 3):
-                out.append(UpProjConfig(block_m=64, block_n=bn, num_stages=stages))
+    """The forward's default plus the runner-up designs (see benchmarks/history/)."""
+    out = [ForwardConfig.for_shape(d, n).up]
+    for cons, bn, stages in [(2, 128, 3), (1, 128, 4), (0, 128, 4)]:
+        cfg = UpProjConfig(block_n=bn, num_stages=stages, num_consumers=cons)
+        if n % (max(cons, 1) * bn) == 0 and cfg not in out:
+            out.append(cfg)
     return out
 
 
 def default_down_cfgs(d, n):
-    out = []
-    for bn in (256, 192, 128):
-        if d % bn == 0:
-            for stages in (4, 3):
-                out.append(DownProjConfig(block_m=64, block_n=bn, num_stages=stages))
+    out = [ForwardConfig.for_shape(d, n).down]
+    for bn, stages, sms in [(256, 3, 132), (192, 4, 132), (256, 2, 0)]:
+        cfg = DownProjConfig(block_n=bn, num_stages=stages, num_sms=sms)
+        if d % bn == 0 and cfg not in out:
+            out.append(cfg)
     return out
 
 

@@ -37,26 +37,40 @@ class ForwardConfig:
     aggregate: AggregateConfig = AggregateConfig()
 
     @classmethod
-    def for_shape(cls, d: int, n: int, **overrides) -> "ForwardConfig":
+    def for_shape(cls, d: int, n: int, *, num_sms: int | None = None, **overrides) -> "ForwardConfig":
         """Default block sizes that divide the model widths `d` and `n` (both multiples of 64).
 
-        `overrides` may replace the `up`, `down` or `aggregate` configs.
+        `num_sms`: CTAs of the persistent down-proj (default: the device's SM count, 132 on
+        H100). `overrides` may replace the `up`, `down` or `aggregate` configs.
         """
+        if num_sms is None:
+            num_sms = default_num_sms()
         _common.require_multiple("d", d, 64, "the kernels tile the model width by 64")
         _common.require_multiple("n", n, 64, "the kernels tile the expert width by 64")
-        # Measured on H100 (benchmarks/RESULTS.md): the warp-specialized up-proj with two
-        # consumers sharing each gathered stage is fastest; fewer down-proj stages let more
-        # CTAs share an SM.
+        # Measured on H100 (benchmarks/RESULTS.md, benchmarks/history/): the warp-specialized
+        # up-proj with two consumers sharing each gathered stage is fastest, and the
+        # persistent ping-pong down-proj beats one CTA per tile.
         if n % 256 == 0:
             up = UpProjConfig(block_n=128, num_stages=3, num_consumers=2)
         elif n % 128 == 0:
             up = UpProjConfig(block_n=128, num_stages=4, num_consumers=1)
         else:
             up = UpProjConfig(block_n=64, num_stages=4, num_consumers=1)
-        down = DownProjConfig(block_n=_largest_block(d, (256, 192, 128, 64)), num_stages=2)
+        down = DownProjConfig(
+            block_n=_largest_block(d, (256, 192, 128, 64)), num_stages=4, num_sms=num_sms
+        )
         agg = _aggregate_config(d)
         cfg = cls(up=up, down=down, aggregate=agg)
         return dataclasses.replace(cfg, **overrides)
+
+
+def default_num_sms() -> int:
+    """SM count of the default device if it is a GPU, else 132 (H100 SXM)."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return 132
+    return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
 
 
 def _aggregate_config(d: int) -> AggregateConfig:
@@ -70,9 +84,10 @@ def _aggregate_config(d: int) -> AggregateConfig:
 
 
 def aggregate_width(d: int) -> int:
-    """Columns the aggregation runs on: d rounded up to a multiple of 128 (one element per
-    thread of a warpgroup). Widths like 2880 get a padded Y and a final column slice."""
-    return -(-d // 128) * 128
+    """Columns the aggregation runs on. A warpgroup loads `128 * vec` columns at a time, so
+    d must be a multiple of 128; other widths (e.g. 2880) are rounded up to a multiple of
+    1024 (16-byte loads) with unwritten pad columns in Y and a final column slice."""
+    return d if d % 128 == 0 else -(-d // 1024) * 1024
 
 
 def moe_forward(
@@ -94,7 +109,8 @@ def moe_forward(
       w_down: bf16 [E, n, d].
       interpret: run every kernel in Mosaic GPU interpret mode (CPU) if True or an
         InterpretGPUParams.
-      config: block sizes; `ForwardConfig.for_shape(d, n)` if None.
+      config: block sizes; `ForwardConfig.for_shape(d, n)` if None (with 4 persistent CTAs
+        in interpret mode, where every simulated CTA costs time).
       inference: skip writing H (returns None for it).
 
     Returns:
@@ -116,7 +132,7 @@ def moe_forward(
     if plan.num_experts != num_experts:
         raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
     if config is None:
-        config = ForwardConfig.for_shape(d, n)
+        config = ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
     capacity = plan.capacity
 
     # Tile metadata, once per plan and block size.
