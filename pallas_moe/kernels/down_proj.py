@@ -183,8 +183,17 @@ def _persistent_kernel(config: DownProjConfig, n, d, capacity, out_cols, num_til
     (released by whichever consumer read the slot's previous contents) and arrives on
     `full[j % 2, slot]`, so each consumer waits only on its own barriers and its phase
     tracking stays exact. Each consumer has its own epilogue tile in SMEM.
+
+    With `block_m == 128` the consumers instead share every item (split M): consumer c
+    multiplies rows [64c, 64c + 64) of the A box by the same B tile, so each weight tile
+    streamed from L2 feeds 128 rows instead of 64 (the 64-row kernel is L2-bandwidth bound:
+    ~19 KB of operands per MFLOP vs ~11 KB here); both consumers release each slot.
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    if bm not in (64, 128):
+        raise ValueError(f"config.block_m={bm} must be 64 or 128 for the persistent kernel.")
+    split_m = bm == 128
+    mb = bm // 2 if split_m else bm  # rows per consumer
     num_sms = config.num_sms
     num_k = n // bk
     grid_n = d // bn
@@ -209,7 +218,7 @@ def _persistent_kernel(config: DownProjConfig, n, d, capacity, out_cols, num_til
                 tile, ni = item(j)
                 box0 = (start_ref[tile] // bm) * bm  # the aligned block holding the tile
                 w_e = w_ref.at[expert_ref[tile]]  # [n, d]
-                c = j % 2
+                c = 0 if split_m else j % 2
 
                 def per_step(k, carry):
                     g = j * num_k + k
@@ -247,19 +256,29 @@ def _persistent_kernel(config: DownProjConfig, n, d, capacity, out_cols, num_til
         for c in range(2):
             @pl.when(wg == c)
             def _consumer(c=c):
+                bar_c = 0 if split_m else c
+                a_rows = pl.ds(c * mb, mb) if split_m else slice(None)
+
                 def per_item(i, carry):
-                    j = 2 * i + c
+                    j = i if split_m else 2 * i + c
                     tile, ni = item(j)
                     row0 = start_ref[tile]
                     num_rows = rows_ref[tile]
-                    shift = row0 - (row0 // bm) * bm  # SMEM row of the tile's first row
+                    box0 = (row0 // bm) * bm
+                    shift = row0 - box0  # box row of the tile's first row
+                    if split_m:  # this consumer's box rows [c*mb, c*mb + mb) ∩ the tile's
+                        lo = jnp.maximum(shift, c * mb)
+                        count = jnp.maximum(jnp.minimum(shift + num_rows, c * mb + mb) - lo, 0)
+                        dst0, src0 = box0 + lo, lo - c * mb
+                    else:
+                        count, dst0, src0 = num_rows, row0, shift
 
                     def mma_scope(acc):
                         def per_step(k, carry):
                             g = j * num_k + k
                             slot = g % stages
-                            plgpu.barrier_wait(full.at[c, slot])
-                            plgpu.wgmma(acc, a_smem.at[slot], b_smem.at[slot])  # [bm,bk]@[bk,bn]
+                            plgpu.barrier_wait(full.at[bar_c, slot])
+                            plgpu.wgmma(acc, a_smem.at[slot, a_rows], b_smem.at[slot])  # [mb,bk]@[bk,bn]
                             plgpu.wgmma_wait(1)  # step g-1 is done: release its slot
 
                             @pl.when(k >= 1)
@@ -273,17 +292,18 @@ def _persistent_kernel(config: DownProjConfig, n, d, capacity, out_cols, num_til
                         plgpu.barrier_arrive(empty.at[(j * num_k + num_k - 1) % stages])
                         return acc[...]
 
-                    y = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))  # [bm, bn]
+                    y = pl.run_scoped(mma_scope, plgpu.ACC((mb, bn), jnp.float32))  # [mb, bn]
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's store
                     o_smem[c] = y.astype(dtype)
                     plgpu.commit_smem()
                     _common.store_rows(
-                        o_smem.at[c], y_out.at[:, pl.ds(ni * bn, bn)], row0, num_rows, bm,
-                        src_row0=shift,
+                        o_smem.at[c], y_out.at[:, pl.ds(ni * bn, bn)], dst0, count, mb,
+                        src_row0=src0,
                     )
                     return carry
 
-                jax.lax.fori_loop(0, (my_items - c + 1) // 2, per_item, None)
+                num_mine = my_items if split_m else (my_items - c + 1) // 2
+                jax.lax.fori_loop(0, num_mine, per_item, None)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return plgpu.kernel(
@@ -292,9 +312,9 @@ def _persistent_kernel(config: DownProjConfig, n, d, capacity, out_cols, num_til
         scratch_types=[
             plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),
             plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),
-            plgpu.SMEM((2, bm, bn), dtype),
-            plgpu.Barrier(num_arrivals=2, num_barriers=(2, stages)),
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            plgpu.SMEM((2, mb, bn), dtype),
+            plgpu.Barrier(num_arrivals=2, num_barriers=(1 if split_m else 2, stages)),
+            plgpu.Barrier(num_arrivals=2 if split_m else 1, num_barriers=stages),
         ],
         grid=(num_sms,),
         grid_names=("sm",),
