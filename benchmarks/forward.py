@@ -299,22 +299,31 @@ def variant_down_cfgs(d, n):
 
 
 def default_up_cfgs(d, n):
-    """The forward's default plus the runner-up designs (see benchmarks/history/)."""
-    out = [ForwardConfig.for_shape(d, n).up]
-    for cons, bn, stages in [(2, 128, 3), (1, 128, 4), (0, 128, 4)]:
-        cfg = UpProjConfig(block_n=bn, num_stages=stages, num_consumers=cons)
-        if n % (max(cons, 1) * bn) == 0 and cfg not in out:
+    """The forward's default plus the competing designs (see benchmarks/history/)."""
+    cands = [
+        ForwardConfig.for_shape(d, n).up,
+        UpProjConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2),  # split N
+        UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2),  # split M
+        UpProjConfig(block_m=128, block_n=128, num_stages=3, num_consumers=2),
+        UpProjConfig(block_m=64, block_n=128, num_stages=4, num_consumers=1),
+    ]
+    out = []
+    for cfg in cands:
+        cols = cfg.block_n if cfg.block_m == 128 else cfg.block_n * max(cfg.num_consumers, 1)
+        if n % cols == 0 and cfg not in out:
             out.append(cfg)
     return out
 
 
 def default_down_cfgs(d, n):
-    out = [ForwardConfig.for_shape(d, n).down]
-    for bn, stages, sms in [(256, 3, 132), (192, 4, 132), (256, 2, 0)]:
-        cfg = DownProjConfig(block_n=bn, num_stages=stages, num_sms=sms)
-        if d % bn == 0 and cfg not in out:
-            out.append(cfg)
-    return out
+    cands = [
+        ForwardConfig.for_shape(d, n).down,
+        DownProjConfig(block_m=128, block_n=256, num_stages=3, num_sms=132),  # split M
+        DownProjConfig(block_m=128, block_n=128, num_stages=4, num_sms=132),
+        DownProjConfig(block_m=64, block_n=256, num_stages=4, num_sms=132),  # ping-pong
+        DownProjConfig(block_m=128, block_n=192, num_stages=3, num_sms=132),
+    ]
+    return [c for i, c in enumerate(cands) if d % c.block_n == 0 and c not in cands[:i]]
 
 
 TABLE_COLS = [

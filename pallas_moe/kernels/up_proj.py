@@ -55,6 +55,8 @@ class UpProjConfig:
       lane_semantics: lower with Lane semantics (always on for the warp-specialized kernel).
       no_auto_barriers: `plgpu.CompilerParams.unsafe_no_auto_barriers`.
       row_unroll: unroll factor of each producer warp's row-copy loop.
+      (With num_consumers == block_m / 64 > 1 the consumers instead split the rows, 64 each,
+        and share the weight tiles: half the L2 weight traffic per FLOP, twice the copies.)
       num_producers: producer warpgroups of the warp-specialized kernel (their 4 warps each
         issue `block_m / (4 * num_producers)` row copies per stage).
     """
@@ -94,7 +96,7 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
     if config.num_stages < 2:
         raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
     _common.require_multiple("d (x.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
-    cols = bn * max(config.num_consumers, 1)
+    cols = _cta_cols(config)
     _common.require_multiple(
         "n (w_gate_up.shape[2] // 2)", n, cols,
         f"a CTA computes {cols} gate columns and the matching up columns",
@@ -292,7 +294,9 @@ def _warp_specialized_kernel(
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
-    cols = cons * bn  # gate columns per CTA
+    split_m = _split_m(config)
+    cols = _cta_cols(config)  # gate columns per CTA
+    mb = bm // cons if split_m else bm  # rows per consumer
     num_k = d // bk
     grid_n = n // cols
     dtype = jnp.bfloat16
@@ -380,14 +384,21 @@ def _warp_specialized_kernel(
             @pl.when((num_rows > 0) & (wg == c))
             def _consumer(c=c):
                 row0 = start_ref[mi]
-                csl = pl.ds(c * bn, bn)
+                csl = pl.ds(0, bn) if split_m else pl.ds(c * bn, bn)
+                a_rows = pl.ds(c * mb, mb) if split_m else slice(None)
+                if split_m:  # this consumer's rows of the tile: [c*mb, c*mb + mb)
+                    count = jnp.clip(num_rows - c * mb, 0, mb)
+                    dst0 = row0 + c * mb
+                else:
+                    count, dst0 = num_rows, row0
 
                 def mma_scope(acc_g, acc_u):
                     def step(ki, carry):
                         slot = ki % stages
                         plgpu.barrier_wait(full.at[slot])
-                        plgpu.wgmma(acc_g, a_mma.at[slot], bg_mma.at[slot, :, csl])
-                        plgpu.wgmma(acc_u, a_mma.at[slot], bu_mma.at[slot, :, csl])
+                        a_tile = a_mma.at[slot, a_rows]  # [mb, bk]
+                        plgpu.wgmma(acc_g, a_tile, bg_mma.at[slot, :, csl])  # @ [bk, bn]
+                        plgpu.wgmma(acc_u, a_tile, bu_mma.at[slot, :, csl])
                         plgpu.wgmma_wait(2)  # step ki-1 is done: release its slot
 
                         @pl.when(ki >= 1)
@@ -401,13 +412,13 @@ def _warp_specialized_kernel(
                     return acc_g[...], acc_u[...]
 
                 g, u = pl.run_scoped(
-                    mma_scope, plgpu.ACC((bm, bn), jnp.float32), plgpu.ACC((bm, bn), jnp.float32)
+                    mma_scope, plgpu.ACC((mb, bn), jnp.float32), plgpu.ACC((mb, bn), jnp.float32)
                 )
                 # Every consumer is done reading the pipeline buffers before any of them
                 # overwrites them with its epilogue tile.
                 plgpu.barrier_arrive(epi_bar)
                 plgpu.barrier_wait(epi_bar)
-                hg = g.astype(dtype)  # [bm, bn]
+                hg = g.astype(dtype)  # [mb, bn]
                 hu = u.astype(dtype)
                 hg32 = hg.astype(jnp.float32)
                 act = (hg32 * jax.nn.sigmoid(hg32) * hu.astype(jnp.float32)).astype(dtype)
@@ -416,14 +427,14 @@ def _warp_specialized_kernel(
                     o_smem[c, 1] = hg
                     o_smem[c, 2] = hu
                 plgpu.commit_smem()
-                col = ni * cols + c * bn
-                _common.store_rows(o_smem.at[c, 0], a_out.at[:, pl.ds(col, bn)], row0, num_rows, bm)
+                col = ni * cols + (0 if split_m else c * bn)
+                _common.store_rows(o_smem.at[c, 0], a_out.at[:, pl.ds(col, bn)], dst0, count, mb)
                 if h_out is not None:
                     _common.store_rows(
-                        o_smem.at[c, 1], h_out.at[:, pl.ds(col, bn)], row0, num_rows, bm
+                        o_smem.at[c, 1], h_out.at[:, pl.ds(col, bn)], dst0, count, mb
                     )
                     _common.store_rows(
-                        o_smem.at[c, 2], h_out.at[:, pl.ds(n + col, bn)], row0, num_rows, bm
+                        o_smem.at[c, 2], h_out.at[:, pl.ds(n + col, bn)], dst0, count, mb
                     )
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -434,7 +445,7 @@ def _warp_specialized_kernel(
         plgpu.SMEM(b_shape, dtype, transforms=tf),
         plgpu.SMEM(b_shape, dtype, transforms=tf),
     )
-    out_smem = plgpu.SMEM((cons, num_out, bm, bn), dtype)
+    out_smem = plgpu.SMEM((cons, num_out, mb, bn), dtype)
     if interpret:
         bufs = (mma_group, out_smem)
     else:
@@ -463,6 +474,19 @@ def _warp_specialized_kernel(
         compiler_params=plgpu.CompilerParams(**params),
         interpret=interpret_mode,
     )
+
+
+def _split_m(config: UpProjConfig) -> bool:
+    """Consumers split the tile's rows (64 each) and share the weight tiles, instead of
+    splitting the columns and sharing the gathered rows."""
+    return config.num_consumers > 1 and config.block_m == 64 * config.num_consumers
+
+
+def _cta_cols(config: UpProjConfig) -> int:
+    """Gate columns (and as many up columns) one CTA computes."""
+    if _split_m(config):
+        return config.block_n
+    return config.block_n * max(config.num_consumers, 1)
 
 
 def _ws_views(bufs, interpret: bool):
