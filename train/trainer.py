@@ -258,6 +258,8 @@ def train(
     schedule = lr_schedule(cfg)
     interval_metrics: list[dict] = []
     interval_start = time.perf_counter()
+    paused = 0.0  # seconds of validation and checkpointing inside the current interval
+    record: dict = {}
     train_time = 0.0
     train_tokens = 0
     last_ckpt = None
@@ -270,7 +272,7 @@ def train(
         bar.update(1)
         if step % cfg.log_every == 0 or step == stop_at:
             host = jax.device_get(interval_metrics)  # blocks: the interval's work is done
-            elapsed = time.perf_counter() - interval_start
+            elapsed = time.perf_counter() - interval_start - paused
             tokens = len(host) * cfg.tokens_per_step
             train_time += elapsed
             train_tokens += tokens
@@ -285,14 +287,17 @@ def train(
             bar.set_postfix(loss=f"{record['ce']:.3f}", val=f"{last_val.get('val_loss', float('nan')):.3f}",
                             tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             interval_metrics = []
+        t_pause = time.perf_counter()  # validation and checkpoint time is not train time
         if step % cfg.eval_every == 0 or step == cfg.steps:
             last_val = evaluate(step)
-            bar.set_postfix(loss=f"{record['ce']:.3f}", val=f"{last_val['val_loss']:.3f}",
-                            tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            bar.set_postfix(loss=f"{record.get('ce', float('nan')):.3f}", val=f"{last_val['val_loss']:.3f}",
+                            tok_s=f"{record.get('tokens_per_s', 0):.0f}", refresh=False)
         if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == stop_at):
             last_ckpt = save(step)
-        if step % cfg.log_every == 0 or step == stop_at:
-            interval_start = time.perf_counter()  # eval and checkpoint time is not train time
+        if not interval_metrics:  # an interval just closed: the next one starts now
+            interval_start, paused = time.perf_counter(), 0.0
+        else:
+            paused += time.perf_counter() - t_pause
     bar.close()
     if last_ckpt is None and mgr is not None and mgr.latest_step() is not None:
         last_ckpt = ckpt_dir / str(mgr.latest_step())
