@@ -142,7 +142,7 @@ def read_metrics(path: str | pathlib.Path) -> list[dict]:
 
 
 # Config fields that may differ between a checkpoint and the run resuming it.
-RESUMABLE_CHANGES = {"steps", "out", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "name"}
+RESUMABLE_CHANGES = {"steps", "warmup_steps", "out", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "name"}
 
 
 @dataclasses.dataclass
