@@ -75,6 +75,11 @@ def dense_bound_fns(shape):
     return jax.jit(fwd), jax.jit(fwd_bwd), xe, cot
 
 
+def relative_error(a, b) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
 def residual_bytes(backend, x, plan, w1, w2):
     inputs = [x, w1, w2, *jax.tree.leaves(plan)]
     f = lambda x, w1, w2, s: pm.moe_ffn(x, plan.with_scores(s), w1, w2, backend=backend)
@@ -88,7 +93,7 @@ def residual_bytes(backend, x, plan, w1, w2):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="7b,30b")
-    parser.add_argument("--backends", default="mosaic,xla")
+    parser.add_argument("--backends", default="xla,mosaic")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     device = jax.devices()[0].device_kind
@@ -103,12 +108,21 @@ def main():
         t_bound_fwd = gpu_time_ms(bound_fwd, xe, w1, w2)
         t_bound_all = gpu_time_ms(bound_all, xe, w1, w2, dcot)
         floor = 2 * num_tokens * d + 4 * p * n
+        reference = None  # gradients of the first backend that ran; later ones are checked against it
         for backend in args.backends.split(","):
             fwd, fwd_bwd = layer_fns(backend)
             row = dict(shape=name, T=num_tokens, d=d, n=n, E=num_experts, K=k, backend=backend)
             try:
                 row["fwd_ms"] = gpu_time_ms(fwd, x, plan, w1, w2)
                 row["fwd_bwd_ms"] = gpu_time_ms(fwd_bwd, x, plan, w1, w2, cot)
+                grads = (fwd(x, plan, w1, w2), *fwd_bwd(x, plan, w1, w2, cot))
+                if reference is None:
+                    reference = (backend, grads)
+                else:
+                    names = ("out", "dx", "dw_gate_up", "dw_down", "d_scores")
+                    row["rel_err_vs_" + reference[0]] = {
+                        name: relative_error(g, r) for name, g, r in zip(names, grads, reference[1])
+                    }
                 row["residual_bytes"] = residual_bytes(backend, x, plan, w1, w2)
                 compiled = fwd_bwd.lower(x, plan, w1, w2, cot).compile()
                 row["temp_bytes"] = compiled.memory_analysis().temp_size_in_bytes
