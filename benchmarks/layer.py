@@ -138,8 +138,8 @@ def main():
     lines = [
         f"Layer benchmark, {datetime.date.today()}, {device}. Ratios are bound time / our time.",
         "",
-        "| shape | backend | fwd ms | fwd TFLOP/s | fwd vs bound | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd vs bound | residual GiB (floor) | XLA temp GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | backend | fwd ms | fwd TFLOP/s | fwd vs bound | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd vs bound | residual GiB (floor) | XLA temp GiB | max rel err vs first backend |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     gib = 2**30
     for r in rows_out:
@@ -150,7 +150,10 @@ def main():
             f"| {r['shape']} | {r['backend']} | {r['fwd_ms']:.3f} | {r['flops_fwd'] / r['fwd_ms'] / 1e9:.0f} | "
             f"{r['bound_fwd_ms'] / r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.3f} | "
             f"{r['flops_fwd_bwd'] / r['fwd_bwd_ms'] / 1e9:.0f} | {r['bound_fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f} | "
-            f"{r['residual_bytes'] / gib:.3f} ({r['residual_floor_bytes'] / gib:.3f}) | {r['temp_bytes'] / gib:.2f} |"
+            f"{r['residual_bytes'] / gib:.3f} ({r['residual_floor_bytes'] / gib:.3f}) | {r['temp_bytes'] / gib:.2f} | "
+            + (", ".join(f"{k} {v:.1e}" for k, v in errs.items()) if (errs := next(
+                (v for k, v in r.items() if k.startswith("rel_err_vs_")), None)) else "reference")
+            + " |"
         )
     table = "\n".join(lines)
     with open(os.path.join(args.out, "layer.json"), "w") as f:
