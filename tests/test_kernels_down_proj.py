@@ -28,6 +28,7 @@ def run_and_check(plan, n, d, num_experts, config, key, interpret=True):
     assert_untouched(y, rows)
 
 
+@pytest.mark.slow  # the per-tile kernel is also covered by test_no_races[per_tile]
 def test_ragged_groups_with_empty_experts():
     plan = assignment_plan(jax.random.key(20), 45, 5, empty=(0, 3), extra=7)
     run_and_check(plan, 128, 128, 5, SMALL, jax.random.key(21))
@@ -54,9 +55,13 @@ def test_token_rounding_plan_with_padding_rows():
 
 
 PERSISTENT = DownProjConfig(block_m=64, block_n=64, num_stages=3, num_sms=3)
+# The forward's default on H100: persistent, 128-row tiles split between the two consumers.
+PERSISTENT_SPLIT_M = DownProjConfig(block_m=128, block_n=64, num_stages=3, num_sms=3)
 
 
-@pytest.mark.parametrize("config", [SMALL, PERSISTENT], ids=["per_tile", "persistent"])
+@pytest.mark.parametrize(
+    "config", [SMALL, PERSISTENT, PERSISTENT_SPLIT_M], ids=["per_tile", "ping_pong", "split_m"]
+)
 def test_no_races(config):
     plan = assignment_plan(jax.random.key(30), 40, 3, p=0.5)
     run_and_check(plan, 128, 128, 3, config, jax.random.key(31),
@@ -64,10 +69,12 @@ def test_no_races(config):
     assert not races_found()
 
 
-def test_persistent_ping_pong_ragged_with_empty_experts_and_padding():
-    # 3 CTAs walk 2 column blocks x the real tiles; consumers alternate items.
-    plan = token_rounding_plan(jax.random.normal(jax.random.key(32), (56, 5)), 2, tile=8)
-    run_and_check(plan, 256, 128, 5, PERSISTENT, jax.random.key(33))
+@pytest.mark.parametrize("config", [PERSISTENT, PERSISTENT_SPLIT_M], ids=["ping_pong", "split_m"])
+def test_persistent_ragged_with_empty_experts_and_padding(config):
+    # 3 CTAs walk 2 column blocks x the real tiles (consumers alternate items, or split
+    # each 128-row tile); groups start and end anywhere inside the aligned blocks.
+    plan = token_rounding_plan(jax.random.normal(jax.random.key(32), (75, 5)), 2, tile=8)
+    run_and_check(plan, 256, 128, 5, config, jax.random.key(33))
 
 
 @pytest.mark.parametrize(

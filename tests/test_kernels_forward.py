@@ -46,6 +46,7 @@ def test_token_rounding_forward_with_padded_aggregation_width():
     run_forward(x, plan, w1, w2)
 
 
+@pytest.mark.slow  # up-proj inference mode is covered in test_kernels_up_proj.py
 def test_inference_returns_no_h():
     ks = jax.random.split(jax.random.key(62), 4)
     x = random_x(ks[0], 16, 64)

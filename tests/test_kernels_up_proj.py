@@ -19,6 +19,8 @@ from tests.test_kernels_common import (
 SMALL = UpProjConfig(block_m=64, block_n=64, num_stages=2)
 # The warp-specialized kernel the forward uses on H100 (2 consumers share each A stage).
 WS = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
+# Warp-specialized, consumers split 128-row tiles and share the weight tiles.
+WS_SPLIT_M = UpProjConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2)
 
 
 def run_and_check(x, plan, w1, config, interpret=True):
@@ -32,13 +34,27 @@ def run_and_check(x, plan, w1, config, interpret=True):
     return h, a
 
 
-@pytest.mark.parametrize("config", [SMALL, WS], ids=["single_wg", "warp_specialized"])
+@pytest.mark.parametrize(
+    "config",
+    [pytest.param(SMALL, marks=pytest.mark.slow), WS],  # single_wg is also covered by test_no_races
+    ids=["single_wg", "warp_specialized"],
+)
 def test_ragged_groups_with_empty_expert(config):
     ks = jax.random.split(jax.random.key(10), 3)
     x = random_x(ks[0], 40, 128)
     w1, _ = random_weights(ks[1], 4, 128, 128)
     plan = assignment_plan(ks[2], 40, 4, empty=(1,), extra=5)  # groups end inside tiles
     run_and_check(x, plan, w1, config)
+
+
+def test_split_m_tiles_ending_in_either_half():
+    # 150 rows over 2 experts with 128-row tiles: tiles end in the first and second 64-row
+    # half, so each consumer stores 0..64 rows.
+    ks = jax.random.split(jax.random.key(16), 3)
+    x = random_x(ks[0], 150, 128)
+    w1, _ = random_weights(ks[1], 2, 128, 64)
+    plan = assignment_plan(ks[2], 150, 2, p=0.6)
+    run_and_check(x, plan, w1, WS_SPLIT_M)
 
 
 def test_one_expert_holds_all_tokens_multi_tile():
@@ -78,7 +94,9 @@ def test_inference_writes_only_a():
     close(a, a_ref, int(plan.num_rows))
 
 
-@pytest.mark.parametrize("config", [SMALL, WS], ids=["single_wg", "warp_specialized"])
+@pytest.mark.parametrize(
+    "config", [SMALL, WS, WS_SPLIT_M], ids=["single_wg", "warp_specialized", "split_m"]
+)
 def test_no_races(config):
     ks = jax.random.split(jax.random.key(15), 3)
     x = random_x(ks[0], 20, 256)  # 4 K steps > 2 stages: slots are refilled

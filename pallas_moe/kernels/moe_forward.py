@@ -56,9 +56,14 @@ class ForwardConfig:
             up = UpProjConfig(block_n=128, num_stages=4, num_consumers=1)
         else:
             up = UpProjConfig(block_n=64, num_stages=4, num_consumers=1)
-        down = DownProjConfig(
-            block_n=_largest_block(d, (256, 192, 128, 64)), num_stages=4, num_sms=num_sms
-        )
+        # Down-proj: 128-row tiles (two consumers share each weight tile); wide column
+        # blocks pay off once the K loop (n) is long enough.
+        if n >= 512 and d % 256 == 0:
+            down = DownProjConfig(block_m=128, block_n=256, num_stages=3, num_sms=num_sms)
+        else:
+            bn = _largest_block(d, (128, 192, 256, 64))
+            stages = 4 if bn <= 128 else 3
+            down = DownProjConfig(block_m=128, block_n=bn, num_stages=stages, num_sms=num_sms)
         agg = _aggregate_config(d)
         cfg = cls(up=up, down=down, aggregate=agg)
         return dataclasses.replace(cfg, **overrides)
