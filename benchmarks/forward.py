@@ -12,7 +12,8 @@ logits) it:
      of the same FLOPs (`einsum('emd,edn->emn')`, balanced groups), JAX's shipped
      `ragged_dot_mgpu` on the up-proj GEMM (best of a small config sweep, given the
      already-gathered X), an all-XLA forward, and a device copy (bandwidth reference);
-  3. prints a table and writes results.json and RESULTS.md into --out.
+  3. prints a table and writes results.json, forward_log.txt and forward_RESULTS.md into
+     --out (benchmarks/RESULTS.md is the curated write-up of a run of this script).
 """
 
 from __future__ import annotations
@@ -412,7 +413,7 @@ def main():
                 json.dump(dict(device=device, results=results), f, indent=1)
     cmd = "PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/forward.py " + " ".join(sys.argv[1:])
     md = markdown(results, cmd, device)
-    with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
+    with open(os.path.join(args.out, "forward_RESULTS.md"), "w") as f:
         f.write(md)
     log(md)
 
