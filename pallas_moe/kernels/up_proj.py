@@ -12,12 +12,21 @@ SwiGLU epilogue has both halves in registers without re-laying the weights.
 
 The gather: Hopper's TMA has no row gather, so each of the `block_m` rows of an A stage is
 its own `[1, block_k]` TMA copy `X[tok, k:k+bk] -> a_smem[slot, r]`, landing in the
-swizzled layout wgmma reads. No gathered `[P, d]` copy of X is ever written.
+128-byte-swizzled layout wgmma reads (through a (1, 64)-tiled view of the same SMEM, see
+`_common.row_gather_buffers`). No gathered `[P, d]` copy of X is ever written. The source
+tokens of a tile's rows come from `TileMeta.row_ids` (computed once per plan), staged in SMEM.
 
-Pipeline: `num_stages` SMEM slots; each slot's barrier counts `block_m + 2` copies. The
-warpgroup waits for stage k, issues its two wgmmas, waits for stage k-1's wgmmas (so slot
-(k-1) is free) and then issues the copies of stage k-1+num_stages into it, so loads run
-`num_stages-1` steps ahead of the tensor cores.
+Two kernel structures (config.num_consumers), both with `num_stages` SMEM slots whose
+barriers count `block_m + 2` copies:
+- single warpgroup (`num_consumers=0`): the warpgroup waits for stage k, issues its two
+  wgmmas, waits for stage k-1's wgmmas and refills that slot, so loads run `num_stages - 1`
+  steps ahead. Simple, but the one warpgroup issues every row copy (~70 cycles each).
+- warp-specialized (`num_consumers=C>=1`, the default on H100, see
+  `_warp_specialized_kernel`): a producer warpgroup issues the row copies from its 4 warps
+  in parallel and C consumer warpgroups run the wgmmas, either sharing each gathered stage
+  and splitting the columns (C*block_n gate columns per CTA, so a row is gathered
+  n / (C*block_n) times) or, with block_m = 64*C, splitting the rows and sharing the
+  weight tiles. Measured on H100: benchmarks/RESULTS.md.
 
 Epilogue: the tile's real rows are TMA-stored with a power-of-two ladder (`store_rows`), so
 a tile never writes rows of the next expert; empty tiles return before loading anything.
