@@ -222,6 +222,14 @@ def scan_and_capacity_checks():
     checks.append({
         "check": "capacity_ample", "ok": int(a4["capacity_dropped_rows"]) == 0 and max_rel(y3, y4) < 2e-5,
     })
+
+    # jax.make_mesh gives Explicit axes: inputs are resharded and [B, S, d] reshaped back.
+    explicit = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    ep = pm.nn.ExpertParallel(explicit, dispatch="all_gather")
+    (l5, (y5, a5)), g5 = value_and_grad(build("topk", True, ep), x)
+    err = max(max_rel(y3, y5), max(max_rel(a, b) for a, b in zip(jax.tree.leaves(g5), jax.tree.leaves(
+        reference("topk", True, {})[1]))))
+    checks.append({"check": "explicit_mesh", "ok": y5.shape == x.shape and err < 2e-5, "err": err})
     return checks
 
 

@@ -45,11 +45,11 @@ def test_ep_matches_single_device():
     inside `nnx.scan`, and the ragged dispatch's receive-capacity drop.
     """
     proc, results = _run_ep_check("fast")
-    _check(proc, results, 13)
+    _check(proc, results, 14)
     checks = {r["check"] for r in results if "check" in r}
     assert checks == {
         "experts_not_divisible", "tokens_not_divisible", "missing_axis", "valid_3way",
-        "scan_ep", "capacity_drop", "capacity_ample", "emulation_doc_example",
+        "scan_ep", "capacity_drop", "capacity_ample", "emulation_doc_example", "explicit_mesh",
     }
     results = [r for r in results if "check" not in r]
     assert {r["ep"] for r in results} == {1, 2, 4, 8}
@@ -61,7 +61,7 @@ def test_ep_matches_single_device():
 @pytest.mark.slow
 def test_ep_matches_single_device_full_matrix():
     proc, results = _run_ep_check("full")
-    _check(proc, results, 48)
+    _check(proc, results, 49)
 
 
 def _mesh(shape=(1,), names=("expert",)):

@@ -205,13 +205,32 @@ def expert_parallel_moe(
             bias=extras.get("bias"), key=extras.get("key"), backend=backend,
         )
 
-    return jax.shard_map(
+    in_specs = (token_spec, P(), expert_spec, expert_spec, P())
+    args = (x, router, w_gate_up, w_down, extras)
+    explicit = jax.sharding.AxisType.Explicit in ep.mesh.axis_types
+    if explicit:
+        # Explicit-sharding meshes need the inputs laid out as the specs say (Auto ones let
+        # shard_map reshard them); the output goes back to x's sharding, so the layer is
+        # transparent to the caller's layout.
+        x_sharding = jax.typeof(x).sharding
+        if x_sharding.mesh.empty:  # x was not laid out on a mesh: give y back replicated
+            x_sharding = jax.sharding.NamedSharding(ep.mesh, P())
+        args = tuple(
+            jax.tree.map(lambda a, s=spec: jax.sharding.reshard(a, jax.sharding.NamedSharding(ep.mesh, s)), arg)
+            for arg, spec in zip(args, in_specs)
+        )
+    # check_vma=False: moe_ffn's internals (scan carries, Pallas calls) carry no varying-axis
+    # annotations. Gradients still equal the single-device layer's (tests/ep_check.py).
+    y, aux = jax.shard_map(
         body,
         mesh=ep.mesh,
-        in_specs=(token_spec, P(), expert_spec, expert_spec, P()),
+        in_specs=in_specs,
         out_specs=(token_spec, P()),
         check_vma=False,
-    )(x, router, w_gate_up, w_down, extras)
+    )(*args)
+    if explicit:
+        y = jax.sharding.reshard(y, x_sharding)
+    return y, aux
 
 
 def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backend):

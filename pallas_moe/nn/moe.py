@@ -83,6 +83,18 @@ def _variable(cls, value: jax.Array, axes: tuple, sharding_rules) -> nnx.Variabl
     return cls(value, eager_sharding=_eager_shardable(axes, sharding_rules), **metadata)
 
 
+def _is_explicit(mesh) -> bool:
+    return mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types
+
+
+def _reshape_like(y: jax.Array, x: jax.Array) -> jax.Array:
+    """y [T, d] -> x's shape [..., d]; under an explicit-sharding mesh y takes x's sharding."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if _is_explicit(getattr(sharding, "mesh", None)):
+        return y.reshape(x.shape, out_sharding=sharding)
+    return y.reshape(x.shape)
+
+
 class MoE(nnx.Module):
     """Mixture-of-Experts layer with SwiGLU experts, optional shared experts and EP.
 
@@ -269,7 +281,7 @@ class MoE(nnx.Module):
             y = y + F.swiglu_mlp(
                 xt, self.shared_gate_up[...].astype(dtype), self.shared_down[...].astype(dtype)
             )  # [T, d]
-        return y.reshape(*lead, self.d_model), aux
+        return _reshape_like(y, x), aux
 
     def update_bias(self, aux: dict, rate: float | None = None) -> None:
         """Aux-loss-free balancing step: `bias += rate * sign(mean(tc_counts) - tc_counts)`.
