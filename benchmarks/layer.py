@@ -29,6 +29,8 @@ import numpy as np
 import pallas_moe as pm
 from benchmarks.forward import SHAPES, gpu_time_ms
 
+FWD_BWD_ITERS = 5
+
 
 def make_inputs(shape, seed=0, skew=0.0):
     num_tokens, d, n, num_experts, k = shape
@@ -106,7 +108,9 @@ def main():
         x, plan, w1, w2, cot = make_inputs(shape)
         bound_fwd, bound_all, xe, dcot = dense_bound_fns(shape)
         t_bound_fwd = gpu_time_ms(bound_fwd, xe, w1, w2)
-        t_bound_all = gpu_time_ms(bound_all, xe, w1, w2, dcot)
+        # profiler.measure keeps every iteration's outputs alive, and fwd+bwd outputs are
+        # weight-sized gradients: few iterations, or 30B shapes run out of memory.
+        t_bound_all = gpu_time_ms(bound_all, xe, w1, w2, dcot, iters=FWD_BWD_ITERS)
         floor = 2 * num_tokens * d + 4 * p * n
         reference = None  # gradients of the first backend that ran; later ones are checked against it
         for backend in args.backends.split(","):
@@ -114,7 +118,7 @@ def main():
             row = dict(shape=name, T=num_tokens, d=d, n=n, E=num_experts, K=k, backend=backend)
             try:
                 row["fwd_ms"] = gpu_time_ms(fwd, x, plan, w1, w2)
-                row["fwd_bwd_ms"] = gpu_time_ms(fwd_bwd, x, plan, w1, w2, cot)
+                row["fwd_bwd_ms"] = gpu_time_ms(fwd_bwd, x, plan, w1, w2, cot, iters=FWD_BWD_ITERS)
                 grads = (fwd(x, plan, w1, w2), *fwd_bwd(x, plan, w1, w2, cot))
                 if reference is None:
                     reference = (backend, grads)
