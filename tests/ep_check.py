@@ -235,12 +235,15 @@ def scan_and_capacity_checks():
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", choices=("fast", "full"), default="fast")
+    parser.add_argument("--cases", choices=("fast", "layouts", "full"), default="fast")
     args = parser.parse_args(argv)
     assert len(jax.devices()) >= 8, jax.devices()
-    cases = FAST if args.cases == "fast" else list(full_cases())
+    # "fast" and "layouts" split the default checks in two processes (pytest -n 2 runs both).
+    cases = {"fast": FAST, "layouts": [], "full": list(full_cases())}[args.cases]
+    checks = {"fast": error_checks, "layouts": scan_and_capacity_checks}.get(args.cases)
+    checks = checks() if checks else error_checks() + scan_and_capacity_checks()
     failed = 0
-    for result in error_checks() + scan_and_capacity_checks():
+    for result in checks:
         failed += not result["ok"]
         print(json.dumps(result), flush=True)
     for case in cases:
