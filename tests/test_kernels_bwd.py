@@ -276,11 +276,13 @@ def test_dh_kernel(plan_kw):
 
 
 @pytest.mark.slow
-def test_dh_kernel_detect_races():
-    x, h, plan, w1, w2, grad_out = make_problem(5, 20, 64, 64, 2, 2)
+@pytest.mark.parametrize("consumers", [0, 2], ids=["single_wg", "two_consumers"])
+def test_dh_kernel_detect_races(consumers):
+    x, h, plan, w1, w2, grad_out = make_problem(5, 20, 256, 128, 2, 2)  # 4 K-steps, 2 stages
     dh, a_scaled, d_scores = dh_kernel(
         grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2,
-        config=DHConfig(block_n=64, num_stages=2), interpret=interp(detect_races=True),
+        config=DHConfig(block_n=64, num_stages=2, num_consumers=consumers),
+        interpret=interp(detect_races=True),
     )
     assert not races_found()
     ref_dh, _, ref_ds = dh_reference(grad_out, h, plan, w2)
@@ -329,11 +331,14 @@ def test_weight_grad(gathered, plan_kw):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("consumers", [0, 2], ids=["single_wg", "two_consumers"])
 @pytest.mark.parametrize("gathered", ["lhs", "rhs"])
-def test_weight_grad_detect_races(gathered):
-    plan = make_plan(8, 24, 3, 2)
-    config = WeightGradConfig(block_m=64, block_n=64, num_stages=2)
-    _wgrad_case(9, gathered, plan, 64, 64, config, interpret=interp(detect_races=True))
+def test_weight_grad_detect_races(gathered, consumers):
+    # 220 rows in one expert: 5 K-blocks with 2 stages, so the token-id ring is refilled
+    # (ki + stages < num_k) and slots are reused; the other two experts are empty.
+    plan = make_plan(8, 220, 3, 1, router="all_to_one")
+    config = WeightGradConfig(block_m=64, block_n=64, num_stages=2, num_consumers=consumers)
+    _wgrad_case(9, gathered, plan, 128, 128, config, interpret=interp(detect_races=True))
     assert not races_found()
 
 

@@ -425,7 +425,9 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                         plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
                         plgpu.wgmma_wait(1)  # step ki-1 is done: release its slot
 
-                        @pl.when(ki >= 1)
+                        # Only the releases the producer waits for (step ki-1 + stages exists),
+                        # so every completed phase of `empty` is observed.
+                        @pl.when((ki >= 1) & (ki - 1 + stages < num_k))
                         def _():
                             plgpu.barrier_arrive(empty.at[(ki - 1) % stages])
 

@@ -461,7 +461,9 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                                 plgpu.wgmma(accs[j], own.transpose((1, 0)), g_tile)
                         plgpu.wgmma_wait(chunks)  # step ki-1 is done: release its slot
 
-                        @pl.when(ki >= 1)
+                        # Only the releases the producer waits for (step ki-1 + stages exists),
+                        # so every completed phase of `empty` is observed.
+                        @pl.when((ki >= 1) & (ki - 1 + stages < num_k))
                         def _():
                             plgpu.barrier_arrive(empty.at[(ki - 1) % stages])
 
