@@ -48,6 +48,9 @@ SHAPES = {
     "30b": (32768, 4096, 512, 128, 8),
     "30b-n256": (32768, 4096, 256, 256, 16),
     "30b-n1024": (32768, 4096, 1024, 64, 4),
+    # Real widths (d = 2880 is not a multiple of 128; n = 1408 not of 256).
+    "w2880": (8192, 2880, 1408, 32, 4),
+    "w7168": (8192, 7168, 2048, 16, 2),
 }
 ITERS = 20
 
@@ -382,8 +385,8 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants"])
-    p.add_argument("--down-sweep", default="default", choices=["default", "variants"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "none"])
+    p.add_argument("--down-sweep", default="default", choices=["default", "variants", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -401,8 +404,10 @@ def main():
     for name in args.shapes.split(","):
         for skew in ([False, True] if name in skews else [False]):
             try:
-                up_cfgs = variant_up_cfgs if args.up_sweep == "variants" else default_up_cfgs
-                down_cfgs = variant_down_cfgs if args.down_sweep == "variants" else default_down_cfgs
+                up_cfgs = {"variants": variant_up_cfgs, "default": default_up_cfgs,
+                           "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
+                down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
+                             "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
                 results.append(run_shape(name, SHAPES[name], skew, up_cfgs, down_cfgs, log,
                                          baselines=not args.no_baselines))
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape
