@@ -46,6 +46,17 @@ def test_token_rounding_forward_with_padded_aggregation_width():
     run_forward(x, plan, w1, w2)
 
 
+def test_widths_that_are_odd_multiples_of_64():
+    # Like the real d = 2880 (45 * 64) and n = 1408 (22 * 64): d = 320 is not a multiple of
+    # 128 (padded aggregation width), n = 192 is not a multiple of 128 (64-column blocks).
+    ks = jax.random.split(jax.random.key(63), 4)
+    t, d, n, e, k = 24, 320, 192, 3, 2
+    x = random_x(ks[0], t, d)
+    w1, w2 = random_weights(ks[1], e, d, n)
+    plan = topk_plan(jax.random.normal(ks[2], (t, e)), k)
+    run_forward(x, plan, w1, w2)
+
+
 @pytest.mark.slow  # up-proj inference mode is covered in test_kernels_up_proj.py
 def test_inference_returns_no_h():
     ks = jax.random.split(jax.random.key(62), 4)
