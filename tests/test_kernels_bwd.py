@@ -26,7 +26,7 @@ from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
 from pallas_moe.kernels.reference import moe_forward_reference, up_proj_reference
 from pallas_moe.kernels.weight_grad import WeightGradConfig, weight_grad
 from pallas_moe.ops.minimal_backward import dswiglu, moe_ffn_backward
-from pallas_moe.ops.mosaic import plan_cotangent
+from pallas_moe.ops.mosaic import minimal_residual_moe_ffn
 
 BF16 = jnp.bfloat16
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -211,23 +211,12 @@ def test_backward_wide_blocks():
 
 
 def test_custom_vjp_gradients_through_kernels():
-    """Gradients of a loss through a custom_vjp built like `minimal_residual_moe_ffn`, with
-    the kernel backward, vs plain autodiff of the xla backend (router logits included)."""
-
-    @jax.custom_vjp
-    def moe(x, plan, w1, w2):
-        return moe_forward_reference(x, plan, w1, w2)[0]
-
-    def moe_fwd(x, plan, w1, w2):
-        out, h = moe_forward_reference(x, plan, w1, w2)
-        return out, (x, h, plan, w1, w2)
-
-    def moe_bwd(res, g):
-        x, h, plan, w1, w2 = res
-        dx, d_scores, dw1, dw2 = moe_backward(x, h, plan, w1, w2, g, interpret=True)
-        return dx, plan_cotangent(plan, d_scores), dw1, dw2
-
-    moe.defvjp(moe_fwd, moe_bwd)
+    """Gradients of a loss through `minimal_residual_moe_ffn` with the kernel backward (and
+    the jnp reference forward, so only the backward is under test here), vs plain autodiff of
+    the xla backend, router logits included."""
+    moe = minimal_residual_moe_ffn(
+        moe_forward_reference, functools.partial(moe_backward, interpret=True)
+    )
     xla = lambda x, plan, w1, w2: pm.moe_ffn(x, plan, w1, w2, backend="xla")
 
     num_tokens, d, n, num_experts = 20, 64, 64, 3
