@@ -19,9 +19,7 @@ For each shape (routing = real top-K over random router logits) it:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import functools
 import json
 import os
 import statistics

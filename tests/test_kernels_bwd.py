@@ -19,7 +19,6 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_moe as pm
-from pallas_moe.kernels import _common
 from pallas_moe.kernels.dh import DHConfig, dh_kernel
 from pallas_moe.kernels.dx import DXConfig, dx_rows
 from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
@@ -393,7 +392,8 @@ def test_bad_config_and_shapes_raise():
         jax.eval_shape(functools.partial(moe_backward, interpret=True), x, bad_h, plan, w1, w2, g)
     with pytest.raises(TypeError, match="grad_out must have dtype bfloat16"):
         jax.eval_shape(
-            functools.partial(dh_kernel, interpret=True), jax.ShapeDtypeStruct(g.shape, jnp.float32),
+            functools.partial(dh_kernel, interpret=True),
+            jax.ShapeDtypeStruct(g.shape, jnp.float32),
             h, plan.token_ids, plan.group_sizes, plan.scores, w2,
         )
 

@@ -23,6 +23,12 @@ ladder of boxes, like `store_rows`), so nothing past the tile's rows, and nothin
 read. dH and A' rows are TMA-stored row-exactly. dS is reduced over the CTA's `bn` columns in
 registers and written as a per-(tile, column block) partial `[num_tiles, grid_n, bm]` (each
 CTA owns its slot: no atomics); `reduce_row_partials` sums the partials in a fixed order.
+
+Two variants (`DHConfig.num_consumers`): 0 = one warpgroup issues the copies and the
+wgmmas (the structure above); C > 0 = warp specialization (`_dh_warp_specialized`, the
+default of `BackwardConfig.for_shape`): a producer warpgroup issues the row copies from its 4
+warps and C consumer warpgroups share each gathered stage. Measured on the H100 at the 7B
+shape: 52 TF/s for one warpgroup, 156 TF/s with 2 consumers (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -309,7 +315,9 @@ def dh_kernel(
             plgpu.copy_smem_to_gmem(ds_smem, ds_out.at[mi, ni])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret_mode is not None)
+    a_scratch, a_views = _common.row_gather_buffers(
+        stages, bm, bk, dtype, interpret_mode is not None
+    )
     scratch = [
         plgpu.SMEM((bm,), jnp.int32),  # token ids of the tile
         a_scratch,  # gathered dO stages [stages, bm, bk]

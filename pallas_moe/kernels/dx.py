@@ -90,7 +90,9 @@ def dx_rows(
     if stages < 2:
         raise ValueError(f"config.num_stages={stages} must be >= 2.")
     _common.require_multiple("2n (dh.shape[1])", two_n, bk, f"the K loop steps by block_k={bk}")
-    _common.require_multiple("d (w_gate_up.shape[1])", d, bn, f"a CTA computes block_n={bn} columns")
+    _common.require_multiple(
+        "d (w_gate_up.shape[1])", d, bn, f"a CTA computes block_n={bn} columns"
+    )
     out_cols = d if out_cols is None else out_cols
     if out_cols < d:
         raise ValueError(f"out_cols={out_cols} must be >= d={d}.")

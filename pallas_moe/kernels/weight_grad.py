@@ -21,6 +21,11 @@ buffer and one fp32 accumulator per chunk, so every chunk keeps the layout wgmma
 The token ids of each K-block are themselves TMA-prefetched into SMEM `num_stages` steps
 ahead, so issuing the row copies never waits on a global load.
 
+Two variants (`WeightGradConfig.num_consumers`): 0 = one warpgroup issues the copies and the
+wgmmas; C > 0 = a producer warpgroup issues them (the row copies from its 4 warps) and C
+consumer warpgroups split the contiguous side's columns (`_weight_grad_ws`, the default of
+`BackwardConfig.for_shape`; 282 vs 70 TF/s on the H100 at the 7B shape).
+
 Empty experts run no K loop and store their zero accumulators: every output element is
 written. The grid walks experts by decreasing group size (largest first), so the long
 experts start early and the short ones fill the tail.
