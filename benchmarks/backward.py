@@ -3,7 +3,8 @@
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/backward.py [--out DIR] [--shapes 7b,30b]
     PYTHONPATH=. python3 benchmarks/backward.py --smoke      # CPU: interpret mode, tiny shape
 
-For each shape (routing = real top-K over random router logits) it:
+For each shape (routing = real top-K over random router logits; `7b-skew`/`30b-skew` add +1.5
+to the logits of a quarter of the experts) it:
   1. checks every backward kernel against XLA on fresh random data: the dH kernel (dH, A',
      dS), both weight-gradient kernels and the dX~ kernel against per-kernel references
      computed from the same jnp math as `moe_ffn_backward`, and the whole `moe_backward`
@@ -45,6 +46,8 @@ from pallas_moe.routing.topk import topk_plan
 SHAPES = {
     "7b": (24576, 1536, 256, 128, 8),
     "30b": (32768, 4096, 512, 128, 8),
+    "7b-skew": (24576, 1536, 256, 128, 8),  # a quarter of the experts strongly preferred
+    "30b-skew": (32768, 4096, 512, 128, 8),
     "smoke": (40, 128, 128, 4, 2),
 }
 ITERS = 20
@@ -81,13 +84,15 @@ def rel_err(got, want, rows=None):
     return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
 
 
-def make_case(shape, seed):
+def make_case(shape, seed, skew=False):
     T, d, n, E, K = shape
     ks = jax.random.split(jax.random.key(seed), 5)
     x = jax.random.normal(ks[0], (T, d), jnp.float32).astype(jnp.bfloat16)
     w1 = (jax.random.normal(ks[1], (E, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
     w2 = (jax.random.normal(ks[2], (E, n, d), jnp.float32) / np.sqrt(n)).astype(jnp.bfloat16)
     logits = jax.random.normal(ks[3], (T, E), jnp.float32)
+    if skew:  # +1.5 on a quarter of the experts: group sizes spread ~20x (as forward.py)
+        logits = logits + jnp.where(jnp.arange(E) < E // 4, 1.5, 0.0)
     grad_out = jax.random.normal(ks[4], (T, d), jnp.float32).astype(jnp.bfloat16)
     plan = jax.jit(lambda l: topk_plan(l, K, score="softmax_topk"))(logits)
     return x, w1, w2, plan, grad_out
@@ -211,7 +216,7 @@ def configs_for(d, n, full: bool):
 
 def run_shape(name, shape, log, full_sweep: bool):
     T, d, n, E, K = shape
-    x, w1, w2, plan, go = make_case(shape, seed=len(name) * 7 + 1)
+    x, w1, w2, plan, go = make_case(shape, seed=len(name) * 7 + 1, skew=name.endswith("skew"))
     P = plan.capacity
     rows = int(plan.num_rows)
     gs = np.asarray(plan.group_sizes)
