@@ -49,7 +49,7 @@ class ForwardConfig:
         _common.require_multiple("n", n, 64, "the kernels tile the expert width by 64")
         # Measured on H100 (benchmarks/RESULTS.md, benchmarks/history/): the warp-specialized
         # up-proj with two consumers sharing each gathered stage is fastest, and the
-        # persistent ping-pong down-proj beats one CTA per tile.
+        # persistent down-proj (132 CTAs) beats one CTA per tile.
         if n % 256 == 0:
             up = UpProjConfig(block_n=128, num_stages=3, num_consumers=2)
         elif n % 128 == 0:
