@@ -127,3 +127,17 @@ def test_vmap_over_a_stack_of_layers():
     ref = jax.vmap(jax.grad(loss(xla), argnums=(0, 1)))(w1s, w2s)
     for g, r in zip(got, ref):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-5)
+
+
+def test_backward_ignores_unwritten_padding_rows_of_h():
+    # Token rounding "down" with tiny groups drops every row; the kernels leave H unwritten
+    # (NaN in interpret mode), and the backward must still give finite, zero gradients.
+    from pallas_moe.ops.minimal_backward import moe_ffn_backward
+
+    logits, x, w1, w2, cot = make_inputs(6, 8, 8, 8, 4)
+    plan = pm.routing.token_rounding_plan(logits, 1, tile=16, rounding="down")
+    assert int(plan.num_rows) == 0
+    h = jnp.full((plan.capacity, 16), jnp.nan, x.dtype)
+    dx, ds, dw1, dw2 = moe_ffn_backward(x, h, plan, w1, w2, cot)
+    for g in (dx, ds, dw1, dw2):
+        assert not np.any(np.asarray(g)), "gradients of an empty plan must be exactly zero"

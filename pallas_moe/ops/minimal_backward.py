@@ -66,7 +66,9 @@ def moe_ffn_backward(
 
     def step(carry, rows, valid, tok, s, e):  # [c, bm] x4, [c]
         dx, dw1, dw2, d_scores = carry
-        h_t = h[rows]  # [c, bm, 2n]
+        # Slots past a tile's rows read row 0, which the forward never wrote when the plan
+        # has no real rows (token rounding can drop all): zero them so NaN * 0 can't leak.
+        h_t = jnp.where(valid[..., None], h[rows], 0)  # [c, bm, 2n]
         do_t = grad_out[tok]  # [c, bm, d] gather of dO
         x_t = x[tok]  # [c, bm, d] gather of X
         da = jnp.einsum("cmd,cnd->cmn", do_t, w_down[e], preferred_element_type=jnp.float32)
