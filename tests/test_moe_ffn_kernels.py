@@ -54,3 +54,18 @@ def test_kernel_backends_reject_unaligned_widths():
     plan = pm.routing.topk_plan(logits, 1)
     with pytest.raises(ValueError, match="d=96 must be a multiple of 64"):
         pm.moe_ffn(x, plan, w1, w2, backend="interpret")
+
+
+def test_interpret_backend_with_a_plan_that_dropped_every_row():
+    logits, x, w1, w2, cot = make_inputs(2, 16, 64, 64, 4)
+    plan = pm.routing.token_rounding_plan(logits, 1, tile=64, rounding="down")
+    assert int(plan.num_rows) == 0
+
+    def loss(x, w1, w2, scores):
+        out = pm.moe_ffn(x, plan.with_scores(scores), w1, w2, backend="interpret")
+        return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, w1, w2, plan.scores)
+    assert not np.any(np.asarray(out, np.float32))
+    for g in grads:
+        assert not np.any(np.asarray(g, np.float32)), "an empty plan must give exactly zero gradients"
