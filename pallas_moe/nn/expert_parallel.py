@@ -343,13 +343,15 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
     )  # [P_l, d]; rows not served stay 0
 
     # Combine in fp32: O[t] = sum_r s[r] * Y[r] over the rows of token t.
-    weighted = plan.scores[:, None] * y_rows.astype(jnp.float32)  # [P_l, d]
     if cfg.routing == "topk":
-        # Exactly K rows per token: sum them in ascending expert order, without a scatter.
-        k = cfg.top_k
-        by_token = plan.rows_by_token.reshape(tokens_l, k)  # [T_l, K]
-        y_l = jnp.sum(weighted[by_token], axis=1)  # [T_l, d]
+        # Exactly K rows per token: gather them (ascending expert order) and sum, no scatter.
+        by_token = plan.rows_by_token.reshape(tokens_l, cfg.top_k)  # [T_l, K]
+        y_l = jnp.einsum(
+            "tk,tkd->td", plan.scores[by_token], y_rows[by_token].astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )  # [T_l, d]
     else:
+        weighted = plan.scores[:, None] * y_rows.astype(jnp.float32)  # [P_l, d]
         y_l = jax.ops.segment_sum(weighted, plan.token_ids, num_segments=tokens_l)  # [T_l, d]
     dropped = jnp.sum(sizes[me]) - jnp.sum(allowed[me])
     return y_l.astype(dtype), dropped
