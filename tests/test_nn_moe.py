@@ -284,7 +284,10 @@ def test_scan_over_stacked_layers():
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def create(rngs):
-        return pm.nn.MoE(D, N, E, K, routing="token_rounding", tile=4, backend="xla", rngs=rngs)
+        return pm.nn.MoE(
+            D, N, E, K, routing="token_rounding", tile=4, backend="xla", rngs=rngs,
+            score="sigmoid", selection_bias=True, bias_update_rate=0.5,
+        )
 
     stack = create(nnx.Rngs(0))
     assert stack.w_gate_up.shape == (num_layers, E, D, 2 * N)
@@ -310,6 +313,12 @@ def test_scan_over_stacked_layers():
         ref = ref + y
         np.testing.assert_allclose(aux["loss"][i], aux_i["loss"], rtol=1e-5)
     np.testing.assert_allclose(h, ref, rtol=1e-5, atol=1e-5)
+
+    # update_bias on the stack moves each layer's bias with that layer's counts.
+    stack.update_bias(aux)
+    for i in range(num_layers):
+        expected = pm.routing.update_selection_bias(jnp.zeros(E), aux["tc_counts"][i], 0.5)
+        np.testing.assert_allclose(stack.selection_bias[...][i], expected)
 
     def loss(stack, x):
         h, aux = forward(stack, x)

@@ -257,7 +257,6 @@ class MoE(nnx.Module):
         _checks.check_floating("x", x)
         if x.ndim < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be [..., d_model={self.d_model}], got shape {tuple(x.shape)}.")
-        lead = x.shape[:-1]
         dtype = self.compute_dtype(x)
         xt = x.reshape(-1, self.d_model).astype(dtype)  # [T, d]
         if self.config.routing == "token_rounding" and self.config.rounding == "stochastic" and key is None:
