@@ -126,11 +126,16 @@ def make_mesh(ep_size: int):
     return Mesh(devices.reshape(1, ep_size), ("data", "expert"))
 
 
+def make_ep(ep_size: int, dispatch: str, args):
+    capacity = None if dispatch == "all_gather" else args.capacity_factor
+    return pm.nn.ExpertParallel(make_mesh(ep_size), dispatch=dispatch, capacity_factor=capacity)
+
+
 def check(shape: Shape, ep_size: int, dispatch: str, args) -> dict:
     """EP vs single-device outputs and gradients at a small shape."""
     x = tokens(shape, args.skew)
     results = {}
-    for name, ep in (("single", None), ("ep", pm.nn.ExpertParallel(make_mesh(ep_size), dispatch=dispatch))):
+    for name, ep in (("single", None), ("ep", make_ep(ep_size, dispatch, args))):
         layer = build(shape, args, ep)
         if args.skew:
             skew_router(layer, shape)
@@ -154,7 +159,7 @@ def check(shape: Shape, ep_size: int, dispatch: str, args) -> dict:
 
 
 def bench(shape: Shape, ep_size: int, dispatch: str | None, args) -> dict:
-    ep = None if ep_size == 1 and dispatch is None else pm.nn.ExpertParallel(make_mesh(ep_size), dispatch=dispatch)
+    ep = None if dispatch is None else make_ep(ep_size, dispatch, args)
     layer = build(shape, args, ep)
     if args.skew:
         skew_router(layer, shape)
@@ -182,6 +187,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tile", type=int, default=128)
     parser.add_argument("--param-dtype", default="bfloat16", dest="param_dtype")
     parser.add_argument("--skew", action="store_true", help="skewed routing")
+    parser.add_argument("--capacity-factor", type=float, default=None, dest="capacity_factor",
+                        help="ragged dispatch receive buffer, x T_l*K rows (default: exact worst case)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tol", type=float, default=2e-2)
     parser.add_argument("--skip-check", action="store_true")
