@@ -130,3 +130,19 @@ def test_bad_moe_input_errors(args, match):
     plan = pm.routing.topk_plan(jnp.zeros((12, 3)), 2)
     with pytest.raises((ValueError, TypeError), match=match):
         pm.moe_ffn(base["x"], plan, base["w_gate_up"], base["w_down"], backend=base["backend"])
+
+
+def test_auto_backend_picks_kernels_only_where_they_apply(monkeypatch):
+    from pallas_moe.ops import moe_ffn as moe_ffn_module
+
+    class FakeHopper:
+        platform, compute_capability = "gpu", "9.0"
+
+    bf16 = lambda *s: jnp.zeros(s, jnp.bfloat16)
+    resolve = moe_ffn_module.resolve_backend
+    assert resolve("auto", bf16(4, 128), bf16(2, 64, 128)) == "xla"  # CPU here
+    monkeypatch.setattr(moe_ffn_module.jax, "devices", lambda: [FakeHopper()])
+    assert resolve("auto", bf16(4, 128), bf16(2, 64, 128)) == "mosaic"
+    assert resolve("auto", jnp.zeros((4, 128)), jnp.zeros((2, 64, 128))) == "xla"  # f32
+    assert resolve("auto", bf16(4, 96), bf16(2, 64, 96)) == "xla"  # d not a multiple of 64
+    assert resolve("xla", bf16(4, 128), bf16(2, 64, 128)) == "xla"

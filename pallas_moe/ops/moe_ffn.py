@@ -49,15 +49,28 @@ def check_moe_inputs(
         raise ValueError("plan is malformed: token_ids, scores and rows_by_token must share shape [P].")
 
 
-def resolve_backend(backend: str) -> str:
-    """Maps "auto" to "mosaic" on a Hopper GPU and to "xla" elsewhere."""
+# What the kernels take (their own checks name the argument when asked for explicitly).
+KERNEL_DTYPE = jnp.bfloat16
+KERNEL_WIDTH_MULTIPLE = 64
+
+
+def resolve_backend(backend: str, x: jax.Array | None = None, w_down: jax.Array | None = None) -> str:
+    """Maps "auto" to "mosaic" where the kernels apply, and to "xla" elsewhere.
+
+    The kernels apply on a Hopper GPU (compute capability 9.0) to bf16 inputs whose widths
+    `d` and `n` are multiples of 64. An explicit "mosaic" outside that raises instead.
+    """
     _checks.check_choice("backend", backend, BACKENDS)
     if backend != "auto":
         return backend
     device = jax.devices()[0]
-    if device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0":
-        return "mosaic"
-    return "xla"
+    if device.platform != "gpu" or getattr(device, "compute_capability", "") != "9.0":
+        return "xla"
+    if x is not None and w_down is not None:
+        n, d = w_down.shape[1:]
+        if x.dtype != KERNEL_DTYPE or d % KERNEL_WIDTH_MULTIPLE or n % KERNEL_WIDTH_MULTIPLE:
+            return "xla"
+    return "mosaic"
 
 
 def moe_ffn(
@@ -78,13 +91,14 @@ def moe_ffn(
       w_gate_up: [E, d, 2n], gate = `[..., :n]`, up = `[..., n:]`, same dtype as x.
       w_down: [E, n, d], same dtype as x.
       backend: "xla" (pure jnp, runs anywhere), "mosaic" (Pallas Mosaic GPU kernels on
-        Hopper), "interpret" (the same kernels in GPU interpret mode on CPU), or "auto".
+        Hopper; bf16, d and n multiples of 64), "interpret" (the same kernels in GPU
+        interpret mode on CPU), or "auto" ("mosaic" where it applies, else "xla").
 
     Returns:
       [T, d] in x.dtype. Differentiable in x, both weights and `plan.scores`.
     """
     check_moe_inputs(x, plan, w_gate_up, w_down)
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, x, w_down)
     if backend == "xla":
         return moe_ffn_xla(x, plan, w_gate_up, w_down)
     from pallas_moe.ops.mosaic import moe_ffn_kernels  # Pallas is imported only when used.
