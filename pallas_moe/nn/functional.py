@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_moe import _checks
+from pallas_moe.ops.xla import swiglu
+from pallas_moe.routing.aux import stats_from_counts
 from pallas_moe.routing.plan import DispatchPlan, plan_from_assignment
 from pallas_moe.routing.token_rounding import ROUNDING_MODES, token_rounding_assignment
 from pallas_moe.routing.topk import SCORE_ORDERS, check_router_inputs, topk_assignment
@@ -190,29 +192,13 @@ def finish_aux(
     mean_prob = sums["prob_sum"] / num_tokens  # [E]
     load_balance = e * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob)
     z_loss = sums["lse_sq_sum"] / num_tokens
-    counts, tc_counts, kept = sums["counts"], sums["tc_counts"], sums["kept_tc_counts"]
-
-    def padding(c):
-        padded = ((c + tile - 1) // tile) * tile  # [E]
-        waste = jnp.sum(padded - c)
-        return waste, waste / jnp.maximum(jnp.sum(padded), 1)
-
-    pad, pad_frac = padding(counts)
-    tc_pad, tc_pad_frac = padding(tc_counts)
-    mean_count = jnp.maximum(jnp.mean(counts.astype(jnp.float32)), 1e-9)
+    stats = stats_from_counts(sums["counts"], sums["tc_counts"], sums["kept_tc_counts"], tile)
     return {
         "loss": cfg.load_balance_weight * load_balance + cfg.z_loss_weight * z_loss,
         "load_balance_loss": load_balance,
         "z_loss": z_loss,
-        "counts": counts,
-        "tc_counts": tc_counts,
-        "dropped_rows": jnp.sum(tc_counts) - jnp.sum(kept),
-        "added_rows": jnp.sum(counts) - jnp.sum(kept),
-        "padding_rows": pad,
-        "padding_fraction": pad_frac,
-        "tc_padding_rows": tc_pad,
-        "tc_padding_fraction": tc_pad_frac,
-        "max_load": jnp.max(counts).astype(jnp.float32) / mean_count,
+        "tc_counts": sums["tc_counts"],
+        **stats,
         "capacity_dropped_rows": sums.get("capacity_dropped_rows", jnp.zeros((), jnp.int32)),
     }
 
@@ -223,8 +209,6 @@ def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Arr
     fp32 accumulation; the hidden activation is rounded to x.dtype as in `moe_ffn`.
     Returns [T, d] in x.dtype.
     """
-    m = w_down.shape[0]
     h = jnp.dot(x, w_gate_up, preferred_element_type=jnp.float32).astype(x.dtype)  # [T, 2m]
-    h = h.astype(jnp.float32)
-    a = (jax.nn.silu(h[:, :m]) * h[:, m:]).astype(x.dtype)  # [T, m]
+    a = swiglu(h).astype(x.dtype)  # [T, m]
     return jnp.dot(a, w_down, preferred_element_type=jnp.float32).astype(x.dtype)  # [T, d]

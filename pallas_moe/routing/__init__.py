@@ -4,6 +4,7 @@ from pallas_moe.routing.aux import (
     load_balancing_loss,
     router_z_loss,
     routing_stats,
+    stats_from_counts,
     token_choice_counts,
     update_selection_bias,
 )
@@ -21,5 +22,5 @@ __all__ = [
     "topk_plan", "topk_assignment", "router_probabilities", "SCORE_ORDERS",
     "token_rounding_plan", "token_rounding_assignment", "rounded_counts", "ROUNDING_MODES",
     "load_balancing_loss", "router_z_loss", "update_selection_bias", "routing_stats",
-    "token_choice_counts",
+    "stats_from_counts", "token_choice_counts",
 ]

@@ -65,18 +65,31 @@ def routing_stats(plan: DispatchPlan, tc_counts: jax.Array, tile: int) -> dict[s
       tile: GEMM tile height used to count padding waste.
 
     Returns:
+      The dict of `stats_from_counts`.
+    """
+    return stats_from_counts(plan.group_sizes, tc_counts, token_choice_counts(plan), tile)
+
+
+def stats_from_counts(
+    counts: jax.Array, tc_counts: jax.Array, kept_tc_counts: jax.Array, tile: int
+) -> dict[str, jax.Array]:
+    """Routing statistics from per-expert counts (which may be summed over token shards).
+
+    Args:
+      counts: i32[E] rows per expert in the plan.
+      tc_counts: i32[E] rows per expert under plain token-choice top-K.
+      kept_tc_counts: i32[E] token-choice rows that stayed in the plan.
+      tile: GEMM tile height used to count padding waste.
+
+    Returns:
       counts i32[E]; dropped_rows (TC rows not in the plan), added_rows (non-TC rows in the
       plan), padding_rows (rows a grouped GEMM with this tile pads, for the plan) and
       tc_padding_rows (the same for plain token choice), padding_fraction and
       tc_padding_fraction (padding over padded rows), max_load (max count / mean count).
     """
-    counts = plan.group_sizes  # [E]
-    kept_tc = token_choice_counts(plan)  # [E]
-    added = jnp.sum(counts - kept_tc)
-    dropped = jnp.sum(tc_counts) - jnp.sum(kept_tc)
 
     def padding(c):
-        padded = ((c + tile - 1) // tile) * tile
+        padded = ((c + tile - 1) // tile) * tile  # [E]
         waste = jnp.sum(padded - c)
         return waste, waste / jnp.maximum(jnp.sum(padded), 1)
 
@@ -85,8 +98,8 @@ def routing_stats(plan: DispatchPlan, tc_counts: jax.Array, tile: int) -> dict[s
     mean = jnp.maximum(jnp.mean(counts.astype(jnp.float32)), 1e-9)
     return {
         "counts": counts,
-        "dropped_rows": dropped,
-        "added_rows": added,
+        "dropped_rows": jnp.sum(tc_counts) - jnp.sum(kept_tc_counts),
+        "added_rows": jnp.sum(counts) - jnp.sum(kept_tc_counts),
         "padding_rows": pad,
         "padding_fraction": pad_frac,
         "tc_padding_rows": tc_pad,
