@@ -54,7 +54,9 @@ def layer_fns(backend):
             out = pm.moe_ffn(x, plan.with_scores(scores), w1, w2, backend=backend)
             return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
 
-        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, w1, w2, plan.scores)
+        # value_and_grad, not grad: with grad alone the loss is dead, and XLA drops the
+        # forward's down-proj and aggregation (only H is needed for the gradients).
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, w1, w2, plan.scores)
 
     return jax.jit(fwd), jax.jit(fwd_bwd)
 
@@ -69,8 +71,9 @@ def dense_bound_fns(shape):
         a = (jax.nn.silu(h[..., :n].astype(jnp.float32)) * h[..., n:]).astype(xe.dtype)
         return jnp.einsum("emn,end->emd", a, w2)  # [E, rows, d]
 
-    def fwd_bwd(xe, w1, w2, cot):
-        return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2))(xe, w1, w2)
+    def fwd_bwd(xe, w1, w2, cot):  # value_and_grad keeps the forward's down-proj alive
+        loss = lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) * cot)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(xe, w1, w2)
 
     xe = jax.random.normal(jax.random.key(7), (num_experts, rows, d), jnp.bfloat16)
     cot = jax.random.normal(jax.random.key(8), (num_experts, rows, d), jnp.float32)
@@ -119,7 +122,7 @@ def main():
             try:
                 row["fwd_ms"] = gpu_time_ms(fwd, x, plan, w1, w2)
                 row["fwd_bwd_ms"] = gpu_time_ms(fwd_bwd, x, plan, w1, w2, cot, iters=FWD_BWD_ITERS)
-                grads = (fwd(x, plan, w1, w2), *fwd_bwd(x, plan, w1, w2, cot))
+                grads = (fwd(x, plan, w1, w2), *fwd_bwd(x, plan, w1, w2, cot)[1])
                 if reference is None:
                     reference = (backend, grads)
                 else:
