@@ -87,14 +87,7 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
     _common.require_shape("h", h, (capacity, 2 * n))
     _common.require_shape("scores", scores, (capacity,))
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    _common.require_multiple("config.block_m", bm, 64, "wgmma tiles rows by 64")
-    _common.require_multiple("config.block_n", bn, 64, "B tiles are 128-byte swizzled")
-    if bn > 256:
-        raise ValueError(f"config.block_n={bn} must be at most 256 (one wgmma N).")
-    if bk != 64:
-        raise ValueError(f"config.block_k={bk} must be 64 (one 128-byte swizzle row of bf16).")
-    if config.num_stages < 2:
-        raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
+    _common.require_wgmma_blocks(config, "B tiles are 128-byte swizzled")
     if config.pad_rows_to < 1:
         raise ValueError(f"config.pad_rows_to={config.pad_rows_to} must be >= 1.")
     if config.num_consumers < 0:

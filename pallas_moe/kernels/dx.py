@@ -81,14 +81,7 @@ def dx_rows(
         raise ValueError(f"capacity={capacity} exceeds dh.shape[0]={dh_rows}.")
     _common.require_shape("group_sizes", group_sizes, (num_experts,))
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
-    _common.require_multiple("config.block_m", bm, 64, "wgmma tiles rows by 64")
-    _common.require_multiple("config.block_n", bn, 64, "B tiles are 128-byte swizzled")
-    if bn > 256:
-        raise ValueError(f"config.block_n={bn} must be at most 256 (one wgmma N).")
-    if bk != 64:
-        raise ValueError(f"config.block_k={bk} must be 64 (one 128-byte swizzle row of bf16).")
-    if stages < 2:
-        raise ValueError(f"config.num_stages={stages} must be >= 2.")
+    _common.require_wgmma_blocks(config, "B tiles are 128-byte swizzled")
     _common.require_multiple("2n (dh.shape[1])", two_n, bk, f"the K loop steps by block_k={bk}")
     _common.require_multiple(
         "d (w_gate_up.shape[1])", d, bn, f"a CTA computes block_n={bn} columns"
