@@ -171,6 +171,41 @@ def row_gather_buffers(stages: int, block_m: int, block_k: int, dtype, interpret
     return plgpu.RefUnion(copy_view, mma_view), lambda refs: tuple(refs)
 
 
+def gather_rows(
+    src_ref, token_ids, dsts, barrier, *, col0, width: int, first_row, num_rows: int, unroll: int
+) -> None:
+    """The fused token gather: one `[1, width]` TMA copy per row and column chunk.
+
+    Hopper's TMA has no row gather, so row `r` (for `r` in `first_row + [0, num_rows)`) of
+    each destination gets `src[token_ids[r], col0 + j*width : col0 + (j+1)*width]`, with
+    `dsts[j]` the destination of chunk `j`. Every copy arrives on `barrier`.
+
+    Args:
+      src_ref: GMEM ref [T, cols] (X or dO).
+      token_ids: SMEM ref of source tokens, indexed by row.
+      dsts: SMEM refs, one per column chunk, each [rows, width] in a layout TMA can write.
+      barrier: the barrier the copies complete on.
+      col0: first source column (traced or static).
+      width: columns per copy (64 = one 128-byte swizzle row of bf16).
+      first_row: first row this caller issues (a warp's share, or 0).
+      num_rows: rows this caller issues.
+      unroll: unroll factor of the row loop.
+    """
+
+    def row_copy(i, carry):
+        r = i if isinstance(first_row, int) and first_row == 0 else first_row + i
+        tok = token_ids[r]
+        for j, dst in enumerate(dsts):
+            plgpu.copy_gmem_to_smem(
+                src_ref.at[pl.ds(tok, 1), pl.ds(col0 + j * width, width)],
+                dst.at[pl.ds(r, 1)],
+                barrier,
+            )
+        return carry
+
+    jax.lax.fori_loop(0, num_rows, row_copy, None, unroll=unroll)
+
+
 def aligned_tile_meta(group_sizes: jax.Array, capacity: int, block_m: int) -> TileMeta:
     """Row tiles that never cross a `block_m`-aligned row boundary nor an expert boundary.
 

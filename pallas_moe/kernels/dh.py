@@ -86,7 +86,7 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
     capacity = token_ids.shape[0]
     _common.require_shape("h", h, (capacity, 2 * n))
     _common.require_shape("scores", scores, (capacity,))
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    bn, bk = config.block_n, config.block_k
     _common.require_wgmma_blocks(config, "B tiles are 128-byte swizzled")
     if config.pad_rows_to < 1:
         raise ValueError(f"config.pad_rows_to={config.pad_rows_to} must be >= 1.")
@@ -264,16 +264,10 @@ def dh_kernel(
             def issue(ki, slot):
                 k0 = ki * bk
 
-                def row_copy(r, carry):
-                    tok = ids_smem[r]
-                    plgpu.copy_gmem_to_smem(
-                        do_ref.at[pl.ds(tok, 1), pl.ds(k0, bk)],  # [1, bk] of dO[tok]
-                        a_copy.at[slot, pl.ds(r, 1)],
-                        bars.at[slot],
-                    )
-                    return carry
-
-                jax.lax.fori_loop(0, bm, row_copy, None, unroll=8)
+                _common.gather_rows(  # [1, bk] of dO[tok] per row
+                    do_ref, ids_smem, [a_copy.at[slot]], bars.at[slot],
+                    col0=k0, width=bk, first_row=0, num_rows=bm, unroll=8,
+                )
                 plgpu.copy_gmem_to_smem(  # [bn, bk] rows c0.. of W2[e], K-minor
                     w_e.at[pl.ds(c0, bn), pl.ds(k0, bk)], b_smem.at[slot], bars.at[slot]
                 )
@@ -387,17 +381,11 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                     plgpu.barrier_wait(empty.at[slot])
 
                 def per_warp(w):
-                    def row_copy(i, c):
-                        r = w * rows_per_warp + i
-                        tok = ids_smem[r]
-                        plgpu.copy_gmem_to_smem(
-                            do_ref.at[pl.ds(tok, 1), pl.ds(k0, bk)],  # [1, bk] of dO[tok]
-                            a_copy.at[slot, pl.ds(r, 1)],
-                            full.at[slot],
-                        )
-                        return c
-
-                    jax.lax.fori_loop(0, rows_per_warp, row_copy, None, unroll=4)
+                    _common.gather_rows(  # [1, bk] of dO[tok] per row
+                        do_ref, ids_smem, [a_copy.at[slot]], full.at[slot],
+                        col0=k0, width=bk, first_row=w * rows_per_warp,
+                        num_rows=rows_per_warp, unroll=4,
+                    )
 
                 plgpu.warp_map(per_warp)
                 plgpu.copy_gmem_to_smem(  # [C*bn, bk] rows of W2[e], K-minor

@@ -35,7 +35,6 @@ a tile never writes rows of the next expert; empty tiles return before loading a
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -209,16 +208,10 @@ def up_proj(
             def issue(ki, slot):
                 k0 = ki * bk
 
-                def row_copy(r, carry):
-                    tok = ids_smem[r]
-                    plgpu.copy_gmem_to_smem(
-                        x_ref.at[pl.ds(tok, 1), pl.ds(k0, bk)],  # [1, bk] of X[tok]
-                        a_copy.at[slot, pl.ds(r, 1)],
-                        bars.at[slot],
-                    )
-                    return carry
-
-                jax.lax.fori_loop(0, bm, row_copy, None, unroll=8)
+                _common.gather_rows(  # [1, bk] of X[tok] per row
+                    x_ref, ids_smem, [a_copy.at[slot]], bars.at[slot],
+                    col0=k0, width=bk, first_row=0, num_rows=bm, unroll=8,
+                )
                 plgpu.copy_gmem_to_smem(  # [bk, bn] gate columns of W1[e]
                     w_e.at[pl.ds(k0, bk), pl.ds(ni * bn, bn)], bg_smem.at[slot], bars.at[slot]
                 )
@@ -357,18 +350,10 @@ def _warp_specialized_kernel(
                         plgpu.barrier_wait(empty.at[slot])
 
                     def per_warp(w):
-                        def row_copy(i, c):
-                            r = (p * 4 + w) * rows_per_warp + i
-                            tok = ids_smem[r]
-                            plgpu.copy_gmem_to_smem(
-                                x_ref.at[pl.ds(tok, 1), pl.ds(k0, bk)],  # [1, bk] of X[tok]
-                                a_copy.at[slot, pl.ds(r, 1)],
-                                full.at[slot],
-                            )
-                            return c
-
-                        jax.lax.fori_loop(
-                            0, rows_per_warp, row_copy, None, unroll=config.row_unroll
+                        _common.gather_rows(  # [1, bk] of X[tok] per row
+                            x_ref, ids_smem, [a_copy.at[slot]], full.at[slot],
+                            col0=k0, width=bk, first_row=(p * 4 + w) * rows_per_warp,
+                            num_rows=rows_per_warp, unroll=config.row_unroll,
                         )
 
                     plgpu.warp_map(per_warp)

@@ -229,17 +229,11 @@ def weight_grad(
             plgpu.copy_gmem_to_smem(c_src, c_smem.at[slot], bars.at[slot])
             plgpu.barrier_wait(ids_bars.at[slot])
 
-            def row_copy(r, carry):
-                tok = ids_smem[slot, r]
-                for j in range(chunks):
-                    plgpu.copy_gmem_to_smem(  # [1, 64] of X[tok] or dO[tok]
-                        g_ref.at[pl.ds(tok, 1), pl.ds(g_col0 + j * _CHUNK, _CHUNK)],
-                        g_copy.at[slot * chunks + j, pl.ds(r, 1)],
-                        bars.at[slot],
-                    )
-                return carry
-
-            jax.lax.fori_loop(0, bk, row_copy, None, unroll=8 // chunks if chunks <= 8 else 1)
+            _common.gather_rows(  # [1, 64] chunks of X[tok] or dO[tok] per row
+                g_ref, ids_smem.at[slot], [g_copy.at[slot * chunks + j] for j in range(chunks)],
+                bars.at[slot], col0=g_col0, width=_CHUNK, first_row=0, num_rows=bk,
+                unroll=8 // chunks if chunks <= 8 else 1,
+            )
 
             # The ids slot is free again once every warp has read it (the barrier in
             # commit_smem orders those reads before the TMA overwrite): prefetch the ids of
@@ -419,18 +413,12 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                 plgpu.barrier_wait(ids_bars.at[slot])
 
                 def per_warp(w):
-                    def row_copy(i, c):
-                        r = w * rows_per_warp + i
-                        tok = ids_smem[slot, r]
-                        for j in range(chunks):
-                            plgpu.copy_gmem_to_smem(  # [1, 64] of X[tok] or dO[tok]
-                                g_ref.at[pl.ds(tok, 1), pl.ds(g_col0 + j * _CHUNK, _CHUNK)],
-                                g_copy.at[slot * chunks + j, pl.ds(r, 1)],
-                                full.at[slot],
-                            )
-                        return c
-
-                    jax.lax.fori_loop(0, rows_per_warp, row_copy, None, unroll=4)
+                    _common.gather_rows(  # [1, 64] chunks of X[tok] or dO[tok] per row
+                        g_ref, ids_smem.at[slot],
+                        [g_copy.at[slot * chunks + j] for j in range(chunks)], full.at[slot],
+                        col0=g_col0, width=_CHUNK, first_row=w * rows_per_warp,
+                        num_rows=rows_per_warp, unroll=4,
+                    )
 
                 plgpu.warp_map(per_warp)
 
