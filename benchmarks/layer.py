@@ -24,7 +24,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import pallas_moe as pm
 from benchmarks.forward import SHAPES, gpu_time_ms

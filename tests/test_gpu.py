@@ -6,7 +6,6 @@ fresh random data, for top-K and token-rounding plans, plus run-to-run bitwise d
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import pallas_moe as pm

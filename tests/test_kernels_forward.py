@@ -3,7 +3,6 @@ of every kernel at production block sizes and shapes (no GPU needed)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import jax
