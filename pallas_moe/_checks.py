@@ -6,6 +6,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 
 def _raise_if_nonfinite(name: str, has_nonfinite) -> None:
@@ -13,18 +14,28 @@ def _raise_if_nonfinite(name: str, has_nonfinite) -> None:
         raise ValueError(f"{name} contains NaN or Inf; routing needs finite values.")
 
 
-def check_finite(name: str, value: jax.Array) -> None:
-    """Raises ValueError if `value` has a NaN or Inf.
+def check_finite(name: str, value: jax.Array, mode: bool | None = None) -> None:
+    """Checks that `value` holds no NaN or Inf, without a host round trip under `jit`.
 
-    Eagerly when `value` is concrete; under `jit` the check runs on the device and the
-    error surfaces when the result is read (a host callback, so it also works in `grad`).
+    Args:
+      name: the argument's name, used in the error.
+      value: the array to check.
+      mode: None (default): check concrete (eager) values, raising ValueError; skip traced
+        ones, so a jitted step pays nothing. True: also check traced values, through
+        `jax.experimental.checkify` (wrap the jitted function in `checkify.checkify` and
+        call `err.throw()`; staging it without checkify raises a ValueError that says so).
+        Works under `grad` and `shard_map`, with no host callback. False: never check.
     """
-    if isinstance(value, jax.core.Tracer):
-        jax.debug.callback(
-            lambda bad: _raise_if_nonfinite(name, bad), jnp.logical_not(jnp.all(jnp.isfinite(value)))
-        )
-    else:
+    if mode is False:
+        return
+    if not isinstance(value, jax.core.Tracer):
         _raise_if_nonfinite(name, not np.all(np.isfinite(np.asarray(value, np.float32))))
+    elif mode:
+        nonfinite = jnp.sum(jnp.logical_not(jnp.isfinite(value)), dtype=jnp.int32)
+        checkify.check(
+            nonfinite == 0, f"{name} contains {{count}} NaN or Inf values; routing needs finite values.",
+            count=nonfinite,
+        )
 
 
 def check_floating(name: str, value: jax.Array, ndim: int | None = None) -> None:

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -277,7 +278,31 @@ def test_bad_router_input_errors(call, match):
         call()
 
 
-def test_nonfinite_logits_error_under_jit():
-    f = jax.jit(lambda l: pm.routing.topk_plan(l, 1).scores)
-    with pytest.raises(Exception, match="logits contains NaN or Inf"):
-        jax.block_until_ready(f(jnp.array([[0.0, jnp.inf]])))
+@pytest.mark.parametrize("make_plan", [
+    lambda l, **kw: pm.routing.topk_plan(l, 1, **kw),
+    lambda l, **kw: pm.routing.token_rounding_plan(l, 1, tile=2, **kw),
+])
+def test_nonfinite_logits_checkify_under_jit(make_plan):
+    """check_finite=True checks on device through checkify: no host callback in the step."""
+    f = jax.jit(checkify.checkify(lambda l: make_plan(l, check_finite=True).scores))
+    err, _ = f(jnp.array([[0.0, jnp.inf], [jnp.nan, 1.0]]))
+    with pytest.raises(checkify.JaxRuntimeError, match="logits contains 2 NaN or Inf"):
+        err.throw()
+    err, _ = f(jnp.array([[0.0, 1.0], [2.0, 1.0]]))
+    err.throw()  # finite logits pass
+
+
+def test_default_jit_routing_has_no_host_callback():
+    """The default jitted plan neither checks on the host nor stages a callback."""
+    text = jax.jit(lambda l: pm.routing.topk_plan(l, 2).scores).lower(jnp.zeros((8, 4))).as_text()
+    assert "callback" not in text.lower()
+    # Unchecked, non-finite logits still give in-range plan metadata (no crash downstream).
+    plan = jax.jit(lambda l: pm.routing.topk_plan(l, 2, check_finite=False))(
+        jnp.array([[jnp.nan, 0.0, 1.0, 2.0]] * 8)
+    )
+    assert int(plan.num_rows) == 16 and bool(jnp.all(plan.token_ids < 8))
+
+
+def test_check_finite_true_without_checkify_says_so():
+    with pytest.raises(ValueError, match="checkify"):
+        jax.jit(lambda l: pm.routing.topk_plan(l, 1, check_finite=True).scores)(jnp.zeros((2, 2)))

@@ -96,6 +96,7 @@ def token_rounding_plan(
     score: ScoreOrder = "softmax_topk",
     renormalize: bool = False,
     bias: jax.Array | None = None,
+    check_finite: bool | None = None,
 ) -> DispatchPlan:
     """Token-rounding dispatch plan with static capacity `T*K + E*tile`.
 
@@ -106,12 +107,13 @@ def token_rounding_plan(
       rounding: see `rounded_counts`.
       key: PRNG key for rounding="stochastic".
       score, renormalize, bias: the token-choice step, as in `topk_plan`.
+      check_finite: NaN/Inf check of the logits, as in `topk_plan`.
 
     Returns:
       A `DispatchPlan`. TC rows keep their top-K weight; added rows carry their full router
       probability (softmax over all experts, or sigmoid); `is_token_choice` tells them apart.
     """
-    k = check_router_inputs(logits, k, score, bias)
+    k = check_router_inputs(logits, k, score, bias, check_finite)
     tile = _checks.check_positive_int("tile", tile)
     _checks.check_choice("rounding", rounding, ROUNDING_MODES)
     if rounding == "stochastic" and key is None:

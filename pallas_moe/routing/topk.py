@@ -14,8 +14,14 @@ ScoreOrder = Literal["softmax_topk", "topk_softmax", "sigmoid"]
 SCORE_ORDERS = ("softmax_topk", "topk_softmax", "sigmoid")
 
 
-def check_router_inputs(logits: jax.Array, k: int, score: str, bias: jax.Array | None) -> int:
-    """Validates router inputs; returns k as an int. Shared by every router."""
+def check_router_inputs(
+    logits: jax.Array, k: int, score: str, bias: jax.Array | None, check_finite: bool | None = None
+) -> int:
+    """Validates router inputs; returns k as an int. Shared by every router.
+
+    `check_finite` is `_checks.check_finite`'s mode for the logits: None checks eager
+    values only (no cost under `jit`), True also checks under `jit` through checkify.
+    """
     _checks.check_floating("logits", logits, ndim=2)
     num_tokens, num_experts = logits.shape
     if num_tokens == 0 or num_experts == 0:
@@ -30,7 +36,7 @@ def check_router_inputs(logits: jax.Array, k: int, score: str, bias: jax.Array |
         _checks.check_floating("bias", bias, ndim=1)
         if bias.shape != (num_experts,):
             raise ValueError(f"bias must have shape [E]=({num_experts},), got {bias.shape}.")
-    _checks.check_finite("logits", logits)
+    _checks.check_finite("logits", logits, check_finite)
     return k
 
 
@@ -93,11 +99,15 @@ def topk_plan(
     score: ScoreOrder = "softmax_topk",
     renormalize: bool = False,
     bias: jax.Array | None = None,
+    check_finite: bool | None = None,
 ) -> DispatchPlan:
     """Token-choice top-K dispatch plan with static capacity `T*K` (no padding rows).
 
     Args and score orders as in `topk_assignment`. Scores are differentiable w.r.t. logits.
+    check_finite: None (default) raises on NaN/Inf logits in eager calls and costs nothing
+      under `jit`; True also checks under `jit` through `jax.experimental.checkify` (wrap
+      the jitted function in `checkify.checkify`); False never checks.
     """
-    k = check_router_inputs(logits, k, score, bias)
+    k = check_router_inputs(logits, k, score, bias, check_finite)
     selected, weights = topk_assignment(logits, k, score=score, renormalize=renormalize, bias=bias)
     return plan_from_assignment(selected, weights, selected, capacity=logits.shape[0] * k)
