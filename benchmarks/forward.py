@@ -206,7 +206,7 @@ def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True):
             f = jax.jit(lambda x, t, g, w, m, cfg=cfg: up_proj(x, t, g, w, config=cfg, meta=m))
             t = gpu_time_ms(f, x, plan.token_ids, plan.group_sizes, w1, meta)
             if cfg != base.up:
-                hh, aa = f(x, plan.token_ids, plan.group_sizes, w1, meta)
+                hh, aa = poison_then(f, x, plan.token_ids, plan.group_sizes, w1, meta, nbytes=P * 3 * n * 2)
                 e = max(rel_err(hh, h_ref, rows), rel_err(aa, a_ref, rows))
                 if not e < 2e-2:
                     log(f"  up {cfg}: WRONG (err {e:.2e}), not timed")
@@ -319,6 +319,21 @@ def default_up_cfgs(d, n):
     return out
 
 
+def gather_up_cfgs(d, n):
+    """The TMA row gather (today's default) against the cp.async gather, same tile shapes."""
+    cands = [ForwardConfig.for_shape(d, n).up]
+    for bm, bn, stages, cons in [(64, 128, 3, 2), (128, 128, 4, 2), (128, 128, 3, 2),
+                                 (64, 128, 4, 1), (128, 64, 4, 2)]:
+        cands.append(UpProjConfig(block_m=bm, block_n=bn, num_stages=stages,
+                                  num_consumers=cons, gather="cp_async"))
+    out = []
+    for cfg in cands:
+        cols = cfg.block_n if cfg.block_m == 64 * cfg.num_consumers else cfg.block_n * max(cfg.num_consumers, 1)
+        if n % cols == 0 and cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def default_down_cfgs(d, n):
     cands = [
         ForwardConfig.for_shape(d, n).down,
@@ -385,7 +400,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     args = p.parse_args()
@@ -405,6 +420,7 @@ def main():
         for skew in ([False, True] if name in skews else [False]):
             try:
                 up_cfgs = {"variants": variant_up_cfgs, "default": default_up_cfgs,
+                           "gather": gather_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

@@ -270,3 +270,101 @@ def store_rows(src_smem, dst_gmem, row0, num_rows, max_rows: int, src_row0=0) ->
 
         start = start + (num_rows & this)
         size //= 2
+
+
+# --- The cp.async row gather (compiled kernels only; interpret mode uses `gather_rows`) ---
+#
+# Hopper's TMA cannot gather rows, and one TMA copy per 128-byte row chunk costs the issuing
+# warp dozens of cycles plus an mbarrier update per lane. Instead all 128 threads of the
+# producer warpgroup issue 16-byte `cp.async` loads straight into the 128-byte-swizzled SMEM
+# layout that wgmma reads: 8 threads per 64-column bf16 row, 16 rows per pass. A stage's
+# loads form one cp.async group. `cp_async_stage_done` later waits until at most `pending`
+# newer groups are in flight, and fences them for the async proxy (wgmma); the caller then
+# arrives on the stage barrier from every producer thread (`plgpu.barrier_arrive` in Lane
+# semantics counts 128 thread arrivals as one).
+
+CP_ASYNC_BYTES = 16
+CP_ASYNC_ROW_THREADS = SWIZZLE_BYTES // CP_ASYNC_BYTES  # 8 threads load one 128-byte row
+
+
+def cp_async_gather_rows(src_ref, token_ids, dst_ref, *, num_rows: int) -> None:
+    """Issues `dst[r, :] = src[token_ids[r], :]` for r < num_rows as one cp.async group.
+
+    Called by a whole (producer) warpgroup in Lane semantics.
+
+    Args:
+      src_ref: GMEM ref [T, 64] bf16, a column window of X or dO (`x.at[:, pl.ds(k0, 64)]`);
+        rows may have any stride.
+      token_ids: SMEM ref i32 [>= num_rows], the source row of each destination row.
+      dst_ref: SMEM ref [num_rows, 64] bf16 of one pipeline slot with `mma_transforms`
+        (tiled (8, 64), 128-byte swizzle: row r at `128 * r`, its 16-byte chunk c at
+        `(c ^ (r % 8)) * 16`; the slot starts 1024-byte aligned).
+      num_rows: static rows to load, a multiple of 16.
+    """
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+
+    rows_per_pass = 128 // CP_ASYNC_ROW_THREADS
+    if num_rows % rows_per_pass:
+        raise ValueError(f"num_rows={num_rows} must be a multiple of {rows_per_pass}.")
+
+    dst_type = plgpu.RefType(transforms=mma_transforms(jnp.bfloat16))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), dst_type))
+    def _issue(ctx, src, ids, dst):
+        del ctx
+        utils = mgpu.utils
+        i32 = ir.IntegerType.get_signless(32)
+        i8 = ir.IntegerType.get_signless(8)
+        index = ir.IndexType.get()
+        src_ty = ir.MemRefType(src.type)
+        (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
+        if col_stride != 1 or src_ty.shape[-1] * 2 != SWIZZLE_BYTES:
+            raise ValueError(f"src must be a contiguous 64-column bf16 window, got {src_ty}.")
+        src_row_bytes = row_stride * 2
+        tid = arith.remui(utils.thread_idx(), utils.c(128, i32))  # thread in the warpgroup
+        chunk = arith.remui(tid, utils.c(CP_ASYNC_ROW_THREADS, i32))  # 16-byte chunk of a row
+        row_in_pass = arith.divui(tid, utils.c(CP_ASYNC_ROW_THREADS, i32))
+        # Passes step by 16 rows, so `r % 8 == row_in_pass % 8` in every pass.
+        swizzled = arith.xori(chunk, arith.andi(row_in_pass, utils.c(7, i32)))
+        dst_base = utils.getelementptr(
+            utils.memref_ptr(dst),
+            [arith.addi(arith.muli(row_in_pass, utils.c(SWIZZLE_BYTES, i32)),
+                        arith.muli(swizzled, utils.c(CP_ASYNC_BYTES, i32)))],
+            i8,
+        )
+        src_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), utils.memref_ptr(src))
+        src_base = utils.getelementptr(
+            src_base, [arith.muli(chunk, utils.c(CP_ASYNC_BYTES, i32))], i8
+        )
+        for p in range(num_rows // rows_per_pass):
+            row = arith.addi(row_in_pass, utils.c(p * rows_per_pass, i32))
+            tok = memref.load(ids, [arith.index_cast(index, row)])
+            src_ptr = utils.getelementptr(
+                src_base,
+                [arith.muli(arith.extui(ir.IntegerType.get_signless(64), tok),
+                            utils.c(src_row_bytes, ir.IntegerType.get_signless(64)))],
+                i8,
+            )
+            dst_ptr = utils.getelementptr(dst_base, [p * rows_per_pass * SWIZZLE_BYTES], i8)
+            nvvm.cp_async_shared_global(
+                dst_ptr, src_ptr, CP_ASYNC_BYTES, nvvm.LoadCacheModifierKind.CG
+            )
+        nvvm.cp_async_commit_group()
+
+    _issue(src_ref, token_ids, dst_ref)
+
+
+def cp_async_stage_done(pending: int) -> None:
+    """Waits for this thread's cp.async groups but the newest `pending`, then fences them
+    for the async proxy, so an arrive that follows publishes them to wgmma."""
+    from jax._src.lib.mlir.dialects import nvvm
+
+    @plgpu.inline_mgpu()
+    def _wait(ctx):
+        del ctx
+        nvvm.cp_async_wait_group(pending)
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+    _wait()

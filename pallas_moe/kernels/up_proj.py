@@ -67,6 +67,10 @@ class UpProjConfig:
         and share the weight tiles: half the L2 weight traffic per FLOP, twice the copies.)
       num_producers: producer warpgroups of the warp-specialized kernel (their 4 warps each
         issue `block_m / (4 * num_producers)` row copies per stage).
+      gather: how the warp-specialized producer gathers X rows: "tma" (one `[1, 64]` TMA
+        copy per row chunk; the only loader interpret mode can run) or "cp_async" (all 128
+        producer threads issue 16-byte cp.async loads, `_common.cp_async_gather_rows`;
+        compiled kernels only, one producer warpgroup, `num_stages >= 3`).
     """
 
     block_m: int = 64
@@ -78,6 +82,7 @@ class UpProjConfig:
     no_auto_barriers: bool = False
     row_unroll: int = 4
     num_producers: int = 1
+    gather: str = "tma"
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -113,6 +118,18 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
         raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
     if config.num_producers not in (1, 2):
         raise ValueError(f"config.num_producers={config.num_producers} must be 1 or 2.")
+    if config.gather not in ("tma", "cp_async"):
+        raise ValueError(f"config.gather must be 'tma' or 'cp_async', got {config.gather!r}.")
+    if config.gather == "cp_async":
+        if not config.num_consumers or config.num_producers != 1:
+            raise ValueError(
+                "config.gather='cp_async' needs the warp-specialized kernel with one producer "
+                f"(num_consumers >= 1, num_producers == 1), got {config}."
+            )
+        if config.num_stages < 3:
+            raise ValueError(
+                f"config.gather='cp_async' needs num_stages >= 3, got {config.num_stages}."
+            )
     return d, n
 
 
@@ -306,9 +323,14 @@ def _warp_specialized_kernel(
     num_out = 1 if inference else 3
     prods = config.num_producers
     rows_per_warp = bm // (4 * prods)
+    interpret = interpret_mode is not None
+    # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
+    cp_async = config.gather == "cp_async" and not interpret
+    # cp.async stages in flight after the newest: the consumer releases step j only once it
+    # waits on j + 2, so the producer may hold at most `stages - 2` unpublished stages.
+    lag = stages - 2
     # Registers per consumer thread once the producers drop to 40 (multiple of 8).
     cons_regs = min(((65536 // 128 - 40 * prods) // cons) // 8 * 8, 240)
-    interpret = interpret_mode is not None
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
         if inference:
@@ -356,7 +378,6 @@ def _warp_specialized_kernel(
                             num_rows=rows_per_warp, unroll=config.row_unroll,
                         )
 
-                    plgpu.warp_map(per_warp)
                     if p == 0:
                         plgpu.copy_gmem_to_smem(  # [bk, C*bn] gate columns
                             w_e.at[pl.ds(k0, bk), pl.ds(ni * cols, cols)], bg_copy.at[slot],
@@ -366,9 +387,25 @@ def _warp_specialized_kernel(
                             w_e.at[pl.ds(k0, bk), pl.ds(n + ni * cols, cols)], bu_copy.at[slot],
                             full.at[slot],
                         )
+                    if cp_async:
+                        _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one cp.async group
+                            x_ref.at[:, pl.ds(k0, bk)], ids_smem, a_mma.at[slot], num_rows=bm
+                        )
+
+                        @pl.when(ki >= lag)
+                        def _():  # publish step ki - lag
+                            _common.cp_async_stage_done(lag)
+                            plgpu.barrier_arrive(full.at[(ki - lag) % stages])
+                    else:
+                        plgpu.warp_map(per_warp)
                     return carry
 
                 jax.lax.fori_loop(0, num_k, step, None)
+                if cp_async:  # publish the last `lag` steps
+                    tail = range(max(num_k - lag, 0), num_k)
+                    for i, g in enumerate(tail):
+                        _common.cp_async_stage_done(len(tail) - 1 - i)
+                        plgpu.barrier_arrive(full.at[g % stages])
                 # Observe the consumers' remaining releases (steps num_k-stages .. num_k-2),
                 # so every barrier phase is consumed before exit (interpret mode checks this).
                 for g in range(max(num_k - stages, 0), num_k - 1):
@@ -452,7 +489,9 @@ def _warp_specialized_kernel(
     scratch = [
         plgpu.SMEM((bm,), jnp.int32),
         bufs,
-        plgpu.Barrier(num_arrivals=bm + 2, num_barriers=stages),
+        # full[slot]: the two weight copies, plus the row copies (TMA: one per row) or the
+        # producer warpgroup's one cp.async publish.
+        plgpu.Barrier(num_arrivals=(1 if cp_async else bm) + 2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),
         plgpu.Barrier(),
         plgpu.Barrier(num_arrivals=cons),

@@ -241,7 +241,7 @@ def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backen
         selected, weights, tc_selected = distributed_token_rounding(
             logits, cfg, ep.token_axes, ep.num_token_shards, bias=bias, key=key
         )  # [T_l, E]
-    sums = F.router_sums(logits, selected, tc_selected)
+    sums = F.router_sums(logits, F.assignment_counts(selected, tc_selected))
     if ep.dispatch == "all_gather":
         y_l = _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend)
         sums["capacity_dropped_rows"] = jnp.zeros((), jnp.int32)

@@ -19,7 +19,7 @@ from pallas_moe.ops.xla import swiglu
 from pallas_moe.routing.aux import stats_from_counts
 from pallas_moe.routing.plan import DispatchPlan, plan_from_assignment
 from pallas_moe.routing.token_rounding import ROUNDING_MODES, token_rounding_assignment
-from pallas_moe.routing.topk import SCORE_ORDERS, check_router_inputs, topk_assignment
+from pallas_moe.routing.topk import SCORE_ORDERS, check_router_inputs, topk_assignment, topk_plan
 
 ROUTINGS = ("topk", "token_rounding")
 
@@ -121,28 +121,44 @@ def route(
     *,
     bias: jax.Array | None = None,
     key: jax.Array | None = None,
-) -> tuple[DispatchPlan, jax.Array, jax.Array]:
-    """Routes logits [T, E] to a `DispatchPlan`.
+) -> tuple[DispatchPlan, dict[str, jax.Array]]:
+    """Routes logits [T, E] to a `DispatchPlan` (single device / one routing group).
 
-    Same plans as `pm.routing.topk_plan` / `token_rounding_plan`, plus what the aux terms
-    need that the plan does not keep.
+    Same plans as `pm.routing.topk_plan` / `token_rounding_plan`; top-K uses their fast
+    path (the routing kernel on GPU), which never builds a dense [T, E] assignment.
 
     Returns:
-      (plan, selected bool[T, E], tc_selected bool[T, E]).
+      (plan, counts): counts holds i32[E] "counts" (rows per expert in the plan),
+      "tc_counts" (plain top-K rows per expert) and "kept_tc_counts" (top-K rows the plan
+      kept), as `router_sums` takes them.
     """
+    if cfg.routing == "topk":
+        plan = topk_plan(
+            logits, cfg.top_k, score=cfg.score, renormalize=cfg.renormalize, bias=bias
+        )
+        counts = plan.group_sizes
+        return plan, {"counts": counts, "tc_counts": counts, "kept_tc_counts": counts}
     selected, weights, tc_selected = route_assignment(logits, cfg, bias=bias, key=key)
     capacity = cfg.capacity(logits.shape[0])
     plan = plan_from_assignment(selected, weights, selected & tc_selected, capacity=capacity)
-    return plan, selected, tc_selected
+    return plan, assignment_counts(selected, tc_selected)
 
 
-def router_sums(
-    logits: jax.Array, selected: jax.Array, tc_selected: jax.Array
-) -> dict[str, jax.Array]:
+def assignment_counts(selected: jax.Array, tc_selected: jax.Array) -> dict[str, jax.Array]:
+    """Per-expert counts of a dense assignment (selected, tc_selected: bool[T, E])."""
+    return {
+        "counts": jnp.sum(selected, axis=0, dtype=jnp.int32),  # [E]
+        "tc_counts": jnp.sum(tc_selected, axis=0, dtype=jnp.int32),  # [E]
+        "kept_tc_counts": jnp.sum(selected & tc_selected, axis=0, dtype=jnp.int32),  # [E]
+    }
+
+
+def router_sums(logits: jax.Array, counts: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Sums over the tokens of one shard that the aux terms are finished from.
 
     Args:
-      logits: f32[T, E]; selected, tc_selected: bool[T, E] as returned by `route`.
+      logits: f32[T, E]; counts: the per-expert counts returned by `route` (or
+        `assignment_counts`).
 
     Returns:
       num_tokens f32[], prob_sum f32[E] (full-softmax router probability summed over tokens,
@@ -156,9 +172,7 @@ def router_sums(
         "num_tokens": jnp.asarray(logits.shape[0], jnp.float32),
         "prob_sum": jnp.sum(probs, axis=0),  # [E]
         "lse_sq_sum": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
-        "counts": jnp.sum(selected, axis=0, dtype=jnp.int32),  # [E]
-        "tc_counts": jnp.sum(tc_selected, axis=0, dtype=jnp.int32),  # [E]
-        "kept_tc_counts": jnp.sum(selected & tc_selected, axis=0, dtype=jnp.int32),  # [E]
+        **counts,
     }
 
 

@@ -268,9 +268,9 @@ class MoE(nnx.Module):
 
         if self.expert_parallel is None:
             logits = F.router_logits(xt, router)  # f32[T, E]
-            plan, selected, tc_selected = F.route(logits, self.config, bias=bias, key=key)
+            plan, counts = F.route(logits, self.config, bias=bias, key=key)
             y = moe_ffn(xt, plan, w_gate_up, w_down, backend=self.backend)  # [T, d]
-            aux = F.finish_aux(F.router_sums(logits, selected, tc_selected), self.config)
+            aux = F.finish_aux(F.router_sums(logits, counts), self.config)
         else:
             y, aux = expert_parallel_moe(
                 xt, router, w_gate_up, w_down, self.config, self.expert_parallel,

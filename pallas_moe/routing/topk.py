@@ -1,4 +1,20 @@
-"""Token-choice top-K routing (pure jnp, jit-able, static shapes)."""
+"""Token-choice top-K routing (jit-able, static shapes).
+
+Three implementations of one plan (`impl=`), equal row for row:
+- "kernel": a Pallas (Triton) kernel ranks the selection scores, builds per-block expert
+  histograms and local ranks in one pass; a prefix sum over blocks and one scatter place the
+  `T*K` pairs in grouped order (`routing/kernels.py`). The default on GPUs.
+- "sort": O(T*K) jnp: `lax.top_k`, then a stable sort of the `T*K` expert ids. The default
+  elsewhere (CPU).
+- "dense": the original O(T*E) one-hot formulation (`topk_assignment` +
+  `plan_from_assignment`), kept as the reference the others are tested against.
+"interpret" runs the kernel in Pallas interpret mode (CPU tests).
+
+Selection scores are computed by the same jnp expression in every implementation, and ranked
+in the total order of `jax.lax.top_k` (ties go to the lower expert index), so the selected
+experts are identical; weights are gathered from the same probabilities, so gradients to the
+logits are those of the reference.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +25,9 @@ import jax.numpy as jnp
 
 from pallas_moe import _checks
 from pallas_moe.routing.plan import DispatchPlan, plan_from_assignment
+
+TopKImpl = Literal["auto", "kernel", "interpret", "sort", "dense"]
+TOPK_IMPLS = ("auto", "kernel", "interpret", "sort", "dense")
 
 ScoreOrder = Literal["softmax_topk", "topk_softmax", "sigmoid"]
 SCORE_ORDERS = ("softmax_topk", "topk_softmax", "sigmoid")
@@ -52,6 +71,33 @@ def router_probabilities(logits: jax.Array, score: ScoreOrder) -> jax.Array:
     return jax.nn.softmax(logits, axis=-1)
 
 
+def selection_scores(
+    logits: jax.Array, probs: jax.Array, score: ScoreOrder, bias: jax.Array | None
+) -> jax.Array:
+    """f32[T, E] what top-K ranks: the logits for "topk_softmax", else the probabilities
+    plus the optional selection bias (which moves selection, never the weights)."""
+    if score == "topk_softmax":
+        return logits.astype(jnp.float32)
+    return probs if bias is None else probs + bias.astype(jnp.float32)[None, :]
+
+
+def topk_weights(
+    logits: jax.Array, probs: jax.Array, experts: jax.Array, score: ScoreOrder, renormalize: bool
+) -> jax.Array:
+    """f32[T, K] router weight of each selected (token, expert); differentiable in logits.
+
+    `experts` i32[T, K] are the selected experts (any order). "topk_softmax" takes a softmax
+    over the K selected logits; the others take the probabilities, rescaled to sum to 1 per
+    token if `renormalize`.
+    """
+    if score == "topk_softmax":
+        return jax.nn.softmax(jnp.take_along_axis(logits.astype(jnp.float32), experts, 1), axis=-1)
+    weights = jnp.take_along_axis(probs, experts, axis=1)  # [T, K]
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights
+
+
 def topk_assignment(
     logits: jax.Array,
     k: int,
@@ -77,9 +123,7 @@ def topk_assignment(
     logits = logits.astype(jnp.float32)  # [T, E]
     num_experts = logits.shape[1]
     probs = router_probabilities(logits, score)  # [T, E]
-    selection_score = probs if bias is None else probs + bias.astype(jnp.float32)[None, :]
-    if score == "topk_softmax":
-        selection_score = logits
+    selection_score = selection_scores(logits, probs, score, bias)
     _, top_idx = jax.lax.top_k(selection_score, k)  # [T, K]
     selected = jnp.sum(jax.nn.one_hot(top_idx, num_experts, dtype=jnp.int32), axis=1) > 0  # [T, E]
     if score == "topk_softmax":
@@ -92,6 +136,14 @@ def topk_assignment(
     return selected, weights
 
 
+def resolve_topk_impl(impl: str) -> str:
+    """Maps "auto" to "kernel" on a GPU and to "sort" elsewhere."""
+    _checks.check_choice("impl", impl, TOPK_IMPLS)
+    if impl != "auto":
+        return impl
+    return "kernel" if jax.default_backend() == "gpu" else "sort"
+
+
 def topk_plan(
     logits: jax.Array,
     k: int,
@@ -100,6 +152,7 @@ def topk_plan(
     renormalize: bool = False,
     bias: jax.Array | None = None,
     check_finite: bool | None = None,
+    impl: TopKImpl = "auto",
 ) -> DispatchPlan:
     """Token-choice top-K dispatch plan with static capacity `T*K` (no padding rows).
 
@@ -107,7 +160,90 @@ def topk_plan(
     check_finite: None (default) raises on NaN/Inf logits in eager calls and costs nothing
       under `jit`; True also checks under `jit` through `jax.experimental.checkify` (wrap
       the jitted function in `checkify.checkify`); False never checks.
+    impl: "auto" (the routing kernel on GPU, "sort" elsewhere), "kernel", "interpret"
+      (the kernel in interpret mode), "sort" (O(T*K) jnp) or "dense" (the O(T*E)
+      reference). All give the same plan.
     """
     k = check_router_inputs(logits, k, score, bias, check_finite)
-    selected, weights = topk_assignment(logits, k, score=score, renormalize=renormalize, bias=bias)
-    return plan_from_assignment(selected, weights, selected, capacity=logits.shape[0] * k)
+    impl = resolve_topk_impl(impl)
+    if impl == "dense":
+        selected, weights = topk_assignment(
+            logits, k, score=score, renormalize=renormalize, bias=bias
+        )
+        return plan_from_assignment(selected, weights, selected, capacity=logits.shape[0] * k)
+    logits = logits.astype(jnp.float32)
+    probs = router_probabilities(logits, score)  # [T, E]
+    sel = selection_scores(logits, probs, score, bias)  # [T, E]
+    if impl == "sort":
+        experts = jnp.sort(jax.lax.top_k(sel, k)[1], axis=1)  # [T, K] ascending experts
+        rows, group_sizes = _grouped_rows_by_sort(experts, logits.shape[1])
+    else:
+        from pallas_moe.routing import kernels  # Pallas is imported only when used.
+
+        experts, local_rank, block_counts = kernels.topk_blocks(
+            sel, k, interpret=impl == "interpret"
+        )
+        rows, group_sizes = _grouped_rows_from_blocks(
+            experts, local_rank, block_counts, kernels.block_tokens(logits.shape[1])
+        )
+    weights = topk_weights(logits, probs, experts, score, renormalize)  # [T, K]
+    return plan_from_token_rows(rows, weights, group_sizes)
+
+
+def _grouped_rows_by_sort(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(rows i32[T, K], group_sizes i32[E]): grouped row of each pair by a stable sort."""
+    num_tokens, k = experts.shape
+    flat = experts.reshape(-1)  # token-major, so stable order is by token within an expert
+    order = jnp.argsort(flat, stable=True)  # grouped row -> pair
+    rows = jnp.zeros_like(flat).at[order].set(
+        jnp.arange(flat.shape[0], dtype=jnp.int32), unique_indices=True
+    )
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    return rows.reshape(num_tokens, k), group_sizes
+
+
+def _grouped_rows_from_blocks(
+    experts: jax.Array, local_rank: jax.Array, block_counts: jax.Array, block_t: int
+) -> tuple[jax.Array, jax.Array]:
+    """(rows i32[T, K], group_sizes i32[E]) from the kernel's per-block ranks and histograms.
+
+    Pair (t, e) lands at `start[e] + (pairs of e in earlier blocks) + local_rank`: stable
+    by token within each expert, like the sort.
+    """
+    group_sizes = jnp.sum(block_counts, axis=0, dtype=jnp.int32)  # [E]
+    starts = jnp.cumsum(group_sizes, dtype=jnp.int32) - group_sizes  # [E]
+    block_base = (
+        jnp.cumsum(block_counts, axis=0, dtype=jnp.int32) - block_counts + starts[None, :]
+    )  # [NB, E]
+    block_of_token = jnp.arange(experts.shape[0], dtype=jnp.int32) // block_t  # [T]
+    rows = block_base[block_of_token[:, None], experts] + local_rank  # [T, K]
+    return rows, group_sizes
+
+
+def plan_from_token_rows(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> DispatchPlan:
+    """A top-K plan from each pair's grouped row.
+
+    Args:
+      rows: i32[T, K] grouped row of each token's K pairs, in ascending expert order (a
+        permutation of `[0, T*K)`).
+      weights: f32[T, K] router weight of each pair.
+      group_sizes: i32[E] pairs per expert.
+    """
+    num_tokens, k = rows.shape
+    flat_rows = rows.reshape(-1)
+    capacity = flat_rows.shape[0]
+    token_of_pair = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), k)  # [T*K]
+    token_ids = jnp.zeros((capacity,), jnp.int32).at[flat_rows].set(
+        token_of_pair, unique_indices=True
+    )
+    scores = jnp.zeros((capacity,), jnp.float32).at[flat_rows].set(
+        weights.reshape(-1).astype(jnp.float32), unique_indices=True
+    )
+    return DispatchPlan(
+        token_ids=token_ids,
+        scores=scores,
+        group_sizes=group_sizes.astype(jnp.int32),
+        is_token_choice=jnp.ones((capacity,), bool),
+        rows_by_token=flat_rows.astype(jnp.int32),
+        token_row_offsets=jnp.arange(num_tokens + 1, dtype=jnp.int32) * k,
+    )

@@ -1,0 +1,121 @@
+"""Routing benchmark and on-device equality check (run on a GPU).
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/routing.py --out $OUT
+
+For each (T, E, K) it builds the top-K plan (and the token-rounding plan) with every
+implementation (`impl="dense"`, the reference; "sort", O(T*K) jnp; "kernel", the Pallas
+routing kernel), checks on the device that each equals the reference row for row on fresh
+random logits (with ties), and times, in the same run:
+  - GPU kernel time of one jitted plan (CUPTI: the sum of every kernel the call launches),
+    alone and with `tile_schedule(block_m=128)`;
+  - wall time of one jitted call (median), which also counts launch gaps and any host work.
+Prints a table and writes routing_results.json / routing_log.txt into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.mosaic.gpu import profiler
+
+import pallas_moe as pm
+from pallas_moe.routing.plan import tile_schedule
+
+SHAPES = [(32768, 128, 8), (24576, 128, 8), (16384, 512, 10), (4096, 128, 8),
+          (512, 128, 8), (64, 128, 8)]
+PLAN_FIELDS = ("token_ids", "group_sizes", "is_token_choice", "rows_by_token", "token_row_offsets")
+
+
+def gpu_us(f, *args, iters=20):
+    jax.block_until_ready(f(*args))
+    _, times = profiler.measure(f, iterations=iters)(*args)
+    return 1e3 * statistics.median(times)
+
+
+def wall_us(f, *args, iters=30):
+    jax.block_until_ready(f(*args))
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        out.append(1e6 * (time.perf_counter() - t0))
+    return statistics.median(out)
+
+
+def same_plan(a, b) -> tuple[bool, float]:
+    exact = all(np.array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)))
+                for f in PLAN_FIELDS)
+    sa, sb = np.asarray(a.scores), np.asarray(b.scores)
+    err = float(np.max(np.abs(sa - sb) / np.maximum(np.abs(sb), 1e-30)))
+    return exact, err
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--impls", default="dense,sort,kernel")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    log_f = open(os.path.join(args.out, "routing_log.txt"), "w")
+
+    def log(msg):
+        print(msg, flush=True)
+        log_f.write(msg + "\n")
+        log_f.flush()
+
+    log(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    impls = args.impls.split(",")
+    results = []
+    for T, E, K in SHAPES:
+        key = jax.random.key(T + E + K)
+        logits = jax.random.normal(key, (T, E), jnp.float32)
+        # Ties: a quarter of the tokens get coarsely rounded logits.
+        logits = logits.at[: T // 4].set(jnp.round(logits[: T // 4] * 2) / 2)
+        for score, renorm in [("softmax_topk", False), ("sigmoid", True)]:
+            row = dict(T=T, E=E, K=K, score=score)
+            plans = {}
+            for impl in impls:
+                fn = jax.jit(lambda l, impl=impl: pm.routing.topk_plan(
+                    l, K, score=score, renormalize=renorm, impl=impl))
+                fn_ts = jax.jit(lambda l, impl=impl: tile_schedule(
+                    pm.routing.topk_plan(l, K, score=score, renormalize=renorm, impl=impl).group_sizes,
+                    T * K, 128))
+                try:
+                    plans[impl] = fn(logits)
+                    row[f"{impl}_gpu_us"] = gpu_us(fn, logits)
+                    row[f"{impl}_with_tiles_gpu_us"] = gpu_us(fn_ts, logits)
+                    row[f"{impl}_wall_us"] = wall_us(fn, logits)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    log(f"  {T},{E},{K} {score} {impl}: FAILED {type(e).__name__}: {str(e)[:400]}")
+            for impl in impls:
+                if impl != "dense" and impl in plans and "dense" in plans:
+                    exact, err = same_plan(plans[impl], plans["dense"])
+                    row[f"{impl}_equal"] = exact
+                    row[f"{impl}_score_rel_err"] = err
+            log("  " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}))
+            results.append(row)
+            with open(os.path.join(args.out, "routing_results.json"), "w") as f:
+                json.dump(results, f, indent=1)
+
+    cols = ["T", "E", "K", "score"]
+    for impl in impls:
+        cols += [f"{impl}_gpu_us", f"{impl}_with_tiles_gpu_us", f"{impl}_wall_us"]
+        if impl != "dense":
+            cols += [f"{impl}_equal"]
+    log("| " + " | ".join(cols) + " |")
+    log("|" + "---|" * len(cols))
+    for r in results:
+        log("| " + " | ".join(
+            (f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-"))) for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
