@@ -31,6 +31,8 @@ from pallas_moe.routing.plan import tile_schedule
 
 SHAPES = [(32768, 128, 8), (24576, 128, 8), (16384, 512, 10), (4096, 128, 8),
           (512, 128, 8), (64, 128, 8)]
+if os.environ.get("ROUTING_SHAPES"):  # e.g. "32768x128x8,64x128x8"
+    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["ROUTING_SHAPES"].split(",")]
 PLAN_FIELDS = ("token_ids", "group_sizes", "is_token_choice", "rows_by_token", "token_row_offsets")
 
 
@@ -95,6 +97,12 @@ def main():
                     row[f"{impl}_wall_us"] = wall_us(fn, logits)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     log(f"  {T},{E},{K} {score} {impl}: FAILED {type(e).__name__}: {str(e)[:400]}")
+            if "kernel" in plans and score == "softmax_topk":
+                fn = jax.jit(lambda l: pm.routing.topk_plan(l, K, score=score, impl="kernel"))
+                jax.block_until_ready(fn(logits))
+                _, timings = profiler.measure(fn, aggregate=False)(logits)
+                log(f"  kernel-impl breakdown {T},{E},{K}: " + ", ".join(
+                    f"{name.split('(')[0][:40]} {1e3 * ms:.1f}us" for name, ms in timings))
             for impl in impls:
                 if impl != "dense" and impl in plans and "dense" in plans:
                     exact, err = same_plan(plans[impl], plans["dense"])

@@ -1,16 +1,21 @@
 """Pallas Mosaic GPU kernels of the MoE forward (Hopper), with pure-jnp references.
 
-Entry point: `moe_forward(x, plan, w_gate_up, w_down, *, interpret, config)`; the three
-kernels (`up_proj`, `down_proj`, `aggregate`) are usable on their own.
+Entry points: `moe_forward(x, plan, w_gate_up, w_down, *, interpret, config)` and
+`moe_backward(...)`; `KernelConfig` bundles their configs for `pm.moe_ffn(config=...)`. The
+forward kernels (`up_proj`, `down_proj`, `aggregate`) are usable on their own.
 """
 
 from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
+from pallas_moe.kernels.config import KernelConfig
+from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
 from pallas_moe.kernels.down_proj import DownProjConfig, down_proj
 from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward
 from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
 
 __all__ = [
+    "KernelConfig",
     "moe_forward", "ForwardConfig",
+    "moe_backward", "BackwardConfig",
     "up_proj", "UpProjConfig",
     "down_proj", "DownProjConfig",
     "aggregate", "AggregateConfig",

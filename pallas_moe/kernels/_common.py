@@ -58,6 +58,25 @@ def require_wgmma_blocks(config, block_n_why: str) -> None:
         raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
 
 
+GATHER_MODES = ("tma", "cp_async")
+
+
+def require_gather_mode(config) -> None:
+    """Checks `config.gather` of a gathering kernel (with `num_consumers`, `num_stages`)."""
+    if config.gather not in GATHER_MODES:
+        raise ValueError(f"config.gather must be one of {GATHER_MODES}, got {config.gather!r}.")
+    if config.gather == "cp_async":
+        if config.num_consumers < 1:
+            raise ValueError(
+                "config.gather='cp_async' needs the warp-specialized kernel "
+                f"(num_consumers >= 1), got num_consumers={config.num_consumers}."
+            )
+        if config.num_stages < 3:
+            raise ValueError(
+                f"config.gather='cp_async' needs num_stages >= 3, got {config.num_stages}."
+            )
+
+
 def require_shape(arg: str, x: jax.Array, shape: tuple[int, ...]) -> None:
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{arg} must have shape {tuple(shape)}, got {tuple(x.shape)}.")
@@ -287,18 +306,17 @@ CP_ASYNC_BYTES = 16
 CP_ASYNC_ROW_THREADS = SWIZZLE_BYTES // CP_ASYNC_BYTES  # 8 threads load one 128-byte row
 
 
-def cp_async_gather_rows(src_ref, token_ids, dst_ref, *, num_rows: int) -> None:
-    """Issues `dst[r, :] = src[token_ids[r], :]` for r < num_rows as one cp.async group.
-
-    Called by a whole (producer) warpgroup in Lane semantics.
+def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
+    """Issues `dsts[j][r, :] = src[token_ids[r], 64*j : 64*(j+1)]` for r < num_rows, as one
+    cp.async group. Called by a whole (producer) warpgroup in Lane semantics.
 
     Args:
-      src_ref: GMEM ref [T, 64] bf16, a column window of X or dO (`x.at[:, pl.ds(k0, 64)]`);
-        rows may have any stride.
+      src_ref: GMEM ref [T, 64 * len(dsts)] bf16, a column window of X or dO
+        (`x.at[:, pl.ds(col0, 64 * len(dsts))]`); rows may have any stride.
       token_ids: SMEM ref i32 [>= num_rows], the source row of each destination row.
-      dst_ref: SMEM ref [num_rows, 64] bf16 of one pipeline slot with `mma_transforms`
-        (tiled (8, 64), 128-byte swizzle: row r at `128 * r`, its 16-byte chunk c at
-        `(c ^ (r % 8)) * 16`; the slot starts 1024-byte aligned).
+      dsts: SMEM refs [num_rows, 64] bf16 (pipeline slots) with `mma_transforms` (tiled
+        (8, 64), 128-byte swizzle: row r at `128 * r`, its 16-byte chunk c at
+        `(c ^ (r % 8)) * 16`; each slot starts 1024-byte aligned).
       num_rows: static rows to load, a multiple of 16.
     """
     import jax.experimental.mosaic.gpu as mgpu
@@ -308,32 +326,31 @@ def cp_async_gather_rows(src_ref, token_ids, dst_ref, *, num_rows: int) -> None:
     rows_per_pass = 128 // CP_ASYNC_ROW_THREADS
     if num_rows % rows_per_pass:
         raise ValueError(f"num_rows={num_rows} must be a multiple of {rows_per_pass}.")
-
+    dsts = tuple(dsts)
     dst_type = plgpu.RefType(transforms=mma_transforms(jnp.bfloat16))
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), dst_type))
-    def _issue(ctx, src, ids, dst):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), (dst_type,) * len(dsts)))
+    def _issue(ctx, src, ids, dst_refs):
         del ctx
         utils = mgpu.utils
         i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
         i8 = ir.IntegerType.get_signless(8)
         index = ir.IndexType.get()
         src_ty = ir.MemRefType(src.type)
         (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
-        if col_stride != 1 or src_ty.shape[-1] * 2 != SWIZZLE_BYTES:
-            raise ValueError(f"src must be a contiguous 64-column bf16 window, got {src_ty}.")
-        src_row_bytes = row_stride * 2
+        if col_stride != 1 or src_ty.shape[-1] * 2 != SWIZZLE_BYTES * len(dst_refs):
+            raise ValueError(f"src must be a contiguous bf16 window of 64 columns per dst, got {src_ty}.")
         tid = arith.remui(utils.thread_idx(), utils.c(128, i32))  # thread in the warpgroup
         chunk = arith.remui(tid, utils.c(CP_ASYNC_ROW_THREADS, i32))  # 16-byte chunk of a row
         row_in_pass = arith.divui(tid, utils.c(CP_ASYNC_ROW_THREADS, i32))
         # Passes step by 16 rows, so `r % 8 == row_in_pass % 8` in every pass.
         swizzled = arith.xori(chunk, arith.andi(row_in_pass, utils.c(7, i32)))
-        dst_base = utils.getelementptr(
-            utils.memref_ptr(dst),
-            [arith.addi(arith.muli(row_in_pass, utils.c(SWIZZLE_BYTES, i32)),
-                        arith.muli(swizzled, utils.c(CP_ASYNC_BYTES, i32)))],
-            i8,
+        dst_offset = arith.addi(
+            arith.muli(row_in_pass, utils.c(SWIZZLE_BYTES, i32)),
+            arith.muli(swizzled, utils.c(CP_ASYNC_BYTES, i32)),
         )
+        dst_bases = [utils.getelementptr(utils.memref_ptr(d), [dst_offset], i8) for d in dst_refs]
         src_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), utils.memref_ptr(src))
         src_base = utils.getelementptr(
             src_base, [arith.muli(chunk, utils.c(CP_ASYNC_BYTES, i32))], i8
@@ -341,19 +358,53 @@ def cp_async_gather_rows(src_ref, token_ids, dst_ref, *, num_rows: int) -> None:
         for p in range(num_rows // rows_per_pass):
             row = arith.addi(row_in_pass, utils.c(p * rows_per_pass, i32))
             tok = memref.load(ids, [arith.index_cast(index, row)])
-            src_ptr = utils.getelementptr(
-                src_base,
-                [arith.muli(arith.extui(ir.IntegerType.get_signless(64), tok),
-                            utils.c(src_row_bytes, ir.IntegerType.get_signless(64)))],
-                i8,
+            src_row = utils.getelementptr(
+                src_base, [arith.muli(arith.extui(i64, tok), utils.c(row_stride * 2, i64))], i8
             )
-            dst_ptr = utils.getelementptr(dst_base, [p * rows_per_pass * SWIZZLE_BYTES], i8)
-            nvvm.cp_async_shared_global(
-                dst_ptr, src_ptr, CP_ASYNC_BYTES, nvvm.LoadCacheModifierKind.CG
-            )
+            for j, dst_base in enumerate(dst_bases):
+                nvvm.cp_async_shared_global(
+                    utils.getelementptr(dst_base, [p * rows_per_pass * SWIZZLE_BYTES], i8),
+                    utils.getelementptr(src_row, [j * SWIZZLE_BYTES], i8),
+                    CP_ASYNC_BYTES,
+                    nvvm.LoadCacheModifierKind.CG,
+                )
         nvvm.cp_async_commit_group()
 
-    _issue(src_ref, token_ids, dst_ref)
+    _issue(src_ref, token_ids, dsts)
+
+
+def cp_async_publish_lagged(ki, lag: int, full, stages: int) -> None:
+    """After issuing step `ki`'s cp.async group: publish step `ki - lag` on its `full` slot.
+
+    Every producer thread waits for its own loads of that step, fences them for the async
+    proxy and arrives (128 thread arrivals = one Pallas arrival in Lane semantics). A
+    consumer releases step j only while waiting on step j + 2, so `lag <= stages - 2` keeps
+    the producer from waiting on a slot the consumers cannot free yet.
+    """
+
+    @pl.when(ki >= lag)
+    def _():
+        cp_async_stage_done(lag)
+        plgpu.barrier_arrive(full.at[(ki - lag) % stages])
+
+
+def cp_async_publish_tail(num_k: int, lag: int, full, stages: int) -> None:
+    """After the last step (static `num_k`): publish the `lag` steps still in flight."""
+    tail = range(max(num_k - lag, 0), num_k)
+    for i, step in enumerate(tail):
+        cp_async_stage_done(len(tail) - 1 - i)
+        plgpu.barrier_arrive(full.at[step % stages])
+
+
+def cp_async_publish_tail_dynamic(num_k, lag: int, full, stages: int) -> None:
+    """`cp_async_publish_tail` for a traced `num_k` (>= 1)."""
+    for i in range(lag):  # step num_k - lag + i, if it exists
+        step = num_k - lag + i
+
+        @pl.when(step >= 0)
+        def _(step=step, i=i):
+            cp_async_stage_done(lag - 1 - i)
+            plgpu.barrier_arrive(full.at[step % stages])
 
 
 def cp_async_stage_done(pending: int) -> None:

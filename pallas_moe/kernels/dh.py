@@ -60,6 +60,10 @@ class DHConfig:
         specialization: a producer warpgroup issues the gathered row copies from its 4 warps
         and C consumer warpgroups share each gathered stage, each computing its own
         `block_n` columns (a CTA covers C * block_n columns, which must divide n).
+      gather: how the producer gathers rows: "tma" (one `[1, 64]` TMA copy per row chunk;
+        the loader interpret mode runs) or "cp_async" (16-byte cp.async loads from all 128
+        producer threads, `_common.cp_async_gather_rows`; compiled kernels only, needs
+        `num_consumers >= 1` and `num_stages >= 3`; interpret mode falls back to "tma").
     """
 
     block_m: int = 64
@@ -68,6 +72,7 @@ class DHConfig:
     num_stages: int = 4
     pad_rows_to: int = 64
     num_consumers: int = 0
+    gather: str = "tma"
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -92,6 +97,7 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         raise ValueError(f"config.pad_rows_to={config.pad_rows_to} must be >= 1.")
     if config.num_consumers < 0:
         raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
+    _common.require_gather_mode(config)
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
     cols = bn * max(config.num_consumers, 1)
     _common.require_multiple(
@@ -353,6 +359,9 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     tf = _common.mma_transforms(dtype)
     num_ladder = ladder_len(bm)
     rows_per_warp = bm // 4
+    # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
+    cp_async = config.gather == "cp_async" and interpret_mode is None
+    lag = stages - 2  # cp.async steps in flight (`_common.cp_async_publish_lagged`)
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
              dh_out, ap_out, ds_out, *scratch):
@@ -387,13 +396,21 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                         num_rows=rows_per_warp, unroll=4,
                     )
 
-                plgpu.warp_map(per_warp)
                 plgpu.copy_gmem_to_smem(  # [C*bn, bk] rows of W2[e], K-minor
                     w_e.at[pl.ds(ni * cols, cols), pl.ds(k0, bk)], b_smem.at[slot], full.at[slot]
                 )
+                if cp_async:
+                    _common.cp_async_gather_rows(  # [bm, bk] of dO[tok], one cp.async group
+                        do_ref.at[:, pl.ds(k0, bk)], ids_smem, [a_mma.at[slot]], num_rows=bm
+                    )
+                    _common.cp_async_publish_lagged(ki, lag, full, stages)
+                else:
+                    plgpu.warp_map(per_warp)
                 return carry
 
             jax.lax.fori_loop(0, num_k, step, None)
+            if cp_async:
+                _common.cp_async_publish_tail(num_k, lag, full, stages)
 
         for c in range(cons):
             @pl.when((num_rows > 0) & (wg == c))
@@ -459,7 +476,8 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
         plgpu.SMEM((bm,), jnp.float32),  # scores
         plgpu.SMEM((cons, bm, bn), dtype),  # per consumer: A'
         plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: dS partial
-        plgpu.Barrier(num_arrivals=bm + 1, num_barriers=stages),  # full
+        # full: the W2 copy plus the row copies (TMA: one per row; cp.async: one publish)
+        plgpu.Barrier(num_arrivals=(1 if cp_async else bm) + 1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
         plgpu.Barrier(),  # ids
         plgpu.Barrier(num_arrivals=2, num_barriers=cons * num_ladder),  # H boxes

@@ -42,12 +42,15 @@ class BackwardConfig:
     aggregate: AggregateConfig = AggregateConfig()
 
     @classmethod
-    def for_shape(cls, d: int, n: int, **overrides) -> "BackwardConfig":
+    def for_shape(cls, d: int, n: int, *, gather: str = "tma", **overrides) -> "BackwardConfig":
         """Default block sizes dividing the model width `d` and expert width `n`.
 
-        Both must be multiples of 64 (`ValueError` naming the argument otherwise);
-        `overrides` may replace any of the five configs.
+        Both must be multiples of 64 (`ValueError` naming the argument otherwise). `gather`:
+        the row loader of dH and both weight gradients, "tma" or "cp_async" (see
+        `DHConfig.gather`). `overrides` may replace any of the five configs.
         """
+        if gather not in _common.GATHER_MODES:
+            raise ValueError(f"gather must be one of {_common.GATHER_MODES}, got {gather!r}.")
         _common.require_multiple("d", d, 64, "the kernels tile the model width by 64")
         _common.require_multiple("n", n, 64, "the kernels tile the expert width by 64")
         k = 64  # contraction rows per step of the varlen-K kernels (one 8-row-tiled block)
@@ -73,6 +76,10 @@ class BackwardConfig:
             block_m=bm1, block_n=128 if wide else 64, block_k=k, num_stages=3 if wide else 4,
             num_consumers=2,
         )
+        if gather == "cp_async":  # needs >= 3 stages; the defaults above all have them
+            dh, dw_down, dw_gate_up = (
+                dataclasses.replace(c, gather=gather) for c in (dh, dw_down, dw_gate_up)
+            )
         cfg = cls(
             dh=dh,
             dw_down=dw_down,

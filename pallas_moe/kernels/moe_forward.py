@@ -36,11 +36,14 @@ class ForwardConfig:
     aggregate: AggregateConfig = AggregateConfig()
 
     @classmethod
-    def for_shape(cls, d: int, n: int, *, num_sms: int | None = None, **overrides) -> "ForwardConfig":
+    def for_shape(
+        cls, d: int, n: int, *, num_sms: int | None = None, gather: str = "tma", **overrides
+    ) -> "ForwardConfig":
         """Default block sizes that divide the model widths `d` and `n` (both multiples of 64).
 
         `num_sms`: CTAs of the persistent down-proj (default: the device's SM count, 132 on
-        H100). `overrides` may replace the `up`, `down` or `aggregate` configs.
+        H100). `gather`: the up-proj's row loader, "tma" or "cp_async" (see
+        `UpProjConfig.gather`). `overrides` may replace the `up`, `down` or `aggregate` configs.
         """
         if num_sms is None:
             num_sms = default_num_sms()
@@ -64,6 +67,10 @@ class ForwardConfig:
             stages = 4 if bn <= 128 else 3
             down = DownProjConfig(block_m=128, block_n=bn, num_stages=stages, num_sms=num_sms)
         agg = _aggregate_config(d)
+        if gather not in _common.GATHER_MODES:
+            raise ValueError(f"gather must be one of {_common.GATHER_MODES}, got {gather!r}.")
+        if gather == "cp_async":  # needs >= 3 stages; the defaults above all have them
+            up = dataclasses.replace(up, gather=gather)
         cfg = cls(up=up, down=down, aggregate=agg)
         return dataclasses.replace(cfg, **overrides)
 

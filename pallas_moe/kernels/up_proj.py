@@ -118,18 +118,11 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
         raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
     if config.num_producers not in (1, 2):
         raise ValueError(f"config.num_producers={config.num_producers} must be 1 or 2.")
-    if config.gather not in ("tma", "cp_async"):
-        raise ValueError(f"config.gather must be 'tma' or 'cp_async', got {config.gather!r}.")
-    if config.gather == "cp_async":
-        if not config.num_consumers or config.num_producers != 1:
-            raise ValueError(
-                "config.gather='cp_async' needs the warp-specialized kernel with one producer "
-                f"(num_consumers >= 1, num_producers == 1), got {config}."
-            )
-        if config.num_stages < 3:
-            raise ValueError(
-                f"config.gather='cp_async' needs num_stages >= 3, got {config.num_stages}."
-            )
+    _common.require_gather_mode(config)
+    if config.gather == "cp_async" and config.num_producers != 1:
+        raise ValueError(
+            f"config.gather='cp_async' needs num_producers == 1, got {config.num_producers}."
+        )
     return d, n
 
 
@@ -326,9 +319,7 @@ def _warp_specialized_kernel(
     interpret = interpret_mode is not None
     # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
     cp_async = config.gather == "cp_async" and not interpret
-    # cp.async stages in flight after the newest: the consumer releases step j only once it
-    # waits on j + 2, so the producer may hold at most `stages - 2` unpublished stages.
-    lag = stages - 2
+    lag = stages - 2  # cp.async steps in flight (`_common.cp_async_publish_lagged`)
     # Registers per consumer thread once the producers drop to 40 (multiple of 8).
     cons_regs = min(((65536 // 128 - 40 * prods) // cons) // 8 * 8, 240)
 
@@ -389,23 +380,16 @@ def _warp_specialized_kernel(
                         )
                     if cp_async:
                         _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one cp.async group
-                            x_ref.at[:, pl.ds(k0, bk)], ids_smem, a_mma.at[slot], num_rows=bm
+                            x_ref.at[:, pl.ds(k0, bk)], ids_smem, [a_mma.at[slot]], num_rows=bm
                         )
-
-                        @pl.when(ki >= lag)
-                        def _():  # publish step ki - lag
-                            _common.cp_async_stage_done(lag)
-                            plgpu.barrier_arrive(full.at[(ki - lag) % stages])
+                        _common.cp_async_publish_lagged(ki, lag, full, stages)
                     else:
                         plgpu.warp_map(per_warp)
                     return carry
 
                 jax.lax.fori_loop(0, num_k, step, None)
-                if cp_async:  # publish the last `lag` steps
-                    tail = range(max(num_k - lag, 0), num_k)
-                    for i, g in enumerate(tail):
-                        _common.cp_async_stage_done(len(tail) - 1 - i)
-                        plgpu.barrier_arrive(full.at[g % stages])
+                if cp_async:
+                    _common.cp_async_publish_tail(num_k, lag, full, stages)
                 # Observe the consumers' remaining releases (steps num_k-stages .. num_k-2),
                 # so every barrier phase is consumed before exit (interpret mode checks this).
                 for g in range(max(num_k - stages, 0), num_k - 1):

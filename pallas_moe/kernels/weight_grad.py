@@ -62,6 +62,10 @@ class WeightGradConfig:
         warps) and C consumer warpgroups share each gathered stage; they split the
         contiguous side's columns, so a CTA covers `C * block_m` rows of the output when
         the contiguous side is L (`gathered="rhs"`), `C * block_n` columns otherwise.
+      gather: how the producer gathers rows: "tma" (one `[1, 64]` TMA copy per row chunk;
+        the loader interpret mode runs) or "cp_async" (16-byte cp.async loads from all 128
+        producer threads, `_common.cp_async_gather_rows`; compiled kernels only, needs
+        `num_consumers >= 1` and `num_stages >= 3`; interpret mode falls back to "tma").
     """
 
     block_m: int = 128
@@ -69,6 +73,7 @@ class WeightGradConfig:
     block_k: int = 64
     num_stages: int = 4
     num_consumers: int = 0
+    gather: str = "tma"
 
 
 @functools.partial(
@@ -172,6 +177,7 @@ def weight_grad(
         raise ValueError(f"config.num_stages={stages} must be >= 2.")
     if config.num_consumers < 0:
         raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
+    _common.require_gather_mode(config)
     cons = max(config.num_consumers, 1)
     cta_m = bm * (cons if gathered == "rhs" else 1)  # consumers split the contiguous side
     cta_n = bn * (cons if gathered == "lhs" else 1)
@@ -370,6 +376,9 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
     rows_per_warp = bk // 4
+    # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
+    cp_async = config.gather == "cp_async" and interpret_mode is None
+    lag = stages - 2  # cp.async steps in flight (`_common.cp_async_publish_lagged`)
 
     def body(order_ref, lo_ref, hi_ref, off_ref, ids_ref, l_ref, r_ref, out_ref, *scratch):
         ids_smem, g_bufs, c_smem, o_smem, full, empty, ids_bars = scratch
@@ -420,7 +429,14 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                         num_rows=rows_per_warp, unroll=4,
                     )
 
-                plgpu.warp_map(per_warp)
+                if cp_async:
+                    _common.cp_async_gather_rows(  # [bk, 64] per chunk of X[tok] or dO[tok]
+                        g_ref.at[:, pl.ds(g_col0, chunks * _CHUNK)], ids_smem.at[slot],
+                        [g_mma.at[slot * chunks + j] for j in range(chunks)], num_rows=bk,
+                    )
+                    _common.cp_async_publish_lagged(ki, lag, full, stages)
+                else:
+                    plgpu.warp_map(per_warp)
 
                 @pl.when(ki + stages < num_k)
                 def _():
@@ -430,6 +446,8 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                 return carry
 
             jax.lax.fori_loop(0, num_k, step, None)
+            if cp_async:
+                _common.cp_async_publish_tail_dynamic(num_k, lag, full, stages)
 
         for c in range(cons):
             @pl.when(wg == c)
@@ -493,7 +511,9 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
         g_scratch,  # gathered chunks [stages * chunks, bk, 64]
         plgpu.SMEM(c_shape, dtype, transforms=tf),  # contiguous K-blocks, all consumers
         plgpu.SMEM(o_shape, out_dtype),  # per consumer output tile
-        plgpu.Barrier(num_arrivals=bk * chunks + 1, num_barriers=stages),  # full
+        # full: the contiguous block plus the row copies (TMA: one per row and chunk;
+        # cp.async: one publish)
+        plgpu.Barrier(num_arrivals=(1 if cp_async else bk * chunks) + 1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
         plgpu.Barrier(num_barriers=stages),  # ids
     ]

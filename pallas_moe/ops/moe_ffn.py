@@ -80,6 +80,7 @@ def moe_ffn(
     w_down: jax.Array,
     *,
     backend: Backend = "auto",
+    config=None,
 ) -> jax.Array:
     """SwiGLU Mixture-of-Experts feed-forward over a dispatch plan.
 
@@ -93,14 +94,28 @@ def moe_ffn(
       backend: "xla" (pure jnp, runs anywhere), "mosaic" (Pallas Mosaic GPU kernels on
         Hopper; bf16, d and n multiples of 64), "interpret" (the same kernels in GPU
         interpret mode on CPU), or "auto" ("mosaic" where it applies, else "xla").
+      config: a `pallas_moe.kernels.KernelConfig` with the kernels' block sizes and row
+        loader (None: `for_shape` defaults). Used by the kernel backends; with an explicit
+        `backend="xla"` it is an error, with "auto" it is ignored where "xla" is chosen.
 
     Returns:
       [T, d] in x.dtype. Differentiable in x, both weights and `plan.scores`.
     """
     check_moe_inputs(x, plan, w_gate_up, w_down)
+    if config is not None:
+        from pallas_moe.kernels.config import KernelConfig
+
+        if not isinstance(config, KernelConfig):
+            raise TypeError(
+                f"config must be a pallas_moe.kernels.KernelConfig or None, got {type(config).__name__}."
+            )
+        if backend == "xla":
+            raise ValueError("config sets kernel block sizes; backend='xla' runs no kernels.")
     backend = resolve_backend(backend, x, w_down)
     if backend == "xla":
         return moe_ffn_xla(x, plan, w_gate_up, w_down)
     from pallas_moe.ops.mosaic import moe_ffn_kernels  # Pallas is imported only when used.
 
-    return moe_ffn_kernels(x, plan, w_gate_up, w_down, interpret=backend == "interpret")
+    return moe_ffn_kernels(
+        x, plan, w_gate_up, w_down, interpret=backend == "interpret", config=config
+    )

@@ -61,19 +61,25 @@ def minimal_residual_moe_ffn(forward: Forward, backward: Backward = moe_ffn_back
 
 
 @functools.cache
-def _kernel_moe_ffn(interpret: bool):
+def _kernel_moe_ffn(interpret: bool, config):
     # Pallas is imported only when a kernel backend is used.
     from pallas_moe.kernels.moe_backward import moe_backward
     from pallas_moe.kernels.moe_forward import moe_forward
 
     return minimal_residual_moe_ffn(
-        functools.partial(moe_forward, interpret=interpret),
-        functools.partial(moe_backward, interpret=interpret),
+        functools.partial(moe_forward, interpret=interpret, config=config.forward),
+        functools.partial(moe_backward, interpret=interpret, config=config.backward),
     )
 
 
 def moe_ffn_kernels(
-    x: jax.Array, plan: DispatchPlan, w_gate_up: jax.Array, w_down: jax.Array, *, interpret: bool
+    x: jax.Array, plan: DispatchPlan, w_gate_up: jax.Array, w_down: jax.Array, *,
+    interpret: bool, config=None,
 ) -> jax.Array:
-    """`moe_ffn` through the Mosaic GPU kernels (`interpret=True`: GPU interpret mode on CPU)."""
-    return _kernel_moe_ffn(interpret)(x, plan, w_gate_up, w_down)
+    """`moe_ffn` through the Mosaic GPU kernels (`interpret=True`: GPU interpret mode on CPU).
+
+    `config`: a `pallas_moe.kernels.KernelConfig` (None: every kernel's `for_shape` defaults).
+    """
+    from pallas_moe.kernels.config import KernelConfig
+
+    return _kernel_moe_ffn(interpret, config or KernelConfig())(x, plan, w_gate_up, w_down)

@@ -47,7 +47,7 @@ def total_order_key(x: jax.Array) -> jax.Array:
 
 def _topk_block_kernel(
     scores_ref, experts_ref, local_rank_ref, counts_ref, *,
-    k: int, num_tokens: int, num_experts: int, block_t: int, e_pad: int, k_pad: int,
+    k: int, num_tokens: int, num_experts: int, block_t: int, e_pad: int,
 ):
     """One block of `block_t` tokens: top-K, ascending-order experts, local ranks, histogram."""
     b = pl.program_id(0)
@@ -63,68 +63,145 @@ def _topk_block_kernel(
     key = total_order_key(scores)  # i32[bt, ep]
     col_b = jnp.broadcast_to(cols[None, :], (block_t, e_pad))
     available = jnp.broadcast_to(col_ok[None, :], (block_t, e_pad))
-    chosen = jnp.zeros((block_t, e_pad), jnp.bool_)
     for _ in range(k):  # K rounds of "largest key, lowest index among equals"
         best = jnp.max(jnp.where(available, key, _INT32_MIN), axis=1)  # [bt]
         cand = available & (key == best[:, None])
         idx = jnp.min(jnp.where(cand, col_b, e_pad), axis=1)  # [bt]
-        pick = col_b == idx[:, None]
-        chosen = chosen | pick
-        available = available & jnp.logical_not(pick)
-    chosen = chosen & row_ok[:, None]
+        available = available & (col_b != idx[:, None])
+    chosen = jnp.logical_not(available) & col_ok[None, :] & row_ok[:, None]  # [bt, ep]
     chosen_i = chosen.astype(jnp.int32)
     # Pairs of the same expert from earlier tokens of this block (exclusive prefix over t).
     local_rank = jnp.cumsum(chosen_i, axis=0) - chosen_i  # [bt, ep]
-    # Position of each chosen expert among the token's K, in ascending expert order.
+    # Position of each chosen expert among the token's K, in ascending expert order; the
+    # chosen entries are scattered straight to their [T, K] slots.
     slot = jnp.cumsum(chosen_i, axis=1) - chosen_i  # [bt, ep]
-    kcol = jnp.arange(k_pad, dtype=jnp.int32)[None, :]  # [1, kp]
-    experts = jnp.zeros((block_t, k_pad), jnp.int32)
-    ranks = jnp.zeros((block_t, k_pad), jnp.int32)
-    for j in range(k):
-        at_j = chosen & (slot == j)
-        e_j = jnp.sum(jnp.where(at_j, col_b, 0), axis=1)  # [bt]
-        r_j = jnp.sum(jnp.where(at_j, local_rank, 0), axis=1)
-        experts = jnp.where(kcol == j, e_j[:, None], experts)
-        ranks = jnp.where(kcol == j, r_j[:, None], ranks)
-    out_mask = row_ok[:, None] & (kcol < k)
-    plt.store(experts_ref.at[pl.ds(row0, block_t), pl.ds(0, k_pad)], experts, mask=out_mask)
-    plt.store(local_rank_ref.at[pl.ds(row0, block_t), pl.ds(0, k_pad)], ranks, mask=out_mask)
-    plt.store(
-        counts_ref.at[b, pl.ds(0, e_pad)], jnp.sum(chosen_i, axis=0), mask=col_ok
-    )
+    # Masked lanes point one past the end: never written on the GPU, dropped in interpret
+    # mode (where a masked lane aliasing a real index could overwrite it).
+    flat = jnp.where(chosen, rows[:, None] * k + slot, num_tokens * k)  # [bt, ep]
+    plt.store(experts_ref.at[flat], col_b, mask=chosen)
+    plt.store(local_rank_ref.at[flat], local_rank, mask=chosen)
+    plt.store(counts_ref.at[b, pl.ds(0, e_pad)], jnp.sum(chosen_i, axis=0), mask=col_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret"))
-def topk_blocks(scores: jax.Array, k: int, *, interpret: bool = False):
+def _place_kernel(
+    experts_ref, local_rank_ref, weights_ref, base_ref, token_ids_ref, scores_ref, rows_ref, *,
+    k: int, num_tokens: int, num_experts: int, block_t: int, route_block_t: int, k_pad: int,
+):
+    """Grouped row of each of a block's pairs; scatters token ids and scores to it."""
+    row0 = pl.program_id(0) * block_t
+    rows = row0 + jnp.arange(block_t, dtype=jnp.int32)  # [bt]
+    kcol = jnp.arange(k_pad, dtype=jnp.int32)  # [kp]
+    ok = (rows < num_tokens)[:, None] & (kcol < k)[None, :]  # [bt, kp]
+    # Masked lanes point one past the end (see `_topk_block_kernel`).
+    pair = jnp.where(ok, rows[:, None] * k + kcol[None, :], num_tokens * k)  # [bt, kp]
+    experts = plt.load(experts_ref.at[pair], mask=ok, other=0)
+    local_rank = plt.load(local_rank_ref.at[pair], mask=ok, other=0)
+    weights = plt.load(weights_ref.at[pair], mask=ok, other=0.0)
+    base_idx = (rows // route_block_t)[:, None] * num_experts + experts  # into [NB * E]
+    grouped = plt.load(base_ref.at[base_idx], mask=ok, other=0) + local_rank  # [bt, kp]
+    grouped = jnp.where(ok, grouped, num_tokens * k)
+    plt.store(rows_ref.at[pair], grouped, mask=ok)
+    plt.store(token_ids_ref.at[grouped], jnp.broadcast_to(rows[:, None], pair.shape), mask=ok)
+    plt.store(scores_ref.at[grouped], weights, mask=ok)
+
+
+def _params(num_warps: int):
+    return plt.CompilerParams(num_warps=num_warps, num_stages=1)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "block_t", "num_warps"))
+def topk_blocks(
+    scores: jax.Array, k: int, *, interpret: bool = False, block_t: int | None = None,
+    num_warps: int = 4,
+):
     """Top-K per token with the block statistics that place the pairs in grouped order.
 
     Args:
       scores: f32[T, E] selection scores (ranked in IEEE total order; ties -> lower index).
       k: experts per token, 1 <= k <= E.
       interpret: run the kernel in Pallas interpret mode (CPU).
+      block_t: tokens per program (a power of two; default `block_tokens(E)`).
+      num_warps: warps per program.
 
     Returns:
       experts i32[T, K]: each token's experts in ascending order.
       local_rank i32[T, K]: for pair (t, e), how many tokens of t's block before t chose e.
-      block_counts i32[NB, E]: pairs per expert in each block of `block_tokens(E)` tokens.
+      block_counts i32[NB, E]: pairs per expert in each block of `block_t` tokens.
     """
     num_tokens, num_experts = scores.shape
-    block_t = block_tokens(num_experts)
+    block_t = block_t or block_tokens(num_experts)
     num_blocks = pl.cdiv(num_tokens, block_t)
     kernel = functools.partial(
         _topk_block_kernel, k=k, num_tokens=num_tokens, num_experts=num_experts,
-        block_t=block_t, e_pad=next_pow2(num_experts), k_pad=next_pow2(k),
+        block_t=block_t, e_pad=next_pow2(num_experts),
     )
     out_shape = (
-        jax.ShapeDtypeStruct((num_tokens, k), jnp.int32),
-        jax.ShapeDtypeStruct((num_tokens, k), jnp.int32),
+        jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32),
+        jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32),
         jax.ShapeDtypeStruct((num_blocks, num_experts), jnp.int32),
     )
-    return pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(num_blocks,),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="moe_topk_blocks",
+    experts, local_rank, counts = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(num_blocks,), compiler_params=_params(num_warps),
+        interpret=interpret, name="moe_topk_blocks",
     )(scores.astype(jnp.float32))
+    return experts.reshape(num_tokens, k), local_rank.reshape(num_tokens, k), counts
+
+
+def place_pairs(
+    experts: jax.Array, local_rank: jax.Array, weights: jax.Array, block_base: jax.Array,
+    *, block_t: int, interpret: bool = False, num_warps: int = 4,
+):
+    """Places every (token, expert) pair at its grouped row, in one kernel.
+
+    Pair (t, e) goes to row `block_base[t // block_t, e] + local_rank[t, e]`.
+
+    Args:
+      experts, local_rank: i32[T, K] from `topk_blocks`.
+      weights: f32[T, K] router weight of each pair (differentiable: the cotangent of the
+        scattered scores is gathered back).
+      block_base: i32[NB, E] first grouped row of each (block, expert).
+      block_t: the `topk_blocks` block size.
+
+    Returns:
+      token_ids i32[T*K], scores f32[T*K] (grouped order), rows i32[T, K] (each pair's row).
+    """
+    return _place(experts, local_rank, weights, block_base, block_t, interpret, num_warps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _place(experts, local_rank, weights, block_base, block_t, interpret, num_warps):
+    return _place_fwd(experts, local_rank, weights, block_base, block_t, interpret, num_warps)[0]
+
+
+def _place_fwd(experts, local_rank, weights, block_base, block_t, interpret, num_warps):
+    num_tokens, k = experts.shape
+    place_t = max(16, min(256, 2048 // next_pow2(k)))  # tokens per program
+    kernel = functools.partial(
+        _place_kernel, k=k, num_tokens=num_tokens, num_experts=block_base.shape[1],
+        block_t=place_t, route_block_t=block_t, k_pad=next_pow2(k),
+    )
+    p = num_tokens * k
+    token_ids, scores, rows = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((p,), jnp.int32),
+            jax.ShapeDtypeStruct((p,), jnp.float32),
+            jax.ShapeDtypeStruct((p,), jnp.int32),
+        ),
+        grid=(pl.cdiv(num_tokens, place_t),),
+        compiler_params=_params(num_warps),
+        interpret=interpret,
+        name="moe_place_pairs",
+    )(experts.reshape(-1), local_rank.reshape(-1), weights.reshape(-1).astype(jnp.float32),
+      block_base.reshape(-1))
+    rows = rows.reshape(num_tokens, k)
+    return (token_ids, scores, rows), rows
+
+
+def _place_bwd(block_t, interpret, num_warps, rows, cotangents):
+    _, d_scores, _ = cotangents
+    d_weights = d_scores[rows]  # [T, K]: the scatter's transpose is a gather
+    return None, None, d_weights, None
+
+
+_place.defvjp(_place_fwd, _place_bwd)

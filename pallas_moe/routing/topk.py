@@ -175,19 +175,37 @@ def topk_plan(
     probs = router_probabilities(logits, score)  # [T, E]
     sel = selection_scores(logits, probs, score, bias)  # [T, E]
     if impl == "sort":
-        experts = jnp.sort(jax.lax.top_k(sel, k)[1], axis=1)  # [T, K] ascending experts
+        experts = jnp.sort(jax.lax.top_k(jax.lax.stop_gradient(sel), k)[1], axis=1)  # [T, K]
         rows, group_sizes = _grouped_rows_by_sort(experts, logits.shape[1])
-    else:
-        from pallas_moe.routing import kernels  # Pallas is imported only when used.
+        weights = topk_weights(logits, probs, experts, score, renormalize)  # [T, K]
+        return plan_from_token_rows(rows, weights, group_sizes)
+    from pallas_moe.routing import kernels  # Pallas is imported only when used.
 
-        experts, local_rank, block_counts = kernels.topk_blocks(
-            sel, k, interpret=impl == "interpret"
-        )
-        rows, group_sizes = _grouped_rows_from_blocks(
-            experts, local_rank, block_counts, kernels.block_tokens(logits.shape[1])
-        )
+    interpret = impl == "interpret"
+    block_t = kernels.block_tokens(logits.shape[1])
+    experts, local_rank, block_counts = kernels.topk_blocks(  # selection: no gradient
+        jax.lax.stop_gradient(sel), k, interpret=interpret, block_t=block_t
+    )
+    group_sizes, block_base = _block_bases(block_counts)
     weights = topk_weights(logits, probs, experts, score, renormalize)  # [T, K]
-    return plan_from_token_rows(rows, weights, group_sizes)
+    token_ids, scores, rows = kernels.place_pairs(
+        experts, local_rank, weights, block_base, block_t=block_t, interpret=interpret
+    )
+    return _topk_plan(token_ids, scores, rows, group_sizes)
+
+
+def _block_bases(block_counts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(group_sizes i32[E], block_base i32[NB, E]) from per-block expert histograms.
+
+    Pair (t, e) of block b lands at `block_base[b, e] + local_rank`: the group's start plus
+    the pairs of e in earlier blocks, so rows stay stable by token within each expert.
+    """
+    group_sizes = jnp.sum(block_counts, axis=0, dtype=jnp.int32)  # [E]
+    starts = jnp.cumsum(group_sizes, dtype=jnp.int32) - group_sizes  # [E]
+    block_base = (
+        jnp.cumsum(block_counts, axis=0, dtype=jnp.int32) - block_counts + starts[None, :]
+    )  # [NB, E]
+    return group_sizes, block_base
 
 
 def _grouped_rows_by_sort(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -200,24 +218,6 @@ def _grouped_rows_by_sort(experts: jax.Array, num_experts: int) -> tuple[jax.Arr
     )
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
     return rows.reshape(num_tokens, k), group_sizes
-
-
-def _grouped_rows_from_blocks(
-    experts: jax.Array, local_rank: jax.Array, block_counts: jax.Array, block_t: int
-) -> tuple[jax.Array, jax.Array]:
-    """(rows i32[T, K], group_sizes i32[E]) from the kernel's per-block ranks and histograms.
-
-    Pair (t, e) lands at `start[e] + (pairs of e in earlier blocks) + local_rank`: stable
-    by token within each expert, like the sort.
-    """
-    group_sizes = jnp.sum(block_counts, axis=0, dtype=jnp.int32)  # [E]
-    starts = jnp.cumsum(group_sizes, dtype=jnp.int32) - group_sizes  # [E]
-    block_base = (
-        jnp.cumsum(block_counts, axis=0, dtype=jnp.int32) - block_counts + starts[None, :]
-    )  # [NB, E]
-    block_of_token = jnp.arange(experts.shape[0], dtype=jnp.int32) // block_t  # [T]
-    rows = block_base[block_of_token[:, None], experts] + local_rank  # [T, K]
-    return rows, group_sizes
 
 
 def plan_from_token_rows(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> DispatchPlan:
@@ -239,11 +239,18 @@ def plan_from_token_rows(rows: jax.Array, weights: jax.Array, group_sizes: jax.A
     scores = jnp.zeros((capacity,), jnp.float32).at[flat_rows].set(
         weights.reshape(-1).astype(jnp.float32), unique_indices=True
     )
+    return _topk_plan(token_ids, scores, rows, group_sizes)
+
+
+def _topk_plan(token_ids, scores, rows, group_sizes) -> DispatchPlan:
+    """The top-K `DispatchPlan`: every row is a token-choice row, each token holds K rows."""
+    num_tokens, k = rows.shape
+    capacity = token_ids.shape[0]
     return DispatchPlan(
         token_ids=token_ids,
         scores=scores,
         group_sizes=group_sizes.astype(jnp.int32),
         is_token_choice=jnp.ones((capacity,), bool),
-        rows_by_token=flat_rows.astype(jnp.int32),
+        rows_by_token=rows.reshape(-1).astype(jnp.int32),
         token_row_offsets=jnp.arange(num_tokens + 1, dtype=jnp.int32) * k,
     )
