@@ -60,10 +60,33 @@ def same_plan(a, b) -> tuple[bool, float]:
     return exact, err
 
 
+def sweep_topk_blocks(log):
+    """Times `kernels.topk_blocks` alone over block sizes and warps; checks each result."""
+    from pallas_moe.routing import kernels
+
+    for T, E, K in [(32768, 128, 8), (16384, 512, 10), (512, 128, 8), (24576, 64, 4)]:
+        sel = jax.nn.softmax(jax.random.normal(jax.random.key(T), (T, E)), axis=-1)
+        want = kernels.topk_blocks(sel, K, block_t=16)
+        want_ex = np.sort(np.asarray(jax.lax.top_k(sel, K)[1]), axis=1)
+        assert np.array_equal(np.asarray(want[0]), want_ex), "topk_blocks != lax.top_k"
+        for bt in (4, 8, 16, 32, 64):
+            for nw in (1, 2, 4, 8):
+                try:
+                    f = jax.jit(lambda s, bt=bt, nw=nw: kernels.topk_blocks(
+                        s, K, block_t=bt, num_warps=nw))
+                    got = f(sel)
+                    ok = np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
+                    us = gpu_us(f, sel)
+                    log(f"  topk_blocks T={T} E={E} K={K} block_t={bt} warps={nw}: {us:.1f} us ok={ok}")
+                except Exception as e:  # noqa: BLE001
+                    log(f"  topk_blocks T={T} E={E} K={K} block_t={bt} warps={nw}: failed {str(e)[:200]}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--impls", default="dense,sort,kernel")
+    p.add_argument("--sweep", action="store_true", help="time topk_blocks over block sizes only")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log_f = open(os.path.join(args.out, "routing_log.txt"), "w")
@@ -74,6 +97,9 @@ def main():
         log_f.flush()
 
     log(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if args.sweep:
+        sweep_topk_blocks(log)
+        return
     impls = args.impls.split(",")
     results = []
     for T, E, K in SHAPES:

@@ -123,6 +123,7 @@ def aggregate(
 
     kernel = plgpu.kernel(
         body,
+        kernel_name="moe_aggregate",
         out_type=jax.ShapeDtypeStruct((num_tokens, d), out_dtype),
         grid=(grid_t, d // bd),
         grid_names=("t", "d"),

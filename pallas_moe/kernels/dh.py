@@ -326,6 +326,7 @@ def dh_kernel(
     ]
     kernel = plgpu.kernel(
         body,
+        kernel_name="moe_dh",
         out_type=out_types,
         scratch_types=scratch,
         grid=(grid_n, num_tiles),
@@ -485,6 +486,7 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     ]
     return plgpu.kernel(
         body,
+        kernel_name="moe_dh",
         out_type=out_types,
         scratch_types=scratch,
         grid=(grid_n, num_tiles),

@@ -152,6 +152,7 @@ def down_proj(
 
     kernel = plgpu.kernel(
         body,
+        kernel_name="moe_down_proj",
         out_type=jax.ShapeDtypeStruct((capacity, out_cols), dtype),
         scratch_types=[
             plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),
@@ -301,6 +302,7 @@ def _persistent_kernel(config: DownProjConfig, n, d, capacity, out_cols, num_til
 
     return plgpu.kernel(
         body,
+        kernel_name="moe_down_proj",
         out_type=jax.ShapeDtypeStruct((capacity, out_cols), dtype),
         scratch_types=[
             plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),

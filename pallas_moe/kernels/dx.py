@@ -141,6 +141,7 @@ def dx_rows(
 
     kernel = plgpu.kernel(
         body,
+        kernel_name="moe_dx_rows",
         out_type=jax.ShapeDtypeStruct((capacity, out_cols), dtype),
         scratch_types=[
             plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),

@@ -272,6 +272,7 @@ def up_proj(
     ]
     kernel = plgpu.kernel(
         body,
+        kernel_name="moe_up_proj",
         out_type=tuple(out_types),
         scratch_types=scratch,
         grid=(grid_n, num_tiles),
@@ -482,6 +483,7 @@ def _warp_specialized_kernel(
     ]
     return plgpu.kernel(
         body,
+        kernel_name="moe_up_proj",
         out_type=tuple(out_types),
         scratch_types=scratch,
         grid=(grid_n, num_tiles),

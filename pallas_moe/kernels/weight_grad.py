@@ -333,6 +333,7 @@ def weight_grad(
     ]
     kernel = plgpu.kernel(
         body,
+        kernel_name=f"moe_weight_grad_{gathered}",
         out_type=jax.ShapeDtypeStruct((num_experts, m_dim, n_dim), out_dtype),
         scratch_types=scratch,
         grid=(grid_m * grid_n, num_experts),
@@ -519,6 +520,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     ]
     return plgpu.kernel(
         body,
+        kernel_name=f"moe_weight_grad_{gathered}",
         out_type=jax.ShapeDtypeStruct((num_experts, m_dim, n_dim), out_dtype),
         scratch_types=scratch,
         grid=(grid_m * grid_n, num_experts),
