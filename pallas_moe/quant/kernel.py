@@ -157,13 +157,16 @@ def smoothquant_kernel(
             def _padding():
                 first = nr_ref[0]
                 zeros = plgpu.layout_cast(jnp.zeros((d,), jnp.float32), layout).astype(out_dtype)
-                for i in range(bp):
-                    r = (cta - token_ctas) * bp + i
+                row0 = (cta - token_ctas) * bp
+                start = jnp.clip(first, row0, row0 + bp)
+                stop = jnp.minimum(row0 + bp, num_out_rows)
 
-                    @pl.when((r >= first) & (r < num_out_rows))
-                    def _():
-                        q_ref[r] = zeros
-                        s_ref[r] = jnp.float32(0.0)
+                def zero_row(r, carry):
+                    q_ref[r] = zeros
+                    s_ref[r] = jnp.float32(0.0)
+                    return carry
+
+                jax.lax.fori_loop(start, stop, zero_row, None)
 
     kernel = plgpu.kernel(
         body,
