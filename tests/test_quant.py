@@ -3,8 +3,8 @@
 The numpy reference below is written from the formula, independently of the library:
 `Y = f32(x[t]) * S[e]`, `s = max|Y| * fl32(1/qmax)`, `Q = saturate(round_half_even(Y / s))`, rows
 with `s == 0` -> Q = 0, padding rows -> Q = 0, s = 0. Both backends must match it bit for
-bit. Interpret mode poisons outputs (int8 with -128, which the formula never produces; e4m3
-with NaN), so a row the kernel forgot to write fails the comparison.
+bit. Interpret mode poisons fresh outputs (int8 with 127 everywhere, e4m3 with NaN), so a row
+the kernel forgot to write fails the comparison.
 """
 
 from __future__ import annotations
@@ -252,3 +252,52 @@ def test_lowers_for_cuda_at_production_widths(d, out_dtype):
         lowering_platforms=("cuda",))
     g = functools.partial(pm.quant.moe_smoothquant_topk, out_dtype=out_dtype, backend="mosaic")
     jax.jit(g).trace(x, smooth, sds((num_tokens, k), jnp.int32)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, INT8], ids=["e4m3", "int8"])
+def test_8bit_wgmma_runs_in_interpret_mode_and_lowers(dtype):
+    """What a quantized grouped GEMM can build on in jax 0.11.2: e4m3 x e4m3 -> f32 and
+    s8 x s8 -> s32 wgmma, with B K-major (8-bit wgmma has no transposed-B form, so weights
+    `[E, in, out]` must be laid out `[E, out, in]` for it)."""
+    from jax.experimental import pallas as pl
+
+    m, n, k = 64, 64, 128
+    acc_dtype = jnp.float32 if dtype == E4M3 else jnp.int32
+    tf = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))  # 128 one-byte elements
+
+    def body(a_ref, bt_ref, o_ref, a_smem, bt_smem, bar):
+        plgpu.copy_gmem_to_smem(a_ref, a_smem, bar.at[0])
+        plgpu.copy_gmem_to_smem(bt_ref, bt_smem, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+
+        def scope(acc):
+            plgpu.wgmma(acc, a_smem, bt_smem.T)  # [m, k] @ [k, n], B stored [n, k]
+            plgpu.wgmma_wait(0)
+            return acc[...]
+
+        o_ref[...] = pl.run_scoped(scope, plgpu.ACC((m, n), acc_dtype))
+
+    def matmul(interpret):
+        return plgpu.kernel(
+            body, out_type=jax.ShapeDtypeStruct((m, n), acc_dtype),
+            scratch_types=[plgpu.SMEM((m, k), dtype, transforms=tf),
+                           plgpu.SMEM((n, k), dtype, transforms=tf),
+                           plgpu.Barrier(num_arrivals=2, num_barriers=1)],
+            grid=(1,), grid_names=("i",),
+            interpret=plgpu.InterpretGPUParams() if interpret else None,
+        )
+
+    rng = np.random.default_rng(0)
+    if dtype == INT8:
+        a, bt = (rng.integers(-127, 128, shape).astype(np.int8) for shape in [(m, k), (n, k)])
+    else:
+        a, bt = ((rng.standard_normal(shape) * 30).astype(ml_dtypes.float8_e4m3fn)
+                 for shape in [(m, k), (n, k)])
+    want = a.astype(np.float64) @ bt.astype(np.float64).T
+    got = np.asarray(matmul(True)(jnp.asarray(a), jnp.asarray(bt)))
+    assert got.dtype == acc_dtype
+    if dtype == INT8:
+        np.testing.assert_array_equal(got, want)
+    else:  # e4m3 products are exact in f32; only the f32 sum rounds
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    jax.jit(matmul(False)).trace(jnp.asarray(a), jnp.asarray(bt)).lower(lowering_platforms=("cuda",))
