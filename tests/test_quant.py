@@ -1,8 +1,8 @@
 """MoE SmoothQuant (kernel in Mosaic GPU interpret mode, and the jnp reference) vs numpy.
 
-The numpy reference below is written from the formula, independently of the library:
-`Y = f32(x[t]) * S[e]`, `s = max|Y| * fl32(1/qmax)`, `Q = saturate(round_half_even(Y / s))`, rows
-with `s == 0` -> Q = 0, padding rows -> Q = 0, s = 0. Both backends must match it bit for
+The numpy reference below is written from the formula, independently of the library, in
+f32: `Y = x[t] * S[e]`, `s = max|Y| * fl(1/qmax)`, `Q = saturate(round_half_even(Y * fl(1/s)))`;
+scales below the smallest normal f32 -> zero row (s = 0, Q = 0); padding rows -> Q = 0, s = 0. Both backends must match it bit for
 bit. Interpret mode poisons fresh outputs (int8 with 127 everywhere, e4m3 with NaN), so a row
 the kernel forgot to write fails the comparison.
 """
@@ -34,10 +34,11 @@ def numpy_smoothquant(x, smooth, tokens, experts, valid, out_dtype):
     qmax = np.float32(QMAX[jnp.dtype(out_dtype)])
     tokens, experts, valid = np.asarray(tokens), np.asarray(experts), np.asarray(valid, bool)
     y = np.asarray(x, np.float32)[tokens] * np.asarray(smooth, np.float32)[np.minimum(experts, len(smooth) - 1)]
-    s = np.max(np.abs(y), axis=1) * np.float32(1 / qmax)  # f32 multiply by fl32(1/qmax)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        v = np.where(s[:, None] > 0, y / s[:, None], np.float32(0)).astype(np.float32)
-    v = np.clip(v, -qmax, qmax)
+    s = np.max(np.abs(y), axis=1) * (np.float32(1) / qmax)  # f32 throughout
+    s[s < np.finfo(np.float32).tiny] = 0  # scales below the smallest normal f32: zero rows
+    with np.errstate(divide="ignore"):
+        inv = np.where(s > 0, np.float32(1) / s, np.float32(0)).astype(np.float32)
+    v = np.clip(y * inv[:, None], -qmax, qmax)
     if jnp.dtype(out_dtype) == INT8:
         q = np.rint(v).astype(np.int8)  # np.rint: round half to even
     else:
@@ -63,15 +64,22 @@ def plan_rows(plan):
     return plan.token_ids, plan.expert_ids, plan.row_is_valid
 
 
-def special_x(key, num_tokens, d, dtype=jnp.bfloat16):
-    """Random rows (spread over 6 decades), plus a zero row and a row of the largest bf16."""
+def special_x(key, num_tokens, d, dtype=jnp.bfloat16, at=(1, 2, 3, 4, 5)):
+    """Random rows (spread over 6 decades), a zero row, rows with the largest bf16 (bf16 only),
+    a row so small its scale is below the smallest normal f32 (-> zero row) and a small but
+    ordinary row, at tokens `at`. Every nonzero x * S stays a normal f32 (XLA:CPU flushes
+    subnormals)."""
     k1, k2 = jax.random.split(key)
     mag = 10.0 ** jax.random.uniform(k1, (num_tokens, d), jnp.float32, -3, 3)
     x = (mag * jax.random.normal(k2, (num_tokens, d), jnp.float32)).astype(dtype)
-    x = x.at[1].set(0)
+    zero, huge, one_huge, tiny, small = at
+    x = x.at[zero].set(0)
     if dtype == jnp.bfloat16:
-        x = x.at[2].set(jnp.where(jnp.arange(d) % 3 == 0, -BF16_MAX, BF16_MAX).astype(dtype))
-        x = x.at[3, 5].set(BF16_MAX)  # one huge value among ordinary ones
+        x = x.at[huge].set(jnp.where(jnp.arange(d) % 3 == 0, -BF16_MAX, BF16_MAX).astype(dtype))
+        x = x.at[one_huge, 5].set(BF16_MAX)  # one huge value among ordinary ones
+        sign = jnp.where(jnp.arange(d) % 2 == 0, 1.0, -1.0)
+        x = x.at[tiny].set((1e-36 * sign).astype(dtype))  # scale < 2^-126: a zero row
+        x = x.at[small].set((1e-33 * sign * (1 + jnp.arange(d) / d)).astype(dtype))
     return x
 
 
@@ -89,12 +97,14 @@ def plan_quant(out_dtype, backend, config=SmoothQuantConfig()):
 
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_kernel_grouped_order_matches_numpy(out_dtype):
-    # Ragged groups, an empty expert, tokens with 0..5 rows, 7 padding rows.
+    # Ragged groups, an empty expert, tokens with 0..3 rows, 7 padding rows.
     num_tokens, d, num_experts = 21, 256, 5
     ks = jax.random.split(jax.random.key(0), 3)
     plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.35, empty=(3,), extra=7)
-    assert int(jnp.min(plan.rows_per_token)) == 0
-    x = special_x(ks[1], num_tokens, d)
+    rows_per_token = np.asarray(plan.rows_per_token)
+    assert rows_per_token.min() == 0 and rows_per_token.max() >= 3
+    special = tuple(np.flatnonzero(rows_per_token)[:5])  # tokens with rows get the special rows
+    x = special_x(ks[1], num_tokens, d, at=special)
     smooth = smooth_scales(ks[2], num_experts, d)
     want = numpy_smoothquant(x, smooth, *plan_rows(plan), out_dtype)
     for backend in ["interpret", "xla"]:
@@ -103,10 +113,11 @@ def test_kernel_grouped_order_matches_numpy(out_dtype):
         assert_bitwise(q, s, *want)
     rows = int(plan.num_rows)
     assert np.all(np.asarray(s[rows:]) == 0) and np.all(np.asarray(q[rows:], np.float32) == 0)
-    zero_row_scales = np.asarray(s[:rows])[np.asarray(plan.token_ids[:rows]) == 1]
-    assert zero_row_scales.size and np.all(zero_row_scales == 0)
-    huge = np.asarray(s[:rows])[np.asarray(plan.token_ids[:rows]) == 2]
-    assert huge.size and np.all(np.isfinite(huge)) and np.all(huge > 1e35)
+    scales_of = lambda t: np.asarray(s[:rows])[np.asarray(plan.token_ids[:rows]) == t]  # noqa: E731
+    zero, huge, _, tiny, small = special
+    assert np.all(scales_of(zero) == 0) and np.all(scales_of(tiny) == 0)
+    assert np.all(scales_of(small) > 0)
+    assert np.all(np.isfinite(scales_of(huge))) and np.all(scales_of(huge) > 1e35)
 
 
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
@@ -168,13 +179,19 @@ def test_dequantized_rows_are_within_half_a_step():
         q, s = plan_quant(out_dtype, "xla")(x, smooth, plan)
         s64 = np.asarray(s, np.float64)[:, None]
         q64 = np.asarray(q, np.float64)
-        np.testing.assert_allclose(np.max(np.abs(q64), axis=1)[s64[:, 0] > 0], QMAX[out_dtype])
-        err = np.abs(q64 * s64 - y)
+        live = s64[:, 0] > 0
+        np.testing.assert_allclose(np.max(np.abs(q64), axis=1)[live], QMAX[out_dtype])
+        # Zero rows: exactly those whose scale max|Y| / qmax is below the smallest normal f32.
+        tiny = np.max(np.abs(y), axis=1) / QMAX[out_dtype] < np.finfo(np.float32).tiny
+        np.testing.assert_array_equal(~live, tiny)
+        assert np.all(q64[~live] == 0)
+        q64, s64, y_live = q64[live], s64[live], y[live]
+        err = np.abs(q64 * s64 - y_live)
         # Slack for the f32 rounding of x * S and Y / s: a few qmax * 2^-24 in units of s.
         if out_dtype == INT8:
             bound = s64 * (0.5 + 2e-5)
         else:  # half an e4m3 ulp: 2^-4 relative for normals, 2^-10 * s for subnormals
-            bound = np.maximum(np.abs(y) * 2.0**-4, s64 * 2.0**-10) + s64 * 6e-5
+            bound = np.maximum(np.abs(y_live) * 2.0**-4, s64 * 2.0**-10) + s64 * 6e-5
         assert np.all(err <= bound)
 
 
@@ -301,3 +318,64 @@ def test_8bit_wgmma_runs_in_interpret_mode_and_lowers(dtype):
     else:  # e4m3 products are exact in f32; only the f32 sum rounds
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
     jax.jit(matmul(False)).trace(jnp.asarray(a), jnp.asarray(bt)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("out_dtype", [E4M3, INT8], ids=["e4m3", "int8"])
+def test_quantize_weights_per_expert_and_output_channel(out_dtype):
+    num_experts, d_in, d_out = 3, 96, 40
+    w = jax.random.normal(jax.random.key(4), (num_experts, d_in, d_out), jnp.float32)
+    w = (w * jnp.logspace(-2, 2, d_out)).astype(jnp.bfloat16).at[1, :, 7].set(0)  # a dead column
+    q, scales = pm.quant.quantize_weights(w, out_dtype=out_dtype)
+    assert q.shape == w.shape and q.dtype == out_dtype and scales.shape == (num_experts, d_out)
+    # numpy: each (expert, column) is a row of the formula.
+    cols = np.asarray(w, np.float32).transpose(0, 2, 1).reshape(-1, d_in)
+    n_rows = cols.shape[0]
+    want_q, want_s = numpy_smoothquant(cols, np.ones((1, d_in), np.float32), np.arange(n_rows),
+                                       np.zeros(n_rows, int), np.ones(n_rows, bool), out_dtype)
+    got_q = np.asarray(q).transpose(0, 2, 1).reshape(-1, d_in)
+    assert_bitwise(got_q, np.asarray(scales).reshape(-1), want_q, want_s)
+    assert float(scales[1, 7]) == 0.0
+    back = np.asarray(pm.quant.dequantize_weights(q, scales), np.float64)
+    rel = np.abs(back - np.asarray(w, np.float64)) / np.asarray(scales, np.float64)[:, None, :].clip(1e-30)
+    assert rel.max() <= (0.5 + 1e-5 if out_dtype == INT8 else 448 * 2.0**-4 + 1e-3)
+
+
+def test_expert_activation_absmax_matches_a_loop_over_rows():
+    num_tokens, d, num_experts = 30, 64, 6
+    ks = jax.random.split(jax.random.key(5), 3)
+    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.3, empty=(4,), extra=9)
+    x = jax.random.normal(ks[1], (num_tokens, d), jnp.bfloat16)
+    got = pm.quant.expert_activation_absmax(x, plan, rows_per_step=7)  # 7 does not divide P
+    want = np.zeros((num_experts, d), np.float32)
+    xs = np.abs(np.asarray(x, np.float32))
+    for r in range(int(plan.num_rows)):
+        e, t = int(plan.expert_ids[r]), int(plan.token_ids[r])
+        want[e] = np.maximum(want[e], xs[t])
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert np.all(np.asarray(got[4]) == 0)
+    running = jnp.full((num_experts, d), 1.5, jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(pm.quant.expert_activation_absmax(x, plan, running)), np.maximum(want, 1.5))
+
+
+def test_calibrate_smoothing_formula_and_equivalence():
+    num_experts, d, n_out, alpha = 4, 64, 48, 0.6
+    ks = jax.random.split(jax.random.key(6), 3)
+    act = jnp.abs(jax.random.normal(ks[0], (num_experts, d))) * jnp.logspace(-1, 2, d)
+    act = act.at[2, 5].set(0)  # a channel this expert never saw
+    w = jax.random.normal(ks[1], (num_experts, d, n_out), jnp.float32) * 0.05
+    w = w.at[1, 9, :].set(0)  # a dead input channel
+    smooth, w_s = pm.quant.calibrate_smoothing(act, w, alpha=alpha)
+    a64, wmax = np.asarray(act, np.float64), np.abs(np.asarray(w, np.float64)).max(axis=2)
+    with np.errstate(divide="ignore"):
+        f = np.where((a64 > 0) & (wmax > 0), a64**alpha / wmax ** (1 - alpha), 1.0)
+    np.testing.assert_allclose(np.asarray(smooth, np.float64), 1 / f, rtol=1e-5)
+    assert float(smooth[2, 5]) == 1.0 and float(smooth[1, 9]) == 1.0
+    x = np.asarray(jax.random.normal(ks[2], (16, d)), np.float64)
+    for e in range(num_experts):
+        smoothed = (x * np.asarray(smooth[e], np.float64)) @ np.asarray(w_s[e], np.float64)
+        np.testing.assert_allclose(smoothed, x @ np.asarray(w[e], np.float64), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="alpha must be a number in \\[0, 1\\], got 1.5"):
+        pm.quant.calibrate_smoothing(act, w, alpha=1.5)
+    with pytest.raises(ValueError, match="act_absmax must be \\[E, in\\]"):
+        pm.quant.calibrate_smoothing(act[:, :32], w)

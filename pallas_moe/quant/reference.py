@@ -1,22 +1,24 @@
 """Row-wise dynamic quantization: the formula shared by the kernel and the jnp reference.
 
 For one row `y` (f32 [d]) and a target dtype with largest magnitude `qmax` (127 for int8,
-448 for float8_e4m3fn):
+448 for float8_e4m3fn), in f32 arithmetic:
 
-    s = max_j |y_j| * f32(1 / qmax)             (f32 multiply by the rounded reciprocal)
-    Q = saturate(round(y / s))                  (f32 division, then the cast below)
+    s = max_j |y_j| * fl(1 / qmax)
+    Q = saturate(round(y * fl(1 / s)))
 
-The scale multiplies by the f32 constant `1 / qmax` rather than dividing by `qmax`: XLA
-rewrites division by a constant into that multiply anyway, so spelling it out keeps the
-kernel, the XLA reference and numpy on one bit-exact definition (it is within one f32 ulp
-of `max|y| / qmax`). The per-element `y / s` is a true (correctly rounded) division.
+that is `s = max|y| / qmax` and `Q = round(y / s)`, with both divisions done as a multiply
+by a correctly rounded f32 reciprocal. That is what XLA compiles `y / s` into anyway (it
+rewrites division by a constant or a broadcast scalar), so spelling it out keeps the kernel,
+the XLA reference and numpy on one bit-exact definition; it also leaves the kernel one
+division per row instead of one per element.
 
 Rounding is round-half-to-even in both cases: for int8 `jnp.round` to the nearest integer,
 for e4m3 the f32 -> e4m3 cast itself (the GPU's `cvt.rn.satfinite.e4m3x2.f32`). Saturation
-clips `y / s` to `[-qmax, qmax]` first (int8 never produces -128). A row with `s == 0`
-(all zeros, or so small that `max|y| / qmax` underflows) gets `s = 0` and `Q = 0`, never a
-NaN. A NaN in `y` makes `s` NaN; an infinite `y` (for example `x * S` overflowing f32)
-makes `s` infinite: such rows are marked by their scale, and their `Q` is meaningless.
+clips to `[-qmax, qmax]` first (int8 never produces -128). A row whose scale would be below
+the smallest normal f32 (`max|y| < qmax * 2^-126`, all zeros included) is a zero row:
+`s = 0` and `Q = 0`, never a NaN (this also keeps platforms that flush subnormals in
+agreement). A NaN in `y` makes `s` NaN; an infinite `y` (for example `x * S` overflowing
+f32) makes `s` infinite: such rows are marked by their scale, and their `Q` is meaningless.
 
 `quantize_row` is traced both inside the Pallas kernel (on one row held in registers) and,
 vmapped, by the jnp reference, so the two backends run the same operations in the same order.
@@ -31,6 +33,10 @@ import jax.numpy as jnp
 
 # Largest magnitude each quantized dtype represents (and what a row's max maps to).
 QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+# Scales below this are flushed to 0 (their reciprocal would overflow f32).
+_SMALLEST_NORMAL = np.float32(np.finfo(np.float32).tiny)
 
 
 def qmax_of(dtype) -> float:
@@ -56,8 +62,10 @@ def quantize_row(y: jax.Array, out_dtype) -> tuple[jax.Array, jax.Array]:
     qmax = qmax_of(out_dtype)
     amax = jnp.max(jnp.abs(y))
     scale = amax * np.float32(1.0 / qmax)
-    divisor = jnp.where(scale > 0, scale, 1.0)  # s == 0: |y| < qmax * tiny, so y / 1 -> Q = 0
-    v = jnp.clip(y / divisor, -qmax, qmax)
+    zero_row = scale < _SMALLEST_NORMAL  # False for NaN, so a NaN row keeps s = NaN
+    scale = jnp.where(zero_row, 0.0, scale)
+    inv_scale = jnp.where(zero_row, 0.0, 1.0 / jnp.where(zero_row, 1.0, scale))
+    v = jnp.clip(y * inv_scale, -qmax, qmax)
     if jnp.dtype(out_dtype) == jnp.int8:
         v = jnp.round(v)  # round half to even
     return v.astype(out_dtype), scale
