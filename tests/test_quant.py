@@ -379,3 +379,28 @@ def test_calibrate_smoothing_formula_and_equivalence():
         pm.quant.calibrate_smoothing(act, w, alpha=1.5)
     with pytest.raises(ValueError, match="act_absmax must be \\[E, in\\]"):
         pm.quant.calibrate_smoothing(act[:, :32], w)
+
+
+_on_hopper = (jax.devices()[0].platform == "gpu"
+              and getattr(jax.devices()[0], "compute_capability", "") == "9.0")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
+def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype):
+    # Token rounding (padding rows) at a production width; every row, bit for bit.
+    num_tokens, d, num_experts, k = 2048, 2048, 16, 4
+    ks = jax.random.split(jax.random.key(7), 3)
+    plan = pm.routing.token_rounding_plan(
+        jax.random.normal(ks[0], (num_tokens, num_experts)), k, tile=128)
+    x = special_x(ks[1], num_tokens, d)
+    smooth = smooth_scales(ks[2], num_experts, d)
+    q, s = plan_quant(out_dtype, "mosaic")(x, smooth, plan)
+    assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), out_dtype))
+    ids = jax.random.randint(ks[0], (num_tokens, k), 0, num_experts)
+    q, s = pm.quant.moe_smoothquant_topk(x, smooth, ids, out_dtype=out_dtype, backend="mosaic")
+    tokens = np.repeat(np.arange(num_tokens), k)
+    assert_bitwise(q.reshape(-1, d), s.reshape(-1),
+                   *numpy_smoothquant(x, smooth, tokens, np.asarray(ids).reshape(-1),
+                                      np.ones(num_tokens * k, bool), out_dtype))
