@@ -52,6 +52,7 @@ CONFIGS = [
     SmoothQuantConfig(block_t=4),
     SmoothQuantConfig(vec=4),
     SmoothQuantConfig(block_t=2, vec=2),
+    SmoothQuantConfig(block_pad=256),
 ]
 POISON = {jnp.dtype(jnp.int8): 0x80, jnp.dtype(jnp.float8_e4m3fn): 0xFF}
 NUMPY_SAMPLE_ROWS = 2048

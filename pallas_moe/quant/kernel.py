@@ -46,7 +46,7 @@ class SmoothQuantConfig:
     """
 
     block_t: int = 1
-    block_pad: int = 32
+    block_pad: int = 64
     vec: int | None = None
 
     def resolve_vec(self, d: int) -> int:
