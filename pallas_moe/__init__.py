@@ -4,13 +4,13 @@ from pallas_moe import routing
 from pallas_moe.ops.moe_ffn import moe_ffn
 
 __version__ = "0.1.0"
-__all__ = ["routing", "moe_ffn", "nn"]
+__all__ = ["routing", "moe_ffn", "nn", "quant"]
 
 
 def __getattr__(name):
-    # flax is imported only when the module API is used.
-    if name == "nn":
+    # flax (nn) and the Pallas quantization kernel (quant) are imported only when used.
+    if name in ("nn", "quant"):
         import importlib
 
-        return importlib.import_module("pallas_moe.nn")
+        return importlib.import_module(f"pallas_moe.{name}")
     raise AttributeError(f"module 'pallas_moe' has no attribute {name!r}")

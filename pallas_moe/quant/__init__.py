@@ -1,0 +1,24 @@
+"""Quantized MoE inference: fused MoE SmoothQuant (int8 / fp8 e4m3) and weight quantization.
+
+- `moe_smoothquant(x, smooth_scales, plan, *, out_dtype)`: `Q [P, d]`, `s f32 [P]` in the
+  plan's grouped order, the token gather fused (Pallas Mosaic GPU kernel, jnp reference).
+- `moe_smoothquant_topk(x, smooth_scales, topk_ids, *, out_dtype)`: `Q [T, K, d]`, `s [T, K]`.
+- `quantize_weights` / `dequantize_weights`: per-expert, per-output-channel e4m3 (or int8).
+- `expert_activation_absmax`, `calibrate_smoothing`: SmoothQuant calibration.
+"""
+
+from pallas_moe.quant.kernel import SmoothQuantConfig, smoothquant_kernel
+from pallas_moe.quant.reference import QMAX, quantize_absmax, quantize_row
+from pallas_moe.quant.smoothquant import moe_smoothquant, moe_smoothquant_topk
+from pallas_moe.quant.weights import (
+    calibrate_smoothing,
+    dequantize_weights,
+    expert_activation_absmax,
+    quantize_weights,
+)
+
+__all__ = [
+    "moe_smoothquant", "moe_smoothquant_topk", "SmoothQuantConfig", "smoothquant_kernel",
+    "QMAX", "quantize_row", "quantize_absmax",
+    "quantize_weights", "dequantize_weights", "expert_activation_absmax", "calibrate_smoothing",
+]
