@@ -35,7 +35,8 @@ import jax.numpy as jnp
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels.dh import DHConfig, dh_kernel
-from pallas_moe.kernels.dx import DXConfig, dx_rows
+from pallas_moe.kernels.dx import dx_rows
+from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
 from pallas_moe.kernels.moe_forward import aggregate_width
 from pallas_moe.kernels.weight_grad import WeightGradConfig, k_block_meta, weight_grad
@@ -204,7 +205,8 @@ def configs_for(d, n, full: bool):
                 W(block_m=64, block_n=128, num_stages=4, num_consumers=2),
                 W(block_m=128, block_n=128, num_stages=4, num_consumers=1),
                 W(block_m=128, block_n=128, num_stages=4, num_consumers=0)]
-        dx += [DXConfig(block_n=256, num_stages=2), DXConfig(block_n=128, num_stages=4)]
+        dx += [GroupedMatmulConfig(block_m=64, block_n=256, num_stages=4),
+               GroupedMatmulConfig(block_m=128, block_n=128, num_stages=4)]
     ok = lambda c, *dims: all(dim % m == 0 for dim, m in dims)
     cons = lambda c: max(c.num_consumers, 1)
     dh = [c for c in dh if ok(c, (n, c.block_n * cons(c)))]

@@ -36,7 +36,8 @@ from jax.experimental.mosaic.gpu import profiler
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels.aggregate import aggregate
-from pallas_moe.kernels.down_proj import DownProjConfig, down_proj
+from pallas_moe.kernels.down_proj import down_proj
+from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_forward import ForwardConfig, aggregate_width, moe_forward
 from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
 from pallas_moe.routing.topk import topk_plan
@@ -293,12 +294,12 @@ def variant_up_cfgs(d, n):
 
 
 def variant_down_cfgs(d, n):
-    """Down-proj occupancy variants: fewer stages -> more CTAs per SM."""
+    """Down-proj variants: ping-pong (64-row) vs split-M (128-row) items, widths, stages."""
     out = []
-    for bn, stages, sms in [(256, 2, 0), (256, 4, 132), (256, 3, 132), (128, 4, 132),
-                            (192, 4, 132), (128, 6, 132)]:
+    for bm, bn, stages in [(64, 256, 4), (128, 256, 3), (128, 128, 4), (128, 192, 3),
+                           (64, 128, 6)]:
         if d % bn == 0:
-            out.append(DownProjConfig(block_n=bn, num_stages=stages, num_sms=sms))
+            out.append(GroupedMatmulConfig(block_m=bm, block_n=bn, num_stages=stages))
     return out
 
 
@@ -337,10 +338,10 @@ def gather_up_cfgs(d, n):
 def default_down_cfgs(d, n):
     cands = [
         ForwardConfig.for_shape(d, n).down,
-        DownProjConfig(block_m=128, block_n=256, num_stages=3, num_sms=132),  # split M
-        DownProjConfig(block_m=128, block_n=128, num_stages=4, num_sms=132),
-        DownProjConfig(block_m=64, block_n=256, num_stages=4, num_sms=132),  # ping-pong
-        DownProjConfig(block_m=128, block_n=192, num_stages=3, num_sms=132),
+        GroupedMatmulConfig(block_m=128, block_n=256, num_stages=3, num_sms=132),  # split M
+        GroupedMatmulConfig(block_m=128, block_n=128, num_stages=4, num_sms=132),
+        GroupedMatmulConfig(block_m=64, block_n=256, num_stages=4, num_sms=132),  # ping-pong
+        GroupedMatmulConfig(block_m=128, block_n=192, num_stages=3, num_sms=132),
     ]
     return [c for i, c in enumerate(cands) if d % c.block_n == 0 and c not in cands[:i]]
 

@@ -10,9 +10,9 @@ or token rounding), and runs `pm.moe_ffn(backend="mosaic")`. That is the step So
 For each shape and variant (routing x row loader) it reports GPU kernel time (CUPTI: the sum
 of every kernel one step launches) and wall time of one jitted step (median), which also
 counts launch gaps and host work, plus the same-run dense bound (the MoE FLOPs as balanced
-batched matmuls, forward and backward). Before timing, every variant's loss and gradients
-are compared on the device with the first variant's (and the first with the `xla` backend at
-the smallest shape). The best variant's step is broken down kernel by kernel.
+batched matmuls, forward and backward), and breaks the step down kernel by kernel. Before
+timing, every variant's loss and gradients are compared on the device with the first
+variant of the same routing (and with the `xla` backend for the shapes in --xla-check).
 Writes step.json, step_log.txt and step.md into --out.
 """
 
@@ -118,7 +118,6 @@ def main():
         del xe, dcot
         log(f"== {name} {shape}: dense fwd+bwd bound {bound_ms:.3f} ms")
         reference = {}
-        best = None
         for variant in args.variants.split(","):
             routing, gather = variant.split("/")
             step = make_step(shape, routing, "mosaic", KernelConfig.for_shape(d, n, gather=gather))
@@ -140,18 +139,19 @@ def main():
                 row["gpu_ms"] = gpu_ms(step, x, router, w1, w2, cot)
                 row["wall_ms"] = wall_ms(step, x, router, w1, w2, cot)
                 row["vs_bound"] = bound_ms / row["gpu_ms"]
-                if best is None or row["gpu_ms"] < best[0]:
-                    best = (row["gpu_ms"], variant, step)
+                row["kernels"] = kernel_breakdown(step, x, router, w1, w2, cot)
             except Exception as e:  # noqa: BLE001 - report and go on
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-            log("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
+            log("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
+                                   for k, v in row.items() if k != "kernels"}))
+            if "kernels" in row:
+                top = row["kernels"][:14]
+                rest = sum(ms for _, ms, _ in row["kernels"][14:])
+                log("    kernels (ms, launches): " + ", ".join(
+                    f"{name} {ms:.3f} x{cnt}" for name, ms, cnt in top) + f", other {rest:.3f}")
             rows.append(row)
             with open(os.path.join(args.out, "step.json"), "w") as f:
                 json.dump(rows, f, indent=1)
-        if best is not None:
-            log(f"  kernel breakdown of {name} {best[1]} (ms, launches):")
-            for kname, ms, cnt in kernel_breakdown(best[2], x, router, w1, w2, cot):
-                log(f"    {ms:8.3f} {cnt:4d}  {kname}")
         reference.clear()
 
     lines = ["| shape | routing | gather | step GPU ms | step wall ms | bound ms | bound/step |",

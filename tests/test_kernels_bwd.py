@@ -20,7 +20,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_moe as pm
 from pallas_moe.kernels.dh import DHConfig, dh_kernel
-from pallas_moe.kernels.dx import DXConfig, dx_rows
+from pallas_moe.kernels.dx import dx_rows
+from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
 from pallas_moe.kernels.reference import moe_forward_reference, up_proj_reference
 from pallas_moe.kernels.weight_grad import WeightGradConfig, weight_grad
@@ -191,7 +192,7 @@ def test_backward_kernel_variants(consumers):
         dw_down=WeightGradConfig(block_m=64, block_n=128, num_stages=3, num_consumers=consumers),
         dw_gate_up=WeightGradConfig(block_m=128, block_n=64, num_stages=3,
                                     num_consumers=consumers),
-        dx=DXConfig(block_n=128), aggregate=base.aggregate,
+        dx=GroupedMatmulConfig(block_n=128, num_sms=3), aggregate=base.aggregate,
     )
     check_backward(problem, config=cfg)
 
@@ -202,7 +203,8 @@ def test_backward_wide_blocks():
     problem = make_problem(2, 24, 192, 192, 3, 2)
     cfg = BackwardConfig.for_shape(192, 192)
     cfg = BackwardConfig(
-        dh=cfg.dh, dx=DXConfig(block_n=192), aggregate=cfg.aggregate,
+        dh=cfg.dh, dx=GroupedMatmulConfig(block_n=192, num_stages=3, num_sms=3),
+        aggregate=cfg.aggregate,
         dw_down=WeightGradConfig(block_m=64, block_n=192, block_k=64, num_stages=2),
         dw_gate_up=WeightGradConfig(block_m=192, block_n=128, block_k=64, num_stages=3),
     )
@@ -341,7 +343,7 @@ def test_dx_rows(detect_races):
     d, n = 128, 64
     dh = padded_random(ks[0], plan, 2 * n)
     w1 = jax.random.normal(ks[1], (4, d, 2 * n)).astype(BF16)
-    got = dx_rows(dh, plan.group_sizes, w1, capacity=plan.capacity, config=DXConfig(block_n=64),
+    got = dx_rows(dh, plan.group_sizes, w1, capacity=plan.capacity, config=GroupedMatmulConfig(block_n=64, num_sms=3),
                   interpret=interp(detect_races), out_cols=256)
     assert got.shape == (plan.capacity, 256)
     expert = jnp.minimum(plan.expert_ids, 3)

@@ -8,7 +8,9 @@ forward kernels (`up_proj`, `down_proj`, `aggregate`) are usable on their own.
 from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
 from pallas_moe.kernels.config import KernelConfig
 from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
-from pallas_moe.kernels.down_proj import DownProjConfig, down_proj
+from pallas_moe.kernels.down_proj import down_proj
+from pallas_moe.kernels.dx import dx_rows
+from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
 from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward
 from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
 
@@ -17,6 +19,6 @@ __all__ = [
     "moe_forward", "ForwardConfig",
     "moe_backward", "BackwardConfig",
     "up_proj", "UpProjConfig",
-    "down_proj", "DownProjConfig",
+    "grouped_matmul", "GroupedMatmulConfig", "down_proj", "dx_rows",
     "aggregate", "AggregateConfig",
 ]

@@ -32,10 +32,13 @@ class KernelConfig:
             )
 
     @classmethod
-    def for_shape(cls, d: int, n: int, *, gather: str = "tma") -> "KernelConfig":
+    def for_shape(
+        cls, d: int, n: int, *, gather: str = "tma", num_sms: int | None = None
+    ) -> "KernelConfig":
         """The default configs for model width `d` and expert width `n`, with the given row
-        loader ("tma" or "cp_async") in every gathering kernel."""
+        loader ("tma" or "cp_async") in every gathering kernel and `num_sms` persistent CTAs
+        (default: the device's SM count)."""
         return cls(
-            forward=ForwardConfig.for_shape(d, n, gather=gather),
-            backward=BackwardConfig.for_shape(d, n, gather=gather),
+            forward=ForwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms),
+            backward=BackwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms),
         )

@@ -19,7 +19,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_moe.kernels import _common
 from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
 from pallas_moe.kernels.dh import DHConfig, dh_kernel
-from pallas_moe.kernels.dx import DXConfig, dx_rows
+from pallas_moe.kernels.dx import dx_rows
+from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_forward import ForwardConfig, aggregate_width
 from pallas_moe.kernels.weight_grad import WeightGradConfig, k_block_meta, weight_grad
 
@@ -38,16 +39,19 @@ class BackwardConfig:
     dh: DHConfig = DHConfig()
     dw_down: WeightGradConfig = WeightGradConfig()  # dW2 = A'^T dO: M = n, N = d (gathered)
     dw_gate_up: WeightGradConfig = WeightGradConfig()  # dW1 = X^T dH: M = d (gathered), N = 2n
-    dx: DXConfig = DXConfig()
+    dx: GroupedMatmulConfig = GroupedMatmulConfig()
     aggregate: AggregateConfig = AggregateConfig()
 
     @classmethod
-    def for_shape(cls, d: int, n: int, *, gather: str = "tma", **overrides) -> "BackwardConfig":
+    def for_shape(
+        cls, d: int, n: int, *, num_sms: int | None = None, gather: str = "tma", **overrides
+    ) -> "BackwardConfig":
         """Default block sizes dividing the model width `d` and expert width `n`.
 
-        Both must be multiples of 64 (`ValueError` naming the argument otherwise). `gather`:
-        the row loader of dH and both weight gradients, "tma" or "cp_async" (see
-        `DHConfig.gather`). `overrides` may replace any of the five configs.
+        Both must be multiples of 64 (`ValueError` naming the argument otherwise). `num_sms`:
+        CTAs of the persistent dX~ kernel (default: the device's SM count). `gather`: the row
+        loader of dH and both weight gradients, "tma" or "cp_async" (see `DHConfig.gather`).
+        `overrides` may replace any of the five configs.
         """
         if gather not in _common.GATHER_MODES:
             raise ValueError(f"gather must be one of {_common.GATHER_MODES}, got {gather!r}.")
@@ -84,10 +88,21 @@ class BackwardConfig:
             dh=dh,
             dw_down=dw_down,
             dw_gate_up=dw_gate_up,
-            dx=DXConfig(block_n=_largest_block(d, (256, 192, 128, 64))),
+            dx=_dx_config(d, num_sms),
             aggregate=ForwardConfig.for_shape(d, n).aggregate,
         )
         return dataclasses.replace(cfg, **overrides)
+
+
+def _dx_config(d: int, num_sms: int | None) -> GroupedMatmulConfig:
+    """dX~ (K = 2n, long): 128-row split-M items, the widest column block dividing d."""
+    from pallas_moe.kernels.moe_forward import default_num_sms
+
+    bn = _largest_block(d, (256, 192, 128, 64))
+    return GroupedMatmulConfig(
+        block_m=128, block_n=bn, num_stages=3 if bn > 128 else 4,
+        num_sms=default_num_sms() if num_sms is None else num_sms,
+    )
 
 
 def moe_backward(
@@ -112,7 +127,8 @@ def moe_backward(
       grad_out: [T, d] cotangent of the output (cast to x.dtype).
       interpret: run every kernel in Mosaic GPU interpret mode (CPU) if True or an
         InterpretGPUParams.
-      config: block sizes; `BackwardConfig.for_shape(d, n)` if None.
+      config: block sizes; `BackwardConfig.for_shape(d, n)` if None (with 4 persistent CTAs
+        in interpret mode, where every simulated CTA costs time).
 
     Returns:
       (dx [T, d] x.dtype, d_scores f32[P] (0 on padding rows), dw_gate_up [E, d, 2n] in
@@ -136,7 +152,7 @@ def moe_backward(
         raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
     _common.require_shape("h", h, (plan.capacity, two_n))
     if config is None:
-        config = BackwardConfig.for_shape(d, n)
+        config = BackwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
     k_blocks = {config.dw_down.block_k, config.dw_gate_up.block_k}
     if len(k_blocks) != 1:
         raise ValueError(

@@ -16,7 +16,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
-from pallas_moe.kernels.down_proj import DownProjConfig, down_proj
+from pallas_moe.kernels.down_proj import down_proj
+from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
 
 
@@ -32,7 +33,7 @@ class ForwardConfig:
     """Block sizes of the three forward kernels."""
 
     up: UpProjConfig = UpProjConfig()
-    down: DownProjConfig = DownProjConfig()
+    down: GroupedMatmulConfig = GroupedMatmulConfig()
     aggregate: AggregateConfig = AggregateConfig()
 
     @classmethod
@@ -61,11 +62,11 @@ class ForwardConfig:
         # Down-proj: 128-row tiles (two consumers share each weight tile); wide column
         # blocks pay off once the K loop (n) is long enough.
         if n >= 512 and d % 256 == 0:
-            down = DownProjConfig(block_m=128, block_n=256, num_stages=3, num_sms=num_sms)
+            down = GroupedMatmulConfig(block_m=128, block_n=256, num_stages=3, num_sms=num_sms)
         else:
             bn = _largest_block(d, (128, 192, 256, 64))
             stages = 4 if bn <= 128 else 3
-            down = DownProjConfig(block_m=128, block_n=bn, num_stages=stages, num_sms=num_sms)
+            down = GroupedMatmulConfig(block_m=128, block_n=bn, num_stages=stages, num_sms=num_sms)
         agg = _aggregate_config(d)
         if gather not in _common.GATHER_MODES:
             raise ValueError(f"gather must be one of {_common.GATHER_MODES}, got {gather!r}.")

@@ -1,0 +1,124 @@
+"""The persistent grouped GEMM (`grouped_matmul`) and its two specs, the down-proj
+(`Y = A @ W2[e]`) and dX~ (`dH @ W1[e]^T`, transposed weights), in Mosaic GPU interpret mode
+against jnp references. Interpret mode fills fresh outputs with NaN, so an unwritten real row
+fails the comparison and rows a kernel must not touch are checked to still be NaN."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels.down_proj import down_proj
+from pallas_moe.kernels.dx import dx_rows
+from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
+from pallas_moe.kernels.reference import down_proj_reference
+from pallas_moe.routing import token_rounding_plan, topk_plan
+from tests.test_kernels_common import (
+    assert_untouched, assignment_plan, close, races_found, random_weights,
+)
+
+# 3 CTAs walk the work items (interpret mode simulates every CTA).
+PING_PONG = GroupedMatmulConfig(block_m=64, block_n=64, num_stages=3, num_sms=3)
+SPLIT_M = GroupedMatmulConfig(block_m=128, block_n=64, num_stages=3, num_sms=3)
+
+
+def dx_reference(dh, group_sizes, w_gate_up):
+    """dX~ = dH @ W1[e]^T per grouped row (fp32 accumulate, bf16); independent of the kernel."""
+    starts = np.concatenate([[0], np.cumsum(np.asarray(group_sizes))])
+    out = np.zeros((dh.shape[0], w_gate_up.shape[1]), np.float32)
+    dh32, w32 = np.asarray(dh, np.float32), np.asarray(w_gate_up, np.float32)
+    for e in range(w_gate_up.shape[0]):
+        out[starts[e]:starts[e + 1]] = dh32[starts[e]:starts[e + 1]] @ w32[e].T
+    return jnp.asarray(out).astype(jnp.bfloat16)
+
+
+def run_down(plan, n, d, num_experts, config, key, interpret=True):
+    ka, kw = jax.random.split(key)
+    a = jax.random.normal(ka, (plan.capacity, n), jnp.float32).astype(jnp.bfloat16)
+    _, w2 = random_weights(kw, num_experts, d, n)
+    y = down_proj(a, plan.group_sizes, w2, config=config, interpret=interpret)
+    rows = int(plan.num_rows)
+    close(y, down_proj_reference(a, plan.group_sizes, w2), rows)
+    assert_untouched(y, rows)
+
+
+def run_dx(plan, n, d, num_experts, config, key, interpret=True):
+    ka, kw = jax.random.split(key)
+    dh = jax.random.normal(ka, (plan.capacity, 2 * n), jnp.float32).astype(jnp.bfloat16)
+    w1, _ = random_weights(kw, num_experts, d, n)
+    got = dx_rows(dh, plan.group_sizes, w1, capacity=plan.capacity, config=config,
+                  interpret=interpret)
+    rows = int(plan.num_rows)
+    close(got, dx_reference(dh, plan.group_sizes, w1), rows)
+    assert_untouched(got, rows)
+
+
+@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M], ids=["ping_pong", "split_m"])
+@pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
+def test_no_races(spec, config):
+    plan = assignment_plan(jax.random.key(30), 40, 3, p=0.5)
+    spec(plan, 128, 128, 3, config, jax.random.key(31),
+         interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+
+
+@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M], ids=["ping_pong", "split_m"])
+@pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
+def test_ragged_with_empty_experts_and_padding(spec, config):
+    # 3 CTAs walk 2 column blocks x the real tiles (consumers alternate items, or split
+    # each 128-row tile); groups start and end anywhere inside the aligned blocks.
+    plan = token_rounding_plan(jax.random.normal(jax.random.key(32), (75, 5)), 2, tile=8)
+    spec(plan, 128, 128, 5, config, jax.random.key(33))
+
+
+def test_groups_crossing_aligned_blocks_one_expert_holding_all():
+    plan = assignment_plan(jax.random.key(24), 70, 3, only=1)
+    run_down(plan, 64, 64, 3, SPLIT_M, jax.random.key(25))
+    plan = assignment_plan(jax.random.key(22), 90, 3, p=0.7, empty=(0,))
+    run_dx(plan, 64, 192, 3, GroupedMatmulConfig(block_m=128, block_n=192, num_stages=2,
+                                                  num_sms=2), jax.random.key(23))
+
+
+def test_single_expert_topk1_more_ctas_than_items():
+    plan = topk_plan(jax.random.normal(jax.random.key(26), (24, 1)), 1)
+    run_down(plan, 64, 64, 1, GroupedMatmulConfig(block_m=64, block_n=64, num_stages=2,
+                                                   num_sms=5), jax.random.key(27))
+
+
+def test_empty_plan_writes_nothing():
+    plan = token_rounding_plan(jnp.zeros((3, 2)), 1, tile=8, rounding="down")
+    assert int(plan.num_rows) == 0
+    a = jnp.ones((plan.capacity, 64), jnp.bfloat16)
+    y = grouped_matmul(a, plan.group_sizes, jnp.ones((2, 64, 64), jnp.bfloat16),
+                       transpose_w=False, config=PING_PONG, interpret=True)
+    assert_untouched(y, 0)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: down_proj(jnp.zeros((16, 96), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
+                           jnp.zeros((2, 96, 64), jnp.bfloat16), config=PING_PONG, interpret=True),
+         r"a.shape\[1\]=96 must be a multiple of 64"),
+        (lambda: down_proj(jnp.zeros((16, 64), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
+                           jnp.zeros((2, 64, 160), jnp.bfloat16), config=PING_PONG, interpret=True),
+         r"w_down.shape\[2\]=160 must be a multiple of 64"),
+        (lambda: dx_rows(jnp.zeros((16, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
+                         jnp.zeros((2, 64, 64), jnp.bfloat16), capacity=16, config=PING_PONG,
+                         interpret=True),
+         r"w_gate_up.shape\[2\]=64 must equal dh.shape\[1\]=128"),
+        (lambda: down_proj(jnp.zeros((16, 64), jnp.float32), jnp.zeros((2,), jnp.int32),
+                           jnp.zeros((2, 64, 64), jnp.bfloat16), interpret=True),
+         "a must have dtype bfloat16"),
+        (lambda: GroupedMatmulConfig(block_n=320), "config.block_n=320 must be at most 256"),
+        (lambda: GroupedMatmulConfig(block_m=192), "config.block_m=192 must be 64 or 128"),
+        (lambda: GroupedMatmulConfig(num_sms=0), "config.num_sms=0 must be >= 1"),
+    ],
+)
+def test_bad_inputs_raise_naming_the_argument(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
