@@ -171,7 +171,7 @@ def bench(shape: Shape, ep_size: int, dispatch: str | None, args) -> dict:
     return {
         "ep": ep_size, "dispatch": dispatch or "-",
         "fwd_ms": 1e3 * t_fwd, "fwd_bwd_ms": 1e3 * t_fb,
-        # Model FLOPs per device (DESIGN.md: 6PTnd forward, 18PTnd forward+backward).
+        # Model FLOPs per device (docs/math.md: 6PTnd forward, 18PTnd forward+backward).
         "fwd_bwd_tflops_per_gpu": 3 * flops / t_fb / 1e12 / ep_size,
     }
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/forward.py --out $OUT [--shapes 7b,30b]
 
-For each shape (DESIGN.md section 6; routing = real top-K over random logits, plus skewed
+For each shape (`docs/measured.md`, benchmark shapes; routing = real top-K over random logits, plus skewed
 logits) it:
   1. checks every kernel against an XLA reference on fresh random data, over all real rows
      (outputs are produced right after a NaN-filled buffer of the same size is freed, so an

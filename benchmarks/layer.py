@@ -2,7 +2,7 @@
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/layer.py --out $OUT [--shapes 7b,30b]
 
-For each shape (DESIGN.md section 6; top-K over random logits) and backend (`mosaic`,
+For each shape (`docs/measured.md`, benchmark shapes; top-K over random logits) and backend (`mosaic`,
 `xla`) it times, with CUPTI (GPU kernel time of one call):
   - the forward, at `6*P*n*d` FLOPs, and forward+backward (grads of x, both weights and the
     scores), at `18*P*n*d` FLOPs;

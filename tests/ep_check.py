@@ -36,14 +36,32 @@ import pallas_moe as pm  # noqa: E402
 
 D, N, E, K, T, TILE = 16, 8, 8, 2, 64, 4
 
+# Model-family options, by name so that cases stay JSON-printable.
+PRESETS = {
+    # gpt-oss: router and expert biases (set to random values in build), clamped SwiGLU
+    "biases_clamped": dict(router_bias=True, expert_bias=True, activation=pm.ops.SwiGLU.clamped()),
+    # DeepSeek-V3 routing plus Qwen2-MoE's gated shared expert
+    "grouped_scaled_gated": dict(
+        score="sigmoid", selection_bias=True, renormalize=True, num_groups=4, topk_groups=2,
+        routed_scaling_factor=2.5, shared_expert_gate=True,
+    ),
+}
+
 
 def build(routing, skew, ep=None, **extra):
     extra = {"tile": TILE, **extra}
+    preset = extra.pop("preset", None)
+    extra.update(PRESETS.get(preset, {}))
     layer = pm.nn.MoE(
         D, N, E, K, routing=routing, backend="xla", rngs=nnx.Rngs(0),
         load_balance_weight=1.0, z_loss_weight=0.1, num_shared_experts=1,
         expert_parallel=ep, **extra,
     )
+    if extra.get("expert_bias"):
+        keys = jax.random.split(jax.random.key(7), 3)
+        layer.router_bias[...] = jax.random.normal(keys[0], (E,))
+        layer.b_gate_up[...] = 2.0 * jax.random.normal(keys[1], (E, 2 * N))  # reaches the clamps
+        layer.b_down[...] = jax.random.normal(keys[2], (E, D))
     if skew:
         # Feature 0 of the input is a large constant and pushes tokens to the last experts.
         layer.router[0, :] = jnp.linspace(-1.0, 2.0, E)
@@ -114,6 +132,8 @@ FAST = [
     ("token_rounding", "all_gather", 1, False, {"tile": 16}),
     ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"}),
     ("topk", "emulated_ragged_all_to_all", 2, False, {"score": "sigmoid", "selection_bias": True}),
+    ("token_rounding", "emulated_ragged_all_to_all", 2, False, {"preset": "biases_clamped", "tile": 16}),
+    ("topk", "all_gather", 4, True, {"preset": "grouped_scaled_gated"}),
 ]
 
 

@@ -1,7 +1,7 @@
 """The minimal-residual custom_vjp of moe_ffn, checked with the jnp reference forward.
 
 The kernels' own gradients are checked in the kernel tests; this file checks the backward
-math (DESIGN.md section 2) and the residual-memory contract independently of any kernel.
+math (`docs/math.md`) and the residual-memory contract independently of any kernel.
 """
 
 import jax

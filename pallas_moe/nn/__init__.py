@@ -38,14 +38,22 @@ whole batch. See `pallas_moe.nn.expert_parallel` for details.
 
 Checkpoints: `pallas_moe.nn.convert` maps PyTorch layouts (per-expert `gate_proj/up_proj/
 down_proj`, fused `[E, 2n, d]` / `[E, d, n]`) to ours (`[E, d, 2n]`, `[E, n, d]`) and back.
+
+Hugging Face families (qwen3_moe, mixtral, olmoe, deepseek_v3, qwen2_moe, gpt_oss)::
+
+    layer = pm.nn.MoE.from_hf_config(config_dict, rngs=nnx.Rngs(0))
+    pallas_moe.nn.convert.load_hf_moe(layer, state_dict, family=config_dict["model_type"],
+                                      prefix="model.layers.0.mlp.")
+
+See `pallas_moe.nn.families` for each family's names and layouts.
 """
 
-from pallas_moe.nn import convert
+from pallas_moe.nn import convert, families
 from pallas_moe.nn.expert_parallel import DISPATCHES, ExpertParallel, expert_parallel_moe
 from pallas_moe.nn.functional import RouterConfig
 from pallas_moe.nn.moe import MoE, SelectionBias
 
 __all__ = [
     "MoE", "SelectionBias", "ExpertParallel", "expert_parallel_moe", "DISPATCHES",
-    "RouterConfig", "convert",
+    "RouterConfig", "convert", "families",
 ]

@@ -49,6 +49,7 @@ order (the all-gather path sums expert partials across shards in the compute dty
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -57,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_moe import _checks
 from pallas_moe.nn import functional as F
+from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.ops.moe_ffn import moe_ffn
 from pallas_moe.routing.plan import plan_from_assignment
 from pallas_moe.routing.token_rounding import rounded_counts
@@ -163,6 +165,10 @@ def expert_parallel_moe(
     bias: jax.Array | None = None,
     key: jax.Array | None = None,
     backend: str = "auto",
+    router_bias: jax.Array | None = None,
+    b_gate_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+    activation: SwiGLU = SwiGLU(),
 ) -> tuple[jax.Array, dict]:
     """The routed part of a MoE layer with experts sharded over `ep.axis`.
 
@@ -175,6 +181,10 @@ def expert_parallel_moe(
       bias: f32[E] selection bias (score="sigmoid") or None.
       key: PRNG key for rounding="stochastic".
       backend: `pm.moe_ffn` backend each shard runs its local experts with.
+      router_bias: f32[E] bias of the router logits (gpt-oss) or None; replicated.
+      b_gate_up: [E, 2n] and b_down: [E, d] expert biases (x's dtype) or None; sharded
+        over `ep.axis` like the weights.
+      activation: the experts' `SwiGLU` spec.
 
     Returns:
       (y [T, d] in x's dtype, aux dict as `functional.finish_aux`), equal to the
@@ -195,17 +205,25 @@ def expert_parallel_moe(
         extras["bias"] = bias
     if key is not None and cfg.routing == "token_rounding":
         extras["key"] = key
+    if router_bias is not None:
+        extras["router_bias"] = router_bias
+    # Per-expert extras, sharded over the expert axis like the weights.
+    expert_biases = {
+        name: value for name, value in (("b_gate_up", b_gate_up), ("b_down", b_down)) if value is not None
+    }
     token_spec = P(ep.token_axes, None)
     expert_spec = P(ep.axis, None, None)
 
-    def body(x_l, router, w_gate_up_l, w_down_l, extras):
+    def body(x_l, router, w_gate_up_l, w_down_l, extras, expert_biases_l):
         return _shard_moe(
             x_l, router, w_gate_up_l, w_down_l, cfg, ep,
             bias=extras.get("bias"), key=extras.get("key"), backend=backend,
+            router_bias=extras.get("router_bias"),
+            ffn_options=dict(expert_biases_l, activation=activation),
         )
 
-    in_specs = (token_spec, P(), expert_spec, expert_spec, P())
-    args = (x, router, w_gate_up, w_down, extras)
+    in_specs = (token_spec, P(), expert_spec, expert_spec, P(), P(ep.axis, None))
+    args = (x, router, w_gate_up, w_down, extras, expert_biases)
     explicit = jax.sharding.AxisType.Explicit in ep.mesh.axis_types
     if explicit:
         # Explicit-sharding meshes need the inputs laid out as the specs say (Auto ones let
@@ -232,9 +250,12 @@ def expert_parallel_moe(
     return y, aux
 
 
-def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backend):
-    """Per-shard body: route local tokens, dispatch, local experts, combine. x_l [T_l, d]."""
-    logits = F.router_logits(x_l, router)  # f32[T_l, E]
+def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backend, router_bias, ffn_options):
+    """Per-shard body: route local tokens, dispatch, local experts, combine. x_l [T_l, d].
+
+    `ffn_options` are the `moe_ffn` keywords of the local experts (biases, activation).
+    """
+    logits = F.router_logits(x_l, router, router_bias)  # f32[T_l, E]
     if cfg.routing == "topk":
         selected, weights, tc_selected = F.route_assignment(logits, cfg, bias=bias)  # [T_l, E]
     else:
@@ -242,23 +263,25 @@ def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backen
             logits, cfg, ep.token_axes, ep.num_token_shards, bias=bias, key=key
         )  # [T_l, E]
     sums = F.router_sums(logits, F.assignment_counts(selected, tc_selected))
+    ffn = functools.partial(moe_ffn, backend=backend, **ffn_options)
     if ep.dispatch == "all_gather":
-        y_l = _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend)
+        y_l = _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn)
         sums["capacity_dropped_rows"] = jnp.zeros((), jnp.int32)
     else:
         collective = (
             jax.lax.ragged_all_to_all if ep.dispatch == "ragged_all_to_all" else emulated_ragged_all_to_all
         )
         y_l, dropped = _ragged_dispatch(
-            x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend, collective
+            x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn, collective
         )
         sums["capacity_dropped_rows"] = dropped
     aux = F.finish_aux(sums, cfg, lambda v: jax.lax.psum(v, ep.token_axes))
     return y_l, aux
 
 
-def _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend):
-    """All-gather tokens over the expert axis, run local experts, reduce-scatter. -> [T_l, d]."""
+def _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn):
+    """All-gather tokens over the expert axis, run local experts (`ffn`: `moe_ffn` with its
+    options bound), reduce-scatter. -> [T_l, d]."""
     num_shards = ep.size
     local_experts = cfg.num_experts // num_shards
     tokens_l = x_l.shape[0]
@@ -278,7 +301,7 @@ def _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_dow
         (code_g & 1) > 0, weights_g, (code_g & 2) > 0,
         capacity=cfg.capacity(num_shards * tokens_l, local_experts),
     )
-    y_g = moe_ffn(x_g, plan, w_gate_up_l, w_down_l, backend=backend)  # [G*T_l, d], local experts only
+    y_g = ffn(x_g, plan, w_gate_up_l, w_down_l)  # [G*T_l, d], local experts only
     return jax.lax.psum_scatter(y_g, ep.axis, scatter_dimension=0, tiled=True)  # [T_l, d]
 
 
@@ -286,8 +309,9 @@ def _exclusive_cumsum(a, axis):
     return jnp.cumsum(a, axis=axis, dtype=jnp.int32) - a
 
 
-def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend, collective):
-    """Send routed rows to their experts' shards, run local experts, send outputs back.
+def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn, collective):
+    """Send routed rows to their experts' shards, run local experts (`ffn`: `moe_ffn` with its
+    options bound), send outputs back.
 
     Returns ([T_l, d] output, i32[] rows this shard could not send for lack of capacity).
     """
@@ -334,7 +358,7 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
     plan_recv = plan_from_assignment(
         received, jnp.ones(received.shape, jnp.float32), received, capacity=receive_rows
     )
-    y_recv = moe_ffn(x_recv, plan_recv, w_gate_up_l, w_down_l, backend=backend)  # [R, d]
+    y_recv = ffn(x_recv, plan_recv, w_gate_up_l, w_down_l)  # [R, d]
 
     y_rows = collective(
         y_recv, jnp.zeros((plan.capacity, d), dtype),
@@ -390,8 +414,8 @@ def distributed_token_rounding(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Token rounding over the global batch, from inside `shard_map` (tokens sharded).
 
-    Equals `pm.routing.token_rounding_assignment` on the concatenated logits, restricted to
-    this shard's tokens.
+    Equals `functional.route_assignment` (token rounding, weights times the routed scaling
+    factor) on the concatenated logits, restricted to this shard's tokens.
 
     Args:
       logits: f32[T_l, E] this shard's router logits.
@@ -424,7 +448,7 @@ def distributed_token_rounding(
     dropped = _first_m_global(rank_score, -global_token, tc_selected, num_drop, cfg.tile, token_axes)
     selected = (tc_selected & ~dropped) | added  # [T_l, E]
     weights = jnp.where(selected, jnp.where(tc_selected, tc_weights, probs), 0.0)
-    return selected, weights, tc_selected
+    return selected, cfg.scale_weights(weights), tc_selected
 
 
 def _first_m_global(primary, secondary, eligible, m, tile, token_axes):

@@ -19,7 +19,9 @@ from pallas_moe.ops.xla import swiglu
 from pallas_moe.routing.aux import stats_from_counts
 from pallas_moe.routing.plan import DispatchPlan, plan_from_assignment
 from pallas_moe.routing.token_rounding import ROUNDING_MODES, token_rounding_assignment
-from pallas_moe.routing.topk import SCORE_ORDERS, check_router_inputs, topk_assignment, topk_plan
+from pallas_moe.routing.topk import (
+    SCORE_ORDERS, check_groups, check_router_inputs, topk_assignment, topk_plan,
+)
 
 ROUTINGS = ("topk", "token_rounding")
 
@@ -39,6 +41,10 @@ class RouterConfig:
       rounding: token-rounding mode ("nearest", "up", "down", "stochastic", "balance").
       load_balance_weight: weight of the Switch load-balancing loss in `aux["loss"]`.
       z_loss_weight: weight of the router z-loss in `aux["loss"]`.
+      num_groups, topk_groups: grouped top-K (DeepSeek-V3 `n_group` / `topk_group`; see
+        `pm.routing.topk_assignment`); routing="topk" only. None: plain top-K.
+      routed_scaling_factor: every routed weight is multiplied by it after renormalization
+        (DeepSeek-V3's `routed_scaling_factor`).
     """
 
     num_experts: int
@@ -50,6 +56,9 @@ class RouterConfig:
     rounding: str = "nearest"
     load_balance_weight: float = 1e-2
     z_loss_weight: float = 1e-3
+    num_groups: int | None = None
+    topk_groups: int | None = None
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         _checks.check_positive_int("num_experts", self.num_experts)
@@ -66,6 +75,18 @@ class RouterConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number, got {value!r}.")
+        check_groups(self.num_experts, self.top_k, self.num_groups, self.topk_groups)
+        if self.num_groups is not None and self.routing != "topk":
+            raise ValueError(
+                f"num_groups/topk_groups (grouped top-K) need routing='topk', got routing={self.routing!r}."
+            )
+        factor = self.routed_scaling_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (0 < factor < float("inf")):
+            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {factor!r}.")
+
+    def scale_weights(self, weights: jax.Array) -> jax.Array:
+        """Routed weights times `routed_scaling_factor` (a no-op at 1)."""
+        return weights if self.routed_scaling_factor == 1 else weights * self.routed_scaling_factor
 
     def capacity(self, num_tokens: int, num_experts: int | None = None) -> int:
         """Static row capacity of a plan over `num_tokens` tokens and `num_experts` experts.
@@ -80,11 +101,12 @@ class RouterConfig:
         return min(rows, num_tokens * num_experts)
 
 
-def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
-    """f32[T, E] router logits of x [T, d] and router [d, E], computed in fp32."""
-    return jnp.dot(
+def router_logits(x: jax.Array, router: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """f32[T, E] router logits `x @ router (+ bias)` of x [T, d], router [d, E], bias [E], in fp32."""
+    logits = jnp.dot(
         x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
+    return logits if bias is None else logits + bias.astype(jnp.float32)
 
 
 def route_assignment(
@@ -98,21 +120,23 @@ def route_assignment(
 
     Returns:
       (selected bool[T, E], weights f32[T, E], tc_selected bool[T, E]): the routed pairs,
-      their router weights (differentiable in logits), and the plain top-K (token-choice)
-      pairs. For top-K routing `selected == tc_selected`.
+      their router weights (differentiable in logits, times `cfg.routed_scaling_factor`),
+      and the plain top-K (token-choice) pairs. For top-K routing `selected == tc_selected`.
     """
     check_router_inputs(logits, cfg.top_k, cfg.score, bias)
     if cfg.routing == "topk":
         selected, weights = topk_assignment(
-            logits, cfg.top_k, score=cfg.score, renormalize=cfg.renormalize, bias=bias
+            logits, cfg.top_k, score=cfg.score, renormalize=cfg.renormalize, bias=bias,
+            num_groups=cfg.num_groups, topk_groups=cfg.topk_groups,
         )
-        return selected, weights, selected
+        return selected, cfg.scale_weights(weights), selected
     if cfg.rounding == "stochastic" and key is None:
         raise ValueError("key must be a PRNG key for rounding='stochastic', got None.")
-    return token_rounding_assignment(
+    selected, weights, tc_selected = token_rounding_assignment(
         logits, cfg.top_k, tile=cfg.tile, rounding=cfg.rounding, key=key,
         score=cfg.score, renormalize=cfg.renormalize, bias=bias,
     )
+    return selected, cfg.scale_weights(weights), tc_selected
 
 
 def route(
@@ -134,8 +158,10 @@ def route(
     """
     if cfg.routing == "topk":
         plan = topk_plan(
-            logits, cfg.top_k, score=cfg.score, renormalize=cfg.renormalize, bias=bias
+            logits, cfg.top_k, score=cfg.score, renormalize=cfg.renormalize, bias=bias,
+            num_groups=cfg.num_groups, topk_groups=cfg.topk_groups,
         )
+        plan = plan.with_scores(cfg.scale_weights(plan.scores))
         counts = plan.group_sizes
         return plan, {"counts": counts, "tc_counts": counts, "kept_tc_counts": counts}
     selected, weights, tc_selected = route_assignment(logits, cfg, bias=bias, key=key)

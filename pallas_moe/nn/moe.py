@@ -14,7 +14,15 @@ Parameters (logical axis names in `out_sharding` metadata):
 | w_down                | [E, n, d]    | ("expert", "mlp", "embed") |
 | shared_gate_up (opt.) | [d, 2m]      | ("embed", "mlp")           |
 | shared_down (opt.)    | [m, d]       | ("mlp", "embed")           |
+| shared_gate (opt.)    | [d, 1]       | ("embed", None)            |
+| router_bias (opt.)    | [E]          | (None,)                    |
+| b_gate_up (opt.)      | [E, 2n]      | ("expert", "mlp")          |
+| b_down (opt.)         | [E, d]       | ("expert", "embed")        |
 | selection_bias (opt.) | [E]          | (None,)  a `SelectionBias`, not an `nnx.Param` |
+
+Hugging Face checkpoints: `MoE.from_hf_config(config)` builds the layer of a family's
+config (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3, Qwen2-MoE, gpt-oss) and
+`pallas_moe.nn.convert.load_hf_moe(layer, state_dict, family=...)` loads its weights.
 
 The router and the bias stay replicated over experts: every token shard routes over all E.
 Map logical names to mesh axes with `nnx.logical_axis_rules(...)` or `sharding_rules=`;
@@ -35,6 +43,7 @@ from flax.core import spmd as core_spmd
 from pallas_moe import _checks
 from pallas_moe.nn import functional as F
 from pallas_moe.nn.expert_parallel import ExpertParallel, expert_parallel_moe
+from pallas_moe.ops.activation import SwiGLU, check_activation
 from pallas_moe.ops.moe_ffn import BACKENDS, moe_ffn
 from pallas_moe.routing.aux import update_selection_bias
 
@@ -45,7 +54,10 @@ GATE_UP_AXES = ("expert", "embed", "mlp")
 DOWN_AXES = ("expert", "mlp", "embed")
 SHARED_GATE_UP_AXES = ("embed", "mlp")
 SHARED_DOWN_AXES = ("mlp", "embed")
+SHARED_GATE_AXES = ("embed", None)
 BIAS_AXES = (None,)
+GATE_UP_BIAS_AXES = ("expert", "mlp")
+DOWN_BIAS_AXES = ("expert", "embed")
 
 
 class SelectionBias(nnx.Variable):
@@ -98,8 +110,10 @@ def _reshape_like(y: jax.Array, x: jax.Array) -> jax.Array:
 class MoE(nnx.Module):
     """Mixture-of-Experts layer with SwiGLU experts, optional shared experts and EP.
 
-    `y = sum_k s_k * W2[e_k](silu(x W1g[e_k]) * (x W1u[e_k])) + shared(x)`, with the routed
-    part computed by `pm.moe_ffn` over a `DispatchPlan` from top-K or token-rounding routing.
+    `y = sum_k s_k * (act(x W1[e_k] + b1[e_k]) W2[e_k] + b2[e_k]) + g(x) * shared(x)`, with
+    `act = silu(gate) * up` by default, the biases optional, `g(x) = sigmoid(x w_g)` with a
+    gated shared expert (else 1), and the routed part computed by `pm.moe_ffn` over a
+    `DispatchPlan` from top-K or token-rounding routing.
 
     Args:
       d_model: d, model width.
@@ -119,6 +133,16 @@ class MoE(nnx.Module):
       num_shared_experts: number of shared (always-on) experts, fused into one dense SwiGLU
         MLP of width `d_shared` (default `num_shared_experts * d_expert`).
       d_shared: width of the shared MLP.
+      shared_expert_gate: scale the shared MLP's output by `sigmoid(x @ shared_gate)`, a
+        learned [d, 1] gate computed in fp32 (Qwen2-MoE). Needs num_shared_experts >= 1.
+      num_groups, topk_groups: grouped top-K (DeepSeek-V3 `n_group` / `topk_group`): each
+        token picks its K experts from its best `topk_groups` of `num_groups` expert groups,
+        a group scored by the sum of its top-2 (biased) scores. routing="topk" only.
+      routed_scaling_factor: multiplies every routed weight (DeepSeek-V3; default 1).
+      router_bias: learn a bias [E] added to the router logits (gpt-oss).
+      expert_bias: learn expert biases `b_gate_up` [E, 2n] and `b_down` [E, d] (gpt-oss).
+      activation: the experts' `pm.ops.SwiGLU` spec: `SwiGLU()` (default) or
+        `SwiGLU.clamped(alpha=1.702, limit=7.0)` (gpt-oss).
       backend: `pm.moe_ffn` backend, "auto" | "mosaic" | "interpret" | "xla".
       dtype: compute dtype. Parameters are cast to it before `moe_ffn` and the shared MLP;
         None promotes the input and parameter dtypes. Router logits are always fp32.
@@ -165,6 +189,13 @@ class MoE(nnx.Module):
         shared_init: Initializer | None = None,
         sharding_rules: Any = None,
         expert_parallel: ExpertParallel | None = None,
+        shared_expert_gate: bool = False,
+        num_groups: int | None = None,
+        topk_groups: int | None = None,
+        routed_scaling_factor: float = 1.0,
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        activation: SwiGLU = SwiGLU(),
     ):
         d_model = _checks.check_positive_int("d_model", d_model)
         d_expert = _checks.check_positive_int("d_expert", d_expert)
@@ -172,7 +203,12 @@ class MoE(nnx.Module):
             num_experts=num_experts, top_k=top_k, routing=routing, score=score,
             renormalize=bool(renormalize), tile=tile, rounding=rounding,
             load_balance_weight=load_balance_weight, z_loss_weight=z_loss_weight,
+            num_groups=num_groups, topk_groups=topk_groups,
+            routed_scaling_factor=routed_scaling_factor,
         )
+        self.activation = check_activation(activation)
+        if shared_expert_gate and not num_shared_experts:
+            raise ValueError("shared_expert_gate=True needs a shared expert; set num_shared_experts >= 1.")
         if selection_bias and score != "sigmoid":
             raise ValueError(
                 f"selection_bias=True needs score='sigmoid' (the bias shifts sigmoid scores), "
@@ -227,6 +263,28 @@ class MoE(nnx.Module):
         else:
             self.shared_gate_up = nnx.data(None)
             self.shared_down = nnx.data(None)
+        if shared_expert_gate:
+            self.shared_gate = _variable(
+                nnx.Param, shared_init(key(), (d_model, 1), param_dtype), SHARED_GATE_AXES, sharding_rules
+            )  # [d, 1]
+        else:
+            self.shared_gate = nnx.data(None)
+        if router_bias:
+            self.router_bias = _variable(
+                nnx.Param, jnp.zeros((num_experts,), param_dtype), BIAS_AXES, sharding_rules
+            )  # [E]
+        else:
+            self.router_bias = nnx.data(None)
+        if expert_bias:
+            self.b_gate_up = _variable(
+                nnx.Param, jnp.zeros((num_experts, 2 * d_expert), param_dtype), GATE_UP_BIAS_AXES, sharding_rules
+            )  # [E, 2n]
+            self.b_down = _variable(
+                nnx.Param, jnp.zeros((num_experts, d_model), param_dtype), DOWN_BIAS_AXES, sharding_rules
+            )  # [E, d]
+        else:
+            self.b_gate_up = nnx.data(None)
+            self.b_down = nnx.data(None)
         if selection_bias:
             self.selection_bias = _variable(
                 SelectionBias, jnp.zeros((num_experts,), jnp.float32), BIAS_AXES, sharding_rules
@@ -237,6 +295,31 @@ class MoE(nnx.Module):
             self.routing_rngs = rngs["routing"].fork()
         else:
             self.routing_rngs = nnx.data(None)
+
+    @classmethod
+    def from_hf_config(cls, config, *, rngs: nnx.Rngs, family: str | None = None, **kwargs) -> "MoE":
+        """The MoE layer of a Hugging Face config (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3,
+        Qwen2-MoE, gpt-oss); load its weights with `pallas_moe.nn.convert.load_hf_moe`.
+
+        Args:
+          config: the model's `config.json` as a dict (or a `transformers` config).
+          rngs: `nnx.Rngs` for the (to be overwritten) initial parameters.
+          family: the family; default `config["model_type"]`.
+          **kwargs: module options the config does not set (routing, tile, backend, dtype,
+            param_dtype, expert_parallel, sharding_rules, ...), and the aux-loss weights
+            (which default to the config's `router_aux_loss_coef` / `router_z_loss_coef`).
+            What defines the block's math (widths, counts, router and activation options)
+            comes from the config only.
+
+        See `pallas_moe.nn.families.moe_kwargs_from_hf_config` for the field mapping.
+        """
+        from pallas_moe.nn.families import moe_kwargs_from_hf_config
+
+        mapped = moe_kwargs_from_hf_config(config, family)
+        clash = sorted((set(mapped) & set(kwargs)) - {"load_balance_weight", "z_loss_weight"})
+        if clash:
+            raise ValueError(f"{clash} come from the config; pass them there, not as keyword arguments.")
+        return cls(rngs=rngs, **{**mapped, **kwargs})
 
     def compute_dtype(self, x: jax.Array):
         """The dtype experts run in: `dtype`, else the promotion of x's and the params' dtype."""
@@ -263,23 +346,32 @@ class MoE(nnx.Module):
             key = self.routing_rngs()
         bias = None if self.selection_bias is None else self.selection_bias[...]  # [E]
         router = self.router[...]  # [d, E], used in fp32
+        router_bias = None if self.router_bias is None else self.router_bias[...]  # [E], fp32 use
         w_gate_up = self.w_gate_up[...].astype(dtype)  # [E, d, 2n]
         w_down = self.w_down[...].astype(dtype)  # [E, n, d]
+        ffn_options = {"activation": self.activation}
+        if self.b_gate_up is not None:
+            ffn_options["b_gate_up"] = self.b_gate_up[...].astype(dtype)  # [E, 2n]
+            ffn_options["b_down"] = self.b_down[...].astype(dtype)  # [E, d]
 
         if self.expert_parallel is None:
-            logits = F.router_logits(xt, router)  # f32[T, E]
+            logits = F.router_logits(xt, router, router_bias)  # f32[T, E]
             plan, counts = F.route(logits, self.config, bias=bias, key=key)
-            y = moe_ffn(xt, plan, w_gate_up, w_down, backend=self.backend)  # [T, d]
+            y = moe_ffn(xt, plan, w_gate_up, w_down, backend=self.backend, **ffn_options)  # [T, d]
             aux = F.finish_aux(F.router_sums(logits, counts), self.config)
         else:
             y, aux = expert_parallel_moe(
                 xt, router, w_gate_up, w_down, self.config, self.expert_parallel,
-                bias=bias, key=key, backend=self.backend,
+                bias=bias, key=key, backend=self.backend, router_bias=router_bias, **ffn_options,
             )  # [T, d]
         if self.shared_gate_up is not None:
-            y = y + F.swiglu_mlp(
+            shared = F.swiglu_mlp(
                 xt, self.shared_gate_up[...].astype(dtype), self.shared_down[...].astype(dtype)
             )  # [T, d]
+            if self.shared_gate is not None:
+                gate = jax.nn.sigmoid(F.router_logits(xt, self.shared_gate[...]))  # f32[T, 1]
+                shared = (gate * shared.astype(jnp.float32)).astype(dtype)
+            y = y + shared
         return _reshape_like(y, x), aux
 
     def update_bias(self, aux: dict, rate: float | None = None) -> None:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_moe import _checks
+from pallas_moe.ops.activation import SwiGLU, check_activation
 from pallas_moe.ops.xla import moe_ffn_xla
 from pallas_moe.routing.plan import DispatchPlan
 
@@ -49,6 +50,38 @@ def check_moe_inputs(
         raise ValueError("plan is malformed: token_ids, scores and rows_by_token must share shape [P].")
 
 
+def check_expert_biases(
+    x: jax.Array, w_gate_up: jax.Array, b_gate_up: jax.Array | None, b_down: jax.Array | None
+) -> None:
+    """Raises a clear error when the optional expert biases do not fit `[E, 2n]` / `[E, d]`."""
+    num_experts, d, two_n = w_gate_up.shape
+    for name, bias, shape in (
+        ("b_gate_up", b_gate_up, (num_experts, two_n)),
+        ("b_down", b_down, (num_experts, d)),
+    ):
+        if bias is None:
+            continue
+        _checks.check_floating(name, bias, ndim=2)
+        if tuple(bias.shape) != shape:
+            raise ValueError(f"{name} must be [E, {'2n' if name == 'b_gate_up' else 'd'}] = {shape}, got {tuple(bias.shape)}.")
+        if bias.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype} (cast it like the weights), got {bias.dtype}.")
+
+
+def kernel_unsupported_options(
+    activation: SwiGLU, b_gate_up: jax.Array | None, b_down: jax.Array | None
+) -> list[str]:
+    """Names of the `moe_ffn` options the Mosaic GPU kernels do not implement yet."""
+    unsupported = []
+    if activation != SwiGLU():
+        unsupported.append(f"activation={activation}")
+    if b_gate_up is not None:
+        unsupported.append("b_gate_up")
+    if b_down is not None:
+        unsupported.append("b_down")
+    return unsupported
+
+
 # What the kernels take (their own checks name the argument when asked for explicitly).
 KERNEL_DTYPE = jnp.bfloat16
 KERNEL_WIDTH_MULTIPLE = 64
@@ -79,27 +112,37 @@ def moe_ffn(
     w_gate_up: jax.Array,
     w_down: jax.Array,
     *,
+    b_gate_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+    activation: SwiGLU = SwiGLU(),
     backend: Backend = "auto",
     config=None,
 ) -> jax.Array:
-    """SwiGLU Mixture-of-Experts feed-forward over a dispatch plan.
+    """Gated (SwiGLU) Mixture-of-Experts feed-forward over a dispatch plan.
 
-    `O[t] = sum over rows r of token t of s[r] * (silu(X W1g) * (X W1u))[r] @ W2[e(r)]`.
+    `O[t] = sum over rows r of token t of s[r] * (act(X W1[e] + b1[e]) @ W2[e] + b2[e])[r]`,
+    with `act(h) = silu(h[:n]) * h[n:]` by default.
 
     Args:
       x: [T, d] tokens (bf16 on the GPU kernels; any float dtype on `xla`).
       plan: a `DispatchPlan` from `pm.routing.topk_plan` or `token_rounding_plan`.
       w_gate_up: [E, d, 2n], gate = `[..., :n]`, up = `[..., n:]`, same dtype as x.
       w_down: [E, n, d], same dtype as x.
+      b_gate_up: optional [E, 2n] expert bias of the up-projection (gate half first), x's dtype.
+      b_down: optional [E, d] expert bias of the down-projection, x's dtype.
+      activation: a `pm.ops.activation.SwiGLU` spec: `SwiGLU()` (silu, default) or
+        `SwiGLU.clamped(alpha=1.702, limit=7.0)` (gpt-oss).
       backend: "xla" (pure jnp, runs anywhere), "mosaic" (Pallas Mosaic GPU kernels on
         Hopper; bf16, d and n multiples of 64), "interpret" (the same kernels in GPU
         interpret mode on CPU), or "auto" ("mosaic" where it applies, else "xla").
       config: a `pallas_moe.kernels.KernelConfig` with the kernels' block sizes and row
         loader (None: `for_shape` defaults). Used by the kernel backends; with an explicit
         `backend="xla"` it is an error, with "auto" it is ignored where "xla" is chosen.
+        The kernels do not implement expert biases or the clamped activation yet: "auto"
+        picks "xla" for them and an explicit kernel backend raises a ValueError.
 
     Returns:
-      [T, d] in x.dtype. Differentiable in x, both weights and `plan.scores`.
+      [T, d] in x.dtype. Differentiable in x, both weights, both biases and `plan.scores`.
     """
     check_moe_inputs(x, plan, w_gate_up, w_down)
     if config is not None:
@@ -111,9 +154,21 @@ def moe_ffn(
             )
         if backend == "xla":
             raise ValueError("config sets kernel block sizes; backend='xla' runs no kernels.")
+    check_expert_biases(x, w_gate_up, b_gate_up, b_down)
+    activation = check_activation(activation)
+    unsupported = kernel_unsupported_options(activation, b_gate_up, b_down)
+    if backend == "auto" and unsupported:
+        backend = "xla"
     backend = resolve_backend(backend, x, w_down)
+    if backend != "xla" and unsupported:
+        raise ValueError(
+            f"backend={backend!r}: the Mosaic GPU kernels do not implement {', '.join(unsupported)} "
+            "yet; use backend='xla' or 'auto'."
+        )
     if backend == "xla":
-        return moe_ffn_xla(x, plan, w_gate_up, w_down)
+        return moe_ffn_xla(
+            x, plan, w_gate_up, w_down, b_gate_up=b_gate_up, b_down=b_down, activation=activation
+        )
     from pallas_moe.ops.mosaic import moe_ffn_kernels  # Pallas is imported only when used.
 
     return moe_ffn_kernels(

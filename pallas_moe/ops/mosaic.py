@@ -1,7 +1,7 @@
 """`moe_ffn` over the Pallas kernels, as a `jax.custom_vjp` with minimal residuals.
 
 The forward saves only `X`, `H [P, 2n]` and the plan (the weights are inputs); `Y` and the
-gathered `X` are never residuals. The backward follows DESIGN.md section 2 without `Y`.
+gathered `X` are never residuals. The backward follows `docs/math.md` (minimal-activation backward) without `Y`.
 """
 
 from __future__ import annotations

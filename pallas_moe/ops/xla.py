@@ -13,14 +13,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.routing.plan import DispatchPlan, tile_schedule
 
 
 def swiglu(h: jax.Array) -> jax.Array:
     """silu(gate) * up for `h = [..., 2n]` with gate = `h[..., :n]`; computed in fp32."""
-    n = h.shape[-1] // 2
-    h = h.astype(jnp.float32)
-    return jax.nn.silu(h[..., :n]) * h[..., n:]
+    return SwiGLU()(h)
 
 
 def scan_row_tiles(plan: DispatchPlan, step, init, *, block_m: int, tiles_per_step: int):
@@ -61,16 +60,22 @@ def moe_ffn_xla(
     w_gate_up: jax.Array,
     w_down: jax.Array,
     *,
+    b_gate_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+    activation: SwiGLU = SwiGLU(),
     block_m: int = 128,
     tiles_per_step: int = 8,
 ) -> jax.Array:
-    """SwiGLU MoE forward, `O[t] = sum_r s[r] * (swiglu(X[tok[r]] @ W1[e]) @ W2[e])`.
+    """Gated MoE forward, `O[t] = sum_r s[r] * (act(X[tok[r]] @ W1[e] + b1[e]) @ W2[e] + b2[e])`.
 
     Args:
       x: [T, d] tokens.
       plan: dispatch plan over T tokens and E experts.
       w_gate_up: [E, d, 2n].
       w_down: [E, n, d].
+      b_gate_up: optional [E, 2n] bias of the up-projection (added in fp32 before H is rounded).
+      b_down: optional [E, d] bias of the down-projection (added in fp32 before Y is rounded).
+      activation: the `SwiGLU` spec (default `silu(gate) * up`).
       block_m: rows per tile.
       tiles_per_step: tiles batched in one scan step (their weights are gathered:
         `tiles_per_step * (d*2n + n*d)` elements live at once).
@@ -84,8 +89,12 @@ def moe_ffn_xla(
     def step(out, rows, valid, tok, s, e):  # [c, bm] x4, [c]
         xt = x[tok]  # [c, bm, d]
         h = jnp.einsum("cmd,cdf->cmf", xt, w_gate_up[e], preferred_element_type=jnp.float32)
-        a = swiglu(h.astype(dtype)).astype(dtype)  # [c, bm, n]
+        if b_gate_up is not None:
+            h = h + b_gate_up[e][:, None, :].astype(jnp.float32)
+        a = activation(h.astype(dtype)).astype(dtype)  # [c, bm, n]
         y = jnp.einsum("cmn,cnd->cmd", a, w_down[e], preferred_element_type=jnp.float32)
+        if b_down is not None:
+            y = y + b_down[e][:, None, :].astype(jnp.float32)
         y = y.astype(dtype).astype(jnp.float32) * s[..., None]  # [c, bm, d]
         # Tiles go in ascending expert order and a token meets each expert once, so every
         # token's sum runs in ascending expert order, as in the aggregation kernel.

@@ -59,6 +59,54 @@ def check_router_inputs(
     return k
 
 
+def check_groups(num_experts: int, k: int, num_groups: int | None, topk_groups: int | None) -> None:
+    """Validates grouped top-K options (DeepSeek-V3's `n_group` / `topk_group`)."""
+    if num_groups is None and topk_groups is None:
+        return
+    if num_groups is None or topk_groups is None:
+        raise ValueError(
+            f"num_groups and topk_groups go together (grouped top-K), got num_groups={num_groups!r}, "
+            f"topk_groups={topk_groups!r}."
+        )
+    num_groups = _checks.check_positive_int("num_groups", num_groups)
+    topk_groups = _checks.check_positive_int("topk_groups", topk_groups)
+    if num_experts % num_groups or num_experts // num_groups < 2:
+        raise ValueError(
+            f"num_groups={num_groups} must divide the E={num_experts} experts into groups of at "
+            "least 2 (the group score sums each group's top-2 scores)."
+        )
+    if topk_groups > num_groups:
+        raise ValueError(f"topk_groups={topk_groups} must be <= num_groups={num_groups}.")
+    if k > topk_groups * (num_experts // num_groups):
+        raise ValueError(
+            f"k={k} experts cannot be chosen from topk_groups={topk_groups} groups of "
+            f"{num_experts // num_groups} experts."
+        )
+
+
+def group_limited_scores(selection_score: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:
+    """Masks to -inf every expert outside each token's best `topk_groups` expert groups.
+
+    DeepSeek-V3's group-limited routing: experts form `num_groups` contiguous groups of
+    `E / num_groups`; a group's score is the sum of its two highest selection scores
+    (biased scores when a selection bias is used); each token keeps its `topk_groups`
+    best groups. (Hugging Face's DeepseekV3 fills the masked scores with 0 instead of
+    -inf; the two agree whenever the chosen experts' selection scores are positive.)
+
+    Args:
+      selection_score: f32[T, E], what top-K ranks.
+
+    Returns:
+      f32[T, E], equal to selection_score inside the kept groups and -inf elsewhere.
+    """
+    num_tokens, num_experts = selection_score.shape
+    grouped = selection_score.reshape(num_tokens, num_groups, num_experts // num_groups)
+    group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+    _, top_groups = jax.lax.top_k(group_score, topk_groups)  # [T, topk_groups]
+    keep = jnp.sum(jax.nn.one_hot(top_groups, num_groups, dtype=jnp.int32), axis=1) > 0  # [T, G]
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
+
+
 def router_probabilities(logits: jax.Array, score: ScoreOrder) -> jax.Array:
     """f32[T, E] per-expert router probability: full softmax, or sigmoid for `sigmoid`.
 
@@ -72,13 +120,24 @@ def router_probabilities(logits: jax.Array, score: ScoreOrder) -> jax.Array:
 
 
 def selection_scores(
-    logits: jax.Array, probs: jax.Array, score: ScoreOrder, bias: jax.Array | None
+    logits: jax.Array,
+    probs: jax.Array,
+    score: ScoreOrder,
+    bias: jax.Array | None,
+    num_groups: int | None = None,
+    topk_groups: int | None = None,
 ) -> jax.Array:
     """f32[T, E] what top-K ranks: the logits for "topk_softmax", else the probabilities
-    plus the optional selection bias (which moves selection, never the weights)."""
+    plus the optional selection bias (which moves selection, never the weights); with
+    grouped top-K, experts outside each token's best groups are -inf
+    (`group_limited_scores`)."""
     if score == "topk_softmax":
-        return logits.astype(jnp.float32)
-    return probs if bias is None else probs + bias.astype(jnp.float32)[None, :]
+        sel = logits.astype(jnp.float32)
+    else:
+        sel = probs if bias is None else probs + bias.astype(jnp.float32)[None, :]
+    if num_groups is not None:
+        sel = group_limited_scores(sel, num_groups, topk_groups)
+    return sel
 
 
 def topk_weights(
@@ -105,6 +164,8 @@ def topk_assignment(
     score: ScoreOrder = "softmax_topk",
     renormalize: bool = False,
     bias: jax.Array | None = None,
+    num_groups: int | None = None,
+    topk_groups: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Top-K choice per token as a dense assignment.
 
@@ -116,14 +177,18 @@ def topk_assignment(
       renormalize: rescale each token's K weights to sum to 1 (softmax_topk, sigmoid).
       bias: f32[E] selection bias for "sigmoid" (aux-loss-free balancing): it moves which
         experts are selected, never the weights.
+      num_groups, topk_groups: grouped top-K (DeepSeek-V3 `n_group` / `topk_group`): pick
+        the K experts only from each token's best `topk_groups` of `num_groups` contiguous
+        expert groups (see `group_limited_scores`). Both None (default): plain top-K.
 
     Returns:
       (selected bool[T, E], weights f32[T, E]); weights are 0 where not selected.
     """
     logits = logits.astype(jnp.float32)  # [T, E]
     num_experts = logits.shape[1]
+    check_groups(num_experts, k, num_groups, topk_groups)
     probs = router_probabilities(logits, score)  # [T, E]
-    selection_score = selection_scores(logits, probs, score, bias)
+    selection_score = selection_scores(logits, probs, score, bias, num_groups, topk_groups)
     _, top_idx = jax.lax.top_k(selection_score, k)  # [T, K]
     selected = jnp.sum(jax.nn.one_hot(top_idx, num_experts, dtype=jnp.int32), axis=1) > 0  # [T, E]
     if score == "topk_softmax":
@@ -151,12 +216,15 @@ def topk_plan(
     score: ScoreOrder = "softmax_topk",
     renormalize: bool = False,
     bias: jax.Array | None = None,
+    num_groups: int | None = None,
+    topk_groups: int | None = None,
     check_finite: bool | None = None,
     impl: TopKImpl = "auto",
 ) -> DispatchPlan:
     """Token-choice top-K dispatch plan with static capacity `T*K` (no padding rows).
 
-    Args and score orders as in `topk_assignment`. Scores are differentiable w.r.t. logits.
+    Args and score orders as in `topk_assignment` (grouped top-K included). Scores are
+    differentiable w.r.t. logits.
     check_finite: None (default) raises on NaN/Inf logits in eager calls and costs nothing
       under `jit`; True also checks under `jit` through `jax.experimental.checkify` (wrap
       the jitted function in `checkify.checkify`); False never checks.
@@ -168,12 +236,14 @@ def topk_plan(
     impl = resolve_topk_impl(impl)
     if impl == "dense":
         selected, weights = topk_assignment(
-            logits, k, score=score, renormalize=renormalize, bias=bias
+            logits, k, score=score, renormalize=renormalize, bias=bias,
+            num_groups=num_groups, topk_groups=topk_groups,
         )
         return plan_from_assignment(selected, weights, selected, capacity=logits.shape[0] * k)
+    check_groups(logits.shape[1], k, num_groups, topk_groups)
     logits = logits.astype(jnp.float32)
     probs = router_probabilities(logits, score)  # [T, E]
-    sel = selection_scores(logits, probs, score, bias)  # [T, E]
+    sel = selection_scores(logits, probs, score, bias, num_groups, topk_groups)  # [T, E]
     if impl == "sort":
         experts = jnp.sort(jax.lax.top_k(jax.lax.stop_gradient(sel), k)[1], axis=1)  # [T, K]
         rows, group_sizes = _grouped_rows_by_sort(experts, logits.shape[1])
