@@ -9,6 +9,7 @@ token shards before finishing them, which makes its aux pytree equal the single-
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -64,8 +65,8 @@ class RouterConfig:
         _checks.check_choice("rounding", self.rounding, ROUNDING_MODES)
         for name in ("load_balance_weight", "z_loss_weight"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number, got {value!r}.")
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number (finite), got {value!r}.")
 
     def capacity(self, num_tokens: int, num_experts: int | None = None) -> int:
         """Static row capacity of a plan over `num_tokens` tokens and `num_experts` experts.
@@ -93,15 +94,18 @@ def route_assignment(
     *,
     bias: jax.Array | None = None,
     key: jax.Array | None = None,
+    check_finite: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Routes logits [T, E] to a dense assignment (single device / one routing group).
+
+    `check_finite` is the NaN/Inf check mode of the bias and logits (see `pm.routing.topk_plan`).
 
     Returns:
       (selected bool[T, E], weights f32[T, E], tc_selected bool[T, E]): the routed pairs,
       their router weights (differentiable in logits), and the plain top-K (token-choice)
       pairs. For top-K routing `selected == tc_selected`.
     """
-    check_router_inputs(logits, cfg.top_k, cfg.score, bias)
+    check_router_inputs(logits, cfg.top_k, cfg.score, bias, check_finite)
     if cfg.routing == "topk":
         selected, weights = topk_assignment(
             logits, cfg.top_k, score=cfg.score, renormalize=cfg.renormalize, bias=bias
@@ -121,6 +125,7 @@ def route(
     *,
     bias: jax.Array | None = None,
     key: jax.Array | None = None,
+    check_finite: bool | None = None,
 ) -> tuple[DispatchPlan, jax.Array, jax.Array]:
     """Routes logits [T, E] to a `DispatchPlan`.
 
@@ -130,7 +135,9 @@ def route(
     Returns:
       (plan, selected bool[T, E], tc_selected bool[T, E]).
     """
-    selected, weights, tc_selected = route_assignment(logits, cfg, bias=bias, key=key)
+    selected, weights, tc_selected = route_assignment(
+        logits, cfg, bias=bias, key=key, check_finite=check_finite
+    )
     capacity = cfg.capacity(logits.shape[0])
     plan = plan_from_assignment(selected, weights, selected & tc_selected, capacity=capacity)
     return plan, selected, tc_selected
@@ -148,7 +155,8 @@ def router_sums(
       num_tokens f32[], prob_sum f32[E] (full-softmax router probability summed over tokens,
       differentiable), lse_sq_sum f32[] (sum of logsumexp^2, differentiable), counts i32[E]
       (routed rows per expert), tc_counts i32[E] (plain top-K rows per expert), kept_tc_counts
-      i32[E] (top-K rows that stayed in the plan).
+      i32[E] (top-K rows that stayed in the plan), nonfinite_tokens i32[] (tokens whose
+      logits hold NaN/Inf: an on-device flag, read after the step, no host callback).
     """
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)  # [T, E]
@@ -159,6 +167,9 @@ def router_sums(
         "counts": jnp.sum(selected, axis=0, dtype=jnp.int32),  # [E]
         "tc_counts": jnp.sum(tc_selected, axis=0, dtype=jnp.int32),  # [E]
         "kept_tc_counts": jnp.sum(selected & tc_selected, axis=0, dtype=jnp.int32),  # [E]
+        "nonfinite_tokens": jnp.sum(
+            jnp.logical_not(jnp.all(jnp.isfinite(logits), axis=-1)), dtype=jnp.int32
+        ),
     }
 
 
@@ -184,6 +195,8 @@ def finish_aux(
       max_load: f32[] max count over mean count.
       capacity_dropped_rows: i32[] rows the ragged expert-parallel dispatch could not send for
       lack of receive capacity (0 elsewhere; see `ExpertParallel.capacity_factor`).
+      nonfinite_tokens: i32[] tokens whose router logits hold NaN/Inf (from x or the router);
+      0 in a healthy step. Check it after the step: no host callback inside it.
     """
     sums = {name: reduce(value) for name, value in sums.items()}
     num_tokens = sums["num_tokens"]
@@ -200,6 +213,7 @@ def finish_aux(
         "tc_counts": sums["tc_counts"],
         **stats,
         "capacity_dropped_rows": sums.get("capacity_dropped_rows", jnp.zeros((), jnp.int32)),
+        "nonfinite_tokens": sums["nonfinite_tokens"],
     }
 
 

@@ -19,8 +19,8 @@ def check_router_inputs(
 ) -> int:
     """Validates router inputs; returns k as an int. Shared by every router.
 
-    `check_finite` is `_checks.check_finite`'s mode for the logits: None checks eager
-    values only (no cost under `jit`), True also checks under `jit` through checkify.
+    `check_finite` is `_checks.check_finite`'s mode for the bias and the logits: None checks
+    eager values only (no cost under `jit`), True also checks under `jit` through checkify.
     """
     _checks.check_floating("logits", logits, ndim=2)
     num_tokens, num_experts = logits.shape
@@ -36,6 +36,8 @@ def check_router_inputs(
         _checks.check_floating("bias", bias, ndim=1)
         if bias.shape != (num_experts,):
             raise ValueError(f"bias must have shape [E]=({num_experts},), got {bias.shape}.")
+        # A non-finite bias silently routes every token to the experts it makes +inf / NaN.
+        _checks.check_finite("bias", bias, check_finite)
     _checks.check_finite("logits", logits, check_finite)
     return k
 
@@ -88,7 +90,12 @@ def topk_assignment(
     else:
         weights = jnp.where(selected, probs, 0.0)
         if renormalize:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+            # p_e / sum of the selected p, as a softmax of log p over the selected experts:
+            # never 0/0, even where every selected sigmoid underflows (logits <= -90).
+            log_probs = (
+                jax.nn.log_sigmoid(logits) if score == "sigmoid" else jax.nn.log_softmax(logits, axis=-1)
+            )
+            weights = jax.nn.softmax(jnp.where(selected, log_probs, -jnp.inf), axis=-1)
     return selected, weights
 
 
