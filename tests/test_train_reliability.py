@@ -229,9 +229,9 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, split, reference, cap
 def test_diverging_run_names_the_first_bad_step_and_saves_no_nan_checkpoint(tmp_path, split):
     """lr=1e30 blows the parameters up after the first update with a nonzero learning rate.
 
-    Logged every step, the first non-finite loss is found directly; logged every 4 steps and
-    checkpointed every step, the error must name the same step and no checkpoint of it (or
-    later: NaN parameters) may exist.
+    Logged every step, the first non-finite loss is found directly; logged every 7 steps (so
+    the first record comes after it) and checkpointed every step, the error must name the
+    same step, and no checkpoint of it or later (NaN parameters) may exist.
     """
     common = dict(steps=8, lr=1e30, warmup_steps=1, grad_clip=0.0, eval_every=100)
     with pytest.raises(FloatingPointError, match=r"became (nan|inf|-inf) at step (\d+)") as every_step:
@@ -240,8 +240,9 @@ def test_diverging_run_names_the_first_bad_step_and_saves_no_nan_checkpoint(tmp_
     records = _read(tmp_path / "every")
     logged = [r["step"] for r in records if r["split"] == "train"]
     assert logged == list(range(1, bad_step)) and all(math.isfinite(r["loss"]) for r in records if "loss" in r)
+    assert 1 < bad_step < 7, bad_step
 
-    cfg = small_config(tmp_path, "sparse", log_every=4, checkpoint_every=1, **common)
+    cfg = small_config(tmp_path, "sparse", log_every=7, checkpoint_every=1, **common)
     with pytest.raises(FloatingPointError, match=rf"at step {bad_step}\b.*no checkpoint of this or a later step"):
         _train(cfg, split)
     saved = sorted(int(p.name) for p in (tmp_path / "sparse" / "checkpoints").iterdir() if p.name.isdigit())

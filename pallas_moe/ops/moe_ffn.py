@@ -65,7 +65,7 @@ def resolve_backend(backend: str, x: jax.Array | None = None, w_down: jax.Array 
     device = jax.devices()[0]
     on_hopper = device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
     if backend == "mosaic" and not on_hopper:
-        found = f"{device.platform} device {device.device_kind!r}"
+        found = f"{device.platform} device {getattr(device, 'device_kind', '')!r}"
         raise ValueError(
             "backend='mosaic' needs a Hopper GPU (compute capability 9.0, sm_90a); the default "
             f"device here is a {found}. Use backend='auto' or 'xla' (or 'interpret' to run "
