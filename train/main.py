@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     except RunDirError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:  # the run diverged; the message names the step
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, CheckpointError) as e:
         if not args.resume:
             raise

@@ -235,7 +235,7 @@ def divergence_error(step: int, key: str, value: float, metrics: dict, log_path)
         detail = f" (the loss was {float(metrics['loss'])})"
     return FloatingPointError(
         f"{key} became {value} at step {step}{detail}; no checkpoint of this or a later step was "
-        f"written. Metrics up to step {step - 1}: {log_path}."
+        f"written. Metrics so far: {log_path}."
     )
 
 
