@@ -38,6 +38,49 @@ def check_finite(name: str, value: jax.Array, mode: bool | None = None) -> None:
         )
 
 
+def require(ok, message: str, **values) -> None:
+    """Raises `ValueError(message)` where `ok` is False, on the host or on device.
+
+    Eager (every input concrete): evaluates `ok` and raises at once. Traced: a
+    `jax.experimental.checkify` check (wrap the jitted function in `checkify.checkify` and
+    call `err.throw()`), so it needs no host callback and works under `shard_map`.
+
+    Args:
+      ok: bool[] condition.
+      message: the error; `{name}` placeholders are filled from `values`.
+      values: scalars the message reports (arrays or Python numbers).
+    """
+    traced = [v for v in (ok, *values.values()) if isinstance(v, jax.core.Tracer)]
+    if traced:
+        checkify.check(ok, message, **values)
+    elif not bool(ok):
+        raise ValueError(message.format(**{k: np.asarray(v).item() for k, v in values.items()}))
+
+
+def check_finite_number(name: str, value, *, minimum: float | None = None, positive: bool = False) -> float:
+    """Checks a scalar hyperparameter (a Python number or a concrete 0-d array).
+
+    Returns it as a float. Rejects bools, non-numbers, NaN, +-Inf, values below `minimum`
+    and (with `positive`) values <= 0, with an error that names `name`. A traced value is
+    returned unchecked (it cannot be read under `jit`).
+    """
+    if isinstance(value, jax.core.Tracer):
+        return value
+    if isinstance(value, bool) or not (
+        isinstance(value, (int, float, np.integer, np.floating))
+        or (hasattr(value, "shape") and np.ndim(value) == 0)
+    ):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+    number = float(value)
+    if not np.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {number}.")
+    if positive and number <= 0:
+        raise ValueError(f"{name} must be positive, got {number}.")
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}.")
+    return number
+
+
 def check_floating(name: str, value: jax.Array, ndim: int | None = None) -> None:
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(value).__name__}.")

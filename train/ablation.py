@@ -118,7 +118,7 @@ def plot_comparison(runs: dict[str, list[dict]], path: pathlib.Path, title: str)
     return path
 
 
-def run(cfg: Config, roundings: list[str], out: pathlib.Path, progress: bool = True) -> dict:
+def run(cfg: Config, roundings: list[str], out: pathlib.Path, progress: bool = True, overwrite: bool = False) -> dict:
     from train import data
     from train.trainer import read_metrics, train
 
@@ -131,7 +131,7 @@ def run(cfg: Config, roundings: list[str], out: pathlib.Path, progress: bool = T
     for name, vcfg in variants(cfg, roundings).items():
         vcfg = dataclasses.replace(vcfg, out=str(out / name), name=f"{cfg.name}-{name}")
         print(f"== {name}: routing={vcfg.routing}" + (f" rounding={vcfg.rounding}" if name != "topk" else ""), flush=True)
-        result = train(vcfg, progress=progress, data_split=split)
+        result = train(vcfg, progress=progress, data_split=split, overwrite=overwrite)
         metrics = read_metrics(result.metrics_path)
         runs[name] = metrics
         rows.append(summarize(name, vcfg, metrics, result.summary))
@@ -163,6 +163,7 @@ def main(argv=None) -> int:
                    help="override any config field (repeatable)")
     p.add_argument("--out", help="default runs/ablation_<config>")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace the variants' previous runs under --out")
     args = p.parse_args(argv)
     try:
         from train.main import parse_set
@@ -177,7 +178,13 @@ def main(argv=None) -> int:
         print(f"error: bad config: {e}", file=sys.stderr)
         return 2
     out = pathlib.Path(args.out or f"runs/ablation_{cfg.name}")
-    run(cfg, roundings, out, progress=not args.no_progress)
+    from train.trainer import RunDirError
+
+    try:
+        run(cfg, roundings, out, progress=not args.no_progress, overwrite=args.overwrite)
+    except RunDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -16,7 +16,10 @@ command-line overrides go through `with_overrides`, and every config is checked 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
+
+import numpy as np
 
 ROUTINGS = ("topk", "token_rounding")
 ROUNDINGS = ("nearest", "up", "down", "stochastic", "balance")
@@ -64,7 +67,7 @@ class Config:
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # global-norm clipping; 0 = off
     # Bookkeeping.
     seed: int = 0
     log_every: int = 10
@@ -163,12 +166,39 @@ def _positive_int(c: Config, field: str) -> None:
         raise ConfigError(f"{field} must be positive, got {value}.")
 
 
-def _non_negative(c: Config, field: str) -> None:
+def _finite_number(c: Config, field: str) -> float:
     value = getattr(c, field)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{field} must be a number, got {value!r}.")
-    if value < 0:
-        raise ConfigError(f"{field} must be >= 0, got {value}.")
+    if not math.isfinite(value):
+        raise ConfigError(f"{field} must be finite, got {value}.")
+    return value
+
+
+def _non_negative(c: Config, field: str) -> None:
+    if _finite_number(c, field) < 0:
+        raise ConfigError(f"{field} must be >= 0, got {getattr(c, field)}.")
+
+
+def _check_backend_dtype(c: Config) -> None:
+    """The kernel backends take bf16 and widths that are multiples of 64 (checked up front
+    here, instead of failing inside the first step)."""
+    if c.backend not in ("mosaic", "interpret"):
+        return
+    from pallas_moe.ops.moe_ffn import KERNEL_DTYPE, KERNEL_WIDTH_MULTIPLE
+
+    kernel_dtype = np.dtype(KERNEL_DTYPE).name
+    if c.dtype != kernel_dtype:
+        raise ConfigError(
+            f"dtype must be {kernel_dtype!r} with backend={c.backend!r} (the Mosaic GPU kernels "
+            f"take {kernel_dtype}), got dtype={c.dtype!r}; use backend='xla' or 'auto' for {c.dtype}."
+        )
+    for field in ("d_model", "d_expert"):
+        if getattr(c, field) % KERNEL_WIDTH_MULTIPLE:
+            raise ConfigError(
+                f"{field}={getattr(c, field)} must be a multiple of {KERNEL_WIDTH_MULTIPLE} with "
+                f"backend={c.backend!r} (the kernels' tile width); use backend='xla' or 'auto'."
+            )
 
 
 def _choice(c: Config, field: str, choices: tuple[str, ...]) -> None:
@@ -186,7 +216,7 @@ def validate(c: Config) -> Config:
     ):
         _positive_int(c, field)
     for field in ("load_balance_weight", "z_loss_weight", "weight_decay", "grad_clip", "final_lr_fraction"):
-        _non_negative(c, field)
+        _non_negative(c, field)  # finite too: grad_clip=nan would silently turn clipping off
     for field in ("warmup_steps", "max_train_bytes", "seed", "checkpoint_every"):
         _non_negative(c, field)
         if not isinstance(getattr(c, field), int):
@@ -208,16 +238,24 @@ def validate(c: Config) -> Config:
         )
     if c.top_k > c.num_experts:
         raise ConfigError(f"top_k={c.top_k} must be <= num_experts={c.num_experts}.")
-    if not (isinstance(c.lr, (int, float)) and c.lr > 0):
+    if _finite_number(c, "lr") <= 0:
         raise ConfigError(f"lr must be a positive number, got {c.lr!r}.")
+    if _finite_number(c, "rope_base") <= 1:
+        raise ConfigError(
+            f"rope_base must be > 1 (RoPE frequencies are rope_base ** (-i / half)), got {c.rope_base}."
+        )
+
     if c.warmup_steps >= c.steps:
         raise ConfigError(f"warmup_steps={c.warmup_steps} must be < steps={c.steps}.")
     if not 0 <= c.final_lr_fraction <= 1:
         raise ConfigError(f"final_lr_fraction must be in [0, 1], got {c.final_lr_fraction}.")
+    for field in ("b1", "b2", "val_percent"):
+        _finite_number(c, field)
     if not 0 <= c.b1 < 1:
         raise ConfigError(f"b1 must be in [0, 1), got {c.b1}.")
     if not 0 <= c.b2 < 1:
         raise ConfigError(f"b2 must be in [0, 1), got {c.b2}.")
     if not 0 < c.val_percent < 100:
         raise ConfigError(f"val_percent must be in (0, 100), got {c.val_percent}.")
+    _check_backend_dtype(c)
     return c

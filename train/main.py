@@ -3,9 +3,11 @@
     python -m train.main --config tiny                 # CPU, a few minutes
     python -m train.main --config tiny --routing token_rounding --steps 200 --out runs/tr
     python -m train.main --config tiny --resume        # continue from runs/tiny's latest checkpoint
+    python -m train.main --config tiny --overwrite     # delete runs/tiny's previous run, start again
 
 Writes metrics (JSONL), orbax checkpoints and a loss-curve PNG under the output directory
-(default `runs/<config>/`) and prints where they went.
+(default `runs/<config>/`) and prints where they went. A new run into a directory that
+already holds files is refused unless --resume or --overwrite says what to do with it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, dest="seq_len")
     p.add_argument("--eval-every", type=int, dest="eval_every")
     p.add_argument("--checkpoint-every", type=int, dest="checkpoint_every")
-    p.add_argument("--resume", action="store_true", help="continue from the output directory's latest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the output directory's newest checkpoint that restores cleanly")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a non-empty output directory, deleting the previous run's outputs")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override any config field, e.g. --set num_experts=16 (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -81,19 +86,36 @@ def main(argv=None) -> int:
         print(f"error: bad config: {e}", file=sys.stderr)
         return 2
 
-    from train.trainer import train
+    if args.resume and args.overwrite:
+        print("error: --resume and --overwrite exclude each other.", file=sys.stderr)
+        return 2
+
+    from train.checkpoint import CheckpointError
+    from train.trainer import RunDirError, train
 
     print(f"config {cfg.name}: d={cfg.d_model} layers={cfg.num_layers} E={cfg.num_experts} "
           f"K={cfg.top_k} n={cfg.d_expert} seq={cfg.seq_len} batch={cfg.batch_size} "
           f"routing={cfg.routing}" + (f"/{cfg.rounding} tile={cfg.tile}" if cfg.routing == "token_rounding" else "")
           + f" steps={cfg.steps}", flush=True)
     try:
-        result = train(cfg, resume=args.resume, progress=not args.no_progress)
-    except FileNotFoundError as e:
+        result = train(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+    except ConfigError as e:
+        print(f"error: bad config: {e}", file=sys.stderr)
+        return 2
+    except RunDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError as e:  # the run diverged; the message names the step
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, CheckpointError) as e:
         if not args.resume:
             raise
         print(f"error: --resume: {e}", file=sys.stderr)
         return 2
+    if result.nothing_to_do:
+        print(f"nothing to do: {result.nothing_to_do}; no file was changed.")
+        return 0
     val = ", ".join(f"{k}={v:.4f}" for k, v in result.final_val.items())
     print(f"done: step {result.final_step}, {val}, {result.train_tokens_per_s:,.0f} train tokens/s")
     print(f"metrics:    {result.metrics_path}")

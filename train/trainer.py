@@ -5,6 +5,12 @@ The model is split once into a static graph and two pytrees, `params` (nnx.Param
 `rest` (any other state, such as RNG streams); the train step is a pure `jax.jit` function
 of `(params, rest, opt_state, batch)`. Everything a run needs to continue bit-exactly lives
 in the checkpoint: params, rest, optimizer state, step and the data loader's position.
+
+A run is never destroyed silently: a new run into a directory that already holds files is
+refused unless `overwrite=True` (`--overwrite`); resume falls back past damaged checkpoints
+and drops a torn last metrics line, saying so on stderr; resuming a finished run changes
+nothing; a non-finite loss or gradient norm stops the run before any checkpoint of it is
+written, naming the first bad step.
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import shutil
+import sys
 import time
 from typing import Any, Callable
 
@@ -23,12 +31,14 @@ import numpy as np
 import optax
 from flax import nnx
 
+from pallas_moe.ops.moe_ffn import resolve_backend
 from train import checkpoint, data
-from train.configs import Config, validate
+from train.configs import Config, ConfigError, validate
 from train.model import MoETransformer
 
 # Routing statistics logged per step (summed over layers for row counts, averaged otherwise).
-ROW_STATS = ("dropped_rows", "added_rows", "padding_rows", "tc_padding_rows")
+# nonfinite_tokens: tokens whose router logits held NaN/Inf (0 in a healthy step).
+ROW_STATS = ("dropped_rows", "added_rows", "padding_rows", "tc_padding_rows", "nonfinite_tokens")
 FRACTION_STATS = ("padding_fraction", "tc_padding_fraction", "max_load")
 
 
@@ -117,20 +127,50 @@ def make_steps(graphdef, tx: optax.GradientTransformation, eval_graphdefs: dict[
     )
 
 
+def warn(message: str) -> None:
+    """A warning the user must see (stderr, not a log level that may be filtered)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def write_text_atomic(path: pathlib.Path, text: str) -> None:
+    """Writes `text` to `path` through a temporary file and a rename: a kill leaves the old
+    file or the new one, never half of either."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def parse_metrics(text: str, path: str | pathlib.Path = "metrics.jsonl") -> list[dict]:
+    """Records of a metrics file; a line that is not a JSON object (a kill mid-write tears
+    the last line) is dropped with a warning naming its line number."""
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError:
+            warn(f"{path}: dropped line {number}, which is not a complete JSON record "
+                 f"(a run killed mid-write?): {line[:80]!r}")
+            continue
+        records.append(record)
+    return records
+
+
 class MetricsLog:
-    """Appends one JSON object per line; on resume drops records past the resumed step."""
+    """Appends one JSON object per line; on resume drops records past the resumed step (and
+    a torn line, with a warning). The file is only ever rewritten atomically."""
 
     def __init__(self, path: pathlib.Path, resume_step: int | None):
         self.path = path
         if resume_step is None:
-            path.write_text("")
+            write_text_atomic(path, "")
         else:
-            kept = []
-            if path.exists():
-                for line in path.read_text().splitlines():
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step:
-                        kept.append(line)
-            path.write_text("".join(k + "\n" for k in kept))
+            records = parse_metrics(path.read_text(), path) if path.exists() else []
+            kept = [r for r in records if r.get("step", 0) <= resume_step]
+            write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:
@@ -138,7 +178,65 @@ class MetricsLog:
 
 
 def read_metrics(path: str | pathlib.Path) -> list[dict]:
-    return [json.loads(l) for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+    return parse_metrics(pathlib.Path(path).read_text(), path)
+
+
+class RunDirError(FileExistsError):
+    """A new run was pointed at a directory that already holds files."""
+
+
+# What a run writes into its directory (all that `overwrite=True` deletes).
+RUN_OUTPUTS = ("checkpoints", "checkpoints_skipped", "metrics.jsonl", "config.json", "summary.json", "loss.png")
+
+
+def prepare_new_run_dir(out_dir: pathlib.Path, overwrite: bool) -> None:
+    """Refuses a non-empty `out_dir` unless `overwrite`, which deletes the previous run's
+    outputs (`RUN_OUTPUTS`, nothing else) before the new run starts."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunDirError(f"the output directory {out_dir} is a file.")
+    existing = sorted(p.name for p in out_dir.iterdir()) if out_dir.exists() else []
+    if existing and not overwrite:
+        shown = ", ".join(existing[:6]) + (", ..." if len(existing) > 6 else "")
+        raise RunDirError(
+            f"the output directory {out_dir} is not empty ({shown}). Pass --resume to continue "
+            f"the run in it, --overwrite to delete it and start again, or another --out."
+        )
+    if existing:
+        warn(f"--overwrite: deleting the previous run's outputs in {out_dir}.")
+        for name in RUN_OUTPUTS:
+            path = out_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def first_nonfinite_step(host_metrics: list[dict], last_step: int) -> tuple[int, str, float, dict] | None:
+    """(step, key, value, metrics) of the first step whose loss or grad_norm is not finite.
+
+    `host_metrics` are the per-step metrics of steps `last_step - len + 1 .. last_step`.
+    """
+    first = last_step - len(host_metrics) + 1
+    for offset, metrics in enumerate(host_metrics):
+        for key in ("loss", "grad_norm"):
+            value = float(metrics[key])
+            if not math.isfinite(value):
+                return first + offset, key, value, metrics
+    return None
+
+
+def divergence_error(step: int, key: str, value: float, metrics: dict, log_path) -> FloatingPointError:
+    detail = ""
+    bad_tokens = float(metrics.get("nonfinite_tokens", 0))
+    if bad_tokens:
+        detail = f" ({bad_tokens:.0f} tokens had non-finite router logits, summed over layers)"
+    elif key == "grad_norm":
+        detail = f" (the loss was {float(metrics['loss'])})"
+    return FloatingPointError(
+        f"{key} became {value} at step {step}{detail}; no checkpoint of this or a later step was "
+        f"written. Metrics so far: {log_path}."
+    )
 
 
 # Config fields that may differ between a checkpoint and the run resuming it.
@@ -155,12 +253,15 @@ class RunResult:
     final_val: dict[str, float]
     train_tokens_per_s: float
     summary: dict
+    # Set when a resumed run had nothing left to do (nothing was written): says why.
+    nothing_to_do: str | None = None
 
 
 def train(
     cfg: Config,
     *,
     resume: bool = False,
+    overwrite: bool = False,
     progress: bool = True,
     plot: bool = True,
     stop_at: int | None = None,
@@ -169,16 +270,29 @@ def train(
     """Trains `cfg` (resuming from its output directory's latest checkpoint when `resume`).
 
     Args:
+      resume: continue from the newest checkpoint in `cfg.out_dir` that restores cleanly;
+        damaged newer ones are reported and moved to `<out>/checkpoints_skipped/`. A run
+        already at `steps` changes nothing (`RunResult.nothing_to_do` says so).
+      overwrite: a new run (not `resume`) into a directory that holds files deletes the
+        previous run's outputs; without it such a directory raises `RunDirError`.
       stop_at: stop after this step (checkpointing there) without changing the schedule;
         used to test resume. Default: `cfg.steps`.
       data_split: (train bytes, val bytes, info) to reuse across runs; read from the stdlib if None.
     """
     validate(cfg)
+    try:
+        resolve_backend(cfg.backend)  # e.g. "mosaic" without a Hopper GPU: fail before anything else
+    except ValueError as error:
+        raise ConfigError(f"backend: {error}") from None
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other (--resume keeps the run, --overwrite deletes it).")
     out_dir = pathlib.Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if resume:
+        if not (out_dir / "checkpoints").is_dir():
+            raise FileNotFoundError(f"no checkpoint in {out_dir / 'checkpoints'}")
+    else:
+        prepare_new_run_dir(out_dir, overwrite)
     ckpt_dir = out_dir / "checkpoints"
-    if not resume and ckpt_dir.exists():
-        shutil.rmtree(ckpt_dir)  # a fresh run replaces the previous one in this directory
     stop_at = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
 
     train_bytes, val_bytes, data_info = data_split or data.load_split(cfg.val_percent)
@@ -203,22 +317,44 @@ def train(
 
     mgr = checkpoint.manager(ckpt_dir, cfg.keep_checkpoints) if (cfg.checkpoint_every or resume) else None
     start_step = 0
+    skipped: list[tuple[int, str]] = []
     if resume:
-        start_step, meta = checkpoint.read_meta(mgr)
-        changed = {
-            k for k, v in meta["config"].items() if k not in RESUMABLE_CHANGES and cfg.to_dict().get(k) != v
-        }
-        if changed:
-            raise ValueError(
-                f"cannot resume: config fields {sorted(changed)} differ from the checkpoint's "
-                f"({', '.join(f'{k}={meta['config'][k]!r}' for k in sorted(changed))})."
-            )
+
+        def check_config(meta: dict) -> None:
+            changed = {
+                k for k, v in meta["config"].items() if k not in RESUMABLE_CHANGES and cfg.to_dict().get(k) != v
+            }
+            if changed:
+                raise ValueError(
+                    f"cannot resume: config fields {sorted(changed)} differ from the checkpoint's "
+                    f"({', '.join(f'{k}={meta['config'][k]!r}' for k in sorted(changed))})."
+                )
+
         template = {"params": params, "rest": rest, "opt_state": opt_state}
-        _, state, meta = checkpoint.restore(mgr, template, start_step)
+        start_step, state, meta, skipped = checkpoint.restore_newest_valid(mgr, template, check_config)
+        for step_skipped, reason in skipped:
+            warn(f"checkpoint {ckpt_dir / str(step_skipped)} does not restore, skipped ({reason}).")
+        if start_step >= stop_at:
+            # Nothing to train: leave every file as it is (metrics, summary, plot, checkpoints).
+            why = (f"the run in {out_dir} already finished: its checkpoint is at step {start_step} "
+                   f"and steps={cfg.steps}" if start_step >= cfg.steps else
+                   f"the checkpoint in {out_dir} is at step {start_step}, past stop_at={stop_at}")
+            summary_path = out_dir / "summary.json"
+            summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+            return RunResult(
+                out_dir=out_dir, metrics_path=out_dir / "metrics.jsonl", checkpoint_path=ckpt_dir / str(start_step),
+                plot_path=None, final_step=start_step, final_val=summary.get("final_val", {}),
+                train_tokens_per_s=summary.get("train_tokens_per_s", float("nan")), summary=summary,
+                nothing_to_do=why,
+            )
+        if skipped:
+            moved = checkpoint.set_aside(mgr, [s for s, _ in skipped], out_dir / "checkpoints_skipped")
+            warn(f"resuming from step {start_step}; the skipped checkpoints were moved to "
+                 f"{', '.join(map(str, moved))}.")
         params, rest, opt_state = state["params"], state["rest"], state["opt_state"]
         loader.restore(meta["data"])
     log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None)
-    (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    write_text_atomic(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
 
     def evaluate(step: int) -> dict[str, float]:
         sums: dict[str, float] = {}
@@ -245,6 +381,7 @@ def train(
         "step": start_step, "split": "info", "config": cfg.to_dict(), "data": data_info,
         "num_params": num_params, "backend": jax.default_backend(), "devices": str(jax.devices()),
         "compile_s": compile_s, "resumed": bool(resume),
+        "skipped_checkpoints": [{"step": s, "reason": r} for s, r in skipped],
     }
     log.write(header)
 
@@ -264,6 +401,19 @@ def train(
     train_tokens = 0
     last_ckpt = None
     step = start_step
+    checked_steps = 0  # leading entries of interval_metrics already checked finite
+
+    def check_finite_so_far() -> None:
+        """Raises on the first non-finite loss / grad norm of the open interval. Runs before
+        every log record, evaluation and checkpoint, so NaN parameters are never saved."""
+        nonlocal checked_steps
+        pending = jax.device_get(interval_metrics[checked_steps:])
+        bad = first_nonfinite_step(pending, step)
+        if bad is not None:
+            bar.close()
+            raise divergence_error(*bad, log.path)
+        checked_steps = len(interval_metrics)
+
     while step < stop_at:
         batch = loader.next()
         params, rest, opt_state, metrics = compiled(params, rest, opt_state, batch)
@@ -271,6 +421,7 @@ def train(
         interval_metrics.append(metrics)
         bar.update(1)
         if step % cfg.log_every == 0 or step == stop_at:
+            check_finite_so_far()
             host = jax.device_get(interval_metrics)  # blocks: the interval's work is done
             elapsed = time.perf_counter() - interval_start - paused
             tokens = len(host) * cfg.tokens_per_step
@@ -280,19 +431,20 @@ def train(
                       "tokens_per_s": tokens / elapsed}
             for key in host[-1]:
                 record[key] = float(np.mean([m[key] for m in host]))
-            if not math.isfinite(record["loss"]):
-                bar.close()
-                raise FloatingPointError(f"loss became {record['loss']} at step {step}; see {log.path}.")
             log.write(record)
             bar.set_postfix(loss=f"{record['ce']:.3f}", val=f"{last_val.get('val_loss', float('nan')):.3f}",
                             tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-            interval_metrics = []
+            interval_metrics, checked_steps = [], 0
         t_pause = time.perf_counter()  # validation and checkpoint time is not train time
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        evaluating = step % cfg.eval_every == 0 or step == cfg.steps
+        saving = cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == stop_at)
+        if (evaluating or saving) and interval_metrics:
+            check_finite_so_far()
+        if evaluating:
             last_val = evaluate(step)
             bar.set_postfix(loss=f"{record.get('ce', float('nan')):.3f}", val=f"{last_val['val_loss']:.3f}",
                             tok_s=f"{record.get('tokens_per_s', 0):.0f}", refresh=False)
-        if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == stop_at):
+        if saving:
             last_ckpt = save(step)
         if not interval_metrics:  # an interval just closed: the next one starts now
             interval_start, paused = time.perf_counter(), 0.0
@@ -308,7 +460,7 @@ def train(
         "final_val": last_val, "train_tokens_per_s": tokens_per_s, "train_time_s": train_time,
         "compile_s": compile_s, "backend": jax.default_backend(),
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     plot_path = None
     if plot:
         from train.plots import plot_run

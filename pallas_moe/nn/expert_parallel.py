@@ -169,6 +169,7 @@ def expert_parallel_moe(
     b_gate_up: jax.Array | None = None,
     b_down: jax.Array | None = None,
     activation: SwiGLU = SwiGLU(),
+    check_finite: bool | None = None,
 ) -> tuple[jax.Array, dict]:
     """The routed part of a MoE layer with experts sharded over `ep.axis`.
 
@@ -185,6 +186,10 @@ def expert_parallel_moe(
       b_gate_up: [E, 2n] and b_down: [E, d] expert biases (x's dtype) or None; sharded
         over `ep.axis` like the weights.
       activation: the experts' `SwiGLU` spec.
+      check_finite: NaN/Inf check mode of each shard's bias and router logits (see
+        `pm.nn.MoE`). True checks through checkify inside `shard_map`: every shard's check
+        is reported by `err.throw()` after the step, so no shard waits on one that raised.
+        Under `jit` with None, read `aux["nonfinite_tokens"]` (summed over shards) instead.
 
     Returns:
       (y [T, d] in x's dtype, aux dict as `functional.finish_aux`), equal to the
@@ -220,6 +225,7 @@ def expert_parallel_moe(
             bias=extras.get("bias"), key=extras.get("key"), backend=backend,
             router_bias=extras.get("router_bias"),
             ffn_options=dict(expert_biases_l, activation=activation),
+            check_finite=check_finite,
         )
 
     in_specs = (token_spec, P(), expert_spec, expert_spec, P(), P(ep.axis, None))
@@ -250,17 +256,21 @@ def expert_parallel_moe(
     return y, aux
 
 
-def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backend, router_bias, ffn_options):
+def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backend, router_bias,
+               ffn_options, check_finite):
     """Per-shard body: route local tokens, dispatch, local experts, combine. x_l [T_l, d].
 
     `ffn_options` are the `moe_ffn` keywords of the local experts (biases, activation).
     """
     logits = F.router_logits(x_l, router, router_bias)  # f32[T_l, E]
     if cfg.routing == "topk":
-        selected, weights, tc_selected = F.route_assignment(logits, cfg, bias=bias)  # [T_l, E]
+        selected, weights, tc_selected = F.route_assignment(
+            logits, cfg, bias=bias, check_finite=check_finite
+        )  # [T_l, E]
     else:
         selected, weights, tc_selected = distributed_token_rounding(
-            logits, cfg, ep.token_axes, ep.num_token_shards, bias=bias, key=key
+            logits, cfg, ep.token_axes, ep.num_token_shards, bias=bias, key=key,
+            check_finite=check_finite,
         )  # [T_l, E]
     sums = F.router_sums(logits, F.assignment_counts(selected, tc_selected))
     ffn = functools.partial(moe_ffn, backend=backend, **ffn_options)
@@ -411,6 +421,7 @@ def distributed_token_rounding(
     *,
     bias: jax.Array | None = None,
     key: jax.Array | None = None,
+    check_finite: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Token rounding over the global batch, from inside `shard_map` (tokens sharded).
 
@@ -423,11 +434,12 @@ def distributed_token_rounding(
       token_axes: mesh axes the tokens are sharded over (major to minor).
       num_shards: static product of their sizes.
       bias, key: selection bias and stochastic-rounding key, as in token rounding.
+      check_finite: NaN/Inf check mode of the bias and logits (see `pm.routing.topk_plan`).
 
     Returns:
       (selected bool[T_l, E], weights f32[T_l, E], tc_selected bool[T_l, E]).
     """
-    k = check_router_inputs(logits, cfg.top_k, cfg.score, bias)
+    k = check_router_inputs(logits, cfg.top_k, cfg.score, bias, check_finite)
     tokens_l = logits.shape[0]
     tc_selected, tc_weights = topk_assignment(
         logits, k, score=cfg.score, renormalize=cfg.renormalize, bias=bias

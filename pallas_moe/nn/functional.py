@@ -9,6 +9,7 @@ token shards before finishing them, which makes its aux pytree equal the single-
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -73,8 +74,8 @@ class RouterConfig:
         _checks.check_choice("rounding", self.rounding, ROUNDING_MODES)
         for name in ("load_balance_weight", "z_loss_weight"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative number, got {value!r}.")
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number (finite), got {value!r}.")
         check_groups(self.num_experts, self.top_k, self.num_groups, self.topk_groups)
         if self.num_groups is not None and self.routing != "topk":
             raise ValueError(
@@ -115,15 +116,18 @@ def route_assignment(
     *,
     bias: jax.Array | None = None,
     key: jax.Array | None = None,
+    check_finite: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Routes logits [T, E] to a dense assignment (single device / one routing group).
+
+    `check_finite` is the NaN/Inf check mode of the bias and logits (see `pm.routing.topk_plan`).
 
     Returns:
       (selected bool[T, E], weights f32[T, E], tc_selected bool[T, E]): the routed pairs,
       their router weights (differentiable in logits, times `cfg.routed_scaling_factor`),
       and the plain top-K (token-choice) pairs. For top-K routing `selected == tc_selected`.
     """
-    check_router_inputs(logits, cfg.top_k, cfg.score, bias)
+    check_router_inputs(logits, cfg.top_k, cfg.score, bias, check_finite)
     if cfg.routing == "topk":
         selected, weights = topk_assignment(
             logits, cfg.top_k, score=cfg.score, renormalize=cfg.renormalize, bias=bias,
@@ -145,6 +149,7 @@ def route(
     *,
     bias: jax.Array | None = None,
     key: jax.Array | None = None,
+    check_finite: bool | None = None,
 ) -> tuple[DispatchPlan, dict[str, jax.Array]]:
     """Routes logits [T, E] to a `DispatchPlan` (single device / one routing group).
 
@@ -159,12 +164,14 @@ def route(
     if cfg.routing == "topk":
         plan = topk_plan(
             logits, cfg.top_k, score=cfg.score, renormalize=cfg.renormalize, bias=bias,
-            num_groups=cfg.num_groups, topk_groups=cfg.topk_groups,
+            num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, check_finite=check_finite,
         )
         plan = plan.with_scores(cfg.scale_weights(plan.scores))
         counts = plan.group_sizes
         return plan, {"counts": counts, "tc_counts": counts, "kept_tc_counts": counts}
-    selected, weights, tc_selected = route_assignment(logits, cfg, bias=bias, key=key)
+    selected, weights, tc_selected = route_assignment(
+        logits, cfg, bias=bias, key=key, check_finite=check_finite
+    )
     capacity = cfg.capacity(logits.shape[0])
     plan = plan_from_assignment(selected, weights, selected & tc_selected, capacity=capacity)
     return plan, assignment_counts(selected, tc_selected)
@@ -190,7 +197,8 @@ def router_sums(logits: jax.Array, counts: dict[str, jax.Array]) -> dict[str, ja
       num_tokens f32[], prob_sum f32[E] (full-softmax router probability summed over tokens,
       differentiable), lse_sq_sum f32[] (sum of logsumexp^2, differentiable), counts i32[E]
       (routed rows per expert), tc_counts i32[E] (plain top-K rows per expert), kept_tc_counts
-      i32[E] (top-K rows that stayed in the plan).
+      i32[E] (top-K rows that stayed in the plan), nonfinite_tokens i32[] (tokens whose
+      logits hold NaN/Inf: an on-device flag, read after the step, no host callback).
     """
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)  # [T, E]
@@ -199,6 +207,9 @@ def router_sums(logits: jax.Array, counts: dict[str, jax.Array]) -> dict[str, ja
         "prob_sum": jnp.sum(probs, axis=0),  # [E]
         "lse_sq_sum": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
         **counts,
+        "nonfinite_tokens": jnp.sum(
+            jnp.logical_not(jnp.all(jnp.isfinite(logits), axis=-1)), dtype=jnp.int32
+        ),
     }
 
 
@@ -224,6 +235,8 @@ def finish_aux(
       max_load: f32[] max count over mean count.
       capacity_dropped_rows: i32[] rows the ragged expert-parallel dispatch could not send for
       lack of receive capacity (0 elsewhere; see `ExpertParallel.capacity_factor`).
+      nonfinite_tokens: i32[] tokens whose router logits hold NaN/Inf (from x or the router);
+      0 in a healthy step. Check it after the step: no host callback inside it.
     """
     sums = {name: reduce(value) for name, value in sums.items()}
     num_tokens = sums["num_tokens"]
@@ -240,6 +253,7 @@ def finish_aux(
         "tc_counts": sums["tc_counts"],
         **stats,
         "capacity_dropped_rows": sums.get("capacity_dropped_rows", jnp.zeros((), jnp.int32)),
+        "nonfinite_tokens": sums["nonfinite_tokens"],
     }
 
 

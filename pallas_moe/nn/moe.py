@@ -154,12 +154,20 @@ class MoE(nnx.Module):
       expert_parallel: an `ExpertParallel` to shard experts over a mesh axis (see
         `pallas_moe.nn.expert_parallel`); None runs on one device (or under plain jit
         sharding).
+      check_finite: NaN/Inf checks of x, the router, the selection bias and the router
+        logits, in that order (so a NaN in x is reported as x). None (default): eager
+        calls raise a `ValueError`; under `jit` nothing is checked and nothing is paid (read
+        `aux["nonfinite_tokens"]` after the step instead). True: also under `jit`, through
+        `jax.experimental.checkify` (wrap the jitted step in `checkify.checkify` and call
+        `err.throw()`); no host callback, so it works under expert parallelism. False: never.
 
     Call: `y, aux = layer(x, key=None)`; x [..., d_model] float; y has x's leading shape and
     the compute dtype; `key` overrides the stream for stochastic rounding. `aux` is a dict
     (see `functional.finish_aux`): "loss" (the weighted aux total to add to the task loss),
     "load_balance_loss", "z_loss", "counts", "tc_counts", "dropped_rows", "added_rows",
-    "padding_rows", "padding_fraction", "tc_padding_rows", "tc_padding_fraction", "max_load".
+    "padding_rows", "padding_fraction", "tc_padding_rows", "tc_padding_fraction", "max_load",
+    "capacity_dropped_rows", and "nonfinite_tokens" (i32[], tokens whose router logits hold
+    NaN/Inf: a cheap on-device flag a trainer can read after the step).
     """
 
     def __init__(
@@ -196,6 +204,7 @@ class MoE(nnx.Module):
         router_bias: bool = False,
         expert_bias: bool = False,
         activation: SwiGLU = SwiGLU(),
+        check_finite: bool | None = None,
     ):
         d_model = _checks.check_positive_int("d_model", d_model)
         d_expert = _checks.check_positive_int("d_expert", d_expert)
@@ -221,8 +230,9 @@ class MoE(nnx.Module):
             if num_shared_experts == 0:
                 raise ValueError("d_shared is set but num_shared_experts=0; set num_shared_experts >= 1.")
         _checks.check_choice("backend", backend, BACKENDS)
-        if not (isinstance(bias_update_rate, (int, float)) and bias_update_rate >= 0):
-            raise ValueError(f"bias_update_rate must be a non-negative number, got {bias_update_rate!r}.")
+        _checks.check_finite_number("bias_update_rate", bias_update_rate, minimum=0.0)
+        if check_finite not in (None, True, False):
+            raise ValueError(f"check_finite must be None, True or False, got {check_finite!r}.")
         if expert_parallel is not None:
             if not isinstance(expert_parallel, ExpertParallel):
                 raise TypeError(
@@ -236,6 +246,7 @@ class MoE(nnx.Module):
         self.dtype, self.param_dtype = dtype, param_dtype
         self.bias_update_rate = float(bias_update_rate)
         self.expert_parallel = expert_parallel
+        self.check_finite = check_finite
 
         router_init = router_init or nnx.initializers.normal(stddev=d_model**-0.5)
         gate_up_init = kernel_init or expert_init()
@@ -340,6 +351,9 @@ class MoE(nnx.Module):
         _checks.check_floating("x", x)
         if x.ndim < 1 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be [..., d_model={self.d_model}], got shape {tuple(x.shape)}.")
+        # A NumPy array becomes a jax one with jax's dtype (float64 -> float32 unless x64 is
+        # on), so its dtype promotes with the parameters as a jax array's would.
+        x = jnp.asarray(x)
         dtype = self.compute_dtype(x)
         xt = x.reshape(-1, self.d_model).astype(dtype)  # [T, d]
         if self.config.routing == "token_rounding" and self.config.rounding == "stochastic" and key is None:
@@ -353,16 +367,22 @@ class MoE(nnx.Module):
         if self.b_gate_up is not None:
             ffn_options["b_gate_up"] = self.b_gate_up[...].astype(dtype)  # [E, 2n]
             ffn_options["b_down"] = self.b_down[...].astype(dtype)  # [E, d]
+        # Inputs first: a NaN in x would otherwise surface as NaN router logits.
+        _checks.check_finite("x", xt, self.check_finite)
+        _checks.check_finite("router", router, self.check_finite)
 
         if self.expert_parallel is None:
             logits = F.router_logits(xt, router, router_bias)  # f32[T, E]
-            plan, counts = F.route(logits, self.config, bias=bias, key=key)
+            plan, counts = F.route(
+                logits, self.config, bias=bias, key=key, check_finite=self.check_finite
+            )
             y = moe_ffn(xt, plan, w_gate_up, w_down, backend=self.backend, **ffn_options)  # [T, d]
             aux = F.finish_aux(F.router_sums(logits, counts), self.config)
         else:
             y, aux = expert_parallel_moe(
                 xt, router, w_gate_up, w_down, self.config, self.expert_parallel,
-                bias=bias, key=key, backend=self.backend, router_bias=router_bias, **ffn_options,
+                bias=bias, key=key, backend=self.backend, router_bias=router_bias,
+                check_finite=self.check_finite, **ffn_options,
             )  # [T, d]
         if self.shared_gate_up is not None:
             shared = F.swiglu_mlp(
@@ -379,11 +399,12 @@ class MoE(nnx.Module):
 
         Call once per step after the forward, outside the optimizer (under `nnx.jit` if the
         train step is jitted). `aux` is this layer's aux (for a scanned stack, the stacked
-        aux of all layers: each layer's bias moves with its own counts).
+        aux of all layers: each layer's bias moves with its own counts). `rate` (default:
+        `bias_update_rate`) must be a finite number >= 0; NaN or Inf raises a `ValueError`.
         """
         if self.selection_bias is None:
             raise ValueError("update_bias needs a layer built with selection_bias=True.")
-        rate = self.bias_update_rate if rate is None else rate
+        rate = _checks.check_finite_number("rate", self.bias_update_rate if rate is None else rate, minimum=0.0)
         counts = aux["tc_counts"]  # [E], or [L, E] for a stack of layers
         update = jnp.vectorize(
             lambda b, c: update_selection_bias(b, c, rate), signature="(e),(e)->(e)"

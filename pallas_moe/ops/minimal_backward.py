@@ -73,12 +73,15 @@ def moe_ffn_backward(
 
     def step(carry, rows, valid, tok, s, e):  # [c, bm] x4, [c]
         dx, dw1, dw2, d_scores, db1, db2 = carry
-        # Slots past a tile's rows read row 0, which the forward never wrote when the plan
-        # has no real rows (token rounding can drop all): zero them so NaN * 0 can't leak.
-        h_t = jnp.where(valid[..., None], h[rows], 0)  # [c, bm, 2n]
-        do_t = grad_out[tok]  # [c, bm, d] gather of dO
-        x_t = x[tok]  # [c, bm, d] gather of X
+        # Slots past a tile's rows read row 0 / token 0: select them to 0 (a multiply by
+        # their score of 0 is not enough, NaN * 0 is NaN), so a NaN/Inf in token 0, in the
+        # tile's expert weights or in a row the forward never wrote stays where it is.
+        slot_is_row = valid[..., None]  # [c, bm, 1]
+        h_t = jnp.where(slot_is_row, h[rows], 0)  # [c, bm, 2n]
+        do_t = jnp.where(slot_is_row, grad_out[tok], 0)  # [c, bm, d] gather of dO
+        x_t = jnp.where(slot_is_row, x[tok], 0)  # [c, bm, d] gather of X
         da = jnp.einsum("cmd,cnd->cmn", do_t, w_down[e], preferred_element_type=jnp.float32)
+        da = jnp.where(slot_is_row, da, 0.0)  # 0 @ W2[e] is NaN where W2[e] holds NaN
         a = activation(h_t)  # f32[c, bm, n]
         ds = jnp.sum(da * a, axis=-1)  # [c, bm]
         if with_biases:
@@ -91,8 +94,7 @@ def moe_ffn_backward(
         dw2_t = jnp.einsum("cmn,cmd->cnd", a_scaled, do_t, preferred_element_type=jnp.float32)
         dw1_t = jnp.einsum("cmd,cmf->cdf", x_t, dh, preferred_element_type=jnp.float32)
         dx_rows = jnp.einsum("cmf,cdf->cmd", dh, w_gate_up[e], preferred_element_type=jnp.float32)
-        dx_rows = dx_rows.astype(dtype).astype(jnp.float32)
-        # Invalid slots have s=0, so dh, a_scaled and their products are exactly 0 there.
+        dx_rows = jnp.where(slot_is_row, dx_rows.astype(dtype).astype(jnp.float32), 0.0)
         dx = dx.at[tok.reshape(-1)].add(dx_rows.reshape(-1, d))
         dw1 = dw1.at[e].add(dw1_t)
         dw2 = dw2.at[e].add(dw2_t)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from pallas_moe import _checks
 from pallas_moe.ops.activation import SwiGLU, check_activation
 from pallas_moe.ops.xla import moe_ffn_xla
-from pallas_moe.routing.plan import DispatchPlan
+from pallas_moe.routing.plan import DispatchPlan, validate_plan
 
 Backend = Literal["auto", "mosaic", "interpret", "xla"]
 BACKENDS = ("auto", "mosaic", "interpret", "xla")
@@ -91,13 +91,22 @@ def resolve_backend(backend: str, x: jax.Array | None = None, w_down: jax.Array 
     """Maps "auto" to "mosaic" where the kernels apply, and to "xla" elsewhere.
 
     The kernels apply on a Hopper GPU (compute capability 9.0) to bf16 inputs whose widths
-    `d` and `n` are multiples of 64. An explicit "mosaic" outside that raises instead.
+    `d` and `n` are multiples of 64. An explicit "mosaic" without a Hopper GPU raises a
+    `ValueError` (the kernels' own checks name a wrong dtype or width).
     """
     _checks.check_choice("backend", backend, BACKENDS)
+    device = jax.devices()[0]
+    on_hopper = device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+    if backend == "mosaic" and not on_hopper:
+        found = f"{device.platform} device {getattr(device, 'device_kind', '')!r}"
+        raise ValueError(
+            "backend='mosaic' needs a Hopper GPU (compute capability 9.0, sm_90a); the default "
+            f"device here is a {found}. Use backend='auto' or 'xla' (or 'interpret' to run "
+            "the kernels in GPU interpret mode on CPU, slowly)."
+        )
     if backend != "auto":
         return backend
-    device = jax.devices()[0]
-    if device.platform != "gpu" or getattr(device, "compute_capability", "") != "9.0":
+    if not on_hopper:
         return "xla"
     if x is not None and w_down is not None:
         n, d = w_down.shape[1:]
@@ -117,6 +126,7 @@ def moe_ffn(
     activation: SwiGLU = SwiGLU(),
     backend: Backend = "auto",
     config=None,
+    validate: bool = False,
 ) -> jax.Array:
     """Gated (SwiGLU) Mixture-of-Experts feed-forward over a dispatch plan.
 
@@ -140,6 +150,9 @@ def moe_ffn(
         `backend="xla"` it is an error, with "auto" it is ignored where "xla" is chosen.
         The kernels do not implement expert biases or the clamped activation yet: "auto"
         picks "xla" for them and an explicit kernel backend raises a ValueError.
+      validate: check the plan's values with `pm.routing.validate_plan` first (for hand-built
+        plans; eager: `ValueError`, under `jit`: a checkify check). Off by default: plans from
+        `topk_plan` / `token_rounding_plan` are valid by construction.
 
     Returns:
       [T, d] in x.dtype. Differentiable in x, both weights, both biases and `plan.scores`.
@@ -159,12 +172,14 @@ def moe_ffn(
     unsupported = kernel_unsupported_options(activation, b_gate_up, b_down)
     if backend == "auto" and unsupported:
         backend = "xla"
-    backend = resolve_backend(backend, x, w_down)
-    if backend != "xla" and unsupported:
+    if validate:
+        validate_plan(plan, x.shape[0])
+    if backend in ("mosaic", "interpret") and unsupported:
         raise ValueError(
             f"backend={backend!r}: the Mosaic GPU kernels do not implement {', '.join(unsupported)} "
             "yet; use backend='xla' or 'auto'."
         )
+    backend = resolve_backend(backend, x, w_down)
     if backend == "xla":
         return moe_ffn_xla(
             x, plan, w_gate_up, w_down, b_gate_up=b_gate_up, b_down=b_down, activation=activation

@@ -28,6 +28,8 @@ def scan_row_tiles(plan: DispatchPlan, step, init, *, block_m: int, tiles_per_st
     `step(carry, rows, valid, token, score, expert) -> carry` gets `rows`, `valid`, `token`,
     `score` of shape [c, bm] and `expert` of shape [c]. Invalid slots have row 0, token 0
     and score 0. Padding tiles (past the real ones) are empty and repeat the last expert.
+    A `step` must mask invalid slots with a select (`jnp.where(valid, ...)`), never rely on
+    the score of 0: NaN * 0 is NaN, so a NaN in token 0 or in the tile's expert would leak.
     """
     tiles = tile_schedule(plan.group_sizes, plan.capacity, block_m)
     num_tiles = tiles.max_tiles
@@ -87,7 +89,11 @@ def moe_ffn_xla(
     dtype = x.dtype
 
     def step(out, rows, valid, tok, s, e):  # [c, bm] x4, [c]
-        xt = x[tok]  # [c, bm, d]
+        slot_is_row = valid[..., None]  # [c, bm, 1]
+        # Selects, not a multiply by the invalid slots' score of 0: a NaN/Inf in token 0 (the
+        # slots' source) or in the tile's expert weights must not reach other tokens or experts,
+        # in the forward or (through the selects' VJPs) in the gradients.
+        xt = jnp.where(slot_is_row, x[tok], 0)  # [c, bm, d]
         h = jnp.einsum("cmd,cdf->cmf", xt, w_gate_up[e], preferred_element_type=jnp.float32)
         if b_gate_up is not None:
             h = h + b_gate_up[e][:, None, :].astype(jnp.float32)
@@ -95,7 +101,7 @@ def moe_ffn_xla(
         y = jnp.einsum("cmn,cnd->cmd", a, w_down[e], preferred_element_type=jnp.float32)
         if b_down is not None:
             y = y + b_down[e][:, None, :].astype(jnp.float32)
-        y = y.astype(dtype).astype(jnp.float32) * s[..., None]  # [c, bm, d]
+        y = jnp.where(slot_is_row, y.astype(dtype).astype(jnp.float32) * s[..., None], 0.0)  # [c, bm, d]
         # Tiles go in ascending expert order and a token meets each expert once, so every
         # token's sum runs in ascending expert order, as in the aggregation kernel.
         return out.at[tok.reshape(-1)].add(y.reshape(-1, d))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_moe import _checks
 from pallas_moe.routing.plan import DispatchPlan
 
 
@@ -43,8 +44,10 @@ def update_selection_bias(bias: jax.Array, counts: jax.Array, rate: float) -> ja
     Args:
       bias: f32[E] current selection bias.
       counts: i32[E] rows per expert in the last step.
-      rate: update speed (DeepSeek-V3 used 1e-3).
+      rate: update speed (DeepSeek-V3 used 1e-3); a finite number >= 0 (a NaN or Inf rate
+        would move every expert's bias to NaN / +-Inf and route all tokens to one expert).
     """
+    rate = _checks.check_finite_number("rate", rate, minimum=0.0)
     counts = counts.astype(jnp.float32)
     return bias + rate * jnp.sign(jnp.mean(counts) - counts)
 

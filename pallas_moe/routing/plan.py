@@ -18,6 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_moe import _checks
+
 
 @functools.partial(
     jax.tree_util.register_dataclass,
@@ -230,3 +232,121 @@ def tile_schedule(group_sizes: jax.Array, capacity: int, block_m: int) -> TileSc
     row_start = jnp.where(is_real, row_start, num_rows)
     row_end = jnp.where(is_real, row_end, num_rows)
     return TileSchedule(expert=expert, row_start=row_start, row_end=row_end, block_m=block_m)
+
+
+def validate_plan(plan: DispatchPlan, num_tokens: int) -> None:
+    """Checks a (hand-built) plan against the layout every `moe_ffn` backend relies on.
+
+    The backends trust the plan: an out-of-range token id is clamped by a gather and
+    dropped by a scatter, so a malformed plan gives wrong numbers without an error. Call
+    this on plans not made by `topk_plan` / `token_rounding_plan`, or pass
+    `pm.moe_ffn(..., validate=True)`.
+
+    Structure (shapes, dtypes, `num_tokens`) is checked at once. Values are checked eagerly
+    (a `ValueError` naming the field) or, under `jit`, through `jax.experimental.checkify`
+    (wrap the jitted function in `checkify.checkify` and call `err.throw()`).
+
+    Checked: `group_sizes >= 0` and `sum(group_sizes) <= P`; real rows' token ids in
+    `[0, T)` and scores finite; padding rows hold token 0 and score 0; `token_row_offsets`
+    starts at 0, never decreases and ends at `sum(group_sizes)`; `rows_by_token` lists every
+    real row once, each under its own token, a token's rows in strictly ascending expert
+    order, and its padding slots point at themselves.
+
+    Args:
+      plan: the `DispatchPlan` to check.
+      num_tokens: T, the number of tokens of the `x` it will be applied to.
+    """
+    if not isinstance(plan, DispatchPlan):
+        raise TypeError(f"plan must be a pallas_moe.routing.DispatchPlan, got {type(plan).__name__}.")
+    num_tokens = _checks.check_positive_int("num_tokens", num_tokens)
+    capacity = plan.capacity
+    for name, ndim_shape, kind in (
+        ("token_ids", (capacity,), "integer"),
+        ("scores", (capacity,), "floating"),
+        ("group_sizes", None, "integer"),
+        ("is_token_choice", (capacity,), "bool"),
+        ("rows_by_token", (capacity,), "integer"),
+        ("token_row_offsets", (num_tokens + 1,), "integer"),
+    ):
+        value = getattr(plan, name)
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise TypeError(f"plan.{name} must be an array, got {type(value).__name__}.")
+        if ndim_shape is None and value.ndim != 1:
+            raise ValueError(f"plan.group_sizes must be [E], got shape {tuple(value.shape)}.")
+        if ndim_shape is not None and tuple(value.shape) != ndim_shape:
+            hint = " (T + 1, with T from num_tokens)" if name == "token_row_offsets" else " ([P], as token_ids)"
+            raise ValueError(f"plan.{name} must have shape {ndim_shape}{hint}, got {tuple(value.shape)}.")
+        dtype_kind = {"integer": jnp.integer, "floating": jnp.floating, "bool": jnp.bool_}[kind]
+        if not jnp.issubdtype(value.dtype, dtype_kind):
+            raise TypeError(f"plan.{name} must be a {kind} array, got dtype {value.dtype}.")
+
+    sizes = jnp.asarray(plan.group_sizes, jnp.int32)  # [E]
+    num_rows = jnp.sum(sizes)
+    row = jnp.arange(capacity, dtype=jnp.int32)  # [P], also the slots of rows_by_token
+    real = row < num_rows  # [P]
+    tok = jnp.asarray(plan.token_ids, jnp.int32)  # [P]
+    scores = jnp.asarray(plan.scores)  # [P]
+    require = _checks.require
+
+    require(jnp.all(sizes >= 0), "plan.group_sizes must be >= 0, got a minimum of {low}.", low=jnp.min(sizes))
+    require(
+        num_rows <= capacity,
+        f"plan.group_sizes sum to {{total}} rows, past the plan's row capacity P={capacity}.",
+        total=num_rows,
+    )
+    count = jnp.sum(real & ((tok < 0) | (tok >= num_tokens)))
+    require(
+        count == 0, f"plan.token_ids: {{count}} real rows hold a token id outside [0, T={num_tokens}).",
+        count=count,
+    )
+    count = jnp.sum(real & ~jnp.isfinite(scores))
+    require(count == 0, "plan.scores: {count} real rows hold NaN or Inf.", count=count)
+    count = jnp.sum(~real & ((tok != 0) | (scores != 0)))
+    require(
+        count == 0,
+        "plan padding rows (past sum(group_sizes)) must hold token id 0 and score 0 in "
+        "token_ids and scores; {count} do not.",
+        count=count,
+    )
+
+    offsets = jnp.asarray(plan.token_row_offsets, jnp.int32)  # [T+1]
+    decreases = jnp.sum(offsets[1:] < offsets[:-1])
+    require(
+        (offsets[0] == 0) & (decreases == 0) & (offsets[-1] == num_rows),
+        "plan.token_row_offsets must start at 0, never decrease and end at sum(group_sizes)="
+        "{total}; got first {first}, last {last} and {decreases} decreases.",
+        total=num_rows, first=offsets[0], last=offsets[-1], decreases=decreases,
+    )
+
+    by_token = jnp.asarray(plan.rows_by_token, jnp.int32)  # [P]
+    in_range = real & (by_token >= 0) & (by_token < num_rows)  # slot j < num_rows pointing at a real row
+    times_listed = jnp.zeros((capacity + 1,), jnp.int32).at[jnp.where(in_range, by_token, capacity)].add(1)
+    count = (
+        jnp.sum(real & ~in_range)
+        + jnp.sum(real & (times_listed[:capacity] != 1))
+        + jnp.sum(~real & (by_token != row))
+    )
+    require(
+        count == 0,
+        "plan.rows_by_token must list every real row exactly once in its first sum(group_sizes) "
+        "slots, and point each padding slot at itself; {count} slots or rows do not.",
+        count=count,
+    )
+    token_of_slot = jnp.searchsorted(offsets[1:], row, side="right")  # [P]
+    listed_row = jnp.where(in_range, by_token, 0)  # [P]
+    count = jnp.sum(in_range & (tok[listed_row] != token_of_slot))
+    require(
+        count == 0,
+        "plan.rows_by_token: {count} slots of a token (by token_row_offsets) point at rows of "
+        "another token (by token_ids).",
+        count=count,
+    )
+    expert = plan.expert_ids[listed_row]  # [P] expert of each slot's row
+    same_token = (token_of_slot[1:] == token_of_slot[:-1]) & real[1:]  # [P-1]
+    count = jnp.sum(same_token & (expert[1:] <= expert[:-1]))
+    require(
+        count == 0,
+        "plan.rows_by_token: {count} rows of a token are not in strictly ascending expert "
+        "order (a token meets each expert at most once, in ascending order).",
+        count=count,
+    )

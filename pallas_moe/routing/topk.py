@@ -38,8 +38,8 @@ def check_router_inputs(
 ) -> int:
     """Validates router inputs; returns k as an int. Shared by every router.
 
-    `check_finite` is `_checks.check_finite`'s mode for the logits: None checks eager
-    values only (no cost under `jit`), True also checks under `jit` through checkify.
+    `check_finite` is `_checks.check_finite`'s mode for the bias and the logits: None checks
+    eager values only (no cost under `jit`), True also checks under `jit` through checkify.
     """
     _checks.check_floating("logits", logits, ndim=2)
     num_tokens, num_experts = logits.shape
@@ -55,6 +55,8 @@ def check_router_inputs(
         _checks.check_floating("bias", bias, ndim=1)
         if bias.shape != (num_experts,):
             raise ValueError(f"bias must have shape [E]=({num_experts},), got {bias.shape}.")
+        # A non-finite bias silently routes every token to the experts it makes +inf / NaN.
+        _checks.check_finite("bias", bias, check_finite)
     _checks.check_finite("logits", logits, check_finite)
     return k
 
@@ -147,14 +149,19 @@ def topk_weights(
 
     `experts` i32[T, K] are the selected experts (any order). "topk_softmax" takes a softmax
     over the K selected logits; the others take the probabilities, rescaled to sum to 1 per
-    token if `renormalize`.
+    token if `renormalize` (as a softmax of log p over the selected experts: never 0/0, even
+    where every selected sigmoid underflows at logits <= -90). Every implementation of the
+    router computes its weights here.
     """
+    logits = logits.astype(jnp.float32)
     if score == "topk_softmax":
-        return jax.nn.softmax(jnp.take_along_axis(logits.astype(jnp.float32), experts, 1), axis=-1)
-    weights = jnp.take_along_axis(probs, experts, axis=1)  # [T, K]
+        return jax.nn.softmax(jnp.take_along_axis(logits, experts, 1), axis=-1)
     if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights
+        log_probs = (
+            jax.nn.log_sigmoid(logits) if score == "sigmoid" else jax.nn.log_softmax(logits, axis=-1)
+        )
+        return jax.nn.softmax(jnp.take_along_axis(log_probs, experts, 1), axis=-1)
+    return jnp.take_along_axis(probs, experts, axis=1)  # [T, K]
 
 
 def topk_assignment(
@@ -191,13 +198,9 @@ def topk_assignment(
     selection_score = selection_scores(logits, probs, score, bias, num_groups, topk_groups)
     _, top_idx = jax.lax.top_k(selection_score, k)  # [T, K]
     selected = jnp.sum(jax.nn.one_hot(top_idx, num_experts, dtype=jnp.int32), axis=1) > 0  # [T, E]
-    if score == "topk_softmax":
-        masked = jnp.where(selected, logits, -jnp.inf)
-        weights = jax.nn.softmax(masked, axis=-1)  # [T, E], zero off the top-K
-    else:
-        weights = jnp.where(selected, probs, 0.0)
-        if renormalize:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights_k = topk_weights(logits, probs, top_idx, score, renormalize)  # [T, K]
+    token = jnp.arange(logits.shape[0])[:, None]
+    weights = jnp.zeros_like(logits).at[token, top_idx].set(weights_k)  # [T, E], 0 off top-K
     return selected, weights
 
 
