@@ -321,10 +321,10 @@ def default_up_cfgs(d, n):
 
 
 def gather_up_cfgs(d, n):
-    """The TMA row gather (today's default) against the cp.async gather, same tile shapes."""
-    cands = [ForwardConfig.for_shape(d, n).up]
-    for bm, bn, stages, cons in [(64, 128, 3, 2), (128, 128, 4, 2), (128, 128, 3, 2),
-                                 (64, 128, 4, 1), (128, 64, 4, 2)]:
+    """The TMA row gather against the cp.async gather (the default), several tile shapes."""
+    cands = [ForwardConfig.for_shape(d, n, gather="tma").up]
+    for bm, bn, stages, cons in [(64, 128, 3, 2), (128, 128, 4, 2), (64, 64, 5, 2),
+                                 (64, 64, 4, 2), (64, 128, 4, 1)]:
         cands.append(UpProjConfig(block_m=bm, block_n=bn, num_stages=stages,
                                   num_consumers=cons, gather="cp_async"))
     out = []

@@ -414,15 +414,17 @@ def test_real_widths_have_configs(d, n):
 # ----------------------------------------------------------------------------- cuda lowering
 
 
-def _lower_for_cuda(num_tokens, d, n, num_experts, k):
+def _lower_for_cuda(num_tokens, d, n, num_experts, k, gather="cp_async"):
     args = _abstract_args(num_tokens, d, n, num_experts, k)
-    f = jax.jit(functools.partial(moe_backward, interpret=False))
+    config = BackwardConfig.for_shape(d, n, gather=gather)
+    f = jax.jit(functools.partial(moe_backward, interpret=False, config=config))
     return f.trace(*args).lower(lowering_platforms=("cuda",))
 
 
-def test_lowers_for_cuda_7b():
-    """Production block sizes at the 7B shape lower for cuda (SMEM limits are checked)."""
-    _lower_for_cuda(24576, 1536, 256, 128, 8)
+@pytest.mark.parametrize("gather", ["cp_async", "tma"])
+def test_lowers_for_cuda_7b(gather):
+    """Production block sizes at the 7B shape lower for cuda, with either row loader."""
+    _lower_for_cuda(24576, 1536, 256, 128, 8, gather)
 
 
 @pytest.mark.slow

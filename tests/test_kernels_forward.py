@@ -100,12 +100,14 @@ LOWERING_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("gather", ["cp_async", "tma"])
 @pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_forward_lowers_for_cuda(shape):
+def test_forward_lowers_for_cuda(shape, gather):
     t, d, n, e, k = shape
     sds = jax.ShapeDtypeStruct
+    config = ForwardConfig.for_shape(d, n, gather=gather)
     _lower(
-        lambda x, p, a, b: moe_forward(x, p, a, b),
+        lambda x, p, a, b: moe_forward(x, p, a, b, config=config),
         sds((t, d), jnp.bfloat16), _abstract_plan(t, e, k),
         sds((e, d, 2 * n), jnp.bfloat16), sds((e, n, d), jnp.bfloat16),
     )

@@ -33,7 +33,7 @@ class KernelConfig:
 
     @classmethod
     def for_shape(
-        cls, d: int, n: int, *, gather: str = "tma", num_sms: int | None = None
+        cls, d: int, n: int, *, gather: str = "cp_async", num_sms: int | None = None
     ) -> "KernelConfig":
         """The default configs for model width `d` and expert width `n`, with the given row
         loader ("tma" or "cp_async") in every gathering kernel and `num_sms` persistent CTAs

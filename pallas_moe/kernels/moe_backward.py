@@ -44,13 +44,14 @@ class BackwardConfig:
 
     @classmethod
     def for_shape(
-        cls, d: int, n: int, *, num_sms: int | None = None, gather: str = "tma", **overrides
+        cls, d: int, n: int, *, num_sms: int | None = None, gather: str = "cp_async", **overrides
     ) -> "BackwardConfig":
         """Default block sizes dividing the model width `d` and expert width `n`.
 
         Both must be multiples of 64 (`ValueError` naming the argument otherwise). `num_sms`:
         CTAs of the persistent dX~ kernel (default: the device's SM count). `gather`: the row
-        loader of dH and both weight gradients, "tma" or "cp_async" (see `DHConfig.gather`).
+        loader of dH and both weight gradients, "cp_async" (default) or "tma" (see
+        `DHConfig.gather`).
         `overrides` may replace any of the five configs.
         """
         if gather not in _common.GATHER_MODES:

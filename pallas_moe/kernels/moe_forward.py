@@ -38,13 +38,15 @@ class ForwardConfig:
 
     @classmethod
     def for_shape(
-        cls, d: int, n: int, *, num_sms: int | None = None, gather: str = "tma", **overrides
+        cls, d: int, n: int, *, num_sms: int | None = None, gather: str = "cp_async", **overrides
     ) -> "ForwardConfig":
         """Default block sizes that divide the model widths `d` and `n` (both multiples of 64).
 
         `num_sms`: CTAs of the persistent down-proj (default: the device's SM count, 132 on
-        H100). `gather`: the up-proj's row loader, "tma" or "cp_async" (see
-        `UpProjConfig.gather`). `overrides` may replace the `up`, `down` or `aggregate` configs.
+        H100). `gather`: the up-proj's row loader, "cp_async" (default: measured faster on
+        the H100, bitwise the same result) or "tma" (see `UpProjConfig.gather`; interpret mode
+        always runs the TMA loader). `overrides` may replace the `up`, `down` or `aggregate`
+        configs.
         """
         if num_sms is None:
             num_sms = default_num_sms()

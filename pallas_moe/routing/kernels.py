@@ -25,8 +25,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-# Elements of one [block_t, E] tile a program holds; keeps registers per thread bounded.
-_TILE_ELEMS = 8192
 _INT32_MIN = -(2**31)
 
 
@@ -35,8 +33,18 @@ def next_pow2(v: int) -> int:
 
 
 def block_tokens(num_experts: int) -> int:
-    """Tokens per program: a power of two in [16, 128] with `block_t * E_pad <= 8192`."""
-    return max(16, min(128, _TILE_ELEMS // next_pow2(num_experts)))
+    """Tokens per top-K program: 8, or 4 past 128 experts.
+
+    Measured on an H100 (benchmarks/RESULTS.md, routing sweep): the kernel is fastest with
+    small blocks and about 8 elements of the [block_t, E] tile per thread; 64-token blocks
+    were 5x slower (registers spill).
+    """
+    return 8 if next_pow2(num_experts) <= 128 else 4
+
+
+def block_warps(num_experts: int) -> int:
+    """Warps per top-K program: about 8 tile elements per thread, 1 to 8 warps."""
+    return max(1, min(8, block_tokens(num_experts) * next_pow2(num_experts) // 256))
 
 
 def total_order_key(x: jax.Array) -> jax.Array:
@@ -112,7 +120,7 @@ def _params(num_warps: int):
 @functools.partial(jax.jit, static_argnames=("k", "interpret", "block_t", "num_warps"))
 def topk_blocks(
     scores: jax.Array, k: int, *, interpret: bool = False, block_t: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ):
     """Top-K per token with the block statistics that place the pairs in grouped order.
 
@@ -121,7 +129,7 @@ def topk_blocks(
       k: experts per token, 1 <= k <= E.
       interpret: run the kernel in Pallas interpret mode (CPU).
       block_t: tokens per program (a power of two; default `block_tokens(E)`).
-      num_warps: warps per program.
+      num_warps: warps per program (default `block_warps(E)`).
 
     Returns:
       experts i32[T, K]: each token's experts in ascending order.
@@ -130,6 +138,7 @@ def topk_blocks(
     """
     num_tokens, num_experts = scores.shape
     block_t = block_t or block_tokens(num_experts)
+    num_warps = num_warps or block_warps(num_experts)
     num_blocks = pl.cdiv(num_tokens, block_t)
     kernel = functools.partial(
         _topk_block_kernel, k=k, num_tokens=num_tokens, num_experts=num_experts,

@@ -1,0 +1,139 @@
+"""The fast top-K routing paths against the dense reference, row for row.
+
+`topk_plan(impl=...)`: "dense" is the original O(T*E) formulation and the reference here;
+"sort" is the O(T*K) jnp path (the CPU default); "interpret" runs the Pallas routing kernels
+(`routing/kernels.py`, the GPU default) in interpret mode. All must give the same plan
+(token ids, group sizes, CSR order exactly; scores to float rounding) and the same gradient
+to the logits, across shapes, ties, skew, biases, grouped top-K, E = 1 and K = 1, and
+T not a multiple of the kernel's token block. The real kernels are checked on the GPU by
+`tests/test_gpu.py` and lowered for cuda here.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import pallas_moe as pm
+from pallas_moe.routing import kernels
+
+EXACT_FIELDS = ("token_ids", "group_sizes", "is_token_choice", "rows_by_token", "token_row_offsets")
+# Few shapes, so jitted programs are reused across hypothesis examples.
+SHAPES = [(1, 1, 1), (7, 5, 2), (9, 8, 8), (33, 12, 3), (40, 64, 6), (13, 130, 4)]
+
+
+@functools.partial(jax.jit, static_argnames=("k", "impl", "score", "renormalize", "groups"))
+def plan_and_grad(logits, bias, weights, *, k, impl, score, renormalize, groups):
+    num_groups, topk_groups = groups if groups else (None, None)
+
+    def f(logits):
+        plan = pm.routing.topk_plan(
+            logits, k, score=score, renormalize=renormalize, bias=bias, impl=impl,
+            num_groups=num_groups, topk_groups=topk_groups, check_finite=False,
+        )
+        return jnp.sum(plan.scores * weights), plan
+
+    (_, plan), grad = jax.value_and_grad(f, has_aux=True)(logits)
+    return plan, grad
+
+
+def assert_same_plan(got, want, got_grad, want_grad):
+    for field in EXACT_FIELDS:
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=2e-6, atol=1e-7)
+    scale = max(float(jnp.max(jnp.abs(want_grad))), 1e-30)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-5 * scale)
+
+
+@st.composite
+def case(draw):
+    T, E, K = draw(st.sampled_from(SHAPES))
+    k = draw(st.integers(1, K))
+    score = draw(st.sampled_from(["softmax_topk", "topk_softmax", "sigmoid"]))
+    renormalize = draw(st.booleans()) and score != "topk_softmax"
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    logits = rng.normal(size=(T, E)).astype(np.float32)
+    if draw(st.booleans()):  # ties: coarse logits, and equal rows
+        logits = np.round(logits * 2) / 2
+        logits[: T // 2] = logits[0]
+    logits[:, : max(1, E // 4)] += draw(st.sampled_from([0.0, 3.0]))  # skew
+    bias = rng.normal(size=(E,)).astype(np.float32) * 0.1 if score == "sigmoid" and draw(st.booleans()) else None
+    groups = None
+    if E in (8, 12, 64) and draw(st.booleans()):
+        num_groups = {8: 4, 12: 3, 64: 8}[E]
+        topk_groups = draw(st.integers(1, num_groups))
+        if k <= topk_groups * (E // num_groups):
+            groups = (num_groups, topk_groups)
+    return logits, bias, k, score, renormalize, groups
+
+
+@settings(max_examples=40, deadline=None)
+@given(case(), st.sampled_from(["sort", "interpret"]))
+def test_fast_impls_equal_dense(c, impl):
+    logits, bias, k, score, renormalize, groups = c
+    weights = jnp.arange(logits.shape[0] * k, dtype=jnp.float32) % 7 - 3.0
+    kw = dict(k=k, score=score, renormalize=renormalize, groups=groups)
+    want, want_grad = plan_and_grad(logits, bias, weights, impl="dense", **kw)
+    got, got_grad = plan_and_grad(logits, bias, weights, impl=impl, **kw)
+    assert_same_plan(got, want, got_grad, want_grad)
+
+
+@pytest.mark.parametrize("impl", ["sort", "interpret"])
+def test_total_order_ties_like_lax_top_k(impl):
+    """-0.0 < +0.0 and NaN above everything, as `jax.lax.top_k` ranks (unchecked logits)."""
+    logits = jnp.array([[-0.0, 0.0, -0.0, 1e-45], [jnp.nan, 1.0, jnp.inf, 2.0], [3.0] * 4])
+    want, _ = plan_and_grad(logits, None, jnp.ones(6), k=2, impl="dense", score="topk_softmax",
+                            renormalize=False, groups=None)
+    got, _ = plan_and_grad(logits, None, jnp.ones(6), k=2, impl=impl, score="topk_softmax",
+                           renormalize=False, groups=None)
+    for field in EXACT_FIELDS:
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+
+
+def test_topk_blocks_outputs():
+    """Each token's experts ascending; local ranks and block histograms add up."""
+    T, E, K = 37, 12, 3
+    sel = jax.random.normal(jax.random.key(0), (T, E))
+    experts, local_rank, counts = kernels.topk_blocks(sel, K, interpret=True, block_t=8)
+    top = np.sort(np.asarray(jax.lax.top_k(sel, K)[1]), axis=1)
+    np.testing.assert_array_equal(experts, top)
+    ex = np.asarray(experts)
+    for t in range(T):
+        b0 = t // 8 * 8
+        for j in range(K):
+            earlier = np.sum(ex[b0:t] == ex[t, j])
+            assert local_rank[t, j] == earlier
+    np.testing.assert_array_equal(
+        np.asarray(counts).sum(0), np.bincount(ex.ravel(), minlength=E)
+    )
+    assert counts.shape == (5, E)
+
+
+def _abstract_h100_mesh():
+    from jax._src.mesh import AbstractDevice
+
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+@pytest.mark.parametrize("shape", [(32768, 128, 8), (16384, 512, 10), (64, 60, 4), (24576, 256, 16)])
+def test_routing_kernels_lower_for_cuda(shape):
+    """The Triton lowering at production sizes (an abstract H100 stands in for the device)."""
+    T, E, K = shape
+    f = jax.jit(lambda l: pm.routing.topk_plan(l, K, impl="kernel"))
+    with jax.sharding.use_abstract_mesh(_abstract_h100_mesh()):
+        f.trace(jax.ShapeDtypeStruct((T, E), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+def test_impl_argument_errors():
+    with pytest.raises(ValueError, match="impl must be one of"):
+        pm.routing.topk_plan(jnp.zeros((4, 3)), 1, impl="fast")
+
+
+def test_auto_is_sort_on_cpu():
+    from pallas_moe.routing.topk import resolve_topk_impl
+
+    assert resolve_topk_impl("auto") == ("kernel" if jax.default_backend() == "gpu" else "sort")
