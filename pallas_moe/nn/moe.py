@@ -266,19 +266,23 @@ class MoE(nnx.Module):
         w_gate_up = self.w_gate_up[...].astype(dtype)  # [E, d, 2n]
         w_down = self.w_down[...].astype(dtype)  # [E, n, d]
 
+        shared_gate_up = shared_down = None
+        if self.shared_gate_up is not None:
+            shared_gate_up = self.shared_gate_up[...].astype(dtype)  # [d, 2m]
+            shared_down = self.shared_down[...].astype(dtype)  # [m, d]
         if self.expert_parallel is None:
             logits = F.router_logits(xt, router)  # f32[T, E]
             plan, selected, tc_selected = F.route(logits, self.config, bias=bias, key=key)
             y = moe_ffn(xt, plan, w_gate_up, w_down, backend=self.backend)  # [T, d]
             aux = F.finish_aux(F.router_sums(logits, selected, tc_selected), self.config)
+            if shared_gate_up is not None:
+                y = y + F.swiglu_mlp(xt, shared_gate_up, shared_down)  # [T, d]
         else:
+            # The shared MLP runs inside the EP shard_map, overlapping the dispatch.
             y, aux = expert_parallel_moe(
                 xt, router, w_gate_up, w_down, self.config, self.expert_parallel,
                 bias=bias, key=key, backend=self.backend,
-            )  # [T, d]
-        if self.shared_gate_up is not None:
-            y = y + F.swiglu_mlp(
-                xt, self.shared_gate_up[...].astype(dtype), self.shared_down[...].astype(dtype)
+                shared_gate_up=shared_gate_up, shared_down=shared_down,
             )  # [T, d]
         return _reshape_like(y, x), aux
 
