@@ -66,7 +66,13 @@ from pallas_moe.routing.topk import check_router_inputs, router_probabilities, t
 
 DISPATCHES = ("all_gather", "ragged_all_to_all", "emulated_ragged_all_to_all")
 OVERLAPS = ("none", "chunked")
-SHARED_SCOPE = "shared_experts"  # named scope of the shared MLP (found by the schedule checks)
+# Named scopes the schedule checks (`pallas_moe.nn.schedule`) find ops by.
+SHARED_SCOPE = "shared_experts"
+DISPATCH_SCOPE = "ep_dispatch"
+
+
+def combine_scope(chunk: int) -> str:
+    return f"ep_combine_chunk{chunk}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +305,8 @@ def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backen
         sums["capacity_dropped_rows"] = dropped
     if shared is not None:
         with jax.named_scope(SHARED_SCOPE):
-            y_l = y_l + F.swiglu_mlp(x_l, *shared)  # [T_l, d]
+            y_shared = F.swiglu_mlp(x_l, *shared)  # [T_l, d]
+        y_l = y_l + y_shared
     aux = F.finish_aux(sums, cfg, lambda v: jax.lax.psum(v, ep.token_axes))
     return y_l, aux
 
@@ -320,7 +327,8 @@ def _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_dow
     code = selected.astype(jnp.int32) + 2 * (selected & tc_selected).astype(jnp.int32)  # [T_l, E]
     code_g = columns_of_this_shard(code)  # [G*T_l, E_l]
     weights_g = columns_of_this_shard(weights)  # f32[G*T_l, E_l]
-    x_g = jax.lax.all_gather(x_l, ep.axis, axis=0, tiled=True)  # [G*T_l, d]
+    with jax.named_scope(DISPATCH_SCOPE):
+        x_g = jax.lax.all_gather(x_l, ep.axis, axis=0, tiled=True)  # [G*T_l, d]
     plan = plan_from_assignment(
         (code_g & 1) > 0, weights_g, (code_g & 2) > 0,
         capacity=cfg.capacity(num_shards * tokens_l, local_experts),
@@ -359,9 +367,10 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
     recv_offsets = _exclusive_cumsum(allowed, 0)  # [src, dst] first row from src in dst's buffer
 
     x_rows = x_l[plan.token_ids]  # [P_l, d]
-    x_recv = exchange(
-        x_rows, jnp.zeros((receive_rows, d), dtype), send_offsets, recv_offsets, allowed
-    )  # [R, d], source-major, expert-major inside a source
+    with jax.named_scope(DISPATCH_SCOPE):
+        x_recv = exchange(
+            x_rows, jnp.zeros((receive_rows, d), dtype), send_offsets, recv_offsets, allowed
+        )  # [R, d], source-major, expert-major inside a source
 
     # Local expert of each received row, from the counts every source sent.
     row = jnp.arange(receive_rows, dtype=jnp.int32)  # [R]
@@ -391,7 +400,8 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
     else:
         y_recv = moe_ffn(x_recv, plan_recv, w_gate_up_l, w_down_l, backend=backend)  # [R, d]
         # The reverse exchange: sender = expert shard, receiver = source.
-        y_rows = exchange(y_recv, y_rows_init, recv_offsets.T, send_offsets.T, allowed.T)
+        with jax.named_scope(combine_scope(0)):
+            y_rows = exchange(y_recv, y_rows_init, recv_offsets.T, send_offsets.T, allowed.T)
     # y_rows [P_l, d]; rows not served stay 0
 
     # Combine in fp32: O[t] = sum_r s[r] * Y[r] over the rows of token t.
@@ -458,12 +468,13 @@ def _chunked_experts_and_combine(
     grouped_src = jnp.pad(grouped_src, (0, num_chunks * chunk_rows - receive_rows), constant_values=num_shards)
     for c in range(num_chunks):
         order = jnp.argsort(grouped_src[c * chunk_rows:(c + 1) * chunk_rows], stable=True)  # [S]
-        y_rows = exchange(
-            y[c][order], y_rows,
-            _exclusive_cumsum(counts[c], 1),  # [d, s] offset in the sorted chunk
-            send_offsets.T + before[c],  # [d, s] offset in the source's plan
-            counts[c],
-        )
+        with jax.named_scope(combine_scope(c)):
+            y_rows = exchange(
+                y[c][order], y_rows,
+                _exclusive_cumsum(counts[c], 1),  # [d, s] offset in the sorted chunk
+                send_offsets.T + before[c],  # [d, s] offset in the source's plan
+                counts[c],
+            )
     return y_rows
 
 

@@ -39,6 +39,11 @@ XLA_BLOCK_M = 128  # row tile of the xla backend (as `moe_ffn_xla`)
 XLA_CHUNK_ALIGN = 8
 
 
+def down_proj_scope(chunk: int) -> str:
+    """Named scope of chunk `chunk`'s down-proj (the schedule checks find it by name)."""
+    return f"down_proj_chunk{chunk}"
+
+
 def chunk_block_m(backend: str, d: int, n: int) -> int:
     """Row alignment of the chunks: the down-proj kernel's `block_m` (8 on `xla`)."""
     if backend == "xla":
@@ -105,10 +110,11 @@ def _forward_xla(x, plan, w_gate_up, w_down, chunk_rows, num_chunks):
             rows = jnp.where(valid, rows, chunk_rows)
             return y.at[rows.reshape(-1)].set(yc.astype(dtype).reshape(-1, d), mode="drop")
 
-        chunks.append(scan_row_tiles(
-            _identity_plan(sizes[c], chunk_rows), down_step, jnp.zeros((chunk_rows, d), dtype),
-            block_m=XLA_BLOCK_M, tiles_per_step=8,
-        ))
+        with jax.named_scope(down_proj_scope(c)):
+            chunks.append(scan_row_tiles(
+                _identity_plan(sizes[c], chunk_rows), down_step, jnp.zeros((chunk_rows, d), dtype),
+                block_m=XLA_BLOCK_M, tiles_per_step=8,
+            ))
     return jnp.stack(chunks), h
 
 
@@ -130,14 +136,14 @@ def _forward_kernels(x, plan, w_gate_up, w_down, chunk_rows, num_chunks, interpr
         pad_a_rows_to=chunk_rows,
     )  # a [ceil(P/S)*S, n] = [C*S, n]
     sizes = chunk_group_sizes(plan.group_sizes, chunk_rows, num_chunks)  # [C, E]
-    chunks = [
-        down_proj(
-            a[c * chunk_rows:(c + 1) * chunk_rows], sizes[c], w_down, config=config.down,
-            interpret=interpret, capacity=chunk_rows,
-            meta=_common.aligned_tile_meta(sizes[c], chunk_rows, bm),
-        )
-        for c in range(num_chunks)
-    ]
+    chunks = []
+    for c in range(num_chunks):
+        with jax.named_scope(down_proj_scope(c)):
+            chunks.append(down_proj(
+                a[c * chunk_rows:(c + 1) * chunk_rows], sizes[c], w_down, config=config.down,
+                interpret=interpret, capacity=chunk_rows,
+                meta=_common.aligned_tile_meta(sizes[c], chunk_rows, bm),
+            ))
     return jnp.stack(chunks), h
 
 
