@@ -57,6 +57,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_moe import _checks
+from pallas_moe._vma import vary, vary_together
 from pallas_moe.nn import functional as F
 from pallas_moe.ops.moe_ffn import moe_ffn, resolve_backend
 from pallas_moe.ops.row_chunks import chunk_block_m, chunk_layout, chunked_row_ffn
@@ -96,6 +97,10 @@ class ExpertParallel:
         kernel that sends finished blocks itself, is not built: see the module docstring.)
       num_chunks: chunks of the "chunked" overlap (at most; fewer when there are fewer
         `block_m` row blocks).
+      check_vma: `jax.shard_map`'s varying-manual-axes type check of the per-shard body.
+        Off by default (it costs trace time, and values are the same); the xla backend's
+        scans cast their carries (`jax.lax.pcast`) so that it passes, and
+        `benchmarks/ep.py` runs the kernel path with it on.
     """
 
     mesh: jax.sharding.Mesh
@@ -105,6 +110,7 @@ class ExpertParallel:
     capacity_factor: float | None = None
     overlap: str = "none"
     num_chunks: int = 2
+    check_vma: bool = False
 
     def __post_init__(self):
         if not isinstance(self.mesh, jax.sharding.Mesh):
@@ -264,14 +270,12 @@ def expert_parallel_moe(
             jax.tree.map(lambda a, s=spec: jax.sharding.reshard(a, jax.sharding.NamedSharding(ep.mesh, s)), arg)
             for arg, spec in zip(args, in_specs)
         )
-    # check_vma=False: moe_ffn's internals (scan carries, Pallas calls) carry no varying-axis
-    # annotations. Gradients still equal the single-device layer's (tests/ep_check.py).
     y, aux = jax.shard_map(
         body,
         mesh=ep.mesh,
         in_specs=in_specs,
         out_specs=(token_spec, P()),
-        check_vma=False,
+        check_vma=ep.check_vma,
     )(*args)
     if explicit:
         y = jax.sharding.reshard(y, x_sharding)
@@ -509,6 +513,11 @@ def ragged_exchange(
     Returns:
       [M, ...] `output` with the received rows written.
     """
+    # Under shard_map(check_vma=True) both buffers enter varying over every axis the result
+    # varies over, so the VJP's cotangents have their inputs' types (a zero `output` made
+    # inside the body is invariant; its pcast transposes to a psum outside the VJP).
+    axes = frozenset((axis_name,) if isinstance(axis_name, str) else axis_name)
+    operand, output = vary_together(vary(operand, axes), output)
     return _exchange(operand, output, in_offsets, out_offsets, sizes, axis_name, collective)
 
 

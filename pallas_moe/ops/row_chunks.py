@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_moe._vma import vary_together
 from pallas_moe.ops.minimal_backward import moe_ffn_backward
 from pallas_moe.ops.mosaic import plan_cotangent
 from pallas_moe.ops.moe_ffn import check_moe_inputs, resolve_backend
@@ -216,4 +217,6 @@ def chunked_row_ffn(
             f"chunk_rows must be a positive multiple of the down-proj block_m={block_m}, got {chunk_rows}."
         )
     num_chunks = -(-plan.capacity // chunk_rows)
+    # The VJP returns cotangents typed like its inputs (see `pallas_moe._vma`).
+    x, w_gate_up, w_down = vary_together(x, w_gate_up, w_down)
     return _chunked(x, plan, w_gate_up, w_down, chunk_rows, num_chunks, backend)
