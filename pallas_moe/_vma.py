@@ -15,8 +15,9 @@ import jax
 
 def varying_axes(a) -> frozenset:
     """The mesh axes `a` (an array or an abstract value) varies over."""
-    aval = a if hasattr(a, "manual_axis_type") else jax.typeof(a)
-    return aval.manual_axis_type.varying
+    aval = a if isinstance(a, jax.ShapeDtypeStruct) else jax.typeof(a)
+    mat = aval.manual_axis_type  # None on a ShapeDtypeStruct outside check_vma
+    return frozenset() if mat is None else mat.varying
 
 
 def vary(a: jax.Array, axes: frozenset) -> jax.Array:

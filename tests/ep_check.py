@@ -81,15 +81,26 @@ def max_rel(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-6))
 
 
-def run_case(routing, dispatch, ep_size, skew, extra):
+def chunks_used(ep, routing, extra):
+    """Chunks the chunked overlap cuts a shard's received rows into (xla backend)."""
+    from pallas_moe.ops.row_chunks import XLA_CHUNK_ALIGN, chunk_layout
+
+    cfg = build(routing, False, **extra).config
+    rows = ep.receive_capacity(cfg, T // ep.num_token_shards)
+    return chunk_layout(rows, ep.num_chunks, XLA_CHUNK_ALIGN)[1]
+
+
+def run_case(routing, dispatch, ep_size, skew, extra, ep_options=None):
+    """EP layer vs the single-device layer; `ep_options`: overlap, num_chunks, check_vma."""
+    ep_options = ep_options or {}
     devices = np.array(jax.devices()[:8])
     mesh = Mesh(devices.reshape(8 // ep_size, ep_size), ("data", "expert"))
-    ep = pm.nn.ExpertParallel(mesh, axis="expert", dispatch=dispatch)
+    ep = pm.nn.ExpertParallel(mesh, axis="expert", dispatch=dispatch, **ep_options)
     (l0, (y0, a0)), g0 = reference(routing, skew, extra)
     start = time.time()
     (l1, (y1, a1)), g1 = value_and_grad(build(routing, skew, ep, **extra), inputs(skew))
     result = {
-        "routing": routing, "dispatch": dispatch, "ep": ep_size, "skew": skew, **extra,
+        "routing": routing, "dispatch": dispatch, "ep": ep_size, "skew": skew, **extra, **ep_options,
         "y": max_rel(y0, y1),
         "loss": max_rel(l0, l1),
         "grad": max(max_rel(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1))),
@@ -99,6 +110,8 @@ def run_case(routing, dispatch, ep_size, skew, extra):
         "added_rows": int(a1["added_rows"]), "dropped_rows": int(a1["dropped_rows"]),
         "max_load": round(float(a1["max_load"]), 2),
     }
+    if ep.overlap == "chunked":
+        result["chunks"] = chunks_used(ep, routing, extra)
     tol = 2e-5
     result["ok"] = bool(
         result["aux_keys_equal"] and result["y"] < tol and result["loss"] < tol
@@ -107,13 +120,20 @@ def run_case(routing, dispatch, ep_size, skew, extra):
     return result
 
 
+CHUNKED = {"overlap": "chunked", "num_chunks": 3}
+
 FAST = [
-    # (routing, dispatch, ep_size, skew, extra); scan_and_capacity_checks adds EP=4 ragged top-K.
-    ("topk", "all_gather", 2, True, {}),
+    # (routing, dispatch, ep_size, skew, extra[, ep_options]); scan_and_capacity_checks adds
+    # EP=4 ragged top-K.
+    ("topk", "all_gather", 2, True, {}, {"check_vma": True}),
     ("token_rounding", "all_gather", 4, True, {"tile": 16}),
     ("token_rounding", "all_gather", 1, False, {"tile": 16}),
     ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"}),
     ("topk", "emulated_ragged_all_to_all", 2, False, {"score": "sigmoid", "selection_bias": True}),
+    # The chunked overlap (top-K and token rounding; one under the vma type check).
+    ("topk", "emulated_ragged_all_to_all", 4, True, {}, CHUNKED),
+    ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"},
+     {**CHUNKED, "num_chunks": 4, "check_vma": True}),
 ]
 
 
@@ -124,6 +144,10 @@ def full_cases():
         yield routing, dispatch, ep_size, skew, {}
         if routing == "token_rounding":
             yield routing, dispatch, ep_size, skew, {"tile": 16}
+        if dispatch != "all_gather":
+            yield routing, dispatch, ep_size, skew, {}, CHUNKED
+            if ep_size == 4:
+                yield routing, dispatch, ep_size, skew, {}, {**CHUNKED, "check_vma": True}
     for score in ("topk_softmax", "sigmoid"):
         yield "token_rounding", "all_gather", 4, True, {"score": score, "renormalize": score == "sigmoid"}
     for rounding in ("up", "down", "balance"):
@@ -233,15 +257,80 @@ def scan_and_capacity_checks():
     return checks
 
 
+def schedule_checks():
+    """The EP overlaps in the compiled forward's HLO (see `pallas_moe.nn.overlap_check`).
+
+    XLA:CPU has synchronous collectives, so what is checked is the dependency graph: the
+    shared MLP and the dispatch collectives do not depend on each other, and neither do
+    chunk c's combine collectives and chunk c+1's down-proj. Two hand-built programs whose
+    overlap is absent (the "shared" MLP reads the dispatched rows; chunk 1's down-proj reads
+    chunk 0's combine) must fail the same checks.
+    """
+    from jax.sharding import PartitionSpec as Spec
+
+    from pallas_moe.nn.expert_parallel import DISPATCH_SCOPE, SHARED_SCOPE, combine_scope
+    from pallas_moe.nn.overlap_check import ep_overlap_report
+    from pallas_moe.ops.row_chunks import down_proj_scope
+
+    checks = []
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "expert"))
+    forward = nnx.jit(lambda layer, x: layer(x)[0])
+
+    def report_of(ep):
+        return ep_overlap_report(forward.lower(build("topk", True, ep), inputs(True)).compile().as_text())
+
+    rep = report_of(pm.nn.ExpertParallel(mesh, dispatch="emulated_ragged_all_to_all", **CHUNKED))
+    checks.append({
+        "check": "schedule_chunked", "report": rep,
+        "ok": rep["shared"]["independent"] and rep["num_chunks"] == 3 and len(rep["chunks"]) == 2
+        and all(c["independent"] for c in rep["chunks"]),
+    })
+    rep = report_of(pm.nn.ExpertParallel(mesh, dispatch="all_gather"))
+    checks.append({
+        "check": "schedule_all_gather", "report": rep,
+        "ok": rep["shared"]["independent"] and rep["num_chunks"] == 0,
+    })
+
+    # Negative controls: the same scopes, with the overlap made impossible.
+    mesh1 = Mesh(np.array(jax.devices()[:8]), ("expert",))
+    w = jnp.ones((D, D))
+
+    def no_shared_overlap(x):
+        with jax.named_scope(DISPATCH_SCOPE):
+            gathered = jax.lax.all_gather(x, "expert", tiled=True)  # [8*T_l, D]
+        with jax.named_scope(SHARED_SCOPE):
+            shared = jnp.tanh((x + gathered[: x.shape[0]]) @ w) @ w  # reads the dispatch
+        return shared + gathered[: x.shape[0]]
+
+    def no_chunk_overlap(x):
+        with jax.named_scope(down_proj_scope(0)):
+            y0 = jnp.tanh(x @ w)
+        with jax.named_scope(combine_scope(0)):
+            y0 = jax.lax.all_gather(y0, "expert", tiled=True)[: x.shape[0]]
+        with jax.named_scope(down_proj_scope(1)):
+            y1 = jnp.tanh((x + y0) @ w)  # waits for chunk 0's combine
+        with jax.named_scope(combine_scope(1)):
+            y1 = jax.lax.all_gather(y1, "expert", tiled=True)[: x.shape[0]]
+        return y0 + y1
+
+    for name, fn, part in (("negative_shared", no_shared_overlap, "shared"),
+                           ("negative_chunks", no_chunk_overlap, "chunks")):
+        mapped = jax.jit(jax.shard_map(fn, mesh=mesh1, in_specs=Spec("expert"), out_specs=Spec("expert")))
+        rep = ep_overlap_report(mapped.lower(jnp.ones((64, D))).compile().as_text())
+        found = rep["shared"] if part == "shared" else (rep["chunks"][0] if rep["chunks"] else None)
+        checks.append({"check": name, "report": rep, "ok": found is not None and not found["independent"]})
+    return checks
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", choices=("fast", "layouts", "full"), default="fast")
+    parser.add_argument("--cases", choices=("fast", "layouts", "schedule", "full"), default="fast")
     args = parser.parse_args(argv)
     assert len(jax.devices()) >= 8, jax.devices()
-    # "fast" and "layouts" split the default checks in two processes (pytest -n 2 runs both).
-    cases = {"fast": FAST, "layouts": [], "full": list(full_cases())}[args.cases]
-    checks = {"fast": error_checks, "layouts": scan_and_capacity_checks}.get(args.cases)
-    checks = checks() if checks else error_checks() + scan_and_capacity_checks()
+    # "fast", "layouts" and "schedule" split the default checks into processes.
+    cases = {"fast": FAST, "layouts": [], "schedule": [], "full": list(full_cases())}[args.cases]
+    checks = {"fast": error_checks, "layouts": scan_and_capacity_checks, "schedule": schedule_checks}.get(args.cases)
+    checks = checks() if checks else error_checks() + scan_and_capacity_checks() + schedule_checks()
     failed = 0
     for result in checks:
         failed += not result["ok"]

@@ -152,6 +152,8 @@ class ExpertParallel:
             )
         _checks.check_choice("overlap", self.overlap, OVERLAPS)
         _checks.check_positive_int("num_chunks", self.num_chunks)
+        if not isinstance(self.check_vma, bool):
+            raise TypeError(f"check_vma must be a bool, got {type(self.check_vma).__name__}.")
         if self.overlap == "chunked" and self.dispatch == "all_gather":
             raise ValueError(
                 "overlap='chunked' needs a ragged dispatch ('ragged_all_to_all' or "
