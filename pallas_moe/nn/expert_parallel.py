@@ -98,9 +98,9 @@ class ExpertParallel:
       num_chunks: chunks of the "chunked" overlap (at most; fewer when there are fewer
         `block_m` row blocks).
       check_vma: `jax.shard_map`'s varying-manual-axes type check of the per-shard body.
-        Off by default (it costs trace time, and values are the same); the xla backend's
-        scans cast their carries (`jax.lax.pcast`) so that it passes, and
-        `benchmarks/ep.py` runs the kernel path with it on.
+        Off by default (values are the same either way). It works with backend="xla" (the
+        scans cast their carries with `jax.lax.pcast`); the Pallas kernels cannot run under
+        it in JAX 0.11.2 (`plgpu.kernel` rejects varying inputs), which raises.
     """
 
     mesh: jax.sharding.Mesh
@@ -248,6 +248,12 @@ def expert_parallel_moe(
         raise ValueError("shared_gate_up and shared_down must be given together (or neither).")
     if shared_gate_up is not None:
         extras["shared"] = (shared_gate_up, shared_down)
+    if ep.check_vma and resolve_backend(backend, x, w_down) != "xla":
+        raise ValueError(
+            f"ExpertParallel(check_vma=True) runs only with backend='xla' (got {backend!r}): "
+            "JAX 0.11.2's plgpu.kernel (mpmd_map) rejects inputs that vary over manual mesh "
+            "axes. Use check_vma=False with the kernels."
+        )
     token_spec = P(ep.token_axes, None)
     expert_spec = P(ep.axis, None, None)
 
