@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # 8 unless set
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import argparse  # noqa: E402
 import itertools  # noqa: E402
