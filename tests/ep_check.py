@@ -323,6 +323,49 @@ def schedule_checks():
     return checks
 
 
+def signal_primitives_check():
+    """What overlap="signal" would build on: JAX 0.11.2's Mosaic GPU lowers, for Hopper and
+    inside shard_map, a kernel that TMA-stores a block into a peer device's output
+    (`plgpu.remote_ref`) and raises the peer's semaphore (`pl.semaphore_signal(...,
+    device_id=peer)`, then `pl.semaphore_wait`). Interpret mode has neither, so only the
+    lowering can be checked without GPUs (docs/ep_overlap.md)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.sharding import PartitionSpec as Spec
+
+    rows, width = 128, 128
+    mesh = Mesh(np.array(jax.devices()[:8]), ("expert",))
+
+    def send_block(y, peer):
+        def body(y_ref, peer_ref, out_ref, smem):
+            done = pl.get_global(plgpu.SemaphoreType.REGULAR)
+            smem[...] = y_ref[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(smem, plgpu.remote_ref(out_ref, peer_ref[0]))
+            plgpu.wait_smem_to_gmem(0)
+            pl.semaphore_signal(done, device_id=peer_ref[0])
+            pl.semaphore_wait(done, value=1, decrement=False)
+
+        return plgpu.kernel(
+            body, out_type=jax.ShapeDtypeStruct((rows, width), jnp.bfloat16),
+            scratch_types=[plgpu.SMEM((rows, width), jnp.bfloat16)],
+        )(y, peer)
+
+    def step(y):
+        peer = ((jax.lax.axis_index("expert") + 1) % 8).astype(jnp.int32).reshape(1)
+        return send_block(y, peer)
+
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=Spec("expert"), out_specs=Spec("expert"), check_vma=False))
+    try:
+        text = fn.trace(jnp.ones((8 * rows, width), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as err:  # noqa: BLE001 - the record says what failed
+        return [{"check": "signal_primitives_lower", "ok": False, "error": f"{type(err).__name__}: {err}"[:500]}]
+    return [{
+        "check": "signal_primitives_lower",
+        "ok": "uses_xla_collective_metadata = true" in text and 'xla_replica_ids = "0,1,2,3,4,5,6,7"' in text,
+    }]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", choices=("fast", "layouts", "schedule", "full"), default="fast")
@@ -330,8 +373,13 @@ def main(argv=None):
     assert len(jax.devices()) >= 8, jax.devices()
     # "fast", "layouts" and "schedule" split the default checks into processes.
     cases = {"fast": FAST, "layouts": [], "schedule": [], "full": list(full_cases())}[args.cases]
-    checks = {"fast": error_checks, "layouts": scan_and_capacity_checks, "schedule": schedule_checks}.get(args.cases)
-    checks = checks() if checks else error_checks() + scan_and_capacity_checks() + schedule_checks()
+    checks = {
+        "fast": error_checks, "layouts": scan_and_capacity_checks,
+        "schedule": lambda: schedule_checks() + signal_primitives_check(),
+    }.get(args.cases)
+    checks = checks() if checks else (
+        error_checks() + scan_and_capacity_checks() + schedule_checks() + signal_primitives_check()
+    )
     failed = 0
     for result in checks:
         failed += not result["ok"]
