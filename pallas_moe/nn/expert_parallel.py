@@ -44,6 +44,24 @@ whatever the layout.
 Aux terms are computed from sums over tokens that are `psum`med over the token shards, so
 `aux` equals the single-device module's; outputs and gradients equal it up to summation
 order (the all-gather path sums expert partials across shards in the compute dtype).
+
+Overlap (single-batch overlap; docs/ep_overlap.md):
+
+* Shared experts: the shared MLP runs on each shard's tokens inside the same `shard_map`
+  body as the dispatch and depends on nothing it receives, so XLA runs it while the
+  dispatch collective is in flight.
+* `overlap="chunked"` (ragged dispatches): the received rows, grouped by local expert, go
+  through the down-proj in `block_m`-aligned chunks (`pallas_moe.ops.row_chunks`); each
+  chunk's combine is its own ragged exchange, free to run while the next chunk's down-proj
+  computes. Equal to `overlap="none"` in outputs and gradients.
+* `overlap="signal"` (a down-proj kernel that signals per `block_m` rows and sends finished
+  blocks to their sources) is not built; the doc says what JAX 0.11.2's Mosaic GPU offers
+  for it (remote refs, remote semaphores) and why.
+
+`pallas_moe.nn.overlap_check.ep_overlap_report` reads both overlaps from a compiled module.
+Every exchange goes through `ragged_exchange`, whose VJP is the reverse exchange built
+from the same `[sender, receiver]` tables. The layer runs unchanged across processes
+(`jax.distributed`): give it a mesh over all processes' devices and global arrays.
 """
 
 from __future__ import annotations
