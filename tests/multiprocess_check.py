@@ -35,7 +35,6 @@ def main(argv=None) -> int:
         coordinator_address=f"localhost:{args.port}", num_processes=args.num_processes,
         process_id=args.process_id,
     )
-    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
     from jax.experimental import multihost_utils

@@ -124,6 +124,16 @@ def test_bad_overlap():
         pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", num_chunks=2.0)
 
 
+def test_check_vma_with_kernels_is_a_clear_error():
+    ep = pm.nn.ExpertParallel(_mesh(), check_vma=True)
+    layer = pm.nn.MoE(64, 64, 4, 2, backend="interpret", dtype=jax.numpy.bfloat16, rngs=nnx.Rngs(0),
+                      expert_parallel=ep)
+    with pytest.raises(ValueError, match="check_vma=True\\) runs only with backend='xla'.*mpmd_map"):
+        layer(jax.numpy.ones((8, 64)))
+    with pytest.raises(TypeError, match="check_vma must be a bool"):
+        pm.nn.ExpertParallel(_mesh(), check_vma=1)
+
+
 @pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU limitation only")
 def test_ragged_all_to_all_on_cpu_is_a_clear_error():
     with pytest.raises(ValueError, match="XLA:CPU has no ragged_all_to_all"):
