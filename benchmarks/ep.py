@@ -202,7 +202,7 @@ def bench(shape: Shape, ep_size: int, dispatch: str | None, overlap: str, args, 
     params, x = place(params, tokens(shape, args.skew), None if ep is None else ep.mesh, "expert")
     row = {"scaling": scaling, "T": shape.T, "ep": ep_size, "dispatch": dispatch or "-",
            "overlap": overlap if dispatch else "-"}
-    if ep is not None and dispatch != "all_gather":
+    if ep is not None:
         # Where the compiled forward puts the overlaps (async start/done on GPU).
         report = ep_overlap_report(forward.lower(params, x).compile().as_text())
         shared = report.get("shared", {})
