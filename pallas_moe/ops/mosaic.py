@@ -12,7 +12,6 @@ from typing import Callable
 import jax
 import numpy as np
 
-from pallas_moe._vma import vary_together
 from pallas_moe.ops.minimal_backward import moe_ffn_backward
 from pallas_moe.routing.plan import DispatchPlan
 
@@ -77,6 +76,4 @@ def moe_ffn_kernels(
     x: jax.Array, plan: DispatchPlan, w_gate_up: jax.Array, w_down: jax.Array, *, interpret: bool
 ) -> jax.Array:
     """`moe_ffn` through the Mosaic GPU kernels (`interpret=True`: GPU interpret mode on CPU)."""
-    # Inside shard_map(check_vma=True) the VJP's cotangents must be typed like its inputs.
-    x, w_gate_up, w_down = vary_together(x, w_gate_up, w_down)
     return _kernel_moe_ffn(interpret)(x, plan, w_gate_up, w_down)
