@@ -1,20 +1,34 @@
-"""Expert parallelism on GPUs: EP vs single-device correctness, and layer timing.
+"""Expert parallelism on GPUs: correctness, weak and strong scaling, overlap timing.
 
-    # on the 2xH200 machine, from the repo root:
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/ep.py --backend mosaic
+    # on a multi-GPU machine (here 8 GPUs), from the repo root; one command runs it all:
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/ep.py --backend mosaic --ep 2,4,8
     # quick CPU smoke run of the script itself:
     XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=. python benchmarks/ep.py \
-        --backend xla --shape 256,64,32,8,2 --check-shape 64,32,16,4,2 --dispatch all_gather,emulated_ragged_all_to_all
+        --backend xla --ep 2 --shape 256,64,32,8,2 --check-shape 64,32,16,4,2 --weak-tokens 128 \
+        --dispatch all_gather,emulated_ragged_all_to_all --iters 2
 
-1. Correctness: the same `pm.nn.MoE` (same init) run on one device and with
-   `ExpertParallel(mesh, dispatch=...)` on EP GPUs, at `--check-shape`: outputs and the
-   gradients of every parameter and of x must agree (relative Frobenius error below
-   `--tol`; bf16 summation order differs).
-2. Timing: jitted layer forward, and forward+backward (value_and_grad w.r.t. all parameters
-   and x), at `--shape` (default the 30B shape T=32768, d=4096, n=512, E=128, K=8),
-   for EP=1 (one GPU, no expert parallelism) and each EP size and dispatch. Tokens are
-   sharded over the EP devices (global batch T); weights live sharded over the expert axis.
-   Median of `--iters` runs after warm-up. Prints a table and writes it to `--out`.
+1. Correctness (`--check-shape`): the same `pm.nn.MoE` (same init) on one device and with
+   `ExpertParallel(mesh, dispatch=..., overlap=...)` on EP GPUs, for every EP size, both
+   dispatches, "none" and "chunked" overlap (ragged dispatches), top-K and token
+   rounding, random and skewed routing: outputs and the gradients of every parameter and
+   of x must agree (relative Frobenius error below `--tol`; bf16 summation order differs).
+   Then the same with `check_vma=True` on the xla backend: the Pallas kernels cannot run
+   under it in JAX 0.11.2 (`plgpu.kernel` rejects varying inputs), so the kernel path is
+   checked with `check_vma=False` and the xla path with the type check on.
+2. Strong scaling (`--shape`, default the 30B shape T=32768, d=4096, n=512, E=128, K=8):
+   the same global batch on EP=1 (one GPU, no EP) and on each EP size, every dispatch and
+   overlap. Weak scaling: `--weak-tokens` tokens per GPU (global T = that x EP). Jitted
+   forward and forward+backward (value_and_grad w.r.t. all parameters and x), wall time,
+   median of `--iters` after warm-up. Tokens are split over the EP GPUs; expert weights
+   live split over the expert axis.
+3. Overlap: "none" vs "chunked" (`--num-chunks`) rows of the timing tables, and, for each
+   ragged config, where the compiled forward schedules the overlaps
+   (`pallas_moe.nn.overlap_check.ep_overlap_report`): whether the shared MLP sits between
+   the dispatch's async start and done, and whether each chunk's combine starts before
+   the next chunk's down-proj (the layer has one shared expert here).
+
+Prints tables and writes them (markdown) and the raw rows (JSON) next to `--out`. The
+one-GPU cost of chunking the down-proj is `benchmarks/chunked_down_proj.py`.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_moe as pm
+from pallas_moe.nn.overlap_check import ep_overlap_report
 from pallas_moe.ops.moe_ffn import BACKENDS
 
 
@@ -55,11 +70,11 @@ class Shape:
         return 6.0 * self.T * self.K * self.n * self.d
 
 
-def build(shape: Shape, args, ep=None):
+def build(shape: Shape, args, ep=None, routing=None, backend=None):
     return pm.nn.MoE(
-        shape.d, shape.n, shape.E, shape.K, routing=args.routing, tile=args.tile,
-        backend=args.backend, dtype=jnp.bfloat16, param_dtype=args.param_dtype,
-        rngs=nnx.Rngs(0), expert_parallel=ep,
+        shape.d, shape.n, shape.E, shape.K, routing=routing or args.routing, tile=args.tile,
+        backend=backend or args.backend, dtype=jnp.bfloat16, param_dtype=args.param_dtype,
+        num_shared_experts=args.shared_experts, rngs=nnx.Rngs(0), expert_parallel=ep,
     )
 
 
@@ -126,30 +141,50 @@ def make_mesh(ep_size: int):
     return Mesh(devices.reshape(1, ep_size), ("data", "expert"))
 
 
-def make_ep(ep_size: int, dispatch: str, args):
+def make_ep(ep_size: int, dispatch: str, args, overlap: str = "none", check_vma: bool = False):
     capacity = None if dispatch == "all_gather" else args.capacity_factor
-    return pm.nn.ExpertParallel(make_mesh(ep_size), dispatch=dispatch, capacity_factor=capacity)
+    return pm.nn.ExpertParallel(
+        make_mesh(ep_size), dispatch=dispatch, capacity_factor=capacity, overlap=overlap,
+        num_chunks=args.num_chunks, check_vma=check_vma,
+    )
 
 
-def check(shape: Shape, ep_size: int, dispatch: str, args) -> dict:
+def modes(dispatches, overlaps):
+    """(dispatch, overlap) pairs: "chunked" only with the ragged dispatches."""
+    return [(d, o) for d in dispatches for o in overlaps if o == "none" or d != "all_gather"]
+
+
+_single_cache: dict = {}
+
+
+def check(shape: Shape, ep_size: int, dispatch: str, overlap: str, routing: str, skew: bool, args,
+          backend=None, check_vma=False) -> dict:
     """EP vs single-device outputs and gradients at a small shape."""
-    x = tokens(shape, args.skew)
+    x = tokens(shape, skew)
+    backend = backend or args.backend
     results = {}
-    for name, ep in (("single", None), ("ep", make_ep(ep_size, dispatch, args))):
-        layer = build(shape, args, ep)
-        if args.skew:
+    key = (shape, routing, skew, backend)
+    for name, ep in (("single", None), ("ep", make_ep(ep_size, dispatch, args, overlap, check_vma))):
+        if ep is None and key in _single_cache:
+            results[name] = _single_cache[key]
+            continue
+        layer = build(shape, args, ep, routing=routing, backend=backend)
+        if skew:
             skew_router(layer, shape)
         params, forward, grad = step_fns(layer)
         params, xs = place(params, x, None if ep is None else ep.mesh, "expert")
         (loss, (g_params, g_x)) = grad(params, xs)
         results[name] = (forward(params, xs), loss, g_params, g_x)
+        if ep is None:
+            _single_cache[key] = results[name]
     (y0, l0, gp0, gx0), (y1, l1, gp1, gx1) = results["single"], results["ep"]
     grad_errs = {
         jax.tree_util.keystr(p): rel_err(b, a)
         for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(gp0), jax.tree.leaves(gp1))
     }
     out = {
-        "ep": ep_size, "dispatch": dispatch,
+        "ep": ep_size, "dispatch": dispatch, "overlap": overlap, "routing": routing, "skew": skew,
+        "backend": backend, "check_vma": check_vma,
         "y_rel_err": rel_err(y1, y0), "loss_rel_err": rel_err(l1, l0),
         "dx_rel_err": rel_err(gx1, gx0), "dparams_rel_err": grad_errs,
     }
@@ -158,35 +193,50 @@ def check(shape: Shape, ep_size: int, dispatch: str, args) -> dict:
     return out
 
 
-def bench(shape: Shape, ep_size: int, dispatch: str | None, args) -> dict:
-    ep = None if dispatch is None else make_ep(ep_size, dispatch, args)
+def bench(shape: Shape, ep_size: int, dispatch: str | None, overlap: str, args, scaling: str) -> dict:
+    ep = None if dispatch is None else make_ep(ep_size, dispatch, args, overlap)
     layer = build(shape, args, ep)
     if args.skew:
         skew_router(layer, shape)
     params, forward, grad = step_fns(layer)
     params, x = place(params, tokens(shape, args.skew), None if ep is None else ep.mesh, "expert")
+    row = {"scaling": scaling, "T": shape.T, "ep": ep_size, "dispatch": dispatch or "-",
+           "overlap": overlap if dispatch else "-"}
+    if ep is not None:
+        # Where the compiled forward puts the overlaps (async start/done on GPU).
+        report = ep_overlap_report(forward.lower(params, x).compile().as_text())
+        shared = report.get("shared", {})
+        row["shared_in_dispatch"] = shared.get("between_start_and_done")
+        row["combine_before_next_down"] = [c.get("combine_starts_first") for c in report["chunks"]]
+        row["schedule"] = report
     t_fwd = time_fn(forward, params, x, iters=args.iters)
     t_fb = time_fn(grad, params, x, iters=args.iters)
     flops = shape.flops_fwd
-    return {
-        "ep": ep_size, "dispatch": dispatch or "-",
+    row.update({
         "fwd_ms": 1e3 * t_fwd, "fwd_bwd_ms": 1e3 * t_fb,
         # Model FLOPs per device (docs/math.md: 6PTnd forward, 18PTnd forward+backward).
         "fwd_bwd_tflops_per_gpu": 3 * flops / t_fb / 1e12 / ep_size,
-    }
+    })
+    return row
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="mosaic", choices=BACKENDS)
-    parser.add_argument("--shape", default="32768,4096,512,128,8", help="T,d,n,E,K (global T)")
+    parser.add_argument("--shape", default="32768,4096,512,128,8", help="T,d,n,E,K of strong scaling (global T)")
+    parser.add_argument("--weak-tokens", type=int, default=4096, dest="weak_tokens",
+                        help="tokens per GPU of weak scaling (0: skip); d,n,E,K from --shape")
     parser.add_argument("--check-shape", default="4096,1024,256,16,4", help="T,d,n,E,K of the correctness check")
-    parser.add_argument("--ep", default="2", help="comma-separated EP sizes to time besides EP=1")
+    parser.add_argument("--ep", default="2", help="comma-separated EP sizes besides EP=1")
     parser.add_argument("--dispatch", default="all_gather,ragged_all_to_all")
-    parser.add_argument("--routing", default="topk", choices=("topk", "token_rounding"))
+    parser.add_argument("--overlap", default="none,chunked", help="overlaps to run (chunked: ragged dispatches)")
+    parser.add_argument("--num-chunks", type=int, default=2, dest="num_chunks")
+    parser.add_argument("--routing", default="topk", choices=("topk", "token_rounding"), help="routing of the timing runs")
     parser.add_argument("--tile", type=int, default=128)
+    parser.add_argument("--shared-experts", type=int, default=1, dest="shared_experts",
+                        help="shared experts of the layer (their MLP overlaps the dispatch)")
     parser.add_argument("--param-dtype", default="bfloat16", dest="param_dtype")
-    parser.add_argument("--skew", action="store_true", help="skewed routing")
+    parser.add_argument("--skew", action="store_true", help="skewed routing in the timing runs (checks run both)")
     parser.add_argument("--capacity-factor", type=float, default=None, dest="capacity_factor",
                         help="ragged dispatch receive buffer, x T_l*K rows (default: exact worst case)")
     parser.add_argument("--iters", type=int, default=10)
@@ -198,6 +248,7 @@ def main(argv=None) -> int:
     args.param_dtype = jnp.dtype(args.param_dtype)
     ep_sizes = [int(v) for v in args.ep.split(",") if v]
     dispatches = [v for v in args.dispatch.split(",") if v]
+    overlaps = [v for v in args.overlap.split(",") if v]
     device = jax.devices()[0]
     print(f"devices: {len(jax.devices())} x {device.device_kind}; backend={args.backend}", flush=True)
     if max(ep_sizes) > len(jax.devices()):
@@ -208,51 +259,83 @@ def main(argv=None) -> int:
     checks = []
     if not args.skip_check:
         shape = Shape.parse(args.check_shape)
-        for ep_size in ep_sizes:
-            for dispatch in dispatches:
-                result = check(shape, ep_size, dispatch, args)
-                checks.append(result)
-                failed |= not result["ok"]
-                print("check", json.dumps(result), flush=True)
+        runs = [
+            (ep_size, dispatch, overlap, routing, skew, args.backend, False)
+            for ep_size in ep_sizes for dispatch, overlap in modes(dispatches, overlaps)
+            for routing in ("topk", "token_rounding") for skew in (False, True)
+        ]
+        # The vma type check, on the xla backend (see the docstring), largest EP, skewed.
+        runs += [
+            (max(ep_sizes), dispatch, overlap, routing, True, "xla", True)
+            for dispatch, overlap in modes(dispatches, overlaps) for routing in ("topk", "token_rounding")
+        ]
+        for ep_size, dispatch, overlap, routing, skew, backend, vma in runs:
+            try:
+                result = check(shape, ep_size, dispatch, overlap, routing, skew, args, backend, vma)
+            except Exception as err:  # report and go on
+                result = {"ep": ep_size, "dispatch": dispatch, "overlap": overlap, "routing": routing,
+                          "skew": skew, "backend": backend, "check_vma": vma, "ok": False,
+                          "error": f"{type(err).__name__}: {err}"[:300]}
+            checks.append(result)
+            failed |= not result["ok"]
+            print("check", json.dumps(result), flush=True)
 
     rows = []
     if not args.skip_bench:
-        shape = Shape.parse(args.shape)
-        configs = [(1, None)] + [(e, d) for e in ep_sizes for d in dispatches]
-        for ep_size, dispatch in configs:
+        strong = Shape.parse(args.shape)
+        configs = [("strong", strong, 1, None, "none")] + [
+            ("strong", strong, e, d, o) for e in ep_sizes for d, o in modes(dispatches, overlaps)
+        ]
+        if args.weak_tokens:
+            for e in [1] + ep_sizes:
+                weak = dataclasses.replace(strong, T=args.weak_tokens * e)
+                configs += [("weak", weak, 1, None, "none")] if e == 1 else [
+                    ("weak", weak, e, d, o) for d, o in modes(dispatches, overlaps)
+                ]
+        for scaling, shape, ep_size, dispatch, overlap in configs:
             try:
-                row = bench(shape, ep_size, dispatch, args)
+                row = bench(shape, ep_size, dispatch, overlap, args, scaling)
             except Exception as err:  # report and go on: one failing config must not hide the rest
-                row = {"ep": ep_size, "dispatch": dispatch or "-", "error": f"{type(err).__name__}: {err}"[:300]}
+                row = {"scaling": scaling, "T": shape.T, "ep": ep_size, "dispatch": dispatch or "-",
+                       "overlap": overlap, "error": f"{type(err).__name__}: {err}"[:300]}
                 failed = True
             rows.append(row)
-            print("bench", json.dumps(row), flush=True)
+            print("bench", json.dumps({k: v for k, v in row.items() if k != "schedule"}), flush=True)
 
-    shape = Shape.parse(args.shape)
+    strong = Shape.parse(args.shape)
     lines = [
         f"# EP layer benchmark: {len(jax.devices())} x {device.device_kind}, backend={args.backend}, "
         f"routing={args.routing}{' (skewed)' if args.skew else ''}",
         "",
-        f"Shape T={shape.T} (global), d={shape.d}, n={shape.n}, E={shape.E}, K={shape.K}; bf16 compute, "
-        f"params {args.param_dtype.name}; median of {args.iters}.",
+        f"d={strong.d}, n={strong.n}, E={strong.E}, K={strong.K}, {args.shared_experts} shared expert(s); "
+        f"bf16 compute, params {args.param_dtype.name}; wall time, median of {args.iters}. Strong scaling: "
+        f"global T={strong.T}; weak scaling: T={args.weak_tokens} per GPU. Chunked overlap: "
+        f"{args.num_chunks} chunks. Schedule columns: from the compiled forward (None: collectives not async).",
         "",
-        "| EP | dispatch | forward ms | fwd+bwd ms | fwd+bwd TFLOP/s per GPU |",
-        "|---|---|---|---|---|",
+        "| scaling | T | EP | dispatch | overlap | forward ms | fwd+bwd ms | fwd+bwd TFLOP/s per GPU "
+        "| shared MLP inside dispatch | combine c before down-proj c+1 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        head = f"| {row['scaling']} | {row['T']} | {row['ep']} | {row['dispatch']} | {row['overlap']} |"
         if "error" in row:
-            lines.append(f"| {row['ep']} | {row['dispatch']} | error | {row['error']} | |")
+            lines.append(f"{head} error | {row['error']} | | | |")
         else:
             lines.append(
-                f"| {row['ep']} | {row['dispatch']} | {row['fwd_ms']:.2f} | {row['fwd_bwd_ms']:.2f} | "
-                f"{row['fwd_bwd_tflops_per_gpu']:.0f} |"
+                f"{head} {row['fwd_ms']:.2f} | {row['fwd_bwd_ms']:.2f} | {row['fwd_bwd_tflops_per_gpu']:.0f} | "
+                f"{row.get('shared_in_dispatch', '')} | {row.get('combine_before_next_down', '')} |"
             )
     if checks:
         lines += ["", f"Correctness at {args.check_shape} (T,d,n,E,K), relative error vs one device:", ""]
         for c in checks:
+            name = (f"EP={c['ep']} {c['dispatch']} overlap={c['overlap']} {c['routing']}"
+                    f"{' skewed' if c['skew'] else ''} backend={c['backend']}{' check_vma' if c['check_vma'] else ''}")
+            if "error" in c:
+                lines.append(f"- {name}: error {c['error']} -> FAIL")
+                continue
             worst_grad = max(c["dparams_rel_err"].values())
             lines.append(
-                f"- EP={c['ep']} {c['dispatch']}: y {c['y_rel_err']:.1e}, dx {c['dx_rel_err']:.1e}, "
+                f"- {name}: y {c['y_rel_err']:.1e}, dx {c['dx_rel_err']:.1e}, "
                 f"worst dparam {worst_grad:.1e} -> {'ok' if c['ok'] else 'FAIL'}"
             )
     table = "\n".join(lines) + "\n"
@@ -263,6 +346,8 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         f.write(table)
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump({"checks": checks, "rows": rows}, f, indent=1, default=str)
     return 1 if failed else 0
 
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # 8 unless set
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import argparse  # noqa: E402
 import itertools  # noqa: E402
@@ -99,15 +100,26 @@ def max_rel(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-6))
 
 
-def run_case(routing, dispatch, ep_size, skew, extra):
+def chunks_used(ep, routing, extra):
+    """Chunks the chunked overlap cuts a shard's received rows into (xla backend)."""
+    from pallas_moe.ops.row_chunks import XLA_CHUNK_ALIGN, chunk_layout
+
+    cfg = build(routing, False, **extra).config
+    rows = ep.receive_capacity(cfg, T // ep.num_token_shards)
+    return chunk_layout(rows, ep.num_chunks, XLA_CHUNK_ALIGN)[1]
+
+
+def run_case(routing, dispatch, ep_size, skew, extra, ep_options=None):
+    """EP layer vs the single-device layer; `ep_options`: overlap, num_chunks, check_vma."""
+    ep_options = ep_options or {}
     devices = np.array(jax.devices()[:8])
     mesh = Mesh(devices.reshape(8 // ep_size, ep_size), ("data", "expert"))
-    ep = pm.nn.ExpertParallel(mesh, axis="expert", dispatch=dispatch)
+    ep = pm.nn.ExpertParallel(mesh, axis="expert", dispatch=dispatch, **ep_options)
     (l0, (y0, a0)), g0 = reference(routing, skew, extra)
     start = time.time()
     (l1, (y1, a1)), g1 = value_and_grad(build(routing, skew, ep, **extra), inputs(skew))
     result = {
-        "routing": routing, "dispatch": dispatch, "ep": ep_size, "skew": skew, **extra,
+        "routing": routing, "dispatch": dispatch, "ep": ep_size, "skew": skew, **extra, **ep_options,
         "y": max_rel(y0, y1),
         "loss": max_rel(l0, l1),
         "grad": max(max_rel(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1))),
@@ -117,6 +129,8 @@ def run_case(routing, dispatch, ep_size, skew, extra):
         "added_rows": int(a1["added_rows"]), "dropped_rows": int(a1["dropped_rows"]),
         "max_load": round(float(a1["max_load"]), 2),
     }
+    if ep.overlap == "chunked":
+        result["chunks"] = chunks_used(ep, routing, extra)
     tol = 2e-5
     result["ok"] = bool(
         result["aux_keys_equal"] and result["y"] < tol and result["loss"] < tol
@@ -125,15 +139,22 @@ def run_case(routing, dispatch, ep_size, skew, extra):
     return result
 
 
+CHUNKED = {"overlap": "chunked", "num_chunks": 3}
+
 FAST = [
-    # (routing, dispatch, ep_size, skew, extra); scan_and_capacity_checks adds EP=4 ragged top-K.
-    ("topk", "all_gather", 2, True, {}),
+    # (routing, dispatch, ep_size, skew, extra[, ep_options]); scan_and_capacity_checks adds
+    # EP=4 ragged top-K.
+    ("topk", "all_gather", 2, True, {}, {"check_vma": True}),
     ("token_rounding", "all_gather", 4, True, {"tile": 16}),
     ("token_rounding", "all_gather", 1, False, {"tile": 16}),
     ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"}),
     ("topk", "emulated_ragged_all_to_all", 2, False, {"score": "sigmoid", "selection_bias": True}),
     ("token_rounding", "emulated_ragged_all_to_all", 2, False, {"preset": "biases_clamped", "tile": 16}),
     ("topk", "all_gather", 4, True, {"preset": "grouped_scaled_gated"}),
+    # The chunked overlap (top-K and token rounding; one under the vma type check).
+    ("topk", "emulated_ragged_all_to_all", 4, True, {}, CHUNKED),
+    ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"},
+     {**CHUNKED, "num_chunks": 4, "check_vma": True}),
 ]
 
 
@@ -144,6 +165,10 @@ def full_cases():
         yield routing, dispatch, ep_size, skew, {}
         if routing == "token_rounding":
             yield routing, dispatch, ep_size, skew, {"tile": 16}
+        if dispatch != "all_gather":
+            yield routing, dispatch, ep_size, skew, {}, CHUNKED
+            if ep_size == 4:
+                yield routing, dispatch, ep_size, skew, {}, {**CHUNKED, "check_vma": True}
     for score in ("topk_softmax", "sigmoid"):
         yield "token_rounding", "all_gather", 4, True, {"score": score, "renormalize": score == "sigmoid"}
     for rounding in ("up", "down", "balance"):
@@ -253,15 +278,128 @@ def scan_and_capacity_checks():
     return checks
 
 
+def schedule_checks():
+    """The EP overlaps in the compiled forward's HLO (see `pallas_moe.nn.overlap_check`).
+
+    XLA:CPU has synchronous collectives, so what is checked is the dependency graph: the
+    shared MLP and the dispatch collectives do not depend on each other, and neither do
+    chunk c's combine collectives and chunk c+1's down-proj. Two hand-built programs whose
+    overlap is absent (the "shared" MLP reads the dispatched rows; chunk 1's down-proj reads
+    chunk 0's combine) must fail the same checks.
+    """
+    from jax.sharding import PartitionSpec as Spec
+
+    from pallas_moe.nn.expert_parallel import DISPATCH_SCOPE, SHARED_SCOPE, combine_scope
+    from pallas_moe.nn.overlap_check import ep_overlap_report
+    from pallas_moe.ops.row_chunks import down_proj_scope
+
+    checks = []
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "expert"))
+    forward = nnx.jit(lambda layer, x: layer(x)[0])
+
+    def report_of(ep):
+        return ep_overlap_report(forward.lower(build("topk", True, ep), inputs(True)).compile().as_text())
+
+    rep = report_of(pm.nn.ExpertParallel(mesh, dispatch="emulated_ragged_all_to_all", **CHUNKED))
+    checks.append({
+        "check": "schedule_chunked", "report": rep,
+        "ok": rep["shared"]["independent"] and rep["num_chunks"] == 3 and len(rep["chunks"]) == 2
+        and all(c["independent"] for c in rep["chunks"]),
+    })
+    rep = report_of(pm.nn.ExpertParallel(mesh, dispatch="all_gather"))
+    checks.append({
+        "check": "schedule_all_gather", "report": rep,
+        "ok": rep["shared"]["independent"] and rep["num_chunks"] == 0,
+    })
+
+    # Negative controls: the same scopes, with the overlap made impossible.
+    mesh1 = Mesh(np.array(jax.devices()[:8]), ("expert",))
+    w = jnp.ones((D, D))
+
+    def no_shared_overlap(x):
+        with jax.named_scope(DISPATCH_SCOPE):
+            gathered = jax.lax.all_gather(x, "expert", tiled=True)  # [8*T_l, D]
+        with jax.named_scope(SHARED_SCOPE):
+            shared = jnp.tanh((x + gathered[: x.shape[0]]) @ w) @ w  # reads the dispatch
+        return shared + gathered[: x.shape[0]]
+
+    def no_chunk_overlap(x):
+        with jax.named_scope(down_proj_scope(0)):
+            y0 = jnp.tanh(x @ w)
+        with jax.named_scope(combine_scope(0)):
+            y0 = jax.lax.all_gather(y0, "expert", tiled=True)[: x.shape[0]]
+        with jax.named_scope(down_proj_scope(1)):
+            y1 = jnp.tanh((x + y0) @ w)  # waits for chunk 0's combine
+        with jax.named_scope(combine_scope(1)):
+            y1 = jax.lax.all_gather(y1, "expert", tiled=True)[: x.shape[0]]
+        return y0 + y1
+
+    for name, fn, part in (("negative_shared", no_shared_overlap, "shared"),
+                           ("negative_chunks", no_chunk_overlap, "chunks")):
+        mapped = jax.jit(jax.shard_map(fn, mesh=mesh1, in_specs=Spec("expert"), out_specs=Spec("expert")))
+        rep = ep_overlap_report(mapped.lower(jnp.ones((64, D))).compile().as_text())
+        found = rep["shared"] if part == "shared" else (rep["chunks"][0] if rep["chunks"] else None)
+        checks.append({"check": name, "report": rep, "ok": found is not None and not found["independent"]})
+    return checks
+
+
+def signal_primitives_check():
+    """What overlap="signal" would build on: JAX 0.11.2's Mosaic GPU lowers, for Hopper and
+    inside shard_map, a kernel that TMA-stores a block into a peer device's output
+    (`plgpu.remote_ref`) and raises the peer's semaphore (`pl.semaphore_signal(...,
+    device_id=peer)`, then `pl.semaphore_wait`). Interpret mode has neither, so only the
+    lowering can be checked without GPUs (docs/ep_overlap.md)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.sharding import PartitionSpec as Spec
+
+    rows, width = 128, 128
+    mesh = Mesh(np.array(jax.devices()[:8]), ("expert",))
+
+    def send_block(y, peer):
+        def body(y_ref, peer_ref, out_ref, smem):
+            done = pl.get_global(plgpu.SemaphoreType.REGULAR)
+            smem[...] = y_ref[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(smem, plgpu.remote_ref(out_ref, peer_ref[0]))
+            plgpu.wait_smem_to_gmem(0)
+            pl.semaphore_signal(done, device_id=peer_ref[0])
+            pl.semaphore_wait(done, value=1, decrement=False)
+
+        return plgpu.kernel(
+            body, out_type=jax.ShapeDtypeStruct((rows, width), jnp.bfloat16),
+            scratch_types=[plgpu.SMEM((rows, width), jnp.bfloat16)],
+        )(y, peer)
+
+    def step(y):
+        peer = ((jax.lax.axis_index("expert") + 1) % 8).astype(jnp.int32).reshape(1)
+        return send_block(y, peer)
+
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=Spec("expert"), out_specs=Spec("expert"), check_vma=False))
+    try:
+        text = fn.trace(jnp.ones((8 * rows, width), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as err:  # noqa: BLE001 - the record says what failed
+        return [{"check": "signal_primitives_lower", "ok": False, "error": f"{type(err).__name__}: {err}"[:500]}]
+    return [{
+        "check": "signal_primitives_lower",
+        "ok": "uses_xla_collective_metadata = true" in text and 'xla_replica_ids = "0,1,2,3,4,5,6,7"' in text,
+    }]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", choices=("fast", "layouts", "full"), default="fast")
+    parser.add_argument("--cases", choices=("fast", "layouts", "schedule", "full"), default="fast")
     args = parser.parse_args(argv)
     assert len(jax.devices()) >= 8, jax.devices()
-    # "fast" and "layouts" split the default checks in two processes (pytest -n 2 runs both).
-    cases = {"fast": FAST, "layouts": [], "full": list(full_cases())}[args.cases]
-    checks = {"fast": error_checks, "layouts": scan_and_capacity_checks}.get(args.cases)
-    checks = checks() if checks else error_checks() + scan_and_capacity_checks()
+    # "fast", "layouts" and "schedule" split the default checks into processes.
+    cases = {"fast": FAST, "layouts": [], "schedule": [], "full": list(full_cases())}[args.cases]
+    checks = {
+        "fast": error_checks, "layouts": scan_and_capacity_checks,
+        "schedule": lambda: schedule_checks() + signal_primitives_check(),
+    }.get(args.cases)
+    checks = checks() if checks else (
+        error_checks() + scan_and_capacity_checks() + schedule_checks() + signal_primitives_check()
+    )
     failed = 0
     for result in checks:
         failed += not result["ok"]

@@ -56,6 +56,24 @@ def test_ep_matches_single_device():
     assert {r["dispatch"] for r in results} == {"all_gather", "emulated_ragged_all_to_all"}
     tr = [r for r in results if r["routing"] == "token_rounding"]
     assert any(r["added_rows"] > 0 and r["dropped_rows"] > 0 for r in tr)  # rounding both ways
+    # overlap="chunked" equals the single-device layer for top-K and token rounding, with
+    # the rows really cut into several chunks; the vma type check passes on both dispatches.
+    chunked = [r for r in results if r.get("overlap") == "chunked"]
+    assert {r["routing"] for r in chunked} == {"topk", "token_rounding"}
+    assert all(r["chunks"] >= 3 for r in chunked)
+    assert {r["dispatch"] for r in results if r.get("check_vma")} == {"all_gather", "emulated_ragged_all_to_all"}
+
+
+def test_ep_overlap_schedule():
+    """In the compiled HLO (8 CPU devices), the shared MLP is independent of the dispatch
+    collectives and chunk c's combine of chunk c+1's down-proj; hand-built programs
+    without the overlap fail the same checks."""
+    proc, results = _run_ep_check("schedule")
+    _check(proc, results, 5)
+    assert {r["check"] for r in results} == {
+        "schedule_chunked", "schedule_all_gather", "negative_shared", "negative_chunks",
+        "signal_primitives_lower",  # what overlap="signal" would need lowers for Hopper
+    }
 
 
 def test_ep_layouts():
@@ -91,6 +109,29 @@ def test_bad_dispatch_and_capacity():
         pm.nn.ExpertParallel(_mesh(), capacity_factor=1.5)
     with pytest.raises(ValueError, match="capacity_factor must be positive"):
         pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", capacity_factor=0)
+
+
+def test_bad_overlap():
+    with pytest.raises(ValueError, match="overlap must be one of"):
+        pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="async")
+    with pytest.raises(ValueError, match="overlap='signal'.*not available.*docs/ep_overlap.md"):
+        pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="signal")
+    with pytest.raises(ValueError, match="overlap='chunked' needs a ragged dispatch"):
+        pm.nn.ExpertParallel(_mesh(), dispatch="all_gather", overlap="chunked")
+    with pytest.raises(ValueError, match="num_chunks must be positive"):
+        pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="chunked", num_chunks=0)
+    with pytest.raises(TypeError, match="num_chunks must be a Python int"):
+        pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", num_chunks=2.0)
+
+
+def test_check_vma_with_kernels_is_a_clear_error():
+    ep = pm.nn.ExpertParallel(_mesh(), check_vma=True)
+    layer = pm.nn.MoE(64, 64, 4, 2, backend="interpret", dtype=jax.numpy.bfloat16, rngs=nnx.Rngs(0),
+                      expert_parallel=ep)
+    with pytest.raises(ValueError, match="check_vma=True\\) runs only with backend='xla'.*mpmd_map"):
+        layer(jax.numpy.ones((8, 64)))
+    with pytest.raises(TypeError, match="check_vma must be a bool"):
+        pm.nn.ExpertParallel(_mesh(), check_vma=1)
 
 
 @pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU limitation only")

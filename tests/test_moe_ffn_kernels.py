@@ -69,3 +69,18 @@ def test_interpret_backend_with_a_plan_that_dropped_every_row():
     assert not np.any(np.asarray(out, np.float32))
     for g in grads:
         assert not np.any(np.asarray(g, np.float32)), "an empty plan must give exactly zero gradients"
+
+
+def test_backend_resolution_reads_the_aot_target():
+    """`auto` picks the kernels for a Hopper target named by an abstract mesh (lowering for
+    cuda from a CPU host), and `mosaic` without one is a clear error."""
+    from pallas_moe.ops.moe_ffn import resolve_backend
+    from tests.cuda_target import h100_target
+
+    with h100_target():
+        assert resolve_backend("auto") == "mosaic"
+        assert resolve_backend("mosaic") == "mosaic"
+    if jax.default_backend() != "gpu":
+        assert resolve_backend("auto") == "xla"
+        with pytest.raises(ValueError, match="backend='mosaic' needs a Hopper GPU"):
+            resolve_backend("mosaic")

@@ -259,17 +259,16 @@ def _abstract_plan(num_tokens, num_experts, k):
 
 @pytest.mark.parametrize("d", [2048, 4096, 7168])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
-def test_lowers_for_cuda_at_production_widths(d, out_dtype, monkeypatch):
+def test_lowers_for_cuda_at_production_widths(d, out_dtype):
     # The 30B shape's T, E, K (T*K = 262144 rows); lowering cost does not depend on T.
     num_tokens, num_experts, k = 32768, 128, 8
-    # Lowering for cuda from this CPU host: `backend="mosaic"` checks for a Hopper device at
-    # trace time (a clear error for users without one), so stand one in for the check.
-    from pallas_moe.ops import moe_ffn as moe_ffn_module
+    from tests.cuda_target import h100_target
 
-    class FakeHopper:
-        platform, compute_capability, device_kind = "gpu", "9.0", "NVIDIA H100"
+    with h100_target():  # the AOT target `backend="mosaic"`'s device check reads
+        _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype)
 
-    monkeypatch.setattr(moe_ffn_module.jax, "devices", lambda *a: [FakeHopper()])
+
+def _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype):
     sds = jax.ShapeDtypeStruct
     x_dtype = jnp.float16 if d == 4096 else jnp.bfloat16  # fp16 input once
     x, smooth = sds((num_tokens, d), x_dtype), sds((num_experts, d), jnp.float32)

@@ -19,6 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 import pallas_moe as pm
 from pallas_moe.routing import kernels
+from tests.cuda_target import h100_target
 
 EXACT_FIELDS = ("token_ids", "group_sizes", "is_token_choice", "rows_by_token", "token_row_offsets")
 # Few shapes, so jitted programs are reused across hypothesis examples.
@@ -112,19 +113,12 @@ def test_topk_blocks_outputs():
     assert counts.shape == (5, E)
 
 
-def _abstract_h100_mesh():
-    from jax._src.mesh import AbstractDevice
-
-    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-
-
 @pytest.mark.parametrize("shape", [(32768, 128, 8), (16384, 512, 10), (64, 60, 4), (24576, 256, 16)])
 def test_routing_kernels_lower_for_cuda(shape):
     """The Triton lowering at production sizes (an abstract H100 stands in for the device)."""
     T, E, K = shape
     f = jax.jit(lambda l: pm.routing.topk_plan(l, K, impl="kernel"))
-    with jax.sharding.use_abstract_mesh(_abstract_h100_mesh()):
+    with h100_target():
         f.trace(jax.ShapeDtypeStruct((T, E), jnp.float32)).lower(lowering_platforms=("cuda",))
 
 

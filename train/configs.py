@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from pallas_moe.nn.expert_parallel import DISPATCHES, OVERLAPS
+
 ROUTINGS = ("topk", "token_rounding")
 ROUNDINGS = ("nearest", "up", "down", "stochastic", "balance")
 DTYPES = ("float32", "bfloat16")
@@ -68,6 +70,12 @@ class Config:
     b1: float = 0.9
     b2: float = 0.95
     grad_clip: float = 1.0  # global-norm clipping; 0 = off
+    # Parallelism (train/distributed.py); devices=1 is a plain one-device run.
+    devices: int = 1  # devices of the (data, expert) mesh; 0 = every device of every process
+    expert_parallel: int = 1  # size of the mesh's expert axis (experts split over it)
+    dispatch: str = "all_gather"  # pm.nn.ExpertParallel dispatch
+    overlap: str = "none"  # pm.nn.ExpertParallel overlap: "none" or "chunked" (ragged dispatch)
+    num_chunks: int = 2  # chunks of overlap="chunked"
     # Bookkeeping.
     seed: int = 0
     log_every: int = 10
@@ -217,7 +225,9 @@ def validate(c: Config) -> Config:
         _positive_int(c, field)
     for field in ("load_balance_weight", "z_loss_weight", "weight_decay", "grad_clip", "final_lr_fraction"):
         _non_negative(c, field)  # finite too: grad_clip=nan would silently turn clipping off
-    for field in ("warmup_steps", "max_train_bytes", "seed", "checkpoint_every"):
+    for field in ("expert_parallel", "num_chunks"):
+        _positive_int(c, field)
+    for field in ("warmup_steps", "max_train_bytes", "seed", "checkpoint_every", "devices"):
         _non_negative(c, field)
         if not isinstance(getattr(c, field), int):
             raise ConfigError(f"{field} must be an int, got {getattr(c, field)!r}.")
@@ -226,6 +236,14 @@ def validate(c: Config) -> Config:
     _choice(c, "dtype", DTYPES)
     _choice(c, "backend", BACKENDS)
     _choice(c, "positions", POSITIONS)
+    _choice(c, "dispatch", DISPATCHES)
+    _choice(c, "overlap", OVERLAPS)
+    if c.num_experts % c.expert_parallel:
+        raise ConfigError(
+            f"expert_parallel={c.expert_parallel} must divide num_experts={c.num_experts}."
+        )
+    if c.overlap == "chunked" and c.dispatch == "all_gather":
+        raise ConfigError("overlap='chunked' needs a ragged dispatch, not dispatch='all_gather'.")
     if c.vocab_size != 256:
         raise ConfigError(f"vocab_size must be 256 (byte-level tokens), got {c.vocab_size}.")
     if c.d_model % c.num_heads:

@@ -4,6 +4,10 @@
     python -m train.main --config tiny --routing token_rounding --steps 200 --out runs/tr
     python -m train.main --config tiny --resume        # continue from runs/tiny's latest checkpoint
     python -m train.main --config tiny --overwrite     # delete runs/tiny's previous run, start again
+    python -m train.main --config small --set devices=0 --set expert_parallel=4   # all local devices
+    # N hosts: the same command on each, i = 0..N-1 (devices=0: every device of every host)
+    python -m train.main --config small --set devices=0 --set expert_parallel=8 \
+        --coordinator host0:1234 --num-processes N --process-id i
 
 Writes metrics (JSONL), orbax checkpoints and a loss-curve PNG under the output directory
 (default `runs/<config>/`) and prints where they went. A new run into a directory that
@@ -41,6 +45,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override any config field, e.g. --set num_experts=16 (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    dist = p.add_argument_group(
+        "multi-process", "run one process per host (or per GPU) with the same command; see the README"
+    )
+    dist.add_argument("--coordinator", help="host:port of process 0 (enables jax.distributed)")
+    dist.add_argument("--num-processes", type=int, dest="num_processes")
+    dist.add_argument("--process-id", type=int, dest="process_id")
+    dist.add_argument("--cpu-collectives", default="gloo", dest="cpu_collectives",
+                      help="CPU collectives backend for multi-process CPU runs (default gloo)")
     return p.parse_args(argv)
 
 
@@ -89,6 +101,13 @@ def main(argv=None) -> int:
     if args.resume and args.overwrite:
         print("error: --resume and --overwrite exclude each other.", file=sys.stderr)
         return 2
+    if args.coordinator:
+        if args.num_processes is None or args.process_id is None:
+            print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)
+            return 2
+        from train import distributed
+
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.cpu_collectives)
 
     from train.checkpoint import CheckpointError
     from train.trainer import RunDirError, train

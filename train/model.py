@@ -57,7 +57,7 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm residual block: attention, then the MoE feed-forward."""
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, expert_parallel=None):
         from pallas_moe.nn import MoE
 
         dtype = DTYPES[cfg.dtype]
@@ -71,7 +71,7 @@ class Block(nnx.Module):
             cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.top_k,
             routing=cfg.routing, tile=cfg.tile, rounding=cfg.rounding,
             load_balance_weight=cfg.load_balance_weight, z_loss_weight=cfg.z_loss_weight,
-            backend=cfg.backend, dtype=dtype, rngs=rngs,
+            backend=cfg.backend, dtype=dtype, rngs=rngs, expert_parallel=expert_parallel,
         )
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
@@ -83,7 +83,8 @@ class Block(nnx.Module):
 class MoETransformer(nnx.Module):
     """Byte-level decoder-only language model with an MoE feed-forward in every block."""
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, expert_parallel=None):
+        """`expert_parallel`: a `pm.nn.ExpertParallel` for every MoE layer (None: one device)."""
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
         # Small embedding init: with a tied head, initial logits are x . embed, so unit-variance
@@ -95,7 +96,7 @@ class MoETransformer(nnx.Module):
         if cfg.positions == "learned":
             init = jax.nn.initializers.normal(0.02)
             self.pos_embed = nnx.Param(init(rngs.params(), (cfg.seq_len, cfg.d_model)))
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.blocks = nnx.List([Block(cfg, rngs=rngs, expert_parallel=expert_parallel) for _ in range(cfg.num_layers)])
         self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=self.dtype, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=self.dtype, rngs=rngs)

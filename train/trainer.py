@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 
 from pallas_moe.ops.moe_ffn import resolve_backend
-from train import checkpoint, data
+from train import checkpoint, data, distributed
 from train.configs import Config, ConfigError, validate
 from train.model import MoETransformer
 
@@ -42,8 +42,16 @@ ROW_STATS = ("dropped_rows", "added_rows", "padding_rows", "tc_padding_rows", "n
 FRACTION_STATS = ("padding_fraction", "tc_padding_fraction", "max_load")
 
 
-def build_model(cfg: Config, seed: int | None = None) -> MoETransformer:
-    return MoETransformer(cfg, rngs=nnx.Rngs(cfg.seed if seed is None else seed))
+def build_model(cfg: Config, seed: int | None = None, mesh=None) -> MoETransformer:
+    """The model; with a mesh (`distributed.make_mesh`), its MoE layers are expert-parallel."""
+    ep = None
+    if mesh is not None:
+        import pallas_moe as pm
+
+        ep = pm.nn.ExpertParallel(
+            mesh, axis="expert", dispatch=cfg.dispatch, overlap=cfg.overlap, num_chunks=cfg.num_chunks
+        )
+    return MoETransformer(cfg, rngs=nnx.Rngs(cfg.seed if seed is None else seed), expert_parallel=ep)
 
 
 def lr_schedule(cfg: Config) -> optax.Schedule:
@@ -163,8 +171,12 @@ class MetricsLog:
     """Appends one JSON object per line; on resume drops records past the resumed step (and
     a torn line, with a warning). The file is only ever rewritten atomically."""
 
-    def __init__(self, path: pathlib.Path, resume_step: int | None):
+    def __init__(self, path: pathlib.Path, resume_step: int | None, enabled: bool = True):
+        """`enabled=False` (processes other than 0 in a multi-process run) writes nothing."""
         self.path = path
+        self.enabled = enabled
+        if not enabled:
+            return
         if resume_step is None:
             write_text_atomic(path, "")
         else:
@@ -173,6 +185,8 @@ class MetricsLog:
             write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -286,13 +300,19 @@ def train(
         raise ConfigError(f"backend: {error}") from None
     if resume and overwrite:
         raise ValueError("resume and overwrite exclude each other (--resume keeps the run, --overwrite deletes it).")
+    mesh = distributed.make_mesh(cfg)  # None: one device
+    primary = distributed.is_primary()  # only process 0 writes metrics, plots and summaries
     out_dir = pathlib.Path(cfg.out_dir)
     if resume:
         if not (out_dir / "checkpoints").is_dir():
             raise FileNotFoundError(f"no checkpoint in {out_dir / 'checkpoints'}")
-    else:
+    elif primary:  # process 0 owns the output directory
         prepare_new_run_dir(out_dir, overwrite)
     ckpt_dir = out_dir / "checkpoints"
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("train: output directory ready")
     stop_at = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
 
     train_bytes, val_bytes, data_info = data_split or data.load_split(cfg.val_percent)
@@ -301,18 +321,29 @@ def train(
     loader = data.Batches(train_bytes, cfg.batch_size, cfg.seq_len, cfg.seed)
     val_batches = data.validation_batches(val_bytes, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
 
-    model = build_model(cfg)
+    model = build_model(cfg, mesh=mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     num_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
     eval_graphdefs = {"val_loss": (graphdef, None)}  # name -> (graph, own rest or None)
     if cfg.routing == "token_rounding":
         # The same weights evaluated with plain top-K routing (no expert-choice top-up).
-        tc_model = nnx.eval_shape(lambda: build_model(dataclasses.replace(cfg, routing="topk")))
+        tc_model = nnx.eval_shape(lambda: build_model(dataclasses.replace(cfg, routing="topk"), mesh=mesh))
         tc_graphdef, tc_params, tc_rest = nnx.split(tc_model, nnx.Param, ...)
         if jax.tree.structure(tc_params) == jax.tree.structure(params) and not jax.tree.leaves(tc_rest):
             eval_graphdefs["val_loss_topk"] = (tc_graphdef, tc_rest)
     tx = build_optimizer(cfg)
-    opt_state = tx.init(params)
+    put_batch = lambda batch: batch  # host numpy batches go straight to the one device
+    example = np.zeros((cfg.batch_size, cfg.seq_len + 1), np.uint8)  # only shape and dtype matter
+    if mesh is not None:
+        # Global arrays: expert weights split over the expert axis, the rest replicated,
+        # batches split over every device. Every process holds the same host values.
+        params = distributed.to_global(params, distributed.param_shardings(params, mesh))
+        rest = distributed.to_global(rest, distributed.replicated(rest, mesh))
+        sharding = distributed.batch_sharding(mesh)
+        put_batch = lambda batch: jax.device_put(batch, sharding)
+        example = jax.ShapeDtypeStruct(example.shape, example.dtype, sharding=sharding)
+        val_batches = [put_batch(b) for b in val_batches]
+    opt_state = jax.jit(tx.init)(params)  # optimizer state sharded like the parameters
     steps = make_steps(graphdef, tx, eval_graphdefs)
 
     mgr = checkpoint.manager(ckpt_dir, cfg.keep_checkpoints) if (cfg.checkpoint_every or resume) else None
@@ -353,8 +384,9 @@ def train(
                  f"{', '.join(map(str, moved))}.")
         params, rest, opt_state = state["params"], state["rest"], state["opt_state"]
         loader.restore(meta["data"])
-    log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None)
-    write_text_atomic(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+    log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None, enabled=primary)
+    if primary:
+        write_text_atomic(out_dir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
 
     def evaluate(step: int) -> dict[str, float]:
         sums: dict[str, float] = {}
@@ -373,13 +405,14 @@ def train(
 
     # Compile ahead of time so the first interval's tokens/s is not compile time.
     t0 = time.perf_counter()
-    example = np.zeros((cfg.batch_size, cfg.seq_len + 1), np.uint8)  # only shape and dtype matter
     compiled = steps.train_step.lower(params, rest, opt_state, example).compile()
     compile_s = time.perf_counter() - t0
 
     header = {
         "step": start_step, "split": "info", "config": cfg.to_dict(), "data": data_info,
-        "num_params": num_params, "backend": jax.default_backend(), "devices": str(jax.devices()),
+        "num_params": num_params, "backend": jax.default_backend(),
+        "devices": str(jax.devices() if mesh is None else mesh.devices.tolist()),
+        "processes": jax.process_count(),
         "compile_s": compile_s, "resumed": bool(resume),
         "skipped_checkpoints": [{"step": s, "reason": r} for s, r in skipped],
     }
@@ -387,7 +420,7 @@ def train(
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=cfg.steps, initial=start_step, disable=not progress, dynamic_ncols=True,
+    bar = tqdm(total=cfg.steps, initial=start_step, disable=not (progress and primary), dynamic_ncols=True,
                mininterval=1.0, desc=cfg.name, unit="step")
     last_val: dict[str, float] = {}
     if start_step == 0:
@@ -415,7 +448,7 @@ def train(
         checked_steps = len(interval_metrics)
 
     while step < stop_at:
-        batch = loader.next()
+        batch = put_batch(loader.next())
         params, rest, opt_state, metrics = compiled(params, rest, opt_state, batch)
         step += 1
         interval_metrics.append(metrics)
@@ -460,9 +493,10 @@ def train(
         "final_val": last_val, "train_tokens_per_s": tokens_per_s, "train_time_s": train_time,
         "compile_s": compile_s, "backend": jax.default_backend(),
     }
-    write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     plot_path = None
-    if plot:
+    if primary:
+        write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    if plot and primary:
         from train.plots import plot_run
 
         plot_path = plot_run(log.path, out_dir / "loss.png", title=f"{cfg.name} ({cfg.routing})")

@@ -34,7 +34,11 @@ shard whatever the routing; runs everywhere, best at small EP or `K >= G`);
 "ragged_all_to_all" sends only the routed rows (`~2*T_l*K*d*(G-1)/G` elements; best when
 `K < G` and at scale; not available on XLA:CPU). Token rounding rounds each expert's
 *global* count, so an EP layer routes exactly like the single-device layer over the
-whole batch. See `pallas_moe.nn.expert_parallel` for details.
+whole batch. With shared experts, their MLP overlaps the dispatch; with
+`ExpertParallel(..., dispatch="ragged_all_to_all", overlap="chunked", num_chunks=C)` the
+down-proj runs in C chunks and each chunk's combine overlaps the next chunk's down-proj
+(`pallas_moe.nn.overlap_check` reads both from a compiled module). See
+`pallas_moe.nn.expert_parallel` for details and docs/ep_overlap.md for the design.
 
 Checkpoints: `pallas_moe.nn.convert` maps PyTorch layouts (per-expert `gate_proj/up_proj/
 down_proj`, fused `[E, 2n, d]` / `[E, d, n]`) to ours (`[E, d, 2n]`, `[E, n, d]`) and back.
@@ -48,12 +52,15 @@ Hugging Face families (qwen3_moe, mixtral, olmoe, deepseek_v3, qwen2_moe, gpt_os
 See `pallas_moe.nn.families` for each family's names and layouts.
 """
 
-from pallas_moe.nn import convert, families
-from pallas_moe.nn.expert_parallel import DISPATCHES, ExpertParallel, expert_parallel_moe
+from pallas_moe.nn import convert, families, overlap_check
+from pallas_moe.nn.expert_parallel import (
+    DISPATCHES, OVERLAPS, ExpertParallel, expert_parallel_moe, ragged_exchange,
+)
 from pallas_moe.nn.functional import RouterConfig
 from pallas_moe.nn.moe import MoE, SelectionBias
 
 __all__ = [
-    "MoE", "SelectionBias", "ExpertParallel", "expert_parallel_moe", "DISPATCHES",
-    "RouterConfig", "convert", "families",
+    "MoE", "SelectionBias", "ExpertParallel", "expert_parallel_moe", "DISPATCHES", "OVERLAPS",
+    "ragged_exchange",
+    "RouterConfig", "convert", "families", "overlap_check",
 ]

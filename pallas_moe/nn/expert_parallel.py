@@ -44,6 +44,24 @@ whatever the layout.
 Aux terms are computed from sums over tokens that are `psum`med over the token shards, so
 `aux` equals the single-device module's; outputs and gradients equal it up to summation
 order (the all-gather path sums expert partials across shards in the compute dtype).
+
+Overlap (single-batch overlap; docs/ep_overlap.md):
+
+* Shared experts: the shared MLP runs on each shard's tokens inside the same `shard_map`
+  body as the dispatch and depends on nothing it receives, so XLA runs it while the
+  dispatch collective is in flight.
+* `overlap="chunked"` (ragged dispatches): the received rows, grouped by local expert, go
+  through the down-proj in `block_m`-aligned chunks (`pallas_moe.ops.row_chunks`); each
+  chunk's combine is its own ragged exchange, free to run while the next chunk's down-proj
+  computes. Equal to `overlap="none"` in outputs and gradients.
+* `overlap="signal"` (a down-proj kernel that signals per `block_m` rows and sends finished
+  blocks to their sources) is not built; the doc says what JAX 0.11.2's Mosaic GPU offers
+  for it (remote refs, remote semaphores) and why.
+
+`pallas_moe.nn.overlap_check.ep_overlap_report` reads both overlaps from a compiled module.
+Every exchange goes through `ragged_exchange`, whose VJP is the reverse exchange built
+from the same `[sender, receiver]` tables. The layer runs unchanged across processes
+(`jax.distributed`): give it a mesh over all processes' devices and global arrays.
 """
 
 from __future__ import annotations
@@ -57,14 +75,24 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_moe import _checks
+from pallas_moe._vma import vary, vary_together
 from pallas_moe.nn import functional as F
 from pallas_moe.ops.activation import SwiGLU
-from pallas_moe.ops.moe_ffn import moe_ffn
+from pallas_moe.ops.moe_ffn import moe_ffn, resolve_backend
+from pallas_moe.ops.row_chunks import chunk_block_m, chunk_layout, chunked_row_ffn
 from pallas_moe.routing.plan import plan_from_assignment
 from pallas_moe.routing.token_rounding import rounded_counts
 from pallas_moe.routing.topk import check_router_inputs, router_probabilities, topk_assignment
 
 DISPATCHES = ("all_gather", "ragged_all_to_all", "emulated_ragged_all_to_all")
+OVERLAPS = ("none", "chunked")
+# Named scopes the schedule checks (`pallas_moe.nn.schedule`) find ops by.
+SHARED_SCOPE = "shared_experts"
+DISPATCH_SCOPE = "ep_dispatch"
+
+
+def combine_scope(chunk: int) -> str:
+    return f"ep_combine_chunk{chunk}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +108,18 @@ class ExpertParallel:
         include `axis`. Default: every axis of the mesh, in mesh order.
       capacity_factor: ragged dispatch only; receive buffer of `capacity_factor * T_l * K`
         rows per shard (None: the exact worst case, never drops).
+      overlap: how the down-proj meets the combine (ragged dispatches only). "none": the
+        whole down-proj, then one combine. "chunked": the received rows, grouped by local
+        expert, are cut into `num_chunks` `block_m`-aligned chunks; each chunk's down-proj
+        is followed by its own ragged combine, which XLA can run while the next chunk's
+        down-proj computes. Outputs and gradients equal "none". ("signal", a down-proj
+        kernel that sends finished blocks itself, is not built: see the module docstring.)
+      num_chunks: chunks of the "chunked" overlap (at most; fewer when there are fewer
+        `block_m` row blocks).
+      check_vma: `jax.shard_map`'s varying-manual-axes type check of the per-shard body.
+        Off by default (values are the same either way). It works with backend="xla" (the
+        scans cast their carries with `jax.lax.pcast`); the Pallas kernels cannot run under
+        it in JAX 0.11.2 (`plgpu.kernel` rejects varying inputs), which raises.
     """
 
     mesh: jax.sharding.Mesh
@@ -87,6 +127,9 @@ class ExpertParallel:
     dispatch: str = "all_gather"
     token_axes: tuple[str, ...] | None = None
     capacity_factor: float | None = None
+    overlap: str = "none"
+    num_chunks: int = 2
+    check_vma: bool = False
 
     def __post_init__(self):
         if not isinstance(self.mesh, jax.sharding.Mesh):
@@ -119,6 +162,23 @@ class ExpertParallel:
                 raise ValueError("capacity_factor applies to the ragged dispatch only, not 'all_gather'.")
             if not isinstance(self.capacity_factor, (int, float)) or self.capacity_factor <= 0:
                 raise ValueError(f"capacity_factor must be positive, got {self.capacity_factor!r}.")
+        if self.overlap == "signal":
+            raise ValueError(
+                "overlap='signal' (a down-proj kernel that signals per block_m rows and sends "
+                "finished blocks to their source shards) is not available: see "
+                "docs/ep_overlap.md for what JAX 0.11.2's Mosaic GPU offers and why it is not "
+                "built. Use overlap='chunked'."
+            )
+        _checks.check_choice("overlap", self.overlap, OVERLAPS)
+        _checks.check_positive_int("num_chunks", self.num_chunks)
+        if not isinstance(self.check_vma, bool):
+            raise TypeError(f"check_vma must be a bool, got {type(self.check_vma).__name__}.")
+        if self.overlap == "chunked" and self.dispatch == "all_gather":
+            raise ValueError(
+                "overlap='chunked' needs a ragged dispatch ('ragged_all_to_all' or "
+                "'emulated_ragged_all_to_all'): the all_gather dispatch combines with one "
+                "reduce-scatter over tokens, not per row."
+            )
         if self.dispatch == "ragged_all_to_all":
             platform = self.mesh.devices.flat[0].platform
             if platform == "cpu":
@@ -170,8 +230,9 @@ def expert_parallel_moe(
     b_down: jax.Array | None = None,
     activation: SwiGLU = SwiGLU(),
     check_finite: bool | None = None,
+    shared: tuple | None = None,
 ) -> tuple[jax.Array, dict]:
-    """The routed part of a MoE layer with experts sharded over `ep.axis`.
+    """A MoE layer (routed experts, plus shared experts if given) with experts sharded over `ep.axis`.
 
     Args:
       x: [T, d] tokens in the compute dtype (T divisible by the number of token shards).
@@ -190,6 +251,11 @@ def expert_parallel_moe(
         `pm.nn.MoE`). True checks through checkify inside `shard_map`: every shard's check
         is reported by `err.throw()` after the step, so no shard waits on one that raised.
         Under `jit` with None, read `aux["nonfinite_tokens"]` (summed over shards) instead.
+      shared: the shared (always-on) experts as `(w_gate_up [d, 2m], w_down [m, d],
+        w_gate f32[d, 1] or None)` in x's dtype (`functional.shared_mlp`), or None. Each
+        shard runs them on its own tokens inside the same `shard_map` as the dispatch: they
+        do not depend on the dispatched rows, so XLA schedules them while the dispatch
+        collective is in flight.
 
     Returns:
       (y [T, d] in x's dtype, aux dict as `functional.finish_aux`), equal to the
@@ -216,6 +282,24 @@ def expert_parallel_moe(
     expert_biases = {
         name: value for name, value in (("b_gate_up", b_gate_up), ("b_down", b_down)) if value is not None
     }
+    if shared is not None:
+        if not (isinstance(shared, tuple) and len(shared) == 3):
+            raise ValueError(
+                "shared must be (w_gate_up, w_down, w_gate or None), got "
+                f"{type(shared).__name__} of length {len(shared) if isinstance(shared, tuple) else '?'}."
+            )
+        extras["shared"] = shared
+    if ep.check_vma and resolve_backend(backend, x, w_down) != "xla":
+        raise ValueError(
+            f"ExpertParallel(check_vma=True) runs only with backend='xla' (got {backend!r}): "
+            "JAX 0.11.2's plgpu.kernel (mpmd_map) rejects inputs that vary over manual mesh "
+            "axes. Use check_vma=False with the kernels."
+        )
+    if ep.overlap == "chunked" and (expert_biases or activation != SwiGLU()):
+        raise ValueError(
+            "ExpertParallel(overlap='chunked') does not support expert biases or a non-default "
+            "activation yet; use overlap='none' for this layer."
+        )
     token_spec = P(ep.token_axes, None)
     expert_spec = P(ep.axis, None, None)
 
@@ -226,6 +310,7 @@ def expert_parallel_moe(
             router_bias=extras.get("router_bias"),
             ffn_options=dict(expert_biases_l, activation=activation),
             check_finite=check_finite,
+            shared=extras.get("shared"),
         )
 
     in_specs = (token_spec, P(), expert_spec, expert_spec, P(), P(ep.axis, None))
@@ -242,14 +327,12 @@ def expert_parallel_moe(
             jax.tree.map(lambda a, s=spec: jax.sharding.reshard(a, jax.sharding.NamedSharding(ep.mesh, s)), arg)
             for arg, spec in zip(args, in_specs)
         )
-    # check_vma=False: moe_ffn's internals (scan carries, Pallas calls) carry no varying-axis
-    # annotations. Gradients still equal the single-device layer's (tests/ep_check.py).
     y, aux = jax.shard_map(
         body,
         mesh=ep.mesh,
         in_specs=in_specs,
         out_specs=(token_spec, P()),
-        check_vma=False,
+        check_vma=ep.check_vma,
     )(*args)
     if explicit:
         y = jax.sharding.reshard(y, x_sharding)
@@ -257,10 +340,12 @@ def expert_parallel_moe(
 
 
 def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backend, router_bias,
-               ffn_options, check_finite):
+               ffn_options, check_finite, shared):
     """Per-shard body: route local tokens, dispatch, local experts, combine. x_l [T_l, d].
 
-    `ffn_options` are the `moe_ffn` keywords of the local experts (biases, activation).
+    `ffn_options` are the `moe_ffn` keywords of the local experts (biases, activation). The
+    shared MLP (if any) reads only x_l: nothing orders it against the dispatch, so the
+    scheduler can run it while the dispatch collective is in flight (SBO's first overlap).
     """
     logits = F.router_logits(x_l, router, router_bias)  # f32[T_l, E]
     if cfg.routing == "topk":
@@ -282,9 +367,14 @@ def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backen
             jax.lax.ragged_all_to_all if ep.dispatch == "ragged_all_to_all" else emulated_ragged_all_to_all
         )
         y_l, dropped = _ragged_dispatch(
-            x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn, collective
+            x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn, collective,
+            backend,
         )
         sums["capacity_dropped_rows"] = dropped
+    if shared is not None:
+        with jax.named_scope(SHARED_SCOPE):
+            y_shared = F.shared_mlp(x_l, *shared)  # [T_l, d]
+        y_l = y_l + y_shared
     aux = F.finish_aux(sums, cfg, lambda v: jax.lax.psum(v, ep.token_axes))
     return y_l, aux
 
@@ -306,7 +396,8 @@ def _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_dow
     code = selected.astype(jnp.int32) + 2 * (selected & tc_selected).astype(jnp.int32)  # [T_l, E]
     code_g = columns_of_this_shard(code)  # [G*T_l, E_l]
     weights_g = columns_of_this_shard(weights)  # f32[G*T_l, E_l]
-    x_g = jax.lax.all_gather(x_l, ep.axis, axis=0, tiled=True)  # [G*T_l, d]
+    with jax.named_scope(DISPATCH_SCOPE):
+        x_g = jax.lax.all_gather(x_l, ep.axis, axis=0, tiled=True)  # [G*T_l, d]
     plan = plan_from_assignment(
         (code_g & 1) > 0, weights_g, (code_g & 2) > 0,
         capacity=cfg.capacity(num_shards * tokens_l, local_experts),
@@ -319,7 +410,8 @@ def _exclusive_cumsum(a, axis):
     return jnp.cumsum(a, axis=axis, dtype=jnp.int32) - a
 
 
-def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn, collective):
+def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn,
+                     collective, backend):
     """Send routed rows to their experts' shards, run local experts (`ffn`: `moe_ffn` with its
     options bound), send outputs back.
 
@@ -330,6 +422,7 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
     tokens_l, d = x_l.shape
     dtype = x_l.dtype
     me = jax.lax.axis_index(ep.axis)
+    exchange = functools.partial(ragged_exchange, axis_name=ep.axis, collective=collective)
 
     # Rows of this shard's tokens, grouped by expert, hence by destination shard.
     plan = plan_from_assignment(
@@ -345,10 +438,10 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
     recv_offsets = _exclusive_cumsum(allowed, 0)  # [src, dst] first row from src in dst's buffer
 
     x_rows = x_l[plan.token_ids]  # [P_l, d]
-    x_recv = collective(
-        x_rows, jnp.zeros((receive_rows, d), dtype),
-        send_offsets[me], allowed[me], recv_offsets[me], allowed[:, me], axis_name=ep.axis,
-    )  # [R, d], source-major, expert-major inside a source
+    with jax.named_scope(DISPATCH_SCOPE):
+        x_recv = exchange(
+            x_rows, jnp.zeros((receive_rows, d), dtype), send_offsets, recv_offsets, allowed
+        )  # [R, d], source-major, expert-major inside a source
 
     # Local expert of each received row, from the counts every source sent.
     row = jnp.arange(receive_rows, dtype=jnp.int32)  # [R]
@@ -364,16 +457,23 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
         expert[:, None] == jnp.arange(local_experts, dtype=jnp.int32)[None, :]
     )  # [R, E_l]
     # Each received row is its own "token" with weight 1: the router weight is applied by
-    # the source at combine, so the expert output Y is what comes back.
+    # the source at combine, so the expert output Y is what comes back. Grouped by local
+    # expert, stable by received row: source-major inside each expert.
     plan_recv = plan_from_assignment(
         received, jnp.ones(received.shape, jnp.float32), received, capacity=receive_rows
     )
-    y_recv = ffn(x_recv, plan_recv, w_gate_up_l, w_down_l)  # [R, d]
-
-    y_rows = collective(
-        y_recv, jnp.zeros((plan.capacity, d), dtype),
-        recv_offsets[:, me], allowed[:, me], send_offsets[:, me], allowed[me], axis_name=ep.axis,
-    )  # [P_l, d]; rows not served stay 0
+    y_rows_init = jnp.zeros((plan.capacity, d), dtype)
+    if ep.overlap == "chunked":
+        y_rows = _chunked_experts_and_combine(
+            x_recv, plan_recv, src, w_gate_up_l, w_down_l, all_counts, allowed, send_offsets,
+            y_rows_init, ep, backend, exchange,
+        )  # [P_l, d]
+    else:
+        y_recv = ffn(x_recv, plan_recv, w_gate_up_l, w_down_l)  # [R, d]
+        # The reverse exchange: sender = expert shard, receiver = source.
+        with jax.named_scope(combine_scope(0)):
+            y_rows = exchange(y_recv, y_rows_init, recv_offsets.T, send_offsets.T, allowed.T)
+    # y_rows [P_l, d]; rows not served stay 0
 
     # Combine in fp32: O[t] = sum_r s[r] * Y[r] over the rows of token t.
     if cfg.routing == "topk":
@@ -388,6 +488,137 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
         y_l = jax.ops.segment_sum(weighted, plan.token_ids, num_segments=tokens_l)  # [T_l, d]
     dropped = jnp.sum(sizes[me]) - jnp.sum(allowed[me])
     return y_l.astype(dtype), dropped
+
+
+def _chunk_send_counts(all_counts, allowed, chunk_rows, num_chunks):
+    """i32[C, G(expert shard), G(source)]: rows of chunk c that an expert shard returns to a source.
+
+    An expert shard groups its received rows by local expert, source-major inside each
+    expert, and cuts them into chunks of `chunk_rows` grouped rows. Every shard computes
+    this table for all shards from the all-gathered counts, so senders and receivers agree.
+
+    Args:
+      all_counts: i32[G(src), G(dst), E_l] rows each source routes to each local expert.
+      allowed: i32[G(src), G(dst)] rows each source may send (receive capacity).
+    """
+    # A source sends its rows for dst expert-major and truncated to `allowed`.
+    kept = jnp.clip(allowed[:, :, None] - _exclusive_cumsum(all_counts, 2), 0, all_counts)  # [s, d, e]
+    group_start = _exclusive_cumsum(jnp.sum(kept, axis=0), 1)  # [d, e] on the expert shard
+    block_start = group_start[None] + _exclusive_cumsum(kept, 0)  # [s, d, e] rows of (s, e) on d
+    lo = (jnp.arange(num_chunks, dtype=jnp.int32) * chunk_rows)[:, None, None, None]  # [C, 1, 1, 1]
+    inside = jnp.minimum(block_start + kept, lo + chunk_rows) - jnp.maximum(block_start, lo)
+    counts = jnp.sum(jnp.clip(inside, 0, None), axis=-1, dtype=jnp.int32)  # [C, s, d]
+    return counts.transpose(0, 2, 1)  # [C, d, s]
+
+
+def _chunked_experts_and_combine(
+    x_recv, plan_recv, received_src, w_gate_up_l, w_down_l, all_counts, allowed, send_offsets,
+    y_rows, ep, backend, exchange,
+):
+    """overlap="chunked": the down-proj in `block_m`-aligned chunks, each sent back at once.
+
+    Chunk c's exchange depends only on chunk c's down-proj, so XLA can run it while chunk
+    c+1's down-proj computes. The rows a chunk returns to one source are contiguous in
+    that source's plan (the chunk cuts the expert-major, source-major grouped order), so
+    after a stable sort of the chunk's rows by source, one ragged exchange sends it.
+
+    Returns y_rows [P_l, d]: the expert output of every row this shard routed.
+    """
+    num_shards = ep.size
+    receive_rows, d = x_recv.shape
+    resolved = resolve_backend(backend, x_recv, w_down_l)
+    block_m = chunk_block_m(resolved, d, w_down_l.shape[1])
+    chunk_rows, num_chunks = chunk_layout(receive_rows, ep.num_chunks, block_m)
+    y = chunked_row_ffn(
+        x_recv, plan_recv, w_gate_up_l, w_down_l, chunk_rows=chunk_rows, backend=resolved
+    )  # [C, S, d], grouped rows
+    counts = _chunk_send_counts(all_counts, allowed, chunk_rows, num_chunks)  # [C, d, s]
+    before = _exclusive_cumsum(counts, 0)  # [C, d, s] rows returned in earlier chunks
+    # Source of each grouped row; padding rows sort last and are never sent.
+    grouped_src = jnp.where(plan_recv.row_is_valid, received_src[plan_recv.token_ids], num_shards)
+    grouped_src = jnp.pad(grouped_src, (0, num_chunks * chunk_rows - receive_rows), constant_values=num_shards)
+    for c in range(num_chunks):
+        order = jnp.argsort(grouped_src[c * chunk_rows:(c + 1) * chunk_rows], stable=True)  # [S]
+        with jax.named_scope(combine_scope(c)):
+            y_rows = exchange(
+                y[c][order], y_rows,
+                _exclusive_cumsum(counts[c], 1),  # [d, s] offset in the sorted chunk
+                send_offsets.T + before[c],  # [d, s] offset in the source's plan
+                counts[c],
+            )
+    return y_rows
+
+
+def ragged_exchange(
+    operand: jax.Array,
+    output: jax.Array,
+    in_offsets: jax.Array,
+    out_offsets: jax.Array,
+    sizes: jax.Array,
+    *,
+    axis_name,
+    collective=jax.lax.ragged_all_to_all,
+) -> jax.Array:
+    """A ragged all-to-all given by whole `[sender, receiver]` tables, with its own VJP.
+
+    Shard i sends rows `[in_offsets[i, j], + sizes[i, j])` of its `operand` to shard j,
+    which writes them at rows `[out_offsets[i, j], + sizes[i, j])` of its `output`; other
+    rows of `output` are kept. Every shard must hold the same tables (all i32[G, G]).
+
+    Because the tables are known everywhere, the backward needs no offset exchange: it
+    sends the cotangent rows back with the same `collective` and zeroes the written rows
+    of `output`'s cotangent. So the gradient is the same code for the real collective and
+    the emulated one that tests it on CPU, and chained sends into one buffer (the chunked
+    combine) get exact cotangents.
+
+    Args:
+      operand: [N, ...] rows to send; output: [M, ...] buffer to write into.
+      in_offsets, out_offsets, sizes: i32[G, G].
+      axis_name: the mesh axis of the G shards.
+      collective: `jax.lax.ragged_all_to_all` or `emulated_ragged_all_to_all`.
+
+    Returns:
+      [M, ...] `output` with the received rows written.
+    """
+    # Under shard_map(check_vma=True) both buffers enter varying over every axis the result
+    # varies over, so the VJP's cotangents have their inputs' types (a zero `output` made
+    # inside the body is invariant; its pcast transposes to a psum outside the VJP).
+    axes = frozenset((axis_name,) if isinstance(axis_name, str) else axis_name)
+    operand, output = vary_together(vary(operand, axes), output)
+    return _exchange(operand, output, in_offsets, out_offsets, sizes, axis_name, collective)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _exchange(operand, output, in_offsets, out_offsets, sizes, axis_name, collective):
+    me = jax.lax.axis_index(axis_name)
+    return collective(
+        operand, output, in_offsets[me], sizes[me], out_offsets[me], sizes[:, me], axis_name=axis_name
+    )
+
+
+def _exchange_fwd(operand, output, in_offsets, out_offsets, sizes, axis_name, collective):
+    out = _exchange(operand, output, in_offsets, out_offsets, sizes, axis_name, collective)
+    return out, (operand.shape, in_offsets, out_offsets, sizes)
+
+
+def _exchange_bwd(axis_name, collective, residuals, grad):
+    operand_shape, in_offsets, out_offsets, sizes = residuals
+    me = jax.lax.axis_index(axis_name)
+    # Reverse roles: send back the rows each sender wrote here, to where they came from.
+    grad_operand = collective(
+        grad, jnp.zeros(operand_shape, grad.dtype), out_offsets[:, me], sizes[:, me],
+        in_offsets[:, me], sizes[me], axis_name=axis_name,
+    )
+    # Rows of `output` that were overwritten get no cotangent (difference array, then cumsum).
+    rows = grad.shape[0]
+    starts, stops = out_offsets[:, me], out_offsets[:, me] + sizes[:, me]
+    edges = jnp.zeros((rows + 1,), jnp.int32).at[starts].add(1).at[stops].add(-1)
+    written = jnp.cumsum(edges[:rows]) > 0  # [M]
+    grad_output = jnp.where(written.reshape(-1, *([1] * (grad.ndim - 1))), 0, grad)
+    return grad_operand, grad_output, None, None, None
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 def emulated_ragged_all_to_all(

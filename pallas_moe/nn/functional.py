@@ -257,6 +257,18 @@ def finish_aux(
     }
 
 
+def shared_mlp(
+    x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, w_gate: jax.Array | None = None
+) -> jax.Array:
+    """The shared experts: `swiglu_mlp(x)`, scaled by `sigmoid(x @ w_gate)` when a gate
+    `w_gate` f32[d, 1] is given (Qwen2-MoE's `shared_expert_gate`). Returns [T, d] in x.dtype."""
+    y = swiglu_mlp(x, w_gate_up, w_down)  # [T, d]
+    if w_gate is None:
+        return y
+    gate = jax.nn.sigmoid(router_logits(x, w_gate))  # f32[T, 1]
+    return (gate * y.astype(jnp.float32)).astype(x.dtype)
+
+
 def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """Dense SwiGLU MLP (the shared experts): x [T, d], w_gate_up [d, 2m], w_down [m, d].
 

@@ -371,6 +371,13 @@ class MoE(nnx.Module):
         _checks.check_finite("x", xt, self.check_finite)
         _checks.check_finite("router", router, self.check_finite)
 
+        shared = None  # (gate_up [d, 2m], down [m, d], gate [d, 1] or None)
+        if self.shared_gate_up is not None:
+            shared = (
+                self.shared_gate_up[...].astype(dtype),
+                self.shared_down[...].astype(dtype),
+                None if self.shared_gate is None else self.shared_gate[...],
+            )
         if self.expert_parallel is None:
             logits = F.router_logits(xt, router, router_bias)  # f32[T, E]
             plan, counts = F.route(
@@ -378,20 +385,15 @@ class MoE(nnx.Module):
             )
             y = moe_ffn(xt, plan, w_gate_up, w_down, backend=self.backend, **ffn_options)  # [T, d]
             aux = F.finish_aux(F.router_sums(logits, counts), self.config)
+            if shared is not None:
+                y = y + F.shared_mlp(xt, *shared)  # [T, d]
         else:
+            # The shared MLP runs inside the EP shard_map, overlapping the dispatch.
             y, aux = expert_parallel_moe(
                 xt, router, w_gate_up, w_down, self.config, self.expert_parallel,
                 bias=bias, key=key, backend=self.backend, router_bias=router_bias,
-                check_finite=self.check_finite, **ffn_options,
+                check_finite=self.check_finite, shared=shared, **ffn_options,
             )  # [T, d]
-        if self.shared_gate_up is not None:
-            shared = F.swiglu_mlp(
-                xt, self.shared_gate_up[...].astype(dtype), self.shared_down[...].astype(dtype)
-            )  # [T, d]
-            if self.shared_gate is not None:
-                gate = jax.nn.sigmoid(F.router_logits(xt, self.shared_gate[...]))  # f32[T, 1]
-                shared = (gate * shared.astype(jnp.float32)).astype(dtype)
-            y = y + shared
         return _reshape_like(y, x), aux
 
     def update_bias(self, aux: dict, rate: float | None = None) -> None:

@@ -87,26 +87,46 @@ KERNEL_DTYPE = jnp.bfloat16
 KERNEL_WIDTH_MULTIPLE = 64
 
 
+HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+
+
+def on_hopper() -> bool:
+    """Whether the target device is a Hopper GPU (compute capability 9.0).
+
+    The target is the abstract device of the current abstract mesh when one is set (JAX's
+    way to name an ahead-of-time target, e.g. lowering for cuda on a CPU host under
+    `jax.sharding.use_abstract_mesh`), else the default device.
+    """
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:
+        return abstract.platform in ("gpu", "cuda") and any(
+            kind in abstract.device_kind for kind in HOPPER_KINDS
+        )
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
 def resolve_backend(backend: str, x: jax.Array | None = None, w_down: jax.Array | None = None) -> str:
     """Maps "auto" to "mosaic" where the kernels apply, and to "xla" elsewhere.
 
-    The kernels apply on a Hopper GPU (compute capability 9.0) to bf16 inputs whose widths
-    `d` and `n` are multiples of 64. An explicit "mosaic" without a Hopper GPU raises a
-    `ValueError` (the kernels' own checks name a wrong dtype or width).
+    The kernels apply on a Hopper GPU (`on_hopper`) to bf16 inputs whose widths `d` and `n`
+    are multiples of 64. An explicit "mosaic" without a Hopper target raises a `ValueError`
+    (the kernels' own checks name a wrong dtype or width).
     """
     _checks.check_choice("backend", backend, BACKENDS)
-    device = jax.devices()[0]
-    on_hopper = device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
-    if backend == "mosaic" and not on_hopper:
+    hopper = on_hopper()
+    if backend == "mosaic" and not hopper:
+        device = jax.devices()[0]
         found = f"{device.platform} device {getattr(device, 'device_kind', '')!r}"
         raise ValueError(
             "backend='mosaic' needs a Hopper GPU (compute capability 9.0, sm_90a); the default "
             f"device here is a {found}. Use backend='auto' or 'xla' (or 'interpret' to run "
-            "the kernels in GPU interpret mode on CPU, slowly)."
+            "the kernels in GPU interpret mode on CPU, slowly). To lower for a Hopper GPU from "
+            "this host, name it as the abstract device of `jax.sharding.use_abstract_mesh`."
         )
     if backend != "auto":
         return backend
-    if not on_hopper:
+    if not hopper:
         return "xla"
     if x is not None and w_down is not None:
         n, d = w_down.shape[1:]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_moe._vma import vary, varying_axes
 from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.routing.plan import DispatchPlan, tile_schedule
 
@@ -52,8 +53,22 @@ def scan_row_tiles(plan: DispatchPlan, step, init, *, block_m: int, tiles_per_st
         return step(carry, *inputs), None
 
     reshape = lambda a: a.reshape(num_steps, tiles_per_step, *a.shape[1:])
-    carry, _ = jax.lax.scan(body, init, tuple(map(reshape, (rows, valid, token, score, expert))))
+    xs = tuple(map(reshape, (rows, valid, token, score, expert)))
+    carry, _ = jax.lax.scan(body, _vary_like_step(body, init, xs), xs)
     return carry
+
+
+def _vary_like_step(body, init, xs):
+    """`init` cast to vary over the mesh axes the scan body's carry output varies over.
+
+    Inside `shard_map(check_vma=True)` a scan's carry must keep one varying-axis type, but
+    a zero init is invariant while the step mixes in varying tokens or weights. One
+    abstract evaluation of the body finds the axes; elsewhere (no manual axes) this is a
+    no-op.
+    """
+    first = jax.tree.map(lambda a: a[0], xs)
+    out, _ = jax.eval_shape(body, init, first)
+    return jax.tree.map(lambda c, o: vary(c, varying_axes(o)), init, out)
 
 
 def moe_ffn_xla(
