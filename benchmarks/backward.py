@@ -33,6 +33,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from benchmarks.logs import open_log
+
 from pallas_moe.kernels import _common
 from pallas_moe.kernels.dh import DHConfig, dh_kernel
 from pallas_moe.kernels.dx import dx_rows
@@ -364,16 +366,8 @@ def main():
     args = ap.parse_args()
     SMOKE = args.smoke
     shapes = ["smoke"] if SMOKE else args.shapes.split(",")
-    os.makedirs(args.out, exist_ok=True)
-    log_f = open(os.path.join(args.out, "log.txt"), "w")
-
-    def log(msg):
-        print(msg, flush=True)
-        log_f.write(msg + "\n")
-        log_f.flush()
-
-    log(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    log = open_log(args.out, "log.txt")
+    log(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     results = []
     for i, name in enumerate(shapes):
         try:

@@ -32,6 +32,8 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.logs import open_log
 from jax.experimental.mosaic.gpu import profiler
 
 from pallas_moe.kernels import _common
@@ -405,16 +407,8 @@ def main():
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    log_f = open(os.path.join(args.out, "forward_log.txt"), "w")
-
-    def log(msg):
-        print(msg, flush=True)
-        log_f.write(msg + "\n")
-        log_f.flush()
-
+    log = open_log(args.out, "forward_log.txt")
     device = jax.devices()[0].device_kind
-    log(f"device: {device}, jax {jax.__version__}")
     results = []
     skews = set(s for s in args.skew.split(",") if s)
     for name in args.shapes.split(","):

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_moe as pm
+from benchmarks.logs import open_log
 from benchmarks.forward import gpu_time_ms
 from pallas_moe.quant import SmoothQuantConfig, smoothquant_kernel
 from pallas_moe.routing import token_rounding_plan, topk_plan
@@ -248,16 +249,8 @@ def main():
                    help="CPU smoke test of this script: kernels in interpret mode, no timings "
                         "(use with --shapes tiny)")
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    log_f = open(os.path.join(args.out, "quant_log.txt"), "w")
-
-    def log(msg):
-        print(msg, flush=True)
-        log_f.write(msg + "\n")
-        log_f.flush()
-
+    log = open_log(args.out, "quant_log.txt")
     device = jax.devices()[0].device_kind
-    log(f"device: {device}, jax {jax.__version__}")
     results = []
     tr = set(s for s in args.token_rounding.split(",") if s)
     for name in args.shapes.split(","):

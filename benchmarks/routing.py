@@ -24,6 +24,8 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.logs import open_log
 from jax.experimental.mosaic.gpu import profiler
 
 import pallas_moe as pm
@@ -88,15 +90,7 @@ def main():
     p.add_argument("--impls", default="dense,sort,kernel")
     p.add_argument("--sweep", action="store_true", help="time topk_blocks over block sizes only")
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    log_f = open(os.path.join(args.out, "routing_log.txt"), "w")
-
-    def log(msg):
-        print(msg, flush=True)
-        log_f.write(msg + "\n")
-        log_f.flush()
-
-    log(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    log = open_log(args.out, "routing_log.txt")
     if args.sweep:
         sweep_topk_blocks(log)
         return

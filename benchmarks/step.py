@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
 
 import pallas_moe as pm
+from benchmarks.logs import open_log
 from benchmarks.forward import SHAPES
 from benchmarks.layer import dense_bound_fns
 from pallas_moe.kernels import KernelConfig
@@ -93,16 +94,8 @@ def main():
     ap.add_argument("--variants", default="topk/tma,topk/cp_async,token_rounding/cp_async")
     ap.add_argument("--xla-check", default="", help="shapes also checked against backend=xla")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    log_f = open(os.path.join(args.out, "step_log.txt"), "w")
-
-    def log(msg):
-        print(msg, flush=True)
-        log_f.write(msg + "\n")
-        log_f.flush()
-
+    log = open_log(args.out, "step_log.txt")
     device = jax.devices()[0].device_kind
-    log(f"device: {device}, jax {jax.__version__}")
     rows = []
     for name in args.shapes.split(","):
         shape = SHAPES[name]
