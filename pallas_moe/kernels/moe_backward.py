@@ -1,4 +1,4 @@
-"""Backward of one MoE layer through the Mosaic GPU kernels (DESIGN.md section 2, without Y).
+"""Backward of one MoE layer through the Mosaic GPU kernels (docs/math.md, without Y).
 
     dH, A', dS = dh_kernel(dO, H, plan)       gather of dO fused into the load, dSwiGLU epilogue
     dW2        = weight_grad(A', dO)          varlen-K, gather of dO fused into the load
