@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_moe import _checks
+from pallas_moe.numerics import Numerics, check_activation_dtype, check_numerics
 from pallas_moe.ops.xla import moe_ffn_xla
 from pallas_moe.routing.plan import DispatchPlan
 
@@ -80,6 +81,7 @@ def moe_ffn(
     w_down: jax.Array,
     *,
     backend: Backend = "auto",
+    numerics: Numerics | None = None,
 ) -> jax.Array:
     """SwiGLU Mixture-of-Experts feed-forward over a dispatch plan.
 
@@ -93,14 +95,22 @@ def moe_ffn(
       backend: "xla" (pure jnp, runs anywhere), "mosaic" (Pallas Mosaic GPU kernels on
         Hopper; bf16, d and n multiples of 64), "interpret" (the same kernels in GPU
         interpret mode on CPU), or "auto" ("mosaic" where it applies, else "xla").
+      numerics: `pm.Numerics` switches (default `Numerics()`): the aggregation order
+        ("fp32", "bf16_per_expert", "bf16_scores"; the bf16 modes need bf16 x) and
+        whether the kernels fuse SwiGLU into the up-proj epilogue. Every backend computes
+        the same aggregation order; see `pallas_moe.numerics` for the backward of each.
 
     Returns:
       [T, d] in x.dtype. Differentiable in x, both weights and `plan.scores`.
     """
     check_moe_inputs(x, plan, w_gate_up, w_down)
+    numerics = check_numerics(numerics)
+    check_activation_dtype(numerics, x.dtype)
     backend = resolve_backend(backend, x, w_down)
     if backend == "xla":
-        return moe_ffn_xla(x, plan, w_gate_up, w_down)
+        return moe_ffn_xla(x, plan, w_gate_up, w_down, aggregation=numerics.aggregation)
     from pallas_moe.ops.mosaic import moe_ffn_kernels  # Pallas is imported only when used.
 
-    return moe_ffn_kernels(x, plan, w_gate_up, w_down, interpret=backend == "interpret")
+    return moe_ffn_kernels(
+        x, plan, w_gate_up, w_down, interpret=backend == "interpret", numerics=numerics
+    )
