@@ -135,3 +135,195 @@ def test_modes_round_differently():
     empty = np.asarray(plan.rows_per_token) == 0
     for m, r in results.items():  # a token without rows is +0 in every mode
         assert np.all(r[empty] == 0) and not np.any(np.signbit(r[empty])), m
+
+
+# ---------------------------------------------------------------------------------------
+# The whole op: every backend's output is the mode's sum of its own expert rows.
+
+T, D, N, E = 40, 64, 64, 4
+
+
+def layer_inputs(seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(k[0], (T, D), jnp.bfloat16)
+    w1 = (jax.random.normal(k[1], (E, D, 2 * N)) * D**-0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(k[2], (E, N, D)) * N**-0.5).astype(jnp.bfloat16)
+    cot = jax.random.normal(k[3], (T, D), jnp.bfloat16)
+    return x, w1, w2, cot
+
+
+def expert_rows(x, plan, w1, w2, backend):
+    """Y [P, d] of the plan's rows through `moe_ffn` itself: each row is its own token with
+    weight 1, so every mode returns Y exactly."""
+    sel = plan.expert_ids[:, None] == jnp.arange(plan.num_experts)[None, :]  # [P, E]
+    rows_plan = plan_from_assignment(sel, jnp.ones(sel.shape), sel, plan.capacity)
+    return pm.moe_ffn(x[plan.token_ids], rows_plan, w1, w2, backend=backend)
+
+
+@pytest.mark.parametrize(
+    "backend, modes",
+    [
+        ("xla", AGGREGATIONS),
+        ("interpret", ("bf16_per_expert",)),
+        pytest.param("interpret", ("fp32", "bf16_scores"), marks=pytest.mark.slow),
+    ],
+)
+def test_moe_ffn_output_is_the_mode_sum_of_its_expert_rows(backend, modes):
+    x, w1, w2, _ = layer_inputs()
+    plan = token_rounding_with_empty_token()
+    y = expert_rows(x, plan, w1, w2, backend)
+    for mode in modes:
+        out = pm.moe_ffn(x, plan, w1, w2, backend=backend, numerics=Numerics(aggregation=mode))
+        assert_bitwise(out, aggregate_np(y, plan, mode), jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------
+# Backward.
+
+
+@pytest.mark.parametrize("mode", AGGREGATIONS)
+def test_aggregation_backward_is_straight_through(mode):
+    """dL/dY[r] = s_eff[r] * g[t] (bitwise) and dL/ds[r] = <g[t], Y[r]> (fp32 accumulation)."""
+    plan = PLANS["ragged"]()
+    y = random_rows(plan, 256).astype(jnp.float32)
+    g = jax.random.normal(jax.random.key(2), (plan.num_tokens, 256))
+
+    def loss(y, s):
+        return jnp.sum(aggregate_rows(y, plan.with_scores(s), mode, block_m=4) * g)
+
+    dy, ds = jax.jit(jax.grad(loss, argnums=(0, 1)))(y, plan.scores)
+    s = np.asarray(plan.scores, np.float32)
+    s_eff = bf16(s) if mode == "bf16_scores" else s
+    real = np.arange(plan.capacity) < int(plan.num_rows)
+    tok = np.asarray(plan.token_ids)
+    g_np, y_np = np.asarray(g), np.asarray(y)
+    want_dy = np.where(real[:, None], s_eff[:, None] * g_np[tok], 0).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(dy), want_dy)
+    want_ds = np.where(real, np.einsum("pd,pd->p", g_np[tok].astype(np.float64), y_np), 0)
+    np.testing.assert_allclose(np.asarray(ds), want_ds, rtol=1e-5, atol=1e-5)
+
+
+def layer_grads(backend, mode, plan, rounded_scores=False):
+    """(out, grads of <out, cot> w.r.t. x, w_gate_up, w_down, scores) of one jitted call."""
+    x, w1, w2, cot = layer_inputs()
+    scores = round_bf16(plan.scores) if rounded_scores else plan.scores
+
+    def f(x, w1, w2, s):
+        out = pm.moe_ffn(x, plan.with_scores(s), w1, w2, backend=backend,
+                         numerics=Numerics(aggregation=mode))
+        return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(
+        x, w1, w2, scores
+    )
+    return [np.asarray(a) for a in (out, *grads)]
+
+
+def assert_all_equal(a, b, names=("out", "dx", "dw_gate_up", "dw_down", "d_scores")):
+    for name, u, v in zip(names, a, b):
+        np.testing.assert_array_equal(u, v, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "backend", ["xla", pytest.param("interpret", marks=pytest.mark.slow)]
+)
+def test_backward_of_each_mode(backend):
+    """bf16_scores: the fp32 backward at bf16-rounded scores; bf16_per_expert: the fp32 one."""
+    plan = token_rounding_with_empty_token()
+    fp32 = layer_grads(backend, "fp32", plan)
+    per_expert = layer_grads(backend, "bf16_per_expert", plan)
+    assert_all_equal(per_expert[1:], fp32[1:], names=("dx", "dw_gate_up", "dw_down", "d_scores"))
+    scores = layer_grads(backend, "bf16_scores", plan)
+    fp32_rounded = layer_grads(backend, "fp32", plan, rounded_scores=True)
+    assert_all_equal(scores[1:], fp32_rounded[1:], names=("dx", "dw_gate_up", "dw_down", "d_scores"))
+    # ... and it is not the backward at the unrounded scores.
+    assert np.any(scores[1] != fp32[1])
+
+
+# ---------------------------------------------------------------------------------------
+# Determinism: forward and every gradient bitwise from run to run, and after recompiling.
+
+
+@pytest.mark.parametrize(
+    "backend, modes",
+    [
+        ("xla", AGGREGATIONS),
+        pytest.param("interpret", ("fp32", "bf16_per_expert"), marks=pytest.mark.slow),
+    ],
+)
+@pytest.mark.parametrize("router", ["topk", "token_rounding"])
+def test_forward_and_gradients_bitwise_run_to_run(backend, modes, router):
+    plan = PLANS["topk"]() if router == "topk" else token_rounding_with_empty_token()
+    if router == "topk":
+        plan = topk_plan(jax.random.normal(jax.random.key(5), (T, E)), 2)
+    for mode in modes:
+        first = layer_grads(backend, mode, plan)
+        assert_all_equal(layer_grads(backend, mode, plan), first)
+        jax.clear_caches()
+        assert_all_equal(layer_grads(backend, mode, plan), first)
+
+
+# ---------------------------------------------------------------------------------------
+# The other switches and the errors.
+
+
+def test_numerics_validation():
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        Numerics(aggregation="bf16")
+    with pytest.raises(ValueError, match="router_dtype must be one of"):
+        Numerics(router_dtype="float16")
+    with pytest.raises(TypeError, match="fuse_swiglu must be a bool"):
+        Numerics(fuse_swiglu=1)
+    x, w1, w2, _ = layer_inputs()
+    plan = topk_plan(jax.random.normal(jax.random.key(5), (T, E)), 2)
+    with pytest.raises(TypeError, match="numerics must be a pallas_moe.Numerics"):
+        pm.moe_ffn(x, plan, w1, w2, backend="xla", numerics="bf16_per_expert")
+    f32 = lambda a: a.astype(jnp.float32)
+    with pytest.raises(ValueError, match="needs bf16 activations"):
+        pm.moe_ffn(f32(x), plan, f32(w1), f32(w2), backend="xla",
+                   numerics=Numerics(aggregation="bf16_scores"))
+    with pytest.raises(ValueError, match="scores=None"):
+        aggregate(x[plan.token_ids], plan.rows_by_token, plan.token_row_offsets, None,
+                  aggregation="bf16_per_expert", config=AggregateConfig(block_d=64, vec=1),
+                  interpret=True)
+    from flax import nnx
+
+    with pytest.raises(ValueError, match="needs bf16 activations"):
+        pm.nn.MoE(16, 8, 4, 2, rngs=nnx.Rngs(0), dtype=jnp.float32,
+                  numerics=Numerics(aggregation="bf16_per_expert"))
+
+
+@pytest.mark.slow
+def test_unfused_swiglu_is_bitwise_the_fused_one_in_interpret_mode():
+    # On CPU the epilogue's sigmoid and XLA's are the same code; on the GPU they may differ.
+    x, w1, w2, _ = layer_inputs()
+    plan = token_rounding_with_empty_token()
+    fused = pm.moe_ffn(x, plan, w1, w2, backend="interpret")
+    unfused = pm.moe_ffn(x, plan, w1, w2, backend="interpret", numerics=Numerics(fuse_swiglu=False))
+    assert_bitwise(unfused, np.asarray(fused, np.float32), jnp.bfloat16)
+
+
+def test_modes_and_unfused_swiglu_lower_for_cuda():
+    x, w1, w2, _ = layer_inputs()
+    plan = token_rounding_with_empty_token()
+    for numerics in (Numerics(aggregation="bf16_per_expert"),
+                     Numerics(aggregation="bf16_scores", fuse_swiglu=False)):
+        f = lambda x, w1, w2, s, nm=numerics: jax.grad(
+            lambda *a: jnp.sum(pm.moe_ffn(a[0], plan.with_scores(a[3]), a[1], a[2],
+                                          backend="mosaic", numerics=nm).astype(jnp.float32)),
+            argnums=(0, 1, 2, 3),
+        )(x, w1, w2, s)
+        jax.jit(f).trace(x, w1, w2, plan.scores).lower(lowering_platforms=("cuda",))
+
+
+def test_router_dtype_bfloat16_is_a_bf16_linear():
+    from pallas_moe.nn.functional import router_logits
+
+    x = jax.random.normal(jax.random.key(0), (33, 48))
+    w = jax.random.normal(jax.random.key(1), (48, 6)) * 0.2
+    got = np.asarray(router_logits(x, w, "bfloat16"))
+    assert np.array_equal(got, bf16(got))  # bf16 values
+    exact = bf16(x).astype(np.float64) @ bf16(w).astype(np.float64)  # inputs rounded first
+    # One bf16 rounding of the (fp32-accumulated) product: within half a bf16 ulp, plus a hair.
+    np.testing.assert_allclose(got, exact, rtol=2**-8 + 1e-5, atol=1e-6)
+    assert np.any(got != np.asarray(router_logits(x, w, "float32")))

@@ -44,6 +44,15 @@ whatever the layout.
 Aux terms are computed from sums over tokens that are `psum`med over the token shards, so
 `aux` equals the single-device module's; outputs and gradients equal it up to summation
 order (the all-gather path sums expert partials across shards in the compute dtype).
+
+Numerics (`pm.Numerics`). The ragged dispatch returns each routed row's expert output `Y`
+to its source, which sums a token's rows in ascending expert order in the aggregation
+mode's rounding order (`ops.xla.aggregate_rows`), exactly as the single-device layer does:
+its forward is bitwise the single-device one whenever the expert GEMMs give each row the
+same bits whatever rows share its tile (true of the `xla` backend on CPU). The all-gather
+dispatch sums each shard's local experts, rounds that partial to the compute dtype, and
+reduce-scatters the partials: a different order, so it is not bitwise across EP sizes in
+any mode.
 """
 
 from __future__ import annotations
@@ -57,7 +66,9 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_moe import _checks
 from pallas_moe.nn import functional as F
+from pallas_moe.numerics import Numerics
 from pallas_moe.ops.moe_ffn import moe_ffn
+from pallas_moe.ops.xla import aggregate_rows
 from pallas_moe.routing.plan import plan_from_assignment
 from pallas_moe.routing.token_rounding import rounded_counts
 from pallas_moe.routing.topk import check_router_inputs, router_probabilities, topk_assignment
@@ -163,6 +174,7 @@ def expert_parallel_moe(
     bias: jax.Array | None = None,
     key: jax.Array | None = None,
     backend: str = "auto",
+    numerics: Numerics = Numerics(),
 ) -> tuple[jax.Array, dict]:
     """The routed part of a MoE layer with experts sharded over `ep.axis`.
 
@@ -175,6 +187,7 @@ def expert_parallel_moe(
       bias: f32[E] selection bias (score="sigmoid") or None.
       key: PRNG key for rounding="stochastic".
       backend: `pm.moe_ffn` backend each shard runs its local experts with.
+      numerics: `pm.Numerics` (router dtype, aggregation mode, SwiGLU fusion).
 
     Returns:
       (y [T, d] in x's dtype, aux dict as `functional.finish_aux`), equal to the
@@ -201,7 +214,7 @@ def expert_parallel_moe(
     def body(x_l, router, w_gate_up_l, w_down_l, extras):
         return _shard_moe(
             x_l, router, w_gate_up_l, w_down_l, cfg, ep,
-            bias=extras.get("bias"), key=extras.get("key"), backend=backend,
+            bias=extras.get("bias"), key=extras.get("key"), backend=backend, numerics=numerics,
         )
 
     in_specs = (token_spec, P(), expert_spec, expert_spec, P())
@@ -232,9 +245,9 @@ def expert_parallel_moe(
     return y, aux
 
 
-def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backend):
+def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backend, numerics):
     """Per-shard body: route local tokens, dispatch, local experts, combine. x_l [T_l, d]."""
-    logits = F.router_logits(x_l, router)  # f32[T_l, E]
+    logits = F.router_logits(x_l, router, numerics.router_dtype)  # f32[T_l, E]
     if cfg.routing == "topk":
         selected, weights, tc_selected = F.route_assignment(logits, cfg, bias=bias)  # [T_l, E]
     else:
@@ -243,21 +256,26 @@ def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backen
         )  # [T_l, E]
     sums = F.router_sums(logits, selected, tc_selected)
     if ep.dispatch == "all_gather":
-        y_l = _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend)
+        y_l = _all_gather_dispatch(
+            x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend, numerics
+        )
         sums["capacity_dropped_rows"] = jnp.zeros((), jnp.int32)
     else:
         collective = (
             jax.lax.ragged_all_to_all if ep.dispatch == "ragged_all_to_all" else emulated_ragged_all_to_all
         )
         y_l, dropped = _ragged_dispatch(
-            x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend, collective
+            x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend,
+            collective, numerics,
         )
         sums["capacity_dropped_rows"] = dropped
     aux = F.finish_aux(sums, cfg, lambda v: jax.lax.psum(v, ep.token_axes))
     return y_l, aux
 
 
-def _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend):
+def _all_gather_dispatch(
+    x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend, numerics
+):
     """All-gather tokens over the expert axis, run local experts, reduce-scatter. -> [T_l, d]."""
     num_shards = ep.size
     local_experts = cfg.num_experts // num_shards
@@ -278,7 +296,9 @@ def _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_dow
         (code_g & 1) > 0, weights_g, (code_g & 2) > 0,
         capacity=cfg.capacity(num_shards * tokens_l, local_experts),
     )
-    y_g = moe_ffn(x_g, plan, w_gate_up_l, w_down_l, backend=backend)  # [G*T_l, d], local experts only
+    y_g = moe_ffn(
+        x_g, plan, w_gate_up_l, w_down_l, backend=backend, numerics=numerics
+    )  # [G*T_l, d], local experts only
     return jax.lax.psum_scatter(y_g, ep.axis, scatter_dimension=0, tiled=True)  # [T_l, d]
 
 
@@ -286,7 +306,10 @@ def _exclusive_cumsum(a, axis):
     return jnp.cumsum(a, axis=axis, dtype=jnp.int32) - a
 
 
-def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend, collective):
+def _ragged_dispatch(
+    x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, backend, collective,
+    numerics,
+):
     """Send routed rows to their experts' shards, run local experts, send outputs back.
 
     Returns ([T_l, d] output, i32[] rows this shard could not send for lack of capacity).
@@ -334,24 +357,23 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
     plan_recv = plan_from_assignment(
         received, jnp.ones(received.shape, jnp.float32), received, capacity=receive_rows
     )
-    y_recv = moe_ffn(x_recv, plan_recv, w_gate_up_l, w_down_l, backend=backend)  # [R, d]
+    # Weight 1 and one row per "token": every aggregation mode returns Y itself.
+    y_recv = moe_ffn(
+        x_recv, plan_recv, w_gate_up_l, w_down_l, backend=backend, numerics=numerics
+    )  # [R, d]
 
     y_rows = collective(
         y_recv, jnp.zeros((plan.capacity, d), dtype),
         recv_offsets[:, me], allowed[:, me], send_offsets[:, me], allowed[me], axis_name=ep.axis,
     )  # [P_l, d]; rows not served stay 0
 
-    # Combine in fp32: O[t] = sum_r s[r] * Y[r] over the rows of token t.
-    if cfg.routing == "topk":
-        # Exactly K rows per token: gather them (ascending expert order) and sum, no scatter.
-        by_token = plan.rows_by_token.reshape(tokens_l, cfg.top_k)  # [T_l, K]
-        y_l = jnp.einsum(
-            "tk,tkd->td", plan.scores[by_token], y_rows[by_token].astype(jnp.float32),
-            precision=jax.lax.Precision.HIGHEST,
-        )  # [T_l, d]
-    else:
-        weighted = plan.scores[:, None] * y_rows.astype(jnp.float32)  # [P_l, d]
-        y_l = jax.ops.segment_sum(weighted, plan.token_ids, num_segments=tokens_l)  # [T_l, d]
+    # Combine: O[t] = sum_r s[r] * Y[r] over the rows of token t, in ascending expert order
+    # and the aggregation mode's roundings, as the single-device layer sums them. Top-K has
+    # exactly K rows per token (no scatter); token rounding walks the row tiles.
+    rows_per_token = cfg.top_k if cfg.routing == "topk" else None
+    y_l = aggregate_rows(
+        y_rows, plan, numerics.aggregation, rows_per_token=rows_per_token
+    )  # f32 [T_l, d]
     dropped = jnp.sum(sizes[me]) - jnp.sum(allowed[me])
     return y_l.astype(dtype), dropped
 

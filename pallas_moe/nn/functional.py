@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_moe import _checks
+from pallas_moe.numerics import round_bf16
 from pallas_moe.ops.xla import swiglu
 from pallas_moe.routing.aux import stats_from_counts
 from pallas_moe.routing.plan import DispatchPlan, plan_from_assignment
@@ -80,11 +81,23 @@ class RouterConfig:
         return min(rows, num_tokens * num_experts)
 
 
-def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
-    """f32[T, E] router logits of x [T, d] and router [d, E], computed in fp32."""
-    return jnp.dot(
-        x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+def router_logits(x: jax.Array, router: jax.Array, dtype: str = "float32") -> jax.Array:
+    """f32[T, E] router logits of x [T, d] and router [d, E].
+
+    `dtype` is `Numerics.router_dtype`: "float32" multiplies fp32 inputs with fp32
+    accumulation; "bfloat16" is a bf16 linear layer (inputs rounded to bf16, fp32
+    accumulation, logits rounded to bf16), returned as f32.
+    """
+    if dtype == "float32":
+        return jnp.dot(
+            x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+        )
+    if dtype != "bfloat16":
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}.")
+    logits = jnp.dot(
+        x.astype(jnp.bfloat16), router.astype(jnp.bfloat16), preferred_element_type=jnp.float32
     )
+    return round_bf16(logits)
 
 
 def route_assignment(

@@ -35,6 +35,7 @@ from flax.core import spmd as core_spmd
 from pallas_moe import _checks
 from pallas_moe.nn import functional as F
 from pallas_moe.nn.expert_parallel import ExpertParallel, expert_parallel_moe
+from pallas_moe.numerics import Numerics, check_activation_dtype, check_numerics
 from pallas_moe.ops.moe_ffn import BACKENDS, moe_ffn
 from pallas_moe.routing.aux import update_selection_bias
 
@@ -130,6 +131,9 @@ class MoE(nnx.Module):
       expert_parallel: an `ExpertParallel` to shard experts over a mesh axis (see
         `pallas_moe.nn.expert_parallel`); None runs on one device (or under plain jit
         sharding).
+      numerics: `pm.Numerics` switches (default `Numerics()`): the aggregation order of
+        `moe_ffn` (the bf16 modes need dtype=bfloat16), SwiGLU fusion in the kernels, and
+        the router's dtype (`router_dtype`). See `pallas_moe.numerics`.
 
     Call: `y, aux = layer(x, key=None)`; x [..., d_model] float; y has x's leading shape and
     the compute dtype; `key` overrides the stream for stochastic rounding. `aux` is a dict
@@ -165,6 +169,7 @@ class MoE(nnx.Module):
         shared_init: Initializer | None = None,
         sharding_rules: Any = None,
         expert_parallel: ExpertParallel | None = None,
+        numerics: Numerics | None = None,
     ):
         d_model = _checks.check_positive_int("d_model", d_model)
         d_expert = _checks.check_positive_int("d_expert", d_expert)
@@ -200,6 +205,9 @@ class MoE(nnx.Module):
         self.dtype, self.param_dtype = dtype, param_dtype
         self.bias_update_rate = float(bias_update_rate)
         self.expert_parallel = expert_parallel
+        self.numerics = check_numerics(numerics)
+        if dtype is not None:
+            check_activation_dtype(self.numerics, dtype)
 
         router_init = router_init or nnx.initializers.normal(stddev=d_model**-0.5)
         gate_up_init = kernel_init or expert_init()
@@ -267,14 +275,16 @@ class MoE(nnx.Module):
         w_down = self.w_down[...].astype(dtype)  # [E, n, d]
 
         if self.expert_parallel is None:
-            logits = F.router_logits(xt, router)  # f32[T, E]
+            logits = F.router_logits(xt, router, self.numerics.router_dtype)  # f32[T, E]
             plan, selected, tc_selected = F.route(logits, self.config, bias=bias, key=key)
-            y = moe_ffn(xt, plan, w_gate_up, w_down, backend=self.backend)  # [T, d]
+            y = moe_ffn(
+                xt, plan, w_gate_up, w_down, backend=self.backend, numerics=self.numerics
+            )  # [T, d]
             aux = F.finish_aux(F.router_sums(logits, selected, tc_selected), self.config)
         else:
             y, aux = expert_parallel_moe(
                 xt, router, w_gate_up, w_down, self.config, self.expert_parallel,
-                bias=bias, key=key, backend=self.backend,
+                bias=bias, key=key, backend=self.backend, numerics=self.numerics,
             )  # [T, d]
         if self.shared_gate_up is not None:
             y = y + F.swiglu_mlp(
