@@ -339,3 +339,26 @@ def test_router_dtype_bfloat16_is_a_bf16_linear():
     # One bf16 rounding of the (fp32-accumulated) product: within half a bf16 ulp, plus a hair.
     np.testing.assert_allclose(got, exact, rtol=2**-8 + 1e-5, atol=1e-6)
     assert np.any(got != np.asarray(router_logits(x, w, "float32")))
+
+
+def test_expert_parallel_bitwise_settings():
+    """The README's claims: the ragged dispatch's forward and weight gradients are bitwise the
+    single-device layer's in every mode; the all-gather dispatch's fp32 forward is not."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "tests.numerics_ep_check"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 5, proc.stdout + proc.stderr[-4000:]
+    for r in results:
+        if r["dispatch"] == "emulated_ragged_all_to_all":
+            assert r["bitwise_y"] and r["bitwise_weight_grads"], r
+        else:
+            assert not r["bitwise_y"] and r["y_rel"] < 2e-2, r
