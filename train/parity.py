@@ -262,15 +262,18 @@ def plot(results: dict, path: pathlib.Path) -> pathlib.Path:
     refs = results["references"]
     fig, axes = plt.subplots(len(refs), 2, figsize=(11, 3.6 * len(refs)), squeeze=False)
     for (ref_name, ref), (ax_err, ax_flip) in zip(refs.items(), axes):
-        for name, row in ref["rows"].items():
-            if not row["hidden_rel_err"] or name.startswith("noise"):
-                continue
-            layers = range(1, len(row["hidden_rel_err"]) + 1)
+        drawn = [(n, r) for n, r in ref["rows"].items() if r["hidden_rel_err"] and not n.startswith("noise")]
+        for i, (name, row) in enumerate(drawn):
+            layers = list(range(1, len(row["hidden_rel_err"]) + 1))
             label = f"{name} (k3 {_fmt(row['k3'])})"
+            # Shrinking markers and dashes keep identical curves visible on top of each other.
+            style = {"marker": "os^Dv*"[i % 6], "markersize": 9 - i, "linestyle": ("-", "--", ":")[i % 3]}
             # Exact zeros cannot sit on a log axis: draw them at the bottom edge.
             errs = [max(e, 1e-9) for e in row["hidden_rel_err"]]
-            ax_err.plot(layers, errs, "o-", label=label)
-            ax_flip.plot(layers, row["flip_rate"], "o-", label=label)
+            ax_err.plot(layers, errs, label=label, **style)
+            ax_flip.plot(layers, row["flip_rate"], label=label, **style)
+            ax_err.set_xticks(layers)
+            ax_flip.set_xticks(layers)
         ax_err.set_yscale("log")
         ax_err.set_ylim(bottom=5e-10)
         ax_err.set_title(f"hidden-state relative error vs {ref_name} (0 drawn at 1e-9)")
