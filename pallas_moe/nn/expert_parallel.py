@@ -51,8 +51,9 @@ mode's rounding order (`ops.xla.aggregate_rows`), exactly as the single-device l
 its forward is bitwise the single-device one whenever the expert GEMMs give each row the
 same bits whatever rows share its tile (true of the `xla` backend on CPU). The all-gather
 dispatch sums each shard's local experts, rounds that partial to the compute dtype, and
-reduce-scatters the partials: a different order, so it is not bitwise across EP sizes in
-any mode.
+reduce-scatters the partials: in "fp32" that adds roundings, and in the bf16 modes it
+re-associates a token's sum once a shard after the token's first holds two or more of its
+rows, so it is not bitwise across EP sizes in general.
 """
 
 from __future__ import annotations
