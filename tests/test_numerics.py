@@ -341,6 +341,7 @@ def test_router_dtype_bfloat16_is_a_bf16_linear():
     assert np.any(got != np.asarray(router_logits(x, w, "float32")))
 
 
+@pytest.mark.slow  # ~80 s: ten MoE compilations on an 8-device CPU mesh
 def test_expert_parallel_bitwise_settings():
     """The README's claims: the ragged dispatch's forward and weight gradients are bitwise the
     single-device layer's in every mode; the all-gather dispatch's fp32 forward is not."""
