@@ -1,10 +1,11 @@
 """pallas-moe: Mixture-of-Experts layers for JAX with Pallas Mosaic GPU kernels for Hopper."""
 
 from pallas_moe import ops, routing
+from pallas_moe.numerics import Numerics
 from pallas_moe.ops.moe_ffn import moe_ffn
 
 __version__ = "0.1.0"
-__all__ = ["routing", "moe_ffn", "ops", "nn", "quant"]
+__all__ = ["routing", "moe_ffn", "Numerics", "ops", "nn", "quant"]
 
 
 def __getattr__(name):

@@ -57,7 +57,7 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm residual block: attention, then the MoE feed-forward."""
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, expert_parallel=None):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, expert_parallel=None, numerics=None):
         from pallas_moe.nn import MoE
 
         dtype = DTYPES[cfg.dtype]
@@ -72,19 +72,30 @@ class Block(nnx.Module):
             routing=cfg.routing, tile=cfg.tile, rounding=cfg.rounding,
             load_balance_weight=cfg.load_balance_weight, z_loss_weight=cfg.z_loss_weight,
             backend=cfg.backend, dtype=dtype, rngs=rngs, expert_parallel=expert_parallel,
+            numerics=numerics,
         )
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, *, trace: list | None = None) -> tuple[jax.Array, dict]:
+        """x [B, S, d] -> (x + attn + MoE [B, S, d], aux). `trace`: a list this block appends
+        {"moe_input": the MoE's input, "hidden": the block's output} to (for `train.parity`)."""
         x = x + self.attn(self.attn_norm(x))  # [B, S, d]
-        y, aux = self.moe(self.moe_norm(x))  # [B, S, d], routing stats of B*S tokens
-        return x + y, aux
+        moe_input = self.moe_norm(x)  # [B, S, d]
+        y, aux = self.moe(moe_input)  # [B, S, d], routing stats of B*S tokens
+        out = x + y
+        if trace is not None:
+            trace.append({"moe_input": moe_input, "hidden": out})
+        return out, aux
 
 
 class MoETransformer(nnx.Module):
-    """Byte-level decoder-only language model with an MoE feed-forward in every block."""
+    """Byte-level decoder-only language model with an MoE feed-forward in every block.
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, expert_parallel=None):
-        """`expert_parallel`: a `pm.nn.ExpertParallel` for every MoE layer (None: one device)."""
+    `expert_parallel`: a `pm.nn.ExpertParallel` for every MoE layer (None: one device).
+    `numerics`: a `pallas_moe.Numerics` for every MoE layer (default: the library's); it
+    changes rounding orders only, not the parameters, so one checkpoint serves them all.
+    """
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, expert_parallel=None, numerics=None):
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
         # Small embedding init: with a tied head, initial logits are x . embed, so unit-variance
@@ -96,20 +107,26 @@ class MoETransformer(nnx.Module):
         if cfg.positions == "learned":
             init = jax.nn.initializers.normal(0.02)
             self.pos_embed = nnx.Param(init(rngs.params(), (cfg.seq_len, cfg.d_model)))
-        self.blocks = nnx.List([Block(cfg, rngs=rngs, expert_parallel=expert_parallel) for _ in range(cfg.num_layers)])
+        self.blocks = nnx.List([
+            Block(cfg, rngs=rngs, expert_parallel=expert_parallel, numerics=numerics)
+            for _ in range(cfg.num_layers)
+        ])
         self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=self.dtype, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=self.dtype, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
-        """tokens i32[B, S] -> (logits f32[B, S, 256], aux)."""
+    def __call__(self, tokens: jax.Array, *, trace: list | None = None) -> tuple[jax.Array, dict]:
+        """tokens i32[B, S] -> (logits f32[B, S, 256], aux).
+
+        `trace`: a list that gets one dict per layer (see `Block.__call__`).
+        """
         seq_len = tokens.shape[1]
         x = self.embed(tokens)  # [B, S, d]
         if self.cfg.positions == "learned":
             x = x + self.pos_embed[...][:seq_len].astype(self.dtype)[None]  # [B, S, d]
         layer_aux = []
         for block in self.blocks:
-            x, aux = block(x)  # [B, S, d]
+            x, aux = block(x, trace=trace)  # [B, S, d]
             layer_aux.append(aux)
         x = self.final_norm(x)  # [B, S, d]
         if self.cfg.tie_embeddings:

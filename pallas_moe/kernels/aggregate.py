@@ -6,6 +6,12 @@ fp32 accumulation in the plan's CSR order (ascending expert), no atomics: each o
 element is produced by exactly one thread, so the result is bitwise reproducible. With
 `scores=None` the weights are 1 (the backward's dX sum).
 
+`aggregation=` picks the rounding order (`pallas_moe.numerics`): "fp32" (above),
+"bf16_per_expert" (each `s * Y[r]` rounded to bf16, the running sum rounded to bf16 after
+every add: HF's `index_add_` order) or "bf16_scores" (the same with the score rounded to
+bf16 before the multiply: DeepEP's combine). The bf16 modes keep the running sum in fp32
+registers holding bf16 values, so the order of roundings is the reference's exactly.
+
 One CTA (one warpgroup) owns `block_t` consecutive tokens and `block_d` columns. For each
 token it walks the token's rows, loading `Y[r, c0:c0+block_d]` straight from HBM into
 registers (a strided warpgroup layout: `vec` contiguous elements per thread per load) and
@@ -23,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
+from pallas_moe.numerics import AGGREGATIONS, multiplied_scores
 
 _WG = 128  # threads in a warpgroup
 
@@ -48,6 +55,7 @@ def aggregate(
     token_row_offsets: jax.Array,
     scores: jax.Array | None = None,
     *,
+    aggregation: str = "fp32",
     out_dtype=None,
     config: AggregateConfig = AggregateConfig(),
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -59,6 +67,7 @@ def aggregate(
       rows_by_token: i32 [P] grouped-row indices ordered by (token, expert) (plan.rows_by_token).
       token_row_offsets: i32 [T + 1] CSR offsets (plan.token_row_offsets).
       scores: f32 [P] per-row weights (plan.scores), or None for weight 1.
+      aggregation: "fp32", "bf16_per_expert" or "bf16_scores" (the bf16 modes need scores).
       out_dtype: output dtype (default y.dtype).
       config: block sizes.
       interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
@@ -79,9 +88,19 @@ def aggregate(
         raise ValueError(
             f"token_row_offsets must be [T + 1] with T >= 1, got {tuple(token_row_offsets.shape)}."
         )
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}.")
     if scores is not None:
         _common.require_shape("scores", scores, (capacity,))
-        scores = scores.astype(jnp.float32)
+        # "bf16_scores" multiplies by bf16-rounded scores; rounding them here, once per row,
+        # is the same as rounding the scalar in the loop.
+        scores = multiplied_scores(scores, aggregation)
+    elif aggregation != "fp32":
+        raise ValueError(
+            f"aggregation={aggregation!r} weights rows by their scores; scores=None (weight 1) "
+            "is the plain fp32 sum."
+        )
+    round_bf16 = aggregation != "fp32"
     num_tokens = token_row_offsets.shape[0] - 1
     out_dtype = jnp.dtype(out_dtype or y.dtype)
     bt, bd, vec = config.block_t, config.block_d, config.vec
@@ -115,7 +134,10 @@ def aggregate(
                     yr = yr.astype(jnp.float32)
                     if s_ref is not None:
                         yr = yr * s_ref[r]
-                    return acc + yr
+                    if not round_bf16:
+                        return acc + yr
+                    yr = yr.astype(jnp.bfloat16).astype(jnp.float32)  # the row's contribution
+                    return (acc + yr).astype(jnp.bfloat16).astype(jnp.float32)
 
                 acc0 = plgpu.layout_cast(jnp.zeros((bd,), jnp.float32), layout)
                 acc = jax.lax.fori_loop(off_ref[t], off_ref[t + 1], add_row, acc0)

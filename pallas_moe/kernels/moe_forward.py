@@ -2,7 +2,10 @@
 
     H, A = up_proj(X, plan)            gather fused into the load, SwiGLU epilogue
     Y    = down_proj(A, plan)          grouped GEMM, Y transient
-    O    = aggregate(Y, plan, scores)  deterministic CSR sum, fp32 accumulate
+    O    = aggregate(Y, plan, scores)  deterministic CSR sum in the aggregation mode's order
+
+With `fuse_swiglu=False`, A is recomputed in jnp from H after the up-proj (the unfused
+order of a reference engine; the kernel's own A is not used).
 
 Returns `(O [T, d], H [P, 2n])`: H is the residual the backward needs (with X and the plan).
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
@@ -19,6 +23,7 @@ from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
+from pallas_moe.ops.xla import swiglu
 
 
 def _largest_block(dim: int, candidates: tuple[int, ...]) -> int | None:
@@ -113,6 +118,8 @@ def moe_forward(
     interpret: bool | plgpu.InterpretGPUParams = False,
     config: ForwardConfig | None = None,
     inference: bool = False,
+    aggregation: str = "fp32",
+    fuse_swiglu: bool = True,
 ) -> tuple[jax.Array, jax.Array | None]:
     """MoE layer forward through the Mosaic GPU kernels.
 
@@ -125,7 +132,11 @@ def moe_forward(
         InterpretGPUParams.
       config: block sizes; `ForwardConfig.for_shape(d, n)` if None (with 4 persistent CTAs
         in interpret mode, where every simulated CTA costs time).
-      inference: skip writing H (returns None for it).
+      inference: skip writing H (returns None for it; H is still written when
+        `fuse_swiglu=False`, which needs it).
+      aggregation: "fp32", "bf16_per_expert" or "bf16_scores" (`pallas_moe.numerics`).
+      fuse_swiglu: True: A comes from the up-proj's SwiGLU epilogue. False: A =
+        swiglu(H) in jnp from the written H, rounded to bf16.
 
     Returns:
       (out bf16 [T, d], h bf16 [P, 2n] or None). Padding rows of h are unspecified.
@@ -155,9 +166,16 @@ def moe_forward(
 
     h, a = up_proj(
         x, plan.token_ids, plan.group_sizes, w_gate_up,
-        config=config.up, inference=inference, interpret=interpret, meta=up_meta,
-        pad_a_rows_to=config.down.block_m,
+        config=config.up, inference=inference and fuse_swiglu, interpret=interpret,
+        meta=up_meta, pad_a_rows_to=config.down.block_m,
     )
+    if not fuse_swiglu:
+        # Same rows as the epilogue's A (padded to whole down-proj tiles); padding rows of H
+        # are unspecified and so are these, which no real output row reads.
+        a_after = swiglu(h).astype(a.dtype)  # [P, n]
+        a = jnp.pad(a_after, ((0, a.shape[0] - a_after.shape[0]), (0, 0)))
+        if inference:
+            h = None
     # Y gets unwritten pad columns when d is not a multiple of 128, so every aggregation
     # block is whole; the output is sliced back below.
     width = aggregate_width(d)
@@ -166,7 +184,7 @@ def moe_forward(
         capacity=capacity, out_cols=width,
     )
     out = aggregate(
-        y, plan.rows_by_token, plan.token_row_offsets, plan.scores,
+        y, plan.rows_by_token, plan.token_row_offsets, plan.scores, aggregation=aggregation,
         out_dtype=x.dtype, config=config.aggregate, interpret=interpret,
     )
     if width != d:

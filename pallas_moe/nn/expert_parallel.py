@@ -62,6 +62,16 @@ Overlap (single-batch overlap; docs/ep_overlap.md):
 Every exchange goes through `ragged_exchange`, whose VJP is the reverse exchange built
 from the same `[sender, receiver]` tables. The layer runs unchanged across processes
 (`jax.distributed`): give it a mesh over all processes' devices and global arrays.
+
+Numerics (`pm.Numerics`). The ragged dispatch returns each routed row's expert output `Y`
+to its source, which sums a token's rows in ascending expert order in the aggregation
+mode's rounding order (`ops.xla.aggregate_rows`), exactly as the single-device layer does:
+its forward is bitwise the single-device one whenever the expert GEMMs give each row the
+same bits whatever rows share its tile (true of the `xla` backend on CPU). The all-gather
+dispatch sums each shard's local experts, rounds that partial to the compute dtype, and
+reduce-scatters the partials: in "fp32" that adds roundings, and in the bf16 modes it
+re-associates a token's sum once a shard after the token's first holds two or more of its
+rows, so it is not bitwise across EP sizes in general.
 """
 
 from __future__ import annotations
@@ -77,9 +87,11 @@ from jax.sharding import PartitionSpec as P
 from pallas_moe import _checks
 from pallas_moe._vma import vary, vary_together
 from pallas_moe.nn import functional as F
+from pallas_moe.numerics import Numerics
 from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.ops.moe_ffn import moe_ffn, resolve_backend
 from pallas_moe.ops.row_chunks import chunk_block_m, chunk_layout, chunked_row_ffn
+from pallas_moe.ops.xla import aggregate_rows
 from pallas_moe.routing.plan import plan_from_assignment
 from pallas_moe.routing.token_rounding import rounded_counts
 from pallas_moe.routing.topk import check_router_inputs, router_probabilities, topk_assignment
@@ -231,6 +243,7 @@ def expert_parallel_moe(
     activation: SwiGLU = SwiGLU(),
     check_finite: bool | None = None,
     shared: tuple | None = None,
+    numerics: Numerics = Numerics(),
 ) -> tuple[jax.Array, dict]:
     """A MoE layer (routed experts, plus shared experts if given) with experts sharded over `ep.axis`.
 
@@ -256,6 +269,7 @@ def expert_parallel_moe(
         shard runs them on its own tokens inside the same `shard_map` as the dispatch: they
         do not depend on the dispatched rows, so XLA schedules them while the dispatch
         collective is in flight.
+      numerics: `pm.Numerics` (router dtype, aggregation mode, SwiGLU fusion).
 
     Returns:
       (y [T, d] in x's dtype, aux dict as `functional.finish_aux`), equal to the
@@ -308,9 +322,9 @@ def expert_parallel_moe(
             x_l, router, w_gate_up_l, w_down_l, cfg, ep,
             bias=extras.get("bias"), key=extras.get("key"), backend=backend,
             router_bias=extras.get("router_bias"),
-            ffn_options=dict(expert_biases_l, activation=activation),
+            ffn_options=dict(expert_biases_l, activation=activation, numerics=numerics),
             check_finite=check_finite,
-            shared=extras.get("shared"),
+            shared=extras.get("shared"), router_dtype=numerics.router_dtype,
         )
 
     in_specs = (token_spec, P(), expert_spec, expert_spec, P(), P(ep.axis, None))
@@ -340,14 +354,15 @@ def expert_parallel_moe(
 
 
 def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backend, router_bias,
-               ffn_options, check_finite, shared):
+               ffn_options, check_finite, shared, router_dtype):
     """Per-shard body: route local tokens, dispatch, local experts, combine. x_l [T_l, d].
 
-    `ffn_options` are the `moe_ffn` keywords of the local experts (biases, activation). The
-    shared MLP (if any) reads only x_l: nothing orders it against the dispatch, so the
-    scheduler can run it while the dispatch collective is in flight (SBO's first overlap).
+    `ffn_options` are the `moe_ffn` keywords of the local experts (biases, activation,
+    numerics). The shared MLP (if any) reads only x_l: nothing orders it against the
+    dispatch, so the scheduler can run it while the dispatch collective is in flight (SBO's
+    first overlap).
     """
-    logits = F.router_logits(x_l, router, router_bias)  # f32[T_l, E]
+    logits = F.router_logits(x_l, router, router_bias, dtype=router_dtype)  # f32[T_l, E]
     if cfg.routing == "topk":
         selected, weights, tc_selected = F.route_assignment(
             logits, cfg, bias=bias, check_finite=check_finite
@@ -368,7 +383,7 @@ def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backen
         )
         y_l, dropped = _ragged_dispatch(
             x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn, collective,
-            backend,
+            backend, ffn_options["numerics"].aggregation,
         )
         sums["capacity_dropped_rows"] = dropped
     if shared is not None:
@@ -411,9 +426,9 @@ def _exclusive_cumsum(a, axis):
 
 
 def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn,
-                     collective, backend):
+                     collective, backend, aggregation):
     """Send routed rows to their experts' shards, run local experts (`ffn`: `moe_ffn` with its
-    options bound), send outputs back.
+    options bound), send outputs back, sum each token's rows in the `aggregation` order.
 
     Returns ([T_l, d] output, i32[] rows this shard could not send for lack of capacity).
     """
@@ -475,17 +490,13 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
             y_rows = exchange(y_recv, y_rows_init, recv_offsets.T, send_offsets.T, allowed.T)
     # y_rows [P_l, d]; rows not served stay 0
 
-    # Combine in fp32: O[t] = sum_r s[r] * Y[r] over the rows of token t.
-    if cfg.routing == "topk":
-        # Exactly K rows per token: gather them (ascending expert order) and sum, no scatter.
-        by_token = plan.rows_by_token.reshape(tokens_l, cfg.top_k)  # [T_l, K]
-        y_l = jnp.einsum(
-            "tk,tkd->td", plan.scores[by_token], y_rows[by_token].astype(jnp.float32),
-            precision=jax.lax.Precision.HIGHEST,
-        )  # [T_l, d]
-    else:
-        weighted = plan.scores[:, None] * y_rows.astype(jnp.float32)  # [P_l, d]
-        y_l = jax.ops.segment_sum(weighted, plan.token_ids, num_segments=tokens_l)  # [T_l, d]
+    # Combine: O[t] = sum_r s[r] * Y[r] over the rows of token t, in ascending expert order
+    # and the aggregation mode's roundings, as the single-device layer sums them. Top-K has
+    # exactly K rows per token (no scatter); token rounding walks the row tiles.
+    rows_per_token = cfg.top_k if cfg.routing == "topk" else None
+    y_l = aggregate_rows(
+        y_rows, plan, aggregation, rows_per_token=rows_per_token
+    )  # f32 [T_l, d]
     dropped = jnp.sum(sizes[me]) - jnp.sum(allowed[me])
     return y_l.astype(dtype), dropped
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_moe import _checks
+from pallas_moe.numerics import round_bf16
 from pallas_moe.ops.xla import swiglu
 from pallas_moe.routing.aux import stats_from_counts
 from pallas_moe.routing.plan import DispatchPlan, plan_from_assignment
@@ -102,11 +103,25 @@ class RouterConfig:
         return min(rows, num_tokens * num_experts)
 
 
-def router_logits(x: jax.Array, router: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """f32[T, E] router logits `x @ router (+ bias)` of x [T, d], router [d, E], bias [E], in fp32."""
-    logits = jnp.dot(
-        x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-    )
+def router_logits(
+    x: jax.Array, router: jax.Array, bias: jax.Array | None = None, *, dtype: str = "float32"
+) -> jax.Array:
+    """f32[T, E] router logits `x @ router (+ bias)` of x [T, d], router [d, E], bias [E].
+
+    `dtype` is `Numerics.router_dtype`: "float32" multiplies fp32 inputs with fp32
+    accumulation; "bfloat16" is a bf16 linear layer (inputs rounded to bf16, fp32
+    accumulation, logits rounded to bf16), returned as f32. The bias is added in fp32.
+    """
+    if dtype == "float32":
+        logits = jnp.dot(
+            x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+        )
+    elif dtype == "bfloat16":
+        logits = round_bf16(jnp.dot(
+            x.astype(jnp.bfloat16), router.astype(jnp.bfloat16), preferred_element_type=jnp.float32
+        ))
+    else:
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}.")
     return logits if bias is None else logits + bias.astype(jnp.float32)
 
 

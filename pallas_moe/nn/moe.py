@@ -43,6 +43,7 @@ from flax.core import spmd as core_spmd
 from pallas_moe import _checks
 from pallas_moe.nn import functional as F
 from pallas_moe.nn.expert_parallel import ExpertParallel, expert_parallel_moe
+from pallas_moe.numerics import Numerics, check_activation_dtype, check_numerics
 from pallas_moe.ops.activation import SwiGLU, check_activation
 from pallas_moe.ops.moe_ffn import BACKENDS, moe_ffn
 from pallas_moe.routing.aux import update_selection_bias
@@ -160,6 +161,9 @@ class MoE(nnx.Module):
         `aux["nonfinite_tokens"]` after the step instead). True: also under `jit`, through
         `jax.experimental.checkify` (wrap the jitted step in `checkify.checkify` and call
         `err.throw()`); no host callback, so it works under expert parallelism. False: never.
+      numerics: `pm.Numerics` switches (default `Numerics()`): the aggregation order of
+        `moe_ffn` (the bf16 modes need dtype=bfloat16), SwiGLU fusion in the kernels, and
+        the router's dtype (`router_dtype`). See `pallas_moe.numerics`.
 
     Call: `y, aux = layer(x, key=None)`; x [..., d_model] float; y has x's leading shape and
     the compute dtype; `key` overrides the stream for stochastic rounding. `aux` is a dict
@@ -205,6 +209,7 @@ class MoE(nnx.Module):
         expert_bias: bool = False,
         activation: SwiGLU = SwiGLU(),
         check_finite: bool | None = None,
+        numerics: Numerics | None = None,
     ):
         d_model = _checks.check_positive_int("d_model", d_model)
         d_expert = _checks.check_positive_int("d_expert", d_expert)
@@ -247,6 +252,9 @@ class MoE(nnx.Module):
         self.bias_update_rate = float(bias_update_rate)
         self.expert_parallel = expert_parallel
         self.check_finite = check_finite
+        self.numerics = check_numerics(numerics)
+        if dtype is not None:
+            check_activation_dtype(self.numerics, dtype)
 
         router_init = router_init or nnx.initializers.normal(stddev=d_model**-0.5)
         gate_up_init = kernel_init or expert_init()
@@ -379,11 +387,16 @@ class MoE(nnx.Module):
                 None if self.shared_gate is None else self.shared_gate[...],
             )
         if self.expert_parallel is None:
-            logits = F.router_logits(xt, router, router_bias)  # f32[T, E]
+            logits = F.router_logits(
+                xt, router, router_bias, dtype=self.numerics.router_dtype
+            )  # f32[T, E]
             plan, counts = F.route(
                 logits, self.config, bias=bias, key=key, check_finite=self.check_finite
             )
-            y = moe_ffn(xt, plan, w_gate_up, w_down, backend=self.backend, **ffn_options)  # [T, d]
+            y = moe_ffn(
+                xt, plan, w_gate_up, w_down, backend=self.backend, numerics=self.numerics,
+                **ffn_options,
+            )  # [T, d]
             aux = F.finish_aux(F.router_sums(logits, counts), self.config)
             if shared is not None:
                 y = y + F.shared_mlp(xt, *shared)  # [T, d]
@@ -392,7 +405,8 @@ class MoE(nnx.Module):
             y, aux = expert_parallel_moe(
                 xt, router, w_gate_up, w_down, self.config, self.expert_parallel,
                 bias=bias, key=key, backend=self.backend, router_bias=router_bias,
-                check_finite=self.check_finite, shared=shared, **ffn_options,
+                check_finite=self.check_finite, shared=shared, numerics=self.numerics,
+                **ffn_options,
             )  # [T, d]
         return _reshape_like(y, x), aux
 

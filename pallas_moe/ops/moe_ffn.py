@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_moe import _checks
+from pallas_moe.numerics import Numerics, check_activation_dtype, check_numerics
 from pallas_moe.ops.activation import SwiGLU, check_activation
 from pallas_moe.ops.xla import moe_ffn_xla
 from pallas_moe.routing.plan import DispatchPlan, validate_plan
@@ -147,6 +148,7 @@ def moe_ffn(
     backend: Backend = "auto",
     config=None,
     validate: bool = False,
+    numerics: Numerics | None = None,
 ) -> jax.Array:
     """Gated (SwiGLU) Mixture-of-Experts feed-forward over a dispatch plan.
 
@@ -173,10 +175,15 @@ def moe_ffn(
       validate: check the plan's values with `pm.routing.validate_plan` first (for hand-built
         plans; eager: `ValueError`, under `jit`: a checkify check). Off by default: plans from
         `topk_plan` / `token_rounding_plan` are valid by construction.
+      numerics: `pm.Numerics` switches (default `Numerics()`): the aggregation order
+        ("fp32", "bf16_per_expert", "bf16_scores"; the bf16 modes need bf16 x) and
+        whether the kernels fuse SwiGLU into the up-proj epilogue. Every backend computes
+        the same aggregation order; see `pallas_moe.numerics` for the backward of each.
 
     Returns:
       [T, d] in x.dtype. Differentiable in x, both weights, both biases and `plan.scores`.
     """
+    check_moe_inputs(x, plan, w_gate_up, w_down)
     check_moe_inputs(x, plan, w_gate_up, w_down)
     if config is not None:
         from pallas_moe.kernels.config import KernelConfig
@@ -187,6 +194,8 @@ def moe_ffn(
             )
         if backend == "xla":
             raise ValueError("config sets kernel block sizes; backend='xla' runs no kernels.")
+    numerics = check_numerics(numerics)
+    check_activation_dtype(numerics, x.dtype)
     check_expert_biases(x, w_gate_up, b_gate_up, b_down)
     activation = check_activation(activation)
     unsupported = kernel_unsupported_options(activation, b_gate_up, b_down)
@@ -202,10 +211,12 @@ def moe_ffn(
     backend = resolve_backend(backend, x, w_down)
     if backend == "xla":
         return moe_ffn_xla(
-            x, plan, w_gate_up, w_down, b_gate_up=b_gate_up, b_down=b_down, activation=activation
+            x, plan, w_gate_up, w_down, b_gate_up=b_gate_up, b_down=b_down, activation=activation,
+            aggregation=numerics.aggregation,
         )
     from pallas_moe.ops.mosaic import moe_ffn_kernels  # Pallas is imported only when used.
 
     return moe_ffn_kernels(
-        x, plan, w_gate_up, w_down, interpret=backend == "interpret", config=config
+        x, plan, w_gate_up, w_down, interpret=backend == "interpret", config=config,
+        numerics=numerics,
     )

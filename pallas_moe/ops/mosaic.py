@@ -12,6 +12,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from pallas_moe.numerics import Numerics, multiplied_scores
 from pallas_moe.ops.minimal_backward import moe_ffn_backward
 from pallas_moe.routing.plan import DispatchPlan
 
@@ -31,13 +32,18 @@ def plan_cotangent(plan: DispatchPlan, d_scores: jax.Array) -> DispatchPlan:
     return zeros.with_scores(d_scores.astype(plan.scores.dtype))
 
 
-def minimal_residual_moe_ffn(forward: Forward, backward: Backward = moe_ffn_backward):
+def minimal_residual_moe_ffn(
+    forward: Forward, backward: Backward = moe_ffn_backward, *, aggregation: str = "fp32"
+):
     """Wraps a forward that returns `(out, h)` into a differentiable `moe_ffn`.
 
     Args:
       forward: `(x, plan, w_gate_up, w_down) -> (out [T, d], h [P, 2n])`.
       backward: the minimal-activation backward, with the contract of `moe_ffn_backward`
         (its jnp implementation is the default).
+      aggregation: the forward's aggregation mode (`pallas_moe.numerics`). The backward
+        multiplies by the scores the forward multiplied by (bf16-rounded for
+        "bf16_scores"), and the score gradient passes straight through that rounding.
 
     Returns:
       `f(x, plan, w_gate_up, w_down) -> out`, a `jax.custom_vjp` whose only new residual is `h`.
@@ -53,7 +59,10 @@ def minimal_residual_moe_ffn(forward: Forward, backward: Backward = moe_ffn_back
 
     def moe_bwd(residuals, grad_out):
         x, h, plan, w_gate_up, w_down = residuals
-        dx, d_scores, dw_gate_up, dw_down = backward(x, h, plan, w_gate_up, w_down, grad_out)
+        plan_multiplied = plan.with_scores(multiplied_scores(plan.scores, aggregation))
+        dx, d_scores, dw_gate_up, dw_down = backward(
+            x, h, plan_multiplied, w_gate_up, w_down, grad_out
+        )
         return dx, plan_cotangent(plan, d_scores), dw_gate_up, dw_down
 
     moe.defvjp(moe_fwd, moe_bwd)
@@ -61,20 +70,30 @@ def minimal_residual_moe_ffn(forward: Forward, backward: Backward = moe_ffn_back
 
 
 @functools.cache
-def _kernel_moe_ffn(interpret: bool, config):
+def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics):
     # Pallas is imported only when a kernel backend is used.
     from pallas_moe.kernels.moe_backward import moe_backward
     from pallas_moe.kernels.moe_forward import moe_forward
 
     return minimal_residual_moe_ffn(
-        functools.partial(moe_forward, interpret=interpret, config=config.forward),
+        functools.partial(
+            moe_forward, interpret=interpret, config=config.forward,
+            aggregation=numerics.aggregation, fuse_swiglu=numerics.fuse_swiglu,
+        ),
         functools.partial(moe_backward, interpret=interpret, config=config.backward),
+        aggregation=numerics.aggregation,
     )
 
 
 def moe_ffn_kernels(
-    x: jax.Array, plan: DispatchPlan, w_gate_up: jax.Array, w_down: jax.Array, *,
-    interpret: bool, config=None,
+    x: jax.Array,
+    plan: DispatchPlan,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    interpret: bool,
+    config=None,
+    numerics: Numerics = Numerics(),
 ) -> jax.Array:
     """`moe_ffn` through the Mosaic GPU kernels (`interpret=True`: GPU interpret mode on CPU).
 
@@ -82,4 +101,6 @@ def moe_ffn_kernels(
     """
     from pallas_moe.kernels.config import KernelConfig
 
-    return _kernel_moe_ffn(interpret, config or KernelConfig())(x, plan, w_gate_up, w_down)
+    return _kernel_moe_ffn(interpret, config or KernelConfig(), numerics)(
+        x, plan, w_gate_up, w_down
+    )
