@@ -13,9 +13,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The main job: a short training run on the embedded default config.
+# The main job: a short training run on the embedded default config. A second run into
+# runs/tiny is refused unless told what to do with the first: make train TRAIN_ARGS=--resume
+# (continue it) or TRAIN_ARGS=--overwrite (start over).
+TRAIN_ARGS ?=
 train: $(STAMP)
-	$(VENV)/bin/python -m train.main --config tiny
+	$(VENV)/bin/python -m train.main --config tiny $(TRAIN_ARGS)
 
 # The test suite (CPU; kernels run in Mosaic GPU interpret mode).
 test: $(STAMP)
