@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -62,6 +63,18 @@ def gpu_time_ms(f, *args, iters=ITERS):
     """Median over `iters` calls of the summed GPU kernel time of one call of f (CUPTI)."""
     jax.block_until_ready(f(*args))  # compile + warm up
     _, times = profiler.measure(f, iterations=iters)(*args)
+    return statistics.median(times)
+
+
+def wall_time_ms(f, *args, iters=ITERS):
+    """Median over `iters` calls of the wall milliseconds of one call of f, blocking on the
+    result (launch gaps and host work included), after a warm-up call."""
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times)
 
 

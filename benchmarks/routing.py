@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.forward import gpu_time_ms, wall_time_ms
 from benchmarks.logs import open_log
 from jax.experimental.mosaic.gpu import profiler
 
@@ -38,20 +37,12 @@ if os.environ.get("ROUTING_SHAPES"):  # e.g. "32768x128x8,64x128x8"
 PLAN_FIELDS = ("token_ids", "group_sizes", "is_token_choice", "rows_by_token", "token_row_offsets")
 
 
-def gpu_us(f, *args, iters=20):
-    jax.block_until_ready(f(*args))
-    _, times = profiler.measure(f, iterations=iters)(*args)
-    return 1e3 * statistics.median(times)
+def gpu_us(f, *args):
+    return 1e3 * gpu_time_ms(f, *args, iters=20)
 
 
-def wall_us(f, *args, iters=30):
-    jax.block_until_ready(f(*args))
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        out.append(1e6 * (time.perf_counter() - t0))
-    return statistics.median(out)
+def wall_us(f, *args):
+    return 1e3 * wall_time_ms(f, *args, iters=30)
 
 
 def same_plan(a, b) -> tuple[bool, float]:

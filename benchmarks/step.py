@@ -22,8 +22,6 @@ import argparse
 import collections
 import json
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -31,27 +29,11 @@ from jax.experimental.mosaic.gpu import profiler
 
 import pallas_moe as pm
 from benchmarks.logs import open_log
-from benchmarks.forward import SHAPES
+from benchmarks.forward import SHAPES, gpu_time_ms, wall_time_ms
 from benchmarks.layer import dense_bound_fns
 from pallas_moe.kernels import KernelConfig
 
 ITERS = 5
-
-
-def gpu_ms(f, *args, iters=ITERS):
-    jax.block_until_ready(f(*args))
-    _, times = profiler.measure(f, iterations=iters)(*args)
-    return statistics.median(times)
-
-
-def wall_ms(f, *args, iters=20):
-    jax.block_until_ready(f(*args))
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        out.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(out)
 
 
 def kernel_breakdown(f, *args):
@@ -95,7 +77,6 @@ def main():
     ap.add_argument("--xla-check", default="", help="shapes also checked against backend=xla")
     args = ap.parse_args()
     log = open_log(args.out, "step_log.txt")
-    device = jax.devices()[0].device_kind
     rows = []
     for name in args.shapes.split(","):
         shape = SHAPES[name]
@@ -107,7 +88,7 @@ def main():
         w2 = (jax.random.normal(ks[3], (num_experts, n, d)) * n**-0.5).astype(jnp.bfloat16)
         cot = jax.random.normal(ks[4], (num_tokens, d), jnp.float32)
         _, bound_all, xe, dcot = dense_bound_fns(shape)
-        bound_ms = gpu_ms(bound_all, xe, w1, w2, dcot)
+        bound_ms = gpu_time_ms(bound_all, xe, w1, w2, dcot, iters=ITERS)
         del xe, dcot
         log(f"== {name} {shape}: dense fwd+bwd bound {bound_ms:.3f} ms")
         reference = {}
@@ -129,8 +110,8 @@ def main():
                     ref_variant, _, ref_grads = reference[routing]
                     row[f"vs_{ref_variant}"] = [rel_err(g, r) for g, r in zip(grads, ref_grads)]
                 del grads
-                row["gpu_ms"] = gpu_ms(step, x, router, w1, w2, cot)
-                row["wall_ms"] = wall_ms(step, x, router, w1, w2, cot)
+                row["gpu_ms"] = gpu_time_ms(step, x, router, w1, w2, cot, iters=ITERS)
+                row["wall_ms"] = wall_time_ms(step, x, router, w1, w2, cot, iters=20)
                 row["vs_bound"] = bound_ms / row["gpu_ms"]
                 row["kernels"] = kernel_breakdown(step, x, router, w1, w2, cot)
             except Exception as e:  # noqa: BLE001 - report and go on
