@@ -187,9 +187,9 @@ def sweep(name, configs, build, args, check, flops, log):
 
 
 def configs_for(d, n, sweep: str):
-    """The default configs, plus per kernel: "previous" = the previous version's settings
-    (even register split, tile-major weight-gradient grid), each change alone and both;
-    "full" = the block-size sweep of earlier sessions."""
+    """The default configs, plus per kernel: "previous" = the previous versions' settings
+    (3 stages; tile-major weight-gradient grids); "full" = the block-size sweep of earlier
+    sessions."""
     base = BackwardConfig.for_shape(d, n)
     W = WeightGradConfig
     dh = [base.dh]
@@ -197,11 +197,12 @@ def configs_for(d, n, sweep: str):
     dw1 = [base.dw_gate_up]
     dx = [base.dx]
     if sweep == "previous":
+        # Session 3: one more stage (the epilogue reuses the pipeline's SMEM) and, for the
+        # weight gradients, expert-major grids; the previous version had neither.
         rep = dataclasses.replace
-        dh.append(rep(base.dh, rebalance_registers=False))
+        dh += [rep(base.dh, num_stages=5), rep(base.dh, num_stages=3, prefetch_h=True)]
         for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
-            lst += [rep(cfg, rebalance_registers=False, expert_major=False),
-                    rep(cfg, expert_major=False), rep(cfg, rebalance_registers=False)]
+            lst += [rep(cfg, num_stages=3), rep(cfg, num_stages=3, expert_major=False)]
     if sweep == "full":
         dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
                DHConfig(block_n=64, num_stages=4, num_consumers=2),

@@ -266,12 +266,15 @@ def test_dh_kernel(plan_kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("consumers", [0, 2], ids=["single_wg", "two_consumers"])
-def test_dh_kernel_detect_races(consumers):
+@pytest.mark.parametrize(
+    "consumers, prefetch_h", [(0, False), (2, False), (2, True)],
+    ids=["single_wg", "two_consumers", "two_consumers_prefetch_h"],
+)
+def test_dh_kernel_detect_races(consumers, prefetch_h):
     x, h, plan, w1, w2, grad_out = make_problem(5, 20, 256, 128, 2, 2)  # 4 K-steps, 2 stages
     dh, a_scaled, d_scores = dh_kernel(
         grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2,
-        config=DHConfig(block_n=64, num_stages=2, num_consumers=consumers),
+        config=DHConfig(block_n=64, num_stages=2, num_consumers=consumers, prefetch_h=prefetch_h),
         interpret=interp(detect_races=True),
     )
     assert not races_found()

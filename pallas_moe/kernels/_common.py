@@ -221,6 +221,44 @@ def row_gather_buffers(stages: int, block_m: int, block_k: int, dtype, interpret
     return plgpu.RefUnion(copy_view, mma_view), lambda refs: tuple(refs)
 
 
+def gathered_pipeline_smem(a_shape, dtype, others, epilogue, interpret: bool):
+    """SMEM of a gathered-A pipeline whose epilogue reuses the pipeline's bytes.
+
+    Args:
+      a_shape: (slots, rows, 64) of the gathered A stages (bf16, 128-byte rows).
+      dtype: A's dtype.
+      others: SMEM types laid out after A in the pipeline (e.g. the B stages).
+      epilogue: SMEM types only used after the K loop (output tiles), overlaying the
+        pipeline, so the pipeline can have one more stage than with separate buffers. A
+        kernel must make sure every consumer is done with the pipeline before writing them.
+      interpret: interpret mode does not alias `RefUnion` members and allows one-row slices
+        of the wgmma tiling: there the copy and wgmma views are one ref and the epilogue has
+        its own buffers.
+
+    Returns:
+      (scratch type, views) with `views(ref) -> (a_copy, a_mma, others, epilogue)`: the A
+      stages tiled (1, 64) for one-row TMA copies and (8, 64) for wgmma (same bytes, see
+      `row_gather_buffers`), then tuples of refs for `others` and `epilogue`.
+    """
+    others, epilogue = tuple(others), tuple(epilogue)
+    sw = plgpu.SwizzleTransform(SWIZZLE_BYTES)
+    elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    mma_group = (plgpu.SMEM(a_shape, dtype, transforms=mma_transforms(dtype)), *others)
+    if interpret:
+        def views(refs):
+            (a, *rest), epi = refs
+            return a, a, tuple(rest), tuple(epi)
+
+        return (mma_group, epilogue), views
+    copy_a = plgpu.SMEM(a_shape, dtype, transforms=(plgpu.TilingTransform((1, elems)), sw))
+
+    def views(refs):
+        (a_copy, *_), (a_mma, *rest), epi = refs
+        return a_copy, a_mma, tuple(rest), tuple(epi)
+
+    return plgpu.RefUnion((copy_a, *others), mma_group, epilogue), views
+
+
 def gather_rows(
     src_ref, token_ids, dsts, barrier, *, col0, width: int, first_row, num_rows: int, unroll: int
 ) -> None:

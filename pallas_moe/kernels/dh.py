@@ -67,6 +67,10 @@ class DHConfig:
       rebalance_registers: warp-specialized kernel only: the producer drops to 40 registers
         per thread and the consumers take the rest (`_common.rebalance_registers`); False
         keeps the even split, where the dSwiGLU epilogue spills.
+      prefetch_h: warp-specialized kernel only: True = the tile's H rows get their own SMEM
+        and are loaded while the K loop runs; False = they are loaded after the K loop into
+        the pipeline's SMEM, which leaves room for more stages (4 at block_n=128, where
+        prefetching allows only 3).
     """
 
     block_m: int = 64
@@ -77,6 +81,7 @@ class DHConfig:
     num_consumers: int = 0
     gather: str = "tma"
     rebalance_registers: bool = True
+    prefetch_h: bool = False
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -370,9 +375,12 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
              dh_out, ap_out, ds_out, *scratch):
-        (ids_smem, a_bufs, b_smem, h_smem, s_smem, ap_smem, ds_smem,
-         full, empty, ids_bar, h_bars, s_bar) = scratch
-        a_copy, a_mma = a_views(a_bufs)
+        if prefetch_h:
+            bufs, h_smem, full, empty, ids_bar, h_bars, s_bar, epi_bar = scratch
+            a_copy, a_mma, (b_smem, ids_smem, s_smem), (ap_smem, ds_smem) = views(bufs)
+        else:
+            bufs, full, empty, ids_bar, h_bars, s_bar, epi_bar = scratch
+            a_copy, a_mma, (b_smem, ids_smem, s_smem), (ap_smem, ds_smem, h_smem) = views(bufs)
         wg = jax.lax.axis_index("wg")
         ni = jax.lax.axis_index("n")
         mi = jax.lax.axis_index("m")
@@ -427,8 +435,9 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 h_gate = h_ref.at[:, pl.ds(c0, bn)]  # [P, bn]
                 h_up = h_ref.at[:, pl.ds(n + c0, bn)]  # [P, bn]
                 bar0 = c * num_ladder
-                load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, True, bar0)
-                load_rows(h_up, h_smem.at[c, 1], row0, num_rows, bm, h_bars, True, bar0)
+                if prefetch_h:  # H lands while the K loop runs
+                    load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, True, bar0)
+                    load_rows(h_up, h_smem.at[c, 1], row0, num_rows, bm, h_bars, True, bar0)
 
                 def mma_scope(acc):
                     def step(ki, carry):
@@ -451,6 +460,12 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                     return acc[...]
 
                 da = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))  # [bm, bn]
+                # A' and dS reuse the pipeline's SMEM: every consumer is done reading it first.
+                plgpu.barrier_arrive(epi_bar)
+                plgpu.barrier_wait(epi_bar)
+                if not prefetch_h:  # H goes into the pipeline's SMEM, now free
+                    load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, True, bar0)
+                    load_rows(h_up, h_smem.at[c, 1], row0, num_rows, bm, h_bars, True, bar0)
                 plgpu.barrier_wait(s_bar)
                 load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, False, bar0)
                 layout = plgpu.Layout.WGMMA
@@ -472,23 +487,35 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 plgpu.copy_smem_to_gmem(ds_smem.at[c], ds_out.at[mi, ni * cons + c])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    a_scratch, a_views = _common.row_gather_buffers(
-        stages, bm, bk, dtype, interpret_mode is not None
+    # Per consumer: H gate, H up -> dH gate, dH up.
+    h_types = [plgpu.SMEM((cons, 2, bm, bn), dtype)]
+    prefetch_h = config.prefetch_h
+    bufs, views = _common.gathered_pipeline_smem(
+        (stages, bm, bk), dtype,
+        others=[
+            plgpu.SMEM((stages, cols, bk), dtype, transforms=tf),  # W2 stages
+            # Token ids and scores of the tile, past the bytes the epilogue reuses (packed
+            # here rather than as separate buffers, which are each padded to 1 KB).
+            plgpu.SMEM((bm,), jnp.int32),
+            plgpu.SMEM((bm,), jnp.float32),
+        ],
+        epilogue=[
+            plgpu.SMEM((cons, bm, bn), dtype),  # per consumer: A'
+            plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: dS partial
+            *([] if prefetch_h else h_types),
+        ],
+        interpret=interpret_mode is not None,
     )
     scratch = [
-        plgpu.SMEM((bm,), jnp.int32),  # token ids of the tile
-        a_scratch,  # gathered dO stages [stages, bm, bk]
-        plgpu.SMEM((stages, cols, bk), dtype, transforms=tf),  # W2 stages
-        plgpu.SMEM((cons, 2, bm, bn), dtype),  # per consumer: H gate, H up -> dH gate, dH up
-        plgpu.SMEM((bm,), jnp.float32),  # scores
-        plgpu.SMEM((cons, bm, bn), dtype),  # per consumer: A'
-        plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: dS partial
+        bufs,  # gathered dO stages [stages, bm, bk] + W2 stages + ids + scores; then A', dS
+        *(h_types if prefetch_h else []),
         # full: the W2 copy plus the row copies (TMA: one per row; cp.async: one publish)
         plgpu.Barrier(num_arrivals=(1 if cp_async else bm) + 1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
         plgpu.Barrier(),  # ids
         plgpu.Barrier(num_arrivals=2, num_barriers=cons * num_ladder),  # H boxes
         plgpu.Barrier(),  # scores
+        plgpu.Barrier(num_arrivals=cons),  # consumers done with the pipeline
     ]
     return plgpu.kernel(
         body,

@@ -59,26 +59,28 @@ class BackwardConfig:
         _common.require_multiple("d", d, 64, "the kernels tile the model width by 64")
         _common.require_multiple("n", n, 64, "the kernels tile the expert width by 64")
         k = 64  # contraction rows per step of the varlen-K kernels (one 8-row-tiled block)
-        # dH: two consumer warpgroups of 128 (or 64) columns share each gathered dO stage.
+        # dH: two consumer warpgroups of 128 (or 64) columns share each gathered dO stage;
+        # A' and dS reuse the pipeline's SMEM, which leaves room for 4 stages at 128.
         if n % 256 == 0:
-            dh = DHConfig(block_n=128, num_stages=3, num_consumers=2, pad_rows_to=k)
+            dh = DHConfig(block_n=128, num_stages=4, num_consumers=2, pad_rows_to=k)
         elif n % 128 == 0:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=2, pad_rows_to=k)
         else:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=1, pad_rows_to=k)
         # Weight gradients: measured on the H100 (benchmarks/RESULTS.md, 7B sweep), a CTA
-        # tile of 256 x 128 with 2 consumers and 3 stages beats 128 x 128 by ~20%.
+        # tile of 256 x 128 with 2 consumers beats 128 x 128 by ~20%; the output tile reuses
+        # the pipeline's SMEM, which leaves room for 4 stages of 48 KB.
         # dW2 = A'^T dO[tok]: consumers split n (A' columns), the gathered dO chunks span d.
         bm2 = 128 if n % 256 == 0 else 64
         dw_down = WeightGradConfig(
             block_m=bm2, block_n=_largest_block(d, (128, 192, 64)), block_k=k,
-            num_stages=3 if bm2 == 128 else 4, num_consumers=2 if n % (2 * bm2) == 0 else 1,
+            num_stages=4, num_consumers=2 if n % (2 * bm2) == 0 else 1,
         )
         # dW1 = X[tok]^T dH: the gathered X chunks span d, consumers split 2n (dH columns).
         bm1 = _largest_block(d, (128, 192, 64))
-        wide = bm1 == 128 and (2 * n) % 256 == 0  # 256-column CTA tiles fit SMEM at 3 stages
+        wide = bm1 == 128 and (2 * n) % 256 == 0  # 256-column CTA tiles
         dw_gate_up = WeightGradConfig(
-            block_m=bm1, block_n=128 if wide else 64, block_k=k, num_stages=3 if wide else 4,
+            block_m=bm1, block_n=128 if wide else 64, block_k=k, num_stages=4,
             num_consumers=2,
         )
         if gather == "cp_async":  # needs >= 3 stages; the defaults above all have them

@@ -333,7 +333,7 @@ def _warp_specialized_kernel(
         else:
             h_out, a_out, *scratch = rest
         ids_smem, bufs, full, empty, ids_bar, epi_bar = scratch
-        (a_copy, bg_copy, bu_copy), (a_mma, bg_mma, bu_mma), o_smem = _ws_views(bufs, interpret)
+        a_copy, a_mma, (bg_smem, bu_smem), (o_smem,) = views(bufs)
         wg = jax.lax.axis_index("wg")
         ni = jax.lax.axis_index("n")
         mi = jax.lax.axis_index("m")
@@ -368,11 +368,11 @@ def _warp_specialized_kernel(
 
                     if p == 0:
                         plgpu.copy_gmem_to_smem(  # [bk, C*bn] gate columns
-                            w_e.at[pl.ds(k0, bk), pl.ds(ni * cols, cols)], bg_copy.at[slot],
+                            w_e.at[pl.ds(k0, bk), pl.ds(ni * cols, cols)], bg_smem.at[slot],
                             full.at[slot],
                         )
                         plgpu.copy_gmem_to_smem(  # [bk, C*bn] matching up columns
-                            w_e.at[pl.ds(k0, bk), pl.ds(n + ni * cols, cols)], bu_copy.at[slot],
+                            w_e.at[pl.ds(k0, bk), pl.ds(n + ni * cols, cols)], bu_smem.at[slot],
                             full.at[slot],
                         )
                     if cp_async:
@@ -409,8 +409,8 @@ def _warp_specialized_kernel(
                         slot = ki % stages
                         plgpu.barrier_wait(full.at[slot])
                         a_tile = a_mma.at[slot, a_rows]  # [mb, bk]
-                        plgpu.wgmma(acc_g, a_tile, bg_mma.at[slot, :, csl])  # @ [bk, bn]
-                        plgpu.wgmma(acc_u, a_tile, bu_mma.at[slot, :, csl])
+                        plgpu.wgmma(acc_g, a_tile, bg_smem.at[slot, :, csl])  # @ [bk, bn]
+                        plgpu.wgmma(acc_u, a_tile, bu_smem.at[slot, :, csl])
                         plgpu.wgmma_wait(2)  # step ki-1 is done: release its slot
 
                         @pl.when(ki >= 1)
@@ -450,23 +450,13 @@ def _warp_specialized_kernel(
                     )
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    sw = plgpu.SwizzleTransform(_common.SWIZZLE_BYTES)
-    a_shape, b_shape = (stages, bm, bk), (stages, bk, cols)
-    mma_group = (
-        plgpu.SMEM(a_shape, dtype, transforms=tf),
-        plgpu.SMEM(b_shape, dtype, transforms=tf),
-        plgpu.SMEM(b_shape, dtype, transforms=tf),
+    b_shape = (stages, bk, cols)
+    bufs, views = _common.gathered_pipeline_smem(
+        (stages, bm, bk), dtype,
+        others=[plgpu.SMEM(b_shape, dtype, transforms=tf)] * 2,  # gate, up weight stages
+        epilogue=[plgpu.SMEM((cons, num_out, mb, bn), dtype)],  # per consumer A, H gate, H up
+        interpret=interpret,
     )
-    out_smem = plgpu.SMEM((cons, num_out, mb, bn), dtype)
-    if interpret:
-        bufs = (mma_group, out_smem)
-    else:
-        copy_group = (
-            plgpu.SMEM(a_shape, dtype, transforms=(plgpu.TilingTransform((1, 64)), sw)),
-            plgpu.SMEM(b_shape, dtype, transforms=tf),
-            plgpu.SMEM(b_shape, dtype, transforms=tf),
-        )
-        bufs = plgpu.RefUnion(copy_group, mma_group, out_smem)
     scratch = [
         plgpu.SMEM((bm,), jnp.int32),
         bufs,
@@ -502,18 +492,3 @@ def _cta_cols(config: UpProjConfig) -> int:
     if _split_m(config):
         return config.block_n
     return config.block_n * max(config.num_consumers, 1)
-
-
-def _ws_views(bufs, interpret: bool):
-    """(copy views, wgmma views, epilogue SMEM) of the warp-specialized kernel's buffers.
-
-    Compiled: a `RefUnion` whose three members share the bytes (copy views with the
-    one-row-sliceable A tiling, wgmma views, and the epilogue tile that reuses the pipeline
-    SMEM after the K loop). Interpret mode does not alias union members, so there the copy and
-    wgmma views are one set of refs and the epilogue tile is separate.
-    """
-    if interpret:
-        mma_group, out_smem = bufs
-        return mma_group, mma_group, out_smem
-    copy_group, mma_group, out_smem = bufs
-    return copy_group, mma_group, out_smem

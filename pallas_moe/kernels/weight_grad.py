@@ -398,8 +398,8 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     lag = stages - 2  # cp.async steps in flight (`_common.cp_async_publish_lagged`)
 
     def body(order_ref, lo_ref, hi_ref, off_ref, ids_ref, l_ref, r_ref, out_ref, *scratch):
-        ids_smem, g_bufs, c_smem, o_smem, full, empty, ids_bars = scratch
-        g_copy, g_mma = g_views(g_bufs)
+        ids_smem, bufs, full, empty, ids_bars, epi_bar = scratch
+        g_copy, g_mma, (c_smem,), (o_smem,) = views(bufs)
         wg = jax.lax.axis_index("wg")
         if config.rebalance_registers:
             _common.rebalance_registers(wg, cons)
@@ -507,6 +507,9 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                 accs = pl.run_scoped(
                     mma_scope, *[plgpu.ACC(acc_shape, jnp.float32) for _ in range(chunks)]
                 )
+                # The output tile reuses the pipeline's SMEM: every consumer is done with it.
+                plgpu.barrier_arrive(epi_bar)
+                plgpu.barrier_wait(epi_bar)
                 for j in range(chunks):
                     o_smem[c, j] = accs[j].astype(out_dtype)
                 plgpu.commit_smem()
@@ -520,21 +523,23 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                     plgpu.copy_smem_to_gmem(o_smem.at[c, j], dst)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    g_scratch, g_views = _common.row_gather_buffers(
-        stages * chunks, bk, _CHUNK, dtype, interpret_mode is not None
-    )
     c_shape = (stages, bk, cta_n) if gather_lhs else (stages, bk, cta_m)
     o_shape = (cons, chunks, _CHUNK, bn) if gather_lhs else (cons, chunks, bm, _CHUNK)
+    bufs, views = _common.gathered_pipeline_smem(
+        (stages * chunks, bk, _CHUNK), dtype,
+        others=[plgpu.SMEM(c_shape, dtype, transforms=tf)],  # contiguous K-blocks
+        epilogue=[plgpu.SMEM(o_shape, out_dtype)],  # per consumer output tile
+        interpret=interpret_mode is not None,
+    )
     scratch = [
         plgpu.SMEM((stages, bk), jnp.int32),  # token ids of each stage's K-block
-        g_scratch,  # gathered chunks [stages * chunks, bk, 64]
-        plgpu.SMEM(c_shape, dtype, transforms=tf),  # contiguous K-blocks, all consumers
-        plgpu.SMEM(o_shape, out_dtype),  # per consumer output tile
+        bufs,  # gathered chunks [stages * chunks, bk, 64] + contiguous K-blocks; then output
         # full: the contiguous block plus the row copies (TMA: one per row and chunk;
         # cp.async: one publish)
         plgpu.Barrier(num_arrivals=(1 if cp_async else bk * chunks) + 1, num_barriers=stages),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
         plgpu.Barrier(num_barriers=stages),  # ids
+        plgpu.Barrier(num_arrivals=cons),  # consumers done with the pipeline
     ]
     return plgpu.kernel(
         body,
