@@ -200,7 +200,7 @@ def configs_for(d, n, sweep: str):
         # Session 3: one more stage (the epilogue reuses the pipeline's SMEM) and, for the
         # weight gradients, expert-major grids; the previous version had neither.
         rep = dataclasses.replace
-        dh += [rep(base.dh, num_stages=5), rep(base.dh, num_stages=3, prefetch_h=True)]
+        dh += [rep(base.dh, num_stages=4), rep(base.dh, num_stages=3, prefetch_h=True)]
         for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
             lst += [rep(cfg, num_stages=3), rep(cfg, num_stages=3, expert_major=False)]
     if sweep == "full":
