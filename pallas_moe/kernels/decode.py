@@ -402,13 +402,15 @@ def decode_tasks(
     write_h: bool = False,
     aggregation: str = "fp32",
     interpret: bool | plgpu.InterpretGPUParams = False,
+    meta: DecodeMeta | None = None,
 ) -> DecodeOutputs:
     """Runs the megakernel on the task kinds in `kinds` (all three: the MoE forward).
 
     With a subset, the task space holds only those kinds and waits on kinds that do not run
     are skipped, which is how each task function is tested alone: ("up",) writes the A slab;
     ("down",) reads `a_slab` and writes the Y slab; ("aggregate",) reads `y_slab` and writes
-    the output. Arguments as in `moe_decode`; see `DecodeOutputs` for the results.
+    the output. `meta`: a precomputed `decode_meta(plan, config, d, aggregation)` (computed
+    here if None). Other arguments as in `moe_decode`; see `DecodeOutputs` for the results.
     """
     if config is None:
         if x.ndim != 2 or w_gate_up.ndim != 3:
@@ -429,11 +431,13 @@ def decode_tasks(
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}.")
     interpret_mode = _common.interpret_params(interpret)
-    if interpret_mode is not None and config.scheduler == "static" and config.num_sms != 1:
+    has_waits = ("up" in kinds and "down" in kinds) or ("down" in kinds and "aggregate" in kinds)
+    if (interpret_mode is not None and has_waits and config.scheduler == "static"
+            and config.num_sms != 1):
         raise ValueError(
             f"config.num_sms={config.num_sms}: interpret mode runs CTAs one after another, so "
-            "the static scheduler can only be interpreted with num_sms=1 (use the dynamic "
-            "scheduler for more CTAs)."
+            "the static scheduler's cross-CTA waits can only be interpreted with num_sms=1 "
+            "(use the dynamic scheduler for more CTAs)."
         )
     bm = config.block_m
     max_tiles = max_decode_tiles(plan.capacity, num_experts, bm)
@@ -460,7 +464,13 @@ def decode_tasks(
         max_tiles=max_tiles, num_blocks=-(-num_tokens // config.token_block), agg_vec=agg_vec,
         up_blocks=n // config.up_block_n, down_blocks=d // config.down_block_n,
     )
-    meta = decode_meta(plan, config, d, aggregation)
+    if meta is None:
+        meta = decode_meta(plan, config, d, aggregation)
+    elif not isinstance(meta, DecodeMeta):
+        raise TypeError(f"meta must be a DecodeMeta or None, got {type(meta).__name__}.")
+    else:
+        _common.require_shape("meta.row_ids", meta.row_ids, (max_tiles, bm))
+        _common.require_shape("meta.block_target", meta.block_target, (dims.num_blocks,))
     read_a = "down" in kinds and "up" not in kinds
     read_y = "aggregate" in kinds and "down" not in kinds
     kernel = _kernel(
@@ -562,6 +572,9 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
             def issue_up(tile, cb, c, g0):
                 w_e = w1_ref.at[expert_ref[tile]]  # [d, 2n]
+                # Every producer lane is done reading the previous tile's ids (generic
+                # proxy) before the TMA (async proxy) overwrites them.
+                plgpu.commit_smem()
                 plgpu.copy_gmem_to_smem(ids_ref.at[tile], ids_smem, ids_bar)
                 plgpu.barrier_wait(ids_bar)
 
