@@ -12,10 +12,11 @@ share one interface, `Events`:
     ordered before generic-proxy operations), `fence.acq_rel.gpu`, then relaxed
     `red.add` from up to 128 lanes in parallel: the fence plus a relaxed RMW is a
     release. A range of counters costs one fence and ceil(count / 128) reds per lane.
-  - wait: one lane polls with relaxed loads until the counter reaches the target, then
-    `fence.acq_rel.gpu` (acquire) and `fence.proxy.async.global` (the TMA loads that
-    follow read what generic-proxy acquire made visible), then a warpgroup barrier so every
-    lane's later loads come after the acquire.
+  - wait: one lane polls with relaxed loads until the counter reaches the target and
+    fences (`fence.acq_rel.gpu`: the relaxed read plus the fence is an acquire); after a
+    warpgroup barrier every lane fences again, `fence.acq_rel.gpu` and
+    `fence.proxy.async.global`, so its later generic loads and the TMA loads it issues
+    (async proxy) are ordered after the acquire.
   - fetch-and-add (the dynamic scheduler's work queue): one lane's `atom.add`, broadcast to
     the warpgroup through SMEM.
 - Interpret (`interpret=True`): GPU interpret mode has no semaphores or atomics. The counters
@@ -118,8 +119,11 @@ def _compiled_wait(sem, index, target) -> None:
                 utils.nanosleep(utils.c(32, i32))  # back off: fewer polls of a hot line
                 scf.yield_([])
             utils.inline_ptx("fence.acq_rel.gpu;", has_side_effects=True)
-            utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
         utils.warpgroup_barrier()
+        # Every lane (whichever one issues the TMA loads or the generic loads that follow)
+        # orders its own later accesses after the acquire, in both proxies.
+        utils.inline_ptx("fence.acq_rel.gpu;", has_side_effects=True)
+        utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
     _wait(sem, index, target)
 
