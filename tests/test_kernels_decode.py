@@ -295,3 +295,40 @@ def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides):
             sds((num_tokens, d), jnp.bfloat16), _abstract_plan(num_tokens, e, k),
             sds((e, d, 2 * n), jnp.bfloat16), sds((e, n, d), jnp.bfloat16),
         ).lower(lowering_platforms=("cuda",))
+
+
+# --------------------------------------------------------------------- through the op
+
+
+def test_moe_ffn_with_the_megakernel_forward_and_gradients_match_xla():
+    import pallas_moe as pm
+    from pallas_moe.kernels import ForwardConfig, KernelConfig
+
+    x, plan, w1, w2 = _case(12, num_tokens=8, num_experts=4, k=2)
+    cot = jax.random.normal(jax.random.key(13), x.shape, jnp.float32)
+    config = KernelConfig(forward=ForwardConfig(decode=BASE))
+
+    def loss(backend, **kw):
+        def f(x, scores, w1, w2):
+            out = pm.moe_ffn(x, plan.with_scores(scores), w1, w2, backend=backend, **kw)
+            return jnp.sum(out.astype(jnp.float32) * cot), out
+
+        return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)
+
+    (_, out), grads = loss("interpret", config=config)(x, plan.scores, w1, w2)
+    (_, ref), ref_grads = loss("xla")(x, plan.scores, w1, w2)
+    close(out, ref, x.shape[0])
+    for name, g, r in zip(["x", "scores", "w_gate_up", "w_down"], grads, ref_grads):
+        close(np.asarray(g, np.float32).reshape(g.shape[0], -1),
+              np.asarray(r, np.float32).reshape(r.shape[0], -1), g.shape[0], tol=2e-2)
+
+
+def test_megakernel_forward_rejects_unfused_swiglu():
+    from pallas_moe.kernels import ForwardConfig, moe_forward
+
+    x, plan, w1, w2 = _case(14)
+    with pytest.raises(ValueError, match="fuse_swiglu=False"):
+        moe_forward(x, plan, w1, w2, config=ForwardConfig(decode=BASE), fuse_swiglu=False,
+                    interpret=True)
+    with pytest.raises(TypeError, match="decode must be a DecodeConfig"):
+        ForwardConfig(decode="static")
