@@ -133,20 +133,28 @@ def test_down_tasks_alone_match_reference():
     close(_slab_to_rows(outs.y_slab, meta, plan.capacity), y_ref, int(plan.num_rows))
 
 
-@pytest.mark.parametrize("aggregation", ["fp32", "bf16_per_expert", "bf16_scores"])
-def test_aggregate_tasks_alone_equal_the_aggregation_kernel(aggregation):
-    # 13 tokens with 1..4 rows each (a ragged CSR, a token block cut by T), one token with
-    # no row at all: the same sums as `aggregate`, bit for bit.
-    key = jax.random.key(3)
-    plan = assignment_plan(key, 13, 4, p=0.5)
-    plan = dataclasses.replace(
-        plan, scores=plan.scores.astype(jnp.float32)
-    )
-    x, _, w1, w2 = _case(3, num_tokens=13, num_experts=4, plan=plan)
+@pytest.mark.parametrize(
+    "aggregation, d, num_experts, p",
+    [
+        ("fp32", 128, 4, 0.5),  # 1..4 rows per token: the one-row loop
+        ("bf16_per_expert", 128, 4, 0.5),
+        ("bf16_scores", 128, 4, 0.5),
+        ("fp32", 384, 16, 0.6),  # 3 column chunks, groups of 5 rows plus leftovers
+        pytest.param("bf16_per_expert", 384, 16, 0.6, marks=pytest.mark.slow),
+    ],
+)
+def test_aggregate_tasks_alone_equal_the_aggregation_kernel(aggregation, d, num_experts, p):
+    # 13 tokens with ragged row counts (a token block cut by T, maybe a token with no row):
+    # the same sums as `aggregate`, bit for bit.
+    plan = assignment_plan(jax.random.key(3), 13, num_experts, p=p)
+    x, _, w1, w2 = _case(3, num_tokens=13, d=d, num_experts=num_experts, plan=plan)
     config = dataclasses.replace(BASE, token_block=3)
-    meta = decode_meta(plan, config, 128, aggregation)
-    y_rows = jax.random.normal(jax.random.key(4), (plan.capacity, 128), jnp.float32).astype(jnp.bfloat16)
-    max_tiles = max_decode_tiles(plan.capacity, 4, 64)
+    meta = decode_meta(plan, config, d, aggregation)
+    rows_per_token = np.diff(np.asarray(plan.token_row_offsets))
+    if d == 384:
+        assert rows_per_token.max() >= 5  # the grouped path runs
+    y_rows = jax.random.normal(jax.random.key(4), (plan.capacity, d), jnp.float32).astype(jnp.bfloat16)
+    max_tiles = max_decode_tiles(plan.capacity, num_experts, 64)
     outs = decode_tasks(
         x, plan, w1, w2, config=config, kinds=("aggregate",), aggregation=aggregation,
         y_slab=_rows_to_slab(y_rows, meta, max_tiles),

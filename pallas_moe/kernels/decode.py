@@ -63,8 +63,9 @@ from pallas_moe.routing.plan import tile_schedule
 SCHEDULERS = ("static", "dynamic")
 TASK_KINDS = ("up", "down", "aggregate")
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
-# Rows of Y an aggregation task loads before summing them (loads in flight per warpgroup).
-AGG_ROWS_IN_FLIGHT = 8
+# Y loads an aggregation task issues before summing them (a group of rows times the column
+# chunks of d; 16 loads of 8 bf16 per thread = 64 registers).
+AGG_LOADS_IN_FLIGHT = 16
 # Dynamic SMEM of an H100 CTA, less a margin for barriers and Pallas' own scratch.
 SMEM_BUDGET = 227 * 1024 - 2048
 
@@ -513,6 +514,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
     agg_waits = runs_down and runs_agg
     agg_layout = plgpu.Layout.WG_STRIDED((dims.agg_width,), vec_size=dims.agg_vec)
     num_chunks = d // dims.agg_width
+    agg_group = max(1, AGG_LOADS_IN_FLIGHT // num_chunks)  # rows per load group
     prefetch_steps = min(stages, num_k_down)  # down-task weight steps issued before the wait
 
     def body(*refs):
@@ -817,36 +819,47 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                 def aggregate_token(t):
                     j0, j1 = off_ref[t], off_ref[t + 1]
-                    num_groups = (j1 - j0) // AGG_ROWS_IN_FLIGHT
-                    for ch in range(num_chunks):
-                        cols = pl.ds(ch * dims.agg_width, dims.agg_width)
+                    num_groups = (j1 - j0) // agg_group
 
-                        def add(acc, y, s):
-                            term = y.astype(jnp.float32) * s
-                            if not round_bf16:
-                                return acc + term
-                            term = term.astype(jnp.bfloat16).astype(jnp.float32)
-                            return (acc + term).astype(jnp.bfloat16).astype(jnp.float32)
+                    def chunk(ch):
+                        return pl.ds(ch * dims.agg_width, dims.agg_width)
 
-                        def group(q, acc, cols=cols):
-                            # All loads first, so AGG_ROWS_IN_FLIGHT rows are in flight.
-                            base = j0 + q * AGG_ROWS_IN_FLIGHT
-                            loads = [
-                                plgpu.load(y_src.at[arow_ref[base + i], cols], layout=agg_layout)
-                                for i in range(AGG_ROWS_IN_FLIGHT)
-                            ]
-                            for i, y in enumerate(loads):
-                                acc = add(acc, y, ascore_ref[base + i])
-                            return acc
+                    def add(acc, y, s):
+                        term = y.astype(jnp.float32) * s
+                        if not round_bf16:
+                            return acc + term
+                        term = term.astype(jnp.bfloat16).astype(jnp.float32)
+                        return (acc + term).astype(jnp.bfloat16).astype(jnp.float32)
 
-                        def single(j, acc, cols=cols):
-                            y = plgpu.load(y_src.at[arow_ref[j], cols], layout=agg_layout)
-                            return add(acc, y, ascore_ref[j])
+                    def group(q, accs):
+                        # Every load of the group first (agg_group rows x all column chunks in
+                        # flight), then the sums, each chunk in CSR order.
+                        base = j0 + q * agg_group
+                        rows = [arow_ref[base + i] for i in range(agg_group)]
+                        loads = [
+                            [plgpu.load(y_src.at[r, chunk(ch)], layout=agg_layout)
+                             for ch in range(num_chunks)]
+                            for r in rows
+                        ]
+                        accs = list(accs)
+                        for i, row_loads in enumerate(loads):
+                            s = ascore_ref[base + i]
+                            for ch, y in enumerate(row_loads):
+                                accs[ch] = add(accs[ch], y, s)
+                        return tuple(accs)
 
-                        acc = plgpu.layout_cast(jnp.zeros((dims.agg_width,), jnp.float32), agg_layout)
-                        acc = jax.lax.fori_loop(0, num_groups, group, acc)
-                        acc = jax.lax.fori_loop(j0 + num_groups * AGG_ROWS_IN_FLIGHT, j1, single, acc)
-                        out_ref[t, cols] = acc.astype(out_dtype)
+                    def single(j, accs):
+                        r, s = arow_ref[j], ascore_ref[j]
+                        loads = [plgpu.load(y_src.at[r, chunk(ch)], layout=agg_layout)
+                                 for ch in range(num_chunks)]
+                        return tuple(add(a, y, s) for a, y in zip(accs, loads))
+
+                    zero = plgpu.layout_cast(jnp.zeros((dims.agg_width,), jnp.float32), agg_layout)
+                    accs = (zero,) * num_chunks
+                    accs = jax.lax.fori_loop(0, num_groups, group, accs)
+                    accs = jax.lax.fori_loop(j0 + num_groups * agg_group, j1, single, accs)
+                    for ch, acc in enumerate(accs):
+                        out_ref[t, chunk(ch)] = acc.astype(out_dtype)
 
                 def consume(carry):
                     k, _ = carry
