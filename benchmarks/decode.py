@@ -7,11 +7,11 @@ The Qwen3-30B-A3B MoE layer (d=2048, n=768, E=128, K=8) at T in {1, 8, 64, 128, 
 T, in the same run:
 - `kernels`: `pm.moe_ffn(backend="mosaic")`, this library's kernel-by-kernel forward
   (routing metadata, up-proj, down-proj, aggregation; it also writes H for the backward);
-- `kernels_inf`: the same kernels with `inference=True` (no H), the fair comparison for the
-  megakernel, which does not write H;
+- `kernels_inf` (with --variants): the same kernels with `inference=True` (no H), the
+  comparison for the megakernel without H;
 - `static`, `dynamic`: the megakernel (`pallas_moe.kernels.decode`) with each scheduler;
-- `unfused`, `unfused_dyn`: the megakernel's control, the same task code with a global barrier
-  between stages;
+- `unfused` (and `unfused_dyn` with --variants): the megakernel's control, the same task code
+  with a global barrier between stages;
 - `bound`: the weight-read bound, the bytes of the distinct experts the batch touches over the
   HBM bandwidth measured here (a 1 GiB device copy).
 Times: GPU time (CUPTI, every kernel of one call summed, median of --iters calls), the
@@ -30,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -47,6 +48,7 @@ from pallas_moe.kernels.moe_forward import moe_forward
 D, N, E, K = 2048, 768, 128, 8
 TOKENS = (1, 8, 64, 128, 512, 1024, 4096)
 VARIANTS = ("kernels", "kernels_inf", "static", "dynamic", "unfused", "unfused_dyn")
+DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused")
 # CUPTI kernel names of the MoE kernels (everything else is routing or metadata).
 MOE_KERNELS = ("moe_decode", "moe_up_proj", "moe_down_proj", "moe_aggregate")
 BYTES_PER_EXPERT = (D * 2 * N + N * D) * 2
@@ -115,7 +117,9 @@ def run_tokens(T, variants, overrides, w1, w2, bw, iters, log):
             ffn = make_ffn(v, overrides)
             f = jax.jit(lambda l, x, w1, w2, ffn=ffn: ffn(x, pm.routing.topk_plan(l, K), w1, w2))
             poison(T * K * (3 * N + 2 * D) * 2 + (E + T * K // 64) * 64 * (N + D) * 2)
+            t0 = time.perf_counter()
             out = jax.block_until_ready(f(logits, x, w1, w2))
+            res[f"{v}_first_call_s"] = time.perf_counter() - t0  # mostly compilation
             err = rel_err(out, ref)
             outs[v] = out
             res[f"{v}_err"] = err
@@ -127,7 +131,8 @@ def run_tokens(T, variants, overrides, w1, w2, bw, iters, log):
             res[f"{v}_moe_us"] = moe * 1e3
             res[f"{v}_wall_us"] = wall_time_ms(f, logits, x, w1, w2, iters=iters) * 1e3
             log(f"  {v}: {res[f'{v}_us']:.1f} us GPU (MoE kernels {res[f'{v}_moe_us']:.1f}), "
-                f"{res[f'{v}_wall_us']:.1f} us wall, err {err:.1e}; kernels: "
+                f"{res[f'{v}_wall_us']:.1f} us wall, err {err:.1e}, first call "
+                f"{res[f'{v}_first_call_s']:.1f} s; kernels: "
                 + ", ".join(f"{name} {ms * 1e3:.1f}" for name, ms in kernels))
         except Exception as e:  # noqa: BLE001 - report and go on with the other variants
             log(f"  {v}: failed: {type(e).__name__}: {str(e)[:400]}")
@@ -217,7 +222,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, from {VARIANTS}"
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument(
         "--config", default="{}",
