@@ -99,6 +99,50 @@ def _check_events(events, meta, config, n, d, fused=True):
     return counts[queue]
 
 
+# --------------------------------------------------------------------- per-plan metadata
+
+
+@pytest.mark.parametrize("plan_kind", ["topk", "token_rounding", "one_expert"])
+def test_decode_meta_targets_and_slab_rows_by_brute_force(plan_kind):
+    key = jax.random.key(20)
+    if plan_kind == "topk":
+        plan = topk_plan(jax.random.normal(key, (37, 6)), 3)
+    elif plan_kind == "token_rounding":
+        plan = token_rounding_plan(jax.random.normal(key, (37, 6)), 2, tile=8)
+    else:
+        plan = assignment_plan(key, 150, 3, only=2)  # 150 rows: three tiles of one expert
+    config = dataclasses.replace(BASE, token_block=5, down_block_n=128)
+    d = 256
+    meta = decode_meta(plan, config, d)
+    bm, bt, down_blocks = 64, 5, d // 128
+    max_tiles = max_decode_tiles(plan.capacity, plan.num_experts, bm)
+    assert meta.row_ids.shape == (max_tiles, bm)
+    real = int(meta.counts[0])
+    sizes = np.asarray(plan.group_sizes)
+    assert real == int(np.sum(-(-sizes // bm)))
+    tok = np.asarray(plan.token_ids)
+    # Every real row is in exactly one tile, and its slab row holds it.
+    slab_of_row = {}
+    covered = np.zeros(-(-plan.num_tokens // bt), np.int64)
+    for t in range(real):
+        s, r = int(meta.row_start[t]), int(meta.num_rows[t])
+        assert 0 < r <= bm
+        for i in range(r):
+            assert s + i not in slab_of_row
+            slab_of_row[s + i] = t * bm + i
+        blocks = set(tok[s:s + r] // bt)
+        lo, count = int(meta.block_lo[t]), int(meta.block_count[t])
+        assert blocks <= set(range(lo, lo + count))  # the notify range covers the tile's tokens
+        covered[lo:lo + count] += 1
+    assert len(slab_of_row) == int(plan.num_rows)
+    assert np.all(np.asarray(meta.num_rows[real:]) == 0)
+    np.testing.assert_array_equal(np.asarray(meta.block_target), covered * down_blocks)
+    by_token = np.asarray(plan.rows_by_token)
+    for j in range(int(plan.num_rows)):
+        assert int(meta.agg_row[j]) == slab_of_row[int(by_token[j])]
+        assert float(meta.agg_score[j]) == float(plan.scores[by_token[j]])
+
+
 # --------------------------------------------------------------------- task functions alone
 
 
