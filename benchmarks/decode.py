@@ -47,7 +47,20 @@ from pallas_moe.kernels.moe_forward import moe_forward
 
 D, N, E, K = 2048, 768, 128, 8
 TOKENS = (1, 8, 64, 128, 512, 1024, 4096)
-VARIANTS = ("kernels", "kernels_inf", "static", "dynamic", "unfused", "unfused_dyn")
+# Megakernel variants: DecodeConfig overrides on top of DecodeConfig.for_shape(d, n).
+MEGA_VARIANTS = {
+    "static": dict(),
+    "dynamic": dict(scheduler="dynamic"),
+    "unfused": dict(fused=False),
+    "unfused_dyn": dict(fused=False, scheduler="dynamic"),
+    # Block-size alternatives (not run by default).
+    "static_u128": dict(up_block_n=128),
+    "dynamic_u128": dict(scheduler="dynamic", up_block_n=128),
+    "static_bn256": dict(down_block_n=256, num_stages=3),
+    "static_s6": dict(num_stages=6),
+    "static_bt16": dict(token_block=16),
+}
+VARIANTS = ("kernels", "kernels_inf", *MEGA_VARIANTS)
 DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused")
 # CUPTI kernel names of the MoE kernels (everything else is routing or metadata).
 MOE_KERNELS = ("moe_decode", "moe_up_proj", "moe_down_proj", "moe_aggregate")
@@ -60,11 +73,7 @@ def make_ffn(variant: str, overrides: dict):
         return lambda x, p, w1, w2: pm.moe_ffn(x, p, w1, w2, backend="mosaic")
     if variant == "kernels_inf":
         return lambda x, p, w1, w2: moe_forward(x, p, w1, w2, inference=True)[0]
-    mega = {
-        "static": dict(), "dynamic": dict(scheduler="dynamic"), "unfused": dict(fused=False),
-        "unfused_dyn": dict(fused=False, scheduler="dynamic"),
-    }[variant]
-    config = DecodeConfig.for_shape(D, N, **{**mega, **overrides})
+    config = DecodeConfig.for_shape(D, N, **{**MEGA_VARIANTS[variant], **overrides})
     return lambda x, p, w1, w2: moe_decode(x, p, w1, w2, config=config)[0]
 
 
