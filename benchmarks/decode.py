@@ -54,8 +54,8 @@ MEGA_VARIANTS = {
     "unfused": dict(fused=False),
     "unfused_dyn": dict(fused=False, scheduler="dynamic"),
     # Block-size alternatives (not run by default).
-    "static_u128": dict(up_block_n=128),
-    "dynamic_u128": dict(scheduler="dynamic", up_block_n=128),
+    "static_u128": dict(up_block_n=128, num_stages=3),
+    "dynamic_u128": dict(scheduler="dynamic", up_block_n=128, num_stages=3),
     "static_bn256": dict(down_block_n=256, num_stages=3),
     "static_s6": dict(num_stages=6),
     "static_bt16": dict(token_block=16),

@@ -333,8 +333,11 @@ def _abstract_plan(t, e, k):
         (64, dict(scheduler="dynamic")),
         (1024, dict(fused=False)),
         (128, dict(gather="tma", scheduler="dynamic", fused=False)),
+        # The largest SMEM footprints the budget check lets through must fit the H100.
+        (8, dict(up_block_n=128, num_stages=3)),
+        (8, dict(num_stages=6)),
     ],
-    ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused"],
+    ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6"],
 )
 def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides):
     from tests.cuda_target import h100_target
