@@ -327,26 +327,26 @@ def _abstract_plan(t, e, k):
 
 
 @pytest.mark.parametrize(
-    "num_tokens, overrides",
+    "num_tokens, overrides, write_h",
     [
-        (1, dict()),
-        (64, dict(scheduler="dynamic")),
-        (1024, dict(fused=False)),
-        (128, dict(gather="tma", scheduler="dynamic", fused=False)),
+        (1, dict(), True),
+        (64, dict(scheduler="dynamic"), True),
+        (1024, dict(fused=False), True),
+        (128, dict(gather="tma", scheduler="dynamic", fused=False), True),
         # The largest SMEM footprints the budget check lets through must fit the H100.
-        (8, dict(up_block_n=128, num_stages=3)),
-        (8, dict(num_stages=6)),
+        (8, dict(up_block_n=128, num_stages=3), False),
+        (8, dict(num_stages=6), False),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6"],
 )
-def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides):
+def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
     from tests.cuda_target import h100_target
 
     d, n, e, k = 2048, 768, 128, 8
     sds = jax.ShapeDtypeStruct
     config = DecodeConfig.for_shape(d, n, num_sms=132, **overrides)
     with h100_target():
-        jax.jit(lambda x, p, a, b: moe_decode(x, p, a, b, config=config, write_h=True)).trace(
+        jax.jit(lambda x, p, a, b: moe_decode(x, p, a, b, config=config, write_h=write_h)).trace(
             sds((num_tokens, d), jnp.bfloat16), _abstract_plan(num_tokens, e, k),
             sds((e, d, 2 * n), jnp.bfloat16), sds((e, n, d), jnp.bfloat16),
         ).lower(lowering_platforms=("cuda",))
