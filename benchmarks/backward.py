@@ -20,6 +20,7 @@ to the logits of a quarter of the experts) it:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -185,14 +186,23 @@ def sweep(name, configs, build, args, check, flops, log):
     return best, rows
 
 
-def configs_for(d, n, full: bool):
+def configs_for(d, n, sweep: str):
+    """The default configs, plus per kernel: "previous" = the previous version's settings
+    (even register split, tile-major weight-gradient grid), each change alone and both;
+    "full" = the block-size sweep of earlier sessions."""
     base = BackwardConfig.for_shape(d, n)
     W = WeightGradConfig
     dh = [base.dh]
     dw2 = [base.dw_down]
     dw1 = [base.dw_gate_up]
     dx = [base.dx]
-    if full:
+    if sweep == "previous":
+        rep = dataclasses.replace
+        dh.append(rep(base.dh, rebalance_registers=False))
+        for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
+            lst += [rep(cfg, rebalance_registers=False, expert_major=False),
+                    rep(cfg, expert_major=False), rep(cfg, rebalance_registers=False)]
+    if sweep == "full":
         dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
                DHConfig(block_n=64, num_stages=4, num_consumers=2),
                DHConfig(block_n=128, num_stages=4, num_consumers=0)]
@@ -218,7 +228,7 @@ def configs_for(d, n, full: bool):
     return base, dh, dw2, dw1, dx
 
 
-def run_shape(name, shape, log, full_sweep: bool):
+def run_shape(name, shape, log, sweep_kind: str):
     T, d, n, E, K = shape
     x, w1, w2, plan, go = make_case(shape, seed=len(name) * 7 + 1, skew=name.endswith("skew"))
     P = plan.capacity
@@ -233,7 +243,7 @@ def run_shape(name, shape, log, full_sweep: bool):
     h = jax.block_until_ready(saved_h(x, plan, w1))
     ref = jax.block_until_ready(jax.jit(moe_ffn_backward)(x, h, plan, w1, w2, go))
     r_dh, r_ap, r_ds, r_dxr = jax.block_until_ready(reference_intermediates(h, plan, w1, w2, go))
-    base, dh_cfgs, dw2_cfgs, dw1_cfgs, dx_cfgs = configs_for(d, n, full_sweep)
+    base, dh_cfgs, dw2_cfgs, dw1_cfgs, dx_cfgs = configs_for(d, n, sweep_kind)
 
     # ---- whole backward (default configs) vs moe_ffn_backward, poisoned outputs
     bwd = jax.jit(lambda *a: moe_backward(*a, config=base, **interp))
@@ -363,6 +373,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "full"),
+                    help="configs timed besides the defaults, on the first shape (see configs_for)")
     args = ap.parse_args()
     SMOKE = args.smoke
     shapes = ["smoke"] if SMOKE else args.shapes.split(",")
@@ -371,7 +383,8 @@ def main():
     results = []
     for i, name in enumerate(shapes):
         try:
-            results.append(run_shape(name, SHAPES[name], log, full_sweep=(i == 0)))
+            results.append(run_shape(name, SHAPES[name], log,
+                                     sweep_kind="previous" if args.sweep == "full" and i else args.sweep))
         except Exception:  # noqa: BLE001 - keep the other shapes' numbers
             log(f"{name} failed:\n{traceback.format_exc()}")
         with open(os.path.join(args.out, "results.json"), "w") as f:

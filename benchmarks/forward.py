@@ -350,6 +350,22 @@ def gather_up_cfgs(d, n):
     return out
 
 
+def registers_up_cfgs(d, n):
+    """The default (consumers take the producer's registers) against the even register split
+    of the previous version, and the split-M tiles the extra registers may now allow."""
+    base = ForwardConfig.for_shape(d, n).up
+    cands = [base, dataclasses.replace(base, rebalance_registers=False)]
+    for bm, bn, stages in [(128, 128, 4), (128, 128, 3)]:
+        cands.append(UpProjConfig(block_m=bm, block_n=bn, num_stages=stages, num_consumers=2,
+                                  gather=base.gather))
+    out = []
+    for cfg in cands:
+        cols = cfg.block_n if cfg.block_m == 64 * cfg.num_consumers else cfg.block_n * max(cfg.num_consumers, 1)
+        if n % cols == 0 and cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def default_down_cfgs(d, n):
     cands = [
         ForwardConfig.for_shape(d, n).down,
@@ -416,7 +432,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     args = p.parse_args()
@@ -428,7 +444,7 @@ def main():
         for skew in ([False, True] if name in skews else [False]):
             try:
                 up_cfgs = {"variants": variant_up_cfgs, "default": default_up_cfgs,
-                           "gather": gather_up_cfgs,
+                           "gather": gather_up_cfgs, "registers": registers_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

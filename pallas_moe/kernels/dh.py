@@ -64,6 +64,9 @@ class DHConfig:
         the loader interpret mode runs) or "cp_async" (16-byte cp.async loads from all 128
         producer threads, `_common.cp_async_gather_rows`; compiled kernels only, needs
         `num_consumers >= 1` and `num_stages >= 3`; interpret mode falls back to "tma").
+      rebalance_registers: warp-specialized kernel only: the producer drops to 40 registers
+        per thread and the consumers take the rest (`_common.rebalance_registers`); False
+        keeps the even split, where the dSwiGLU epilogue spills.
     """
 
     block_m: int = 64
@@ -73,6 +76,7 @@ class DHConfig:
     pad_rows_to: int = 64
     num_consumers: int = 0
     gather: str = "tma"
+    rebalance_registers: bool = True
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -373,6 +377,8 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
         ni = jax.lax.axis_index("n")
         mi = jax.lax.axis_index("m")
         num_rows = rows_ref[mi]
+        if config.rebalance_registers:
+            _common.rebalance_registers(wg, cons)
 
         @pl.when((num_rows > 0) & (wg == cons))
         def _producer():

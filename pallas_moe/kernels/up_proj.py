@@ -71,6 +71,9 @@ class UpProjConfig:
         copy per row chunk; the only loader interpret mode can run) or "cp_async" (all 128
         producer threads issue 16-byte cp.async loads, `_common.cp_async_gather_rows`;
         compiled kernels only, one producer warpgroup, `num_stages >= 3`).
+      rebalance_registers: warp-specialized kernel only: the producers drop to 40
+        registers per thread and the consumers take the rest (`_common.rebalance_registers`);
+        False keeps the even split (168 each with 2 consumers), where the consumers spill.
     """
 
     block_m: int = 64
@@ -83,6 +86,7 @@ class UpProjConfig:
     row_unroll: int = 4
     num_producers: int = 1
     gather: str = "tma"
+    rebalance_registers: bool = True
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -321,8 +325,6 @@ def _warp_specialized_kernel(
     # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
     cp_async = config.gather == "cp_async" and not interpret
     lag = stages - 2  # cp.async steps in flight (`_common.cp_async_publish_lagged`)
-    # Registers per consumer thread once the producers drop to 40 (multiple of 8).
-    cons_regs = min(((65536 // 128 - 40 * prods) // cons) // 8 * 8, 240)
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
         if inference:
@@ -337,14 +339,8 @@ def _warp_specialized_kernel(
         mi = jax.lax.axis_index("m")
         num_rows = rows_ref[mi]
 
-        if prods > 1:  # give the consumers the registers the producers do not need
-            @pl.when(wg >= cons)
-            def _():
-                plgpu.set_max_registers(40, action="decrease")
-
-            @pl.when(wg < cons)
-            def _():
-                plgpu.set_max_registers(cons_regs, action="increase")
+        if config.rebalance_registers:  # the consumers get what the producers do not need
+            _common.rebalance_registers(wg, cons, prods)
 
         for p in range(prods):
             @pl.when((num_rows > 0) & (wg == cons + p))
