@@ -59,6 +59,7 @@ MEGA_VARIANTS = {
     "static_bn256": dict(down_block_n=256, num_stages=3),
     "static_s6": dict(num_stages=6),
     "static_bt16": dict(token_block=16),
+    "static_regs": dict(rebalance_registers=True),
 }
 VARIANTS = ("kernels", "kernels_inf", *MEGA_VARIANTS)
 DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused")

@@ -336,8 +336,10 @@ def _abstract_plan(t, e, k):
         # The largest SMEM footprints the budget check lets through must fit the H100.
         (8, dict(up_block_n=128, num_stages=3), False),
         (8, dict(num_stages=6), False),
+        (64, dict(rebalance_registers=True), True),
     ],
-    ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6"],
+    ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6",
+         "setmaxnreg"],
 )
 def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
     from tests.cuda_target import h100_target

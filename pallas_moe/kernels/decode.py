@@ -95,6 +95,10 @@ class DecodeConfig:
         CTAs must be resident at once, or a wait could block forever).
       mailbox_depth: tasks the producer may hand a consumer ahead of it.
       prefetch_l2: down tasks prefetch their remaining weight tiles into L2 before waiting.
+      rebalance_registers: move registers from the producer warpgroup to the consumers
+        (`_common.rebalance_registers`, setmaxnreg). Off by default: unlike the other
+        kernels' producers, this one also schedules tasks and waits on events, and whether
+        40 registers cost it spills is for the H100 to tell (benchmark variant `static_regs`).
     """
 
     scheduler: str = "static"
@@ -108,6 +112,7 @@ class DecodeConfig:
     num_sms: int = 132
     mailbox_depth: int = 2
     prefetch_l2: bool = True
+    rebalance_registers: bool = False
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -133,8 +138,9 @@ class DecodeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"config.{name}={value!r} must be a positive int.")
-        if not isinstance(self.prefetch_l2, bool):
-            raise ValueError(f"config.prefetch_l2 must be a bool, got {self.prefetch_l2!r}.")
+        for name in ("prefetch_l2", "rebalance_registers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}.")
 
     @classmethod
     def for_shape(cls, d: int, n: int, *, num_sms: int | None = None, **overrides) -> "DecodeConfig":
@@ -536,6 +542,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
+        if config.rebalance_registers:
+            _common.rebalance_registers(wg, num_consumers=2)
         real_tiles = counts_ref[0]
         n_up = real_tiles * dims.up_blocks if runs_up else jnp.int32(0)
         n_down = real_tiles * dims.down_blocks if runs_down else jnp.int32(0)
