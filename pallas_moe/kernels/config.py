@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_moe.kernels.decode import DecodeConfig
 from pallas_moe.kernels.moe_backward import BackwardConfig
 from pallas_moe.kernels.moe_forward import ForwardConfig
 
@@ -18,6 +19,8 @@ class KernelConfig:
     Example:
       cfg = KernelConfig.for_shape(d, n, gather="cp_async")
       y = pm.moe_ffn(x, plan, w1, w2, backend="mosaic", config=cfg)
+      # The forward as the decode megakernel (small batches):
+      cfg = KernelConfig.for_shape(d, n, decode=DecodeConfig.for_shape(d, n))
     """
 
     forward: ForwardConfig | None = None
@@ -33,12 +36,14 @@ class KernelConfig:
 
     @classmethod
     def for_shape(
-        cls, d: int, n: int, *, gather: str = "cp_async", num_sms: int | None = None
+        cls, d: int, n: int, *, gather: str = "cp_async", num_sms: int | None = None,
+        decode: DecodeConfig | None = None,
     ) -> "KernelConfig":
         """The default configs for model width `d` and expert width `n`, with the given row
         loader ("tma" or "cp_async") in every gathering kernel and `num_sms` persistent CTAs
-        (default: the device's SM count)."""
+        (default: the device's SM count). `decode`: run the forward as the decode megakernel
+        with this config (`docs/decode.md`); the backward is unchanged."""
         return cls(
-            forward=ForwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms),
+            forward=ForwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms, decode=decode),
             backward=BackwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms),
         )

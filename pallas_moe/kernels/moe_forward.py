@@ -20,6 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
+from pallas_moe.kernels.decode import DecodeConfig, moe_decode
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
@@ -35,11 +36,24 @@ def _largest_block(dim: int, candidates: tuple[int, ...]) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
-    """Block sizes of the three forward kernels."""
+    """Block sizes of the three forward kernels, or the decode megakernel.
+
+    `decode`: a `pallas_moe.kernels.decode.DecodeConfig` runs the whole forward as the
+    persistent event-driven megakernel (`docs/decode.md`) instead of the three kernels
+    (whose configs are then unused). None (default): the kernel-by-kernel forward. The
+    megakernel is opt-in until the decode benchmark decides where it is faster.
+    """
 
     up: UpProjConfig = UpProjConfig()
     down: GroupedMatmulConfig = GroupedMatmulConfig()
     aggregate: AggregateConfig = AggregateConfig()
+    decode: DecodeConfig | None = None
+
+    def __post_init__(self):
+        if self.decode is not None and not isinstance(self.decode, DecodeConfig):
+            raise TypeError(
+                f"decode must be a DecodeConfig or None, got {type(self.decode).__name__}."
+            )
 
     @classmethod
     def for_shape(
@@ -48,7 +62,7 @@ class ForwardConfig:
         """Default block sizes that divide the model widths `d` and `n` (both multiples of 64).
 
         `num_sms`: CTAs of the persistent down-proj (default: the device's SM count, 132 on
-        H100). `gather`: the up-proj's row loader, "cp_async" (default: measured faster on
+        H100). `overrides` may also set `decode=DecodeConfig.for_shape(d, n)` (the megakernel). `gather`: the up-proj's row loader, "cp_async" (default: measured faster on
         the H100, bitwise the same result) or "tma" (see `UpProjConfig.gather`; interpret mode
         always runs the TMA loader). `overrides` may replace the `up`, `down` or `aggregate`
         configs.
@@ -158,6 +172,16 @@ def moe_forward(
         raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
     if config is None:
         config = ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
+    if config.decode is not None:
+        if not fuse_swiglu:
+            raise ValueError(
+                "config.decode (the megakernel) fuses SwiGLU into the up tasks; "
+                "fuse_swiglu=False needs the kernel-by-kernel forward (config.decode=None)."
+            )
+        return moe_decode(
+            x, plan, w_gate_up, w_down, config=config.decode, write_h=not inference,
+            aggregation=aggregation, interpret=interpret,
+        )
     capacity = plan.capacity
 
     # Tile metadata, once per plan and block size.

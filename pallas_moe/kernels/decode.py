@@ -1,0 +1,950 @@
+"""A persistent, event-driven MoE forward for small batches (the "decode megakernel").
+
+    A[r] = silu(X[tok[r]] @ W1g[e]) * (X[tok[r]] @ W1u[e])    up tasks
+    Y[r] = A[r] @ W2[e]                                        down tasks
+    O[t] = sum over rows r of token t of s[r] * Y[r]           aggregation tasks
+
+At serving batch sizes (T up to about 1,000 tokens) the kernel-by-kernel forward is three
+short kernels plus metadata, and launch gaps, stage barriers and wave tails dominate. This
+kernel runs the whole dataflow in one persistent launch of `num_sms` CTAs; tasks of the
+three kinds synchronize through event counters in GMEM (`_events.py`) instead of kernel
+boundaries. The design and how it is tested: `docs/decode.md`.
+
+Tasks, in one global order (every dependency points to an earlier task, which is what makes
+both schedulers deadlock-free, `docs/decode.md`):
+- up (tile, cb): row tile `tile` (at most `block_m` rows of one expert, `tile_schedule`)
+  times gate columns `[cb*U, (cb+1)*U)` and the matching up columns, U = `up_block_n`. The
+  token gather is fused into the A load; the SwiGLU epilogue writes a `[block_m, U]` block
+  of A into a tile-major slab (row `tile*block_m + i` is row i of the tile), so the down
+  tasks read whole aligned TMA boxes. Then it raises `up_done[tile]` by one.
+- down (tile, cb): `Y[tile rows, cb*bn : (cb+1)*bn] = A[tile rows] @ W2[e]`, bn =
+  `down_block_n`, into a tile-major Y slab. Its producer first issues the weight loads of
+  the first `num_stages` K steps (and an L2 prefetch of the rest), then waits until
+  `up_done[tile] == n / U` (every up task of the tile), then loads A: the weight prefetch
+  overlaps the wait. Done, it raises `tok_done[b]` for every token block b whose tokens the
+  tile holds.
+- aggregate (b): tokens `[b*bt, (b+1)*bt)`, bt = `token_block`; waits until `tok_done[b]`
+  reaches its target (down tasks per tile times the tiles touching the block, computed from
+  the plan at run time), then sums each token's rows of Y in the plan's CSR order (fp32,
+  like `aggregate.py`, so the result is bitwise reproducible).
+
+Each CTA has one producer warpgroup (TMA loads, the cp.async row gather, event waits before
+dependent loads, and the scheduling) and two consumer warpgroups that take the CTA's tasks in
+turn (ping-pong: one consumer's epilogue overlaps the other's wgmmas). The producer hands
+each task to a consumer through an SMEM mailbox, together with the ring step its loads
+start at, so both schedulers share every line of task code:
+- static: CTA s runs tasks s, s + num_sms, ... (round robin over the global order);
+- dynamic: the producer takes the next task from a global atomic counter.
+`fused=False` is the control of the seed paper ("unfused"): the same tasks, but every down
+task waits for all up tasks and every aggregation task for all down tasks (a global stage
+barrier), so comparing the two measures what the fine-grained events buy.
+
+Interpret mode runs the same kernel with plain-memory counters (`_events.Events`); it needs
+`gather="tma"` semantics (it always runs the TMA row loader) and, for the static scheduler,
+`num_sms=1` (CTAs are simulated one after another, so a wait on a later CTA could never be
+satisfied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels import _common
+from pallas_moe.kernels._events import INTERPRET_ROWS, Events
+from pallas_moe.numerics import AGGREGATIONS, multiplied_scores
+from pallas_moe.routing.plan import tile_schedule
+
+SCHEDULERS = ("static", "dynamic")
+TASK_KINDS = ("up", "down", "aggregate")
+BLOCK_K = 64  # one 128-byte swizzle row of bf16
+# Y loads an aggregation task issues before summing them (a group of rows times the column
+# chunks of d; 16 loads of 8 bf16 per thread = 64 registers).
+AGG_LOADS_IN_FLIGHT = 16
+# Dynamic SMEM of an H100 CTA (232448 bytes), less a margin for barriers, alignment and
+# Pallas' own scratch (about 3 KB measured by lowering).
+SMEM_BUDGET = 232448 - 4096
+
+_PRODUCER = 2  # warpgroup index of the producer; consumers are 0 and 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Configuration of the decode megakernel; validates itself.
+
+    Attributes:
+      scheduler: "static" (CTA s runs tasks s, s + num_sms, ...) or "dynamic" (a global
+        atomic work queue).
+      fused: True: fine-grained events (down tasks wait for their tile's up tasks,
+        aggregation tasks for the down tasks of their tokens). False: the unfused control,
+        a global barrier between the three stages, same task code.
+      block_m: rows per tile (64: one wgmma M).
+      up_block_n: gate columns (and as many up columns) per up task; multiple of 64, at
+        most 256, divides n.
+      down_block_n: output columns per down task; multiple of 64, at most 256, divides d.
+      num_stages: SMEM ring depth of the producer's loads (>= 3 with the cp.async gather).
+      token_block: tokens per aggregation task (and per aggregation event).
+      gather: "cp_async" (the 128 producer threads issue 16-byte cp.async loads,
+        compiled only) or "tma" (one TMA copy per row); interpret mode always runs "tma".
+      num_sms: CTAs of the persistent grid; must not exceed the SMs of the device (all
+        CTAs must be resident at once, or a wait could block forever).
+      mailbox_depth: tasks the producer may hand a consumer ahead of it.
+      prefetch_l2: down tasks prefetch their remaining weight tiles into L2 before waiting.
+      rebalance_registers: move registers from the producer warpgroup to the consumers
+        (`_common.rebalance_registers`, setmaxnreg). Off by default: unlike the other
+        kernels' producers, this one also schedules tasks and waits on events, and whether
+        40 registers cost it spills is for the H100 to tell (benchmark variant `static_regs`).
+    """
+
+    scheduler: str = "static"
+    fused: bool = True
+    block_m: int = 64
+    up_block_n: int = 64
+    down_block_n: int = 128
+    num_stages: int = 4
+    token_block: int = 4
+    gather: str = "cp_async"
+    num_sms: int = 132
+    mailbox_depth: int = 2
+    prefetch_l2: bool = True
+    rebalance_registers: bool = False
+
+    def __post_init__(self):
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"config.scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}.")
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"config.fused must be a bool, got {self.fused!r}.")
+        if self.block_m != 64:
+            raise ValueError(f"config.block_m={self.block_m} must be 64 (one wgmma M per tile).")
+        for name in ("up_block_n", "down_block_n"):
+            value = getattr(self, name)
+            _common.require_multiple(f"config.{name}", value, 64, "tiles are 128-byte swizzled")
+            if not 64 <= value <= 256:
+                raise ValueError(f"config.{name}={value} must be in [64, 256] (one TMA box, one wgmma N).")
+        if self.gather not in _common.GATHER_MODES:
+            raise ValueError(f"config.gather must be one of {_common.GATHER_MODES}, got {self.gather!r}.")
+        min_stages = 3 if self.gather == "cp_async" else 2
+        if self.num_stages < min_stages:
+            raise ValueError(
+                f"config.num_stages={self.num_stages} must be >= {min_stages} with "
+                f"gather={self.gather!r}."
+            )
+        for name in ("token_block", "num_sms", "mailbox_depth"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"config.{name}={value!r} must be a positive int.")
+        for name in ("prefetch_l2", "rebalance_registers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}.")
+
+    @classmethod
+    def for_shape(cls, d: int, n: int, *, num_sms: int | None = None, **overrides) -> "DecodeConfig":
+        """Defaults for model width `d` and expert width `n`: the widest up block that divides
+        n among (64, 128) and a 128- (else 64-) column down block. `num_sms` defaults to the
+        device's SM count (132 on an H100 SXM)."""
+        from pallas_moe.kernels.moe_forward import default_num_sms
+
+        _common.require_multiple("d", d, 128, "the aggregation loads 128-column chunks")
+        _common.require_multiple("n", n, 64, "the kernels tile the expert width by 64")
+        down = 128 if d % 128 == 0 else 64
+        base = cls(up_block_n=64, down_block_n=down, num_sms=num_sms or default_num_sms())
+        return dataclasses.replace(base, **overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    """Static sizes of one kernel instance."""
+
+    num_tokens: int
+    d: int
+    n: int
+    num_experts: int
+    capacity: int
+    max_tiles: int
+    num_blocks: int  # token blocks (aggregation tasks)
+    agg_vec: int  # elements per thread per Y load
+    up_blocks: int
+    down_blocks: int
+
+    @property
+    def agg_width(self) -> int:
+        return 128 * self.agg_vec
+
+    @property
+    def num_events(self) -> int:
+        return self.max_tiles + self.num_blocks + 3
+
+    # Event layout: up_done[max_tiles], tok_done[num_blocks], stage_up, stage_down, queue.
+    @property
+    def tok_done(self) -> int:
+        return self.max_tiles
+
+    @property
+    def stage_up(self) -> int:
+        return self.max_tiles + self.num_blocks
+
+    @property
+    def stage_down(self) -> int:
+        return self.stage_up + 1
+
+    @property
+    def queue(self) -> int:
+        return self.stage_up + 2
+
+
+def max_decode_tiles(capacity: int, num_experts: int, block_m: int) -> int:
+    """Bound on the row tiles of a plan: each non-empty tile holds >= 1 row, and
+    `sum_e ceil(g_e / block_m) <= capacity // block_m + E`."""
+    return max(1, min(capacity, capacity // block_m + num_experts))
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "counts", "expert", "row_start", "num_rows", "row_ids", "block_lo", "block_count",
+        "block_target", "offsets", "agg_row", "agg_score",
+    ],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class DecodeMeta:
+    """What the kernel reads per plan (plain jnp, computed once per call from the plan).
+
+    Attributes (M = max tiles, B = token blocks, P = plan capacity):
+      counts: i32[1] number of real (non-empty) tiles; they come first.
+      expert, row_start, num_rows: i32[M] expert, first grouped row and rows of each tile.
+      row_ids: i32[M, block_m] source token of each tile row (past the tile's rows: its
+        last real row, so every gather is in bounds).
+      block_lo, block_count: i32[M] the token blocks a tile's down tasks notify:
+        [block_lo, block_lo + block_count) covers every block holding a token of the tile
+        (0 blocks for empty tiles).
+      block_target: i32[B] the value tok_done[b] reaches: down blocks per tile times the
+        number of tiles whose range covers b.
+      offsets: i32[T + 1] the plan's CSR offsets (rows of token t: [offsets[t], offsets[t+1])).
+      agg_row: i32[P] Y-slab row of each CSR position (`tile * block_m + row in tile`).
+      agg_score: f32[P] router weight of each CSR position, rounded for the aggregation mode.
+    """
+
+    counts: jax.Array
+    expert: jax.Array
+    row_start: jax.Array
+    num_rows: jax.Array
+    row_ids: jax.Array
+    block_lo: jax.Array
+    block_count: jax.Array
+    block_target: jax.Array
+    offsets: jax.Array
+    agg_row: jax.Array
+    agg_score: jax.Array
+
+
+def decode_meta(plan, config: DecodeConfig, d: int, aggregation: str = "fp32") -> DecodeMeta:
+    """The per-plan metadata of the kernel (jnp; a handful of small fused XLA ops)."""
+    bm, bt = config.block_m, config.token_block
+    capacity, num_experts, num_tokens = plan.capacity, plan.num_experts, plan.num_tokens
+    max_tiles = max_decode_tiles(capacity, num_experts, bm)
+    num_blocks = -(-num_tokens // bt)
+    down_blocks = d // config.down_block_n
+    sched = tile_schedule(plan.group_sizes, capacity, bm)
+    num_rows = (sched.row_end - sched.row_start)[:max_tiles].astype(jnp.int32)
+    row_start = sched.row_start[:max_tiles].astype(jnp.int32)
+    expert = sched.expert[:max_tiles].astype(jnp.int32)
+    real = num_rows > 0
+    local = jnp.arange(bm, dtype=jnp.int32)[None, :]
+    rows = row_start[:, None] + jnp.minimum(local, jnp.maximum(num_rows - 1, 0)[:, None])
+    rows = jnp.clip(rows, 0, capacity - 1)
+    row_ids = jnp.where(real[:, None], plan.token_ids[rows], 0).astype(jnp.int32)  # [M, bm]
+    # Token blocks of each tile: min and max token (robust to any row order in a group).
+    lo = jnp.min(row_ids, axis=1) // bt
+    hi = jnp.max(row_ids, axis=1) // bt
+    block_lo = jnp.where(real, lo, 0).astype(jnp.int32)
+    block_count = jnp.where(real, hi - lo + 1, 0).astype(jnp.int32)
+    diff = jnp.zeros((num_blocks + 1,), jnp.int32)
+    diff = diff.at[block_lo].add(real.astype(jnp.int32))
+    diff = diff.at[block_lo + block_count].add(-real.astype(jnp.int32))
+    block_target = (jnp.cumsum(diff)[:num_blocks] * down_blocks).astype(jnp.int32)
+    # Y-slab row of each grouped row: tile index * bm + position in the tile.
+    group_sizes = plan.group_sizes.astype(jnp.int32)
+    tiles_per_expert = (group_sizes + bm - 1) // bm
+    first_tile = jnp.cumsum(tiles_per_expert) - tiles_per_expert  # [E]
+    group_start = jnp.cumsum(group_sizes) - group_sizes
+    row_expert = jnp.minimum(plan.expert_ids, num_experts - 1)  # [P]; padding rows unused
+    in_group = jnp.arange(capacity, dtype=jnp.int32) - group_start[row_expert]
+    slab_row = (first_tile[row_expert] + in_group // bm) * bm + in_group % bm
+    slab_row = jnp.clip(slab_row, 0, max_tiles * bm - 1).astype(jnp.int32)
+    by_token = plan.rows_by_token.astype(jnp.int32)
+    scores = multiplied_scores(plan.scores, aggregation).astype(jnp.float32)
+    return DecodeMeta(
+        counts=jnp.sum(real, dtype=jnp.int32).reshape(1),
+        expert=expert,
+        row_start=row_start,
+        num_rows=num_rows,
+        row_ids=row_ids,
+        block_lo=block_lo,
+        block_count=block_count,
+        block_target=block_target,
+        offsets=plan.token_row_offsets.astype(jnp.int32),
+        agg_row=slab_row[by_token],
+        agg_score=scores[by_token],
+    )
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["out", "a_slab", "y_slab", "h", "events"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class DecodeOutputs:
+    """Everything the kernel writes.
+
+    Attributes:
+      out: [T, d] the layer output (written by aggregation tasks).
+      a_slab: bf16 [M * block_m, n] A in tile-major order (row `tile * block_m + i`);
+        rows past a tile's real rows are unspecified.
+      y_slab: bf16 [M * block_m, d] Y in the same order.
+      h: bf16 [P, 2n] H in grouped-row order (only with `write_h`; padding rows unwritten).
+      events: interpret mode only: i32 [3, N + 1] per-warpgroup counter increments (a
+        counter is a column sum) and, in column N, each warpgroup's timed-out waits.
+    """
+
+    out: jax.Array | None
+    a_slab: jax.Array | None
+    y_slab: jax.Array | None
+    h: jax.Array | None
+    events: jax.Array | None
+
+
+def _check_inputs(x, plan, w_gate_up, w_down, config: DecodeConfig):
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
+    if w_gate_up.ndim != 3 or w_down.ndim != 3:
+        raise ValueError(
+            f"w_gate_up must be [E, d, 2n] and w_down [E, n, d], got {tuple(w_gate_up.shape)} "
+            f"and {tuple(w_down.shape)}."
+        )
+    _common.require_dtype("x", x, jnp.bfloat16)
+    _common.require_dtype("w_gate_up", w_gate_up, jnp.bfloat16)
+    _common.require_dtype("w_down", w_down, jnp.bfloat16)
+    num_tokens, d = x.shape
+    num_experts, d_w, two_n = w_gate_up.shape
+    if d_w != d:
+        raise ValueError(f"w_gate_up.shape[1]={d_w} must equal x.shape[1]={d}.")
+    if two_n % 2:
+        raise ValueError(f"w_gate_up.shape[2]={two_n} must be even (gate and up halves).")
+    n = two_n // 2
+    _common.require_shape("w_down", w_down, (num_experts, n, d))
+    if plan.num_tokens != num_tokens:
+        raise ValueError(f"plan covers {plan.num_tokens} tokens but x has {num_tokens}.")
+    if plan.num_experts != num_experts:
+        raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
+    _common.require_multiple("d (x.shape[1])", d, 128, "the aggregation loads 128-column chunks")
+    _common.require_multiple(
+        "n (w_gate_up.shape[2] // 2)", n, config.up_block_n,
+        f"an up task computes config.up_block_n={config.up_block_n} gate columns",
+    )
+    _common.require_multiple(
+        "d (x.shape[1])", d, config.down_block_n,
+        f"a down task computes config.down_block_n={config.down_block_n} columns",
+    )
+    return num_tokens, d, n, num_experts
+
+
+def _smem_bytes(config: DecodeConfig, n_out: int) -> int:
+    s, bm, u, bn = config.num_stages, config.block_m, config.up_block_n, config.down_block_n
+    a = s * bm * BLOCK_K * 2
+    weights = s * max(2 * BLOCK_K * u, BLOCK_K * bn) * 2
+    epilogue = 2 * n_out * bm * u * 2 + 2 * bm * bn * 2
+    return a + weights + epilogue + bm * 4 + 2 * config.mailbox_depth * 2 * 4 + 4
+
+
+def moe_decode(
+    x: jax.Array,
+    plan,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    config: DecodeConfig | None = None,
+    write_h: bool = False,
+    aggregation: str = "fp32",
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """The MoE layer forward as one persistent megakernel.
+
+    Args:
+      x: bf16 [T, d] tokens (d a multiple of 128).
+      plan: a `DispatchPlan` over T tokens and E experts.
+      w_gate_up: bf16 [E, d, 2n] (gate = [..., :n], up = [..., n:]).
+      w_down: bf16 [E, n, d].
+      config: a `DecodeConfig` (default `DecodeConfig.for_shape(d, n)`; in interpret mode
+        with one CTA).
+      write_h: also write H [P, 2n] (the residual of the minimal backward).
+      aggregation: "fp32", "bf16_per_expert" or "bf16_scores" (`pallas_moe.numerics`).
+      interpret: run in Mosaic GPU interpret mode (CPU) if True or an InterpretGPUParams.
+
+    Returns:
+      (out [T, d] in x.dtype, h bf16 [P, 2n] or None). Padding rows of h are unspecified.
+    """
+    outs = decode_tasks(
+        x, plan, w_gate_up, w_down, config=config, write_h=write_h, aggregation=aggregation,
+        interpret=interpret,
+    )
+    return outs.out, outs.h
+
+
+def decode_tasks(
+    x: jax.Array,
+    plan,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    config: DecodeConfig | None = None,
+    kinds: tuple[str, ...] = TASK_KINDS,
+    a_slab: jax.Array | None = None,
+    y_slab: jax.Array | None = None,
+    write_h: bool = False,
+    aggregation: str = "fp32",
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    meta: DecodeMeta | None = None,
+) -> DecodeOutputs:
+    """Runs the megakernel on the task kinds in `kinds` (all three: the MoE forward).
+
+    With a subset, the task space holds only those kinds and waits on kinds that do not run
+    are skipped, which is how each task function is tested alone: ("up",) writes the A slab;
+    ("down",) reads `a_slab` and writes the Y slab; ("aggregate",) reads `y_slab` and writes
+    the output. `meta`: a precomputed `decode_meta(plan, config, d, aggregation)` (computed
+    here if None). Other arguments as in `moe_decode`; see `DecodeOutputs` for the results.
+    """
+    if config is None:
+        if x.ndim != 2 or w_gate_up.ndim != 3:
+            raise ValueError(
+                f"x must be [T, d] and w_gate_up [E, d, 2n], got {tuple(x.shape)} and "
+                f"{tuple(w_gate_up.shape)}."
+            )
+        config = DecodeConfig.for_shape(
+            x.shape[1], w_gate_up.shape[2] // 2, num_sms=1 if interpret else None,
+            **({"gather": "tma"} if interpret else {}),
+        )
+    if not isinstance(config, DecodeConfig):
+        raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}.")
+    num_tokens, d, n, num_experts = _check_inputs(x, plan, w_gate_up, w_down, config)
+    kinds = tuple(kinds)
+    if not kinds or any(k not in TASK_KINDS for k in kinds) or len(set(kinds)) != len(kinds):
+        raise ValueError(f"kinds must be distinct names from {TASK_KINDS}, got {kinds!r}.")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}.")
+    interpret_mode = _common.interpret_params(interpret)
+    has_waits = ("up" in kinds and "down" in kinds) or ("down" in kinds and "aggregate" in kinds)
+    if (interpret_mode is not None and has_waits and config.scheduler == "static"
+            and config.num_sms != 1):
+        raise ValueError(
+            f"config.num_sms={config.num_sms}: interpret mode runs CTAs one after another, so "
+            "the static scheduler's cross-CTA waits can only be interpreted with num_sms=1 "
+            "(use the dynamic scheduler for more CTAs)."
+        )
+    bm = config.block_m
+    max_tiles = max_decode_tiles(plan.capacity, num_experts, bm)
+    n_out = 3 if write_h else 1
+    if _smem_bytes(config, n_out) > SMEM_BUDGET:
+        raise ValueError(
+            f"config needs {_smem_bytes(config, n_out)} bytes of SMEM, more than {SMEM_BUDGET}: "
+            "lower num_stages, up_block_n or down_block_n."
+        )
+    slab_rows = max_tiles * bm
+    if "down" in kinds and "up" not in kinds:
+        if a_slab is None:
+            raise ValueError("kinds without 'up' need a_slab (the A slab the down tasks read).")
+        _common.require_shape("a_slab", a_slab, (slab_rows, n))
+        _common.require_dtype("a_slab", a_slab, jnp.bfloat16)
+    if "aggregate" in kinds and "down" not in kinds:
+        if y_slab is None:
+            raise ValueError("kinds without 'down' need y_slab (the Y slab the aggregation reads).")
+        _common.require_shape("y_slab", y_slab, (slab_rows, d))
+        _common.require_dtype("y_slab", y_slab, jnp.bfloat16)
+    agg_vec = next(v for v in (8, 4, 2, 1) if (d // 128) % v == 0)
+    dims = _Dims(
+        num_tokens=num_tokens, d=d, n=n, num_experts=num_experts, capacity=plan.capacity,
+        max_tiles=max_tiles, num_blocks=-(-num_tokens // config.token_block), agg_vec=agg_vec,
+        up_blocks=n // config.up_block_n, down_blocks=d // config.down_block_n,
+    )
+    if meta is None:
+        meta = decode_meta(plan, config, d, aggregation)
+    elif not isinstance(meta, DecodeMeta):
+        raise TypeError(f"meta must be a DecodeMeta or None, got {type(meta).__name__}.")
+    else:
+        _common.require_shape("meta.row_ids", meta.row_ids, (max_tiles, bm))
+        _common.require_shape("meta.block_target", meta.block_target, (dims.num_blocks,))
+    read_a = "down" in kinds and "up" not in kinds
+    read_y = "aggregate" in kinds and "down" not in kinds
+    kernel = _kernel(
+        config, dims, kinds, write_h, aggregation != "fp32", x.dtype, read_a, read_y,
+        interpret_mode,
+    )
+    args = [
+        meta.counts, meta.expert, meta.row_start, meta.num_rows, meta.row_ids, meta.block_lo,
+        meta.block_count, meta.block_target, meta.offsets, meta.agg_row, meta.agg_score,
+        x, w_gate_up, w_down,
+    ]
+    if read_a:
+        args.append(a_slab)
+    if read_y:
+        args.append(y_slab)
+    outs = list(kernel(*args))
+    out, a_out, y_out = outs[:3]
+    rest = outs[3:]
+    h = rest.pop(0) if write_h else None
+    events = rest.pop(0) if interpret_mode is not None else None
+    return DecodeOutputs(out=out, a_slab=a_out, y_slab=y_out, h=h, events=events)
+
+
+def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16: bool,
+            out_dtype, read_a: bool, read_y: bool, interpret_mode):
+    bm, u_cols, bn = config.block_m, config.up_block_n, config.down_block_n
+    stages, depth, num_sms = config.num_stages, config.mailbox_depth, config.num_sms
+    bt = config.token_block
+    d, n = dims.d, dims.n
+    num_k_up, num_k_down = d // BLOCK_K, n // BLOCK_K
+    interpret = interpret_mode is not None
+    cp_async = config.gather == "cp_async" and not interpret
+    lag = stages - 2  # cp.async steps in flight before publishing (see _common)
+    dtype = jnp.bfloat16
+    tf = _common.mma_transforms(dtype)
+    n_out = 3 if write_h else 1
+    runs_up, runs_down, runs_agg = ("up" in kinds), ("down" in kinds), ("aggregate" in kinds)
+    # Waits exist only between kinds that both run.
+    down_waits = runs_up and runs_down
+    agg_waits = runs_down and runs_agg
+    agg_layout = plgpu.Layout.WG_STRIDED((dims.agg_width,), vec_size=dims.agg_vec)
+    num_chunks = d // dims.agg_width
+    agg_group = max(1, AGG_LOADS_IN_FLIGHT // num_chunks)  # rows per load group
+    prefetch_steps = min(stages, num_k_down)  # down-task weight steps issued before the wait
+
+    def body(*refs):
+        (counts_ref, expert_ref, start_ref, rows_ref, ids_ref, blo_ref, bcnt_ref, btgt_ref,
+         off_ref, arow_ref, ascore_ref, x_ref, w1_ref, w2_ref, *rest) = refs
+        a_in = rest.pop(0) if read_a else None
+        y_in = rest.pop(0) if read_y else None
+        out_ref, a_slab, y_slab, *rest = rest
+        h_ref = rest.pop(0) if write_h else None
+        ev_out = rest.pop(0) if interpret else None
+        (ids_smem, a_bufs, w_bufs, o_up, o_dn, box, queue_smem,
+         full_up, full_dn, empty, ids_bar, box_full, box_empty) = rest
+        a_copy, a_mma = a_views(a_bufs)
+        (wg_smem, wu_smem), wd_smem = w_views(w_bufs)
+        a_src = a_in if read_a else a_slab
+        y_src = y_in if read_y else y_slab
+        ev_ref = ev_out if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((dims.num_events,)))
+
+        wg = jax.lax.axis_index("wg")
+        sm = jax.lax.axis_index("sm")
+        if config.rebalance_registers:
+            _common.rebalance_registers(wg, num_consumers=2)
+        real_tiles = counts_ref[0]
+        n_up = real_tiles * dims.up_blocks if runs_up else jnp.int32(0)
+        n_down = real_tiles * dims.down_blocks if runs_down else jnp.int32(0)
+        n_agg = dims.num_blocks if runs_agg else 0
+        total = n_up + n_down + n_agg
+
+        def decode_task(task):
+            """(is_up, is_down, tile, column block, token block) of a global task index."""
+            is_up = task < n_up
+            is_down = (task >= n_up) & (task < n_up + n_down)
+            j_up = task
+            j_down = task - n_up
+            tile = jnp.where(is_up, j_up // dims.up_blocks, j_down // dims.down_blocks)
+            cb = jnp.where(is_up, j_up % dims.up_blocks, j_down % dims.down_blocks)
+            block = task - n_up - n_down
+            return is_up, is_down, tile, cb, block
+
+        # ------------------------------------------------------------------ producer
+        @pl.when(wg == _PRODUCER)
+        def _producer():
+            events = Events(ev_ref, interpret=interpret, row=_PRODUCER,
+                            num_events=dims.num_events, scratch=queue_smem)
+            if interpret:
+                pl.when(sm == 0)(events.zero)
+
+            def post(c, k, task, g):
+                """Hands `task` (starting at ring step g) to consumer c's k-th mailbox."""
+                slot = k % depth
+
+                @pl.when(k >= depth)
+                def _():
+                    plgpu.barrier_wait(box_empty.at[c, slot])
+
+                box[c, slot, 0] = task
+                box[c, slot, 1] = g
+                plgpu.barrier_arrive(box_full.at[c, slot])
+
+            def issue_up(tile, cb, c, g0):
+                w_e = w1_ref.at[expert_ref[tile]]  # [d, 2n]
+                # Every producer lane is done reading the previous tile's ids (generic
+                # proxy) before the TMA (async proxy) overwrites them.
+                plgpu.commit_smem()
+                plgpu.copy_gmem_to_smem(ids_ref.at[tile], ids_smem, ids_bar)
+                plgpu.barrier_wait(ids_bar)
+
+                def step(k, carry):
+                    g = g0 + k
+                    slot = g % stages
+                    k0 = k * BLOCK_K
+
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(empty.at[slot])
+
+                    bar = full_up.at[c, slot]
+                    plgpu.copy_gmem_to_smem(  # [64, U] gate columns of W1[e]
+                        w_e.at[pl.ds(k0, BLOCK_K), pl.ds(cb * u_cols, u_cols)], wg_smem.at[slot], bar
+                    )
+                    plgpu.copy_gmem_to_smem(  # [64, U] the matching up columns
+                        w_e.at[pl.ds(k0, BLOCK_K), pl.ds(n + cb * u_cols, u_cols)], wu_smem.at[slot], bar
+                    )
+                    if cp_async:
+                        _common.cp_async_gather_rows(
+                            x_ref.at[:, pl.ds(k0, BLOCK_K)], ids_smem, [a_mma.at[slot]], num_rows=bm
+                        )
+
+                        @pl.when(k >= lag)
+                        def _():
+                            _common.cp_async_stage_done(lag)
+                            plgpu.barrier_arrive(full_up.at[c, (g - lag) % stages])
+                    else:
+                        rows_per_warp = bm // 4
+
+                        def per_warp(w):
+                            _common.gather_rows(
+                                x_ref, ids_smem, [a_copy.at[slot]], bar, col0=k0, width=BLOCK_K,
+                                first_row=w * rows_per_warp, num_rows=rows_per_warp, unroll=4,
+                            )
+
+                        plgpu.warp_map(per_warp)
+                    return carry
+
+                jax.lax.fori_loop(0, num_k_up, step, None)
+                if cp_async:  # publish the last `lag` steps
+                    tail = range(max(num_k_up - lag, 0), num_k_up)
+                    for i, k in enumerate(tail):
+                        _common.cp_async_stage_done(len(tail) - 1 - i)
+                        plgpu.barrier_arrive(full_up.at[c, (g0 + k) % stages])
+
+            def issue_down(tile, cb, c, g0):
+                w_e = w2_ref.at[expert_ref[tile]]  # [n, d]
+                a_rows = pl.ds(tile * bm, bm)
+
+                def w_tile(k):
+                    return w_e.at[pl.ds(k * BLOCK_K, BLOCK_K), pl.ds(cb * bn, bn)]
+
+                def wait_slot(g):
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(empty.at[g % stages])
+
+                # Weights first: they do not depend on the up tasks.
+                for k in range(prefetch_steps):
+                    g = g0 + k
+                    wait_slot(g)
+                    plgpu.copy_gmem_to_smem(w_tile(k), wd_smem.at[g % stages], full_dn.at[c, g % stages])
+                if config.prefetch_l2 and not interpret:
+                    for k in range(prefetch_steps, num_k_down):
+                        plgpu.async_prefetch(w_tile(k))
+                if down_waits:
+                    if config.fused:
+                        events.wait(tile, dims.up_blocks)  # up_done[tile]
+                    else:
+                        events.wait(dims.stage_up, n_up)
+                for k in range(prefetch_steps):
+                    g = g0 + k
+                    plgpu.copy_gmem_to_smem(
+                        a_src.at[a_rows, pl.ds(k * BLOCK_K, BLOCK_K)], a_mma.at[g % stages],
+                        full_dn.at[c, g % stages],
+                    )
+
+                def step(k, carry):
+                    g = g0 + k
+                    slot = g % stages
+                    wait_slot(g)
+                    plgpu.copy_gmem_to_smem(w_tile(k), wd_smem.at[slot], full_dn.at[c, slot])
+                    plgpu.copy_gmem_to_smem(
+                        a_src.at[a_rows, pl.ds(k * BLOCK_K, BLOCK_K)], a_mma.at[slot],
+                        full_dn.at[c, slot],
+                    )
+                    return carry
+
+                jax.lax.fori_loop(prefetch_steps, num_k_down, step, None)
+
+            def next_task(j):
+                if config.scheduler == "static":
+                    return sm + j * num_sms
+                return events.fetch_add(dims.queue, 1)
+
+            def schedule(carry):
+                j, g, k0, k1, _ = carry
+                task = next_task(j)
+                valid = task < total
+                c = j % 2
+                is_up, is_down, tile, cb, _ = decode_task(task)
+                steps = jnp.where(is_up, num_k_up, jnp.where(is_down, num_k_down, 0))
+                for ci, kc in ((0, k0), (1, k1)):
+                    @pl.when(valid & (c == ci))
+                    def _(ci=ci, kc=kc):
+                        post(ci, kc, task, g)
+
+                        @pl.when(is_up)
+                        def _():
+                            issue_up(tile, cb, ci, g)
+
+                        @pl.when(is_down)
+                        def _():
+                            issue_down(tile, cb, ci, g)
+
+                g = g + jnp.where(valid, steps, 0)
+                took0 = (valid & (c == 0)).astype(jnp.int32)
+                took1 = (valid & (c == 1)).astype(jnp.int32)
+                return j + valid.astype(jnp.int32), g, k0 + took0, k1 + took1, ~valid
+
+            init = (jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.bool_(False))
+            _, g_end, k0, k1, _ = jax.lax.while_loop(lambda c: ~c[4], schedule, init)
+            # No more tasks: a sentinel to each consumer.
+            post(0, k0, jnp.int32(-1), g_end)
+            post(1, k1, jnp.int32(-1), g_end)
+
+            # Observe every barrier phase still pending, so none is left half-consumed
+            # (interpret mode checks this).
+            def drain_ring(g, carry):
+                plgpu.barrier_wait(empty.at[g % stages])
+                return carry
+
+            jax.lax.fori_loop(jnp.maximum(g_end - stages, 0), g_end, drain_ring, None)
+            for ci, kc in ((0, k0 + 1), (1, k1 + 1)):
+                def drain_box(k, carry, ci=ci):
+                    plgpu.barrier_wait(box_empty.at[ci, k % depth])
+                    return carry
+
+                jax.lax.fori_loop(jnp.maximum(kc - depth, 0), kc, drain_box, None)
+
+        # ------------------------------------------------------------------ consumers
+        for c in range(2):
+            @pl.when(wg == c)
+            def _consumer(c=c):
+                events = Events(ev_ref, interpret=interpret, row=c, num_events=dims.num_events)
+
+                def run_up(tile, cb, g0):
+                    def mma_scope(acc_g, acc_u):
+                        def step(k, carry):
+                            g = g0 + k
+                            slot = g % stages
+                            plgpu.barrier_wait(full_up.at[c, slot])
+                            plgpu.wgmma(acc_g, a_mma.at[slot], wg_smem.at[slot])  # [64,64]@[64,U]
+                            plgpu.wgmma(acc_u, a_mma.at[slot], wu_smem.at[slot])
+                            plgpu.wgmma_wait(2)  # step k-1 is done: release its slot
+
+                            @pl.when(k >= 1)
+                            def _():
+                                plgpu.barrier_arrive(empty.at[(g - 1) % stages])
+
+                            return carry
+
+                        jax.lax.fori_loop(0, num_k_up, step, None)
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(empty.at[(g0 + num_k_up - 1) % stages])
+                        return acc_g[...], acc_u[...]
+
+                    gate, up = pl.run_scoped(
+                        mma_scope, plgpu.ACC((bm, u_cols), jnp.float32),
+                        plgpu.ACC((bm, u_cols), jnp.float32),
+                    )
+                    hg = gate.astype(dtype)
+                    hu = up.astype(dtype)
+                    hg32 = hg.astype(jnp.float32)
+                    o_up[c, 0] = (hg32 * jax.nn.sigmoid(hg32) * hu.astype(jnp.float32)).astype(dtype)
+                    if write_h:
+                        o_up[c, 1] = hg
+                        o_up[c, 2] = hu
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        o_up.at[c, 0], a_slab.at[pl.ds(tile * bm, bm), pl.ds(cb * u_cols, u_cols)]
+                    )
+                    if write_h:
+                        row0, count = start_ref[tile], rows_ref[tile]
+                        _common.store_rows(
+                            o_up.at[c, 1], h_ref.at[:, pl.ds(cb * u_cols, u_cols)], row0, count, bm
+                        )
+                        _common.store_rows(
+                            o_up.at[c, 2], h_ref.at[:, pl.ds(n + cb * u_cols, u_cols)], row0, count, bm
+                        )
+                    plgpu.wait_smem_to_gmem(0)  # written, not just read: then notify
+                    events.notify(tile if config.fused else dims.stage_up)
+
+                def run_down(tile, cb, g0):
+                    def mma_scope(acc):
+                        def step(k, carry):
+                            g = g0 + k
+                            slot = g % stages
+                            plgpu.barrier_wait(full_dn.at[c, slot])
+                            plgpu.wgmma(acc, a_mma.at[slot], wd_smem.at[slot])  # [64,64]@[64,bn]
+                            plgpu.wgmma_wait(1)
+
+                            @pl.when(k >= 1)
+                            def _():
+                                plgpu.barrier_arrive(empty.at[(g - 1) % stages])
+
+                            return carry
+
+                        jax.lax.fori_loop(0, num_k_down, step, None)
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(empty.at[(g0 + num_k_down - 1) % stages])
+                        return acc[...]
+
+                    y = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))
+                    o_dn[c] = y.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        o_dn.at[c], y_slab.at[pl.ds(tile * bm, bm), pl.ds(cb * bn, bn)]
+                    )
+                    plgpu.wait_smem_to_gmem(0)
+                    if config.fused:
+                        events.notify_range(dims.tok_done + blo_ref[tile], bcnt_ref[tile])
+                    else:
+                        events.notify(dims.stage_down)
+
+                def run_aggregate(block):
+                    if agg_waits:
+                        if config.fused:
+                            events.wait(dims.tok_done + block, btgt_ref[block])
+                        else:
+                            events.wait(dims.stage_down, n_down)
+                    for i in range(bt):
+                        t = block * bt + i
+
+                        @pl.when(t < dims.num_tokens)
+                        def _(t=t):
+                            aggregate_token(t)
+
+                def aggregate_token(t):
+                    j0, j1 = off_ref[t], off_ref[t + 1]
+                    num_groups = (j1 - j0) // agg_group
+
+                    def chunk(ch):
+                        return pl.ds(ch * dims.agg_width, dims.agg_width)
+
+                    def add(acc, y, s):
+                        term = y.astype(jnp.float32) * s
+                        if not round_bf16:
+                            return acc + term
+                        term = term.astype(jnp.bfloat16).astype(jnp.float32)
+                        return (acc + term).astype(jnp.bfloat16).astype(jnp.float32)
+
+                    def group(q, accs):
+                        # Every load of the group first (agg_group rows x all column chunks in
+                        # flight), then the sums, each chunk in CSR order.
+                        base = j0 + q * agg_group
+                        rows = [arow_ref[base + i] for i in range(agg_group)]
+                        loads = [
+                            [plgpu.load(y_src.at[r, chunk(ch)], layout=agg_layout)
+                             for ch in range(num_chunks)]
+                            for r in rows
+                        ]
+                        accs = list(accs)
+                        for i, row_loads in enumerate(loads):
+                            s = ascore_ref[base + i]
+                            for ch, y in enumerate(row_loads):
+                                accs[ch] = add(accs[ch], y, s)
+                        return tuple(accs)
+
+                    def single(j, accs):
+                        r, s = arow_ref[j], ascore_ref[j]
+                        loads = [plgpu.load(y_src.at[r, chunk(ch)], layout=agg_layout)
+                                 for ch in range(num_chunks)]
+                        return tuple(add(a, y, s) for a, y in zip(accs, loads))
+
+                    zero = plgpu.layout_cast(jnp.zeros((dims.agg_width,), jnp.float32), agg_layout)
+                    accs = (zero,) * num_chunks
+                    accs = jax.lax.fori_loop(0, num_groups, group, accs)
+                    accs = jax.lax.fori_loop(j0 + num_groups * agg_group, j1, single, accs)
+                    for ch, acc in enumerate(accs):
+                        out_ref[t, chunk(ch)] = acc.astype(out_dtype)
+
+                def consume(carry):
+                    k, _ = carry
+                    slot = k % depth
+                    plgpu.barrier_wait(box_full.at[c, slot])
+                    task = box[c, slot, 0]
+                    g0 = box[c, slot, 1]
+                    plgpu.barrier_arrive(box_empty.at[c, slot])
+                    valid = task >= 0
+                    is_up, is_down, tile, cb, block = decode_task(task)
+
+                    @pl.when(valid & is_up)
+                    def _():
+                        run_up(tile, cb, g0)
+
+                    @pl.when(valid & is_down)
+                    def _():
+                        run_down(tile, cb, g0)
+
+                    @pl.when(valid & ~is_up & ~is_down)
+                    def _():
+                        run_aggregate(block)
+
+                    return k + 1, ~valid
+
+                jax.lax.while_loop(lambda c: ~c[1], consume, (jnp.int32(0), jnp.bool_(False)))
+
+    a_scratch, a_views = _common.row_gather_buffers(stages, bm, BLOCK_K, dtype, interpret)
+    up_w = (
+        plgpu.SMEM((stages, BLOCK_K, u_cols), dtype, transforms=tf),
+        plgpu.SMEM((stages, BLOCK_K, u_cols), dtype, transforms=tf),
+    )
+    down_w = plgpu.SMEM((stages, BLOCK_K, bn), dtype, transforms=tf)
+    if interpret:  # interpret mode does not alias union members
+        w_scratch = (up_w, down_w)
+    else:  # a ring slot holds one step, of either kind
+        w_scratch = plgpu.RefUnion(up_w, down_w)
+
+    def w_views(refs):
+        return refs[0], refs[1]
+
+    up_arrivals = 2 + (1 if cp_async else bm)  # two weight copies + the A rows
+    scratch = [
+        plgpu.SMEM((bm,), jnp.int32),  # token ids of the up tile being gathered
+        a_scratch,
+        w_scratch,
+        plgpu.SMEM((2, n_out, bm, u_cols), dtype),  # up epilogue tiles, per consumer
+        plgpu.SMEM((2, bm, bn), dtype),  # down epilogue tiles, per consumer
+        plgpu.SMEM((2, depth, 2), jnp.int32),  # mailboxes: (task, first ring step)
+        plgpu.SMEM((1,), jnp.int32),  # the queue's fetch-and-add broadcast
+        plgpu.Barrier(num_arrivals=up_arrivals, num_barriers=(2, stages)),
+        plgpu.Barrier(num_arrivals=2, num_barriers=(2, stages)),  # A box + weight box
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=1, num_barriers=(2, depth)),
+        plgpu.Barrier(num_arrivals=1, num_barriers=(2, depth)),
+    ]
+    slab_rows = dims.max_tiles * bm
+    out_types = [
+        jax.ShapeDtypeStruct((dims.num_tokens, d), out_dtype),
+        jax.ShapeDtypeStruct((slab_rows, n), dtype),
+        jax.ShapeDtypeStruct((slab_rows, d), dtype),
+    ]
+    if write_h:
+        out_types.append(jax.ShapeDtypeStruct((dims.capacity, 2 * n), dtype))
+    if interpret:
+        out_types.append(jax.ShapeDtypeStruct((INTERPRET_ROWS, dims.num_events + 1), jnp.int32))
+    return plgpu.kernel(
+        body,
+        kernel_name="moe_decode",
+        out_type=tuple(out_types),
+        scratch_types=scratch,
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret_mode,
+    )
