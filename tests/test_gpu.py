@@ -118,7 +118,6 @@ def test_routing_kernel_equals_reference(shape, score):
 @pytest.mark.parametrize("shape", [(4096, 1536, 256, 32, 8), (2048, 4096, 512, 16, 4), (1000, 512, 256, 8, 2)])
 def test_backward_cp_async_matches_reference(shape):
     """dH and both weight gradients with the cp.async row gather, against the jnp backward."""
-    import dataclasses
 
     from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
     from pallas_moe.ops.minimal_backward import moe_ffn_backward
