@@ -13,7 +13,7 @@ Aggregation modes, `O[t] = sum over the rows r of token t, in ascending expert o
 
 | mode | contribution of row r | running sum | what it reproduces |
 |---|---|---|---|
-| "fp32" (default) | `s[r] * Y[r]` in fp32 | fp32, one rounding at the end | a batched fp32 weighted sum |
+| "fp32" (default) | `s[r] * Y[r]` in fp32 (on the GPU fused with the add into one FMA) | fp32, one rounding at the end | a batched fp32 weighted sum |
 | "bf16_per_expert" | `bf16(s[r] * Y[r])`, score multiplied in fp32 | bf16 after every add | HF's loop over experts with `index_add_` in bf16 |
 | "bf16_scores" | `bf16(bf16(s[r]) * Y[r])` | bf16 after every add | DeepEP's combine (score cast to bf16 first) |
 

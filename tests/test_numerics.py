@@ -46,15 +46,22 @@ def rows_of_tokens(plan) -> list[list[int]]:
     return [[row for _, row in sorted(pairs)] for pairs in rows]
 
 
-def aggregate_np(y, plan, mode: str) -> np.ndarray:
-    """float32 [T, d] holding the mode's result (bf16 values for the bf16 modes)."""
+def aggregate_np(y, plan, mode: str, fused_multiply_add: bool = False) -> np.ndarray:
+    """float32 [T, d] holding the mode's result (bf16 values for the bf16 modes).
+
+    `fused_multiply_add`: "fp32" adds each `s[r] * Y[r]` with one rounding (an FMA, as the
+    GPU compiler contracts the kernel's multiply and add), computed exactly in float64 and
+    rounded once to float32 (the product of two float32 is exact in float64)."""
     y = np.asarray(jnp.asarray(y, jnp.float32))
     scores = np.asarray(plan.scores, np.float32)
     out = np.zeros((plan.num_tokens, y.shape[1]), np.float32)
     for t, rows in enumerate(rows_of_tokens(plan)):
         acc = np.zeros(y.shape[1], np.float32)
         for r in rows:
-            if mode == "fp32":
+            if mode == "fp32" and fused_multiply_add:
+                acc = (acc.astype(np.float64) + y[r].astype(np.float64) * np.float64(scores[r])
+                       ).astype(np.float32)
+            elif mode == "fp32":
                 acc = acc + y[r] * scores[r]
             elif mode == "bf16_per_expert":
                 acc = bf16(acc + bf16(y[r] * scores[r]))
