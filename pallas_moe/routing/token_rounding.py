@@ -194,8 +194,14 @@ def token_rounding_plan_fast(
     change = jnp.abs(target - counts)  # [E], < tile and <= the expert's candidates
     max_change = min(tile - 1, num_tokens)
 
-    probs = jax.lax.stop_gradient(pairs.probs)  # [T, E]; selection has no gradient
-    rank_score = probs if bias is None else probs + bias.astype(jnp.float32)[None, :]
+    # Added rows weigh their probability from a second `router_probabilities`, as the
+    # reference does: the gradient to the logits is then the same sum of two softmax
+    # backward passes (top-K weights, added rows), bitwise; one shared softmax would sum
+    # the cotangents first and round differently. (Under jit the forward is computed once.)
+    probs = router_probabilities(logits, score)  # [T, E]
+    rank_score = jax.lax.stop_gradient(probs)  # selection has no gradient
+    if bias is not None:
+        rank_score = rank_score + bias.astype(jnp.float32)[None, :]
     rank_key = total_order_key(rank_score)
     # The reference's sort orders -0.0 and +0.0 as equal (ties by token): one key for both.
     rank_key = jnp.where(rank_key == -1, 0, rank_key)  # [T, E]
@@ -217,7 +223,7 @@ def token_rounding_plan_fast(
     picked = jnp.sort(picked, axis=1)  # ascending tokens, then T
     added = jnp.where(grows[:, None], picked, num_tokens)  # [E, M]
     dropped = jnp.where(shrinks[:, None], picked, num_tokens)  # [E, M]
-    return _assemble_plan(pairs, target, added, dropped, capacity)
+    return _assemble_plan(pairs, probs, target, added, dropped, capacity)
 
 
 def selection_chunk(num_tokens: int, max_count: int) -> int:
@@ -317,12 +323,18 @@ def _count_below_in_segment(
 
 
 def _assemble_plan(
-    pairs: TopKPairs, target: jax.Array, added: jax.Array, dropped: jax.Array, capacity: int
+    pairs: TopKPairs,
+    probs: jax.Array,
+    target: jax.Array,
+    added: jax.Array,
+    dropped: jax.Array,
+    capacity: int,
 ) -> DispatchPlan:
     """The token-rounding plan from the top-K pairs and each expert's changes.
 
     Args:
       pairs: the top-K pairs (`topk_pairs`).
+      probs: f32[T, E] router probabilities, the weights of added rows.
       target: i32[E] rows per expert after rounding.
       added: i32[E, M] tokens each expert adds, ascending, then T.
       dropped: i32[E, M] TC tokens each expert drops, ascending, then T. An expert adds or
@@ -360,7 +372,7 @@ def _assemble_plan(
     )  # [E, M]: TC tokens of the expert below the added token
     added_row = new_start[:, None] + tc_below + jnp.arange(max_change, dtype=jnp.int32)[None, :]
     added_token = jnp.minimum(added, num_tokens - 1)
-    added_scores = pairs.probs[added_token, added_expert]  # [E, M] full router probability
+    added_scores = probs[added_token, added_expert]  # [E, M] full router probability
 
     row = jnp.concatenate([
         jnp.where(kept, tc_row, capacity).reshape(-1),

@@ -225,7 +225,6 @@ class TopKPairs(NamedTuple):
       group_sizes: i32[E] pairs per expert.
       token_ids: i32[T*K] token of each grouped row (ascending within an expert's group).
       scores: f32[T*K] weight of each grouped row.
-      probs: f32[T, E] router probabilities (`router_probabilities`).
     """
 
     experts: jax.Array
@@ -234,7 +233,6 @@ class TopKPairs(NamedTuple):
     group_sizes: jax.Array
     token_ids: jax.Array
     scores: jax.Array
-    probs: jax.Array
 
 
 def topk_plan(
@@ -307,7 +305,7 @@ def topk_pairs(
         weights = jnp.take_along_axis(ranked_weights, ascending, 1)
         rows, group_sizes = _grouped_rows_by_sort(experts, num_experts)
         token_ids, scores = _scatter_token_rows(rows, weights)
-        return TopKPairs(experts, weights, rows, group_sizes, token_ids, scores, probs)
+        return TopKPairs(experts, weights, rows, group_sizes, token_ids, scores)
     from pallas_moe.routing import kernels  # Pallas is imported only when used.
 
     interpret = impl == "interpret"
@@ -320,7 +318,7 @@ def topk_pairs(
     token_ids, scores, rows = kernels.place_pairs(
         experts, local_rank, weights, block_base, block_t=block_t, interpret=interpret
     )
-    return TopKPairs(experts, weights, rows, group_sizes, token_ids, scores, probs)
+    return TopKPairs(experts, weights, rows, group_sizes, token_ids, scores)
 
 
 def topk_reference_weights(
