@@ -9,8 +9,8 @@ ties (equal logits, probabilities that underflow to 0), skew, E = 1, K = 1, tile
 than T (the clamped upper option) and both selection levels (`chunk`).
 
 Most cases run eagerly: op-by-op programs are cached across shapes and options, where a
-jitted plan compiles afresh for every static option (seconds each on a CPU). `jit` is
-checked on a few cases.
+jitted plan compiles afresh for every static option (seconds each on a CPU). Under `jit`
+(a few cases) the plans are bitwise equal and the gradients equal to float rounding.
 """
 
 import functools
@@ -26,9 +26,24 @@ from pallas_moe.routing import token_rounding as tr
 from tests.cuda_target import h100_target
 
 FIELDS = ("token_ids", "scores", "group_sizes", "is_token_choice", "rows_by_token", "token_row_offsets")
-# (T, E, K): few shapes, so eager programs are reused across examples.
-SHAPES = [(1, 1, 1), (5, 1, 1), (7, 5, 2), (9, 8, 8), (40, 12, 3), (130, 8, 2)]
-GROUPS = {8: (4, 2), 12: (3, 2)}  # num_groups and the largest topk_groups tried
+# (T, E, k, tile, chunk): few geometries, so eager programs are reused across examples.
+GEOMETRIES = [
+    (7, 5, 2, 4, 3),  # two levels, chunks of 3 tokens (T not a multiple)
+    (9, 8, 8, 4, None),  # K = E: no candidate to add
+    (40, 12, 3, 4, None),  # two levels, chunks of selection_chunk(40, 3) = 4 tokens
+]
+# The slow sweep adds (E = 1, K = 1 and the clamped upper option are also checked by
+# `test_clamped_upper_option_and_single_expert`):
+SWEEP_GEOMETRIES = GEOMETRIES + [
+    (5, 1, 1, 4, None),  # E = 1, K = 1: every token is the expert's; rounding down drops 1
+    (7, 5, 1, 16, None),  # tile > T: the upper option is clamped to T; one level
+    (40, 12, 3, 16, 1),  # one level
+    (40, 12, 1, 1, None),  # tile 1: nothing to change
+    (40, 8, 2, 8, None),
+    (130, 16, 4, 16, 2),
+    (300, 8, 2, 8, None),  # selection_chunk(300, 7) = 8
+]
+GROUPS = {8: (4, 2), 12: (3, 2), 16: (4, 3)}  # num_groups and the largest topk_groups tried
 
 
 def plan_and_grad(logits, k, *, impl, chunk=None, **options):
@@ -54,12 +69,11 @@ def assert_same_plan(got, want, got_grad, want_grad):
 
 
 @st.composite
-def case(draw):
-    T, E, K = draw(st.sampled_from(SHAPES))
-    k = draw(st.integers(1, K))
+def case(draw, geometries=GEOMETRIES):
+    T, E, k, tile, chunk = draw(st.sampled_from(geometries))
     score = draw(st.sampled_from(["softmax_topk", "topk_softmax", "sigmoid"]))
     options = dict(
-        tile=draw(st.sampled_from([1, 2, 3, 4, 8, 16, 64])),
+        tile=tile,
         rounding=draw(st.sampled_from(tr.ROUNDING_MODES)),
         key=jax.random.key(draw(st.integers(0, 7))),
         score=score,
@@ -80,35 +94,41 @@ def case(draw):
         topk_groups = draw(st.integers(1, most))
         if k <= topk_groups * (E // num_groups):
             options.update(num_groups=num_groups, topk_groups=topk_groups)
-    return jnp.asarray(logits), k, options
+    return jnp.asarray(logits), k, chunk, options
 
 
-@settings(max_examples=60, deadline=None)
-@given(case(), st.sampled_from([None, 1, 2, 3, 8]))
-def test_sort_impl_equals_dense(c, chunk):
-    """Eager, every option; `chunk` forces one level (1) or chunks of 2, 3 or 8 tokens."""
-    logits, k, options = c
+@settings(max_examples=12, deadline=None)
+@given(case())
+def test_sort_impl_equals_dense(c):
+    """Eager, every option."""
+    logits, k, chunk, options = c
     want, want_grad = plan_and_grad(logits, k, impl="dense", **options)
     got, got_grad = plan_and_grad(logits, k, impl="sort", chunk=chunk, **options)
     assert_same_plan(got, want, got_grad, want_grad)
 
 
-@settings(max_examples=6, deadline=None)
-@given(case())
-def test_kernel_impl_equals_dense(c):
-    """The top-K step through the Pallas routing kernels (interpret mode)."""
-    logits, k, options = c
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None)
+@given(case(SWEEP_GEOMETRIES))
+def test_sort_impl_equals_dense_sweep(c):
+    """As `test_sort_impl_equals_dense`, over more geometries and examples (minutes)."""
+    logits, k, chunk, options = c
     want, want_grad = plan_and_grad(logits, k, impl="dense", **options)
-    got, got_grad = plan_and_grad(logits, k, impl="interpret", **options)
+    got, got_grad = plan_and_grad(logits, k, impl="sort", chunk=chunk, **options)
     assert_same_plan(got, want, got_grad, want_grad)
 
 
 @pytest.mark.parametrize("impl, rounding, score", [
-    ("sort", "nearest", "softmax_topk"),
-    ("sort", "stochastic", "topk_softmax"),
-    ("interpret", "balance", "sigmoid"),
+    ("interpret", "balance", "topk_softmax"),  # the top-K step by the Pallas kernels
+    pytest.param("sort", "stochastic", "sigmoid", marks=pytest.mark.slow),
 ])
 def test_fast_equals_dense_under_jit(impl, rounding, score):
+    """Under jit the plans are bitwise equal; the gradients to within float rounding.
+
+    XLA rewrites each program's backward pass on its own (the sum of the two softmax
+    backward passes, top-K weights and added rows), so jitted gradients differ in the last
+    bit here and there, as the dense path's own jitted and eager gradients do.
+    """
     T, E, K, tile = 45, 12, 3, 8
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(T, E)).astype(np.float32)
@@ -118,41 +138,47 @@ def test_fast_equals_dense_under_jit(impl, rounding, score):
     run = jax.jit(functools.partial(plan_and_grad, k=K, **options), static_argnames="impl")
     want, want_grad = run(jnp.asarray(logits), impl="dense")
     got, got_grad = run(jnp.asarray(logits), impl=impl)
-    assert_same_plan(got, want, got_grad, want_grad)
+    for field in FIELDS:
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    scale = float(jnp.max(jnp.abs(want_grad)))
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-6, atol=1e-6 * scale)
 
 
 def test_clamped_upper_option_and_single_expert():
     """T within a tile of the count: rounding up takes every token (T is no tile multiple)."""
-    logits = jnp.asarray(np.random.default_rng(0).normal(size=(7, 2)).astype(np.float32))
-    logits = logits.at[:, 0].add(4.0)  # expert 0 gets all 7 tokens, expert 1 none (K=1)
-    for rounding in ("up", "down", "nearest"):
-        for shape_logits in (logits, logits[:, :1]):
-            want, want_grad = plan_and_grad(shape_logits, 1, impl="dense", tile=4, rounding=rounding)
-            got, got_grad = plan_and_grad(shape_logits, 1, impl="sort", tile=4, rounding=rounding)
+    logits = np.random.default_rng(0).normal(size=(7, 5)).astype(np.float32)
+    logits[:5, 0] += 10.0  # expert 0: 5 of 7 tokens; up to a tile of 4 is clamped to T = 7
+    single = np.random.default_rng(1).normal(size=(5, 1)).astype(np.float32)  # E = 1, K = 1
+    for rounding in ("up", "down", "nearest", "balance"):
+        for case_logits, k, chunk in ((logits, 2, 3), (single, 1, None)):
+            options = dict(tile=4, rounding=rounding)
+            want, want_grad = plan_and_grad(jnp.asarray(case_logits), k, impl="dense", **options)
+            got, got_grad = plan_and_grad(jnp.asarray(case_logits), k, impl="sort", chunk=chunk, **options)
             assert_same_plan(got, want, got_grad, want_grad)
-    got, _ = plan_and_grad(logits, 1, impl="sort", tile=4, rounding="up")
-    np.testing.assert_array_equal(got.group_sizes, [7, 0])
+            if rounding == "up":
+                assert int(got.group_sizes[0]) == case_logits.shape[0]
 
 
-def test_signed_zero_rank_scores_tie_by_token():
-    """Rank scores -0.0 and +0.0 are equal to the reference's sort: ties go by token.
+def test_zero_probability_ties_go_by_token():
+    """Candidates whose probabilities underflow to 0 tie; the lowest tokens are added.
 
-    A zero bias of either sign on probabilities that underflow to 0 gives rank scores of
-    both signs; every token is equal, so the lowest tokens are added.
+    Token 0 picks expert 2; rounding expert 2 up to 4 adds 3 of tokens 1..6, all at
+    probability 0 (plus a zero bias): tokens 1, 2, 3.
     """
-    logits = jnp.full((9, 3), -200.0).at[:, 0].set(5.0)
-    for bias in (jnp.array([0.0, -0.0, 0.0]), jnp.array([0.0, 0.0, -0.0])):
+    logits = jnp.full((7, 5), -200.0).at[:, 0].set(5.0).at[:, 1].set(4.0).at[0, 2].set(10.0)
+    for bias in (None, jnp.zeros(5)):
         options = dict(tile=4, rounding="up", score="sigmoid", bias=bias)
-        want, want_grad = plan_and_grad(logits, 1, impl="dense", **options)
-        got, got_grad = plan_and_grad(logits, 1, impl="sort", **options)
+        want, want_grad = plan_and_grad(logits, 2, impl="dense", **options)
+        got, got_grad = plan_and_grad(logits, 2, impl="sort", chunk=3, **options)
         assert_same_plan(got, want, got_grad, want_grad)
+        rows = np.asarray(got.token_ids)[np.asarray(got.expert_ids) == 2]
+        np.testing.assert_array_equal(rows, [0, 1, 2, 3])
 
 
 @given(
-    st.integers(0, 2**16), st.sampled_from([(1, 1), (9, 3), (40, 5), (64, 2)]),
-    st.sampled_from([1, 2, 4, 7]),
+    st.integers(0, 2**16), st.sampled_from([(1, 1), (9, 3), (40, 5)]), st.sampled_from([1, 4, 7]),
 )
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 def test_top_tokens_per_expert_matches_numpy(seed, shape, chunk):
     """Each expert's `count` largest keys, ties to the lower token, in rank order, then T."""
     T, E = shape
@@ -170,7 +196,7 @@ def test_top_tokens_per_expert_matches_numpy(seed, shape, chunk):
 
 def test_selection_chunk():
     assert tr.selection_chunk(32768, 127) == 16
-    assert tr.selection_chunk(4096, 127) == 4
+    assert tr.selection_chunk(4096, 127) == 8
     assert tr.selection_chunk(512, 127) == 1
     assert tr.selection_chunk(100, 0) == 1
 

@@ -202,9 +202,9 @@ def token_rounding_plan_fast(
     rank_score = jax.lax.stop_gradient(probs)  # selection has no gradient
     if bias is not None:
         rank_score = rank_score + bias.astype(jnp.float32)[None, :]
-    rank_key = total_order_key(rank_score)
-    # The reference's sort orders -0.0 and +0.0 as equal (ties by token): one key for both.
-    rank_key = jnp.where(rank_key == -1, 0, rank_key)  # [T, E]
+    # The reference's sort ranks -0.0 and +0.0 as equal, the total order does not; but a
+    # rank score is never -0.0 (probabilities are >= +0.0, and p + b is -0.0 only if both are).
+    rank_key = total_order_key(rank_score)  # [T, E]
     is_tc = jnp.any(
         pairs.experts[:, :, None] == jnp.arange(num_experts, dtype=jnp.int32), axis=1
     )  # [T, E]
