@@ -10,6 +10,11 @@ Out of candidates: an expert cannot hold more than `T` rows. Where rounding up w
 more than `T`, the upper option is `T` itself (every token goes to that expert), which is
 then not a multiple of `tile`; every mode chooses between the lower multiple and that
 clamped upper option. That only happens when `T` is within a tile of `f_e`.
+
+Two builds of one plan (`token_rounding_plan(impl=...)`), equal bitwise: "dense", the
+reference (`token_rounding_assignment`: two sorts over [T, E], then `plan_from_assignment`),
+and the fast path (`token_rounding_plan_fast`), which starts from the top-K pairs and
+touches [T, E] only to pick each expert's `< tile` changes (docs/plan.md says how).
 """
 
 from __future__ import annotations
