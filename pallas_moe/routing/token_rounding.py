@@ -129,7 +129,8 @@ def token_rounding_plan(
       impl: "auto" (the fast path with the routing kernel on GPU, with "sort" elsewhere),
         "kernel", "interpret" (the kernel in interpret mode), "sort" (the fast path with
         jnp top-K) or "dense" (the O(T*E log T) reference: two sorts over [T, E]). All
-        give the same plan, bitwise, and the same gradients.
+        give the same plan, bitwise, and the same gradients to the logits (bitwise when
+        eager; under jit, XLA may round each program's backward pass differently).
 
     Returns:
       A `DispatchPlan`. TC rows keep their top-K weight; added rows carry their full router
@@ -223,6 +224,7 @@ def token_rounding_plan_fast(
     )  # [T, E]
     if chunk is None:
         chunk = selection_chunk(num_tokens, max_change)
+    chunk = _checks.check_positive_int("chunk", chunk)
     picked = top_tokens_per_expert(keys, change, max_change, chunk)  # [E, M], rank order
     picked = jnp.where(shrinks[:, None] & (picked < num_tokens), num_tokens - 1 - picked, picked)
     picked = jnp.sort(picked, axis=1)  # ascending tokens, then T
