@@ -1,6 +1,7 @@
 """Routing benchmark and on-device equality check (run on a GPU).
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/routing.py --out $OUT
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/routing.py --out $OUT --token-rounding
 
 For each (T, E, K) it builds the top-K plan (and the token-rounding plan) with every
 implementation (`impl="dense"`, the reference; "sort", O(T*K) jnp; "kernel", the Pallas
@@ -10,6 +11,14 @@ random logits (with ties), and times, in the same run:
     alone and with `tile_schedule(block_m=128)`;
   - wall time of one jitted call (median), which also counts launch gaps and any host work.
 Prints a table and writes routing_results.json / routing_log.txt into --out.
+
+`--token-rounding` does the same for `token_rounding_plan` (tile 128, `TR_SHAPES`): it first
+checks on the device that each fast implementation's plan equals the dense one bitwise, every
+field, for every rounding mode and score order (`TR_CHECKS`), and compares the gradients to
+the logits; then times dense and fast (rounding "nearest", softmax_topk), alone and with the
+tile schedule, GPU and wall, in the same run; then the fast kernel path with other selection
+chunks (`--tr-chunks`; chunk 1 is one `lax.top_k` over [E, T]) and its per-kernel breakdown.
+Writes token_rounding_results.json / token_rounding_log.txt.
 """
 
 from __future__ import annotations
@@ -35,6 +44,17 @@ SHAPES = [(32768, 128, 8), (24576, 128, 8), (16384, 512, 10), (4096, 128, 8),
 if os.environ.get("ROUTING_SHAPES"):  # e.g. "32768x128x8,64x128x8"
     SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["ROUTING_SHAPES"].split(",")]
 PLAN_FIELDS = ("token_ids", "group_sizes", "is_token_choice", "rows_by_token", "token_row_offsets")
+TR_SHAPES = [(32768, 128, 8), (24576, 128, 8), (16384, 512, 10), (4096, 128, 8)]
+if os.environ.get("TR_SHAPES"):  # e.g. "32768x128x8"
+    TR_SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["TR_SHAPES"].split(",")]
+# (rounding, score, renormalize, with selection bias): every mode and score order once.
+TR_CHECKS = [
+    ("nearest", "softmax_topk", False, False),
+    ("up", "sigmoid", True, True),
+    ("down", "topk_softmax", False, False),
+    ("stochastic", "softmax_topk", True, False),
+    ("balance", "sigmoid", False, False),
+]
 
 
 def gpu_us(f, *args):
@@ -75,12 +95,122 @@ def sweep_topk_blocks(log):
                     log(f"  topk_blocks T={T} E={E} K={K} block_t={bt} warps={nw}: failed {str(e)[:200]}")
 
 
+def routing_logits(T, E, K):
+    """f32[T, E] random logits; a quarter of the tokens coarsely rounded (ties)."""
+    logits = jax.random.normal(jax.random.key(T + E + K), (T, E), jnp.float32)
+    return logits.at[: T // 4].set(jnp.round(logits[: T // 4] * 2) / 2)
+
+
+def plan_diff(got, want) -> dict:
+    """Bitwise equality of every plan field (scores included) and the scores' max rel err."""
+    fields = PLAN_FIELDS + ("scores",)
+    unequal = [f for f in fields if not np.array_equal(np.asarray(getattr(got, f)), np.asarray(getattr(want, f)))]
+    sa, sb = np.asarray(got.scores), np.asarray(want.scores)
+    err = float(np.max(np.abs(sa - sb) / np.maximum(np.abs(sb), 1e-30)))
+    return dict(equal=not unequal, unequal_fields=unequal, score_rel_err=err)
+
+
+def token_rounding(log, out_dir, impls, tile, chunks):
+    """Token-rounding plans: device equality with the dense reference, then timings."""
+    from pallas_moe.routing.token_rounding import selection_chunk, token_rounding_plan_fast
+
+    fast_impls = [i for i in impls if i != "dense"]
+    results = []
+    for T, E, K in TR_SHAPES:
+        logits = routing_logits(T, E, K)
+        bias = 0.1 * jax.random.normal(jax.random.key(1), (E,), jnp.float32)
+        key = jax.random.key(2)
+        capacity = T * K + E * tile
+        row = dict(T=T, E=E, K=K, tile=tile, chunk=selection_chunk(T, min(tile - 1, T)))
+
+        def options(rounding, score, renormalize, with_bias):
+            return dict(tile=tile, rounding=rounding, key=key, score=score,
+                        renormalize=renormalize, bias=bias if with_bias else None)
+
+        # 1. The device check, before any timing: every field bitwise, every mode.
+        for rounding, score, renormalize, with_bias in TR_CHECKS:
+            opts = options(rounding, score, renormalize, with_bias)
+            want = jax.jit(lambda l, o=opts: pm.routing.token_rounding_plan(l, K, impl="dense", **o))(logits)
+            for impl in fast_impls:
+                got = jax.jit(lambda l, o=opts, i=impl: pm.routing.token_rounding_plan(l, K, impl=i, **o))(logits)
+                diff = plan_diff(got, want)
+                row[f"{impl}_equal_{rounding}_{score}"] = diff["equal"]
+                if not diff["equal"]:
+                    log(f"  TR {T},{E},{K} {rounding} {score} {impl}: NOT EQUAL {diff}")
+        # Gradients to the logits (XLA may round each program's backward differently).
+        weights = jnp.arange(capacity, dtype=jnp.float32) % 7 - 3.0
+        grads = {}
+        for impl in impls:
+            grads[impl] = np.asarray(jax.jit(jax.grad(
+                lambda l, i=impl: jnp.sum(pm.routing.token_rounding_plan(l, K, tile=tile, impl=i).scores * weights)
+            ))(logits))
+        for impl in fast_impls:
+            scale = max(float(np.max(np.abs(grads["dense"]))), 1e-30)
+            row[f"{impl}_grad_bitwise"] = bool(np.array_equal(grads[impl], grads["dense"]))
+            row[f"{impl}_grad_max_err_over_max"] = float(np.max(np.abs(grads[impl] - grads["dense"]))) / scale
+
+        # 2. Timings, same run: dense and fast, alone and with the tile schedule.
+        for impl in impls:
+            fn = jax.jit(lambda l, i=impl: pm.routing.token_rounding_plan(l, K, tile=tile, impl=i))
+            fn_ts = jax.jit(lambda l, i=impl: tile_schedule(
+                pm.routing.token_rounding_plan(l, K, tile=tile, impl=i).group_sizes, capacity, 128))
+            try:
+                row[f"{impl}_gpu_us"] = gpu_us(fn, logits)
+                row[f"{impl}_with_tiles_gpu_us"] = gpu_us(fn_ts, logits)
+                row[f"{impl}_wall_us"] = wall_us(fn, logits)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                log(f"  TR {T},{E},{K} {impl}: FAILED {type(e).__name__}: {str(e)[:400]}")
+        # 3. Selection chunk sweep of the kernel path, and where its time goes.
+        kernel_impl = next((i for i in ("kernel", "interpret") if i in impls), None)
+        if kernel_impl:
+            reference = pm.routing.token_rounding_plan(logits, K, tile=tile, impl="dense")
+            for chunk in chunks:
+                fn = jax.jit(lambda l, c=chunk: token_rounding_plan_fast(
+                    l, K, tile=tile, rounding="nearest", impl=kernel_impl, chunk=c))
+                try:
+                    row[f"{kernel_impl}_chunk{chunk}_equal"] = plan_diff(fn(logits), reference)["equal"]
+                    row[f"{kernel_impl}_chunk{chunk}_gpu_us"] = gpu_us(fn, logits)
+                except Exception as e:  # noqa: BLE001
+                    log(f"  TR {T},{E},{K} chunk {chunk}: FAILED {type(e).__name__}: {str(e)[:400]}")
+            fn = jax.jit(lambda l: pm.routing.token_rounding_plan(l, K, tile=tile, impl=kernel_impl))
+            jax.block_until_ready(fn(logits))
+            _, timings = profiler.measure(fn, aggregate=False)(logits)
+            log(f"  TR {kernel_impl}-impl breakdown {T},{E},{K}: " + ", ".join(
+                f"{name.split('(')[0][:40]} {1e3 * ms:.1f}us" for name, ms in timings))
+        log("  " + json.dumps({k: (round(v, 2) if isinstance(v, float) and v > 1e-3 else v)
+                               for k, v in row.items()}))
+        results.append(row)
+        with open(os.path.join(out_dir, "token_rounding_results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+    cols = ["T", "E", "K", "tile", "chunk"]
+    for impl in impls:
+        cols += [f"{impl}_gpu_us", f"{impl}_with_tiles_gpu_us", f"{impl}_wall_us"]
+    cols += [f"{impl}_grad_bitwise" for impl in fast_impls]
+    log("| " + " | ".join(cols) + " | all equal |")
+    log("|" + "---|" * (len(cols) + 1))
+    for r in results:
+        equal = all(v for k, v in r.items() if "_equal" in k)
+        log("| " + " | ".join(
+            (f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-"))) for c in cols)
+            + f" | {equal} |")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--impls", default="dense,sort,kernel")
     p.add_argument("--sweep", action="store_true", help="time topk_blocks over block sizes only")
+    p.add_argument("--token-rounding", action="store_true", help="token-rounding plans only")
+    p.add_argument("--tile", type=int, default=128, help="token-rounding tile")
+    p.add_argument("--tr-chunks", default="1,4,8,16,32",
+                   help="selection chunks to time on the token-rounding kernel path ('' for none)")
     args = p.parse_args()
+    if args.token_rounding:
+        log = open_log(args.out, "token_rounding_log.txt")
+        chunks = [int(c) for c in args.tr_chunks.split(",") if c]
+        token_rounding(log, args.out, args.impls.split(","), args.tile, chunks)
+        return
     log = open_log(args.out, "routing_log.txt")
     if args.sweep:
         sweep_topk_blocks(log)
@@ -88,10 +218,7 @@ def main():
     impls = args.impls.split(",")
     results = []
     for T, E, K in SHAPES:
-        key = jax.random.key(T + E + K)
-        logits = jax.random.normal(key, (T, E), jnp.float32)
-        # Ties: a quarter of the tokens get coarsely rounded logits.
-        logits = logits.at[: T // 4].set(jnp.round(logits[: T // 4] * 2) / 2)
+        logits = routing_logits(T, E, K)
         for score, renorm in [("softmax_topk", False), ("sigmoid", True)]:
             row = dict(T=T, E=E, K=K, score=score)
             plans = {}

@@ -115,6 +115,26 @@ def test_routing_kernel_equals_reference(shape, score):
     assert float(jnp.max(jnp.abs(got.scores - ref.scores))) <= 1e-6
 
 
+@pytest.mark.parametrize("shape", [(32768, 128, 8), (16384, 512, 10), (1000, 60, 4)])
+@pytest.mark.parametrize("rounding, score", [
+    ("nearest", "softmax_topk"), ("up", "sigmoid"), ("down", "topk_softmax"),
+    ("balance", "softmax_topk"), ("stochastic", "sigmoid"),
+])
+def test_token_rounding_kernel_equals_reference(shape, rounding, score):
+    """The fast token-rounding plan (routing kernel + two-level selection) is the dense one, bitwise."""
+    T, E, K = shape
+    logits = jax.random.normal(jax.random.key(T * E + K), (T, E))
+    logits = logits.at[: T // 3].set(jnp.round(logits[: T // 3] * 2) / 2)  # ties
+    bias = jax.random.normal(jax.random.key(1), (E,)) * 0.1 if score == "sigmoid" else None
+    options = dict(tile=128, rounding=rounding, key=jax.random.key(2), score=score, bias=bias,
+                   renormalize=rounding == "balance")
+    ref = jax.jit(lambda l: pm.routing.token_rounding_plan(l, K, impl="dense", **options))(logits)
+    got = jax.jit(lambda l: pm.routing.token_rounding_plan(l, K, impl="kernel", **options))(logits)
+    for field in ("token_ids", "scores", "group_sizes", "rows_by_token", "token_row_offsets",
+                  "is_token_choice"):
+        assert bool(jnp.array_equal(getattr(got, field), getattr(ref, field))), field
+
+
 @pytest.mark.parametrize("shape", [(4096, 1536, 256, 32, 8), (2048, 4096, 512, 16, 4), (1000, 512, 256, 8, 2)])
 def test_backward_cp_async_matches_reference(shape):
     """dH and both weight gradients with the cp.async row gather, against the jnp backward."""

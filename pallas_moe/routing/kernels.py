@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_moe.routing.topk import total_order_key
+
 _INT32_MIN = -(2**31)
 
 
@@ -45,12 +47,6 @@ def block_tokens(num_experts: int) -> int:
 def block_warps(num_experts: int) -> int:
     """Warps per top-K program: about 8 tile elements per thread, 1 to 8 warps."""
     return max(1, min(8, block_tokens(num_experts) * next_pow2(num_experts) // 256))
-
-
-def total_order_key(x: jax.Array) -> jax.Array:
-    """i32 key whose signed order is the IEEE total order of the f32 `x` (lax.top_k's order)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def _topk_block_kernel(

@@ -12,13 +12,15 @@ Three implementations of one plan (`impl=`), equal row for row:
 
 Selection scores are computed by the same jnp expression in every implementation, and ranked
 in the total order of `jax.lax.top_k` (ties go to the lower expert index), so the selected
-experts are identical; weights are gathered from the same probabilities, so gradients to the
-logits are those of the reference.
+experts are identical; weights are computed from the same probabilities, over the K experts in
+the reference's order (`topk_reference_weights`), so they and the gradients to the logits are
+bitwise those of the reference. `topk_pairs` gives the pairs themselves (token rounding starts
+from them).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -212,6 +214,27 @@ def resolve_topk_impl(impl: str) -> str:
     return "kernel" if jax.default_backend() == "gpu" else "sort"
 
 
+class TopKPairs(NamedTuple):
+    """The `T*K` token-choice (token, expert) pairs of a top-K plan, token-major.
+
+    Attributes:
+      experts: i32[T, K] each token's experts, ascending.
+      weights: f32[T, K] router weight of each pair (differentiable in the logits), bitwise
+        the reference's (`topk_reference_weights`).
+      rows: i32[T, K] grouped row of each pair in the top-K plan.
+      group_sizes: i32[E] pairs per expert.
+      token_ids: i32[T*K] token of each grouped row (ascending within an expert's group).
+      scores: f32[T*K] weight of each grouped row.
+    """
+
+    experts: jax.Array
+    weights: jax.Array
+    rows: jax.Array
+    group_sizes: jax.Array
+    token_ids: jax.Array
+    scores: jax.Array
+
+
 def topk_plan(
     logits: jax.Array,
     k: int,
@@ -243,28 +266,100 @@ def topk_plan(
             num_groups=num_groups, topk_groups=topk_groups,
         )
         return plan_from_assignment(selected, weights, selected, capacity=logits.shape[0] * k)
+    pairs = topk_pairs(
+        logits, k, score=score, renormalize=renormalize, bias=bias,
+        num_groups=num_groups, topk_groups=topk_groups, impl=impl,
+    )
+    return _topk_plan(pairs.token_ids, pairs.scores, pairs.rows, pairs.group_sizes)
+
+
+def topk_pairs(
+    logits: jax.Array,
+    k: int,
+    *,
+    score: ScoreOrder = "softmax_topk",
+    renormalize: bool = False,
+    bias: jax.Array | None = None,
+    num_groups: int | None = None,
+    topk_groups: int | None = None,
+    impl: str = "auto",
+) -> TopKPairs:
+    """The top-K pairs by a fast path: O(T*K) work past the [T, E] scores (no sort over E).
+
+    Inputs are those of `topk_plan` (checked by the caller with `check_router_inputs`);
+    `impl` is "auto", "kernel", "interpret" or "sort" (not "dense").
+    """
+    impl = resolve_topk_impl(impl)
+    if impl == "dense":
+        raise ValueError("topk_pairs has no dense implementation; use impl='sort' or 'kernel'.")
     check_groups(logits.shape[1], k, num_groups, topk_groups)
     logits = logits.astype(jnp.float32)
+    num_experts = logits.shape[1]
     probs = router_probabilities(logits, score)  # [T, E]
     sel = selection_scores(logits, probs, score, bias, num_groups, topk_groups)  # [T, E]
     if impl == "sort":
-        experts = jnp.sort(jax.lax.top_k(jax.lax.stop_gradient(sel), k)[1], axis=1)  # [T, K]
-        rows, group_sizes = _grouped_rows_by_sort(experts, logits.shape[1])
-        weights = topk_weights(logits, probs, experts, score, renormalize)  # [T, K]
-        return plan_from_token_rows(rows, weights, group_sizes)
+        ranked = jax.lax.top_k(jax.lax.stop_gradient(sel), k)[1]  # [T, K], lax.top_k order
+        ranked_weights = topk_weights(logits, probs, ranked, score, renormalize)  # [T, K]
+        ascending = jnp.argsort(ranked, axis=1)
+        experts = jnp.take_along_axis(ranked, ascending, 1)  # [T, K]
+        weights = jnp.take_along_axis(ranked_weights, ascending, 1)
+        rows, group_sizes = _grouped_rows_by_sort(experts, num_experts)
+        token_ids, scores = _scatter_token_rows(rows, weights)
+        return TopKPairs(experts, weights, rows, group_sizes, token_ids, scores)
     from pallas_moe.routing import kernels  # Pallas is imported only when used.
 
     interpret = impl == "interpret"
-    block_t = kernels.block_tokens(logits.shape[1])
+    block_t = kernels.block_tokens(num_experts)
     experts, local_rank, block_counts = kernels.topk_blocks(  # selection: no gradient
         jax.lax.stop_gradient(sel), k, interpret=interpret, block_t=block_t
     )
     group_sizes, block_base = _block_bases(block_counts)
-    weights = topk_weights(logits, probs, experts, score, renormalize)  # [T, K]
+    weights = topk_reference_weights(logits, probs, sel, experts, score, renormalize)  # [T, K]
     token_ids, scores, rows = kernels.place_pairs(
         experts, local_rank, weights, block_base, block_t=block_t, interpret=interpret
     )
-    return _topk_plan(token_ids, scores, rows, group_sizes)
+    return TopKPairs(experts, weights, rows, group_sizes, token_ids, scores)
+
+
+def topk_reference_weights(
+    logits: jax.Array,
+    probs: jax.Array,
+    sel: jax.Array,
+    experts: jax.Array,
+    score: ScoreOrder,
+    renormalize: bool,
+) -> jax.Array:
+    """f32[T, K] `topk_weights` of `experts` (i32[T, K], each token's experts ascending),
+    bitwise as the reference computes them.
+
+    Where a weight depends on the other selected experts (softmax over the K for
+    "topk_softmax" or `renormalize`), the reference sums over the K experts in
+    `lax.top_k`'s order, and float sums depend on order. So the experts are put in that
+    order (selection score descending in IEEE total order, ties to the lower expert: a
+    K x K count per token, no sort), weighed, and the weights put back in ascending order.
+    """
+    if score != "topk_softmax" and not renormalize:
+        return topk_weights(logits, probs, experts, score, renormalize)  # a gather: no order
+    num_k = experts.shape[1]
+    key = total_order_key(jnp.take_along_axis(jax.lax.stop_gradient(sel), experts, 1))  # [T, K]
+    # rank[t, i]: pairs of token t that lax.top_k puts before pair i.
+    ahead = (key[:, None, :] > key[:, :, None]) | (
+        (key[:, None, :] == key[:, :, None]) & (experts[:, None, :] < experts[:, :, None])
+    )  # [T, K(i), K(j)]: j before i
+    rank = jnp.sum(ahead, axis=2, dtype=jnp.int32)  # [T, K], a permutation of 0..K-1 per token
+    ranked = jnp.sum(
+        jnp.where(rank[:, :, None] == jnp.arange(num_k)[None, None, :], experts[:, :, None], 0),
+        axis=1, dtype=jnp.int32,
+    )  # [T, K] experts in lax.top_k order
+    ranked_weights = topk_weights(logits, probs, ranked, score, renormalize)
+    return jnp.take_along_axis(ranked_weights, rank, 1)
+
+
+def total_order_key(x: jax.Array) -> jax.Array:
+    """i32 key whose signed order is the IEEE total order of the f32 `x` (lax.top_k's order:
+    -0.0 < +0.0, NaN above +inf)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def _block_bases(block_counts: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -293,14 +388,12 @@ def _grouped_rows_by_sort(experts: jax.Array, num_experts: int) -> tuple[jax.Arr
     return rows.reshape(num_tokens, k), group_sizes
 
 
-def plan_from_token_rows(rows: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> DispatchPlan:
-    """A top-K plan from each pair's grouped row.
+def _scatter_token_rows(rows: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(token_ids i32[T*K], scores f32[T*K]) in grouped order from each pair's row.
 
     Args:
-      rows: i32[T, K] grouped row of each token's K pairs, in ascending expert order (a
-        permutation of `[0, T*K)`).
+      rows: i32[T, K] grouped row of each pair (a permutation of `[0, T*K)`).
       weights: f32[T, K] router weight of each pair.
-      group_sizes: i32[E] pairs per expert.
     """
     num_tokens, k = rows.shape
     flat_rows = rows.reshape(-1)
@@ -312,7 +405,7 @@ def plan_from_token_rows(rows: jax.Array, weights: jax.Array, group_sizes: jax.A
     scores = jnp.zeros((capacity,), jnp.float32).at[flat_rows].set(
         weights.reshape(-1).astype(jnp.float32), unique_indices=True
     )
-    return _topk_plan(token_ids, scores, rows, group_sizes)
+    return token_ids, scores
 
 
 def _topk_plan(token_ids, scores, rows, group_sizes) -> DispatchPlan:

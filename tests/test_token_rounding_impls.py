@@ -1,0 +1,217 @@
+"""The fast token-rounding paths against the dense reference, bitwise.
+
+`token_rounding_plan(impl=...)`: "dense" is the original O(T*E log T) formulation (two sorts
+over [T, E]) and the reference here; "sort" and "interpret" start from the fast top-K pairs
+(`topk_pairs`, jnp or the Pallas routing kernels in interpret mode) and change each expert by
+less than a tile. Every field of the plan and the gradient to the logits must be bitwise
+equal, for every rounding mode, score order, bias, renormalization and grouped top-K, with
+ties (equal logits, probabilities that underflow to 0), skew, E = 1, K = 1, tiles larger
+than T (the clamped upper option) and both selection levels (`chunk`).
+
+Most cases run eagerly: op-by-op programs are cached across shapes and options, where a
+jitted plan compiles afresh for every static option (seconds each on a CPU). Under `jit`
+(a few cases) the plans are bitwise equal and the gradients equal to float rounding.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import pallas_moe as pm
+from pallas_moe.routing import token_rounding as tr
+from tests.cuda_target import h100_target
+
+FIELDS = ("token_ids", "scores", "group_sizes", "is_token_choice", "rows_by_token", "token_row_offsets")
+# (T, E, k, tile, chunk): few geometries, so eager programs are reused across examples.
+GEOMETRIES = [
+    (7, 5, 2, 4, 3),  # two levels, chunks of 3 tokens (T not a multiple)
+    (9, 8, 8, 4, None),  # K = E: no candidate to add
+    (40, 12, 3, 4, None),  # two levels, chunks of selection_chunk(40, 3) = 4 tokens
+]
+# The slow sweep adds (E = 1, K = 1 and the clamped upper option are also checked by
+# `test_clamped_upper_option_and_single_expert`):
+SWEEP_GEOMETRIES = GEOMETRIES + [
+    (5, 1, 1, 4, None),  # E = 1, K = 1: every token is the expert's; rounding down drops 1
+    (7, 5, 1, 16, None),  # tile > T: the upper option is clamped to T; one level
+    (40, 12, 3, 16, 1),  # one level
+    (40, 12, 1, 1, None),  # tile 1: nothing to change
+    (40, 8, 2, 8, None),
+    (130, 16, 4, 16, 2),
+    (300, 8, 2, 8, None),  # selection_chunk(300, 7) = 8
+]
+GROUPS = {8: (4, 2), 12: (3, 2), 16: (4, 3)}  # num_groups and the largest topk_groups tried
+
+
+def plan_and_grad(logits, k, *, impl, chunk=None, **options):
+    """(plan, d sum(scores * w) / d logits) for one implementation."""
+    capacity = logits.shape[0] * k + logits.shape[1] * options["tile"]
+    weights = jnp.arange(capacity, dtype=jnp.float32) % 7 - 3.0
+
+    def f(logits):
+        if chunk is None:
+            plan = pm.routing.token_rounding_plan(logits, k, impl=impl, check_finite=False, **options)
+        else:
+            plan = tr.token_rounding_plan_fast(logits, k, impl=impl, chunk=chunk, **options)
+        return jnp.sum(plan.scores * weights), plan
+
+    (_, plan), grad = jax.value_and_grad(f, has_aux=True)(logits)
+    return plan, grad
+
+
+def assert_same_plan(got, want, got_grad, want_grad):
+    for field in FIELDS:
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    np.testing.assert_array_equal(got_grad, want_grad, err_msg="gradient to the logits")
+
+
+@st.composite
+def case(draw, geometries=GEOMETRIES):
+    T, E, k, tile, chunk = draw(st.sampled_from(geometries))
+    score = draw(st.sampled_from(["softmax_topk", "topk_softmax", "sigmoid"]))
+    options = dict(
+        tile=tile,
+        rounding=draw(st.sampled_from(tr.ROUNDING_MODES)),
+        key=jax.random.key(draw(st.integers(0, 7))),
+        score=score,
+        renormalize=draw(st.booleans()) and score != "topk_softmax",
+    )
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    logits = rng.normal(size=(T, E)).astype(np.float32)
+    if draw(st.booleans()):  # ties: coarse logits, and equal rows
+        logits = np.round(logits * 2) / 2
+        logits[: T // 2] = logits[0]
+    if draw(st.booleans()):  # probabilities that underflow to exactly 0 (sigmoid and softmax)
+        logits[rng.random(size=(T, E)) < 0.3] = -200.0
+    logits[:, : max(1, E // 4)] += draw(st.sampled_from([0.0, 3.0]))  # skew
+    if score == "sigmoid" and draw(st.booleans()):
+        options["bias"] = jnp.asarray(rng.normal(size=(E,)).astype(np.float32) * 0.1)
+    if E in GROUPS and draw(st.booleans()):
+        num_groups, most = GROUPS[E]
+        topk_groups = draw(st.integers(1, most))
+        if k <= topk_groups * (E // num_groups):
+            options.update(num_groups=num_groups, topk_groups=topk_groups)
+    return jnp.asarray(logits), k, chunk, options
+
+
+@settings(max_examples=12, deadline=None)
+@given(case())
+def test_sort_impl_equals_dense(c):
+    """Eager, every option."""
+    logits, k, chunk, options = c
+    want, want_grad = plan_and_grad(logits, k, impl="dense", **options)
+    got, got_grad = plan_and_grad(logits, k, impl="sort", chunk=chunk, **options)
+    assert_same_plan(got, want, got_grad, want_grad)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None)
+@given(case(SWEEP_GEOMETRIES))
+def test_sort_impl_equals_dense_sweep(c):
+    """As `test_sort_impl_equals_dense`, over more geometries and examples (minutes)."""
+    logits, k, chunk, options = c
+    want, want_grad = plan_and_grad(logits, k, impl="dense", **options)
+    got, got_grad = plan_and_grad(logits, k, impl="sort", chunk=chunk, **options)
+    assert_same_plan(got, want, got_grad, want_grad)
+
+
+@pytest.mark.parametrize("impl, rounding, score", [
+    ("interpret", "balance", "topk_softmax"),  # the top-K step by the Pallas kernels
+    pytest.param("sort", "stochastic", "sigmoid", marks=pytest.mark.slow),
+])
+def test_fast_equals_dense_under_jit(impl, rounding, score):
+    """Under jit the plans are bitwise equal; the gradients to within float rounding.
+
+    XLA rewrites each program's backward pass on its own (the sum of the two softmax
+    backward passes, top-K weights and added rows), so jitted gradients differ in the last
+    bit here and there, as the dense path's own jitted and eager gradients do.
+    """
+    T, E, K, tile = 45, 12, 3, 8
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(T, E)).astype(np.float32)
+    logits[: T // 3] = np.round(logits[: T // 3] * 2) / 2  # ties
+    options = dict(tile=tile, rounding=rounding, key=jax.random.key(5), score=score,
+                   renormalize=score == "sigmoid")
+    run = jax.jit(functools.partial(plan_and_grad, k=K, **options), static_argnames="impl")
+    want, want_grad = run(jnp.asarray(logits), impl="dense")
+    got, got_grad = run(jnp.asarray(logits), impl=impl)
+    for field in FIELDS:
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    scale = float(jnp.max(jnp.abs(want_grad)))
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-6, atol=1e-6 * scale)
+
+
+def test_clamped_upper_option_and_single_expert():
+    """T within a tile of the count: rounding up takes every token (T is no tile multiple)."""
+    logits = np.random.default_rng(0).normal(size=(7, 5)).astype(np.float32)
+    logits[:5, 0] += 10.0  # expert 0: 5 of 7 tokens; up to a tile of 4 is clamped to T = 7
+    single = np.random.default_rng(1).normal(size=(5, 1)).astype(np.float32)  # E = 1, K = 1
+    for rounding in ("up", "down", "nearest", "balance"):
+        for case_logits, k, chunk in ((logits, 2, 3), (single, 1, None)):
+            options = dict(tile=4, rounding=rounding)
+            want, want_grad = plan_and_grad(jnp.asarray(case_logits), k, impl="dense", **options)
+            got, got_grad = plan_and_grad(jnp.asarray(case_logits), k, impl="sort", chunk=chunk, **options)
+            assert_same_plan(got, want, got_grad, want_grad)
+            if rounding == "up":
+                assert int(got.group_sizes[0]) == case_logits.shape[0]
+
+
+def test_zero_probability_ties_go_by_token():
+    """Candidates whose probabilities underflow to 0 tie; the lowest tokens are added.
+
+    Token 0 picks expert 2; rounding expert 2 up to 4 adds 3 of tokens 1..6, all at
+    probability 0 (plus a zero bias): tokens 1, 2, 3.
+    """
+    logits = jnp.full((7, 5), -200.0).at[:, 0].set(5.0).at[:, 1].set(4.0).at[0, 2].set(10.0)
+    for bias in (None, jnp.zeros(5)):
+        options = dict(tile=4, rounding="up", score="sigmoid", bias=bias)
+        want, want_grad = plan_and_grad(logits, 2, impl="dense", **options)
+        got, got_grad = plan_and_grad(logits, 2, impl="sort", chunk=3, **options)
+        assert_same_plan(got, want, got_grad, want_grad)
+        rows = np.asarray(got.token_ids)[np.asarray(got.expert_ids) == 2]
+        np.testing.assert_array_equal(rows, [0, 1, 2, 3])
+
+
+@given(
+    st.integers(0, 2**16), st.sampled_from([(1, 1), (9, 3), (40, 5)]), st.sampled_from([1, 4, 7]),
+)
+@settings(max_examples=20, deadline=None)
+def test_top_tokens_per_expert_matches_numpy(seed, shape, chunk):
+    """Each expert's `count` largest keys, ties to the lower token, in rank order, then T."""
+    T, E = shape
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(-3, 3, size=(T, E)).astype(np.int32)  # many ties
+    keys[rng.random(size=(T, E)) < 0.3] = tr._INT32_MIN  # not a candidate
+    max_count = min(T, 6)
+    candidates = (keys > tr._INT32_MIN).sum(0)
+    count = np.minimum(rng.integers(0, max_count + 1, size=E), candidates).astype(np.int32)
+    got = np.asarray(tr.top_tokens_per_expert(jnp.asarray(keys), jnp.asarray(count), max_count, chunk))
+    for e in range(E):
+        ranked = sorted(range(T), key=lambda t: (-int(keys[t, e]), t))[: count[e]]
+        np.testing.assert_array_equal(got[e], ranked + [T] * (max_count - count[e]))
+
+
+def test_selection_chunk():
+    assert tr.selection_chunk(32768, 127) == 16
+    assert tr.selection_chunk(4096, 127) == 8
+    assert tr.selection_chunk(512, 127) == 1
+    assert tr.selection_chunk(100, 0) == 1
+
+
+def test_impl_argument_errors():
+    with pytest.raises(ValueError, match="impl must be one of"):
+        pm.routing.token_rounding_plan(jnp.zeros((4, 3)), 1, impl="fast")
+    with pytest.raises(ValueError, match="num_groups and topk_groups go together"):
+        pm.routing.token_rounding_plan(jnp.zeros((4, 4)), 1, num_groups=2)
+
+
+@pytest.mark.parametrize("shape", [(32768, 128, 8), (16384, 512, 10)])
+def test_fast_token_rounding_lowers_for_cuda(shape):
+    """The kernel path at production sizes lowers for an H100 (abstract target)."""
+    T, E, K = shape
+    f = jax.jit(lambda l: pm.routing.token_rounding_plan(l, K, tile=128, impl="kernel"))
+    with h100_target():
+        f.trace(jax.ShapeDtypeStruct((T, E), jnp.float32)).lower(lowering_platforms=("cuda",))
