@@ -163,7 +163,10 @@ def token_rounding(log, out_dir, impls, tile, chunks):
         # 3. Selection chunk sweep of the kernel path, and where its time goes.
         kernel_impl = next((i for i in ("kernel", "interpret") if i in impls), None)
         if kernel_impl:
-            reference = pm.routing.token_rounding_plan(logits, K, tile=tile, impl="dense")
+            # Jitted, like the plans it is compared with: an eager dense plan's scores can
+            # differ in the last bit (op-by-op rounding vs XLA's fusions).
+            reference = jax.jit(
+                lambda l: pm.routing.token_rounding_plan(l, K, tile=tile, impl="dense"))(logits)
             for chunk in chunks:
                 fn = jax.jit(lambda l, c=chunk: token_rounding_plan_fast(
                     l, K, tile=tile, rounding="nearest", impl=kernel_impl, chunk=c))
