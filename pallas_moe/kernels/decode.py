@@ -583,6 +583,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
         def wd_smem(slot):  # weight tile [64, bn] of a down step
             return w_dn.at[slot, 0]
+
         a_src = a_in if read_a else a_slab
         y_src = y_in if read_y else y_slab
         ev_ref = ev_out if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((dims.num_events,)))
