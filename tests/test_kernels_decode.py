@@ -282,6 +282,88 @@ def test_wrong_target_is_caught_not_hung(monkeypatch):
     assert events[:2, -1].sum() == 1  # exactly one consumer wait timed out
 
 
+# --------------------------------------------------------------------- SMEM layout
+
+
+def _leaf_slot_ranges(leaf, offset, blocks):
+    """Byte ranges of `blocks` of every ring slot of one SMEM leaf at `offset`; the leaf is
+    [stages, 64, cols] (one block per slot) or [stages, q, 64, cols]."""
+    stages = leaf.shape[0]
+    block = int(np.prod(leaf.shape[-2:])) * 2
+    stride = int(np.prod(leaf.shape[1:])) * 2
+    return [
+        [(offset + s * stride + b * block, offset + s * stride + (b + 1) * block) for b in blocks]
+        for s in range(stages)
+    ]
+
+
+def _union_slot_ranges(union):
+    """Per ring slot, the bytes the up view and the down view of a weight-ring `RefUnion`
+    use, laid out as Pallas does (every member at the union's start, the leaves of a tuple
+    member one after another, each 1024-byte aligned)."""
+    up, down = union.refs
+    if isinstance(up, tuple):  # (gate stages, up stages), one block per slot each
+        gate, upc = up
+        gate_bytes = -(-int(np.prod(gate.shape)) * 2 // 1024) * 1024
+        g = _leaf_slot_ranges(gate, 0, [0])
+        u = _leaf_slot_ranges(upc, gate_bytes, [0])
+        up_ranges = [a + b for a, b in zip(g, u)]
+    else:
+        up_ranges = _leaf_slot_ranges(up, 0, [0, 1])
+    down_ranges = _leaf_slot_ranges(down, 0, [0])
+    return up_ranges, down_ranges
+
+
+def _cross_slot_overlaps(union):
+    up_ranges, down_ranges = _union_slot_ranges(union)
+    return [
+        (i, j)
+        for i, ur in enumerate(up_ranges) for j, dr in enumerate(down_ranges) if i != j
+        if any(a0 < b1 and b0 < a1 for a0, a1 in ur for b0, b1 in dr)
+    ]
+
+
+@pytest.mark.parametrize("up_block_n", [64, 128, 192, 256])
+@pytest.mark.parametrize("down_block_n", [64, 128, 192, 256])
+def test_weight_ring_slots_alias_only_the_same_slot(up_block_n, down_block_n):
+    # The producer refills ring slot s with a down step once the step that last used slot s
+    # is consumed, while up steps in the other slots may still be in flight: slot s of the
+    # down view must share bytes with slot s of the up view only. (The first version put a
+    # (gate, up) tuple in the union, so down slot s covered gate slots 2s and 2s + 1: wrong
+    # results on the H100, invisible in interpret mode, which does not alias.)
+    from pallas_moe.kernels.decode import _smem_bytes, _weight_ring, _weight_ring_scratch
+
+    stages = 4
+    ring = _weight_ring_scratch(stages, up_block_n, down_block_n, interpret=False)
+    _, _, shared = _weight_ring(up_block_n, down_block_n)
+    if not shared:
+        assert isinstance(ring, tuple)  # separate rings: nothing aliased
+    else:
+        assert isinstance(ring, plgpu.RefUnion)
+        assert _cross_slot_overlaps(ring) == []
+        up_ranges, down_ranges = _union_slot_ranges(ring)
+        for ur, dr in zip(up_ranges, down_ranges):  # same slot: inside one slot's bytes
+            lo, hi = min(a for a, _ in ur + dr), max(b for _, b in ur + dr)
+            slot_bytes = ring.shape[0] // stages
+            assert hi - lo <= slot_bytes and lo % slot_bytes == 0
+    # The SMEM estimate covers the ring as allocated.
+    config = DecodeConfig(num_stages=stages, up_block_n=up_block_n, down_block_n=down_block_n)
+    a_bytes = stages * 64 * 64 * 2
+    ring_bytes = (
+        sum(int(np.prod(r.shape)) * 2 for r in ring) if isinstance(ring, tuple) else ring.shape[0]
+    )
+    assert _smem_bytes(config, 1) >= a_bytes + ring_bytes
+
+
+def test_weight_ring_check_catches_the_old_layout():
+    # The layout check above flags the first version's union of a (gate, up) tuple.
+    tf = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+    up = (plgpu.SMEM((4, 64, 64), jnp.bfloat16, transforms=tf),
+          plgpu.SMEM((4, 64, 64), jnp.bfloat16, transforms=tf))
+    old = plgpu.RefUnion(up, plgpu.SMEM((4, 64, 128), jnp.bfloat16, transforms=tf))
+    assert (1, 0) in _cross_slot_overlaps(old) and (3, 1) in _cross_slot_overlaps(old)
+
+
 # --------------------------------------------------------------------- errors
 
 

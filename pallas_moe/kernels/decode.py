@@ -355,10 +355,49 @@ def _check_inputs(x, plan, w_gate_up, w_down, config: DecodeConfig):
     return num_tokens, d, n, num_experts
 
 
+def _weight_ring(up_block_n: int, down_block_n: int) -> tuple[int, int, bool]:
+    """The weight half of the SMEM ring: `(up_blocks, down_blocks, shared)`.
+
+    A ring slot holds one K step of either kind: the gate and up tiles ([64, U] each) of an
+    up task, or the [64, bn] tile of a down task. The kinds share the slot's bytes, and that
+    is only safe slot by slot: the producer reuses slot s for a down step once the step that
+    last used slot s is consumed, while the up steps in the other slots may still be in
+    flight (the ping-pong consumer is finishing them). So each kind is one SMEM array
+    `[stages, blocks, 64, cols]` whose slot stride is the same `slot_bytes` for both: slot s
+    is bytes `[s * slot_bytes, (s + 1) * slot_bytes)` in both views (a Pallas `RefUnion`
+    places each member at the union's start; a tuple member would lay out all gate slots,
+    then all up slots, so that down slot s would overlap up slots 2s and 2s + 1: the bug the
+    first H100 run found). The up view uses blocks 0 (gate) and 1 (up) of a slot, the down
+    view block 0. When no common slot size is a whole number of blocks of both kinds
+    (e.g. U = 256 with bn = 192), the two kinds get separate rings (`shared=False`).
+    """
+    up_block = BLOCK_K * up_block_n * 2
+    down_block = BLOCK_K * down_block_n * 2
+    slot = max(2 * up_block, down_block)
+    if slot % up_block or slot % down_block:
+        return 2, 1, False
+    return slot // up_block, slot // down_block, True
+
+
+def _weight_ring_scratch(stages: int, up_block_n: int, down_block_n: int, interpret: bool):
+    """SMEM of the weight ring: `(up, down)` views `[stages, blocks, 64, cols]` (a tuple, or
+    a `RefUnion` of the two when they share bytes slot by slot, see `_weight_ring`)."""
+    dtype = jnp.bfloat16
+    tf = _common.mma_transforms(dtype)
+    up_q, down_q, shared = _weight_ring(up_block_n, down_block_n)
+    up_w = plgpu.SMEM((stages, up_q, BLOCK_K, up_block_n), dtype, transforms=tf)
+    down_w = plgpu.SMEM((stages, down_q, BLOCK_K, down_block_n), dtype, transforms=tf)
+    if interpret or not shared:  # interpret mode does not alias union members
+        return (up_w, down_w)
+    return plgpu.RefUnion(up_w, down_w)  # slot s: one step of either kind
+
+
 def _smem_bytes(config: DecodeConfig, n_out: int) -> int:
     s, bm, u, bn = config.num_stages, config.block_m, config.up_block_n, config.down_block_n
     a = s * bm * BLOCK_K * 2
-    weights = s * max(2 * BLOCK_K * u, BLOCK_K * bn) * 2
+    up_blocks, down_blocks, shared = _weight_ring(u, bn)
+    up_slot, down_slot = up_blocks * BLOCK_K * u * 2, down_blocks * BLOCK_K * bn * 2
+    weights = s * (max(up_slot, down_slot) if shared else up_slot + down_slot)
     epilogue = 2 * n_out * bm * u * 2 + 2 * bm * bn * 2
     return a + weights + epilogue + bm * 4 + 2 * config.mailbox_depth * 2 * 4 + 4
 
@@ -513,7 +552,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
     cp_async = config.gather == "cp_async" and not interpret
     lag = stages - 2  # cp.async steps in flight before publishing (see _common)
     dtype = jnp.bfloat16
-    tf = _common.mma_transforms(dtype)
     n_out = 3 if write_h else 1
     runs_up, runs_down, runs_agg = ("up" in kinds), ("down" in kinds), ("aggregate" in kinds)
     # Waits exist only between kinds that both run.
@@ -535,7 +573,17 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
         (ids_smem, a_bufs, w_bufs, o_up, o_dn, box, queue_smem,
          full_up, full_dn, empty, ids_bar, box_full, box_empty) = rest
         a_copy, a_mma = a_views(a_bufs)
-        (wg_smem, wu_smem), wd_smem = w_views(w_bufs)
+        w_up, w_dn = w_views(w_bufs)  # [stages, blocks, 64, cols]: slot s is one K step
+
+        def wg_smem(slot):  # gate tile [64, U] of an up step
+            return w_up.at[slot, 0]
+
+        def wu_smem(slot):  # up tile [64, U] of an up step
+            return w_up.at[slot, 1]
+
+        def wd_smem(slot):  # weight tile [64, bn] of a down step
+            return w_dn.at[slot, 0]
+
         a_src = a_in if read_a else a_slab
         y_src = y_in if read_y else y_slab
         ev_ref = ev_out if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((dims.num_events,)))
@@ -600,10 +648,10 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                     bar = full_up.at[c, slot]
                     plgpu.copy_gmem_to_smem(  # [64, U] gate columns of W1[e]
-                        w_e.at[pl.ds(k0, BLOCK_K), pl.ds(cb * u_cols, u_cols)], wg_smem.at[slot], bar
+                        w_e.at[pl.ds(k0, BLOCK_K), pl.ds(cb * u_cols, u_cols)], wg_smem(slot), bar
                     )
                     plgpu.copy_gmem_to_smem(  # [64, U] the matching up columns
-                        w_e.at[pl.ds(k0, BLOCK_K), pl.ds(n + cb * u_cols, u_cols)], wu_smem.at[slot], bar
+                        w_e.at[pl.ds(k0, BLOCK_K), pl.ds(n + cb * u_cols, u_cols)], wu_smem(slot), bar
                     )
                     if cp_async:
                         _common.cp_async_gather_rows(
@@ -649,7 +697,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 for k in range(prefetch_steps):
                     g = g0 + k
                     wait_slot(g)
-                    plgpu.copy_gmem_to_smem(w_tile(k), wd_smem.at[g % stages], full_dn.at[c, g % stages])
+                    plgpu.copy_gmem_to_smem(w_tile(k), wd_smem(g % stages), full_dn.at[c, g % stages])
                 if config.prefetch_l2 and not interpret:
                     for k in range(prefetch_steps, num_k_down):
                         plgpu.async_prefetch(w_tile(k))
@@ -669,7 +717,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     g = g0 + k
                     slot = g % stages
                     wait_slot(g)
-                    plgpu.copy_gmem_to_smem(w_tile(k), wd_smem.at[slot], full_dn.at[c, slot])
+                    plgpu.copy_gmem_to_smem(w_tile(k), wd_smem(slot), full_dn.at[c, slot])
                     plgpu.copy_gmem_to_smem(
                         a_src.at[a_rows, pl.ds(k * BLOCK_K, BLOCK_K)], a_mma.at[slot],
                         full_dn.at[c, slot],
@@ -740,8 +788,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                             g = g0 + k
                             slot = g % stages
                             plgpu.barrier_wait(full_up.at[c, slot])
-                            plgpu.wgmma(acc_g, a_mma.at[slot], wg_smem.at[slot])  # [64,64]@[64,U]
-                            plgpu.wgmma(acc_u, a_mma.at[slot], wu_smem.at[slot])
+                            plgpu.wgmma(acc_g, a_mma.at[slot], wg_smem(slot))  # [64,64]@[64,U]
+                            plgpu.wgmma(acc_u, a_mma.at[slot], wu_smem(slot))
                             plgpu.wgmma_wait(2)  # step k-1 is done: release its slot
 
                             @pl.when(k >= 1)
@@ -787,7 +835,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                             g = g0 + k
                             slot = g % stages
                             plgpu.barrier_wait(full_dn.at[c, slot])
-                            plgpu.wgmma(acc, a_mma.at[slot], wd_smem.at[slot])  # [64,64]@[64,bn]
+                            plgpu.wgmma(acc, a_mma.at[slot], wd_smem(slot))  # [64,64]@[64,bn]
                             plgpu.wgmma_wait(1)
 
                             @pl.when(k >= 1)
@@ -897,15 +945,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 jax.lax.while_loop(lambda c: ~c[1], consume, (jnp.int32(0), jnp.bool_(False)))
 
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, BLOCK_K, dtype, interpret)
-    up_w = (
-        plgpu.SMEM((stages, BLOCK_K, u_cols), dtype, transforms=tf),
-        plgpu.SMEM((stages, BLOCK_K, u_cols), dtype, transforms=tf),
-    )
-    down_w = plgpu.SMEM((stages, BLOCK_K, bn), dtype, transforms=tf)
-    if interpret:  # interpret mode does not alias union members
-        w_scratch = (up_w, down_w)
-    else:  # a ring slot holds one step, of either kind
-        w_scratch = plgpu.RefUnion(up_w, down_w)
+    w_scratch = _weight_ring_scratch(stages, u_cols, bn, interpret)
 
     def w_views(refs):
         return refs[0], refs[1]
