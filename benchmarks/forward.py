@@ -335,6 +335,16 @@ def default_up_cfgs(d, n):
     return out
 
 
+def _fitting_up_cfgs(cands, n):
+    """The distinct up-proj configs whose CTA column block divides n."""
+    out = []
+    for cfg in cands:
+        cols = cfg.block_n if cfg.block_m == 64 * cfg.num_consumers else cfg.block_n * max(cfg.num_consumers, 1)
+        if n % cols == 0 and cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def gather_up_cfgs(d, n):
     """The TMA row gather against the cp.async gather (the default), several tile shapes."""
     cands = [ForwardConfig.for_shape(d, n, gather="tma").up]
@@ -342,12 +352,7 @@ def gather_up_cfgs(d, n):
                                  (64, 64, 4, 2), (64, 128, 4, 1)]:
         cands.append(UpProjConfig(block_m=bm, block_n=bn, num_stages=stages,
                                   num_consumers=cons, gather="cp_async"))
-    out = []
-    for cfg in cands:
-        cols = cfg.block_n if cfg.block_m == 64 * cfg.num_consumers else cfg.block_n * max(cfg.num_consumers, 1)
-        if n % cols == 0 and cfg not in out:
-            out.append(cfg)
-    return out
+    return _fitting_up_cfgs(cands, n)
 
 
 def registers_up_cfgs(d, n):
@@ -358,12 +363,7 @@ def registers_up_cfgs(d, n):
     for bm, bn, stages in [(128, 128, 4), (128, 128, 3)]:
         cands.append(UpProjConfig(block_m=bm, block_n=bn, num_stages=stages, num_consumers=2,
                                   gather=base.gather))
-    out = []
-    for cfg in cands:
-        cols = cfg.block_n if cfg.block_m == 64 * cfg.num_consumers else cfg.block_n * max(cfg.num_consumers, 1)
-        if n % cols == 0 and cfg not in out:
-            out.append(cfg)
-    return out
+    return _fitting_up_cfgs(cands, n)
 
 
 def default_down_cfgs(d, n):

@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 
 import jax
-import jax.numpy as jnp
 
 from benchmarks.forward import SHAPES
-from benchmarks.step import make_step
+from benchmarks.step import make_step, step_inputs
 from pallas_moe.kernels import KernelConfig
 
 
@@ -26,13 +25,8 @@ def main():
     ap.add_argument("--shape", default="7b", choices=sorted(SHAPES))
     ap.add_argument("--routing", default="topk", choices=("topk", "token_rounding"))
     args = ap.parse_args()
-    num_tokens, d, n, num_experts, _ = shape = SHAPES[args.shape]
-    ks = jax.random.split(jax.random.key(1), 5)
-    x = jax.random.normal(ks[0], (num_tokens, d), jnp.bfloat16)
-    router = jax.random.normal(ks[1], (d, num_experts), jnp.float32) * d**-0.5
-    w1 = (jax.random.normal(ks[2], (num_experts, d, 2 * n)) * d**-0.5).astype(jnp.bfloat16)
-    w2 = (jax.random.normal(ks[3], (num_experts, n, d)) * n**-0.5).astype(jnp.bfloat16)
-    cot = jax.random.normal(ks[4], (num_tokens, d), jnp.float32)
+    _, d, n, _, _ = shape = SHAPES[args.shape]
+    x, router, w1, w2, cot = step_inputs(shape, seed=1)
     step = make_step(shape, args.routing, "mosaic", KernelConfig.for_shape(d, n))
     for _ in range(2):
         val, grads = step(x, router, w1, w2, cot)

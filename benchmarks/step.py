@@ -64,6 +64,18 @@ def make_step(shape, routing, backend, config):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
 
 
+def step_inputs(shape, seed):
+    """Fresh random (x, router, w_gate_up, w_down, cotangent) of one layer step."""
+    num_tokens, d, n, num_experts, _ = shape
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (num_tokens, d), jnp.bfloat16)
+    router = jax.random.normal(ks[1], (d, num_experts), jnp.float32) * d**-0.5
+    w1 = (jax.random.normal(ks[2], (num_experts, d, 2 * n)) * d**-0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(ks[3], (num_experts, n, d)) * n**-0.5).astype(jnp.bfloat16)
+    cot = jax.random.normal(ks[4], (num_tokens, d), jnp.float32)
+    return x, router, w1, w2, cot
+
+
 def rel_err(a, b):
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
@@ -81,12 +93,7 @@ def main():
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         num_tokens, d, n, num_experts, k = shape
-        ks = jax.random.split(jax.random.key(0), 5)
-        x = jax.random.normal(ks[0], (num_tokens, d), jnp.bfloat16)
-        router = jax.random.normal(ks[1], (d, num_experts), jnp.float32) * d**-0.5
-        w1 = (jax.random.normal(ks[2], (num_experts, d, 2 * n)) * d**-0.5).astype(jnp.bfloat16)
-        w2 = (jax.random.normal(ks[3], (num_experts, n, d)) * n**-0.5).astype(jnp.bfloat16)
-        cot = jax.random.normal(ks[4], (num_tokens, d), jnp.float32)
+        x, router, w1, w2, cot = step_inputs(shape, seed=0)
         _, bound_all, xe, dcot = dense_bound_fns(shape)
         bound_ms = gpu_time_ms(bound_all, xe, w1, w2, dcot, iters=ITERS)
         del xe, dcot
