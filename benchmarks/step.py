@@ -49,11 +49,16 @@ def kernel_breakdown(f, *args):
     return [(k, per[k], count[k]) for k, _ in per.most_common()]
 
 
-def make_step(shape, routing, backend, config):
+def make_step(shape, routing, backend, config, skew: float = 0.0):
+    """The jitted step; `skew` is added to the router logits of the first quarter of the
+    experts (skewed routing: those experts get more rows, the others fewer)."""
     num_tokens, d, n, num_experts, k = shape
+    skew_bias = jnp.where(jnp.arange(num_experts) < max(num_experts // 4, 1), skew, 0.0)
 
     def loss(x, router, w1, w2, cot):
         logits = jnp.dot(x.astype(jnp.float32), router)  # f32[T, E]
+        if skew:
+            logits = logits + skew_bias
         if routing == "topk":
             plan = pm.routing.topk_plan(logits, k)
         else:
@@ -87,6 +92,8 @@ def main():
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--variants", default="topk/tma,topk/cp_async,token_rounding/cp_async")
     ap.add_argument("--xla-check", default="", help="shapes also checked against backend=xla")
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="added to the router logits of a quarter of the experts")
     args = ap.parse_args()
     log = open_log(args.out, "step_log.txt")
     rows = []
@@ -97,11 +104,12 @@ def main():
         _, bound_all, xe, dcot = dense_bound_fns(shape)
         bound_ms = gpu_time_ms(bound_all, xe, w1, w2, dcot, iters=ITERS)
         del xe, dcot
-        log(f"== {name} {shape}: dense fwd+bwd bound {bound_ms:.3f} ms")
+        log(f"== {name} {shape} skew {args.skew}: dense fwd+bwd bound {bound_ms:.3f} ms")
         reference = {}
         for variant in args.variants.split(","):
             routing, gather = variant.split("/")
-            step = make_step(shape, routing, "mosaic", KernelConfig.for_shape(d, n, gather=gather))
+            step = make_step(shape, routing, "mosaic", KernelConfig.for_shape(d, n, gather=gather),
+                             skew=args.skew)
             row = dict(shape=name, routing=routing, gather=gather, bound_ms=bound_ms)
             try:
                 val, grads = step(x, router, w1, w2, cot)
@@ -110,7 +118,8 @@ def main():
                 if routing not in reference:
                     reference[routing] = (variant, val, grads)
                     if name in args.xla_check.split(","):
-                        xval, xgrads = make_step(shape, routing, "xla", None)(x, router, w1, w2, cot)
+                        xval, xgrads = make_step(shape, routing, "xla", None, skew=args.skew)(
+                            x, router, w1, w2, cot)
                         row["vs_xla"] = [rel_err(g, r) for g, r in zip(grads, xgrads)]
                         del xgrads
                 else:
