@@ -74,8 +74,9 @@ def rebalance_registers(wg, num_consumers: int, num_producers: int = 1) -> None:
     Without it every thread of a 3-warpgroup kernel is capped at 168 registers, and a
     consumer holding two 64x128 fp32 accumulators plus an epilogue spills to local memory
     (seen with Nsight Compute on the H100: 7.1 M spill requests in one 7B dH call). The
-    producers only issue copies and need few registers. Call at the top of the kernel body,
-    from every warpgroup.
+    producers only issue copies and need few registers. Measured on the H100 (session 3,
+    benchmarks/RESULTS.md): within noise for dH and the weight gradients, 3.6% faster for
+    the 30B up-proj. Call at the top of the kernel body, from every warpgroup.
     """
 
     @pl.when(wg >= num_consumers)
@@ -211,14 +212,32 @@ def row_gather_buffers(stages: int, block_m: int, block_k: int, dtype, interpret
     `RefUnion` members, and it allows one-row slices of the tiled view, so there one ref
     serves as both views.
     """
-    shape = (stages, block_m, block_k)
-    sw = plgpu.SwizzleTransform(SWIZZLE_BYTES)
-    elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-    mma_view = plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)), sw))
+    copy_view, mma_view = _gather_view_types((stages, block_m, block_k), dtype)
     if interpret:
         return mma_view, lambda ref: (ref, ref)
-    copy_view = plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((1, elems)), sw))
     return plgpu.RefUnion(copy_view, mma_view), lambda refs: tuple(refs)
+
+
+def _gather_view_types(shape, dtype):
+    """(copy view, wgmma view) SMEM types of the same gathered-A bytes: tiled (1, 64) for
+    one-row TMA copies and (8, 64) for wgmma, both 128-byte swizzled."""
+    sw = plgpu.SwizzleTransform(SWIZZLE_BYTES)
+    elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    copy_view = plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((1, elems)), sw))
+    return copy_view, plgpu.SMEM(shape, dtype, transforms=mma_transforms(dtype))
+
+
+def swiglu_epilogue(gate_acc, up_acc, dtype):
+    """The up-proj's SwiGLU epilogue: `(A, H_gate, H_up)` in `dtype` from fp32 accumulators.
+
+    H is rounded to `dtype` first and A is computed in fp32 from the rounded H, so A is
+    exactly what the backward recomputes from the saved H.
+    """
+    hg = gate_acc.astype(dtype)
+    hu = up_acc.astype(dtype)
+    hg32 = hg.astype(jnp.float32)
+    act = (hg32 * jax.nn.sigmoid(hg32) * hu.astype(jnp.float32)).astype(dtype)
+    return act, hg, hu
 
 
 def gathered_pipeline_smem(a_shape, dtype, others, epilogue, interpret: bool):
@@ -241,16 +260,14 @@ def gathered_pipeline_smem(a_shape, dtype, others, epilogue, interpret: bool):
       `row_gather_buffers`), then tuples of refs for `others` and `epilogue`.
     """
     others, epilogue = tuple(others), tuple(epilogue)
-    sw = plgpu.SwizzleTransform(SWIZZLE_BYTES)
-    elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-    mma_group = (plgpu.SMEM(a_shape, dtype, transforms=mma_transforms(dtype)), *others)
+    copy_a, mma_a = _gather_view_types(a_shape, dtype)
+    mma_group = (mma_a, *others)
     if interpret:
         def views(refs):
             (a, *rest), epi = refs
             return a, a, tuple(rest), tuple(epi)
 
         return (mma_group, epilogue), views
-    copy_a = plgpu.SMEM(a_shape, dtype, transforms=(plgpu.TilingTransform((1, elems)), sw))
 
     def views(refs):
         (a_copy, *_), (a_mma, *rest), epi = refs

@@ -807,10 +807,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         mma_scope, plgpu.ACC((bm, u_cols), jnp.float32),
                         plgpu.ACC((bm, u_cols), jnp.float32),
                     )
-                    hg = gate.astype(dtype)
-                    hu = up.astype(dtype)
-                    hg32 = hg.astype(jnp.float32)
-                    o_up[c, 0] = (hg32 * jax.nn.sigmoid(hg32) * hu.astype(jnp.float32)).astype(dtype)
+                    act, hg, hu = _common.swiglu_epilogue(gate, up, dtype)
+                    o_up[c, 0] = act
                     if write_h:
                         o_up[c, 1] = hg
                         o_up[c, 2] = hu

@@ -69,7 +69,7 @@ class DHConfig:
         keeps the even split, where the dSwiGLU epilogue spills.
       prefetch_h: warp-specialized kernel only: True = the tile's H rows get their own SMEM
         and are loaded while the K loop runs; False = they are loaded after the K loop into
-        the pipeline's SMEM, which leaves room for more stages (4 at block_n=128, where
+        the pipeline's SMEM, which leaves room for more stages (5 at block_n=128, where
         prefetching allows only 3).
     """
 

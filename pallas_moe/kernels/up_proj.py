@@ -73,7 +73,7 @@ class UpProjConfig:
         compiled kernels only, one producer warpgroup, `num_stages >= 3`).
       rebalance_registers: warp-specialized kernel only: the producers drop to 40
         registers per thread and the consumers take the rest (`_common.rebalance_registers`);
-        False keeps the even split (168 each with 2 consumers), where the consumers spill.
+        False keeps the even split (168 each with 2 consumers; the consumers then spill).
     """
 
     block_m: int = 64
@@ -244,10 +244,7 @@ def up_proj(
             g, u = pl.run_scoped(
                 mma_scope, plgpu.ACC((bm, bn), jnp.float32), plgpu.ACC((bm, bn), jnp.float32)
             )
-            hg = g.astype(dtype)  # [bm, bn]
-            hu = u.astype(dtype)
-            hg32 = hg.astype(jnp.float32)
-            act = (hg32 * jax.nn.sigmoid(hg32) * hu.astype(jnp.float32)).astype(dtype)
+            act, hg, hu = _common.swiglu_epilogue(g, u, dtype)  # [bm, bn] each
             o_smem[0] = act
             if h_out is not None:
                 o_smem[1] = hg
@@ -430,10 +427,7 @@ def _warp_specialized_kernel(
                 # overwrites them with its epilogue tile.
                 plgpu.barrier_arrive(epi_bar)
                 plgpu.barrier_wait(epi_bar)
-                hg = g.astype(dtype)  # [mb, bn]
-                hu = u.astype(dtype)
-                hg32 = hg.astype(jnp.float32)
-                act = (hg32 * jax.nn.sigmoid(hg32) * hu.astype(jnp.float32)).astype(dtype)
+                act, hg, hu = _common.swiglu_epilogue(g, u, dtype)  # [mb, bn] each
                 o_smem[c, 0] = act
                 if h_out is not None:
                     o_smem[c, 1] = hg
