@@ -203,6 +203,13 @@ def configs_for(d, n, sweep: str):
         dh += [rep(base.dh, num_stages=4), rep(base.dh, num_stages=3, prefetch_h=True)]
         for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
             lst += [rep(cfg, num_stages=3), rep(cfg, num_stages=3, expert_major=False)]
+    if sweep == "completion":
+        # Session 4: hardware-tracked cp.async stages (mbarrier, the default) against the
+        # previous lagged publish (wait_group), and one stage fewer for dH.
+        rep = dataclasses.replace
+        dh += [rep(base.dh, gather_completion="wait_group"), rep(base.dh, num_stages=4)]
+        dw2.append(rep(base.dw_down, gather_completion="wait_group"))
+        dw1.append(rep(base.dw_gate_up, gather_completion="wait_group"))
     if sweep == "full":
         dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
                DHConfig(block_n=64, num_stages=4, num_consumers=2),
@@ -374,7 +381,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     args = ap.parse_args()
     SMOKE = args.smoke

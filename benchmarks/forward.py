@@ -366,6 +366,18 @@ def registers_up_cfgs(d, n):
     return _fitting_up_cfgs(cands, n)
 
 
+def completion_up_cfgs(d, n):
+    """Hardware-tracked cp.async stages (the default, `gather_completion="mbarrier"`) against
+    the previous lagged publish ("wait_group"), and the 128-row split-M tiles that may pay
+    now that every stage can be in flight."""
+    base = ForwardConfig.for_shape(d, n).up
+    cands = [base, dataclasses.replace(base, gather_completion="wait_group")]
+    for bm, bn, stages in [(128, 128, 4), (128, 128, 3)]:
+        cands.append(UpProjConfig(block_m=bm, block_n=bn, num_stages=stages, num_consumers=2,
+                                  gather="cp_async"))
+    return _fitting_up_cfgs(cands, n)
+
+
 def default_down_cfgs(d, n):
     cands = [
         ForwardConfig.for_shape(d, n).down,
@@ -432,7 +444,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     args = p.parse_args()
@@ -445,6 +457,7 @@ def main():
             try:
                 up_cfgs = {"variants": variant_up_cfgs, "default": default_up_cfgs,
                            "gather": gather_up_cfgs, "registers": registers_up_cfgs,
+                           "completion": completion_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

@@ -70,8 +70,10 @@ def _poison(nbytes):
         ((1024, 256, 128, 5, 2), dict(block_m=64, block_n=128, num_stages=4, num_consumers=1)),
     ],
 )
-def test_up_proj_cp_async_gather_matches_reference(shape, cfg):
-    """The cp.async row gather (compiled only) against the jnp reference, poisoned outputs."""
+@pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])
+def test_up_proj_cp_async_gather_matches_reference(shape, cfg, completion):
+    """The cp.async row gather (compiled only) against the jnp reference, poisoned outputs,
+    with either way of publishing a stage (`_common.GATHER_COMPLETIONS`)."""
     from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
 
     T, d, n, E, K = shape
@@ -80,7 +82,7 @@ def test_up_proj_cp_async_gather_matches_reference(shape, cfg):
     w1 = (jax.random.normal(ks[1], (E, d, 2 * n)) * d**-0.5).astype(jnp.bfloat16)
     logits = jax.random.normal(ks[2], (T, E)).at[:, 0].add(2.0)  # skew: expert 0 is large
     plan = pm.routing.topk_plan(logits, K)
-    config = UpProjConfig(gather="cp_async", **cfg)
+    config = UpProjConfig(gather="cp_async", gather_completion=completion, **cfg)
     f = jax.jit(lambda x, t, g, w: up_proj(x, t, g, w, config=config))
     _poison(plan.capacity * 3 * n * 2)
     h, a = f(x, plan.token_ids, plan.group_sizes, w1)
@@ -136,8 +138,11 @@ def test_token_rounding_kernel_equals_reference(shape, rounding, score):
 
 
 @pytest.mark.parametrize("shape", [(4096, 1536, 256, 32, 8), (2048, 4096, 512, 16, 4), (1000, 512, 256, 8, 2)])
-def test_backward_cp_async_matches_reference(shape):
-    """dH and both weight gradients with the cp.async row gather, against the jnp backward."""
+@pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])
+def test_backward_cp_async_matches_reference(shape, completion):
+    """dH and both weight gradients with the cp.async row gather, against the jnp backward,
+    with either way of publishing a stage (`_common.GATHER_COMPLETIONS`)."""
+    import dataclasses
 
     from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
     from pallas_moe.ops.minimal_backward import moe_ffn_backward
@@ -151,6 +156,10 @@ def test_backward_cp_async_matches_reference(shape):
     h = jax.random.normal(ks[4], (plan.capacity, 2 * n), jnp.bfloat16)
     go = jax.random.normal(ks[5], (T, d), jnp.bfloat16)
     config = BackwardConfig.for_shape(d, n, gather="cp_async")
+    config = dataclasses.replace(config, **{
+        name: dataclasses.replace(getattr(config, name), gather_completion=completion)
+        for name in ("dh", "dw_down", "dw_gate_up")
+    })
     f = jax.jit(lambda *a: moe_backward(*a, config=config))
     _poison(plan.capacity * (5 * n + d) * 2)
     got = f(x, h, plan, w1, w2, go)

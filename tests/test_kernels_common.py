@@ -108,3 +108,59 @@ def test_aligned_tile_meta_stays_inside_aligned_blocks(block_m):
         owner[s:s + nr] = int(meta.expert[t])
     np.testing.assert_array_equal(owner[:rows], np.asarray(plan.expert_ids[:rows]))
     assert np.all(owner[rows:] == -1)
+
+
+def test_gather_config_errors_name_the_field():
+    """A bad row loader or stage-publishing mode is refused with the field's name."""
+    from pallas_moe.kernels.dh import DHConfig
+    from pallas_moe.kernels.up_proj import UpProjConfig
+    from pallas_moe.kernels.weight_grad import WeightGradConfig
+
+    for cls in (UpProjConfig, DHConfig, WeightGradConfig):
+        with pytest.raises(ValueError, match="config.gather_completion"):
+            _common.require_gather_mode(
+                cls(gather="cp_async", num_consumers=2, num_stages=3, gather_completion="spin")
+            )
+        with pytest.raises(ValueError, match="config.gather must be"):
+            _common.require_gather_mode(cls(gather="ldg"))
+
+
+def test_stage_arrivals_follow_the_loader():
+    """TMA rows each arrive on `full`; the lagged cp.async publish arrives once; hardware-
+    tracked cp.async stages add nothing there (their own mbarriers count the loads)."""
+    from pallas_moe.kernels.up_proj import UpProjConfig
+
+    tma = UpProjConfig(gather="tma", num_consumers=2)
+    lagged = UpProjConfig(gather="cp_async", num_consumers=2, gather_completion="wait_group")
+    tracked = UpProjConfig(gather="cp_async", num_consumers=2, gather_completion="mbarrier")
+    assert _common.gather_full_arrivals(tma, 64, interpret=False) == 64
+    assert _common.gather_full_arrivals(lagged, 64, interpret=False) == 1
+    assert _common.gather_full_arrivals(tracked, 64, interpret=False) == 0
+    # Interpret mode runs the TMA loader whatever the config says.
+    assert _common.gather_full_arrivals(tracked, 64, interpret=True) == 64
+    assert _common.uses_stage_mbarriers(tracked, interpret=False)
+    assert not _common.uses_stage_mbarriers(tracked, interpret=True)
+    assert not _common.uses_stage_mbarriers(lagged, interpret=False)
+
+
+@pytest.mark.parametrize("completion, marker, absent", [
+    ("mbarrier", "cp.async.mbarrier.arrive", "cp.async.wait.group"),
+    ("wait_group", "cp.async.wait.group", "cp.async.mbarrier.arrive"),
+])
+def test_cp_async_stage_publishing_lowers_for_cuda(completion, marker, absent):
+    """Both ways of publishing a cp.async stage lower for cuda at the 7B production blocks
+    (interpret mode cannot run cp.async; the H100 tests in test_gpu.py run both)."""
+    import importlib
+
+    from tests.cuda_target import h100_target
+
+    up = importlib.import_module("pallas_moe.kernels.up_proj")
+    T, d, n, E, P = 4096, 1536, 256, 16, 4096 * 8
+    cfg = up.UpProjConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2,
+                          gather="cp_async", gather_completion=completion)
+    args = (jax.ShapeDtypeStruct((T, d), jnp.bfloat16), jax.ShapeDtypeStruct((P,), jnp.int32),
+            jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((E, d, 2 * n), jnp.bfloat16))
+    f = jax.jit(lambda x, t, g, w: up.up_proj(x, t, g, w, config=cfg))
+    with h100_target():
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert marker in text and absent not in text

@@ -91,6 +91,13 @@ def rebalance_registers(wg, num_consumers: int, num_producers: int = 1) -> None:
 
 
 GATHER_MODES = ("tma", "cp_async")
+# How consumers learn that a stage's cp.async rows landed (`config.gather_completion`):
+# "mbarrier": every producer thread's `cp.async.mbarrier.arrive.noinc` on a per-slot mbarrier
+#   (`cp_async_stage_barriers`), so the hardware completes the stage and the producer never
+#   waits for its own loads: all `num_stages` steps can be in flight.
+# "wait_group": the producer waits for its own group `stages - 2` steps later, fences it and
+#   arrives on `full` (`cp_async_publish_lagged`): only `stages - 2` steps in flight.
+GATHER_COMPLETIONS = ("mbarrier", "wait_group")
 
 
 def require_gather_mode(config) -> None:
@@ -107,6 +114,25 @@ def require_gather_mode(config) -> None:
             raise ValueError(
                 f"config.gather='cp_async' needs num_stages >= 3, got {config.num_stages}."
             )
+    if config.gather_completion not in GATHER_COMPLETIONS:
+        raise ValueError(
+            f"config.gather_completion must be one of {GATHER_COMPLETIONS}, "
+            f"got {config.gather_completion!r}."
+        )
+
+
+def gather_full_arrivals(config, rows: int, interpret: bool) -> int:
+    """Arrivals the gathered A operand adds to a stage's `full` barrier: one per row copy
+    with the TMA loader (the one interpret mode runs), one lagged publish with cp.async
+    "wait_group", none with cp.async "mbarrier" (its own per-slot barriers track it)."""
+    if config.gather != "cp_async" or interpret:
+        return rows
+    return 0 if config.gather_completion == "mbarrier" else 1
+
+
+def uses_stage_mbarriers(config, interpret: bool) -> bool:
+    """Whether a gathering kernel tracks its cp.async stages with `cp_async_stage_barriers`."""
+    return config.gather == "cp_async" and not interpret and config.gather_completion == "mbarrier"
 
 
 def require_shape(arg: str, x: jax.Array, shape: tuple[int, ...]) -> None:
@@ -505,3 +531,96 @@ def cp_async_stage_done(pending: int) -> None:
         nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
     _wait()
+
+
+# --- Hardware-tracked cp.async stages (`gather_completion="mbarrier"`) ---
+#
+# Pallas does not hand its barriers' addresses to `inline_mgpu`, so the kernels keep one
+# extra mbarrier per pipeline slot in SMEM and drive it with NVVM ops: initialised once for
+# CP_ASYNC_THREADS arrivals per phase, each producer thread arrives on it with
+# `cp.async.mbarrier.arrive.noinc` right after issuing its loads (the arrival happens when
+# they land), and the consumers wait on its phase parity, then fence the async proxy so
+# their wgmma reads see the generic-proxy cp.async writes.
+
+CP_ASYNC_THREADS = 128  # the producer warpgroup's threads, each arriving once per stage
+_MBARRIER_BYTES = 8
+
+
+def cp_async_stage_barriers(stages: int):
+    """SMEM type of one mbarrier per pipeline slot (8 bytes each, as int32 pairs)."""
+    return plgpu.SMEM((stages, _MBARRIER_BYTES // 4), jnp.int32)
+
+
+def cp_async_stage_barriers_init(bars) -> None:
+    """Initialises every slot's mbarrier for CP_ASYNC_THREADS arrivals. Call once at the top
+    of the kernel body from every thread of the CTA (it ends with a CTA-wide barrier, so the
+    init is visible before any producer arrives or consumer waits)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import gpu, nvvm
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def _init(ctx, ref):
+        del ctx
+        utils = mgpu.utils
+        i32 = ir.IntegerType.get_signless(32)
+        i8 = ir.IntegerType.get_signless(8)
+        stages = ir.MemRefType(ref.type).shape[0]
+        base = utils.memref_ptr(ref)
+        one_thread = utils.single_thread_predicate(utils.ThreadSubset.BLOCK)
+        for s in range(stages):
+            nvvm.mbarrier_init(
+                utils.getelementptr(base, [s * _MBARRIER_BYTES], i8),
+                utils.c(CP_ASYNC_THREADS, i32),
+                predicate=one_thread,
+            )
+        gpu.barrier()
+
+    _init(bars)
+
+
+def cp_async_stage_arrive(bar) -> None:
+    """Producer thread: the slot's mbarrier (`bars.at[slot]`) gets this thread's arrival
+    once all its cp.async loads issued so far have landed. Does not wait."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir.dialects import nvvm
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def _arrive(ctx, ref):
+        del ctx
+        nvvm.cp_async_mbarrier_arrive(mgpu.utils.memref_ptr(ref), noinc=True)
+
+    _arrive(bar)
+
+
+def cp_async_stage_wait(bars, ki, stages: int) -> None:
+    """Consumer: waits until step `ki`'s rows landed in slot `ki % stages`, then fences
+    the async proxy. Phase parity of step ki is `(ki // stages) % 2`; the producer is never
+    more than `stages` steps ahead (it waits on `empty`), so the parity is unambiguous."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, nvvm
+
+    def waiter(parity: int):
+        @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+        def _wait(ctx, ref):
+            del ctx
+            utils = mgpu.utils
+            i32 = ir.IntegerType.get_signless(32)
+            nvvm.mbarrier_try_wait_parity(
+                utils.memref_ptr(ref), utils.c(parity, i32), arith.constant(i32, 10000000)
+            )
+            nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+        return _wait
+
+    bar = bars.at[ki % stages]
+    parity = (ki // stages) % 2
+
+    @pl.when(parity == 0)
+    def _():
+        waiter(0)(bar)
+
+    @pl.when(parity == 1)
+    def _():
+        waiter(1)(bar)

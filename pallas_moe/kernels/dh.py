@@ -64,6 +64,8 @@ class DHConfig:
         the loader interpret mode runs) or "cp_async" (16-byte cp.async loads from all 128
         producer threads, `_common.cp_async_gather_rows`; compiled kernels only, needs
         `num_consumers >= 1` and `num_stages >= 3`; interpret mode falls back to "tma").
+      gather_completion: with gather="cp_async", "mbarrier" (hardware-tracked stages, all in
+        flight) or "wait_group" (lagged publish); see `_common.GATHER_COMPLETIONS`.
       rebalance_registers: warp-specialized kernel only: the producer drops to 40 registers
         per thread and the consumers take the rest (`_common.rebalance_registers`); False
         keeps the even split, where the dSwiGLU epilogue spills.
@@ -81,6 +83,8 @@ class DHConfig:
     num_consumers: int = 0
     gather: str = "tma"
     rebalance_registers: bool = True
+    # BackwardConfig.for_shape picks per width (measured: see there).
+    gather_completion: str = "wait_group"
     prefetch_h: bool = False
 
 
@@ -371,16 +375,19 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     rows_per_warp = bm // 4
     # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
     cp_async = config.gather == "cp_async" and interpret_mode is None
-    lag = stages - 2  # cp.async steps in flight (`_common.cp_async_publish_lagged`)
+    stage_bars = _common.uses_stage_mbarriers(config, interpret_mode is not None)
+    lag = stages - 2  # "wait_group": cp.async steps in flight (`cp_async_publish_lagged`)
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
              dh_out, ap_out, ds_out, *scratch):
         if prefetch_h:
-            bufs, h_smem, full, empty, ids_bar, h_bars, s_bar, epi_bar = scratch
+            bufs, h_smem, full, empty, ids_bar, h_bars, s_bar, epi_bar, *a_landed = scratch
             a_copy, a_mma, (b_smem, ids_smem, s_smem), (ap_smem, ds_smem) = views(bufs)
         else:
-            bufs, full, empty, ids_bar, h_bars, s_bar, epi_bar = scratch
+            bufs, full, empty, ids_bar, h_bars, s_bar, epi_bar, *a_landed = scratch
             a_copy, a_mma, (b_smem, ids_smem, s_smem), (ap_smem, ds_smem, h_smem) = views(bufs)
+        if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
+            _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
         ni = jax.lax.axis_index("n")
         mi = jax.lax.axis_index("m")
@@ -418,13 +425,16 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                     _common.cp_async_gather_rows(  # [bm, bk] of dO[tok], one cp.async group
                         do_ref.at[:, pl.ds(k0, bk)], ids_smem, [a_mma.at[slot]], num_rows=bm
                     )
-                    _common.cp_async_publish_lagged(ki, lag, full, stages)
+                    if stage_bars:
+                        _common.cp_async_stage_arrive(a_landed[0].at[slot])
+                    else:
+                        _common.cp_async_publish_lagged(ki, lag, full, stages)
                 else:
                     plgpu.warp_map(per_warp)
                 return carry
 
             jax.lax.fori_loop(0, num_k, step, None)
-            if cp_async:
+            if cp_async and not stage_bars:
                 _common.cp_async_publish_tail(num_k, lag, full, stages)
 
         for c in range(cons):
@@ -443,6 +453,8 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                     def step(ki, carry):
                         slot = ki % stages
                         plgpu.barrier_wait(full.at[slot])
+                        if stage_bars:
+                            _common.cp_async_stage_wait(a_landed[0], ki, stages)
                         w_t = b_smem.at[slot, pl.ds(c * bn, bn)]  # [bn, bk]
                         plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
                         plgpu.wgmma_wait(1)  # step ki-1 is done: release its slot
@@ -509,13 +521,17 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     scratch = [
         bufs,  # gathered dO stages [stages, bm, bk] + W2 stages + ids + scores; then A', dS
         *(h_types if prefetch_h else []),
-        # full: the W2 copy plus the row copies (TMA: one per row; cp.async: one publish)
-        plgpu.Barrier(num_arrivals=(1 if cp_async else bm) + 1, num_barriers=stages),
+        # full: the W2 copy plus what the row loader adds
+        plgpu.Barrier(
+            num_arrivals=_common.gather_full_arrivals(config, bm, interpret_mode is not None) + 1,
+            num_barriers=stages,
+        ),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
         plgpu.Barrier(),  # ids
         plgpu.Barrier(num_arrivals=2, num_barriers=cons * num_ladder),  # H boxes
         plgpu.Barrier(),  # scores
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the pipeline
+        *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
     return plgpu.kernel(
         body,

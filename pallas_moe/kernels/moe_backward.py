@@ -62,12 +62,17 @@ class BackwardConfig:
         # dH: two consumer warpgroups of 128 (or 64) columns share each gathered dO stage;
         # A', dS and H reuse the pipeline's SMEM, which leaves room for 5 stages at 128
         # (measured on the H100: 5 stages 729 us, 4 760, 3 with H prefetched 901 at 7B).
+        # How the cp.async dO stages are published (`_common.GATHER_COMPLETIONS`), measured
+        # on the H100 in one run (session 4): hardware-tracked mbarriers 880 vs 846 us for
+        # the lagged publish at 7B (d=1536, 24 K steps), 3440 vs 3553 us at 30B (d=4096).
+        dh_completion = "mbarrier" if d >= 4096 else "wait_group"
         if n % 256 == 0:
             dh = DHConfig(block_n=128, num_stages=5, num_consumers=2, pad_rows_to=k)
         elif n % 128 == 0:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=2, pad_rows_to=k)
         else:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=1, pad_rows_to=k)
+        dh = dataclasses.replace(dh, gather_completion=dh_completion)
         # Weight gradients: measured on the H100 (benchmarks/RESULTS.md, 7B sweep), a CTA
         # tile of 256 x 128 with 2 consumers beats 128 x 128 by ~20%; the output tile reuses
         # the pipeline's SMEM, which leaves room for 4 stages of 48 KB.
