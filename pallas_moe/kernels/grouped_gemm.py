@@ -242,6 +242,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
             out_ref, a_smem, b_smem, o_smem, full, empty = refs
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
+        if fp8:
+            # The fp8 consumers hold up to two 64x128 (or one 64x256) f32 accumulators plus
+            # the broadcast scales of the epilogue: give them the producer's registers.
+            _common.rebalance_registers(wg, num_consumers=2)
         total = nreal_ref[0] * grid_n  # real work items
         my_items = jnp.maximum(total - sm + num_sms - 1, 0) // num_sms
 
