@@ -41,18 +41,22 @@ def require_multiple(arg: str, value: int, multiple: int, why: str) -> None:
         raise ValueError(f"{arg}={value} must be a multiple of {multiple} ({why}).")
 
 
-def require_wgmma_blocks(config, block_n_why: str) -> None:
+def require_wgmma_blocks(config, block_n_why: str, block_ks: tuple[int, ...] = (64,)) -> None:
     """Checks the block sizes shared by the varlen-M GEMM kernels (dH, dX~, down-proj).
 
     `config` has `block_m`, `block_n`, `block_k` and `num_stages`; errors name the field.
+    `block_ks`: the allowed `block_k` (64 = one 128-byte swizzle row of bf16; the grouped
+    GEMM's fp8 mode also takes 128, and checks it against the dtype).
     """
     require_multiple("config.block_m", config.block_m, 64, "wgmma tiles rows by 64")
     require_multiple("config.block_n", config.block_n, 64, block_n_why)
     if config.block_n > 256:
         raise ValueError(f"config.block_n={config.block_n} must be at most 256 (one wgmma N).")
-    if config.block_k != 64:
+    if config.block_k not in block_ks:
+        allowed = " or ".join(map(str, block_ks))
         raise ValueError(
-            f"config.block_k={config.block_k} must be 64 (one 128-byte swizzle row of bf16)."
+            f"config.block_k={config.block_k} must be {allowed} (one 128-byte swizzle row "
+            "of the inputs: 64 bf16 elements, 128 fp8)."
         )
     if config.num_stages < 2:
         raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")

@@ -7,6 +7,19 @@ Two kernels are specs on it: the forward's down-proj (`Y = A @ W2[e]`, `down_pro
 the backward's dX~ (`dX~ = dH @ W1[e]^T`, `dx.py`, which reads the public `[E, d, 2n]`
 layout as is by feeding K-minor weight tiles to wgmma transposed).
 
+The fp8 mode (e4m3 A and W, f32 accumulation; the quantized inference path, `pallas_moe/quant/`)
+runs the same pipeline with 128-element (128-byte) K steps. 8-bit wgmma takes B only
+K-major, so W is `[E, N, K]` (`transpose_w=True`), and the epilogue dequantizes:
+
+    out[r, j] = acc[r, j] * row_scales[r] * col_scales[e(r), j]                  (fp8)
+    out[r, j] = swiglu(dequantized gate[r, j], dequantized up[r, j])    (fp8, `gated`)
+
+With `gated`, W is `[E, 2N, K]` (gate rows `[0, N)`, up rows `[N, 2N)`): each K step
+loads the gate and the up tile of the item's column block, into two accumulators, so both
+halves of a column are in one consumer's registers (as in the bf16 up-proj). Each consumer
+TMA-loads its rows' scales and the item's column scales into SMEM at the start of the item,
+overlapping the K loop.
+
 A is contiguous, so each stage is one `[block_m, block_k]` TMA box. Mosaic's tiled TMA needs
 the box's first row to be a multiple of 8, so tiles come from `aligned_tile_meta` (computed
 once per plan): a tile is a piece of one expert's rows inside one `block_m`-aligned block,
@@ -49,7 +62,8 @@ class GroupedMatmulConfig:
     Attributes:
       block_m: rows per work item: 64 (ping-pong consumers) or 128 (split M).
       block_n: output columns per work item (multiple of 64, divides N, at most 256).
-      block_k: contraction step; must be 64 and divide K.
+      block_k: contraction step, one 128-byte swizzle row: 64 for bf16, 128 for the fp8
+        mode; must divide K.
       num_stages: SMEM pipeline depth (>= 2).
       num_sms: CTAs of the persistent grid (the SM count: 132 on an H100 SXM).
     """
@@ -63,9 +77,15 @@ class GroupedMatmulConfig:
     def __post_init__(self):
         if self.block_m not in (64, 128):
             raise ValueError(f"config.block_m={self.block_m} must be 64 or 128.")
-        _common.require_wgmma_blocks(self, "output tiles are 128-byte swizzled")
+        _common.require_wgmma_blocks(
+            self, "output tiles are 128-byte swizzled", block_ks=FP8_BLOCK_K_CHOICES
+        )
         if self.num_sms < 1:
             raise ValueError(f"config.num_sms={self.num_sms} must be >= 1.")
+
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_BLOCK_K_CHOICES = (64, 128)  # bf16, fp8: one 128-byte swizzle row either way
 
 
 def grouped_matmul(
@@ -81,15 +101,22 @@ def grouped_matmul(
     out_cols: int | None = None,
     names: tuple[str, str] = ("a", "w"),
     kernel_name: str = "moe_grouped_matmul",
+    row_scales: jax.Array | None = None,
+    col_scales: jax.Array | None = None,
+    gated: bool = False,
+    out_dtype=jnp.bfloat16,
 ) -> jax.Array:
     """`out[r] = A[r] @ W[e(r)]` (or `@ W[e(r)]^T`) over rows grouped by expert.
 
     Args:
-      a: bf16 [P_a, K] rows in grouped order. `P_a` may exceed `capacity` (a producer may
-        pad to a multiple of block_m, which saves a copy here); extra rows are ignored.
+      a: bf16 [P_a, K] rows in grouped order, or e4m3 (the fp8 mode). `P_a` may exceed
+        `capacity` (a producer may pad to a multiple of block_m, which saves a copy here);
+        extra rows are ignored.
       group_sizes: i32 [E] rows per expert; rows past the sum are padding.
-      w: bf16 [E, K, N], or [E, N, K] with `transpose_w`.
-      transpose_w: read W K-minor (`[E, N, K]`) and multiply by its transpose.
+      w: bf16 [E, K, N], or [E, N, K] with `transpose_w`; e4m3 [E, N, K] (or [E, 2N, K]
+        with `gated`) in the fp8 mode.
+      transpose_w: read W K-minor (`[E, N, K]`) and multiply by its transpose (required
+        in the fp8 mode: 8-bit wgmma takes B only K-major).
       config: block sizes.
       interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
       meta: precomputed `aligned_tile_meta(group_sizes, capacity, config.block_m)`.
@@ -97,20 +124,51 @@ def grouped_matmul(
       out_cols: width of the result (default N); columns past N are not written.
       names: how errors name `a` and `w` (the caller's argument names).
       kernel_name: the kernel's name in profiles.
+      row_scales: fp8 mode: f32 [>= P] dequantization scale of each row of `a` (rows past
+        P_a, if any, are never read for real rows).
+      col_scales: fp8 mode: f32 [E, N] (or [E, 2N] with `gated`) per-expert, per-output-
+        channel scale of `w`.
+      gated: fp8 mode: W holds gate and up halves; the output is
+        `swiglu(gate, up)` with N = w.shape[1] // 2 columns (`_common.swiglu_epilogue`:
+        each half rounded to `out_dtype` first, as the bf16 up-proj's H).
+      out_dtype: bf16 (default) or f32.
 
     Returns:
-      bf16 [P, out_cols]. Padding rows are not written (their contents are unspecified).
+      [P, out_cols] in out_dtype. Padding rows are not written (their contents are
+      unspecified).
     """
     a_name, w_name = names
     if a.ndim != 2:
         raise ValueError(f"{a_name} must be 2-D [P, K], got shape {tuple(a.shape)}.")
     if w.ndim != 3:
         raise ValueError(f"{w_name} must be 3-D, got shape {tuple(w.shape)}.")
-    _common.require_dtype(a_name, a, jnp.bfloat16)
-    _common.require_dtype(w_name, w, jnp.bfloat16)
+    fp8 = a.dtype == E4M3
+    if fp8:
+        _common.require_dtype(w_name, w, E4M3)
+        if not transpose_w:
+            raise ValueError(
+                f"the fp8 mode needs transpose_w=True: 8-bit wgmma takes B only K-major, so "
+                f"{w_name} must be [E, N, K]."
+            )
+        if row_scales is None or col_scales is None:
+            raise ValueError("the fp8 mode (e4m3 inputs) needs row_scales and col_scales.")
+    else:
+        _common.require_dtype(a_name, a, jnp.bfloat16)
+        _common.require_dtype(w_name, w, jnp.bfloat16)
+        if row_scales is not None or col_scales is not None or gated:
+            raise ValueError(
+                f"row_scales, col_scales and gated belong to the fp8 mode; {a_name} is {a.dtype}."
+            )
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise TypeError(f"out_dtype must be bfloat16 or float32, got {out_dtype.name}.")
     a_rows, k_dim = a.shape
     num_experts = w.shape[0]
     w_k, n_dim = (w.shape[2], w.shape[1]) if transpose_w else (w.shape[1], w.shape[2])
+    if gated:
+        if n_dim % 2:
+            raise ValueError(f"{w_name}.shape[1]={n_dim} must be even (gate and up halves).")
+        n_dim //= 2
     k_axis, n_axis = (2, 1) if transpose_w else (1, 2)
     if w_k != k_dim:
         raise ValueError(
@@ -121,11 +179,17 @@ def grouped_matmul(
         raise ValueError(f"capacity={capacity} exceeds {a_name}.shape[0]={a_rows}.")
     _common.require_shape("group_sizes", group_sizes, (num_experts,))
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if bk * a.dtype.itemsize != _common.SWIZZLE_BYTES:
+        raise ValueError(
+            f"config.block_k={bk} must be {_common.SWIZZLE_BYTES // a.dtype.itemsize} for "
+            f"{a.dtype} inputs (one 128-byte swizzle row)."
+        )
     _common.require_multiple(
         f"{a_name}.shape[1]", k_dim, bk, f"the K loop steps by block_k={bk}"
     )
     _common.require_multiple(
-        f"{w_name}.shape[{n_axis}]", n_dim, bn, f"a work item computes block_n={bn} columns"
+        f"{w_name}.shape[{n_axis}]" + (" // 2" if gated else ""), n_dim, bn,
+        f"a work item computes block_n={bn} columns",
     )
     out_cols = n_dim if out_cols is None else out_cols
     if out_cols < n_dim:
@@ -138,26 +202,50 @@ def grouped_matmul(
     padded = -(-capacity // bm) * bm
     if a_rows < padded:
         a = jnp.pad(a, ((0, padded - a_rows), (0, 0)))
-    kernel = _kernel(config, k_dim, n_dim, capacity, out_cols, transpose_w, kernel_name, interpret)
+    scales = ()
+    if fp8:
+        w_cols = w.shape[1]
+        _common.require_shape("col_scales", col_scales, (num_experts, w_cols))
+        if row_scales.ndim != 1 or row_scales.shape[0] < capacity:
+            raise ValueError(
+                f"row_scales must be [P_a] with P_a >= capacity={capacity}, got "
+                f"{tuple(row_scales.shape)}."
+            )
+        _common.require_dtype("row_scales", row_scales, jnp.float32)
+        _common.require_dtype("col_scales", col_scales, jnp.float32)
+        if row_scales.shape[0] < padded:  # each consumer loads whole row blocks too
+            row_scales = jnp.pad(row_scales, (0, padded - row_scales.shape[0]))
+        scales = (row_scales, col_scales)
+    kernel = _kernel(config, k_dim, n_dim, capacity, out_cols, transpose_w, kernel_name,
+                     interpret, in_dtype=a.dtype, out_dtype=out_dtype, fp8=fp8, gated=gated)
     num_real = jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1)
-    return kernel(meta.expert, meta.row_start, meta.num_rows, num_real, a, w)
+    return kernel(meta.expert, meta.row_start, meta.num_rows, num_real, a, w, *scales)
 
 
 def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, transpose_w,
-            kernel_name, interpret):
+            kernel_name, interpret, *, in_dtype, out_dtype, fp8: bool, gated: bool):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     split_m = bm == 128
     mb = bm // 2 if split_m else bm  # rows per consumer
     num_sms = config.num_sms
     num_k = k_dim // bk
     grid_n = n_dim // bn
-    dtype = jnp.bfloat16
+    dtype = in_dtype
     tf = _common.mma_transforms(dtype)
+    num_b = 2 if gated else 1  # weight tiles per K step (gate and up)
 
-    def body(expert_ref, start_ref, rows_ref, nreal_ref, a_ref, w_ref, out_ref,
-             a_smem, b_smem, o_smem, full, empty):
+    def body(expert_ref, start_ref, rows_ref, nreal_ref, a_ref, w_ref, *refs):
+        if fp8:
+            (rs_ref, cs_ref, out_ref, a_smem, b_smem, o_smem, full, empty,
+             rs_smem, cs_smem, scale_bar) = refs
+        else:
+            out_ref, a_smem, b_smem, o_smem, full, empty = refs
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
+        if fp8:
+            # The fp8 consumers hold up to two 64x128 (or one 64x256) f32 accumulators plus
+            # the broadcast scales of the epilogue: give them the producer's registers.
+            _common.rebalance_registers(wg, num_consumers=2)
         total = nreal_ref[0] * grid_n  # real work items
         my_items = jnp.maximum(total - sm + num_sms - 1, 0) // num_sms
 
@@ -186,11 +274,13 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         a_ref.at[pl.ds(box0, bm), pl.ds(k0, bk)], a_smem.at[slot],
                         full.at[c, slot],
                     )
-                    if transpose_w:  # [bn, bk], K-minor
-                        w_tile = w_e.at[pl.ds(ni * bn, bn), pl.ds(k0, bk)]
-                    else:  # [bk, bn]
-                        w_tile = w_e.at[pl.ds(k0, bk), pl.ds(ni * bn, bn)]
-                    plgpu.copy_gmem_to_smem(w_tile, b_smem.at[slot], full.at[c, slot])
+                    for h in range(num_b):  # h = 1: the matching up columns, n_dim later
+                        col0 = h * n_dim + ni * bn
+                        if transpose_w:  # [bn, bk], K-minor
+                            w_tile = w_e.at[pl.ds(col0, bn), pl.ds(k0, bk)]
+                        else:  # [bk, bn]
+                            w_tile = w_e.at[pl.ds(k0, bk), pl.ds(col0, bn)]
+                        plgpu.copy_gmem_to_smem(w_tile, b_smem.at[h, slot], full.at[c, slot])
                     return carry
 
                 jax.lax.fori_loop(0, num_k, per_step, None)
@@ -227,16 +317,28 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                     else:
                         count, dst0, src0 = num_rows, row0, shift
 
-                    def mma_scope(acc):
+                    if fp8:  # this item's scales -> SMEM, waited on in the epilogue
+                        scale_rows = box0 + (c * mb if split_m else 0)
+                        plgpu.copy_gmem_to_smem(
+                            rs_ref.at[pl.ds(scale_rows, mb)], rs_smem.at[c], scale_bar.at[c]
+                        )
+                        for h in range(num_b):
+                            plgpu.copy_gmem_to_smem(
+                                cs_ref.at[expert_ref[tile], pl.ds(h * n_dim + ni * bn, bn)],
+                                cs_smem.at[c, h], scale_bar.at[c],
+                            )
+
+                    def mma_scope(*accs):
                         def per_step(k, carry):
                             g = j * num_k + k
                             slot = g % stages
                             plgpu.barrier_wait(full.at[bar_c, slot])
-                            b = b_smem.at[slot]
-                            if transpose_w:
-                                b = b.transpose((1, 0))
-                            plgpu.wgmma(acc, a_smem.at[slot, a_rows], b)  # [mb,bk] @ [bk,bn]
-                            plgpu.wgmma_wait(1)  # step g-1 is done: release its slot
+                            for h, acc in enumerate(accs):
+                                b = b_smem.at[h, slot]
+                                if transpose_w:
+                                    b = b.transpose((1, 0))
+                                plgpu.wgmma(acc, a_smem.at[slot, a_rows], b)  # [mb,bk] @ [bk,bn]
+                            plgpu.wgmma_wait(num_b)  # step g-1 is done: release its slot
 
                             @pl.when(k >= 1)
                             def _():
@@ -247,11 +349,18 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         jax.lax.fori_loop(0, num_k, per_step, None)
                         plgpu.wgmma_wait(0)
                         plgpu.barrier_arrive(empty.at[(j * num_k + num_k - 1) % stages])
-                        return acc[...]
+                        return tuple(acc[...] for acc in accs)
 
-                    y = pl.run_scoped(mma_scope, plgpu.ACC((mb, bn), jnp.float32))  # [mb, bn]
+                    accs = pl.run_scoped(  # [mb, bn] f32 each
+                        mma_scope, *[plgpu.ACC((mb, bn), jnp.float32)] * num_b
+                    )
+                    if fp8:
+                        plgpu.barrier_wait(scale_bar.at[c])
+                        y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c], out_dtype)
+                    else:
+                        (y,) = accs
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's store
-                    o_smem[c] = y.astype(dtype)
+                    o_smem[c] = y.astype(out_dtype)
                     plgpu.commit_smem()
                     _common.store_rows(
                         o_smem.at[c], out_ref.at[:, pl.ds(ni * bn, bn)], dst0, count, mb,
@@ -263,18 +372,26 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                 jax.lax.fori_loop(0, num_mine, per_item, None)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    b_shape = (stages, bn, bk) if transpose_w else (stages, bk, bn)
+    b_shape = (num_b, stages, bn, bk) if transpose_w else (num_b, stages, bk, bn)
+    scratch = [
+        plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),
+        plgpu.SMEM(b_shape, dtype, transforms=tf),
+        plgpu.SMEM((2, mb, bn), out_dtype),
+        # full[.., slot]: the A box and the weight tile(s) of one K step.
+        plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=(1 if split_m else 2, stages)),
+        plgpu.Barrier(num_arrivals=2 if split_m else 1, num_barriers=stages),
+    ]
+    if fp8:  # per consumer: its rows' scales, the item's column scales, their barrier
+        scratch += [
+            plgpu.SMEM((2, mb), jnp.float32),
+            plgpu.SMEM((2, num_b, bn), jnp.float32),
+            plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=2),
+        ]
     return plgpu.kernel(
         body,
         kernel_name=kernel_name,
-        out_type=jax.ShapeDtypeStruct((capacity, out_cols), dtype),
-        scratch_types=[
-            plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),
-            plgpu.SMEM(b_shape, dtype, transforms=tf),
-            plgpu.SMEM((2, mb, bn), dtype),
-            plgpu.Barrier(num_arrivals=2, num_barriers=(1 if split_m else 2, stages)),
-            plgpu.Barrier(num_arrivals=2 if split_m else 1, num_barriers=stages),
-        ],
+        out_type=jax.ShapeDtypeStruct((capacity, out_cols), out_dtype),
+        scratch_types=scratch,
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=3,
@@ -282,3 +399,27 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=_common.interpret_params(interpret),
     )
+
+
+def _dequantize_epilogue(accs, row_scales_smem, col_scales_smem, out_dtype):
+    """fp8 epilogue: `acc * row_scale * col_scale` per accumulator (f32), then SwiGLU of the
+    (gate, up) pair when there are two. Returns [mb, bn] f32 (or out_dtype for SwiGLU).
+
+    Args:
+      accs: one or two (gate, up) f32 [mb, bn] accumulators in the WGMMA layout.
+      row_scales_smem: SMEM f32 [mb], the scales of the consumer's rows.
+      col_scales_smem: SMEM f32 [len(accs), bn], the item's column scales.
+      out_dtype: the output dtype (SwiGLU rounds each half to it first).
+    """
+    mb, bn = accs[0].shape
+    layout = plgpu.Layout.WGMMA
+    rows = plgpu.load(row_scales_smem, layout=layout.reduce(1), optimized=False)  # [mb]
+    rows = jax.lax.broadcast_in_dim(rows, (mb, bn), [0])
+    out = []
+    for h, acc in enumerate(accs):
+        cols = plgpu.load(col_scales_smem.at[h], layout=layout.reduce(0), optimized=False)
+        out.append(acc * rows * jax.lax.broadcast_in_dim(cols, (mb, bn), [1]))
+    if len(out) == 1:
+        return out[0]
+    act, _, _ = _common.swiglu_epilogue(out[0], out[1], out_dtype)
+    return act

@@ -51,6 +51,47 @@ def down_proj_reference(a: jax.Array, group_sizes: jax.Array, w_down: jax.Array)
     return jnp.where(valid[:, None], y, 0.0).astype(a.dtype)
 
 
+def fp8_grouped_matmul_reference(
+    a: jax.Array,
+    group_sizes: jax.Array,
+    w_t: jax.Array,
+    row_scales: jax.Array,
+    col_scales: jax.Array,
+    *,
+    gated: bool,
+    capacity: int | None = None,
+    out_dtype=jnp.bfloat16,
+) -> jax.Array:
+    """The grouped GEMM's fp8 mode: `acc = A[r] @ W[e]^T` (e4m3 products, f32 sums), then
+    `acc * row_scales[r] * col_scales[e, j]`; with `gated`, SwiGLU of the (gate, up) halves
+    rounded to out_dtype first (`_common.swiglu_epilogue`'s order).
+
+    Args:
+      a: e4m3 [P_a, K]; w_t: e4m3 [E, N, K] ([E, 2N, K] gated); row_scales f32 [>= P];
+      col_scales f32 [E, N] ([E, 2N]); capacity: P (default a.shape[0]).
+
+    Returns:
+      [P, N] in out_dtype; padding rows are zero.
+    """
+    capacity = a.shape[0] if capacity is None else capacity
+    num_experts = w_t.shape[0]
+    expert = _row_expert(group_sizes, capacity)
+    valid = expert < num_experts
+    e = jnp.minimum(expert, num_experts - 1)
+    # Grouped rows are contiguous per expert: a ragged dot, no per-row weight copy.
+    acc = jax.lax.ragged_dot(
+        a[:capacity].astype(jnp.float32), jnp.swapaxes(w_t, 1, 2).astype(jnp.float32),
+        group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
+    )  # [P, N]; rows past sum(group_sizes) are 0
+    deq = acc * row_scales[:capacity, None] * col_scales[e]
+    if gated:
+        n = deq.shape[1] // 2
+        hg = deq[:, :n].astype(out_dtype).astype(jnp.float32)
+        hu = deq[:, n:].astype(out_dtype).astype(jnp.float32)
+        deq = hg * jax.nn.sigmoid(hg) * hu
+    return jnp.where(valid[:, None], deq, 0.0).astype(out_dtype)
+
+
 def aggregate_reference(
     y: jax.Array,
     rows_by_token: jax.Array,

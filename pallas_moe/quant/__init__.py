@@ -5,8 +5,11 @@
 - `moe_smoothquant_topk(x, smooth_scales, topk_ids, *, out_dtype)`: `Q [T, K, d]`, `s [T, K]`.
 - `quantize_weights` / `dequantize_weights`: per-expert, per-output-channel e4m3 (or int8).
 - `expert_activation_absmax`, `calibrate_smoothing`: SmoothQuant calibration.
+- `quantize_experts`, `moe_ffn_fp8`: the fp8 (e4m3) inference forward of a SwiGLU MoE layer
+  (fp8 grouped GEMMs with dequantizing epilogues; inference only).
 """
 
+from pallas_moe.quant.ffn import Fp8ForwardConfig, QuantizedExperts, moe_ffn_fp8, quantize_experts
 from pallas_moe.quant.kernel import SmoothQuantConfig, smoothquant_kernel
 from pallas_moe.quant.reference import QMAX, quantize_absmax, quantize_row
 from pallas_moe.quant.smoothquant import moe_smoothquant, moe_smoothquant_topk
@@ -21,4 +24,5 @@ __all__ = [
     "moe_smoothquant", "moe_smoothquant_topk", "SmoothQuantConfig", "smoothquant_kernel",
     "QMAX", "quantize_row", "quantize_absmax",
     "quantize_weights", "dequantize_weights", "expert_activation_absmax", "calibrate_smoothing",
+    "moe_ffn_fp8", "quantize_experts", "QuantizedExperts", "Fp8ForwardConfig",
 ]

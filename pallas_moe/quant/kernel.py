@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
-from pallas_moe.quant.reference import qmax_of, quantize_row
+from pallas_moe.quant.reference import correctly_rounded_reciprocal, qmax_of, quantize_row
 
 _WG = 128  # threads in a warpgroup
 _VECS = (8, 4, 2, 1)
@@ -63,6 +63,17 @@ class SmoothQuantConfig:
             f"d (x.shape[1])={d} must be a multiple of {_WG} (a warpgroup's {_WG} threads split "
             "each row evenly); use backend='xla' for other widths."
         )
+
+
+def _warpgroup_reciprocal(scale: jax.Array) -> jax.Array:
+    """`correctly_rounded_reciprocal` of a scalar inside a kernel: Mosaic GPU (jax 0.11.2)
+    cannot bitcast a scalar, so every thread of the warpgroup computes it on its own copy
+    (a [128] vector, one element per thread) and a max over the equal copies makes it a
+    scalar again."""
+    copies = plgpu.layout_cast(
+        jnp.full((_WG,), scale, jnp.float32), plgpu.Layout.WG_STRIDED((_WG,), vec_size=1)
+    )
+    return jnp.max(correctly_rounded_reciprocal(copies))
 
 
 def supports_width(d: int) -> bool:
@@ -141,7 +152,9 @@ def smoothquant_kernel(
                     def quantize(j, smooth):
                         # Issue the next row's scale load before this row's reduction.
                         nxt = smooth_row(jnp.minimum(j + 1, stop - 1))
-                        q, s = quantize_row(xt.astype(jnp.float32) * smooth, out_dtype)
+                        q, s = quantize_row(
+                            xt.astype(jnp.float32) * smooth, out_dtype, _warpgroup_reciprocal
+                        )
                         r = rows_ref[j]
                         q_ref[r] = q
                         s_ref[r] = s

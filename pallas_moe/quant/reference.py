@@ -4,21 +4,27 @@ For one row `y` (f32 [d]) and a target dtype with largest magnitude `qmax` (127 
 448 for float8_e4m3fn), in f32 arithmetic:
 
     s = max_j |y_j| * fl(1 / qmax)
-    Q = saturate(round(y * fl(1 / s)))
+    Q = saturate(round(y * rcp(s)))
 
-that is `s = max|y| / qmax` and `Q = round(y / s)`, with both divisions done as a multiply
-by a correctly rounded f32 reciprocal. That is what XLA compiles `y / s` into anyway (it
-rewrites division by a constant or a broadcast scalar), so spelling it out keeps the kernel,
-the XLA reference and numpy on one bit-exact definition; it also leaves the kernel one
-division per row instead of one per element.
+that is `s = max|y| / qmax` and `Q = round(y / s)`, both divisions done as a multiply by
+the *correctly rounded* f32 reciprocal (`rcp(s)` = the f32 nearest to `1 / s`, as numpy's
+`np.float32(1) / s`). One reciprocal per row instead of one division per element.
+
+`rcp` is computed the same way on every backend, so the Pallas kernel, XLA on CPU or GPU
+and numpy agree bit for bit (`correctly_rounded_reciprocal`): the platform's `1 / m` of the
+mantissa (on the GPU both XLA and Mosaic compile an f32 division to `div.full.f32`, up to
+2 ulp off: the first H100 run had 1-3 elements per sample one step off numpy), then an
+exact integer remainder check that moves it to the nearest f32. The multiplies `x * S`,
+`max * fl(1/qmax)` and `y * rcp(s)` are single correctly rounded f32 operations everywhere.
 
 Rounding is round-half-to-even in both cases: for int8 `jnp.round` to the nearest integer,
 for e4m3 the f32 -> e4m3 cast itself (the GPU's `cvt.rn.satfinite.e4m3x2.f32`). Saturation
-clips to `[-qmax, qmax]` first (int8 never produces -128). A row whose scale would be below
-the smallest normal f32 (`max|y| < qmax * 2^-126`, all zeros included) is a zero row:
-`s = 0` and `Q = 0`, never a NaN (this also keeps platforms that flush subnormals in
-agreement). A NaN in `y` makes `s` NaN; an infinite `y` (for example `x * S` overflowing
-f32) makes `s` infinite: such rows are marked by their scale, and their `Q` is meaningless.
+clips to `[-qmax, qmax]` first (int8 never produces -128; e4m3 never NaN from a finite
+value). A row whose scale would be below the smallest normal f32 (`max|y| < qmax * 2^-126`,
+all zeros included) is a zero row: `s = 0` and `Q = 0`, never a NaN (this also keeps
+platforms that flush subnormals in agreement). A NaN in `y` makes `s` NaN; an infinite `y`
+(for example `x * S` overflowing f32) makes `s` infinite: such rows are marked by their
+scale, and their `Q` is meaningless.
 
 `quantize_row` is traced both inside the Pallas kernel (on one row held in registers) and,
 vmapped, by the jnp reference, so the two backends run the same operations in the same order.
@@ -49,12 +55,72 @@ def qmax_of(dtype) -> float:
     return QMAX[dtype]
 
 
-def quantize_row(y: jax.Array, out_dtype) -> tuple[jax.Array, jax.Array]:
+# The reciprocal of a normal f32 below 2^126 is a normal f32; every scale here is below
+# f32max / 127 < 2^121 (larger inputs are non-finite or flushed to zero rows).
+_RCP_EXACT_BELOW = np.float32(2.0**126)
+_MANTISSA_BITS = 23
+_ONE_BITS = 127 << _MANTISSA_BITS  # bit pattern of 1.0f
+
+
+def correctly_rounded_reciprocal(s: jax.Array, approx: jax.Array | None = None) -> jax.Array:
+    """The f32 nearest to `1 / s` (round half to even), for normal positive `s < 2^126`.
+
+    Writes `s = m * 2^k` with `m` in [1, 2) and `M = m * 2^23` (a 24-bit integer), so
+    `1 / m = 2^23 / M` and the answer's mantissa is `q = round(2^47 / M)` in
+    `[2^23, 2^24]`. `q0 = (1 / m) * 2^24` from the platform's division (or `approx`, any
+    estimate of `1 / m` within a few ulp) is corrected with the exact remainder
+    `2^47 - q * M`: it is small (|q - q0| <= 4 ulp gives |rem| < 5 M < 2^26), so int32
+    arithmetic modulo 2^32 (`2^47 = 0 mod 2^32`) computes it exactly. Each step moves `q`
+    by one toward the remainder's side while `|rem| > M / 2`; a tie (`2 |rem| = M`) would
+    need `M` to divide `2^48`, i.e. `m = 1`, where `1 / m` is exact. Integer operations and
+    power-of-two scalings are exact on every platform, so the result is the same on CPU,
+    GPU and in numpy (`np.float32(1) / s`). Other inputs (NaN, inf, s >= 2^126) get the
+    platform's `1 / s`.
+
+    Args:
+      s: f32 array (any shape).
+      approx: test hook: an f32 estimate of `1 / m` to start from instead of the platform's
+        division (same shape as `s`).
+
+    Returns:
+      f32, `s`'s shape.
+    """
+    s = s.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
+    mant = bits & ((1 << _MANTISSA_BITS) - 1)
+    m = jax.lax.bitcast_convert_type(mant | _ONE_BITS, jnp.float32)  # [1, 2)
+    r0 = 1.0 / m if approx is None else approx
+    q = (r0 * np.float32(2.0**24)).astype(jnp.int32)  # exact: r0 in [0.5, 1]
+    big_m = mant | (1 << _MANTISSA_BITS)  # M in [2^23, 2^24)
+    rem = -(q * big_m)  # 2^47 - q * M, exact modulo 2^32
+    for _ in range(4):  # div.full.f32 is within 2 ulp; one step of margin
+        up = 2 * rem > big_m
+        down = 2 * rem < -big_m
+        q = q + up.astype(jnp.int32) - down.astype(jnp.int32)
+        rem = rem - jnp.where(up, big_m, 0) + jnp.where(down, big_m, 0)
+    # 1/s = (q * 2^-24) * 2^(127 - e), e the biased exponent of s: assembled as bits (a
+    # float product could be reassociated through a subnormal and flushed, as XLA:CPU does).
+    exponent = jax.lax.shift_right_logical(bits, _MANTISSA_BITS) & 0xFF
+    whole = q >> (_MANTISSA_BITS + 1)  # 1 when q = 2^24 (m = 1: 1/s is a power of two)
+    result_bits = ((253 + whole - exponent) << _MANTISSA_BITS) | (
+        (q >> whole) & ((1 << _MANTISSA_BITS) - 1)
+    )
+    exact = jax.lax.bitcast_convert_type(result_bits, jnp.float32)
+    usable = (s >= np.float32(np.finfo(np.float32).tiny)) & (s < _RCP_EXACT_BELOW)
+    return jnp.where(usable, exact, 1.0 / jnp.where(usable, 1.0, s))
+
+
+def quantize_row(
+    y: jax.Array, out_dtype, reciprocal=correctly_rounded_reciprocal
+) -> tuple[jax.Array, jax.Array]:
     """Quantizes one f32 row with its own absmax scale.
 
     Args:
       y: f32 [d].
       out_dtype: int8 or float8_e4m3fn.
+      reciprocal: computes `correctly_rounded_reciprocal` of the f32 scalar scale (the
+        Pallas kernel passes a version that runs it on a vector: Mosaic GPU cannot bitcast
+        a scalar).
 
     Returns:
       `(q, s)`: q [d] in out_dtype and the f32 scalar scale s, with `q * s ~= y`.
@@ -64,7 +130,7 @@ def quantize_row(y: jax.Array, out_dtype) -> tuple[jax.Array, jax.Array]:
     scale = amax * np.float32(1.0 / qmax)
     zero_row = scale < _SMALLEST_NORMAL  # False for NaN, so a NaN row keeps s = NaN
     scale = jnp.where(zero_row, 0.0, scale)
-    inv_scale = jnp.where(zero_row, 0.0, 1.0 / jnp.where(zero_row, 1.0, scale))
+    inv_scale = jnp.where(zero_row, 0.0, reciprocal(jnp.where(zero_row, 1.0, scale)))
     v = jnp.clip(y * inv_scale, -qmax, qmax)
     if jnp.dtype(out_dtype) == jnp.int8:
         v = jnp.round(v)  # round half to even

@@ -22,26 +22,39 @@ from pallas_moe.quant.reference import quantize_absmax
 from pallas_moe.routing.plan import DispatchPlan
 
 
-def quantize_weights(w: jax.Array, *, out_dtype=jnp.float8_e4m3fn) -> tuple[jax.Array, jax.Array]:
+def quantize_weights(
+    w: jax.Array, *, out_dtype=jnp.float8_e4m3fn, k_major: bool = False
+) -> tuple[jax.Array, jax.Array]:
     """Per-expert, per-output-channel absmax quantization of `[E, in, out]` weights.
 
     Args:
       w: [E, in, out] float weights (e.g. `w_gate_up` [E, d, 2n] or `w_down` [E, n, d]).
       out_dtype: float8_e4m3fn (default) or int8.
+      k_major: return q transposed, `[E, out, in]`: the layout the fp8 grouped GEMM reads
+        (8-bit wgmma takes its B operand only K-major).
 
     Returns:
-      `(q, scales)`: q [E, in, out] in out_dtype and scales f32 [E, out] with
-      `q[e, :, o] * scales[e, o] ~= w[e, :, o]`; an all-zero column gets scale 0 and q = 0.
+      `(q, scales)`: q [E, in, out] (`[E, out, in]` if k_major) in out_dtype and scales
+      f32 [E, out] with `q[e, :, o] * scales[e, o] ~= w[e, :, o]`; an all-zero column gets
+      scale 0 and q = 0.
     """
     _checks.check_floating("w", w, ndim=3)
+    if k_major:
+        return quantize_absmax(jnp.swapaxes(w, 1, 2), out_dtype, axis=2)
     return quantize_absmax(w, out_dtype, axis=1)
 
 
-def dequantize_weights(q: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """Inverse of `quantize_weights`: `q [E, in, out] * scales [E, out]` in `dtype`."""
+def dequantize_weights(
+    q: jax.Array, scales: jax.Array, dtype=jnp.float32, *, k_major: bool = False
+) -> jax.Array:
+    """Inverse of `quantize_weights`: `q [E, in, out] * scales [E, out]` in `dtype`, always
+    returned `[E, in, out]` (`k_major`: q is `[E, out, in]`)."""
+    if k_major and q.ndim == 3:
+        q = jnp.swapaxes(q, 1, 2)
     if q.ndim != 3 or scales.shape != (q.shape[0], q.shape[2]):
         raise ValueError(
-            f"q must be [E, in, out] and scales [E, out]; got {q.shape} and {scales.shape}."
+            f"q must be [E, in, out] ([E, out, in] if k_major) and scales [E, out]; got "
+            f"{q.shape} and {scales.shape}."
         )
     return (q.astype(jnp.float32) * scales[:, None, :]).astype(dtype)
 

@@ -1,0 +1,351 @@
+"""`pm.quant.moe_ffn_fp8`: the fp8 (e4m3) inference forward of a SwiGLU MoE layer.
+
+    Q1, s1 = moe_smoothquant(X, S1, plan)                e4m3 [P, d], f32 [P]: gather fused
+    A      = swiglu(Q1 @ W1q[e]^T * s1 * c1[e])          bf16 [P, n]: fp8 grouped GEMM, gated
+    Q2, s2 = smoothquant(A, S2[e(r)])                    e4m3 [P, n]: contiguous rows, no gather
+    Y      = Q2 @ W2q[e]^T * s2 * c2[e]                  bf16 [P, d]: fp8 grouped GEMM
+    O      = aggregate(Y, plan, scores)                  the bf16 path's aggregation
+
+Weights come from `quantize_experts` (per expert, per output channel e4m3 with f32 scales,
+stored K-major `[E, 2n, d]` / `[E, d, n]`: 8-bit wgmma takes B only K-major). The smooth
+scales S1 [E, d], S2 [E, n] multiply the activations (`calibrate_smoothing`; ones when not
+calibrated).
+
+Why A is written in bf16 and quantized by a second pass: the row scale of A needs the max
+over all n columns of a row, and one CTA holds only `block_n` of them (both SwiGLU halves
+of n = 512 columns for 64 rows would be 256 KB of f32 accumulators, the whole register
+file). So the up-proj's epilogue dequantizes and applies SwiGLU, writes A in bf16 (as the
+bf16 path does), and the SmoothQuant kernel quantizes its rows in place of tokens: one CSR
+entry per row, no gather (`P * n * 3` bytes more traffic than a fused quantization).
+
+Inference only: differentiating `moe_ffn_fp8` raises a TypeError (the quantizers have no
+useful gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe import _checks
+from pallas_moe.numerics import AGGREGATIONS
+from pallas_moe.ops.moe_ffn import resolve_backend
+from pallas_moe.quant.reference import smoothquant_rows_reference
+from pallas_moe.quant.weights import quantize_weights
+from pallas_moe.routing.plan import DispatchPlan
+
+Backend = Literal["auto", "mosaic", "interpret", "xla"]
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+# The kernels' width unit: a warpgroup's 128 threads split a SmoothQuant row, and a K step
+# of the fp8 GEMM is 128 elements (one 128-byte swizzle row).
+FP8_WIDTH_MULTIPLE = 128
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["w_gate_up", "gate_up_scales", "w_down", "down_scales", "smooth_up",
+                 "smooth_down"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class QuantizedExperts:
+    """An MoE layer's expert weights in e4m3, as `moe_ffn_fp8` reads them.
+
+    Attributes:
+      w_gate_up: e4m3 [E, 2n, d], `quantize_weights(w_gate_up, k_major=True)`.
+      gate_up_scales: f32 [E, 2n], per output channel.
+      w_down: e4m3 [E, d, n], `quantize_weights(w_down, k_major=True)`.
+      down_scales: f32 [E, d].
+      smooth_up: f32 [E, d], SmoothQuant scales multiplying X before its quantization.
+      smooth_down: f32 [E, n], SmoothQuant scales multiplying A before its quantization.
+    """
+
+    w_gate_up: jax.Array
+    gate_up_scales: jax.Array
+    w_down: jax.Array
+    down_scales: jax.Array
+    smooth_up: jax.Array
+    smooth_down: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, d, n)."""
+        num_experts, two_n, d = self.w_gate_up.shape
+        return num_experts, d, two_n // 2
+
+
+def quantize_experts(
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    smooth_up: jax.Array | None = None,
+    smooth_down: jax.Array | None = None,
+) -> QuantizedExperts:
+    """Quantizes bf16 (or f32) expert weights for `moe_ffn_fp8`.
+
+    Args:
+      w_gate_up: [E, d, 2n] (gate = [..., :n], up = [..., n:]), with the up-proj's smoothing
+        already folded in when `smooth_up` is given (`calibrate_smoothing` returns both).
+      w_down: [E, n, d], likewise for `smooth_down`.
+      smooth_up: f32 [E, d] or None (ones: no smoothing).
+      smooth_down: f32 [E, n] or None (ones).
+
+    Returns:
+      A `QuantizedExperts`.
+    """
+    _checks.check_floating("w_gate_up", w_gate_up, ndim=3)
+    _checks.check_floating("w_down", w_down, ndim=3)
+    num_experts, d, two_n = w_gate_up.shape
+    if two_n % 2:
+        raise ValueError(f"w_gate_up's last dim must be 2n (gate then up), got odd {two_n}.")
+    n = two_n // 2
+    if w_down.shape != (num_experts, n, d):
+        raise ValueError(f"w_down must be [E, n, d] = {(num_experts, n, d)}, got {w_down.shape}.")
+    smooth_up = _smooth_or_ones("smooth_up", smooth_up, (num_experts, d))
+    smooth_down = _smooth_or_ones("smooth_down", smooth_down, (num_experts, n))
+    w1, c1 = quantize_weights(w_gate_up, out_dtype=E4M3, k_major=True)
+    w2, c2 = quantize_weights(w_down, out_dtype=E4M3, k_major=True)
+    return QuantizedExperts(w1, c1, w2, c2, smooth_up, smooth_down)
+
+
+def _smooth_or_ones(name, smooth, shape):
+    if smooth is None:
+        return jnp.ones(shape, jnp.float32)
+    _checks.check_floating(name, smooth, ndim=2)
+    if tuple(smooth.shape) != shape or smooth.dtype != jnp.float32:
+        raise ValueError(f"{name} must be f32 {shape}, got {smooth.dtype} {tuple(smooth.shape)}.")
+    return smooth
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8ForwardConfig:
+    """Block sizes of the fp8 forward's kernels.
+
+    Attributes:
+      up: the gated fp8 grouped GEMM (`block_k` 128).
+      down: the fp8 down-proj grouped GEMM (`block_k` 128).
+      quant: the SmoothQuant kernel (both quantizations).
+      aggregate: the aggregation kernel.
+    """
+
+    up: "GroupedMatmulConfig"
+    down: "GroupedMatmulConfig"
+    quant: "SmoothQuantConfig"
+    aggregate: "AggregateConfig"
+
+    @classmethod
+    def for_shape(cls, d: int, n: int, *, num_sms: int | None = None) -> "Fp8ForwardConfig":
+        """Defaults for model width `d` and expert width `n` (multiples of 128). SMEM per CTA:
+        up 3 stages x (A 16 KB + gate and up tiles 32 KB) + 32 KB output = 176 KB; down with
+        256-column blocks 3 x 48 KB + 64 KB = 208 KB (4 stages of 128 columns: 160 KB)."""
+        from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
+        from pallas_moe.kernels.moe_forward import ForwardConfig, default_num_sms
+        from pallas_moe.quant.kernel import SmoothQuantConfig
+
+        for name, value in (("d", d), ("n", n)):
+            if value % FP8_WIDTH_MULTIPLE:
+                raise ValueError(
+                    f"{name}={value} must be a multiple of {FP8_WIDTH_MULTIPLE} for the fp8 kernels."
+                )
+        num_sms = default_num_sms() if num_sms is None else num_sms
+        up = GroupedMatmulConfig(block_m=128, block_n=128, block_k=128, num_stages=3,
+                                 num_sms=num_sms)
+        if d % 256 == 0:
+            down = GroupedMatmulConfig(block_m=128, block_n=256, block_k=128, num_stages=3,
+                                       num_sms=num_sms)
+        else:
+            down = GroupedMatmulConfig(block_m=128, block_n=128, block_k=128, num_stages=4,
+                                       num_sms=num_sms)
+        agg = ForwardConfig.for_shape(d, n, num_sms=num_sms).aggregate
+        return cls(up=up, down=down, quant=SmoothQuantConfig(), aggregate=agg)
+
+
+def check_fp8_inputs(x: jax.Array, plan: DispatchPlan, experts: QuantizedExperts) -> None:
+    """Raises a clear error when `moe_ffn_fp8`'s inputs disagree."""
+    if not isinstance(plan, DispatchPlan):
+        raise TypeError(f"plan must be a pallas_moe.routing.DispatchPlan, got {type(plan).__name__}.")
+    if not isinstance(experts, QuantizedExperts):
+        raise TypeError(
+            "experts must be a pallas_moe.quant.QuantizedExperts (from quantize_experts), got "
+            f"{type(experts).__name__}."
+        )
+    _checks.check_floating("x", x, ndim=2)
+    if x.dtype != jnp.bfloat16:
+        raise TypeError(f"x must be bf16, got {x.dtype}.")
+    num_tokens, d = x.shape
+    if experts.w_gate_up.ndim != 3:
+        raise ValueError(f"experts.w_gate_up must be [E, 2n, d], got {experts.w_gate_up.shape}.")
+    num_experts, d_w, n = experts.shape
+    if d_w != d:
+        raise ValueError(f"experts.w_gate_up must be [E, 2n, d] with d={d} from x; got "
+                         f"{experts.w_gate_up.shape}.")
+    expected = {
+        "w_gate_up": ((num_experts, 2 * n, d), E4M3),
+        "gate_up_scales": ((num_experts, 2 * n), jnp.float32),
+        "w_down": ((num_experts, d, n), E4M3),
+        "down_scales": ((num_experts, d), jnp.float32),
+        "smooth_up": ((num_experts, d), jnp.float32),
+        "smooth_down": ((num_experts, n), jnp.float32),
+    }
+    for name, (shape, dtype) in expected.items():
+        value = getattr(experts, name)
+        if tuple(value.shape) != shape or value.dtype != jnp.dtype(dtype):
+            raise ValueError(
+                f"experts.{name} must be {jnp.dtype(dtype).name} {shape}, got "
+                f"{value.dtype} {tuple(value.shape)}."
+            )
+    if plan.num_tokens != num_tokens:
+        raise ValueError(f"plan was built for T={plan.num_tokens} tokens but x has T={num_tokens}.")
+    if plan.num_experts != num_experts:
+        raise ValueError(f"experts has {num_experts} experts but the plan routes to E={plan.num_experts}.")
+
+
+def moe_ffn_fp8(
+    x: jax.Array,
+    plan: DispatchPlan,
+    experts: QuantizedExperts,
+    *,
+    backend: Backend = "auto",
+    config: Fp8ForwardConfig | None = None,
+    aggregation: str = "fp32",
+    interpret_params: plgpu.InterpretGPUParams | None = None,
+) -> jax.Array:
+    """fp8 inference forward of a SwiGLU MoE layer (module docstring for the steps).
+
+    Args:
+      x: bf16 [T, d] tokens.
+      plan: the `DispatchPlan` (top-K or token rounding).
+      experts: `quantize_experts(w_gate_up, w_down, ...)`.
+      backend: "mosaic" (Pallas kernels on a Hopper GPU), "interpret" (the same kernels in
+        Mosaic GPU interpret mode, for CPU tests), "xla" (jnp references of every step,
+        runs anywhere) or "auto" (mosaic on Hopper when d and n are multiples of 128, else xla).
+      config: kernel block sizes (`Fp8ForwardConfig.for_shape(d, n)` if None).
+      aggregation: "fp32", "bf16_per_expert" or "bf16_scores" (`pallas_moe.numerics`).
+      interpret_params: interpret-mode settings (e.g. `detect_races=True`) for "interpret".
+
+    Returns:
+      bf16 [T, d]. Not differentiable: `jax.grad` / `jax.jvp` raise a TypeError.
+    """
+    check_fp8_inputs(x, plan, experts)
+    _checks.check_choice("aggregation", aggregation, AGGREGATIONS)
+    num_experts, d, n = experts.shape
+    widths_fit = d % FP8_WIDTH_MULTIPLE == 0 and n % FP8_WIDTH_MULTIPLE == 0
+    resolved = resolve_backend(backend)
+    if backend == "auto" and not widths_fit:
+        resolved = "xla"
+    if config is not None:
+        if not isinstance(config, Fp8ForwardConfig):
+            raise TypeError(f"config must be an Fp8ForwardConfig or None, got {type(config).__name__}.")
+        if resolved == "xla" and backend == "xla":
+            raise ValueError("config sets kernel block sizes; backend='xla' runs no kernels.")
+    if resolved == "xla":
+        run = functools.partial(_forward_xla, aggregation=aggregation)
+    else:
+        if not widths_fit:
+            raise ValueError(
+                f"backend={backend!r}: the fp8 kernels need d and n multiples of "
+                f"{FP8_WIDTH_MULTIPLE}, got d={d}, n={n}; use backend='xla' or 'auto'."
+            )
+        interpret = (interpret_params or True) if resolved == "interpret" else False
+        if config is None:
+            config = Fp8ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
+        run = functools.partial(_forward_kernels, config=config, aggregation=aggregation,
+                                interpret=interpret)
+    return _inference_only(run, x, plan, experts)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _inference_only(run, x, plan, experts):
+    return run(x, plan, experts)
+
+
+@_inference_only.defjvp
+def _no_derivative(run, primals, tangents):
+    del run, primals, tangents
+    raise TypeError(
+        "pm.quant.moe_ffn_fp8 is inference-only: its quantizers have no useful derivative. "
+        "Differentiate pm.moe_ffn (bf16) instead."
+    )
+
+
+def _row_experts(plan: DispatchPlan) -> jax.Array:
+    """i32 [P] expert of each grouped row, clamped to [0, E) (padding rows: E - 1)."""
+    return jnp.minimum(plan.expert_ids, plan.num_experts - 1)
+
+
+def _forward_kernels(x, plan, experts: QuantizedExperts, *, config: Fp8ForwardConfig,
+                     aggregation, interpret):
+    from pallas_moe.kernels import _common
+    from pallas_moe.kernels.aggregate import aggregate
+    from pallas_moe.kernels.grouped_gemm import grouped_matmul
+    from pallas_moe.kernels.moe_forward import aggregate_width
+    from pallas_moe.quant.kernel import smoothquant_kernel
+
+    num_experts, d, n = experts.shape
+    capacity = plan.capacity
+    # Each GEMM loads whole aligned row blocks: the quantized rows (and their scales) come
+    # out of the SmoothQuant kernel padded to them, zero-filled, so no copy pads them later.
+    up_rows = -(-capacity // config.up.block_m) * config.up.block_m
+    down_rows = -(-capacity // config.down.block_m) * config.down.block_m
+    row_experts = _row_experts(plan)
+
+    q1, s1 = smoothquant_kernel(  # tokens' rows at their grouped positions (gather fused)
+        x, experts.smooth_up, plan.token_row_offsets, plan.rows_by_token,
+        row_experts[plan.rows_by_token], plan.num_rows, num_out_rows=up_rows, out_dtype=E4M3,
+        config=config.quant, interpret=interpret,
+    )
+    up_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.up.block_m)
+    a = grouped_matmul(
+        q1, plan.group_sizes, experts.w_gate_up, transpose_w=True, config=config.up,
+        interpret=interpret, meta=up_meta, capacity=capacity, row_scales=s1,
+        col_scales=experts.gate_up_scales, gated=True, names=("q", "experts.w_gate_up"),
+        kernel_name="moe_fp8_up_proj",
+    )  # bf16 [P, n]; padding rows unwritten
+    # A's rows are already grouped: row r is its own "token" with one CSR entry (no gather);
+    # rows past num_rows own none and come out as zeros.
+    rows = jnp.arange(capacity + 1, dtype=jnp.int32)
+    q2, s2 = smoothquant_kernel(
+        a, experts.smooth_down, jnp.minimum(rows, plan.num_rows), rows[:-1], row_experts,
+        plan.num_rows, num_out_rows=down_rows, out_dtype=E4M3, config=config.quant,
+        interpret=interpret,
+    )
+    down_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
+    width = aggregate_width(d)
+    y = grouped_matmul(
+        q2, plan.group_sizes, experts.w_down, transpose_w=True, config=config.down,
+        interpret=interpret, meta=down_meta, capacity=capacity, out_cols=width, row_scales=s2,
+        col_scales=experts.down_scales, names=("q", "experts.w_down"),
+        kernel_name="moe_fp8_down_proj",
+    )  # bf16 [P, width]
+    out = aggregate(
+        y, plan.rows_by_token, plan.token_row_offsets, plan.scores, aggregation=aggregation,
+        out_dtype=x.dtype, config=config.aggregate, interpret=interpret,
+    )
+    return out[:, :d] if width != d else out
+
+
+def _forward_xla(x, plan, experts: QuantizedExperts, *, aggregation):
+    """The same steps through the jnp references (same formulas and rounding points; the
+    GEMMs' f32 sums run in another order)."""
+    from pallas_moe.kernels.reference import fp8_grouped_matmul_reference
+    from pallas_moe.ops.xla import aggregate_rows
+
+    row_experts = _row_experts(plan)
+    valid = plan.row_is_valid
+    q1, s1 = smoothquant_rows_reference(
+        x, experts.smooth_up, plan.token_ids, row_experts, valid, E4M3
+    )
+    a = fp8_grouped_matmul_reference(
+        q1, plan.group_sizes, experts.w_gate_up, s1, experts.gate_up_scales, gated=True
+    )
+    rows = jnp.arange(plan.capacity, dtype=jnp.int32)
+    q2, s2 = smoothquant_rows_reference(a, experts.smooth_down, rows, row_experts, valid, E4M3)
+    y = fp8_grouped_matmul_reference(
+        q2, plan.group_sizes, experts.w_down, s2, experts.down_scales, gated=False
+    )
+    return aggregate_rows(y, plan, aggregation).astype(x.dtype)

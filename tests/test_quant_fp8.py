@@ -1,0 +1,306 @@
+"""The fp8 inference path: the grouped GEMM's fp8 mode (e4m3 x e4m3 -> f32, dequantizing
+epilogue, gated SwiGLU) in Mosaic GPU interpret mode against jnp/numpy references, its cuda
+lowering at the 7B and 30B shapes, and `pm.quant.moe_ffn_fp8` (interpret and xla) against
+the bf16 layer. Interpret mode fills fresh outputs with NaN: an unwritten real row fails and
+rows a kernel must not touch are checked to still be NaN."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
+from pallas_moe.kernels.reference import fp8_grouped_matmul_reference
+from pallas_moe.routing import token_rounding_plan
+from tests.test_kernels_common import assert_untouched, assignment_plan, races_found
+
+E4M3 = jnp.float8_e4m3fn
+# 3 CTAs walk the work items; block_k = 128 one-byte elements (one 128-byte swizzle row).
+PING_PONG = GroupedMatmulConfig(block_m=64, block_n=64, block_k=128, num_stages=3, num_sms=3)
+SPLIT_M = GroupedMatmulConfig(block_m=128, block_n=64, block_k=128, num_stages=2, num_sms=3)
+
+
+def fp8_operands(key, capacity, k_dim, w_rows, num_experts):
+    """e4m3 A [P, K] and W^T [E, w_rows, K] spread over e4m3's range, f32 scales."""
+    ka, kw, kr, kc = jax.random.split(key, 4)
+    a = (jax.random.normal(ka, (capacity, k_dim)) * 60).astype(E4M3)
+    w = (jax.random.normal(kw, (num_experts, w_rows, k_dim)) * 60).astype(E4M3)
+    row_scales = jax.random.uniform(kr, (capacity,), jnp.float32, 1e-3, 1e-2)
+    col_scales = jax.random.uniform(kc, (num_experts, w_rows), jnp.float32, 1e-3, 1e-2)
+    return a, w, row_scales, col_scales
+
+
+def numpy_fp8_matmul(a, group_sizes, w, row_scales, col_scales):
+    """float64: A[r] @ W[e]^T * row scale * column scale, per expert's rows."""
+    a64 = np.asarray(a.astype(jnp.float32), np.float64)
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
+    rs, cs = np.asarray(row_scales, np.float64), np.asarray(col_scales, np.float64)
+    starts = np.concatenate([[0], np.cumsum(np.asarray(group_sizes))])
+    out = np.zeros((a.shape[0], w.shape[1]))
+    for e in range(w.shape[0]):
+        rows = slice(starts[e], starts[e + 1])
+        out[rows] = (a64[rows] @ w64[e].T) * rs[rows, None] * cs[e][None, :]
+    return out
+
+
+def run_fp8(plan, k_dim, n_out, num_experts, config, key, *, gated, interpret=True):
+    w_rows = 2 * n_out if gated else n_out
+    a, w, rs, cs = fp8_operands(key, plan.capacity, k_dim, w_rows, num_experts)
+    got = grouped_matmul(a, plan.group_sizes, w, transpose_w=True, config=config,
+                         interpret=interpret, row_scales=rs, col_scales=cs, gated=gated)
+    rows = int(plan.num_rows)
+    assert got.shape == (plan.capacity, n_out) and got.dtype == jnp.bfloat16
+    g = np.asarray(got[:rows], np.float32)
+    assert np.all(np.isfinite(g)), "unwritten (NaN) rows in the kernel output"
+    want = np.asarray(fp8_grouped_matmul_reference(a, plan.group_sizes, w, rs, cs, gated=gated),
+                      np.float32)[:rows]
+    # Same products, f32 sums in another order, then one bf16 rounding (of each half, and of
+    # A, when gated): within two bf16 steps of the reference.
+    np.testing.assert_allclose(g, want, rtol=2**-7, atol=1e-6 * np.abs(want).max())
+    if not gated:  # and the dequantized product itself, in float64
+        exact = numpy_fp8_matmul(a, plan.group_sizes, w, rs, cs)[:rows]
+        np.testing.assert_allclose(g, exact, rtol=2**-8, atol=1e-6 * np.abs(exact).max())
+    assert_untouched(got, rows)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M], ids=["ping_pong", "split_m"])
+def test_fp8_ragged_groups_empty_experts_and_padding(config, gated):
+    # Token rounding: groups start and end inside aligned blocks, padding rows at the end;
+    # an empty expert (column 3's logits pushed down).
+    logits = jax.random.normal(jax.random.key(40), (75, 5)).at[:, 3].add(-100.0)
+    plan = token_rounding_plan(logits, 2, tile=8)
+    assert int(plan.group_sizes[3]) == 0
+    run_fp8(plan, 256, 128, 5, config, jax.random.key(41), gated=gated)
+
+
+def test_fp8_no_races():
+    plan = assignment_plan(jax.random.key(42), 40, 3, p=0.5, empty=(1,))
+    run_fp8(plan, 256, 64, 3, SPLIT_M, jax.random.key(43), gated=True,
+            interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+
+
+def test_fp8_reference_matches_numpy():
+    plan = assignment_plan(jax.random.key(44), 30, 4, p=0.4, empty=(2,), extra=5)
+    a, w, rs, cs = fp8_operands(jax.random.key(45), plan.capacity, 128, 64, 4)
+    got = fp8_grouped_matmul_reference(a, plan.group_sizes, w, rs, cs, gated=False,
+                                       out_dtype=jnp.float32)
+    want = numpy_fp8_matmul(a, plan.group_sizes, w, rs, cs)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(transpose_w=False), "the fp8 mode needs transpose_w=True"),
+        (dict(row_scales=None), "the fp8 mode .e4m3 inputs. needs row_scales and col_scales"),
+        (dict(config=GroupedMatmulConfig(block_k=64)), "config.block_k=64 must be 128 for float8_e4m3fn"),
+        (dict(col_scales=jnp.ones((2, 32), jnp.float32)), r"col_scales must have shape \(2, 128\)"),
+        (dict(row_scales=jnp.ones((8,), jnp.float32)), r"row_scales must be \[P_a\] with P_a >= capacity=16"),
+        (dict(w=jnp.zeros((2, 128, 128), jnp.bfloat16)), "w must have dtype float8_e4m3fn"),
+        (dict(out_dtype=jnp.int8), "out_dtype must be bfloat16 or float32"),
+    ],
+)
+def test_fp8_bad_inputs_raise(kwargs, match):
+    args = dict(a=jnp.zeros((16, 128), E4M3), group_sizes=jnp.array([10, 6], jnp.int32),
+                w=jnp.zeros((2, 128, 128), E4M3), transpose_w=True,
+                config=GroupedMatmulConfig(block_m=64, block_k=128, num_sms=2), interpret=True,
+                row_scales=jnp.ones((16,), jnp.float32), col_scales=jnp.ones((2, 128), jnp.float32))
+    args.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=match):
+        grouped_matmul(**args)
+    with pytest.raises(ValueError, match="row_scales, col_scales and gated belong to the fp8 mode"):
+        grouped_matmul(jnp.zeros((16, 64), jnp.bfloat16), args["group_sizes"],
+                       jnp.zeros((2, 64, 64), jnp.bfloat16), transpose_w=False, gated=True)
+
+
+# ---- pm.quant.moe_ffn_fp8: the whole fp8 forward
+
+import functools  # noqa: E402
+
+import pallas_moe as pm  # noqa: E402
+from pallas_moe.routing import topk_plan  # noqa: E402
+from tests.test_kernels_common import random_weights  # noqa: E402
+
+
+def rel_err(got, want):
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(g - w) / np.linalg.norm(w)
+
+
+# Relative (Frobenius) error of the fp8 layer against the bf16 layer on N(0,1) data: four
+# e4m3 quantizations (X, W1, A, W2), each ~3.6% RMS relative per element, give ~7%.
+FP8_VS_BF16_TOL = 0.1
+# The kernels against the jnp references of the same steps: f32 sums in another order can
+# move A by one bf16 ulp and so a requantized element by one e4m3 step (equal on CPU).
+KERNELS_VS_XLA_TOL = 1e-2
+
+
+def fp8_layer(key, num_tokens, d, n, num_experts, k, *, token_rounding=False):
+    ks = jax.random.split(key, 3)
+    x = jax.random.normal(ks[0], (num_tokens, d)).astype(jnp.bfloat16)
+    logits = jax.random.normal(ks[1], (num_tokens, num_experts))
+    if token_rounding:
+        logits = logits.at[:, 1].add(-100.0)  # an empty expert
+        plan = pm.routing.token_rounding_plan(logits, k, tile=16)
+    else:
+        plan = topk_plan(logits, k)
+    w1, w2 = random_weights(ks[2], num_experts, d, n)
+    return x, plan, w1, w2
+
+
+def test_fp8_forward_interpret_matches_xla_and_bf16():
+    # Token rounding: padding rows and an empty expert; calibrated smoothing on both GEMMs.
+    x, plan, w1, w2 = fp8_layer(jax.random.key(50), 40, 256, 128, 4, 2, token_rounding=True)
+    assert int(plan.group_sizes[1]) == 0 and int(plan.num_rows) < plan.capacity
+    act = pm.quant.expert_activation_absmax(x, plan)
+    smooth_up, w1s = pm.quant.calibrate_smoothing(act, w1, alpha=0.5)
+    experts = pm.quant.quantize_experts(w1s, w2, smooth_up=smooth_up)
+    want = pm.moe_ffn(x, plan, w1, w2, backend="xla")
+    ref = pm.quant.moe_ffn_fp8(x, plan, experts, backend="xla")
+    got = pm.quant.moe_ffn_fp8(x, plan, experts, backend="interpret")
+    assert got.shape == x.shape and got.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    assert rel_err(got, ref) < KERNELS_VS_XLA_TOL
+    assert rel_err(ref, want) < FP8_VS_BF16_TOL
+    assert rel_err(got, want) < FP8_VS_BF16_TOL
+
+
+def test_fp8_forward_is_inference_only():
+    x, plan, w1, w2 = fp8_layer(jax.random.key(51), 8, 128, 128, 2, 1)
+    experts = pm.quant.quantize_experts(w1, w2)
+    f = lambda x: pm.quant.moe_ffn_fp8(x, plan, experts, backend="xla").astype(jnp.float32).sum()  # noqa: E731
+    with pytest.raises(TypeError, match="moe_ffn_fp8 is inference-only"):
+        jax.grad(f)(x)
+    with pytest.raises(TypeError, match="moe_ffn_fp8 is inference-only"):
+        jax.jvp(f, (x,), (x,))
+    assert np.isfinite(float(jax.jit(f)(x)))  # the forward itself works under jit
+
+
+def test_quantize_experts_layout_and_scales():
+    _, _, w1, w2 = fp8_layer(jax.random.key(52), 8, 128, 64, 3, 1)
+    ex = pm.quant.quantize_experts(w1, w2)
+    assert ex.shape == (3, 128, 64)
+    assert ex.w_gate_up.shape == (3, 128, 128) and ex.w_down.shape == (3, 128, 64)
+    q1, c1 = pm.quant.quantize_weights(w1)  # [E, in, out] layout, same values
+    np.testing.assert_array_equal(np.asarray(ex.w_gate_up).view(np.uint8),
+                                  np.asarray(jnp.swapaxes(q1, 1, 2)).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(ex.gate_up_scales), np.asarray(c1))
+    back = pm.quant.dequantize_weights(ex.w_down, ex.down_scales, k_major=True)
+    assert rel_err(back, w2) < 0.05
+    assert np.all(np.asarray(ex.smooth_up) == 1) and np.all(np.asarray(ex.smooth_down) == 1)
+
+
+def test_fp8_forward_bad_inputs_raise():
+    x, plan, w1, w2 = fp8_layer(jax.random.key(53), 8, 128, 128, 2, 1)
+    ex = pm.quant.quantize_experts(w1, w2)
+    f = pm.quant.moe_ffn_fp8
+    with pytest.raises(TypeError, match="experts must be a pallas_moe.quant.QuantizedExperts"):
+        f(x, plan, (w1, w2))
+    with pytest.raises(TypeError, match="x must be bf16, got float32"):
+        f(x.astype(jnp.float32), plan, ex)
+    with pytest.raises(ValueError, match="plan was built for T=8 tokens but x has T=4"):
+        f(x[:4], plan, ex)
+    with pytest.raises(ValueError, match=r"experts.w_gate_up must be \[E, 2n, d\] with d=256"):
+        f(jnp.zeros((8, 256), jnp.bfloat16), plan, ex)
+    bad = dataclasses_replace(ex, down_scales=ex.down_scales[:, :64])
+    with pytest.raises(ValueError, match=r"experts.down_scales must be float32 \(2, 128\)"):
+        f(x, plan, bad)
+    with pytest.raises(ValueError, match="experts has 2 experts but the plan routes to E=3"):
+        f(x, topk_plan(jnp.zeros((8, 3)), 1), ex)
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        f(x, plan, ex, aggregation="fp16")
+    with pytest.raises(ValueError, match="config sets kernel block sizes; backend='xla'"):
+        f(x, plan, ex, backend="xla", config=pm.quant.Fp8ForwardConfig.for_shape(128, 128))
+    with pytest.raises(ValueError, match="n=192 must be a multiple of 128"):
+        pm.quant.Fp8ForwardConfig.for_shape(128, 192)
+    w1n, w2n = random_weights(jax.random.key(54), 2, 128, 64)
+    narrow = pm.quant.quantize_experts(w1n, w2n)
+    with pytest.raises(ValueError, match="the fp8 kernels need d and n multiples of 128"):
+        f(x, plan, narrow, backend="interpret")
+    assert f(x, plan, narrow, backend="auto").shape == x.shape  # "auto": the references
+    with pytest.raises(ValueError, match=r"smooth_up must be f32 \(2, 128\)"):
+        pm.quant.quantize_experts(w1, w2, smooth_up=jnp.ones((2, 64), jnp.float32))
+    with pytest.raises(ValueError, match=r"w_down must be \[E, n, d\]"):
+        pm.quant.quantize_experts(w1, w2[:, :64])
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+@pytest.mark.parametrize(
+    "shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8)], ids=["7b", "30b"]
+)
+def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape):
+    """The whole fp8 forward (both SmoothQuant passes, both fp8 GEMMs at their default block
+    sizes, the aggregation) lowers for an H100."""
+    from tests.cuda_target import h100_target
+
+    num_tokens, d, n, num_experts, k = shape
+    sds = jax.ShapeDtypeStruct
+    e4m3, f32 = jnp.float8_e4m3fn, jnp.float32
+    experts = pm.quant.QuantizedExperts(
+        sds((num_experts, 2 * n, d), e4m3), sds((num_experts, 2 * n), f32),
+        sds((num_experts, d, n), e4m3), sds((num_experts, d), f32),
+        sds((num_experts, d), f32), sds((num_experts, n), f32),
+    )
+    plan = jax.eval_shape(lambda l: topk_plan(l, k), sds((num_tokens, num_experts), f32))
+    x = sds((num_tokens, d), jnp.bfloat16)
+    config = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=132)
+    f = functools.partial(pm.quant.moe_ffn_fp8, backend="mosaic", config=config)
+    with h100_target():
+        jax.jit(f).trace(x, plan, experts).lower(lowering_platforms=("cuda",))
+
+
+_on_hopper = (jax.devices()[0].platform == "gpu"
+              and getattr(jax.devices()[0], "compute_capability", "") == "9.0")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("gated", [False, True], ids=["down", "gated_up"])
+def test_fp8_grouped_matmul_on_gpu(gated):
+    # Production block sizes, ragged token-rounding groups; outputs poisoned with NaN first.
+    num_experts, k_dim, n_out = 16, 1536, 256 if gated else 1536
+    logits = jax.random.normal(jax.random.key(60), (4096, num_experts))
+    plan = token_rounding_plan(logits, 4, tile=128)
+    w_rows = 2 * n_out if gated else n_out
+    a, w, rs, cs = fp8_operands(jax.random.key(61), plan.capacity, k_dim, w_rows, num_experts)
+    cfg = pm.quant.Fp8ForwardConfig.for_shape(1536, 256)  # the 7B widths' block sizes
+    config = cfg.up if gated else cfg.down
+    junk = jnp.full((plan.capacity * w_rows * 2,), 0xFF, jnp.uint8).block_until_ready()
+    del junk
+    got = jax.jit(functools.partial(grouped_matmul, transpose_w=True, config=config, gated=gated))(
+        a, plan.group_sizes, w, row_scales=rs, col_scales=cs)
+    rows = int(plan.num_rows)
+    g = np.asarray(got[:rows], np.float32)
+    assert np.all(np.isfinite(g))
+    want = np.asarray(fp8_grouped_matmul_reference(a, plan.group_sizes, w, rs, cs, gated=gated),
+                      np.float32)[:rows]
+    np.testing.assert_allclose(g, want, rtol=2**-7, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("routing", ["topk", "token_rounding"])
+def test_fp8_forward_on_gpu(routing):
+    x, plan, w1, w2 = fp8_layer(jax.random.key(62), 4096, 1536, 256, 32, 4,
+                                token_rounding=routing == "token_rounding")
+    experts = pm.quant.quantize_experts(w1, w2)
+    got = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend="mosaic"))(x, plan, experts)
+    ref = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend="xla"))(x, plan, experts)
+    want = jax.jit(functools.partial(pm.moe_ffn, backend="mosaic"))(x, plan, w1, w2)
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+    assert rel_err(got, ref) < KERNELS_VS_XLA_TOL
+    assert rel_err(got, want) < FP8_VS_BF16_TOL
+    again = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend="mosaic"))(x, plan, experts)
+    np.testing.assert_array_equal(np.asarray(again).view(np.uint16), np.asarray(got).view(np.uint16))
