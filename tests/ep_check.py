@@ -345,31 +345,17 @@ def schedule_checks():
 
 def signal_primitives_check():
     """What overlap="signal" would build on: JAX 0.11.2's Mosaic GPU lowers, for Hopper and
-    inside shard_map, a kernel that TMA-stores a block into a peer device's output
-    (`plgpu.remote_ref`) and raises the peer's semaphore (`pl.semaphore_signal(...,
-    device_id=peer)`, then `pl.semaphore_wait`). Interpret mode has neither, so only the
-    lowering can be checked without GPUs (docs/ep_overlap.md)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    inside shard_map on 8 devices of one process, a kernel that TMA-stores a block into a
+    peer device's output (`plgpu.remote_ref`) and raises the peer's semaphore
+    (`pl.semaphore_signal(..., device_id=peer)`, then `pl.semaphore_wait`), with the peers'
+    addresses from XLA's collective metadata. Interpret mode has neither primitive, so only
+    the lowering can be checked without GPUs (docs/ep_overlap.md, section 6)."""
     from jax.sharding import PartitionSpec as Spec
+
+    from tests.remote_block_kernel import send_block
 
     rows, width = 128, 128
     mesh = Mesh(np.array(jax.devices()[:8]), ("expert",))
-
-    def send_block(y, peer):
-        def body(y_ref, peer_ref, out_ref, smem):
-            done = pl.get_global(plgpu.SemaphoreType.REGULAR)
-            smem[...] = y_ref[...]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(smem, plgpu.remote_ref(out_ref, peer_ref[0]))
-            plgpu.wait_smem_to_gmem(0)
-            pl.semaphore_signal(done, device_id=peer_ref[0])
-            pl.semaphore_wait(done, value=1, decrement=False)
-
-        return plgpu.kernel(
-            body, out_type=jax.ShapeDtypeStruct((rows, width), jnp.bfloat16),
-            scratch_types=[plgpu.SMEM((rows, width), jnp.bfloat16)],
-        )(y, peer)
 
     def step(y):
         peer = ((jax.lax.axis_index("expert") + 1) % 8).astype(jnp.int32).reshape(1)

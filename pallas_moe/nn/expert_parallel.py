@@ -177,9 +177,12 @@ class ExpertParallel:
         if self.overlap == "signal":
             raise ValueError(
                 "overlap='signal' (a down-proj kernel that signals per block_m rows and sends "
-                "finished blocks to their source shards) is not available: see "
-                "docs/ep_overlap.md for what JAX 0.11.2's Mosaic GPU offers and why it is not "
-                "built. Use overlap='chunked'."
+                f"finished blocks to their source shards) is not available in JAX {jax.__version__}: "
+                "its Mosaic GPU interpret mode has no remote refs or semaphores, and on one GPU "
+                "or across processes they need NVSHMEM, which this jaxlib cannot turn on, so "
+                "the kernel could not be tested (docs/ep_overlap.md, section 6). Use "
+                "overlap='chunked': the same down-proj/combine overlap at block_m-chunk "
+                "granularity."
             )
         _checks.check_choice("overlap", self.overlap, OVERLAPS)
         _checks.check_positive_int("num_chunks", self.num_chunks)
