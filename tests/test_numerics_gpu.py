@@ -47,12 +47,15 @@ def test_mosaic_output_is_the_mode_sum_of_its_expert_rows(router):
         assert_bitwise(out, want, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("mode", AGGREGATIONS)
 @pytest.mark.parametrize("router", sorted(ROUTERS))
-def test_bitwise_run_to_run_at_the_7b_shape(router):
+def test_bitwise_run_to_run_at_the_7b_shape(router, mode):
+    # One (router, mode) pair per test: each compiles the whole 7B step twice (~1 min on
+    # the H100), so a pair fits in a short GPU call.
     num_tokens, d, n, num_experts, k = 24576, 1536, 256, 128, 8
     logits, x, w1, w2, cot = inputs(1, num_tokens, d, n, num_experts)
 
-    def step(mode):
+    def step():
         def loss(logits, x, w1, w2):
             plan = ROUTERS[router](logits, k)
             out = pm.moe_ffn(x, plan, w1, w2, backend="mosaic", numerics=Numerics(aggregation=mode))
@@ -60,17 +63,16 @@ def test_bitwise_run_to_run_at_the_7b_shape(router):
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
-    for mode in AGGREGATIONS:
-        f = step(mode)
-        (_, out), grads = f(logits, x, w1, w2)
-        first = [np.asarray(a) for a in (out, *grads)]
-        (_, out), grads = f(logits, x, w1, w2)
-        for name, a, b in zip(["out", "logits", "x", "w_gate_up", "w_down"], first, (out, *grads)):
-            np.testing.assert_array_equal(a, np.asarray(b), err_msg=f"{mode}: {name} (same executable)")
-        jax.clear_caches()
-        (_, out), grads = step(mode)(logits, x, w1, w2)
-        for name, a, b in zip(["out", "logits", "x", "w_gate_up", "w_down"], first, (out, *grads)):
-            np.testing.assert_array_equal(a, np.asarray(b), err_msg=f"{mode}: {name} (recompiled)")
+    f = step()
+    (_, out), grads = f(logits, x, w1, w2)
+    first = [np.asarray(a) for a in (out, *grads)]
+    (_, out), grads = f(logits, x, w1, w2)
+    for name, a, b in zip(["out", "logits", "x", "w_gate_up", "w_down"], first, (out, *grads)):
+        np.testing.assert_array_equal(a, np.asarray(b), err_msg=f"{mode}: {name} (same executable)")
+    jax.clear_caches()
+    (_, out), grads = step()(logits, x, w1, w2)
+    for name, a, b in zip(["out", "logits", "x", "w_gate_up", "w_down"], first, (out, *grads)):
+        np.testing.assert_array_equal(a, np.asarray(b), err_msg=f"{mode}: {name} (recompiled)")
 
 
 def test_unfused_swiglu_stays_close_to_the_fused_one():
