@@ -6,6 +6,8 @@ rows a kernel must not touch are checked to still be NaN."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -15,9 +17,10 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
-from pallas_moe.kernels.reference import fp8_grouped_matmul_reference
+from pallas_moe.kernels.reference import fp8_epilogue_reference, fp8_grouped_matmul_reference
 from pallas_moe.routing import token_rounding_plan
 from tests.test_kernels_common import assert_untouched, assignment_plan, races_found
+from tests.fp8_wgmma_model import h100_fp8_dot
 
 E4M3 = jnp.float8_e4m3fn
 # 3 CTAs walk the work items; block_k = 128 one-byte elements (one 128-byte swizzle row).
@@ -86,6 +89,51 @@ def test_fp8_no_races():
     assert not races_found()
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M], ids=["ping_pong", "split_m"])
+def test_fp8_promotion_equals_reference_and_unpromoted(config, gated):
+    # K = 3 blocks: promoting every 2 runs one full interval and a tail of 1, every 4 one
+    # short interval. Interpret mode sums in f32 (no 13-bit truncation), and a promoted
+    # interval adds `total + (0 + partial)`, the same f32 operations in the same order as one
+    # accumulator: so every interval gives the unpromoted kernel's bits, and the reference's
+    # values. (What promotion changes on the H100 is tested on the GPU below.)
+    plan = assignment_plan(jax.random.key(46), 36, 3, p=0.5, empty=(2,))
+    n_out = 64
+    a, w, rs, cs = fp8_operands(jax.random.key(47), plan.capacity, 384,
+                                2 * n_out if gated else n_out, 3)
+    rows = int(plan.num_rows)
+    outs = {}
+    for every in (0, 1, 2, 4):
+        got = grouped_matmul(a, plan.group_sizes, w, transpose_w=True, interpret=True,
+                             config=dataclasses.replace(config, fp8_promote_every=every),
+                             row_scales=rs, col_scales=cs, gated=gated, out_dtype=jnp.float32)
+        assert_untouched(got, rows)
+        outs[every] = np.asarray(got[:rows])
+    want = np.asarray(fp8_grouped_matmul_reference(a, plan.group_sizes, w, rs, cs, gated=gated,
+                                                   out_dtype=jnp.float32))[:rows]
+    for every, got in outs.items():
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(),
+                                   err_msg=f"fp8_promote_every={every}")
+        np.testing.assert_array_equal(got.view(np.uint32), outs[0].view(np.uint32),
+                                      err_msg=f"fp8_promote_every={every}")
+
+
+def test_fp8_promoted_tail_no_races():
+    # Promoting every 2 of 3 K blocks (a fori_loop of intervals, then a static tail): the
+    # slot releases of both kinds of interval, under the race detector.
+    plan = assignment_plan(jax.random.key(48), 24, 2, p=0.5)
+    a, w, rs, cs = fp8_operands(jax.random.key(49), plan.capacity, 384, 64, 2)
+    config = dataclasses.replace(PING_PONG, fp8_promote_every=2)
+    got = grouped_matmul(a, plan.group_sizes, w, transpose_w=True, config=config,
+                         interpret=plgpu.InterpretGPUParams(detect_races=True),
+                         row_scales=rs, col_scales=cs)
+    assert not races_found()
+    rows = int(plan.num_rows)
+    want = fp8_grouped_matmul_reference(a, plan.group_sizes, w, rs, cs, gated=False)
+    np.testing.assert_allclose(np.asarray(got[:rows], np.float32),
+                               np.asarray(want[:rows], np.float32), rtol=2**-7)
+
+
 def test_fp8_reference_matches_numpy():
     plan = assignment_plan(jax.random.key(44), 30, 4, p=0.4, empty=(2,), extra=5)
     a, w, rs, cs = fp8_operands(jax.random.key(45), plan.capacity, 128, 64, 4)
@@ -105,6 +153,11 @@ def test_fp8_reference_matches_numpy():
         (dict(row_scales=jnp.ones((8,), jnp.float32)), r"row_scales must be \[P_a\] with P_a >= capacity=16"),
         (dict(w=jnp.zeros((2, 128, 128), jnp.bfloat16)), "w must have dtype float8_e4m3fn"),
         (dict(out_dtype=jnp.int8), "out_dtype must be bfloat16 or float32"),
+        (dict(config=GroupedMatmulConfig(block_m=64, block_n=128, block_k=128, num_sms=2),
+              w=jnp.zeros((2, 256, 128), E4M3), col_scales=jnp.ones((2, 256), jnp.float32),
+              gated=True),
+         r"fp8_promote_every=1 keeps a second f32 accumulator set: block_n \* 2 \(gated\) "
+         r"must be <= 128, got block_n=128 \(use block_n=64, or fp8_promote_every=0\)"),
     ],
 )
 def test_fp8_bad_inputs_raise(kwargs, match):
@@ -115,6 +168,8 @@ def test_fp8_bad_inputs_raise(kwargs, match):
     args.update(kwargs)
     with pytest.raises((ValueError, TypeError), match=match):
         grouped_matmul(**args)
+    with pytest.raises(ValueError, match="config.fp8_promote_every=-1 must be >= 0"):
+        GroupedMatmulConfig(block_k=128, fp8_promote_every=-1)
     with pytest.raises(ValueError, match="row_scales, col_scales and gated belong to the fp8 mode"):
         grouped_matmul(jnp.zeros((16, 64), jnp.bfloat16), args["group_sizes"],
                        jnp.zeros((2, 64, 64), jnp.bfloat16), transpose_w=False, gated=True)
@@ -237,12 +292,13 @@ def dataclasses_replace(obj, **changes):
     return dataclasses.replace(obj, **changes)
 
 
+@pytest.mark.parametrize("promote_every", [1, 0], ids=["promoted", "unpromoted"])
 @pytest.mark.parametrize(
     "shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8)], ids=["7b", "30b"]
 )
-def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape):
+def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape, promote_every):
     """The whole fp8 forward (both SmoothQuant passes, both fp8 GEMMs at their default block
-    sizes, the aggregation) lowers for an H100."""
+    sizes, with and without promotion, the aggregation) lowers for an H100."""
     from tests.cuda_target import h100_target
 
     num_tokens, d, n, num_experts, k = shape
@@ -255,7 +311,8 @@ def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape):
     )
     plan = jax.eval_shape(lambda l: topk_plan(l, k), sds((num_tokens, num_experts), f32))
     x = sds((num_tokens, d), jnp.bfloat16)
-    config = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=132)
+    config = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=132, promote_every=promote_every)
+    assert config.up.fp8_promote_every == config.down.fp8_promote_every == promote_every
     f = functools.partial(pm.quant.moe_ffn_fp8, backend="mosaic", config=config)
     with h100_target():
         jax.jit(f).trace(x, plan, experts).lower(lowering_platforms=("cuda",))
