@@ -268,6 +268,8 @@ FP8_SHAPES = {
 REF_TOKENS = 512
 # fp8_promote_every values the benchmark compares (0 = never; docs/quant.md).
 PROMOTE_SWEEP = (0, 1, 2, 4)
+# SmoothQuant configs timed for both quantization passes of the fp8 forward.
+QUANT_SWEEP = (SmoothQuantConfig(block_t=4), SmoothQuantConfig(block_t=16))
 
 
 def run_fp8_case(name, shape, log, interpret=False):
@@ -363,6 +365,23 @@ def run_fp8_case(name, shape, log, interpret=False):
     qa = jax.jit(lambda a, s, off, r, e, nr: smoothquant_kernel(
         a, s, off, r, e, nr, num_out_rows=down_rows, out_dtype=jnp.float8_e4m3fn, config=cfg.quant, **kw))
     res["quant_a_us"] = timed(qa, a8, experts.smooth_down, *qa_args) * 1e3
+    # A's rows are narrow (n bf16: 512 bytes at 7B) and block_t=1 gives one CTA per row:
+    # time the quantization passes with more rows per CTA (QUANT_SWEEP) for a later default.
+    res["quant_sweep"] = {}
+    for qc in QUANT_SWEEP:
+        qa_c = jax.jit(lambda a, s, off, r, e, nr, qc=qc: smoothquant_kernel(
+            a, s, off, r, e, nr, num_out_rows=down_rows, out_dtype=jnp.float8_e4m3fn,
+            config=qc, **kw))
+        qx_c = jax.jit(lambda x, s, off, r, e, nr, qc=qc: smoothquant_kernel(
+            x, s, off, r, e, nr, num_out_rows=up_rows, out_dtype=jnp.float8_e4m3fn,
+            config=qc, **kw))
+        try:
+            res["quant_sweep"][f"block_t={qc.block_t}"] = dict(
+                a_us=timed(qa_c, a8, experts.smooth_down, *qa_args) * 1e3,
+                x_us=timed(qx_c, x, experts.smooth_up, *meta_args) * 1e3)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            log(f"  quant block_t={qc.block_t}: FAILED {type(e).__name__}: {str(e)[:300]}")
+    log("  quant sweep (us): " + json.dumps(res["quant_sweep"]))
     q2, s2 = qa(a8, experts.smooth_down, *qa_args)
     dn8 = jax.jit(lambda q, g, w, s, c: grouped_matmul(
         q, g, w, transpose_w=True, config=cfg.down, capacity=P, row_scales=s, col_scales=c, **kw))
@@ -485,6 +504,11 @@ def fp8_markdown(results, cmd, device):
                 f"{w['down_block_n']} | {w['up_us']:.0f} | {w['down_us']:.0f} | "
                 f"{w['fwd_us']:.0f} | {w['fwd_speedup']:.2f} | {w['vs_xla_ref']:.4f} | "
                 f"{w['rel_err_all']:.4f} |")
+    quant_rows = [(r["name"], k, v) for r in results for k, v in r.get("quant_sweep", {}).items()]
+    if quant_rows:
+        lines += ["", "SmoothQuant rows per CTA (default block_t=1 above), us:", "",
+                  "| shape | config | X quant us | A quant us |", "|---|---|---|---|"]
+        lines += [f"| {name} | {k} | {v['x_us']:.0f} | {v['a_us']:.0f} |" for name, k, v in quant_rows]
     return "\n".join(lines) + "\n"
 
 
