@@ -11,8 +11,11 @@ grouped GEMM on the already quantized rows) against the bf16 up-proj (gather fus
 inference: A only), the X quantization, both down-projs and both whole forwards
 (`moe_forward(inference=True)` vs `pm.quant.moe_ffn_fp8`, per-plan metadata included), and
 the per-token relative error of the fp8 output against the bf16 kernels' output (mean and
-99th percentile). Writes fp8_results.json, fp8_log.txt and fp8_RESULTS.md (the table, also
-printed last).
+99th percentile); the XLA reference runs on the first `REF_TOKENS` tokens (all of them do not
+fit in f32). Then a promotion sweep (`PROMOTE_SWEEP`: `fp8_promote_every` never / 1 / 2 / 4
+K blocks, each at its `Fp8ForwardConfig.for_shape` blocks): both fp8 GEMMs, the whole
+forward, and its error against the reference and bf16. Writes fp8_results.json, fp8_log.txt
+and fp8_RESULTS.md (both tables, also printed last).
 
 For each shape (T, d, E, K), routing (top-K over random logits; token rounding on one shape,
 so there are padding rows) and output dtype (int8, e4m3), it:
@@ -261,6 +264,14 @@ FP8_SHAPES = {
 }
 
 
+# Tokens whose outputs are checked against the XLA reference of the fp8 steps.
+REF_TOKENS = 512
+# fp8_promote_every values the benchmark compares (0 = never; docs/quant.md).
+PROMOTE_SWEEP = (0, 1, 2, 4)
+# SmoothQuant configs timed for both quantization passes of the fp8 forward.
+QUANT_SWEEP = (SmoothQuantConfig(block_t=4), SmoothQuantConfig(block_t=16))
+
+
 def run_fp8_case(name, shape, log, interpret=False):
     from benchmarks.forward import poison_then as poison_nan_then
     from pallas_moe.kernels import _common
@@ -275,7 +286,8 @@ def run_fp8_case(name, shape, log, interpret=False):
     x = jax.random.normal(ks[0], (T, d), jnp.float32).astype(jnp.bfloat16)
     w1 = (jax.random.normal(ks[1], (E, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
     w2 = (jax.random.normal(ks[2], (E, n, d), jnp.float32) / np.sqrt(n)).astype(jnp.bfloat16)
-    plan = jax.jit(lambda l: topk_plan(l, K))(jax.random.normal(ks[3], (T, E), jnp.float32))
+    logits = jax.random.normal(ks[3], (T, E), jnp.float32)
+    plan = jax.jit(lambda l: topk_plan(l, K))(logits)
     experts = jax.block_until_ready(jax.jit(pm.quant.quantize_experts)(w1, w2))
     P = plan.capacity
     res = dict(name=name, T=T, d=d, n=n, E=E, K=K, P=P)
@@ -297,38 +309,45 @@ def run_fp8_case(name, shape, log, interpret=False):
     res["rel_err_mean"] = float(np.mean(per_token))
     res["rel_err_p99"] = float(np.percentile(per_token, 99))
     res["rel_err_all"] = float(np.linalg.norm(o8 - o16) / np.linalg.norm(o16))
-    try:
-        ref = jax.jit(lambda x, p, e: pm.quant.moe_ffn_fp8(x, p, e, backend="xla"))(x, plan, experts)
-        r = np.asarray(ref, np.float64)
-        res["vs_xla_ref"] = float(np.linalg.norm(o8 - r) / np.linalg.norm(r))
-        del ref
-    except Exception as e:  # noqa: BLE001 - the f32 reference may not fit; report and go on
-        log(f"  xla reference failed: {type(e).__name__}: {str(e)[:300]}")
+    # The XLA reference on the first REF_TOKENS tokens only: its f32 ragged_dot does not fit
+    # for all rows (30B: OOM at 64 GB). Top-K routes each token by its own logits and every
+    # fp8 step is per row (aggregation: per token), so these tokens' outputs are the same as
+    # in the whole batch.
+    ref_tokens = min(T, REF_TOKENS)
+    ref_fwd = jax.jit(lambda x, l, e: pm.quant.moe_ffn_fp8(x, topk_plan(l, K), e, backend="xla"))
+    ref = np.asarray(ref_fwd(x[:ref_tokens], logits[:ref_tokens], experts), np.float64)
+
+    def vs_ref(out):
+        return float(np.linalg.norm(np.asarray(out[:ref_tokens], np.float64) - ref)
+                     / np.linalg.norm(ref))
+
+    res["vs_xla_ref"] = vs_ref(out8)
     again = np.asarray(fp8_fwd(x, plan, experts))
     res["bitwise_repeat"] = bool(np.array_equal(again.view(np.uint16), np.asarray(out8).view(np.uint16)))
     res["correct"] = bool(res["finite"] and res.get("vs_xla_ref", 1.0) < 1e-2
                           and res["rel_err_all"] < 0.1 and res["bitwise_repeat"])
     log("  checks: " + json.dumps({k: res[k] for k in res if k.startswith(
         ("finite", "rel_err", "vs_xla", "bitwise", "correct"))}))
-    if interpret:
-        return res
-
     # ---- timings: each kernel alone on the same inputs, then the whole forwards
+    # (--interpret: each kernel runs once in interpret mode; times are NaN)
+    timed = gpu_time_ms if not interpret else (
+        lambda f, *a: (jax.block_until_ready(f(*a)), float("nan"))[1])
+    kw = dict(interpret=interpret)
     up_meta = jax.jit(lambda g, t: _common.tile_meta(g, t, base.up.block_m))(plan.group_sizes, plan.token_ids)
-    up16 = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=base.up, inference=True, meta=m)[1])
-    res["bf16_up_us"] = gpu_time_ms(up16, x, plan.token_ids, plan.group_sizes, w1, up_meta) * 1e3
+    up16 = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=base.up, inference=True, meta=m, **kw)[1])
+    res["bf16_up_us"] = timed(up16, x, plan.token_ids, plan.group_sizes, w1, up_meta) * 1e3
     up_rows = -(-P // cfg.up.block_m) * cfg.up.block_m
     qx = jax.jit(lambda x, s, off, r, e, nr: smoothquant_kernel(
-        x, s, off, r, e, nr, num_out_rows=up_rows, out_dtype=jnp.float8_e4m3fn, config=cfg.quant))
+        x, s, off, r, e, nr, num_out_rows=up_rows, out_dtype=jnp.float8_e4m3fn, config=cfg.quant, **kw))
     meta_args = jax.jit(kernel_args)(plan)
     q1, s1 = qx(x, experts.smooth_up, *meta_args)
-    res["quant_x_us"] = gpu_time_ms(qx, x, experts.smooth_up, *meta_args) * 1e3
+    res["quant_x_us"] = timed(qx, x, experts.smooth_up, *meta_args) * 1e3
     fp8_meta = jax.jit(lambda g: _common.aligned_tile_meta(g, P, cfg.up.block_m))(plan.group_sizes)
     up8 = jax.jit(lambda q, g, w, s, c, m: grouped_matmul(
         q, g, w, transpose_w=True, config=cfg.up, meta=m, capacity=P, row_scales=s,
-        col_scales=c, gated=True))
+        col_scales=c, gated=True, **kw))
     up8_args = (q1, plan.group_sizes, experts.w_gate_up, s1, experts.gate_up_scales, fp8_meta)
-    res["fp8_up_us"] = gpu_time_ms(up8, *up8_args) * 1e3
+    res["fp8_up_us"] = timed(up8, *up8_args) * 1e3
     a8 = up8(*up8_args)
     res["up_speedup"] = res["bf16_up_us"] / res["fp8_up_us"]
     res["up_speedup_with_quant"] = res["bf16_up_us"] / (res["fp8_up_us"] + res["quant_x_us"])
@@ -337,24 +356,82 @@ def run_fp8_case(name, shape, log, interpret=False):
     res["bf16_up_TFs"] = flops_up / (res["bf16_up_us"] * 1e-6) / 1e12
     # Down-projs: bf16 on the bf16 A, fp8 on A quantized (its quantization timed apart).
     a16 = up16(x, plan.token_ids, plan.group_sizes, w1, up_meta)
-    dn16 = jax.jit(lambda a, g, w: down_proj(a, g, w, config=base.down, capacity=P))
-    res["bf16_down_us"] = gpu_time_ms(dn16, a16, plan.group_sizes, w2) * 1e3
+    dn16 = jax.jit(lambda a, g, w: down_proj(a, g, w, config=base.down, capacity=P, **kw))
+    res["bf16_down_us"] = timed(dn16, a16, plan.group_sizes, w2) * 1e3
     down_rows = -(-P // cfg.down.block_m) * cfg.down.block_m
     rows = jnp.arange(P + 1, dtype=jnp.int32)
     qa_args = (jnp.minimum(rows, plan.num_rows), rows[:-1],
                jnp.minimum(plan.expert_ids, E - 1), plan.num_rows)
     qa = jax.jit(lambda a, s, off, r, e, nr: smoothquant_kernel(
-        a, s, off, r, e, nr, num_out_rows=down_rows, out_dtype=jnp.float8_e4m3fn, config=cfg.quant))
-    res["quant_a_us"] = gpu_time_ms(qa, a8, experts.smooth_down, *qa_args) * 1e3
+        a, s, off, r, e, nr, num_out_rows=down_rows, out_dtype=jnp.float8_e4m3fn, config=cfg.quant, **kw))
+    res["quant_a_us"] = timed(qa, a8, experts.smooth_down, *qa_args) * 1e3
+    # A's rows are narrow (n bf16: 512 bytes at 7B) and block_t=1 gives one CTA per row:
+    # time the quantization passes with more rows per CTA (QUANT_SWEEP) for a later default.
+    res["quant_sweep"] = {}
+    for qc in QUANT_SWEEP:
+        qa_c = jax.jit(lambda a, s, off, r, e, nr, qc=qc: smoothquant_kernel(
+            a, s, off, r, e, nr, num_out_rows=down_rows, out_dtype=jnp.float8_e4m3fn,
+            config=qc, **kw))
+        qx_c = jax.jit(lambda x, s, off, r, e, nr, qc=qc: smoothquant_kernel(
+            x, s, off, r, e, nr, num_out_rows=up_rows, out_dtype=jnp.float8_e4m3fn,
+            config=qc, **kw))
+        try:
+            res["quant_sweep"][f"block_t={qc.block_t}"] = dict(
+                a_us=timed(qa_c, a8, experts.smooth_down, *qa_args) * 1e3,
+                x_us=timed(qx_c, x, experts.smooth_up, *meta_args) * 1e3)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            log(f"  quant block_t={qc.block_t}: FAILED {type(e).__name__}: {str(e)[:300]}")
+    log("  quant sweep (us): " + json.dumps(res["quant_sweep"]))
     q2, s2 = qa(a8, experts.smooth_down, *qa_args)
     dn8 = jax.jit(lambda q, g, w, s, c: grouped_matmul(
-        q, g, w, transpose_w=True, config=cfg.down, capacity=P, row_scales=s, col_scales=c))
-    res["fp8_down_us"] = gpu_time_ms(dn8, q2, plan.group_sizes, experts.w_down, s2,
-                                     experts.down_scales) * 1e3
-    res["bf16_fwd_us"] = gpu_time_ms(bf16_fwd, x, plan, w1, w2) * 1e3
-    res["fp8_fwd_us"] = gpu_time_ms(fp8_fwd, x, plan, experts) * 1e3
+        q, g, w, transpose_w=True, config=cfg.down, capacity=P, row_scales=s, col_scales=c, **kw))
+    res["fp8_down_us"] = timed(dn8, q2, plan.group_sizes, experts.w_down, s2,
+                               experts.down_scales) * 1e3
+    res["bf16_fwd_us"] = timed(bf16_fwd, x, plan, w1, w2) * 1e3
+    res["fp8_fwd_us"] = timed(fp8_fwd, x, plan, experts) * 1e3
     res["fwd_speedup"] = res["bf16_fwd_us"] / res["fp8_fwd_us"]
+    # What the fp8 forward spends outside its four timed kernels (aggregation, plan metadata).
+    res["fp8_fwd_rest_us"] = res["fp8_fwd_us"] - (res["quant_x_us"] + res["fp8_up_us"]
+                                                  + res["quant_a_us"] + res["fp8_down_us"])
     log("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}))
+
+    # ---- promotion sweep: both GEMMs and the whole forward at each interval (their blocks:
+    # Fp8ForwardConfig.for_shape(promote_every=)), accuracy against the reference and bf16
+    res["sweep"] = []
+
+    def sweep_row(every):
+        c = Fp8ForwardConfig.for_shape(d, n, num_sms=num_sms, promote_every=every)
+        row = dict(promote_every=every, up_block_n=c.up.block_n, down_block_n=c.down.block_n)
+        if c == cfg:  # the default, timed above
+            row.update(up_us=res["fp8_up_us"], down_us=res["fp8_down_us"],
+                       fwd_us=res["fp8_fwd_us"], fwd_speedup=res["fwd_speedup"],
+                       vs_xla_ref=res["vs_xla_ref"], rel_err_all=res["rel_err_all"])
+            return row
+        up = jax.jit(lambda q, g, w, s, cc, m, c=c: grouped_matmul(
+            q, g, w, transpose_w=True, config=c.up, meta=m, capacity=P, row_scales=s,
+            col_scales=cc, gated=True, **kw))
+        dn = jax.jit(lambda q, g, w, s, cc, c=c: grouped_matmul(
+            q, g, w, transpose_w=True, config=c.down, capacity=P, row_scales=s, col_scales=cc,
+            **kw))
+        fwd = jax.jit(lambda x, p, e, c=c: pm.quant.moe_ffn_fp8(x, p, e, backend=backend, config=c))
+        row["up_us"] = timed(up, *up8_args) * 1e3
+        row["down_us"] = timed(dn, q2, plan.group_sizes, experts.w_down, s2,
+                               experts.down_scales) * 1e3
+        row["fwd_us"] = timed(fwd, x, plan, experts) * 1e3
+        row["fwd_speedup"] = res["bf16_fwd_us"] / row["fwd_us"]
+        out = np.asarray(fwd(x, plan, experts), np.float64)
+        row["vs_xla_ref"] = vs_ref(out)
+        row["rel_err_all"] = float(np.linalg.norm(out - o16) / np.linalg.norm(o16))
+        log("  sweep " + json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                                     for k, v in row.items()}))
+        return row
+
+    for every in PROMOTE_SWEEP:
+        try:
+            res["sweep"].append(sweep_row(every))
+        except Exception as e:  # noqa: BLE001 - report and go on with the other intervals
+            log(f"  sweep promote_every={every}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            log(traceback.format_exc()[-2000:])
     return res
 
 
@@ -373,9 +450,10 @@ FP8_TABLE_COLS = [
     ("bf16 fwd us", lambda r: f"{r['bf16_fwd_us']:.0f}"),
     ("fp8 fwd us", lambda r: f"{r['fp8_fwd_us']:.0f}"),
     ("fwd speedup (>= 1.5)", lambda r: f"**{r['fwd_speedup']:.2f}**"),
+    ("fwd rest us", lambda r: f"{r['fp8_fwd_rest_us']:.0f}"),
     ("rel err mean", lambda r: f"{r['rel_err_mean']:.4f}"),
     ("rel err p99", lambda r: f"{r['rel_err_p99']:.4f}"),
-    ("vs fp8 XLA ref", lambda r: f"{r['vs_xla_ref']:.1e}" if "vs_xla_ref" in r else "n/a"),
+    ("vs fp8 XLA ref", lambda r: f"{r['vs_xla_ref']:.4f}"),
 ]
 
 
@@ -392,7 +470,8 @@ def fp8_markdown(results, cmd, device):
         "`moe_smoothquant` already quantized in grouped order (`X quant`). `fwd` = the whole "
         "inference forward incl. per-plan metadata. `rel err` = per-token "
         "|O_fp8 - O_bf16| / |O_bf16| against the bf16 kernels (mean, 99th percentile); "
-        "`vs fp8 XLA ref` = relative error against the jnp reference of the same fp8 steps. "
+        f"`vs fp8 XLA ref` = relative error against the jnp reference of the same fp8 steps "
+        f"(exact f32 sums) on the first {REF_TOKENS} tokens. "
         "`ok` = finite on poisoned outputs, within 1e-2 of the reference, within 0.1 of bf16, "
         "bitwise repeatable.",
         "",
@@ -407,6 +486,29 @@ def fp8_markdown(results, cmd, device):
                 f"{'yes' if r.get('correct') else 'NO'} | (no timings) rel err mean "
                 f"{r.get('rel_err_mean', float('nan')):.4f} p99 {r.get('rel_err_p99', float('nan')):.4f}")
             lines.append(f"| {r.get('name')} | {status} |")
+    lines += [
+        "",
+        "Promotion sweep (`fp8_promote_every`: K blocks of 128 between the f32 adds of the "
+        "tensor cores' partial sums; 0 = never; blocks from `Fp8ForwardConfig.for_shape`). "
+        "`vs ref` = relative error of the output against the XLA fp8 steps (exact sums) on "
+        f"the first {REF_TOKENS} tokens (the GPU test requires < 1e-2); `vs bf16` on all.",
+        "",
+        "| shape | promote every | up / down block_n | fp8 up us | fp8 down us | fp8 fwd us "
+        "| fwd speedup | vs ref | vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for w in r.get("sweep", []):
+            lines.append(
+                f"| {r['name']} | {w['promote_every'] or 'never'} | {w['up_block_n']} / "
+                f"{w['down_block_n']} | {w['up_us']:.0f} | {w['down_us']:.0f} | "
+                f"{w['fwd_us']:.0f} | {w['fwd_speedup']:.2f} | {w['vs_xla_ref']:.4f} | "
+                f"{w['rel_err_all']:.4f} |")
+    quant_rows = [(r["name"], k, v) for r in results for k, v in r.get("quant_sweep", {}).items()]
+    if quant_rows:
+        lines += ["", "SmoothQuant rows per CTA (default block_t=1 above), us:", "",
+                  "| shape | config | X quant us | A quant us |", "|---|---|---|---|"]
+        lines += [f"| {name} | {k} | {v['x_us']:.0f} | {v['a_us']:.0f} |" for name, k, v in quant_rows]
     return "\n".join(lines) + "\n"
 
 

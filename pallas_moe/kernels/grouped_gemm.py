@@ -20,6 +20,17 @@ halves of a column are in one consumer's registers (as in the bf16 up-proj). Eac
 TMA-loads its rows' scales and the item's column scales into SMEM at the start of the item,
 overlapping the K loop.
 
+fp8 accumulation (`config.fp8_promote_every`): Hopper's fp8 wgmma does not accumulate in
+f32. Per k=32 instruction it aligns the accumulator and the 32 products to their largest
+exponent and truncates every term toward zero 13 bits below it (a bit-exact numpy model of
+this is `tests/fp8_wgmma_model.py`; docs/quant.md). Left alone over K = 1536, the growing
+accumulator costs each later product its low bits (2.3% of the 7B down-proj's outputs off by
+more than a bf16 step). So, as DeepSeek-V3 / DeepGEMM do, the K loop runs in intervals of
+`fp8_promote_every` K blocks (128 elements each): each interval wgmmas into a fresh zeroed
+accumulator, waits for it, and adds it into f32 accumulators carried in registers through the
+K loop (CUDA-core adds, exact f32 rounding). A second accumulator set doubles the registers:
+`block_n * (2 if gated else 1) <= 128` then (64 for the gated up-proj, 128 for the down-proj).
+
 A is contiguous, so each stage is one `[block_m, block_k]` TMA box. Mosaic's tiled TMA needs
 the box's first row to be a multiple of 8, so tiles come from `aligned_tile_meta` (computed
 once per plan): a tile is a piece of one expert's rows inside one `block_m`-aligned block,
@@ -66,6 +77,10 @@ class GroupedMatmulConfig:
         mode; must divide K.
       num_stages: SMEM pipeline depth (>= 2).
       num_sms: CTAs of the persistent grid (the SM count: 132 on an H100 SXM).
+      fp8_promote_every: fp8 mode only (bf16 wgmma accumulates in f32 and ignores it): add
+        the tensor cores' partial sums into f32 registers every this many K blocks (128
+        elements each; the module docstring says why); 0 = never (the hardware accumulator
+        only, the fastest and least accurate).
     """
 
     block_m: int = 128
@@ -73,6 +88,7 @@ class GroupedMatmulConfig:
     block_k: int = 64
     num_stages: int = 4
     num_sms: int = 132
+    fp8_promote_every: int = 1
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -82,7 +98,15 @@ class GroupedMatmulConfig:
         )
         if self.num_sms < 1:
             raise ValueError(f"config.num_sms={self.num_sms} must be >= 1.")
+        if self.fp8_promote_every < 0:
+            raise ValueError(
+                f"config.fp8_promote_every={self.fp8_promote_every} must be >= 0 (0 = never)."
+            )
 
+
+# fp8 promotion keeps a second f32 accumulator set: at most this many accumulator columns per
+# consumer (both sets: 128 registers per thread, as one unpromoted 64x256 accumulator).
+FP8_PROMOTED_MAX_COLUMNS = 128
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_BLOCK_K_CHOICES = (64, 128)  # bf16, fp8: one 128-byte swizzle row either way
@@ -213,6 +237,13 @@ def grouped_matmul(
             )
         _common.require_dtype("row_scales", row_scales, jnp.float32)
         _common.require_dtype("col_scales", col_scales, jnp.float32)
+        if config.fp8_promote_every and (gated + 1) * bn > FP8_PROMOTED_MAX_COLUMNS:
+            raise ValueError(
+                f"config.fp8_promote_every={config.fp8_promote_every} keeps a second f32 "
+                f"accumulator set: block_n{' * 2 (gated)' if gated else ''} must be <= "
+                f"{FP8_PROMOTED_MAX_COLUMNS}, got block_n={bn} (use block_n="
+                f"{FP8_PROMOTED_MAX_COLUMNS // (gated + 1)}, or fp8_promote_every=0)."
+            )
         if row_scales.shape[0] < padded:  # each consumer loads whole row blocks too
             row_scales = jnp.pad(row_scales, (0, padded - row_scales.shape[0]))
         scales = (row_scales, col_scales)
@@ -233,6 +264,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
     dtype = in_dtype
     tf = _common.mma_transforms(dtype)
     num_b = 2 if gated else 1  # weight tiles per K step (gate and up)
+    promote_every = config.fp8_promote_every if fp8 else 0
 
     def body(expert_ref, start_ref, rows_ref, nreal_ref, a_ref, w_ref, *refs):
         if fp8:
@@ -297,6 +329,46 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
 
             jax.lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
 
+        def promoted_k_loop(j, bar_c, a_rows):
+            """The consumer's K loop of item j with fp8 promotion: per interval of
+            `promote_every` K blocks, wgmma into zeroed accumulators, wait for them and add
+            them into f32 accumulators carried in registers. Returns num_b [mb, bn] f32."""
+
+            def interval(k0, length, totals):  # K blocks [k0, k0 + length); length static
+                def scope(*partials):
+                    def per_step(t, carry):
+                        g = j * num_k + k0 + t
+                        slot = g % stages
+                        plgpu.barrier_wait(full.at[bar_c, slot])
+                        for h, partial in enumerate(partials):
+                            b = b_smem.at[h, slot].transpose((1, 0))  # fp8: W is K-major
+                            plgpu.wgmma(partial, a_smem.at[slot, a_rows], b)
+                        plgpu.wgmma_wait(num_b)  # step g-1 is done: release its slot
+
+                        @pl.when(t >= 1)
+                        def _():
+                            plgpu.barrier_arrive(empty.at[(g - 1) % stages])
+
+                        return carry
+
+                    jax.lax.fori_loop(0, length, per_step, None)
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(empty.at[(j * num_k + k0 + length - 1) % stages])
+                    return tuple(p[...] for p in partials)
+
+                partials = pl.run_scoped(scope, *[plgpu.ACC((mb, bn), jnp.float32)] * num_b)
+                return tuple(total + p for total, p in zip(totals, partials))
+
+            zeros = plgpu.layout_cast(jnp.zeros((mb, bn), jnp.float32), plgpu.Layout.WGMMA)
+            num_full, tail = divmod(num_k, promote_every)
+            totals = jax.lax.fori_loop(
+                0, num_full, lambda i, tot: interval(i * promote_every, promote_every, tot),
+                (zeros,) * num_b,
+            )
+            if tail:
+                totals = interval(num_full * promote_every, tail, totals)
+            return totals
+
         for c in range(2):
             @pl.when(wg == c)
             def _consumer(c=c):
@@ -351,9 +423,12 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         plgpu.barrier_arrive(empty.at[(j * num_k + num_k - 1) % stages])
                         return tuple(acc[...] for acc in accs)
 
-                    accs = pl.run_scoped(  # [mb, bn] f32 each
-                        mma_scope, *[plgpu.ACC((mb, bn), jnp.float32)] * num_b
-                    )
+                    if promote_every:
+                        accs = promoted_k_loop(j, bar_c, a_rows)
+                    else:
+                        accs = pl.run_scoped(  # [mb, bn] f32 each
+                            mma_scope, *[plgpu.ACC((mb, bn), jnp.float32)] * num_b
+                        )
                     if fp8:
                         plgpu.barrier_wait(scale_bar.at[c])
                         y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c], out_dtype)

@@ -83,13 +83,29 @@ def fp8_grouped_matmul_reference(
         a[:capacity].astype(jnp.float32), jnp.swapaxes(w_t, 1, 2).astype(jnp.float32),
         group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
     )  # [P, N]; rows past sum(group_sizes) are 0
-    deq = acc * row_scales[:capacity, None] * col_scales[e]
+    deq = fp8_epilogue_reference(acc, row_scales[:capacity], col_scales[e], gated=gated,
+                                 out_dtype=out_dtype)
+    return jnp.where(valid[:, None], deq, 0.0).astype(out_dtype)
+
+
+def fp8_epilogue_reference(acc, row_scales, col_scales, *, gated: bool, out_dtype=jnp.bfloat16):
+    """The fp8 grouped GEMM's epilogue on given f32 sums: `acc * row_scales[r] * col_scales[r, j]`,
+    then (gated) SwiGLU of the (gate, up) halves rounded to out_dtype first.
+
+    Args:
+      acc: f32 [R, N] ([R, 2N] gated); row_scales: f32 [R]; col_scales: f32 [R, N] ([R, 2N]),
+        each row's expert's column scales.
+
+    Returns:
+      [R, N] in out_dtype.
+    """
+    deq = acc * row_scales[:, None] * col_scales
     if gated:
         n = deq.shape[1] // 2
         hg = deq[:, :n].astype(out_dtype).astype(jnp.float32)
         hu = deq[:, n:].astype(out_dtype).astype(jnp.float32)
         deq = hg * jax.nn.sigmoid(hg) * hu
-    return jnp.where(valid[:, None], deq, 0.0).astype(out_dtype)
+    return deq.astype(out_dtype)
 
 
 def aggregate_reference(

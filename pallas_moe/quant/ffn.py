@@ -139,10 +139,18 @@ class Fp8ForwardConfig:
     aggregate: "AggregateConfig"
 
     @classmethod
-    def for_shape(cls, d: int, n: int, *, num_sms: int | None = None) -> "Fp8ForwardConfig":
-        """Defaults for model width `d` and expert width `n` (multiples of 128). SMEM per CTA:
-        up 3 stages x (A 16 KB + gate and up tiles 32 KB) + 32 KB output = 176 KB; down with
-        256-column blocks 3 x 48 KB + 64 KB = 208 KB (4 stages of 128 columns: 160 KB)."""
+    def for_shape(cls, d: int, n: int, *, num_sms: int | None = None,
+                  promote_every: int = 1) -> "Fp8ForwardConfig":
+        """Defaults for model width `d` and expert width `n` (multiples of 128).
+
+        `promote_every`: both GEMMs' `fp8_promote_every` (K blocks of 128 between the adds
+        of the tensor cores' partial sums into f32 registers; 0 = never, see
+        `kernels/grouped_gemm.py`). Promotion holds a second accumulator set, so it takes
+        narrower column blocks. SMEM per CTA, promoted: up 6 stages x (A 16 KB + gate and up
+        tiles 2 x 8 KB) + 16 KB output = 208 KB; down 128 columns, 5 x 32 KB + 32 KB = 192 KB.
+        Not promoted: up 128 columns, 3 x 48 KB + 32 KB = 176 KB; down 256 columns,
+        3 x 48 KB + 64 KB = 208 KB (128 columns, 4 stages, when 256 does not divide d).
+        """
         from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
         from pallas_moe.kernels.moe_forward import ForwardConfig, default_num_sms
         from pallas_moe.quant.kernel import SmoothQuantConfig
@@ -153,14 +161,17 @@ class Fp8ForwardConfig:
                     f"{name}={value} must be a multiple of {FP8_WIDTH_MULTIPLE} for the fp8 kernels."
                 )
         num_sms = default_num_sms() if num_sms is None else num_sms
-        up = GroupedMatmulConfig(block_m=128, block_n=128, block_k=128, num_stages=3,
-                                 num_sms=num_sms)
-        if d % 256 == 0:
-            down = GroupedMatmulConfig(block_m=128, block_n=256, block_k=128, num_stages=3,
-                                       num_sms=num_sms)
+        gemm = functools.partial(GroupedMatmulConfig, block_m=128, block_k=128, num_sms=num_sms,
+                                 fp8_promote_every=promote_every)
+        if promote_every:
+            up = gemm(block_n=64, num_stages=6)
+            down = gemm(block_n=128, num_stages=5)
         else:
-            down = GroupedMatmulConfig(block_m=128, block_n=128, block_k=128, num_stages=4,
-                                       num_sms=num_sms)
+            up = gemm(block_n=128, num_stages=3)
+            if d % 256 == 0:
+                down = gemm(block_n=256, num_stages=3)
+            else:
+                down = gemm(block_n=128, num_stages=4)
         agg = ForwardConfig.for_shape(d, n, num_sms=num_sms).aggregate
         return cls(up=up, down=down, quant=SmoothQuantConfig(), aggregate=agg)
 

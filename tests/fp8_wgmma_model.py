@@ -1,0 +1,74 @@
+"""A numpy model of how the H100's fp8 wgmma accumulates, and of promotion.
+
+Hopper's fp8 tensor cores do not add in f32. What one `wgmma ... .e4m3.e4m3` instruction with
+k = 32 does to each f32 accumulator element `c` and its 32 products `p_i = a_i * w_i` (this
+model reproduces bit for bit the 14 H100 outputs logged by the first GPU run,
+`benchmarks/history/session4/test_quant_fp8_first.txt`; `test_fp8_wgmma_model_matches_h100`):
+
+  1. Each product is exact (two 4-bit significands). Its exponent, for the alignment, is the
+     sum of the operands' exponents `E(a_i) + E(w_i)` (the product's significand is in
+     [1, 4), so it may be one binade higher); the accumulator's is its own `E(c)`; zeros
+     take no part.
+  2. `emax` = the largest of these exponents. Every term (c and the p_i) is truncated toward
+     zero to a multiple of `2^(emax - 13)`: 13 fraction bits below the largest term, the
+     "about 14 bits" DeepSeek-V3 (section 3.3.2) reports.
+  3. The truncated terms are summed exactly and the sum rounded to f32 (it fits).
+
+So each instruction loses up to 33 quanta of `2^(emax - 13)`, and once the accumulator has
+grown past the products, emax is the accumulator's exponent: every later product loses its
+bits below `|c| * 2^-13`. Over the 7B down-proj's K = 1536 (48 instructions) that moved 2.3%
+of the bf16 outputs by more than `rtol 2^-7` (the model: 2.3%).
+
+Promotion (DeepSeek-V3, DeepGEMM): every `promote` products (a multiple of 128, one K block
+of the kernel), the partial accumulator is added into a separate f32 total with a CUDA-core
+f32 add (round to nearest) and restarted from zero, so emax only tracks one interval's partial
+sums. It cannot remove step 2's truncation of the products themselves (relative to the
+largest product of each instruction): what is left is about a third of the error at K = 1536
+(0.75% of outputs outside `rtol 2^-7` promoting every 128; 0.1% even promoting after every
+instruction), so the GPU tests compare the kernel elementwise with this model and with the
+exact sums only norm-wise (docs/quant.md, "Accuracy").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WGMMA_K = 32  # products per fp8 wgmma instruction
+FRACTION_BITS = 13  # kept below the largest term's exponent
+
+
+def _exponent(x: np.ndarray) -> np.ndarray:
+    """floor(log2 |x|) of nonzero x (a very small number for zeros: they never set emax)."""
+    return np.floor(np.log2(np.where(x != 0, np.abs(x), 2.0**-300)))
+
+
+def h100_fp8_dot(a: np.ndarray, w: np.ndarray, promote: int = 0) -> np.ndarray:
+    """`a @ w.T` as the H100's fp8 wgmma sums it (module docstring), with promotion.
+
+    Args:
+      a: [R, K] e4m3 values as float64 (K a multiple of 32).
+      w: [N, K] e4m3 values as float64 (the K-major weight tile).
+      promote: products between promotions into the f32 total (a multiple of 32); 0 = never.
+
+    Returns:
+      float64 [R, N] holding the f32 accumulator the kernel's epilogue reads.
+    """
+    rows, k_dim = a.shape
+    if k_dim % WGMMA_K or (promote and promote % WGMMA_K):
+        raise ValueError(f"K={k_dim} and promote={promote} must be multiples of {WGMMA_K}.")
+    exp_a, exp_w = _exponent(a), _exponent(w)
+    total = np.zeros((rows, w.shape[0]))
+    acc = np.zeros_like(total)
+    for k0 in range(0, k_dim, WGMMA_K):
+        ks = slice(k0, k0 + WGMMA_K)
+        products = a[:, None, ks] * w[None, :, ks]  # exact
+        product_exp = np.max(np.where(products != 0, exp_a[:, None, ks] + exp_w[None, :, ks],
+                                      -1e9), axis=2)
+        emax = np.maximum(product_exp, np.where(acc != 0, _exponent(acc), -1e9))
+        quantum = np.exp2(emax - FRACTION_BITS)
+        summed = (np.trunc(products / quantum[..., None]) * quantum[..., None]).sum(axis=2)
+        acc = np.float32(summed + np.trunc(acc / quantum) * quantum).astype(np.float64)
+        if promote and (k0 + WGMMA_K) % promote == 0:
+            total = (total + acc).astype(np.float32).astype(np.float64)
+            acc = np.zeros_like(acc)
+    return (total + acc).astype(np.float32).astype(np.float64)
