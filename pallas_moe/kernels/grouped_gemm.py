@@ -2,8 +2,9 @@
 
     out[r] = A[r] @ W[e(r)]          A bf16 [P_a, K], W bf16 [E, K, N]   (`transpose_w=False`)
     out[r] = A[r] @ W[e(r)]^T        A bf16 [P_a, K], W bf16 [E, N, K]   (`transpose_w=True`)
+    (+ bias[e(r)])                   optional bias bf16 [E, N], added in fp32 before rounding
 
-Two kernels are specs on it: the forward's down-proj (`Y = A @ W2[e]`, `down_proj.py`) and
+Two kernels are specs on it: the forward's down-proj (`Y = A @ W2[e] + b2[e]`, `down_proj.py`) and
 the backward's dX~ (`dX~ = dH @ W1[e]^T`, `dx.py`, which reads the public `[E, d, 2n]`
 layout as is by feeding K-minor weight tiles to wgmma transposed).
 
@@ -27,6 +28,12 @@ current item's epilogue.
   [64c, 64c + 64) of the A box by the same weight tile, so each weight tile streamed from L2
   feeds 128 rows (~11 KB of SMEM operands per MFLOP instead of ~19 KB); both release each
   slot, and a consumer's epilogue store drains while the next item's wgmmas run.
+
+With a bias, each consumer TMA-loads its item's `[block_n]` bias columns into its own SMEM
+when the item starts (they land while the K loop runs) and adds them to the fp32
+accumulator in the epilogue (`_common.bias_columns`). The SMEM is rewritten only after the
+previous item's epilogue has read it: the epilogue's `commit_smem` (a warpgroup barrier)
+comes between the reads and the next copy.
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ def grouped_matmul(
     out_cols: int | None = None,
     names: tuple[str, str] = ("a", "w"),
     kernel_name: str = "moe_grouped_matmul",
+    bias: jax.Array | None = None,
 ) -> jax.Array:
     """`out[r] = A[r] @ W[e(r)]` (or `@ W[e(r)]^T`) over rows grouped by expert.
 
@@ -97,6 +105,7 @@ def grouped_matmul(
       out_cols: width of the result (default N); columns past N are not written.
       names: how errors name `a` and `w` (the caller's argument names).
       kernel_name: the kernel's name in profiles.
+      bias: optional bf16 [E, N]: `out[r] += bias[e(r)]` in fp32 before rounding.
 
     Returns:
       bf16 [P, out_cols]. Padding rows are not written (their contents are unspecified).
@@ -127,6 +136,9 @@ def grouped_matmul(
     _common.require_multiple(
         f"{w_name}.shape[{n_axis}]", n_dim, bn, f"a work item computes block_n={bn} columns"
     )
+    if bias is not None:
+        _common.require_dtype("bias", bias, jnp.bfloat16)
+        _common.require_shape("bias", bias, (num_experts, n_dim))
     out_cols = n_dim if out_cols is None else out_cols
     if out_cols < n_dim:
         raise ValueError(f"out_cols={out_cols} must be >= {n_dim}.")
@@ -138,13 +150,15 @@ def grouped_matmul(
     padded = -(-capacity // bm) * bm
     if a_rows < padded:
         a = jnp.pad(a, ((0, padded - a_rows), (0, 0)))
-    kernel = _kernel(config, k_dim, n_dim, capacity, out_cols, transpose_w, kernel_name, interpret)
+    kernel = _kernel(config, k_dim, n_dim, capacity, out_cols, transpose_w, kernel_name, interpret,
+                     has_bias=bias is not None)
     num_real = jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1)
-    return kernel(meta.expert, meta.row_start, meta.num_rows, num_real, a, w)
+    operands = (meta.expert, meta.row_start, meta.num_rows, num_real, a, w)
+    return kernel(*operands, *(() if bias is None else (bias,)))
 
 
 def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, transpose_w,
-            kernel_name, interpret):
+            kernel_name, interpret, has_bias: bool = False):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     split_m = bm == 128
     mb = bm // 2 if split_m else bm  # rows per consumer
@@ -154,8 +168,9 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
 
-    def body(expert_ref, start_ref, rows_ref, nreal_ref, a_ref, w_ref, out_ref,
-             a_smem, b_smem, o_smem, full, empty):
+    def body(expert_ref, start_ref, rows_ref, nreal_ref, a_ref, w_ref, *rest):
+        bias_ref, *rest = rest if has_bias else (None, *rest)
+        out_ref, a_smem, b_smem, o_smem, full, empty, *bias_scratch = rest
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
         total = nreal_ref[0] * grid_n  # real work items
@@ -226,6 +241,12 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         dst0, src0 = box0 + lo, lo - c * mb
                     else:
                         count, dst0, src0 = num_rows, row0, shift
+                    if has_bias:  # lands while the K loop runs
+                        bias_smem, bias_bars = bias_scratch
+                        plgpu.copy_gmem_to_smem(
+                            bias_ref.at[expert_ref[tile], pl.ds(ni * bn, bn)], bias_smem.at[c],
+                            bias_bars.at[c],
+                        )
 
                     def mma_scope(acc):
                         def per_step(k, carry):
@@ -250,6 +271,9 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         return acc[...]
 
                     y = pl.run_scoped(mma_scope, plgpu.ACC((mb, bn), jnp.float32))  # [mb, bn]
+                    if has_bias:
+                        plgpu.barrier_wait(bias_bars.at[c])
+                        y = y + _common.bias_columns(bias_smem.at[c], mb)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's store
                     o_smem[c] = y.astype(dtype)
                     plgpu.commit_smem()
@@ -274,6 +298,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
             plgpu.SMEM((2, mb, bn), dtype),
             plgpu.Barrier(num_arrivals=2, num_barriers=(1 if split_m else 2, stages)),
             plgpu.Barrier(num_arrivals=2 if split_m else 1, num_barriers=stages),
+            # Per consumer: the item's bias columns and the barrier their copy arrives on.
+            *((plgpu.SMEM((2, bn), dtype), plgpu.Barrier(num_barriers=2)) if has_bias else ()),
         ],
         grid=(num_sms,),
         grid_names=("sm",),
