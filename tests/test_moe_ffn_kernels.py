@@ -177,3 +177,35 @@ def test_only_one_expert_bias_on_the_kernels():
         for g, r in zip(got, ref):
             assert rel_err(g, r) < 2e-2, list(biases)
 
+
+
+@pytest.mark.parametrize(
+    "shape",
+    # (T, d, n, E, K): gpt-oss widths (d = n = 2880, not multiples of 128) and the 7B shape;
+    # T is small (lowering cost does not depend on it).
+    [(1024, 2880, 2880, 32, 4), (2048, 1536, 256, 128, 8)],
+    ids=["gpt_oss", "7b"],
+)
+def test_expert_biases_and_clamped_swiglu_lower_for_cuda_at_production_blocks(shape):
+    """Forward and every gradient of `moe_ffn(backend="mosaic")` with both expert biases and
+    the clamped SwiGLU lower for an H100 at the default (production) block sizes."""
+    from tests.cuda_target import h100_target
+
+    t, d, n, e, k = shape
+    sds = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    plan = jax.eval_shape(lambda l: pm.routing.topk_plan(l, k), sds((t, e), jnp.float32))
+
+    def f(x, plan, w1, w2, b1, b2, scores):
+        def loss(x, w1, w2, b1, b2, scores):
+            out = pm.moe_ffn(x, plan.with_scores(scores), w1, w2, b_gate_up=b1, b_down=b2,
+                             activation=pm.ops.activation.SwiGLU.clamped(), backend="mosaic")
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.value_and_grad(loss, argnums=tuple(range(6)))(x, w1, w2, b1, b2, scores)
+
+    args = (sds((t, d), bf), plan, sds((e, d, 2 * n), bf), sds((e, n, d), bf), sds((e, 2 * n), bf),
+            sds((e, d), bf), sds((t * k,), jnp.float32))
+    with h100_target():
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "moe_up_proj" in text and "moe_down_proj" in text and "moe_dh" in text
