@@ -55,6 +55,7 @@ SHAPES = {
     # Real widths (d = 2880 is not a multiple of 128; n = 1408 not of 256).
     "w2880": (8192, 2880, 1408, 32, 4),
     "w7168": (8192, 7168, 2048, 16, 2),
+    "gpt-oss-20b": (8192, 2880, 2880, 32, 4),  # d = n = 2880; pair with step.py --gpt-oss
 }
 ITERS = 20
 

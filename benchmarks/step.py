@@ -1,6 +1,7 @@
 """Whole MoE layer training step on the GPU: router GEMM, routing, forward and backward.
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/step.py --out $OUT [--shapes 7b,30b]
+    ... --shapes gpt-oss-20b --gpt-oss --xla-check gpt-oss-20b   # expert biases, clamped SwiGLU
 
 One jitted `value_and_grad` of `sum(moe_layer(x) * cot)` with respect to x, the router and
 both expert weights, where the layer computes `logits = x @ router` (fp32), routes (top-K
@@ -13,7 +14,8 @@ counts launch gaps and host work, plus the same-run dense bound (the MoE FLOPs a
 batched matmuls, forward and backward), and breaks the step down kernel by kernel. Before
 timing, every variant's loss and gradients are compared on the device with the first
 variant of the same routing (and with the `xla` backend for the shapes in --xla-check).
-Writes step.json, step_log.txt and step.md into --out.
+Writes step.json, step_log.txt and step.md into --out. `--gpt-oss`: the layer also has
+expert biases on both projections (differentiated too) and gpt-oss's clamped SwiGLU.
 """
 
 from __future__ import annotations
@@ -49,13 +51,16 @@ def kernel_breakdown(f, *args):
     return [(k, per[k], count[k]) for k, _ in per.most_common()]
 
 
-def make_step(shape, routing, backend, config, skew: float = 0.0):
+def make_step(shape, routing, backend, config, skew: float = 0.0, gpt_oss: bool = False):
     """The jitted step; `skew` is added to the router logits of the first quarter of the
-    experts (skewed routing: those experts get more rows, the others fewer)."""
+    experts (skewed routing: those experts get more rows, the others fewer). `gpt_oss`: the
+    step takes two more inputs, the expert biases (`step_bias_inputs`), differentiates them
+    too, and uses the clamped SwiGLU."""
     num_tokens, d, n, num_experts, k = shape
     skew_bias = jnp.where(jnp.arange(num_experts) < max(num_experts // 4, 1), skew, 0.0)
+    options = dict(activation=pm.ops.SwiGLU.clamped()) if gpt_oss else {}
 
-    def loss(x, router, w1, w2, cot):
+    def loss(x, router, w1, w2, cot, b1=None, b2=None):
         logits = jnp.dot(x.astype(jnp.float32), router)  # f32[T, E]
         if skew:
             logits = logits + skew_bias
@@ -63,10 +68,20 @@ def make_step(shape, routing, backend, config, skew: float = 0.0):
             plan = pm.routing.topk_plan(logits, k)
         else:
             plan = pm.routing.token_rounding_plan(logits, k, tile=128, rounding="nearest")
-        out = pm.moe_ffn(x, plan, w1, w2, backend=backend, config=config)
+        out = pm.moe_ffn(x, plan, w1, w2, b_gate_up=b1, b_down=b2, backend=backend,
+                         config=config, **options)
         return jnp.sum(out.astype(jnp.float32) * cot)
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    argnums = (0, 1, 2, 3, 5, 6) if gpt_oss else (0, 1, 2, 3)
+    return jax.jit(jax.value_and_grad(loss, argnums=argnums))
+
+
+def step_bias_inputs(shape, seed):
+    """Fresh random expert biases (b_gate_up [E, 2n], b_down [E, d]) for `--gpt-oss`."""
+    _, d, n, num_experts, _ = shape
+    ks = jax.random.split(jax.random.key(seed + 1), 2)
+    return (jax.random.normal(ks[0], (num_experts, 2 * n), jnp.bfloat16),
+            jax.random.normal(ks[1], (num_experts, d), jnp.bfloat16))
 
 
 def step_inputs(shape, seed):
@@ -94,6 +109,8 @@ def main():
     ap.add_argument("--xla-check", default="", help="shapes also checked against backend=xla")
     ap.add_argument("--skew", type=float, default=0.0,
                     help="added to the router logits of a quarter of the experts")
+    ap.add_argument("--gpt-oss", action="store_true",
+                    help="expert biases on both projections and the clamped SwiGLU")
     args = ap.parse_args()
     log = open_log(args.out, "step_log.txt")
     rows = []
@@ -101,6 +118,7 @@ def main():
         shape = SHAPES[name]
         num_tokens, d, n, num_experts, k = shape
         x, router, w1, w2, cot = step_inputs(shape, seed=0)
+        inputs = (x, router, w1, w2, cot, *(step_bias_inputs(shape, 0) if args.gpt_oss else ()))
         _, bound_all, xe, dcot = dense_bound_fns(shape)
         bound_ms = gpu_time_ms(bound_all, xe, w1, w2, dcot, iters=ITERS)
         del xe, dcot
@@ -109,27 +127,28 @@ def main():
         for variant in args.variants.split(","):
             routing, gather = variant.split("/")
             step = make_step(shape, routing, "mosaic", KernelConfig.for_shape(d, n, gather=gather),
-                             skew=args.skew)
-            row = dict(shape=name, routing=routing, gather=gather, bound_ms=bound_ms)
+                             skew=args.skew, gpt_oss=args.gpt_oss)
+            row = dict(shape=name, routing=routing, gather=gather, bound_ms=bound_ms,
+                       gpt_oss=args.gpt_oss)
             try:
-                val, grads = step(x, router, w1, w2, cot)
+                val, grads = step(*inputs)
                 finite = all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
                 row["finite"] = finite
                 if routing not in reference:
                     reference[routing] = (variant, val, grads)
                     if name in args.xla_check.split(","):
-                        xval, xgrads = make_step(shape, routing, "xla", None, skew=args.skew)(
-                            x, router, w1, w2, cot)
+                        xval, xgrads = make_step(shape, routing, "xla", None, skew=args.skew,
+                                                 gpt_oss=args.gpt_oss)(*inputs)
                         row["vs_xla"] = [rel_err(g, r) for g, r in zip(grads, xgrads)]
                         del xgrads
                 else:
                     ref_variant, _, ref_grads = reference[routing]
                     row[f"vs_{ref_variant}"] = [rel_err(g, r) for g, r in zip(grads, ref_grads)]
                 del grads
-                row["gpu_ms"] = gpu_time_ms(step, x, router, w1, w2, cot, iters=ITERS)
-                row["wall_ms"] = wall_time_ms(step, x, router, w1, w2, cot, iters=20)
+                row["gpu_ms"] = gpu_time_ms(step, *inputs, iters=ITERS)
+                row["wall_ms"] = wall_time_ms(step, *inputs, iters=20)
                 row["vs_bound"] = bound_ms / row["gpu_ms"]
-                row["kernels"] = kernel_breakdown(step, x, router, w1, w2, cot)
+                row["kernels"] = kernel_breakdown(step, *inputs)
             except Exception as e:  # noqa: BLE001 - report and go on
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             log("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v)

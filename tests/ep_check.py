@@ -155,6 +155,9 @@ FAST = [
     ("topk", "emulated_ragged_all_to_all", 4, True, {}, CHUNKED),
     ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"},
      {**CHUNKED, "num_chunks": 4, "check_vma": True}),
+    # gpt-oss's expert biases and clamped SwiGLU through the chunked overlap.
+    ("token_rounding", "emulated_ragged_all_to_all", 2, False, {"preset": "biases_clamped", "tile": 16},
+     CHUNKED),
 ]
 
 

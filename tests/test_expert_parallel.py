@@ -62,6 +62,7 @@ def test_ep_matches_single_device():
     chunked = [r for r in results if r.get("overlap") == "chunked"]
     assert {r["routing"] for r in chunked} == {"topk", "token_rounding"}
     assert all(r["chunks"] >= 3 for r in chunked)
+    assert any(r.get("preset") == "biases_clamped" for r in chunked)  # expert biases, clamped SwiGLU
     assert {r["dispatch"] for r in results if r.get("check_vma")} == {"all_gather", "emulated_ragged_all_to_all"}
 
 

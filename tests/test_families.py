@@ -529,27 +529,29 @@ def test_clamped_activation_gradient_matches_autodiff():
     np.testing.assert_allclose(act(h)[0], expect, rtol=1e-6)
 
 
-def test_kernel_backends_refuse_unsupported_options(monkeypatch):
+def test_auto_picks_the_kernels_for_expert_biases_and_the_clamped_swiglu(monkeypatch):
+    """The kernels implement both options: on a (pretend) Hopper with kernel-friendly inputs
+    "auto" takes them exactly as for a plain layer, and passes the options through."""
     from pallas_moe.ops import moe_ffn as moe_ffn_module
+    from pallas_moe.ops import mosaic
 
     x, w1, w2, b1, b2, logits, _ = _ffn_inputs()
     plan = pm.routing.topk_plan(logits, 2)
-    with pytest.raises(ValueError, match="backend='interpret': the Mosaic GPU kernels do not implement b_gate_up, b_down"):
-        pm.moe_ffn(x, plan, w1, w2, b_gate_up=b1, b_down=b2, backend="interpret")
-    with pytest.raises(ValueError, match="do not implement activation=SwiGLU\\(kind='clamped'"):
-        pm.moe_ffn(x, plan, w1, w2, activation=SwiGLU.clamped(), backend="mosaic")
     with pytest.raises(ValueError, match="b_down must be \\[E, d\\] = \\(6, 16\\)"):
         pm.moe_ffn(x, plan, w1, w2, b_down=b2.T, backend="xla")
 
     class FakeHopper:
         platform, compute_capability = "gpu", "9.0"
 
-    # On a (pretend) Hopper with kernel-friendly inputs, "auto" still takes xla for these options.
     monkeypatch.setattr(moe_ffn_module.jax, "devices", lambda: [FakeHopper()])
     called = []
-    monkeypatch.setattr(moe_ffn_module, "moe_ffn_xla", lambda *a, **k: called.append(k) or a[0])
+    monkeypatch.setattr(mosaic, "moe_ffn_kernels", lambda *a, **k: called.append(k) or a[0])
+    monkeypatch.setattr(moe_ffn_module, "moe_ffn_xla", lambda *a, **k: pytest.fail("took xla"))
     bf = lambda a: a.astype(jnp.bfloat16)
     xb, w1b, w2b = bf(jnp.zeros((8, 64))), bf(jnp.zeros((6, 64, 128))), bf(jnp.zeros((6, 64, 64)))
+    b1b, b2b = bf(jnp.zeros((6, 128))), bf(jnp.zeros((6, 64)))
     plan = pm.routing.topk_plan(logits[:8], 2)
-    pm.moe_ffn(xb, plan, w1b, w2b, activation=SwiGLU.clamped(), backend="auto")
+    pm.moe_ffn(xb, plan, w1b, w2b, b_gate_up=b1b, b_down=b2b, activation=SwiGLU.clamped(),
+               backend="auto")
     assert called and called[0]["activation"] == SwiGLU.clamped()
+    assert called[0]["b_gate_up"] is b1b and called[0]["b_down"] is b2b

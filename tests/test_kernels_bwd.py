@@ -97,18 +97,24 @@ def assert_untouched(got, start, stop=None):
 # ----------------------------------------------------------------------------- references
 
 
-def dh_reference(grad_out, h, plan, w_down):
-    """(dh bf16 [P, 2n], a_scaled bf16 [P, n], d_scores f32 [P]) on the real rows; fp32 math."""
+def dh_reference(grad_out, h, plan, w_down, activation=None):
+    """(dh bf16 [P, 2n], a_scaled bf16 [P, n], d_scores f32 [P]) on the real rows; fp32 math.
+
+    `activation`: a `SwiGLU` spec (None: the plain silu, written out independently)."""
     n = w_down.shape[1]
     valid = plan.row_is_valid
     expert = jnp.minimum(plan.expert_ids, w_down.shape[0] - 1)
     do = grad_out[plan.token_ids].astype(jnp.float32)
     da = jnp.einsum("pd,pnd->pn", do, w_down[expert].astype(jnp.float32), precision=HIGHEST)
     h = jnp.where(valid[:, None], h, 0).astype(h.dtype)
-    a = jax.nn.silu(h[:, :n].astype(jnp.float32)) * h[:, n:].astype(jnp.float32)
+    if activation is None:
+        a = jax.nn.silu(h[:, :n].astype(jnp.float32)) * h[:, n:].astype(jnp.float32)
+        grad = dswiglu
+    else:
+        a, grad = activation(h), activation.grad
     s = plan.scores[:, None]
     d_scores = jnp.where(valid, jnp.sum(da * a, axis=-1), 0.0)
-    return dswiglu(h, s * da).astype(h.dtype), (s * a).astype(h.dtype), d_scores
+    return grad(h, s * da).astype(h.dtype), (s * a).astype(h.dtype), d_scores
 
 
 def weight_grad_reference(lhs_rows, rhs_rows, plan):
@@ -282,6 +288,32 @@ def test_dh_kernel_detect_races(consumers, prefetch_h):
     rows = int(plan.num_rows)
     assert_close(dh[:rows], ref_dh[:rows], 1e-2, "dh")
     assert_close(d_scores, ref_ds, 1e-4, "d_scores")
+
+
+def test_dh_kernel_clamped_swiglu_no_races():
+    """gpt-oss's clamped SwiGLU in the dH epilogue: zero gradient where a clamp is active,
+    as `SwiGLU.grad` (the `xla` backend's); H from an up-proj with an expert bias."""
+    act = pm.ops.activation.SwiGLU.clamped(alpha=1.702, limit=0.75)
+    x, _, plan, w1, w2, grad_out = make_problem(6, 20, 256, 128, 3, 2)
+    b1 = (0.5 * jax.random.normal(jax.random.key(61), (3, 256))).astype(BF16)
+    h, _ = up_proj_reference(x, plan.token_ids, plan.group_sizes, w1, b1, act)
+    h = jnp.where(plan.row_is_valid[:, None], h, jnp.nan).astype(BF16)
+    dh, a_scaled, d_scores = dh_kernel(
+        grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2,
+        config=DHConfig(block_n=64, num_stages=2, num_consumers=2), activation=act,
+        interpret=interp(detect_races=True),
+    )
+    assert not races_found()
+    ref_dh, ref_a, ref_ds = dh_reference(grad_out, h, plan, w2, act)
+    rows = int(plan.num_rows)
+    hv = np.asarray(h[:rows], np.float32)
+    clamped = np.concatenate([hv[:, :128] > 0.75, np.abs(hv[:, 128:]) > 0.75], axis=1)
+    assert clamped[:, :128].mean() > 0.1 and clamped[:, 128:].mean() > 0.2
+    assert not np.any(np.asarray(dh[:rows], np.float32)[clamped]), "clamped elements pass no gradient"
+    assert_close(dh[:rows], ref_dh[:rows], 1e-2, "dh")
+    assert_close(a_scaled[:rows], ref_a[:rows], 1e-2, "a_scaled")
+    assert_close(d_scores, ref_ds, 1e-4, "d_scores")
+    assert_untouched(dh, rows)
 
 
 # ----------------------------------------------------------------------------- dW

@@ -122,3 +122,21 @@ def test_empty_plan_writes_nothing():
 def test_bad_inputs_raise_naming_the_argument(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make()
+
+
+@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M], ids=["ping_pong", "split_m"])
+def test_down_proj_expert_bias_no_races(config):
+    """Y = A W2[e] + b2[e]: each consumer's bias SMEM is reloaded per work item (3 CTAs walk
+    several items each), bitwise the jnp reference, no races."""
+    plan = assignment_plan(jax.random.key(32), 60, 4, p=0.5, empty=(2,), extra=5)
+    ka, kw, kb = jax.random.split(jax.random.key(33), 3)
+    a = jax.random.normal(ka, (plan.capacity, 128), jnp.float32).astype(jnp.bfloat16)
+    _, w2 = random_weights(kw, 4, 128, 128)
+    bias = jax.random.normal(kb, (4, 128), jnp.float32).astype(jnp.bfloat16)
+    y = down_proj(a, plan.group_sizes, w2, config=config, bias=bias,
+                  interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+    rows = int(plan.num_rows)
+    want = down_proj_reference(a, plan.group_sizes, w2, bias)
+    np.testing.assert_array_equal(np.asarray(y[:rows], np.float32), np.asarray(want[:rows], np.float32))
+    assert_untouched(y, rows)

@@ -6,10 +6,12 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels.reference import up_proj_reference
 from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
+from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.routing import token_rounding_plan, topk_plan
 from tests.test_kernels_common import (
     assert_untouched, assignment_plan, close, races_found, random_weights, random_x,
@@ -132,3 +134,36 @@ def test_bad_dtype_and_shape_raise():
     with pytest.raises(ValueError, match="w_gate_up.shape\\[1\\]=64 must equal x.shape\\[1\\]=128"):
         up_proj(jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((8,), jnp.int32),
                 jnp.zeros((2,), jnp.int32), w1, interpret=True)
+
+
+CLAMPED = SwiGLU.clamped(alpha=1.702, limit=0.75)  # small limit: both clamps are hit
+
+
+@pytest.mark.parametrize("config", [SMALL, WS], ids=["single_wg", "warp_specialized"])
+def test_expert_bias_and_clamped_swiglu_no_races(config):
+    """H = X W1 + b1 (bias added before rounding), A = clamped SwiGLU of H: bitwise the jnp
+    reference, every tile's bias columns, no races between the bias copy and its reads."""
+    ks = jax.random.split(jax.random.key(17), 4)
+    x = random_x(ks[0], 20, 256)  # 4 K steps > 2 stages
+    w1, _ = random_weights(ks[1], 3, 256, 128)
+    bias = (0.5 * jax.random.normal(ks[3], (3, 256))).astype(jnp.bfloat16)
+    plan = assignment_plan(ks[2], 20, 3, p=0.6, empty=(1,), extra=3)
+    h, a = up_proj(x, plan.token_ids, plan.group_sizes, w1, config=config, bias=bias,
+                   activation=CLAMPED, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+    h_ref, a_ref = up_proj_reference(x, plan.token_ids, plan.group_sizes, w1, bias, CLAMPED)
+    rows = int(plan.num_rows)
+    hg = np.asarray(h_ref[:rows], np.float32)
+    assert np.mean(hg[:, :128] > 0.75) > 0.1 and np.mean(np.abs(hg[:, 128:]) > 0.75) > 0.2
+    np.testing.assert_array_equal(np.asarray(h[:rows], np.float32), hg)
+    np.testing.assert_array_equal(np.asarray(a[:rows], np.float32), np.asarray(a_ref[:rows], np.float32))
+    assert_untouched(h, rows)
+    assert_untouched(a, rows)
+
+
+def test_bias_of_the_wrong_shape_raises():
+    x = jnp.zeros((8, 64), jnp.bfloat16)
+    w1 = jnp.zeros((2, 64, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="bias must have shape \\(2, 128\\)"):
+        up_proj(x, jnp.zeros((8,), jnp.int32), jnp.zeros((2,), jnp.int32), w1,
+                bias=jnp.zeros((2, 64), jnp.bfloat16), config=SMALL, interpret=True)

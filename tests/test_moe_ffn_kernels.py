@@ -1,5 +1,7 @@
 """`pm.moe_ffn(backend="interpret")`: the kernels end to end, forward and gradients, vs `xla`."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,3 +86,126 @@ def test_backend_resolution_reads_the_aot_target():
         assert resolve_backend("auto") == "xla"
         with pytest.raises(ValueError, match="backend='mosaic' needs a Hopper GPU"):
             resolve_backend("mosaic")
+
+
+CLAMPED = pm.ops.activation.SwiGLU.clamped(alpha=1.702, limit=0.75)  # hit on both sides
+
+BIAS_ROUTERS = {
+    # Expert 1 gets no rows (an empty expert); groups are ragged.
+    "topk": lambda l: pm.routing.topk_plan(l.at[:, 1].set(-1e9), 2),
+    # Token rounding leaves padding rows.
+    "token_rounding": lambda l: pm.routing.token_rounding_plan(l, 2, tile=16, rounding="nearest"),
+}
+
+
+def bias_loss(backend, router, activation, cot):
+    def f(logits, x, w1, w2, b1, b2):
+        out = pm.moe_ffn(x, BIAS_ROUTERS[router](logits), w1, w2, b_gate_up=b1, b_down=b2,
+                         activation=activation, backend=backend)
+        return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)), out
+
+    return jax.value_and_grad(f, argnums=tuple(range(6)), has_aux=True)
+
+
+@pytest.mark.parametrize("router", sorted(BIAS_ROUTERS))
+def test_expert_biases_and_clamped_swiglu_on_the_kernels_match_xla(router):
+    """gpt-oss options on the kernels: forward and every gradient (router logits, x, both
+    weights, both biases) vs the `xla` backend, with H values past the clamp on both sides."""
+    logits, x, w1, w2, cot = make_inputs(3, 40, 64, 64, 4, skew=1.5)
+    kb = jax.random.split(jax.random.key(4), 2)
+    b1 = (0.5 * jax.random.normal(kb[0], (4, 128))).astype(jnp.bfloat16)
+    b2 = (0.5 * jax.random.normal(kb[1], (4, 64))).astype(jnp.bfloat16)
+    args = (logits, x, w1, w2, b1, b2)
+    (_, out), grads = bias_loss("interpret", router, CLAMPED, cot)(*args)
+    (_, ref_out), ref_grads = bias_loss("xla", router, CLAMPED, cot)(*args)
+    plan = BIAS_ROUTERS[router](logits)
+    h = jnp.einsum("pd,pdf->pf", x[plan.token_ids].astype(jnp.float32),
+                   w1[jnp.minimum(plan.expert_ids, 3)].astype(jnp.float32))
+    h = np.asarray(h + b1[jnp.minimum(plan.expert_ids, 3)].astype(jnp.float32))[
+        np.asarray(plan.row_is_valid)]
+    assert np.mean(h[:, :64] > 0.75) > 0.1 and np.mean(np.abs(h[:, 64:]) > 0.75) > 0.2
+    if router == "topk":
+        assert int(plan.group_sizes[1]) == 0
+    else:
+        assert int(plan.num_rows) < plan.capacity
+    assert rel_err(out, ref_out) < 1e-2
+    names = ["logits", "x", "w_gate_up", "w_down", "b_gate_up", "b_down"]
+    for name, g, r in zip(names, grads, ref_grads):
+        assert g.dtype == r.dtype, name
+        assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+        assert rel_err(g, r) < 2e-2, name
+    if router == "topk":  # the empty expert gets exactly zero bias gradients
+        assert not np.any(np.asarray(grads[4][1], np.float32))
+        assert not np.any(np.asarray(grads[5][1], np.float32))
+
+
+def test_expert_biases_with_a_plan_that_dropped_every_row():
+    logits, x, w1, w2, cot = make_inputs(2, 16, 64, 64, 4)
+    plan = pm.routing.token_rounding_plan(logits, 1, tile=64, rounding="down")
+    assert int(plan.num_rows) == 0
+    b1 = jnp.ones((4, 128), jnp.bfloat16)
+    b2 = jnp.ones((4, 64), jnp.bfloat16)
+
+    def loss(x, w1, w2, scores, b1, b2):
+        out = pm.moe_ffn(x, plan.with_scores(scores), w1, w2, b_gate_up=b1, b_down=b2,
+                         activation=CLAMPED, backend="interpret")
+        return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True)(
+        x, w1, w2, plan.scores, b1, b2)
+    assert not np.any(np.asarray(out, np.float32))
+    for g in grads:
+        assert not np.any(np.asarray(g, np.float32)), "an empty plan must give exactly zero gradients"
+
+
+def test_only_one_expert_bias_on_the_kernels():
+    """b_gate_up alone and b_down alone: the missing bias gets no cotangent, the other one
+    matches xla."""
+    logits, x, w1, w2, cot = make_inputs(5, 16, 64, 64, 2)
+    plan = pm.routing.topk_plan(logits, 1)
+    b1 = (0.5 * jax.random.normal(jax.random.key(6), (2, 128))).astype(jnp.bfloat16)
+    b2 = (0.5 * jax.random.normal(jax.random.key(7), (2, 64))).astype(jnp.bfloat16)
+    for biases in ({"b_gate_up": b1}, {"b_down": b2}):
+        def loss(backend, w1, bias):
+            (name,) = biases
+            out = pm.moe_ffn(x, plan, w1, w2, backend=backend, **{name: bias})
+            return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
+
+        (bias,) = biases.values()
+        got = jax.grad(functools.partial(loss, "interpret"), argnums=(0, 1))(w1, bias)
+        ref = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1))(w1, bias)
+        for g, r in zip(got, ref):
+            assert rel_err(g, r) < 2e-2, list(biases)
+
+
+
+@pytest.mark.parametrize(
+    "shape",
+    # (T, d, n, E, K): gpt-oss widths (d = n = 2880, not multiples of 128) and the 7B shape;
+    # T is small (lowering cost does not depend on it).
+    [(1024, 2880, 2880, 32, 4), (2048, 1536, 256, 128, 8)],
+    ids=["gpt_oss", "7b"],
+)
+def test_expert_biases_and_clamped_swiglu_lower_for_cuda_at_production_blocks(shape):
+    """Forward and every gradient of `moe_ffn(backend="mosaic")` with both expert biases and
+    the clamped SwiGLU lower for an H100 at the default (production) block sizes."""
+    from tests.cuda_target import h100_target
+
+    t, d, n, e, k = shape
+    sds = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    plan = jax.eval_shape(lambda l: pm.routing.topk_plan(l, k), sds((t, e), jnp.float32))
+
+    def f(x, plan, w1, w2, b1, b2, scores):
+        def loss(x, w1, w2, b1, b2, scores):
+            out = pm.moe_ffn(x, plan.with_scores(scores), w1, w2, b_gate_up=b1, b_down=b2,
+                             activation=pm.ops.activation.SwiGLU.clamped(), backend="mosaic")
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.value_and_grad(loss, argnums=tuple(range(6)))(x, w1, w2, b1, b2, scores)
+
+    args = (sds((t, d), bf), plan, sds((e, d, 2 * n), bf), sds((e, n, d), bf), sds((e, 2 * n), bf),
+            sds((e, d), bf), sds((t * k,), jnp.float32))
+    with h100_target():
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "moe_up_proj" in text and "moe_down_proj" in text and "moe_dh" in text

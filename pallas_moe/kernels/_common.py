@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.routing.plan import TileSchedule, tile_schedule
 
 # bf16 with a 128-byte swizzle: the minor (K) dimension of an MMA operand tile in SMEM.
@@ -257,17 +258,41 @@ def _gather_view_types(shape, dtype):
     return copy_view, plgpu.SMEM(shape, dtype, transforms=mma_transforms(dtype))
 
 
-def swiglu_epilogue(gate_acc, up_acc, dtype):
+def swiglu_epilogue(gate_acc, up_acc, dtype, activation=SwiGLU(), gate_bias=None, up_bias=None):
     """The up-proj's SwiGLU epilogue: `(A, H_gate, H_up)` in `dtype` from fp32 accumulators.
 
-    H is rounded to `dtype` first and A is computed in fp32 from the rounded H, so A is
-    exactly what the backward recomputes from the saved H.
+    Args:
+      gate_acc, up_acc: fp32 [rows, cols] accumulators of the gate and up columns.
+      dtype: H's and A's dtype (bf16).
+      activation: the `SwiGLU` spec (plain or gpt-oss's clamped variant).
+      gate_bias, up_bias: None, or fp32 [rows, cols] expert-bias columns (`bias_columns`),
+        added to the accumulators before H is rounded.
+
+    H (the saved residual) is the biased pre-activation rounded to `dtype`, and A is computed
+    in fp32 from the rounded H by `activation.apply`, so A is exactly what the backward
+    recomputes from the saved H, and every backend computes one formula.
     """
+    if gate_bias is not None:
+        gate_acc = gate_acc + gate_bias
+        up_acc = up_acc + up_bias
     hg = gate_acc.astype(dtype)
     hu = up_acc.astype(dtype)
-    hg32 = hg.astype(jnp.float32)
-    act = (hg32 * jax.nn.sigmoid(hg32) * hu.astype(jnp.float32)).astype(dtype)
+    act = activation.apply(hg.astype(jnp.float32), hu.astype(jnp.float32)).astype(dtype)
     return act, hg, hu
+
+
+def bias_columns(bias_smem, rows: int):
+    """fp32 [rows, cols]: a `[cols]` expert-bias row staged in SMEM, broadcast down the rows
+    in the layout of a wgmma accumulator (each thread reads only its own columns).
+
+    Kernels TMA the CTA's bias columns into SMEM once per tile (before the K loop, so the
+    copy lands while the tile computes) and read them here in the epilogue. Needs the Lane
+    lowering semantics (an explicit layout).
+    """
+    (cols,) = bias_smem.shape
+    layout = plgpu.Layout.WGMMA.reduce(0)
+    row = plgpu.load(bias_smem, layout=layout, optimized=False).astype(jnp.float32)
+    return jax.lax.broadcast_in_dim(row, (rows, cols), [1])
 
 
 def gathered_pipeline_smem(a_shape, dtype, others, epilogue, interpret: bool):

@@ -58,6 +58,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_moe.kernels import _common
 from pallas_moe.kernels._events import INTERPRET_ROWS, Events
 from pallas_moe.numerics import AGGREGATIONS, multiplied_scores
+from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.routing.plan import tile_schedule
 
 SCHEDULERS = ("static", "dynamic")
@@ -412,6 +413,7 @@ def moe_decode(
     write_h: bool = False,
     aggregation: str = "fp32",
     interpret: bool | plgpu.InterpretGPUParams = False,
+    activation: SwiGLU = SwiGLU(),
 ) -> tuple[jax.Array, jax.Array | None]:
     """The MoE layer forward as one persistent megakernel.
 
@@ -425,13 +427,15 @@ def moe_decode(
       write_h: also write H [P, 2n] (the residual of the minimal backward).
       aggregation: "fp32", "bf16_per_expert" or "bf16_scores" (`pallas_moe.numerics`).
       interpret: run in Mosaic GPU interpret mode (CPU) if True or an InterpretGPUParams.
+      activation: the `SwiGLU` spec of the up tasks' epilogue (`_common.swiglu_epilogue`).
+        The megakernel takes no expert biases.
 
     Returns:
       (out [T, d] in x.dtype, h bf16 [P, 2n] or None). Padding rows of h are unspecified.
     """
     outs = decode_tasks(
         x, plan, w_gate_up, w_down, config=config, write_h=write_h, aggregation=aggregation,
-        interpret=interpret,
+        interpret=interpret, activation=activation,
     )
     return outs.out, outs.h
 
@@ -450,6 +454,7 @@ def decode_tasks(
     aggregation: str = "fp32",
     interpret: bool | plgpu.InterpretGPUParams = False,
     meta: DecodeMeta | None = None,
+    activation: SwiGLU = SwiGLU(),
 ) -> DecodeOutputs:
     """Runs the megakernel on the task kinds in `kinds` (all three: the MoE forward).
 
@@ -522,7 +527,7 @@ def decode_tasks(
     read_y = "aggregate" in kinds and "down" not in kinds
     kernel = _kernel(
         config, dims, kinds, write_h, aggregation != "fp32", x.dtype, read_a, read_y,
-        interpret_mode,
+        interpret_mode, activation,
     )
     args = [
         meta.counts, meta.expert, meta.row_start, meta.num_rows, meta.row_ids, meta.block_lo,
@@ -542,7 +547,7 @@ def decode_tasks(
 
 
 def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16: bool,
-            out_dtype, read_a: bool, read_y: bool, interpret_mode):
+            out_dtype, read_a: bool, read_y: bool, interpret_mode, activation: SwiGLU = SwiGLU()):
     bm, u_cols, bn = config.block_m, config.up_block_n, config.down_block_n
     stages, depth, num_sms = config.num_stages, config.mailbox_depth, config.num_sms
     bt = config.token_block
@@ -807,7 +812,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         mma_scope, plgpu.ACC((bm, u_cols), jnp.float32),
                         plgpu.ACC((bm, u_cols), jnp.float32),
                     )
-                    act, hg, hu = _common.swiglu_epilogue(gate, up, dtype)
+                    act, hg, hu = _common.swiglu_epilogue(gate, up, dtype, activation)
                     o_up[c, 0] = act
                     if write_h:
                         o_up[c, 1] = hg

@@ -1,11 +1,16 @@
 """dH: the backward's first grouped GEMM, the mirror image of the up-proj.
 
     dA'[r] = dO[tok[r]] @ W2[e(r)]^T           f32 [bm, bn] per CTA, never written
-    A[r]   = silu(H_g[r]) * H_u[r]             recomputed from the saved H (fp32)
-    D      = s[r] * dA'[r]
-    dH[r]  = [D * u * sig * (1 + g * (1 - sig)),  D * silu(g)]    bf16 [P_pad, 2n]
+    A[r]   = act(H_g[r], H_u[r])               recomputed from the saved H (fp32)
+    dH[r]  = act'(H_g[r], H_u[r], s[r] * dA'[r])   bf16 [P_pad, 2n]
     A'[r]  = s[r] * A[r]                       bf16 [P_pad, n]   (feeds dW2)
     dS[r]  = <dA'[r], A[r]>                    f32 [P]           (router-score gradient)
+
+`act` is the `SwiGLU` spec (`silu(g) * u`: act' = [D * u * sig * (1 + g * (1 - sig)),
+D * g * sig]; or gpt-oss's clamped variant, whose gradient is zero where a clamp is active),
+computed by the spec's own `apply` / `grad_halves`, the formula of the `xla` backend. H is
+the saved biased pre-activation, so the up-proj bias needs nothing here; the down-proj
+bias's term of dS, `<dO[tok[r]], b2[e]>`, is added by `moe_backward` (`bias_grad`).
 
 One CTA computes one (row tile, column block) pair, exactly like the up-proj: a row tile
 holds at most `block_m` rows of one expert (`tile_meta`), a column block `j` holds columns
@@ -42,6 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels._common import TileMeta
+from pallas_moe.ops.activation import SwiGLU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,21 +186,19 @@ def reduce_row_partials(partials: jax.Array, meta: TileMeta, capacity: int) -> j
     return out.at[rows.reshape(-1)].set(jnp.where(valid, total, 0.0).reshape(-1), mode="drop")
 
 
-def dswiglu_epilogue(da, g, u, s):
+def dswiglu_epilogue(da, g, u, s, activation: SwiGLU = SwiGLU()):
     """The dH epilogue on one [bm, bn] tile, all fp32 in registers.
 
     Args:
       da: dA' (the accumulator); g, u: H gate and up columns; s: scores broadcast to [bm, bn].
+      activation: the forward's `SwiGLU` spec.
 
     Returns:
       (d gate, d up, A' = s * A, dS partial [bm] = sum over the tile's columns of dA' * A).
     """
-    sig = jax.nn.sigmoid(g)
-    silu = g * sig
-    act = silu * u
-    dd = s * da
-    d_gate = dd * u * sig * (1.0 + g * (1.0 - sig))
-    return d_gate, dd * silu, s * act, jnp.sum(da * act, axis=1)
+    act = activation.apply(g, u)
+    d_gate, d_up = activation.grad_halves(g, u, s * da)
+    return d_gate, d_up, s * act, jnp.sum(da * act, axis=1)
 
 
 def dh_kernel(
@@ -208,6 +212,7 @@ def dh_kernel(
     config: DHConfig = DHConfig(),
     interpret: bool | plgpu.InterpretGPUParams = False,
     meta: TileMeta | None = None,
+    activation: SwiGLU = SwiGLU(),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dH, A' and dS from the saved H, with the gather of dO fused into the load.
 
@@ -221,6 +226,7 @@ def dh_kernel(
       config: block sizes.
       interpret: run in Mosaic GPU interpret mode (CPU) if True or an InterpretGPUParams.
       meta: precomputed `tile_meta(group_sizes, token_ids, config.block_m)`.
+      activation: the forward's `SwiGLU` spec.
 
     Returns:
       (dh bf16 [P_pad, 2n], a_scaled bf16 [P_pad, n], d_scores f32 [P]) with P_pad = P
@@ -251,7 +257,9 @@ def dh_kernel(
     interpret_mode = _common.interpret_params(interpret)
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, s_tiles, grad_out, w_down, h)
     if config.num_consumers:
-        kernel = _dh_warp_specialized(config, d, n, num_tiles, out_types, interpret_mode)
+        kernel = _dh_warp_specialized(
+            config, d, n, num_tiles, out_types, interpret_mode, activation
+        )
         dh, a_scaled, ds_part = kernel(*args)
         return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
 
@@ -309,7 +317,7 @@ def dh_kernel(
             u = plgpu.load(h_smem.at[1], layout=layout, optimized=False).astype(jnp.float32)
             s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
             s = jax.lax.broadcast_in_dim(s, (bm, bn), [0])  # [bm, bn]
-            d_gate, d_up, a_scaled, ds = dswiglu_epilogue(da, g, u, s)
+            d_gate, d_up, a_scaled, ds = dswiglu_epilogue(da, g, u, s, activation)
             ds_smem[...] = ds  # [bm] partial over this column block
             o_smem[0] = d_gate.astype(dtype)
             o_smem[1] = d_up.astype(dtype)
@@ -351,7 +359,7 @@ def dh_kernel(
 
 
 def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
-                         interpret_mode):
+                         interpret_mode, activation: SwiGLU = SwiGLU()):
     """The dH kernel as one producer warpgroup + `config.num_consumers` consumer warpgroups.
 
     Producer (warpgroup C): stages the tile's token ids and scores in SMEM, then for every K
@@ -486,7 +494,7 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 u = plgpu.load(hu_ref, layout=layout, optimized=False).astype(jnp.float32)
                 s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
                 s = jax.lax.broadcast_in_dim(s, (bm, bn), [0])
-                d_gate, d_up, a_scaled, ds = dswiglu_epilogue(da, g, u, s)
+                d_gate, d_up, a_scaled, ds = dswiglu_epilogue(da, g, u, s, activation)
                 ds_smem[c] = ds
                 # Same layout as the loads above: each thread overwrites only what it read.
                 hg_ref[...] = d_gate.astype(dtype)

@@ -1,6 +1,8 @@
 """Down-projection: the forward's second grouped GEMM, a spec on `grouped_gemm`.
 
-    Y[r] = A[r] @ W2[e(r)]        A bf16 [P_a, n], W2 bf16 [E, n, d] -> Y bf16 [P, d]
+    Y[r] = A[r] @ W2[e(r)] + b2[e(r)]    A bf16 [P_a, n], W2 bf16 [E, n, d] -> Y bf16 [P, d]
+
+(the expert bias b2 [E, d] is optional; it is added in fp32 before Y is rounded).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ def down_proj(
     meta: TileMeta | None = None,
     capacity: int | None = None,
     out_cols: int | None = None,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped down-projection.
 
@@ -36,6 +39,7 @@ def down_proj(
       meta: precomputed `aligned_tile_meta(group_sizes, capacity, config.block_m)`.
       capacity: the plan's row capacity P (default a.shape[0]).
       out_cols: width of the returned array (default d); columns past d are not written.
+      bias: optional bf16 [E, d] expert bias.
 
     Returns:
       y: bf16 [P, out_cols]. Padding rows are not written (their contents are unspecified).
@@ -43,5 +47,5 @@ def down_proj(
     return grouped_matmul(
         a, group_sizes, w_down, transpose_w=False, config=config, interpret=interpret,
         meta=meta, capacity=capacity, out_cols=out_cols, names=("a", "w_down"),
-        kernel_name="moe_down_proj",
+        kernel_name="moe_down_proj", bias=bias,
     )

@@ -2,8 +2,9 @@
 
     out[r] = A[r] @ W[e(r)]          A bf16 [P_a, K], W bf16 [E, K, N]   (`transpose_w=False`)
     out[r] = A[r] @ W[e(r)]^T        A bf16 [P_a, K], W bf16 [E, N, K]   (`transpose_w=True`)
+    (+ bias[e(r)])                   optional bias bf16 [E, N], added in fp32 before rounding
 
-Two kernels are specs on it: the forward's down-proj (`Y = A @ W2[e]`, `down_proj.py`) and
+Two kernels are specs on it: the forward's down-proj (`Y = A @ W2[e] + b2[e]`, `down_proj.py`) and
 the backward's dX~ (`dX~ = dH @ W1[e]^T`, `dx.py`, which reads the public `[E, d, 2n]`
 layout as is by feeding K-minor weight tiles to wgmma transposed).
 
@@ -51,6 +52,12 @@ current item's epilogue.
   [64c, 64c + 64) of the A box by the same weight tile, so each weight tile streamed from L2
   feeds 128 rows (~11 KB of SMEM operands per MFLOP instead of ~19 KB); both release each
   slot, and a consumer's epilogue store drains while the next item's wgmmas run.
+
+With a bias, each consumer TMA-loads its item's `[block_n]` bias columns into its own SMEM
+when the item starts (they land while the K loop runs) and adds them to the fp32
+accumulator in the epilogue (`_common.bias_columns`). The SMEM is rewritten only after the
+previous item's epilogue has read it: the epilogue's `commit_smem` (a warpgroup barrier)
+comes between the reads and the next copy.
 """
 
 from __future__ import annotations
@@ -129,6 +136,7 @@ def grouped_matmul(
     col_scales: jax.Array | None = None,
     gated: bool = False,
     out_dtype=jnp.bfloat16,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
     """`out[r] = A[r] @ W[e(r)]` (or `@ W[e(r)]^T`) over rows grouped by expert.
 
@@ -156,6 +164,8 @@ def grouped_matmul(
         `swiglu(gate, up)` with N = w.shape[1] // 2 columns (`_common.swiglu_epilogue`:
         each half rounded to `out_dtype` first, as the bf16 up-proj's H).
       out_dtype: bf16 (default) or f32.
+      bias: bf16 mode only: optional bf16 [E, N]: `out[r] += bias[e(r)]` in fp32 before
+        rounding.
 
     Returns:
       [P, out_cols] in out_dtype. Padding rows are not written (their contents are
@@ -215,6 +225,13 @@ def grouped_matmul(
         f"{w_name}.shape[{n_axis}]" + (" // 2" if gated else ""), n_dim, bn,
         f"a work item computes block_n={bn} columns",
     )
+    if bias is not None:
+        if fp8:
+            raise ValueError(
+                "bias is a bf16-mode option; the fp8 mode (e4m3 inputs) takes no bias."
+            )
+        _common.require_dtype("bias", bias, jnp.bfloat16)
+        _common.require_shape("bias", bias, (num_experts, n_dim))
     out_cols = n_dim if out_cols is None else out_cols
     if out_cols < n_dim:
         raise ValueError(f"out_cols={out_cols} must be >= {n_dim}.")
@@ -248,13 +265,16 @@ def grouped_matmul(
             row_scales = jnp.pad(row_scales, (0, padded - row_scales.shape[0]))
         scales = (row_scales, col_scales)
     kernel = _kernel(config, k_dim, n_dim, capacity, out_cols, transpose_w, kernel_name,
-                     interpret, in_dtype=a.dtype, out_dtype=out_dtype, fp8=fp8, gated=gated)
+                     interpret, in_dtype=a.dtype, out_dtype=out_dtype, fp8=fp8, gated=gated,
+                     has_bias=bias is not None)
     num_real = jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1)
-    return kernel(meta.expert, meta.row_start, meta.num_rows, num_real, a, w, *scales)
+    operands = (meta.expert, meta.row_start, meta.num_rows, num_real, a, w)
+    return kernel(*operands, *scales, *(() if bias is None else (bias,)))
 
 
 def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, transpose_w,
-            kernel_name, interpret, *, in_dtype, out_dtype, fp8: bool, gated: bool):
+            kernel_name, interpret, *, in_dtype, out_dtype, fp8: bool, gated: bool,
+            has_bias: bool = False):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     split_m = bm == 128
     mb = bm // 2 if split_m else bm  # rows per consumer
@@ -270,8 +290,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
         if fp8:
             (rs_ref, cs_ref, out_ref, a_smem, b_smem, o_smem, full, empty,
              rs_smem, cs_smem, scale_bar) = refs
+            bias_ref, bias_scratch = None, ()
         else:
-            out_ref, a_smem, b_smem, o_smem, full, empty = refs
+            bias_ref, *refs = refs if has_bias else (None, *refs)
+            out_ref, a_smem, b_smem, o_smem, full, empty, *bias_scratch = refs
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
         if fp8:
@@ -388,6 +410,12 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         dst0, src0 = box0 + lo, lo - c * mb
                     else:
                         count, dst0, src0 = num_rows, row0, shift
+                    if has_bias:  # lands while the K loop runs
+                        bias_smem, bias_bars = bias_scratch
+                        plgpu.copy_gmem_to_smem(
+                            bias_ref.at[expert_ref[tile], pl.ds(ni * bn, bn)], bias_smem.at[c],
+                            bias_bars.at[c],
+                        )
 
                     if fp8:  # this item's scales -> SMEM, waited on in the epilogue
                         scale_rows = box0 + (c * mb if split_m else 0)
@@ -434,6 +462,9 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c], out_dtype)
                     else:
                         (y,) = accs
+                    if has_bias:
+                        plgpu.barrier_wait(bias_bars.at[c])
+                        y = y + _common.bias_columns(bias_smem.at[c], mb)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's store
                     o_smem[c] = y.astype(out_dtype)
                     plgpu.commit_smem()
@@ -456,6 +487,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
         plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=(1 if split_m else 2, stages)),
         plgpu.Barrier(num_arrivals=2 if split_m else 1, num_barriers=stages),
     ]
+    if has_bias:  # per consumer: the item's bias columns and the barrier their copy arrives on
+        scratch += [plgpu.SMEM((2, bn), dtype), plgpu.Barrier(num_barriers=2)]
     if fp8:  # per consumer: its rows' scales, the item's column scales, their barrier
         scratch += [
             plgpu.SMEM((2, mb), jnp.float32),

@@ -6,6 +6,11 @@
     dX~        = dx_rows(dH, W1)              varlen-M grouped GEMM, dX~ transient
     dX         = aggregate(dX~, plan)         deterministic CSR sum (no scores), fp32 accumulate
 
+The activation (plain or clamped SwiGLU) is the dH epilogue's. With expert biases, H
+already holds b1 (the up-proj adds it before rounding), so the kernels above are unchanged;
+db1, db2 and the b2 term of dS come from `ops.minimal_backward.expert_bias_gradients`, a
+deterministic jnp walk over the row tiles that reads dH and the gathered dO rows once.
+
 Same contract as `pallas_moe.ops.minimal_backward.moe_ffn_backward`, which is its reference.
 """
 
@@ -23,6 +28,8 @@ from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_forward import ForwardConfig, aggregate_width
 from pallas_moe.kernels.weight_grad import WeightGradConfig, k_block_meta, weight_grad
+from pallas_moe.ops.activation import SwiGLU
+from pallas_moe.ops.minimal_backward import expert_bias_gradients
 
 
 def _largest_block(dim: int, candidates: tuple[int, ...]) -> int:
@@ -124,7 +131,9 @@ def moe_backward(
     *,
     interpret: bool | plgpu.InterpretGPUParams = False,
     config: BackwardConfig | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    activation: SwiGLU = SwiGLU(),
+    b_down: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
     """Gradients of the MoE layer from its minimal residuals, through the kernels.
 
     Args:
@@ -138,10 +147,15 @@ def moe_backward(
         InterpretGPUParams.
       config: block sizes; `BackwardConfig.for_shape(d, n)` if None (with 4 persistent CTAs
         in interpret mode, where every simulated CTA costs time).
+      activation: the forward's `SwiGLU` spec.
+      b_down: [E, d] down-projection bias for a layer with expert biases (zeros if it has
+        only `b_gate_up`), or None for a layer without biases.
 
     Returns:
       (dx [T, d] x.dtype, d_scores f32[P] (0 on padding rows), dw_gate_up [E, d, 2n] in
-      w_gate_up.dtype, dw_down [E, n, d] in w_down.dtype).
+      w_gate_up.dtype, dw_down [E, n, d] in w_down.dtype); with `b_down` given, two more:
+      db_gate_up [E, 2n] and db_down [E, d] in b_down's dtype (the contract of
+      `moe_ffn_backward`).
     """
     if x.ndim != 2:
         raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
@@ -160,6 +174,8 @@ def moe_backward(
     if plan.num_experts != num_experts:
         raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
     _common.require_shape("h", h, (plan.capacity, two_n))
+    if b_down is not None:
+        _common.require_shape("b_down", b_down, (num_experts, d))
     if config is None:
         config = BackwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
     k_blocks = {config.dw_down.block_k, config.dw_gate_up.block_k}
@@ -182,7 +198,7 @@ def moe_backward(
 
     dh, a_scaled, d_scores = dh_kernel(
         grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w_down,
-        config=config.dh, interpret=interpret, meta=dh_meta,
+        config=config.dh, interpret=interpret, meta=dh_meta, activation=activation,
     )
     dw_down = weight_grad(
         a_scaled, grad_out, plan.token_ids, plan.group_sizes, gathered="rhs",
@@ -205,4 +221,10 @@ def moe_backward(
     )
     if width != d:
         dx = dx[:, :d]
-    return dx, d_scores, dw_gate_up, dw_down
+    if b_down is None:
+        return dx, d_scores, dw_gate_up, dw_down
+    ds_bias, db_gate_up, db_down = expert_bias_gradients(dh, plan, grad_out, b_down)
+    return (
+        dx, d_scores + ds_bias, dw_gate_up, dw_down,
+        db_gate_up.astype(b_down.dtype), db_down.astype(b_down.dtype),
+    )

@@ -1,11 +1,13 @@
 """Forward of one MoE layer through the Mosaic GPU kernels.
 
-    H, A = up_proj(X, plan)            gather fused into the load, SwiGLU epilogue
-    Y    = down_proj(A, plan)          grouped GEMM, Y transient
+    H, A = up_proj(X, plan, b1)        gather fused into the load, bias + SwiGLU epilogue
+    Y    = down_proj(A, plan, b2)      grouped GEMM, bias epilogue, Y transient
     O    = aggregate(Y, plan, scores)  deterministic CSR sum in the aggregation mode's order
 
-With `fuse_swiglu=False`, A is recomputed in jnp from H after the up-proj (the unfused
-order of a reference engine; the kernel's own A is not used).
+The expert biases b1 [E, 2n] and b2 [E, d] are optional; the activation is a `SwiGLU` spec
+(plain, or gpt-oss's clamped variant). With `fuse_swiglu=False`, A is recomputed in jnp
+from H after the up-proj (the unfused order of a reference engine; the kernel's own A is
+not used).
 
 Returns `(O [T, d], H [P, 2n])`: H is the residual the backward needs (with X and the plan).
 """
@@ -24,7 +26,7 @@ from pallas_moe.kernels.decode import DecodeConfig, moe_decode
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
-from pallas_moe.ops.xla import swiglu
+from pallas_moe.ops.activation import SwiGLU
 
 
 def _largest_block(dim: int, candidates: tuple[int, ...]) -> int | None:
@@ -134,6 +136,9 @@ def moe_forward(
     inference: bool = False,
     aggregation: str = "fp32",
     fuse_swiglu: bool = True,
+    b_gate_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+    activation: SwiGLU = SwiGLU(),
 ) -> tuple[jax.Array, jax.Array | None]:
     """MoE layer forward through the Mosaic GPU kernels.
 
@@ -150,7 +155,10 @@ def moe_forward(
         `fuse_swiglu=False`, which needs it).
       aggregation: "fp32", "bf16_per_expert" or "bf16_scores" (`pallas_moe.numerics`).
       fuse_swiglu: True: A comes from the up-proj's SwiGLU epilogue. False: A =
-        swiglu(H) in jnp from the written H, rounded to bf16.
+        activation(H) in jnp from the written H, rounded to bf16.
+      b_gate_up: optional bf16 [E, 2n] expert bias of the up-projection (in H).
+      b_down: optional bf16 [E, d] expert bias of the down-projection.
+      activation: the `SwiGLU` spec (default `silu(gate) * up`).
 
     Returns:
       (out bf16 [T, d], h bf16 [P, 2n] or None). Padding rows of h are unspecified.
@@ -173,6 +181,11 @@ def moe_forward(
     if config is None:
         config = ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
     if config.decode is not None:
+        if b_gate_up is not None or b_down is not None:
+            raise ValueError(
+                "config.decode (the megakernel) takes no expert biases; pass "
+                "b_gate_up/b_down with the kernel-by-kernel forward (config.decode=None)."
+            )
         if not fuse_swiglu:
             raise ValueError(
                 "config.decode (the megakernel) fuses SwiGLU into the up tasks; "
@@ -180,7 +193,7 @@ def moe_forward(
             )
         return moe_decode(
             x, plan, w_gate_up, w_down, config=config.decode, write_h=not inference,
-            aggregation=aggregation, interpret=interpret,
+            aggregation=aggregation, interpret=interpret, activation=activation,
         )
     capacity = plan.capacity
 
@@ -191,12 +204,12 @@ def moe_forward(
     h, a = up_proj(
         x, plan.token_ids, plan.group_sizes, w_gate_up,
         config=config.up, inference=inference and fuse_swiglu, interpret=interpret,
-        meta=up_meta, pad_a_rows_to=config.down.block_m,
+        meta=up_meta, pad_a_rows_to=config.down.block_m, bias=b_gate_up, activation=activation,
     )
     if not fuse_swiglu:
         # Same rows as the epilogue's A (padded to whole down-proj tiles); padding rows of H
         # are unspecified and so are these, which no real output row reads.
-        a_after = swiglu(h).astype(a.dtype)  # [P, n]
+        a_after = activation(h).astype(a.dtype)  # [P, n]
         a = jnp.pad(a_after, ((0, a.shape[0] - a_after.shape[0]), (0, 0)))
         if inference:
             h = None
@@ -205,7 +218,7 @@ def moe_forward(
     width = aggregate_width(d)
     y = down_proj(
         a, plan.group_sizes, w_down, config=config.down, interpret=interpret, meta=down_meta,
-        capacity=capacity, out_cols=width,
+        capacity=capacity, out_cols=width, bias=b_down,
     )
     out = aggregate(
         y, plan.rows_by_token, plan.token_row_offsets, plan.scores, aggregation=aggregation,

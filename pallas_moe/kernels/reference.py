@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_moe.ops.activation import SwiGLU
+
 
 def _row_expert(group_sizes: jax.Array, capacity: int) -> jax.Array:
     """i32[P] expert of each grouped row; E for padding rows."""
@@ -19,11 +21,16 @@ def _row_expert(group_sizes: jax.Array, capacity: int) -> jax.Array:
 
 
 def up_proj_reference(
-    x: jax.Array, token_ids: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array
+    x: jax.Array,
+    token_ids: jax.Array,
+    group_sizes: jax.Array,
+    w_gate_up: jax.Array,
+    bias: jax.Array | None = None,
+    activation: SwiGLU = SwiGLU(),
 ) -> tuple[jax.Array, jax.Array]:
-    """H = X[tok] @ W1[e] (fp32 accumulate, bf16 out); A = silu(H_gate) * H_up from bf16 H.
+    """H = X[tok] @ W1[e] + b1[e] (fp32, bf16 out); A = act(H_gate, H_up) from bf16 H.
 
-    Returns (h bf16 [P, 2n], a bf16 [P, n]); padding rows are zero.
+    `bias`: optional [E, 2n]. Returns (h bf16 [P, 2n], a bf16 [P, n]); padding rows are zero.
     """
     capacity = token_ids.shape[0]
     num_experts = w_gate_up.shape[0]
@@ -33,21 +40,27 @@ def up_proj_reference(
     xg = x[token_ids].astype(jnp.float32)  # [P, d]
     w = w_gate_up[jnp.minimum(expert, num_experts - 1)].astype(jnp.float32)  # [P, d, 2n]
     h = jnp.einsum("pd,pdf->pf", xg, w, precision=jax.lax.Precision.HIGHEST)
+    if bias is not None:
+        h = h + bias[jnp.minimum(expert, num_experts - 1)].astype(jnp.float32)
     h = jnp.where(valid[:, None], h, 0.0).astype(x.dtype)
-    hg = h[:, :n].astype(jnp.float32)
-    hu = h[:, n:].astype(jnp.float32)
-    a = (hg * jax.nn.sigmoid(hg) * hu).astype(x.dtype)
+    a = activation(h).astype(x.dtype)
     return h, a
 
 
-def down_proj_reference(a: jax.Array, group_sizes: jax.Array, w_down: jax.Array) -> jax.Array:
-    """Y = A @ W2[e] (fp32 accumulate, bf16 out), bf16 [P, d]; padding rows are zero."""
+def down_proj_reference(
+    a: jax.Array, group_sizes: jax.Array, w_down: jax.Array, bias: jax.Array | None = None
+) -> jax.Array:
+    """Y = A @ W2[e] + b2[e] (fp32 accumulate, bf16 out), bf16 [P, d]; padding rows are zero.
+
+    `bias`: optional [E, d]."""
     capacity = a.shape[0]
     num_experts = w_down.shape[0]
     expert = _row_expert(group_sizes, capacity)
     valid = expert < num_experts
     w = w_down[jnp.minimum(expert, num_experts - 1)].astype(jnp.float32)  # [P, n, d]
     y = jnp.einsum("pn,pnd->pd", a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    if bias is not None:
+        y = y + bias[jnp.minimum(expert, num_experts - 1)].astype(jnp.float32)
     return jnp.where(valid[:, None], y, 0.0).astype(a.dtype)
 
 
@@ -133,9 +146,13 @@ def aggregate_reference(
     return out.astype(out_dtype or y.dtype)
 
 
-def moe_forward_reference(x, plan, w_gate_up, w_down):
-    """(out [T, d], h [P, 2n]) through the three references."""
-    h, a = up_proj_reference(x, plan.token_ids, plan.group_sizes, w_gate_up)
-    y = down_proj_reference(a, plan.group_sizes, w_down)
+def moe_forward_reference(
+    x, plan, w_gate_up, w_down, *, b_gate_up=None, b_down=None, activation=SwiGLU()
+):
+    """(out [T, d], h [P, 2n]) through the three references (optional expert biases)."""
+    h, a = up_proj_reference(
+        x, plan.token_ids, plan.group_sizes, w_gate_up, b_gate_up, activation
+    )
+    y = down_proj_reference(a, plan.group_sizes, w_down, b_down)
     out = aggregate_reference(y, plan.rows_by_token, plan.token_row_offsets, plan.scores, x.dtype)
     return out, h

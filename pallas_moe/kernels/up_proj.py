@@ -1,8 +1,14 @@
 """Up-projection: varlen-M grouped GEMM with the token gather fused into the A load, and a
 SwiGLU epilogue.
 
-    H[r] = X[tok[r]] @ W1[e(r)]            bf16 [P, 2n]   (kept for the backward)
-    A[r] = silu(H[r, :n]) * H[r, n:]       bf16 [P, n]
+    H[r] = X[tok[r]] @ W1[e(r)] + b1[e(r)]    bf16 [P, 2n]   (kept for the backward)
+    A[r] = act(H[r, :n], H[r, n:])            bf16 [P, n]
+
+`act` is the `SwiGLU` spec: `silu(gate) * up`, or gpt-oss's clamped variant. The optional
+expert bias b1 ([E, 2n]) is added to the fp32 accumulators before H is rounded, so H is
+the biased pre-activation and the backward recomputes A from it exactly
+(`_common.swiglu_epilogue`). Each CTA (or consumer) TMA-loads its bias columns into SMEM
+once per tile, before the K loop, and reads them in the epilogue.
 
 One CTA computes one (row tile, column block) pair. A row tile holds at most `block_m` rows
 of a single expert (from `tile_schedule`, computed once per plan). A column block `j` holds
@@ -43,6 +49,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels._common import TileMeta
+from pallas_moe.ops.activation import SwiGLU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +154,8 @@ def up_proj(
     interpret: bool | plgpu.InterpretGPUParams = False,
     meta: TileMeta | None = None,
     pad_a_rows_to: int = 1,
+    bias: jax.Array | None = None,
+    activation: SwiGLU = SwiGLU(),
 ) -> tuple[jax.Array | None, jax.Array]:
     """Gathered grouped up-projection with fused SwiGLU.
 
@@ -162,6 +171,9 @@ def up_proj(
         if None.
       pad_a_rows_to: A gets `P` rounded up to a multiple of this many rows (the down-proj
         loads whole aligned row blocks of A; padding here saves it a copy).
+      bias: optional bf16 [E, 2n] expert bias (gate half first), added in fp32 before H is
+        rounded.
+      activation: the `SwiGLU` spec of the epilogue.
 
     Returns:
       (h, a): h bf16 [P, 2n] (None if `inference`), a bf16 [P_a, n] with P_a = P rounded
@@ -176,6 +188,10 @@ def up_proj(
         meta = _common.tile_meta(group_sizes, token_ids, bm)
     if meta.block_m != bm:
         raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
+    has_bias = bias is not None
+    if has_bias:
+        _common.require_dtype("bias", bias, jnp.bfloat16)
+        _common.require_shape("bias", bias, (num_experts, 2 * n))
     num_tiles = meta.num_tiles
     num_k = d // bk
     dtype = x.dtype
@@ -188,16 +204,21 @@ def up_proj(
     params = dict(
         # The warp-specialized kernel reads token ids from SMEM inside `warp_map`, which only
         # the Lane lowering supports.
+        # The bias is read with an explicit layout (`_common.bias_columns`): Lane only.
         lowering_semantics=(
-            plgpu.LoweringSemantics.Lane if config.lane_semantics or config.num_consumers
+            plgpu.LoweringSemantics.Lane
+            if config.lane_semantics or config.num_consumers or has_bias
             else plgpu.LoweringSemantics.Warpgroup
         ),
         unsafe_no_auto_barriers=config.no_auto_barriers,
     )
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
+    if has_bias:
+        args += (bias,)
     if config.num_consumers:
         outs = _warp_specialized_kernel(
-            config, d, n, num_tiles, out_types, inference, interpret_mode, params
+            config, d, n, num_tiles, out_types, inference, interpret_mode, params,
+            has_bias, activation,
         )(*args)
         if inference:
             return None, outs[0]
@@ -205,12 +226,13 @@ def up_proj(
     grid_n = n // bn
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
+        b_ref, *rest = rest if has_bias else (None, *rest)
         if inference:
             a_out, *scratch = rest
             h_out = None
         else:
             h_out, a_out, *scratch = rest
-        ids_smem, a_bufs, bg_smem, bu_smem, o_smem, bars, ids_bar = scratch
+        ids_smem, a_bufs, bg_smem, bu_smem, o_smem, bars, ids_bar, *bias_scratch = scratch
         a_copy, a_mma = a_views(a_bufs)
         ni = jax.lax.axis_index("n")
         mi = jax.lax.axis_index("m")
@@ -224,6 +246,9 @@ def up_proj(
             plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
             plgpu.barrier_wait(ids_bar)
             w_e = w_ref.at[expert]  # [d, 2n]
+            if has_bias:  # the tile's bias columns land while the K loop runs
+                bias_smem, bias_bar = bias_scratch
+                _start_bias_load(b_ref, expert, ni * bn, bn, n, bias_smem, bias_bar)
 
             def issue(ki, slot):
                 k0 = ki * bk
@@ -250,7 +275,8 @@ def up_proj(
             g, u = pl.run_scoped(
                 mma_scope, plgpu.ACC((bm, bn), jnp.float32), plgpu.ACC((bm, bn), jnp.float32)
             )
-            act, hg, hu = _common.swiglu_epilogue(g, u, dtype)  # [bm, bn] each
+            biases = _bias_columns(*bias_scratch, bm) if has_bias else (None, None)
+            act, hg, hu = _common.swiglu_epilogue(g, u, dtype, activation, *biases)  # [bm, bn]
             o_smem[0] = act
             if h_out is not None:
                 o_smem[1] = hg
@@ -276,6 +302,7 @@ def up_proj(
         plgpu.SMEM((num_out, bm, bn), dtype),
         plgpu.Barrier(num_arrivals=bm + 2, num_barriers=stages),
         plgpu.Barrier(),
+        *(_bias_scratch(bn, dtype) if has_bias else ()),
     ]
     kernel = plgpu.kernel(
         body,
@@ -298,7 +325,7 @@ def up_proj(
 
 def _warp_specialized_kernel(
     config: UpProjConfig, d: int, n: int, num_tiles: int, out_types, inference: bool,
-    interpret_mode, params,
+    interpret_mode, params, has_bias: bool = False, activation: SwiGLU = SwiGLU(),
 ):
     """The up-proj as one producer warpgroup + `config.num_consumers` consumer warpgroups.
 
@@ -310,7 +337,9 @@ def _warp_specialized_kernel(
     Consumer c < C: waits `full[slot]`, issues wgmma on the shared A stage and its own
     `block_n` columns of each weight tile, and releases the slot once the wgmma of the next
     step is issued. After the K loop the consumers meet on a barrier (the pipeline buffers
-    are reused as the epilogue's SMEM) and each writes its H and A columns.
+    are reused as the epilogue's SMEM) and each writes its H and A columns. With an expert
+    bias each consumer first TMA-loads its own gate and up bias columns into SMEM of its
+    own (outside the reused pipeline bytes).
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
@@ -331,12 +360,16 @@ def _warp_specialized_kernel(
     lag = stages - 2  # "wait_group": cp.async steps in flight (`cp_async_publish_lagged`)
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
+        b_ref, *rest = rest if has_bias else (None, *rest)
         if inference:
             a_out, *scratch = rest
             h_out = None
         else:
             h_out, a_out, *scratch = rest
-        ids_smem, bufs, full, empty, ids_bar, epi_bar, *a_landed = scratch
+        ids_smem, bufs, full, empty, ids_bar, epi_bar, *extra = scratch
+        # extra: the bias columns and their barrier (with biases), then the per-slot
+        # cp.async mbarriers (hardware-tracked stages).
+        bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
         a_copy, a_mma, (bg_smem, bu_smem), (o_smem,) = views(bufs)
         if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
             _common.cp_async_stage_barriers_init(a_landed[0])
@@ -412,6 +445,12 @@ def _warp_specialized_kernel(
                     dst0 = row0 + c * mb
                 else:
                     count, dst0 = num_rows, row0
+                col = ni * cols + (0 if split_m else c * bn)  # first gate column of c
+                if has_bias:  # this consumer's bias columns land while the K loop runs
+                    bias_smem, bias_bars = bias_scratch
+                    _start_bias_load(
+                        b_ref, expert_ref[mi], col, bn, n, bias_smem.at[c], bias_bars.at[c]
+                    )
 
                 def mma_scope(acc_g, acc_u):
                     def step(ki, carry):
@@ -441,13 +480,16 @@ def _warp_specialized_kernel(
                 # overwrites them with its epilogue tile.
                 plgpu.barrier_arrive(epi_bar)
                 plgpu.barrier_wait(epi_bar)
-                act, hg, hu = _common.swiglu_epilogue(g, u, dtype)  # [mb, bn] each
+                if has_bias:
+                    biases = _bias_columns(bias_smem.at[c], bias_bars.at[c], mb)
+                else:
+                    biases = (None, None)
+                act, hg, hu = _common.swiglu_epilogue(g, u, dtype, activation, *biases)  # [mb, bn]
                 o_smem[c, 0] = act
                 if h_out is not None:
                     o_smem[c, 1] = hg
                     o_smem[c, 2] = hu
                 plgpu.commit_smem()
-                col = ni * cols + (0 if split_m else c * bn)
                 _common.store_rows(o_smem.at[c, 0], a_out.at[:, pl.ds(col, bn)], dst0, count, mb)
                 if h_out is not None:
                     _common.store_rows(
@@ -476,6 +518,7 @@ def _warp_specialized_kernel(
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),
         plgpu.Barrier(),
         plgpu.Barrier(num_arrivals=cons),
+        *(_bias_scratch(bn, dtype, cons) if has_bias else ()),
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
     return plgpu.kernel(
@@ -489,6 +532,34 @@ def _warp_specialized_kernel(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(**params),
         interpret=interpret_mode,
+    )
+
+
+def _bias_scratch(cols: int, dtype, consumers: int | None = None) -> tuple:
+    """SMEM of the gate and up bias columns ([2, cols], per consumer when `consumers` is
+    given) and the barrier their two TMA copies arrive on (one per consumer)."""
+    if consumers is None:
+        return plgpu.SMEM((2, cols), dtype), plgpu.Barrier(num_arrivals=2)
+    return (
+        plgpu.SMEM((consumers, 2, cols), dtype),
+        plgpu.Barrier(num_arrivals=2, num_barriers=consumers),
+    )
+
+
+def _start_bias_load(b_ref, expert, col0, cols: int, n: int, bias_smem, barrier) -> None:
+    """TMA of expert `expert`'s gate bias columns `[col0, col0 + cols)` and the matching up
+    columns `n + [col0, col0 + cols)` into `bias_smem` [2, cols], arriving on `barrier`."""
+    b_e = b_ref.at[expert]  # [2n]
+    plgpu.copy_gmem_to_smem(b_e.at[pl.ds(col0, cols)], bias_smem.at[0], barrier)
+    plgpu.copy_gmem_to_smem(b_e.at[pl.ds(n + col0, cols)], bias_smem.at[1], barrier)
+
+
+def _bias_columns(bias_smem, barrier, rows: int):
+    """(gate bias, up bias) fp32 [rows, cols] once `_start_bias_load`'s copies landed."""
+    plgpu.barrier_wait(barrier)
+    return (
+        _common.bias_columns(bias_smem.at[0], rows),
+        _common.bias_columns(bias_smem.at[1], rows),
     )
 
 

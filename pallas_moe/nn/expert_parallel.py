@@ -312,11 +312,6 @@ def expert_parallel_moe(
             "JAX 0.11.2's plgpu.kernel (mpmd_map) rejects inputs that vary over manual mesh "
             "axes. Use check_vma=False with the kernels."
         )
-    if ep.overlap == "chunked" and (expert_biases or activation != SwiGLU()):
-        raise ValueError(
-            "ExpertParallel(overlap='chunked') does not support expert biases or a non-default "
-            "activation yet; use overlap='none' for this layer."
-        )
     token_spec = P(ep.token_axes, None)
     expert_spec = P(ep.axis, None, None)
 
@@ -384,9 +379,12 @@ def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backen
         collective = (
             jax.lax.ragged_all_to_all if ep.dispatch == "ragged_all_to_all" else emulated_ragged_all_to_all
         )
+        # The chunked overlap calls the per-row expert FFN itself: the expert options
+        # (biases, activation) without the aggregation numerics.
+        row_options = {k: v for k, v in ffn_options.items() if k != "numerics"}
         y_l, dropped = _ragged_dispatch(
             x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn, collective,
-            backend, ffn_options["numerics"].aggregation,
+            backend, ffn_options["numerics"].aggregation, row_options,
         )
         sums["capacity_dropped_rows"] = dropped
     if shared is not None:
@@ -429,9 +427,11 @@ def _exclusive_cumsum(a, axis):
 
 
 def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn,
-                     collective, backend, aggregation):
+                     collective, backend, aggregation, row_options):
     """Send routed rows to their experts' shards, run local experts (`ffn`: `moe_ffn` with its
-    options bound), send outputs back, sum each token's rows in the `aggregation` order.
+    options bound; `row_options`: the expert biases and activation, for the chunked
+    overlap's `chunked_row_ffn`), send outputs back, sum each token's rows in the
+    `aggregation` order.
 
     Returns ([T_l, d] output, i32[] rows this shard could not send for lack of capacity).
     """
@@ -484,7 +484,7 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
     if ep.overlap == "chunked":
         y_rows = _chunked_experts_and_combine(
             x_recv, plan_recv, src, w_gate_up_l, w_down_l, all_counts, allowed, send_offsets,
-            y_rows_init, ep, backend, exchange,
+            y_rows_init, ep, backend, exchange, row_options,
         )  # [P_l, d]
     else:
         y_recv = ffn(x_recv, plan_recv, w_gate_up_l, w_down_l)  # [R, d]
@@ -527,9 +527,12 @@ def _chunk_send_counts(all_counts, allowed, chunk_rows, num_chunks):
 
 def _chunked_experts_and_combine(
     x_recv, plan_recv, received_src, w_gate_up_l, w_down_l, all_counts, allowed, send_offsets,
-    y_rows, ep, backend, exchange,
+    y_rows, ep, backend, exchange, row_options,
 ):
     """overlap="chunked": the down-proj in `block_m`-aligned chunks, each sent back at once.
+
+    `row_options`: `chunked_row_ffn` keywords of the local experts (`b_gate_up`, `b_down`,
+    `activation`).
 
     Chunk c's exchange depends only on chunk c's down-proj, so XLA can run it while chunk
     c+1's down-proj computes. The rows a chunk returns to one source are contiguous in
@@ -544,7 +547,8 @@ def _chunked_experts_and_combine(
     block_m = chunk_block_m(resolved, d, w_down_l.shape[1])
     chunk_rows, num_chunks = chunk_layout(receive_rows, ep.num_chunks, block_m)
     y = chunked_row_ffn(
-        x_recv, plan_recv, w_gate_up_l, w_down_l, chunk_rows=chunk_rows, backend=resolved
+        x_recv, plan_recv, w_gate_up_l, w_down_l, chunk_rows=chunk_rows, backend=resolved,
+        **row_options,
     )  # [C, S, d], grouped rows
     counts = _chunk_send_counts(all_counts, allowed, chunk_rows, num_chunks)  # [C, d, s]
     before = _exclusive_cumsum(counts, 0)  # [C, d, s] rows returned in earlier chunks

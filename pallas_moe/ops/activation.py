@@ -8,8 +8,10 @@
   `g = min(gate, limit)`, `u = clip(up, -limit, limit)`, `A = (u + 1) * g * sigmoid(alpha * g)`.
 
 The spec is hashable (a valid `jit` static argument) and carries its own forward and
-gradient, so the `xla` backend, the jnp minimal backward and (later) kernel epilogues
-compute one formula. Clamps pass the gradient where the input is inside the closed
+gradient on the fp32 halves (`apply`, `grad_halves`), so the `xla` backend, the jnp minimal
+backward and the kernel epilogues (`kernels._common.swiglu_epilogue`, `kernels.dh`)
+compute one formula: elementwise selects, products and one sigmoid, all of which lower
+in Mosaic GPU kernels. Clamps pass the gradient where the input is inside the closed
 interval (`gate <= limit`, `-limit <= up <= limit`), as PyTorch's `clamp` does.
 """
 
@@ -63,27 +65,39 @@ class SwiGLU:
 
     def __call__(self, h: jax.Array) -> jax.Array:
         """A = act(h) in fp32: h [..., 2n] (any float dtype) -> f32[..., n]."""
-        gate, up = _split(h)
+        return self.apply(*_split(h))
+
+    def apply(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """A from the fp32 halves `gate`, `up` (same shape) -> fp32, same shape."""
         if self.kind == "silu":
-            return jax.nn.silu(gate) * up
+            return gate * jax.nn.sigmoid(gate) * up  # silu(gate) * up
         g, u, _, _ = self._clamp(gate, up)
         return (u + 1.0) * g * jax.nn.sigmoid(self.alpha * g)
 
     def grad(self, h: jax.Array, grad_a: jax.Array) -> jax.Array:
         """dL/dh in fp32 [..., 2n] (gate part first) given h [..., 2n] and grad_a = dL/dA [..., n]."""
         gate, up = _split(h)
-        grad_a = grad_a.astype(jnp.float32)
+        return jnp.concatenate(self.grad_halves(gate, up, grad_a.astype(jnp.float32)), axis=-1)
+
+    def grad_halves(
+        self, gate: jax.Array, up: jax.Array, grad_a: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """(dL/dgate, dL/dup) in fp32 from the fp32 halves and grad_a = dL/dA (same shapes).
+
+        Clamped: zero where the clamp is active (`gate > limit`, `|up| > limit`), the
+        value's gradient on the closed interval, as PyTorch's clamp.
+        """
         if self.kind == "silu":
             sig = jax.nn.sigmoid(gate)
             d_gate = grad_a * up * sig * (1 + gate * (1 - sig))
             d_up = grad_a * gate * sig
-        else:
-            g, u, gate_passes, up_passes = self._clamp(gate, up)
-            sig = jax.nn.sigmoid(self.alpha * g)
-            d_g = grad_a * (u + 1.0) * sig * (1 + self.alpha * g * (1 - sig))
-            d_gate = jnp.where(gate_passes, d_g, 0.0)
-            d_up = jnp.where(up_passes, grad_a * g * sig, 0.0)
-        return jnp.concatenate([d_gate, d_up], axis=-1)
+            return d_gate, d_up
+        g, u, gate_passes, up_passes = self._clamp(gate, up)
+        sig = jax.nn.sigmoid(self.alpha * g)
+        d_g = grad_a * (u + 1.0) * sig * (1 + self.alpha * g * (1 - sig))
+        d_gate = jnp.where(gate_passes, d_g, 0.0)
+        d_up = jnp.where(up_passes, grad_a * g * sig, 0.0)
+        return d_gate, d_up
 
     def _clamp(self, gate, up):
         limit = self.limit

@@ -30,6 +30,64 @@ from pallas_moe.ops.xla import scan_row_tiles
 from pallas_moe.routing.plan import DispatchPlan
 
 
+def expert_bias_gradients(
+    dh: jax.Array,
+    plan: DispatchPlan,
+    grad_out: jax.Array,
+    b_down: jax.Array,
+    *,
+    block_m: int = 128,
+    tiles_per_step: int = 8,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The expert-bias terms of the backward, from a computed dH (the kernel backward's).
+
+        dS_b[r] = <dO[tok[r]], b2[e]>                     f32 [P]   (add to dS)
+        db1[e]  = sum over rows r of e of dH[r]            f32 [E, 2n]
+        db2[e]  = sum over rows r of e of s[r] * dO[tok[r]]   f32 [E, d]
+
+    Deterministic without atomics: the plan's row tiles (one expert each) are walked in
+    ascending expert order (`scan_row_tiles`), each tile's rows are summed in fp32, and the
+    tile sums are added to their expert's total one tile after another; each row's dS term
+    is written once. The same sums as `moe_ffn_backward`'s (up to the order inside a tile).
+
+    Args:
+      dh: [P_pad, 2n] (P_pad >= P) dH in grouped row order, rounded to the compute dtype.
+      plan: the plan with the scores the forward multiplied by.
+      grad_out: [T, d] cotangent of the output.
+      b_down: [E, d] down-projection bias (zeros for a layer with only `b_gate_up`).
+      block_m, tiles_per_step: the row-tile walk (as `moe_ffn_xla`).
+
+    Returns:
+      (dS_b f32 [P] (0 on padding rows), db1 f32 [E, 2n], db2 f32 [E, d]).
+    """
+    num_experts, d = b_down.shape
+    two_n = dh.shape[1]
+    grad_out = grad_out.astype(dh.dtype)
+
+    def step(carry, rows, valid, tok, s, e):  # [c, bm] x4, [c]
+        ds_b, db1, db2 = carry
+        slot_is_row = valid[..., None]  # [c, bm, 1]; selects keep NaNs where they are
+        dh_t = jnp.where(slot_is_row, dh[rows].astype(jnp.float32), 0.0)  # [c, bm, 2n]
+        do_t = jnp.where(slot_is_row, grad_out[tok].astype(jnp.float32), 0.0)  # [c, bm, d]
+        ds_t = jnp.einsum("cmd,cd->cm", do_t, b_down[e].astype(jnp.float32))
+        ds_b = ds_b.at[jnp.where(valid, rows, plan.capacity).reshape(-1)].set(
+            ds_t.reshape(-1), mode="drop"
+        )
+        db1_t = jnp.sum(dh_t, axis=1)  # [c, 2n]
+        db2_t = jnp.einsum("cm,cmd->cd", s, do_t)  # [c, d]
+        for i in range(rows.shape[0]):  # one tile after another: no colliding scatter
+            db1 = db1.at[e[i]].add(db1_t[i])
+            db2 = db2.at[e[i]].add(db2_t[i])
+        return ds_b, db1, db2
+
+    init = (
+        jnp.zeros((plan.capacity,), jnp.float32),
+        jnp.zeros((num_experts, two_n), jnp.float32),
+        jnp.zeros((num_experts, d), jnp.float32),
+    )
+    return scan_row_tiles(plan, step, init, block_m=block_m, tiles_per_step=tiles_per_step)
+
+
 def dswiglu(h: jax.Array, grad_a: jax.Array) -> jax.Array:
     """Gradient of `silu(g) * u` w.r.t. `h = [g, u]`, given `grad_a = dL/dA`. fp32 [..., 2n]."""
     return SwiGLU().grad(h, grad_a)

@@ -69,20 +69,6 @@ def check_expert_biases(
             raise TypeError(f"{name} must have x's dtype {x.dtype} (cast it like the weights), got {bias.dtype}.")
 
 
-def kernel_unsupported_options(
-    activation: SwiGLU, b_gate_up: jax.Array | None, b_down: jax.Array | None
-) -> list[str]:
-    """Names of the `moe_ffn` options the Mosaic GPU kernels do not implement yet."""
-    unsupported = []
-    if activation != SwiGLU():
-        unsupported.append(f"activation={activation}")
-    if b_gate_up is not None:
-        unsupported.append("b_gate_up")
-    if b_down is not None:
-        unsupported.append("b_down")
-    return unsupported
-
-
 # What the kernels take (their own checks name the argument when asked for explicitly).
 KERNEL_DTYPE = jnp.bfloat16
 KERNEL_WIDTH_MULTIPLE = 64
@@ -170,8 +156,8 @@ def moe_ffn(
       config: a `pallas_moe.kernels.KernelConfig` with the kernels' block sizes and row
         loader (None: `for_shape` defaults). Used by the kernel backends; with an explicit
         `backend="xla"` it is an error, with "auto" it is ignored where "xla" is chosen.
-        The kernels do not implement expert biases or the clamped activation yet: "auto"
-        picks "xla" for them and an explicit kernel backend raises a ValueError.
+        Every backend implements the expert biases and both activations (the kernels in
+        their epilogues and backward), so they never change what "auto" picks.
       validate: check the plan's values with `pm.routing.validate_plan` first (for hand-built
         plans; eager: `ValueError`, under `jit`: a checkify check). Off by default: plans from
         `topk_plan` / `token_rounding_plan` are valid by construction.
@@ -183,7 +169,6 @@ def moe_ffn(
     Returns:
       [T, d] in x.dtype. Differentiable in x, both weights, both biases and `plan.scores`.
     """
-    check_moe_inputs(x, plan, w_gate_up, w_down)
     check_moe_inputs(x, plan, w_gate_up, w_down)
     if config is not None:
         from pallas_moe.kernels.config import KernelConfig
@@ -198,16 +183,8 @@ def moe_ffn(
     check_activation_dtype(numerics, x.dtype)
     check_expert_biases(x, w_gate_up, b_gate_up, b_down)
     activation = check_activation(activation)
-    unsupported = kernel_unsupported_options(activation, b_gate_up, b_down)
-    if backend == "auto" and unsupported:
-        backend = "xla"
     if validate:
         validate_plan(plan, x.shape[0])
-    if backend in ("mosaic", "interpret") and unsupported:
-        raise ValueError(
-            f"backend={backend!r}: the Mosaic GPU kernels do not implement {', '.join(unsupported)} "
-            "yet; use backend='xla' or 'auto'."
-        )
     backend = resolve_backend(backend, x, w_down)
     if backend == "xla":
         return moe_ffn_xla(
@@ -218,5 +195,5 @@ def moe_ffn(
 
     return moe_ffn_kernels(
         x, plan, w_gate_up, w_down, interpret=backend == "interpret", config=config,
-        numerics=numerics,
+        numerics=numerics, b_gate_up=b_gate_up, b_down=b_down, activation=activation,
     )

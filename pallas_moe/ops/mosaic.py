@@ -1,7 +1,9 @@
 """`moe_ffn` over the Pallas kernels, as a `jax.custom_vjp` with minimal residuals.
 
-The forward saves only `X`, `H [P, 2n]` and the plan (the weights are inputs); `Y` and the
-gathered `X` are never residuals. The backward follows `docs/math.md` (minimal-activation backward) without `Y`.
+The forward saves only `X`, `H [P, 2n]` and the plan (the weights and the optional expert
+biases are inputs); `Y` and the gathered `X` are never residuals. H is the biased
+pre-activation, so the backward recomputes A from it. The backward follows `docs/math.md`
+(minimal-activation backward) without `Y`.
 """
 
 from __future__ import annotations
@@ -10,16 +12,19 @@ import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_moe.numerics import Numerics, multiplied_scores
+from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.ops.minimal_backward import moe_ffn_backward
 from pallas_moe.routing.plan import DispatchPlan
 
-# forward(x, plan, w_gate_up, w_down) -> (out [T, d], h [P, 2n])
+# forward(x, plan, w_gate_up, w_down[, b_gate_up=, b_down=]) -> (out [T, d], h [P, 2n])
 Forward = Callable[..., tuple[jax.Array, jax.Array]]
-# backward(x, h, plan, w_gate_up, w_down, grad_out) -> (dx, d_scores, dw_gate_up, dw_down)
-Backward = Callable[..., tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
+# backward(x, h, plan, w_gate_up, w_down, grad_out[, b_down=])
+#   -> (dx, d_scores, dw_gate_up, dw_down[, db_gate_up, db_down])
+Backward = Callable[..., tuple[jax.Array, ...]]
 
 
 def _zero_cotangent(leaf: jax.Array) -> np.ndarray:
@@ -38,39 +43,65 @@ def minimal_residual_moe_ffn(
     """Wraps a forward that returns `(out, h)` into a differentiable `moe_ffn`.
 
     Args:
-      forward: `(x, plan, w_gate_up, w_down) -> (out [T, d], h [P, 2n])`.
+      forward: `(x, plan, w_gate_up, w_down) -> (out [T, d], h [P, 2n])`; called with
+        `b_gate_up=`, `b_down=` keywords when the layer has expert biases.
       backward: the minimal-activation backward, with the contract of `moe_ffn_backward`
-        (its jnp implementation is the default).
+        (its jnp implementation is the default; it gets `b_down=` with expert biases).
       aggregation: the forward's aggregation mode (`pallas_moe.numerics`). The backward
         multiplies by the scores the forward multiplied by (bf16-rounded for
         "bf16_scores"), and the score gradient passes straight through that rounding.
 
     Returns:
-      `f(x, plan, w_gate_up, w_down) -> out`, a `jax.custom_vjp` whose only new residual is `h`.
+      `f(x, plan, w_gate_up, w_down, b_gate_up=None, b_down=None) -> out`, a
+      `jax.custom_vjp` whose only new residual is `h` (differentiable in the biases given).
     """
 
-    @jax.custom_vjp
-    def moe(x, plan, w_gate_up, w_down):
-        return forward(x, plan, w_gate_up, w_down)[0]
+    def run_forward(x, plan, w_gate_up, w_down, biases):
+        b_gate_up, b_down = biases
+        if b_gate_up is None and b_down is None:
+            return forward(x, plan, w_gate_up, w_down)
+        return forward(x, plan, w_gate_up, w_down, b_gate_up=b_gate_up, b_down=b_down)
 
-    def moe_fwd(x, plan, w_gate_up, w_down):
-        out, h = forward(x, plan, w_gate_up, w_down)
-        return out, (x, h, plan, w_gate_up, w_down)
+    @jax.custom_vjp
+    def moe_with_biases(x, plan, w_gate_up, w_down, biases):
+        return run_forward(x, plan, w_gate_up, w_down, biases)[0]
+
+    def moe_fwd(x, plan, w_gate_up, w_down, biases):
+        out, h = run_forward(x, plan, w_gate_up, w_down, biases)
+        return out, (x, h, plan, w_gate_up, w_down, biases)
 
     def moe_bwd(residuals, grad_out):
-        x, h, plan, w_gate_up, w_down = residuals
+        x, h, plan, w_gate_up, w_down, (b_gate_up, b_down) = residuals
         plan_multiplied = plan.with_scores(multiplied_scores(plan.scores, aggregation))
-        dx, d_scores, dw_gate_up, dw_down = backward(
-            x, h, plan_multiplied, w_gate_up, w_down, grad_out
-        )
-        return dx, plan_cotangent(plan, d_scores), dw_gate_up, dw_down
+        if b_gate_up is None and b_down is None:
+            dx, d_scores, dw_gate_up, dw_down = backward(
+                x, h, plan_multiplied, w_gate_up, w_down, grad_out
+            )
+            d_biases = (None, None)
+        else:
+            # The backward's contract: b_down (zeros for a layer with only b_gate_up) asks
+            # for both bias gradients; a bias the layer does not have gets None.
+            num_experts, _, d = w_down.shape
+            b_down_or_zeros = b_down if b_down is not None else jnp.zeros((num_experts, d), x.dtype)
+            dx, d_scores, dw_gate_up, dw_down, db_gate_up, db_down = backward(
+                x, h, plan_multiplied, w_gate_up, w_down, grad_out, b_down=b_down_or_zeros
+            )
+            d_biases = (
+                None if b_gate_up is None else db_gate_up.astype(b_gate_up.dtype),
+                None if b_down is None else db_down,
+            )
+        return dx, plan_cotangent(plan, d_scores), dw_gate_up, dw_down, d_biases
 
-    moe.defvjp(moe_fwd, moe_bwd)
+    moe_with_biases.defvjp(moe_fwd, moe_bwd)
+
+    def moe(x, plan, w_gate_up, w_down, b_gate_up=None, b_down=None):
+        return moe_with_biases(x, plan, w_gate_up, w_down, (b_gate_up, b_down))
+
     return moe
 
 
 @functools.cache
-def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics):
+def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics, activation: SwiGLU):
     # Pallas is imported only when a kernel backend is used.
     from pallas_moe.kernels.moe_backward import moe_backward
     from pallas_moe.kernels.moe_forward import moe_forward
@@ -79,8 +110,11 @@ def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics):
         functools.partial(
             moe_forward, interpret=interpret, config=config.forward,
             aggregation=numerics.aggregation, fuse_swiglu=numerics.fuse_swiglu,
+            activation=activation,
         ),
-        functools.partial(moe_backward, interpret=interpret, config=config.backward),
+        functools.partial(
+            moe_backward, interpret=interpret, config=config.backward, activation=activation
+        ),
         aggregation=numerics.aggregation,
     )
 
@@ -94,13 +128,19 @@ def moe_ffn_kernels(
     interpret: bool,
     config=None,
     numerics: Numerics = Numerics(),
+    b_gate_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+    activation: SwiGLU = SwiGLU(),
 ) -> jax.Array:
     """`moe_ffn` through the Mosaic GPU kernels (`interpret=True`: GPU interpret mode on CPU).
 
     `config`: a `pallas_moe.kernels.KernelConfig` (None: every kernel's `for_shape` defaults).
+    `b_gate_up` [E, 2n], `b_down` [E, d]: optional expert biases (bf16); `activation`: the
+    `SwiGLU` spec. Both live in the kernels' epilogues (`kernels.moe_forward`,
+    `kernels.moe_backward`).
     """
     from pallas_moe.kernels.config import KernelConfig
 
-    return _kernel_moe_ffn(interpret, config or KernelConfig(), numerics)(
-        x, plan, w_gate_up, w_down
+    return _kernel_moe_ffn(interpret, config or KernelConfig(), numerics, activation)(
+        x, plan, w_gate_up, w_down, b_gate_up, b_down
     )
