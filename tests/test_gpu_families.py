@@ -33,10 +33,10 @@ def _poison(nbytes):
     del junk
 
 
-@pytest.mark.parametrize("router", ["topk", "token_rounding"])
-def test_gpt_oss_width_biases_and_clamped_swiglu_mosaic_matches_xla(router):
+@pytest.mark.parametrize("router, clamped", [("topk", False), ("token_rounding", True)])
+def test_gpt_oss_width_biases_and_clamped_swiglu_mosaic_matches_xla(router, clamped):
     num_tokens, d, n, num_experts, k = 4096, 2880, 2880, 32, 4
-    act = pm.ops.activation.SwiGLU.clamped(alpha=1.702, limit=7.0)
+    act = pm.ops.activation.SwiGLU.clamped(alpha=1.702, limit=7.0) if clamped else pm.ops.activation.SwiGLU()
     ks = jax.random.split(jax.random.key(12), 7)
     logits = jax.random.normal(ks[0], (num_tokens, num_experts)).at[:, :3].add(1.0)  # skew
     x = jax.random.normal(ks[1], (num_tokens, d), jnp.bfloat16)
@@ -69,15 +69,52 @@ def test_gpt_oss_width_biases_and_clamped_swiglu_mosaic_matches_xla(router):
     assert float(jnp.mean(h[:, :n] > 7.0)) > 0.01 and float(jnp.mean(jnp.abs(h[:, n:]) > 7.0)) > 0.01
     assert rel_err(out, ref_out) < 1e-2
     names = ["logits", "x", "w_gate_up", "w_down", "b_gate_up", "b_down"]
-    for name, g, r in zip(names, grads, ref_grads):
+    for name, g in zip(names, grads):
         assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))), name
-        assert rel_err(g, r) < 2e-2, (name, rel_err(g, r))
+    # With the clamp the gradients are not compared with the xla backend's: H differs from
+    # XLA's in the last bf16 bit (another fp32 accumulation order), and an element of H
+    # within one ulp of a clamp (+-7) then flips between a zero and a full derivative
+    # (measured on the H100, session 4: 2.8% on dx). The clamped backward is checked exactly
+    # by `test_gpt_oss_width_kernel_backward_matches_jnp_on_the_same_h`.
+    if not clamped:
+        for name, g, r in zip(names, grads, ref_grads):
+            assert rel_err(g, r) < 2e-2, (name, rel_err(g, r))
     assert int(plan.num_rows) > 0
     _poison(num_tokens * k * 2 * n * 2 * 3)
     (_, again), grads_again = mosaic(*args)
     assert bool(jnp.array_equal(out, again)), "the forward must be bitwise reproducible"
     for name, g, g2 in zip(names, grads, grads_again):
         assert bool(jnp.array_equal(g, g2)), f"{name}: gradients must be bitwise reproducible"
+
+
+@pytest.mark.parametrize("clamped", [True, False])
+def test_gpt_oss_width_kernel_backward_matches_jnp_on_the_same_h(clamped):
+    """The kernels' backward with expert biases (and the clamped SwiGLU) against the jnp
+    minimal backward, both from the same saved H (the kernel forward's own), so every clamp
+    decision is the same on both sides: dx, d_scores, both weight and both bias gradients."""
+    from pallas_moe.kernels.moe_backward import moe_backward
+    from pallas_moe.kernels.moe_forward import moe_forward
+    from pallas_moe.ops.minimal_backward import moe_ffn_backward
+
+    num_tokens, d, n, num_experts, k = 4096, 2880, 2880, 32, 4
+    act = pm.ops.activation.SwiGLU.clamped(alpha=1.702, limit=7.0) if clamped else pm.ops.activation.SwiGLU()
+    ks = jax.random.split(jax.random.key(13), 7)
+    plan = pm.routing.topk_plan(jax.random.normal(ks[0], (num_tokens, num_experts)).at[:, :3].add(1.0), k)
+    x = jax.random.normal(ks[1], (num_tokens, d), jnp.bfloat16)
+    w1 = (jax.random.normal(ks[2], (num_experts, d, 2 * n)) * 4 * d**-0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(ks[3], (num_experts, n, d)) * n**-0.5).astype(jnp.bfloat16)
+    b1 = jax.random.normal(ks[4], (num_experts, 2 * n), jnp.bfloat16)
+    b2 = jax.random.normal(ks[5], (num_experts, d), jnp.bfloat16)
+    go = jax.random.normal(ks[6], (num_tokens, d), jnp.bfloat16)
+    _, h = jax.jit(lambda *a: moe_forward(*a, b_gate_up=b1, b_down=b2, activation=act))(x, plan, w1, w2)
+    _poison(plan.capacity * (5 * n + d) * 2)
+    got = jax.jit(lambda *a: moe_backward(*a, activation=act, b_down=b2))(x, h, plan, w1, w2, go)
+    ref = jax.jit(lambda *a: moe_ffn_backward(*a, activation=act, b_down=b2))(x, h, plan, w1, w2, go)
+    names = ("dx", "d_scores", "dw_gate_up", "dw_down", "db_gate_up", "db_down")
+    assert len(got) == len(ref) == len(names)
+    for name, g, r in zip(names, got, ref):
+        assert bool(jnp.all(jnp.isfinite(jnp.asarray(g, jnp.float32)))), name
+        assert rel_err(g, r) < 2e-2, (name, rel_err(g, r))
 
 
 DEEPSEEK_V3 = dict(  # the MoE fields of DeepSeek-V3's config.json
@@ -91,11 +128,14 @@ DEEPSEEK_V3 = dict(  # the MoE fields of DeepSeek-V3's config.json
 def test_deepseek_v3_routing_at_real_width_mosaic_matches_xla():
     """Grouped top-K over sigmoid scores with a selection bias, routed_scaling_factor, the
     shared expert: the module on `mosaic` vs `xla` (same parameters), output and gradients
-    (x, router, every parameter). The weight gradients (22 GB in bf16) are compared expert
-    block by expert block from the host."""
+    (x, router, every parameter), at DeepSeek-V3's widths (d=7168, n=2048, 8 groups, top-4
+    groups, K=8). The expert count is 64 instead of 256 (8 per group instead of 32): with
+    256 the `xla` reference's fp32 temporaries ran out of the H100's memory (session 4).
+    The weight gradients are compared expert block by expert block from the host."""
     num_tokens = 512
     layer = pm.nn.MoE.from_hf_config(
-        DEEPSEEK_V3, rngs=nnx.Rngs(0), backend="mosaic", dtype=jnp.bfloat16,
+        {**DEEPSEEK_V3, "n_routed_experts": 64}, rngs=nnx.Rngs(0), backend="mosaic",
+        dtype=jnp.bfloat16,
         param_dtype=jnp.bfloat16,
     )
     layer.selection_bias[...] = 0.1 * jax.random.normal(jax.random.key(1), layer.selection_bias.shape)
