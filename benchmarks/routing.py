@@ -169,7 +169,7 @@ def token_rounding(log, out_dir, impls, tile, chunks):
                 lambda l: pm.routing.token_rounding_plan(l, K, tile=tile, impl="dense"))(logits)
             for chunk in chunks:
                 fn = jax.jit(lambda l, c=chunk: token_rounding_plan_fast(
-                    l, K, tile=tile, rounding="nearest", impl=kernel_impl, chunk=c))
+                    l, K, tile=tile, rounding="nearest", impl=kernel_impl, chunk=c)[0])
                 try:
                     row[f"{kernel_impl}_chunk{chunk}_equal"] = plan_diff(fn(logits), reference)["equal"]
                     row[f"{kernel_impl}_chunk{chunk}_gpu_us"] = gpu_us(fn, logits)

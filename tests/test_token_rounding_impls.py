@@ -10,7 +10,8 @@ than T (the clamped upper option) and both selection levels (`chunk`).
 
 Most cases run eagerly: op-by-op programs are cached across shapes and options, where a
 jitted plan compiles afresh for every static option (seconds each on a CPU). Under `jit`
-(a few cases) the plans are bitwise equal and the gradients equal to float rounding.
+(a few cases, and the module's `nn.functional.route`) plans and gradients are bitwise
+equal too.
 """
 
 import functools
@@ -55,7 +56,7 @@ def plan_and_grad(logits, k, *, impl, chunk=None, **options):
         if chunk is None:
             plan = pm.routing.token_rounding_plan(logits, k, impl=impl, check_finite=False, **options)
         else:
-            plan = tr.token_rounding_plan_fast(logits, k, impl=impl, chunk=chunk, **options)
+            plan = tr.token_rounding_plan_fast(logits, k, impl=impl, chunk=chunk, **options)[0]
         return jnp.sum(plan.scores * weights), plan
 
     (_, plan), grad = jax.value_and_grad(f, has_aux=True)(logits)
@@ -120,14 +121,14 @@ def test_sort_impl_equals_dense_sweep(c):
 
 @pytest.mark.parametrize("impl, rounding, score", [
     ("interpret", "balance", "topk_softmax"),  # the top-K step by the Pallas kernels
+    ("sort", "nearest", "softmax_topk"),  # the case whose fused backward rounded differently
     pytest.param("sort", "stochastic", "sigmoid", marks=pytest.mark.slow),
 ])
 def test_fast_equals_dense_under_jit(impl, rounding, score):
-    """Under jit the plans are bitwise equal; the gradients to within float rounding.
+    """Under jit the plans and the gradients to the logits are bitwise equal.
 
-    XLA rewrites each program's backward pass on its own (the sum of the two softmax
-    backward passes, top-K weights and added rows), so jitted gradients differ in the last
-    bit here and there, as the dense path's own jitted and eager gradients do.
+    Without `topk.cotangent_barrier`, XLA fused each program's cotangent producer into the
+    softmax backward and the gradients differed in the last bit (softmax_topk, nearest).
     """
     T, E, K, tile = 45, 12, 3, 8
     rng = np.random.default_rng(3)
@@ -138,10 +139,54 @@ def test_fast_equals_dense_under_jit(impl, rounding, score):
     run = jax.jit(functools.partial(plan_and_grad, k=K, **options), static_argnames="impl")
     want, want_grad = run(jnp.asarray(logits), impl="dense")
     got, got_grad = run(jnp.asarray(logits), impl=impl)
-    for field in FIELDS:
-        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
-    scale = float(jnp.max(jnp.abs(want_grad)))
-    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-6, atol=1e-6 * scale)
+    assert_same_plan(got, want, got_grad, want_grad)
+
+
+@pytest.mark.parametrize("impl, rounding, score, renormalize", [
+    ("sort", "nearest", "softmax_topk", False),
+    ("interpret", "up", "sigmoid", True),
+])
+def test_module_route_fast_equals_dense(impl, rounding, score, renormalize):
+    """`nn.functional.route` (what `pm.nn.MoE` calls): the fast path against the dense one
+    and against the dense assignment the module used before, under jit: plans, counts and
+    gradients to the logits (through the scores and the aux loss) bitwise."""
+    from pallas_moe.nn import functional as F
+
+    T, E, K, tile = 45, 12, 3, 8
+    cfg = F.RouterConfig(num_experts=E, top_k=K, routing="token_rounding", tile=tile,
+                         rounding=rounding, score=score, renormalize=renormalize,
+                         routed_scaling_factor=2.5)
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(T, E)).astype(np.float32)
+    logits[: T // 3] = np.round(logits[: T // 3] * 2) / 2  # ties
+    bias = jnp.asarray(rng.normal(size=(E,)).astype(np.float32) * 0.1) if score == "sigmoid" else None
+    weights = jnp.arange(cfg.capacity(T), dtype=jnp.float32) % 7 - 3.0
+
+    def assignment_route(logits):
+        """The module's routing before the fast path: a dense assignment, then the plan."""
+        selected, w, tc_selected = F.route_assignment(logits, cfg, bias=bias)
+        plan = pm.routing.plan_from_assignment(selected, w, selected & tc_selected, cfg.capacity(T))
+        return plan, F.assignment_counts(selected, tc_selected)
+
+    def loss(logits, route):
+        plan, counts = route(logits)
+        aux = F.finish_aux(F.router_sums(logits, counts), cfg)
+        return jnp.sum(plan.scores * weights) + aux["loss"], (plan, counts)
+
+    results = {
+        name: jax.jit(jax.grad(functools.partial(loss, route=route), has_aux=True))(jnp.asarray(logits))
+        for name, route in [
+            ("before", assignment_route),
+            ("dense", functools.partial(F.route, cfg=cfg, bias=bias, impl="dense")),
+            (impl, functools.partial(F.route, cfg=cfg, bias=bias, impl=impl)),
+        ]
+    }
+    want_grad, (want, want_counts) = results["dense"]
+    for name in ("before", impl):
+        got_grad, (got, got_counts) = results[name]
+        assert_same_plan(got, want, got_grad, want_grad)
+        for field in ("counts", "tc_counts", "kept_tc_counts"):
+            np.testing.assert_array_equal(got_counts[field], want_counts[field], err_msg=f"{name} {field}")
 
 
 def test_clamped_upper_option_and_single_expert():

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from pallas_moe import _checks
 from pallas_moe.routing.plan import DispatchPlan, plan_from_assignment
 from pallas_moe.routing.topk import (
+    TOPK_IMPLS,
     ScoreOrder,
     TopKImpl,
     TopKPairs,
@@ -131,8 +132,8 @@ def token_rounding_plan(
         T=2048, E=16, K=2, tile=64, measured 2026-11-24),
         "kernel", "interpret" (the kernel in interpret mode), "sort" (the fast path with
         jnp top-K) or "dense" (the O(T*E log T) reference: two sorts over [T, E]). All
-        give the same plan, bitwise, and the same gradients to the logits (bitwise when
-        eager; under jit, XLA may round each program's backward pass differently).
+        give the same plan and the same gradients to the logits, bitwise, eager or jitted
+        (`topk.cotangent_barrier` says why jitted gradients needed a barrier).
 
     Returns:
       A `DispatchPlan`. TC rows keep their top-K weight; added rows carry their full router
@@ -146,15 +147,42 @@ def token_rounding_plan(
     one pass over [T, E] for the candidates' chunk maxima, and sorts of about
     `sqrt(T * tile)` keys per expert; no sort or cumulative sum over [T, E].
     """
+    return token_rounding_plan_and_counts(
+        logits, k, tile=tile, rounding=rounding, key=key, score=score, renormalize=renormalize,
+        bias=bias, num_groups=num_groups, topk_groups=topk_groups, check_finite=check_finite,
+        impl=impl,
+    )[0]
+
+
+def token_rounding_plan_and_counts(
+    logits: jax.Array,
+    k: int,
+    *,
+    tile: int = 128,
+    rounding: Rounding = "nearest",
+    key: jax.Array | None = None,
+    score: ScoreOrder = "softmax_topk",
+    renormalize: bool = False,
+    bias: jax.Array | None = None,
+    num_groups: int | None = None,
+    topk_groups: int | None = None,
+    check_finite: bool | None = None,
+    impl: TopKImpl = "auto",
+) -> tuple[DispatchPlan, jax.Array]:
+    """`token_rounding_plan` (same arguments) and the counts it was rounded from.
+
+    Returns:
+      (plan, tc_counts): the `DispatchPlan` and i32[E] plain top-K rows per expert (what
+      the selection bias balances; `nn.functional.route` reports it). The top-K rows an
+      expert kept are `minimum(plan.group_sizes, tc_counts)`: it either adds or drops.
+    """
     k = check_router_inputs(logits, k, score, bias, check_finite)
     check_groups(logits.shape[1], k, num_groups, topk_groups)
     tile = _checks.check_positive_int("tile", tile)
     _checks.check_choice("rounding", rounding, ROUNDING_MODES)
     if rounding == "stochastic" and key is None:
         raise ValueError("key must be a PRNG key for rounding='stochastic', got None.")
-    if impl == "auto" and jax.default_backend() != "gpu":
-        impl = "dense"  # compiles in a second on CPU; the fast path takes minutes there
-    impl = resolve_topk_impl(impl)
+    impl = resolve_token_rounding_impl(impl)
     options = dict(
         tile=tile, rounding=rounding, key=key, score=score, renormalize=renormalize, bias=bias,
         num_groups=num_groups, topk_groups=topk_groups,
@@ -163,9 +191,18 @@ def token_rounding_plan(
         return token_rounding_plan_fast(logits, k, impl=impl, **options)
     selected, weights, tc_selected = token_rounding_assignment(logits, k, **options)
     num_tokens, num_experts = logits.shape
-    return plan_from_assignment(
+    plan = plan_from_assignment(
         selected, weights, selected & tc_selected, capacity=num_tokens * k + num_experts * tile
     )
+    return plan, jnp.sum(tc_selected, axis=0, dtype=jnp.int32)
+
+
+def resolve_token_rounding_impl(impl: str) -> str:
+    """Maps "auto" to "kernel" on a GPU and to "dense" elsewhere (see `token_rounding_plan`)."""
+    _checks.check_choice("impl", impl, TOPK_IMPLS)
+    if impl == "auto" and jax.default_backend() != "gpu":
+        return "dense"  # compiles in a second on CPU; the fast path takes minutes there
+    return resolve_topk_impl(impl)
 
 
 def token_rounding_plan_fast(
@@ -189,7 +226,8 @@ def token_rounding_plan_fast(
     "interpret", "sort"); `chunk` overrides `selection_chunk` (tests, benchmarks).
 
     Returns:
-      The `DispatchPlan` of `token_rounding_plan(impl="dense")`, bitwise.
+      (plan, tc_counts): the `DispatchPlan` of `token_rounding_plan(impl="dense")`, bitwise,
+      and i32[E] top-K rows per expert.
     """
     num_tokens, num_experts = logits.shape
     capacity = num_tokens * k + num_experts * tile
@@ -234,7 +272,7 @@ def token_rounding_plan_fast(
     picked = jnp.sort(picked, axis=1)  # ascending tokens, then T
     added = jnp.where(grows[:, None], picked, num_tokens)  # [E, M]
     dropped = jnp.where(shrinks[:, None], picked, num_tokens)  # [E, M]
-    return _assemble_plan(pairs, probs, target, added, dropped, capacity)
+    return _assemble_plan(pairs, probs, target, added, dropped, capacity), counts
 
 
 def selection_chunk(num_tokens: int, max_count: int) -> int:
