@@ -108,14 +108,26 @@ def test_sort_impl_equals_dense(c):
     assert_same_plan(got, want, got_grad, want_grad)
 
 
+@settings(max_examples=6, deadline=None)
+@given(case())
+def test_kernel_impl_equals_dense(c):
+    """The Pallas selection kernel (`kernels.select_largest`, interpret mode) in the fast
+    path: every option, both selection levels, bitwise."""
+    logits, k, chunk, options = c
+    want, want_grad = plan_and_grad(logits, k, impl="dense", **options)
+    got, got_grad = plan_and_grad(logits, k, impl="interpret", chunk=chunk, **options)
+    assert_same_plan(got, want, got_grad, want_grad)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("impl", ["sort", "interpret"])
 @settings(max_examples=150, deadline=None)
-@given(case(SWEEP_GEOMETRIES))
-def test_sort_impl_equals_dense_sweep(c):
+@given(c=case(SWEEP_GEOMETRIES))
+def test_fast_impls_equal_dense_sweep(impl, c):
     """As `test_sort_impl_equals_dense`, over more geometries and examples (minutes)."""
     logits, k, chunk, options = c
     want, want_grad = plan_and_grad(logits, k, impl="dense", **options)
-    got, got_grad = plan_and_grad(logits, k, impl="sort", chunk=chunk, **options)
+    got, got_grad = plan_and_grad(logits, k, impl=impl, chunk=chunk, **options)
     assert_same_plan(got, want, got_grad, want_grad)
 
 
@@ -198,8 +210,9 @@ def test_clamped_upper_option_and_single_expert():
         for case_logits, k, chunk in ((logits, 2, 3), (single, 1, None)):
             options = dict(tile=4, rounding=rounding)
             want, want_grad = plan_and_grad(jnp.asarray(case_logits), k, impl="dense", **options)
-            got, got_grad = plan_and_grad(jnp.asarray(case_logits), k, impl="sort", chunk=chunk, **options)
-            assert_same_plan(got, want, got_grad, want_grad)
+            for impl in ("sort", "interpret"):
+                got, got_grad = plan_and_grad(jnp.asarray(case_logits), k, impl=impl, chunk=chunk, **options)
+                assert_same_plan(got, want, got_grad, want_grad)
             if rounding == "up":
                 assert int(got.group_sizes[0]) == case_logits.shape[0]
 
@@ -214,10 +227,11 @@ def test_zero_probability_ties_go_by_token():
     for bias in (None, jnp.zeros(5)):
         options = dict(tile=4, rounding="up", score="sigmoid", bias=bias)
         want, want_grad = plan_and_grad(logits, 2, impl="dense", **options)
-        got, got_grad = plan_and_grad(logits, 2, impl="sort", chunk=3, **options)
-        assert_same_plan(got, want, got_grad, want_grad)
-        rows = np.asarray(got.token_ids)[np.asarray(got.expert_ids) == 2]
-        np.testing.assert_array_equal(rows, [0, 1, 2, 3])
+        for impl in ("sort", "interpret"):
+            got, got_grad = plan_and_grad(logits, 2, impl=impl, chunk=3, **options)
+            assert_same_plan(got, want, got_grad, want_grad)
+            rows = np.asarray(got.token_ids)[np.asarray(got.expert_ids) == 2]
+            np.testing.assert_array_equal(rows, [0, 1, 2, 3])
 
 
 @given(
@@ -237,6 +251,71 @@ def test_top_tokens_per_expert_matches_numpy(seed, shape, chunk):
     for e in range(E):
         ranked = sorted(range(T), key=lambda t: (-int(keys[t, e]), t))[: count[e]]
         np.testing.assert_array_equal(got[e], ranked + [T] * (max_count - count[e]))
+
+
+@given(st.integers(0, 2**16), st.sampled_from([(1, 1), (3, 7), (4, 40), (2, 300)]),
+       st.sampled_from([1, 5, 16]))
+@settings(max_examples=12, deadline=None)
+def test_select_largest_matches_numpy(seed, shape, max_count):
+    """The selection kernel (interpret mode): each row's `count` largest keys as ascending
+    indices, then L; ties at the threshold to the lower index, or the higher one where
+    `prefer_high`; full-range keys, heavy ties and INT32_MIN (non-candidates) included."""
+    from pallas_moe.routing import kernels
+
+    R, L = shape
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(-3, 3, size=(R, L)).astype(np.int32)  # many ties
+    wide = rng.random(size=(R, L)) < 0.5
+    keys[wide] = rng.integers(-2**31, 2**31 - 1, size=int(wide.sum()), dtype=np.int64).astype(np.int32)
+    keys[rng.random(size=(R, L)) < 0.2] = tr._INT32_MIN
+    count = np.minimum(rng.integers(0, max_count + 1, size=R), min(L, max_count)).astype(np.int32)
+    high = rng.random(size=R) < 0.5
+    got = np.asarray(kernels.select_largest(
+        jnp.asarray(keys), jnp.asarray(count), jnp.asarray(high), max_count=max_count, interpret=True))
+    for r in range(R):
+        ranked = sorted(range(L), key=lambda i: (-int(keys[r, i]), -i if high[r] else i))[: count[r]]
+        np.testing.assert_array_equal(got[r], sorted(ranked) + [L] * (max_count - count[r]))
+
+
+@given(
+    st.integers(0, 2**16), st.sampled_from([(1, 1), (9, 3), (40, 5)]), st.sampled_from([1, 4, 7]),
+)
+@settings(max_examples=10, deadline=None)
+def test_tokens_per_expert_by_kernel_matches_numpy(seed, shape, chunk):
+    """Both kernel levels: each expert's `count` largest keys, ascending tokens, then T."""
+    T, E = shape
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(-3, 3, size=(T, E)).astype(np.int32)  # many ties
+    keys[rng.random(size=(T, E)) < 0.3] = tr._INT32_MIN  # not a candidate
+    max_count = min(T, 6)
+    candidates = (keys > tr._INT32_MIN).sum(0)
+    count = np.minimum(rng.integers(0, max_count + 1, size=E), candidates).astype(np.int32)
+    high = rng.random(size=E) < 0.5
+    got = np.asarray(tr.tokens_per_expert_by_kernel(
+        jnp.asarray(keys), jnp.asarray(count), jnp.asarray(high), max_count, chunk, interpret=True))
+    for e in range(E):
+        ranked = sorted(range(T), key=lambda t: (-int(keys[t, e]), -t if high[e] else t))[: count[e]]
+        np.testing.assert_array_equal(got[e], sorted(ranked) + [T] * (max_count - count[e]))
+
+
+@pytest.mark.parametrize("shape", [(128, 2048, 127), (512, 2032, 127), (128, 16384, 127), (3, 5, 2)])
+def test_select_largest_lowers_for_cuda(shape):
+    """The selection kernel at production list lengths lowers for an H100."""
+    from pallas_moe.routing import kernels
+
+    R, L, M = shape
+    f = jax.jit(lambda k, c, h: kernels.select_largest(k, c, h, max_count=M))
+    with h100_target():
+        f.trace(jax.ShapeDtypeStruct((R, L), jnp.int32), jax.ShapeDtypeStruct((R,), jnp.int32),
+                jax.ShapeDtypeStruct((R,), jnp.bool_)).lower(lowering_platforms=("cuda",))
+
+
+def test_select_largest_errors():
+    from pallas_moe.routing import kernels
+
+    with pytest.raises(ValueError, match="at most 16384 keys"):
+        kernels.select_largest(jnp.zeros((1, 16385), jnp.int32), jnp.zeros((1,), jnp.int32),
+                               jnp.zeros((1,), bool), max_count=3)
 
 
 def test_selection_chunk():

@@ -1,5 +1,5 @@
 """Routing kernels (Pallas, Triton backend): top-K selection, per-block expert histograms
-and local ranks in one pass over the selection scores.
+and local ranks in one pass over the selection scores; token rounding's per-expert selection.
 
 The scores are computed by the same jnp expressions as the reference router (so the
 kernel compares bit-identical values) and ranked in the total order `jax.lax.top_k` uses
@@ -12,6 +12,11 @@ the rank of each (token, expert) pair among the pairs of the same expert in the 
 block (how many earlier tokens of the block chose that expert), and each block's expert
 histogram. A prefix sum over the blocks then places every pair in the grouped order
 (`plan_kernels.topk_plan_from_scores`).
+
+`select_largest(keys, count, prefer_high)` is token rounding's per-expert selection: per
+row (an expert's list of keys), the indices of its `count` largest keys in ascending order,
+by a bitwise radix select over the row held in registers (`token_rounding.py` runs it on the
+chunk maxima, then on the best chunks' tokens).
 
 Interpret mode (`interpret=True`) runs the same kernel body on the CPU.
 """
@@ -210,3 +215,115 @@ def _place_bwd(block_t, interpret, num_warps, rows, cotangents):
 
 
 _place.defvjp(_place_fwd, _place_bwd)
+
+
+# ------------------------------------------------------------------ token-rounding selection
+
+MAX_SELECT_LENGTH = 16384  # keys per list held in one program's registers (64 per thread)
+
+
+def _select_kernel(
+    keys_ref, count_ref, prefer_high_ref, out_ref, *,
+    length: int, l_pad: int, max_count: int, m_pad: int, num_lists: int,
+):
+    """One list: the `count` largest keys, emitted as ascending list indices.
+
+    A bitwise radix select (most significant bit first, 32 block reductions of the keys
+    held in registers) finds the threshold: the count-th largest key `v`, and how many of
+    the keys equal to `v` to take (`need`). Every key above `v` is taken and, of those equal
+    to `v`, the `need` lowest indices (or, with `prefer_high`, the highest). A cumulative
+    sum then gives each taken index its slot. One bit per pass keeps the working set to
+    the [L] keys (a radix-16 pass would count a [L, 16] one-hot).
+    """
+    r = pl.program_id(0)
+    idx = jnp.arange(l_pad, dtype=jnp.int32)  # [Lp]
+    valid = idx < length
+    key = plt.load(keys_ref.at[r, pl.ds(0, l_pad)], mask=valid, other=_INT32_MIN)  # i32[Lp]
+    count = count_ref[r]
+    prefer_high = prefer_high_ref[r]
+    # Unsigned order of the signed keys: flip the sign bit (INT32_MIN -> 0). Padding lanes
+    # count as 0 and are never taken (`valid` below); `count <= length` keeps the search
+    # inside the real keys.
+    ukey = key ^ jnp.int32(_INT32_MIN)
+    prefix = jnp.int32(0)  # the threshold's bits found so far, in the unsigned order
+    need = count  # keys still to take among those matching `prefix`
+    for bit in range(31, -1, -1):
+        high_bits = _as_int32((0xFFFFFFFF << (bit + 1)) & 0xFFFFFFFF)  # bits above `bit`
+        match = (ukey & jnp.int32(high_bits)) == prefix  # [Lp]
+        with_bit = jnp.sum((match & ((ukey & jnp.int32(_as_int32(1 << bit))) != 0)).astype(jnp.int32))
+        take_bit = need <= with_bit  # the count-th largest has this bit set
+        prefix = jnp.where(take_bit, prefix | jnp.int32(_as_int32(1 << bit)), prefix)
+        need = jnp.where(take_bit, need, need - with_bit)
+    threshold = prefix ^ jnp.int32(_INT32_MIN)  # back to a signed key
+    equal = valid & (key == threshold)
+    equal_i = equal.astype(jnp.int32)
+    num_equal = jnp.sum(equal_i)
+    skip = jnp.where(prefer_high != 0, num_equal - need, 0)  # equal keys passed over first
+    tie_rank = jnp.cumsum(equal_i) - equal_i  # [Lp] rank among the equal keys, by index
+    taken = valid & (count > 0) & (
+        (key > threshold) | (equal & (tie_rank >= skip) & (tie_rank < skip + need))
+    )
+    taken_i = taken.astype(jnp.int32)
+    slot = jnp.cumsum(taken_i) - taken_i  # [Lp]
+    # Masked lanes point one past the end (see `_topk_block_kernel`).
+    end = num_lists * max_count
+    plt.store(out_ref.at[jnp.where(taken, r * max_count + slot, end)], idx, mask=taken)
+    # Slots past `count` hold `length` (no index); disjoint from the slots written above.
+    j = jnp.arange(m_pad, dtype=jnp.int32)
+    empty = (j >= count) & (j < max_count)
+    plt.store(out_ref.at[jnp.where(empty, r * max_count + j, end)],
+              jnp.full((m_pad,), length, jnp.int32), mask=empty)
+
+
+def _as_int32(v: int) -> int:
+    """The int32 with the bits of `v` (an unsigned 32-bit value)."""
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def select_warps(length: int) -> int:
+    """Warps per selection program: about 8 keys per thread, 1 to 8 warps (untuned)."""
+    return max(1, min(8, next_pow2(length) // 256))
+
+
+@functools.partial(jax.jit, static_argnames=("max_count", "interpret", "num_warps"))
+def select_largest(
+    keys: jax.Array, count: jax.Array, prefer_high: jax.Array, *, max_count: int,
+    interpret: bool = False, num_warps: int | None = None,
+) -> jax.Array:
+    """Per list (row), the indices of its `count` largest keys, ascending.
+
+    Ties at the threshold go to the lower index, or to the higher one where `prefer_high`.
+    One program per row: the row is held in registers, so `L <= MAX_SELECT_LENGTH`.
+
+    Args:
+      keys: i32[R, L] keys (signed order).
+      count: i32[R] keys to take per row, each in [0, min(L, max_count)].
+      prefer_high: bool[R] tie rule per row.
+      max_count: static output width M.
+      interpret: run the kernel in Pallas interpret mode (CPU).
+      num_warps: warps per program (default `select_warps(L)`).
+
+    Returns:
+      i32[R, M]: each row's taken indices in ascending order, then `L`.
+    """
+    num_lists, length = keys.shape
+    if length > MAX_SELECT_LENGTH:
+        raise ValueError(
+            f"keys rows must hold at most {MAX_SELECT_LENGTH} keys (one program's registers), "
+            f"got {length}."
+        )
+    if max_count == 0:
+        return jnp.zeros((num_lists, 0), jnp.int32)
+    kernel = functools.partial(
+        _select_kernel, length=length, l_pad=next_pow2(length), max_count=max_count,
+        m_pad=next_pow2(max_count), num_lists=num_lists,
+    )
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_lists * max_count,), jnp.int32),
+        grid=(num_lists,),
+        compiler_params=_params(num_warps or select_warps(length)),
+        interpret=interpret,
+        name="moe_select_largest",
+    )(keys.astype(jnp.int32), count.astype(jnp.int32), prefer_high.astype(jnp.int32))
+    return out.reshape(num_lists, max_count)

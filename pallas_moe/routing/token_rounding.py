@@ -19,6 +19,7 @@ touches [T, E] only to pick each expert's `< tile` changes (docs/plan.md says ho
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -250,20 +251,29 @@ def token_rounding_plan_fast(
     is_tc = jnp.any(
         pairs.experts[:, :, None] == jnp.arange(num_experts, dtype=jnp.int32), axis=1
     )  # [T, E]
-    # Candidates per expert as keys to take the largest of, ties to the lower row. Adding:
-    # non-TC tokens by rank score. Dropping: TC rows, lowest rank score first and, among
-    # equals, the higher token first; so the key is inverted and the rows reversed.
+    # Candidates per expert as keys to take the largest of. Adding: non-TC tokens by rank
+    # score, ties to the lower token. Dropping: TC rows, lowest rank score first (so the
+    # key is inverted) and, among equals, the higher token first.
     add_keys = jnp.where(is_tc, _INT32_MIN, rank_key)
-    drop_keys = jnp.where(is_tc, ~rank_key, _INT32_MIN)[::-1]
+    drop_keys = jnp.where(is_tc, ~rank_key, _INT32_MIN)
     keys = jnp.where(
         grows[None, :], add_keys, jnp.where(shrinks[None, :], drop_keys, _INT32_MIN)
     )  # [T, E]
     if chunk is None:
         chunk = selection_chunk(num_tokens, max_change)
     chunk = _checks.check_positive_int("chunk", chunk)
-    picked = top_tokens_per_expert(keys, change, max_change, chunk)  # [E, M], rank order
-    picked = jnp.where(shrinks[:, None] & (picked < num_tokens), num_tokens - 1 - picked, picked)
-    picked = jnp.sort(picked, axis=1)  # ascending tokens, then T
+    if impl in ("kernel", "interpret") and fits_select_kernel(num_tokens, max_change, chunk):
+        picked = tokens_per_expert_by_kernel(
+            keys, change, shrinks, max_change, chunk, interpret=impl == "interpret"
+        )  # [E, M] ascending tokens, then T
+    else:
+        # `lax.top_k` breaks ties to the lower index: reverse the dropping experts' tokens.
+        reversed_keys = jnp.where(shrinks[None, :], keys[::-1], keys)
+        picked = top_tokens_per_expert(reversed_keys, change, max_change, chunk)  # rank order
+        picked = jnp.where(
+            shrinks[:, None] & (picked < num_tokens), num_tokens - 1 - picked, picked
+        )
+        picked = jnp.sort(picked, axis=1)  # ascending tokens, then T
     added = jnp.where(grows[:, None], picked, num_tokens)  # [E, M]
     dropped = jnp.where(shrinks[:, None], picked, num_tokens)  # [E, M]
     return _assemble_plan(pairs, probs, target, added, dropped, capacity), counts
@@ -326,6 +336,70 @@ def top_tokens_per_expert(keys: jax.Array, count: jax.Array, max_count: int, chu
     rank = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     tokens = jnp.where(rank < count[:, None], tokens, num_tokens).astype(jnp.int32)
     return jnp.pad(tokens, ((0, 0), (0, max_count - tokens.shape[1])), constant_values=num_tokens)
+
+
+def fits_select_kernel(num_tokens: int, max_count: int, chunk: int) -> bool:
+    """Whether both selection levels fit `kernels.select_largest`'s per-program lists."""
+    from pallas_moe.routing.kernels import MAX_SELECT_LENGTH
+
+    if chunk <= 1:
+        return num_tokens <= MAX_SELECT_LENGTH
+    num_chunks = -(-num_tokens // chunk)
+    return num_chunks <= MAX_SELECT_LENGTH and min(max_count, num_chunks) * chunk <= MAX_SELECT_LENGTH
+
+
+def tokens_per_expert_by_kernel(
+    keys: jax.Array, count: jax.Array, prefer_high: jax.Array, max_count: int, chunk: int,
+    *, interpret: bool = False,
+) -> jax.Array:
+    """Per expert, the tokens with its `count[e]` largest keys, ascending, by the Pallas
+    selection kernel (`kernels.select_largest`): `top_tokens_per_expert`'s two levels, each
+    a radix select over one short list per expert instead of a `lax.top_k` and a sort.
+
+    Level one picks each expert's `count[e]` best chunks of `chunk` tokens by their maximum
+    key, level two the best tokens inside them (exact, as in `top_tokens_per_expert`; ties
+    go to the lower chunk and token, or to the higher ones where `prefer_high`, both levels
+    alike). Both return ascending indices, so no sort is needed.
+
+    Args:
+      keys: i32[T, E]; INT32_MIN marks a token that is no candidate of that expert.
+      count: i32[E] tokens to pick, each <= max_count and <= the expert's candidates.
+      prefer_high: bool[E] ties to the higher token (dropping experts).
+      max_count: static bound on `count`.
+      chunk: static tokens per first-level chunk (1: one level over all T tokens).
+      interpret: run the kernel in Pallas interpret mode (CPU).
+
+    Returns:
+      i32[E, max_count]: each expert's picked tokens ascending, then T.
+    """
+    from pallas_moe.routing import kernels  # Pallas is imported only when used.
+
+    num_tokens, num_experts = keys.shape
+    select = functools.partial(kernels.select_largest, interpret=interpret)
+    if max_count == 0:
+        return jnp.zeros((num_experts, 0), jnp.int32)
+    if chunk <= 1:
+        return select(keys.T, count, prefer_high, max_count=max_count)  # index == token
+    num_chunks = -(-num_tokens // chunk)
+    padded = jnp.pad(keys, ((0, num_chunks * chunk - num_tokens), (0, 0)),
+                     constant_values=_INT32_MIN)
+    chunk_max = jnp.max(padded.reshape(num_chunks, chunk, num_experts), axis=1).T  # [E, NC]
+    num_best = min(max_count, num_chunks)
+    best_chunks = select(
+        chunk_max, jnp.minimum(count, num_best), prefer_high, max_count=num_best
+    )  # [E, num_best] ascending, then NC (whose tokens are all >= T)
+    candidates = (
+        best_chunks[:, :, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    ).reshape(num_experts, -1)  # [E, num_best * chunk] tokens, ascending
+    candidate_keys = jnp.where(
+        candidates < num_tokens,
+        keys[jnp.minimum(candidates, num_tokens - 1), jnp.arange(num_experts)[:, None]],
+        _INT32_MIN,
+    )
+    best = select(candidate_keys, count, prefer_high, max_count=max_count)  # [E, M]
+    length = candidates.shape[1]
+    tokens = jnp.take_along_axis(candidates, jnp.minimum(best, length - 1), 1)
+    return jnp.where(best < length, tokens, num_tokens).astype(jnp.int32)
 
 
 def _count_below(sorted_rows: jax.Array, row: jax.Array, value: jax.Array) -> jax.Array:
