@@ -22,6 +22,7 @@ from pallas_moe.kernels.dh import DHConfig, dh_kernel
 from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_forward import ForwardConfig, aggregate_width
+from pallas_moe.kernels.schedules import PlanSchedules, require_block
 from pallas_moe.kernels.weight_grad import WeightGradConfig, k_block_meta, weight_grad
 
 
@@ -109,6 +110,16 @@ def _dx_config(d: int, num_sms: int | None) -> GroupedMatmulConfig:
     )
 
 
+def backward_config(
+    config: BackwardConfig | None, d: int, n: int, interpret
+) -> BackwardConfig:
+    """`config`, or the `for_shape(d, n)` defaults (4 persistent CTAs in interpret mode,
+    where every simulated CTA costs time)."""
+    return config if config is not None else BackwardConfig.for_shape(
+        d, n, num_sms=4 if interpret else None
+    )
+
+
 def moe_backward(
     x: jax.Array,
     h: jax.Array,
@@ -119,6 +130,7 @@ def moe_backward(
     *,
     interpret: bool | plgpu.InterpretGPUParams = False,
     config: BackwardConfig | None = None,
+    schedules: PlanSchedules | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Gradients of the MoE layer from its minimal residuals, through the kernels.
 
@@ -133,6 +145,8 @@ def moe_backward(
         InterpretGPUParams.
       config: block sizes; `BackwardConfig.for_shape(d, n)` if None (with 4 persistent CTAs
         in interpret mode, where every simulated CTA costs time).
+      schedules: the plan's tile metadata (`schedules.plan_schedules` with this config),
+        computed in the forward and saved; None computes this pass's here.
 
     Returns:
       (dx [T, d] x.dtype, d_scores f32[P] (0 on padding rows), dw_gate_up [E, d, 2n] in
@@ -155,8 +169,7 @@ def moe_backward(
     if plan.num_experts != num_experts:
         raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
     _common.require_shape("h", h, (plan.capacity, two_n))
-    if config is None:
-        config = BackwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
+    config = backward_config(config, d, n, interpret)
     k_blocks = {config.dw_down.block_k, config.dw_gate_up.block_k}
     if len(k_blocks) != 1:
         raise ValueError(
@@ -170,10 +183,17 @@ def moe_backward(
     capacity = plan.capacity
     grad_out = grad_out.astype(x.dtype)
 
-    # Metadata, once per plan and block size.
-    dh_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.dh.block_m)
-    k_meta = k_block_meta(plan.group_sizes, plan.token_ids, block_k)
-    dx_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.dx.block_m)
+    # Metadata, once per plan and block size: from the op (`plan_schedules`, computed in the
+    # forward and saved), or computed here for a standalone call.
+    if schedules is None:
+        dh_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.dh.block_m)
+        k_meta = k_block_meta(plan.group_sizes, plan.token_ids, block_k)
+        dx_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.dx.block_m)
+    else:
+        require_block("dh", schedules.dh, config.dh.block_m)
+        require_block("weight_grad", schedules.weight_grad, block_k, field="block_k")
+        require_block("dx", schedules.dx, config.dx.block_m)
+        dh_meta, k_meta, dx_meta = schedules.dh, schedules.weight_grad, schedules.dx
 
     dh, a_scaled, d_scores = dh_kernel(
         grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w_down,

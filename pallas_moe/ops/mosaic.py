@@ -1,7 +1,8 @@
 """`moe_ffn` over the Pallas kernels, as a `jax.custom_vjp` with minimal residuals.
 
-The forward saves only `X`, `H [P, 2n]` and the plan (the weights are inputs); `Y` and the
-gathered `X` are never residuals. The backward follows `docs/math.md` (minimal-activation backward) without `Y`.
+The forward saves only `X`, `H [P, 2n]`, the plan and (for the kernels) the plan's tile
+metadata (the weights are inputs); `Y` and the gathered `X` are never residuals. The
+backward follows `docs/math.md` (minimal-activation backward) without `Y`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ def plan_cotangent(plan: DispatchPlan, d_scores: jax.Array) -> DispatchPlan:
 
 
 def minimal_residual_moe_ffn(
-    forward: Forward, backward: Backward = moe_ffn_backward, *, aggregation: str = "fp32"
+    forward: Forward,
+    backward: Backward = moe_ffn_backward,
+    *,
+    aggregation: str = "fp32",
+    schedules: Callable[[DispatchPlan, jax.Array], object] | None = None,
 ):
     """Wraps a forward that returns `(out, h)` into a differentiable `moe_ffn`.
 
@@ -44,24 +49,33 @@ def minimal_residual_moe_ffn(
       aggregation: the forward's aggregation mode (`pallas_moe.numerics`). The backward
         multiplies by the scores the forward multiplied by (bf16-rounded for
         "bf16_scores"), and the score gradient passes straight through that rounding.
+      schedules: `(plan, w_gate_up) -> metadata` (the kernels' `plan_schedules`), computed
+        once per call and passed to both passes as `schedules=`; the backward gets the
+        forward's, saved as a residual (small integer arrays), so no pass derives tile
+        metadata itself. None: the passes take no schedules.
 
     Returns:
-      `f(x, plan, w_gate_up, w_down) -> out`, a `jax.custom_vjp` whose only new residual is `h`.
+      `f(x, plan, w_gate_up, w_down) -> out`, a `jax.custom_vjp` whose only new residuals are
+      `h` and the schedules.
     """
+
+    def with_schedules(plan, w_gate_up):
+        return {} if schedules is None else {"schedules": schedules(plan, w_gate_up)}
 
     @jax.custom_vjp
     def moe(x, plan, w_gate_up, w_down):
-        return forward(x, plan, w_gate_up, w_down)[0]
+        return forward(x, plan, w_gate_up, w_down, **with_schedules(plan, w_gate_up))[0]
 
     def moe_fwd(x, plan, w_gate_up, w_down):
-        out, h = forward(x, plan, w_gate_up, w_down)
-        return out, (x, h, plan, w_gate_up, w_down)
+        shared = with_schedules(plan, w_gate_up)
+        out, h = forward(x, plan, w_gate_up, w_down, **shared)
+        return out, (x, h, plan, w_gate_up, w_down, shared)
 
     def moe_bwd(residuals, grad_out):
-        x, h, plan, w_gate_up, w_down = residuals
+        x, h, plan, w_gate_up, w_down, shared = residuals
         plan_multiplied = plan.with_scores(multiplied_scores(plan.scores, aggregation))
         dx, d_scores, dw_gate_up, dw_down = backward(
-            x, h, plan_multiplied, w_gate_up, w_down, grad_out
+            x, h, plan_multiplied, w_gate_up, w_down, grad_out, **shared
         )
         return dx, plan_cotangent(plan, d_scores), dw_gate_up, dw_down
 
@@ -72,16 +86,32 @@ def minimal_residual_moe_ffn(
 @functools.cache
 def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics):
     # Pallas is imported only when a kernel backend is used.
-    from pallas_moe.kernels.moe_backward import moe_backward
-    from pallas_moe.kernels.moe_forward import moe_forward
+    from pallas_moe.kernels.moe_backward import backward_config, moe_backward
+    from pallas_moe.kernels.moe_forward import forward_config, moe_forward
+    from pallas_moe.kernels.schedules import plan_schedules
+
+    def configs(w_gate_up):
+        """The (forward, backward) configs both passes and their schedules use."""
+        _, d, two_n = w_gate_up.shape
+        return (forward_config(config.forward, d, two_n // 2, interpret),
+                backward_config(config.backward, d, two_n // 2, interpret))
+
+    def forward(x, plan, w_gate_up, w_down, *, schedules):
+        return moe_forward(
+            x, plan, w_gate_up, w_down, interpret=interpret, config=configs(w_gate_up)[0],
+            aggregation=numerics.aggregation, fuse_swiglu=numerics.fuse_swiglu,
+            schedules=schedules,
+        )
+
+    def backward(x, h, plan, w_gate_up, w_down, grad_out, *, schedules):
+        return moe_backward(
+            x, h, plan, w_gate_up, w_down, grad_out, interpret=interpret,
+            config=configs(w_gate_up)[1], schedules=schedules,
+        )
 
     return minimal_residual_moe_ffn(
-        functools.partial(
-            moe_forward, interpret=interpret, config=config.forward,
-            aggregation=numerics.aggregation, fuse_swiglu=numerics.fuse_swiglu,
-        ),
-        functools.partial(moe_backward, interpret=interpret, config=config.backward),
-        aggregation=numerics.aggregation,
+        forward, backward, aggregation=numerics.aggregation,
+        schedules=lambda plan, w_gate_up: plan_schedules(plan, *configs(w_gate_up)),
     )
 
 
