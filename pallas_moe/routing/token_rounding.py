@@ -214,11 +214,15 @@ def token_rounding_plan_fast(
     topk_groups: int | None = None,
     impl: str = "auto",
     chunk: int | None = None,
-) -> DispatchPlan:
+    selection: str = "auto",
+) -> tuple[DispatchPlan, jax.Array]:
     """`token_rounding_plan`'s fast path (inputs checked by the caller).
 
     Args as in `token_rounding_plan`; `impl` picks the top-K step ("auto", "kernel",
-    "interpret", "sort"); `chunk` overrides `selection_chunk` (tests, benchmarks).
+    "interpret", "sort"); `chunk` overrides `selection_chunk` (tests, benchmarks);
+    `selection` picks the per-expert selection: "auto" (the Pallas kernel
+    `kernels.select_largest` with the kernel impls where the lists fit, else `lax.top_k`)
+    or "top_k" (the `lax.top_k` levels always: benchmarks compare the two).
 
     Returns:
       (plan, tc_counts): the `DispatchPlan` of `token_rounding_plan(impl="dense")`, bitwise,
@@ -262,7 +266,9 @@ def token_rounding_plan_fast(
     if chunk is None:
         chunk = selection_chunk(num_tokens, max_change)
     chunk = _checks.check_positive_int("chunk", chunk)
-    if impl in ("kernel", "interpret") and fits_select_kernel(num_tokens, max_change, chunk):
+    _checks.check_choice("selection", selection, ("auto", "top_k"))
+    by_kernel = impl in ("kernel", "interpret") and selection == "auto"
+    if by_kernel and fits_select_kernel(num_tokens, max_change, chunk):
         picked = tokens_per_expert_by_kernel(
             keys, change, shrinks, max_change, chunk, interpret=impl == "interpret"
         )  # [E, M] ascending tokens, then T
