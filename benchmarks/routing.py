@@ -22,9 +22,10 @@ field, for every rounding mode and score order (`TR_CHECKS`), and compares the g
 the logits; then times dense and fast (rounding "nearest", softmax_topk), alone and with the
 tile schedule, GPU and wall, in the same run; then the fast kernel path with other selection
 chunks (`--tr-chunks`; chunk 1 is one `lax.top_k` over [E, T]) and its per-kernel breakdown.
-With "kernel" among the impls it also runs "kernel_top_k": the kernel path with the previous
-per-expert selection (two `lax.top_k` levels and a sort, `selection="top_k"`), so the
-selection kernel (`kernels.select_largest`) is compared with it, and with dense, in one run.
+With "kernel" among the impls it also runs "kernel_top_k": the top-K kernels followed by the
+previous jnp rounding (two `lax.top_k` selection levels, a sort, binary searches and
+scatters: `round_by_kernels=False`), so the rounding kernels (`kernels.select_largest`,
+`kernels.place_rounded`) are compared with it, and with dense, in one run.
 Writes token_rounding_results.json / token_rounding_log.txt.
 
 The issue-18 table, in two commands (about 5 and 8 minutes on an H100):
@@ -147,12 +148,12 @@ def token_rounding(log, out_dir, impls, tile, chunks):
     fast_variants = [v for v in variants if v != "dense"]
 
     def build(variant, logits, K, **opts):
-        """The plan of one implementation; "kernel_top_k": the kernel path with the
-        previous `lax.top_k` selection instead of the selection kernel."""
+        """The plan of one implementation; "kernel_top_k": the top-K kernels, then the
+        previous jnp selection and placement instead of the rounding kernels."""
         if variant.endswith("_top_k"):
             opts = {"rounding": "nearest", **opts}
             return token_rounding_plan_fast(
-                logits, K, impl=variant.removesuffix("_top_k"), selection="top_k", **opts)[0]
+                logits, K, impl=variant.removesuffix("_top_k"), round_by_kernels=False, **opts)[0]
         return pm.routing.token_rounding_plan(logits, K, impl=variant, **opts)
 
     results = []

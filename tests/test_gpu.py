@@ -183,7 +183,7 @@ def test_selection_kernel_plan_equals_previous_fast_path_and_dense(shape, roundi
     builds = {
         "dense": lambda l: pm.routing.token_rounding_plan(l, K, impl="dense", **options),
         "kernel": lambda l: pm.routing.token_rounding_plan(l, K, impl="kernel", **options),
-        "top_k": lambda l: token_rounding_plan_fast(l, K, impl="kernel", selection="top_k", **options)[0],
+        "top_k": lambda l: token_rounding_plan_fast(l, K, impl="kernel", round_by_kernels=False, **options)[0],
     }
     results = {}
     for name, build in builds.items():

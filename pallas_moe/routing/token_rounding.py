@@ -214,15 +214,15 @@ def token_rounding_plan_fast(
     topk_groups: int | None = None,
     impl: str = "auto",
     chunk: int | None = None,
-    selection: str = "auto",
+    round_by_kernels: bool = True,
 ) -> tuple[DispatchPlan, jax.Array]:
     """`token_rounding_plan`'s fast path (inputs checked by the caller).
 
     Args as in `token_rounding_plan`; `impl` picks the top-K step ("auto", "kernel",
     "interpret", "sort"); `chunk` overrides `selection_chunk` (tests, benchmarks);
-    `selection` picks the per-expert selection: "auto" (the Pallas kernel
-    `kernels.select_largest` with the kernel impls where the lists fit, else `lax.top_k`)
-    or "top_k" (the `lax.top_k` levels always: benchmarks compare the two).
+    `round_by_kernels`: with the kernel impls, select with `kernels.select_largest` (where
+    the lists fit) and place with `kernels.place_rounded`; False keeps the jnp selection
+    (`lax.top_k` levels) and placement after the top-K kernels (benchmarks compare them).
 
     Returns:
       (plan, tc_counts): the `DispatchPlan` of `token_rounding_plan(impl="dense")`, bitwise,
@@ -266,9 +266,8 @@ def token_rounding_plan_fast(
     if chunk is None:
         chunk = selection_chunk(num_tokens, max_change)
     chunk = _checks.check_positive_int("chunk", chunk)
-    _checks.check_choice("selection", selection, ("auto", "top_k"))
-    by_kernel = impl in ("kernel", "interpret") and selection == "auto"
-    if by_kernel and fits_select_kernel(num_tokens, max_change, chunk):
+    kernel_impl = impl if impl in ("kernel", "interpret") and round_by_kernels else None
+    if kernel_impl and fits_select_kernel(num_tokens, max_change, chunk):
         picked = tokens_per_expert_by_kernel(
             keys, change, shrinks, max_change, chunk, interpret=impl == "interpret"
         )  # [E, M] ascending tokens, then T
@@ -282,7 +281,7 @@ def token_rounding_plan_fast(
         picked = jnp.sort(picked, axis=1)  # ascending tokens, then T
     added = jnp.where(grows[:, None], picked, num_tokens)  # [E, M]
     dropped = jnp.where(shrinks[:, None], picked, num_tokens)  # [E, M]
-    return _assemble_plan(pairs, probs, target, added, dropped, capacity), counts
+    return _assemble_plan(pairs, probs, target, added, dropped, capacity, kernel_impl), counts
 
 
 def selection_chunk(num_tokens: int, max_count: int) -> int:
@@ -462,6 +461,7 @@ def _assemble_plan(
     added: jax.Array,
     dropped: jax.Array,
     capacity: int,
+    kernel_impl: str | None = None,
 ) -> DispatchPlan:
     """The token-rounding plan from the top-K pairs and each expert's changes.
 
@@ -473,6 +473,8 @@ def _assemble_plan(
       dropped: i32[E, M] TC tokens each expert drops, ascending, then T. An expert adds or
         drops, never both.
       capacity: static row capacity P.
+      kernel_impl: None (jnp) or "kernel" / "interpret": the rows, slots and scatters by
+        the Pallas placement kernels (`kernels.place_rounded`).
 
     Rows are grouped by expert and ascending by token inside a group, as
     `plan_from_assignment` lays them out; each token's rows are listed by ascending expert.
@@ -481,10 +483,33 @@ def _assemble_plan(
     num_tokens, k = experts.shape
     num_experts, max_change = added.shape
     counts = pairs.group_sizes
+    token = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], experts.shape)
+    added_expert = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32)[:, None], added.shape)
+    is_added = added < num_tokens  # [E, M]
+    added_token = jnp.minimum(added, num_tokens - 1)
+    added_scores = probs[added_token, added_expert]  # [E, M] full router probability
+    added_count, added_experts_below = _added_expert_sets(added, num_tokens)
+
+    if kernel_impl is not None:
+        from pallas_moe.routing import kernels  # Pallas is imported only when used.
+
+        dropped_count = jnp.zeros((num_tokens,), jnp.int32).at[dropped.reshape(-1)].add(
+            1, mode="drop")  # [T]; T (no token) is dropped by the scatter
+        token_row_offsets = _offsets(k - dropped_count + added_count)
+        token_ids, scores, is_token_choice, rows_by_token = kernels.place_rounded(
+            experts, pairs.rows, pairs.weights, pairs.token_ids, counts, target, dropped,
+            added, added_scores, token_row_offsets[:-1],
+            added_experts_below(token, experts), added_experts_below(added_token, added_expert),
+            capacity=capacity, interpret=kernel_impl == "interpret",
+        )
+        return DispatchPlan(
+            token_ids=token_ids, scores=scores, group_sizes=target.astype(jnp.int32),
+            is_token_choice=is_token_choice, rows_by_token=rows_by_token,
+            token_row_offsets=token_row_offsets,
+        )
+
     tc_start = jnp.cumsum(counts, dtype=jnp.int32) - counts  # [E]
     new_start = jnp.cumsum(target, dtype=jnp.int32) - target  # [E]
-    token = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], experts.shape)
-
     # Top-K pairs: a kept pair moves by the drops and adds of its expert before its token.
     dropped_before = _count_below(dropped, experts, token)  # [T, K]
     is_dropped = (
@@ -498,14 +523,10 @@ def _assemble_plan(
     )  # [T, K]
 
     # Added pairs: after the expert's TC rows of lower tokens and its earlier added ones.
-    added_expert = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32)[:, None], added.shape)
-    is_added = added < num_tokens  # [E, M]
     tc_below = _count_below_in_segment(
         pairs.token_ids, tc_start[added_expert], counts[added_expert], added, num_tokens
     )  # [E, M]: TC tokens of the expert below the added token
     added_row = new_start[:, None] + tc_below + jnp.arange(max_change, dtype=jnp.int32)[None, :]
-    added_token = jnp.minimum(added, num_tokens - 1)
-    added_scores = probs[added_token, added_expert]  # [E, M] full router probability
 
     row = jnp.concatenate([
         jnp.where(kept, tc_row, capacity).reshape(-1),
@@ -522,30 +543,9 @@ def _assemble_plan(
         jnp.arange(row.shape[0]) < num_tokens * k, mode="drop"
     )
 
-    # Per token (CSR): its kept TC rows and its added rows, by ascending expert. A token's
-    # added experts are a bit set (32 experts a word), so "added experts below e" is a
-    # popcount, not a sort of the added pairs by token.
-    num_words = -(-num_experts // 32)
-    word, bit = added_expert // 32, (added_expert % 32).astype(jnp.uint32)
-    added_bits = jnp.zeros((num_tokens, num_words), jnp.uint32).at[
-        jnp.where(is_added, added, num_tokens), word
-    ].add(jnp.left_shift(jnp.uint32(1), bit), mode="drop")  # bits are distinct: add is or
-    word_count = jax.lax.population_count(added_bits).astype(jnp.int32)  # [T, W]
-    words_before = jnp.cumsum(word_count, axis=1, dtype=jnp.int32) - word_count  # [T, W]
-
-    def added_experts_below(tok, expert):
-        """Added experts of token `tok` below `expert` (both i32[...])."""
-        w = expert // 32
-        below_in_word = added_bits[tok, w] & (
-            jnp.left_shift(jnp.uint32(1), (expert % 32).astype(jnp.uint32)) - jnp.uint32(1)
-        )
-        return words_before[tok, w] + jax.lax.population_count(below_in_word).astype(jnp.int32)
-
+    # Per token (CSR): its kept TC rows and its added rows, by ascending expert.
     kept_i = kept.astype(jnp.int32)
-    rows_per_token = jnp.sum(kept_i, axis=1) + jnp.sum(word_count, axis=1)  # [T]
-    token_row_offsets = jnp.concatenate(
-        [jnp.zeros((1,), jnp.int32), jnp.cumsum(rows_per_token, dtype=jnp.int32)]
-    )  # [T+1]
+    token_row_offsets = _offsets(jnp.sum(kept_i, axis=1) + added_count)  # [T+1]
     tc_slot = (
         token_row_offsets[:-1, None] + jnp.cumsum(kept_i, axis=1) - kept_i
         + added_experts_below(token, experts)
@@ -572,6 +572,45 @@ def _assemble_plan(
         rows_by_token=rows_by_token,
         token_row_offsets=token_row_offsets,
     )
+
+
+def _offsets(rows_per_token: jax.Array) -> jax.Array:
+    """i32[T + 1] CSR offsets from i32[T] rows per token."""
+    return jnp.concatenate(
+        [jnp.zeros((1,), jnp.int32), jnp.cumsum(rows_per_token, dtype=jnp.int32)]
+    )
+
+
+def _added_expert_sets(added: jax.Array, num_tokens: int):
+    """Each token's added experts as a bit set (32 experts a word), so "added experts
+    below e" is a popcount, not a sort of the added pairs by token.
+
+    Args:
+      added: i32[E, M] tokens each expert adds, then T.
+
+    Returns:
+      (added_count i32[T], added_experts_below): the token's added experts, and a function
+      `(tok, expert) -> i32[...]` counting the added experts of `tok` below `expert`.
+    """
+    num_experts = added.shape[0]
+    added_expert = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32)[:, None], added.shape)
+    num_words = -(-num_experts // 32)
+    word, bit = added_expert // 32, (added_expert % 32).astype(jnp.uint32)
+    added_bits = jnp.zeros((num_tokens, num_words), jnp.uint32).at[added, word].add(
+        jnp.left_shift(jnp.uint32(1), bit), mode="drop"
+    )  # bits are distinct: add is or; T (no token) is dropped
+    word_count = jax.lax.population_count(added_bits).astype(jnp.int32)  # [T, W]
+    words_before = jnp.cumsum(word_count, axis=1, dtype=jnp.int32) - word_count  # [T, W]
+
+    def added_experts_below(tok, expert):
+        """Added experts of token `tok` below `expert` (both i32[...])."""
+        w = expert // 32
+        below_in_word = added_bits[tok, w] & (
+            jnp.left_shift(jnp.uint32(1), (expert % 32).astype(jnp.uint32)) - jnp.uint32(1)
+        )
+        return words_before[tok, w] + jax.lax.population_count(below_in_word).astype(jnp.int32)
+
+    return jnp.sum(word_count, axis=1), added_experts_below
 
 
 def token_rounding_assignment(
