@@ -16,7 +16,8 @@ histogram. A prefix sum over the blocks then places every pair in the grouped or
 `select_largest(keys, count, prefer_high)` is token rounding's per-expert selection: per
 row (an expert's list of keys), the indices of its `count` largest keys in ascending order,
 by a bitwise radix select over the row held in registers (`token_rounding.py` runs it on the
-chunk maxima, then on the best chunks' tokens).
+chunk maxima, then on the best chunks' tokens). `place_rounded` then places the kept top-K
+pairs and the added pairs of the token-rounding plan at their rows and CSR slots.
 
 Interpret mode (`interpret=True`) runs the same kernel body on the CPU.
 """
