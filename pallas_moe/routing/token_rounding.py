@@ -180,7 +180,7 @@ def token_rounding_plan_and_counts(
     _checks.check_choice("rounding", rounding, ROUNDING_MODES)
     if rounding == "stochastic" and key is None:
         raise ValueError("key must be a PRNG key for rounding='stochastic', got None.")
-    impl = resolve_token_rounding_impl(impl)
+    impl = resolve_topk_impl(impl)  # "auto": "kernel" on a GPU, "sort" elsewhere
     options = dict(
         tile=tile, rounding=rounding, key=key, score=score, renormalize=renormalize, bias=bias,
         num_groups=num_groups, topk_groups=topk_groups,
@@ -193,11 +193,6 @@ def token_rounding_plan_and_counts(
         selected, weights, selected & tc_selected, capacity=num_tokens * k + num_experts * tile
     )
     return plan, jnp.sum(tc_selected, axis=0, dtype=jnp.int32)
-
-
-def resolve_token_rounding_impl(impl: str) -> str:
-    """Maps "auto" to "kernel" on a GPU and to "sort" elsewhere, as `topk_plan` does."""
-    return resolve_topk_impl(impl)
 
 
 def token_rounding_plan_fast(
