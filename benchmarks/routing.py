@@ -12,13 +12,28 @@ random logits (with ties), and times, in the same run:
   - wall time of one jitted call (median), which also counts launch gaps and any host work.
 Prints a table and writes routing_results.json / routing_log.txt into --out.
 
+Both modes also time each plan with every kernel's tile metadata of the 7B layer's kernel
+configs (`kernels.schedules.plan_schedules`, what the `mosaic` op computes once per step for
+the forward and backward): `*_with_schedules_gpu_us`.
+
 `--token-rounding` does the same for `token_rounding_plan` (tile 128, `TR_SHAPES`): it first
 checks on the device that each fast implementation's plan equals the dense one bitwise, every
 field, for every rounding mode and score order (`TR_CHECKS`), and compares the gradients to
 the logits; then times dense and fast (rounding "nearest", softmax_topk), alone and with the
 tile schedule, GPU and wall, in the same run; then the fast kernel path with other selection
 chunks (`--tr-chunks`; chunk 1 is one `lax.top_k` over [E, T]) and its per-kernel breakdown.
+With "kernel" among the impls it also runs "kernel_top_k": the top-K kernels followed by the
+previous jnp rounding (two `lax.top_k` selection levels, a sort, binary searches and
+scatters: `round_by_kernels=False`), so the rounding kernels (`kernels.select_largest`,
+`kernels.place_rounded`) are compared with it, and with dense, in one run.
 Writes token_rounding_results.json / token_rounding_log.txt.
+
+The issue-18 table, in two commands (about 5 and 8 minutes on an H100):
+
+    ROUTING_SHAPES=32768x128x8,16384x512x10,512x128x8,64x128x8 PYTHONPATH=. PYTHONUNBUFFERED=1 \
+        python3 benchmarks/routing.py --out $OUT
+    TR_SHAPES=32768x128x8,16384x512x10,4096x128x8 PYTHONPATH=. PYTHONUNBUFFERED=1 \
+        python3 benchmarks/routing.py --out $OUT --token-rounding --impls dense,sort,kernel --tr-chunks 16
 """
 
 from __future__ import annotations
@@ -38,6 +53,20 @@ from jax.experimental.mosaic.gpu import profiler
 
 import pallas_moe as pm
 from pallas_moe.routing.plan import tile_schedule
+
+# The kernel configs whose tile metadata `*_with_schedules` times: the 7B layer's defaults.
+SCHEDULE_D, SCHEDULE_N = 1536, 256
+
+
+def with_schedules(plan_fn):
+    """`plan_fn(logits)` plus every kernel's tile metadata of the 7B configs, one program."""
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+    from pallas_moe.kernels.schedules import plan_schedules
+
+    forward = ForwardConfig.for_shape(SCHEDULE_D, SCHEDULE_N)
+    backward = BackwardConfig.for_shape(SCHEDULE_D, SCHEDULE_N)
+    return jax.jit(lambda l: plan_schedules(plan_fn(l), forward, backward))
 
 SHAPES = [(32768, 128, 8), (24576, 128, 8), (16384, 512, 10), (4096, 128, 8),
           (512, 128, 8), (64, 128, 8)]
@@ -114,7 +143,19 @@ def token_rounding(log, out_dir, impls, tile, chunks):
     """Token-rounding plans: device equality with the dense reference, then timings."""
     from pallas_moe.routing.token_rounding import selection_chunk, token_rounding_plan_fast
 
-    fast_impls = [i for i in impls if i != "dense"]
+    kernel_impl = next((i for i in ("kernel", "interpret") if i in impls), None)
+    variants = impls + ([f"{kernel_impl}_top_k"] if kernel_impl else [])
+    fast_variants = [v for v in variants if v != "dense"]
+
+    def build(variant, logits, K, **opts):
+        """The plan of one implementation; "kernel_top_k": the top-K kernels, then the
+        previous jnp selection and placement instead of the rounding kernels."""
+        if variant.endswith("_top_k"):
+            opts = {"rounding": "nearest", **opts}
+            return token_rounding_plan_fast(
+                logits, K, impl=variant.removesuffix("_top_k"), round_by_kernels=False, **opts)[0]
+        return pm.routing.token_rounding_plan(logits, K, impl=variant, **opts)
+
     results = []
     for T, E, K in TR_SHAPES:
         logits = routing_logits(T, E, K)
@@ -131,8 +172,8 @@ def token_rounding(log, out_dir, impls, tile, chunks):
         for rounding, score, renormalize, with_bias in TR_CHECKS:
             opts = options(rounding, score, renormalize, with_bias)
             want = jax.jit(lambda l, o=opts: pm.routing.token_rounding_plan(l, K, impl="dense", **o))(logits)
-            for impl in fast_impls:
-                got = jax.jit(lambda l, o=opts, i=impl: pm.routing.token_rounding_plan(l, K, impl=i, **o))(logits)
+            for impl in fast_variants:
+                got = jax.jit(lambda l, o=opts, i=impl: build(i, l, K, **o))(logits)
                 diff = plan_diff(got, want)
                 row[f"{impl}_equal_{rounding}_{score}"] = diff["equal"]
                 if not diff["equal"]:
@@ -140,28 +181,29 @@ def token_rounding(log, out_dir, impls, tile, chunks):
         # Gradients to the logits (XLA may round each program's backward differently).
         weights = jnp.arange(capacity, dtype=jnp.float32) % 7 - 3.0
         grads = {}
-        for impl in impls:
+        for impl in variants:
             grads[impl] = np.asarray(jax.jit(jax.grad(
-                lambda l, i=impl: jnp.sum(pm.routing.token_rounding_plan(l, K, tile=tile, impl=i).scores * weights)
+                lambda l, i=impl: jnp.sum(build(i, l, K, tile=tile).scores * weights)
             ))(logits))
-        for impl in fast_impls:
+        for impl in fast_variants:
             scale = max(float(np.max(np.abs(grads["dense"]))), 1e-30)
             row[f"{impl}_grad_bitwise"] = bool(np.array_equal(grads[impl], grads["dense"]))
             row[f"{impl}_grad_max_err_over_max"] = float(np.max(np.abs(grads[impl] - grads["dense"]))) / scale
 
         # 2. Timings, same run: dense and fast, alone and with the tile schedule.
-        for impl in impls:
-            fn = jax.jit(lambda l, i=impl: pm.routing.token_rounding_plan(l, K, tile=tile, impl=i))
+        for impl in variants:
+            fn = jax.jit(lambda l, i=impl: build(i, l, K, tile=tile))
             fn_ts = jax.jit(lambda l, i=impl: tile_schedule(
-                pm.routing.token_rounding_plan(l, K, tile=tile, impl=i).group_sizes, capacity, 128))
+                build(i, l, K, tile=tile).group_sizes, capacity, 128))
+            fn_all = with_schedules(lambda l, i=impl: build(i, l, K, tile=tile))
             try:
                 row[f"{impl}_gpu_us"] = gpu_us(fn, logits)
                 row[f"{impl}_with_tiles_gpu_us"] = gpu_us(fn_ts, logits)
+                row[f"{impl}_with_schedules_gpu_us"] = gpu_us(fn_all, logits)
                 row[f"{impl}_wall_us"] = wall_us(fn, logits)
             except Exception as e:  # noqa: BLE001 - report and go on
                 log(f"  TR {T},{E},{K} {impl}: FAILED {type(e).__name__}: {str(e)[:400]}")
         # 3. Selection chunk sweep of the kernel path, and where its time goes.
-        kernel_impl = next((i for i in ("kernel", "interpret") if i in impls), None)
         if kernel_impl:
             # Jitted, like the plans it is compared with: an eager dense plan's scores can
             # differ in the last bit (op-by-op rounding vs XLA's fusions).
@@ -169,7 +211,7 @@ def token_rounding(log, out_dir, impls, tile, chunks):
                 lambda l: pm.routing.token_rounding_plan(l, K, tile=tile, impl="dense"))(logits)
             for chunk in chunks:
                 fn = jax.jit(lambda l, c=chunk: token_rounding_plan_fast(
-                    l, K, tile=tile, rounding="nearest", impl=kernel_impl, chunk=c))
+                    l, K, tile=tile, rounding="nearest", impl=kernel_impl, chunk=c)[0])
                 try:
                     row[f"{kernel_impl}_chunk{chunk}_equal"] = plan_diff(fn(logits), reference)["equal"]
                     row[f"{kernel_impl}_chunk{chunk}_gpu_us"] = gpu_us(fn, logits)
@@ -187,9 +229,10 @@ def token_rounding(log, out_dir, impls, tile, chunks):
             json.dump(results, f, indent=1)
 
     cols = ["T", "E", "K", "tile", "chunk"]
-    for impl in impls:
-        cols += [f"{impl}_gpu_us", f"{impl}_with_tiles_gpu_us", f"{impl}_wall_us"]
-    cols += [f"{impl}_grad_bitwise" for impl in fast_impls]
+    for impl in variants:
+        cols += [f"{impl}_gpu_us", f"{impl}_with_tiles_gpu_us", f"{impl}_with_schedules_gpu_us",
+                 f"{impl}_wall_us"]
+    cols += [f"{impl}_grad_bitwise" for impl in fast_variants]
     log("| " + " | ".join(cols) + " | all equal |")
     log("|" + "---|" * (len(cols) + 1))
     for r in results:
@@ -231,10 +274,13 @@ def main():
                 fn_ts = jax.jit(lambda l, impl=impl: tile_schedule(
                     pm.routing.topk_plan(l, K, score=score, renormalize=renorm, impl=impl).group_sizes,
                     T * K, 128))
+                fn_all = with_schedules(lambda l, impl=impl: pm.routing.topk_plan(
+                    l, K, score=score, renormalize=renorm, impl=impl))
                 try:
                     plans[impl] = fn(logits)
                     row[f"{impl}_gpu_us"] = gpu_us(fn, logits)
                     row[f"{impl}_with_tiles_gpu_us"] = gpu_us(fn_ts, logits)
+                    row[f"{impl}_with_schedules_gpu_us"] = gpu_us(fn_all, logits)
                     row[f"{impl}_wall_us"] = wall_us(fn, logits)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     log(f"  {T},{E},{K} {score} {impl}: FAILED {type(e).__name__}: {str(e)[:400]}")
@@ -256,7 +302,8 @@ def main():
 
     cols = ["T", "E", "K", "score"]
     for impl in impls:
-        cols += [f"{impl}_gpu_us", f"{impl}_with_tiles_gpu_us", f"{impl}_wall_us"]
+        cols += [f"{impl}_gpu_us", f"{impl}_with_tiles_gpu_us", f"{impl}_with_schedules_gpu_us",
+                 f"{impl}_wall_us"]
         if impl != "dense":
             cols += [f"{impl}_equal"]
     log("| " + " | ".join(cols) + " |")

@@ -137,6 +137,95 @@ def test_token_rounding_kernel_equals_reference(shape, rounding, score):
         assert bool(jnp.array_equal(getattr(got, field), getattr(ref, field))), field
 
 
+@pytest.mark.parametrize("shape", [(128, 2048, 127), (512, 2032, 127), (128, 16384, 127), (5, 7, 3)])
+def test_select_largest_kernel_matches_reference(shape):
+    """The token-rounding selection kernel on fresh keys (heavy ties, full-range keys,
+    non-candidates), poisoned output, against a numpy ranking; both tie rules."""
+    import numpy as np
+
+    from pallas_moe.routing import kernels
+
+    R, L, M = shape
+    rng = np.random.default_rng(R * L + M)
+    keys = rng.integers(-3, 3, size=(R, L)).astype(np.int32)
+    wide = rng.random(size=(R, L)) < 0.5
+    keys[wide] = rng.integers(-2**31, 2**31 - 1, size=int(wide.sum()), dtype=np.int64).astype(np.int32)
+    keys[rng.random(size=(R, L)) < 0.2] = -(2**31)
+    count = np.minimum(rng.integers(0, M + 1, size=R), min(L, M)).astype(np.int32)
+    high = rng.random(size=R) < 0.5
+    f = jax.jit(lambda k, c, h: kernels.select_largest(k, c, h, max_count=M))
+    _poison(R * M * 4 * 4)
+    got = np.asarray(f(jnp.asarray(keys), jnp.asarray(count), jnp.asarray(high)))
+    idx = np.arange(L)
+    for r in range(R):
+        order = np.lexsort((-idx if high[r] else idx, -keys[r].astype(np.int64)))[: count[r]]
+        want = np.concatenate([np.sort(order), np.full(M - count[r], L)])
+        assert np.array_equal(got[r], want), r
+    again = np.asarray(f(jnp.asarray(keys), jnp.asarray(count), jnp.asarray(high)))
+    assert np.array_equal(got, again)
+
+
+@pytest.mark.parametrize("shape", [(32768, 128, 8), (16384, 512, 10), (4096, 128, 8), (1000, 60, 4)])
+@pytest.mark.parametrize("rounding, score", [
+    ("nearest", "softmax_topk"), ("up", "sigmoid"), ("down", "topk_softmax"), ("stochastic", "softmax_topk"),
+    ("balance", "sigmoid"),
+])
+def test_selection_kernel_plan_equals_previous_fast_path_and_dense(shape, rounding, score):
+    """The kernel path with the selection kernel against the same path with the `lax.top_k`
+    selection and against dense: plans and jitted gradients to the logits bitwise."""
+    from pallas_moe.routing.token_rounding import token_rounding_plan_fast
+
+    T, E, K = shape
+    logits = jax.random.normal(jax.random.key(T + E + K + 7), (T, E)).at[:, : E // 4].add(1.0)  # skew
+    logits = logits.at[: T // 3].set(jnp.round(logits[: T // 3] * 2) / 2)  # ties
+    bias = jax.random.normal(jax.random.key(3), (E,)) * 0.1 if score == "sigmoid" else None
+    options = dict(tile=128, rounding=rounding, key=jax.random.key(4), score=score, bias=bias,
+                   renormalize=rounding in ("up", "balance"))
+    weights = jnp.arange(T * K + E * 128, dtype=jnp.float32) % 7 - 3.0
+    builds = {
+        "dense": lambda l: pm.routing.token_rounding_plan(l, K, impl="dense", **options),
+        "kernel": lambda l: pm.routing.token_rounding_plan(l, K, impl="kernel", **options),
+        "top_k": lambda l: token_rounding_plan_fast(l, K, impl="kernel", round_by_kernels=False, **options)[0],
+    }
+    results = {}
+    for name, build in builds.items():
+        grad_fn = jax.grad(lambda l, b=build: jnp.sum(b(l).scores * weights))
+        results[name] = (jax.jit(build)(logits), jax.jit(grad_fn)(logits))
+    want, want_grad = results["dense"]
+    for name in ("kernel", "top_k"):
+        got, got_grad = results[name]
+        for field in ("token_ids", "scores", "group_sizes", "rows_by_token", "token_row_offsets",
+                      "is_token_choice"):
+            assert bool(jnp.array_equal(getattr(got, field), getattr(want, field))), (name, field)
+        assert bool(jnp.array_equal(got_grad, want_grad)), (name, "gradient to the logits")
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "balance"])
+def test_module_routes_token_rounding_on_the_fast_path(rounding):
+    """`nn.functional.route` (what `pm.nn.MoE` calls) on the GPU: impl "auto" (the kernels)
+    against "dense": plans, counts and jitted gradients (scores and aux loss) bitwise."""
+    from pallas_moe.nn import functional as F
+
+    T, E, K = 24576, 128, 8
+    cfg = F.RouterConfig(num_experts=E, top_k=K, routing="token_rounding", tile=128, rounding=rounding)
+    logits = jax.random.normal(jax.random.key(11), (T, E)).at[:, :8].add(1.5)
+    weights = jnp.arange(cfg.capacity(T), dtype=jnp.float32) % 7 - 3.0
+
+    def loss(logits, impl):
+        plan, counts = F.route(logits, cfg, impl=impl)
+        aux = F.finish_aux(F.router_sums(logits, counts), cfg)
+        return jnp.sum(plan.scores * weights) + aux["loss"], (plan, counts)
+
+    run = jax.jit(jax.grad(loss, has_aux=True), static_argnames="impl")
+    want_grad, (want, want_counts) = run(logits, impl="dense")
+    got_grad, (got, got_counts) = run(logits, impl="auto")
+    for field in ("token_ids", "scores", "group_sizes", "rows_by_token", "token_row_offsets", "is_token_choice"):
+        assert bool(jnp.array_equal(getattr(got, field), getattr(want, field))), field
+    for name in ("counts", "tc_counts", "kept_tc_counts"):
+        assert bool(jnp.array_equal(got_counts[name], want_counts[name])), name
+    assert bool(jnp.array_equal(got_grad, want_grad)), "gradient to the logits"
+
+
 @pytest.mark.parametrize("shape", [(4096, 1536, 256, 32, 8), (2048, 4096, 512, 16, 4), (1000, 512, 256, 8, 2)])
 @pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])
 def test_backward_cp_async_matches_reference(shape, completion):

@@ -1,6 +1,7 @@
 """`pm.moe_ffn(backend="interpret")`: the kernels end to end, forward and gradients, vs `xla`."""
 
 import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -209,3 +210,71 @@ def test_expert_biases_and_clamped_swiglu_lower_for_cuda_at_production_blocks(sh
     with h100_target():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "moe_up_proj" in text and "moe_down_proj" in text and "moe_dh" in text
+def test_tile_metadata_is_computed_once_per_plan(monkeypatch):
+    """Forward and backward share the plan's tile metadata (`kernels.schedules`): tracing a
+    gradient derives each (kind, block size) once, and the backward reuses the forward's."""
+    from pallas_moe.kernels import _common, schedules
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+
+    calls = []
+    for module, name in ((_common, "tile_meta"), (_common, "aligned_tile_meta"), (schedules, "k_block_meta")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(
+            (_n, a[-1])) or _f(*a, **kw))
+    logits, x, w1, w2, cot = make_inputs(0, 40, 64, 64, 4)
+    plan = pm.routing.topk_plan(logits, 2)
+    forward, backward = ForwardConfig.for_shape(64, 64, num_sms=4), BackwardConfig.for_shape(64, 64, num_sms=4)
+    config = pm.kernels.KernelConfig(forward=forward, backward=backward)
+
+    def loss(x, w1, w2):
+        out = pm.moe_ffn(x, plan, w1, w2, backend="interpret", config=config)
+        return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
+
+    jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, w1, w2)  # traces both passes
+    want = {("tile_meta", forward.up.block_m), ("tile_meta", backward.dh.block_m),
+            ("aligned_tile_meta", forward.down.block_m), ("aligned_tile_meta", backward.dx.block_m),
+            ("k_block_meta", backward.dw_down.block_k)}
+    assert sorted(calls) == sorted(want), calls
+
+
+def test_precomputed_schedules_must_match_the_config():
+    from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
+    from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward
+    from pallas_moe.kernels.schedules import plan_schedules
+
+    logits, x, w1, w2, cot = make_inputs(0, 40, 64, 64, 4)
+    plan = pm.routing.topk_plan(logits, 2)
+    forward, backward = ForwardConfig.for_shape(64, 64, num_sms=4), BackwardConfig.for_shape(64, 64, num_sms=4)
+    other = lambda block: 64 if block == 128 else 128  # noqa: E731 - the other valid block
+    stale = plan_schedules(plan, dataclasses.replace(
+        forward, up=dataclasses.replace(forward.up, block_m=other(forward.up.block_m))), backward)
+    with pytest.raises(ValueError, match="schedules.up was computed for block_m="):
+        jax.eval_shape(lambda x: moe_forward(x, plan, w1, w2, interpret=True, config=forward,
+                                             schedules=stale), x)
+    h = jnp.zeros((plan.capacity, 128), jnp.bfloat16)
+    stale = plan_schedules(plan, forward, dataclasses.replace(
+        backward, dx=dataclasses.replace(backward.dx, block_m=other(backward.dx.block_m))))
+    with pytest.raises(ValueError, match="schedules.dx was computed for block_m="):
+        jax.eval_shape(lambda x: moe_backward(x, h, plan, w1, w2, cot, interpret=True, config=backward,
+                                              schedules=stale), x)
+
+
+def test_op_with_shared_schedules_lowers_for_cuda_7b():
+    """Routing, forward and backward of the 7B layer through `backend="mosaic"` (schedules
+    computed once in the forward, saved for the backward) lower for an H100."""
+    from tests.cuda_target import h100_target
+
+    T, d, n, E, K = 24576, 1536, 256, 128, 8
+
+    def step(logits, x, w1, w2):
+        def loss(logits, x, w1, w2):
+            plan = pm.routing.token_rounding_plan(logits, K, tile=128, impl="kernel")
+            return jnp.sum(pm.moe_ffn(x, plan, w1, w2, backend="mosaic").astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(logits, x, w1, w2)
+
+    args = (jax.ShapeDtypeStruct((T, E), jnp.float32), jax.ShapeDtypeStruct((T, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((E, d, 2 * n), jnp.bfloat16), jax.ShapeDtypeStruct((E, n, d), jnp.bfloat16))
+    with h100_target():
+        jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))

@@ -10,7 +10,8 @@ than T (the clamped upper option) and both selection levels (`chunk`).
 
 Most cases run eagerly: op-by-op programs are cached across shapes and options, where a
 jitted plan compiles afresh for every static option (seconds each on a CPU). Under `jit`
-(a few cases) the plans are bitwise equal and the gradients equal to float rounding.
+(a few cases, and the module's `nn.functional.route`) plans and gradients are bitwise
+equal too.
 """
 
 import functools
@@ -55,7 +56,7 @@ def plan_and_grad(logits, k, *, impl, chunk=None, **options):
         if chunk is None:
             plan = pm.routing.token_rounding_plan(logits, k, impl=impl, check_finite=False, **options)
         else:
-            plan = tr.token_rounding_plan_fast(logits, k, impl=impl, chunk=chunk, **options)
+            plan = tr.token_rounding_plan_fast(logits, k, impl=impl, chunk=chunk, **options)[0]
         return jnp.sum(plan.scores * weights), plan
 
     (_, plan), grad = jax.value_and_grad(f, has_aux=True)(logits)
@@ -107,27 +108,39 @@ def test_sort_impl_equals_dense(c):
     assert_same_plan(got, want, got_grad, want_grad)
 
 
+@settings(max_examples=6, deadline=None)
+@given(case())
+def test_kernel_impl_equals_dense(c):
+    """The Pallas selection kernel (`kernels.select_largest`, interpret mode) in the fast
+    path: every option, both selection levels, bitwise."""
+    logits, k, chunk, options = c
+    want, want_grad = plan_and_grad(logits, k, impl="dense", **options)
+    got, got_grad = plan_and_grad(logits, k, impl="interpret", chunk=chunk, **options)
+    assert_same_plan(got, want, got_grad, want_grad)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("impl", ["sort", "interpret"])
 @settings(max_examples=150, deadline=None)
-@given(case(SWEEP_GEOMETRIES))
-def test_sort_impl_equals_dense_sweep(c):
+@given(c=case(SWEEP_GEOMETRIES))
+def test_fast_impls_equal_dense_sweep(impl, c):
     """As `test_sort_impl_equals_dense`, over more geometries and examples (minutes)."""
     logits, k, chunk, options = c
     want, want_grad = plan_and_grad(logits, k, impl="dense", **options)
-    got, got_grad = plan_and_grad(logits, k, impl="sort", chunk=chunk, **options)
+    got, got_grad = plan_and_grad(logits, k, impl=impl, chunk=chunk, **options)
     assert_same_plan(got, want, got_grad, want_grad)
 
 
 @pytest.mark.parametrize("impl, rounding, score", [
     ("interpret", "balance", "topk_softmax"),  # the top-K step by the Pallas kernels
+    ("sort", "nearest", "softmax_topk"),  # the case whose fused backward rounded differently
     pytest.param("sort", "stochastic", "sigmoid", marks=pytest.mark.slow),
 ])
 def test_fast_equals_dense_under_jit(impl, rounding, score):
-    """Under jit the plans are bitwise equal; the gradients to within float rounding.
+    """Under jit the plans and the gradients to the logits are bitwise equal.
 
-    XLA rewrites each program's backward pass on its own (the sum of the two softmax
-    backward passes, top-K weights and added rows), so jitted gradients differ in the last
-    bit here and there, as the dense path's own jitted and eager gradients do.
+    Without `topk.cotangent_barrier`, XLA fused each program's cotangent producer into the
+    softmax backward and the gradients differed in the last bit (softmax_topk, nearest).
     """
     T, E, K, tile = 45, 12, 3, 8
     rng = np.random.default_rng(3)
@@ -138,10 +151,54 @@ def test_fast_equals_dense_under_jit(impl, rounding, score):
     run = jax.jit(functools.partial(plan_and_grad, k=K, **options), static_argnames="impl")
     want, want_grad = run(jnp.asarray(logits), impl="dense")
     got, got_grad = run(jnp.asarray(logits), impl=impl)
-    for field in FIELDS:
-        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
-    scale = float(jnp.max(jnp.abs(want_grad)))
-    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-6, atol=1e-6 * scale)
+    assert_same_plan(got, want, got_grad, want_grad)
+
+
+@pytest.mark.parametrize("impl, rounding, score, renormalize", [
+    ("sort", "nearest", "softmax_topk", False),
+    ("interpret", "up", "sigmoid", True),
+])
+def test_module_route_fast_equals_dense(impl, rounding, score, renormalize):
+    """`nn.functional.route` (what `pm.nn.MoE` calls): the fast path against the dense one
+    and against the dense assignment the module used before, under jit: plans, counts and
+    gradients to the logits (through the scores and the aux loss) bitwise."""
+    from pallas_moe.nn import functional as F
+
+    T, E, K, tile = 45, 12, 3, 8
+    cfg = F.RouterConfig(num_experts=E, top_k=K, routing="token_rounding", tile=tile,
+                         rounding=rounding, score=score, renormalize=renormalize,
+                         routed_scaling_factor=2.5)
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(T, E)).astype(np.float32)
+    logits[: T // 3] = np.round(logits[: T // 3] * 2) / 2  # ties
+    bias = jnp.asarray(rng.normal(size=(E,)).astype(np.float32) * 0.1) if score == "sigmoid" else None
+    weights = jnp.arange(cfg.capacity(T), dtype=jnp.float32) % 7 - 3.0
+
+    def assignment_route(logits):
+        """The module's routing before the fast path: a dense assignment, then the plan."""
+        selected, w, tc_selected = F.route_assignment(logits, cfg, bias=bias)
+        plan = pm.routing.plan_from_assignment(selected, w, selected & tc_selected, cfg.capacity(T))
+        return plan, F.assignment_counts(selected, tc_selected)
+
+    def loss(logits, route):
+        plan, counts = route(logits)
+        aux = F.finish_aux(F.router_sums(logits, counts), cfg)
+        return jnp.sum(plan.scores * weights) + aux["loss"], (plan, counts)
+
+    results = {
+        name: jax.jit(jax.grad(functools.partial(loss, route=route), has_aux=True))(jnp.asarray(logits))
+        for name, route in [
+            ("before", assignment_route),
+            ("dense", functools.partial(F.route, cfg=cfg, bias=bias, impl="dense")),
+            (impl, functools.partial(F.route, cfg=cfg, bias=bias, impl=impl)),
+        ]
+    }
+    want_grad, (want, want_counts) = results["dense"]
+    for name in ("before", impl):
+        got_grad, (got, got_counts) = results[name]
+        assert_same_plan(got, want, got_grad, want_grad)
+        for field in ("counts", "tc_counts", "kept_tc_counts"):
+            np.testing.assert_array_equal(got_counts[field], want_counts[field], err_msg=f"{name} {field}")
 
 
 def test_clamped_upper_option_and_single_expert():
@@ -153,8 +210,9 @@ def test_clamped_upper_option_and_single_expert():
         for case_logits, k, chunk in ((logits, 2, 3), (single, 1, None)):
             options = dict(tile=4, rounding=rounding)
             want, want_grad = plan_and_grad(jnp.asarray(case_logits), k, impl="dense", **options)
-            got, got_grad = plan_and_grad(jnp.asarray(case_logits), k, impl="sort", chunk=chunk, **options)
-            assert_same_plan(got, want, got_grad, want_grad)
+            for impl in ("sort", "interpret"):
+                got, got_grad = plan_and_grad(jnp.asarray(case_logits), k, impl=impl, chunk=chunk, **options)
+                assert_same_plan(got, want, got_grad, want_grad)
             if rounding == "up":
                 assert int(got.group_sizes[0]) == case_logits.shape[0]
 
@@ -169,10 +227,11 @@ def test_zero_probability_ties_go_by_token():
     for bias in (None, jnp.zeros(5)):
         options = dict(tile=4, rounding="up", score="sigmoid", bias=bias)
         want, want_grad = plan_and_grad(logits, 2, impl="dense", **options)
-        got, got_grad = plan_and_grad(logits, 2, impl="sort", chunk=3, **options)
-        assert_same_plan(got, want, got_grad, want_grad)
-        rows = np.asarray(got.token_ids)[np.asarray(got.expert_ids) == 2]
-        np.testing.assert_array_equal(rows, [0, 1, 2, 3])
+        for impl in ("sort", "interpret"):
+            got, got_grad = plan_and_grad(logits, 2, impl=impl, chunk=3, **options)
+            assert_same_plan(got, want, got_grad, want_grad)
+            rows = np.asarray(got.token_ids)[np.asarray(got.expert_ids) == 2]
+            np.testing.assert_array_equal(rows, [0, 1, 2, 3])
 
 
 @given(
@@ -192,6 +251,71 @@ def test_top_tokens_per_expert_matches_numpy(seed, shape, chunk):
     for e in range(E):
         ranked = sorted(range(T), key=lambda t: (-int(keys[t, e]), t))[: count[e]]
         np.testing.assert_array_equal(got[e], ranked + [T] * (max_count - count[e]))
+
+
+@given(st.integers(0, 2**16), st.sampled_from([(1, 1), (3, 7), (4, 40), (2, 300)]),
+       st.sampled_from([1, 5, 16]))
+@settings(max_examples=12, deadline=None)
+def test_select_largest_matches_numpy(seed, shape, max_count):
+    """The selection kernel (interpret mode): each row's `count` largest keys as ascending
+    indices, then L; ties at the threshold to the lower index, or the higher one where
+    `prefer_high`; full-range keys, heavy ties and INT32_MIN (non-candidates) included."""
+    from pallas_moe.routing import kernels
+
+    R, L = shape
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(-3, 3, size=(R, L)).astype(np.int32)  # many ties
+    wide = rng.random(size=(R, L)) < 0.5
+    keys[wide] = rng.integers(-2**31, 2**31 - 1, size=int(wide.sum()), dtype=np.int64).astype(np.int32)
+    keys[rng.random(size=(R, L)) < 0.2] = tr._INT32_MIN
+    count = np.minimum(rng.integers(0, max_count + 1, size=R), min(L, max_count)).astype(np.int32)
+    high = rng.random(size=R) < 0.5
+    got = np.asarray(kernels.select_largest(
+        jnp.asarray(keys), jnp.asarray(count), jnp.asarray(high), max_count=max_count, interpret=True))
+    for r in range(R):
+        ranked = sorted(range(L), key=lambda i: (-int(keys[r, i]), -i if high[r] else i))[: count[r]]
+        np.testing.assert_array_equal(got[r], sorted(ranked) + [L] * (max_count - count[r]))
+
+
+@given(
+    st.integers(0, 2**16), st.sampled_from([(1, 1), (9, 3), (40, 5)]), st.sampled_from([1, 4, 7]),
+)
+@settings(max_examples=10, deadline=None)
+def test_tokens_per_expert_by_kernel_matches_numpy(seed, shape, chunk):
+    """Both kernel levels: each expert's `count` largest keys, ascending tokens, then T."""
+    T, E = shape
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(-3, 3, size=(T, E)).astype(np.int32)  # many ties
+    keys[rng.random(size=(T, E)) < 0.3] = tr._INT32_MIN  # not a candidate
+    max_count = min(T, 6)
+    candidates = (keys > tr._INT32_MIN).sum(0)
+    count = np.minimum(rng.integers(0, max_count + 1, size=E), candidates).astype(np.int32)
+    high = rng.random(size=E) < 0.5
+    got = np.asarray(tr.tokens_per_expert_by_kernel(
+        jnp.asarray(keys), jnp.asarray(count), jnp.asarray(high), max_count, chunk, interpret=True))
+    for e in range(E):
+        ranked = sorted(range(T), key=lambda t: (-int(keys[t, e]), -t if high[e] else t))[: count[e]]
+        np.testing.assert_array_equal(got[e], sorted(ranked) + [T] * (max_count - count[e]))
+
+
+@pytest.mark.parametrize("shape", [(128, 2048, 127), (512, 2032, 127), (128, 16384, 127), (3, 5, 2)])
+def test_select_largest_lowers_for_cuda(shape):
+    """The selection kernel at production list lengths lowers for an H100."""
+    from pallas_moe.routing import kernels
+
+    R, L, M = shape
+    f = jax.jit(lambda k, c, h: kernels.select_largest(k, c, h, max_count=M))
+    with h100_target():
+        f.trace(jax.ShapeDtypeStruct((R, L), jnp.int32), jax.ShapeDtypeStruct((R,), jnp.int32),
+                jax.ShapeDtypeStruct((R,), jnp.bool_)).lower(lowering_platforms=("cuda",))
+
+
+def test_select_largest_errors():
+    from pallas_moe.routing import kernels
+
+    with pytest.raises(ValueError, match="at most 16384 keys"):
+        kernels.select_largest(jnp.zeros((1, 16385), jnp.int32), jnp.zeros((1,), jnp.int32),
+                               jnp.zeros((1,), bool), max_count=3)
 
 
 def test_selection_chunk():
@@ -215,3 +339,44 @@ def test_fast_token_rounding_lowers_for_cuda(shape):
     f = jax.jit(lambda l: pm.routing.token_rounding_plan(l, K, tile=128, impl="kernel"))
     with h100_target():
         f.trace(jax.ShapeDtypeStruct((T, E), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+@given(st.integers(0, 2**16), st.sampled_from([1, 5, 64, 300]))
+@settings(max_examples=10, deadline=None)
+def test_count_below_in_segment_matches_searchsorted(seed, max_length):
+    """The branchless search: entries < value in each query's ascending segment."""
+    rng = np.random.default_rng(seed)
+    values = np.sort(rng.integers(-4, 4, size=2 * max_length)).astype(np.int32)  # many ties
+    start = rng.integers(0, max_length + 1, size=17).astype(np.int32)
+    length = rng.integers(0, max_length + 1, size=17).astype(np.int32)
+    value = rng.integers(-6, 6, size=17).astype(np.int32)
+    got = tr._count_below_in_segment(jnp.asarray(values), jnp.asarray(start), jnp.asarray(length),
+                                     jnp.asarray(value), max_length)
+    want = [np.searchsorted(values[s:s + n], v) for s, n, v in zip(start, length, value)]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fast_path_compiles_in_seconds_on_cpu():
+    """The 16-step searches of T=32768 compile in well under a minute on XLA:CPU (the
+    (low, high) formulation took 65-75 s for one search alone: `_count_below_by_search`)."""
+    import time
+
+    search = jax.jit(lambda values, start, length, value: tr._count_below_in_segment(
+        values, start, length, value, 32768))
+    args = (jax.ShapeDtypeStruct((32768 * 8,), jnp.int32),) + (jax.ShapeDtypeStruct((128, 127), jnp.int32),) * 3
+    begin = time.perf_counter()
+    search.lower(*args).compile()
+    assert time.perf_counter() - begin < 20.0
+
+
+def test_forward_mode_through_the_routers():
+    """`cotangent_barrier` is a custom JVP: forward mode still differentiates the routers,
+    and each implementation gives the reference's tangent."""
+    logits = jax.random.normal(jax.random.key(0), (16, 8))
+    tangent = jax.random.normal(jax.random.key(1), (16, 8))
+    tangents = {}
+    for impl in ("dense", "sort"):
+        f = lambda l, i=impl: jnp.sum(
+            pm.routing.token_rounding_plan(l, 2, tile=4, impl=i).scores * jnp.arange(16 * 2 + 8 * 4))
+        tangents[impl] = jax.jvp(f, (logits,), (tangent,))[1]
+    np.testing.assert_allclose(tangents["sort"], tangents["dense"], rtol=1e-6)

@@ -27,6 +27,7 @@ from pallas_moe.kernels.dh import DHConfig, dh_kernel
 from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_forward import ForwardConfig, aggregate_width
+from pallas_moe.kernels.schedules import PlanSchedules, require_block
 from pallas_moe.kernels.weight_grad import WeightGradConfig, k_block_meta, weight_grad
 from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.ops.minimal_backward import expert_bias_gradients
@@ -121,6 +122,16 @@ def _dx_config(d: int, num_sms: int | None) -> GroupedMatmulConfig:
     )
 
 
+def backward_config(
+    config: BackwardConfig | None, d: int, n: int, interpret
+) -> BackwardConfig:
+    """`config`, or the `for_shape(d, n)` defaults (4 persistent CTAs in interpret mode,
+    where every simulated CTA costs time)."""
+    return config if config is not None else BackwardConfig.for_shape(
+        d, n, num_sms=4 if interpret else None
+    )
+
+
 def moe_backward(
     x: jax.Array,
     h: jax.Array,
@@ -133,6 +144,7 @@ def moe_backward(
     config: BackwardConfig | None = None,
     activation: SwiGLU = SwiGLU(),
     b_down: jax.Array | None = None,
+    schedules: PlanSchedules | None = None,
 ) -> tuple[jax.Array, ...]:
     """Gradients of the MoE layer from its minimal residuals, through the kernels.
 
@@ -150,6 +162,8 @@ def moe_backward(
       activation: the forward's `SwiGLU` spec.
       b_down: [E, d] down-projection bias for a layer with expert biases (zeros if it has
         only `b_gate_up`), or None for a layer without biases.
+      schedules: the plan's tile metadata (`schedules.plan_schedules` with this config),
+        computed in the forward and saved; None computes this pass's here.
 
     Returns:
       (dx [T, d] x.dtype, d_scores f32[P] (0 on padding rows), dw_gate_up [E, d, 2n] in
@@ -176,8 +190,7 @@ def moe_backward(
     _common.require_shape("h", h, (plan.capacity, two_n))
     if b_down is not None:
         _common.require_shape("b_down", b_down, (num_experts, d))
-    if config is None:
-        config = BackwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
+    config = backward_config(config, d, n, interpret)
     k_blocks = {config.dw_down.block_k, config.dw_gate_up.block_k}
     if len(k_blocks) != 1:
         raise ValueError(
@@ -191,10 +204,17 @@ def moe_backward(
     capacity = plan.capacity
     grad_out = grad_out.astype(x.dtype)
 
-    # Metadata, once per plan and block size.
-    dh_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.dh.block_m)
-    k_meta = k_block_meta(plan.group_sizes, plan.token_ids, block_k)
-    dx_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.dx.block_m)
+    # Metadata, once per plan and block size: from the op (`plan_schedules`, computed in the
+    # forward and saved), or computed here for a standalone call.
+    if schedules is None:
+        dh_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.dh.block_m)
+        k_meta = k_block_meta(plan.group_sizes, plan.token_ids, block_k)
+        dx_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.dx.block_m)
+    else:
+        require_block("dh", schedules.dh, config.dh.block_m)
+        require_block("weight_grad", schedules.weight_grad, block_k, field="block_k")
+        require_block("dx", schedules.dx, config.dx.block_m)
+        dh_meta, k_meta, dx_meta = schedules.dh, schedules.weight_grad, schedules.dx
 
     dh, a_scaled, d_scores = dh_kernel(
         grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w_down,

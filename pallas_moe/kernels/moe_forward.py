@@ -25,6 +25,7 @@ from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
 from pallas_moe.kernels.decode import DecodeConfig, moe_decode
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
+from pallas_moe.kernels.schedules import PlanSchedules, require_block
 from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
 from pallas_moe.ops.activation import SwiGLU
 
@@ -125,6 +126,16 @@ def aggregate_width(d: int) -> int:
     return d if d % 128 == 0 else -(-d // 1024) * 1024
 
 
+def forward_config(
+    config: ForwardConfig | None, d: int, n: int, interpret
+) -> ForwardConfig:
+    """`config`, or the `for_shape(d, n)` defaults (4 persistent CTAs in interpret mode,
+    where every simulated CTA costs time)."""
+    return config if config is not None else ForwardConfig.for_shape(
+        d, n, num_sms=4 if interpret else None
+    )
+
+
 def moe_forward(
     x: jax.Array,
     plan,
@@ -139,6 +150,7 @@ def moe_forward(
     b_gate_up: jax.Array | None = None,
     b_down: jax.Array | None = None,
     activation: SwiGLU = SwiGLU(),
+    schedules: PlanSchedules | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """MoE layer forward through the Mosaic GPU kernels.
 
@@ -159,6 +171,8 @@ def moe_forward(
       b_gate_up: optional bf16 [E, 2n] expert bias of the up-projection (in H).
       b_down: optional bf16 [E, d] expert bias of the down-projection.
       activation: the `SwiGLU` spec (default `silu(gate) * up`).
+      schedules: the plan's tile metadata (`schedules.plan_schedules` with this config),
+        computed once for the forward and backward; None computes this pass's here.
 
     Returns:
       (out bf16 [T, d], h bf16 [P, 2n] or None). Padding rows of h are unspecified.
@@ -178,8 +192,7 @@ def moe_forward(
         raise ValueError(f"plan covers {plan.num_tokens} tokens but x has {num_tokens}.")
     if plan.num_experts != num_experts:
         raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
-    if config is None:
-        config = ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
+    config = forward_config(config, d, n, interpret)
     if config.decode is not None:
         if b_gate_up is not None or b_down is not None:
             raise ValueError(
@@ -197,9 +210,15 @@ def moe_forward(
         )
     capacity = plan.capacity
 
-    # Tile metadata, once per plan and block size.
-    up_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.up.block_m)
-    down_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
+    # Tile metadata, once per plan and block size: from the op (`plan_schedules`, shared
+    # with the backward), or computed here for a standalone call.
+    if schedules is None:
+        up_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.up.block_m)
+        down_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
+    else:
+        require_block("up", schedules.up, config.up.block_m)
+        require_block("down", schedules.down, config.down.block_m)
+        up_meta, down_meta = schedules.up, schedules.down
 
     h, a = up_proj(
         x, plan.token_ids, plan.group_sizes, w_gate_up,

@@ -19,8 +19,10 @@ from pallas_moe import _checks
 from pallas_moe.numerics import round_bf16
 from pallas_moe.ops.xla import swiglu
 from pallas_moe.routing.aux import stats_from_counts
-from pallas_moe.routing.plan import DispatchPlan, plan_from_assignment
-from pallas_moe.routing.token_rounding import ROUNDING_MODES, token_rounding_assignment
+from pallas_moe.routing.plan import DispatchPlan
+from pallas_moe.routing.token_rounding import (
+    ROUNDING_MODES, token_rounding_assignment, token_rounding_plan_and_counts,
+)
 from pallas_moe.routing.topk import (
     SCORE_ORDERS, check_groups, check_router_inputs, topk_assignment, topk_plan,
 )
@@ -165,11 +167,14 @@ def route(
     bias: jax.Array | None = None,
     key: jax.Array | None = None,
     check_finite: bool | None = None,
+    impl: str = "auto",
 ) -> tuple[DispatchPlan, dict[str, jax.Array]]:
     """Routes logits [T, E] to a `DispatchPlan` (single device / one routing group).
 
-    Same plans as `pm.routing.topk_plan` / `token_rounding_plan`; top-K uses their fast
-    path (the routing kernel on GPU), which never builds a dense [T, E] assignment.
+    The plans of `pm.routing.topk_plan` / `token_rounding_plan`, built by their fast path
+    where `impl="auto"` picks it (the routing kernel on GPU), which never builds a dense
+    [T, E] assignment; `impl` ("auto", "kernel", "interpret", "sort", "dense") is theirs.
+    Every impl gives the same plan, counts and gradients to the logits, bitwise.
 
     Returns:
       (plan, counts): counts holds i32[E] "counts" (rows per expert in the plan),
@@ -180,16 +185,22 @@ def route(
         plan = topk_plan(
             logits, cfg.top_k, score=cfg.score, renormalize=cfg.renormalize, bias=bias,
             num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, check_finite=check_finite,
+            impl=impl,
         )
         plan = plan.with_scores(cfg.scale_weights(plan.scores))
         counts = plan.group_sizes
         return plan, {"counts": counts, "tc_counts": counts, "kept_tc_counts": counts}
-    selected, weights, tc_selected = route_assignment(
-        logits, cfg, bias=bias, key=key, check_finite=check_finite
+    plan, tc_counts = token_rounding_plan_and_counts(
+        logits, cfg.top_k, tile=cfg.tile, rounding=cfg.rounding, key=key, score=cfg.score,
+        renormalize=cfg.renormalize, bias=bias, check_finite=check_finite, impl=impl,
     )
-    capacity = cfg.capacity(logits.shape[0])
-    plan = plan_from_assignment(selected, weights, selected & tc_selected, capacity=capacity)
-    return plan, assignment_counts(selected, tc_selected)
+    plan = plan.with_scores(cfg.scale_weights(plan.scores))
+    counts = plan.group_sizes
+    # An expert either adds rows (keeping all its top-K rows) or drops some: it keeps
+    # min(count, tc_count) of them.
+    return plan, {
+        "counts": counts, "tc_counts": tc_counts, "kept_tc_counts": jnp.minimum(counts, tc_counts),
+    }
 
 
 def assignment_counts(selected: jax.Array, tc_selected: jax.Array) -> dict[str, jax.Array]:

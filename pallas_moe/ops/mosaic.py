@@ -1,8 +1,8 @@
 """`moe_ffn` over the Pallas kernels, as a `jax.custom_vjp` with minimal residuals.
 
-The forward saves only `X`, `H [P, 2n]` and the plan (the weights and the optional expert
-biases are inputs); `Y` and the gathered `X` are never residuals. H is the biased
-pre-activation, so the backward recomputes A from it. The backward follows `docs/math.md`
+The forward saves only `X`, `H [P, 2n]`, the plan and (for the kernels) the plan's tile
+metadata (the weights and the optional expert biases are inputs); `Y` and the gathered `X`
+are never residuals. H is the biased pre-activation, so the backward recomputes A from it. The backward follows `docs/math.md`
 (minimal-activation backward) without `Y`.
 """
 
@@ -38,7 +38,11 @@ def plan_cotangent(plan: DispatchPlan, d_scores: jax.Array) -> DispatchPlan:
 
 
 def minimal_residual_moe_ffn(
-    forward: Forward, backward: Backward = moe_ffn_backward, *, aggregation: str = "fp32"
+    forward: Forward,
+    backward: Backward = moe_ffn_backward,
+    *,
+    aggregation: str = "fp32",
+    schedules: Callable[[DispatchPlan, jax.Array], object] | None = None,
 ):
     """Wraps a forward that returns `(out, h)` into a differentiable `moe_ffn`.
 
@@ -50,32 +54,42 @@ def minimal_residual_moe_ffn(
       aggregation: the forward's aggregation mode (`pallas_moe.numerics`). The backward
         multiplies by the scores the forward multiplied by (bf16-rounded for
         "bf16_scores"), and the score gradient passes straight through that rounding.
+      schedules: `(plan, w_gate_up) -> metadata` (the kernels' `plan_schedules`), computed
+        once per call and passed to both passes as `schedules=`; the backward gets the
+        forward's, saved as a residual (small integer arrays), so no pass derives tile
+        metadata itself. None: the passes take no schedules.
 
     Returns:
       `f(x, plan, w_gate_up, w_down, b_gate_up=None, b_down=None) -> out`, a
-      `jax.custom_vjp` whose only new residual is `h` (differentiable in the biases given).
+      `jax.custom_vjp` whose only new residuals are `h` and the schedules (differentiable
+      in the biases given).
     """
 
-    def run_forward(x, plan, w_gate_up, w_down, biases):
+    def with_schedules(plan, w_gate_up):
+        return {} if schedules is None else {"schedules": schedules(plan, w_gate_up)}
+
+    def run_forward(x, plan, w_gate_up, w_down, biases, shared):
         b_gate_up, b_down = biases
         if b_gate_up is None and b_down is None:
-            return forward(x, plan, w_gate_up, w_down)
-        return forward(x, plan, w_gate_up, w_down, b_gate_up=b_gate_up, b_down=b_down)
+            return forward(x, plan, w_gate_up, w_down, **shared)
+        return forward(x, plan, w_gate_up, w_down, b_gate_up=b_gate_up, b_down=b_down, **shared)
 
     @jax.custom_vjp
     def moe_with_biases(x, plan, w_gate_up, w_down, biases):
-        return run_forward(x, plan, w_gate_up, w_down, biases)[0]
+        shared = with_schedules(plan, w_gate_up)
+        return run_forward(x, plan, w_gate_up, w_down, biases, shared)[0]
 
     def moe_fwd(x, plan, w_gate_up, w_down, biases):
-        out, h = run_forward(x, plan, w_gate_up, w_down, biases)
-        return out, (x, h, plan, w_gate_up, w_down, biases)
+        shared = with_schedules(plan, w_gate_up)
+        out, h = run_forward(x, plan, w_gate_up, w_down, biases, shared)
+        return out, (x, h, plan, w_gate_up, w_down, biases, shared)
 
     def moe_bwd(residuals, grad_out):
-        x, h, plan, w_gate_up, w_down, (b_gate_up, b_down) = residuals
+        x, h, plan, w_gate_up, w_down, (b_gate_up, b_down), shared = residuals
         plan_multiplied = plan.with_scores(multiplied_scores(plan.scores, aggregation))
         if b_gate_up is None and b_down is None:
             dx, d_scores, dw_gate_up, dw_down = backward(
-                x, h, plan_multiplied, w_gate_up, w_down, grad_out
+                x, h, plan_multiplied, w_gate_up, w_down, grad_out, **shared
             )
             d_biases = (None, None)
         else:
@@ -84,7 +98,8 @@ def minimal_residual_moe_ffn(
             num_experts, _, d = w_down.shape
             b_down_or_zeros = b_down if b_down is not None else jnp.zeros((num_experts, d), x.dtype)
             dx, d_scores, dw_gate_up, dw_down, db_gate_up, db_down = backward(
-                x, h, plan_multiplied, w_gate_up, w_down, grad_out, b_down=b_down_or_zeros
+                x, h, plan_multiplied, w_gate_up, w_down, grad_out, b_down=b_down_or_zeros,
+                **shared,
             )
             d_biases = (
                 None if b_gate_up is None else db_gate_up.astype(b_gate_up.dtype),
@@ -103,19 +118,32 @@ def minimal_residual_moe_ffn(
 @functools.cache
 def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics, activation: SwiGLU):
     # Pallas is imported only when a kernel backend is used.
-    from pallas_moe.kernels.moe_backward import moe_backward
-    from pallas_moe.kernels.moe_forward import moe_forward
+    from pallas_moe.kernels.moe_backward import backward_config, moe_backward
+    from pallas_moe.kernels.moe_forward import forward_config, moe_forward
+    from pallas_moe.kernels.schedules import plan_schedules
+
+    def configs(w_gate_up):
+        """The (forward, backward) configs both passes and their schedules use."""
+        _, d, two_n = w_gate_up.shape
+        return (forward_config(config.forward, d, two_n // 2, interpret),
+                backward_config(config.backward, d, two_n // 2, interpret))
+
+    def forward(x, plan, w_gate_up, w_down, *, schedules, **biases):
+        return moe_forward(
+            x, plan, w_gate_up, w_down, interpret=interpret, config=configs(w_gate_up)[0],
+            aggregation=numerics.aggregation, fuse_swiglu=numerics.fuse_swiglu,
+            activation=activation, schedules=schedules, **biases,
+        )
+
+    def backward(x, h, plan, w_gate_up, w_down, grad_out, *, schedules, **b_down):
+        return moe_backward(
+            x, h, plan, w_gate_up, w_down, grad_out, interpret=interpret,
+            config=configs(w_gate_up)[1], activation=activation, schedules=schedules, **b_down,
+        )
 
     return minimal_residual_moe_ffn(
-        functools.partial(
-            moe_forward, interpret=interpret, config=config.forward,
-            aggregation=numerics.aggregation, fuse_swiglu=numerics.fuse_swiglu,
-            activation=activation,
-        ),
-        functools.partial(
-            moe_backward, interpret=interpret, config=config.backward, activation=activation
-        ),
-        aggregation=numerics.aggregation,
+        forward, backward, aggregation=numerics.aggregation,
+        schedules=lambda plan, w_gate_up: plan_schedules(plan, *configs(w_gate_up)),
     )
 
 

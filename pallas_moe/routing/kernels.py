@@ -1,5 +1,5 @@
 """Routing kernels (Pallas, Triton backend): top-K selection, per-block expert histograms
-and local ranks in one pass over the selection scores.
+and local ranks in one pass over the selection scores; token rounding's per-expert selection.
 
 The scores are computed by the same jnp expressions as the reference router (so the
 kernel compares bit-identical values) and ranked in the total order `jax.lax.top_k` uses
@@ -12,6 +12,12 @@ the rank of each (token, expert) pair among the pairs of the same expert in the 
 block (how many earlier tokens of the block chose that expert), and each block's expert
 histogram. A prefix sum over the blocks then places every pair in the grouped order
 (`plan_kernels.topk_plan_from_scores`).
+
+`select_largest(keys, count, prefer_high)` is token rounding's per-expert selection: per
+row (an expert's list of keys), the indices of its `count` largest keys in ascending order,
+by a bitwise radix select over the row held in registers (`token_rounding.py` runs it on the
+chunk maxima, then on the best chunks' tokens). `place_rounded` then places the kept top-K
+pairs and the added pairs of the token-rounding plan at their rows and CSR slots.
 
 Interpret mode (`interpret=True`) runs the same kernel body on the CPU.
 """
@@ -210,3 +216,339 @@ def _place_bwd(block_t, interpret, num_warps, rows, cotangents):
 
 
 _place.defvjp(_place_fwd, _place_bwd)
+
+
+# ------------------------------------------------------------------ token-rounding selection
+
+MAX_SELECT_LENGTH = 16384  # keys per list held in one program's registers (64 per thread)
+
+
+def _select_kernel(
+    keys_ref, count_ref, prefer_high_ref, out_ref, *,
+    length: int, l_pad: int, max_count: int, m_pad: int, num_lists: int,
+):
+    """One list: the `count` largest keys, emitted as ascending list indices.
+
+    A bitwise radix select (most significant bit first, 32 block reductions of the keys
+    held in registers) finds the threshold: the count-th largest key `v`, and how many of
+    the keys equal to `v` to take (`need`). Every key above `v` is taken and, of those equal
+    to `v`, the `need` lowest indices (or, with `prefer_high`, the highest). A cumulative
+    sum then gives each taken index its slot. One bit per pass keeps the working set to
+    the [L] keys (a radix-16 pass would count a [L, 16] one-hot).
+    """
+    r = pl.program_id(0)
+    idx = jnp.arange(l_pad, dtype=jnp.int32)  # [Lp]
+    valid = idx < length
+    key = plt.load(keys_ref.at[r, pl.ds(0, l_pad)], mask=valid, other=_INT32_MIN)  # i32[Lp]
+    count = count_ref[r]
+    prefer_high = prefer_high_ref[r]
+    # Unsigned order of the signed keys: flip the sign bit (INT32_MIN -> 0). Padding lanes
+    # count as 0 and are never taken (`valid` below); `count <= length` keeps the search
+    # inside the real keys.
+    ukey = key ^ jnp.int32(_INT32_MIN)
+    prefix = jnp.int32(0)  # the threshold's bits found so far, in the unsigned order
+    need = count  # keys still to take among those matching `prefix`
+    for bit in range(31, -1, -1):
+        high_bits = _as_int32((0xFFFFFFFF << (bit + 1)) & 0xFFFFFFFF)  # bits above `bit`
+        match = (ukey & jnp.int32(high_bits)) == prefix  # [Lp]
+        with_bit = jnp.sum((match & ((ukey & jnp.int32(_as_int32(1 << bit))) != 0)).astype(jnp.int32))
+        take_bit = need <= with_bit  # the count-th largest has this bit set
+        prefix = jnp.where(take_bit, prefix | jnp.int32(_as_int32(1 << bit)), prefix)
+        need = jnp.where(take_bit, need, need - with_bit)
+    threshold = prefix ^ jnp.int32(_INT32_MIN)  # back to a signed key
+    equal = valid & (key == threshold)
+    equal_i = equal.astype(jnp.int32)
+    num_equal = jnp.sum(equal_i)
+    skip = jnp.where(prefer_high != 0, num_equal - need, 0)  # equal keys passed over first
+    tie_rank = jnp.cumsum(equal_i) - equal_i  # [Lp] rank among the equal keys, by index
+    taken = valid & (count > 0) & (
+        (key > threshold) | (equal & (tie_rank >= skip) & (tie_rank < skip + need))
+    )
+    taken_i = taken.astype(jnp.int32)
+    slot = jnp.cumsum(taken_i) - taken_i  # [Lp]
+    # Masked lanes point one past the end (see `_topk_block_kernel`).
+    end = num_lists * max_count
+    plt.store(out_ref.at[jnp.where(taken, r * max_count + slot, end)], idx, mask=taken)
+    # Slots past `count` hold `length` (no index); disjoint from the slots written above.
+    j = jnp.arange(m_pad, dtype=jnp.int32)
+    empty = (j >= count) & (j < max_count)
+    plt.store(out_ref.at[jnp.where(empty, r * max_count + j, end)],
+              jnp.full((m_pad,), length, jnp.int32), mask=empty)
+
+
+def _as_int32(v: int) -> int:
+    """The int32 with the bits of `v` (an unsigned 32-bit value)."""
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def select_warps(length: int) -> int:
+    """Warps per selection program: about 8 keys per thread, 1 to 8 warps (untuned)."""
+    return max(1, min(8, next_pow2(length) // 256))
+
+
+@functools.partial(jax.jit, static_argnames=("max_count", "interpret", "num_warps"))
+def select_largest(
+    keys: jax.Array, count: jax.Array, prefer_high: jax.Array, *, max_count: int,
+    interpret: bool = False, num_warps: int | None = None,
+) -> jax.Array:
+    """Per list (row), the indices of its `count` largest keys, ascending.
+
+    Ties at the threshold go to the lower index, or to the higher one where `prefer_high`.
+    One program per row: the row is held in registers, so `L <= MAX_SELECT_LENGTH`.
+
+    Args:
+      keys: i32[R, L] keys (signed order).
+      count: i32[R] keys to take per row, each in [0, min(L, max_count)].
+      prefer_high: bool[R] tie rule per row.
+      max_count: static output width M.
+      interpret: run the kernel in Pallas interpret mode (CPU).
+      num_warps: warps per program (default `select_warps(L)`).
+
+    Returns:
+      i32[R, M]: each row's taken indices in ascending order, then `L`.
+    """
+    num_lists, length = keys.shape
+    if length > MAX_SELECT_LENGTH:
+        raise ValueError(
+            f"keys rows must hold at most {MAX_SELECT_LENGTH} keys (one program's registers), "
+            f"got {length}."
+        )
+    if max_count == 0:
+        return jnp.zeros((num_lists, 0), jnp.int32)
+    kernel = functools.partial(
+        _select_kernel, length=length, l_pad=next_pow2(length), max_count=max_count,
+        m_pad=next_pow2(max_count), num_lists=num_lists,
+    )
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_lists * max_count,), jnp.int32),
+        grid=(num_lists,),
+        compiler_params=_params(num_warps or select_warps(length)),
+        interpret=interpret,
+        name="moe_select_largest",
+    )(keys.astype(jnp.int32), count.astype(jnp.int32), prefer_high.astype(jnp.int32))
+    return out.reshape(num_lists, max_count)
+
+
+# ------------------------------------------------------------------ token-rounding placement
+
+
+def _count_below_in_lists(list_ref, list_id, value, ok, *, length: int):
+    """i32[...]: entries < value in list `list_id` of a flat ref of ascending lists of
+    `length` (a branchless binary search, as `token_rounding._count_below_by_search`)."""
+    count = jnp.zeros(value.shape, jnp.int32)
+    step = 1 << (length.bit_length() - 1)
+    while step:
+        probe = count + step
+        at = jnp.where(ok, list_id * length + jnp.minimum(probe, length) - 1, 0)
+        below = plt.load(list_ref.at[at], mask=ok, other=0) < value
+        count = jnp.where((probe <= length) & below, probe, count)
+        step //= 2
+    return count
+
+
+def _place_kept_kernel(
+    experts_ref, rows_ref, weights_ref, dropped_ref, added_ref, tc_start_ref, new_start_ref,
+    offsets_ref, added_below_ref, _token_ids_in, _scores_in, _is_tc_in, _by_token_in,
+    token_ids_ref, scores_ref, is_tc_ref, by_token_ref, tc_row_ref, *,
+    k: int, k_pad: int, num_tokens: int, block_t: int, max_change: int, capacity: int,
+):
+    """A block of tokens: each top-K pair's row after the drops and adds of its expert,
+    the scatter of its token, weight and flag there, and its slot in the token's CSR list."""
+    tok = pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32)  # [bt]
+    kcol = jnp.arange(k_pad, dtype=jnp.int32)
+    ok = (tok < num_tokens)[:, None] & (kcol < k)[None, :]  # [bt, kp]
+    # Masked lanes point one past the end (see `_topk_block_kernel`).
+    pair = jnp.where(ok, tok[:, None] * k + kcol[None, :], num_tokens * k)
+    expert = plt.load(experts_ref.at[pair], mask=ok, other=0)
+    token = jnp.broadcast_to(tok[:, None], pair.shape)
+    if max_change:
+        dropped_before = _count_below_in_lists(dropped_ref, expert, token, ok, length=max_change)
+        at = jnp.where(ok, expert * max_change + jnp.minimum(dropped_before, max_change - 1), 0)
+        kept = ok & (plt.load(dropped_ref.at[at], mask=ok, other=0) != token)
+        added_before = _count_below_in_lists(added_ref, expert, token, ok, length=max_change)
+    else:
+        dropped_before = added_before = jnp.zeros(pair.shape, jnp.int32)
+        kept = ok
+    tc_row = (
+        plt.load(new_start_ref.at[expert], mask=ok, other=0)
+        + plt.load(rows_ref.at[pair], mask=ok, other=0)
+        - plt.load(tc_start_ref.at[expert], mask=ok, other=0)
+        - dropped_before + added_before
+    )
+    kept_i = kept.astype(jnp.int32)
+    slot = (
+        plt.load(offsets_ref.at[jnp.where(tok < num_tokens, tok, 0)], mask=tok < num_tokens, other=0)[:, None]
+        + jnp.cumsum(kept_i, axis=1) - kept_i
+        + plt.load(added_below_ref.at[pair], mask=ok, other=0)
+    )  # [bt, kp]; a token's top-K experts are ascending
+    row = jnp.where(kept, tc_row, capacity)
+    plt.store(token_ids_ref.at[row], token, mask=kept)
+    plt.store(scores_ref.at[row], plt.load(weights_ref.at[pair], mask=ok, other=0.0), mask=kept)
+    plt.store(is_tc_ref.at[row], jnp.ones(pair.shape, jnp.int32), mask=kept)
+    plt.store(by_token_ref.at[jnp.where(kept, slot, capacity)], tc_row, mask=kept)
+    plt.store(tc_row_ref.at[pair], row, mask=ok)
+
+
+def _place_added_kernel(
+    added_ref, added_scores_ref, pair_tokens_ref, experts_ref, tc_row_ref, counts_ref,
+    tc_start_ref, new_start_ref, offsets_ref, added_below_ref,
+    _token_ids_in, _scores_in, _by_token_in,
+    token_ids_ref, scores_ref, by_token_ref, added_row_ref, *,
+    k: int, k_pad: int, num_tokens: int, num_experts: int, max_change: int, m_pad: int,
+    capacity: int,
+):
+    """One expert's added rows: each lands after the expert's top-K tokens below it (a
+    binary search in the top-K plan's rows of that expert) and its earlier added ones."""
+    e = pl.program_id(0)
+    j = jnp.arange(m_pad, dtype=jnp.int32)  # [mp]
+    in_list = j < max_change
+    end = num_experts * max_change
+    at = jnp.where(in_list, e * max_change + j, end)
+    tok = plt.load(added_ref.at[at], mask=in_list, other=num_tokens)
+    is_added = in_list & (tok < num_tokens)
+    safe_tok = jnp.where(is_added, tok, 0)
+    start, count = tc_start_ref[e], counts_ref[e]
+    # The expert's top-K tokens (ascending, rows [start, start + count)) below `tok`.
+    below = jnp.zeros((m_pad,), jnp.int32)
+    step = 1 << (num_tokens.bit_length() - 1)
+    while step:
+        probe = below + step
+        read = jnp.where(is_added, start + jnp.minimum(probe, count) - 1, 0)
+        lower = plt.load(pair_tokens_ref.at[jnp.maximum(read, 0)], mask=is_added, other=0) < tok
+        below = jnp.where((probe <= count) & lower, probe, below)
+        step //= 2
+    added_row = new_start_ref[e] + below + j  # [mp]
+    # The token's kept top-K experts below e, then its added experts below e.
+    kcol = jnp.arange(k_pad, dtype=jnp.int32)
+    ok = is_added[:, None] & (kcol < k)[None, :]
+    pair = jnp.where(ok, safe_tok[:, None] * k + kcol[None, :], num_tokens * k)
+    kept_below = (
+        ok & (plt.load(experts_ref.at[pair], mask=ok, other=0) < e)
+        & (plt.load(tc_row_ref.at[pair], mask=ok, other=capacity) < capacity)
+    )
+    slot = (
+        plt.load(offsets_ref.at[safe_tok], mask=is_added, other=0)
+        + jnp.sum(kept_below.astype(jnp.int32), axis=1)
+        + plt.load(added_below_ref.at[at], mask=is_added, other=0)
+    )
+    row = jnp.where(is_added, added_row, capacity)
+    plt.store(token_ids_ref.at[row], tok, mask=is_added)
+    plt.store(scores_ref.at[row], plt.load(added_scores_ref.at[at], mask=is_added, other=0.0),
+              mask=is_added)
+    plt.store(by_token_ref.at[jnp.where(is_added, slot, capacity)], added_row, mask=is_added)
+    plt.store(added_row_ref.at[at], row, mask=in_list)
+
+
+def place_rounded(
+    experts, rows, weights, pair_tokens, counts, target, dropped, added, added_scores,
+    offsets, tc_added_below, added_added_below, *, capacity: int, interpret: bool = False,
+):
+    """Token rounding's placement: every kept top-K pair and every added pair at its grouped
+    row, and each at its slot of its token's CSR list, in two kernels.
+
+    Args:
+      experts, rows: i32[T, K] the top-K pairs' experts (ascending per token) and rows.
+      weights: f32[T, K] their weights (differentiable).
+      pair_tokens: i32[T*K] the top-K plan's token ids (ascending within each expert).
+      counts, target: i32[E] top-K and rounded rows per expert.
+      dropped, added: i32[E, M] each expert's dropped / added tokens, ascending, then T.
+      added_scores: f32[E, M] the added rows' weights (differentiable).
+      offsets: i32[T] first CSR slot of each token (`token_row_offsets[:-1]`).
+      tc_added_below: i32[T, K] added experts of the pair's token below its expert.
+      added_added_below: i32[E, M] added experts of the added token below the expert.
+      capacity: static row capacity P.
+
+    Returns:
+      token_ids i32[P], scores f32[P], is_token_choice bool[P], rows_by_token i32[P]:
+      those of the plan, padding included (token 0, score 0, slots pointing at themselves).
+    """
+    return _place_rounded(
+        experts, rows, weights, pair_tokens, counts, target, dropped, added, added_scores,
+        offsets, tc_added_below, added_added_below, capacity, interpret,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(12, 13))
+def _place_rounded(experts, rows, weights, pair_tokens, counts, target, dropped, added,
+                   added_scores, offsets, tc_added_below, added_added_below, capacity, interpret):
+    return _place_rounded_fwd(
+        experts, rows, weights, pair_tokens, counts, target, dropped, added, added_scores,
+        offsets, tc_added_below, added_added_below, capacity, interpret,
+    )[0]
+
+
+def _place_rounded_fwd(experts, rows, weights, pair_tokens, counts, target, dropped, added,
+                       added_scores, offsets, tc_added_below, added_added_below, capacity,
+                       interpret):
+    num_tokens, k = experts.shape
+    num_experts, max_change = added.shape
+    counts = counts.astype(jnp.int32)
+    target = target.astype(jnp.int32)
+    tc_start = jnp.cumsum(counts, dtype=jnp.int32) - counts
+    new_start = jnp.cumsum(target, dtype=jnp.int32) - target
+    block_t = max(16, min(256, 2048 // next_pow2(k)))
+    out = (
+        jax.ShapeDtypeStruct((capacity,), jnp.int32),
+        jax.ShapeDtypeStruct((capacity,), jnp.float32),
+        jax.ShapeDtypeStruct((capacity,), jnp.int32),
+        jax.ShapeDtypeStruct((capacity,), jnp.int32),
+    )
+    padding = (
+        jnp.zeros((capacity,), jnp.int32), jnp.zeros((capacity,), jnp.float32),
+        jnp.zeros((capacity,), jnp.int32), jnp.arange(capacity, dtype=jnp.int32),
+    )  # what padding rows and slots hold; the kernels write the real ones
+    flat_dropped = dropped.reshape(-1).astype(jnp.int32)
+    flat_added = added.reshape(-1).astype(jnp.int32)
+    if max_change == 0:  # the lists are empty: keep a one-entry ref to index
+        flat_dropped = flat_added = jnp.full((1,), num_tokens, jnp.int32)
+    token_ids, scores, is_tc, by_token, tc_row = pl.pallas_call(
+        functools.partial(
+            _place_kept_kernel, k=k, k_pad=next_pow2(k), num_tokens=num_tokens,
+            block_t=block_t, max_change=max_change, capacity=capacity,
+        ),
+        out_shape=out + (jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32),),
+        grid=(pl.cdiv(num_tokens, block_t),),
+        input_output_aliases={9: 0, 10: 1, 11: 2, 12: 3},
+        compiler_params=_params(4),
+        interpret=interpret,
+        name="moe_place_kept_pairs",
+    )(experts.reshape(-1), rows.reshape(-1), weights.reshape(-1).astype(jnp.float32),
+      flat_dropped, flat_added, tc_start, new_start, offsets.astype(jnp.int32),
+      tc_added_below.reshape(-1).astype(jnp.int32), *padding)
+    if max_change == 0:
+        added_row = jnp.zeros((num_experts, 0), jnp.int32)
+    else:
+        token_ids, scores, by_token, added_row = pl.pallas_call(
+            functools.partial(
+                _place_added_kernel, k=k, k_pad=next_pow2(k), num_tokens=num_tokens,
+                num_experts=num_experts, max_change=max_change, m_pad=next_pow2(max_change),
+                capacity=capacity,
+            ),
+            out_shape=(out[0], out[1], out[3],
+                       jax.ShapeDtypeStruct((num_experts * max_change,), jnp.int32)),
+            grid=(num_experts,),
+            input_output_aliases={10: 0, 11: 1, 12: 2},
+            compiler_params=_params(4),
+            interpret=interpret,
+            name="moe_place_added_pairs",
+        )(flat_added, added_scores.reshape(-1).astype(jnp.float32), pair_tokens.astype(jnp.int32),
+          experts.reshape(-1), tc_row, counts, tc_start, new_start, offsets.astype(jnp.int32),
+          added_added_below.reshape(-1).astype(jnp.int32), token_ids, scores, by_token)
+        added_row = added_row.reshape(num_experts, max_change)
+    result = (token_ids, scores, is_tc != 0, by_token)
+    return result, (tc_row.reshape(num_tokens, k), added_row)
+
+
+def _place_rounded_bwd(capacity, interpret, residuals, cotangents):
+    tc_row, added_row = residuals
+    d_scores = cotangents[1]
+
+    def gather(row):  # the scatter's transpose; rows at `capacity` were never written
+        return jnp.where(row < capacity, d_scores[jnp.minimum(row, capacity - 1)], 0.0)
+
+    return (None, None, gather(tc_row), None, None, None, None, None, gather(added_row),
+            None, None, None)
+
+
+_place_rounded.defvjp(_place_rounded_fwd, _place_rounded_bwd)

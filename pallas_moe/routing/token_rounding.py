@@ -19,6 +19,7 @@ touches [T, E] only to pick each expert's `< tile` changes (docs/plan.md says ho
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -126,13 +127,11 @@ def token_rounding_plan(
         `topk_plan` (grouped top-K limits the token-choice step only; rounding up adds
         the best other tokens of any expert).
       check_finite: NaN/Inf check of the logits, as in `topk_plan`.
-      impl: "auto" (the fast path with the routing kernel on GPU; "dense" elsewhere, where
-        XLA's CPU compiler takes ~100x longer on the fast path: 67 s against 0.6 s at
-        T=2048, E=16, K=2, tile=64, measured 2026-11-24),
+      impl: "auto" (the fast path: with the routing kernel on GPU, "sort" elsewhere),
         "kernel", "interpret" (the kernel in interpret mode), "sort" (the fast path with
         jnp top-K) or "dense" (the O(T*E log T) reference: two sorts over [T, E]). All
-        give the same plan, bitwise, and the same gradients to the logits (bitwise when
-        eager; under jit, XLA may round each program's backward pass differently).
+        give the same plan and the same gradients to the logits, bitwise, eager or jitted
+        (`topk.cotangent_barrier` says why jitted gradients needed a barrier).
 
     Returns:
       A `DispatchPlan`. TC rows keep their top-K weight; added rows carry their full router
@@ -146,15 +145,42 @@ def token_rounding_plan(
     one pass over [T, E] for the candidates' chunk maxima, and sorts of about
     `sqrt(T * tile)` keys per expert; no sort or cumulative sum over [T, E].
     """
+    return token_rounding_plan_and_counts(
+        logits, k, tile=tile, rounding=rounding, key=key, score=score, renormalize=renormalize,
+        bias=bias, num_groups=num_groups, topk_groups=topk_groups, check_finite=check_finite,
+        impl=impl,
+    )[0]
+
+
+def token_rounding_plan_and_counts(
+    logits: jax.Array,
+    k: int,
+    *,
+    tile: int = 128,
+    rounding: Rounding = "nearest",
+    key: jax.Array | None = None,
+    score: ScoreOrder = "softmax_topk",
+    renormalize: bool = False,
+    bias: jax.Array | None = None,
+    num_groups: int | None = None,
+    topk_groups: int | None = None,
+    check_finite: bool | None = None,
+    impl: TopKImpl = "auto",
+) -> tuple[DispatchPlan, jax.Array]:
+    """`token_rounding_plan` (same arguments) and the counts it was rounded from.
+
+    Returns:
+      (plan, tc_counts): the `DispatchPlan` and i32[E] plain top-K rows per expert (what
+      the selection bias balances; `nn.functional.route` reports it). The top-K rows an
+      expert kept are `minimum(plan.group_sizes, tc_counts)`: it either adds or drops.
+    """
     k = check_router_inputs(logits, k, score, bias, check_finite)
     check_groups(logits.shape[1], k, num_groups, topk_groups)
     tile = _checks.check_positive_int("tile", tile)
     _checks.check_choice("rounding", rounding, ROUNDING_MODES)
     if rounding == "stochastic" and key is None:
         raise ValueError("key must be a PRNG key for rounding='stochastic', got None.")
-    if impl == "auto" and jax.default_backend() != "gpu":
-        impl = "dense"  # compiles in a second on CPU; the fast path takes minutes there
-    impl = resolve_topk_impl(impl)
+    impl = resolve_topk_impl(impl)  # "auto": "kernel" on a GPU, "sort" elsewhere
     options = dict(
         tile=tile, rounding=rounding, key=key, score=score, renormalize=renormalize, bias=bias,
         num_groups=num_groups, topk_groups=topk_groups,
@@ -163,9 +189,10 @@ def token_rounding_plan(
         return token_rounding_plan_fast(logits, k, impl=impl, **options)
     selected, weights, tc_selected = token_rounding_assignment(logits, k, **options)
     num_tokens, num_experts = logits.shape
-    return plan_from_assignment(
+    plan = plan_from_assignment(
         selected, weights, selected & tc_selected, capacity=num_tokens * k + num_experts * tile
     )
+    return plan, jnp.sum(tc_selected, axis=0, dtype=jnp.int32)
 
 
 def token_rounding_plan_fast(
@@ -182,14 +209,19 @@ def token_rounding_plan_fast(
     topk_groups: int | None = None,
     impl: str = "auto",
     chunk: int | None = None,
-) -> DispatchPlan:
+    round_by_kernels: bool = True,
+) -> tuple[DispatchPlan, jax.Array]:
     """`token_rounding_plan`'s fast path (inputs checked by the caller).
 
     Args as in `token_rounding_plan`; `impl` picks the top-K step ("auto", "kernel",
-    "interpret", "sort"); `chunk` overrides `selection_chunk` (tests, benchmarks).
+    "interpret", "sort"); `chunk` overrides `selection_chunk` (tests, benchmarks);
+    `round_by_kernels`: with the kernel impls, select with `kernels.select_largest` (where
+    the lists fit) and place with `kernels.place_rounded`; False keeps the jnp selection
+    (`lax.top_k` levels) and placement after the top-K kernels (benchmarks compare them).
 
     Returns:
-      The `DispatchPlan` of `token_rounding_plan(impl="dense")`, bitwise.
+      (plan, tc_counts): the `DispatchPlan` of `token_rounding_plan(impl="dense")`, bitwise,
+      and i32[E] top-K rows per expert.
     """
     num_tokens, num_experts = logits.shape
     capacity = num_tokens * k + num_experts * tile
@@ -218,23 +250,33 @@ def token_rounding_plan_fast(
     is_tc = jnp.any(
         pairs.experts[:, :, None] == jnp.arange(num_experts, dtype=jnp.int32), axis=1
     )  # [T, E]
-    # Candidates per expert as keys to take the largest of, ties to the lower row. Adding:
-    # non-TC tokens by rank score. Dropping: TC rows, lowest rank score first and, among
-    # equals, the higher token first; so the key is inverted and the rows reversed.
+    # Candidates per expert as keys to take the largest of. Adding: non-TC tokens by rank
+    # score, ties to the lower token. Dropping: TC rows, lowest rank score first (so the
+    # key is inverted) and, among equals, the higher token first.
     add_keys = jnp.where(is_tc, _INT32_MIN, rank_key)
-    drop_keys = jnp.where(is_tc, ~rank_key, _INT32_MIN)[::-1]
+    drop_keys = jnp.where(is_tc, ~rank_key, _INT32_MIN)
     keys = jnp.where(
         grows[None, :], add_keys, jnp.where(shrinks[None, :], drop_keys, _INT32_MIN)
     )  # [T, E]
     if chunk is None:
         chunk = selection_chunk(num_tokens, max_change)
     chunk = _checks.check_positive_int("chunk", chunk)
-    picked = top_tokens_per_expert(keys, change, max_change, chunk)  # [E, M], rank order
-    picked = jnp.where(shrinks[:, None] & (picked < num_tokens), num_tokens - 1 - picked, picked)
-    picked = jnp.sort(picked, axis=1)  # ascending tokens, then T
+    kernel_impl = impl if impl in ("kernel", "interpret") and round_by_kernels else None
+    if kernel_impl and fits_select_kernel(num_tokens, max_change, chunk):
+        picked = tokens_per_expert_by_kernel(
+            keys, change, shrinks, max_change, chunk, interpret=impl == "interpret"
+        )  # [E, M] ascending tokens, then T
+    else:
+        # `lax.top_k` breaks ties to the lower index: reverse the dropping experts' tokens.
+        reversed_keys = jnp.where(shrinks[None, :], keys[::-1], keys)
+        picked = top_tokens_per_expert(reversed_keys, change, max_change, chunk)  # rank order
+        picked = jnp.where(
+            shrinks[:, None] & (picked < num_tokens), num_tokens - 1 - picked, picked
+        )
+        picked = jnp.sort(picked, axis=1)  # ascending tokens, then T
     added = jnp.where(grows[:, None], picked, num_tokens)  # [E, M]
     dropped = jnp.where(shrinks[:, None], picked, num_tokens)  # [E, M]
-    return _assemble_plan(pairs, probs, target, added, dropped, capacity)
+    return _assemble_plan(pairs, probs, target, added, dropped, capacity, kernel_impl), counts
 
 
 def selection_chunk(num_tokens: int, max_count: int) -> int:
@@ -296,21 +338,79 @@ def top_tokens_per_expert(keys: jax.Array, count: jax.Array, max_count: int, chu
     return jnp.pad(tokens, ((0, 0), (0, max_count - tokens.shape[1])), constant_values=num_tokens)
 
 
+def fits_select_kernel(num_tokens: int, max_count: int, chunk: int) -> bool:
+    """Whether both selection levels fit `kernels.select_largest`'s per-program lists."""
+    from pallas_moe.routing.kernels import MAX_SELECT_LENGTH
+
+    if chunk <= 1:
+        return num_tokens <= MAX_SELECT_LENGTH
+    num_chunks = -(-num_tokens // chunk)
+    return num_chunks <= MAX_SELECT_LENGTH and min(max_count, num_chunks) * chunk <= MAX_SELECT_LENGTH
+
+
+def tokens_per_expert_by_kernel(
+    keys: jax.Array, count: jax.Array, prefer_high: jax.Array, max_count: int, chunk: int,
+    *, interpret: bool = False,
+) -> jax.Array:
+    """Per expert, the tokens with its `count[e]` largest keys, ascending, by the Pallas
+    selection kernel (`kernels.select_largest`): `top_tokens_per_expert`'s two levels, each
+    a radix select over one short list per expert instead of a `lax.top_k` and a sort.
+
+    Level one picks each expert's `count[e]` best chunks of `chunk` tokens by their maximum
+    key, level two the best tokens inside them (exact, as in `top_tokens_per_expert`; ties
+    go to the lower chunk and token, or to the higher ones where `prefer_high`, both levels
+    alike). Both return ascending indices, so no sort is needed.
+
+    Args:
+      keys: i32[T, E]; INT32_MIN marks a token that is no candidate of that expert.
+      count: i32[E] tokens to pick, each <= max_count and <= the expert's candidates.
+      prefer_high: bool[E] ties to the higher token (dropping experts).
+      max_count: static bound on `count`.
+      chunk: static tokens per first-level chunk (1: one level over all T tokens).
+      interpret: run the kernel in Pallas interpret mode (CPU).
+
+    Returns:
+      i32[E, max_count]: each expert's picked tokens ascending, then T.
+    """
+    from pallas_moe.routing import kernels  # Pallas is imported only when used.
+
+    num_tokens, num_experts = keys.shape
+    select = functools.partial(kernels.select_largest, interpret=interpret)
+    if max_count == 0:
+        return jnp.zeros((num_experts, 0), jnp.int32)
+    if chunk <= 1:
+        return select(keys.T, count, prefer_high, max_count=max_count)  # index == token
+    num_chunks = -(-num_tokens // chunk)
+    padded = jnp.pad(keys, ((0, num_chunks * chunk - num_tokens), (0, 0)),
+                     constant_values=_INT32_MIN)
+    chunk_max = jnp.max(padded.reshape(num_chunks, chunk, num_experts), axis=1).T  # [E, NC]
+    num_best = min(max_count, num_chunks)
+    best_chunks = select(
+        chunk_max, jnp.minimum(count, num_best), prefer_high, max_count=num_best
+    )  # [E, num_best] ascending, then NC (whose tokens are all >= T)
+    candidates = (
+        best_chunks[:, :, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    ).reshape(num_experts, -1)  # [E, num_best * chunk] tokens, ascending
+    candidate_keys = jnp.where(
+        candidates < num_tokens,
+        keys[jnp.minimum(candidates, num_tokens - 1), jnp.arange(num_experts)[:, None]],
+        _INT32_MIN,
+    )
+    best = select(candidate_keys, count, prefer_high, max_count=max_count)  # [E, M]
+    length = candidates.shape[1]
+    tokens = jnp.take_along_axis(candidates, jnp.minimum(best, length - 1), 1)
+    return jnp.where(best < length, tokens, num_tokens).astype(jnp.int32)
+
+
 def _count_below(sorted_rows: jax.Array, row: jax.Array, value: jax.Array) -> jax.Array:
     """i32[...]: how many entries of `sorted_rows[row]` (i32[R, M], ascending) are < value.
 
-    A binary search of `bit_length(M)` gathers per query; `row` and `value` are i32[...].
+    `row` and `value` are i32[...]; `_count_below_by_search` of `bit_length(M)` gathers.
     """
     length = sorted_rows.shape[1]
-    low = jnp.zeros(value.shape, jnp.int32)
-    high = jnp.full(value.shape, length, jnp.int32)
-    for _ in range(length.bit_length()):
-        mid = (low + high) // 2
-        below = sorted_rows[row, jnp.minimum(mid, length - 1)] < value
-        searching = low < high
-        low = jnp.where(searching & below, mid + 1, low)
-        high = jnp.where(searching & ~below, mid, high)
-    return low
+    return _count_below_by_search(
+        lambda i: sorted_rows[row, jnp.clip(i, 0, length - 1)], length, value, length
+    )
 
 
 def _count_below_in_segment(
@@ -321,16 +421,32 @@ def _count_below_in_segment(
     Args:
       values: i32[N]. start, length, value: i32[...]. max_length: static bound on length.
     """
-    low = jnp.zeros(value.shape, jnp.int32)
-    high = length.astype(jnp.int32)
     last = values.shape[0] - 1
-    for _ in range(max_length.bit_length()):
-        mid = (low + high) // 2
-        below = values[jnp.clip(start + mid, 0, last)] < value
-        searching = low < high
-        low = jnp.where(searching & below, mid + 1, low)
-        high = jnp.where(searching & ~below, mid, high)
-    return low
+    return _count_below_by_search(
+        lambda i: values[jnp.clip(start + i, 0, last)], length, value, max_length
+    )
+
+
+def _count_below_by_search(read, length, value: jax.Array, max_length: int) -> jax.Array:
+    """i32[...]: how many of the first `length` entries of an ascending list are < value.
+
+    A branchless binary search that carries one count: for each power of two `step`,
+    largest first, the count grows by `step` if the entry just past it is still < value.
+    `read(i)` (i32[...] -> i32[...]) returns entry `i` of each query's list (and must
+    accept any i in [-1, 2 * max_length)); `length` is an int or i32[...] <= max_length.
+
+    Why one carried value and not (low, high): XLA fuses the unrolled search into one
+    kernel, and its fused emitter re-emits a value for every use, so with two values each
+    read by both next ones the program doubles per step. At 16 steps (T = 32768) XLA:CPU
+    took 65-75 s to compile the (low, high) search alone (0.4 s this way).
+    """
+    count = jnp.zeros(value.shape, jnp.int32)
+    step = 1 << (max_length.bit_length() - 1) if max_length > 0 else 0
+    while step:
+        probe = count + step  # the first `probe` entries are all < value?
+        count = jnp.where((probe <= length) & (read(probe - 1) < value), probe, count)
+        step //= 2
+    return count
 
 
 def _assemble_plan(
@@ -340,6 +456,7 @@ def _assemble_plan(
     added: jax.Array,
     dropped: jax.Array,
     capacity: int,
+    kernel_impl: str | None = None,
 ) -> DispatchPlan:
     """The token-rounding plan from the top-K pairs and each expert's changes.
 
@@ -351,6 +468,8 @@ def _assemble_plan(
       dropped: i32[E, M] TC tokens each expert drops, ascending, then T. An expert adds or
         drops, never both.
       capacity: static row capacity P.
+      kernel_impl: None (jnp) or "kernel" / "interpret": the rows, slots and scatters by
+        the Pallas placement kernels (`kernels.place_rounded`).
 
     Rows are grouped by expert and ascending by token inside a group, as
     `plan_from_assignment` lays them out; each token's rows are listed by ascending expert.
@@ -359,10 +478,33 @@ def _assemble_plan(
     num_tokens, k = experts.shape
     num_experts, max_change = added.shape
     counts = pairs.group_sizes
+    token = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], experts.shape)
+    added_expert = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32)[:, None], added.shape)
+    is_added = added < num_tokens  # [E, M]
+    added_token = jnp.minimum(added, num_tokens - 1)
+    added_scores = probs[added_token, added_expert]  # [E, M] full router probability
+    added_count, added_experts_below = _added_expert_sets(added, num_tokens)
+
+    if kernel_impl is not None:
+        from pallas_moe.routing import kernels  # Pallas is imported only when used.
+
+        dropped_count = jnp.zeros((num_tokens,), jnp.int32).at[dropped.reshape(-1)].add(
+            1, mode="drop")  # [T]; T (no token) is dropped by the scatter
+        token_row_offsets = _offsets(k - dropped_count + added_count)
+        token_ids, scores, is_token_choice, rows_by_token = kernels.place_rounded(
+            experts, pairs.rows, pairs.weights, pairs.token_ids, counts, target, dropped,
+            added, added_scores, token_row_offsets[:-1],
+            added_experts_below(token, experts), added_experts_below(added_token, added_expert),
+            capacity=capacity, interpret=kernel_impl == "interpret",
+        )
+        return DispatchPlan(
+            token_ids=token_ids, scores=scores, group_sizes=target.astype(jnp.int32),
+            is_token_choice=is_token_choice, rows_by_token=rows_by_token,
+            token_row_offsets=token_row_offsets,
+        )
+
     tc_start = jnp.cumsum(counts, dtype=jnp.int32) - counts  # [E]
     new_start = jnp.cumsum(target, dtype=jnp.int32) - target  # [E]
-    token = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], experts.shape)
-
     # Top-K pairs: a kept pair moves by the drops and adds of its expert before its token.
     dropped_before = _count_below(dropped, experts, token)  # [T, K]
     is_dropped = (
@@ -376,14 +518,10 @@ def _assemble_plan(
     )  # [T, K]
 
     # Added pairs: after the expert's TC rows of lower tokens and its earlier added ones.
-    added_expert = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32)[:, None], added.shape)
-    is_added = added < num_tokens  # [E, M]
     tc_below = _count_below_in_segment(
         pairs.token_ids, tc_start[added_expert], counts[added_expert], added, num_tokens
     )  # [E, M]: TC tokens of the expert below the added token
     added_row = new_start[:, None] + tc_below + jnp.arange(max_change, dtype=jnp.int32)[None, :]
-    added_token = jnp.minimum(added, num_tokens - 1)
-    added_scores = probs[added_token, added_expert]  # [E, M] full router probability
 
     row = jnp.concatenate([
         jnp.where(kept, tc_row, capacity).reshape(-1),
@@ -400,30 +538,9 @@ def _assemble_plan(
         jnp.arange(row.shape[0]) < num_tokens * k, mode="drop"
     )
 
-    # Per token (CSR): its kept TC rows and its added rows, by ascending expert. A token's
-    # added experts are a bit set (32 experts a word), so "added experts below e" is a
-    # popcount, not a sort of the added pairs by token.
-    num_words = -(-num_experts // 32)
-    word, bit = added_expert // 32, (added_expert % 32).astype(jnp.uint32)
-    added_bits = jnp.zeros((num_tokens, num_words), jnp.uint32).at[
-        jnp.where(is_added, added, num_tokens), word
-    ].add(jnp.left_shift(jnp.uint32(1), bit), mode="drop")  # bits are distinct: add is or
-    word_count = jax.lax.population_count(added_bits).astype(jnp.int32)  # [T, W]
-    words_before = jnp.cumsum(word_count, axis=1, dtype=jnp.int32) - word_count  # [T, W]
-
-    def added_experts_below(tok, expert):
-        """Added experts of token `tok` below `expert` (both i32[...])."""
-        w = expert // 32
-        below_in_word = added_bits[tok, w] & (
-            jnp.left_shift(jnp.uint32(1), (expert % 32).astype(jnp.uint32)) - jnp.uint32(1)
-        )
-        return words_before[tok, w] + jax.lax.population_count(below_in_word).astype(jnp.int32)
-
+    # Per token (CSR): its kept TC rows and its added rows, by ascending expert.
     kept_i = kept.astype(jnp.int32)
-    rows_per_token = jnp.sum(kept_i, axis=1) + jnp.sum(word_count, axis=1)  # [T]
-    token_row_offsets = jnp.concatenate(
-        [jnp.zeros((1,), jnp.int32), jnp.cumsum(rows_per_token, dtype=jnp.int32)]
-    )  # [T+1]
+    token_row_offsets = _offsets(jnp.sum(kept_i, axis=1) + added_count)  # [T+1]
     tc_slot = (
         token_row_offsets[:-1, None] + jnp.cumsum(kept_i, axis=1) - kept_i
         + added_experts_below(token, experts)
@@ -450,6 +567,45 @@ def _assemble_plan(
         rows_by_token=rows_by_token,
         token_row_offsets=token_row_offsets,
     )
+
+
+def _offsets(rows_per_token: jax.Array) -> jax.Array:
+    """i32[T + 1] CSR offsets from i32[T] rows per token."""
+    return jnp.concatenate(
+        [jnp.zeros((1,), jnp.int32), jnp.cumsum(rows_per_token, dtype=jnp.int32)]
+    )
+
+
+def _added_expert_sets(added: jax.Array, num_tokens: int):
+    """Each token's added experts as a bit set (32 experts a word), so "added experts
+    below e" is a popcount, not a sort of the added pairs by token.
+
+    Args:
+      added: i32[E, M] tokens each expert adds, then T.
+
+    Returns:
+      (added_count i32[T], added_experts_below): the token's added experts, and a function
+      `(tok, expert) -> i32[...]` counting the added experts of `tok` below `expert`.
+    """
+    num_experts = added.shape[0]
+    added_expert = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32)[:, None], added.shape)
+    num_words = -(-num_experts // 32)
+    word, bit = added_expert // 32, (added_expert % 32).astype(jnp.uint32)
+    added_bits = jnp.zeros((num_tokens, num_words), jnp.uint32).at[added, word].add(
+        jnp.left_shift(jnp.uint32(1), bit), mode="drop"
+    )  # bits are distinct: add is or; T (no token) is dropped
+    word_count = jax.lax.population_count(added_bits).astype(jnp.int32)  # [T, W]
+    words_before = jnp.cumsum(word_count, axis=1, dtype=jnp.int32) - word_count  # [T, W]
+
+    def added_experts_below(tok, expert):
+        """Added experts of token `tok` below `expert` (both i32[...])."""
+        w = expert // 32
+        below_in_word = added_bits[tok, w] & (
+            jnp.left_shift(jnp.uint32(1), (expert % 32).astype(jnp.uint32)) - jnp.uint32(1)
+        )
+        return words_before[tok, w] + jax.lax.population_count(below_in_word).astype(jnp.int32)
+
+    return jnp.sum(word_count, axis=1), added_experts_below
 
 
 def token_rounding_assignment(
