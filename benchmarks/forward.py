@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import os
@@ -34,7 +33,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from benchmarks.logs import open_log
+from benchmarks.logs import markdown_report, open_log
 from jax.experimental.mosaic.gpu import profiler
 
 from pallas_moe.kernels import _common
@@ -412,27 +411,14 @@ TABLE_COLS = [
 
 
 def markdown(results, cmd, device):
-    lines = [
-        f"# Forward kernels on {device}",
-        "",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}. "
-        f"jax {jax.__version__}. GPU kernel time (CUPTI), median of {ITERS} calls.",
-        "",
-        f"Reproduce: `{cmd}`",
-        "",
+    lines = markdown_report(
+        f"Forward kernels on {device}", f"GPU kernel time (CUPTI), median of {ITERS} calls.", cmd,
         "Ratios: `x/bmm` = balanced dense batched-matmul time for the same FLOPs / our time "
         "(1.0 = as fast as the bound); `up/ragged_dot` = JAX `ragged_dot_mgpu` time (best of a "
         "small sweep, on pre-gathered X) / our up-proj time (gather fused); `agg/copy` = "
         "aggregation bytes/s over a device copy's bytes/s; `fwd` includes per-plan metadata.",
-        "",
-        "| " + " | ".join(c for c, _ in TABLE_COLS) + " |",
-        "|" + "---|" * len(TABLE_COLS),
-    ]
-    for r in results:
-        try:
-            lines.append("| " + " | ".join(f(r) for _, f in TABLE_COLS) + " |")
-        except KeyError:
-            lines.append(f"| {r.get('name')} | failed: {r.get('error', '?')} |")
+        TABLE_COLS, results, lambda r: f"| {r.get('name')} | failed: {r.get('error', '?')} |",
+    )
     lines.append("")
     lines.append("Chosen configs: " + "; ".join(
         f"{r['name']}{' skew' if r['skew'] else ''}: up {r.get('up_cfg')}, down {r.get('down_cfg')}, "

@@ -36,7 +36,6 @@ so there are padding rows) and output dtype (int8, e4m3), it:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -49,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_moe as pm
-from benchmarks.logs import open_log
+from benchmarks.logs import markdown_report, open_log
 from benchmarks.forward import gpu_time_ms
 from pallas_moe.quant import SmoothQuantConfig, smoothquant_kernel
 from pallas_moe.routing import token_rounding_plan, topk_plan
@@ -223,30 +222,21 @@ TABLE_COLS = [
 
 
 def markdown(results, cmd, device):
-    lines = [
-        f"# MoE SmoothQuant kernel on {device}",
-        "",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}. jax "
-        f"{jax.__version__}. GPU kernel time (CUPTI), median of 20 calls.",
-        "",
-        f"Reproduce: `{cmd}`",
-        "",
+    def failed_row(r):
+        if "error" in r:
+            status = f"failed: {r['error']}"
+        else:
+            status = f"{r['P']} | {'yes' if r.get('correct') else 'NO'} | (no timings)"
+        return f"| {r.get('name')} {r.get('routing')} | {r.get('out_dtype')} | {status} |"
+
+    lines = markdown_report(
+        f"MoE SmoothQuant kernel on {device}", "GPU kernel time (CUPTI), median of 20 calls.",
+        cmd,
         "`kernel/copy` = (bytes the kernel must move / kernel time) / (a device copy's bytes/s); "
         "target >= 0.8. `ok` = bitwise equal to the XLA reference on every row and to numpy on "
         "a sample, padding rows zero, no poison left.",
-        "",
-        "| " + " | ".join(c for c, _ in TABLE_COLS) + " |",
-        "|" + "---|" * len(TABLE_COLS),
-    ]
-    for r in results:
-        try:
-            lines.append("| " + " | ".join(f(r) for _, f in TABLE_COLS) + " |")
-        except KeyError:
-            if "error" in r:
-                status = f"failed: {r['error']}"
-            else:
-                status = f"{r['P']} | {'yes' if r.get('correct') else 'NO'} | (no timings)"
-            lines.append(f"| {r.get('name')} {r.get('routing')} | {r.get('out_dtype')} | {status} |")
+        TABLE_COLS, results, failed_row,
+    )
     lines.append("")
     lines.append("Best configs: " + "; ".join(
         f"{r['name']} {r['routing']} {r['out_dtype']}: {r['kernel_cfg']}"
@@ -458,14 +448,15 @@ FP8_TABLE_COLS = [
 
 
 def fp8_markdown(results, cmd, device):
-    lines = [
-        f"# fp8 inference path vs bf16 on {device}",
-        "",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}. jax "
-        f"{jax.__version__}. GPU kernel time (CUPTI), median of 20 calls, one process.",
-        "",
-        f"Reproduce: `{cmd}`",
-        "",
+    def failed_row(r):
+        status = f"failed: {r['error']}" if "error" in r else (
+            f"{'yes' if r.get('correct') else 'NO'} | (no timings) rel err mean "
+            f"{r.get('rel_err_mean', float('nan')):.4f} p99 {r.get('rel_err_p99', float('nan')):.4f}")
+        return f"| {r.get('name')} | {status} |"
+
+    lines = markdown_report(
+        f"fp8 inference path vs bf16 on {device}",
+        "GPU kernel time (CUPTI), median of 20 calls, one process.", cmd,
         "`up` = the up-proj alone: bf16 gathers X rows itself; fp8 reads the rows "
         "`moe_smoothquant` already quantized in grouped order (`X quant`). `fwd` = the whole "
         "inference forward incl. per-plan metadata. `rel err` = per-token "
@@ -474,18 +465,8 @@ def fp8_markdown(results, cmd, device):
         f"(exact f32 sums) on the first {REF_TOKENS} tokens. "
         "`ok` = finite on poisoned outputs, within 1e-2 of the reference, within 0.1 of bf16, "
         "bitwise repeatable.",
-        "",
-        "| " + " | ".join(c for c, _ in FP8_TABLE_COLS) + " |",
-        "|" + "---|" * len(FP8_TABLE_COLS),
-    ]
-    for r in results:
-        try:
-            lines.append("| " + " | ".join(f(r) for _, f in FP8_TABLE_COLS) + " |")
-        except KeyError:
-            status = f"failed: {r['error']}" if "error" in r else (
-                f"{'yes' if r.get('correct') else 'NO'} | (no timings) rel err mean "
-                f"{r.get('rel_err_mean', float('nan')):.4f} p99 {r.get('rel_err_p99', float('nan')):.4f}")
-            lines.append(f"| {r.get('name')} | {status} |")
+        FP8_TABLE_COLS, results, failed_row,
+    )
     lines += [
         "",
         "Promotion sweep (`fp8_promote_every`: K blocks of 128 between the f32 adds of the "
