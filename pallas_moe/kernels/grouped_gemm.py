@@ -351,34 +351,43 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
 
             jax.lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
 
+        def k_steps(j, k0, length, bar_c, a_rows):
+            """The consumer's K steps `[k0, k0 + length)` of item j (`length` static) into
+            `num_b` zeroed accumulators; releases each slot once the next step's wgmma is
+            issued, the last one after the final wait. Returns num_b [mb, bn] f32."""
+
+            def scope(*accs):
+                def per_step(t, carry):
+                    g = j * num_k + k0 + t
+                    slot = g % stages
+                    plgpu.barrier_wait(full.at[bar_c, slot])
+                    for h, acc in enumerate(accs):
+                        b = b_smem.at[h, slot]
+                        if transpose_w:
+                            b = b.transpose((1, 0))
+                        plgpu.wgmma(acc, a_smem.at[slot, a_rows], b)  # [mb,bk] @ [bk,bn]
+                    plgpu.wgmma_wait(num_b)  # step g-1 is done: release its slot
+
+                    @pl.when(t >= 1)
+                    def _():
+                        plgpu.barrier_arrive(empty.at[(g - 1) % stages])
+
+                    return carry
+
+                jax.lax.fori_loop(0, length, per_step, None)
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(empty.at[(j * num_k + k0 + length - 1) % stages])
+                return tuple(acc[...] for acc in accs)
+
+            return pl.run_scoped(scope, *[plgpu.ACC((mb, bn), jnp.float32)] * num_b)
+
         def promoted_k_loop(j, bar_c, a_rows):
             """The consumer's K loop of item j with fp8 promotion: per interval of
-            `promote_every` K blocks, wgmma into zeroed accumulators, wait for them and add
-            them into f32 accumulators carried in registers. Returns num_b [mb, bn] f32."""
+            `promote_every` K blocks, `k_steps` into zeroed accumulators, then an add into
+            f32 accumulators carried in registers. Returns num_b [mb, bn] f32."""
 
             def interval(k0, length, totals):  # K blocks [k0, k0 + length); length static
-                def scope(*partials):
-                    def per_step(t, carry):
-                        g = j * num_k + k0 + t
-                        slot = g % stages
-                        plgpu.barrier_wait(full.at[bar_c, slot])
-                        for h, partial in enumerate(partials):
-                            b = b_smem.at[h, slot].transpose((1, 0))  # fp8: W is K-major
-                            plgpu.wgmma(partial, a_smem.at[slot, a_rows], b)
-                        plgpu.wgmma_wait(num_b)  # step g-1 is done: release its slot
-
-                        @pl.when(t >= 1)
-                        def _():
-                            plgpu.barrier_arrive(empty.at[(g - 1) % stages])
-
-                        return carry
-
-                    jax.lax.fori_loop(0, length, per_step, None)
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(empty.at[(j * num_k + k0 + length - 1) % stages])
-                    return tuple(p[...] for p in partials)
-
-                partials = pl.run_scoped(scope, *[plgpu.ACC((mb, bn), jnp.float32)] * num_b)
+                partials = k_steps(j, k0, length, bar_c, a_rows)
                 return tuple(total + p for total, p in zip(totals, partials))
 
             zeros = plgpu.layout_cast(jnp.zeros((mb, bn), jnp.float32), plgpu.Layout.WGMMA)
@@ -428,35 +437,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                                 cs_smem.at[c, h], scale_bar.at[c],
                             )
 
-                    def mma_scope(*accs):
-                        def per_step(k, carry):
-                            g = j * num_k + k
-                            slot = g % stages
-                            plgpu.barrier_wait(full.at[bar_c, slot])
-                            for h, acc in enumerate(accs):
-                                b = b_smem.at[h, slot]
-                                if transpose_w:
-                                    b = b.transpose((1, 0))
-                                plgpu.wgmma(acc, a_smem.at[slot, a_rows], b)  # [mb,bk] @ [bk,bn]
-                            plgpu.wgmma_wait(num_b)  # step g-1 is done: release its slot
-
-                            @pl.when(k >= 1)
-                            def _():
-                                plgpu.barrier_arrive(empty.at[(g - 1) % stages])
-
-                            return carry
-
-                        jax.lax.fori_loop(0, num_k, per_step, None)
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(empty.at[(j * num_k + num_k - 1) % stages])
-                        return tuple(acc[...] for acc in accs)
-
                     if promote_every:
                         accs = promoted_k_loop(j, bar_c, a_rows)
                     else:
-                        accs = pl.run_scoped(  # [mb, bn] f32 each
-                            mma_scope, *[plgpu.ACC((mb, bn), jnp.float32)] * num_b
-                        )
+                        accs = k_steps(j, 0, num_k, bar_c, a_rows)  # [mb, bn] f32 each
                     if fp8:
                         plgpu.barrier_wait(scale_bar.at[c])
                         y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c], out_dtype)
