@@ -102,6 +102,8 @@ GATHER_MODES = ("tma", "cp_async")
 #   waits for its own loads: all `num_stages` steps can be in flight.
 # "wait_group": the producer waits for its own group `stages - 2` steps later, fences it and
 #   arrives on `full` (`cp_async_publish_lagged`): only `stages - 2` steps in flight.
+# The kernels call `cp_async_publish`, `cp_async_publish_rest` and `cp_async_consumer_wait`,
+# which pick the way from whether the kernel allocated the per-slot mbarriers.
 GATHER_COMPLETIONS = ("mbarrier", "wait_group")
 
 
@@ -138,6 +140,35 @@ def gather_full_arrivals(config, rows: int, interpret: bool) -> int:
 def uses_stage_mbarriers(config, interpret: bool) -> bool:
     """Whether a gathering kernel tracks its cp.async stages with `cp_async_stage_barriers`."""
     return config.gather == "cp_async" and not interpret and config.gather_completion == "mbarrier"
+
+
+def check_layer_operands(x, plan, w_gate_up, w_down) -> tuple[int, int, int, int]:
+    """Checks a layer's operands against each other: x [T, d], w_gate_up [E, d, 2n],
+    w_down [E, n, d], and a plan over T tokens and E experts. Errors name the argument.
+
+    Returns:
+      (T, d, E, n).
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
+    if w_gate_up.ndim != 3 or w_down.ndim != 3:
+        raise ValueError(
+            f"w_gate_up must be [E, d, 2n] and w_down [E, n, d], got "
+            f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}."
+        )
+    num_tokens, d = x.shape
+    num_experts, d_w, two_n = w_gate_up.shape
+    if d_w != d:
+        raise ValueError(f"w_gate_up.shape[1]={d_w} must equal x.shape[1]={d}.")
+    if two_n % 2:
+        raise ValueError(f"w_gate_up.shape[2]={two_n} must be even (gate and up halves).")
+    n = two_n // 2
+    require_shape("w_down", w_down, (num_experts, n, d))
+    if plan.num_tokens != num_tokens:
+        raise ValueError(f"plan covers {plan.num_tokens} tokens but x has {num_tokens}.")
+    if plan.num_experts != num_experts:
+        raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
+    return num_tokens, d, num_experts, n
 
 
 def require_shape(arg: str, x: jax.Array, shape: tuple[int, ...]) -> None:
@@ -512,6 +543,36 @@ def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
         nvvm.cp_async_commit_group()
 
     _issue(src_ref, token_ids, dsts)
+
+
+def cp_async_publish(ki, full, landed, stages: int) -> None:
+    """After issuing step `ki`'s cp.async group, publish it the kernel's way
+    (`config.gather_completion`): with per-slot mbarriers (`landed` = [the
+    `cp_async_stage_barriers` ref]) every producer thread arrives on its slot's mbarrier
+    when its loads land; without (`landed` = []) step `ki - (stages - 2)` is published on
+    `full` (`cp_async_publish_lagged`)."""
+    if landed:
+        cp_async_stage_arrive(landed[0].at[ki % stages])
+    else:
+        cp_async_publish_lagged(ki, stages - 2, full, stages)
+
+
+def cp_async_publish_rest(num_k, full, landed, stages: int) -> None:
+    """After the last of `num_k` steps (static or traced, >= 1): publish the steps the
+    lagged publish still holds; nothing with per-slot mbarriers (see `cp_async_publish`)."""
+    if landed:
+        return
+    if isinstance(num_k, int):
+        cp_async_publish_tail(num_k, stages - 2, full, stages)
+    else:
+        cp_async_publish_tail_dynamic(num_k, stages - 2, full, stages)
+
+
+def cp_async_consumer_wait(ki, landed, stages: int) -> None:
+    """Consumer, after waiting on step `ki`'s `full` slot: with per-slot mbarriers also wait
+    for its cp.async rows (`cp_async_stage_wait`); the lagged publish needs nothing more."""
+    if landed:
+        cp_async_stage_wait(landed[0], ki, stages)
 
 
 def cp_async_publish_lagged(ki, lag: int, full, stages: int) -> None:

@@ -384,7 +384,6 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
     cp_async = config.gather == "cp_async" and interpret_mode is None
     stage_bars = _common.uses_stage_mbarriers(config, interpret_mode is not None)
-    lag = stages - 2  # "wait_group": cp.async steps in flight (`cp_async_publish_lagged`)
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
              dh_out, ap_out, ds_out, *scratch):
@@ -433,17 +432,14 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                     _common.cp_async_gather_rows(  # [bm, bk] of dO[tok], one cp.async group
                         do_ref.at[:, pl.ds(k0, bk)], ids_smem, [a_mma.at[slot]], num_rows=bm
                     )
-                    if stage_bars:
-                        _common.cp_async_stage_arrive(a_landed[0].at[slot])
-                    else:
-                        _common.cp_async_publish_lagged(ki, lag, full, stages)
+                    _common.cp_async_publish(ki, full, a_landed, stages)
                 else:
                     plgpu.warp_map(per_warp)
                 return carry
 
             jax.lax.fori_loop(0, num_k, step, None)
-            if cp_async and not stage_bars:
-                _common.cp_async_publish_tail(num_k, lag, full, stages)
+            if cp_async:
+                _common.cp_async_publish_rest(num_k, full, a_landed, stages)
 
         for c in range(cons):
             @pl.when((num_rows > 0) & (wg == c))
@@ -461,8 +457,7 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                     def step(ki, carry):
                         slot = ki % stages
                         plgpu.barrier_wait(full.at[slot])
-                        if stage_bars:
-                            _common.cp_async_stage_wait(a_landed[0], ki, stages)
+                        _common.cp_async_consumer_wait(ki, a_landed, stages)
                         w_t = b_smem.at[slot, pl.ds(c * bn, bn)]  # [bn, bk]
                         plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
                         plgpu.wgmma_wait(1)  # step ki-1 is done: release its slot

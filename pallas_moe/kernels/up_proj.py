@@ -357,7 +357,6 @@ def _warp_specialized_kernel(
     # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
-    lag = stages - 2  # "wait_group": cp.async steps in flight (`cp_async_publish_lagged`)
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
         b_ref, *rest = rest if has_bias else (None, *rest)
@@ -418,17 +417,14 @@ def _warp_specialized_kernel(
                         _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one cp.async group
                             x_ref.at[:, pl.ds(k0, bk)], ids_smem, [a_mma.at[slot]], num_rows=bm
                         )
-                        if stage_bars:
-                            _common.cp_async_stage_arrive(a_landed[0].at[slot])
-                        else:
-                            _common.cp_async_publish_lagged(ki, lag, full, stages)
+                        _common.cp_async_publish(ki, full, a_landed, stages)
                     else:
                         plgpu.warp_map(per_warp)
                     return carry
 
                 jax.lax.fori_loop(0, num_k, step, None)
-                if cp_async and not stage_bars:
-                    _common.cp_async_publish_tail(num_k, lag, full, stages)
+                if cp_async:
+                    _common.cp_async_publish_rest(num_k, full, a_landed, stages)
                 # Observe the consumers' remaining releases (steps num_k-stages .. num_k-2),
                 # so every barrier phase is consumed before exit (interpret mode checks this).
                 for g in range(max(num_k - stages, 0), num_k - 1):
@@ -456,8 +452,7 @@ def _warp_specialized_kernel(
                     def step(ki, carry):
                         slot = ki % stages
                         plgpu.barrier_wait(full.at[slot])
-                        if stage_bars:
-                            _common.cp_async_stage_wait(a_landed[0], ki, stages)
+                        _common.cp_async_consumer_wait(ki, a_landed, stages)
                         a_tile = a_mma.at[slot, a_rows]  # [mb, bk]
                         plgpu.wgmma(acc_g, a_tile, bg_smem.at[slot, :, csl])  # @ [bk, bn]
                         plgpu.wgmma(acc_u, a_tile, bu_smem.at[slot, :, csl])

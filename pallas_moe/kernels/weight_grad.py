@@ -401,7 +401,6 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
     cp_async = config.gather == "cp_async" and interpret_mode is None
     stage_bars = _common.uses_stage_mbarriers(config, interpret_mode is not None)
-    lag = stages - 2  # "wait_group": cp.async steps in flight (`cp_async_publish_lagged`)
 
     def body(order_ref, lo_ref, hi_ref, off_ref, ids_ref, l_ref, r_ref, out_ref, *scratch):
         ids_smem, bufs, full, empty, ids_bars, epi_bar, *a_landed = scratch
@@ -461,10 +460,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                         g_ref.at[:, pl.ds(g_col0, chunks * _CHUNK)], ids_smem.at[slot],
                         [g_mma.at[slot * chunks + j] for j in range(chunks)], num_rows=bk,
                     )
-                    if stage_bars:
-                        _common.cp_async_stage_arrive(a_landed[0].at[slot])
-                    else:
-                        _common.cp_async_publish_lagged(ki, lag, full, stages)
+                    _common.cp_async_publish(ki, full, a_landed, stages)
                 else:
                     plgpu.warp_map(per_warp)
 
@@ -476,8 +472,8 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                 return carry
 
             jax.lax.fori_loop(0, num_k, step, None)
-            if cp_async and not stage_bars:
-                _common.cp_async_publish_tail_dynamic(num_k, lag, full, stages)
+            if cp_async:
+                _common.cp_async_publish_rest(num_k, full, a_landed, stages)
 
         for c in range(cons):
             @pl.when(wg == c)
@@ -489,8 +485,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                         own = c_smem.at[slot, :, pl.ds(c * (bn if gather_lhs else bm),
                                                        bn if gather_lhs else bm)]
                         plgpu.barrier_wait(full.at[slot])
-                        if stage_bars:
-                            _common.cp_async_stage_wait(a_landed[0], ki, stages)
+                        _common.cp_async_consumer_wait(ki, a_landed, stages)
 
                         @pl.when((k0 < lo) | (k0 + bk > hi))
                         def _():
