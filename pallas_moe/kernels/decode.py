@@ -322,28 +322,10 @@ class DecodeOutputs:
 
 
 def _check_inputs(x, plan, w_gate_up, w_down, config: DecodeConfig):
-    if x.ndim != 2:
-        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
-    if w_gate_up.ndim != 3 or w_down.ndim != 3:
-        raise ValueError(
-            f"w_gate_up must be [E, d, 2n] and w_down [E, n, d], got {tuple(w_gate_up.shape)} "
-            f"and {tuple(w_down.shape)}."
-        )
+    num_tokens, d, num_experts, n = _common.check_layer_operands(x, plan, w_gate_up, w_down)
     _common.require_dtype("x", x, jnp.bfloat16)
     _common.require_dtype("w_gate_up", w_gate_up, jnp.bfloat16)
     _common.require_dtype("w_down", w_down, jnp.bfloat16)
-    num_tokens, d = x.shape
-    num_experts, d_w, two_n = w_gate_up.shape
-    if d_w != d:
-        raise ValueError(f"w_gate_up.shape[1]={d_w} must equal x.shape[1]={d}.")
-    if two_n % 2:
-        raise ValueError(f"w_gate_up.shape[2]={two_n} must be even (gate and up halves).")
-    n = two_n // 2
-    _common.require_shape("w_down", w_down, (num_experts, n, d))
-    if plan.num_tokens != num_tokens:
-        raise ValueError(f"plan covers {plan.num_tokens} tokens but x has {num_tokens}.")
-    if plan.num_experts != num_experts:
-        raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
     _common.require_multiple("d (x.shape[1])", d, 128, "the aggregation loads 128-column chunks")
     _common.require_multiple(
         "n (w_gate_up.shape[2] // 2)", n, config.up_block_n,

@@ -171,23 +171,9 @@ def moe_backward(
       db_gate_up [E, 2n] and db_down [E, d] in b_down's dtype (the contract of
       `moe_ffn_backward`).
     """
-    if x.ndim != 2:
-        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
-    if w_gate_up.ndim != 3 or w_down.ndim != 3:
-        raise ValueError(
-            f"w_gate_up must be [E, d, 2n] and w_down [E, n, d], got "
-            f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}."
-        )
-    num_tokens, d = x.shape
-    num_experts, _, two_n = w_gate_up.shape
-    n = two_n // 2
-    _common.require_shape("w_down", w_down, (num_experts, n, d))
+    num_tokens, d, num_experts, n = _common.check_layer_operands(x, plan, w_gate_up, w_down)
     _common.require_shape("grad_out", grad_out, (num_tokens, d))
-    if plan.num_tokens != num_tokens:
-        raise ValueError(f"plan covers {plan.num_tokens} tokens but x has {num_tokens}.")
-    if plan.num_experts != num_experts:
-        raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
-    _common.require_shape("h", h, (plan.capacity, two_n))
+    _common.require_shape("h", h, (plan.capacity, 2 * n))
     if b_down is not None:
         _common.require_shape("b_down", b_down, (num_experts, d))
     config = backward_config(config, d, n, interpret)

@@ -177,21 +177,7 @@ def moe_forward(
     Returns:
       (out bf16 [T, d], h bf16 [P, 2n] or None). Padding rows of h are unspecified.
     """
-    if x.ndim != 2:
-        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
-    num_tokens, d = x.shape
-    if w_gate_up.ndim != 3 or w_down.ndim != 3:
-        raise ValueError(
-            f"w_gate_up must be [E, d, 2n] and w_down [E, n, d], got "
-            f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}."
-        )
-    num_experts, _, two_n = w_gate_up.shape
-    n = two_n // 2
-    _common.require_shape("w_down", w_down, (num_experts, n, d))
-    if plan.num_tokens != num_tokens:
-        raise ValueError(f"plan covers {plan.num_tokens} tokens but x has {num_tokens}.")
-    if plan.num_experts != num_experts:
-        raise ValueError(f"plan has {plan.num_experts} experts but w_gate_up has {num_experts}.")
+    _, d, _, n = _common.check_layer_operands(x, plan, w_gate_up, w_down)
     config = forward_config(config, d, n, interpret)
     if config.decode is not None:
         if b_gate_up is not None or b_down is not None:
