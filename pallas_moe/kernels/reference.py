@@ -34,14 +34,14 @@ def up_proj_reference(
     """
     capacity = token_ids.shape[0]
     num_experts = w_gate_up.shape[0]
-    n = w_gate_up.shape[2] // 2
     expert = _row_expert(group_sizes, capacity)  # [P]
     valid = expert < num_experts
+    clamped = jnp.minimum(expert, num_experts - 1)  # padding rows read the last expert
     xg = x[token_ids].astype(jnp.float32)  # [P, d]
-    w = w_gate_up[jnp.minimum(expert, num_experts - 1)].astype(jnp.float32)  # [P, d, 2n]
+    w = w_gate_up[clamped].astype(jnp.float32)  # [P, d, 2n]
     h = jnp.einsum("pd,pdf->pf", xg, w, precision=jax.lax.Precision.HIGHEST)
     if bias is not None:
-        h = h + bias[jnp.minimum(expert, num_experts - 1)].astype(jnp.float32)
+        h = h + bias[clamped].astype(jnp.float32)
     h = jnp.where(valid[:, None], h, 0.0).astype(x.dtype)
     a = activation(h).astype(x.dtype)
     return h, a
@@ -57,10 +57,11 @@ def down_proj_reference(
     num_experts = w_down.shape[0]
     expert = _row_expert(group_sizes, capacity)
     valid = expert < num_experts
-    w = w_down[jnp.minimum(expert, num_experts - 1)].astype(jnp.float32)  # [P, n, d]
+    clamped = jnp.minimum(expert, num_experts - 1)  # padding rows read the last expert
+    w = w_down[clamped].astype(jnp.float32)  # [P, n, d]
     y = jnp.einsum("pn,pnd->pd", a.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
     if bias is not None:
-        y = y + bias[jnp.minimum(expert, num_experts - 1)].astype(jnp.float32)
+        y = y + bias[clamped].astype(jnp.float32)
     return jnp.where(valid[:, None], y, 0.0).astype(a.dtype)
 
 

@@ -331,7 +331,9 @@ def _forward_kernels(x, plan, experts: QuantizedExperts, *, config: Fp8ForwardCo
         plan.num_rows, num_out_rows=down_rows, out_dtype=E4M3, config=config.quant,
         interpret=interpret,
     )
-    down_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
+    down_meta = up_meta if config.down.block_m == config.up.block_m else (
+        _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
+    )
     width = aggregate_width(d)
     y = grouped_matmul(
         q2, plan.group_sizes, experts.w_down, transpose_w=True, config=config.down,
