@@ -18,7 +18,7 @@ import pytest
 import pallas_moe as pm
 from pallas_moe.kernels.decode import DecodeConfig, moe_decode
 
-on_hopper = jax.devices()[0].platform == "gpu" and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+from tests.test_gpu import _poison, on_hopper
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not on_hopper, reason="needs a Hopper GPU")]
 
 D, N, E, K = 2048, 768, 128, 8
@@ -60,13 +60,6 @@ def _case(num_tokens, seed, routing="random"):
         logits = logits.at[:, 5].add(20.0)
     plan = jax.jit(lambda l: pm.routing.topk_plan(l, K))(logits)
     return x, plan
-
-
-def _poison(nbytes):
-    """Frees a NaN-filled buffer so fresh device outputs start dirty."""
-    junk = jnp.full((nbytes // 2,), jnp.nan, jnp.bfloat16)
-    junk.block_until_ready()
-    del junk
 
 
 def _rel_err(got, want):

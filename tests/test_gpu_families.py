@@ -17,35 +17,34 @@ from flax import nnx
 
 import pallas_moe as pm
 
-on_hopper = jax.devices()[0].platform == "gpu" and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+from tests.test_gpu import _poison, on_hopper, rel_err
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not on_hopper, reason="needs a Hopper GPU")]
 
 
-def rel_err(a, b):
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+GPT_OSS = (4096, 2880, 2880, 32, 4)  # T, d, n, E, K at gpt-oss's width
 
 
-def _poison(nbytes):
-    """Frees a NaN-filled buffer so fresh device outputs start dirty (unwritten rows show)."""
-    junk = jnp.full((nbytes // 2,), jnp.nan, jnp.bfloat16)
-    junk.block_until_ready()
-    del junk
-
-
-@pytest.mark.parametrize("router, clamped", [("topk", False), ("token_rounding", True)])
-def test_gpt_oss_width_biases_and_clamped_swiglu_mosaic_matches_xla(router, clamped):
-    num_tokens, d, n, num_experts, k = 4096, 2880, 2880, 32, 4
+def gpt_oss_inputs(seed, clamped, cot_dtype):
+    """(activation, logits [T, E] skewed to 3 experts, x, w1, w2, b1, b2, cotangent [T, d]
+    in `cot_dtype`) at `GPT_OSS`; H ~ N(b1, 16), so the clamps at +-7 are active on a few
+    percent of the elements."""
+    num_tokens, d, n, num_experts, _ = GPT_OSS
     act = pm.ops.activation.SwiGLU.clamped(alpha=1.702, limit=7.0) if clamped else pm.ops.activation.SwiGLU()
-    ks = jax.random.split(jax.random.key(12), 7)
-    logits = jax.random.normal(ks[0], (num_tokens, num_experts)).at[:, :3].add(1.0)  # skew
+    ks = jax.random.split(jax.random.key(seed), 7)
+    logits = jax.random.normal(ks[0], (num_tokens, num_experts)).at[:, :3].add(1.0)
     x = jax.random.normal(ks[1], (num_tokens, d), jnp.bfloat16)
-    # H ~ N(b1, 16): the clamps at +-7 are active on a few percent of the elements.
     w1 = (jax.random.normal(ks[2], (num_experts, d, 2 * n)) * 4 * d**-0.5).astype(jnp.bfloat16)
     w2 = (jax.random.normal(ks[3], (num_experts, n, d)) * n**-0.5).astype(jnp.bfloat16)
     b1 = jax.random.normal(ks[4], (num_experts, 2 * n), jnp.bfloat16)
     b2 = jax.random.normal(ks[5], (num_experts, d), jnp.bfloat16)
-    cot = jax.random.normal(ks[6], (num_tokens, d), jnp.float32)
+    cot = jax.random.normal(ks[6], (num_tokens, d), cot_dtype)
+    return act, logits, x, w1, w2, b1, b2, cot
+
+
+@pytest.mark.parametrize("router, clamped", [("topk", False), ("token_rounding", True)])
+def test_gpt_oss_width_biases_and_clamped_swiglu_mosaic_matches_xla(router, clamped):
+    num_tokens, d, n, num_experts, k = GPT_OSS
+    act, logits, x, w1, w2, b1, b2, cot = gpt_oss_inputs(12, clamped, jnp.float32)
     make_plan = {
         "topk": lambda l: pm.routing.topk_plan(l, k),
         "token_rounding": lambda l: pm.routing.token_rounding_plan(l, k, tile=128, rounding="nearest"),
@@ -96,16 +95,9 @@ def test_gpt_oss_width_kernel_backward_matches_jnp_on_the_same_h(clamped):
     from pallas_moe.kernels.moe_forward import moe_forward
     from pallas_moe.ops.minimal_backward import moe_ffn_backward
 
-    num_tokens, d, n, num_experts, k = 4096, 2880, 2880, 32, 4
-    act = pm.ops.activation.SwiGLU.clamped(alpha=1.702, limit=7.0) if clamped else pm.ops.activation.SwiGLU()
-    ks = jax.random.split(jax.random.key(13), 7)
-    plan = pm.routing.topk_plan(jax.random.normal(ks[0], (num_tokens, num_experts)).at[:, :3].add(1.0), k)
-    x = jax.random.normal(ks[1], (num_tokens, d), jnp.bfloat16)
-    w1 = (jax.random.normal(ks[2], (num_experts, d, 2 * n)) * 4 * d**-0.5).astype(jnp.bfloat16)
-    w2 = (jax.random.normal(ks[3], (num_experts, n, d)) * n**-0.5).astype(jnp.bfloat16)
-    b1 = jax.random.normal(ks[4], (num_experts, 2 * n), jnp.bfloat16)
-    b2 = jax.random.normal(ks[5], (num_experts, d), jnp.bfloat16)
-    go = jax.random.normal(ks[6], (num_tokens, d), jnp.bfloat16)
+    _, d, n, _, k = GPT_OSS
+    act, logits, x, w1, w2, b1, b2, go = gpt_oss_inputs(13, clamped, jnp.bfloat16)
+    plan = pm.routing.topk_plan(logits, k)
     _, h = jax.jit(lambda *a: moe_forward(*a, b_gate_up=b1, b_down=b2, activation=act))(x, plan, w1, w2)
     _poison(plan.capacity * (5 * n + d) * 2)
     got = jax.jit(lambda *a: moe_backward(*a, activation=act, b_down=b2))(x, h, plan, w1, w2, go)

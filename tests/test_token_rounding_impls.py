@@ -234,6 +234,18 @@ def test_zero_probability_ties_go_by_token():
             np.testing.assert_array_equal(rows, [0, 1, 2, 3])
 
 
+def _candidate_keys(seed, T, E):
+    """(rng, keys i32 [T, E] with many ties and ~30% non-candidates (INT32_MIN), count
+    i32 [E] of keys to pick (at most each expert's candidates), max_count)."""
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(-3, 3, size=(T, E)).astype(np.int32)  # many ties
+    keys[rng.random(size=(T, E)) < 0.3] = tr._INT32_MIN  # not a candidate
+    max_count = min(T, 6)
+    candidates = (keys > tr._INT32_MIN).sum(0)
+    count = np.minimum(rng.integers(0, max_count + 1, size=E), candidates).astype(np.int32)
+    return rng, keys, count, max_count
+
+
 @given(
     st.integers(0, 2**16), st.sampled_from([(1, 1), (9, 3), (40, 5)]), st.sampled_from([1, 4, 7]),
 )
@@ -241,12 +253,7 @@ def test_zero_probability_ties_go_by_token():
 def test_top_tokens_per_expert_matches_numpy(seed, shape, chunk):
     """Each expert's `count` largest keys, ties to the lower token, in rank order, then T."""
     T, E = shape
-    rng = np.random.default_rng(seed)
-    keys = rng.integers(-3, 3, size=(T, E)).astype(np.int32)  # many ties
-    keys[rng.random(size=(T, E)) < 0.3] = tr._INT32_MIN  # not a candidate
-    max_count = min(T, 6)
-    candidates = (keys > tr._INT32_MIN).sum(0)
-    count = np.minimum(rng.integers(0, max_count + 1, size=E), candidates).astype(np.int32)
+    rng, keys, count, max_count = _candidate_keys(seed, T, E)
     got = np.asarray(tr.top_tokens_per_expert(jnp.asarray(keys), jnp.asarray(count), max_count, chunk))
     for e in range(E):
         ranked = sorted(range(T), key=lambda t: (-int(keys[t, e]), t))[: count[e]]
@@ -284,12 +291,7 @@ def test_select_largest_matches_numpy(seed, shape, max_count):
 def test_tokens_per_expert_by_kernel_matches_numpy(seed, shape, chunk):
     """Both kernel levels: each expert's `count` largest keys, ascending tokens, then T."""
     T, E = shape
-    rng = np.random.default_rng(seed)
-    keys = rng.integers(-3, 3, size=(T, E)).astype(np.int32)  # many ties
-    keys[rng.random(size=(T, E)) < 0.3] = tr._INT32_MIN  # not a candidate
-    max_count = min(T, 6)
-    candidates = (keys > tr._INT32_MIN).sum(0)
-    count = np.minimum(rng.integers(0, max_count + 1, size=E), candidates).astype(np.int32)
+    rng, keys, count, max_count = _candidate_keys(seed, T, E)
     high = rng.random(size=E) < 0.5
     got = np.asarray(tr.tokens_per_expert_by_kernel(
         jnp.asarray(keys), jnp.asarray(count), jnp.asarray(high), max_count, chunk, interpret=True))
