@@ -51,8 +51,12 @@ def kernel_breakdown(f, *args):
     return [(k, per[k], count[k]) for k, _ in per.most_common()]
 
 
-def make_step(shape, routing, backend, config, skew: float = 0.0, gpt_oss: bool = False):
-    """The jitted step; `skew` is added to the router logits of the first quarter of the
+def make_step(shape, routing, backend, config, skew: float = 0.0, gpt_oss: bool = False,
+              harness: str = "vjp"):
+    """The jitted step; `harness` is how the backward is driven: "vjp" (forward, then the
+    backward of a given bf16 output cotangent `cot`, as SonicMoE times its layer; returns
+    (out, grads)) or "loss" (`value_and_grad` of `sum(out * cot)` with an f32 `cot`, which
+    adds a [T, d] convert-multiply-reduce and its backward to the step). `skew` is added to the router logits of the first quarter of the
     experts (skewed routing: those experts get more rows, the others fewer). `gpt_oss`: the
     step takes two more inputs, the expert biases (`step_bias_inputs`), differentiates them
     too, and uses the clamped SwiGLU."""
@@ -60,7 +64,7 @@ def make_step(shape, routing, backend, config, skew: float = 0.0, gpt_oss: bool 
     skew_bias = jnp.where(jnp.arange(num_experts) < max(num_experts // 4, 1), skew, 0.0)
     options = dict(activation=pm.ops.SwiGLU.clamped()) if gpt_oss else {}
 
-    def loss(x, router, w1, w2, cot, b1=None, b2=None):
+    def layer(x, router, w1, w2, b1=None, b2=None):
         logits = jnp.dot(x.astype(jnp.float32), router)  # f32[T, E]
         if skew:
             logits = logits + skew_bias
@@ -68,9 +72,20 @@ def make_step(shape, routing, backend, config, skew: float = 0.0, gpt_oss: bool 
             plan = pm.routing.topk_plan(logits, k)
         else:
             plan = pm.routing.token_rounding_plan(logits, k, tile=128, rounding="nearest")
-        out = pm.moe_ffn(x, plan, w1, w2, b_gate_up=b1, b_down=b2, backend=backend,
-                         config=config, **options)
-        return jnp.sum(out.astype(jnp.float32) * cot)
+        return pm.moe_ffn(x, plan, w1, w2, b_gate_up=b1, b_down=b2, backend=backend,
+                          config=config, **options)
+
+    if harness == "vjp":
+        def step(x, router, w1, w2, cot, *biases):
+            out, pullback = jax.vjp(layer, x, router, w1, w2, *biases)
+            return out, pullback(cot.astype(out.dtype))
+
+        return jax.jit(step)
+    if harness != "loss":
+        raise ValueError(f'harness must be "vjp" or "loss", got {harness!r}.')
+
+    def loss(x, router, w1, w2, cot, b1=None, b2=None):
+        return jnp.sum(layer(x, router, w1, w2, b1, b2).astype(jnp.float32) * cot)
 
     argnums = (0, 1, 2, 3, 5, 6) if gpt_oss else (0, 1, 2, 3)
     return jax.jit(jax.value_and_grad(loss, argnums=argnums))
@@ -105,7 +120,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default="7b,30b")
-    ap.add_argument("--variants", default="topk/tma,topk/cp_async,token_rounding/cp_async")
+    ap.add_argument("--variants", default="topk/cp_async,token_rounding/cp_async",
+                    help="routing/gather[/harness], harness as --harness")
+    ap.add_argument("--harness", default="vjp", choices=("vjp", "loss"),
+                    help="vjp: forward + backward of a bf16 output cotangent (SonicMoE's "
+                         "timing); loss: value_and_grad of sum(out * f32 cotangent)")
     ap.add_argument("--xla-check", default="", help="shapes also checked against backend=xla")
     ap.add_argument("--skew", type=float, default=0.0,
                     help="added to the router logits of a quarter of the experts")
@@ -118,18 +137,22 @@ def main():
         shape = SHAPES[name]
         num_tokens, d, n, num_experts, k = shape
         x, router, w1, w2, cot = step_inputs(shape, seed=0)
-        inputs = (x, router, w1, w2, cot, *(step_bias_inputs(shape, 0) if args.gpt_oss else ()))
+        biases = step_bias_inputs(shape, 0) if args.gpt_oss else ()
+        cots = {"loss": cot, "vjp": cot.astype(jnp.bfloat16)}  # converted outside the step
         _, bound_all, xe, dcot = dense_bound_fns(shape)
         bound_ms = gpu_time_ms(bound_all, xe, w1, w2, dcot, iters=ITERS)
         del xe, dcot
         log(f"== {name} {shape} skew {args.skew}: dense fwd+bwd bound {bound_ms:.3f} ms")
         reference = {}
         for variant in args.variants.split(","):
-            routing, gather = variant.split("/")
+            routing, gather, *rest = variant.split("/")
+            harness = rest[0] if rest else args.harness
+            inputs = (x, router, w1, w2, cots[harness], *biases)
             step = make_step(shape, routing, "mosaic", KernelConfig.for_shape(d, n, gather=gather),
-                             skew=args.skew, gpt_oss=args.gpt_oss)
-            row = dict(shape=name, routing=routing, gather=gather, bound_ms=bound_ms,
-                       gpt_oss=args.gpt_oss)
+                             skew=args.skew, gpt_oss=args.gpt_oss, harness=harness)
+            variant = f"{routing}/{gather}/{harness}"
+            row = dict(shape=name, routing=routing, gather=gather, harness=harness,
+                       bound_ms=bound_ms, gpt_oss=args.gpt_oss)
             try:
                 val, grads = step(*inputs)
                 finite = all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
@@ -138,7 +161,7 @@ def main():
                     reference[routing] = (variant, val, grads)
                     if name in args.xla_check.split(","):
                         xval, xgrads = make_step(shape, routing, "xla", None, skew=args.skew,
-                                                 gpt_oss=args.gpt_oss)(*inputs)
+                                                 gpt_oss=args.gpt_oss, harness=harness)(*inputs)
                         row["vs_xla"] = [rel_err(g, r) for g, r in zip(grads, xgrads)]
                         del xgrads
                 else:
@@ -163,13 +186,15 @@ def main():
                 json.dump(rows, f, indent=1)
         reference.clear()
 
-    lines = ["| shape | routing | gather | step GPU ms | step wall ms | bound ms | bound/step |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| shape | routing | gather | harness | step GPU ms | step wall ms | bound ms | bound/step |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['routing']} | {r['gather']} | error: {r['error'][:100]} |")
+            lines.append(f"| {r['shape']} | {r['routing']} | {r['gather']} | {r['harness']} | "
+                         f"error: {r['error'][:100]} |")
         else:
-            lines.append(f"| {r['shape']} | {r['routing']} | {r['gather']} | {r['gpu_ms']:.3f} | "
+            lines.append(f"| {r['shape']} | {r['routing']} | {r['gather']} | {r['harness']} | "
+                         f"{r['gpu_ms']:.3f} | "
                          f"{r['wall_ms']:.3f} | {r['bound_ms']:.3f} | {r['vs_bound']:.2f} |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "step.md"), "w") as f:
