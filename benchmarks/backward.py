@@ -210,13 +210,6 @@ def configs_for(d, n, sweep: str):
         dh += [rep(base.dh, gather_completion="wait_group"), rep(base.dh, num_stages=4)]
         dw2.append(rep(base.dw_down, gather_completion="wait_group"))
         dw1.append(rep(base.dw_gate_up, gather_completion="wait_group"))
-    if sweep == "swizzle":
-        # Session 5: dH's H, dH and A' tiles in swizzled 64-column slabs (conflict-free
-        # register <-> SMEM traffic, one slab of the epilogue at a time).
-        rep = dataclasses.replace
-        dh += [rep(base.dh, swizzled_epilogue=True),
-               rep(base.dh, swizzled_epilogue=True, gather_completion="mbarrier"
-                   if base.dh.gather_completion == "wait_group" else "wait_group")]
     if sweep == "full":
         dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
                DHConfig(block_n=64, num_stages=4, num_consumers=2),
@@ -388,7 +381,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "swizzle", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     args = ap.parse_args()
     SMOKE = args.smoke

@@ -391,14 +391,6 @@ def engine_up_cfgs(d, n):
     return cands
 
 
-def swizzle_up_cfgs(d, n):
-    """The default up-proj against the same kernel with its A and H tiles in swizzled
-    64-column slabs (`UpProjConfig.swizzled_epilogue`: conflict-free register stores)."""
-    base = ForwardConfig.for_shape(d, n).up
-    return [base, dataclasses.replace(base, swizzled_epilogue=True),
-            dataclasses.replace(base, swizzled_epilogue=True, gather_completion="mbarrier")]
-
-
 def default_down_cfgs(d, n):
     cands = [
         ForwardConfig.for_shape(d, n).down,
@@ -452,7 +444,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "engine", "swizzle", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "engine", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     args = p.parse_args()
@@ -466,7 +458,6 @@ def main():
                 up_cfgs = {"variants": variant_up_cfgs, "default": default_up_cfgs,
                            "gather": gather_up_cfgs, "registers": registers_up_cfgs,
                            "completion": completion_up_cfgs, "engine": engine_up_cfgs,
-                           "swizzle": swizzle_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

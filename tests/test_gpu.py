@@ -97,8 +97,8 @@ def test_up_proj_on_the_engine_matches_reference(shape, engine, loader):
     from pallas_moe.kernels.up_proj import UpProjConfig
 
     bm = engine["block_m"]
-    _check_up_proj(shape, UpProjConfig(block_m=bm, gather=loader, num_consumers=2,
-                                       num_stages=3, engine=GroupedMatmulConfig(**engine)))
+    _check_up_proj(shape, UpProjConfig(block_m=bm, gather=loader,
+                                       engine=GroupedMatmulConfig(**engine)))
 
 
 def _check_up_proj(shape, config):
@@ -257,7 +257,7 @@ def test_module_routes_token_rounding_on_the_fast_path(rounding):
 
 @pytest.mark.parametrize("shape", [(4096, 1536, 256, 32, 8), (2048, 4096, 512, 16, 4), (1000, 512, 256, 8, 2)])
 @pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])
-def test_backward_cp_async_matches_reference(shape, completion, swizzled=False):
+def test_backward_cp_async_matches_reference(shape, completion):
     """dH and both weight gradients with the cp.async row gather, against the jnp backward,
     with either way of publishing a stage (`_common.GATHER_COMPLETIONS`)."""
     import dataclasses
@@ -278,9 +278,6 @@ def test_backward_cp_async_matches_reference(shape, completion, swizzled=False):
         name: dataclasses.replace(getattr(config, name), gather_completion=completion)
         for name in ("dh", "dw_down", "dw_gate_up")
     })
-    config = dataclasses.replace(
-        config, dh=dataclasses.replace(config.dh, swizzled_epilogue=swizzled)
-    )
     f = jax.jit(lambda *a: moe_backward(*a, config=config))
     _poison(plan.capacity * (5 * n + d) * 2)
     got = f(x, h, plan, w1, w2, go)
@@ -290,23 +287,3 @@ def test_backward_cp_async_matches_reference(shape, completion, swizzled=False):
     again = f(x, h, plan, w1, w2, go)
     for g, a in zip(got, again):
         assert bool(jnp.array_equal(g, a)), "bitwise repeat"
-
-
-@pytest.mark.parametrize("shape", [(4096, 1536, 256, 32, 8), (2048, 4096, 512, 16, 4), (1000, 512, 256, 8, 2)])
-def test_dh_swizzled_epilogue_matches_reference(shape):
-    """dH with swizzled 64-column epilogue slabs (`DHConfig.swizzled_epilogue`), the rest of
-    the backward as default: against the jnp backward, poisoned outputs, bitwise repeat."""
-    test_backward_cp_async_matches_reference(shape, "mbarrier" if shape[1] >= 4096 else "wait_group",
-                                             swizzled=True)
-
-
-@pytest.mark.parametrize("shape", [(2048, 512, 256, 8, 4), (3000, 1536, 256, 16, 8), (1024, 4096, 512, 5, 2)])
-def test_up_proj_swizzled_epilogue_matches_reference(shape):
-    """The up-proj with its A and H tiles in swizzled 64-column slabs, at the forward's
-    default blocks for the width."""
-    import dataclasses
-
-    from pallas_moe.kernels.moe_forward import ForwardConfig
-
-    up = ForwardConfig.for_shape(shape[1], shape[2]).up
-    _check_up_proj(shape, dataclasses.replace(up, swizzled_epilogue=True))

@@ -471,23 +471,3 @@ def test_lowers_for_cuda_7b(gather):
 )
 def test_lowers_for_cuda_large(shape):
     _lower_for_cuda(*shape)
-
-
-def test_dh_kernel_swizzled_epilogue_no_races():
-    """dH with its H, dH and A' tiles in swizzled 64-column slabs (`swizzled_epilogue`):
-    two slabs per consumer (block_n=128), ragged tiles, an empty expert; race-free and equal
-    to the reference, padding rows untouched."""
-    x, h, plan, w1, w2, grad_out = make_problem(7, 45, 256, 256, 3, 2, empty=(1,))
-    dh, a_scaled, d_scores = dh_kernel(
-        grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2,
-        config=DHConfig(block_n=128, num_stages=2, num_consumers=2, swizzled_epilogue=True),
-        interpret=interp(detect_races=True),
-    )
-    assert not races_found()
-    ref_dh, ref_a, ref_ds = dh_reference(grad_out, h, plan, w2)
-    rows = int(plan.num_rows)
-    assert_close(dh[:rows], ref_dh[:rows], 1e-2, "dh")
-    assert_close(a_scaled[:rows], ref_a[:rows], 1e-2, "a_scaled")
-    assert_close(d_scores, ref_ds, 1e-4, "d_scores")
-    assert_untouched(dh, rows)
-    assert_untouched(a_scaled, rows)

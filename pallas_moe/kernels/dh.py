@@ -79,11 +79,6 @@ class DHConfig:
         and are loaded while the K loop runs; False = they are loaded after the K loop into
         the pipeline's SMEM, which leaves room for more stages (5 at block_n=128, where
         prefetching allows only 3).
-      swizzled_epilogue: warp-specialized kernel with `prefetch_h=False` only: H, dH and A'
-        live in 128-byte-swizzled 64-column slabs (`_common.row_tile_types`), which the
-        accumulator layout reads and writes without bank conflicts (untiled rows: 8-way
-        conflicts), and the dSwiGLU epilogue runs one 64-column slab at a time (fewer live
-        registers). dS then sums the slabs' partial sums in slab order.
     """
 
     block_m: int = 64
@@ -97,7 +92,6 @@ class DHConfig:
     # BackwardConfig.for_shape picks per width (measured: see there).
     gather_completion: str = "wait_group"
     prefetch_h: bool = False
-    swizzled_epilogue: bool = False
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -396,9 +390,6 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
         if prefetch_h:
             bufs, h_smem, full, empty, ids_bar, h_bars, s_bar, epi_bar, *a_landed = scratch
             a_copy, a_mma, (b_smem, ids_smem, s_smem), (ap_smem, ds_smem) = views(bufs)
-        elif swizzled:  # (copy view, wgmma view) pairs of A' and H
-            bufs, full, empty, ids_bar, h_bars, s_bar, epi_bar, *a_landed = scratch
-            a_copy, a_mma, (b_smem, ids_smem, s_smem), (ds_smem, ap_tiles, h_tiles) = views(bufs)
         else:
             bufs, full, empty, ids_bar, h_bars, s_bar, epi_bar, *a_landed = scratch
             a_copy, a_mma, (b_smem, ids_smem, s_smem), (ap_smem, ds_smem, h_smem) = views(bufs)
@@ -487,12 +478,6 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 # A' and dS reuse the pipeline's SMEM: every consumer is done reading it first.
                 plgpu.barrier_arrive(epi_bar)
                 plgpu.barrier_wait(epi_bar)
-                if swizzled:  # H goes into the pipeline's SMEM, now free, 64 columns a slab
-                    swizzled_epilogue(
-                        c, da, h_ref, h_tiles, ap_tiles, ds_smem, s_smem, s_bar, h_bars, bar0,
-                        row0, num_rows, c0, dh_out, ap_out, ds_out.at[mi, ni * cons + c],
-                    )
-                    return
                 if not prefetch_h:  # H goes into the pipeline's SMEM, now free
                     load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, True, bar0)
                     load_rows(h_up, h_smem.at[c, 1], row0, num_rows, bm, h_bars, True, bar0)
@@ -517,69 +502,24 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 plgpu.copy_smem_to_gmem(ds_smem.at[c], ds_out.at[mi, ni * cons + c])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def swizzled_epilogue(c, da, h_ref, h_tiles, ap_tiles, ds_smem, s_smem, s_bar, h_bars,
-                          bar0, row0, num_rows, c0, dh_out, ap_out, ds_dst):
-        """Consumer c's epilogue on swizzled 64-column slabs: loads its H gate and up
-        columns, then per slab computes dH, A' and the slab's dS partial from that slab of
-        the accumulator, writes dH over H (same layout: each thread rewrites what it read),
-        and stores dH, A' and dS row-exactly."""
-        (h_copy, h_mma), (ap_copy, ap_mma) = h_tiles, ap_tiles
-        slabs = bn // 64
-        for half in range(2):  # gate columns c0 + [0, bn), up columns n + c0 + [0, bn)
-            for j in range(slabs):
-                src = h_ref.at[:, pl.ds(half * n + c0 + j * 64, 64)]
-                load_rows(src, h_copy.at[c, half, j], row0, num_rows, bm, h_bars, True, bar0)
-        plgpu.barrier_wait(s_bar)
-        load_rows(None, None, row0, num_rows, bm, h_bars, False, bar0)  # waits only
-        layout = plgpu.Layout.WGMMA
-        s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
-        s = jax.lax.broadcast_in_dim(s, (bm, 64), [0])
-        ds = None
-        for j in range(slabs):
-            g = plgpu.load(h_mma.at[c, 0, j], layout=layout).astype(jnp.float32)
-            u = plgpu.load(h_mma.at[c, 1, j], layout=layout).astype(jnp.float32)
-            d_gate, d_up, a_scaled, ds_j = dswiglu_epilogue(
-                da[:, j * 64:(j + 1) * 64], g, u, s, activation
-            )
-            h_mma[c, 0, j] = d_gate.astype(dtype)
-            h_mma[c, 1, j] = d_up.astype(dtype)
-            ap_mma[c, j] = a_scaled.astype(dtype)
-            ds = ds_j if ds is None else ds + ds_j
-        ds_smem[c] = ds
-        plgpu.commit_smem()
-        _common.store_row_tile(h_copy.at[c, 0], dh_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
-        _common.store_row_tile(h_copy.at[c, 1], dh_out.at[:, pl.ds(n + c0, bn)], row0,
-                               num_rows, bm)
-        _common.store_row_tile(ap_copy.at[c], ap_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
-        plgpu.copy_smem_to_gmem(ds_smem.at[c], ds_dst)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
     # Per consumer: H gate, H up -> dH gate, dH up.
     h_types = [plgpu.SMEM((cons, 2, bm, bn), dtype)]
     prefetch_h = config.prefetch_h
-    swizzled = config.swizzled_epilogue
-    if swizzled and prefetch_h:
-        raise ValueError("config.swizzled_epilogue needs prefetch_h=False.")
-    # Token ids and scores of the tile sit past the bytes the epilogue reuses (packed here
-    # rather than as separate buffers, which are each padded to 1 KB).
-    pipeline_others = [
-        plgpu.SMEM((stages, cols, bk), dtype, transforms=tf),  # W2 stages
-        plgpu.SMEM((bm,), jnp.int32),
-        plgpu.SMEM((bm,), jnp.float32),
-    ]
-    if swizzled:
-        epilogue = [plgpu.SMEM((cons, bm), jnp.float32)]  # per consumer: dS partial
-        row_tiles = [(cons, bm, bn), (cons, 2, bm, bn)]  # per consumer: A'; H -> dH
-    else:
-        epilogue = [
+    bufs, views = _common.gathered_pipeline_smem(
+        (stages, bm, bk), dtype,
+        others=[
+            plgpu.SMEM((stages, cols, bk), dtype, transforms=tf),  # W2 stages
+            # Token ids and scores of the tile, past the bytes the epilogue reuses (packed
+            # here rather than as separate buffers, which are each padded to 1 KB).
+            plgpu.SMEM((bm,), jnp.int32),
+            plgpu.SMEM((bm,), jnp.float32),
+        ],
+        epilogue=[
             plgpu.SMEM((cons, bm, bn), dtype),  # per consumer: A'
             plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: dS partial
             *([] if prefetch_h else h_types),
-        ]
-        row_tiles = []
-    bufs, views = _common.gathered_pipeline_smem(
-        (stages, bm, bk), dtype, others=pipeline_others, epilogue=epilogue,
-        row_tiles=row_tiles, interpret=interpret_mode is not None,
+        ],
+        interpret=interpret_mode is not None,
     )
     scratch = [
         bufs,  # gathered dO stages [stages, bm, bk] + W2 stages + ids + scores; then A', dS
@@ -591,9 +531,7 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
         ),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
         plgpu.Barrier(),  # ids
-        # H boxes: gate and up (per 64-column slab when swizzled)
-        plgpu.Barrier(num_arrivals=2 * (bn // 64 if swizzled else 1),
-                      num_barriers=cons * num_ladder),
+        plgpu.Barrier(num_arrivals=2, num_barriers=cons * num_ladder),  # H boxes
         plgpu.Barrier(),  # scores
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the pipeline
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),

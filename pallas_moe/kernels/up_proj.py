@@ -90,9 +90,6 @@ class UpProjConfig:
         equal `block_m`; `gather` picks the row loader, whose cp.async stages complete on
         per-slot mbarriers) instead of one CTA per (row tile, column block): the next
         tile's loads and the other consumer's wgmmas run during an epilogue.
-      swizzled_epilogue: warp-specialized kernel only: the epilogue's A and H tiles are
-        128-byte-swizzled 64-column slabs (`_common.row_tile_types`), which the accumulator
-        layout writes without bank conflicts, instead of untiled rows (8-way conflicts).
     """
 
     block_m: int = 64
@@ -110,7 +107,6 @@ class UpProjConfig:
     # 800 / 4612 us with hardware-tracked stages at 7B / 30B.
     gather_completion: str = "wait_group"
     engine: GroupedMatmulConfig | None = None
-    swizzled_epilogue: bool = False
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -392,7 +388,6 @@ def _warp_specialized_kernel(
         # cp.async mbarriers (hardware-tracked stages).
         bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
         a_copy, a_mma, (bg_smem, bu_smem), (o_smem,) = views(bufs)
-        o_tiles = o_smem  # with swizzled_epilogue: (copy view, wgmma view)
         if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
             _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
@@ -503,32 +498,26 @@ def _warp_specialized_kernel(
                 else:
                     biases = (None, None)
                 act, hg, hu = _common.swiglu_epilogue(g, u, dtype, activation, *biases)  # [mb, bn]
-                tiles = (act, hg, hu)[:num_out]
-                dsts = [a_out.at[:, pl.ds(col, bn)]]
+                o_smem[c, 0] = act
                 if h_out is not None:
-                    dsts += [h_out.at[:, pl.ds(col, bn)], h_out.at[:, pl.ds(n + col, bn)]]
-                if config.swizzled_epilogue:
-                    o_copy, o_mma = o_tiles
-                    for t, val in enumerate(tiles):
-                        _common.write_row_tile(o_mma.at[c, t], val)
-                    plgpu.commit_smem()
-                    for t, dst in enumerate(dsts):
-                        _common.store_row_tile(o_copy.at[c, t], dst, dst0, count, mb)
-                else:
-                    for t, val in enumerate(tiles):
-                        o_smem[c, t] = val
-                    plgpu.commit_smem()
-                    for t, dst in enumerate(dsts):
-                        _common.store_rows(o_smem.at[c, t], dst, dst0, count, mb)
+                    o_smem[c, 1] = hg
+                    o_smem[c, 2] = hu
+                plgpu.commit_smem()
+                _common.store_rows(o_smem.at[c, 0], a_out.at[:, pl.ds(col, bn)], dst0, count, mb)
+                if h_out is not None:
+                    _common.store_rows(
+                        o_smem.at[c, 1], h_out.at[:, pl.ds(col, bn)], dst0, count, mb
+                    )
+                    _common.store_rows(
+                        o_smem.at[c, 2], h_out.at[:, pl.ds(n + col, bn)], dst0, count, mb
+                    )
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     b_shape = (stages, bk, cols)
     bufs, views = _common.gathered_pipeline_smem(
         (stages, bm, bk), dtype,
         others=[plgpu.SMEM(b_shape, dtype, transforms=tf)] * 2,  # gate, up weight stages
-        # per consumer: A, H gate, H up
-        epilogue=[] if config.swizzled_epilogue else [plgpu.SMEM((cons, num_out, mb, bn), dtype)],
-        row_tiles=[(cons, num_out, mb, bn)] if config.swizzled_epilogue else [],
+        epilogue=[plgpu.SMEM((cons, num_out, mb, bn), dtype)],  # per consumer A, H gate, H up
         interpret=interpret,
     )
     scratch = [
