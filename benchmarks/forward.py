@@ -378,19 +378,6 @@ def completion_up_cfgs(d, n):
     return _fitting_up_cfgs(cands, n)
 
 
-def engine_up_cfgs(d, n):
-    """The default up-proj (one CTA per row tile and column block) against the up-proj on
-    the persistent engine (`UpProjConfig.engine`): ping-pong consumers, the next item's
-    loads and the other consumer's wgmmas during each epilogue."""
-    base = ForwardConfig.for_shape(d, n).up
-    cands = [base]
-    for bn, stages in [(128, 3), (64, 5), (64, 6), (64, 4)]:
-        if n % bn == 0:
-            engine = GroupedMatmulConfig(block_m=64, block_n=bn, num_stages=stages)
-            cands.append(dataclasses.replace(base, block_m=64, engine=engine))
-    return cands
-
-
 def default_down_cfgs(d, n):
     cands = [
         ForwardConfig.for_shape(d, n).down,
@@ -444,7 +431,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "engine", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     args = p.parse_args()
@@ -457,7 +444,7 @@ def main():
             try:
                 up_cfgs = {"variants": variant_up_cfgs, "default": default_up_cfgs,
                            "gather": gather_up_cfgs, "registers": registers_up_cfgs,
-                           "completion": completion_up_cfgs, "engine": engine_up_cfgs,
+                           "completion": completion_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

@@ -71,7 +71,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels._common import TileMeta
-from pallas_moe.ops.activation import SwiGLU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,27 +108,6 @@ class GroupedMatmulConfig:
         if self.fp8_promote_every < 0:
             raise ValueError(
                 f"config.fp8_promote_every={self.fp8_promote_every} must be >= 0 (0 = never)."
-            )
-
-
-@dataclasses.dataclass(frozen=True)
-class RowGather:
-    """A gathered A operand: stage rows `X[token_ids[r]]` of a `tile_meta` row tile.
-
-    Attributes:
-      loader: "cp_async" (the producer warpgroup's 128 threads issue 16-byte cp.async loads
-        straight into the swizzled stage; each thread's loads complete on the slot's own
-        mbarrier, `_common.cp_async_stage_barriers`, so every stage can be in flight) or
-        "tma" (one `[1, block_k]` TMA copy per row). Interpret mode cannot run cp.async and
-        always runs the TMA loader: the same engine, only the loader differs.
-    """
-
-    loader: str = "cp_async"
-
-    def __post_init__(self):
-        if self.loader not in _common.GATHER_MODES:
-            raise ValueError(
-                f"loader must be one of {_common.GATHER_MODES}, got {self.loader!r}."
             )
 
 
@@ -294,90 +272,9 @@ def grouped_matmul(
     return kernel(*operands, *scales, *(() if bias is None else (bias,)))
 
 
-def gathered_swiglu_matmul(
-    x: jax.Array,
-    meta: TileMeta,
-    w_gate_up: jax.Array,
-    *,
-    capacity: int,
-    config: GroupedMatmulConfig,
-    gather: RowGather = RowGather(),
-    with_h: bool = True,
-    bias: jax.Array | None = None,
-    activation: SwiGLU = SwiGLU(),
-    out_rows: int | None = None,
-    interpret: bool | plgpu.InterpretGPUParams = False,
-    kernel_name: str = "moe_up_proj",
-) -> tuple[jax.Array | None, jax.Array]:
-    """The up-proj on the engine: `H = X[tok] @ W1[e]` (+ b1), `A = act(H)`, gather fused.
-
-    Work item = (row tile of `meta`, block of `block_n` gate columns and the matching up
-    columns); each K step gathers the tile's `block_m` rows of X (`gather`) and loads the
-    gate and up weight tiles into two accumulators of one consumer. The epilogue is
-    `_common.swiglu_epilogue` (H rounded first, A from the rounded H), stored row-exactly.
-    Persistent like every engine kernel: the next item's loads run during an epilogue, and
-    with `block_m == 64` the two consumers take alternate items (one's epilogue overlaps
-    the other's wgmmas).
-
-    Args:
-      x: bf16 [T, d] tokens (gathered by token id; never copied).
-      meta: `tile_meta(group_sizes, token_ids, config.block_m)`: row tiles of one expert
-        each, with the source token of every row (`row_ids`, padded by repeating the last).
-      w_gate_up: bf16 [E, d, 2n], gate = [..., :n], up = [..., n:].
-      capacity: P, the plan's row capacity (H's rows).
-      config: block sizes (`block_m` 64 or 128, `block_n` gate columns per item).
-      gather: the row loader.
-      with_h: also return H (the training residual); False for inference.
-      bias: optional bf16 [E, 2n] expert bias, added in fp32 before H is rounded.
-      activation: the `SwiGLU` spec of the epilogue.
-      out_rows: rows of A (>= P; default P), for a consumer that loads whole row blocks.
-      interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
-      kernel_name: the kernel's name in profiles.
-
-    Returns:
-      (h, a): h bf16 [P, 2n] (None without `with_h`), a bf16 [out_rows, n]. Padding rows
-      are not written (their contents are unspecified).
-    """
-    _common.require_dtype("x", x, jnp.bfloat16)
-    _common.require_dtype("w_gate_up", w_gate_up, jnp.bfloat16)
-    if meta.block_m != config.block_m:
-        raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={config.block_m}.")
-    if meta.row_ids.shape != (meta.num_tiles, config.block_m):
-        raise ValueError(
-            "meta must be a tile_meta with row ids ([num_tiles, block_m]), got row_ids of "
-            f"shape {tuple(meta.row_ids.shape)}."
-        )
-    if config.block_k != 64:
-        raise ValueError(f"config.block_k={config.block_k} must be 64 for bf16 inputs.")
-    _, d = x.shape
-    num_experts, d2, two_n = w_gate_up.shape
-    if d2 != d or two_n % 2:
-        raise ValueError(f"w_gate_up must be [E, d={d}, 2n], got {tuple(w_gate_up.shape)}.")
-    n = two_n // 2
-    _common.require_multiple("d (x.shape[1])", d, 64, "the K loop steps by 64")
-    _common.require_multiple("n (w_gate_up.shape[2] // 2)", n, config.block_n,
-                             f"a work item computes block_n={config.block_n} gate columns")
-    if bias is not None:
-        _common.require_dtype("bias", bias, jnp.bfloat16)
-        _common.require_shape("bias", bias, (num_experts, 2 * n))
-    if out_rows is not None and out_rows < capacity:
-        raise ValueError(f"out_rows={out_rows} must be >= capacity={capacity}.")
-    kernel = _kernel(config, d, n, capacity, n, False, kernel_name, interpret,
-                     in_dtype=x.dtype, out_dtype=x.dtype, fp8=False, gated=True,
-                     has_bias=bias is not None, gather=gather, with_h=with_h,
-                     activation=activation, out_rows=out_rows)
-    num_real = jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1)
-    operands = (meta.expert, meta.row_start, meta.num_rows, num_real, meta.row_ids, x, w_gate_up)
-    outs = kernel(*operands, *(() if bias is None else (bias,)))
-    if with_h:
-        return outs[0], outs[1]
-    return None, outs
-
-
 def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, transpose_w,
             kernel_name, interpret, *, in_dtype, out_dtype, fp8: bool, gated: bool,
-            has_bias: bool = False, gather: RowGather | None = None, with_h: bool = False,
-            activation: SwiGLU = SwiGLU(), out_rows: int | None = None):
+            has_bias: bool = False):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     split_m = bm == 128
     mb = bm // 2 if split_m else bm  # rows per consumer
@@ -388,36 +285,20 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
     tf = _common.mma_transforms(dtype)
     num_b = 2 if gated else 1  # weight tiles per K step (gate and up)
     promote_every = config.fp8_promote_every if fp8 else 0
-    interpret_mode = _common.interpret_params(interpret)
-    gathered = gather is not None
-    # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
-    cp_async = gathered and gather.loader == "cp_async" and interpret_mode is None
-    swiglu_bf16 = gated and not fp8  # the up-proj: SwiGLU epilogue writing A (and H)
-    num_out = 3 if with_h else 1  # per consumer: A, then H gate and H up
 
-    def body(*refs):
-        it = iter(refs)
-        expert_ref, start_ref, rows_ref, nreal_ref = (next(it) for _ in range(4))
-        ids_ref = next(it) if gathered else None  # i32 [tiles, bm] source token of each row
-        a_ref, w_ref = next(it), next(it)
-        rs_ref, cs_ref = (next(it), next(it)) if fp8 else (None, None)
-        bias_ref = next(it) if has_bias else None
-        h_out = next(it) if with_h else None
-        out_ref = next(it)
-        a_bufs, b_smem, o_smem, full, empty = (next(it) for _ in range(5))
-        bias_smem, bias_bars = (next(it), next(it)) if has_bias else (None, None)
-        rs_smem, cs_smem, scale_bar = (next(it), next(it), next(it)) if fp8 else (None,) * 3
-        ids_smem, ids_bar = (next(it), next(it)) if gathered else (None, None)
-        landed = list(it)  # cp.async per-slot mbarriers (hardware-tracked stages)
-        a_copy, a_smem = a_views(a_bufs)
-        if landed:
-            _common.cp_async_stage_barriers_init(landed[0])
+    def body(expert_ref, start_ref, rows_ref, nreal_ref, a_ref, w_ref, *refs):
+        if fp8:
+            (rs_ref, cs_ref, out_ref, a_smem, b_smem, o_smem, full, empty,
+             rs_smem, cs_smem, scale_bar) = refs
+            bias_ref, bias_scratch = None, ()
+        else:
+            bias_ref, *refs = refs if has_bias else (None, *refs)
+            out_ref, a_smem, b_smem, o_smem, full, empty, *bias_scratch = refs
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
-        if fp8 or gated:
-            # Two 64 x block_n f32 accumulators (or the fp8 promotion's second set) plus the
-            # epilogue's broadcast scales or biases: give the consumers the producer's
-            # registers.
+        if fp8:
+            # The fp8 consumers hold up to two 64x128 (or one 64x256) f32 accumulators plus
+            # the broadcast scales of the epilogue: give them the producer's registers.
             _common.rebalance_registers(wg, num_consumers=2)
         total = nreal_ref[0] * grid_n  # real work items
         my_items = jnp.maximum(total - sm + num_sms - 1, 0) // num_sms
@@ -433,9 +314,6 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                 box0 = (start_ref[tile] // bm) * bm  # the aligned block holding the tile
                 w_e = w_ref.at[expert_ref[tile]]
                 c = 0 if split_m else j % 2
-                if gathered:  # the tile's token ids; every row copy reads them when issued
-                    plgpu.copy_gmem_to_smem(ids_ref.at[tile], ids_smem, ids_bar)
-                    plgpu.barrier_wait(ids_bar)
 
                 def per_step(k, carry):
                     g = j * num_k + k
@@ -446,21 +324,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         plgpu.barrier_wait(empty.at[slot])
 
                     k0 = k * bk
-                    if cp_async:  # [bm, bk] of X[tok], straight into the swizzled stage
-                        _common.cp_async_gather_rows(
-                            a_ref.at[:, pl.ds(k0, bk)], ids_smem, [a_smem.at[slot]], num_rows=bm
-                        )
-                        _common.cp_async_stage_arrive(landed[0].at[slot])
-                    elif gathered:  # one [1, bk] TMA copy per row
-                        _common.gather_rows(
-                            a_ref, ids_smem, [a_copy.at[slot]], full.at[c, slot],
-                            col0=k0, width=bk, first_row=0, num_rows=bm, unroll=8,
-                        )
-                    else:
-                        plgpu.copy_gmem_to_smem(  # [bm, bk]
-                            a_ref.at[pl.ds(box0, bm), pl.ds(k0, bk)], a_smem.at[slot],
-                            full.at[c, slot],
-                        )
+                    plgpu.copy_gmem_to_smem(  # [bm, bk]
+                        a_ref.at[pl.ds(box0, bm), pl.ds(k0, bk)], a_smem.at[slot],
+                        full.at[c, slot],
+                    )
                     for h in range(num_b):  # h = 1: the matching up columns, n_dim later
                         col0 = h * n_dim + ni * bn
                         if transpose_w:  # [bn, bk], K-minor
@@ -494,7 +361,6 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                     g = j * num_k + k0 + t
                     slot = g % stages
                     plgpu.barrier_wait(full.at[bar_c, slot])
-                    _common.cp_async_consumer_wait(g, landed, stages)
                     for h, acc in enumerate(accs):
                         b = b_smem.at[h, slot]
                         if transpose_w:
@@ -545,11 +411,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                     tile, ni = item(j)
                     row0 = start_ref[tile]
                     num_rows = rows_ref[tile]
-                    if gathered:  # the tile's rows are exactly its stage rows [0, num_rows)
-                        box0, shift = row0, 0
-                    else:
-                        box0 = (row0 // bm) * bm
-                        shift = row0 - box0  # box row of the tile's first row
+                    box0 = (row0 // bm) * bm
+                    shift = row0 - box0  # box row of the tile's first row
                     if split_m:  # this consumer's box rows [c*mb, c*mb + mb) ∩ the tile's
                         lo = jnp.maximum(shift, c * mb)
                         count = jnp.maximum(jnp.minimum(shift + num_rows, c * mb + mb) - lo, 0)
@@ -557,11 +420,11 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                     else:
                         count, dst0, src0 = num_rows, row0, shift
                     if has_bias:  # lands while the K loop runs
-                        for h in range(num_b):
-                            plgpu.copy_gmem_to_smem(
-                                bias_ref.at[expert_ref[tile], pl.ds(h * n_dim + ni * bn, bn)],
-                                bias_smem.at[c, h], bias_bars.at[c],
-                            )
+                        bias_smem, bias_bars = bias_scratch
+                        plgpu.copy_gmem_to_smem(
+                            bias_ref.at[expert_ref[tile], pl.ds(ni * bn, bn)], bias_smem.at[c],
+                            bias_bars.at[c],
+                        )
 
                     if fp8:  # this item's scales -> SMEM, waited on in the epilogue
                         scale_rows = box0 + (c * mb if split_m else 0)
@@ -578,32 +441,21 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         accs = promoted_k_loop(j, bar_c, a_rows)
                     else:
                         accs = k_steps(j, 0, num_k, bar_c, a_rows)  # [mb, bn] f32 each
-                    biases = ()
-                    if has_bias:
-                        plgpu.barrier_wait(bias_bars.at[c])
-                        biases = tuple(
-                            _common.bias_columns(bias_smem.at[c, h], mb) for h in range(num_b)
-                        )
                     if fp8:
                         plgpu.barrier_wait(scale_bar.at[c])
-                        tiles = (_dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c],
-                                                      out_dtype),)
-                    elif swiglu_bf16:  # A, H gate, H up
-                        tiles = _common.swiglu_epilogue(*accs, out_dtype, activation, *biases)
-                        tiles = tiles[:num_out]
+                        y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c], out_dtype)
                     else:
                         (y,) = accs
-                        tiles = ((y + biases[0]) if has_bias else y,)
+                    if has_bias:
+                        plgpu.barrier_wait(bias_bars.at[c])
+                        y = y + _common.bias_columns(bias_smem.at[c], mb)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's store
-                    for t, tile_val in enumerate(tiles):
-                        o_smem[c, t] = tile_val.astype(out_dtype)
+                    o_smem[c] = y.astype(out_dtype)
                     plgpu.commit_smem()
-                    dsts = [out_ref.at[:, pl.ds(ni * bn, bn)]]
-                    if with_h:
-                        dsts += [h_out.at[:, pl.ds(ni * bn, bn)],
-                                 h_out.at[:, pl.ds(n_dim + ni * bn, bn)]]
-                    for t, dst in enumerate(dsts):
-                        _common.store_rows(o_smem.at[c, t], dst, dst0, count, mb, src_row0=src0)
+                    _common.store_rows(
+                        o_smem.at[c], out_ref.at[:, pl.ds(ni * bn, bn)], dst0, count, mb,
+                        src_row0=src0,
+                    )
                     return carry
 
                 num_mine = my_items if split_m else (my_items - c + 1) // 2
@@ -611,52 +463,33 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     b_shape = (num_b, stages, bn, bk) if transpose_w else (num_b, stages, bk, bn)
-    if gathered:  # tiled (1, 64) for one-row TMA copies and (8, 64) for wgmma
-        a_scratch, a_views = _common.row_gather_buffers(
-            stages, bm, bk, dtype, interpret_mode is not None
-        )
-    else:
-        a_scratch = plgpu.SMEM((stages, bm, bk), dtype, transforms=tf)
-        a_views = lambda ref: (ref, ref)  # noqa: E731
-    # full[.., slot]: the weight tile(s) of one K step, plus the A box, or one arrival per
-    # gathered row with the TMA loader (cp.async rows complete on `landed` instead).
-    a_arrivals = 0 if cp_async else (bm if gathered else 1)
     scratch = [
-        a_scratch,
+        plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),
         plgpu.SMEM(b_shape, dtype, transforms=tf),
-        plgpu.SMEM((2, num_out, mb, bn), out_dtype),
-        plgpu.Barrier(num_arrivals=a_arrivals + num_b,
-                      num_barriers=(1 if split_m else 2, stages)),
+        plgpu.SMEM((2, mb, bn), out_dtype),
+        # full[.., slot]: the A box and the weight tile(s) of one K step.
+        plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=(1 if split_m else 2, stages)),
         plgpu.Barrier(num_arrivals=2 if split_m else 1, num_barriers=stages),
     ]
-    if has_bias:  # per consumer: the item's bias columns and the barrier their copies arrive on
-        scratch += [plgpu.SMEM((2, num_b, bn), jnp.bfloat16),
-                    plgpu.Barrier(num_arrivals=num_b, num_barriers=2)]
+    if has_bias:  # per consumer: the item's bias columns and the barrier their copy arrives on
+        scratch += [plgpu.SMEM((2, bn), dtype), plgpu.Barrier(num_barriers=2)]
     if fp8:  # per consumer: its rows' scales, the item's column scales, their barrier
         scratch += [
             plgpu.SMEM((2, mb), jnp.float32),
             plgpu.SMEM((2, num_b, bn), jnp.float32),
             plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=2),
         ]
-    if gathered:  # the current tile's token ids
-        scratch += [plgpu.SMEM((bm,), jnp.int32), plgpu.Barrier()]
-    if cp_async:
-        scratch += [_common.cp_async_stage_barriers(stages)]
-    out_type = jax.ShapeDtypeStruct((capacity if out_rows is None else out_rows, out_cols),
-                                    out_dtype)
-    if with_h:
-        out_type = (jax.ShapeDtypeStruct((capacity, 2 * n_dim), out_dtype), out_type)
     return plgpu.kernel(
         body,
         kernel_name=kernel_name,
-        out_type=out_type,
+        out_type=jax.ShapeDtypeStruct((capacity, out_cols), out_dtype),
         scratch_types=scratch,
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=interpret_mode,
+        interpret=_common.interpret_params(interpret),
     )
 
 

@@ -49,7 +49,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels._common import TileMeta
-from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, RowGather, gathered_swiglu_matmul
 from pallas_moe.ops.activation import SwiGLU
 
 
@@ -85,11 +84,6 @@ class UpProjConfig:
       rebalance_registers: warp-specialized kernel only: the producers drop to 40
         registers per thread and the consumers take the rest (`_common.rebalance_registers`);
         False keeps the even split (168 each with 2 consumers; the consumers then spill).
-      engine: if set, the up-proj runs on the persistent grouped-GEMM engine
-        (`grouped_gemm.gathered_swiglu_matmul`) with these block sizes (its `block_m` must
-        equal `block_m`; `gather` picks the row loader, whose cp.async stages complete on
-        per-slot mbarriers) instead of one CTA per (row tile, column block): the next
-        tile's loads and the other consumer's wgmmas run during an epilogue.
     """
 
     block_m: int = 64
@@ -106,15 +100,9 @@ class UpProjConfig:
     # Measured on the H100 (session 4, same run): the lagged publish 768 / 4386 us against
     # 800 / 4612 us with hardware-tracked stages at 7B / 30B.
     gather_completion: str = "wait_group"
-    engine: GroupedMatmulConfig | None = None
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
-    if config.engine is not None and config.engine.block_m != config.block_m:
-        raise ValueError(
-            f"config.engine.block_m={config.engine.block_m} must equal config.block_m="
-            f"{config.block_m} (the row tiles both are computed for)."
-        )
     if x.ndim != 2:
         raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
     if w_gate_up.ndim != 3:
@@ -224,12 +212,6 @@ def up_proj(
         ),
         unsafe_no_auto_barriers=config.no_auto_barriers,
     )
-    if config.engine is not None:
-        return gathered_swiglu_matmul(
-            x, meta, w_gate_up, capacity=capacity, config=config.engine,
-            gather=RowGather(config.gather), with_h=not inference, bias=bias,
-            activation=activation, out_rows=a_rows, interpret=interpret,
-        )
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
     if has_bias:
         args += (bias,)
