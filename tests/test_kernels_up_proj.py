@@ -167,3 +167,16 @@ def test_bias_of_the_wrong_shape_raises():
     with pytest.raises(ValueError, match="bias must have shape \\(2, 128\\)"):
         up_proj(x, jnp.zeros((8,), jnp.int32), jnp.zeros((2,), jnp.int32), w1,
                 bias=jnp.zeros((2, 64), jnp.bfloat16), config=SMALL, interpret=True)
+
+
+def test_two_swizzled_slabs_per_consumer_no_races():
+    """block_n=128: each consumer's A and H tiles span two swizzled 64-column slabs
+    (`_common.row_tile_types`); ragged groups and an empty expert; race-free, equal to the
+    reference, padding rows untouched (`run_and_check`)."""
+    ks = jax.random.split(jax.random.key(17), 3)
+    x = random_x(ks[0], 40, 128)
+    w1, _ = random_weights(ks[1], 3, 128, 256)
+    plan = assignment_plan(ks[2], 40, 3, empty=(1,), extra=5)
+    config = UpProjConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2)
+    run_and_check(x, plan, w1, config, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()

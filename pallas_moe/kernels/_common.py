@@ -326,7 +326,7 @@ def bias_columns(bias_smem, rows: int):
     return jax.lax.broadcast_in_dim(row, (rows, cols), [1])
 
 
-def gathered_pipeline_smem(a_shape, dtype, others, epilogue, interpret: bool):
+def gathered_pipeline_smem(a_shape, dtype, others, epilogue, interpret: bool, row_tiles=()):
     """SMEM of a gathered-A pipeline whose epilogue reuses the pipeline's bytes.
 
     Args:
@@ -339,27 +339,73 @@ def gathered_pipeline_smem(a_shape, dtype, others, epilogue, interpret: bool):
       interpret: interpret mode does not alias `RefUnion` members and allows one-row slices
         of the wgmma tiling: there the copy and wgmma views are one ref and the epilogue has
         its own buffers.
+      row_tiles: shapes `(..., rows, cols)` of epilogue tiles that registers in the wgmma
+        layout write and TMA stores row-exactly (`row_tile_types`), laid out after
+        `epilogue`, each with two views of the same bytes.
 
     Returns:
       (scratch type, views) with `views(ref) -> (a_copy, a_mma, others, epilogue)`: the A
       stages tiled (1, 64) for one-row TMA copies and (8, 64) for wgmma (same bytes, see
-      `row_gather_buffers`), then tuples of refs for `others` and `epilogue`.
+      `row_gather_buffers`), then tuples of refs for `others` and `epilogue`; with
+      `row_tiles`, `epilogue` ends with one `(copy view, wgmma view)` pair per row tile.
     """
     others, epilogue = tuple(others), tuple(epilogue)
     copy_a, mma_a = _gather_view_types(a_shape, dtype)
     mma_group = (mma_a, *others)
+    tile_views = [row_tile_types(shape, dtype) for shape in row_tiles]
     if interpret:
         def views(refs):
             (a, *rest), epi = refs
-            return a, a, tuple(rest), tuple(epi)
+            epi = tuple(epi)
+            pairs = tuple((t, t) for t in epi[len(epilogue):])
+            return a, a, tuple(rest), epi[:len(epilogue)] + pairs
 
-        return (mma_group, epilogue), views
+        return (mma_group, (*epilogue, *(m for _, m in tile_views))), views
 
     def views(refs):
-        (a_copy, *_), (a_mma, *rest), epi = refs
-        return a_copy, a_mma, tuple(rest), tuple(epi)
+        (a_copy, *_), (a_mma, *rest), epi, epi_copy = refs
+        epi, epi_copy = tuple(epi), tuple(epi_copy)
+        pairs = tuple(zip(epi_copy[len(epilogue):], epi[len(epilogue):]))
+        return a_copy, a_mma, tuple(rest), epi[:len(epilogue)] + pairs
 
-    return plgpu.RefUnion((copy_a, *others), mma_group, epilogue), views
+    return plgpu.RefUnion(
+        (copy_a, *others), mma_group,
+        (*epilogue, *(m for _, m in tile_views)), (*epilogue, *(c for c, _ in tile_views)),
+    ), views
+
+
+def row_tile_types(shape, dtype):
+    """SMEM types `(copy view, wgmma view)` of an output tile `shape = (..., rows, cols)`
+    that registers write in the wgmma layout and TMA stores row-exactly (`write_row_tile`,
+    `store_row_tile`), laid out as `(..., cols // 64, rows, 64)` 64-column slabs.
+
+    An untiled `[rows, cols]` buffer takes the accumulator layout's stores with 8-way bank
+    conflicts (a warp writes 8 rows of one column group, and every row starts in the same
+    bank); a 128-byte-swizzled (8, 64) tiling spreads them over all banks. TMA's row-exact
+    ladder (boxes of 1..32 rows) needs a (1, 64) tiling; for a 64-column (128-byte) slab
+    both tilings are row-major and swizzle by address, so they are two views of one buffer
+    (as the gathered A stages, `row_gather_buffers`).
+    """
+    *lead, rows, cols = shape
+    if cols % 64:
+        raise ValueError(f"row tiles need a multiple of 64 columns, got {cols}.")
+    return _gather_view_types((*lead, cols // 64, rows, 64), dtype)
+
+
+def write_row_tile(mma_view, value) -> None:
+    """Writes `value` [rows, cols] (registers, wgmma layout) into a `row_tile_types` tile."""
+    slabs = mma_view.shape[-3]
+    for h in range(slabs):
+        mma_view[h] = value[:, h * 64:(h + 1) * 64]
+
+
+def store_row_tile(copy_view, dst_gmem, row0, num_rows, max_rows: int, src_row0=0) -> None:
+    """`store_rows` of a `row_tile_types` tile: rows `[src_row0, src_row0 + num_rows)` of
+    every 64-column slab to `dst_gmem[row0 + i, 64 h : 64 h + 64]` (dst_gmem [P, cols])."""
+    slabs = copy_view.shape[-3]
+    for h in range(slabs):
+        store_rows(copy_view.at[h], dst_gmem.at[:, pl.ds(h * 64, 64)], row0, num_rows,
+                   max_rows, src_row0=src_row0)
 
 
 def gather_rows(

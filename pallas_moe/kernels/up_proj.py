@@ -337,7 +337,8 @@ def _warp_specialized_kernel(
     Consumer c < C: waits `full[slot]`, issues wgmma on the shared A stage and its own
     `block_n` columns of each weight tile, and releases the slot once the wgmma of the next
     step is issued. After the K loop the consumers meet on a barrier (the pipeline buffers
-    are reused as the epilogue's SMEM) and each writes its H and A columns. With an expert
+    are reused as the epilogue's SMEM) and each writes its H and A columns through swizzled
+    64-column slabs (`_common.row_tile_types`) that TMA stores row-exactly. With an expert
     bias each consumer first TMA-loads its own gate and up bias columns into SMEM of its
     own (outside the reused pipeline bytes).
     """
@@ -369,7 +370,7 @@ def _warp_specialized_kernel(
         # extra: the bias columns and their barrier (with biases), then the per-slot
         # cp.async mbarriers (hardware-tracked stages).
         bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
-        a_copy, a_mma, (bg_smem, bu_smem), (o_smem,) = views(bufs)
+        a_copy, a_mma, (bg_smem, bu_smem), ((o_copy, o_mma),) = views(bufs)
         if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
             _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
@@ -480,26 +481,25 @@ def _warp_specialized_kernel(
                 else:
                     biases = (None, None)
                 act, hg, hu = _common.swiglu_epilogue(g, u, dtype, activation, *biases)  # [mb, bn]
-                o_smem[c, 0] = act
+                dsts = [a_out.at[:, pl.ds(col, bn)]]
                 if h_out is not None:
-                    o_smem[c, 1] = hg
-                    o_smem[c, 2] = hu
+                    dsts += [h_out.at[:, pl.ds(col, bn)], h_out.at[:, pl.ds(n + col, bn)]]
+                for t, tile in enumerate((act, hg, hu)[:num_out]):
+                    _common.write_row_tile(o_mma.at[c, t], tile)
                 plgpu.commit_smem()
-                _common.store_rows(o_smem.at[c, 0], a_out.at[:, pl.ds(col, bn)], dst0, count, mb)
-                if h_out is not None:
-                    _common.store_rows(
-                        o_smem.at[c, 1], h_out.at[:, pl.ds(col, bn)], dst0, count, mb
-                    )
-                    _common.store_rows(
-                        o_smem.at[c, 2], h_out.at[:, pl.ds(n + col, bn)], dst0, count, mb
-                    )
+                for t, dst in enumerate(dsts):
+                    _common.store_row_tile(o_copy.at[c, t], dst, dst0, count, mb)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     b_shape = (stages, bk, cols)
     bufs, views = _common.gathered_pipeline_smem(
         (stages, bm, bk), dtype,
         others=[plgpu.SMEM(b_shape, dtype, transforms=tf)] * 2,  # gate, up weight stages
-        epilogue=[plgpu.SMEM((cons, num_out, mb, bn), dtype)],  # per consumer A, H gate, H up
+        # Per consumer: A, H gate, H up, as swizzled 64-column slabs (`row_tile_types`):
+        # measured on the H100 (session 5, same run) 710 vs 764 us at 7B and 4345 vs 4512 us
+        # at 30B against untiled rows, whose stores from the accumulator layout conflict.
+        epilogue=[],
+        row_tiles=[(cons, num_out, mb, bn)],
         interpret=interpret,
     )
     scratch = [
