@@ -226,21 +226,18 @@ def tile_schedule(group_sizes: jax.Array, capacity: int, block_m: int) -> TileSc
     tiles_per_expert = (group_sizes + block_m - 1) // block_m  # [E]
     tile_ends = jnp.cumsum(tiles_per_expert, dtype=jnp.int32)  # [E]
     tile_ids = jnp.arange(n_tiles, dtype=jnp.int32)
-    # Expert owning each tile; tiles past the last real one map to the last nonempty expert.
-    expert = count_at_most(tile_ends, tile_ids)
     total = tile_ends[-1]
-    last_nonempty = jnp.max(jnp.where(group_sizes > 0, jnp.arange(num_experts), 0)).astype(
-        jnp.int32
-    )
     is_real = tile_ids < total
-    expert = jnp.where(is_real, jnp.minimum(expert, num_experts - 1), last_nonempty)
-    group_starts = jnp.cumsum(group_sizes, dtype=jnp.int32) - group_sizes
+    # Expert owning each tile; tiles past the last real one take the last real tile's
+    # expert, the last nonempty one (expert 0 when there is no row at all).
+    expert = count_at_most(tile_ends, jnp.minimum(tile_ids, total - 1))
+    group_ends = jnp.cumsum(group_sizes, dtype=jnp.int32)
+    group_starts = group_ends - group_sizes
     first_tile_of_expert = tile_ends - tiles_per_expert
     local = tile_ids - first_tile_of_expert[expert]
     row_start = group_starts[expert] + local * block_m
-    group_end = group_starts[expert] + group_sizes[expert]
-    row_end = jnp.minimum(row_start + block_m, group_end)
-    num_rows = jnp.sum(group_sizes)
+    row_end = jnp.minimum(row_start + block_m, group_ends[expert])
+    num_rows = group_ends[-1]
     row_start = jnp.where(is_real, row_start, num_rows)
     row_end = jnp.where(is_real, row_end, num_rows)
     return TileSchedule(expert=expert, row_start=row_start, row_end=row_end, block_m=block_m)
