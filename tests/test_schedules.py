@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels.weight_grad import k_block_meta
-from pallas_moe.routing.plan import tile_schedule
+from pallas_moe.routing.plan import count_at_most, tile_schedule
 
 # (E, capacity, block): few shapes, so the jitted programs are reused across examples.
 SHAPES = [(1, 37, 8), (5, 300, 64), (6, 129, 8), (64, 1000, 64)]
@@ -138,6 +138,11 @@ def test_schedules_equal_the_search_and_sort_formulas(case):
     assert np.all(np.asarray(aligned.num_rows[num_real:]) == 0)
     assert np.all(np.asarray(aligned.row_start[num_real:]) == int(sizes.sum()))
     assert np.all((np.asarray(aligned.expert) >= 0) & (np.asarray(aligned.expert) < num_experts))
+
+    # Each row's expert (`DispatchPlan.expert_ids`): E past the last row.
+    ends = np.cumsum(sizes)
+    np.testing.assert_array_equal(count_at_most(jnp.asarray(ends, jnp.int32), jnp.arange(capacity)),
+                                  np.searchsorted(ends, np.arange(capacity), side="right"))
 
     # k_block_meta: the expert order and each K-block's rows (through its owner).
     np.testing.assert_array_equal(kmeta.order, order)

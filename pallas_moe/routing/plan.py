@@ -88,7 +88,7 @@ class DispatchPlan:
     def expert_ids(self) -> jax.Array:
         """i32[P] expert of each row; `E` on padding rows."""
         rows = jnp.arange(self.capacity, dtype=jnp.int32)
-        return jnp.searchsorted(self.group_offsets[1:], rows, side="right").astype(jnp.int32)
+        return count_at_most(self.group_offsets[1:], rows)
 
     @property
     def rows_per_token(self) -> jax.Array:
@@ -202,7 +202,9 @@ def count_at_most(ends: jax.Array, values: jax.Array) -> jax.Array:
     By comparing every pair in one fused reduction (`method="compare_all"`, O(N * E)), not
     by the default binary search, which is a loop of small kernels: on the H100 the tile
     schedule of a T=64 plan took ~25 us of GPU time that way. The schedules search a few
-    thousand tiles in at most a few hundred experts, a few million compares.
+    thousand tiles in at most a few hundred experts, a few million compares;
+    `DispatchPlan.expert_ids` searches every row (`P * E`: 33M compares at T=32768, K=8,
+    E=128, one pass with no memory traffic, against log2(E) dependent gathers over [P]).
     """
     return jnp.searchsorted(ends, values, side="right", method="compare_all").astype(jnp.int32)
 
