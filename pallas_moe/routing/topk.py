@@ -418,8 +418,8 @@ def _block_bases(block_counts: jax.Array) -> tuple[jax.Array, jax.Array]:
     the pairs of e in earlier blocks, so rows stay stable by token within each expert.
     """
     through_block = jnp.cumsum(block_counts, axis=0, dtype=jnp.int32)  # [NB, E] inclusive
-    # The last row is each expert's total: no separate reduction over the blocks (on the
-    # H100 a column sum of [T/8, E] took 6 us at T=32768, as long as the scan itself).
+    # The last row is each expert's total: no separate column sum over the [T/8, E] counts
+    # (the H100 breakdown at T=32768 showed a 6.0 us reduction beside the scan's 4.7 us).
     group_sizes = through_block[-1]  # [E]
     starts = jnp.cumsum(group_sizes, dtype=jnp.int32) - group_sizes  # [E]
     block_base = through_block - block_counts + starts[None, :]  # [NB, E]
