@@ -93,6 +93,20 @@ def test_total_order_ties_like_lax_top_k(impl):
         np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
 
 
+@pytest.mark.parametrize("impl", ["sort", "interpret"])
+def test_probability_ties_are_not_logit_ties(impl):
+    """softmax_topk ranks the probabilities, not the logits: distinct logits can round to
+    equal probabilities (exp(-1e-8) is 1.0 in f32), which then tie and go to the lower
+    expert, where ranking the logits would pick the higher one. Why the routing kernel
+    ranks XLA's probabilities instead of the raw logits (`routing/kernels.py`)."""
+    logits = jnp.array([[0.0, 1e-8, -3.0, -4.0]], jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    assert probs[0, 0] == probs[0, 1] and int(jax.lax.top_k(logits, 1)[1][0, 0]) == 1
+    for want_impl in ("dense", impl):
+        plan = pm.routing.topk_plan(logits, 1, score="softmax_topk", impl=want_impl)
+        np.testing.assert_array_equal(plan.group_sizes, [1, 0, 0, 0], err_msg=want_impl)
+
+
 def test_topk_blocks_outputs():
     """Each token's experts ascending; local ranks and block histograms add up."""
     T, E, K = 37, 12, 3

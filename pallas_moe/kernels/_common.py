@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.ops.activation import SwiGLU
-from pallas_moe.routing.plan import TileSchedule, tile_schedule
+from pallas_moe.routing.plan import TileSchedule, count_at_most, tile_schedule
 
 # bf16 with a 128-byte swizzle: the minor (K) dimension of an MMA operand tile in SMEM.
 SWIZZLE_BYTES = 128
@@ -450,30 +450,33 @@ def aligned_tile_meta(group_sizes: jax.Array, capacity: int, block_m: int) -> Ti
     offsets that are multiples of the 8-row tile, so each tile loads the aligned box
     `[row_start // block_m * block_m, + block_m)` and keeps only its own rows. Tiles are the
     non-empty pieces of [0, sum(group_sizes)) cut at every multiple of block_m and every
-    group offset, so there are at most `ceil(capacity / block_m) + E` of them (the same bound
-    as `tile_schedule`); the unused ones have `num_rows == 0`. Computed once per plan.
+    group offset, in row order: expert e's rows `[lo, hi)` are the
+    `ceil(hi / bm) - floor(lo / bm)` pieces of the aligned blocks they touch. There are at
+    most `ceil(capacity / block_m) + E` of them (the same bound as `tile_schedule`); the
+    entries past the real ones have `num_rows == 0`, `row_start == sum(group_sizes)` and
+    the last expert, and the kernels stop at the first of them
+    (`num_real = sum(num_rows > 0)`). Computed once per plan, in closed form: no sort.
     """
     num_experts = group_sizes.shape[0]
     group_sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(group_sizes, dtype=jnp.int32)  # [E]
-    total = ends[-1]
-    num_blocks = -(-capacity // block_m)
-    cuts = jnp.concatenate(
-        [jnp.arange(num_blocks, dtype=jnp.int32) * block_m, ends - group_sizes, ends[-1:]]
-    )
-    cuts = jnp.sort(jnp.minimum(cuts, total))  # [num_blocks + E + 1]
-    start = cuts[:-1]
-    end = cuts[1:]
-    num_rows = end - start  # [num_blocks + E]; zero for duplicate cuts
-    expert = jnp.searchsorted(ends, start, side="right").astype(jnp.int32)
-    expert = jnp.minimum(expert, num_experts - 1)
-    # Non-empty tiles first (stable), so consecutive CTAs walk rows in order.
-    order = jnp.argsort(num_rows == 0, stable=True)
+    hi = jnp.cumsum(group_sizes, dtype=jnp.int32)  # [E]
+    lo = hi - group_sizes
+    total = hi[-1]
+    first_block = lo // block_m  # [E]
+    pieces = jnp.where(group_sizes > 0, (hi + block_m - 1) // block_m - first_block, 0)  # [E]
+    piece_end = jnp.cumsum(pieces, dtype=jnp.int32)  # [E]
+    num_tiles = -(-capacity // block_m) + num_experts
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    expert = jnp.minimum(count_at_most(piece_end, tile), num_experts - 1)  # [nt]
+    block = first_block[expert] + tile - (piece_end - pieces)[expert]  # aligned block index
+    start = jnp.maximum(lo[expert], block * block_m)
+    end = jnp.minimum(hi[expert], (block + 1) * block_m)
+    is_real = tile < piece_end[-1]
     return TileMeta(
-        expert=expert[order],
-        row_start=start[order],
-        num_rows=num_rows[order],
-        row_ids=jnp.zeros((start.shape[0], 1), jnp.int32),
+        expert=expert,
+        row_start=jnp.where(is_real, start, total),
+        num_rows=jnp.where(is_real, end - start, 0),
+        row_ids=jnp.zeros((num_tiles, 1), jnp.int32),
         block_m=block_m,
     )
 

@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
+from pallas_moe.routing.plan import count_at_most
 
 _CHUNK = 64  # columns of one gathered buffer: one 128-byte swizzle row of bf16
 
@@ -131,13 +132,20 @@ def k_block_meta(group_sizes: jax.Array, token_ids: jax.Array, block_k: int) -> 
     block_off = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(blocks, dtype=jnp.int32)])
     max_blocks = -(-capacity // block_k) + num_experts
     b = jnp.arange(max_blocks, dtype=jnp.int32)
-    owner = jnp.clip(jnp.searchsorted(block_off[1:], b, side="right"), 0, num_experts - 1)
+    owner = jnp.minimum(count_at_most(block_off[1:], b), num_experts - 1)
     first_row = (lo[owner] // block_k + b - block_off[owner]) * block_k  # [nb]
     rows = first_row[:, None] + jnp.arange(block_k, dtype=jnp.int32)[None, :]  # [nb, bk]
     rows = jnp.clip(rows, lo[owner][:, None], hi[owner][:, None] - 1)
     rows = jnp.clip(rows, 0, capacity - 1)
     block_ids = token_ids.astype(jnp.int32)[rows]
-    order = jnp.argsort(-sizes, stable=True).astype(jnp.int32)
+    # Experts by decreasing size, ties by index (a stable argsort of -sizes): each expert's
+    # place is a count over the E x E pairs, one fused reduction instead of a sort.
+    expert = jnp.arange(num_experts, dtype=jnp.int32)
+    ahead = (sizes[None, :] > sizes[:, None]) | (
+        (sizes[None, :] == sizes[:, None]) & (expert[None, :] < expert[:, None])
+    )  # [E(e), E(e')]: e' goes before e
+    place = jnp.sum(ahead, axis=1, dtype=jnp.int32)  # [E], a permutation
+    order = jnp.zeros((num_experts,), jnp.int32).at[place].set(expert, unique_indices=True)
     return KBlockMeta(order, lo, hi, block_off, block_ids, block_k)
 
 

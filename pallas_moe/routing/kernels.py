@@ -19,6 +19,21 @@ by a bitwise radix select over the row held in registers (`token_rounding.py` ru
 chunk maxima, then on the best chunks' tokens). `place_rounded` then places the kept top-K
 pairs and the added pairs of the token-rounding plan at their rows and CSR slots.
 
+Why the top-K kernel reads XLA's scores instead of computing them from the logits (which
+would save the [T, E] probability write and one read: XLA's softmax pass, 11.7 us of the
+plan's ~68 us at T=32768, E=128, K=8 on the H100). The plan must select exactly the dense
+reference's experts, and the reference ranks f32 probabilities:
+- Ranking the raw logits is not the same selection: softmax is monotonic but not strictly,
+  distinct logits can round to equal probabilities (exp(-1e-8) == 1.0 in f32), and those tie
+  and go to the lower expert where the logits would pick the higher one
+  (`tests/test_routing_impls.py::test_probability_ties_are_not_logit_ties`).
+- The kernel cannot compute XLA's probability bits: the row sum's order is XLA's choice and
+  changes with the fusion around it (on the H100 one softmax compiled two ways gave scores
+  one ulp apart at E=60; `topk.isolated`), and so can its exp and division.
+So the scores come from the reference's own jnp formula, compiled on its own
+(`topk.isolated`), and the kernel ranks their bits. "topk_softmax" ranks the logits, as the
+reference does, and then no probability pass runs at all in a top-K plan.
+
 Interpret mode (`interpret=True`) runs the same kernel body on the CPU.
 """
 

@@ -119,8 +119,32 @@ def router_probabilities(logits: jax.Array, score: ScoreOrder) -> jax.Array:
     """
     logits = logits.astype(jnp.float32)
     if score == "sigmoid":
-        return cotangent_barrier(jax.nn.sigmoid(logits))
-    return cotangent_barrier(jax.nn.softmax(logits, axis=-1))
+        return cotangent_barrier(isolated(jax.nn.sigmoid, logits))
+    return cotangent_barrier(isolated(_softmax_last, logits))
+
+
+def _softmax_last(x: jax.Array) -> jax.Array:
+    return jax.nn.softmax(x, axis=-1)
+
+
+def _log_softmax_last(x: jax.Array) -> jax.Array:
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def isolated(fn, x: jax.Array) -> jax.Array:
+    """`fn(x)` with an `optimization_barrier` on its input and on its output (and, through
+    the barrier's JVP and transpose, on its tangents and cotangents).
+
+    Every router computes its scores (softmax, log-softmax, sigmoid, the softmax over the K)
+    through this, because XLA compiles one formula differently depending on its neighbours:
+    which producers and consumers it fuses decides the emitter (a Triton softmax fusion or
+    the native reduction emitter) and so the order of the row sums. On the H100 the dense
+    plan and the kernel path, whose probabilities feed a `lax.top_k` and scatters in one
+    program and a Pallas call in the other, got scores one ulp apart at E=60 (0.0805698 vs
+    0.08056981; bitwise equal at E=128 and 512). Between barriers the formula is the same
+    HLO with no neighbours to fuse, so every implementation compiles it the same way.
+    """
+    return jax.lax.optimization_barrier(fn(jax.lax.optimization_barrier(x)))
 
 
 @jax.custom_jvp
@@ -179,13 +203,13 @@ def topk_weights(
     router computes its weights here.
     """
     logits = logits.astype(jnp.float32)
-    if score == "topk_softmax":
-        weights = jax.nn.softmax(jnp.take_along_axis(logits, experts, 1), axis=-1)
+    if score == "topk_softmax":  # each formula `isolated`: one compiled form everywhere
+        weights = isolated(_softmax_last, jnp.take_along_axis(logits, experts, 1))
     elif renormalize:
-        log_probs = (
-            jax.nn.log_sigmoid(logits) if score == "sigmoid" else jax.nn.log_softmax(logits, axis=-1)
+        log_probs = isolated(
+            jax.nn.log_sigmoid if score == "sigmoid" else _log_softmax_last, logits
         )
-        weights = jax.nn.softmax(jnp.take_along_axis(log_probs, experts, 1), axis=-1)
+        weights = isolated(_softmax_last, jnp.take_along_axis(log_probs, experts, 1))
     else:
         weights = jnp.take_along_axis(probs, experts, axis=1)
     return cotangent_barrier(weights)  # [T, K]; see `cotangent_barrier`
@@ -393,11 +417,12 @@ def _block_bases(block_counts: jax.Array) -> tuple[jax.Array, jax.Array]:
     Pair (t, e) of block b lands at `block_base[b, e] + local_rank`: the group's start plus
     the pairs of e in earlier blocks, so rows stay stable by token within each expert.
     """
-    group_sizes = jnp.sum(block_counts, axis=0, dtype=jnp.int32)  # [E]
+    through_block = jnp.cumsum(block_counts, axis=0, dtype=jnp.int32)  # [NB, E] inclusive
+    # The last row is each expert's total: no separate column sum over the [T/8, E] counts
+    # (the H100 breakdown at T=32768 showed a 6.0 us reduction beside the scan's 4.7 us).
+    group_sizes = through_block[-1]  # [E]
     starts = jnp.cumsum(group_sizes, dtype=jnp.int32) - group_sizes  # [E]
-    block_base = (
-        jnp.cumsum(block_counts, axis=0, dtype=jnp.int32) - block_counts + starts[None, :]
-    )  # [NB, E]
+    block_base = through_block - block_counts + starts[None, :]  # [NB, E]
     return group_sizes, block_base
 
 
