@@ -377,34 +377,45 @@ def gathered_pipeline_smem(a_shape, dtype, others, epilogue, interpret: bool, ro
 def row_tile_types(shape, dtype):
     """SMEM types `(copy view, wgmma view)` of an output tile `shape = (..., rows, cols)`
     that registers write in the wgmma layout and TMA stores row-exactly (`write_row_tile`,
-    `store_row_tile`), laid out as `(..., cols // 64, rows, 64)` 64-column slabs.
+    `store_row_tile`), laid out as `(..., cols // w, rows, w)` slabs of w = 128 bytes
+    (64 bf16 or 32 f32 columns).
 
-    An untiled `[rows, cols]` buffer takes the accumulator layout's stores with 8-way bank
+    An untiled `[rows, cols]` buffer takes the accumulator layout's stores with bank
     conflicts (a warp writes 8 rows of one column group, and every row starts in the same
-    bank); a 128-byte-swizzled (8, 64) tiling spreads them over all banks. TMA's row-exact
-    ladder (boxes of 1..32 rows) needs a (1, 64) tiling; for a 64-column (128-byte) slab
-    both tilings are row-major and swizzle by address, so they are two views of one buffer
-    (as the gathered A stages, `row_gather_buffers`).
+    bank); a 128-byte-swizzled (8, w) tiling spreads them over all banks. TMA's row-exact
+    ladder (boxes of 1..32 rows) needs a (1, w) tiling; for a 128-byte slab both tilings
+    are row-major and swizzle by address, so they are two views of one buffer (as the
+    gathered A stages, `row_gather_buffers`).
     """
     *lead, rows, cols = shape
-    if cols % 64:
-        raise ValueError(f"row tiles need a multiple of 64 columns, got {cols}.")
-    return _gather_view_types((*lead, cols // 64, rows, 64), dtype)
+    w = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    if cols % w:
+        raise ValueError(f"row tiles of {jnp.dtype(dtype).name} need a multiple of {w} columns, got {cols}.")
+    return _gather_view_types((*lead, cols // w, rows, w), dtype)
+
+
+def row_tile_buffers(shape, dtype, interpret: bool):
+    """A standalone `row_tile_types` buffer: (scratch type, fn(scratch) -> (copy view,
+    wgmma view)). Interpret mode does not alias `RefUnion` members; there one ref is both."""
+    copy_view, mma_view = row_tile_types(shape, dtype)
+    if interpret:
+        return mma_view, lambda ref: (ref, ref)
+    return plgpu.RefUnion(copy_view, mma_view), lambda refs: tuple(refs)
 
 
 def write_row_tile(mma_view, value) -> None:
     """Writes `value` [rows, cols] (registers, wgmma layout) into a `row_tile_types` tile."""
-    slabs = mma_view.shape[-3]
+    slabs, w = mma_view.shape[-3], mma_view.shape[-1]
     for h in range(slabs):
-        mma_view[h] = value[:, h * 64:(h + 1) * 64]
+        mma_view[h] = value[:, h * w:(h + 1) * w]
 
 
 def store_row_tile(copy_view, dst_gmem, row0, num_rows, max_rows: int, src_row0=0) -> None:
     """`store_rows` of a `row_tile_types` tile: rows `[src_row0, src_row0 + num_rows)` of
-    every 64-column slab to `dst_gmem[row0 + i, 64 h : 64 h + 64]` (dst_gmem [P, cols])."""
-    slabs = copy_view.shape[-3]
+    every slab h to `dst_gmem[row0 + i, w h : w (h + 1)]` (dst_gmem [P, cols])."""
+    slabs, w = copy_view.shape[-3], copy_view.shape[-1]
     for h in range(slabs):
-        store_rows(copy_view.at[h], dst_gmem.at[:, pl.ds(h * 64, 64)], row0, num_rows,
+        store_rows(copy_view.at[h], dst_gmem.at[:, pl.ds(h * w, w)], row0, num_rows,
                    max_rows, src_row0=src_row0)
 
 

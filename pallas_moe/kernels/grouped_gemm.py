@@ -288,12 +288,13 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
 
     def body(expert_ref, start_ref, rows_ref, nreal_ref, a_ref, w_ref, *refs):
         if fp8:
-            (rs_ref, cs_ref, out_ref, a_smem, b_smem, o_smem, full, empty,
+            (rs_ref, cs_ref, out_ref, a_smem, b_smem, o_bufs, full, empty,
              rs_smem, cs_smem, scale_bar) = refs
             bias_ref, bias_scratch = None, ()
         else:
             bias_ref, *refs = refs if has_bias else (None, *refs)
-            out_ref, a_smem, b_smem, o_smem, full, empty, *bias_scratch = refs
+            out_ref, a_smem, b_smem, o_bufs, full, empty, *bias_scratch = refs
+        o_copy, o_mma = o_views(o_bufs)
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
         if fp8:
@@ -450,10 +451,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         plgpu.barrier_wait(bias_bars.at[c])
                         y = y + _common.bias_columns(bias_smem.at[c], mb)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's store
-                    o_smem[c] = y.astype(out_dtype)
+                    _common.write_row_tile(o_mma.at[c], y.astype(out_dtype))
                     plgpu.commit_smem()
-                    _common.store_rows(
-                        o_smem.at[c], out_ref.at[:, pl.ds(ni * bn, bn)], dst0, count, mb,
+                    _common.store_row_tile(
+                        o_copy.at[c], out_ref.at[:, pl.ds(ni * bn, bn)], dst0, count, mb,
                         src_row0=src0,
                     )
                     return carry
@@ -463,10 +464,13 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     b_shape = (num_b, stages, bn, bk) if transpose_w else (num_b, stages, bk, bn)
+    o_scratch, o_views = _common.row_tile_buffers(
+        (2, mb, bn), out_dtype, _common.interpret_params(interpret) is not None
+    )
     scratch = [
         plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),
         plgpu.SMEM(b_shape, dtype, transforms=tf),
-        plgpu.SMEM((2, mb, bn), out_dtype),
+        o_scratch,  # per consumer: the output tile, swizzled 128-byte slabs
         # full[.., slot]: the A box and the weight tile(s) of one K step.
         plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=(1 if split_m else 2, stages)),
         plgpu.Barrier(num_arrivals=2 if split_m else 1, num_barriers=stages),
