@@ -9,9 +9,9 @@ rows; the down-proj runs once per chunk, so a caller can start sending chunk `c`
 expert-parallel combine) while chunk `c+1` is still being computed, and XLA's scheduler is
 free to overlap the two.
 
-Where the chunks are cut (`RowChunking`): at multiples of the down-proj kernel's `block_m`.
-The kernel cuts its row tiles at every multiple of `block_m` and every expert boundary
-(`kernels._common.aligned_tile_meta`), so the chunks' tiles are exactly the whole
+Where the chunks are cut (`RowChunking`): at boundaries of the down-proj kernel's row
+tiles, which it cuts at every multiple of `block_m` and every expert boundary
+(`kernels._common.aligned_tile_meta`). So the chunks' tiles are exactly the whole
 down-proj's tiles (the same bits) and chunking adds kernel calls, not partial tiles. Each
 chunk's call walks its range of the whole plan's tiles and reads the whole A
 (`kernels._common.TileChunks`), so no chunk needs a slice of A or metadata of its own. The
@@ -107,7 +107,7 @@ class RowChunking:
       num_chunks: C, kernel calls (at most the count asked for: `chunk_layout`).
       rows: S, rows of each chunk's output buffer: the equal split of P
         (`chunk_layout`) plus room to move each bound by a wave of tiles.
-      block_m: chunk bounds are multiples of it (the down-proj's row tile; 8 on xla).
+      block_m: the down-proj's row tile (8 on xla); chunk bounds are tile boundaries.
       items_per_tile: the down-proj's work items per row tile (its column blocks; 1 on xla).
       wave: work items one wave of the persistent kernel runs (its CTAs; 1 on xla).
     """
