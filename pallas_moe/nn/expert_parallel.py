@@ -51,9 +51,10 @@ Overlap (single-batch overlap; docs/ep_overlap.md):
   body as the dispatch and depends on nothing it receives, so XLA runs it while the
   dispatch collective is in flight.
 * `overlap="chunked"` (ragged dispatches): the received rows, grouped by local expert, go
-  through the down-proj in `block_m`-aligned chunks (`pallas_moe.ops.row_chunks`); each
-  chunk's combine is its own ragged exchange, free to run while the next chunk's down-proj
-  computes. Equal to `overlap="none"` in outputs and gradients.
+  through the down-proj in chunks cut at its row tiles, by work
+  (`pallas_moe.ops.row_chunks`); each chunk's combine is its own ragged exchange, free to
+  run while the next chunk's down-proj computes. Equal to `overlap="none"` in outputs and
+  gradients.
 * `overlap="signal"` (a down-proj kernel that signals per `block_m` rows and sends finished
   blocks to their sources) is not built; the doc says what JAX 0.11.2's Mosaic GPU offers
   for it (remote refs, remote semaphores) and why.
@@ -122,7 +123,7 @@ class ExpertParallel:
         rows per shard (None: the exact worst case, never drops).
       overlap: how the down-proj meets the combine (ragged dispatches only). "none": the
         whole down-proj, then one combine. "chunked": the received rows, grouped by local
-        expert, are cut into `num_chunks` `block_m`-aligned chunks; each chunk's down-proj
+        expert, are cut into `num_chunks` chunks at row tiles; each chunk's down-proj
         is followed by its own ragged combine, which XLA can run while the next chunk's
         down-proj computes. Outputs and gradients equal "none". ("signal", a down-proj
         kernel that sends finished blocks itself, is not built: see the module docstring.)
@@ -534,7 +535,7 @@ def _chunked_experts_and_combine(
     x_recv, plan_recv, received_src, w_gate_up_l, w_down_l, all_counts, allowed, send_offsets,
     y_rows, ep, backend, exchange, row_options, expected_rows,
 ):
-    """overlap="chunked": the down-proj in `block_m`-aligned chunks, each sent back at once.
+    """overlap="chunked": the down-proj in chunks (`RowChunking`), each sent back at once.
 
     `row_options`: `chunked_row_ffn` keywords of the local experts (`b_gate_up`, `b_down`,
     `activation`). `expected_rows`: rows a shard receives on average, for

@@ -1,4 +1,4 @@
-"""Per-row expert outputs in `block_m`-aligned chunks: the down-proj side of the EP overlap.
+"""Per-row expert outputs in chunks of grouped rows: the down-proj side of the EP overlap.
 
 `chunked_row_ffn(x, plan, w_gate_up, w_down, num_chunks=C)` returns
 `Y[g] = act(x[tok[g]] @ W1[e(g)] + b1[e(g)]) @ W2[e(g)] + b2[e(g)]` for every grouped row `g`
@@ -78,8 +78,9 @@ def chunk_group_sizes(group_sizes: jax.Array, row_bounds: jax.Array) -> jax.Arra
 
 
 # "auto" chunk count (`auto_num_chunks`). Each chunk's down-proj call costs a fixed time on
-# top of its waves (ramp and drain of the persistent kernel: ~5 us per call measured on the
-# H100, benchmarks/RESULTS.md), while the whole down-proj runs at ~400 TFLOP/s there. A
+# top of its waves (launch, ramp and drain of the persistent kernel: ~5 us per call, fitted
+# to the H100 runs of benchmarks/RESULTS.md; docs/ep_overlap.md, section 2), while the whole
+# down-proj runs at ~400 TFLOP/s there. A
 # chunk beyond the first is worth its call when it keeps the added time under 5% of the
 # whole: (C - 1) * 5 us <= 0.05 * FLOPs / 400 TFLOP/s, i.e. one more chunk per 40 GFLOP.
 AUTO_FLOPS_PER_EXTRA_CHUNK = 40e9
@@ -309,7 +310,7 @@ def chunked_row_ffn(
     activation: SwiGLU = SwiGLU(),
     row_bounds: jax.Array | None = None,
 ) -> jax.Array:
-    """Unweighted per-row expert outputs, in aligned chunks of grouped rows.
+    """Unweighted per-row expert outputs, in chunks of grouped rows cut at row tiles.
 
     Args:
       x: [T, d] tokens.
