@@ -190,6 +190,8 @@ class ExpertParallel:
                 "granularity."
             )
         _checks.check_choice("overlap", self.overlap, OVERLAPS)
+        if isinstance(self.num_chunks, str) and self.num_chunks != "auto":
+            raise ValueError(f"num_chunks must be a positive int or 'auto', got {self.num_chunks!r}.")
         if self.num_chunks != "auto":
             _checks.check_positive_int("num_chunks", self.num_chunks)
         if not isinstance(self.check_vma, bool):
