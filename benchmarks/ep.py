@@ -230,7 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ep", default="2", help="comma-separated EP sizes besides EP=1")
     parser.add_argument("--dispatch", default="all_gather,ragged_all_to_all")
     parser.add_argument("--overlap", default="none,chunked", help="overlaps to run (chunked: ragged dispatches)")
-    parser.add_argument("--num-chunks", type=int, default=2, dest="num_chunks")
+    parser.add_argument("--num-chunks", type=lambda v: v if v == "auto" else int(v), default=2,
+                        dest="num_chunks", help='chunks of the chunked overlap, or "auto"')
     parser.add_argument("--routing", default="topk", choices=("topk", "token_rounding"), help="routing of the timing runs")
     parser.add_argument("--tile", type=int, default=128)
     parser.add_argument("--shared-experts", type=int, default=1, dest="shared_experts",

@@ -124,6 +124,10 @@ def test_bad_overlap():
         pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="chunked", num_chunks=0)
     with pytest.raises(TypeError, match="num_chunks must be a Python int"):
         pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", num_chunks=2.0)
+    with pytest.raises(ValueError, match="num_chunks must be a positive int or 'auto', got 'many'"):
+        pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", num_chunks="many")
+    auto = pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="chunked", num_chunks="auto")
+    assert auto.num_chunks == "auto"
 
 
 def test_check_vma_with_kernels_is_a_clear_error():

@@ -110,6 +110,77 @@ def test_aligned_tile_meta_stays_inside_aligned_blocks(block_m):
     assert np.all(owner[rows:] == -1)
 
 
+
+# One expert shard's rows in `benchmarks/chunked_down_proj.py`'s 7b-ep8 (16 local experts,
+# 24602 rows): its down-proj has 128-row tiles and 12 column blocks, 132 CTAs on an H100.
+SEVEN_B_EP8_GROUPS = [1562, 1477, 1531, 1607, 1571, 1497, 1578, 1491, 1576, 1465, 1527, 1532,
+                      1548, 1508, 1479, 1653]
+
+
+def tile_starts(group_sizes, block_m) -> set[int]:
+    """First rows of `aligned_tile_meta`'s real tiles: block_m multiples and group starts."""
+    total = sum(group_sizes)
+    cuts = set(range(0, total, block_m)) | set(np.cumsum([0, *group_sizes[:-1]]).tolist())
+    return {int(c) for c in cuts if c < total}
+
+
+def chunk_waves(group_sizes, capacity, num_chunks, chunk_rows, *, block_m, items_per_tile,
+                wave, equal_rows=False):
+    """(row bounds, waves of each chunk's call) for `wave_chunk_bounds`, or with
+    `equal_rows` for chunks of `chunk_rows` rows each (the old layout)."""
+
+    @jax.jit
+    def bounds_and_tiles(group_sizes):
+        meta = _common.aligned_tile_meta(group_sizes, capacity, block_m)
+        if equal_rows:
+            total = jnp.sum(group_sizes)
+            bounds = jnp.minimum(jnp.arange(num_chunks + 1) * chunk_rows, total)
+        else:
+            bounds = _common.wave_chunk_bounds(
+                meta, num_chunks, chunk_rows, items_per_tile=items_per_tile, wave=wave
+            )
+        return bounds, _common.tile_chunks(meta, bounds, chunk_rows).bounds[0]
+
+    bounds, tile_bounds = (np.asarray(b) for b in bounds_and_tiles(jnp.asarray(group_sizes, jnp.int32)))
+    items = np.diff(tile_bounds) * items_per_tile
+    return bounds, -(-items // wave)
+
+
+@pytest.mark.parametrize("num_chunks", [2, 4])
+def test_wave_chunks_of_7b_ep8_run_the_whole_calls_waves(num_chunks):
+    """Counting at the 7b-ep8 shard: 208 tiles x 12 column blocks = 2496 items, 19 waves of
+    132. Equal-row chunks end on partial waves (20 in all); `RowChunking`'s take 19."""
+    from pallas_moe.ops.row_chunks import RowChunking, chunk_layout
+
+    rows = sum(SEVEN_B_EP8_GROUPS)
+    capacity = -(-rows // 128) * 128
+    chunking = RowChunking.for_shape("mosaic", 1536, 256, capacity, num_chunks)  # H100: 132 SMs
+    assert (chunking.block_m, chunking.items_per_tile, chunking.wave) == (128, 12, 132)
+    shape = dict(block_m=128, items_per_tile=12, wave=132)
+    equal_rows = chunk_layout(capacity, num_chunks, 128)[0]
+    _, old = chunk_waves(SEVEN_B_EP8_GROUPS, capacity, num_chunks, equal_rows, equal_rows=True, **shape)
+    bounds, new = chunk_waves(SEVEN_B_EP8_GROUPS, capacity, num_chunks, chunking.rows, **shape)
+    np.testing.assert_array_equal(bounds, chunking.bounds(jnp.asarray(SEVEN_B_EP8_GROUPS)))
+    assert old.sum() == 20 and new.sum() == 19
+    assert bounds[0] == 0 and bounds[-1] == rows and set(bounds[1:-1]) <= tile_starts(SEVEN_B_EP8_GROUPS, 128)
+    assert np.all(np.diff(bounds) > 0) and np.all(np.diff(bounds) <= chunking.rows)
+    assert max(new) - min(new) <= 1  # balanced
+
+
+@pytest.mark.parametrize("num_chunks", [2, 3, 5])
+def test_wave_chunks_hold_every_row_at_full_capacity(num_chunks):
+    """Rows filling the capacity and buffers of the equal split (no room to move a bound),
+    one expert holding most: bounds stay on tile boundaries, each chunk within its buffer,
+    and together they cover every row in order."""
+    groups = [3000, 7, 0, 130, 9]
+    block_m, capacity = 64, sum(groups)
+    chunk_rows = -(-capacity // (num_chunks * block_m)) * block_m
+    bounds, _ = chunk_waves(groups, capacity, num_chunks, chunk_rows, block_m=block_m,
+                            items_per_tile=3, wave=7)
+    assert bounds[0] == 0 and bounds[-1] == capacity and set(bounds[1:-1]) <= tile_starts(groups, block_m)
+    assert np.all(np.diff(bounds) >= 0) and np.all(np.diff(bounds) <= chunk_rows)
+
+
 def test_gather_config_errors_name_the_field():
     """A bad row loader or stage-publishing mode is refused with the field's name."""
     from pallas_moe.kernels.dh import DHConfig

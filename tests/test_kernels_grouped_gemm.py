@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_moe.kernels import _common
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
@@ -140,3 +141,42 @@ def test_down_proj_expert_bias_no_races(config):
     want = down_proj_reference(a, plan.group_sizes, w2, bias)
     np.testing.assert_array_equal(np.asarray(y[:rows], np.float32), np.asarray(want[:rows], np.float32))
     assert_untouched(y, rows)
+
+
+@pytest.mark.parametrize(
+    "config, num_tokens",
+    [pytest.param(PING_PONG, 80, marks=pytest.mark.slow, id="ping_pong"),
+     pytest.param(SPLIT_M, 160, id="split_m")],
+)
+def test_chunked_calls_write_the_whole_calls_rows(config, num_tokens):
+    """Each call over one `TileChunks` range of the whole metadata writes exactly its rows,
+    bitwise the whole down-proj's (its jnp reference, which the kernel equals bitwise), at
+    rows shifted by the chunk's first row, and nothing else."""
+    plan = assignment_plan(jax.random.key(34), num_tokens, 4, p=0.6, empty=(1,))
+    ka, kw = jax.random.split(jax.random.key(35))
+    a = jax.random.normal(ka, (plan.capacity, 64), jnp.float32).astype(jnp.bfloat16)
+    _, w2 = random_weights(kw, 4, 128, 64)
+    bm = config.block_m
+    rows = int(plan.num_rows)
+    num_chunks = 2
+    chunk_rows = -(-plan.capacity // (num_chunks * bm)) * bm
+
+    @jax.jit
+    def schedule(group_sizes):
+        meta = _common.aligned_tile_meta(group_sizes, plan.capacity, bm)
+        bounds = _common.wave_chunk_bounds(
+            meta, num_chunks, chunk_rows, items_per_tile=128 // config.block_n, wave=config.num_sms
+        )
+        return meta, bounds, _common.tile_chunks(meta, bounds, chunk_rows)
+
+    meta, bounds, chunks = schedule(plan.group_sizes)
+    whole = np.asarray(down_proj_reference(a, plan.group_sizes, w2), np.float32)
+    row_bounds = np.asarray(bounds)
+    assert 0 < row_bounds[1] < row_bounds[2] == rows  # rows really split
+    for c in range(num_chunks):
+        y = down_proj(a, plan.group_sizes, w2, config=config, meta=meta, chunks=chunks, chunk=c,
+                      interpret=True)
+        assert y.shape == (chunk_rows, 128)
+        lo, hi = row_bounds[c], row_bounds[c + 1]
+        np.testing.assert_array_equal(np.asarray(y[: hi - lo], np.float32), whole[lo:hi])
+        assert_untouched(y, hi - lo)

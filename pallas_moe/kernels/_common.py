@@ -492,6 +492,118 @@ def aligned_tile_meta(group_sizes: jax.Array, capacity: int, block_m: int) -> Ti
     )
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["bounds"], meta_fields=["rows"]
+)
+@dataclasses.dataclass(frozen=True)
+class TileChunks:
+    """Consecutive ranges of an `aligned_tile_meta`'s real tiles, one kernel call per range.
+
+    A kernel call for chunk c walks tiles `[bounds[0, c], bounds[0, c+1])` of the whole
+    plan's metadata, reads A at the tiles' own grouped rows, and writes grouped row `g` to
+    row `g - bounds[1, c]` of its own `[rows, N]` output. So no chunk needs a slice of A or
+    metadata of its own, and its tiles are the whole call's tiles (the same bits).
+
+    Attributes:
+      bounds: i32[2, C+1]. Row 0: tile bounds (`bounds[0, C]` = the number of real tiles).
+        Row 1: the grouped row where each chunk starts, each a tile's first row
+        (`bounds[1, C]` = rows in all); chunk c holds at most `rows` rows.
+      rows: static rows of each chunk's output buffer.
+    """
+
+    bounds: jax.Array
+    rows: int
+
+    @property
+    def num_chunks(self) -> int:
+        return self.bounds.shape[1] - 1
+
+
+def tile_chunks(meta: TileMeta, row_bounds: jax.Array, rows: int) -> TileChunks:
+    """`TileChunks` cutting `meta`'s tiles at the grouped rows `row_bounds`.
+
+    Args:
+      meta: `aligned_tile_meta` of the whole plan.
+      row_bounds: i32[C+1] nondecreasing; chunk c is grouped rows `[row_bounds[c],
+        row_bounds[c+1])`. Inner bounds must be tile boundaries (a `meta.block_m` multiple
+        or an expert's first row), the last one the plan's row count, and no chunk longer
+        than `rows`.
+      rows: static rows of each chunk's output buffer.
+    """
+    if row_bounds.ndim != 1 or row_bounds.shape[0] < 2:
+        raise ValueError(f"row_bounds must be i32[C+1] with C >= 1, got shape {tuple(row_bounds.shape)}.")
+    real = meta.num_rows > 0
+    num_real = jnp.sum(real, dtype=jnp.int32)
+    # Real tiles come first, in row order: the tiles of chunk c start where rows reach its bound.
+    starts = jnp.sum(
+        real[None, :] & (meta.row_start[None, :] < row_bounds[:-1, None]), axis=1, dtype=jnp.int32
+    )  # [C]
+    tile_bounds = jnp.concatenate([starts, num_real[None]])
+    return TileChunks(bounds=jnp.stack([tile_bounds, row_bounds.astype(jnp.int32)]), rows=rows)
+
+
+def whole_tile_chunk(meta: TileMeta, rows: int) -> TileChunks:
+    """One chunk over all of `meta`'s real tiles, written to a `[rows, N]` output."""
+    ends = jnp.sum(jnp.stack([meta.num_rows > 0, meta.num_rows]), axis=1, dtype=jnp.int32)
+    return TileChunks(bounds=jnp.stack([jnp.zeros((2,), jnp.int32), ends], axis=1), rows=rows)
+
+
+def wave_chunk_bounds(
+    meta: TileMeta, num_chunks: int, rows: int, *, items_per_tile: int, wave: int
+) -> jax.Array:
+    """i32[C+1] grouped-row bounds of `num_chunks` chunks that waste no persistent-kernel wave.
+
+    A persistent kernel with `wave` CTAs takes `items_per_tile` work items per tile (its
+    column blocks), and CTA s takes items s, s + wave, ...; a call of I items lasts about
+    `ceil(I / wave)` item times (plus a fixed cost per call). The whole plan needs
+    `Q = ceil(I / wave)` waves. Chunk c is given `floor(Q (c+1) / C) - floor(Q c / C)` whole
+    waves and ends at the tile where they end (rounded down to a whole tile), so every chunk
+    but the last holds at most its whole waves of items and never ends on a partial wave of
+    its own; the last takes what is left. Together the chunks then run `Q` waves, or `Q + 1`
+    when the items lost to the rounding outgrow the whole's idle slots in its last wave.
+    A bound moves to a `block_m` multiple only where the chunks would not hold every row
+    otherwise (at most `rows` each; `RowChunking.rows` leaves room for a wave of tiles).
+
+    Args:
+      meta: `aligned_tile_meta` of the whole plan (real tiles first, in row order).
+      num_chunks: static C >= 1.
+      rows: static rows of each chunk's buffer, a multiple of `meta.block_m`;
+        `C * rows` must cover the plan's capacity.
+      items_per_tile: work items per tile (the kernel's column blocks).
+      wave: work items running at once (the kernel's CTAs).
+
+    Returns:
+      i32[C+1]: `[0, r_1, ..., r_{C-1}, total]`, nondecreasing; each inner bound is a tile's
+      first row (a `block_m` multiple or an expert's first row).
+    """
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}.")
+    block_m = meta.block_m
+    require_multiple("rows", rows, block_m, "the chunks' buffers hold whole row blocks")
+    real = meta.num_rows > 0
+    num_real = jnp.sum(real, dtype=jnp.int32)
+    total = jnp.sum(meta.num_rows, dtype=jnp.int32)
+    waves = (num_real * items_per_tile + wave - 1) // wave
+    bounds = [jnp.int32(0)]
+    first_tile, start = jnp.int32(0), jnp.int32(0)
+    for c in range(1, num_chunks):
+        own_waves = waves * c // num_chunks - waves * (c - 1) // num_chunks
+        target = jnp.minimum(first_tile + own_waves * wave // items_per_tile, num_real)
+        end = jnp.where(
+            target < num_real, meta.row_start[jnp.minimum(target, meta.num_tiles - 1)], total
+        )
+        # Chunks c.. must hold the rows left, and this one at most `rows`. Both limits are
+        # block_m multiples (tile boundaries), and the range between them is never empty:
+        # by induction, ceil(total) - floor(start) <= (C - c + 1) * rows in block_m units.
+        least = -(-total // block_m) * block_m - (num_chunks - c) * rows
+        most = start // block_m * block_m + rows
+        end = jnp.clip(end, least, most)
+        first_tile = jnp.sum(real & (meta.row_start < end), dtype=jnp.int32)
+        start = end
+        bounds.append(end)
+    bounds.append(total)
+    return jnp.stack(bounds).astype(jnp.int32)
+
 def store_rows(src_smem, dst_gmem, row0, num_rows, max_rows: int, src_row0=0) -> None:
     """TMA-stores rows `[0, num_rows)` of an untiled SMEM block to `dst_gmem[row0 + i]`.
 

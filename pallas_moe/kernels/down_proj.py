@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_moe.kernels._common import TileMeta
+from pallas_moe.kernels._common import TileChunks, TileMeta
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
 
 
@@ -25,6 +25,8 @@ def down_proj(
     capacity: int | None = None,
     out_cols: int | None = None,
     bias: jax.Array | None = None,
+    chunks: TileChunks | None = None,
+    chunk: int = 0,
 ) -> jax.Array:
     """Grouped down-projection.
 
@@ -40,12 +42,16 @@ def down_proj(
       capacity: the plan's row capacity P (default a.shape[0]).
       out_cols: width of the returned array (default d); columns past d are not written.
       bias: optional bf16 [E, d] expert bias.
+      chunks, chunk: run only chunk `chunk` of these `TileChunks` of `meta` (the chunked
+        EP overlap, `pallas_moe.ops.row_chunks`): see `grouped_matmul`.
 
     Returns:
-      y: bf16 [P, out_cols]. Padding rows are not written (their contents are unspecified).
+      y: bf16 [P, out_cols], or `[chunks.rows, out_cols]` with `chunks` (row j holds grouped
+      row `chunks.bounds[1, chunk] + j`). Padding rows are not written (their contents are
+      unspecified).
     """
     return grouped_matmul(
         a, group_sizes, w_down, transpose_w=False, config=config, interpret=interpret,
         meta=meta, capacity=capacity, out_cols=out_cols, names=("a", "w_down"),
-        kernel_name="moe_down_proj", bias=bias,
+        kernel_name="moe_down_proj", bias=bias, chunks=chunks, chunk=chunk,
     )

@@ -41,7 +41,9 @@ tile's rows (`store_rows`), so a tile never writes another expert's rows.
 
 The kernel is persistent: `num_sms` CTAs of one producer and two consumer warpgroups. Work
 item w = (tile w // grid_n, column block w % grid_n); CTA s takes items s, s + num_sms, ...
-over the real tiles (`aligned_tile_meta` puts them first). The producer issues every K step
+over the real tiles (`aligned_tile_meta` puts them first), or over one chunk's range of them
+(`_common.TileChunks`: the chunked EP overlap runs the down-proj as several calls over the
+whole A and metadata, each writing its own output). The producer issues every K step
 of every item back to back into a `num_stages`-slot ring (step g uses slot g % num_stages,
 waits `empty[slot]`, arrives on `full[.., slot]`), so the next item's loads run during the
 current item's epilogue.
@@ -70,7 +72,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
-from pallas_moe.kernels._common import TileMeta
+from pallas_moe.kernels._common import TileChunks, TileMeta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +139,8 @@ def grouped_matmul(
     gated: bool = False,
     out_dtype=jnp.bfloat16,
     bias: jax.Array | None = None,
+    chunks: TileChunks | None = None,
+    chunk: int = 0,
 ) -> jax.Array:
     """`out[r] = A[r] @ W[e(r)]` (or `@ W[e(r)]^T`) over rows grouped by expert.
 
@@ -166,10 +170,15 @@ def grouped_matmul(
       out_dtype: bf16 (default) or f32.
       bias: bf16 mode only: optional bf16 [E, N]: `out[r] += bias[e(r)]` in fp32 before
         rounding.
+      chunks: run only chunk `chunk` of these `TileChunks` of `meta` (which is then
+        required): its tiles, read from the whole A, written to a `[chunks.rows, out_cols]`
+        output at rows shifted by the chunk's first row (the EP overlap's chunked down-proj).
+      chunk: static index of the chunk to run.
 
     Returns:
-      [P, out_cols] in out_dtype. Padding rows are not written (their contents are
-      unspecified).
+      [P, out_cols] in out_dtype, or `[chunks.rows, out_cols]` with `chunks`: row j holds
+      grouped row `chunks.bounds[1, chunk] + j`. Padding rows are not written (their
+      contents are unspecified).
     """
     a_name, w_name = names
     if a.ndim != 2:
@@ -236,9 +245,15 @@ def grouped_matmul(
     if out_cols < n_dim:
         raise ValueError(f"out_cols={out_cols} must be >= {n_dim}.")
     if meta is None:
+        if chunks is not None:
+            raise ValueError("chunks cut the tiles of a given meta: pass meta too.")
         meta = _common.aligned_tile_meta(group_sizes, capacity, bm)
     if meta.block_m != bm:
         raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
+    if chunks is None:
+        chunks, chunk = _common.whole_tile_chunk(meta, capacity), 0
+    if not 0 <= chunk < chunks.num_chunks:
+        raise ValueError(f"chunk={chunk} must be in [0, {chunks.num_chunks}) (chunks.num_chunks).")
     # Each item loads its whole aligned block: make `a` a whole number of blocks.
     padded = -(-capacity // bm) * bm
     if a_rows < padded:
@@ -264,17 +279,16 @@ def grouped_matmul(
         if row_scales.shape[0] < padded:  # each consumer loads whole row blocks too
             row_scales = jnp.pad(row_scales, (0, padded - row_scales.shape[0]))
         scales = (row_scales, col_scales)
-    kernel = _kernel(config, k_dim, n_dim, capacity, out_cols, transpose_w, kernel_name,
+    kernel = _kernel(config, k_dim, n_dim, chunks.rows, out_cols, transpose_w, kernel_name,
                      interpret, in_dtype=a.dtype, out_dtype=out_dtype, fp8=fp8, gated=gated,
-                     has_bias=bias is not None)
-    num_real = jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1)
-    operands = (meta.expert, meta.row_start, meta.num_rows, num_real, a, w)
+                     has_bias=bias is not None, chunk=chunk)
+    operands = (meta.expert, meta.row_start, meta.num_rows, chunks.bounds, a, w)
     return kernel(*operands, *scales, *(() if bias is None else (bias,)))
 
 
-def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, transpose_w,
+def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, transpose_w,
             kernel_name, interpret, *, in_dtype, out_dtype, fp8: bool, gated: bool,
-            has_bias: bool = False):
+            has_bias: bool = False, chunk: int = 0):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     split_m = bm == 128
     mb = bm // 2 if split_m else bm  # rows per consumer
@@ -286,7 +300,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
     num_b = 2 if gated else 1  # weight tiles per K step (gate and up)
     promote_every = config.fp8_promote_every if fp8 else 0
 
-    def body(expert_ref, start_ref, rows_ref, nreal_ref, a_ref, w_ref, *refs):
+    def body(expert_ref, start_ref, rows_ref, bounds_ref, a_ref, w_ref, *refs):
         if fp8:
             (rs_ref, cs_ref, out_ref, a_smem, b_smem, o_bufs, full, empty,
              rs_smem, cs_smem, scale_bar) = refs
@@ -301,12 +315,15 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
             # The fp8 consumers hold up to two 64x128 (or one 64x256) f32 accumulators plus
             # the broadcast scales of the epilogue: give them the producer's registers.
             _common.rebalance_registers(wg, num_consumers=2)
-        total = nreal_ref[0] * grid_n  # real work items
+        # This call's tiles [first_tile, end_tile) of the whole metadata (`TileChunks`).
+        first_tile = bounds_ref[0, chunk]
+        total = (bounds_ref[0, chunk + 1] - first_tile) * grid_n  # work items
+        out_row0 = bounds_ref[1, chunk]  # grouped row of output row 0
         my_items = jnp.maximum(total - sm + num_sms - 1, 0) // num_sms
 
         def item(j):
             w = sm + j * num_sms
-            return w // grid_n, w % grid_n  # (tile, column block)
+            return first_tile + w // grid_n, w % grid_n  # (tile, column block)
 
         @pl.when(wg == 2)
         def _producer():
@@ -454,8 +471,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                     _common.write_row_tile(o_mma.at[c], y.astype(out_dtype))
                     plgpu.commit_smem()
                     _common.store_row_tile(
-                        o_copy.at[c], out_ref.at[:, pl.ds(ni * bn, bn)], dst0, count, mb,
-                        src_row0=src0,
+                        o_copy.at[c], out_ref.at[:, pl.ds(ni * bn, bn)], dst0 - out_row0, count,
+                        mb, src_row0=src0,
                     )
                     return carry
 
@@ -486,7 +503,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
     return plgpu.kernel(
         body,
         kernel_name=kernel_name,
-        out_type=jax.ShapeDtypeStruct((capacity, out_cols), out_dtype),
+        out_type=jax.ShapeDtypeStruct((out_rows, out_cols), out_dtype),
         scratch_types=scratch,
         grid=(num_sms,),
         grid_names=("sm",),

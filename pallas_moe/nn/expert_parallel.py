@@ -51,9 +51,10 @@ Overlap (single-batch overlap; docs/ep_overlap.md):
   body as the dispatch and depends on nothing it receives, so XLA runs it while the
   dispatch collective is in flight.
 * `overlap="chunked"` (ragged dispatches): the received rows, grouped by local expert, go
-  through the down-proj in `block_m`-aligned chunks (`pallas_moe.ops.row_chunks`); each
-  chunk's combine is its own ragged exchange, free to run while the next chunk's down-proj
-  computes. Equal to `overlap="none"` in outputs and gradients.
+  through the down-proj in chunks cut at its row tiles, by work
+  (`pallas_moe.ops.row_chunks`); each chunk's combine is its own ragged exchange, free to
+  run while the next chunk's down-proj computes. Equal to `overlap="none"` in outputs and
+  gradients.
 * `overlap="signal"` (a down-proj kernel that signals per `block_m` rows and sends finished
   blocks to their sources) is not built; the doc says what JAX 0.11.2's Mosaic GPU offers
   for it (remote refs, remote semaphores) and why.
@@ -90,7 +91,7 @@ from pallas_moe.nn import functional as F
 from pallas_moe.numerics import Numerics
 from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.ops.moe_ffn import moe_ffn, resolve_backend
-from pallas_moe.ops.row_chunks import chunk_block_m, chunk_layout, chunked_row_ffn
+from pallas_moe.ops.row_chunks import RowChunking, auto_num_chunks, chunked_row_ffn
 from pallas_moe.ops.xla import aggregate_rows
 from pallas_moe.routing.plan import plan_from_assignment
 from pallas_moe.routing.token_rounding import rounded_counts
@@ -122,12 +123,16 @@ class ExpertParallel:
         rows per shard (None: the exact worst case, never drops).
       overlap: how the down-proj meets the combine (ragged dispatches only). "none": the
         whole down-proj, then one combine. "chunked": the received rows, grouped by local
-        expert, are cut into `num_chunks` `block_m`-aligned chunks; each chunk's down-proj
+        expert, are cut into `num_chunks` chunks at row tiles; each chunk's down-proj
         is followed by its own ragged combine, which XLA can run while the next chunk's
         down-proj computes. Outputs and gradients equal "none". ("signal", a down-proj
         kernel that sends finished blocks itself, is not built: see the module docstring.)
       num_chunks: chunks of the "chunked" overlap (at most; fewer when there are fewer
-        `block_m` row blocks).
+        `block_m` row blocks), or "auto": `pallas_moe.ops.row_chunks.auto_num_chunks` picks
+        it from the down-proj work a shard receives on average (`T_l * K` rows), one more
+        chunk per 40 GFLOP, so each extra chunk's fixed cost stays under 5% of the
+        down-proj. The chunks are cut by work, in whole waves of the persistent down-proj
+        kernel (`RowChunking`), not by the receive buffer's rows.
       check_vma: `jax.shard_map`'s varying-manual-axes type check of the per-shard body.
         Off by default (values are the same either way). It works with backend="xla" (the
         scans cast their carries with `jax.lax.pcast`); the Pallas kernels cannot run under
@@ -140,7 +145,7 @@ class ExpertParallel:
     token_axes: tuple[str, ...] | None = None
     capacity_factor: float | None = None
     overlap: str = "none"
-    num_chunks: int = 2
+    num_chunks: int | str = 2
     check_vma: bool = False
 
     def __post_init__(self):
@@ -185,7 +190,10 @@ class ExpertParallel:
                 "granularity."
             )
         _checks.check_choice("overlap", self.overlap, OVERLAPS)
-        _checks.check_positive_int("num_chunks", self.num_chunks)
+        if isinstance(self.num_chunks, str) and self.num_chunks != "auto":
+            raise ValueError(f"num_chunks must be a positive int or 'auto', got {self.num_chunks!r}.")
+        if self.num_chunks != "auto":
+            _checks.check_positive_int("num_chunks", self.num_chunks)
         if not isinstance(self.check_vma, bool):
             raise TypeError(f"check_vma must be a bool, got {type(self.check_vma).__name__}.")
         if self.overlap == "chunked" and self.dispatch == "all_gather":
@@ -485,6 +493,7 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
         y_rows = _chunked_experts_and_combine(
             x_recv, plan_recv, src, w_gate_up_l, w_down_l, all_counts, allowed, send_offsets,
             y_rows_init, ep, backend, exchange, row_options,
+            expected_rows=min(receive_rows, tokens_l * cfg.top_k),
         )  # [P_l, d]
     else:
         y_recv = ffn(x_recv, plan_recv, w_gate_up_l, w_down_l)  # [R, d]
@@ -504,35 +513,35 @@ def _ragged_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l,
     return y_l.astype(dtype), dropped
 
 
-def _chunk_send_counts(all_counts, allowed, chunk_rows, num_chunks):
+def _chunk_send_counts(kept, row_bounds):
     """i32[C, G(expert shard), G(source)]: rows of chunk c that an expert shard returns to a source.
 
     An expert shard groups its received rows by local expert, source-major inside each
-    expert, and cuts them into chunks of `chunk_rows` grouped rows. Every shard computes
-    this table for all shards from the all-gathered counts, so senders and receivers agree.
+    expert, and cuts them into chunks at `row_bounds`. Every shard computes this table for
+    all shards from the all-gathered counts, so senders and receivers agree.
 
     Args:
-      all_counts: i32[G(src), G(dst), E_l] rows each source routes to each local expert.
-      allowed: i32[G(src), G(dst)] rows each source may send (receive capacity).
+      kept: i32[G(src), G(dst), E_l] rows each source sends to each local expert.
+      row_bounds: i32[G(dst), C+1] each expert shard's chunk bounds (`RowChunking.bounds`).
     """
-    # A source sends its rows for dst expert-major and truncated to `allowed`.
-    kept = jnp.clip(allowed[:, :, None] - _exclusive_cumsum(all_counts, 2), 0, all_counts)  # [s, d, e]
     group_start = _exclusive_cumsum(jnp.sum(kept, axis=0), 1)  # [d, e] on the expert shard
     block_start = group_start[None] + _exclusive_cumsum(kept, 0)  # [s, d, e] rows of (s, e) on d
-    lo = (jnp.arange(num_chunks, dtype=jnp.int32) * chunk_rows)[:, None, None, None]  # [C, 1, 1, 1]
-    inside = jnp.minimum(block_start + kept, lo + chunk_rows) - jnp.maximum(block_start, lo)
+    lo = row_bounds[:, :-1].T[:, None, :, None]  # [C, 1, d, 1]
+    hi = row_bounds[:, 1:].T[:, None, :, None]
+    inside = jnp.minimum(block_start + kept, hi) - jnp.maximum(block_start, lo)
     counts = jnp.sum(jnp.clip(inside, 0, None), axis=-1, dtype=jnp.int32)  # [C, s, d]
     return counts.transpose(0, 2, 1)  # [C, d, s]
 
 
 def _chunked_experts_and_combine(
     x_recv, plan_recv, received_src, w_gate_up_l, w_down_l, all_counts, allowed, send_offsets,
-    y_rows, ep, backend, exchange, row_options,
+    y_rows, ep, backend, exchange, row_options, expected_rows,
 ):
-    """overlap="chunked": the down-proj in `block_m`-aligned chunks, each sent back at once.
+    """overlap="chunked": the down-proj in chunks (`RowChunking`), each sent back at once.
 
     `row_options`: `chunked_row_ffn` keywords of the local experts (`b_gate_up`, `b_down`,
-    `activation`).
+    `activation`). `expected_rows`: rows a shard receives on average, for
+    `num_chunks="auto"`.
 
     Chunk c's exchange depends only on chunk c's down-proj, so XLA can run it while chunk
     c+1's down-proj computes. The rows a chunk returns to one source are contiguous in
@@ -543,20 +552,32 @@ def _chunked_experts_and_combine(
     """
     num_shards = ep.size
     receive_rows, d = x_recv.shape
+    n = w_down_l.shape[1]
+    me = jax.lax.axis_index(ep.axis)
     resolved = resolve_backend(backend, x_recv, w_down_l)
-    block_m = chunk_block_m(resolved, d, w_down_l.shape[1])
-    chunk_rows, num_chunks = chunk_layout(receive_rows, ep.num_chunks, block_m)
+    asked = auto_num_chunks(expected_rows, d, n) if ep.num_chunks == "auto" else ep.num_chunks
+    chunking = RowChunking.for_shape(resolved, d, n, receive_rows, asked)
+    num_chunks, chunk_rows = chunking.num_chunks, chunking.rows
+    # A source sends its rows for dst expert-major and truncated to `allowed`.
+    kept = jnp.clip(allowed[:, :, None] - _exclusive_cumsum(all_counts, 2), 0, all_counts)  # [s, d, e]
+    # Every expert shard's chunk bounds, from its received rows per local expert.
+    row_bounds = jax.vmap(chunking.bounds)(jnp.sum(kept, axis=0))  # [G(dst), C+1]
     y = chunked_row_ffn(
-        x_recv, plan_recv, w_gate_up_l, w_down_l, chunk_rows=chunk_rows, backend=resolved,
-        **row_options,
-    )  # [C, S, d], grouped rows
-    counts = _chunk_send_counts(all_counts, allowed, chunk_rows, num_chunks)  # [C, d, s]
+        x_recv, plan_recv, w_gate_up_l, w_down_l, num_chunks=asked, backend=resolved,
+        row_bounds=row_bounds[me], **row_options,
+    )  # [C, S, d]: chunk c holds grouped rows [row_bounds[me, c], row_bounds[me, c+1])
+    counts = _chunk_send_counts(kept, row_bounds)  # [C, d, s]
     before = _exclusive_cumsum(counts, 0)  # [C, d, s] rows returned in earlier chunks
     # Source of each grouped row; padding rows sort last and are never sent.
     grouped_src = jnp.where(plan_recv.row_is_valid, received_src[plan_recv.token_ids], num_shards)
     grouped_src = jnp.pad(grouped_src, (0, num_chunks * chunk_rows - receive_rows), constant_values=num_shards)
+    mine = row_bounds[me]
     for c in range(num_chunks):
-        order = jnp.argsort(grouped_src[c * chunk_rows:(c + 1) * chunk_rows], stable=True)  # [S]
+        chunk_src = jax.lax.dynamic_slice_in_dim(grouped_src, mine[c], chunk_rows)  # [S]
+        chunk_src = jnp.where(
+            jnp.arange(chunk_rows) < mine[c + 1] - mine[c], chunk_src, num_shards
+        )  # rows past the chunk (the next chunk's) sort last too
+        order = jnp.argsort(chunk_src, stable=True)  # [S]
         with jax.named_scope(combine_scope(c)):
             y_rows = exchange(
                 y[c][order], y_rows,
