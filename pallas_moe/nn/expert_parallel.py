@@ -130,7 +130,7 @@ class ExpertParallel:
       num_chunks: chunks of the "chunked" overlap (at most; fewer when there are fewer
         `block_m` row blocks), or "auto": `pallas_moe.ops.row_chunks.auto_num_chunks` picks
         it from the down-proj work a shard receives on average (`T_l * K` rows), one more
-        chunk per 40 GFLOP, so each extra chunk's fixed cost stays under 5% of the
+        chunk per 70 GFLOP, so each extra chunk's fixed cost stays under 5% of the
         down-proj. The chunks are cut by work, in whole waves of the persistent down-proj
         kernel (`RowChunking`), not by the receive buffer's rows.
       check_vma: `jax.shard_map`'s varying-manual-axes type check of the per-shard body.

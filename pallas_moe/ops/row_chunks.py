@@ -78,12 +78,14 @@ def chunk_group_sizes(group_sizes: jax.Array, row_bounds: jax.Array) -> jax.Arra
 
 
 # "auto" chunk count (`auto_num_chunks`). Each chunk's down-proj call costs a fixed time on
-# top of its waves (launch, ramp and drain of the persistent kernel: ~5 us per call, fitted
-# to the H100 runs of benchmarks/RESULTS.md; docs/ep_overlap.md, section 2), while the whole
-# down-proj runs at ~400 TFLOP/s there. A
-# chunk beyond the first is worth its call when it keeps the added time under 5% of the
-# whole: (C - 1) * 5 us <= 0.05 * FLOPs / 400 TFLOP/s, i.e. one more chunk per 40 GFLOP.
-AUTO_FLOPS_PER_EXTRA_CHUNK = 40e9
+# top of its waves (launch, ramp and drain of the persistent kernel), while the whole
+# down-proj's time grows with its FLOPs. Fitted on the H100 (session 5,
+# benchmarks/RESULTS.md, `benchmarks/chunked_down_proj.py`): 3.6 us per call at 7b-ep8 and
+# 5.9 us at 30b-ep8, where the whole down-proj runs at ~570 TFLOP/s (137 GFLOP in 240 us).
+# A chunk beyond the first is worth its call when the added time stays under 5% of the
+# whole: (C - 1) * 6 us <= 0.05 * FLOPs / 570 TFLOP/s, i.e. one more chunk per ~70 GFLOP
+# (measured at 30b-ep8: 2 chunks +0.9%, 4 chunks +6.4%).
+AUTO_FLOPS_PER_EXTRA_CHUNK = 70e9
 # More chunks also mean more combine collectives, each with its own latency.
 AUTO_MAX_CHUNKS = 4
 
