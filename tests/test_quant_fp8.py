@@ -18,6 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
 from pallas_moe.kernels.reference import fp8_epilogue_reference, fp8_grouped_matmul_reference
+from pallas_moe.quant.reference import smoothquant_rows_reference
 from pallas_moe.routing import token_rounding_plan
 from tests.test_kernels_common import assert_untouched, assignment_plan, races_found
 from tests.fp8_wgmma_model import h100_fp8_dot
@@ -229,6 +230,42 @@ def test_fp8_forward_interpret_matches_xla_and_bf16():
     assert rel_err(got, want) < FP8_VS_BF16_TOL
 
 
+def test_fp8_forward_per_token_equals_unit_smoothing():
+    # No smooth scales: X is quantized once per token and the up-proj gathers its rows. Its
+    # Q and s of each row are those of the SmoothQuant path with all-ones scales (x * 1 is
+    # exact), and the GEMM sums the same products in the same order: the same bits. Token
+    # rounding: padding rows and an empty expert.
+    x, plan, w1, w2 = fp8_layer(jax.random.key(55), 24, 128, 128, 3, 2, token_rounding=True)
+    assert int(plan.group_sizes[1]) == 0 and int(plan.num_rows) < plan.capacity
+    experts = pm.quant.quantize_experts(w1, w2)
+    assert experts.smooth_up is None
+    ones = dataclasses_replace(experts, smooth_up=jnp.ones((3, 128), jnp.float32),
+                               smooth_down=jnp.ones((3, 128), jnp.float32))
+    got = pm.quant.moe_ffn_fp8(x, plan, experts, backend="interpret")
+    via_rows = pm.quant.moe_ffn_fp8(x, plan, ones, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(via_rows).view(np.uint16))
+    ref = pm.quant.moe_ffn_fp8(x, plan, experts, backend="xla")
+    np.testing.assert_array_equal(  # the references agree exactly too
+        np.asarray(ref).view(np.uint16),
+        np.asarray(pm.quant.moe_ffn_fp8(x, plan, ones, backend="xla")).view(np.uint16))
+    assert rel_err(got, ref) < KERNELS_VS_XLA_TOL
+
+
+def test_quantize_tokens_kernel_matches_the_row_formula():
+    # Rows of zeros, the largest finite bf16, and ordinary rows: bit for bit the reference.
+    x = jax.random.normal(jax.random.key(56), (24, 256)).astype(jnp.bfloat16)
+    x = x.at[3].set(0).at[5, 7].set(jnp.finfo(jnp.bfloat16).max).at[6].multiply(1e-30)
+    q, s = pm.quant.quantize_tokens_kernel(x, interpret=True)
+    tokens = jnp.arange(24, dtype=jnp.int32)
+    want_q, want_s = smoothquant_rows_reference(
+        x, jnp.ones((1, 256), jnp.float32), tokens, jnp.zeros_like(tokens),
+        jnp.ones((24,), bool), E4M3)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s).view(np.uint32), np.asarray(want_s).view(np.uint32))
+    assert float(s[3]) == 0 and np.all(np.asarray(q[3], np.float32) == 0)
+
+
 def test_fp8_forward_is_inference_only():
     x, plan, w1, w2 = fp8_layer(jax.random.key(51), 8, 128, 128, 2, 1)
     experts = pm.quant.quantize_experts(w1, w2)
@@ -251,7 +288,7 @@ def test_quantize_experts_layout_and_scales():
     np.testing.assert_array_equal(np.asarray(ex.gate_up_scales), np.asarray(c1))
     back = pm.quant.dequantize_weights(ex.w_down, ex.down_scales, k_major=True)
     assert rel_err(back, w2) < 0.05
-    assert np.all(np.asarray(ex.smooth_up) == 1) and np.all(np.asarray(ex.smooth_down) == 1)
+    assert ex.smooth_up is None and ex.smooth_down is None  # no smoothing
 
 
 def test_fp8_forward_bad_inputs_raise():
@@ -318,6 +355,29 @@ def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape, promote_every):
     f = functools.partial(pm.quant.moe_ffn_fp8, backend="mosaic", config=config)
     with h100_target():
         jax.jit(f).trace(x, plan, experts).lower(lowering_platforms=("cuda",))
+        # No smooth scales: X quantized per token, the up-proj gathers its rows (cp.async).
+        per_token = dataclasses_replace(experts, smooth_up=None, smooth_down=None)
+        jax.jit(f).trace(x, plan, per_token).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("gather, completion", [("cp_async", "mbarrier"), ("tma", "wait_group")])
+def test_fp8_gathered_loaders_lower_for_cuda(gather, completion):
+    """The gathered up-proj's other loaders (the default, cp.async "wait_group", lowers in the
+    forward test above) at the 30B shape's blocks."""
+    from tests.cuda_target import h100_target
+
+    num_tokens, d, n, num_experts, k = 32768, 4096, 512, 128, 8
+    sds = jax.ShapeDtypeStruct
+    cfg = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=132)
+    config = dataclasses.replace(cfg.up, gather=gather, gather_completion=completion)
+    plan = jax.eval_shape(lambda l: topk_plan(l, k), sds((num_tokens, num_experts), jnp.float32))
+    f = functools.partial(grouped_matmul, transpose_w=True, config=config, gated=True)
+    with h100_target():
+        jax.jit(f).trace(
+            sds((num_tokens, d), E4M3), plan.group_sizes, sds((num_experts, 2 * n, d), E4M3),
+            row_scales=sds((num_tokens,), jnp.float32),
+            col_scales=sds((num_experts, 2 * n), jnp.float32), token_ids=plan.token_ids,
+        ).lower(lowering_platforms=("cuda",))
 
 
 # ---- the H100's fp8 accumulation (tests/fp8_wgmma_model.py) and what promotion does to it
@@ -464,3 +524,89 @@ def test_fp8_forward_on_gpu(routing):
     assert rel_err(got, want) < FP8_VS_BF16_TOL
     again = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend="mosaic"))(x, plan, experts)
     np.testing.assert_array_equal(np.asarray(again).view(np.uint16), np.asarray(got).view(np.uint16))
+
+
+# ---- the gathered fp8 mode (`token_ids`): per-token quantized rows, gathered by the kernel
+
+
+def gathered_operands(key, num_tokens, k_dim, w_rows, num_experts):
+    """e4m3 tokens [T, K] with f32 scales [T], and e4m3 W^T [E, w_rows, K] with col scales."""
+    q, w, rs, cs = fp8_operands(key, num_tokens, k_dim, w_rows, num_experts)
+    return q, w, rs, cs
+
+
+@pytest.mark.parametrize("gated, promote_every", [
+    pytest.param(True, 2, id="gated-promoted"),
+    pytest.param(True, 0, id="gated-unpromoted", marks=pytest.mark.slow),
+    pytest.param(False, 2, id="plain-promoted", marks=pytest.mark.slow),
+    pytest.param(False, 0, id="plain-unpromoted", marks=pytest.mark.slow),
+])
+def test_fp8_gathered_equals_the_materialized_gather(gated, promote_every):
+    # Token rounding (ragged groups inside aligned blocks, padding rows, an empty expert):
+    # gathering a[token_ids] in the kernel gives the bits of the kernel on the rows gathered
+    # beforehand (same products, same f32 sums in the same order), and the reference's
+    # values; padding rows stay untouched.
+    logits = jax.random.normal(jax.random.key(70), (75, 5)).at[:, 3].add(-100.0)
+    plan = token_rounding_plan(logits, 2, tile=8)
+    assert int(plan.group_sizes[3]) == 0 and int(plan.num_rows) < plan.capacity
+    n_out = 64
+    q, w, rs, cs = gathered_operands(jax.random.key(71), 75, 384, 2 * n_out if gated else n_out, 5)
+    config = dataclasses.replace(SPLIT_M, num_stages=3, fp8_promote_every=promote_every)
+    kw = dict(transpose_w=True, config=config, interpret=True, col_scales=cs, gated=gated,
+              out_dtype=jnp.float32)
+    got = grouped_matmul(q, plan.group_sizes, w, row_scales=rs, token_ids=plan.token_ids, **kw)
+    rows = int(plan.num_rows)
+    assert got.shape == (plan.capacity, n_out)
+    assert_untouched(got, rows)
+    ids = plan.token_ids
+    materialized = grouped_matmul(q[ids], plan.group_sizes, w, row_scales=rs[ids], **kw)
+    np.testing.assert_array_equal(np.asarray(got[:rows]).view(np.uint32),
+                                  np.asarray(materialized[:rows]).view(np.uint32))
+    want = fp8_grouped_matmul_reference(q[ids], plan.group_sizes, w, rs[ids], cs, gated=gated,
+                                        out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got[:rows]), np.asarray(want[:rows]), rtol=1e-5,
+                               atol=1e-6 * float(jnp.abs(want[:rows]).max()))
+
+
+def test_fp8_gathered_no_races():
+    plan = assignment_plan(jax.random.key(72), 24, 3, p=0.5, empty=(1,))
+    q, w, rs, cs = gathered_operands(jax.random.key(73), 24, 256, 128, 3)
+    config = dataclasses.replace(SPLIT_M, num_stages=3)
+    got = grouped_matmul(q, plan.group_sizes, w, transpose_w=True, config=config,
+                         interpret=plgpu.InterpretGPUParams(detect_races=True), row_scales=rs,
+                         col_scales=cs, gated=True, token_ids=plan.token_ids)
+    assert not races_found()
+    rows = int(plan.num_rows)
+    ids = plan.token_ids
+    want = fp8_grouped_matmul_reference(q[ids], plan.group_sizes, w, rs[ids], cs, gated=True)
+    np.testing.assert_allclose(np.asarray(got[:rows], np.float32),
+                               np.asarray(want[:rows], np.float32), rtol=2**-7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(a=jnp.zeros((12, 128), jnp.bfloat16)), "token_ids .the gathered mode. is an fp8-mode option"),
+        (dict(config=GroupedMatmulConfig(block_m=64, block_k=128, num_sms=2)),
+         "the gathered mode .token_ids. needs config.block_m=128"),
+        (dict(config=GroupedMatmulConfig(block_k=128, num_stages=2, num_sms=2)),
+         "config.gather='cp_async' needs num_stages >= 3"),
+        (dict(config=GroupedMatmulConfig(block_k=128, num_sms=2, gather="dma")),
+         "config.gather must be one of"),
+        (dict(row_scales=jnp.ones((16,), jnp.float32)), r"row_scales must have shape \(12,\)"),
+        (dict(token_ids=jnp.zeros((16,), jnp.float32)), "token_ids must have dtype int32"),
+        (dict(capacity=8), "capacity=8 must equal token_ids.shape.0.=16"),
+    ],
+)
+def test_fp8_gathered_bad_inputs_raise(kwargs, match):
+    args = dict(a=jnp.zeros((12, 128), E4M3), group_sizes=jnp.array([10, 6], jnp.int32),
+                w=jnp.zeros((2, 128, 128), E4M3), transpose_w=True,
+                config=GroupedMatmulConfig(block_k=128, num_sms=2), interpret=True,
+                row_scales=jnp.ones((12,), jnp.float32), col_scales=jnp.ones((2, 128), jnp.float32),
+                token_ids=jnp.zeros((16,), jnp.int32))
+    args.update(kwargs)
+    if args["a"].dtype == jnp.bfloat16:
+        args.update(w=jnp.zeros((2, 128, 128), jnp.bfloat16), row_scales=None, col_scales=None,
+                    config=GroupedMatmulConfig(block_k=64, num_sms=2))
+    with pytest.raises((ValueError, TypeError), match=match):
+        grouped_matmul(**args)

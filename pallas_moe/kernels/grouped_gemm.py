@@ -88,6 +88,12 @@ class GroupedMatmulConfig:
         the tensor cores' partial sums into f32 registers every this many K blocks (128
         elements each; the module docstring says why); 0 = never (the hardware accumulator
         only, the fastest and least accurate).
+      gather: the gathered mode only (`token_ids`): how the producer gathers A's rows,
+        "cp_async" (16-byte cp.async loads from all 128 producer threads,
+        `_common.cp_async_gather_rows`; compiled kernels, `num_stages >= 3`) or "tma"
+        (one-row TMA copies, `_common.gather_rows`). Interpret mode always runs "tma".
+      gather_completion: the gathered mode with "cp_async": "wait_group" or "mbarrier"
+        (`_common.GATHER_COMPLETIONS`).
     """
 
     block_m: int = 128
@@ -96,6 +102,8 @@ class GroupedMatmulConfig:
     num_stages: int = 4
     num_sms: int = 132
     fp8_promote_every: int = 1
+    gather: str = "cp_async"
+    gather_completion: str = "wait_group"
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -109,6 +117,11 @@ class GroupedMatmulConfig:
             raise ValueError(
                 f"config.fp8_promote_every={self.fp8_promote_every} must be >= 0 (0 = never)."
             )
+
+    @property
+    def num_consumers(self) -> int:
+        """Consumer warpgroups of the kernel (always 2; the gather checks read it)."""
+        return 2
 
 
 # fp8 promotion keeps a second f32 accumulator set: at most this many accumulator columns per
@@ -137,13 +150,15 @@ def grouped_matmul(
     gated: bool = False,
     out_dtype=jnp.bfloat16,
     bias: jax.Array | None = None,
+    token_ids: jax.Array | None = None,
 ) -> jax.Array:
     """`out[r] = A[r] @ W[e(r)]` (or `@ W[e(r)]^T`) over rows grouped by expert.
 
     Args:
       a: bf16 [P_a, K] rows in grouped order, or e4m3 (the fp8 mode). `P_a` may exceed
         `capacity` (a producer may pad to a multiple of block_m, which saves a copy here);
-        extra rows are ignored.
+        extra rows are ignored. With `token_ids`: e4m3 [T, K] source rows (quantized
+        tokens), gathered by the kernel.
       group_sizes: i32 [E] rows per expert; rows past the sum are padding.
       w: bf16 [E, K, N], or [E, N, K] with `transpose_w`; e4m3 [E, N, K] (or [E, 2N, K]
         with `gated`) in the fp8 mode.
@@ -166,6 +181,10 @@ def grouped_matmul(
       out_dtype: bf16 (default) or f32.
       bias: bf16 mode only: optional bf16 [E, N]: `out[r] += bias[e(r)]` in fp32 before
         rounding.
+      token_ids: fp8 mode only: i32 [P] source row of `a` of each grouped row
+        (`plan.token_ids`; padding rows may name any row in range): the gathered mode, where
+        grouped row r multiplies `a[token_ids[r]]` and `row_scales` is f32 [T], one scale per
+        row of `a` (gathered here). Needs `config.block_m == 128` (module docstring).
 
     Returns:
       [P, out_cols] in out_dtype. Padding rows are not written (their contents are
@@ -208,8 +227,28 @@ def grouped_matmul(
         raise ValueError(
             f"{w_name}.shape[{k_axis}]={w_k} must equal {a_name}.shape[1]={k_dim} (the contraction)."
         )
+    gathered = token_ids is not None
+    if gathered:
+        if not fp8:
+            raise ValueError(
+                f"token_ids (the gathered mode) is an fp8-mode option; {a_name} is {a.dtype}."
+            )
+        if token_ids.ndim != 1:
+            raise ValueError(f"token_ids must be 1-D [P], got shape {tuple(token_ids.shape)}.")
+        _common.require_dtype("token_ids", token_ids, jnp.int32)
+        if config.block_m != 128:
+            raise ValueError(
+                f"the gathered mode (token_ids) needs config.block_m=128 (both consumers "
+                f"share each gathered stage), got {config.block_m}."
+            )
+        _common.require_gather_mode(config)
+        if capacity is not None and capacity != token_ids.shape[0]:
+            raise ValueError(
+                f"capacity={capacity} must equal token_ids.shape[0]={token_ids.shape[0]}."
+            )
+        capacity = token_ids.shape[0]
     capacity = a_rows if capacity is None else capacity
-    if capacity > a_rows:
+    if capacity > a_rows and not gathered:
         raise ValueError(f"capacity={capacity} exceeds {a_name}.shape[0]={a_rows}.")
     _common.require_shape("group_sizes", group_sizes, (num_experts,))
     bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -239,20 +278,28 @@ def grouped_matmul(
         meta = _common.aligned_tile_meta(group_sizes, capacity, bm)
     if meta.block_m != bm:
         raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
-    # Each item loads its whole aligned block: make `a` a whole number of blocks.
+    # Each item loads its whole aligned block: make `a` (or the gathered rows' ids) a whole
+    # number of blocks.
     padded = -(-capacity // bm) * bm
-    if a_rows < padded:
+    row_ids = ()
+    if gathered:  # padding rows read row 0: multiplied like the rest and never stored
+        row_ids = (jnp.pad(token_ids, (0, padded - capacity)),)
+    elif a_rows < padded:
         a = jnp.pad(a, ((0, padded - a_rows), (0, 0)))
     scales = ()
     if fp8:
         w_cols = w.shape[1]
         _common.require_shape("col_scales", col_scales, (num_experts, w_cols))
-        if row_scales.ndim != 1 or row_scales.shape[0] < capacity:
+        if gathered:
+            _common.require_shape("row_scales", row_scales, (a_rows,))
+        elif row_scales.ndim != 1 or row_scales.shape[0] < capacity:
             raise ValueError(
                 f"row_scales must be [P_a] with P_a >= capacity={capacity}, got "
                 f"{tuple(row_scales.shape)}."
             )
         _common.require_dtype("row_scales", row_scales, jnp.float32)
+        if gathered:  # the epilogue reads each grouped row's scale: gather the P of them
+            row_scales = row_scales[row_ids[0]]
         _common.require_dtype("col_scales", col_scales, jnp.float32)
         if config.fp8_promote_every and (gated + 1) * bn > FP8_PROMOTED_MAX_COLUMNS:
             raise ValueError(
@@ -266,15 +313,15 @@ def grouped_matmul(
         scales = (row_scales, col_scales)
     kernel = _kernel(config, k_dim, n_dim, capacity, out_cols, transpose_w, kernel_name,
                      interpret, in_dtype=a.dtype, out_dtype=out_dtype, fp8=fp8, gated=gated,
-                     has_bias=bias is not None)
+                     has_bias=bias is not None, gathered=gathered)
     num_real = jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1)
-    operands = (meta.expert, meta.row_start, meta.num_rows, num_real, a, w)
+    operands = (meta.expert, meta.row_start, meta.num_rows, num_real, *row_ids, a, w)
     return kernel(*operands, *scales, *(() if bias is None else (bias,)))
 
 
 def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, transpose_w,
             kernel_name, interpret, *, in_dtype, out_dtype, fp8: bool, gated: bool,
-            has_bias: bool = False):
+            has_bias: bool = False, gathered: bool = False):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     split_m = bm == 128
     mb = bm // 2 if split_m else bm  # rows per consumer
@@ -285,15 +332,34 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
     tf = _common.mma_transforms(dtype)
     num_b = 2 if gated else 1  # weight tiles per K step (gate and up)
     promote_every = config.fp8_promote_every if fp8 else 0
+    interpret_mode = _common.interpret_params(interpret)
+    # The gathered mode: interpret mode cannot run cp.async, it runs the TMA row loader.
+    cp_async = gathered and config.gather == "cp_async" and interpret_mode is None
+    stage_bars = gathered and _common.uses_stage_mbarriers(config, interpret_mode is not None)
+    if gathered:
+        a_scratch, a_views = _common.row_gather_buffers(
+            stages, bm, bk, dtype, interpret_mode is not None
+        )
+    else:
+        a_scratch, a_views = plgpu.SMEM((stages, bm, bk), dtype, transforms=tf), None
 
-    def body(expert_ref, start_ref, rows_ref, nreal_ref, a_ref, w_ref, *refs):
+    def body(expert_ref, start_ref, rows_ref, nreal_ref, *refs):
+        ids_ref, *refs = refs if gathered else (None, *refs)
+        a_ref, w_ref, *refs = refs
         if fp8:
             (rs_ref, cs_ref, out_ref, a_smem, b_smem, o_smem, full, empty,
-             rs_smem, cs_smem, scale_bar) = refs
+             rs_smem, cs_smem, scale_bar, *gather_scratch) = refs
             bias_ref, bias_scratch = None, ()
         else:
             bias_ref, *refs = refs if has_bias else (None, *refs)
             out_ref, a_smem, b_smem, o_smem, full, empty, *bias_scratch = refs
+        if gathered:  # ids of the item's box rows (double-buffered), their barriers
+            ids_smem, ids_bar, *a_landed = gather_scratch
+            a_copy, a_mma = a_views(a_smem)
+            if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
+                _common.cp_async_stage_barriers_init(a_landed[0])
+        else:
+            a_copy = a_mma = a_smem
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
         if fp8:
@@ -307,13 +373,36 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
             w = sm + j * num_sms
             return w // grid_n, w % grid_n  # (tile, column block)
 
+        def box_start(j):
+            tile, _ = item(j)
+            return (start_ref[tile] // bm) * bm  # the aligned block holding the tile
+
+        def load_ids(j):  # gathered mode: item j's box rows' source rows -> SMEM
+            plgpu.copy_gmem_to_smem(
+                ids_ref.at[pl.ds(box_start(j), bm)], ids_smem.at[j % 2], ids_bar.at[j % 2]
+            )
+
         @pl.when(wg == 2)
         def _producer():
+            if gathered:
+                @pl.when(my_items > 0)
+                def _():
+                    load_ids(0)
+
             def per_item(j, carry):
                 tile, ni = item(j)
-                box0 = (start_ref[tile] // bm) * bm  # the aligned block holding the tile
+                box0 = box_start(j)
                 w_e = w_ref.at[expert_ref[tile]]
                 c = 0 if split_m else j % 2
+                if gathered:
+                    # The next item's ids land while this item's rows are gathered; the
+                    # buffer they overwrite was last read (synchronously) by item j - 1.
+                    @pl.when(j + 1 < my_items)
+                    def _():
+                        load_ids(j + 1)
+
+                    plgpu.barrier_wait(ids_bar.at[j % 2])
+                    ids = ids_smem.at[j % 2]
 
                 def per_step(k, carry):
                     g = j * num_k + k
@@ -324,10 +413,24 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         plgpu.barrier_wait(empty.at[slot])
 
                     k0 = k * bk
-                    plgpu.copy_gmem_to_smem(  # [bm, bk]
-                        a_ref.at[pl.ds(box0, bm), pl.ds(k0, bk)], a_smem.at[slot],
-                        full.at[c, slot],
-                    )
+                    if cp_async:  # [bm, bk] of a[ids], one cp.async group
+                        _common.cp_async_gather_rows(
+                            a_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
+                        )
+                    elif gathered:  # one-row TMA copies, from the 4 warps in parallel
+                        def per_warp(warp):
+                            _common.gather_rows(
+                                a_ref, ids, [a_copy.at[slot]], full.at[c, slot], col0=k0,
+                                width=bk, first_row=warp * (bm // 4), num_rows=bm // 4,
+                                unroll=4,
+                            )
+
+                        plgpu.warp_map(per_warp)
+                    else:
+                        plgpu.copy_gmem_to_smem(  # [bm, bk]
+                            a_ref.at[pl.ds(box0, bm), pl.ds(k0, bk)], a_smem.at[slot],
+                            full.at[c, slot],
+                        )
                     for h in range(num_b):  # h = 1: the matching up columns, n_dim later
                         col0 = h * n_dim + ni * bn
                         if transpose_w:  # [bn, bk], K-minor
@@ -335,15 +438,19 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         else:  # [bk, bn]
                             w_tile = w_e.at[pl.ds(k0, bk), pl.ds(col0, bn)]
                         plgpu.copy_gmem_to_smem(w_tile, b_smem.at[h, slot], full.at[c, slot])
+                    if cp_async:  # after the weight copies: publishing may wait
+                        _common.cp_async_publish(g, full.at[0], a_landed, stages)
                     return carry
 
                 jax.lax.fori_loop(0, num_k, per_step, None)
                 return carry
 
             jax.lax.fori_loop(0, my_items, per_item, None)
+            num_steps = my_items * num_k
+            if cp_async:
+                _common.cp_async_publish_rest(num_steps, full.at[0], a_landed, stages)
             # Observe the releases of the last `stages` steps too, so every barrier phase is
             # consumed before exit (interpret mode checks this).
-            num_steps = my_items * num_k
 
             def drain(g, carry):
                 plgpu.barrier_wait(empty.at[g % stages])
@@ -361,11 +468,13 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                     g = j * num_k + k0 + t
                     slot = g % stages
                     plgpu.barrier_wait(full.at[bar_c, slot])
+                    if stage_bars:
+                        _common.cp_async_consumer_wait(g, a_landed, stages)
                     for h, acc in enumerate(accs):
                         b = b_smem.at[h, slot]
                         if transpose_w:
                             b = b.transpose((1, 0))
-                        plgpu.wgmma(acc, a_smem.at[slot, a_rows], b)  # [mb,bk] @ [bk,bn]
+                        plgpu.wgmma(acc, a_mma.at[slot, a_rows], b)  # [mb,bk] @ [bk,bn]
                     plgpu.wgmma_wait(num_b)  # step g-1 is done: release its slot
 
                     @pl.when(t >= 1)
@@ -463,12 +572,18 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     b_shape = (num_b, stages, bn, bk) if transpose_w else (num_b, stages, bk, bn)
+    # full[.., slot]: the A box (or what the row gather adds) and the weight tile(s) of one
+    # K step.
+    a_arrivals = (
+        _common.gather_full_arrivals(config, bm, interpret_mode is not None) if gathered else 1
+    )
     scratch = [
-        plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),
+        a_scratch,
         plgpu.SMEM(b_shape, dtype, transforms=tf),
         plgpu.SMEM((2, mb, bn), out_dtype),
-        # full[.., slot]: the A box and the weight tile(s) of one K step.
-        plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=(1 if split_m else 2, stages)),
+        plgpu.Barrier(
+            num_arrivals=a_arrivals + num_b, num_barriers=(1 if split_m else 2, stages)
+        ),
         plgpu.Barrier(num_arrivals=2 if split_m else 1, num_barriers=stages),
     ]
     if has_bias:  # per consumer: the item's bias columns and the barrier their copy arrives on
@@ -479,6 +594,9 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
             plgpu.SMEM((2, num_b, bn), jnp.float32),
             plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=2),
         ]
+    if gathered:  # the ids of two items' box rows, their barriers, the cp.async stage barriers
+        scratch += [plgpu.SMEM((2, bm), jnp.int32), plgpu.Barrier(num_barriers=2)]
+        scratch += [_common.cp_async_stage_barriers(stages)] if stage_bars else []
     return plgpu.kernel(
         body,
         kernel_name=kernel_name,
@@ -489,7 +607,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=_common.interpret_params(interpret),
+        interpret=interpret_mode,
     )
 
 
