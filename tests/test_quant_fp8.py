@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
-from pallas_moe.kernels.reference import fp8_epilogue_reference, fp8_grouped_matmul_reference
+from pallas_moe.kernels.reference import (
+    aggregate_reference, fp8_epilogue_reference, fp8_grouped_matmul_reference,
+)
 from pallas_moe.quant.reference import smoothquant_rows_reference
 from pallas_moe.routing import token_rounding_plan
 from tests.test_kernels_common import assert_untouched, assignment_plan, races_found
@@ -408,10 +410,9 @@ def as_f64(x):
     return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
 
 
-def modeled_rows(rows, plan, a, w, rs, cs, *, gated, promote_blocks):
-    """The kernel's bf16 output on grouped `rows` as the H100 computes it: the model's f32
-    sums (promoting every `promote_blocks` K blocks of 128; 0 = never), then the reference's
-    epilogue."""
+def modeled_sums(rows, plan, a, w, *, promote_blocks):
+    """(f32 sums [len(rows), N] as the H100 computes them per the model, promoting every
+    `promote_blocks` K blocks of 128 (0 = never); the expert of each row)."""
     starts = np.concatenate([[0], np.cumsum(np.asarray(plan.group_sizes))])
     experts = np.searchsorted(starts, rows, side="right") - 1
     a64 = as_f64(a[rows])
@@ -419,6 +420,13 @@ def modeled_rows(rows, plan, a, w, rs, cs, *, gated, promote_blocks):
     for e in np.unique(experts):
         mine = experts == e
         acc[mine] = h100_fp8_dot(a64[mine], as_f64(w[e]), promote=128 * promote_blocks)
+    return acc, experts
+
+
+def modeled_rows(rows, plan, a, w, rs, cs, *, gated, promote_blocks):
+    """The kernel's bf16 output on grouped `rows` as the H100 computes it: the model's f32
+    sums, then the reference's epilogue."""
+    acc, experts = modeled_sums(rows, plan, a, w, promote_blocks=promote_blocks)
     return fp8_epilogue_reference(jnp.asarray(acc, jnp.float32), rs[rows], cs[experts],
                                   gated=gated)
 
@@ -453,15 +461,7 @@ def output_interval(acc_lo, acc_hi, row_scales, col_scales, *, gated):
         return bf16_values(deq[:, :n]), bf16_values(deq[:, n:])
 
     (g_lo, u_lo), (g_hi, u_hi) = halves(acc_lo), halves(acc_hi)
-    silu = lambda v: v / (1.0 + np.exp(-v.astype(np.float64)))  # noqa: E731
-    s_ends = np.stack([silu(g_lo), silu(g_hi)])
-    s_min = np.where((g_lo <= SILU_ARGMIN) & (SILU_ARGMIN <= g_hi), silu(np.float64(SILU_ARGMIN)),
-                     s_ends.min(axis=0))
-    s_max = s_ends.max(axis=0)
-    corners = np.stack([s_min * u_lo, s_min * u_hi, s_max * u_lo, s_max * u_hi])
-    lo, hi = corners.min(axis=0), corners.max(axis=0)
-    return (bf16_values(lo - EPILOGUE_SLACK * np.abs(lo)),
-            bf16_values(hi + EPILOGUE_SLACK * np.abs(hi)))
+    return swiglu_interval(g_lo, g_hi, u_lo, u_hi)
 
 
 def bounded_rows(rows, plan, a, w, rs, cs, *, gated, promote_blocks):
@@ -480,15 +480,16 @@ def bounded_rows(rows, plan, a, w, rs, cs, *, gated, promote_blocks):
     return output_interval(exact - bound, exact + bound, rs[rows], cs[experts], gated=gated)
 
 
-# The promoted H100 outputs the model misses (benchmarks/history/session4/
-# test_quant_fp8_promote.txt): {(gated, sample index, column): bf16 value} of
-# test_fp8_grouped_matmul_on_gpu's sampled rows (`gpu_test_sample`), promoting every block.
-H100_LOGGED_PROMOTED_MISSES = {
-    (False, 0, 376): -0.00189971923828125, (False, 0, 484): 0.00592041015625,
-    (False, 0, 609): -0.00139617919921875, (False, 2, 448): -0.0023651123046875,
-    (False, 3, 443): 0.00860595703125,
-    (True, 1, 30): -1.8984375, (True, 3, 165): 2.953125, (True, 10, 169): 0.80078125,
-    (True, 20, 22): -2.546875, (True, 20, 39): 0.40234375,
+# The H100 outputs the model misses (benchmarks/history/session4/test_quant_fp8_promote.txt):
+# {(gated, promote_blocks, sample index, column): bf16 value} of
+# test_fp8_grouped_matmul_on_gpu's sampled rows (`gpu_test_sample`).
+H100_LOGGED_MODEL_MISSES = {
+    (False, 1, 0, 376): -0.00189971923828125, (False, 1, 0, 484): 0.00592041015625,
+    (False, 1, 0, 609): -0.00139617919921875, (False, 1, 2, 448): -0.0023651123046875,
+    (False, 1, 3, 443): 0.00860595703125,
+    (True, 1, 1, 30): -1.8984375, (True, 1, 3, 165): 2.953125, (True, 1, 10, 169): 0.80078125,
+    (True, 1, 20, 22): -2.546875, (True, 1, 20, 39): 0.40234375,
+    (True, 0, 22, 28): 11.3125,
 }
 
 
@@ -505,24 +506,31 @@ def gpu_test_sample(plan):
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["down", "gated_up"])
-def test_h100_promoted_outputs_the_model_misses_are_within_the_bound(gated):
-    """The logged promoted H100 outputs that the model misses by a few quanta lie inside
-    the truncation bound the GPU test now checks, and so do the model's own outputs (one
-    accumulation the bound covers); the bound is far tighter than a bf16 step of the row's
-    largest output."""
+def test_h100_outputs_the_model_misses_pass_the_gpu_checks(gated):
+    """Why the GPU test's elementwise model check missed 0.01-0.1% (session 4), and that its
+    checks now hold on those outputs. Not the K order (every order of the four k=32
+    instructions of a 128 block was tried) and not the promotion interval: the model's
+    sums miss the H100's by a few truncation quanta in some promoted intervals (and once in
+    11776 unpromoted gated outputs), which no variant tried (product groups of 8-64, 12-14
+    kept bits, two-stage alignment, true product exponents, floor rounding) reproduces.
+    Gated, each miss is a bf16 step of H, which SwiGLU makes 2 steps of A
+    (`modeled_h_interval`); down, the misses are cancelling sums (`bounded_rows`)."""
     plan, (a, w, rs, cs) = gpu_test_operands(gated)
     sample = gpu_test_sample(plan)
-    logged = {(i, col): v for (g, i, col), v in H100_LOGGED_PROMOTED_MISSES.items() if g == gated}
     n_out = w.shape[1] // 2 if gated else w.shape[1]
-    for (i, col), value in logged.items():
+    misses = {k[1:]: v for k, v in H100_LOGGED_MODEL_MISSES.items() if k[0] == gated}
+    for (promote_blocks, i, col), value in misses.items():
         row = sample[i:i + 1]
         cols = np.array([col, n_out + col]) if gated else np.array([col])
-        lo, hi = bounded_rows(row, plan, a, w[:, cols], rs, cs[:, cols], gated=gated,
-                              promote_blocks=1)
-        model = modeled_rows(row, plan, a, w[:, cols], rs, cs[:, cols], gated=gated,
-                             promote_blocks=1)
-        model = np.asarray(model, np.float32)[0, 0]
-        assert model != value  # the model misses it
+        wc, cc = w[:, cols], cs[:, cols]
+        model = np.asarray(modeled_rows(row, plan, a, wc, rs, cc, gated=gated,
+                                        promote_blocks=promote_blocks), np.float32)[0, 0]
+        assert model != value and abs(model - value) > 2**-7 * abs(model)  # the old check's miss
+        if gated:
+            lo, hi = modeled_h_interval(row, plan, a, wc, rs, cc, promote_blocks=promote_blocks)
+        else:
+            lo, hi = bounded_rows(row, plan, a, wc, rs, cc, gated=False,
+                                  promote_blocks=promote_blocks)
         assert lo[0, 0] <= value <= hi[0, 0], (i, col, lo[0, 0], value, hi[0, 0])
         assert lo[0, 0] <= model <= hi[0, 0]
 
@@ -570,6 +578,75 @@ _on_hopper = (jax.devices()[0].platform == "gpu"
 # 1.75e-3 and 2.7e-3 unpromoted.
 FP8_PROMOTED_GEMM_VS_EXACT_TOL = {False: 1.2e-3, True: 2e-3}
 MODELED_ROWS = 48  # rows checked elementwise against the numpy model (it is slow)
+# Share of sampled outputs with the model's exact bits (H100, session 4: 0.99914 for the
+# promoted down-proj; the model is exact on the sums' mechanism, not on every alignment).
+MODEL_BIT_EQUAL_MIN = 0.99
+
+
+def bf16_neighbours(h):
+    """(next bf16 toward -inf, next toward +inf) of bf16 values h (f32 arrays)."""
+    bits = np.asarray(jnp.asarray(h, jnp.float32).astype(jnp.bfloat16)).view(np.uint16)
+    as_f32 = lambda b: np.asarray(b.view(jnp.bfloat16), np.float32)  # noqa: E731
+    sign, mag = bits & 0x8000, bits & 0x7FFF
+    bigger = as_f32((sign | (mag + 1)).astype(np.uint16))  # away from zero
+    smaller = np.where(mag == 0, -as_f32(np.full_like(bits, 1)),  # toward zero (0: -denorm)
+                       as_f32((sign | np.maximum(mag, 1) - 1).astype(np.uint16)))
+    return np.where(h < 0, bigger, smaller), np.where(h < 0, smaller, bigger)
+
+
+def swiglu_interval(g_lo, g_hi, u_lo, u_hi):
+    """[lo, hi] (bf16 values) of `bf16(silu(g) * u)` over g in [g_lo, g_hi], u in
+    [u_lo, u_hi]: silu has one minimum (SILU_ARGMIN), the product's extremes are corners."""
+    silu = lambda v: v / (1.0 + np.exp(-np.asarray(v, np.float64)))  # noqa: E731
+    s_ends = np.stack([silu(g_lo), silu(g_hi)])
+    s_min = np.where((g_lo <= SILU_ARGMIN) & (SILU_ARGMIN <= g_hi),
+                     silu(np.float64(SILU_ARGMIN)), s_ends.min(axis=0))
+    s_max = s_ends.max(axis=0)
+    corners = np.stack([s_min * u_lo, s_min * u_hi, s_max * u_lo, s_max * u_hi])
+    lo, hi = corners.min(axis=0), corners.max(axis=0)
+    return (bf16_values(lo - EPILOGUE_SLACK * np.abs(lo)),
+            bf16_values(hi + EPILOGUE_SLACK * np.abs(hi)))
+
+
+def modeled_h_interval(rows, plan, a, w, rs, cs, *, promote_blocks):
+    """Gated: the range of A when each H half is the model's bf16 H or a bf16 neighbour.
+
+    Why: the model's f32 sums can miss the H100's by a few truncation quanta (promoted
+    intervals: the 5 logged gated misses of session 4; unpromoted: 1 in 11776), which
+    sometimes crosses a bf16 rounding boundary of H; SwiGLU then moves A by up to 2 bf16
+    steps (beyond rtol 2^-7). All logged misses lie in this interval
+    (`test_h100_gated_misses_are_one_h_step_off`)."""
+    acc, experts = modeled_sums(rows, plan, a, w, promote_blocks=promote_blocks)
+    n = acc.shape[1] // 2
+    deq = np.asarray(acc, np.float32) * np.asarray(rs[rows], np.float32)[:, None] * np.asarray(
+        cs[experts], np.float32)
+    hg, hu = bf16_values(deq[:, :n]), bf16_values(deq[:, n:])
+    (g_lo, g_hi), (u_lo, u_hi) = bf16_neighbours(hg), bf16_neighbours(hu)
+    return swiglu_interval(g_lo, g_hi, u_lo, u_hi)
+
+
+def check_against_model(g, rows, plan, a, w, rs, cs, *, gated, promote_blocks):
+    """Elementwise checks of a fp8 GEMM's bf16 output `g` [len(rows), N] on grouped `rows`
+    against the model of the H100's sums (see the helpers' docstrings for why each)."""
+    modeled = np.asarray(modeled_rows(rows, plan, a, w, rs, cs, gated=gated,
+                                      promote_blocks=promote_blocks), np.float32)
+    bit_equal = np.mean(g == modeled)
+    print(f"bf16 outputs equal to the model's: {bit_equal:.5f}")
+    assert bit_equal > MODEL_BIT_EQUAL_MIN
+    if gated:
+        lo, hi = modeled_h_interval(rows, plan, a, w, rs, cs, promote_blocks=promote_blocks)
+    elif promote_blocks:
+        # Promoted down-proj: 5 logged misses of a few quanta on cancelling sums (many bf16
+        # steps of a tiny output): checked within the mechanism's rigorous bound.
+        lo, hi = bounded_rows(rows, plan, a, w, rs, cs, gated=False,
+                              promote_blocks=promote_blocks)
+    else:  # unpromoted down-proj: one bf16 rounding of the model's sums (passed on the H100)
+        np.testing.assert_allclose(g, modeled, rtol=2**-7, atol=1e-6 * np.abs(modeled).max())
+        return
+    outside = ~((lo <= g) & (g <= hi))
+    assert not outside.any(), (
+        f"{outside.sum()} outputs outside their interval, e.g. {g[outside][:5]} not in "
+        f"[{lo[outside][:5]}, {hi[outside][:5]}]")
 
 
 @pytest.mark.gpu
@@ -577,10 +654,10 @@ MODELED_ROWS = 48  # rows checked elementwise against the numpy model (it is slo
 @pytest.mark.parametrize("promote_every", [1, 0], ids=["promoted", "unpromoted"])
 @pytest.mark.parametrize("gated", [False, True], ids=["down", "gated_up"])
 def test_fp8_grouped_matmul_on_gpu(gated, promote_every):
-    # Production block sizes, ragged token-rounding groups; outputs poisoned with NaN first.
-    # The H100 does not sum fp8 products in f32 (tests/fp8_wgmma_model.py): elementwise, the
-    # output is compared with the model of its sums, at the tolerance of one bf16 rounding;
-    # against exact f32 sums, norm-wise (promoted; unpromoted, the model is the check).
+    # Production block sizes, ragged token-rounding groups; outputs poisoned first. The
+    # H100 does not sum fp8 products in f32 (tests/fp8_wgmma_model.py): elementwise, the
+    # output is compared with the model of its sums (check_against_model); against exact f32
+    # sums, norm-wise (promoted; unpromoted, the model is the check).
     plan, (a, w, rs, cs) = gpu_test_operands(gated)
     cfg = pm.quant.Fp8ForwardConfig.for_shape(1536, 256, promote_every=promote_every)  # 7B
     config = cfg.up if gated else cfg.down
@@ -591,19 +668,9 @@ def test_fp8_grouped_matmul_on_gpu(gated, promote_every):
     rows = int(plan.num_rows)
     g = np.asarray(got[:rows], np.float32)
     assert np.all(np.isfinite(g))
-    sample = np.unique(np.concatenate([  # both ends of every expert's rows, and some inside
-        np.linspace(0, rows - 1, MODELED_ROWS - 2 * 16).astype(int),
-        np.cumsum(np.asarray(plan.group_sizes))[:16] - 1,
-        np.concatenate([[0], np.cumsum(np.asarray(plan.group_sizes))[:15]]),
-    ]))
-    sample = sample[sample < rows]
-    modeled = np.asarray(modeled_rows(sample, plan, a, w, rs, cs, gated=gated,
-                                      promote_blocks=promote_every), np.float32)
-    np.testing.assert_allclose(g[sample], modeled, rtol=2**-7,
-                               atol=1e-6 * np.abs(modeled).max())
-    bit_equal = np.mean(g[sample] == modeled)
-    print(f"bf16 outputs equal to the model's: {bit_equal:.5f}")
-    assert bit_equal > 0.99  # the model is bit-exact on the products' sums
+    sample = gpu_test_sample(plan)
+    check_against_model(g[sample], sample, plan, a, w, rs, cs, gated=gated,
+                        promote_blocks=promote_every)
     if promote_every:
         want = np.asarray(
             fp8_grouped_matmul_reference(a, plan.group_sizes, w, rs, cs, gated=gated),
@@ -613,23 +680,137 @@ def test_fp8_grouped_matmul_on_gpu(gated, promote_every):
         assert err < FP8_PROMOTED_GEMM_VS_EXACT_TOL[gated]
 
 
+E4M3_RELATIVE_STEP = 2.0**-3  # an e4m3 step (3 mantissa bits) over the value it sits on, at most
+# Margin on the requantization estimate below for the sampling of which elements flip.
+FLIP_MARGIN = 1.25
+
+
+def requantization_bound(eps_a, eps_rest):
+    """End-to-end bound on the fp8 forward's relative error against the XLA steps, from the
+    relative error `eps_a` of the kernels' A against the reference's A (the fp8 GEMM's
+    truncated sums) and `eps_rest` of the later steps on the kernels' own inputs.
+
+    A's requantization turns small differences into whole e4m3 steps: an element u (in e4m3
+    units) perturbed by d flips to the next e4m3 value with probability ~|d| / h, where the
+    step h <= u / 8, and a flip moves it by h. So ||dQ||^2 ~ sum |d| h <= 2^-3 ||d|| ||u||
+    (Cauchy-Schwarz), i.e. ||dQ|| / ||Q|| <= sqrt(eps_a / 8), plus the unflipped d itself.
+    The down-proj and the aggregation are linear, so the relative error carries through
+    (session 4: eps_a ~ 2e-3 gives 0.016, the 0.0163-0.0169 the H100 measured)."""
+    return FLIP_MARGIN * np.sqrt(eps_a * E4M3_RELATIVE_STEP) + eps_a + eps_rest
+
+
+def aggregation_interval_ok(out, y, plan):
+    """The aggregation on the kernel's own Y: fp32 sums of `score * Y` in ascending expert
+    order, rounded to bf16. Another f32 summation order (or an FMA) moves the f32 sum by at
+    most 2^-21 of the sum of |terms| (K <= 8 roundings of 2^-24), then one bf16 rounding:
+    within one bf16 step of the reference plus that."""
+    ref = np.asarray(aggregate_reference(y, plan.rows_by_token, plan.token_row_offsets,
+                                         plan.scores, jnp.float32), np.float64)
+    y64 = np.asarray(jnp.asarray(y, jnp.float32), np.float64)
+    sc = np.asarray(plan.scores, np.float64)
+    offsets = np.asarray(plan.token_row_offsets)
+    csr = np.asarray(plan.rows_by_token)
+    mags = np.zeros_like(ref)
+    for t in range(ref.shape[0]):
+        r = csr[offsets[t]:offsets[t + 1]]
+        mags[t] = np.abs(sc[r, None] * y64[r, :ref.shape[1]]).sum(axis=0)
+    o = np.asarray(out, np.float64)
+    ref, mags = ref[:, :o.shape[1]], mags[:, :o.shape[1]]
+    lo, hi = bf16_neighbours(bf16_values(ref))
+    slack = 2.0**-21 * mags
+    return np.all((lo - slack <= o) & (o <= hi + slack))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("smoothing", [False, True], ids=["per_token", "smoothquant"])
 @pytest.mark.parametrize("routing", ["topk", "token_rounding"])
-def test_fp8_forward_on_gpu(routing):
+def test_fp8_forward_on_gpu(routing, smoothing):
     x, plan, w1, w2 = fp8_layer(jax.random.key(62), 4096, 1536, 256, 32, 4,
                                 token_rounding=routing == "token_rounding")
-    experts = pm.quant.quantize_experts(w1, w2)
-    got = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend="mosaic"))(x, plan, experts)
+    check_fp8_forward_steps(x, plan, w1, w2, smoothing=smoothing, backend="mosaic")
+
+
+def check_fp8_forward_steps(x, plan, w1, w2, *, smoothing, backend):
+    """Each step of the fp8 forward against its reference fed with the kernels' own input
+    to that step, then the whole forward against the XLA steps within the requantization
+    bound (`requantization_bound`) and against bf16."""
+    from pallas_moe.quant.ffn import fp8_forward_stages
+
+    interpret = backend == "interpret"
+    if smoothing:
+        act = pm.quant.expert_activation_absmax(x, plan)
+        smooth_up, w1_smoothed = pm.quant.calibrate_smoothing(act, w1, alpha=0.5)
+        experts = pm.quant.quantize_experts(w1_smoothed, w2, smooth_up=smooth_up)
+    else:
+        experts = pm.quant.quantize_experts(w1, w2)
+    num_experts, d, n = experts.shape
+    config = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
+    got = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend=backend))(x, plan, experts)
+    st = jax.jit(functools.partial(fp8_forward_stages, config=config, interpret=interpret))(
+        x, plan, experts)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),  # the stages are the forward
+                                  np.asarray(st["out"]).view(np.uint16))
+    rows = int(plan.num_rows)
+    valid = plan.row_is_valid
+    row_experts = jnp.minimum(plan.expert_ids, num_experts - 1)
+    ones = lambda width: jnp.ones((num_experts, width), jnp.float32)  # noqa: E731
+    # 1. X's quantization: exactly the row formula (per token, or per row with smoothing).
+    if smoothing:
+        q1, s1 = smoothquant_rows_reference(x, experts.smooth_up, plan.token_ids, row_experts,
+                                            valid, E4M3)
+        up_q, up_s = st["q1"][:plan.capacity], st["s1"][:plan.capacity]
+    else:
+        tokens = jnp.arange(x.shape[0], dtype=jnp.int32)
+        q1, s1 = smoothquant_rows_reference(x, ones(d), tokens, jnp.zeros_like(tokens),
+                                            jnp.ones(tokens.shape, bool), E4M3)
+        up_q, up_s = st["q1"][plan.token_ids], st["s1"][plan.token_ids]  # each row's token
+        q1, s1 = q1[plan.token_ids], s1[plan.token_ids]
+    np.testing.assert_array_equal(np.asarray(up_q[:rows]).view(np.uint8),
+                                  np.asarray(q1[:rows]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(up_s[:rows]).view(np.uint32),
+                                  np.asarray(s1[:rows]).view(np.uint32))
+    # 2. The up-proj on the kernel's own quantized rows, against the model (sampled rows).
+    sample = gpu_test_sample(plan)
+    a = np.asarray(st["a"][:rows], np.float32)
+    assert np.all(np.isfinite(a))
+    check_against_model(a[sample], sample, plan, up_q, experts.w_gate_up, up_s,
+                        experts.gate_up_scales, gated=True, promote_blocks=0)
+    # 3. A's quantization: exactly the row formula on the kernel's own A.
+    q2, s2 = smoothquant_rows_reference(
+        st["a"], experts.smooth_down if experts.smooth_down is not None else ones(n),
+        jnp.arange(plan.capacity, dtype=jnp.int32), row_experts, valid, E4M3)
+    np.testing.assert_array_equal(np.asarray(st["q2"][:rows]).view(np.uint8),
+                                  np.asarray(q2[:rows]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(st["s2"][:rows]).view(np.uint32),
+                                  np.asarray(s2[:rows]).view(np.uint32))
+    # 4. The down-proj on the kernel's own Q2, s2, against the model (sampled rows).
+    y = np.asarray(st["y"][:rows, :d], np.float32)
+    check_against_model(y[sample], sample, plan, st["q2"], experts.w_down, st["s2"],
+                        experts.down_scales, gated=False, promote_blocks=0)
+    # 5. The aggregation on the kernel's own Y.
+    assert aggregation_interval_ok(got, st["y"], plan)
+    # End to end, against the XLA steps (exact f32 sums): the requantization bound from the
+    # up-proj's measured error (the reference's A on the same quantized rows).
     ref = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend="xla"))(x, plan, experts)
-    want = jax.jit(functools.partial(pm.moe_ffn, backend="mosaic"))(x, plan, w1, w2)
-    assert np.all(np.isfinite(np.asarray(got, np.float32)))
-    print(f"relative error: vs the XLA fp8 steps {rel_err(got, ref):.4f}, vs bf16 "
-          f"{rel_err(got, want):.4f}")
-    assert rel_err(got, ref) < KERNELS_VS_XLA_TOL
+    a_ref = fp8_grouped_matmul_reference(up_q, plan.group_sizes, experts.w_gate_up, up_s,
+                                         experts.gate_up_scales, gated=True)
+    eps_a = rel_err(a, np.asarray(a_ref[:rows], np.float32))
+    y_ref = fp8_grouped_matmul_reference(st["q2"], plan.group_sizes, experts.w_down, st["s2"],
+                                         experts.down_scales, gated=False)
+    eps_y = rel_err(y, np.asarray(y_ref[:rows], np.float32))
+    bound = requantization_bound(eps_a, eps_y + 2.0**-8)  # + the output's bf16 rounding
+    err = rel_err(got, ref)
+    want = jax.jit(functools.partial(pm.moe_ffn, backend="xla" if interpret else backend))(
+        x, plan, w1, w2)
+    print(f"relative error: vs the XLA fp8 steps {err:.4f} (bound {bound:.4f}: A {eps_a:.2e}, "
+          f"Y on the kernel's Q2 {eps_y:.2e}), vs bf16 {rel_err(got, want):.4f}")
+    assert err < bound
     assert rel_err(got, want) < FP8_VS_BF16_TOL
-    again = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend="mosaic"))(x, plan, experts)
-    np.testing.assert_array_equal(np.asarray(again).view(np.uint16), np.asarray(got).view(np.uint16))
+    if not interpret:
+        again = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend=backend))(x, plan, experts)
+        np.testing.assert_array_equal(np.asarray(again).view(np.uint16),
+                                      np.asarray(got).view(np.uint16))
 
 
 # ---- the gathered fp8 mode (`token_ids`): per-token quantized rows, gathered by the kernel

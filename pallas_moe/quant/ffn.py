@@ -319,6 +319,21 @@ def _smooth_or_ones(smooth: jax.Array | None, num_experts: int, width: int) -> j
 
 def _forward_kernels(x, plan, experts: QuantizedExperts, *, config: Fp8ForwardConfig,
                      aggregation, interpret):
+    return fp8_forward_stages(x, plan, experts, config=config, aggregation=aggregation,
+                              interpret=interpret)["out"]
+
+
+def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8ForwardConfig,
+                       aggregation: str = "fp32", interpret=False) -> dict[str, jax.Array]:
+    """The kernels of `moe_ffn_fp8` step by step (no input checks; the GPU tests check each
+    step against its reference fed with the kernel's own inputs).
+
+    Returns:
+      dict: "q1" e4m3 and "s1" f32, the up-proj's quantized input (without smooth scales:
+      per token, [T, d] and [T]; with them: per grouped row, [P_up, d] and [P_up]), "a" bf16
+      [P, n], "q2" e4m3 [P_down, n], "s2" f32 [P_down], "y" bf16 [P, width] (width =
+      `aggregate_width(d)`), "out" bf16 [T, d] (`moe_ffn_fp8`'s result).
+    """
     from pallas_moe.kernels import _common
     from pallas_moe.kernels.aggregate import aggregate
     from pallas_moe.kernels.grouped_gemm import grouped_matmul
@@ -337,8 +352,8 @@ def _forward_kernels(x, plan, experts: QuantizedExperts, *, config: Fp8ForwardCo
               capacity=capacity, col_scales=experts.gate_up_scales, gated=True,
               names=("q", "experts.w_gate_up"), kernel_name="moe_fp8_up_proj")
     if experts.smooth_up is None:
-        qx, sx = quantize_tokens_kernel(x, config=config.quant, interpret=interpret)
-        a = grouped_matmul(qx, plan.group_sizes, experts.w_gate_up, row_scales=sx,
+        q1, s1 = quantize_tokens_kernel(x, config=config.quant, interpret=interpret)
+        a = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1,
                            token_ids=plan.token_ids, **up)  # bf16 [P, n]; padding unwritten
     else:
         q1, s1 = smoothquant_kernel(  # tokens' rows at their grouped positions (gather fused)
@@ -370,7 +385,8 @@ def _forward_kernels(x, plan, experts: QuantizedExperts, *, config: Fp8ForwardCo
         y, plan.rows_by_token, plan.token_row_offsets, plan.scores, aggregation=aggregation,
         out_dtype=x.dtype, config=config.aggregate, interpret=interpret,
     )
-    return out[:, :d] if width != d else out
+    out = out[:, :d] if width != d else out
+    return dict(q1=q1, s1=s1, a=a, q2=q2, s2=s2, y=y, out=out)
 
 
 def _forward_xla(x, plan, experts: QuantizedExperts, *, aggregation):
