@@ -144,14 +144,24 @@ class Fp8ForwardConfig:
     Attributes:
       up: the gated fp8 grouped GEMM (`block_k` 128).
       down: the fp8 down-proj grouped GEMM (`block_k` 128).
-      quant: the SmoothQuant kernel (both quantizations).
+      quant: the SmoothQuant kernel quantizing X (per token, or per row with smooth scales).
       aggregate: the aggregation kernel.
+      requant: the SmoothQuant kernel re-quantizing A (narrow rows: n elements); None gives
+        16 rows per CTA: measured on the H100 (session 4, `benchmarks/quant.py --fp8`, same
+        run) 188 / 292 us at 7B / 30B against 247 / 406 us with one row per CTA.
     """
 
     up: "GroupedMatmulConfig"
     down: "GroupedMatmulConfig"
     quant: "SmoothQuantConfig"
     aggregate: "AggregateConfig"
+    requant: "SmoothQuantConfig | None" = None
+
+    def __post_init__(self):
+        if self.requant is None:
+            from pallas_moe.quant.kernel import SmoothQuantConfig
+
+            object.__setattr__(self, "requant", SmoothQuantConfig(block_t=16))
 
     @classmethod
     def for_shape(cls, d: int, n: int, *, num_sms: int | None = None,
@@ -368,7 +378,7 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
     q2, s2 = smoothquant_kernel(
         a, _smooth_or_ones(experts.smooth_down, num_experts, n), jnp.minimum(rows, plan.num_rows),
         rows[:-1], row_experts,
-        plan.num_rows, num_out_rows=down_rows, out_dtype=E4M3, config=config.quant,
+        plan.num_rows, num_out_rows=down_rows, out_dtype=E4M3, config=config.requant,
         interpret=interpret,
     )
     down_meta = up_meta if config.down.block_m == config.up.block_m else (
