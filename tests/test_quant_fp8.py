@@ -897,3 +897,41 @@ def test_fp8_gathered_bad_inputs_raise(kwargs, match):
                     config=GroupedMatmulConfig(block_k=64, num_sms=2))
     with pytest.raises((ValueError, TypeError), match=match):
         grouped_matmul(**args)
+
+
+# ---- A's quantization fused into the gated GEMM's epilogue (`requant_smooth`)
+
+
+@pytest.mark.parametrize("gathered", [
+    pytest.param(True, id="gathered"),
+    pytest.param(False, id="rows", marks=pytest.mark.slow),
+])
+def test_fp8_fused_requant_equals_the_separate_pass(gathered):
+    # Two column blocks per row (N = 2 * block_n), token rounding (ragged tiles inside
+    # aligned blocks, padding rows, an empty expert), a zero row, under the race detector:
+    # Q and s bit for bit the SmoothQuant formula on the unfused kernel's A.
+    logits = jax.random.normal(jax.random.key(80), (40, 5)).at[:, 3].add(-100.0)
+    plan = token_rounding_plan(logits, 2, tile=8)
+    rows = int(plan.num_rows)
+    n_out = 128
+    q, w, rs, cs = gathered_operands(jax.random.key(81), 40 if gathered else plan.capacity, 256,
+                                     2 * n_out, 5)
+    w = w.at[0, :n_out].set(0)  # expert 0's gate weights: its rows of A are zero rows
+    smooth = jax.random.uniform(jax.random.key(82), (5, n_out), jnp.float32, 0.5, 2.0)
+    config = dataclasses.replace(SPLIT_M, num_stages=3, fp8_promote_every=0)
+    kw = dict(transpose_w=True, config=config, col_scales=cs, gated=True,
+              token_ids=plan.token_ids if gathered else None, row_scales=rs)
+    q2, s2 = grouped_matmul(q, plan.group_sizes, w, requant_smooth=smooth,
+                            interpret=plgpu.InterpretGPUParams(detect_races=True), **kw)
+    assert not races_found()
+    assert q2.shape == (-(-plan.capacity // 128) * 128, n_out) and s2.shape == q2.shape[:1]
+    a = grouped_matmul(q, plan.group_sizes, w, interpret=True, **kw)
+    experts = jnp.minimum(plan.expert_ids, 4)
+    want_q, want_s = smoothquant_rows_reference(
+        a, smooth, jnp.arange(plan.capacity, dtype=jnp.int32), experts, plan.row_is_valid, E4M3)
+    np.testing.assert_array_equal(np.asarray(q2[:rows]).view(np.uint8),
+                                  np.asarray(want_q[:rows]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s2[:rows]).view(np.uint32),
+                                  np.asarray(want_s[:rows]).view(np.uint32))
+    assert np.sum(np.asarray(s2[:rows]) == 0) == int(plan.group_sizes[0])  # the zero rows
+    assert np.all(np.isnan(np.asarray(s2[rows:])))  # padding rows untouched

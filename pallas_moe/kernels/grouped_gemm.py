@@ -71,6 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels._common import TileMeta
+from pallas_moe.quant.reference import apply_row_scale, row_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +125,21 @@ class GroupedMatmulConfig:
         return 2
 
 
+# A fused re-quantization keeps the SwiGLU output of each earlier column block of a row in
+# registers (bf16, 32 per thread for 64 x 128) while the next block accumulates (128): two
+# blocks fit the consumers' 232 registers, so N <= 2 * block_n (n = 256 at 7B; 30B's 512
+# keeps the separate SmoothQuant pass).
+FUSED_REQUANT_MAX_BLOCKS = 2
+
+
+def fused_requant_fits(config: "GroupedMatmulConfig", n_dim: int) -> bool:
+    """Whether the gated fp8 GEMM can quantize A's rows in its epilogue (`requant_smooth`):
+    split M (block_m 128), no promotion, N in at most FUSED_REQUANT_MAX_BLOCKS column blocks."""
+    return (config.block_m == 128 and not config.fp8_promote_every
+            and n_dim % config.block_n == 0
+            and n_dim // config.block_n <= FUSED_REQUANT_MAX_BLOCKS)
+
+
 # fp8 promotion keeps a second f32 accumulator set: at most this many accumulator columns per
 # consumer (both sets: 128 registers per thread, as one unpromoted 64x256 accumulator).
 FP8_PROMOTED_MAX_COLUMNS = 128
@@ -151,7 +167,8 @@ def grouped_matmul(
     out_dtype=jnp.bfloat16,
     bias: jax.Array | None = None,
     token_ids: jax.Array | None = None,
-) -> jax.Array:
+    requant_smooth: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`out[r] = A[r] @ W[e(r)]` (or `@ W[e(r)]^T`) over rows grouped by expert.
 
     Args:
@@ -185,10 +202,16 @@ def grouped_matmul(
         (`plan.token_ids`; padding rows may name any row in range): the gathered mode, where
         grouped row r multiplies `a[token_ids[r]]` and `row_scales` is f32 [T], one scale per
         row of `a` (gathered here). Needs `config.block_m == 128` (module docstring).
+      requant_smooth: gated fp8 mode only: f32 [E, N] smooth scales: quantize A's rows in
+        the epilogue (`Q[r], s[r] = quantize_row(A[r] * requant_smooth[e(r)], e4m3)`, the
+        formula of `quant/reference.py`, bit for bit) and return `(Q, s)` instead of A.
+        A CTA must hold whole rows: `config.block_m == 128`, no promotion, and
+        N <= FUSED_REQUANT_MAX_BLOCKS * block_n (module docstring).
 
     Returns:
-      [P, out_cols] in out_dtype. Padding rows are not written (their contents are
-      unspecified).
+      [P, out_cols] in out_dtype; with `requant_smooth`, `(Q e4m3 [P_pad, N], s f32
+      [P_pad])`, P_pad = P rounded up to block_m (what the next GEMM loads). Padding rows
+      are not written (their contents are unspecified).
     """
     a_name, w_name = names
     if a.ndim != 2:
@@ -274,6 +297,19 @@ def grouped_matmul(
     out_cols = n_dim if out_cols is None else out_cols
     if out_cols < n_dim:
         raise ValueError(f"out_cols={out_cols} must be >= {n_dim}.")
+    requant = requant_smooth is not None
+    if requant:
+        if not (fp8 and gated):
+            raise ValueError("requant_smooth quantizes the gated fp8 mode's A; pass gated=True "
+                             "with e4m3 inputs.")
+        _common.require_shape("requant_smooth", requant_smooth, (num_experts, n_dim))
+        _common.require_dtype("requant_smooth", requant_smooth, jnp.float32)
+        if not fused_requant_fits(config, n_dim):
+            raise ValueError(
+                f"requant_smooth needs whole rows of A in one CTA: config.block_m=128, "
+                f"fp8_promote_every=0 and N={n_dim} <= {FUSED_REQUANT_MAX_BLOCKS} * "
+                f"block_n={bn}; got block_m={bm}, fp8_promote_every={config.fp8_promote_every}."
+            )
     if meta is None:
         meta = _common.aligned_tile_meta(group_sizes, capacity, bm)
     if meta.block_m != bm:
@@ -311,9 +347,11 @@ def grouped_matmul(
         if row_scales.shape[0] < padded:  # each consumer loads whole row blocks too
             row_scales = jnp.pad(row_scales, (0, padded - row_scales.shape[0]))
         scales = (row_scales, col_scales)
+    if requant:
+        scales += (requant_smooth,)
     kernel = _kernel(config, k_dim, n_dim, capacity, out_cols, transpose_w, kernel_name,
                      interpret, in_dtype=a.dtype, out_dtype=out_dtype, fp8=fp8, gated=gated,
-                     has_bias=bias is not None, gathered=gathered)
+                     has_bias=bias is not None, gathered=gathered, requant=requant)
     num_real = jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1)
     operands = (meta.expert, meta.row_start, meta.num_rows, num_real, *row_ids, a, w)
     return kernel(*operands, *scales, *(() if bias is None else (bias,)))
@@ -321,13 +359,17 @@ def grouped_matmul(
 
 def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, transpose_w,
             kernel_name, interpret, *, in_dtype, out_dtype, fp8: bool, gated: bool,
-            has_bias: bool = False, gathered: bool = False):
+            has_bias: bool = False, gathered: bool = False, requant: bool = False):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     split_m = bm == 128
     mb = bm // 2 if split_m else bm  # rows per consumer
     num_sms = config.num_sms
     num_k = k_dim // bk
-    grid_n = n_dim // bn
+    # With `requant` an item is a tile with all its column blocks (whole rows of A); its
+    # K steps run column block by column block.
+    blocks_per_item = n_dim // bn if requant else 1
+    grid_n = 1 if requant else n_dim // bn  # items per tile
+    steps_per_item = blocks_per_item * num_k
     dtype = in_dtype
     tf = _common.mma_transforms(dtype)
     num_b = 2 if gated else 1  # weight tiles per K step (gate and up)
@@ -346,7 +388,11 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
     def body(expert_ref, start_ref, rows_ref, nreal_ref, *refs):
         ids_ref, *refs = refs if gathered else (None, *refs)
         a_ref, w_ref, *refs = refs
-        if fp8:
+        if requant:  # the smooth scales, Q and s; their SMEM
+            (rs_ref, cs_ref, ss_ref, out_ref, s_out_ref, a_smem, b_smem, o_smem, full, empty,
+             rs_smem, cs_smem, scale_bar, ss_smem, s_smem, *gather_scratch) = refs
+            bias_ref, bias_scratch = None, ()
+        elif fp8:
             (rs_ref, cs_ref, out_ref, a_smem, b_smem, o_smem, full, empty,
              rs_smem, cs_smem, scale_bar, *gather_scratch) = refs
             bias_ref, bias_scratch = None, ()
@@ -404,15 +450,16 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                     plgpu.barrier_wait(ids_bar.at[j % 2])
                     ids = ids_smem.at[j % 2]
 
-                def per_step(k, carry):
-                    g = j * num_k + k
+                def per_step(step, carry):  # the item's step: column block, then K block
+                    g = j * steps_per_item + step
                     slot = g % stages
 
                     @pl.when(g >= stages)
                     def _():
                         plgpu.barrier_wait(empty.at[slot])
 
-                    k0 = k * bk
+                    k0 = (step % num_k) * bk
+                    col_block = ni + step // num_k
                     if cp_async:  # [bm, bk] of a[ids], one cp.async group
                         _common.cp_async_gather_rows(
                             a_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
@@ -432,7 +479,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                             full.at[c, slot],
                         )
                     for h in range(num_b):  # h = 1: the matching up columns, n_dim later
-                        col0 = h * n_dim + ni * bn
+                        col0 = h * n_dim + col_block * bn
                         if transpose_w:  # [bn, bk], K-minor
                             w_tile = w_e.at[pl.ds(col0, bn), pl.ds(k0, bk)]
                         else:  # [bk, bn]
@@ -442,11 +489,11 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         _common.cp_async_publish(g, full.at[0], a_landed, stages)
                     return carry
 
-                jax.lax.fori_loop(0, num_k, per_step, None)
+                jax.lax.fori_loop(0, steps_per_item, per_step, None)
                 return carry
 
             jax.lax.fori_loop(0, my_items, per_item, None)
-            num_steps = my_items * num_k
+            num_steps = my_items * steps_per_item
             if cp_async:
                 _common.cp_async_publish_rest(num_steps, full.at[0], a_landed, stages)
             # Observe the releases of the last `stages` steps too, so every barrier phase is
@@ -459,13 +506,13 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
             jax.lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
 
         def k_steps(j, k0, length, bar_c, a_rows):
-            """The consumer's K steps `[k0, k0 + length)` of item j (`length` static) into
+            """The consumer's steps `[k0, k0 + length)` of item j (`length` static) into
             `num_b` zeroed accumulators; releases each slot once the next step's wgmma is
             issued, the last one after the final wait. Returns num_b [mb, bn] f32."""
 
             def scope(*accs):
                 def per_step(t, carry):
-                    g = j * num_k + k0 + t
+                    g = j * steps_per_item + k0 + t
                     slot = g % stages
                     plgpu.barrier_wait(full.at[bar_c, slot])
                     if stage_bars:
@@ -485,7 +532,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
 
                 jax.lax.fori_loop(0, length, per_step, None)
                 plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(empty.at[(j * num_k + k0 + length - 1) % stages])
+                plgpu.barrier_arrive(empty.at[(j * steps_per_item + k0 + length - 1) % stages])
                 return tuple(acc[...] for acc in accs)
 
             return pl.run_scoped(scope, *[plgpu.ACC((mb, bn), jnp.float32)] * num_b)
@@ -508,6 +555,44 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
             if tail:
                 totals = interval(num_full * promote_every, tail, totals)
             return totals
+
+        def quantize_rows(j, c, bar_c, a_rows, dst0, src0, count):
+            """`requant`: the consumer's rows of item j across all column blocks: each block's
+            SwiGLU output (bf16, as the unfused A) times its smooth scales stays in registers
+            while the next block accumulates; then every row's absmax, scale and e4m3 values
+            (`row_scale`, `apply_row_scale`: the SmoothQuant formula), Q TMA-stored by rows,
+            s by the consumer's threads from SMEM (row-exact, no 16-byte TMA granule)."""
+            layout = plgpu.Layout.WGMMA
+            ys = []
+            for cb in range(blocks_per_item):
+                accs = k_steps(j, cb * num_k, num_k, bar_c, a_rows)  # [mb, bn] f32 each
+                if cb == 0:
+                    plgpu.barrier_wait(scale_bar.at[c])
+                act = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, cb], jnp.bfloat16)
+                smooth = plgpu.load(ss_smem.at[c, cb], layout=layout.reduce(0), optimized=False)
+                ys.append(act.astype(jnp.float32) * jax.lax.broadcast_in_dim(smooth, (mb, bn), [1]))
+            amax = jnp.max(jnp.abs(ys[0]), axis=1)  # [mb]
+            for y in ys[1:]:
+                amax = jnp.maximum(amax, jnp.max(jnp.abs(y), axis=1))
+            scale, inv = row_scale(amax, E4M3)
+            inv = jax.lax.broadcast_in_dim(inv, (mb, bn), [0])
+            parity = j % 2  # s_smem[c, parity] was last read two items ago (a commit since)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's Q stores
+            for cb, y in enumerate(ys):
+                o_smem[c, cb] = apply_row_scale(y, inv, E4M3)
+            s_smem[c, parity] = scale
+            plgpu.commit_smem()
+            for cb in range(blocks_per_item):
+                _common.store_rows(
+                    o_smem.at[c, cb], out_ref.at[:, pl.ds(cb * bn, bn)], dst0, count, mb,
+                    src_row0=src0,
+                )
+
+            def store_scale(i, carry):
+                s_out_ref[dst0 + i] = s_smem[c, parity, src0 + i]
+                return carry
+
+            jax.lax.fori_loop(0, count, store_scale, None)
 
         for c in range(2):
             @pl.when(wg == c)
@@ -540,19 +625,29 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
                         plgpu.copy_gmem_to_smem(
                             rs_ref.at[pl.ds(scale_rows, mb)], rs_smem.at[c], scale_bar.at[c]
                         )
-                        for h in range(num_b):
-                            plgpu.copy_gmem_to_smem(
-                                cs_ref.at[expert_ref[tile], pl.ds(h * n_dim + ni * bn, bn)],
-                                cs_smem.at[c, h], scale_bar.at[c],
-                            )
+                        for cb in range(blocks_per_item):
+                            cols = (ni + cb) * bn
+                            for h in range(num_b):
+                                plgpu.copy_gmem_to_smem(
+                                    cs_ref.at[expert_ref[tile], pl.ds(h * n_dim + cols, bn)],
+                                    cs_smem.at[c, cb, h], scale_bar.at[c],
+                                )
+                            if requant:
+                                plgpu.copy_gmem_to_smem(
+                                    ss_ref.at[expert_ref[tile], pl.ds(cols, bn)],
+                                    ss_smem.at[c, cb], scale_bar.at[c],
+                                )
 
+                    if requant:
+                        quantize_rows(j, c, bar_c, a_rows, dst0, src0, count)
+                        return carry
                     if promote_every:
                         accs = promoted_k_loop(j, bar_c, a_rows)
                     else:
                         accs = k_steps(j, 0, num_k, bar_c, a_rows)  # [mb, bn] f32 each
                     if fp8:
                         plgpu.barrier_wait(scale_bar.at[c])
-                        y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c], out_dtype)
+                        y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, 0], out_dtype)
                     else:
                         (y,) = accs
                     if has_bias:
@@ -577,10 +672,12 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
     a_arrivals = (
         _common.gather_full_arrivals(config, bm, interpret_mode is not None) if gathered else 1
     )
+    o_type = (plgpu.SMEM((2, blocks_per_item, mb, bn), E4M3) if requant
+              else plgpu.SMEM((2, mb, bn), out_dtype))
     scratch = [
         a_scratch,
         plgpu.SMEM(b_shape, dtype, transforms=tf),
-        plgpu.SMEM((2, mb, bn), out_dtype),
+        o_type,
         plgpu.Barrier(
             num_arrivals=a_arrivals + num_b, num_barriers=(1 if split_m else 2, stages)
         ),
@@ -591,16 +688,25 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, capacity, out_cols, trans
     if fp8:  # per consumer: its rows' scales, the item's column scales, their barrier
         scratch += [
             plgpu.SMEM((2, mb), jnp.float32),
-            plgpu.SMEM((2, num_b, bn), jnp.float32),
-            plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=2),
+            plgpu.SMEM((2, blocks_per_item, num_b, bn), jnp.float32),
+            plgpu.Barrier(
+                num_arrivals=1 + blocks_per_item * (num_b + requant), num_barriers=2
+            ),
         ]
+    if requant:  # per consumer: the smooth scales; the row scales of two items
+        scratch += [plgpu.SMEM((2, blocks_per_item, bn), jnp.float32),
+                    plgpu.SMEM((2, 2, mb), jnp.float32)]
     if gathered:  # the ids of two items' box rows, their barriers, the cp.async stage barriers
         scratch += [plgpu.SMEM((2, bm), jnp.int32), plgpu.Barrier(num_barriers=2)]
         scratch += [_common.cp_async_stage_barriers(stages)] if stage_bars else []
     return plgpu.kernel(
         body,
         kernel_name=kernel_name,
-        out_type=jax.ShapeDtypeStruct((capacity, out_cols), out_dtype),
+        out_type=(
+            (jax.ShapeDtypeStruct((-(-capacity // bm) * bm, n_dim), E4M3),
+             jax.ShapeDtypeStruct((-(-capacity // bm) * bm,), jnp.float32))
+            if requant else jax.ShapeDtypeStruct((capacity, out_cols), out_dtype)
+        ),
         scratch_types=scratch,
         grid=(num_sms,),
         grid_names=("sm",),

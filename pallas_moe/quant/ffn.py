@@ -146,9 +146,13 @@ class Fp8ForwardConfig:
       down: the fp8 down-proj grouped GEMM (`block_k` 128).
       quant: the SmoothQuant kernel quantizing X (per token, or per row with smooth scales).
       aggregate: the aggregation kernel.
-      requant: the SmoothQuant kernel re-quantizing A (narrow rows: n elements); None gives
-        16 rows per CTA: measured on the H100 (session 4, `benchmarks/quant.py --fp8`, same
-        run) 188 / 292 us at 7B / 30B against 247 / 406 us with one row per CTA.
+      requant: the SmoothQuant kernel re-quantizing A when the up-proj does not (narrow
+        rows: n elements); None gives 16 rows per CTA: measured on the H100 (session 4,
+        `benchmarks/quant.py --fp8`, same run) 188 / 292 us at 7B / 30B against 247 / 406 us
+        with one row per CTA.
+      fuse_requant: quantize A in the up-proj's epilogue where a CTA holds whole rows of A
+        (`grouped_gemm.fused_requant_fits`: no promotion, n <= 2 * up.block_n; the 7B
+        shape's n = 256, not 30B's 512), instead of writing A in bf16 for the separate pass.
     """
 
     up: "GroupedMatmulConfig"
@@ -156,6 +160,7 @@ class Fp8ForwardConfig:
     quant: "SmoothQuantConfig"
     aggregate: "AggregateConfig"
     requant: "SmoothQuantConfig | None" = None
+    fuse_requant: bool = True
 
     def __post_init__(self):
         if self.requant is None:
@@ -341,12 +346,13 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
     Returns:
       dict: "q1" e4m3 and "s1" f32, the up-proj's quantized input (without smooth scales:
       per token, [T, d] and [T]; with them: per grouped row, [P_up, d] and [P_up]), "a" bf16
-      [P, n], "q2" e4m3 [P_down, n], "s2" f32 [P_down], "y" bf16 [P, width] (width =
-      `aggregate_width(d)`), "out" bf16 [T, d] (`moe_ffn_fp8`'s result).
+      [P, n] (None when the up-proj quantizes A itself, `config.fuse_requant`), "q2" e4m3
+      [P_down, n], "s2" f32 [P_down], "y" bf16 [P, width] (width = `aggregate_width(d)`),
+      "out" bf16 [T, d] (`moe_ffn_fp8`'s result).
     """
     from pallas_moe.kernels import _common
     from pallas_moe.kernels.aggregate import aggregate
-    from pallas_moe.kernels.grouped_gemm import grouped_matmul
+    from pallas_moe.kernels.grouped_gemm import fused_requant_fits, grouped_matmul
     from pallas_moe.kernels.moe_forward import aggregate_width
     from pallas_moe.quant.kernel import quantize_tokens_kernel, smoothquant_kernel
 
@@ -358,29 +364,35 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
     down_rows = -(-capacity // config.down.block_m) * config.down.block_m
     row_experts = _row_experts(plan)
     up_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.up.block_m)
+    smooth_down = _smooth_or_ones(experts.smooth_down, num_experts, n)
+    fused = config.fuse_requant and fused_requant_fits(config.up, n)
     up = dict(transpose_w=True, config=config.up, interpret=interpret, meta=up_meta,
               capacity=capacity, col_scales=experts.gate_up_scales, gated=True,
-              names=("q", "experts.w_gate_up"), kernel_name="moe_fp8_up_proj")
+              names=("q", "experts.w_gate_up"), kernel_name="moe_fp8_up_proj",
+              requant_smooth=smooth_down if fused else None)
     if experts.smooth_up is None:
         q1, s1 = quantize_tokens_kernel(x, config=config.quant, interpret=interpret)
-        a = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1,
-                           token_ids=plan.token_ids, **up)  # bf16 [P, n]; padding unwritten
+        up_out = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1,
+                                token_ids=plan.token_ids, **up)
     else:
         q1, s1 = smoothquant_kernel(  # tokens' rows at their grouped positions (gather fused)
             x, experts.smooth_up, plan.token_row_offsets, plan.rows_by_token,
             row_experts[plan.rows_by_token], plan.num_rows, num_out_rows=up_rows,
             out_dtype=E4M3, config=config.quant, interpret=interpret,
         )
-        a = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1, **up)
-    # A's rows are already grouped: row r is its own "token" with one CSR entry (no gather);
-    # rows past num_rows own none and come out as zeros.
-    rows = jnp.arange(capacity + 1, dtype=jnp.int32)
-    q2, s2 = smoothquant_kernel(
-        a, _smooth_or_ones(experts.smooth_down, num_experts, n), jnp.minimum(rows, plan.num_rows),
-        rows[:-1], row_experts,
-        plan.num_rows, num_out_rows=down_rows, out_dtype=E4M3, config=config.requant,
-        interpret=interpret,
-    )
+        up_out = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1, **up)
+    if fused:  # e4m3 [P_up, n], f32 [P_up]; padding rows unwritten (never stored later)
+        a, (q2, s2) = None, up_out
+    else:
+        a = up_out  # bf16 [P, n]; padding rows unwritten
+        # A's rows are already grouped: row r is its own "token" with one CSR entry (no
+        # gather); rows past num_rows own none and come out as zeros.
+        rows = jnp.arange(capacity + 1, dtype=jnp.int32)
+        q2, s2 = smoothquant_kernel(
+            a, smooth_down, jnp.minimum(rows, plan.num_rows), rows[:-1], row_experts,
+            plan.num_rows, num_out_rows=down_rows, out_dtype=E4M3, config=config.requant,
+            interpret=interpret,
+        )
     down_meta = up_meta if config.down.block_m == config.up.block_m else (
         _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
     )
