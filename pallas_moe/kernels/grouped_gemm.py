@@ -32,7 +32,22 @@ accumulator, waits for it, and adds it into f32 accumulators carried in register
 K loop (CUDA-core adds, exact f32 rounding). A second accumulator set doubles the registers:
 `block_n * (2 if gated else 1) <= 128` then (64 for the gated up-proj, 128 for the down-proj).
 
-A is contiguous, so each stage is one `[block_m, block_k]` TMA box. Mosaic's tiled TMA needs
+The gathered fp8 mode (`token_ids`, the fp8 forward's up-proj without smooth scales): A is
+the [T, K] e4m3 tokens, quantized once each, and an item's box rows are gathered by token id:
+the producer stages the box's ids in SMEM (two buffers: the next item's land while this one
+loads) and issues 16-byte cp.async loads from all 128 threads straight into the swizzled
+wgmma layout (`_common.cp_async_gather_rows`, as the bf16 up-proj; published the
+`gather_completion` way), or one-row TMA copies (`gather="tma"`, what interpret mode runs).
+Split M only (block_m 128): the lagged cp.async publish walks one `full` barrier set.
+
+A's quantization in the epilogue (`requant_smooth`, gated fp8, split M, no promotion,
+N <= FUSED_REQUANT_MAX_BLOCKS * block_n): an item is a whole tile, its steps run column block
+by column block, and each consumer keeps every block's SwiGLU output (times the smooth
+scales) in registers until the last, then quantizes its 64 whole rows: row max, scale and
+e4m3 values by the SmoothQuant formula (`quant/reference.py`), Q TMA-stored by rows, s by
+the consumer's threads.
+
+Otherwise A is contiguous, so each stage is one `[block_m, block_k]` TMA box. Mosaic's tiled TMA needs
 the box's first row to be a multiple of 8, so tiles come from `aligned_tile_meta` (computed
 once per plan): a tile is a piece of one expert's rows inside one `block_m`-aligned block,
 and its work item loads the whole aligned block. Rows of the box outside the tile (other

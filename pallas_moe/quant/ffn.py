@@ -23,12 +23,12 @@ from `quantize_experts` (per expert, per output channel e4m3 with f32 scales, st
 `[E, 2n, d]` / `[E, d, n]`: 8-bit wgmma takes B only K-major). The smooth scales S1 [E, d],
 S2 [E, n] multiply the activations (`calibrate_smoothing`); None means no smoothing.
 
-Why A is written in bf16 and quantized by a second pass: the row scale of A needs the max
-over all n columns of a row, and one CTA holds only `block_n` of them (both SwiGLU halves
-of n = 512 columns for 64 rows would be 256 KB of f32 accumulators, the whole register
-file). So the up-proj's epilogue dequantizes and applies SwiGLU, writes A in bf16 (as the
-bf16 path does), and the SmoothQuant kernel quantizes its rows in place of tokens: one CSR
-entry per row, no gather (`P * n * 3` bytes more traffic than a fused quantization).
+A's quantization needs each row's max over all n columns. Where one CTA holds whole rows
+(no promotion and n <= 2 * up.block_n: the 7B shape's n = 256) the up-proj quantizes A in its
+epilogue (`grouped_matmul(requant_smooth=)`); elsewhere (30B's n = 512: the earlier column
+blocks of A would not fit in registers beside the accumulators) it writes A in bf16 and the
+SmoothQuant kernel quantizes its rows in place of tokens: one CSR entry per row, no gather
+(`P * n * 3` bytes more traffic). Both give the same Q and s (docs/quant.md).
 
 Inference only: differentiating `moe_ffn_fp8` raises a TypeError (the quantizers have no
 useful gradient).
@@ -199,6 +199,10 @@ class Fp8ForwardConfig:
         num_sms = default_num_sms() if num_sms is None else num_sms
         gemm = functools.partial(GroupedMatmulConfig, block_m=128, block_k=128, num_sms=num_sms,
                                  fp8_promote_every=promote_every)
+        # The up-proj gathers token rows with cp.async: with 3 stages the lagged publish
+        # ("wait_group") would keep one step of loads in flight, the hardware-tracked one
+        # ("mbarrier") all three (benchmarks/quant.py --fp8 times both).
+        gemm = functools.partial(gemm, gather_completion="mbarrier")
         if promote_every:
             up = gemm(block_n=64, num_stages=6)
             down = gemm(block_n=128, num_stages=5)
