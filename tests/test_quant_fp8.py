@@ -860,6 +860,7 @@ def test_fp8_gathered_equals_the_materialized_gather(gated, promote_every):
                                atol=1e-6 * float(jnp.abs(want[:rows]).max()))
 
 
+@pytest.mark.slow  # the fused-requant test runs the gathered producer under the detector too
 def test_fp8_gathered_no_races():
     plan = assignment_plan(jax.random.key(72), 24, 3, p=0.5, empty=(1,))
     q, w, rs, cs = gathered_operands(jax.random.key(73), 24, 256, 128, 3)
@@ -915,14 +916,15 @@ def test_fp8_fused_requant_equals_the_separate_pass(gathered):
     # Two column blocks per row (N = 2 * block_n), token rounding (ragged tiles inside
     # aligned blocks, padding rows, an empty expert), a zero row, under the race detector:
     # Q and s bit for bit the SmoothQuant formula on the unfused kernel's A.
-    logits = jax.random.normal(jax.random.key(80), (40, 5)).at[:, 3].add(-100.0)
+    logits = jax.random.normal(jax.random.key(80), (24, 3)).at[:, 2].add(-100.0)
     plan = token_rounding_plan(logits, 2, tile=8)
+    assert int(plan.group_sizes[2]) == 0
     rows = int(plan.num_rows)
     n_out = 128
-    q, w, rs, cs = gathered_operands(jax.random.key(81), 40 if gathered else plan.capacity, 256,
-                                     2 * n_out, 5)
+    q, w, rs, cs = gathered_operands(jax.random.key(81), 24 if gathered else plan.capacity, 256,
+                                     2 * n_out, 3)
     w = w.at[0, :n_out].set(0)  # expert 0's gate weights: its rows of A are zero rows
-    smooth = jax.random.uniform(jax.random.key(82), (5, n_out), jnp.float32, 0.5, 2.0)
+    smooth = jax.random.uniform(jax.random.key(82), (3, n_out), jnp.float32, 0.5, 2.0)
     config = dataclasses.replace(SPLIT_M, num_stages=3, fp8_promote_every=0)
     kw = dict(transpose_w=True, config=config, col_scales=cs, gated=True,
               token_ids=plan.token_ids if gathered else None, row_scales=rs)
@@ -931,7 +933,7 @@ def test_fp8_fused_requant_equals_the_separate_pass(gathered):
     assert not races_found()
     assert q2.shape == (-(-plan.capacity // 128) * 128, n_out) and s2.shape == q2.shape[:1]
     a = grouped_matmul(q, plan.group_sizes, w, interpret=True, **kw)
-    experts = jnp.minimum(plan.expert_ids, 4)
+    experts = jnp.minimum(plan.expert_ids, 2)
     want_q, want_s = smoothquant_rows_reference(
         a, smooth, jnp.arange(plan.capacity, dtype=jnp.int32), experts, plan.row_is_valid, E4M3)
     np.testing.assert_array_equal(np.asarray(q2[:rows]).view(np.uint8),
