@@ -7,9 +7,12 @@
 `--fp8` (shapes (T, d, n, E, K) of `FP8_SHAPES`, top-K routing over random logits, N(0,1)
 X and N(0, 1/fan_in) weights, no smoothing): checks the fp8 forward on poisoned outputs
 against its XLA reference, then times (CUPTI, same process) the fp8 up-proj (gated fp8
-grouped GEMM on the already quantized rows) against the bf16 up-proj (gather fused,
-inference: A only), the X quantization, both down-projs and both whole forwards
-(`moe_forward(inference=True)` vs `pm.quant.moe_ffn_fp8`, per-plan metadata included), and
+grouped GEMM gathering the per-token quantized rows) against the bf16 up-proj (gather fused,
+inference: A only), the X quantization (per token), both down-projs and both whole forwards
+(`moe_forward(inference=True)` vs `pm.quant.moe_ffn_fp8`, per-plan metadata included); for
+comparison, the SmoothQuant recipe (per-row X quantization in grouped order, all-ones
+scales, the GEMM on contiguous rows: the forward before the per-token path) in the same run;
+and
 the per-token relative error of the fp8 output against the bf16 kernels' output (mean and
 99th percentile); the XLA reference runs on the first `REF_TOKENS` tokens (all of them do not
 fit in f32). Then a promotion sweep (`PROMOTE_SWEEP`: `fp8_promote_every` never / 1 / 2 / 4
@@ -36,6 +39,7 @@ so there are padding rows) and output dtype (int8, e4m3), it:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -259,17 +263,17 @@ REF_TOKENS = 512
 # fp8_promote_every values the benchmark compares (0 = never; docs/quant.md).
 PROMOTE_SWEEP = (0, 1, 2, 4)
 # SmoothQuant configs timed for both quantization passes of the fp8 forward.
-QUANT_SWEEP = (SmoothQuantConfig(block_t=4), SmoothQuantConfig(block_t=16))
+QUANT_SWEEP = (SmoothQuantConfig(), SmoothQuantConfig(block_t=4), SmoothQuantConfig(block_t=16))
 
 
 def run_fp8_case(name, shape, log, interpret=False):
     from benchmarks.forward import poison_then as poison_nan_then
     from pallas_moe.kernels import _common
     from pallas_moe.kernels.down_proj import down_proj
-    from pallas_moe.kernels.grouped_gemm import grouped_matmul
+    from pallas_moe.kernels.grouped_gemm import fused_requant_fits, grouped_matmul
     from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward
     from pallas_moe.kernels.up_proj import up_proj
-    from pallas_moe.quant import Fp8ForwardConfig
+    from pallas_moe.quant import Fp8ForwardConfig, quantize_tokens_kernel
 
     T, d, n, E, K = shape
     ks = jax.random.split(jax.random.key(hash(name) % 1000), 4)
@@ -278,7 +282,10 @@ def run_fp8_case(name, shape, log, interpret=False):
     w2 = (jax.random.normal(ks[2], (E, n, d), jnp.float32) / np.sqrt(n)).astype(jnp.bfloat16)
     logits = jax.random.normal(ks[3], (T, E), jnp.float32)
     plan = jax.jit(lambda l: topk_plan(l, K))(logits)
-    experts = jax.block_until_ready(jax.jit(pm.quant.quantize_experts)(w1, w2))
+    experts = jax.block_until_ready(jax.jit(pm.quant.quantize_experts)(w1, w2))  # no smoothing
+    ones_up, ones_down = jnp.ones((E, d), jnp.float32), jnp.ones((E, n), jnp.float32)
+    # The SmoothQuant recipe on the same weights (all-ones scales: the same values per row).
+    experts_rows = dataclasses.replace(experts, smooth_up=ones_up, smooth_down=ones_down)
     P = plan.capacity
     res = dict(name=name, T=T, d=d, n=n, E=E, K=K, P=P)
     log(f"== fp8 {name} (T,d,n,E,K)={shape} P={P}")
@@ -327,18 +334,42 @@ def run_fp8_case(name, shape, log, interpret=False):
     up16 = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=base.up, inference=True, meta=m, **kw)[1])
     res["bf16_up_us"] = timed(up16, x, plan.token_ids, plan.group_sizes, w1, up_meta) * 1e3
     up_rows = -(-P // cfg.up.block_m) * cfg.up.block_m
+    # The default (no smooth scales): X quantized per token, the up-proj gathers its rows.
+    qt = jax.jit(lambda x: quantize_tokens_kernel(x, config=cfg.quant, **kw))
+    qxt, sxt = qt(x)
+    res["quant_x_us"] = timed(qt, x) * 1e3
+    fp8_meta = jax.jit(lambda g: _common.aligned_tile_meta(g, P, cfg.up.block_m))(plan.group_sizes)
+    up8 = jax.jit(lambda q, g, w, s, c, m, t: grouped_matmul(
+        q, g, w, transpose_w=True, config=cfg.up, meta=m, capacity=P, row_scales=s,
+        col_scales=c, gated=True, token_ids=t, **kw))
+    up8_args = (qxt, plan.group_sizes, experts.w_gate_up, sxt, experts.gate_up_scales, fp8_meta,
+                plan.token_ids)
+    res["fp8_up_us"] = timed(up8, *up8_args) * 1e3
+    a8 = up8(*up8_args)
+    # The other cp.async publishing (the default is "mbarrier": 3 stages in flight).
+    up8_lagged = jax.jit(lambda q, g, w, s, c, m, t: grouped_matmul(
+        q, g, w, transpose_w=True, config=dataclasses.replace(cfg.up, gather_completion="wait_group"),
+        meta=m, capacity=P, row_scales=s, col_scales=c, gated=True, token_ids=t, **kw))
+    res["fp8_up_wait_group_us"] = timed(up8_lagged, *up8_args) * 1e3
+    # The same GEMM quantizing A in its epilogue, where a CTA holds whole rows (7B).
+    res["fp8_up_requant_us"] = float("nan")
+    if fused_requant_fits(cfg.up, n):
+        up8_requant = jax.jit(lambda q, g, w, s, c, m, t, sm: grouped_matmul(
+            q, g, w, transpose_w=True, config=cfg.up, meta=m, capacity=P, row_scales=s,
+            col_scales=c, gated=True, token_ids=t, requant_smooth=sm, **kw))
+        res["fp8_up_requant_us"] = timed(up8_requant, *up8_args, ones_down) * 1e3
+    # The SmoothQuant recipe: rows quantized per (token, expert) in grouped order, the GEMM on
+    # contiguous rows.
     qx = jax.jit(lambda x, s, off, r, e, nr: smoothquant_kernel(
         x, s, off, r, e, nr, num_out_rows=up_rows, out_dtype=jnp.float8_e4m3fn, config=cfg.quant, **kw))
     meta_args = jax.jit(kernel_args)(plan)
-    q1, s1 = qx(x, experts.smooth_up, *meta_args)
-    res["quant_x_us"] = timed(qx, x, experts.smooth_up, *meta_args) * 1e3
-    fp8_meta = jax.jit(lambda g: _common.aligned_tile_meta(g, P, cfg.up.block_m))(plan.group_sizes)
-    up8 = jax.jit(lambda q, g, w, s, c, m: grouped_matmul(
+    q1, s1 = qx(x, ones_up, *meta_args)
+    res["quant_x_rows_us"] = timed(qx, x, ones_up, *meta_args) * 1e3
+    up8_rows = jax.jit(lambda q, g, w, s, c, m: grouped_matmul(
         q, g, w, transpose_w=True, config=cfg.up, meta=m, capacity=P, row_scales=s,
         col_scales=c, gated=True, **kw))
-    up8_args = (q1, plan.group_sizes, experts.w_gate_up, s1, experts.gate_up_scales, fp8_meta)
-    res["fp8_up_us"] = timed(up8, *up8_args) * 1e3
-    a8 = up8(*up8_args)
+    res["fp8_up_rows_us"] = timed(up8_rows, q1, plan.group_sizes, experts.w_gate_up, s1,
+                                  experts.gate_up_scales, fp8_meta) * 1e3
     res["up_speedup"] = res["bf16_up_us"] / res["fp8_up_us"]
     res["up_speedup_with_quant"] = res["bf16_up_us"] / (res["fp8_up_us"] + res["quant_x_us"])
     flops_up = 2 * P * d * 2 * n
@@ -353,10 +384,11 @@ def run_fp8_case(name, shape, log, interpret=False):
     qa_args = (jnp.minimum(rows, plan.num_rows), rows[:-1],
                jnp.minimum(plan.expert_ids, E - 1), plan.num_rows)
     qa = jax.jit(lambda a, s, off, r, e, nr: smoothquant_kernel(
-        a, s, off, r, e, nr, num_out_rows=down_rows, out_dtype=jnp.float8_e4m3fn, config=cfg.quant, **kw))
-    res["quant_a_us"] = timed(qa, a8, experts.smooth_down, *qa_args) * 1e3
-    # A's rows are narrow (n bf16: 512 bytes at 7B) and block_t=1 gives one CTA per row:
-    # time the quantization passes with more rows per CTA (QUANT_SWEEP) for a later default.
+        a, s, off, r, e, nr, num_out_rows=down_rows, out_dtype=jnp.float8_e4m3fn, config=cfg.requant,
+        **kw))
+    res["quant_a_us"] = timed(qa, a8, ones_down, *qa_args) * 1e3
+    # A's rows are narrow (n bf16: 512 bytes at 7B): the quantization passes with other rows
+    # per CTA (QUANT_SWEEP; the default for A is block_t=16, for X block_t=1).
     res["quant_sweep"] = {}
     for qc in QUANT_SWEEP:
         qa_c = jax.jit(lambda a, s, off, r, e, nr, qc=qc: smoothquant_kernel(
@@ -367,12 +399,12 @@ def run_fp8_case(name, shape, log, interpret=False):
             config=qc, **kw))
         try:
             res["quant_sweep"][f"block_t={qc.block_t}"] = dict(
-                a_us=timed(qa_c, a8, experts.smooth_down, *qa_args) * 1e3,
-                x_us=timed(qx_c, x, experts.smooth_up, *meta_args) * 1e3)
+                a_us=timed(qa_c, a8, ones_down, *qa_args) * 1e3,
+                x_us=timed(qx_c, x, ones_up, *meta_args) * 1e3)
         except Exception as e:  # noqa: BLE001 - report and go on
             log(f"  quant block_t={qc.block_t}: FAILED {type(e).__name__}: {str(e)[:300]}")
     log("  quant sweep (us): " + json.dumps(res["quant_sweep"]))
-    q2, s2 = qa(a8, experts.smooth_down, *qa_args)
+    q2, s2 = qa(a8, ones_down, *qa_args)
     dn8 = jax.jit(lambda q, g, w, s, c: grouped_matmul(
         q, g, w, transpose_w=True, config=cfg.down, capacity=P, row_scales=s, col_scales=c, **kw))
     res["fp8_down_us"] = timed(dn8, q2, plan.group_sizes, experts.w_down, s2,
@@ -380,9 +412,14 @@ def run_fp8_case(name, shape, log, interpret=False):
     res["bf16_fwd_us"] = timed(bf16_fwd, x, plan, w1, w2) * 1e3
     res["fp8_fwd_us"] = timed(fp8_fwd, x, plan, experts) * 1e3
     res["fwd_speedup"] = res["bf16_fwd_us"] / res["fp8_fwd_us"]
+    res["fp8_fwd_rows_us"] = timed(fp8_fwd, x, plan, experts_rows) * 1e3
+    res["fwd_rows_speedup"] = res["bf16_fwd_us"] / res["fp8_fwd_rows_us"]
     # What the fp8 forward spends outside its four timed kernels (aggregation, plan metadata).
-    res["fp8_fwd_rest_us"] = res["fp8_fwd_us"] - (res["quant_x_us"] + res["fp8_up_us"]
-                                                  + res["quant_a_us"] + res["fp8_down_us"])
+    # (fused: the up-proj with A's quantization in place of the up-proj and the A pass)
+    up_and_quant_a = (res["fp8_up_requant_us"] if fused_requant_fits(cfg.up, n) and cfg.fuse_requant
+                      else res["fp8_up_us"] + res["quant_a_us"])
+    res["fp8_fwd_rest_us"] = res["fp8_fwd_us"] - (res["quant_x_us"] + up_and_quant_a
+                                                  + res["fp8_down_us"])
     log("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}))
 
     # ---- promotion sweep: both GEMMs and the whole forward at each interval (their blocks:
@@ -397,9 +434,9 @@ def run_fp8_case(name, shape, log, interpret=False):
                        fwd_us=res["fp8_fwd_us"], fwd_speedup=res["fwd_speedup"],
                        vs_xla_ref=res["vs_xla_ref"], rel_err_all=res["rel_err_all"])
             return row
-        up = jax.jit(lambda q, g, w, s, cc, m, c=c: grouped_matmul(
+        up = jax.jit(lambda q, g, w, s, cc, m, t, c=c: grouped_matmul(
             q, g, w, transpose_w=True, config=c.up, meta=m, capacity=P, row_scales=s,
-            col_scales=cc, gated=True, **kw))
+            col_scales=cc, gated=True, token_ids=t, **kw))
         dn = jax.jit(lambda q, g, w, s, cc, c=c: grouped_matmul(
             q, g, w, transpose_w=True, config=c.down, capacity=P, row_scales=s, col_scales=cc,
             **kw))
@@ -432,6 +469,10 @@ FP8_TABLE_COLS = [
     ("fp8 up us", lambda r: f"{r['fp8_up_us']:.0f}"),
     ("up speedup (>= 1.6)", lambda r: f"**{r['up_speedup']:.2f}**"),
     ("X quant us", lambda r: f"{r['quant_x_us']:.0f}"),
+    ("X quant per row us", lambda r: f"{r['quant_x_rows_us']:.0f}"),
+    ("fp8 up on rows us", lambda r: f"{r['fp8_up_rows_us']:.0f}"),
+    ("fp8 up wait_group us", lambda r: f"{r['fp8_up_wait_group_us']:.0f}"),
+    ("fp8 up + A quant fused us", lambda r: f"{r['fp8_up_requant_us']:.0f}"),
     ("up speedup incl. X quant", lambda r: f"{r['up_speedup_with_quant']:.2f}"),
     ("fp8 up TF/s", lambda r: f"{r['fp8_up_TFs']:.0f}"),
     ("bf16 down us", lambda r: f"{r['bf16_down_us']:.0f}"),
@@ -440,6 +481,8 @@ FP8_TABLE_COLS = [
     ("bf16 fwd us", lambda r: f"{r['bf16_fwd_us']:.0f}"),
     ("fp8 fwd us", lambda r: f"{r['fp8_fwd_us']:.0f}"),
     ("fwd speedup (>= 1.5)", lambda r: f"**{r['fwd_speedup']:.2f}**"),
+    ("fp8 fwd per-row recipe us", lambda r: f"{r['fp8_fwd_rows_us']:.0f}"),
+    ("its speedup", lambda r: f"{r['fwd_rows_speedup']:.2f}"),
     ("fwd rest us", lambda r: f"{r['fp8_fwd_rest_us']:.0f}"),
     ("rel err mean", lambda r: f"{r['rel_err_mean']:.4f}"),
     ("rel err p99", lambda r: f"{r['rel_err_p99']:.4f}"),
@@ -457,8 +500,12 @@ def fp8_markdown(results, cmd, device):
     lines = markdown_report(
         f"fp8 inference path vs bf16 on {device}",
         "GPU kernel time (CUPTI), median of 20 calls, one process.", cmd,
-        "`up` = the up-proj alone: bf16 gathers X rows itself; fp8 reads the rows "
-        "`moe_smoothquant` already quantized in grouped order (`X quant`). `fwd` = the whole "
+        "`up` = the up-proj alone: bf16 gathers X rows itself; fp8 gathers the rows of X "
+        "quantized once per token (`X quant`, T rows). `per row`/`on rows`/`per-row recipe` = "
+        "the SmoothQuant recipe on the same data (all-ones smooth scales): P rows quantized "
+        "in grouped order, the GEMM on contiguous rows. `fp8 up + A quant fused` = the up-proj "
+        "quantizing A in its epilogue (shapes where a CTA holds whole rows; the forward then "
+        "runs no `A quant` pass). `fwd` = the whole "
         "inference forward incl. per-plan metadata. `rel err` = per-token "
         "|O_fp8 - O_bf16| / |O_bf16| against the bf16 kernels (mean, 99th percentile); "
         f"`vs fp8 XLA ref` = relative error against the jnp reference of the same fp8 steps "
@@ -487,7 +534,7 @@ def fp8_markdown(results, cmd, device):
                 f"{w['rel_err_all']:.4f} |")
     quant_rows = [(r["name"], k, v) for r in results for k, v in r.get("quant_sweep", {}).items()]
     if quant_rows:
-        lines += ["", "SmoothQuant rows per CTA (default block_t=1 above), us:", "",
+        lines += ["", "SmoothQuant rows per CTA, us (X: the per-row recipe; the table's `A quant` uses block_t=16):", "",
                   "| shape | config | X quant us | A quant us |", "|---|---|---|---|"]
         lines += [f"| {name} | {k} | {v['x_us']:.0f} | {v['a_us']:.0f} |" for name, k, v in quant_rows]
     return "\n".join(lines) + "\n"

@@ -17,10 +17,13 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
-from pallas_moe.kernels.reference import fp8_epilogue_reference, fp8_grouped_matmul_reference
+from pallas_moe.kernels.reference import (
+    aggregate_reference, fp8_epilogue_reference, fp8_grouped_matmul_reference,
+)
+from pallas_moe.quant.reference import smoothquant_rows_reference
 from pallas_moe.routing import token_rounding_plan
 from tests.test_kernels_common import assert_untouched, assignment_plan, races_found
-from tests.fp8_wgmma_model import h100_fp8_dot
+from tests.fp8_wgmma_model import h100_fp8_dot, truncation_error_bound
 
 E4M3 = jnp.float8_e4m3fn
 # 3 CTAs walk the work items; block_k = 128 one-byte elements (one 128-byte swizzle row).
@@ -229,6 +232,44 @@ def test_fp8_forward_interpret_matches_xla_and_bf16():
     assert rel_err(got, want) < FP8_VS_BF16_TOL
 
 
+@pytest.mark.slow  # two interpret forwards (~40 s); the CPU suite checks the pieces: the
+# gathered GEMM bit for bit, the token quantization bit for bit, the forward's cuda lowering
+def test_fp8_forward_per_token_equals_unit_smoothing():
+    # No smooth scales: X is quantized once per token and the up-proj gathers its rows. Its
+    # Q and s of each row are those of the SmoothQuant path with all-ones scales (x * 1 is
+    # exact), and the GEMM sums the same products in the same order: the same bits. Token
+    # rounding: padding rows and an empty expert.
+    x, plan, w1, w2 = fp8_layer(jax.random.key(55), 24, 128, 128, 3, 2, token_rounding=True)
+    assert int(plan.group_sizes[1]) == 0 and int(plan.num_rows) < plan.capacity
+    experts = pm.quant.quantize_experts(w1, w2)
+    assert experts.smooth_up is None
+    ones = dataclasses_replace(experts, smooth_up=jnp.ones((3, 128), jnp.float32),
+                               smooth_down=jnp.ones((3, 128), jnp.float32))
+    got = pm.quant.moe_ffn_fp8(x, plan, experts, backend="interpret")
+    via_rows = pm.quant.moe_ffn_fp8(x, plan, ones, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(via_rows).view(np.uint16))
+    ref = pm.quant.moe_ffn_fp8(x, plan, experts, backend="xla")
+    np.testing.assert_array_equal(  # the references agree exactly too
+        np.asarray(ref).view(np.uint16),
+        np.asarray(pm.quant.moe_ffn_fp8(x, plan, ones, backend="xla")).view(np.uint16))
+    assert rel_err(got, ref) < KERNELS_VS_XLA_TOL
+
+
+def test_quantize_tokens_kernel_matches_the_row_formula():
+    # Rows of zeros, the largest finite bf16, and ordinary rows: bit for bit the reference.
+    x = jax.random.normal(jax.random.key(56), (24, 256)).astype(jnp.bfloat16)
+    x = x.at[3].set(0).at[5, 7].set(jnp.finfo(jnp.bfloat16).max).at[6].multiply(1e-30)
+    q, s = pm.quant.quantize_tokens_kernel(x, interpret=True)
+    tokens = jnp.arange(24, dtype=jnp.int32)
+    want_q, want_s = smoothquant_rows_reference(
+        x, jnp.ones((1, 256), jnp.float32), tokens, jnp.zeros_like(tokens),
+        jnp.ones((24,), bool), E4M3)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s).view(np.uint32), np.asarray(want_s).view(np.uint32))
+    assert float(s[3]) == 0 and np.all(np.asarray(q[3], np.float32) == 0)
+
+
 def test_fp8_forward_is_inference_only():
     x, plan, w1, w2 = fp8_layer(jax.random.key(51), 8, 128, 128, 2, 1)
     experts = pm.quant.quantize_experts(w1, w2)
@@ -251,7 +292,7 @@ def test_quantize_experts_layout_and_scales():
     np.testing.assert_array_equal(np.asarray(ex.gate_up_scales), np.asarray(c1))
     back = pm.quant.dequantize_weights(ex.w_down, ex.down_scales, k_major=True)
     assert rel_err(back, w2) < 0.05
-    assert np.all(np.asarray(ex.smooth_up) == 1) and np.all(np.asarray(ex.smooth_down) == 1)
+    assert ex.smooth_up is None and ex.smooth_down is None  # no smoothing
 
 
 def test_fp8_forward_bad_inputs_raise():
@@ -318,6 +359,29 @@ def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape, promote_every):
     f = functools.partial(pm.quant.moe_ffn_fp8, backend="mosaic", config=config)
     with h100_target():
         jax.jit(f).trace(x, plan, experts).lower(lowering_platforms=("cuda",))
+        # No smooth scales: X quantized per token, the up-proj gathers its rows (cp.async).
+        per_token = dataclasses_replace(experts, smooth_up=None, smooth_down=None)
+        jax.jit(f).trace(x, plan, per_token).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("gather, completion", [("cp_async", "wait_group"), ("tma", "wait_group")])
+def test_fp8_gathered_loaders_lower_for_cuda(gather, completion):
+    """The gathered up-proj's other loaders (the default, cp.async "mbarrier", lowers in the
+    forward test above) at the 30B shape's blocks."""
+    from tests.cuda_target import h100_target
+
+    num_tokens, d, n, num_experts, k = 32768, 4096, 512, 128, 8
+    sds = jax.ShapeDtypeStruct
+    cfg = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=132)
+    config = dataclasses.replace(cfg.up, gather=gather, gather_completion=completion)
+    plan = jax.eval_shape(lambda l: topk_plan(l, k), sds((num_tokens, num_experts), jnp.float32))
+    f = functools.partial(grouped_matmul, transpose_w=True, config=config, gated=True)
+    with h100_target():
+        jax.jit(f).trace(
+            sds((num_tokens, d), E4M3), plan.group_sizes, sds((num_experts, 2 * n, d), E4M3),
+            row_scales=sds((num_tokens,), jnp.float32),
+            col_scales=sds((num_experts, 2 * n), jnp.float32), token_ids=plan.token_ids,
+        ).lower(lowering_platforms=("cuda",))
 
 
 # ---- the H100's fp8 accumulation (tests/fp8_wgmma_model.py) and what promotion does to it
@@ -346,10 +410,9 @@ def as_f64(x):
     return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
 
 
-def modeled_rows(rows, plan, a, w, rs, cs, *, gated, promote_blocks):
-    """The kernel's bf16 output on grouped `rows` as the H100 computes it: the model's f32
-    sums (promoting every `promote_blocks` K blocks of 128; 0 = never), then the reference's
-    epilogue."""
+def modeled_sums(rows, plan, a, w, *, promote_blocks):
+    """(f32 sums [len(rows), N] as the H100 computes them per the model, promoting every
+    `promote_blocks` K blocks of 128 (0 = never); the expert of each row)."""
     starts = np.concatenate([[0], np.cumsum(np.asarray(plan.group_sizes))])
     experts = np.searchsorted(starts, rows, side="right") - 1
     a64 = as_f64(a[rows])
@@ -357,8 +420,119 @@ def modeled_rows(rows, plan, a, w, rs, cs, *, gated, promote_blocks):
     for e in np.unique(experts):
         mine = experts == e
         acc[mine] = h100_fp8_dot(a64[mine], as_f64(w[e]), promote=128 * promote_blocks)
+    return acc, experts
+
+
+def modeled_rows(rows, plan, a, w, rs, cs, *, gated, promote_blocks):
+    """The kernel's bf16 output on grouped `rows` as the H100 computes it: the model's f32
+    sums, then the reference's epilogue."""
+    acc, experts = modeled_sums(rows, plan, a, w, promote_blocks=promote_blocks)
     return fp8_epilogue_reference(jnp.asarray(acc, jnp.float32), rs[rows], cs[experts],
                                   gated=gated)
+
+
+SILU_ARGMIN = -1.2784645427610738  # silu's only critical point (its minimum)
+# Relative slack for the epilogue's f32 sigmoid and products (the GPU's exp may be a few
+# ulp off); it only moves an interval end across a bf16 rounding boundary in rare cases.
+EPILOGUE_SLACK = 2.0**-20
+
+
+def bf16_values(x):
+    return np.asarray(jnp.asarray(np.asarray(x, np.float32)).astype(jnp.bfloat16), np.float32)
+
+
+def output_interval(acc_lo, acc_hi, row_scales, col_scales, *, gated):
+    """[lo, hi] (bf16 values as f32) of the fp8 GEMM's bf16 output for f32 sums anywhere in
+    [acc_lo, acc_hi]: the epilogue is monotone in the sums (positive scales, round to
+    nearest) up to SwiGLU, whose range over the (gate, up) box is taken exactly (silu has one
+    minimum; the product's extremes are at the corners)."""
+    if not gated:
+        lo = fp8_epilogue_reference(jnp.asarray(acc_lo, jnp.float32), row_scales, col_scales,
+                                    gated=False)
+        hi = fp8_epilogue_reference(jnp.asarray(acc_hi, jnp.float32), row_scales, col_scales,
+                                    gated=False)
+        return np.asarray(lo, np.float32), np.asarray(hi, np.float32)
+    n = acc_lo.shape[1] // 2
+    rs = np.asarray(row_scales, np.float32)[:, None]
+    cs = np.asarray(col_scales, np.float32)
+
+    def halves(acc):  # the dequantized halves rounded to bf16, as the kernel's H
+        deq = np.asarray(acc, np.float32) * rs * cs
+        return bf16_values(deq[:, :n]), bf16_values(deq[:, n:])
+
+    (g_lo, u_lo), (g_hi, u_hi) = halves(acc_lo), halves(acc_hi)
+    return swiglu_interval(g_lo, g_hi, u_lo, u_hi)
+
+
+def bounded_rows(rows, plan, a, w, rs, cs, *, gated, promote_blocks):
+    """`output_interval` of grouped `rows` for sums within `truncation_error_bound` of the
+    exact ones (promoting every `promote_blocks` K blocks of 128; 0 = never)."""
+    starts = np.concatenate([[0], np.cumsum(np.asarray(plan.group_sizes))])
+    experts = np.searchsorted(starts, rows, side="right") - 1
+    a64 = as_f64(a[rows])
+    exact = np.zeros((len(rows), w.shape[1]))
+    bound = np.zeros_like(exact)
+    for e in np.unique(experts):
+        mine = experts == e
+        w64 = as_f64(w[e])
+        exact[mine] = a64[mine] @ w64.T
+        bound[mine] = truncation_error_bound(a64[mine], w64, promote=128 * promote_blocks)
+    return output_interval(exact - bound, exact + bound, rs[rows], cs[experts], gated=gated)
+
+
+# The H100 outputs the model misses (benchmarks/history/session4/test_quant_fp8_promote.txt):
+# {(gated, promote_blocks, sample index, column): bf16 value} of
+# test_fp8_grouped_matmul_on_gpu's sampled rows (`gpu_test_sample`).
+H100_LOGGED_MODEL_MISSES = {
+    (False, 1, 0, 376): -0.00189971923828125, (False, 1, 0, 484): 0.00592041015625,
+    (False, 1, 0, 609): -0.00139617919921875, (False, 1, 2, 448): -0.0023651123046875,
+    (False, 1, 3, 443): 0.00860595703125,
+    (True, 1, 1, 30): -1.8984375, (True, 1, 3, 165): 2.953125, (True, 1, 10, 169): 0.80078125,
+    (True, 1, 20, 22): -2.546875, (True, 1, 20, 39): 0.40234375,
+    (True, 0, 22, 28): 11.3125,
+}
+
+
+def gpu_test_sample(plan):
+    """The grouped rows test_fp8_grouped_matmul_on_gpu checks elementwise: both ends of every
+    expert's rows, and some inside."""
+    rows = int(plan.num_rows)
+    ends = np.cumsum(np.asarray(plan.group_sizes))
+    sample = np.unique(np.concatenate([
+        np.linspace(0, rows - 1, MODELED_ROWS - 2 * 16).astype(int), ends[:16] - 1,
+        np.concatenate([[0], ends[:15]]),
+    ]))
+    return sample[sample < rows]
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["down", "gated_up"])
+def test_h100_outputs_the_model_misses_pass_the_gpu_checks(gated):
+    """Why the GPU test's elementwise model check missed 0.01-0.1% (session 4), and that its
+    checks now hold on those outputs. Not the K order (every order of the four k=32
+    instructions of a 128 block was tried) and not the promotion interval: the model's
+    sums miss the H100's by a few truncation quanta in some promoted intervals (and once in
+    11776 unpromoted gated outputs), which no variant tried (product groups of 8-64, 12-14
+    kept bits, two-stage alignment, true product exponents, floor rounding) reproduces.
+    Gated, each miss is a bf16 step of H, which SwiGLU makes 2 steps of A
+    (`modeled_h_interval`); down, the misses are cancelling sums (`bounded_rows`)."""
+    plan, (a, w, rs, cs) = gpu_test_operands(gated)
+    sample = gpu_test_sample(plan)
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    misses = {k[1:]: v for k, v in H100_LOGGED_MODEL_MISSES.items() if k[0] == gated}
+    for (promote_blocks, i, col), value in misses.items():
+        row = sample[i:i + 1]
+        cols = np.array([col, n_out + col]) if gated else np.array([col])
+        wc, cc = w[:, cols], cs[:, cols]
+        model = np.asarray(modeled_rows(row, plan, a, wc, rs, cc, gated=gated,
+                                        promote_blocks=promote_blocks), np.float32)[0, 0]
+        assert model != value and abs(model - value) > 2**-7 * abs(model)  # the old check's miss
+        if gated:
+            lo, hi = modeled_h_interval(row, plan, a, wc, rs, cc, promote_blocks=promote_blocks)
+        else:
+            lo, hi = bounded_rows(row, plan, a, wc, rs, cc, gated=False,
+                                  promote_blocks=promote_blocks)
+        assert lo[0, 0] <= value <= hi[0, 0], (i, col, lo[0, 0], value, hi[0, 0])
+        assert lo[0, 0] <= model <= hi[0, 0]
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["down", "gated_up"])
@@ -404,6 +578,75 @@ _on_hopper = (jax.devices()[0].platform == "gpu"
 # 1.75e-3 and 2.7e-3 unpromoted.
 FP8_PROMOTED_GEMM_VS_EXACT_TOL = {False: 1.2e-3, True: 2e-3}
 MODELED_ROWS = 48  # rows checked elementwise against the numpy model (it is slow)
+# Share of sampled outputs with the model's exact bits (H100, session 4: 0.99914 for the
+# promoted down-proj; the model is exact on the sums' mechanism, not on every alignment).
+MODEL_BIT_EQUAL_MIN = 0.99
+
+
+def bf16_neighbours(h):
+    """(next bf16 toward -inf, next toward +inf) of bf16 values h (f32 arrays)."""
+    bits = np.asarray(jnp.asarray(h, jnp.float32).astype(jnp.bfloat16)).view(np.uint16)
+    as_f32 = lambda b: np.asarray(b.view(jnp.bfloat16), np.float32)  # noqa: E731
+    sign, mag = bits & 0x8000, bits & 0x7FFF
+    bigger = as_f32((sign | (mag + 1)).astype(np.uint16))  # away from zero
+    smaller = np.where(mag == 0, -as_f32(np.full_like(bits, 1)),  # toward zero (0: -denorm)
+                       as_f32((sign | np.maximum(mag, 1) - 1).astype(np.uint16)))
+    return np.where(h < 0, bigger, smaller), np.where(h < 0, smaller, bigger)
+
+
+def swiglu_interval(g_lo, g_hi, u_lo, u_hi):
+    """[lo, hi] (bf16 values) of `bf16(silu(g) * u)` over g in [g_lo, g_hi], u in
+    [u_lo, u_hi]: silu has one minimum (SILU_ARGMIN), the product's extremes are corners."""
+    silu = lambda v: v / (1.0 + np.exp(-np.asarray(v, np.float64)))  # noqa: E731
+    s_ends = np.stack([silu(g_lo), silu(g_hi)])
+    s_min = np.where((g_lo <= SILU_ARGMIN) & (SILU_ARGMIN <= g_hi),
+                     silu(np.float64(SILU_ARGMIN)), s_ends.min(axis=0))
+    s_max = s_ends.max(axis=0)
+    corners = np.stack([s_min * u_lo, s_min * u_hi, s_max * u_lo, s_max * u_hi])
+    lo, hi = corners.min(axis=0), corners.max(axis=0)
+    return (bf16_values(lo - EPILOGUE_SLACK * np.abs(lo)),
+            bf16_values(hi + EPILOGUE_SLACK * np.abs(hi)))
+
+
+def modeled_h_interval(rows, plan, a, w, rs, cs, *, promote_blocks):
+    """Gated: the range of A when each H half is the model's bf16 H or a bf16 neighbour.
+
+    Why: the model's f32 sums can miss the H100's by a few truncation quanta (promoted
+    intervals: the 5 logged gated misses of session 4; unpromoted: 1 in 11776), which
+    sometimes crosses a bf16 rounding boundary of H; SwiGLU then moves A by up to 2 bf16
+    steps (beyond rtol 2^-7). All logged misses lie in this interval
+    (`test_h100_gated_misses_are_one_h_step_off`)."""
+    acc, experts = modeled_sums(rows, plan, a, w, promote_blocks=promote_blocks)
+    n = acc.shape[1] // 2
+    deq = np.asarray(acc, np.float32) * np.asarray(rs[rows], np.float32)[:, None] * np.asarray(
+        cs[experts], np.float32)
+    hg, hu = bf16_values(deq[:, :n]), bf16_values(deq[:, n:])
+    (g_lo, g_hi), (u_lo, u_hi) = bf16_neighbours(hg), bf16_neighbours(hu)
+    return swiglu_interval(g_lo, g_hi, u_lo, u_hi)
+
+
+def check_against_model(g, rows, plan, a, w, rs, cs, *, gated, promote_blocks):
+    """Elementwise checks of a fp8 GEMM's bf16 output `g` [len(rows), N] on grouped `rows`
+    against the model of the H100's sums (see the helpers' docstrings for why each)."""
+    modeled = np.asarray(modeled_rows(rows, plan, a, w, rs, cs, gated=gated,
+                                      promote_blocks=promote_blocks), np.float32)
+    bit_equal = np.mean(g == modeled)
+    print(f"bf16 outputs equal to the model's: {bit_equal:.5f}")
+    assert bit_equal > MODEL_BIT_EQUAL_MIN
+    if gated:
+        lo, hi = modeled_h_interval(rows, plan, a, w, rs, cs, promote_blocks=promote_blocks)
+    elif promote_blocks:
+        # Promoted down-proj: 5 logged misses of a few quanta on cancelling sums (many bf16
+        # steps of a tiny output): checked within the mechanism's rigorous bound.
+        lo, hi = bounded_rows(rows, plan, a, w, rs, cs, gated=False,
+                              promote_blocks=promote_blocks)
+    else:  # unpromoted down-proj: one bf16 rounding of the model's sums (passed on the H100)
+        np.testing.assert_allclose(g, modeled, rtol=2**-7, atol=1e-6 * np.abs(modeled).max())
+        return
+    outside = ~((lo <= g) & (g <= hi))
+    assert not outside.any(), (
+        f"{outside.sum()} outputs outside their interval, e.g. {g[outside][:5]} not in "
+        f"[{lo[outside][:5]}, {hi[outside][:5]}]")
 
 
 @pytest.mark.gpu
@@ -411,10 +654,10 @@ MODELED_ROWS = 48  # rows checked elementwise against the numpy model (it is slo
 @pytest.mark.parametrize("promote_every", [1, 0], ids=["promoted", "unpromoted"])
 @pytest.mark.parametrize("gated", [False, True], ids=["down", "gated_up"])
 def test_fp8_grouped_matmul_on_gpu(gated, promote_every):
-    # Production block sizes, ragged token-rounding groups; outputs poisoned with NaN first.
-    # The H100 does not sum fp8 products in f32 (tests/fp8_wgmma_model.py): elementwise, the
-    # output is compared with the model of its sums, at the tolerance of one bf16 rounding;
-    # against exact f32 sums, norm-wise (promoted; unpromoted, the model is the check).
+    # Production block sizes, ragged token-rounding groups; outputs poisoned first. The
+    # H100 does not sum fp8 products in f32 (tests/fp8_wgmma_model.py): elementwise, the
+    # output is compared with the model of its sums (check_against_model); against exact f32
+    # sums, norm-wise (promoted; unpromoted, the model is the check).
     plan, (a, w, rs, cs) = gpu_test_operands(gated)
     cfg = pm.quant.Fp8ForwardConfig.for_shape(1536, 256, promote_every=promote_every)  # 7B
     config = cfg.up if gated else cfg.down
@@ -425,19 +668,9 @@ def test_fp8_grouped_matmul_on_gpu(gated, promote_every):
     rows = int(plan.num_rows)
     g = np.asarray(got[:rows], np.float32)
     assert np.all(np.isfinite(g))
-    sample = np.unique(np.concatenate([  # both ends of every expert's rows, and some inside
-        np.linspace(0, rows - 1, MODELED_ROWS - 2 * 16).astype(int),
-        np.cumsum(np.asarray(plan.group_sizes))[:16] - 1,
-        np.concatenate([[0], np.cumsum(np.asarray(plan.group_sizes))[:15]]),
-    ]))
-    sample = sample[sample < rows]
-    modeled = np.asarray(modeled_rows(sample, plan, a, w, rs, cs, gated=gated,
-                                      promote_blocks=promote_every), np.float32)
-    np.testing.assert_allclose(g[sample], modeled, rtol=2**-7,
-                               atol=1e-6 * np.abs(modeled).max())
-    bit_equal = np.mean(g[sample] == modeled)
-    print(f"bf16 outputs equal to the model's: {bit_equal:.5f}")
-    assert bit_equal > 0.99  # the model is bit-exact on the products' sums
+    sample = gpu_test_sample(plan)
+    check_against_model(g[sample], sample, plan, a, w, rs, cs, gated=gated,
+                        promote_blocks=promote_every)
     if promote_every:
         want = np.asarray(
             fp8_grouped_matmul_reference(a, plan.group_sizes, w, rs, cs, gated=gated),
@@ -447,20 +680,288 @@ def test_fp8_grouped_matmul_on_gpu(gated, promote_every):
         assert err < FP8_PROMOTED_GEMM_VS_EXACT_TOL[gated]
 
 
+E4M3_RELATIVE_STEP = 2.0**-3  # an e4m3 step (3 mantissa bits) over the value it sits on, at most
+# Margin on the requantization estimate below for the sampling of which elements flip.
+FLIP_MARGIN = 1.25
+
+
+def requantization_bound(eps_a, eps_rest):
+    """End-to-end bound on the fp8 forward's relative error against the XLA steps, from the
+    relative error `eps_a` of the kernels' A against the reference's A (the fp8 GEMM's
+    truncated sums) and `eps_rest` of the later steps on the kernels' own inputs.
+
+    A's requantization turns small differences into whole e4m3 steps: an element u (in e4m3
+    units) perturbed by d flips to the next e4m3 value with probability ~|d| / h, where the
+    step h <= u / 8, and a flip moves it by h. So ||dQ||^2 ~ sum |d| h <= 2^-3 ||d|| ||u||
+    (Cauchy-Schwarz), i.e. ||dQ|| / ||Q|| <= sqrt(eps_a / 8), plus the unflipped d itself.
+    The down-proj and the aggregation are linear, so the relative error carries through
+    (session 4: eps_a ~ 2e-3 gives 0.016, the 0.0163-0.0169 the H100 measured)."""
+    return FLIP_MARGIN * np.sqrt(eps_a * E4M3_RELATIVE_STEP) + eps_a + eps_rest
+
+
+def aggregation_interval_ok(out, y, plan):
+    """The aggregation on the kernel's own Y: fp32 sums of `score * Y` in ascending expert
+    order, rounded to bf16. Another f32 summation order (or an FMA) moves the f32 sum by at
+    most 2^-21 of the sum of |terms| (K <= 8 roundings of 2^-24), then one bf16 rounding:
+    within one bf16 step of the reference plus that."""
+    ref = np.asarray(aggregate_reference(y, plan.rows_by_token, plan.token_row_offsets,
+                                         plan.scores, jnp.float32), np.float64)
+    y64 = np.asarray(jnp.asarray(y, jnp.float32), np.float64)
+    sc = np.asarray(plan.scores, np.float64)
+    offsets = np.asarray(plan.token_row_offsets)
+    csr = np.asarray(plan.rows_by_token)
+    mags = np.zeros_like(ref)
+    for t in range(ref.shape[0]):
+        r = csr[offsets[t]:offsets[t + 1]]
+        mags[t] = np.abs(sc[r, None] * y64[r, :ref.shape[1]]).sum(axis=0)
+    o = np.asarray(out, np.float64)
+    ref, mags = ref[:, :o.shape[1]], mags[:, :o.shape[1]]
+    lo, hi = bf16_neighbours(bf16_values(ref))
+    slack = 2.0**-21 * mags
+    return np.all((lo - slack <= o) & (o <= hi + slack))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("smoothing", [False, True], ids=["per_token", "smoothquant"])
 @pytest.mark.parametrize("routing", ["topk", "token_rounding"])
-def test_fp8_forward_on_gpu(routing):
+def test_fp8_forward_on_gpu(routing, smoothing):
     x, plan, w1, w2 = fp8_layer(jax.random.key(62), 4096, 1536, 256, 32, 4,
                                 token_rounding=routing == "token_rounding")
-    experts = pm.quant.quantize_experts(w1, w2)
-    got = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend="mosaic"))(x, plan, experts)
+    check_fp8_forward_steps(x, plan, w1, w2, smoothing=smoothing, backend="mosaic")
+
+
+def check_fp8_forward_steps(x, plan, w1, w2, *, smoothing, backend):
+    """Each step of the fp8 forward against its reference fed with the kernels' own input
+    to that step, then the whole forward against the XLA steps within the requantization
+    bound (`requantization_bound`) and against bf16."""
+    from pallas_moe.quant.ffn import fp8_forward_stages
+
+    interpret = backend == "interpret"
+    if smoothing:
+        act = pm.quant.expert_activation_absmax(x, plan)
+        smooth_up, w1_smoothed = pm.quant.calibrate_smoothing(act, w1, alpha=0.5)
+        experts = pm.quant.quantize_experts(w1_smoothed, w2, smooth_up=smooth_up)
+    else:
+        experts = pm.quant.quantize_experts(w1, w2)
+    num_experts, d, n = experts.shape
+    config = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
+    got = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend=backend))(x, plan, experts)
+    stages = lambda c: jax.jit(functools.partial(  # noqa: E731
+        fp8_forward_stages, config=c, interpret=interpret))(x, plan, experts)
+    st = stages(config)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),  # the stages are the forward
+                                  np.asarray(st["out"]).view(np.uint16))
+    # Where the up-proj quantizes A itself (7B: n = 256), A comes from the unfused kernel.
+    unfused = st if st["a"] is not None else stages(dataclasses.replace(config, fuse_requant=False))
+    rows = int(plan.num_rows)
+    valid = plan.row_is_valid
+    row_experts = jnp.minimum(plan.expert_ids, num_experts - 1)
+    ones = lambda width: jnp.ones((num_experts, width), jnp.float32)  # noqa: E731
+    # 1. X's quantization: exactly the row formula (per token, or per row with smoothing).
+    if smoothing:
+        q1, s1 = smoothquant_rows_reference(x, experts.smooth_up, plan.token_ids, row_experts,
+                                            valid, E4M3)
+        up_q, up_s = st["q1"][:plan.capacity], st["s1"][:plan.capacity]
+    else:
+        tokens = jnp.arange(x.shape[0], dtype=jnp.int32)
+        q1, s1 = smoothquant_rows_reference(x, ones(d), tokens, jnp.zeros_like(tokens),
+                                            jnp.ones(tokens.shape, bool), E4M3)
+        up_q, up_s = st["q1"][plan.token_ids], st["s1"][plan.token_ids]  # each row's token
+        q1, s1 = q1[plan.token_ids], s1[plan.token_ids]
+    np.testing.assert_array_equal(np.asarray(up_q[:rows]).view(np.uint8),
+                                  np.asarray(q1[:rows]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(up_s[:rows]).view(np.uint32),
+                                  np.asarray(s1[:rows]).view(np.uint32))
+    # 2. The up-proj on the kernel's own quantized rows, against the model (sampled rows).
+    sample = gpu_test_sample(plan)
+    a = np.asarray(unfused["a"][:rows], np.float32)
+    assert np.all(np.isfinite(a))
+    check_against_model(a[sample], sample, plan, up_q, experts.w_gate_up, up_s,
+                        experts.gate_up_scales, gated=True, promote_blocks=0)
+    # 3. A's quantization: exactly the row formula on the kernel's own A (fused into the
+    # up-proj or the separate pass: both).
+    q2, s2 = smoothquant_rows_reference(
+        unfused["a"], experts.smooth_down if experts.smooth_down is not None else ones(n),
+        jnp.arange(plan.capacity, dtype=jnp.int32), row_experts, valid, E4M3)
+    for quantized in {id(st): st, id(unfused): unfused}.values():
+        np.testing.assert_array_equal(np.asarray(quantized["q2"][:rows]).view(np.uint8),
+                                      np.asarray(q2[:rows]).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(quantized["s2"][:rows]).view(np.uint32),
+                                      np.asarray(s2[:rows]).view(np.uint32))
+    # 4. The down-proj on the kernel's own Q2, s2, against the model (sampled rows).
+    y = np.asarray(st["y"][:rows, :d], np.float32)
+    check_against_model(y[sample], sample, plan, st["q2"], experts.w_down, st["s2"],
+                        experts.down_scales, gated=False, promote_blocks=0)
+    # 5. The aggregation on the kernel's own Y.
+    assert aggregation_interval_ok(got, st["y"], plan)
+    # End to end, against the XLA steps (exact f32 sums): the requantization bound from the
+    # up-proj's measured error (the reference's A on the same quantized rows).
     ref = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend="xla"))(x, plan, experts)
-    want = jax.jit(functools.partial(pm.moe_ffn, backend="mosaic"))(x, plan, w1, w2)
-    assert np.all(np.isfinite(np.asarray(got, np.float32)))
-    print(f"relative error: vs the XLA fp8 steps {rel_err(got, ref):.4f}, vs bf16 "
-          f"{rel_err(got, want):.4f}")
-    assert rel_err(got, ref) < KERNELS_VS_XLA_TOL
+    a_ref = fp8_grouped_matmul_reference(up_q, plan.group_sizes, experts.w_gate_up, up_s,
+                                         experts.gate_up_scales, gated=True)
+    eps_a = rel_err(a, np.asarray(a_ref[:rows], np.float32))
+    y_ref = fp8_grouped_matmul_reference(st["q2"], plan.group_sizes, experts.w_down, st["s2"],
+                                         experts.down_scales, gated=False)
+    eps_y = rel_err(y, np.asarray(y_ref[:rows], np.float32))
+    bound = requantization_bound(eps_a, eps_y + 2.0**-8)  # + the output's bf16 rounding
+    err = rel_err(got, ref)
+    want = jax.jit(functools.partial(pm.moe_ffn, backend="xla" if interpret else backend))(
+        x, plan, w1, w2)
+    print(f"relative error: vs the XLA fp8 steps {err:.4f} (bound {bound:.4f}: A {eps_a:.2e}, "
+          f"Y on the kernel's Q2 {eps_y:.2e}), vs bf16 {rel_err(got, want):.4f}")
+    assert err < bound
     assert rel_err(got, want) < FP8_VS_BF16_TOL
-    again = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend="mosaic"))(x, plan, experts)
-    np.testing.assert_array_equal(np.asarray(again).view(np.uint16), np.asarray(got).view(np.uint16))
+    if not interpret:
+        again = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend=backend))(x, plan, experts)
+        np.testing.assert_array_equal(np.asarray(again).view(np.uint16),
+                                      np.asarray(got).view(np.uint16))
+
+
+# ---- the gathered fp8 mode (`token_ids`): per-token quantized rows, gathered by the kernel
+
+
+def gathered_operands(key, num_tokens, k_dim, w_rows, num_experts):
+    """e4m3 tokens [T, K] with f32 scales [T], and e4m3 W^T [E, w_rows, K] with col scales."""
+    q, w, rs, cs = fp8_operands(key, num_tokens, k_dim, w_rows, num_experts)
+    return q, w, rs, cs
+
+
+@pytest.mark.parametrize("gated, promote_every", [
+    pytest.param(True, 2, id="gated-promoted"),
+    pytest.param(True, 0, id="gated-unpromoted", marks=pytest.mark.slow),
+    pytest.param(False, 2, id="plain-promoted", marks=pytest.mark.slow),
+    pytest.param(False, 0, id="plain-unpromoted", marks=pytest.mark.slow),
+])
+def test_fp8_gathered_equals_the_materialized_gather(gated, promote_every):
+    # Token rounding (ragged groups inside aligned blocks, padding rows, an empty expert):
+    # gathering a[token_ids] in the kernel gives the bits of the kernel on the rows gathered
+    # beforehand (same products, same f32 sums in the same order), and the reference's
+    # values; padding rows stay untouched.
+    logits = jax.random.normal(jax.random.key(70), (75, 5)).at[:, 3].add(-100.0)
+    plan = token_rounding_plan(logits, 2, tile=8)
+    assert int(plan.group_sizes[3]) == 0 and int(plan.num_rows) < plan.capacity
+    n_out = 64
+    q, w, rs, cs = gathered_operands(jax.random.key(71), 75, 384, 2 * n_out if gated else n_out, 5)
+    config = dataclasses.replace(SPLIT_M, num_stages=3, fp8_promote_every=promote_every)
+    kw = dict(transpose_w=True, config=config, interpret=True, col_scales=cs, gated=gated,
+              out_dtype=jnp.float32)
+    got = grouped_matmul(q, plan.group_sizes, w, row_scales=rs, token_ids=plan.token_ids, **kw)
+    rows = int(plan.num_rows)
+    assert got.shape == (plan.capacity, n_out)
+    assert_untouched(got, rows)
+    ids = plan.token_ids
+    materialized = grouped_matmul(q[ids], plan.group_sizes, w, row_scales=rs[ids], **kw)
+    np.testing.assert_array_equal(np.asarray(got[:rows]).view(np.uint32),
+                                  np.asarray(materialized[:rows]).view(np.uint32))
+    want = fp8_grouped_matmul_reference(q[ids], plan.group_sizes, w, rs[ids], cs, gated=gated,
+                                        out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got[:rows]), np.asarray(want[:rows]), rtol=1e-5,
+                               atol=1e-6 * float(jnp.abs(want[:rows]).max()))
+
+
+@pytest.mark.slow  # the fused-requant test runs the gathered producer under the detector too
+def test_fp8_gathered_no_races():
+    plan = assignment_plan(jax.random.key(72), 24, 3, p=0.5, empty=(1,))
+    q, w, rs, cs = gathered_operands(jax.random.key(73), 24, 256, 128, 3)
+    config = dataclasses.replace(SPLIT_M, num_stages=3)
+    got = grouped_matmul(q, plan.group_sizes, w, transpose_w=True, config=config,
+                         interpret=plgpu.InterpretGPUParams(detect_races=True), row_scales=rs,
+                         col_scales=cs, gated=True, token_ids=plan.token_ids)
+    assert not races_found()
+    rows = int(plan.num_rows)
+    ids = plan.token_ids
+    want = fp8_grouped_matmul_reference(q[ids], plan.group_sizes, w, rs[ids], cs, gated=True)
+    np.testing.assert_allclose(np.asarray(got[:rows], np.float32),
+                               np.asarray(want[:rows], np.float32), rtol=2**-7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(a=jnp.zeros((12, 128), jnp.bfloat16)), "token_ids .the gathered mode. is an fp8-mode option"),
+        (dict(config=GroupedMatmulConfig(block_m=64, block_k=128, num_sms=2)),
+         "the gathered mode .token_ids. needs config.block_m=128"),
+        (dict(config=GroupedMatmulConfig(block_k=128, num_stages=2, num_sms=2)),
+         "config.gather='cp_async' needs num_stages >= 3"),
+        (dict(config=GroupedMatmulConfig(block_k=128, num_sms=2, gather="dma")),
+         "config.gather must be one of"),
+        (dict(row_scales=jnp.ones((16,), jnp.float32)), r"row_scales must have shape \(12,\)"),
+        (dict(token_ids=jnp.zeros((16,), jnp.float32)), "token_ids must have dtype int32"),
+        (dict(capacity=8), "capacity=8 must equal token_ids.shape.0.=16"),
+    ],
+)
+def test_fp8_gathered_bad_inputs_raise(kwargs, match):
+    args = dict(a=jnp.zeros((12, 128), E4M3), group_sizes=jnp.array([10, 6], jnp.int32),
+                w=jnp.zeros((2, 128, 128), E4M3), transpose_w=True,
+                config=GroupedMatmulConfig(block_k=128, num_sms=2), interpret=True,
+                row_scales=jnp.ones((12,), jnp.float32), col_scales=jnp.ones((2, 128), jnp.float32),
+                token_ids=jnp.zeros((16,), jnp.int32))
+    args.update(kwargs)
+    if args["a"].dtype == jnp.bfloat16:
+        args.update(w=jnp.zeros((2, 128, 128), jnp.bfloat16), row_scales=None, col_scales=None,
+                    config=GroupedMatmulConfig(block_k=64, num_sms=2))
+    with pytest.raises((ValueError, TypeError), match=match):
+        grouped_matmul(**args)
+
+
+@pytest.mark.parametrize("mode", ["token_ids", "requant_smooth"])
+def test_fp8_chunks_reject_the_gathered_mode_and_the_fused_requant(mode):
+    # A chunked call (`TileChunks`, the EP overlap's down-proj) runs neither the gathered
+    # up-proj nor the fused re-quantization: each names the arguments instead of running.
+    from pallas_moe.kernels import _common
+
+    group_sizes = jnp.array([10, 6], jnp.int32)
+    meta = _common.aligned_tile_meta(group_sizes, 16, 128)
+    config = GroupedMatmulConfig(block_k=128, num_sms=2, fp8_promote_every=0)
+    args = dict(transpose_w=True, config=config, interpret=True, gated=True,
+                w=jnp.zeros((2, 256, 128), E4M3), col_scales=jnp.ones((2, 256), jnp.float32),
+                meta=meta, chunks=_common.whole_tile_chunk(meta, 16))
+    if mode == "token_ids":
+        args.update(a=jnp.zeros((12, 128), E4M3), row_scales=jnp.ones((12,), jnp.float32),
+                    token_ids=jnp.zeros((16,), jnp.int32))
+    else:
+        args.update(a=jnp.zeros((16, 128), E4M3), row_scales=jnp.ones((16,), jnp.float32),
+                    requant_smooth=jnp.ones((2, 128), jnp.float32))
+    with pytest.raises(ValueError, match="chunks .* is not supported with token_ids .the "
+                                         "gathered mode. or requant_smooth"):
+        grouped_matmul(group_sizes=group_sizes, **args)
+
+
+# ---- A's quantization fused into the gated GEMM's epilogue (`requant_smooth`)
+
+
+@pytest.mark.parametrize("gathered", [
+    pytest.param(True, id="gathered"),
+    pytest.param(False, id="rows", marks=pytest.mark.slow),
+])
+def test_fp8_fused_requant_equals_the_separate_pass(gathered):
+    # Two column blocks per row (N = 2 * block_n), token rounding (ragged tiles inside
+    # aligned blocks, padding rows, an empty expert), a zero row, under the race detector:
+    # Q and s bit for bit the SmoothQuant formula on the unfused kernel's A.
+    logits = jax.random.normal(jax.random.key(80), (24, 3)).at[:, 2].add(-100.0)
+    plan = token_rounding_plan(logits, 2, tile=8)
+    assert int(plan.group_sizes[2]) == 0
+    rows = int(plan.num_rows)
+    n_out = 128
+    q, w, rs, cs = gathered_operands(jax.random.key(81), 24 if gathered else plan.capacity, 256,
+                                     2 * n_out, 3)
+    w = w.at[0, :n_out].set(0)  # expert 0's gate weights: its rows of A are zero rows
+    smooth = jax.random.uniform(jax.random.key(82), (3, n_out), jnp.float32, 0.5, 2.0)
+    config = dataclasses.replace(SPLIT_M, num_stages=3, fp8_promote_every=0)
+    kw = dict(transpose_w=True, config=config, col_scales=cs, gated=True,
+              token_ids=plan.token_ids if gathered else None, row_scales=rs)
+    q2, s2 = grouped_matmul(q, plan.group_sizes, w, requant_smooth=smooth,
+                            interpret=plgpu.InterpretGPUParams(detect_races=True), **kw)
+    assert not races_found()
+    assert q2.shape == (-(-plan.capacity // 128) * 128, n_out) and s2.shape == q2.shape[:1]
+    a = grouped_matmul(q, plan.group_sizes, w, interpret=True, **kw)
+    experts = jnp.minimum(plan.expert_ids, 2)
+    want_q, want_s = smoothquant_rows_reference(
+        a, smooth, jnp.arange(plan.capacity, dtype=jnp.int32), experts, plan.row_is_valid, E4M3)
+    np.testing.assert_array_equal(np.asarray(q2[:rows]).view(np.uint8),
+                                  np.asarray(want_q[:rows]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(s2[:rows]).view(np.uint32),
+                                  np.asarray(want_s[:rows]).view(np.uint32))
+    assert np.sum(np.asarray(s2[:rows]) == 0) == int(plan.group_sizes[0])  # the zero rows
+    assert np.all(np.isnan(np.asarray(s2[rows:])))  # padding rows untouched

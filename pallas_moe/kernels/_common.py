@@ -640,7 +640,8 @@ def store_rows(src_smem, dst_gmem, row0, num_rows, max_rows: int, src_row0=0) ->
 # Hopper's TMA cannot gather rows, and one TMA copy per 128-byte row chunk costs the issuing
 # warp dozens of cycles plus an mbarrier update per lane. Instead all 128 threads of the
 # producer warpgroup issue 16-byte `cp.async` loads straight into the 128-byte-swizzled SMEM
-# layout that wgmma reads: 8 threads per 64-column bf16 row, 16 rows per pass. A stage's
+# layout that wgmma reads: 8 threads per 128-byte row (64 bf16 or 128 e4m3 columns), 16 rows
+# per pass. A stage's
 # loads form one cp.async group. `cp_async_stage_done` later waits until at most `pending`
 # newer groups are in flight, and fences them for the async proxy (wgmma); the caller then
 # arrives on the stage barrier from every producer thread (`plgpu.barrier_arrive` in Lane
@@ -651,16 +652,18 @@ CP_ASYNC_ROW_THREADS = SWIZZLE_BYTES // CP_ASYNC_BYTES  # 8 threads load one 128
 
 
 def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
-    """Issues `dsts[j][r, :] = src[token_ids[r], 64*j : 64*(j+1)]` for r < num_rows, as one
-    cp.async group. Called by a whole (producer) warpgroup in Lane semantics.
+    """Issues `dsts[j][r, :] = src[token_ids[r], c*j : c*(j+1)]` for r < num_rows, as one
+    cp.async group, with `c` the elements of one 128-byte row (64 bf16, 128 e4m3). Called by
+    a whole (producer) warpgroup in Lane semantics.
 
     Args:
-      src_ref: GMEM ref [T, 64 * len(dsts)] bf16, a column window of X or dO
-        (`x.at[:, pl.ds(col0, 64 * len(dsts))]`); rows may have any stride.
+      src_ref: GMEM ref [T, c * len(dsts)] bf16 or e4m3, a column window of X, dO or the
+        quantized tokens (`x.at[:, pl.ds(col0, c * len(dsts))]`); rows may have any stride.
       token_ids: SMEM ref i32 [>= num_rows], the source row of each destination row.
-      dsts: SMEM refs [num_rows, 64] bf16 (pipeline slots) with `mma_transforms` (tiled
-        (8, 64), 128-byte swizzle: row r at `128 * r`, its 16-byte chunk c at
-        `(c ^ (r % 8)) * 16`; each slot starts 1024-byte aligned).
+      dsts: SMEM refs [num_rows, c] of src's dtype (pipeline slots) with `mma_transforms`
+        (tiled (8, c), 128-byte swizzle: row r at `128 * r`, its 16-byte chunk k at
+        `(k ^ (r % 8)) * 16`, the same bytes for every dtype; each slot starts 1024-byte
+        aligned).
       num_rows: static rows to load, a multiple of 16.
     """
     import jax.experimental.mosaic.gpu as mgpu
@@ -671,7 +674,9 @@ def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
     if num_rows % rows_per_pass:
         raise ValueError(f"num_rows={num_rows} must be a multiple of {rows_per_pass}.")
     dsts = tuple(dsts)
-    dst_type = plgpu.RefType(transforms=mma_transforms(jnp.bfloat16))
+    dtype = jnp.dtype(dsts[0].dtype)
+    itemsize = dtype.itemsize
+    dst_type = plgpu.RefType(transforms=mma_transforms(dtype))
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), (dst_type,) * len(dsts)))
     def _issue(ctx, src, ids, dst_refs):
@@ -683,8 +688,10 @@ def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
         index = ir.IndexType.get()
         src_ty = ir.MemRefType(src.type)
         (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
-        if col_stride != 1 or src_ty.shape[-1] * 2 != SWIZZLE_BYTES * len(dst_refs):
-            raise ValueError(f"src must be a contiguous bf16 window of 64 columns per dst, got {src_ty}.")
+        if col_stride != 1 or src_ty.shape[-1] * itemsize != SWIZZLE_BYTES * len(dst_refs):
+            raise ValueError(
+                f"src must be a contiguous window of one 128-byte row per dst, got {src_ty}."
+            )
         tid = arith.remui(utils.thread_idx(), utils.c(128, i32))  # thread in the warpgroup
         chunk = arith.remui(tid, utils.c(CP_ASYNC_ROW_THREADS, i32))  # 16-byte chunk of a row
         row_in_pass = arith.divui(tid, utils.c(CP_ASYNC_ROW_THREADS, i32))
@@ -703,7 +710,7 @@ def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
             row = arith.addi(row_in_pass, utils.c(p * rows_per_pass, i32))
             tok = memref.load(ids, [arith.index_cast(index, row)])
             src_row = utils.getelementptr(
-                src_base, [arith.muli(arith.extui(i64, tok), utils.c(row_stride * 2, i64))], i8
+                src_base, [arith.muli(arith.extui(i64, tok), utils.c(row_stride * itemsize, i64))], i8
             )
             for j, dst_base in enumerate(dst_bases):
                 nvvm.cp_async_shared_global(

@@ -32,7 +32,22 @@ accumulator, waits for it, and adds it into f32 accumulators carried in register
 K loop (CUDA-core adds, exact f32 rounding). A second accumulator set doubles the registers:
 `block_n * (2 if gated else 1) <= 128` then (64 for the gated up-proj, 128 for the down-proj).
 
-A is contiguous, so each stage is one `[block_m, block_k]` TMA box. Mosaic's tiled TMA needs
+The gathered fp8 mode (`token_ids`, the fp8 forward's up-proj without smooth scales): A is
+the [T, K] e4m3 tokens, quantized once each, and an item's box rows are gathered by token id:
+the producer stages the box's ids in SMEM (two buffers: the next item's land while this one
+loads) and issues 16-byte cp.async loads from all 128 threads straight into the swizzled
+wgmma layout (`_common.cp_async_gather_rows`, as the bf16 up-proj; published the
+`gather_completion` way), or one-row TMA copies (`gather="tma"`, what interpret mode runs).
+Split M only (block_m 128): the lagged cp.async publish walks one `full` barrier set.
+
+A's quantization in the epilogue (`requant_smooth`, gated fp8, split M, no promotion,
+N <= FUSED_REQUANT_MAX_BLOCKS * block_n): an item is a whole tile, its steps run column block
+by column block, and each consumer keeps every block's SwiGLU output (times the smooth
+scales) in registers until the last, then quantizes its 64 whole rows: row max, scale and
+e4m3 values by the SmoothQuant formula (`quant/reference.py`), Q TMA-stored by rows, s by
+the consumer's threads.
+
+Otherwise A is contiguous, so each stage is one `[block_m, block_k]` TMA box. Mosaic's tiled TMA needs
 the box's first row to be a multiple of 8, so tiles come from `aligned_tile_meta` (computed
 once per plan): a tile is a piece of one expert's rows inside one `block_m`-aligned block,
 and its work item loads the whole aligned block. Rows of the box outside the tile (other
@@ -73,6 +88,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels._common import TileChunks, TileMeta
+from pallas_moe.quant.reference import apply_row_scale, row_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +106,12 @@ class GroupedMatmulConfig:
         the tensor cores' partial sums into f32 registers every this many K blocks (128
         elements each; the module docstring says why); 0 = never (the hardware accumulator
         only, the fastest and least accurate).
+      gather: the gathered mode only (`token_ids`): how the producer gathers A's rows,
+        "cp_async" (16-byte cp.async loads from all 128 producer threads,
+        `_common.cp_async_gather_rows`; compiled kernels, `num_stages >= 3`) or "tma"
+        (one-row TMA copies, `_common.gather_rows`). Interpret mode always runs "tma".
+      gather_completion: the gathered mode with "cp_async": "wait_group" or "mbarrier"
+        (`_common.GATHER_COMPLETIONS`).
     """
 
     block_m: int = 128
@@ -98,6 +120,8 @@ class GroupedMatmulConfig:
     num_stages: int = 4
     num_sms: int = 132
     fp8_promote_every: int = 1
+    gather: str = "cp_async"
+    gather_completion: str = "wait_group"
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -111,6 +135,26 @@ class GroupedMatmulConfig:
             raise ValueError(
                 f"config.fp8_promote_every={self.fp8_promote_every} must be >= 0 (0 = never)."
             )
+
+    @property
+    def num_consumers(self) -> int:
+        """Consumer warpgroups of the kernel (always 2; the gather checks read it)."""
+        return 2
+
+
+# A fused re-quantization keeps the SwiGLU output of each earlier column block of a row in
+# registers (bf16, 32 per thread for 64 x 128) while the next block accumulates (128): two
+# blocks fit the consumers' 232 registers, so N <= 2 * block_n (n = 256 at 7B; 30B's 512
+# keeps the separate SmoothQuant pass).
+FUSED_REQUANT_MAX_BLOCKS = 2
+
+
+def fused_requant_fits(config: "GroupedMatmulConfig", n_dim: int) -> bool:
+    """Whether the gated fp8 GEMM can quantize A's rows in its epilogue (`requant_smooth`):
+    split M (block_m 128), no promotion, N in at most FUSED_REQUANT_MAX_BLOCKS column blocks."""
+    return (config.block_m == 128 and not config.fp8_promote_every
+            and n_dim % config.block_n == 0
+            and n_dim // config.block_n <= FUSED_REQUANT_MAX_BLOCKS)
 
 
 # fp8 promotion keeps a second f32 accumulator set: at most this many accumulator columns per
@@ -139,15 +183,18 @@ def grouped_matmul(
     gated: bool = False,
     out_dtype=jnp.bfloat16,
     bias: jax.Array | None = None,
+    token_ids: jax.Array | None = None,
+    requant_smooth: jax.Array | None = None,
     chunks: TileChunks | None = None,
     chunk: int = 0,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`out[r] = A[r] @ W[e(r)]` (or `@ W[e(r)]^T`) over rows grouped by expert.
 
     Args:
       a: bf16 [P_a, K] rows in grouped order, or e4m3 (the fp8 mode). `P_a` may exceed
         `capacity` (a producer may pad to a multiple of block_m, which saves a copy here);
-        extra rows are ignored.
+        extra rows are ignored. With `token_ids`: e4m3 [T, K] source rows (quantized
+        tokens), gathered by the kernel.
       group_sizes: i32 [E] rows per expert; rows past the sum are padding.
       w: bf16 [E, K, N], or [E, N, K] with `transpose_w`; e4m3 [E, N, K] (or [E, 2N, K]
         with `gated`) in the fp8 mode.
@@ -170,15 +217,26 @@ def grouped_matmul(
       out_dtype: bf16 (default) or f32.
       bias: bf16 mode only: optional bf16 [E, N]: `out[r] += bias[e(r)]` in fp32 before
         rounding.
+      token_ids: fp8 mode only: i32 [P] source row of `a` of each grouped row
+        (`plan.token_ids`; padding rows may name any row in range): the gathered mode, where
+        grouped row r multiplies `a[token_ids[r]]` and `row_scales` is f32 [T], one scale per
+        row of `a` (gathered here). Needs `config.block_m == 128` (module docstring).
+      requant_smooth: gated fp8 mode only: f32 [E, N] smooth scales: quantize A's rows in
+        the epilogue (`Q[r], s[r] = quantize_row(A[r] * requant_smooth[e(r)], e4m3)`, the
+        formula of `quant/reference.py`, bit for bit) and return `(Q, s)` instead of A.
+        A CTA must hold whole rows: `config.block_m == 128`, no promotion, and
+        N <= FUSED_REQUANT_MAX_BLOCKS * block_n (module docstring).
       chunks: run only chunk `chunk` of these `TileChunks` of `meta` (which is then
         required): its tiles, read from the whole A, written to a `[chunks.rows, out_cols]`
         output at rows shifted by the chunk's first row (the EP overlap's chunked down-proj).
+        Not with `token_ids` or `requant_smooth`.
       chunk: static index of the chunk to run.
 
     Returns:
       [P, out_cols] in out_dtype, or `[chunks.rows, out_cols]` with `chunks`: row j holds
-      grouped row `chunks.bounds[1, chunk] + j`. Padding rows are not written (their
-      contents are unspecified).
+      grouped row `chunks.bounds[1, chunk] + j`; with `requant_smooth`, `(Q e4m3 [P_pad,
+      N], s f32 [P_pad])`, P_pad = P rounded up to block_m (what the next GEMM loads).
+      Padding rows are not written (their contents are unspecified).
     """
     a_name, w_name = names
     if a.ndim != 2:
@@ -217,8 +275,28 @@ def grouped_matmul(
         raise ValueError(
             f"{w_name}.shape[{k_axis}]={w_k} must equal {a_name}.shape[1]={k_dim} (the contraction)."
         )
+    gathered = token_ids is not None
+    if gathered:
+        if not fp8:
+            raise ValueError(
+                f"token_ids (the gathered mode) is an fp8-mode option; {a_name} is {a.dtype}."
+            )
+        if token_ids.ndim != 1:
+            raise ValueError(f"token_ids must be 1-D [P], got shape {tuple(token_ids.shape)}.")
+        _common.require_dtype("token_ids", token_ids, jnp.int32)
+        if config.block_m != 128:
+            raise ValueError(
+                f"the gathered mode (token_ids) needs config.block_m=128 (both consumers "
+                f"share each gathered stage), got {config.block_m}."
+            )
+        _common.require_gather_mode(config)
+        if capacity is not None and capacity != token_ids.shape[0]:
+            raise ValueError(
+                f"capacity={capacity} must equal token_ids.shape[0]={token_ids.shape[0]}."
+            )
+        capacity = token_ids.shape[0]
     capacity = a_rows if capacity is None else capacity
-    if capacity > a_rows:
+    if capacity > a_rows and not gathered:
         raise ValueError(f"capacity={capacity} exceeds {a_name}.shape[0]={a_rows}.")
     _common.require_shape("group_sizes", group_sizes, (num_experts,))
     bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -244,6 +322,25 @@ def grouped_matmul(
     out_cols = n_dim if out_cols is None else out_cols
     if out_cols < n_dim:
         raise ValueError(f"out_cols={out_cols} must be >= {n_dim}.")
+    requant = requant_smooth is not None
+    if requant:
+        if not (fp8 and gated):
+            raise ValueError("requant_smooth quantizes the gated fp8 mode's A; pass gated=True "
+                             "with e4m3 inputs.")
+        _common.require_shape("requant_smooth", requant_smooth, (num_experts, n_dim))
+        _common.require_dtype("requant_smooth", requant_smooth, jnp.float32)
+        if not fused_requant_fits(config, n_dim):
+            raise ValueError(
+                f"requant_smooth needs whole rows of A in one CTA: config.block_m=128, "
+                f"fp8_promote_every=0 and N={n_dim} <= {FUSED_REQUANT_MAX_BLOCKS} * "
+                f"block_n={bn}; got block_m={bm}, fp8_promote_every={config.fp8_promote_every}."
+            )
+    if chunks is not None and (gathered or requant):
+        raise ValueError(
+            "chunks (a call over a range of the plan's tiles) is not supported with token_ids "
+            "(the gathered mode) or requant_smooth (the fused re-quantization): run those "
+            "over the whole plan."
+        )
     if meta is None:
         if chunks is not None:
             raise ValueError("chunks cut the tiles of a given meta: pass meta too.")
@@ -254,20 +351,28 @@ def grouped_matmul(
         chunks, chunk = _common.whole_tile_chunk(meta, capacity), 0
     if not 0 <= chunk < chunks.num_chunks:
         raise ValueError(f"chunk={chunk} must be in [0, {chunks.num_chunks}) (chunks.num_chunks).")
-    # Each item loads its whole aligned block: make `a` a whole number of blocks.
+    # Each item loads its whole aligned block: make `a` (or the gathered rows' ids) a whole
+    # number of blocks.
     padded = -(-capacity // bm) * bm
-    if a_rows < padded:
+    row_ids = ()
+    if gathered:  # padding rows read row 0: multiplied like the rest and never stored
+        row_ids = (jnp.pad(token_ids, (0, padded - capacity)),)
+    elif a_rows < padded:
         a = jnp.pad(a, ((0, padded - a_rows), (0, 0)))
     scales = ()
     if fp8:
         w_cols = w.shape[1]
         _common.require_shape("col_scales", col_scales, (num_experts, w_cols))
-        if row_scales.ndim != 1 or row_scales.shape[0] < capacity:
+        if gathered:
+            _common.require_shape("row_scales", row_scales, (a_rows,))
+        elif row_scales.ndim != 1 or row_scales.shape[0] < capacity:
             raise ValueError(
                 f"row_scales must be [P_a] with P_a >= capacity={capacity}, got "
                 f"{tuple(row_scales.shape)}."
             )
         _common.require_dtype("row_scales", row_scales, jnp.float32)
+        if gathered:  # the epilogue reads each grouped row's scale: gather the P of them
+            row_scales = row_scales[row_ids[0]]
         _common.require_dtype("col_scales", col_scales, jnp.float32)
         if config.fp8_promote_every and (gated + 1) * bn > FP8_PROMOTED_MAX_COLUMNS:
             raise ValueError(
@@ -279,36 +384,67 @@ def grouped_matmul(
         if row_scales.shape[0] < padded:  # each consumer loads whole row blocks too
             row_scales = jnp.pad(row_scales, (0, padded - row_scales.shape[0]))
         scales = (row_scales, col_scales)
+    if requant:
+        scales += (requant_smooth,)
     kernel = _kernel(config, k_dim, n_dim, chunks.rows, out_cols, transpose_w, kernel_name,
                      interpret, in_dtype=a.dtype, out_dtype=out_dtype, fp8=fp8, gated=gated,
-                     has_bias=bias is not None, chunk=chunk)
-    operands = (meta.expert, meta.row_start, meta.num_rows, chunks.bounds, a, w)
+                     has_bias=bias is not None, gathered=gathered, requant=requant, chunk=chunk)
+    operands = (meta.expert, meta.row_start, meta.num_rows, chunks.bounds, *row_ids, a, w)
     return kernel(*operands, *scales, *(() if bias is None else (bias,)))
 
 
 def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, transpose_w,
             kernel_name, interpret, *, in_dtype, out_dtype, fp8: bool, gated: bool,
-            has_bias: bool = False, chunk: int = 0):
+            has_bias: bool = False, gathered: bool = False, requant: bool = False,
+            chunk: int = 0):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     split_m = bm == 128
     mb = bm // 2 if split_m else bm  # rows per consumer
     num_sms = config.num_sms
     num_k = k_dim // bk
-    grid_n = n_dim // bn
+    # With `requant` an item is a tile with all its column blocks (whole rows of A); its
+    # K steps run column block by column block.
+    blocks_per_item = n_dim // bn if requant else 1
+    grid_n = 1 if requant else n_dim // bn  # items per tile
+    steps_per_item = blocks_per_item * num_k
     dtype = in_dtype
     tf = _common.mma_transforms(dtype)
     num_b = 2 if gated else 1  # weight tiles per K step (gate and up)
     promote_every = config.fp8_promote_every if fp8 else 0
+    interpret_mode = _common.interpret_params(interpret)
+    # The gathered mode: interpret mode cannot run cp.async, it runs the TMA row loader.
+    cp_async = gathered and config.gather == "cp_async" and interpret_mode is None
+    stage_bars = gathered and _common.uses_stage_mbarriers(config, interpret_mode is not None)
+    if gathered:
+        a_scratch, a_views = _common.row_gather_buffers(
+            stages, bm, bk, dtype, interpret_mode is not None
+        )
+    else:
+        a_scratch, a_views = plgpu.SMEM((stages, bm, bk), dtype, transforms=tf), None
 
-    def body(expert_ref, start_ref, rows_ref, bounds_ref, a_ref, w_ref, *refs):
-        if fp8:
+    def body(expert_ref, start_ref, rows_ref, bounds_ref, *refs):
+        ids_ref, *refs = refs if gathered else (None, *refs)
+        a_ref, w_ref, *refs = refs
+        if requant:  # the smooth scales, Q and s; their SMEM
+            (rs_ref, cs_ref, ss_ref, out_ref, s_out_ref, a_smem, b_smem, o_smem, full, empty,
+             rs_smem, cs_smem, scale_bar, ss_smem, s_smem, *gather_scratch) = refs
+            bias_ref, bias_scratch = None, ()
+        elif fp8:
             (rs_ref, cs_ref, out_ref, a_smem, b_smem, o_bufs, full, empty,
-             rs_smem, cs_smem, scale_bar) = refs
+             rs_smem, cs_smem, scale_bar, *gather_scratch) = refs
             bias_ref, bias_scratch = None, ()
         else:
             bias_ref, *refs = refs if has_bias else (None, *refs)
             out_ref, a_smem, b_smem, o_bufs, full, empty, *bias_scratch = refs
-        o_copy, o_mma = o_views(o_bufs)
+        if not requant:  # the output tile: its wgmma view and its (1, w) TMA view
+            o_copy, o_mma = o_views(o_bufs)
+        if gathered:  # ids of the item's box rows (double-buffered), their barriers
+            ids_smem, ids_bar, *a_landed = gather_scratch
+            a_copy, a_mma = a_views(a_smem)
+            if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
+                _common.cp_async_stage_barriers_init(a_landed[0])
+        else:
+            a_copy = a_mma = a_smem
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
         if fp8:
@@ -325,43 +461,85 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             w = sm + j * num_sms
             return first_tile + w // grid_n, w % grid_n  # (tile, column block)
 
+        def box_start(j):
+            tile, _ = item(j)
+            return (start_ref[tile] // bm) * bm  # the aligned block holding the tile
+
+        def load_ids(j):  # gathered mode: item j's box rows' source rows -> SMEM
+            plgpu.copy_gmem_to_smem(
+                ids_ref.at[pl.ds(box_start(j), bm)], ids_smem.at[j % 2], ids_bar.at[j % 2]
+            )
+
         @pl.when(wg == 2)
         def _producer():
+            if gathered:
+                @pl.when(my_items > 0)
+                def _():
+                    load_ids(0)
+
             def per_item(j, carry):
                 tile, ni = item(j)
-                box0 = (start_ref[tile] // bm) * bm  # the aligned block holding the tile
+                box0 = box_start(j)
                 w_e = w_ref.at[expert_ref[tile]]
                 c = 0 if split_m else j % 2
+                if gathered:
+                    # The next item's ids land while this item's rows are gathered; the
+                    # buffer they overwrite was last read (synchronously) by item j - 1.
+                    @pl.when(j + 1 < my_items)
+                    def _():
+                        load_ids(j + 1)
 
-                def per_step(k, carry):
-                    g = j * num_k + k
+                    plgpu.barrier_wait(ids_bar.at[j % 2])
+                    ids = ids_smem.at[j % 2]
+
+                def per_step(step, carry):  # the item's step: column block, then K block
+                    g = j * steps_per_item + step
                     slot = g % stages
 
                     @pl.when(g >= stages)
                     def _():
                         plgpu.barrier_wait(empty.at[slot])
 
-                    k0 = k * bk
-                    plgpu.copy_gmem_to_smem(  # [bm, bk]
-                        a_ref.at[pl.ds(box0, bm), pl.ds(k0, bk)], a_smem.at[slot],
-                        full.at[c, slot],
-                    )
+                    k0 = (step % num_k) * bk
+                    col_block = ni + step // num_k
+                    if cp_async:  # [bm, bk] of a[ids], one cp.async group
+                        _common.cp_async_gather_rows(
+                            a_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
+                        )
+                    elif gathered:  # one-row TMA copies, from the 4 warps in parallel
+                        def per_warp(warp):
+                            _common.gather_rows(
+                                a_ref, ids, [a_copy.at[slot]], full.at[c, slot], col0=k0,
+                                width=bk, first_row=warp * (bm // 4), num_rows=bm // 4,
+                                unroll=4,
+                            )
+
+                        plgpu.warp_map(per_warp)
+                    else:
+                        plgpu.copy_gmem_to_smem(  # [bm, bk]
+                            a_ref.at[pl.ds(box0, bm), pl.ds(k0, bk)], a_smem.at[slot],
+                            full.at[c, slot],
+                        )
                     for h in range(num_b):  # h = 1: the matching up columns, n_dim later
-                        col0 = h * n_dim + ni * bn
+                        col0 = h * n_dim + col_block * bn
                         if transpose_w:  # [bn, bk], K-minor
                             w_tile = w_e.at[pl.ds(col0, bn), pl.ds(k0, bk)]
                         else:  # [bk, bn]
                             w_tile = w_e.at[pl.ds(k0, bk), pl.ds(col0, bn)]
                         plgpu.copy_gmem_to_smem(w_tile, b_smem.at[h, slot], full.at[c, slot])
+                    if cp_async:  # after the weight copies: publishing may wait
+                        _common.cp_async_publish(g, full.at[0], a_landed, stages)
                     return carry
 
-                jax.lax.fori_loop(0, num_k, per_step, None)
+                jax.lax.fori_loop(0, steps_per_item, per_step, None)
                 return carry
 
             jax.lax.fori_loop(0, my_items, per_item, None)
+            num_steps = my_items * steps_per_item
+            if cp_async:
+                _common.cp_async_publish_rest(num_steps, full.at[0], a_landed, stages)
             # Observe the releases of the last `stages` steps too, so every barrier phase is
             # consumed before exit (interpret mode checks this).
-            num_steps = my_items * num_k
 
             def drain(g, carry):
                 plgpu.barrier_wait(empty.at[g % stages])
@@ -370,20 +548,22 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             jax.lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
 
         def k_steps(j, k0, length, bar_c, a_rows):
-            """The consumer's K steps `[k0, k0 + length)` of item j (`length` static) into
+            """The consumer's steps `[k0, k0 + length)` of item j (`length` static) into
             `num_b` zeroed accumulators; releases each slot once the next step's wgmma is
             issued, the last one after the final wait. Returns num_b [mb, bn] f32."""
 
             def scope(*accs):
                 def per_step(t, carry):
-                    g = j * num_k + k0 + t
+                    g = j * steps_per_item + k0 + t
                     slot = g % stages
                     plgpu.barrier_wait(full.at[bar_c, slot])
+                    if stage_bars:
+                        _common.cp_async_consumer_wait(g, a_landed, stages)
                     for h, acc in enumerate(accs):
                         b = b_smem.at[h, slot]
                         if transpose_w:
                             b = b.transpose((1, 0))
-                        plgpu.wgmma(acc, a_smem.at[slot, a_rows], b)  # [mb,bk] @ [bk,bn]
+                        plgpu.wgmma(acc, a_mma.at[slot, a_rows], b)  # [mb,bk] @ [bk,bn]
                     plgpu.wgmma_wait(num_b)  # step g-1 is done: release its slot
 
                     @pl.when(t >= 1)
@@ -394,7 +574,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
 
                 jax.lax.fori_loop(0, length, per_step, None)
                 plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(empty.at[(j * num_k + k0 + length - 1) % stages])
+                plgpu.barrier_arrive(empty.at[(j * steps_per_item + k0 + length - 1) % stages])
                 return tuple(acc[...] for acc in accs)
 
             return pl.run_scoped(scope, *[plgpu.ACC((mb, bn), jnp.float32)] * num_b)
@@ -417,6 +597,45 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             if tail:
                 totals = interval(num_full * promote_every, tail, totals)
             return totals
+
+        def quantize_rows(j, c, bar_c, a_rows, dst0, src0, count):
+            """`requant`: the consumer's rows of item j (output rows `[dst0, dst0 + count)`,
+            its rows `[src0, src0 + count)` of the box) across all column blocks: each block's
+            SwiGLU output (bf16, as the unfused A) times its smooth scales stays in registers
+            while the next block accumulates; then every row's absmax, scale and e4m3 values
+            (`row_scale`, `apply_row_scale`: the SmoothQuant formula), Q TMA-stored by rows,
+            s by the consumer's threads from SMEM (row-exact, no 16-byte TMA granule)."""
+            layout = plgpu.Layout.WGMMA
+            ys = []
+            for cb in range(blocks_per_item):
+                accs = k_steps(j, cb * num_k, num_k, bar_c, a_rows)  # [mb, bn] f32 each
+                if cb == 0:
+                    plgpu.barrier_wait(scale_bar.at[c])
+                act = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, cb], jnp.bfloat16)
+                smooth = plgpu.load(ss_smem.at[c, cb], layout=layout.reduce(0), optimized=False)
+                ys.append(act.astype(jnp.float32) * jax.lax.broadcast_in_dim(smooth, (mb, bn), [1]))
+            amax = jnp.max(jnp.abs(ys[0]), axis=1)  # [mb]
+            for y in ys[1:]:
+                amax = jnp.maximum(amax, jnp.max(jnp.abs(y), axis=1))
+            scale, inv = row_scale(amax, E4M3)
+            inv = jax.lax.broadcast_in_dim(inv, (mb, bn), [0])
+            parity = j % 2  # s_smem[c, parity] was last read two items ago (a commit since)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's Q stores
+            for cb, y in enumerate(ys):
+                o_smem[c, cb] = apply_row_scale(y, inv, E4M3)
+            s_smem[c, parity] = scale
+            plgpu.commit_smem()
+            for cb in range(blocks_per_item):
+                _common.store_rows(
+                    o_smem.at[c, cb], out_ref.at[:, pl.ds(cb * bn, bn)], dst0, count, mb,
+                    src_row0=src0,
+                )
+
+            def store_scale(i, carry):
+                s_out_ref[dst0 + i] = s_smem[c, parity, src0 + i]
+                return carry
+
+            jax.lax.fori_loop(0, count, store_scale, None)
 
         for c in range(2):
             @pl.when(wg == c)
@@ -449,19 +668,29 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                         plgpu.copy_gmem_to_smem(
                             rs_ref.at[pl.ds(scale_rows, mb)], rs_smem.at[c], scale_bar.at[c]
                         )
-                        for h in range(num_b):
-                            plgpu.copy_gmem_to_smem(
-                                cs_ref.at[expert_ref[tile], pl.ds(h * n_dim + ni * bn, bn)],
-                                cs_smem.at[c, h], scale_bar.at[c],
-                            )
+                        for cb in range(blocks_per_item):
+                            cols = (ni + cb) * bn
+                            for h in range(num_b):
+                                plgpu.copy_gmem_to_smem(
+                                    cs_ref.at[expert_ref[tile], pl.ds(h * n_dim + cols, bn)],
+                                    cs_smem.at[c, cb, h], scale_bar.at[c],
+                                )
+                            if requant:
+                                plgpu.copy_gmem_to_smem(
+                                    ss_ref.at[expert_ref[tile], pl.ds(cols, bn)],
+                                    ss_smem.at[c, cb], scale_bar.at[c],
+                                )
 
+                    if requant:
+                        quantize_rows(j, c, bar_c, a_rows, dst0 - out_row0, src0, count)
+                        return carry
                     if promote_every:
                         accs = promoted_k_loop(j, bar_c, a_rows)
                     else:
                         accs = k_steps(j, 0, num_k, bar_c, a_rows)  # [mb, bn] f32 each
                     if fp8:
                         plgpu.barrier_wait(scale_bar.at[c])
-                        y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c], out_dtype)
+                        y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, 0], out_dtype)
                     else:
                         (y,) = accs
                     if has_bias:
@@ -481,15 +710,24 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     b_shape = (num_b, stages, bn, bk) if transpose_w else (num_b, stages, bk, bn)
-    o_scratch, o_views = _common.row_tile_buffers(
-        (2, mb, bn), out_dtype, _common.interpret_params(interpret) is not None
+    # full[.., slot]: the A box (or what the row gather adds) and the weight tile(s) of one
+    # K step.
+    a_arrivals = (
+        _common.gather_full_arrivals(config, bm, interpret_mode is not None) if gathered else 1
     )
+    if requant:  # per consumer: Q of every column block, untiled (`store_rows`)
+        o_scratch, o_views = plgpu.SMEM((2, blocks_per_item, mb, bn), E4M3), None
+    else:  # per consumer: the output tile, swizzled 128-byte slabs
+        o_scratch, o_views = _common.row_tile_buffers(
+            (2, mb, bn), out_dtype, interpret_mode is not None
+        )
     scratch = [
-        plgpu.SMEM((stages, bm, bk), dtype, transforms=tf),
+        a_scratch,
         plgpu.SMEM(b_shape, dtype, transforms=tf),
-        o_scratch,  # per consumer: the output tile, swizzled 128-byte slabs
-        # full[.., slot]: the A box and the weight tile(s) of one K step.
-        plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=(1 if split_m else 2, stages)),
+        o_scratch,
+        plgpu.Barrier(
+            num_arrivals=a_arrivals + num_b, num_barriers=(1 if split_m else 2, stages)
+        ),
         plgpu.Barrier(num_arrivals=2 if split_m else 1, num_barriers=stages),
     ]
     if has_bias:  # per consumer: the item's bias columns and the barrier their copy arrives on
@@ -497,20 +735,32 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     if fp8:  # per consumer: its rows' scales, the item's column scales, their barrier
         scratch += [
             plgpu.SMEM((2, mb), jnp.float32),
-            plgpu.SMEM((2, num_b, bn), jnp.float32),
-            plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=2),
+            plgpu.SMEM((2, blocks_per_item, num_b, bn), jnp.float32),
+            plgpu.Barrier(
+                num_arrivals=1 + blocks_per_item * (num_b + requant), num_barriers=2
+            ),
         ]
+    if requant:  # per consumer: the smooth scales; the row scales of two items
+        scratch += [plgpu.SMEM((2, blocks_per_item, bn), jnp.float32),
+                    plgpu.SMEM((2, 2, mb), jnp.float32)]
+    if gathered:  # the ids of two items' box rows, their barriers, the cp.async stage barriers
+        scratch += [plgpu.SMEM((2, bm), jnp.int32), plgpu.Barrier(num_barriers=2)]
+        scratch += [_common.cp_async_stage_barriers(stages)] if stage_bars else []
     return plgpu.kernel(
         body,
         kernel_name=kernel_name,
-        out_type=jax.ShapeDtypeStruct((out_rows, out_cols), out_dtype),
+        out_type=(
+            (jax.ShapeDtypeStruct((-(-out_rows // bm) * bm, n_dim), E4M3),
+             jax.ShapeDtypeStruct((-(-out_rows // bm) * bm,), jnp.float32))
+            if requant else jax.ShapeDtypeStruct((out_rows, out_cols), out_dtype)
+        ),
         scratch_types=scratch,
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=_common.interpret_params(interpret),
+        interpret=interpret_mode,
     )
 
 

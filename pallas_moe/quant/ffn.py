@@ -1,22 +1,34 @@
 """`pm.quant.moe_ffn_fp8`: the fp8 (e4m3) inference forward of a SwiGLU MoE layer.
 
+Without smooth scales on the up-proj (`smooth_up=None`, the common fp8 serving recipe):
+
+    Qx, sx = quantize each token of X once               e4m3 [T, d], f32 [T]: T rows, not P
+    A      = swiglu(Qx[tok] @ W1q[e]^T * sx[tok] * c1[e])  bf16 [P, n]: the GEMM gathers Qx rows
+
+With per-expert smooth scales S1 [E, d] each (token, expert) row is scaled differently, so
+the rows are quantized per row, in grouped order:
+
     Q1, s1 = moe_smoothquant(X, S1, plan)                e4m3 [P, d], f32 [P]: gather fused
     A      = swiglu(Q1 @ W1q[e]^T * s1 * c1[e])          bf16 [P, n]: fp8 grouped GEMM, gated
+
+Then, either way:
+
     Q2, s2 = smoothquant(A, S2[e(r)])                    e4m3 [P, n]: contiguous rows, no gather
     Y      = Q2 @ W2q[e]^T * s2 * c2[e]                  bf16 [P, d]: fp8 grouped GEMM
     O      = aggregate(Y, plan, scores)                  the bf16 path's aggregation
 
-Weights come from `quantize_experts` (per expert, per output channel e4m3 with f32 scales,
-stored K-major `[E, 2n, d]` / `[E, d, n]`: 8-bit wgmma takes B only K-major). The smooth
-scales S1 [E, d], S2 [E, n] multiply the activations (`calibrate_smoothing`; ones when not
-calibrated).
+The two up-proj recipes give the same Q and s for a row when S1 is ones (`quantize_row(x[t]
+* 1)` is `quantize_row(x[t])`), so they agree bit for bit on the same data. Weights come
+from `quantize_experts` (per expert, per output channel e4m3 with f32 scales, stored K-major
+`[E, 2n, d]` / `[E, d, n]`: 8-bit wgmma takes B only K-major). The smooth scales S1 [E, d],
+S2 [E, n] multiply the activations (`calibrate_smoothing`); None means no smoothing.
 
-Why A is written in bf16 and quantized by a second pass: the row scale of A needs the max
-over all n columns of a row, and one CTA holds only `block_n` of them (both SwiGLU halves
-of n = 512 columns for 64 rows would be 256 KB of f32 accumulators, the whole register
-file). So the up-proj's epilogue dequantizes and applies SwiGLU, writes A in bf16 (as the
-bf16 path does), and the SmoothQuant kernel quantizes its rows in place of tokens: one CSR
-entry per row, no gather (`P * n * 3` bytes more traffic than a fused quantization).
+A's quantization needs each row's max over all n columns. Where one CTA holds whole rows
+(no promotion and n <= 2 * up.block_n: the 7B shape's n = 256) the up-proj quantizes A in its
+epilogue (`grouped_matmul(requant_smooth=)`); elsewhere (30B's n = 512: the earlier column
+blocks of A would not fit in registers beside the accumulators) it writes A in bf16 and the
+SmoothQuant kernel quantizes its rows in place of tokens: one CSR entry per row, no gather
+(`P * n * 3` bytes more traffic). Both give the same Q and s (docs/quant.md).
 
 Inference only: differentiating `moe_ffn_fp8` raises a TypeError (the quantizers have no
 useful gradient).
@@ -61,16 +73,18 @@ class QuantizedExperts:
       gate_up_scales: f32 [E, 2n], per output channel.
       w_down: e4m3 [E, d, n], `quantize_weights(w_down, k_major=True)`.
       down_scales: f32 [E, d].
-      smooth_up: f32 [E, d], SmoothQuant scales multiplying X before its quantization.
-      smooth_down: f32 [E, n], SmoothQuant scales multiplying A before its quantization.
+      smooth_up: f32 [E, d], SmoothQuant scales multiplying X before its quantization, or
+        None (no smoothing: X is quantized once per token and the up-proj gathers its rows).
+      smooth_down: f32 [E, n], SmoothQuant scales multiplying A before its quantization, or
+        None (no smoothing).
     """
 
     w_gate_up: jax.Array
     gate_up_scales: jax.Array
     w_down: jax.Array
     down_scales: jax.Array
-    smooth_up: jax.Array
-    smooth_down: jax.Array
+    smooth_up: jax.Array | None
+    smooth_down: jax.Array | None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -92,8 +106,9 @@ def quantize_experts(
       w_gate_up: [E, d, 2n] (gate = [..., :n], up = [..., n:]), with the up-proj's smoothing
         already folded in when `smooth_up` is given (`calibrate_smoothing` returns both).
       w_down: [E, n, d], likewise for `smooth_down`.
-      smooth_up: f32 [E, d] or None (ones: no smoothing).
-      smooth_down: f32 [E, n] or None (ones).
+      smooth_up: f32 [E, d] or None (no smoothing; kept as None, which selects the
+        per-token quantization of X with the gather in the up-proj).
+      smooth_down: f32 [E, n] or None (no smoothing).
 
     Returns:
       A `QuantizedExperts`.
@@ -106,16 +121,16 @@ def quantize_experts(
     n = two_n // 2
     if w_down.shape != (num_experts, n, d):
         raise ValueError(f"w_down must be [E, n, d] = {(num_experts, n, d)}, got {w_down.shape}.")
-    smooth_up = _smooth_or_ones("smooth_up", smooth_up, (num_experts, d))
-    smooth_down = _smooth_or_ones("smooth_down", smooth_down, (num_experts, n))
+    smooth_up = _checked_smooth("smooth_up", smooth_up, (num_experts, d))
+    smooth_down = _checked_smooth("smooth_down", smooth_down, (num_experts, n))
     w1, c1 = quantize_weights(w_gate_up, out_dtype=E4M3, k_major=True)
     w2, c2 = quantize_weights(w_down, out_dtype=E4M3, k_major=True)
     return QuantizedExperts(w1, c1, w2, c2, smooth_up, smooth_down)
 
 
-def _smooth_or_ones(name, smooth, shape):
+def _checked_smooth(name, smooth, shape):
     if smooth is None:
-        return jnp.ones(shape, jnp.float32)
+        return None
     _checks.check_floating(name, smooth, ndim=2)
     if tuple(smooth.shape) != shape or smooth.dtype != jnp.float32:
         raise ValueError(f"{name} must be f32 {shape}, got {smooth.dtype} {tuple(smooth.shape)}.")
@@ -129,14 +144,29 @@ class Fp8ForwardConfig:
     Attributes:
       up: the gated fp8 grouped GEMM (`block_k` 128).
       down: the fp8 down-proj grouped GEMM (`block_k` 128).
-      quant: the SmoothQuant kernel (both quantizations).
+      quant: the SmoothQuant kernel quantizing X (per token, or per row with smooth scales).
       aggregate: the aggregation kernel.
+      requant: the SmoothQuant kernel re-quantizing A when the up-proj does not (narrow
+        rows: n elements); None gives 16 rows per CTA: measured on the H100 (session 4,
+        `benchmarks/quant.py --fp8`, same run) 188 / 292 us at 7B / 30B against 247 / 406 us
+        with one row per CTA.
+      fuse_requant: quantize A in the up-proj's epilogue where a CTA holds whole rows of A
+        (`grouped_gemm.fused_requant_fits`: no promotion, n <= 2 * up.block_n; the 7B
+        shape's n = 256, not 30B's 512), instead of writing A in bf16 for the separate pass.
     """
 
     up: "GroupedMatmulConfig"
     down: "GroupedMatmulConfig"
     quant: "SmoothQuantConfig"
     aggregate: "AggregateConfig"
+    requant: "SmoothQuantConfig | None" = None
+    fuse_requant: bool = True
+
+    def __post_init__(self):
+        if self.requant is None:
+            from pallas_moe.quant.kernel import SmoothQuantConfig
+
+            object.__setattr__(self, "requant", SmoothQuantConfig(block_t=16))
 
     @classmethod
     def for_shape(cls, d: int, n: int, *, num_sms: int | None = None,
@@ -169,6 +199,10 @@ class Fp8ForwardConfig:
         num_sms = default_num_sms() if num_sms is None else num_sms
         gemm = functools.partial(GroupedMatmulConfig, block_m=128, block_k=128, num_sms=num_sms,
                                  fp8_promote_every=promote_every)
+        # The up-proj gathers token rows with cp.async: with 3 stages the lagged publish
+        # ("wait_group") would keep one step of loads in flight, the hardware-tracked one
+        # ("mbarrier") all three (benchmarks/quant.py --fp8 times both).
+        gemm = functools.partial(gemm, gather_completion="mbarrier")
         if promote_every:
             up = gemm(block_n=64, num_stages=6)
             down = gemm(block_n=128, num_stages=5)
@@ -211,6 +245,8 @@ def check_fp8_inputs(x: jax.Array, plan: DispatchPlan, experts: QuantizedExperts
     }
     for name, (shape, dtype) in expected.items():
         value = getattr(experts, name)
+        if value is None and name.startswith("smooth_"):
+            continue
         if tuple(value.shape) != shape or value.dtype != jnp.dtype(dtype):
             raise ValueError(
                 f"experts.{name} must be {jnp.dtype(dtype).name} {shape}, got "
@@ -295,13 +331,34 @@ def _row_experts(plan: DispatchPlan) -> jax.Array:
     return jnp.minimum(plan.expert_ids, plan.num_experts - 1)
 
 
+def _smooth_or_ones(smooth: jax.Array | None, num_experts: int, width: int) -> jax.Array:
+    """f32 [E, width]: the smooth scales, or ones (`x * 1` is exact) where there are none."""
+    return jnp.ones((num_experts, width), jnp.float32) if smooth is None else smooth
+
+
 def _forward_kernels(x, plan, experts: QuantizedExperts, *, config: Fp8ForwardConfig,
                      aggregation, interpret):
+    return fp8_forward_stages(x, plan, experts, config=config, aggregation=aggregation,
+                              interpret=interpret)["out"]
+
+
+def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8ForwardConfig,
+                       aggregation: str = "fp32", interpret=False) -> dict[str, jax.Array]:
+    """The kernels of `moe_ffn_fp8` step by step (no input checks; the GPU tests check each
+    step against its reference fed with the kernel's own inputs).
+
+    Returns:
+      dict: "q1" e4m3 and "s1" f32, the up-proj's quantized input (without smooth scales:
+      per token, [T, d] and [T]; with them: per grouped row, [P_up, d] and [P_up]), "a" bf16
+      [P, n] (None when the up-proj quantizes A itself, `config.fuse_requant`), "q2" e4m3
+      [P_down, n], "s2" f32 [P_down], "y" bf16 [P, width] (width = `aggregate_width(d)`),
+      "out" bf16 [T, d] (`moe_ffn_fp8`'s result).
+    """
     from pallas_moe.kernels import _common
     from pallas_moe.kernels.aggregate import aggregate
-    from pallas_moe.kernels.grouped_gemm import grouped_matmul
+    from pallas_moe.kernels.grouped_gemm import fused_requant_fits, grouped_matmul
     from pallas_moe.kernels.moe_forward import aggregate_width
-    from pallas_moe.quant.kernel import smoothquant_kernel
+    from pallas_moe.quant.kernel import quantize_tokens_kernel, smoothquant_kernel
 
     num_experts, d, n = experts.shape
     capacity = plan.capacity
@@ -310,27 +367,36 @@ def _forward_kernels(x, plan, experts: QuantizedExperts, *, config: Fp8ForwardCo
     up_rows = -(-capacity // config.up.block_m) * config.up.block_m
     down_rows = -(-capacity // config.down.block_m) * config.down.block_m
     row_experts = _row_experts(plan)
-
-    q1, s1 = smoothquant_kernel(  # tokens' rows at their grouped positions (gather fused)
-        x, experts.smooth_up, plan.token_row_offsets, plan.rows_by_token,
-        row_experts[plan.rows_by_token], plan.num_rows, num_out_rows=up_rows, out_dtype=E4M3,
-        config=config.quant, interpret=interpret,
-    )
     up_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.up.block_m)
-    a = grouped_matmul(
-        q1, plan.group_sizes, experts.w_gate_up, transpose_w=True, config=config.up,
-        interpret=interpret, meta=up_meta, capacity=capacity, row_scales=s1,
-        col_scales=experts.gate_up_scales, gated=True, names=("q", "experts.w_gate_up"),
-        kernel_name="moe_fp8_up_proj",
-    )  # bf16 [P, n]; padding rows unwritten
-    # A's rows are already grouped: row r is its own "token" with one CSR entry (no gather);
-    # rows past num_rows own none and come out as zeros.
-    rows = jnp.arange(capacity + 1, dtype=jnp.int32)
-    q2, s2 = smoothquant_kernel(
-        a, experts.smooth_down, jnp.minimum(rows, plan.num_rows), rows[:-1], row_experts,
-        plan.num_rows, num_out_rows=down_rows, out_dtype=E4M3, config=config.quant,
-        interpret=interpret,
-    )
+    smooth_down = _smooth_or_ones(experts.smooth_down, num_experts, n)
+    fused = config.fuse_requant and fused_requant_fits(config.up, n)
+    up = dict(transpose_w=True, config=config.up, interpret=interpret, meta=up_meta,
+              capacity=capacity, col_scales=experts.gate_up_scales, gated=True,
+              names=("q", "experts.w_gate_up"), kernel_name="moe_fp8_up_proj",
+              requant_smooth=smooth_down if fused else None)
+    if experts.smooth_up is None:
+        q1, s1 = quantize_tokens_kernel(x, config=config.quant, interpret=interpret)
+        up_out = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1,
+                                token_ids=plan.token_ids, **up)
+    else:
+        q1, s1 = smoothquant_kernel(  # tokens' rows at their grouped positions (gather fused)
+            x, experts.smooth_up, plan.token_row_offsets, plan.rows_by_token,
+            row_experts[plan.rows_by_token], plan.num_rows, num_out_rows=up_rows,
+            out_dtype=E4M3, config=config.quant, interpret=interpret,
+        )
+        up_out = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1, **up)
+    if fused:  # e4m3 [P_up, n], f32 [P_up]; padding rows unwritten (never stored later)
+        a, (q2, s2) = None, up_out
+    else:
+        a = up_out  # bf16 [P, n]; padding rows unwritten
+        # A's rows are already grouped: row r is its own "token" with one CSR entry (no
+        # gather); rows past num_rows own none and come out as zeros.
+        rows = jnp.arange(capacity + 1, dtype=jnp.int32)
+        q2, s2 = smoothquant_kernel(
+            a, smooth_down, jnp.minimum(rows, plan.num_rows), rows[:-1], row_experts,
+            plan.num_rows, num_out_rows=down_rows, out_dtype=E4M3, config=config.requant,
+            interpret=interpret,
+        )
     down_meta = up_meta if config.down.block_m == config.up.block_m else (
         _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
     )
@@ -345,7 +411,8 @@ def _forward_kernels(x, plan, experts: QuantizedExperts, *, config: Fp8ForwardCo
         y, plan.rows_by_token, plan.token_row_offsets, plan.scores, aggregation=aggregation,
         out_dtype=x.dtype, config=config.aggregate, interpret=interpret,
     )
-    return out[:, :d] if width != d else out
+    out = out[:, :d] if width != d else out
+    return dict(q1=q1, s1=s1, a=a, q2=q2, s2=s2, y=y, out=out)
 
 
 def _forward_xla(x, plan, experts: QuantizedExperts, *, aggregation):
@@ -354,16 +421,21 @@ def _forward_xla(x, plan, experts: QuantizedExperts, *, aggregation):
     from pallas_moe.kernels.reference import fp8_grouped_matmul_reference
     from pallas_moe.ops.xla import aggregate_rows
 
+    num_experts, d, n = experts.shape
     row_experts = _row_experts(plan)
     valid = plan.row_is_valid
+    # Per (token, expert) row, the formula both kernel recipes compute (module docstring).
     q1, s1 = smoothquant_rows_reference(
-        x, experts.smooth_up, plan.token_ids, row_experts, valid, E4M3
+        x, _smooth_or_ones(experts.smooth_up, num_experts, d), plan.token_ids, row_experts,
+        valid, E4M3
     )
     a = fp8_grouped_matmul_reference(
         q1, plan.group_sizes, experts.w_gate_up, s1, experts.gate_up_scales, gated=True
     )
     rows = jnp.arange(plan.capacity, dtype=jnp.int32)
-    q2, s2 = smoothquant_rows_reference(a, experts.smooth_down, rows, row_experts, valid, E4M3)
+    q2, s2 = smoothquant_rows_reference(
+        a, _smooth_or_ones(experts.smooth_down, num_experts, n), rows, row_experts, valid, E4M3
+    )
     y = fp8_grouped_matmul_reference(
         q2, plan.group_sizes, experts.w_down, s2, experts.down_scales, gated=False
     )

@@ -195,3 +195,36 @@ def smoothquant_kernel(
     if num_rows is not None:
         args.append(jnp.reshape(num_rows, (1,)).astype(jnp.int32))
     return kernel(*args, x, smooth_scales.astype(jnp.float32))
+
+
+def quantize_tokens_kernel(
+    x: jax.Array,
+    *,
+    out_dtype=jnp.float8_e4m3fn,
+    config: SmoothQuantConfig = SmoothQuantConfig(),
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token row quantization of `x` (no smoothing): `Q[t], s[t] = quantize_row(x[t])`.
+
+    The fp8 forward's up-proj input when there are no smooth scales: each token is quantized
+    once (T rows, not the plan's P = T*K) and the fp8 GEMM gathers the quantized rows. It is
+    `smoothquant_kernel` with one CSR entry per token (its own output row) and a single
+    smooth-scale row of ones (`x * 1` is exact, so this is the formula of every other path).
+
+    Args:
+      x: [T, d] bf16 or fp16.
+      out_dtype: int8 or float8_e4m3fn.
+      config: the SmoothQuant kernel's block sizes.
+      interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
+
+    Returns:
+      `(q [T, d] out_dtype, s f32 [T])`.
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
+    num_tokens, d = x.shape
+    tokens = jnp.arange(num_tokens + 1, dtype=jnp.int32)
+    return smoothquant_kernel(
+        x, jnp.ones((1, d), jnp.float32), tokens, tokens[:-1], jnp.zeros((num_tokens,), jnp.int32),
+        None, num_out_rows=num_tokens, out_dtype=out_dtype, config=config, interpret=interpret,
+    )

@@ -125,16 +125,29 @@ def quantize_row(
     Returns:
       `(q, s)`: q [d] in out_dtype and the f32 scalar scale s, with `q * s ~= y`.
     """
+    scale, inv_scale = row_scale(jnp.max(jnp.abs(y)), out_dtype, reciprocal)
+    return apply_row_scale(y, inv_scale, out_dtype), scale
+
+
+def row_scale(amax: jax.Array, out_dtype, reciprocal=correctly_rounded_reciprocal):
+    """`(s, rcp(s))` of rows with absmax `amax` (f32, any shape; `quantize_row`'s formula:
+    zero rows get 0 and 0). Kernels that hold a row in pieces reduce `amax` themselves."""
     qmax = qmax_of(out_dtype)
-    amax = jnp.max(jnp.abs(y))
     scale = amax * np.float32(1.0 / qmax)
     zero_row = scale < _SMALLEST_NORMAL  # False for NaN, so a NaN row keeps s = NaN
     scale = jnp.where(zero_row, 0.0, scale)
     inv_scale = jnp.where(zero_row, 0.0, reciprocal(jnp.where(zero_row, 1.0, scale)))
+    return scale, inv_scale
+
+
+def apply_row_scale(y: jax.Array, inv_scale: jax.Array, out_dtype) -> jax.Array:
+    """`saturate(round(y * inv_scale))` in out_dtype (`quantize_row`'s formula); `inv_scale`
+    broadcasts against y."""
+    qmax = qmax_of(out_dtype)
     v = jnp.clip(y * inv_scale, -qmax, qmax)
     if jnp.dtype(out_dtype) == jnp.int8:
         v = jnp.round(v)  # round half to even
-    return v.astype(out_dtype), scale
+    return v.astype(out_dtype)
 
 
 def quantize_absmax(w: jax.Array, out_dtype, axis: int) -> tuple[jax.Array, jax.Array]:
