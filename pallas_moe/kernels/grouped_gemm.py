@@ -52,7 +52,10 @@ the box's first row to be a multiple of 8, so tiles come from `aligned_tile_meta
 once per plan): a tile is a piece of one expert's rows inside one `block_m`-aligned block,
 and its work item loads the whole aligned block. Rows of the box outside the tile (other
 experts, padding) are multiplied like the rest and dropped: the epilogue TMA-stores only the
-tile's rows (`store_rows`), so a tile never writes another expert's rows.
+tile's rows (`store_row_tile`), so a tile never writes another expert's rows. The output tile
+sits in SMEM as 128-byte-swizzled slabs (`_common.row_tile_types`): the accumulator layout's
+register stores are then free of bank conflicts (untiled rows put a warp's 8 rows in one
+bank), which made the down-proj 0.81x and dX~ 0.83x of their time on the H100 (session 5).
 
 The kernel is persistent: `num_sms` CTAs of one producer and two consumer warpgroups. Work
 item w = (tile w // grid_n, column block w % grid_n); CTA s takes items s, s + num_sms, ...
