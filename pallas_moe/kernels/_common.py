@@ -142,6 +142,22 @@ def uses_stage_mbarriers(config, interpret: bool) -> bool:
     return config.gather == "cp_async" and not interpret and config.gather_completion == "mbarrier"
 
 
+def gate_up_widths(x, w_gate_up) -> tuple[int, int]:
+    """(d, n) of x [T, d] and w_gate_up [E, d, 2n], checked against each other (errors name
+    the argument): the shape check of every kernel that multiplies x by w_gate_up."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
+    if w_gate_up.ndim != 3:
+        raise ValueError(f"w_gate_up must be [E, d, 2n], got shape {tuple(w_gate_up.shape)}.")
+    d = x.shape[1]
+    _, d_w, two_n = w_gate_up.shape
+    if d_w != d:
+        raise ValueError(f"w_gate_up.shape[1]={d_w} must equal x.shape[1]={d}.")
+    if two_n % 2:
+        raise ValueError(f"w_gate_up.shape[2]={two_n} must be even (gate and up halves).")
+    return d, two_n // 2
+
+
 def check_layer_operands(x, plan, w_gate_up, w_down) -> tuple[int, int, int, int]:
     """Checks a layer's operands against each other: x [T, d], w_gate_up [E, d, 2n],
     w_down [E, n, d], and a plan over T tokens and E experts. Errors name the argument.
@@ -156,13 +172,9 @@ def check_layer_operands(x, plan, w_gate_up, w_down) -> tuple[int, int, int, int
             f"w_gate_up must be [E, d, 2n] and w_down [E, n, d], got "
             f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}."
         )
-    num_tokens, d = x.shape
-    num_experts, d_w, two_n = w_gate_up.shape
-    if d_w != d:
-        raise ValueError(f"w_gate_up.shape[1]={d_w} must equal x.shape[1]={d}.")
-    if two_n % 2:
-        raise ValueError(f"w_gate_up.shape[2]={two_n} must be even (gate and up halves).")
-    n = two_n // 2
+    num_tokens, _ = x.shape
+    num_experts = w_gate_up.shape[0]
+    d, n = gate_up_widths(x, w_gate_up)
     require_shape("w_down", w_down, (num_experts, n, d))
     if plan.num_tokens != num_tokens:
         raise ValueError(f"plan covers {plan.num_tokens} tokens but x has {num_tokens}.")
@@ -274,7 +286,13 @@ def row_gather_buffers(stages: int, block_m: int, block_k: int, dtype, interpret
     `RefUnion` members, and it allows one-row slices of the tiled view, so there one ref
     serves as both views.
     """
-    copy_view, mma_view = _gather_view_types((stages, block_m, block_k), dtype)
+    return _two_view_buffer(*_gather_view_types((stages, block_m, block_k), dtype), interpret)
+
+
+def _two_view_buffer(copy_view, mma_view, interpret: bool):
+    """(scratch type, fn(scratch) -> (copy view, wgmma view)) of one buffer with two views:
+    a `RefUnion` of both, or in interpret mode (which does not alias `RefUnion` members and
+    allows one-row slices of the wgmma tiling) one ref that serves as both."""
     if interpret:
         return mma_view, lambda ref: (ref, ref)
     return plgpu.RefUnion(copy_view, mma_view), lambda refs: tuple(refs)
@@ -396,11 +414,8 @@ def row_tile_types(shape, dtype):
 
 def row_tile_buffers(shape, dtype, interpret: bool):
     """A standalone `row_tile_types` buffer: (scratch type, fn(scratch) -> (copy view,
-    wgmma view)). Interpret mode does not alias `RefUnion` members; there one ref is both."""
-    copy_view, mma_view = row_tile_types(shape, dtype)
-    if interpret:
-        return mma_view, lambda ref: (ref, ref)
-    return plgpu.RefUnion(copy_view, mma_view), lambda refs: tuple(refs)
+    wgmma view)), as `row_gather_buffers` for the gathered A stages."""
+    return _two_view_buffer(*row_tile_types(shape, dtype), interpret)
 
 
 def write_row_tile(mma_view, value) -> None:

@@ -103,19 +103,9 @@ class UpProjConfig:
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
-    if x.ndim != 2:
-        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
-    if w_gate_up.ndim != 3:
-        raise ValueError(f"w_gate_up must be [E, d, 2n], got shape {tuple(w_gate_up.shape)}.")
+    d, n = _common.gate_up_widths(x, w_gate_up)
     _common.require_dtype("x", x, jnp.bfloat16)
     _common.require_dtype("w_gate_up", w_gate_up, jnp.bfloat16)
-    _, d = x.shape
-    _, d2, two_n = w_gate_up.shape
-    if d2 != d:
-        raise ValueError(f"w_gate_up.shape[1]={d2} must equal x.shape[1]={d}.")
-    if two_n % 2:
-        raise ValueError(f"w_gate_up.shape[2]={two_n} must be even (gate and up halves).")
-    n = two_n // 2
     if token_ids.ndim != 1:
         raise ValueError(f"plan.token_ids must be 1-D, got shape {tuple(token_ids.shape)}.")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
