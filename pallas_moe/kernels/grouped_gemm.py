@@ -486,8 +486,12 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                 w_e = w_ref.at[expert_ref[tile]]
                 c = 0 if split_m else j % 2
                 if gathered:
-                    # The next item's ids land while this item's rows are gathered; the
-                    # buffer they overwrite was last read (synchronously) by item j - 1.
+                    # The next item's ids land while this item's rows are gathered. The
+                    # buffer they overwrite was read by item j - 1's row copies from every
+                    # producer warp (thread), which need not have finished when the issuing
+                    # thread gets here: a warpgroup barrier first.
+                    plgpu.commit_smem()
+
                     @pl.when(j + 1 < my_items)
                     def _():
                         load_ids(j + 1)
