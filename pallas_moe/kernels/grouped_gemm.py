@@ -42,10 +42,10 @@ Split M only (block_m 128): the lagged cp.async publish walks one `full` barrier
 
 A's quantization in the epilogue (`requant_smooth`, gated fp8, split M, no promotion,
 N <= FUSED_REQUANT_MAX_BLOCKS * block_n): an item is a whole tile, its steps run column block
-by column block, and each consumer keeps every block's SwiGLU output (times the smooth
-scales) in registers until the last, then quantizes its 64 whole rows: row max, scale and
-e4m3 values by the SmoothQuant formula (`quant/reference.py`), Q TMA-stored by rows, s by
-the consumer's threads.
+by column block; each consumer keeps the running row maxima of A times the smooth scales in
+registers and every block's A but the last in SMEM (bf16 swizzled row tiles), then quantizes
+its 64 whole rows: scale and e4m3 values by the SmoothQuant formula (`quant/reference.py`),
+Q TMA-stored by rows, s by scalar stores from each warp.
 
 Otherwise A is contiguous, so each stage is one `[block_m, block_k]` TMA box. Mosaic's tiled TMA needs
 the box's first row to be a multiple of 8, so tiles come from `aligned_tile_meta` (computed
@@ -145,10 +145,11 @@ class GroupedMatmulConfig:
         return 2
 
 
-# A fused re-quantization keeps the SwiGLU output of each earlier column block of a row in
-# registers (bf16, 32 per thread for 64 x 128) while the next block accumulates (128): two
-# blocks fit the consumers' 232 registers, so N <= 2 * block_n (n = 256 at 7B; 30B's 512
-# keeps the separate SmoothQuant pass).
+# A fused re-quantization parks the SwiGLU output of each earlier column block of a row in
+# SMEM (bf16, 16 KB per consumer for 64 x 128; in registers beside the next block's 128
+# accumulator registers it made the 7B up-proj 5x slower, session 6): two blocks fit beside
+# the 3-stage pipeline (208 KB), so N <= 2 * block_n (n = 256 at 7B; 30B's 512 keeps the
+# separate SmoothQuant pass).
 FUSED_REQUANT_MAX_BLOCKS = 2
 
 
