@@ -457,7 +457,7 @@ def run_fp8_more(res, log, case):
 
     c = dict(case)
     x, plan, experts, cfg, kw, timed = (c[k] for k in ("x", "plan", "experts", "cfg", "kw", "timed"))
-    P, E, d, n, up8_args = c["P"], c["E"], c["d"], c["n"], c["up8_args"]
+    P, d, n, up8_args = c["P"], c["d"], c["n"], c["up8_args"]
     ones_up, ones_down, qa_args, a8 = c["ones_up"], c["ones_down"], c["qa_args"], c["a8"]
     down_rows, backend, num_sms, vs_ref = c["down_rows"], c["backend"], c["num_sms"], c["vs_ref"]
     o16, fp8_meta, q2, s2 = c["o16"], c["fp8_meta"], c["q2"], c["s2"]
