@@ -363,6 +363,9 @@ def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape, promote_every):
         # No smooth scales: X quantized per token, the up-proj gathers its rows (cp.async).
         per_token = dataclasses_replace(experts, smooth_up=None, smooth_down=None)
         jax.jit(f).trace(x, plan, per_token).lower(lowering_platforms=("cuda",))
+        if fused_requant_fits(config.up, n):  # 7B unpromoted: A quantized in the up-proj
+            fused = functools.partial(f, config=dataclasses_replace(config, fuse_requant=True))
+            jax.jit(fused).trace(x, plan, per_token).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("gather, completion", [("cp_async", "wait_group"), ("tma", "wait_group")])
