@@ -16,11 +16,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
+from pallas_moe.kernels.grouped_gemm import (
+    GroupedMatmulConfig, fused_requant_fits, grouped_matmul,
+)
 from pallas_moe.kernels.reference import (
     aggregate_reference, fp8_epilogue_reference, fp8_grouped_matmul_reference,
 )
-from pallas_moe.quant.reference import smoothquant_rows_reference
+from pallas_moe.quant.reference import (
+    BF16_OUTPUT_ROUNDING, FP8_VS_BF16_TOL, requantization_bound, smoothquant_rows_reference,
+)
 from pallas_moe.routing import token_rounding_plan
 from tests.test_kernels_common import assert_untouched, assignment_plan, races_found
 from tests.fp8_wgmma_model import h100_fp8_dot, truncation_error_bound
@@ -192,9 +196,6 @@ def rel_err(got, want):
     return np.linalg.norm(g - w) / np.linalg.norm(w)
 
 
-# Relative (Frobenius) error of the fp8 layer against the bf16 layer on N(0,1) data: four
-# e4m3 quantizations (X, W1, A, W2), each ~3.6% RMS relative per element, give ~7%.
-FP8_VS_BF16_TOL = 0.1
 # The kernels against the jnp references of the same steps (exact f32 sums): equal on CPU.
 # On the H100 the fp8 wgmma's truncated sums (tests/fp8_wgmma_model.py) move A by a few bf16
 # ulps and so some requantized elements by one e4m3 step: 0.0169 measured unpromoted; the
@@ -362,6 +363,9 @@ def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape, promote_every):
         # No smooth scales: X quantized per token, the up-proj gathers its rows (cp.async).
         per_token = dataclasses_replace(experts, smooth_up=None, smooth_down=None)
         jax.jit(f).trace(x, plan, per_token).lower(lowering_platforms=("cuda",))
+        if fused_requant_fits(config.up, n):  # 7B unpromoted: A quantized in the up-proj
+            fused = functools.partial(f, config=dataclasses_replace(config, fuse_requant=True))
+            jax.jit(fused).trace(x, plan, per_token).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("gather, completion", [("cp_async", "wait_group"), ("tma", "wait_group")])
@@ -680,25 +684,6 @@ def test_fp8_grouped_matmul_on_gpu(gated, promote_every):
         assert err < FP8_PROMOTED_GEMM_VS_EXACT_TOL[gated]
 
 
-E4M3_RELATIVE_STEP = 2.0**-3  # an e4m3 step (3 mantissa bits) over the value it sits on, at most
-# Margin on the requantization estimate below for the sampling of which elements flip.
-FLIP_MARGIN = 1.25
-
-
-def requantization_bound(eps_a, eps_rest):
-    """End-to-end bound on the fp8 forward's relative error against the XLA steps, from the
-    relative error `eps_a` of the kernels' A against the reference's A (the fp8 GEMM's
-    truncated sums) and `eps_rest` of the later steps on the kernels' own inputs.
-
-    A's requantization turns small differences into whole e4m3 steps: an element u (in e4m3
-    units) perturbed by d flips to the next e4m3 value with probability ~|d| / h, where the
-    step h <= u / 8, and a flip moves it by h. So ||dQ||^2 ~ sum |d| h <= 2^-3 ||d|| ||u||
-    (Cauchy-Schwarz), i.e. ||dQ|| / ||Q|| <= sqrt(eps_a / 8), plus the unflipped d itself.
-    The down-proj and the aggregation are linear, so the relative error carries through
-    (session 4: eps_a ~ 2e-3 gives 0.016, the 0.0163-0.0169 the H100 measured)."""
-    return FLIP_MARGIN * np.sqrt(eps_a * E4M3_RELATIVE_STEP) + eps_a + eps_rest
-
-
 def aggregation_interval_ok(out, y, plan):
     """The aggregation on the kernel's own Y: fp32 sums of `score * Y` in ascending expert
     order, rounded to bf16. Another f32 summation order (or an FMA) moves the f32 sum by at
@@ -752,8 +737,16 @@ def check_fp8_forward_steps(x, plan, w1, w2, *, smoothing, backend):
     st = stages(config)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16),  # the stages are the forward
                                   np.asarray(st["out"]).view(np.uint16))
-    # Where the up-proj quantizes A itself (7B: n = 256), A comes from the unfused kernel.
-    unfused = st if st["a"] is not None else stages(dataclasses.replace(config, fuse_requant=False))
+    # The other recipe for A's quantization (`fuse_requant`: the up-proj quantizes A itself
+    # where it fits, here n = 256) gives the same Q, s and output bits; A comes from the
+    # unfused run.
+    other = stages(dataclasses.replace(config, fuse_requant=not config.fuse_requant))
+    unfused, fused = (st, other) if st["a"] is not None else (other, st)
+    assert unfused["a"] is not None
+    if fused_requant_fits(config.up, n):
+        assert fused["a"] is None  # the fused epilogue ran
+    np.testing.assert_array_equal(np.asarray(fused["out"]).view(np.uint16),
+                                  np.asarray(unfused["out"]).view(np.uint16))
     rows = int(plan.num_rows)
     valid = plan.row_is_valid
     row_experts = jnp.minimum(plan.expert_ids, num_experts - 1)
@@ -784,7 +777,7 @@ def check_fp8_forward_steps(x, plan, w1, w2, *, smoothing, backend):
     q2, s2 = smoothquant_rows_reference(
         unfused["a"], experts.smooth_down if experts.smooth_down is not None else ones(n),
         jnp.arange(plan.capacity, dtype=jnp.int32), row_experts, valid, E4M3)
-    for quantized in {id(st): st, id(unfused): unfused}.values():
+    for quantized in (fused, unfused):
         np.testing.assert_array_equal(np.asarray(quantized["q2"][:rows]).view(np.uint8),
                                       np.asarray(q2[:rows]).view(np.uint8))
         np.testing.assert_array_equal(np.asarray(quantized["s2"][:rows]).view(np.uint32),
@@ -804,7 +797,7 @@ def check_fp8_forward_steps(x, plan, w1, w2, *, smoothing, backend):
     y_ref = fp8_grouped_matmul_reference(st["q2"], plan.group_sizes, experts.w_down, st["s2"],
                                          experts.down_scales, gated=False)
     eps_y = rel_err(y, np.asarray(y_ref[:rows], np.float32))
-    bound = requantization_bound(eps_a, eps_y + 2.0**-8)  # + the output's bf16 rounding
+    bound = requantization_bound(eps_a, eps_y + BF16_OUTPUT_ROUNDING)
     err = rel_err(got, ref)
     want = jax.jit(functools.partial(pm.moe_ffn, backend="xla" if interpret else backend))(
         x, plan, w1, w2)

@@ -42,10 +42,10 @@ Split M only (block_m 128): the lagged cp.async publish walks one `full` barrier
 
 A's quantization in the epilogue (`requant_smooth`, gated fp8, split M, no promotion,
 N <= FUSED_REQUANT_MAX_BLOCKS * block_n): an item is a whole tile, its steps run column block
-by column block, and each consumer keeps every block's SwiGLU output (times the smooth
-scales) in registers until the last, then quantizes its 64 whole rows: row max, scale and
-e4m3 values by the SmoothQuant formula (`quant/reference.py`), Q TMA-stored by rows, s by
-the consumer's threads.
+by column block; each consumer keeps the running row maxima of A times the smooth scales in
+registers and every block's A but the last in SMEM (bf16 swizzled row tiles), then quantizes
+its 64 whole rows: scale and e4m3 values by the SmoothQuant formula (`quant/reference.py`),
+Q TMA-stored by rows, s by scalar stores from each warp.
 
 Otherwise A is contiguous, so each stage is one `[block_m, block_k]` TMA box. Mosaic's tiled TMA needs
 the box's first row to be a multiple of 8, so tiles come from `aligned_tile_meta` (computed
@@ -145,10 +145,11 @@ class GroupedMatmulConfig:
         return 2
 
 
-# A fused re-quantization keeps the SwiGLU output of each earlier column block of a row in
-# registers (bf16, 32 per thread for 64 x 128) while the next block accumulates (128): two
-# blocks fit the consumers' 232 registers, so N <= 2 * block_n (n = 256 at 7B; 30B's 512
-# keeps the separate SmoothQuant pass).
+# A fused re-quantization parks the SwiGLU output of each earlier column block of a row in
+# SMEM (bf16, 16 KB per consumer for 64 x 128; in registers beside the next block's 128
+# accumulator registers it made the 7B up-proj 5x slower, session 6): two blocks fit beside
+# the 3-stage pipeline (208 KB), so N <= 2 * block_n (n = 256 at 7B; 30B's 512 keeps the
+# separate SmoothQuant pass).
 FUSED_REQUANT_MAX_BLOCKS = 2
 
 
@@ -431,6 +432,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         if requant:  # the smooth scales, Q and s; their SMEM
             (rs_ref, cs_ref, ss_ref, out_ref, s_out_ref, a_smem, b_smem, o_smem, full, empty,
              rs_smem, cs_smem, scale_bar, ss_smem, s_smem, *gather_scratch) = refs
+            stash_smem, *gather_scratch = (
+                gather_scratch if blocks_per_item > 1 else (None, *gather_scratch))
             bias_ref, bias_scratch = None, ()
         elif fp8:
             (rs_ref, cs_ref, out_ref, a_smem, b_smem, o_bufs, full, empty,
@@ -607,29 +610,42 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
 
         def quantize_rows(j, c, bar_c, a_rows, dst0, src0, count):
             """`requant`: the consumer's rows of item j (output rows `[dst0, dst0 + count)`,
-            its rows `[src0, src0 + count)` of the box) across all column blocks: each block's
-            SwiGLU output (bf16, as the unfused A) times its smooth scales stays in registers
-            while the next block accumulates; then every row's absmax, scale and e4m3 values
-            (`row_scale`, `apply_row_scale`: the SmoothQuant formula), Q TMA-stored by rows,
-            s by the consumer's threads from SMEM (row-exact, no 16-byte TMA granule)."""
+            its rows `[src0, src0 + count)` of the box) across all column blocks.
+
+            Each block's SwiGLU output A (bf16, as the unfused kernel's) times its smooth
+            scales gives the block's row maxima; every block but the last parks its A in SMEM
+            (`stash_smem`, swizzled bf16 tiles), so while a block accumulates the consumer's
+            registers hold only its accumulators and the [mb] running maxima (not the earlier
+            blocks' A: 64 more f32 registers beside the 128 of the accumulators made ptxas
+            spill or serialize the wgmmas; 1895 us against 383 unfused at 7B, session 6).
+            Then each row's scale and e4m3 values (`row_scale`, `apply_row_scale`: the
+            SmoothQuant formula), Q TMA-stored by rows, s by each warp's scalar stores."""
             layout = plgpu.Layout.WGMMA
-            ys = []
+            last = blocks_per_item - 1
+
+            def smoothed(act, cb):  # f32 [mb, bn]: A times the block's smooth scales
+                smooth = plgpu.load(ss_smem.at[c, cb], layout=layout.reduce(0), optimized=False)
+                return act.astype(jnp.float32) * jax.lax.broadcast_in_dim(smooth, (mb, bn), [1])
+
+            amax = None
             for cb in range(blocks_per_item):
                 accs = k_steps(j, cb * num_k, num_k, bar_c, a_rows)  # [mb, bn] f32 each
                 if cb == 0:
                     plgpu.barrier_wait(scale_bar.at[c])
                 act = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, cb], jnp.bfloat16)
-                smooth = plgpu.load(ss_smem.at[c, cb], layout=layout.reduce(0), optimized=False)
-                ys.append(act.astype(jnp.float32) * jax.lax.broadcast_in_dim(smooth, (mb, bn), [1]))
-            amax = jnp.max(jnp.abs(ys[0]), axis=1)  # [mb]
-            for y in ys[1:]:
-                amax = jnp.maximum(amax, jnp.max(jnp.abs(y), axis=1))
+                y = smoothed(act, cb)
+                block_max = jnp.max(jnp.abs(y), axis=1)  # [mb]
+                amax = block_max if amax is None else jnp.maximum(amax, block_max)
+                if cb < last:  # read back below; the previous item's reads ended at its commit
+                    _common.write_row_tile(stash_smem.at[c, cb], act)
             scale, inv = row_scale(amax, E4M3)
             inv = jax.lax.broadcast_in_dim(inv, (mb, bn), [0])
             parity = j % 2  # s_smem[c, parity] was last read two items ago (a commit since)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's Q stores
-            for cb, y in enumerate(ys):
-                o_smem[c, cb] = apply_row_scale(y, inv, E4M3)
+            o_smem[c, last] = apply_row_scale(y, inv, E4M3)
+            for cb in range(last):
+                o_smem[c, cb] = apply_row_scale(
+                    smoothed(_common.read_row_tile(stash_smem.at[c, cb]), cb), inv, E4M3)
             s_smem[c, parity] = scale
             plgpu.commit_smem()
             for cb in range(blocks_per_item):
@@ -638,11 +654,21 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                     src_row0=src0,
                 )
 
-            def store_scale(i, carry):
-                s_out_ref[dst0 + i] = s_smem[c, parity, src0 + i]
-                return carry
+            # s row by row (a 4-byte TMA store is below the 16-byte granule): each warp stores
+            # a quarter of the rows, so every scalar store synchronizes one warp, not the
+            # warpgroup (Lane semantics puts a warpgroup barrier before and after each store).
+            def store_scales(warp):
+                rows_per_warp = mb // 4
+                lo = jnp.minimum(warp * rows_per_warp, count)
+                hi = jnp.minimum(lo + rows_per_warp, count)
 
-            jax.lax.fori_loop(0, count, store_scale, None)
+                def store_scale(i, carry):
+                    s_out_ref[dst0 + i] = s_smem[c, parity, src0 + i]
+                    return carry
+
+                jax.lax.fori_loop(lo, hi, store_scale, None)
+
+            plgpu.warp_map(store_scales)
 
         for c in range(2):
             @pl.when(wg == c)
@@ -747,9 +773,14 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                 num_arrivals=1 + blocks_per_item * (num_b + requant), num_barriers=2
             ),
         ]
-    if requant:  # per consumer: the smooth scales; the row scales of two items
+    if requant:  # per consumer: the smooth scales; the row scales of two items; the A of
+        # every column block but the last (bf16, swizzled tiles: conflict-free for the
+        # accumulator layout's stores and loads)
         scratch += [plgpu.SMEM((2, blocks_per_item, bn), jnp.float32),
                     plgpu.SMEM((2, 2, mb), jnp.float32)]
+        if blocks_per_item > 1:
+            scratch.append(_common.row_tile_types((2, blocks_per_item - 1, mb, bn),
+                                                  jnp.bfloat16)[1])
     if gathered:  # the ids of two items' box rows, their barriers, the cp.async stage barriers
         scratch += [plgpu.SMEM((2, bm), jnp.int32), plgpu.Barrier(num_barriers=2)]
         scratch += [_common.cp_async_stage_barriers(stages)] if stage_bars else []

@@ -23,12 +23,12 @@ from `quantize_experts` (per expert, per output channel e4m3 with f32 scales, st
 `[E, 2n, d]` / `[E, d, n]`: 8-bit wgmma takes B only K-major). The smooth scales S1 [E, d],
 S2 [E, n] multiply the activations (`calibrate_smoothing`); None means no smoothing.
 
-A's quantization needs each row's max over all n columns. Where one CTA holds whole rows
-(no promotion and n <= 2 * up.block_n: the 7B shape's n = 256) the up-proj quantizes A in its
-epilogue (`grouped_matmul(requant_smooth=)`); elsewhere (30B's n = 512: the earlier column
-blocks of A would not fit in registers beside the accumulators) it writes A in bf16 and the
-SmoothQuant kernel quantizes its rows in place of tokens: one CSR entry per row, no gather
-(`P * n * 3` bytes more traffic). Both give the same Q and s (docs/quant.md).
+A's quantization needs each row's max over all n columns. By default the up-proj writes A
+in bf16 and the SmoothQuant kernel quantizes its rows in place of tokens: one CSR entry per
+row, no gather. With `Fp8ForwardConfig(fuse_requant=True)`, where one CTA holds whole rows
+(no promotion and n <= 2 * up.block_n: the 7B shape's n = 256, not 30B's 512), the up-proj
+quantizes A in its epilogue instead (`grouped_matmul(requant_smooth=)`: `P * n * 5` bytes
+less traffic). Both give the same Q and s (docs/quant.md).
 
 Inference only: differentiating `moe_ffn_fp8` raises a TypeError (the quantizers have no
 useful gradient).
@@ -153,6 +153,12 @@ class Fp8ForwardConfig:
       fuse_requant: quantize A in the up-proj's epilogue where a CTA holds whole rows of A
         (`grouped_gemm.fused_requant_fits`: no promotion, n <= 2 * up.block_n; the 7B
         shape's n = 256, not 30B's 512), instead of writing A in bf16 for the separate pass.
+        Off by default, the fastest composition measured: on the H100 (session 6, 7B,
+        `benchmarks/quant.py --fp8`) the fused up-proj took 1895 us against 383 + 187 us for
+        the plain fp8 up-proj and the separate pass, and the forward 2472 us fused. Its
+        epilogue has since been restructured (earlier column blocks of A parked in SMEM, not
+        registers; the scale stores per warp; not yet measured): the benchmark times the
+        forward both ways (`fp8 fwd fused us`).
     """
 
     up: "GroupedMatmulConfig"
@@ -160,7 +166,7 @@ class Fp8ForwardConfig:
     quant: "SmoothQuantConfig"
     aggregate: "AggregateConfig"
     requant: "SmoothQuantConfig | None" = None
-    fuse_requant: bool = True
+    fuse_requant: bool = False
 
     def __post_init__(self):
         if self.requant is None:
