@@ -210,6 +210,13 @@ def configs_for(d, n, sweep: str):
         dh += [rep(base.dh, gather_completion="wait_group"), rep(base.dh, num_stages=4)]
         dw2.append(rep(base.dw_down, gather_completion="wait_group"))
         dw1.append(rep(base.dw_gate_up, gather_completion="wait_group"))
+    if sweep == "epilogue":
+        # Session 6: the dSwiGLU epilogue in column chunks (64 by default) against the
+        # previous version's whole block at once (epilogue_cols=0), and narrower chunks.
+        # (128-row tiles measured slower: 1750 / 5423 us at 7B / 30B, RESULTS.md.)
+        rep = dataclasses.replace
+        dh += [rep(base.dh, epilogue_cols=0), rep(base.dh, epilogue_cols=32),
+               rep(base.dh, epilogue_cols=16)]
     if sweep == "full":
         dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
                DHConfig(block_n=64, num_stages=4, num_consumers=2),
@@ -381,7 +388,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     args = ap.parse_args()
     SMOKE = args.smoke

@@ -277,10 +277,10 @@ def test_dh_kernel(plan_kw):
     ids=["single_wg", "two_consumers", "two_consumers_prefetch_h"],
 )
 def test_dh_kernel_detect_races(consumers, prefetch_h):
-    x, h, plan, w1, w2, grad_out = make_problem(5, 20, 256, 128, 2, 2)  # 4 K-steps, 2 stages
+    x, h, plan, w1, w2, grad_out = make_problem(5, 20, 256, 128, 2, 2)  # 4 K-steps, 3 stages
     dh, a_scaled, d_scores = dh_kernel(
         grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2,
-        config=DHConfig(block_n=64, num_stages=2, num_consumers=consumers, prefetch_h=prefetch_h),
+        config=DHConfig(block_n=64, num_stages=3, num_consumers=consumers, prefetch_h=prefetch_h),
         interpret=interp(detect_races=True),
     )
     assert not races_found()
@@ -300,7 +300,7 @@ def test_dh_kernel_clamped_swiglu_no_races():
     h = jnp.where(plan.row_is_valid[:, None], h, jnp.nan).astype(BF16)
     dh, a_scaled, d_scores = dh_kernel(
         grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2,
-        config=DHConfig(block_n=64, num_stages=2, num_consumers=2), activation=act,
+        config=DHConfig(block_n=64, num_stages=3, num_consumers=2), activation=act,
         interpret=interp(detect_races=True),
     )
     assert not races_found()
@@ -424,6 +424,13 @@ def test_bad_config_and_shapes_raise():
     with pytest.raises(ValueError, match="block_k must be equal"):
         jax.eval_shape(functools.partial(moe_backward, interpret=True, config=cfg), *args)
     x, h, plan, w1, w2, g = args
+    # 2 stages of [64 + 128, 64] bf16 cannot hold the epilogue's A', dS and H tiles they
+    # overlay (ids and scores lie past them).
+    cfg = BackwardConfig.for_shape(
+        128, 64, dh=DHConfig(block_n=64, num_stages=2, num_consumers=2))
+    args256 = _abstract_args(16, 128, 128, 2, 1)
+    with pytest.raises(ValueError, match="config.num_stages=2 is too few .* num_stages >= 3"):
+        jax.eval_shape(functools.partial(moe_backward, interpret=True, config=cfg), *args256)
     bad_h = jax.ShapeDtypeStruct((h.shape[0] + 1, h.shape[1]), BF16)
     with pytest.raises(ValueError, match="h must have shape"):
         jax.eval_shape(functools.partial(moe_backward, interpret=True), x, bad_h, plan, w1, w2, g)

@@ -79,6 +79,9 @@ class DHConfig:
         and are loaded while the K loop runs; False = they are loaded after the K loop into
         the pipeline's SMEM, which leaves room for more stages (5 at block_n=128, where
         prefetching allows only 3).
+      epilogue_cols: warp-specialized kernel only: the dSwiGLU epilogue runs in chunks of
+        this many columns (a multiple of 8 dividing block_n; 0 = the whole block at once),
+        so only a chunk's temporaries are live next to the accumulator.
     """
 
     block_m: int = 64
@@ -92,6 +95,7 @@ class DHConfig:
     # BackwardConfig.for_shape picks per width (measured: see there).
     gather_completion: str = "wait_group"
     prefetch_h: bool = False
+    epilogue_cols: int = 64
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -116,6 +120,11 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         raise ValueError(f"config.pad_rows_to={config.pad_rows_to} must be >= 1.")
     if config.num_consumers < 0:
         raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
+    if config.epilogue_cols and (config.epilogue_cols % 8 or bn % config.epilogue_cols):
+        raise ValueError(
+            f"config.epilogue_cols={config.epilogue_cols} must be 0 or a multiple of 8 dividing "
+            f"block_n={bn}."
+        )
     _common.require_gather_mode(config)
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
     cols = bn * max(config.num_consumers, 1)
@@ -375,6 +384,19 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
     cols = cons * bn
+    ep_cols = config.epilogue_cols or bn
+    if not config.prefetch_h:
+        # The epilogue's A', dS and H tiles overlay the pipeline's stages; past them lie the
+        # tile's token ids and scores, which the epilogue still reads.
+        stage_bytes = (bm + cols) * bk * 2
+        epilogue_bytes = cons * bm * (3 * bn * 2 + 4)
+        if epilogue_bytes > stages * stage_bytes:
+            raise ValueError(
+                f"config.num_stages={stages} is too few for block_m={bm}, block_n={bn} and "
+                f"{cons} consumers: the epilogue's tiles ({epilogue_bytes} B) must fit in the "
+                f"pipeline's stages ({stage_bytes} B each) they overlay; use num_stages >= "
+                f"{-(-epilogue_bytes // stage_bytes)} or prefetch_h=True."
+            )
     num_k = d // bk
     grid_n = n // cols
     dtype = jnp.bfloat16
@@ -485,16 +507,25 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, False, bar0)
                 layout = plgpu.Layout.WGMMA
                 hg_ref, hu_ref = h_smem.at[c, 0], h_smem.at[c, 1]
-                g = plgpu.load(hg_ref, layout=layout, optimized=False).astype(jnp.float32)
-                u = plgpu.load(hu_ref, layout=layout, optimized=False).astype(jnp.float32)
                 s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
-                s = jax.lax.broadcast_in_dim(s, (bm, bn), [0])
-                d_gate, d_up, a_scaled, ds = dswiglu_epilogue(da, g, u, s, activation)
+                s = jax.lax.broadcast_in_dim(s, (bm, ep_cols), [0])
+                ds = None
+                # In column chunks: only a chunk's H, temporaries and results are live next
+                # to the accumulator (the whole tile at once spills).
+                for q in range(bn // ep_cols):
+                    chunk = pl.ds(q * ep_cols, ep_cols)
+                    g = plgpu.load(hg_ref.at[:, chunk], layout=layout, optimized=False)
+                    u = plgpu.load(hu_ref.at[:, chunk], layout=layout, optimized=False)
+                    d_gate, d_up, a_scaled, ds_q = dswiglu_epilogue(
+                        da[:, q * ep_cols:(q + 1) * ep_cols], g.astype(jnp.float32),
+                        u.astype(jnp.float32), s, activation,
+                    )
+                    ds = ds_q if ds is None else ds + ds_q
+                    # Same layout as the loads above: each thread overwrites only what it read.
+                    hg_ref[:, chunk] = d_gate.astype(dtype)
+                    hu_ref[:, chunk] = d_up.astype(dtype)
+                    ap_smem[c, :, chunk] = a_scaled.astype(dtype)
                 ds_smem[c] = ds
-                # Same layout as the loads above: each thread overwrites only what it read.
-                hg_ref[...] = d_gate.astype(dtype)
-                hu_ref[...] = d_up.astype(dtype)
-                ap_smem[c] = a_scaled.astype(dtype)
                 plgpu.commit_smem()
                 _common.store_rows(hg_ref, dh_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
                 _common.store_rows(hu_ref, dh_out.at[:, pl.ds(n + c0, bn)], row0, num_rows, bm)

@@ -84,6 +84,9 @@ class UpProjConfig:
       rebalance_registers: warp-specialized kernel only: the producers drop to 40
         registers per thread and the consumers take the rest (`_common.rebalance_registers`);
         False keeps the even split (168 each with 2 consumers; the consumers then spill).
+      epilogue_slabs: warp-specialized kernel only: True = the SwiGLU epilogue runs one
+        64-column slab at a time, so only a slab's temporaries are live next to the two
+        accumulators; False = the whole block at once (the previous version).
     """
 
     block_m: int = 64
@@ -100,6 +103,7 @@ class UpProjConfig:
     # Measured on the H100 (session 4, same run): the lagged publish 768 / 4386 us against
     # 800 / 4612 us with hardware-tracked stages at 7B / 30B.
     gather_completion: str = "wait_group"
+    epilogue_slabs: bool = True
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -470,12 +474,22 @@ def _warp_specialized_kernel(
                     biases = _bias_columns(bias_smem.at[c], bias_bars.at[c], mb)
                 else:
                     biases = (None, None)
-                act, hg, hu = _common.swiglu_epilogue(g, u, dtype, activation, *biases)  # [mb, bn]
                 dsts = [a_out.at[:, pl.ds(col, bn)]]
                 if h_out is not None:
                     dsts += [h_out.at[:, pl.ds(col, bn)], h_out.at[:, pl.ds(n + col, bn)]]
-                for t, tile in enumerate((act, hg, hu)[:num_out]):
-                    _common.write_row_tile(o_mma.at[c, t], tile)
+                # One 64-column slab at a time (`epilogue_slabs`): only a slab's temporaries
+                # are live next to the two accumulators.
+                slab = o_mma.shape[-1] if config.epilogue_slabs else bn
+                for h0 in range(0, bn, slab):
+                    cut = slice(h0, h0 + slab)
+                    act, hg, hu = _common.swiglu_epilogue(  # [mb, slab] each
+                        g[:, cut], u[:, cut], dtype, activation,
+                        *(None if b is None else b[:, cut] for b in biases),
+                    )
+                    for t, tile in enumerate((act, hg, hu)[:num_out]):
+                        for h in range(slab // o_mma.shape[-1]):
+                            w = o_mma.shape[-1]
+                            o_mma[c, t, h0 // w + h] = tile[:, h * w:(h + 1) * w]
                 plgpu.commit_smem()
                 for t, dst in enumerate(dsts):
                     _common.store_row_tile(o_copy.at[c, t], dst, dst0, count, mb)
