@@ -27,12 +27,12 @@ reference's experts, and the reference ranks f32 probabilities:
   distinct logits can round to equal probabilities (exp(-1e-8) == 1.0 in f32), and those tie
   and go to the lower expert where the logits would pick the higher one
   (`tests/test_routing_impls.py::test_probability_ties_are_not_logit_ties`).
-- The kernel cannot compute XLA's probability bits: the row sum's order is XLA's choice and
-  changes with the fusion around it (on the H100 one softmax compiled two ways gave scores
-  one ulp apart at E=60; `topk.isolated`), and so can its exp and division.
-So the scores come from the reference's own jnp formula, compiled on its own
-(`topk.isolated`), and the kernel ranks their bits. "topk_softmax" ranks the logits, as the
-reference does, and then no probability pass runs at all in a top-K plan.
+- The kernel would have to compute the reference's probability bits, `routing.formulas`'
+  exact operations (a pairwise tree of adds in its order, XLA's `exp` and division); a
+  Triton reduction or `exp` need not round the same way.
+So the scores come from the reference's own formulas (`routing.formulas`, whose bits do not
+depend on the program around them), and the kernel ranks their bits. "topk_softmax" ranks
+the logits, as the reference does, and then no probability pass runs at all in a top-K plan.
 
 Interpret mode (`interpret=True`) runs the same kernel body on the CPU.
 """
