@@ -156,3 +156,20 @@ def test_no_float_reduction_in_scores_or_gradients(score, renormalize):
         capacity = build(jnp.zeros((T, E))).capacity
         jaxpr = jax.make_jaxpr(backward)(logits, jax.ShapeDtypeStruct((capacity,), jnp.float32))
         assert float_reductions(jaxpr) == [], name
+
+
+def test_softmax_kernel_interpret_and_cuda_lowering():
+    """The GPU's softmax kernel (`kernels.softmax_rows`) in interpret mode against
+    `jax.nn.softmax` (rows not a multiple of the block, E not a power of two, -inf logits),
+    and its Triton lowering at production sizes (an abstract H100 stands in for the device)."""
+    from pallas_moe.routing import kernels
+    from tests.cuda_target import h100_target
+
+    x = jax.random.normal(jax.random.key(0), (37, 60)) * 3
+    x = x.at[3, :7].set(-jnp.inf)
+    got = kernels.softmax_rows(x, interpret=True)
+    np.testing.assert_allclose(got, jax.nn.softmax(x, axis=-1), rtol=2e-6, atol=1e-9)
+    for shape in [(32768, 128), (16384, 512), (1000, 60), (64, 8)]:
+        with h100_target():
+            jax.jit(kernels.softmax_rows).trace(
+                jax.ShapeDtypeStruct(shape, jnp.float32)).lower(lowering_platforms=("cuda",))

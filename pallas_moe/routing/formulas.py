@@ -10,20 +10,24 @@ and fused backward reductions did too (XLA:CPU, T=45, E=12). Optimization barrie
 the formulas did not make the forward agree, and they cost a pass where the sigmoid
 feeds the selection bias.
 
-So no formula here has a reduction: every row sum and row maximum is an explicit pairwise
-tree of elementwise ops over slices of the expert axis (`tree_sum`, `tree_max`), and an
-XLA float add is never reassociated, whatever fusion it lands in. What is left is
-elementwise (`exp`, `log`, `logistic`, subtract, multiply, a row's reciprocal), the same
-per element in any program. Derivatives follow the same rule: each formula is a `jax.custom_jvp` whose tangent
-map uses the trees, and broadcasts a row value by doubling (`broadcast_row`), so its
-transpose (the backward pass) sums by the same pairwise tree rather than a `reduce_sum`.
-(One thing an order cannot fix: a consumer that adds to a softmax probability inside the
-same fusion may contract its last multiply into a fused multiply-add. The routers only
-gather, select and scatter the probabilities, and add the selection bias to a sigmoid,
-whose last op is a division, which never contracts.) The tangent map sits between
-optimization barriers, which only the backward sees: a fused
-multiply-add forms across a fusion boundary or not, and the barriers keep the cotangent's
-producer and the gradient's consumer (different in each implementation) out of its fusion.
+So no formula here leaves an order to XLA. The GPU's softmax over the experts is one
+Pallas kernel (`kernels.softmax_rows`), the same compiled program wherever it is called.
+Everything else (the softmax off the GPU, log-softmax, the tangent maps) has no reduction:
+every row sum and row maximum is an explicit pairwise tree of elementwise ops over slices of
+the last axis (`tree_sum`, `tree_max`), and XLA never reassociates a float add, whatever
+fusion it lands in. What is left is elementwise (`exp`, `log`, `logistic`, subtract,
+multiply, a row's reciprocal), the same per element in any program.
+
+Derivatives follow the same rule: each formula is a `jax.custom_jvp` whose tangent map uses
+the trees and broadcasts a row value by doubling (`broadcast_row`), so its transpose (the
+backward pass) sums by the same pairwise tree, not a `reduce_sum`. The tangent map sits
+between optimization barriers, which only the derivatives see: a multiply and an add form a
+fused multiply-add inside one fusion and not across two, and the barriers keep each
+implementation's cotangent producer and gradient consumer out of the tangent map's fusion.
+One thing no order fixes: a consumer that adds to a probability inside the same fusion may
+contract the softmax's last multiply into a fused multiply-add. The routers only gather,
+select and scatter the probabilities, and add the selection bias to a sigmoid, whose last
+op is a division, which never contracts.
 
 Shapes: every function maps `f32[..., N]` to `f32[..., N]` over the last axis, except
 `tree_sum` / `tree_max` (`[..., N] -> [..., 1]`) and `broadcast_row` (`[..., 1] -> [..., N]`).
@@ -74,11 +78,18 @@ def _isolated(t: jax.Array) -> jax.Array:
 
 @jax.custom_jvp
 def softmax(x: jax.Array) -> jax.Array:
-    """Softmax over the last axis, `exp(x - max) * (1 / sum)`, with tree maximum and sum.
+    """Softmax over the last axis, `exp(x - max) * (1 / sum)`.
 
-    A multiply by the row's reciprocal, as written: XLA rewrites `A / broadcast(B)` into
-    `A * broadcast(1 / B)` itself, so the division would not be the operation it reads.
+    On a GPU one Pallas kernel (`kernels.softmax_rows`): a compiled kernel is the same
+    program wherever it is called, and as fast as XLA's softmax fusion. Elsewhere XLA ops
+    with the tree maximum and sum. Either way a multiply by the row's reciprocal, as
+    written: XLA rewrites `A / broadcast(B)` into `A * broadcast(1 / B)` itself, so a
+    division would not be the operation it reads.
     """
+    if jax.default_backend() == "gpu":
+        from pallas_moe.routing import kernels  # Pallas is imported only when used.
+
+        return kernels.softmax_rows(x.reshape(-1, x.shape[-1])).reshape(x.shape)
     shifted = x - tree_max(x)
     unnormalized = jnp.exp(shifted)
     return unnormalized * (1.0 / tree_sum(unnormalized))

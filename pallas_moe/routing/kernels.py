@@ -233,6 +233,50 @@ def _place_bwd(block_t, interpret, num_warps, rows, cotangents):
 _place.defvjp(_place_fwd, _place_bwd)
 
 
+# ------------------------------------------------------------------ router probabilities
+
+
+def _softmax_kernel(x_ref, out_ref, *, num_rows: int, width: int, w_pad: int, block_r: int):
+    """Softmax over each of a block's rows: `exp(x - max) * (1 / sum)`."""
+    row0 = pl.program_id(0) * block_r
+    rows = row0 + jnp.arange(block_r, dtype=jnp.int32)
+    cols = jnp.arange(w_pad, dtype=jnp.int32)
+    ok = (rows < num_rows)[:, None] & (cols < width)[None, :]
+    x = plt.load(x_ref.at[pl.ds(row0, block_r), pl.ds(0, w_pad)], mask=ok, other=-jnp.inf)
+    unnormalized = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))  # 0 in padding columns
+    p = unnormalized * (1.0 / jnp.sum(unnormalized, axis=1, keepdims=True))
+    plt.store(out_ref.at[pl.ds(row0, block_r), pl.ds(0, w_pad)], p, mask=ok)
+
+
+def softmax_block_rows(width: int) -> int:
+    """Rows per softmax program: about 2048 elements (16 per thread of 4 warps; untuned)."""
+    return max(1, 2048 // next_pow2(width))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def softmax_rows(x: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """f32[R, N] softmax over each row of f32[R, N], one Pallas kernel.
+
+    The GPU's router probabilities (`routing.formulas.softmax`): one compiled kernel, so
+    the same bits in every program that calls it, whatever XLA fuses around it (XLA's own
+    softmax rounds its row sum by the fusion it lands in). Its row sum and division are
+    Triton's (the order of its reduction, `div.full`), not XLA's.
+    """
+    num_rows, width = x.shape
+    block_r = softmax_block_rows(width)
+    kernel = functools.partial(
+        _softmax_kernel, num_rows=num_rows, width=width, w_pad=next_pow2(width), block_r=block_r
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.float32),
+        grid=(pl.cdiv(num_rows, block_r),),
+        compiler_params=_params(4),
+        interpret=interpret,
+        name="moe_router_softmax",
+    )(x.astype(jnp.float32))
+
+
 # ------------------------------------------------------------------ token-rounding selection
 
 MAX_SELECT_LENGTH = 16384  # keys per list held in one program's registers (64 per thread)
