@@ -160,3 +160,17 @@ def test_auto_is_sort_on_cpu():
     from pallas_moe.routing.topk import resolve_topk_impl
 
     assert resolve_topk_impl("auto") == ("kernel" if jax.default_backend() == "gpu" else "sort")
+
+
+@pytest.mark.parametrize("shape", [(300, 12, 3), (70, 130, 4)])
+def test_kernel_plan_across_place_spans(shape):
+    """Enough tokens for several spans of `kernels.PLACE_SPAN_BLOCKS` top-K blocks (and a
+    partial last one), skewed: the interpret kernels' plan equals the dense one."""
+    T, E, K = shape
+    logits = jax.random.normal(jax.random.key(T), (T, E)).at[:, :3].add(2.0)
+    weights = jnp.arange(T * K, dtype=jnp.float32) % 7 - 3.0
+    kw = dict(k=K, score="softmax_topk", renormalize=False, groups=None)
+    want, want_grad = plan_and_grad(logits, None, weights, impl="dense", **kw)
+    got, got_grad = plan_and_grad(logits, None, weights, impl="interpret", **kw)
+    assert T > kernels.block_tokens(E) * kernels.PLACE_SPAN_BLOCKS
+    assert_same_plan(got, want, got_grad, want_grad)
