@@ -162,7 +162,7 @@ def test_auto_is_sort_on_cpu():
     assert resolve_topk_impl("auto") == ("kernel" if jax.default_backend() == "gpu" else "sort")
 
 
-@pytest.mark.parametrize("shape", [(300, 12, 3), (70, 130, 4)])
+@pytest.mark.parametrize("shape", [(70, 130, 4), pytest.param((300, 12, 3), marks=pytest.mark.slow)])
 def test_kernel_plan_across_place_spans(shape):
     """Enough tokens for several spans of `kernels.PLACE_SPAN_BLOCKS` top-K blocks (and a
     partial last one), skewed: the interpret kernels' plan equals the dense one."""
