@@ -11,7 +11,7 @@ Three implementations of one plan (`impl=`), equal row for row:
 "interpret" runs the kernel in Pallas interpret mode (CPU tests).
 
 Selection scores are computed by the same formulas in every implementation
-(`routing.formulas`: no reduction, so the same bits in any program), and ranked in the total
+(`routing.formulas`: the same bits in any program), and ranked in the total
 order of `jax.lax.top_k` (ties go to the lower expert index), so the selected experts are
 identical; weights are computed from the same probabilities, over the K experts in the
 reference's order (`topk_reference_weights`), so they and the gradients to the logits are
