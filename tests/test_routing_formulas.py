@@ -181,3 +181,38 @@ def test_softmax_kernel_interpret_and_cuda_lowering():
         with h100_target():
             jax.jit(kernels.softmax_rows).trace(
                 jax.ShapeDtypeStruct(shape, jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+def test_gpu_softmax_branch_in_interpret_mode(monkeypatch):
+    """The GPU's branch (the Pallas softmax kernel as the primal of the custom JVP), run on
+    the CPU in interpret mode: token-rounding plans and jitted gradients to the logits of
+    the dense path and the kernel path are bitwise equal, and close to the CPU formulas'."""
+    from pallas_moe.routing import kernels
+
+    T, E, K = 40, 12, 3
+    logits = jax.random.normal(jax.random.key(3), (T, E)).at[:, :3].add(1.0)
+    weights = jnp.arange(T * K + E * 8, dtype=jnp.float32) % 7 - 3.0
+
+    def plan_and_grad(logits, impl):
+        def f(logits):
+            plan = pm.routing.token_rounding_plan(logits, K, tile=8, impl=impl, renormalize=True)
+            return jnp.sum(plan.scores * weights), plan
+        (_, plan), grad = jax.value_and_grad(f, has_aux=True)(logits)
+        return plan, grad
+
+    # A jit of a fresh partial each time: jit caches its trace by the function object.
+    cpu_plan, cpu_grad = jax.jit(functools.partial(plan_and_grad, impl="dense"))(logits)
+    monkeypatch.setattr(formulas, "_on_gpu", lambda: True)
+    monkeypatch.setattr(kernels, "softmax_rows",
+                        functools.partial(kernels.softmax_rows, interpret=True))
+    run = jax.jit(functools.partial(plan_and_grad), static_argnames="impl")
+    assert "moe_router_softmax" in str(jax.make_jaxpr(functools.partial(plan_and_grad, impl="dense"))(logits))
+    want, want_grad = run(logits, impl="dense")
+    got, got_grad = run(logits, impl="interpret")
+    for field in ("token_ids", "scores", "group_sizes", "is_token_choice", "rows_by_token",
+                  "token_row_offsets"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    np.testing.assert_array_equal(got_grad, want_grad)
+    np.testing.assert_array_equal(want.token_ids, cpu_plan.token_ids)
+    np.testing.assert_allclose(want.scores, cpu_plan.scores, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(want_grad, cpu_grad, rtol=1e-4, atol=1e-6)

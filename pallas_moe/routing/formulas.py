@@ -72,6 +72,11 @@ def broadcast_row(v: jax.Array, width: int) -> jax.Array:
     return out[..., :width]
 
 
+def _on_gpu() -> bool:
+    """Whether the softmax runs as the GPU's Pallas kernel (the default backend is a GPU)."""
+    return jax.default_backend() == "gpu"
+
+
 def _isolated(t: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(t)
 
@@ -86,7 +91,7 @@ def softmax(x: jax.Array) -> jax.Array:
     written: XLA rewrites `A / broadcast(B)` into `A * broadcast(1 / B)` itself, so a
     division would not be the operation it reads.
     """
-    if jax.default_backend() == "gpu":
+    if _on_gpu():
         from pallas_moe.routing import kernels  # Pallas is imported only when used.
 
         return kernels.softmax_rows(x.reshape(-1, x.shape[-1])).reshape(x.shape)

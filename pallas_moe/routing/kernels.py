@@ -281,15 +281,28 @@ _place.defvjp(_place_fwd, _place_bwd)
 # ------------------------------------------------------------------ router probabilities
 
 
-def _softmax_kernel(x_ref, out_ref, *, num_rows: int, width: int, w_pad: int, block_r: int):
-    """Softmax over each of a block's rows: `exp(x - max) * (1 / sum)`."""
+def _softmax_kernel(
+    x_ref, out_ref, *, num_rows: int, width: int, w_pad: int, block_r: int, interpret: bool
+):
+    """Softmax over each of a block's rows: `exp(x - max) * (1 / sum)`.
+
+    Compiled, the row maximum and sum are Triton's reductions (one order, fixed in the
+    compiled kernel). Interpreted, the body is XLA ops, which would reorder a reduction per
+    fusion, so it takes `formulas`' pairwise trees instead.
+    """
+    from pallas_moe.routing import formulas
+
+    row_max, row_sum = (formulas.tree_max, formulas.tree_sum) if interpret else (
+        functools.partial(jnp.max, axis=1, keepdims=True),
+        functools.partial(jnp.sum, axis=1, keepdims=True),
+    )
     row0 = pl.program_id(0) * block_r
     rows = row0 + jnp.arange(block_r, dtype=jnp.int32)
     cols = jnp.arange(w_pad, dtype=jnp.int32)
     ok = (rows < num_rows)[:, None] & (cols < width)[None, :]
     x = plt.load(x_ref.at[pl.ds(row0, block_r), pl.ds(0, w_pad)], mask=ok, other=-jnp.inf)
-    unnormalized = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))  # 0 in padding columns
-    p = unnormalized * (1.0 / jnp.sum(unnormalized, axis=1, keepdims=True))
+    unnormalized = jnp.exp(x - row_max(x))  # 0 in padding columns
+    p = unnormalized * (1.0 / row_sum(unnormalized))
     plt.store(out_ref.at[pl.ds(row0, block_r), pl.ds(0, w_pad)], p, mask=ok)
 
 
@@ -310,7 +323,8 @@ def softmax_rows(x: jax.Array, *, interpret: bool = False) -> jax.Array:
     num_rows, width = x.shape
     block_r = softmax_block_rows(width)
     kernel = functools.partial(
-        _softmax_kernel, num_rows=num_rows, width=width, w_pad=next_pow2(width), block_r=block_r
+        _softmax_kernel, num_rows=num_rows, width=width, w_pad=next_pow2(width), block_r=block_r,
+        interpret=interpret,
     )
     return pl.pallas_call(
         kernel,
