@@ -78,6 +78,7 @@ def _on_gpu() -> bool:
 
 
 def _isolated(t: jax.Array) -> jax.Array:
+    """A tangent between optimization barriers (see the module docstring)."""
     return jax.lax.optimization_barrier(t)
 
 
@@ -86,7 +87,8 @@ def softmax(x: jax.Array) -> jax.Array:
     """Softmax over the last axis, `exp(x - max) * (1 / sum)`.
 
     On a GPU one Pallas kernel (`kernels.softmax_rows`): a compiled kernel is the same
-    program wherever it is called, and as fast as XLA's softmax fusion. Elsewhere XLA ops
+    program wherever it is called, and one pass over the logits like XLA's softmax fusion
+    (the trees below would be several in XLA). Elsewhere XLA ops
     with the tree maximum and sum. Either way a multiply by the row's reciprocal, as
     written: XLA rewrites `A / broadcast(B)` into `A * broadcast(1 / B)` itself, so a
     division would not be the operation it reads.
