@@ -216,3 +216,21 @@ def test_gpu_softmax_branch_in_interpret_mode(monkeypatch):
     np.testing.assert_array_equal(want.token_ids, cpu_plan.token_ids)
     np.testing.assert_allclose(want.scores, cpu_plan.scores, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(want_grad, cpu_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_gpu_plans_and_gradients_lower_for_cuda(monkeypatch):
+    """The whole GPU program, the softmax kernel branch included: a token-rounding plan and
+    its gradient to the logits (renormalized: log-softmax, softmax over the K) lower for an
+    abstract H100."""
+    from tests.cuda_target import h100_target
+
+    monkeypatch.setattr(formulas, "_on_gpu", lambda: True)
+    T, E, K = 16384, 512, 10
+
+    def loss(logits):
+        plan = pm.routing.token_rounding_plan(logits, K, impl="kernel", renormalize=True)
+        return jnp.sum(plan.scores)
+
+    with h100_target():
+        jax.jit(jax.grad(loss)).trace(jax.ShapeDtypeStruct((T, E), jnp.float32)).lower(
+            lowering_platforms=("cuda",))
