@@ -106,13 +106,15 @@ def sweep_topk_blocks(log):
     """Times `kernels.topk_blocks` alone over block sizes and warps; checks each result."""
     from pallas_moe.routing import kernels
 
-    for T, E, K in [(32768, 128, 8), (16384, 512, 10), (512, 128, 8), (24576, 64, 4)]:
+    shapes = SHAPES if os.environ.get("ROUTING_SHAPES") else [
+        (32768, 128, 8), (16384, 512, 10), (512, 128, 8), (24576, 64, 4)]
+    for T, E, K in shapes:
         sel = jax.nn.softmax(jax.random.normal(jax.random.key(T), (T, E)), axis=-1)
         want = kernels.topk_blocks(sel, K, block_t=16)
         want_ex = np.sort(np.asarray(jax.lax.top_k(sel, K)[1]), axis=1)
         assert np.array_equal(np.asarray(want[0]), want_ex), "topk_blocks != lax.top_k"
-        for bt in (4, 8, 16, 32, 64):
-            for nw in (1, 2, 4, 8):
+        for bt in (1, 2, 4, 8, 16):
+            for nw in (2, 4, 8, 16):
                 try:
                     f = jax.jit(lambda s, bt=bt, nw=nw: kernels.topk_blocks(
                         s, K, block_t=bt, num_warps=nw))

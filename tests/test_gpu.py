@@ -103,6 +103,26 @@ def test_up_proj_cp_async_gather_matches_reference(shape, cfg, completion):
     assert bool(jnp.array_equal(h, h2)) and bool(jnp.array_equal(a[:rows], a2[:rows]))
 
 
+@pytest.mark.parametrize("shape", [(32768, 128), (16384, 512), (1000, 60), (1000, 4)])
+def test_router_softmax_is_one_program(shape):
+    """On the GPU `routing.formulas.softmax` is the Pallas kernel `kernels.softmax_rows`:
+    close to `jax.nn.softmax`, and bitwise the same alone, inside a top-K plan's program
+    (its scores are gathered probabilities) and beside consumers XLA would fuse."""
+    from pallas_moe.routing import formulas
+
+    T, E = shape
+    logits = jax.random.normal(jax.random.key(T + E), (T, E)) * 3
+    probs = jax.jit(formulas.softmax)(logits)
+    assert float(jnp.max(jnp.abs(probs - jax.nn.softmax(logits, axis=-1)))) <= 1e-6
+    fused = jax.jit(lambda l: (formulas.softmax(l) * 2.0, jnp.where(l > 0, formulas.softmax(l), -1.0)))(logits)
+    assert bool(jnp.array_equal(fused[0], probs * 2.0)) and bool(jnp.array_equal(fused[1], jnp.where(logits > 0, probs, -1.0)))
+    if E >= 8:
+        plan = jax.jit(lambda l: pm.routing.topk_plan(l, 4, impl="dense"))(logits)
+        rows = jnp.arange(plan.capacity) < plan.num_rows
+        want = jnp.where(rows, probs[plan.token_ids, plan.expert_ids.clip(0, E - 1)], 0.0)
+        assert bool(jnp.array_equal(plan.scores, want)), "the plan's scores are the probabilities"
+
+
 @pytest.mark.parametrize("shape", [(32768, 128, 8), (16384, 512, 10), (1000, 60, 4), (7, 8, 8)])
 @pytest.mark.parametrize("score", ["softmax_topk", "sigmoid", "topk_softmax"])
 def test_routing_kernel_equals_reference(shape, score):

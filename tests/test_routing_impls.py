@@ -126,6 +126,22 @@ def test_topk_blocks_outputs():
     assert counts.shape == (5, E)
 
 
+def test_topk_blocks_takes_lowest_columns_among_all_ones_nans():
+    """The key of a negative NaN whose bits are all ones is INT32_MIN, what the kernel's
+    argmax rounds read for taken columns: rows left with only such keys still take their
+    lowest columns, as `lax.top_k` ranks them (the IEEE total order, ties to the lower index)."""
+    nan_bits = np.array(-1, np.int32).view(np.float32)  # 0xFFFFFFFF
+    scores = np.full((5, 6), nan_bits, np.float32)
+    scores[0, 2] = 1.0  # one real score first, then the NaNs by index
+    scores[1, 4] = -np.inf
+    scores[2, 5] = np.array(-2, np.int32).view(np.float32)  # 0xFFFFFFFE: just above
+    scores[4] = np.arange(6, dtype=np.float32)  # no NaN at all
+    experts, _, counts = kernels.topk_blocks(jnp.asarray(scores), 4, interpret=True, block_t=4)
+    want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(scores), 4)[1]), axis=1)
+    np.testing.assert_array_equal(experts, want)
+    np.testing.assert_array_equal(np.asarray(counts).sum(0), np.bincount(want.ravel(), minlength=6))
+
+
 @pytest.mark.parametrize("shape", [(32768, 128, 8), (16384, 512, 10), (64, 60, 4), (24576, 256, 16)])
 def test_routing_kernels_lower_for_cuda(shape):
     """The Triton lowering at production sizes (an abstract H100 stands in for the device)."""
@@ -144,3 +160,17 @@ def test_auto_is_sort_on_cpu():
     from pallas_moe.routing.topk import resolve_topk_impl
 
     assert resolve_topk_impl("auto") == ("kernel" if jax.default_backend() == "gpu" else "sort")
+
+
+@pytest.mark.parametrize("shape", [(70, 130, 4), pytest.param((300, 12, 3), marks=pytest.mark.slow)])
+def test_kernel_plan_across_place_spans(shape):
+    """Enough tokens for several spans of `kernels.PLACE_SPAN_BLOCKS` top-K blocks (and a
+    partial last one), skewed: the interpret kernels' plan equals the dense one."""
+    T, E, K = shape
+    logits = jax.random.normal(jax.random.key(T), (T, E)).at[:, :3].add(2.0)
+    weights = jnp.arange(T * K, dtype=jnp.float32) % 7 - 3.0
+    kw = dict(k=K, score="softmax_topk", renormalize=False, groups=None)
+    want, want_grad = plan_and_grad(logits, None, weights, impl="dense", **kw)
+    got, got_grad = plan_and_grad(logits, None, weights, impl="interpret", **kw)
+    assert T > kernels.block_tokens(E) * kernels.PLACE_SPAN_BLOCKS
+    assert_same_plan(got, want, got_grad, want_grad)

@@ -139,8 +139,9 @@ def test_fast_impls_equal_dense_sweep(impl, c):
 def test_fast_equals_dense_under_jit(impl, rounding, score):
     """Under jit the plans and the gradients to the logits are bitwise equal.
 
-    Without `topk.cotangent_barrier`, XLA fused each program's cotangent producer into the
-    softmax backward and the gradients differed in the last bit (softmax_topk, nearest).
+    With `jax.nn.softmax`, XLA fused each program's cotangent producer into the softmax
+    backward's row reduction and the gradients differed in the last bit (softmax_topk,
+    nearest); `routing.formulas` has no reduction and isolates its backward.
     """
     T, E, K, tile = 45, 12, 3, 8
     rng = np.random.default_rng(3)
@@ -372,8 +373,8 @@ def test_fast_path_compiles_in_seconds_on_cpu():
 
 
 def test_forward_mode_through_the_routers():
-    """`cotangent_barrier` is a custom JVP: forward mode still differentiates the routers,
-    and each implementation gives the reference's tangent."""
+    """The score formulas are custom JVPs (`routing.formulas`): forward mode still
+    differentiates the routers, and each implementation gives the reference's tangent."""
     logits = jax.random.normal(jax.random.key(0), (16, 8))
     tangent = jax.random.normal(jax.random.key(1), (16, 8))
     tangents = {}
@@ -382,91 +383,3 @@ def test_forward_mode_through_the_routers():
             pm.routing.token_rounding_plan(l, 2, tile=4, impl=i).scores * jnp.arange(16 * 2 + 8 * 4))
         tangents[impl] = jax.jvp(f, (logits,), (tangent,))[1]
     np.testing.assert_allclose(tangents["sort"], tangents["dense"], rtol=1e-6)
-
-
-# Float ops whose result depends on how XLA compiles them: reductions (the order of a row
-# sum depends on the emitter, Triton softmax fusion or native) and transcendentals.
-ORDER_SENSITIVE = {"reduce_sum", "cumsum", "div", "exp", "exp2", "expm1", "log", "log1p",
-                   "logistic", "tanh", "sqrt", "rsqrt", "pow", "integer_pow"}
-
-
-def unisolated_score_ops(closed_jaxpr) -> list[str]:
-    """The order-sensitive float ops of a jaxpr that are not `topk.isolated`: not inside a
-    region fed only by optimization barriers (or constants) and read only by barriers.
-
-    A call (custom_jvp softmax, pjit) counts as one op, sensitive if anything inside is.
-    """
-    from jax.extend import core
-
-    jaxpr = closed_jaxpr.jaxpr
-
-    def sub_jaxprs(eqn):
-        for value in eqn.params.values():
-            for v in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(v, core.ClosedJaxpr):
-                    yield v.jaxpr
-                elif isinstance(v, core.Jaxpr):
-                    yield v
-
-    def sensitive(eqn) -> bool:
-        if eqn.primitive.name == "pallas_call":  # a kernel: compiled on its own
-            return False
-        floats = any(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.outvars)
-        if floats and eqn.primitive.name in ORDER_SENSITIVE:
-            return True
-        return any(sensitive(e) for j in sub_jaxprs(eqn) for e in j.eqns)
-
-    barrier = {i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "optimization_barrier"}
-    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    consumers: dict = {}
-    for i, e in enumerate(jaxpr.eqns):
-        for v in e.invars:
-            if isinstance(v, core.Var):
-                consumers.setdefault(v, []).append(i)
-    outputs = {v for v in jaxpr.outvars if isinstance(v, core.Var)}
-    constants = set(jaxpr.constvars)
-    inside = set(range(len(jaxpr.eqns))) - barrier
-    changed = True
-    while changed:  # the largest set whose inputs and readers are barriers or itself
-        changed = False
-        for i in sorted(inside):
-            e = jaxpr.eqns[i]
-            fed = all(not isinstance(v, core.Var) or v in constants
-                      or producer.get(v) in barrier | inside for v in e.invars)
-            read = all(v not in outputs and all(c in barrier | inside for c in consumers.get(v, ()))
-                       for v in e.outvars)
-            if not (fed and read):
-                inside.discard(i)
-                changed = True
-    return [e.primitive.name for i, e in enumerate(jaxpr.eqns)
-            if i not in inside and i not in barrier and sensitive(e)]
-
-
-@pytest.mark.parametrize("score, renormalize", [
-    ("softmax_topk", False), ("softmax_topk", True), ("topk_softmax", False), ("sigmoid", True),
-])
-def test_every_score_formula_is_isolated(score, renormalize):
-    """Every implementation computes its scores between optimization barriers
-    (`topk.isolated`), so XLA compiles each formula the same way whatever reads it.
-
-    On the H100 the dense plan and the kernel path got token-rounding scores one ulp apart at
-    E=60 (`tests/test_gpu.py::test_selection_kernel_plan_equals_previous_fast_path_and_dense`):
-    one softmax compiled two ways. XLA:CPU compiles both alike, so this checks the cause:
-    no reduction or transcendental that reaches the scores has a neighbour to fuse with.
-    (Grouped top-K's group score, a sum of two, is the same in any order and is left out.)
-    """
-    T, E, K = 16, 60, 4
-    logits = jax.ShapeDtypeStruct((T, E), jnp.float32)
-    bias = jnp.linspace(-0.1, 0.1, E) if score == "sigmoid" else None
-    options = dict(score=score, renormalize=renormalize, bias=bias, check_finite=False)
-    builds = {
-        f"topk_{impl}": functools.partial(pm.routing.topk_plan, k=K, impl=impl, **options)
-        for impl in ("dense", "sort", "interpret")
-    } | {
-        f"tr_{impl}": functools.partial(pm.routing.token_rounding_plan, k=K, tile=8, impl=impl,
-                                        **options)
-        for impl in ("dense", "sort", "interpret")
-    }
-    for name, build in builds.items():
-        jaxpr = jax.make_jaxpr(lambda l, b=build: b(l).scores)(logits)
-        assert unisolated_score_ops(jaxpr) == [], name

@@ -1,8 +1,8 @@
 """Routing kernels (Pallas, Triton backend): top-K selection, per-block expert histograms
 and local ranks in one pass over the selection scores; token rounding's per-expert selection.
 
-The scores are computed by the same jnp expressions as the reference router (so the
-kernel compares bit-identical values) and ranked in the total order `jax.lax.top_k` uses
+The scores are computed by the same formulas as the reference router (`routing.formulas`,
+so the kernel compares bit-identical values) and ranked in the total order `jax.lax.top_k` uses
 (-0.0 < +0.0, NaN above +inf), through an order-preserving map of the float bits to int32.
 Ties go to the lower expert index, as in `jax.lax.top_k`. So the kernel selects exactly the
 experts the reference selects.
@@ -10,8 +10,8 @@ experts the reference selects.
 `topk_blocks(scores, k)` returns, for each token, its K experts in ascending expert order,
 the rank of each (token, expert) pair among the pairs of the same expert in the token's
 block (how many earlier tokens of the block chose that expert), and each block's expert
-histogram. A prefix sum over the blocks then places every pair in the grouped order
-(`plan_kernels.topk_plan_from_scores`).
+histogram. A prefix sum over spans of blocks (`span_bases`) and `place_pairs`, which adds
+the counts of the span's earlier blocks, then place every pair in the grouped order.
 
 `select_largest(keys, count, prefer_high)` is token rounding's per-expert selection: per
 row (an expert's list of keys), the indices of its `count` largest keys in ascending order,
@@ -27,12 +27,12 @@ reference's experts, and the reference ranks f32 probabilities:
   distinct logits can round to equal probabilities (exp(-1e-8) == 1.0 in f32), and those tie
   and go to the lower expert where the logits would pick the higher one
   (`tests/test_routing_impls.py::test_probability_ties_are_not_logit_ties`).
-- The kernel cannot compute XLA's probability bits: the row sum's order is XLA's choice and
-  changes with the fusion around it (on the H100 one softmax compiled two ways gave scores
-  one ulp apart at E=60; `topk.isolated`), and so can its exp and division.
-So the scores come from the reference's own jnp formula, compiled on its own
-(`topk.isolated`), and the kernel ranks their bits. "topk_softmax" ranks the logits, as the
-reference does, and then no probability pass runs at all in a top-K plan.
+- The kernel would have to compute the reference's probability bits, `routing.formulas`'
+  exact operations (a pairwise tree of adds in its order, XLA's `exp` and division); a
+  Triton reduction or `exp` need not round the same way.
+So the scores come from the reference's own formulas (`routing.formulas`, whose bits do not
+depend on the program around them), and the kernel ranks their bits. "topk_softmax" ranks
+the logits, as the reference does, and then no probability pass runs at all in a top-K plan.
 
 Interpret mode (`interpret=True`) runs the same kernel body on the CPU.
 """
@@ -88,11 +88,17 @@ def _topk_block_kernel(
     key = total_order_key(scores)  # i32[bt, ep]
     col_b = jnp.broadcast_to(cols[None, :], (block_t, e_pad))
     available = jnp.broadcast_to(col_ok[None, :], (block_t, e_pad))
-    for _ in range(k):  # K rounds of "largest key, lowest index among equals"
-        best = jnp.max(jnp.where(available, key, _INT32_MIN), axis=1)  # [bt]
-        cand = available & (key == best[:, None])
-        idx = jnp.min(jnp.where(cand, col_b, e_pad), axis=1)  # [bt]
+    for _ in range(k):  # K rounds of "largest key, lowest index among equals": one argmax
+        idx = jnp.argmax(jnp.where(available, key, _INT32_MIN), axis=1).astype(jnp.int32)
         available = available & (col_b != idx[:, None])
+    # A taken column reads INT32_MIN, which is also a real key (a negative NaN whose bits are
+    # all ones). Once every column left holds that key, argmax returns a taken column of a
+    # lower index and the round takes nothing; the rounds left are alike. Such a row then
+    # takes its missing columns here: the lowest available ones, as lax.top_k would.
+    missing = k - jnp.sum(jnp.logical_not(available) & col_ok[None, :], axis=1)  # [bt]
+    available_i = available.astype(jnp.int32)
+    lowest_available = available & (jnp.cumsum(available_i, axis=1) <= missing[:, None])
+    available = available & jnp.logical_not(lowest_available)
     chosen = jnp.logical_not(available) & col_ok[None, :] & row_ok[:, None]  # [bt, ep]
     chosen_i = chosen.astype(jnp.int32)
     # Pairs of the same expert from earlier tokens of this block (exclusive prefix over t).
@@ -109,8 +115,10 @@ def _topk_block_kernel(
 
 
 def _place_kernel(
-    experts_ref, local_rank_ref, weights_ref, base_ref, token_ids_ref, scores_ref, rows_ref, *,
+    experts_ref, local_rank_ref, weights_ref, span_base_ref, counts_ref,
+    token_ids_ref, scores_ref, rows_ref, *,
     k: int, num_tokens: int, num_experts: int, block_t: int, route_block_t: int, k_pad: int,
+    span_blocks: int,
 ):
     """Grouped row of each of a block's pairs; scatters token ids and scores to it."""
     row0 = pl.program_id(0) * block_t
@@ -122,8 +130,16 @@ def _place_kernel(
     experts = plt.load(experts_ref.at[pair], mask=ok, other=0)
     local_rank = plt.load(local_rank_ref.at[pair], mask=ok, other=0)
     weights = plt.load(weights_ref.at[pair], mask=ok, other=0.0)
-    base_idx = (rows // route_block_t)[:, None] * num_experts + experts  # into [NB * E]
-    grouped = plt.load(base_ref.at[base_idx], mask=ok, other=0) + local_rank  # [bt, kp]
+    block = (rows // route_block_t)[:, None]  # [bt, 1] the pair's top-K block
+    span = block // span_blocks
+    # The span's base, then the pairs of the same expert in the span's earlier blocks.
+    grouped = plt.load(span_base_ref.at[span * num_experts + experts], mask=ok, other=0)
+    for i in range(span_blocks - 1):
+        earlier = span * span_blocks + i  # [bt, 1]
+        before = ok & (earlier < block)
+        grouped += plt.load(counts_ref.at[jnp.where(before, earlier * num_experts + experts, 0)],
+                            mask=before, other=0)
+    grouped = grouped + local_rank  # [bt, kp]
     grouped = jnp.where(ok, grouped, num_tokens * k)
     plt.store(rows_ref.at[pair], grouped, mask=ok)
     plt.store(token_ids_ref.at[grouped], jnp.broadcast_to(rows[:, None], pair.shape), mask=ok)
@@ -173,38 +189,67 @@ def topk_blocks(
     return experts.reshape(num_tokens, k), local_rank.reshape(num_tokens, k), counts
 
 
+PLACE_SPAN_BLOCKS = 8  # top-K blocks per span of `place_pairs`' bases
+
+
 def place_pairs(
-    experts: jax.Array, local_rank: jax.Array, weights: jax.Array, block_base: jax.Array,
-    *, block_t: int, interpret: bool = False, num_warps: int = 4,
+    experts: jax.Array, local_rank: jax.Array, weights: jax.Array, span_base: jax.Array,
+    block_counts: jax.Array, *, block_t: int, interpret: bool = False, num_warps: int = 4,
 ):
     """Places every (token, expert) pair at its grouped row, in one kernel.
 
-    Pair (t, e) goes to row `block_base[t // block_t, e] + local_rank[t, e]`.
+    Pair (t, e) of top-K block `b = t // block_t` goes to row
+    `span_base[b // S, e] + sum(block_counts[S * (b // S):b, e]) + local_rank[t, e]`, with
+    `S = PLACE_SPAN_BLOCKS`: the prefix sum over blocks is XLA's only over spans of S blocks,
+    and the kernel adds the at most S - 1 counts before the pair's block in its span (a
+    prefix sum over every block, `[T / block_t, E]`, cost XLA ~24 us at T=16384, E=512 on
+    the H100, more than the kernel).
 
     Args:
       experts, local_rank: i32[T, K] from `topk_blocks`.
       weights: f32[T, K] router weight of each pair (differentiable: the cotangent of the
         scattered scores is gathered back).
-      block_base: i32[NB, E] first grouped row of each (block, expert).
+      span_base: i32[NS, E] first grouped row of each (span, expert); `span_bases`.
+      block_counts: i32[NB, E] pairs per (block, expert), from `topk_blocks`.
       block_t: the `topk_blocks` block size.
 
     Returns:
       token_ids i32[T*K], scores f32[T*K] (grouped order), rows i32[T, K] (each pair's row).
     """
-    return _place(experts, local_rank, weights, block_base, block_t, interpret, num_warps)
+    return _place(experts, local_rank, weights, span_base, block_counts, block_t, interpret,
+                  num_warps)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _place(experts, local_rank, weights, block_base, block_t, interpret, num_warps):
-    return _place_fwd(experts, local_rank, weights, block_base, block_t, interpret, num_warps)[0]
+def span_bases(block_counts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(group_sizes i32[E], span_base i32[NS, E]) from the per-block expert histograms
+    i32[NB, E] of `topk_blocks`: each expert's group start plus its pairs in earlier spans
+    of `PLACE_SPAN_BLOCKS` blocks (what `place_pairs` adds block counts to)."""
+    num_blocks, num_experts = block_counts.shape
+    num_spans = pl.cdiv(num_blocks, PLACE_SPAN_BLOCKS)
+    padded = jnp.pad(block_counts, ((0, num_spans * PLACE_SPAN_BLOCKS - num_blocks), (0, 0)))
+    span_counts = jnp.sum(
+        padded.reshape(num_spans, PLACE_SPAN_BLOCKS, num_experts), axis=1, dtype=jnp.int32
+    )  # [NS, E]
+    through_span = jnp.cumsum(span_counts, axis=0, dtype=jnp.int32)  # [NS, E] inclusive
+    group_sizes = through_span[-1]  # [E]: each expert's total, the scan's last row
+    starts = jnp.cumsum(group_sizes, dtype=jnp.int32) - group_sizes  # [E]
+    return group_sizes, through_span - span_counts + starts[None, :]
 
 
-def _place_fwd(experts, local_rank, weights, block_base, block_t, interpret, num_warps):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _place(experts, local_rank, weights, span_base, block_counts, block_t, interpret, num_warps):
+    return _place_fwd(experts, local_rank, weights, span_base, block_counts, block_t, interpret,
+                      num_warps)[0]
+
+
+def _place_fwd(experts, local_rank, weights, span_base, block_counts, block_t, interpret,
+               num_warps):
     num_tokens, k = experts.shape
     place_t = max(16, min(256, 2048 // next_pow2(k)))  # tokens per program
     kernel = functools.partial(
-        _place_kernel, k=k, num_tokens=num_tokens, num_experts=block_base.shape[1],
+        _place_kernel, k=k, num_tokens=num_tokens, num_experts=span_base.shape[1],
         block_t=place_t, route_block_t=block_t, k_pad=next_pow2(k),
+        span_blocks=PLACE_SPAN_BLOCKS,
     )
     p = num_tokens * k
     token_ids, scores, rows = pl.pallas_call(
@@ -219,7 +264,7 @@ def _place_fwd(experts, local_rank, weights, block_base, block_t, interpret, num
         interpret=interpret,
         name="moe_place_pairs",
     )(experts.reshape(-1), local_rank.reshape(-1), weights.reshape(-1).astype(jnp.float32),
-      block_base.reshape(-1))
+      span_base.reshape(-1), block_counts.reshape(-1))
     rows = rows.reshape(num_tokens, k)
     return (token_ids, scores, rows), rows
 
@@ -227,10 +272,68 @@ def _place_fwd(experts, local_rank, weights, block_base, block_t, interpret, num
 def _place_bwd(block_t, interpret, num_warps, rows, cotangents):
     _, d_scores, _ = cotangents
     d_weights = d_scores[rows]  # [T, K]: the scatter's transpose is a gather
-    return None, None, d_weights, None
+    return None, None, d_weights, None, None
 
 
 _place.defvjp(_place_fwd, _place_bwd)
+
+
+# ------------------------------------------------------------------ router probabilities
+
+
+def _softmax_kernel(
+    x_ref, out_ref, *, num_rows: int, width: int, w_pad: int, block_r: int, interpret: bool
+):
+    """Softmax over each of a block's rows: `exp(x - max) * (1 / sum)`.
+
+    Compiled, the row maximum and sum are Triton's reductions (one order, fixed in the
+    compiled kernel). Interpreted, the body is XLA ops, which would reorder a reduction per
+    fusion, so it takes `formulas`' pairwise trees instead.
+    """
+    from pallas_moe.routing import formulas
+
+    row_max, row_sum = (formulas.tree_max, formulas.tree_sum) if interpret else (
+        functools.partial(jnp.max, axis=1, keepdims=True),
+        functools.partial(jnp.sum, axis=1, keepdims=True),
+    )
+    row0 = pl.program_id(0) * block_r
+    rows = row0 + jnp.arange(block_r, dtype=jnp.int32)
+    cols = jnp.arange(w_pad, dtype=jnp.int32)
+    ok = (rows < num_rows)[:, None] & (cols < width)[None, :]
+    x = plt.load(x_ref.at[pl.ds(row0, block_r), pl.ds(0, w_pad)], mask=ok, other=-jnp.inf)
+    unnormalized = jnp.exp(x - row_max(x))  # 0 in padding columns
+    p = unnormalized * (1.0 / row_sum(unnormalized))
+    plt.store(out_ref.at[pl.ds(row0, block_r), pl.ds(0, w_pad)], p, mask=ok)
+
+
+def softmax_block_rows(width: int) -> int:
+    """Rows per softmax program: about 2048 elements (16 per thread of 4 warps; untuned)."""
+    return max(1, 2048 // next_pow2(width))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def softmax_rows(x: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """f32[R, N] softmax over each row of f32[R, N], one Pallas kernel.
+
+    The GPU's router probabilities (`routing.formulas.softmax`): one compiled kernel, so
+    the same bits in every program that calls it, whatever XLA fuses around it (XLA's own
+    softmax rounds its row sum by the fusion it lands in). Its row sum and division are
+    Triton's (the order of its reduction, `div.full`), not XLA's.
+    """
+    num_rows, width = x.shape
+    block_r = softmax_block_rows(width)
+    kernel = functools.partial(
+        _softmax_kernel, num_rows=num_rows, width=width, w_pad=next_pow2(width), block_r=block_r,
+        interpret=interpret,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.float32),
+        grid=(pl.cdiv(num_rows, block_r),),
+        compiler_params=_params(4),
+        interpret=interpret,
+        name="moe_router_softmax",
+    )(x.astype(jnp.float32))
 
 
 # ------------------------------------------------------------------ token-rounding selection

@@ -131,7 +131,7 @@ def token_rounding_plan(
         "kernel", "interpret" (the kernel in interpret mode), "sort" (the fast path with
         jnp top-K) or "dense" (the O(T*E log T) reference: two sorts over [T, E]). All
         give the same plan and the same gradients to the logits, bitwise, eager or jitted
-        (`topk.cotangent_barrier` says why jitted gradients needed a barrier).
+        (`routing.formulas` says how).
 
     Returns:
       A `DispatchPlan`. TC rows keep their top-K weight; added rows carry their full router

@@ -2,18 +2,19 @@
 
 Three implementations of one plan (`impl=`), equal row for row:
 - "kernel": a Pallas (Triton) kernel ranks the selection scores, builds per-block expert
-  histograms and local ranks in one pass; a prefix sum over blocks and one scatter place the
-  `T*K` pairs in grouped order (`routing/kernels.py`). The default on GPUs.
+  histograms and local ranks in one pass; a prefix sum over spans of blocks and one scatter
+  place the `T*K` pairs in grouped order (`routing/kernels.py`). The default on GPUs.
 - "sort": O(T*K) jnp: `lax.top_k`, then a stable sort of the `T*K` expert ids. The default
   elsewhere (CPU).
 - "dense": the original O(T*E) one-hot formulation (`topk_assignment` +
   `plan_from_assignment`), kept as the reference the others are tested against.
 "interpret" runs the kernel in Pallas interpret mode (CPU tests).
 
-Selection scores are computed by the same jnp expression in every implementation, and ranked
-in the total order of `jax.lax.top_k` (ties go to the lower expert index), so the selected
-experts are identical; weights are computed from the same probabilities, over the K experts in
-the reference's order (`topk_reference_weights`), so they and the gradients to the logits are
+Selection scores are computed by the same formulas in every implementation
+(`routing.formulas`: the same bits in any program), and ranked in the total
+order of `jax.lax.top_k` (ties go to the lower expert index), so the selected experts are
+identical; weights are computed from the same probabilities, over the K experts in the
+reference's order (`topk_reference_weights`), so they and the gradients to the logits are
 bitwise those of the reference. `topk_pairs` gives the pairs themselves (token rounding starts
 from them).
 """
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_moe import _checks
+from pallas_moe.routing import formulas
 from pallas_moe.routing.plan import DispatchPlan, plan_from_assignment
 
 TopKImpl = Literal["auto", "kernel", "interpret", "sort", "dense"]
@@ -105,7 +107,8 @@ def group_limited_scores(selection_score: jax.Array, num_groups: int, topk_group
     """
     num_tokens, num_experts = selection_score.shape
     grouped = selection_score.reshape(num_tokens, num_groups, num_experts // num_groups)
-    group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+    top2 = jax.lax.top_k(grouped, 2)[0]  # [T, G, 2]
+    group_score = top2[..., 0] + top2[..., 1]  # [T, G]; one add, no reduction order
     _, top_groups = jax.lax.top_k(group_score, topk_groups)  # [T, topk_groups]
     keep = jnp.sum(jax.nn.one_hot(top_groups, num_groups, dtype=jnp.int32), axis=1) > 0  # [T, G]
     return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(num_tokens, num_experts)
@@ -115,59 +118,11 @@ def router_probabilities(logits: jax.Array, score: ScoreOrder) -> jax.Array:
     """f32[T, E] per-expert router probability: full softmax, or sigmoid for `sigmoid`.
 
     This is the weight that rows added by token rounding carry, and what expert-choice
-    candidates are ranked by.
+    candidates are ranked by. Computed by `routing.formulas`, whose formulas give the same
+    bits (and gradients) in every program that calls them.
     """
     logits = logits.astype(jnp.float32)
-    if score == "sigmoid":
-        return cotangent_barrier(isolated(jax.nn.sigmoid, logits))
-    return cotangent_barrier(isolated(_softmax_last, logits))
-
-
-def _softmax_last(x: jax.Array) -> jax.Array:
-    return jax.nn.softmax(x, axis=-1)
-
-
-def _log_softmax_last(x: jax.Array) -> jax.Array:
-    return jax.nn.log_softmax(x, axis=-1)
-
-
-def isolated(fn, x: jax.Array) -> jax.Array:
-    """`fn(x)` with an `optimization_barrier` on its input and on its output (and, through
-    the barrier's JVP and transpose, on its tangents and cotangents).
-
-    Every router computes its scores (softmax, log-softmax, sigmoid, the softmax over the K)
-    through this, because XLA compiles one formula differently depending on its neighbours:
-    which producers and consumers it fuses decides the emitter (a Triton softmax fusion or
-    the native reduction emitter) and so the order of the row sums. On the H100 the dense
-    plan and the kernel path, whose probabilities feed a `lax.top_k` and scatters in one
-    program and a Pallas call in the other, got scores one ulp apart at E=60 (0.0805698 vs
-    0.08056981; bitwise equal at E=128 and 512). Between barriers the formula is the same
-    HLO with no neighbours to fuse, so every implementation compiles it the same way.
-    """
-    return jax.lax.optimization_barrier(fn(jax.lax.optimization_barrier(x)))
-
-
-@jax.custom_jvp
-def cotangent_barrier(x: jax.Array) -> jax.Array:
-    """The identity, whose derivative puts an `optimization_barrier` on the tangent, and so
-    (by transposition) on the cotangent of the backward pass.
-
-    Every router builds its weights from these probabilities (and `topk_weights`), but the
-    builds differ: the dense reference selects from [T, E] masks, the fast paths scatter
-    per-row cotangents. Under `jit` XLA fuses whatever produces the cotangent into the
-    softmax / sigmoid backward pass, and the fused row reduction can round differently
-    (measured on XLA:CPU: 22 of 540 gradient entries one ulp apart at T=45, E=12, K=3).
-    The barrier keeps that producer out of the fusion, so every implementation's jitted
-    gradient to the logits is the same program downstream of the same cotangent: bitwise
-    equal. Eagerly it changes nothing; forward mode (`jax.jvp`) still works.
-    """
-    return x
-
-
-@cotangent_barrier.defjvp
-def _cotangent_barrier_jvp(primals, tangents):
-    (x,), (tangent,) = primals, tangents
-    return x, jax.lax.optimization_barrier(tangent)
+    return formulas.sigmoid(logits) if score == "sigmoid" else formulas.softmax(logits)
 
 
 def selection_scores(
@@ -203,16 +158,12 @@ def topk_weights(
     router computes its weights here.
     """
     logits = logits.astype(jnp.float32)
-    if score == "topk_softmax":  # each formula `isolated`: one compiled form everywhere
-        weights = isolated(_softmax_last, jnp.take_along_axis(logits, experts, 1))
-    elif renormalize:
-        log_probs = isolated(
-            jax.nn.log_sigmoid if score == "sigmoid" else _log_softmax_last, logits
-        )
-        weights = isolated(_softmax_last, jnp.take_along_axis(log_probs, experts, 1))
-    else:
-        weights = jnp.take_along_axis(probs, experts, axis=1)
-    return cotangent_barrier(weights)  # [T, K]; see `cotangent_barrier`
+    if score == "topk_softmax":
+        return formulas.softmax(jnp.take_along_axis(logits, experts, 1))
+    if renormalize:
+        log_probs = (formulas.log_sigmoid if score == "sigmoid" else formulas.log_softmax)(logits)
+        return formulas.softmax(jnp.take_along_axis(log_probs, experts, 1))
+    return jnp.take_along_axis(probs, experts, axis=1)  # [T, K]
 
 
 def topk_assignment(
@@ -362,10 +313,11 @@ def topk_pairs(
     experts, local_rank, block_counts = kernels.topk_blocks(  # selection: no gradient
         jax.lax.stop_gradient(sel), k, interpret=interpret, block_t=block_t
     )
-    group_sizes, block_base = _block_bases(block_counts)
+    group_sizes, span_base = kernels.span_bases(block_counts)
     weights = topk_reference_weights(logits, probs, sel, experts, score, renormalize)  # [T, K]
     token_ids, scores, rows = kernels.place_pairs(
-        experts, local_rank, weights, block_base, block_t=block_t, interpret=interpret
+        experts, local_rank, weights, span_base, block_counts, block_t=block_t,
+        interpret=interpret,
     )
     return TopKPairs(experts, weights, rows, group_sizes, token_ids, scores)
 
@@ -409,21 +361,6 @@ def total_order_key(x: jax.Array) -> jax.Array:
     -0.0 < +0.0, NaN above +inf)."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-def _block_bases(block_counts: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(group_sizes i32[E], block_base i32[NB, E]) from per-block expert histograms.
-
-    Pair (t, e) of block b lands at `block_base[b, e] + local_rank`: the group's start plus
-    the pairs of e in earlier blocks, so rows stay stable by token within each expert.
-    """
-    through_block = jnp.cumsum(block_counts, axis=0, dtype=jnp.int32)  # [NB, E] inclusive
-    # The last row is each expert's total: no separate column sum over the [T/8, E] counts
-    # (the H100 breakdown at T=32768 showed a 6.0 us reduction beside the scan's 4.7 us).
-    group_sizes = through_block[-1]  # [E]
-    starts = jnp.cumsum(group_sizes, dtype=jnp.int32) - group_sizes  # [E]
-    block_base = through_block - block_counts + starts[None, :]  # [NB, E]
-    return group_sizes, block_base
 
 
 def _grouped_rows_by_sort(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
