@@ -88,17 +88,11 @@ def _topk_block_kernel(
     key = total_order_key(scores)  # i32[bt, ep]
     col_b = jnp.broadcast_to(cols[None, :], (block_t, e_pad))
     available = jnp.broadcast_to(col_ok[None, :], (block_t, e_pad))
-    for _ in range(k):  # K rounds of "largest key, lowest index among equals": one argmax
-        idx = jnp.argmax(jnp.where(available, key, _INT32_MIN), axis=1).astype(jnp.int32)
+    for _ in range(k):  # K rounds of "largest key, lowest index among equals"
+        best = jnp.max(jnp.where(available, key, _INT32_MIN), axis=1)  # [bt]
+        cand = available & (key == best[:, None])
+        idx = jnp.min(jnp.where(cand, col_b, e_pad), axis=1)  # [bt]
         available = available & (col_b != idx[:, None])
-    # A taken column reads INT32_MIN, which is also a real key (a negative NaN whose bits are
-    # all ones). Once every column left holds that key, argmax returns a taken column of a
-    # lower index and the round takes nothing; the rounds left are alike. Such a row then
-    # takes its missing columns here: the lowest available ones, as lax.top_k would.
-    missing = k - jnp.sum(jnp.logical_not(available) & col_ok[None, :], axis=1)  # [bt]
-    available_i = available.astype(jnp.int32)
-    lowest_available = available & (jnp.cumsum(available_i, axis=1) <= missing[:, None])
-    available = available & jnp.logical_not(lowest_available)
     chosen = jnp.logical_not(available) & col_ok[None, :] & row_ok[:, None]  # [bt, ep]
     chosen_i = chosen.astype(jnp.int32)
     # Pairs of the same expert from earlier tokens of this block (exclusive prefix over t).
