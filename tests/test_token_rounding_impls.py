@@ -98,7 +98,8 @@ def case(draw, geometries=GEOMETRIES):
     return jnp.asarray(logits), k, chunk, options
 
 
-@settings(max_examples=12, deadline=None)
+@pytest.mark.slow  # CI time; the sort path is the fallback (`impl="sort"`), and the slow sweep
+@settings(max_examples=12, deadline=None)  # below covers it with 150 examples
 @given(case())
 def test_sort_impl_equals_dense(c):
     """Eager, every option."""
