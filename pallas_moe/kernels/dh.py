@@ -379,7 +379,9 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     the K loop runs), then waits `full[slot]`, issues wgmma on the shared dO stage and its own
     `block_n` rows of the W2 tile, and releases the slot once the next step's wgmma is issued.
     Its epilogue overwrites its H tile in SMEM with dH (each thread rewrites exactly the
-    elements it read), writes A' and its dS partial, and stores them row-exactly.
+    elements it read), writes A' and its dS partial, and stores them row-exactly. It runs in
+    chunks of `config.epilogue_cols` columns, so only one chunk's H and temporaries are live
+    next to the accumulator (the whole block at once spilled: 908 vs 604 us at 7B, session 6).
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
