@@ -10,8 +10,9 @@ T, in the same run:
 - `kernels_inf` (with --variants): the same kernels with `inference=True` (no H), the
   comparison for the megakernel without H;
 - `static`, `dynamic`: the megakernel (`pallas_moe.kernels.decode`) with each scheduler;
-- `static_ahead`, `dynamic_ahead`: the same with `lookahead_steps=32` (each producer
-  prefetches its CTA's next task's weights into L2 while it issues the current task);
+- `static_ahead`, `dynamic_ahead`: the same with `lookahead_steps=16` (each producer's L2
+  prefetches run 16 K steps ahead of its ring loads, into the CTA's next task too);
+  `static_ahead8`, `static_ahead32` (with --variants): other distances;
 - `unfused` (and `unfused_dyn` with --variants): the megakernel's control, the same task code
   with a global barrier between stages;
 - `bound`: the weight-read bound, the bytes of the distinct experts the batch touches over the
@@ -55,10 +56,12 @@ MEGA_VARIANTS = {
     "dynamic": dict(scheduler="dynamic"),
     "unfused": dict(fused=False),
     "unfused_dyn": dict(fused=False, scheduler="dynamic"),
-    # L2 lookahead: each producer prefetches its CTA's next task's weights into L2 while it
-    # issues the current one (all K steps of it; the dynamic queue is claimed a task ahead).
-    "static_ahead": dict(lookahead_steps=32),
-    "dynamic_ahead": dict(scheduler="dynamic", lookahead_steps=32),
+    # L2 lookahead: each producer's L2 prefetches run 16 K steps ahead of its ring loads,
+    # within a task and into the CTA's next one (the dynamic queue is claimed a task ahead).
+    "static_ahead": dict(lookahead_steps=16),
+    "dynamic_ahead": dict(scheduler="dynamic", lookahead_steps=16),
+    "static_ahead8": dict(lookahead_steps=8),
+    "static_ahead32": dict(lookahead_steps=32),
     # Block-size alternatives (not run by default).
     "static_u128": dict(up_block_n=128, num_stages=3),
     "dynamic_u128": dict(scheduler="dynamic", up_block_n=128, num_stages=3),

@@ -26,9 +26,10 @@ VARIANTS = {
     "static": dict(),
     "dynamic": dict(scheduler="dynamic"),
     "unfused": dict(fused=False),
-    # L2 lookahead of each CTA's next task (the dynamic scheduler claims a task ahead).
-    "static_ahead": dict(lookahead_steps=32),
-    "dynamic_ahead": dict(scheduler="dynamic", lookahead_steps=32),
+    # L2 lookahead 16 K steps ahead, within a task and into the CTA's next one (the dynamic
+    # scheduler claims a task ahead).
+    "static_ahead": dict(lookahead_steps=16),
+    "dynamic_ahead": dict(scheduler="dynamic", lookahead_steps=16),
 }
 
 

@@ -457,10 +457,11 @@ def _abstract_plan(t, e, k):
         (8, dict(num_stages=6), False),
         (64, dict(rebalance_registers=True), True),
         # The L2 lookahead (prefetches and the dynamic scheduler's claim a task ahead).
-        (1, dict(scheduler="dynamic", lookahead_steps=32), False),
+        (1, dict(lookahead_steps=16), False),
+        (8, dict(scheduler="dynamic", lookahead_steps=32), False),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6",
-         "setmaxnreg", "T1-dynamic-lookahead"],
+         "setmaxnreg", "T1-static-lookahead16", "T8-dynamic-lookahead32"],
 )
 def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
     from tests.cuda_target import h100_target

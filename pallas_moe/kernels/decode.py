@@ -35,10 +35,10 @@ each task to a consumer through an SMEM mailbox, together with the ring step its
 start at, so both schedulers share every line of task code:
 - static: CTA s runs tasks s, s + num_sms, ... (round robin over the global order);
 - dynamic: the producer takes the next task from a global atomic counter.
-With `lookahead_steps > 0` the producer also knows the CTA's next task (the dynamic one
-claims it a task ahead) and, with each K step it issues, prefetches a share of that task's
-weight tiles into L2 (`lookahead_share`), so a CTA's weight stream does not stop at a task
-boundary or an event wait.
+With `lookahead_steps = D > 0` the producer's L2 prefetches run D K steps ahead of its ring
+loads: within an up task, and into the CTA's next task (the dynamic scheduler claims it a
+task ahead), a share with each K step (`lookahead_share`), so a CTA's weight stream does not
+stop at a task boundary or an event wait.
 `fused=False` is the control of the seed paper ("unfused"): the same tasks, but every down
 task waits for all up tasks and every aggregation task for all down tasks (a global stage
 barrier), so comparing the two measures what the fine-grained events buy.
@@ -100,14 +100,16 @@ class DecodeConfig:
         CTAs must be resident at once, or a wait could block forever).
       mailbox_depth: tasks the producer may hand a consumer ahead of it.
       prefetch_l2: down tasks prefetch their remaining weight tiles into L2 before waiting.
-      lookahead_steps: K steps of the CTA's *next* task whose weight tiles the producer
-        prefetches into L2 while it issues the current task, spread over the current task's
-        steps so that the last ones go out with its last step (`lookahead_share`); 0: none.
-        The dynamic scheduler then claims each task one task ahead, so the next task is
-        known. Why: the ring holds only `num_stages` steps, so one CTA keeps little in
-        flight; at T = 1 only 96 of 132 CTAs run an up task, and each of the 92 that also
-        run a down task starts loading its 192 KB of W2 only once its up task ends
-        (`docs/decode.md`, "Where T = 1 loses").
+      lookahead_steps: D, how far (in K steps) the producer's L2 prefetches run ahead of
+        the weight tiles it loads into the ring; 0: no lookahead. An up task's step k
+        prefetches its own step k + D (the CTA's first task its first D steps at its start;
+        down tasks' own steps are `prefetch_l2`'s), and every task prefetches the first
+        min(D, its steps) steps of the CTA's *next* task, spread over its own steps and
+        ending with its last (`lookahead_share`); the dynamic scheduler then claims each
+        task one task ahead, so the next task is known. Why: the ring holds `num_stages`
+        steps, so a CTA keeps about 48 KB in flight, and at T = 1 the 92 CTAs that run an up
+        then a down task start loading their down task's 192 KB of W2 only when the up task
+        ends (`docs/decode.md`, "Where T = 1 loses").
       rebalance_registers: move registers from the producer warpgroup to the consumers
         (`_common.rebalance_registers`, setmaxnreg). Off by default: unlike the other
         kernels' producers, this one also schedules tasks and waits on events, and whether
@@ -659,9 +661,11 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 box[c, slot, 1] = g
                 plgpu.barrier_arrive(box_full.at[c, slot])
 
-            def lookahead_target(following):
+            def lookahead_target(following, first):
                 """What the lookahead prefetches need of task `following` (the CTA's next
-                task; >= total: none), read once per task: no GMEM read in the step loops."""
+                task; >= total: none), read once per task: no GMEM read in the step loops.
+                `first`: the current task is the CTA's first (no task before it prefetched
+                its first steps)."""
                 if not l2_lookahead:
                     return None
                 is_up, is_down, tile, cb, _ = decode_task(following)
@@ -671,14 +675,14 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 expert = expert_ref[jnp.clip(tile, 0, dims.max_tiles - 1)]
                 cb_up = jnp.minimum(cb, dims.up_blocks - 1)
                 cb_dn = jnp.minimum(cb, dims.down_blocks - 1)
-                return live & is_up, live & is_down, expert, cb_up, cb_dn
+                return live & is_up, live & is_down, expert, cb_up, cb_dn, first
 
             def prefetch_ahead(target, k, current_steps):
                 """L2 prefetch of the share of the next task (`lookahead_target`) that goes
                 with step k of the current, `current_steps`-step task."""
                 if target is None:
                     return
-                next_up, next_down, expert, cb_up, cb_dn = target
+                next_up, next_down, expert, cb_up, cb_dn, _ = target
                 w1_e, w2_e = w1_ref.at[expert], w2_ref.at[expert]
                 for next_is_up, next_steps in ((True, num_k_up), (False, num_k_down)):
                     ahead, per = lookahead_share(current_steps, next_steps, config.lookahead_steps)
@@ -698,6 +702,19 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
             def issue_up(tile, cb, c, g0, ahead):
                 w_e = w1_ref.at[expert_ref[tile]]  # [d, 2n]
+
+                def up_boxes(k):  # the gate and up weight tiles [64, U] of step k
+                    rows = pl.ds(k * BLOCK_K, BLOCK_K)
+                    return (w_e.at[rows, pl.ds(cb * u_cols, u_cols)],
+                            w_e.at[rows, pl.ds(n + cb * u_cols, u_cols)])
+
+                # Lookahead within the task: step k also prefetches its own step k + D into
+                # L2 (an up task is 32 K steps at d = 2048; the ring holds `stages`), and the
+                # CTA's first task prefetches its first D steps now (no task before it did).
+                own_ahead = min(config.lookahead_steps, num_k_up) if ahead is not None else 0
+                for k in range(stages, own_ahead):
+                    for box in up_boxes(k):
+                        plgpu.async_prefetch(box, predicate=ahead[-1])
                 # Every producer lane is done reading the previous tile's ids (generic
                 # proxy) before the TMA (async proxy) overwrites them.
                 plgpu.commit_smem()
@@ -721,6 +738,10 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         w_e.at[pl.ds(k0, BLOCK_K), pl.ds(n + cb * u_cols, u_cols)], wu_smem(slot), bar
                     )
                     prefetch_ahead(ahead, k, num_k_up)
+                    if 0 < own_ahead < num_k_up:
+                        own = k + own_ahead
+                        for box in up_boxes(jnp.minimum(own, num_k_up - 1)):
+                            plgpu.async_prefetch(box, predicate=own < num_k_up)
                     if cp_async:
                         _common.cp_async_gather_rows(
                             x_ref.at[:, pl.ds(k0, BLOCK_K)], ids_smem, [a_mma.at[slot]], num_rows=bm
@@ -815,7 +836,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 c = j % 2
                 is_up, is_down, tile, cb, _ = decode_task(task)
                 steps = jnp.where(is_up, num_k_up, jnp.where(is_down, num_k_down, 0))
-                ahead = lookahead_target(following)  # (its GMEM read overlaps the post)
+                ahead = lookahead_target(following, j == 0)  # (its GMEM read overlaps the post)
                 for ci, kc in ((0, k0), (1, k1)):
                     @pl.when(valid & (c == ci))
                     def _(ci=ci, kc=kc):
