@@ -37,7 +37,7 @@ start at, so both schedulers share every line of task code:
 - dynamic: the producer takes the next task from a global atomic counter.
 With `lookahead_steps = D > 0` the producer's L2 prefetches run D K steps ahead of its ring
 loads: within an up task, and into the CTA's next task (the dynamic scheduler claims it a
-task ahead), a share with each K step (`lookahead_share`), so a CTA's weight stream does not
+task ahead, from the CTA's second task on), a share with each K step (`lookahead_share`), so a CTA's weight stream does not
 stop at a task boundary or an event wait.
 `fused=False` is the control of the seed paper ("unfused"): the same tasks, but every down
 task waits for all up tasks and every aggregation task for all down tasks (a global stage
@@ -106,7 +106,7 @@ class DecodeConfig:
         down tasks' own steps are `prefetch_l2`'s), and every task prefetches the first
         min(D, its steps) steps of the CTA's *next* task, spread over its own steps and
         ending with its last (`lookahead_share`); the dynamic scheduler then claims each
-        task one task ahead, so the next task is known. Why: the ring holds `num_stages`
+        task a task ahead (from the CTA's second task on), so the next task is known. Why: the ring holds `num_stages`
         steps, so a CTA keeps about 48 KB in flight, and at T = 1 the 92 CTAs that run an up
         then a down task start loading their down task's 192 KB of W2 only when the up task
         ends (`docs/decode.md`, "Where T = 1 loses").
@@ -817,26 +817,31 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                 jax.lax.fori_loop(prefetch_steps, num_k_down, step, None)
 
-            def claim(j, go=None):
-                """The CTA's j-th task. Dynamic: taken from the queue, only if `go` (else
-                `total`, no task; the fetch then adds 0)."""
-                if config.scheduler == "static":
-                    return sm + j * num_sms
-                if go is None:
-                    return events.fetch_add(dims.queue, 1)
-                return jnp.where(go, events.fetch_add(dims.queue, go.astype(jnp.int32)), total)
+            def fetch_task():
+                return events.fetch_add(dims.queue, 1)
 
             def schedule(carry):
                 j, g, k0, k1, claimed, _ = carry
-                task = claimed if claim_ahead else claim(j)
+                if config.scheduler == "static":
+                    task = sm + j * num_sms
+                    following = sm + (j + 1) * num_sms
+                elif not claim_ahead:
+                    task = fetch_task()
+                    following = total
+                else:
+                    # With lookahead the next task is claimed now, so its weights can be
+                    # prefetched while this one's are issued; but not during the CTA's first
+                    # task: CTAs start a little apart, and an early one claiming two of the
+                    # first tasks would carry two (at T = 1, two 512 KB up tasks).
+                    task = jax.lax.cond(claimed >= 0, lambda: claimed, fetch_task)
+                    ahead_now = (task < total) & (j >= 1)
+                    following = jax.lax.cond(ahead_now, fetch_task, lambda: jnp.int32(-1))
                 valid = task < total
-                # With lookahead the next task is claimed now, so its weights can be
-                # prefetched while this one's are issued.
-                following = claim(j + 1, valid) if claim_ahead else total
                 c = j % 2
                 is_up, is_down, tile, cb, _ = decode_task(task)
                 steps = jnp.where(is_up, num_k_up, jnp.where(is_down, num_k_down, 0))
-                ahead = lookahead_target(following, j == 0)  # (its GMEM read overlaps the post)
+                # (The GMEM read of the next task's expert overlaps the post.)
+                ahead = lookahead_target(jnp.where(following >= 0, following, total), j == 0)
                 for ci, kc in ((0, k0), (1, k1)):
                     @pl.when(valid & (c == ci))
                     def _(ci=ci, kc=kc):
@@ -855,9 +860,9 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 took1 = (valid & (c == 1)).astype(jnp.int32)
                 return j + valid.astype(jnp.int32), g, k0 + took0, k1 + took1, following, ~valid
 
-            first = claim(0) if claim_ahead else total
             zero = jnp.int32(0)
-            init = (zero, zero, zero, zero, jnp.asarray(first, jnp.int32), jnp.bool_(False))
+            # `claimed`: the dynamic scheduler's task claimed a task ahead, -1: none yet.
+            init = (zero, zero, zero, zero, jnp.int32(-1), jnp.bool_(False))
             _, g_end, k0, k1, _, _ = jax.lax.while_loop(lambda c: ~c[5], schedule, init)
             # No more tasks: a sentinel to each consumer.
             post(0, k0, jnp.int32(-1), g_end)
