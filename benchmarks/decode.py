@@ -10,6 +10,9 @@ T, in the same run:
 - `kernels_inf` (with --variants): the same kernels with `inference=True` (no H), the
   comparison for the megakernel without H;
 - `static`, `dynamic`: the megakernel (`pallas_moe.kernels.decode`) with each scheduler;
+- `static_ahead`, `dynamic_ahead`: the same with `lookahead_steps=16` (each producer's L2
+  prefetches run 16 K steps ahead of its ring loads, into the CTA's next task too);
+  `static_ahead8`, `static_ahead32` (with --variants): other distances;
 - `unfused` (and `unfused_dyn` with --variants): the megakernel's control, the same task code
   with a global barrier between stages;
 - `bound`: the weight-read bound, the bytes of the distinct experts the batch touches over the
@@ -53,6 +56,12 @@ MEGA_VARIANTS = {
     "dynamic": dict(scheduler="dynamic"),
     "unfused": dict(fused=False),
     "unfused_dyn": dict(fused=False, scheduler="dynamic"),
+    # L2 lookahead: each producer's L2 prefetches run 16 K steps ahead of its ring loads,
+    # within a task and into the CTA's next one (the dynamic queue is claimed a task ahead).
+    "static_ahead": dict(lookahead_steps=16),
+    "dynamic_ahead": dict(scheduler="dynamic", lookahead_steps=16),
+    "static_ahead8": dict(lookahead_steps=8),
+    "static_ahead32": dict(lookahead_steps=32),
     # Block-size alternatives (not run by default).
     "static_u128": dict(up_block_n=128, num_stages=3),
     "dynamic_u128": dict(scheduler="dynamic", up_block_n=128, num_stages=3),
@@ -62,7 +71,7 @@ MEGA_VARIANTS = {
     "static_regs": dict(rebalance_registers=True),
 }
 VARIANTS = ("kernels", "kernels_inf", *MEGA_VARIANTS)
-DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused")
+DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused", "static_ahead", "dynamic_ahead")
 # CUPTI kernel names of the MoE kernels (everything else is routing or metadata).
 MOE_KERNELS = ("moe_decode", "moe_up_proj", "moe_down_proj", "moe_aggregate")
 BYTES_PER_EXPERT = (D * 2 * N + N * D) * 2

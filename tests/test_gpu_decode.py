@@ -26,6 +26,10 @@ VARIANTS = {
     "static": dict(),
     "dynamic": dict(scheduler="dynamic"),
     "unfused": dict(fused=False),
+    # L2 lookahead 16 K steps ahead, within a task and into the CTA's next one (the dynamic
+    # scheduler claims a task ahead).
+    "static_ahead": dict(lookahead_steps=16),
+    "dynamic_ahead": dict(scheduler="dynamic", lookahead_steps=16),
 }
 
 
@@ -79,7 +83,9 @@ def _run(variant, x, plan, write_h=False):
     "num_tokens, variant",
     [(t, "static") for t in (1, 8, 64, 128, 512, 1024)]
     + [(t, "dynamic") for t in (1, 128, 1024)]
-    + [(t, "unfused") for t in (8, 512)],
+    + [(t, "unfused") for t in (8, 512)]
+    + [(t, "static_ahead") for t in (1, 8, 128, 1024)]
+    + [(t, "dynamic_ahead") for t in (1, 128)],
 )
 def test_matches_xla(num_tokens, variant):
     x, plan = _case(num_tokens, seed=0)
@@ -113,7 +119,7 @@ def test_h_matches_the_kernel_path():
     assert _rel_err(h[:rows], h_ref[:rows]) < 1e-2
 
 
-@pytest.mark.parametrize("variant", ["static", "dynamic"])
+@pytest.mark.parametrize("variant", ["static", "dynamic", "static_ahead", "dynamic_ahead"])
 def test_hundred_runs_no_hang_bitwise_equal(variant):
     x, plan = _case(64, seed=3)
     first, _ = _run(variant, x, plan)

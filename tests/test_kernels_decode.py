@@ -27,7 +27,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_moe.kernels import _events
 from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
 from pallas_moe.kernels.decode import (
-    DecodeConfig, decode_meta, decode_tasks, max_decode_tiles, moe_decode,
+    DecodeConfig, decode_meta, decode_tasks, lookahead_share, lookahead_step, max_decode_tiles,
+    moe_decode,
 )
 from pallas_moe.kernels.reference import (
     down_proj_reference, moe_forward_reference, up_proj_reference,
@@ -243,6 +244,45 @@ def test_whole_kernel_dynamic_queue_hands_out_every_task_once():
     assert fetched == total + config.num_sms
 
 
+@pytest.mark.slow  # 9 s of CI each; both also run on the H100 (static_ahead, dynamic_ahead)
+@pytest.mark.parametrize("scheduler, num_sms", [("static", 1), ("dynamic", 2)])
+def test_whole_kernel_lookahead_claims_each_task_once(scheduler, num_sms):
+    # With lookahead the producer claims its next task while it issues the current one: still
+    # every task exactly once (dynamic: one failed fetch per CTA; static: no fetch), and the
+    # same result. (A small case, for CI time: 2 tiles, 7 tasks.)
+    x, plan, w1, w2 = _case(6, num_tokens=4, num_experts=2, k=1)
+    config = dataclasses.replace(BASE, scheduler=scheduler, num_sms=num_sms, lookahead_steps=2)
+    _, meta, fetched = _run_whole(x, plan, w1, w2, config)
+    real = int(meta.counts[0])
+    assert real == 2
+    tasks = real * 2 + real * 1 + meta.block_target.shape[0]
+    assert fetched == (tasks + num_sms if scheduler == "dynamic" else 0)
+
+
+@pytest.mark.parametrize(
+    "current_steps, next_steps, lookahead",
+    [(32, 12, 32), (12, 32, 32), (32, 32, 32), (12, 12, 12), (12, 32, 8), (1, 5, 5), (3, 2, 100)],
+)
+def test_lookahead_share_prefetches_each_next_step_once_ending_with_the_last(
+    current_steps, next_steps, lookahead
+):
+    # Every one of the first min(lookahead, next_steps) steps of the next task is prefetched
+    # exactly once, in order, and the last ones with the current task's last step.
+    ahead, per = lookahead_share(current_steps, next_steps, lookahead)
+    assert ahead == min(lookahead, next_steps)
+    order = []
+    for k in range(current_steps):
+        for q in range(per):
+            i = lookahead_step(k, q, current_steps, ahead, per)
+            assert i < ahead
+            if i >= 0:
+                order.append((k, i))
+    assert [i for _, i in order] == list(range(ahead))
+    assert order[-1][0] == current_steps - 1
+    assert per * current_steps < ahead + current_steps  # no step carries more than needed
+    assert lookahead_share(current_steps, next_steps, 0) == (0, 0)
+
+
 @pytest.mark.parametrize("scheduler", ["static", "dynamic"])
 def test_whole_kernel_unfused_control(scheduler):
     x, plan, w1, w2 = _case(7)
@@ -377,6 +417,8 @@ def test_bad_inputs_raise_clear_errors():
         DecodeConfig(gather="cp_async", num_stages=2)
     with pytest.raises(ValueError, match="config.token_block"):
         DecodeConfig(token_block=0)
+    with pytest.raises(ValueError, match="config.lookahead_steps=-1"):
+        DecodeConfig(lookahead_steps=-1)
     with pytest.raises(ValueError, match="static scheduler's cross-CTA waits"):
         decode_tasks(x, plan, w1, w2, config=dataclasses.replace(BASE, num_sms=2), interpret=True)
     with pytest.raises(ValueError, match="need a_slab"):
@@ -419,9 +461,12 @@ def _abstract_plan(t, e, k):
         (8, dict(up_block_n=128, num_stages=3), False),
         (8, dict(num_stages=6), False),
         (64, dict(rebalance_registers=True), True),
+        # The L2 lookahead (prefetches and the dynamic scheduler's claim a task ahead).
+        (1, dict(lookahead_steps=16), False),
+        (8, dict(scheduler="dynamic", lookahead_steps=32), False),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6",
-         "setmaxnreg"],
+         "setmaxnreg", "T1-static-lookahead16", "T8-dynamic-lookahead32"],
 )
 def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
     from tests.cuda_target import h100_target

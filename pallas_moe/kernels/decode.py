@@ -35,6 +35,10 @@ each task to a consumer through an SMEM mailbox, together with the ring step its
 start at, so both schedulers share every line of task code:
 - static: CTA s runs tasks s, s + num_sms, ... (round robin over the global order);
 - dynamic: the producer takes the next task from a global atomic counter.
+With `lookahead_steps = D > 0` the producer's L2 prefetches run D K steps ahead of its ring
+loads: within an up task, and into the CTA's next task (the dynamic scheduler claims it a
+task ahead, from the CTA's second task on), a share with each K step (`lookahead_share`), so a CTA's weight stream does not
+stop at a task boundary or an event wait.
 `fused=False` is the control of the seed paper ("unfused"): the same tasks, but every down
 task waits for all up tasks and every aggregation task for all down tasks (a global stage
 barrier), so comparing the two measures what the fine-grained events buy.
@@ -96,6 +100,16 @@ class DecodeConfig:
         CTAs must be resident at once, or a wait could block forever).
       mailbox_depth: tasks the producer may hand a consumer ahead of it.
       prefetch_l2: down tasks prefetch their remaining weight tiles into L2 before waiting.
+      lookahead_steps: D, how far (in K steps) the producer's L2 prefetches run ahead of
+        the weight tiles it loads into the ring; 0: no lookahead. An up task's step k
+        prefetches its own step k + D (the CTA's first task its first D steps at its start;
+        down tasks' own steps are `prefetch_l2`'s), and every task prefetches the first
+        min(D, its steps) steps of the CTA's *next* task, spread over its own steps and
+        ending with its last (`lookahead_share`); the dynamic scheduler then claims each
+        task a task ahead (from the CTA's second task on), so the next task is known. Why: the ring holds `num_stages`
+        steps, so a CTA keeps about 48 KB in flight, and at T = 1 the 92 CTAs that run an up
+        then a down task start loading their down task's 192 KB of W2 only when the up task
+        ends (`docs/decode.md`, "Where T = 1 loses").
       rebalance_registers: move registers from the producer warpgroup to the consumers
         (`_common.rebalance_registers`, setmaxnreg). Off by default: unlike the other
         kernels' producers, this one also schedules tasks and waits on events, and whether
@@ -113,6 +127,7 @@ class DecodeConfig:
     num_sms: int = 132
     mailbox_depth: int = 2
     prefetch_l2: bool = True
+    lookahead_steps: int = 0
     rebalance_registers: bool = False
 
     def __post_init__(self):
@@ -139,6 +154,10 @@ class DecodeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"config.{name}={value!r} must be a positive int.")
+        if not isinstance(self.lookahead_steps, int) or self.lookahead_steps < 0:
+            raise ValueError(
+                f"config.lookahead_steps={self.lookahead_steps!r} must be an int >= 0."
+            )
         for name in ("prefetch_l2", "rebalance_registers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}.")
@@ -196,6 +215,27 @@ class _Dims:
     @property
     def queue(self) -> int:
         return self.stage_up + 2
+
+
+def lookahead_share(current_steps: int, next_steps: int, lookahead_steps: int) -> tuple[int, int]:
+    """How a producer spreads the L2 prefetch of its next task over its current task.
+
+    The first `ahead = min(lookahead_steps, next_steps)` K steps of the next task are
+    prefetched, `per = ceil(ahead / current_steps)` with each of the current task's K steps,
+    ending with its last: current step k prefetches next steps
+    `lookahead_step(k, q, current_steps, ahead, per)` for q < per, those that are >= 0
+    (every next step exactly once). Returns (ahead, per); (0, 0) when there is nothing to do.
+    """
+    ahead = min(lookahead_steps, next_steps)
+    if ahead <= 0 or current_steps <= 0:
+        return 0, 0
+    return ahead, -(-ahead // current_steps)
+
+
+def lookahead_step(k, q, current_steps: int, ahead: int, per: int):
+    """The next task's K step prefetched as share q of current step k (see `lookahead_share`);
+    negative: none. Works on Python and traced ints."""
+    return ahead - (current_steps - k) * per + q
 
 
 def max_decode_tiles(capacity: int, num_experts: int, block_m: int) -> int:
@@ -548,6 +588,11 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
     num_chunks = d // dims.agg_width
     agg_group = max(1, AGG_LOADS_IN_FLIGHT // num_chunks)  # rows per load group
     prefetch_steps = min(stages, num_k_down)  # down-task weight steps issued before the wait
+    # Lookahead: the dynamic scheduler claims tasks one ahead whenever it is on, interpret
+    # mode included (so the claim logic runs in the CPU tests); the L2 prefetches of the next
+    # task's weights are compiled only (interpret mode has no L2).
+    claim_ahead = config.lookahead_steps > 0
+    l2_lookahead = claim_ahead and not interpret
 
     def body(*refs):
         (counts_ref, expert_ref, start_ref, rows_ref, ids_ref, blo_ref, bcnt_ref, btgt_ref,
@@ -616,8 +661,60 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 box[c, slot, 1] = g
                 plgpu.barrier_arrive(box_full.at[c, slot])
 
-            def issue_up(tile, cb, c, g0):
+            def lookahead_target(following, first):
+                """What the lookahead prefetches need of task `following` (the CTA's next
+                task; >= total: none), read once per task: no GMEM read in the step loops.
+                `first`: the current task is the CTA's first (no task before it prefetched
+                its first steps)."""
+                if not l2_lookahead:
+                    return None
+                is_up, is_down, tile, cb, _ = decode_task(following)
+                live = following < total
+                # Aggregation tasks and "no task" decode to out-of-range tiles: clamp the
+                # address, the predicates drop their prefetches.
+                expert = expert_ref[jnp.clip(tile, 0, dims.max_tiles - 1)]
+                cb_up = jnp.minimum(cb, dims.up_blocks - 1)
+                cb_dn = jnp.minimum(cb, dims.down_blocks - 1)
+                return live & is_up, live & is_down, expert, cb_up, cb_dn, first
+
+            def prefetch_ahead(target, k, current_steps):
+                """L2 prefetch of the share of the next task (`lookahead_target`) that goes
+                with step k of the current, `current_steps`-step task."""
+                if target is None:
+                    return
+                next_up, next_down, expert, cb_up, cb_dn, _ = target
+                w1_e, w2_e = w1_ref.at[expert], w2_ref.at[expert]
+                for next_is_up, next_steps in ((True, num_k_up), (False, num_k_down)):
+                    ahead, per = lookahead_share(current_steps, next_steps, config.lookahead_steps)
+                    for q in range(per):
+                        i = lookahead_step(k, q, current_steps, ahead, per)
+                        if isinstance(i, int) and i < 0:  # a static step with no share
+                            continue
+                        go = (next_up if next_is_up else next_down) & (i >= 0)
+                        rows = pl.ds(jnp.maximum(i, 0) * BLOCK_K, BLOCK_K)
+                        if next_is_up:
+                            boxes = (w1_e.at[rows, pl.ds(cb_up * u_cols, u_cols)],
+                                     w1_e.at[rows, pl.ds(n + cb_up * u_cols, u_cols)])
+                        else:
+                            boxes = (w2_e.at[rows, pl.ds(cb_dn * bn, bn)],)
+                        for box in boxes:
+                            plgpu.async_prefetch(box, predicate=go)
+
+            def issue_up(tile, cb, c, g0, ahead):
                 w_e = w1_ref.at[expert_ref[tile]]  # [d, 2n]
+
+                def up_boxes(k):  # the gate and up weight tiles [64, U] of step k
+                    rows = pl.ds(k * BLOCK_K, BLOCK_K)
+                    return (w_e.at[rows, pl.ds(cb * u_cols, u_cols)],
+                            w_e.at[rows, pl.ds(n + cb * u_cols, u_cols)])
+
+                # Lookahead within the task: step k also prefetches its own step k + D into
+                # L2 (an up task is 32 K steps at d = 2048; the ring holds `stages`), and the
+                # CTA's first task prefetches its first D steps now (no task before it did).
+                own_ahead = min(config.lookahead_steps, num_k_up) if ahead is not None else 0
+                for k in range(stages, own_ahead):
+                    for box in up_boxes(k):
+                        plgpu.async_prefetch(box, predicate=ahead[-1])
                 # Every producer lane is done reading the previous tile's ids (generic
                 # proxy) before the TMA (async proxy) overwrites them.
                 plgpu.commit_smem()
@@ -640,6 +737,11 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     plgpu.copy_gmem_to_smem(  # [64, U] the matching up columns
                         w_e.at[pl.ds(k0, BLOCK_K), pl.ds(n + cb * u_cols, u_cols)], wu_smem(slot), bar
                     )
+                    prefetch_ahead(ahead, k, num_k_up)
+                    if 0 < own_ahead < num_k_up:
+                        own = k + own_ahead
+                        for box in up_boxes(jnp.minimum(own, num_k_up - 1)):
+                            plgpu.async_prefetch(box, predicate=own < num_k_up)
                     if cp_async:
                         _common.cp_async_gather_rows(
                             x_ref.at[:, pl.ds(k0, BLOCK_K)], ids_smem, [a_mma.at[slot]], num_rows=bm
@@ -668,7 +770,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         _common.cp_async_stage_done(len(tail) - 1 - i)
                         plgpu.barrier_arrive(full_up.at[c, (g0 + k) % stages])
 
-            def issue_down(tile, cb, c, g0):
+            def issue_down(tile, cb, c, g0, ahead):
                 w_e = w2_ref.at[expert_ref[tile]]  # [n, d]
                 a_rows = pl.ds(tile * bm, bm)
 
@@ -685,6 +787,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     g = g0 + k
                     wait_slot(g)
                     plgpu.copy_gmem_to_smem(w_tile(k), wd_smem(g % stages), full_dn.at[c, g % stages])
+                    prefetch_ahead(ahead, k, num_k_down)
                 if config.prefetch_l2 and not interpret:
                     for k in range(prefetch_steps, num_k_down):
                         plgpu.async_prefetch(w_tile(k))
@@ -705,6 +808,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     slot = g % stages
                     wait_slot(g)
                     plgpu.copy_gmem_to_smem(w_tile(k), wd_smem(slot), full_dn.at[c, slot])
+                    prefetch_ahead(ahead, k, num_k_down)
                     plgpu.copy_gmem_to_smem(
                         a_src.at[a_rows, pl.ds(k * BLOCK_K, BLOCK_K)], a_mma.at[slot],
                         full_dn.at[c, slot],
@@ -713,18 +817,31 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                 jax.lax.fori_loop(prefetch_steps, num_k_down, step, None)
 
-            def next_task(j):
-                if config.scheduler == "static":
-                    return sm + j * num_sms
+            def fetch_task():
                 return events.fetch_add(dims.queue, 1)
 
             def schedule(carry):
-                j, g, k0, k1, _ = carry
-                task = next_task(j)
+                j, g, k0, k1, claimed, _ = carry
+                if config.scheduler == "static":
+                    task = sm + j * num_sms
+                    following = sm + (j + 1) * num_sms
+                elif not claim_ahead:
+                    task = fetch_task()
+                    following = total
+                else:
+                    # With lookahead the next task is claimed now, so its weights can be
+                    # prefetched while this one's are issued; but not during the CTA's first
+                    # task: CTAs start a little apart, and an early one claiming two of the
+                    # first tasks would carry two (at T = 1, two 512 KB up tasks).
+                    task = jax.lax.cond(claimed >= 0, lambda: claimed, fetch_task)
+                    ahead_now = (task < total) & (j >= 1)
+                    following = jax.lax.cond(ahead_now, fetch_task, lambda: jnp.int32(-1))
                 valid = task < total
                 c = j % 2
                 is_up, is_down, tile, cb, _ = decode_task(task)
                 steps = jnp.where(is_up, num_k_up, jnp.where(is_down, num_k_down, 0))
+                # (The GMEM read of the next task's expert overlaps the post.)
+                ahead = lookahead_target(jnp.where(following >= 0, following, total), j == 0)
                 for ci, kc in ((0, k0), (1, k1)):
                     @pl.when(valid & (c == ci))
                     def _(ci=ci, kc=kc):
@@ -732,19 +849,21 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                         @pl.when(is_up)
                         def _():
-                            issue_up(tile, cb, ci, g)
+                            issue_up(tile, cb, ci, g, ahead)
 
                         @pl.when(is_down)
                         def _():
-                            issue_down(tile, cb, ci, g)
+                            issue_down(tile, cb, ci, g, ahead)
 
                 g = g + jnp.where(valid, steps, 0)
                 took0 = (valid & (c == 0)).astype(jnp.int32)
                 took1 = (valid & (c == 1)).astype(jnp.int32)
-                return j + valid.astype(jnp.int32), g, k0 + took0, k1 + took1, ~valid
+                return j + valid.astype(jnp.int32), g, k0 + took0, k1 + took1, following, ~valid
 
-            init = (jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.bool_(False))
-            _, g_end, k0, k1, _ = jax.lax.while_loop(lambda c: ~c[4], schedule, init)
+            zero = jnp.int32(0)
+            # `claimed`: the dynamic scheduler's task claimed a task ahead, -1: none yet.
+            init = (zero, zero, zero, zero, jnp.int32(-1), jnp.bool_(False))
+            _, g_end, k0, k1, _, _ = jax.lax.while_loop(lambda c: ~c[5], schedule, init)
             # No more tasks: a sentinel to each consumer.
             post(0, k0, jnp.int32(-1), g_end)
             post(1, k1, jnp.int32(-1), g_end)
