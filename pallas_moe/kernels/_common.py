@@ -418,11 +418,12 @@ def row_tile_buffers(shape, dtype, interpret: bool):
     return _two_view_buffer(*row_tile_types(shape, dtype), interpret)
 
 
-def write_row_tile(mma_view, value) -> None:
-    """Writes `value` [rows, cols] (registers, wgmma layout) into a `row_tile_types` tile."""
-    slabs, w = mma_view.shape[-3], mma_view.shape[-1]
-    for h in range(slabs):
-        mma_view[h] = value[:, h * w:(h + 1) * w]
+def write_row_tile(mma_view, value, first_slab: int = 0) -> None:
+    """Writes `value` [rows, cols] (registers, wgmma layout) into a `row_tile_types` tile,
+    from its slab `first_slab` on (cols // w slabs; all of them by default)."""
+    w = mma_view.shape[-1]
+    for h in range(value.shape[-1] // w):
+        mma_view[first_slab + h] = value[:, h * w:(h + 1) * w]
 
 
 def read_row_tile(mma_view):

@@ -479,7 +479,8 @@ def _warp_specialized_kernel(
                     dsts += [h_out.at[:, pl.ds(col, bn)], h_out.at[:, pl.ds(n + col, bn)]]
                 # One 64-column slab at a time (`epilogue_slabs`): only a slab's temporaries
                 # are live next to the two accumulators.
-                slab = o_mma.shape[-1] if config.epilogue_slabs else bn
+                w = o_mma.shape[-1]  # columns of one slab
+                slab = w if config.epilogue_slabs else bn
                 for h0 in range(0, bn, slab):
                     cut = slice(h0, h0 + slab)
                     act, hg, hu = _common.swiglu_epilogue(  # [mb, slab] each
@@ -487,9 +488,7 @@ def _warp_specialized_kernel(
                         *(None if b is None else b[:, cut] for b in biases),
                     )
                     for t, tile in enumerate((act, hg, hu)[:num_out]):
-                        for h in range(slab // o_mma.shape[-1]):
-                            w = o_mma.shape[-1]
-                            o_mma[c, t, h0 // w + h] = tile[:, h * w:(h + 1) * w]
+                        _common.write_row_tile(o_mma.at[c, t], tile, first_slab=h0 // w)
                 plgpu.commit_smem()
                 for t, dst in enumerate(dsts):
                     _common.store_row_tile(o_copy.at[c, t], dst, dst0, count, mb)
