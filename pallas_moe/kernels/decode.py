@@ -109,7 +109,8 @@ class DecodeConfig:
         task a task ahead (from the CTA's second task on), so the next task is known. Why: the ring holds `num_stages`
         steps, so a CTA keeps about 48 KB in flight, and at T = 1 the 92 CTAs that run an up
         then a down task start loading their down task's 192 KB of W2 only when the up task
-        ends (`docs/decode.md`, "Where T = 1 loses").
+        ends (`docs/decode.md`, "Where T = 1 loses"). Measured on the H100 (session 7):
+        1.1-1.6x slower at every T with D = 16 (the benchmark's `*_ahead` variants), so 0.
       rebalance_registers: move registers from the producer warpgroup to the consumers
         (`_common.rebalance_registers`, setmaxnreg). Off by default: unlike the other
         kernels' producers, this one also schedules tasks and waits on events, and whether
