@@ -56,13 +56,16 @@ def next_pow2(v: int) -> int:
 
 
 def block_tokens(num_experts: int) -> int:
-    """Tokens per top-K program: 8, or 4 past 128 experts.
+    """Tokens per top-K program: 8, or 2 past 128 experts.
 
-    Measured on an H100 (benchmarks/RESULTS.md, routing sweep): the kernel is fastest with
+    Measured on an H100 (benchmarks/RESULTS.md, routing sweeps): the kernel is fastest with
     small blocks and about 8 elements of the [block_t, E] tile per thread; 64-token blocks
-    were 5x slower (registers spill).
+    were 5x slower (registers spill). Past 128 experts fewer warps per token pay (each of
+    the K rounds reduces across the warps of a row): at 16384 x 512 x 10 the whole top-K
+    plan took 117.9 us with 2-token blocks against 123.4 with 4 (session 7; 1-token blocks
+    are faster alone but their per-block histograms cost more than they save).
     """
-    return 8 if next_pow2(num_experts) <= 128 else 4
+    return 8 if next_pow2(num_experts) <= 128 else 2
 
 
 def block_warps(num_experts: int) -> int:
