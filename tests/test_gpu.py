@@ -6,6 +6,7 @@ fresh random data, for top-K and token-rounding plans, plus run-to-run bitwise d
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallas_moe as pm
@@ -309,3 +310,32 @@ def test_chunked_row_ffn_equals_moe_ffn_bitwise(skew):
         y = jax.jit(lambda x: chunked_row_ffn(x, plan, w1, w2, num_chunks=num_chunks, backend="mosaic"))(x)
         got = grouped_rows(y, bounds, rows)
         assert bool(jnp.array_equal(got, whole)), f"{num_chunks} chunks"
+
+
+@pytest.mark.parametrize("shape", [(6000, 1536, 256, 32, 8), (3000, 4096, 512, 16, 4)])
+def test_dh_early_h_equals_after_the_k_loop(shape):
+    """dH with H loaded into the pipeline's bytes during the last K steps (`early_h`) writes
+    the same bits as loading it after the K loop, at the 7B and 30B widths (skewed routing,
+    poisoned outputs)."""
+    import dataclasses
+
+    from pallas_moe.kernels.dh import dh_kernel
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+
+    T, d, n, E, K = shape
+    ks = jax.random.split(jax.random.key(T + d), 5)
+    logits = jax.random.normal(ks[0], (T, E)).at[:, :2].add(1.5)
+    plan = pm.routing.topk_plan(logits, K)
+    do = jax.random.normal(ks[1], (T, d), jnp.bfloat16)
+    h = jax.random.normal(ks[2], (plan.capacity, 2 * n), jnp.bfloat16)
+    w2 = (jax.random.normal(ks[3], (E, n, d)) * n**-0.5).astype(jnp.bfloat16)
+    base = BackwardConfig.for_shape(d, n).dh
+    rows = int(plan.num_rows)
+    outs = []
+    for cfg in (base, dataclasses.replace(base, early_h=not base.early_h)):
+        f = jax.jit(lambda *a, cfg=cfg: dh_kernel(*a, config=cfg))
+        _poison(plan.capacity * 3 * n * 2)
+        dh, ap, ds = f(do, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+        outs.append((np.asarray(dh[:rows]), np.asarray(ap[:rows]), np.asarray(ds)))
+    for a, b in zip(*outs):
+        assert np.all(np.isfinite(a.astype(np.float32))) and np.array_equal(a, b)

@@ -290,6 +290,27 @@ def test_dh_kernel_detect_races(consumers, prefetch_h):
     assert_close(d_scores, ref_ds, 1e-4, "d_scores")
 
 
+def test_dh_kernel_early_h_load_no_races():
+    """`early_h`: the consumers load H into the pipeline's bytes before the K loop's last
+    step (d = 448: 7 K steps over 5 stages, so the last step's slot lies outside the H
+    tiles and `_h_load_step` is 6), with the race detector; against the reference."""
+    from pallas_moe.kernels.dh import _h_load_step
+
+    assert _h_load_step(64, 64, 64, 5, 2, 7) == 6
+    x, h, plan, w1, w2, grad_out = make_problem(7, 20, 448, 128, 2, 2)
+    dh, a_scaled, d_scores = dh_kernel(
+        grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2,
+        config=DHConfig(block_n=64, num_stages=5, num_consumers=2, early_h=True),
+        interpret=interp(detect_races=True),
+    )
+    assert not races_found()
+    ref_dh, ref_a, ref_ds = dh_reference(grad_out, h, plan, w2)
+    rows = int(plan.num_rows)
+    assert_close(dh[:rows], ref_dh[:rows], 1e-2, "dh")
+    assert_close(a_scaled[:rows], ref_a[:rows], 1e-2, "a_scaled")
+    assert_close(d_scores, ref_ds, 1e-4, "d_scores")
+
+
 def test_dh_kernel_clamped_swiglu_no_races():
     """gpt-oss's clamped SwiGLU in the dH epilogue: zero gradient where a clamp is active,
     as `SwiGLU.grad` (the `xla` backend's); H from an up-proj with an expert bias."""

@@ -19,6 +19,8 @@ from pallas_moe.routing.plan import TileSchedule, count_at_most, tile_schedule
 
 # bf16 with a 128-byte swizzle: the minor (K) dimension of an MMA operand tile in SMEM.
 SWIZZLE_BYTES = 128
+# Pallas starts every SMEM scratch ref, and every member of a RefUnion group, this aligned.
+SMEM_ALIGNMENT = 1024
 
 
 def mma_transforms(dtype) -> tuple:

@@ -82,6 +82,10 @@ class DHConfig:
       epilogue_cols: warp-specialized kernel only: the dSwiGLU epilogue runs in chunks of
         this many columns (a multiple of 8 dividing block_n; 0 = the whole block at once),
         so only a chunk's temporaries are live next to the accumulator.
+      early_h: warp-specialized kernel with `prefetch_h=False` only: the consumers start
+        loading the tile's H into the pipeline's bytes as soon as both are done with every
+        K step whose slot those bytes overlay (`_h_load_step`), so the load overlaps the
+        last K steps instead of following them. False = after the K loop.
     """
 
     block_m: int = 64
@@ -96,6 +100,7 @@ class DHConfig:
     gather_completion: str = "wait_group"
     prefetch_h: bool = False
     epilogue_cols: int = 64
+    early_h: bool = False
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -163,6 +168,30 @@ def load_rows(src_gmem, dst_smem, row0, num_rows, max_rows: int, bars, issue: bo
         start = start + (num_rows & this)
         size //= 2
         i += 1
+
+
+def _h_load_step(bm: int, bn: int, bk: int, stages: int, cons: int, num_k: int) -> int:
+    """The first K step at which the warp-specialized kernel's consumers may start loading
+    H (`early_h`): one past the last step whose pipeline slot shares bytes with the H tiles
+    the epilogue overlays (`num_k`: only after the K loop).
+
+    Mirrors the layout `_dh_warp_specialized` asks `gathered_pipeline_smem` for (each ref of
+    a `RefUnion` group starting `SMEM_ALIGNMENT`-aligned): the pipeline group is the dO
+    stages [stages, bm, bk] then the W2 stages [stages, C*bn, bk]; the epilogue group is A'
+    [C, bm, bn], dS f32 [C, bm], then H [C, 2, bm, bn].
+    """
+    align = lambda b: -(-b // _common.SMEM_ALIGNMENT) * _common.SMEM_ALIGNMENT  # noqa: E731
+    h_lo = align(align(cons * bm * bn * 2) + cons * bm * 4)
+    h_hi = h_lo + cons * 2 * bm * bn * 2
+    a_slot, w_slot = bm * bk * 2, cons * bn * bk * 2
+    w0 = align(stages * a_slot)
+
+    def overlays_h(slot):
+        spans = [(slot * a_slot, (slot + 1) * a_slot), (w0 + slot * w_slot, w0 + (slot + 1) * w_slot)]
+        return any(lo < h_hi and h_lo < hi for lo, hi in spans)
+
+    used = [ki for ki in range(num_k) if overlays_h(ki % stages)]
+    return (max(used) + 1) if used else 0
 
 
 def ladder_len(max_rows: int) -> int:
@@ -404,6 +433,9 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
     num_ladder = ladder_len(bm)
+    h_step = _h_load_step(bm, bn, bk, stages, cons, num_k)
+    # Interpret mode keeps the epilogue's buffers apart from the pipeline's: any step works.
+    early = config.early_h and not config.prefetch_h and 1 <= h_step < num_k
     rows_per_warp = bm // 4
     # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
     cp_async = config.gather == "cp_async" and interpret_mode is None
@@ -412,10 +444,10 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
              dh_out, ap_out, ds_out, *scratch):
         if prefetch_h:
-            bufs, h_smem, full, empty, ids_bar, h_bars, s_bar, epi_bar, *a_landed = scratch
+            bufs, h_smem, full, empty, ids_bar, h_bars, s_bar, epi_bar, h_ready, *a_landed = scratch
             a_copy, a_mma, (b_smem, ids_smem, s_smem), (ap_smem, ds_smem) = views(bufs)
         else:
-            bufs, full, empty, ids_bar, h_bars, s_bar, epi_bar, *a_landed = scratch
+            bufs, full, empty, ids_bar, h_bars, s_bar, epi_bar, h_ready, *a_landed = scratch
             a_copy, a_mma, (b_smem, ids_smem, s_smem), (ap_smem, ds_smem, h_smem) = views(bufs)
         if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
             _common.cp_async_stage_barriers_init(a_landed[0])
@@ -486,6 +518,16 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                         plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
                         plgpu.wgmma_wait(1)  # step ki-1 is done: release its slot
 
+                        if early:  # every step before ki is done: H's bytes are free
+                            @pl.when(ki == h_step)
+                            def _():
+                                plgpu.barrier_arrive(h_ready)
+                                plgpu.barrier_wait(h_ready)
+                                load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars,
+                                          True, bar0)
+                                load_rows(h_up, h_smem.at[c, 1], row0, num_rows, bm, h_bars,
+                                          True, bar0)
+
                         # Only the releases the producer waits for (step ki-1 + stages exists),
                         # so every completed phase of `empty` is observed.
                         @pl.when((ki >= 1) & (ki - 1 + stages < num_k))
@@ -502,7 +544,7 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 # A' and dS reuse the pipeline's SMEM: every consumer is done reading it first.
                 plgpu.barrier_arrive(epi_bar)
                 plgpu.barrier_wait(epi_bar)
-                if not prefetch_h:  # H goes into the pipeline's SMEM, now free
+                if not prefetch_h and not early:  # H goes into the pipeline's SMEM, now free
                     load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, True, bar0)
                     load_rows(h_up, h_smem.at[c, 1], row0, num_rows, bm, h_bars, True, bar0)
                 plgpu.barrier_wait(s_bar)
@@ -567,6 +609,7 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
         plgpu.Barrier(num_arrivals=2, num_barriers=cons * num_ladder),  # H boxes
         plgpu.Barrier(),  # scores
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the pipeline
+        plgpu.Barrier(num_arrivals=cons),  # consumers done with the steps H overlays
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
     return plgpu.kernel(

@@ -80,7 +80,10 @@ class BackwardConfig:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=2, pad_rows_to=k)
         else:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=1, pad_rows_to=k)
-        dh = dataclasses.replace(dh, gather_completion=dh_completion)
+        # H starts loading into the pipeline's bytes during the last K steps (`early_h`):
+        # measured on the H100 in one run (session 7), bitwise the same, 627.4 -> 611.8 us
+        # at 7B and 3003.7 -> 2963.6 us at 30B.
+        dh = dataclasses.replace(dh, gather_completion=dh_completion, early_h=True)
         # Weight gradients: measured on the H100 (benchmarks/RESULTS.md, 7B sweep), a CTA
         # tile of 256 x 128 with 2 consumers beats 128 x 128 by ~20%; the output tile reuses
         # the pipeline's SMEM, which leaves room for 4 stages of 48 KB.
