@@ -109,6 +109,10 @@ def test_sort_impl_equals_dense(c):
     assert_same_plan(got, want, got_grad, want_grad)
 
 
+@pytest.mark.slow  # CI time (~55 s): the interpreted kernels stay covered in CI by
+# test_fast_equals_dense_under_jit[interpret-...], test_select_largest_matches_numpy and
+# test_tokens_per_expert_by_kernel_matches_numpy, and on
+# the H100 by tests/test_gpu.py's plan equality tests (every rounding and score mode).
 @settings(max_examples=6, deadline=None)
 @given(case())
 def test_kernel_impl_equals_dense(c):
