@@ -23,8 +23,9 @@ overlapping the K loop.
 
 fp8 accumulation (`config.fp8_promote_every`): Hopper's fp8 wgmma does not accumulate in
 f32. Per k=32 instruction it aligns the accumulator and the 32 products to their largest
-exponent and truncates every term toward zero 13 bits below it (a bit-exact numpy model of
-this is `tests/fp8_wgmma_model.py`; docs/quant.md). Left alone over K = 1536, the growing
+exponent and truncates every term toward zero 13 bits below it, then the sum to 13 bits below
+its own leading bit (a bit-exact numpy model of this is `tests/fp8_wgmma_model.py`;
+docs/quant.md). Left alone over K = 1536, the growing
 accumulator costs each later product its low bits (2.3% of the 7B down-proj's outputs off by
 more than a bf16 step). So, as DeepSeek-V3 / DeepGEMM do, the K loop runs in intervals of
 `fp8_promote_every` K blocks (128 elements each): each interval wgmmas into a fresh zeroed
