@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -392,6 +393,19 @@ def gathered_pipeline_smem(a_shape, dtype, others, epilogue, interpret: bool, ro
         (copy_a, *others), mma_group,
         (*epilogue, *(m for _, m in tile_views)), (*epilogue, *(c for c, _ in tile_views)),
     ), views
+
+
+def group_spans(types) -> list[tuple[int, int]]:
+    """Byte spans `[lo, hi)` of SMEM types laid out as Pallas lays out the members of a
+    `RefUnion` group: in order, each starting `SMEM_ALIGNMENT`-aligned (what a kernel needs
+    to know which pipeline bytes an overlaid epilogue buffer shares)."""
+    spans, offset = [], 0
+    for t in types:
+        offset = -(-offset // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+        size = math.prod(t.shape) * jnp.dtype(t.dtype).itemsize
+        spans.append((offset, offset + size))
+        offset += size
+    return spans
 
 
 def row_tile_types(shape, dtype):

@@ -170,25 +170,42 @@ def load_rows(src_gmem, dst_smem, row0, num_rows, max_rows: int, bars, issue: bo
         i += 1
 
 
+def _smem_layout(bm: int, bn: int, bk: int, stages: int, cons: int):
+    """SMEM of the warp-specialized kernel (`gathered_pipeline_smem`'s arguments): the dO
+    stages' shape, the pipeline's other arrays (W2 stages, then the tile's token ids and
+    scores), the epilogue's arrays before H (A', dS partials) and H's type."""
+    dtype = jnp.bfloat16
+    others = [
+        plgpu.SMEM((stages, cons * bn, bk), dtype, transforms=_common.mma_transforms(dtype)),
+        # Token ids and scores of the tile, past the bytes the epilogue reuses (packed here
+        # rather than as separate buffers, which are each padded to 1 KB).
+        plgpu.SMEM((bm,), jnp.int32),
+        plgpu.SMEM((bm,), jnp.float32),
+    ]
+    epilogue = [
+        plgpu.SMEM((cons, bm, bn), dtype),  # per consumer: A'
+        plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: dS partial
+    ]
+    h_type = plgpu.SMEM((cons, 2, bm, bn), dtype)  # per consumer: H gate, H up -> dH
+    return (stages, bm, bk), others, epilogue, h_type
+
+
 def _h_load_step(bm: int, bn: int, bk: int, stages: int, cons: int, num_k: int) -> int:
     """The first K step at which the warp-specialized kernel's consumers may start loading
     H (`early_h`): one past the last step whose pipeline slot shares bytes with the H tiles
-    the epilogue overlays (`num_k`: only after the K loop).
-
-    Mirrors the layout `_dh_warp_specialized` asks `gathered_pipeline_smem` for (each ref of
-    a `RefUnion` group starting `SMEM_ALIGNMENT`-aligned): the pipeline group is the dO
-    stages [stages, bm, bk] then the W2 stages [stages, C*bn, bk]; the epilogue group is A'
-    [C, bm, bn], dS f32 [C, bm], then H [C, 2, bm, bn].
+    the epilogue overlays (`num_k`: only after the K loop). The bytes come from the kernel's
+    own `_smem_layout`, placed as Pallas places a `RefUnion` group (`_common.group_spans`).
     """
-    align = lambda b: -(-b // _common.SMEM_ALIGNMENT) * _common.SMEM_ALIGNMENT  # noqa: E731
-    h_lo = align(align(cons * bm * bn * 2) + cons * bm * 4)
-    h_hi = h_lo + cons * 2 * bm * bn * 2
-    a_slot, w_slot = bm * bk * 2, cons * bn * bk * 2
-    w0 = align(stages * a_slot)
+    a_shape, others, epilogue, h_type = _smem_layout(bm, bn, bk, stages, cons)
+    stage_arrays = _common.group_spans([plgpu.SMEM(a_shape, jnp.bfloat16), others[0]])
+    h_lo, h_hi = _common.group_spans([*epilogue, h_type])[-1]
 
     def overlays_h(slot):
-        spans = [(slot * a_slot, (slot + 1) * a_slot), (w0 + slot * w_slot, w0 + (slot + 1) * w_slot)]
-        return any(lo < h_hi and h_lo < hi for lo, hi in spans)
+        for lo, hi in stage_arrays:
+            step = (hi - lo) // stages
+            if lo + slot * step < h_hi and h_lo < lo + (slot + 1) * step:
+                return True
+        return False
 
     used = [ki for ki in range(num_k) if overlays_h(ki % stages)]
     return (max(used) + 1) if used else 0
@@ -431,7 +448,6 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     num_k = d // bk
     grid_n = n // cols
     dtype = jnp.bfloat16
-    tf = _common.mma_transforms(dtype)
     num_ladder = ladder_len(bm)
     h_step = _h_load_step(bm, bn, bk, stages, cons, num_k)
     # Interpret mode keeps the epilogue's buffers apart from the pipeline's: any step works.
@@ -505,9 +521,13 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 h_gate = h_ref.at[:, pl.ds(c0, bn)]  # [P, bn]
                 h_up = h_ref.at[:, pl.ds(n + c0, bn)]  # [P, bn]
                 bar0 = c * num_ladder
-                if prefetch_h:  # H lands while the K loop runs
+
+                def start_h_loads():  # this consumer's H gate and up rows -> h_smem[c]
                     load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, True, bar0)
                     load_rows(h_up, h_smem.at[c, 1], row0, num_rows, bm, h_bars, True, bar0)
+
+                if prefetch_h:  # H lands while the K loop runs
+                    start_h_loads()
 
                 def mma_scope(acc):
                     def step(ki, carry):
@@ -523,10 +543,7 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                             def _():
                                 plgpu.barrier_arrive(h_ready)
                                 plgpu.barrier_wait(h_ready)
-                                load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars,
-                                          True, bar0)
-                                load_rows(h_up, h_smem.at[c, 1], row0, num_rows, bm, h_bars,
-                                          True, bar0)
+                                start_h_loads()
 
                         # Only the releases the producer waits for (step ki-1 + stages exists),
                         # so every completed phase of `empty` is observed.
@@ -545,8 +562,7 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 plgpu.barrier_arrive(epi_bar)
                 plgpu.barrier_wait(epi_bar)
                 if not prefetch_h and not early:  # H goes into the pipeline's SMEM, now free
-                    load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, True, bar0)
-                    load_rows(h_up, h_smem.at[c, 1], row0, num_rows, bm, h_bars, True, bar0)
+                    start_h_loads()
                 plgpu.barrier_wait(s_bar)
                 load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, False, bar0)
                 layout = plgpu.Layout.WGMMA
@@ -578,22 +594,12 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # Per consumer: H gate, H up -> dH gate, dH up.
-    h_types = [plgpu.SMEM((cons, 2, bm, bn), dtype)]
+    a_shape, others, epilogue, h_type = _smem_layout(bm, bn, bk, stages, cons)
+    h_types = [h_type]
     prefetch_h = config.prefetch_h
     bufs, views = _common.gathered_pipeline_smem(
-        (stages, bm, bk), dtype,
-        others=[
-            plgpu.SMEM((stages, cols, bk), dtype, transforms=tf),  # W2 stages
-            # Token ids and scores of the tile, past the bytes the epilogue reuses (packed
-            # here rather than as separate buffers, which are each padded to 1 KB).
-            plgpu.SMEM((bm,), jnp.int32),
-            plgpu.SMEM((bm,), jnp.float32),
-        ],
-        epilogue=[
-            plgpu.SMEM((cons, bm, bn), dtype),  # per consumer: A'
-            plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: dS partial
-            *([] if prefetch_h else h_types),
-        ],
+        a_shape, dtype, others=others,
+        epilogue=[*epilogue, *([] if prefetch_h else h_types)],
         interpret=interpret_mode is not None,
     )
     scratch = [
