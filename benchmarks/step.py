@@ -4,7 +4,9 @@
     ... --shapes gpt-oss-20b --gpt-oss --xla-check gpt-oss-20b   # expert biases, clamped SwiGLU
 
 One jitted `value_and_grad` of `sum(moe_layer(x) * cot)` with respect to x, the router and
-both expert weights, where the layer computes `logits = x @ router` (fp32), routes (top-K
+both expert weights, where the layer computes `logits = x @ router` (a bf16 linear layer
+with fp32 accumulation by default, as SonicMoE's layer does; `--router-dtype float32` for
+fp32 products), routes (top-K
 or token rounding), and runs `pm.moe_ffn(backend="mosaic")`. That is the step SonicMoE's
 "whole layer forward+backward" figure measures (3.30 ms at 7B on an H100).
 
@@ -34,6 +36,7 @@ from benchmarks.logs import open_log
 from benchmarks.forward import SHAPES, gpu_time_ms, wall_time_ms
 from benchmarks.layer import dense_bound_fns
 from pallas_moe.kernels import KernelConfig
+from pallas_moe.nn.functional import router_logits
 
 ITERS = 5
 
@@ -52,20 +55,23 @@ def kernel_breakdown(f, *args):
 
 
 def make_step(shape, routing, backend, config, skew: float = 0.0, gpt_oss: bool = False,
-              harness: str = "vjp"):
+              harness: str = "vjp", router_dtype: str = "bfloat16"):
     """The jitted step; `harness` is how the backward is driven: "vjp" (forward, then the
     backward of a given bf16 output cotangent `cot`, as SonicMoE times its layer; returns
     (out, grads)) or "loss" (`value_and_grad` of `sum(out * cot)` with an f32 `cot`, which
     adds a [T, d] convert-multiply-reduce and its backward to the step). `skew` is added to the router logits of the first quarter of the
     experts (skewed routing: those experts get more rows, the others fewer). `gpt_oss`: the
     step takes two more inputs, the expert biases (`step_bias_inputs`), differentiates them
-    too, and uses the clamped SwiGLU."""
+    too, and uses the clamped SwiGLU. `router_dtype` is the router GEMM's precision
+    (`pm.nn.functional.router_logits`): "float32" (fp32 inputs and products) or "bfloat16"
+    (a bf16 linear layer with fp32 accumulation, as SonicMoE's benchmark layer computes its
+    logits: `F.linear(x, router_w)` on bf16 tensors, softmax in fp32)."""
     num_tokens, d, n, num_experts, k = shape
     skew_bias = jnp.where(jnp.arange(num_experts) < max(num_experts // 4, 1), skew, 0.0)
     options = dict(activation=pm.ops.SwiGLU.clamped()) if gpt_oss else {}
 
     def layer(x, router, w1, w2, b1=None, b2=None):
-        logits = jnp.dot(x.astype(jnp.float32), router)  # f32[T, E]
+        logits = router_logits(x, router, dtype=router_dtype)  # f32[T, E]
         if skew:
             logits = logits + skew_bias
         if routing == "topk":
@@ -128,6 +134,9 @@ def main():
     ap.add_argument("--xla-check", default="", help="shapes also checked against backend=xla")
     ap.add_argument("--skew", type=float, default=0.0,
                     help="added to the router logits of a quarter of the experts")
+    ap.add_argument("--router-dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                    help="router GEMM precision: bfloat16 (default) is SonicMoE's benchmark "
+                         "layer; float32 is pm.Numerics' default (fp32 products, HIGHEST)")
     ap.add_argument("--gpt-oss", action="store_true",
                     help="expert biases on both projections and the clamped SwiGLU")
     args = ap.parse_args()
@@ -149,10 +158,11 @@ def main():
             harness = rest[0] if rest else args.harness
             inputs = (x, router, w1, w2, cots[harness], *biases)
             step = make_step(shape, routing, "mosaic", KernelConfig.for_shape(d, n, gather=gather),
-                             skew=args.skew, gpt_oss=args.gpt_oss, harness=harness)
+                             skew=args.skew, gpt_oss=args.gpt_oss, harness=harness,
+                             router_dtype=args.router_dtype)
             variant = f"{routing}/{gather}/{harness}"
             row = dict(shape=name, routing=routing, gather=gather, harness=harness,
-                       bound_ms=bound_ms, gpt_oss=args.gpt_oss)
+                       router_dtype=args.router_dtype, bound_ms=bound_ms, gpt_oss=args.gpt_oss)
             try:
                 val, grads = step(*inputs)
                 finite = all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
@@ -161,7 +171,8 @@ def main():
                     reference[routing] = (variant, val, grads)
                     if name in args.xla_check.split(","):
                         xval, xgrads = make_step(shape, routing, "xla", None, skew=args.skew,
-                                                 gpt_oss=args.gpt_oss, harness=harness)(*inputs)
+                                                 gpt_oss=args.gpt_oss, harness=harness,
+                                                 router_dtype=args.router_dtype)(*inputs)
                         row["vs_xla"] = [rel_err(g, r) for g, r in zip(grads, xgrads)]
                         del xgrads
                 else:
@@ -186,15 +197,15 @@ def main():
                 json.dump(rows, f, indent=1)
         reference.clear()
 
-    lines = ["| shape | routing | gather | harness | step GPU ms | step wall ms | bound ms | bound/step |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | routing | gather | harness | router | step GPU ms | step wall ms | bound ms "
+             "| bound/step |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['routing']} | {r['gather']} | {r['harness']} | "
-                         f"error: {r['error'][:100]} |")
+                         f"{r['router_dtype']} | error: {r['error'][:100]} |")
         else:
             lines.append(f"| {r['shape']} | {r['routing']} | {r['gather']} | {r['harness']} | "
-                         f"{r['gpu_ms']:.3f} | "
+                         f"{r['router_dtype']} | {r['gpu_ms']:.3f} | "
                          f"{r['wall_ms']:.3f} | {r['bound_ms']:.3f} | {r['vs_bound']:.2f} |")
     table = "\n".join(lines)
     with open(os.path.join(args.out, "step.md"), "w") as f:
