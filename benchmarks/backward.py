@@ -221,6 +221,9 @@ def configs_for(d, n, sweep: str):
         # Session 7: the consumers load H into the pipeline's bytes once the K steps whose
         # slots those bytes overlay are done (`early_h`), against after the K loop.
         dh.append(dataclasses.replace(base.dh, early_h=not base.dh.early_h))
+    if sweep == "approx":
+        # Session 8 experiment: the dSwiGLU epilogue's exp as ex2.approx (`approx_math`).
+        dh.append(dataclasses.replace(base.dh, approx_math=True))
     if sweep == "full":
         dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
                DHConfig(block_n=64, num_stages=4, num_consumers=2),
@@ -392,7 +395,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "early_h", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "early_h", "approx", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     args = ap.parse_args()
     SMOKE = args.smoke

@@ -373,6 +373,12 @@ def slabs_up_cfgs(d, n):
     return _fitting_up_cfgs([base, dataclasses.replace(base, epilogue_slabs=False)], n)
 
 
+def approx_up_cfgs(d, n):
+    """Session 8 experiment: the SwiGLU epilogue's exp as ex2.approx (`approx_math`)."""
+    base = ForwardConfig.for_shape(d, n).up
+    return _fitting_up_cfgs([base, dataclasses.replace(base, approx_math=True)], n)
+
+
 def completion_up_cfgs(d, n):
     """Hardware-tracked cp.async stages (the default, `gather_completion="mbarrier"`) against
     the previous lagged publish ("wait_group"), and the 128-row split-M tiles that may pay
@@ -438,7 +444,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "slabs", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "slabs", "approx", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     args = p.parse_args()
@@ -452,6 +458,7 @@ def main():
                 up_cfgs = {"variants": variant_up_cfgs, "default": default_up_cfgs,
                            "gather": gather_up_cfgs, "registers": registers_up_cfgs,
                            "completion": completion_up_cfgs, "slabs": slabs_up_cfgs,
+                           "approx": approx_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

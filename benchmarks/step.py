@@ -137,6 +137,8 @@ def main():
     ap.add_argument("--router-dtype", default="bfloat16", choices=("float32", "bfloat16"),
                     help="router GEMM precision: bfloat16 (default) is SonicMoE's benchmark "
                          "layer; float32 is pm.Numerics' default (fp32 products, HIGHEST)")
+    ap.add_argument("--approx-math", action="store_true",
+                    help="the SwiGLU kernels' exp from ex2.approx (KernelConfig approx_math)")
     ap.add_argument("--gpt-oss", action="store_true",
                     help="expert biases on both projections and the clamped SwiGLU")
     args = ap.parse_args()
@@ -157,12 +159,14 @@ def main():
             routing, gather, *rest = variant.split("/")
             harness = rest[0] if rest else args.harness
             inputs = (x, router, w1, w2, cots[harness], *biases)
-            step = make_step(shape, routing, "mosaic", KernelConfig.for_shape(d, n, gather=gather),
+            config = KernelConfig.for_shape(d, n, gather=gather, approx_math=args.approx_math)
+            step = make_step(shape, routing, "mosaic", config,
                              skew=args.skew, gpt_oss=args.gpt_oss, harness=harness,
                              router_dtype=args.router_dtype)
             variant = f"{routing}/{gather}/{harness}"
             row = dict(shape=name, routing=routing, gather=gather, harness=harness,
-                       router_dtype=args.router_dtype, bound_ms=bound_ms, gpt_oss=args.gpt_oss)
+                       router_dtype=args.router_dtype, approx_math=args.approx_math,
+                       bound_ms=bound_ms, gpt_oss=args.gpt_oss)
             try:
                 val, grads = step(*inputs)
                 finite = all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)

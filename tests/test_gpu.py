@@ -26,9 +26,14 @@ def rel_err(a, b):
 
 
 @pytest.mark.parametrize("router", sorted(ROUTERS))
-@pytest.mark.parametrize("seed", [0, 1])
-def test_mosaic_matches_xla(router, seed):
+@pytest.mark.parametrize("seed, approx_math", [(0, False), (1, False), (2, True)])
+def test_mosaic_matches_xla(router, seed, approx_math):
+    """`approx_math`: the SwiGLU kernels take their exp from `ex2.approx`
+    (`KernelConfig.for_shape(..., approx_math=True)`), within the same bounds."""
     num_tokens, d, n, num_experts = 4096, 512, 256, 16
+    from pallas_moe.kernels import KernelConfig
+
+    config = KernelConfig.for_shape(d, n, approx_math=True) if approx_math else None
     k = jax.random.split(jax.random.key(seed), 5)
     logits = jax.random.normal(k[0], (num_tokens, num_experts)).at[:, :2].add(1.0)  # some skew
     x = jax.random.normal(k[1], (num_tokens, d), jnp.bfloat16)
@@ -38,7 +43,8 @@ def test_mosaic_matches_xla(router, seed):
 
     def step(backend):
         def loss(logits, x, w1, w2):
-            out = pm.moe_ffn(x, ROUTERS[router](logits), w1, w2, backend=backend)
+            out = pm.moe_ffn(x, ROUTERS[router](logits), w1, w2, backend=backend,
+                             config=config if backend == "mosaic" else None)
             return jnp.sum(out.astype(jnp.float32) * cot), out
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))

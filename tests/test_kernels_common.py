@@ -235,3 +235,50 @@ def test_cp_async_stage_publishing_lowers_for_cuda(completion, marker, absent):
     with h100_target():
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert marker in text and absent not in text
+
+
+@pytest.mark.parametrize("approx", [False, True])
+def test_approx_math_reaches_the_swiglu_kernels(approx):
+    """`approx_math` lowers the up-proj's and dH's exp to `ex2.approx` (and only then), at the
+    7B production blocks. Interpret mode computes the exact exp either way, so the H100
+    benchmarks check the approximate kernels against the reference (RESULTS.md, session 8)."""
+    import importlib
+
+    from pallas_moe.kernels.dh import dh_kernel
+    from pallas_moe.kernels.config import KernelConfig
+    from tests.cuda_target import h100_target
+
+    up = importlib.import_module("pallas_moe.kernels.up_proj")
+    T, d, n, E, P = 4096, 1536, 256, 16, 4096 * 8
+    cfg = KernelConfig.for_shape(d, n, approx_math=approx)
+    sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    up_f = jax.jit(lambda x, t, g, w: up.up_proj(x, t, g, w, config=cfg.forward.up))
+    dh_f = jax.jit(lambda o, h, t, g, s, w: dh_kernel(o, h, t, g, s, w, config=cfg.backward.dh))
+    with h100_target():
+        texts = [
+            up_f.trace(sds((T, d), bf16), sds((P,), i32), sds((E,), i32),
+                       sds((E, d, 2 * n), bf16)).lower(lowering_platforms=("cuda",)).as_text(),
+            dh_f.trace(sds((T, d), bf16), sds((P, 2 * n), bf16), sds((P,), i32), sds((E,), i32),
+                       sds((P,), jnp.float32), sds((E, n, d), bf16),
+                       ).lower(lowering_platforms=("cuda",)).as_text(),
+        ]
+    for text in texts:
+        assert ("ex2.approx" in text) == approx
+
+
+def test_kernel_config_rejects_mismatched_approx_math():
+    """The backward recomputes A from H: the forward's and backward's exp must agree."""
+    import dataclasses
+
+    from pallas_moe.kernels.config import KernelConfig
+    from pallas_moe.kernels.decode import DecodeConfig
+
+    cfg = KernelConfig.for_shape(1536, 256, approx_math=True)
+    assert cfg.forward.up.approx_math and cfg.backward.dh.approx_math
+    exact_dh = dataclasses.replace(cfg.backward.dh, approx_math=False)
+    with pytest.raises(ValueError, match="approx_math"):
+        KernelConfig(forward=cfg.forward, backward=dataclasses.replace(cfg.backward, dh=exact_dh))
+    with pytest.raises(ValueError, match="approx_math"):
+        KernelConfig(forward=cfg.forward)  # backward None: its defaults are exact
+    with pytest.raises(ValueError, match="decode"):
+        KernelConfig.for_shape(1536, 256, approx_math=True, decode=DecodeConfig.for_shape(1536, 256))

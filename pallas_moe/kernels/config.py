@@ -21,6 +21,8 @@ class KernelConfig:
       y = pm.moe_ffn(x, plan, w1, w2, backend="mosaic", config=cfg)
       # The forward as the decode megakernel (small batches):
       cfg = KernelConfig.for_shape(d, n, decode=DecodeConfig.for_shape(d, n))
+      # The SwiGLU's exp from the hardware approximation (faster; see UpProjConfig):
+      cfg = KernelConfig.for_shape(d, n, approx_math=True)
     """
 
     forward: ForwardConfig | None = None
@@ -33,17 +35,43 @@ class KernelConfig:
             raise TypeError(
                 f"backward must be a BackwardConfig or None, got {type(self.backward).__name__}."
             )
+        # The backward recomputes A from H with the forward's formula only if both take
+        # their exp the same way (`UpProjConfig.approx_math`, `DHConfig.approx_math`).
+        fwd_approx = self.forward is not None and self.forward.decode is None and (
+            self.forward.up.approx_math
+        )
+        bwd_approx = self.backward is not None and self.backward.dh.approx_math
+        if fwd_approx != bwd_approx:
+            raise ValueError(
+                f"forward.up.approx_math={fwd_approx} and backward.dh.approx_math={bwd_approx} "
+                "must match (a config left None counts as False): the backward recomputes the "
+                "forward's activation from H."
+            )
 
     @classmethod
     def for_shape(
         cls, d: int, n: int, *, gather: str = "cp_async", num_sms: int | None = None,
-        decode: DecodeConfig | None = None,
+        decode: DecodeConfig | None = None, approx_math: bool = False,
     ) -> "KernelConfig":
         """The default configs for model width `d` and expert width `n`, with the given row
         loader ("tma" or "cp_async") in every gathering kernel and `num_sms` persistent CTAs
         (default: the device's SM count). `decode`: run the forward as the decode megakernel
-        with this config (`docs/decode.md`); the backward is unchanged."""
-        return cls(
-            forward=ForwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms, decode=decode),
-            backward=BackwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms),
-        )
+        with this config (`docs/decode.md`); the backward is unchanged. `approx_math`: the
+        up-proj's and dH's SwiGLU take their exp from the hardware's `ex2.approx`
+        (`UpProjConfig.approx_math`; 3-7% faster kernels on the H100, A differing from the
+        exact formula's in the last bit of rare elements)."""
+        if approx_math and decode is not None:
+            raise ValueError(
+                "approx_math=True applies to the kernel-by-kernel forward; the decode "
+                "megakernel (decode=...) computes the exact exp, so its backward must too."
+            )
+        forward = ForwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms, decode=decode)
+        backward = BackwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms)
+        if approx_math:
+            forward = dataclasses.replace(
+                forward, up=dataclasses.replace(forward.up, approx_math=True)
+            )
+            backward = dataclasses.replace(
+                backward, dh=dataclasses.replace(backward.dh, approx_math=True)
+            )
+        return cls(forward=forward, backward=backward)
