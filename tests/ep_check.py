@@ -151,6 +151,9 @@ FAST = [
     ("topk", "emulated_ragged_all_to_all", 2, False, {"score": "sigmoid", "selection_bias": True}),
     ("token_rounding", "emulated_ragged_all_to_all", 2, False, {"preset": "biases_clamped", "tile": 16}),
     ("topk", "all_gather", 4, True, {"preset": "grouped_scaled_gated"}),
+]
+
+FAST_CHUNKED = [
     # The chunked overlap (top-K and token rounding; one under the vma type check).
     ("topk", "emulated_ragged_all_to_all", 4, True, {}, CHUNKED),
     ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"},
@@ -377,13 +380,16 @@ def signal_primitives_check():
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", choices=("fast", "layouts", "schedule", "full"), default="fast")
+    parser.add_argument("--cases", choices=("fast", "chunked", "layouts", "schedule", "full"),
+                        default="fast")
     args = parser.parse_args(argv)
     assert len(jax.devices()) >= 8, jax.devices()
-    # "fast", "layouts" and "schedule" split the default checks into processes.
-    cases = {"fast": FAST, "layouts": [], "schedule": [], "full": list(full_cases())}[args.cases]
+    # "fast", "chunked", "layouts" and "schedule" split the default checks into processes
+    # (pytest-xdist runs them side by side).
+    cases = {"fast": FAST, "chunked": FAST_CHUNKED, "layouts": [], "schedule": [],
+             "full": list(full_cases())}[args.cases]
     checks = {
-        "fast": error_checks, "layouts": scan_and_capacity_checks,
+        "fast": error_checks, "chunked": lambda: [], "layouts": scan_and_capacity_checks,
         "schedule": lambda: schedule_checks() + signal_primitives_check(),
     }.get(args.cases)
     checks = checks() if checks else (
