@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import pallas_moe as pm
+from pallas_moe.kernels import KernelConfig
 
 on_hopper = jax.devices()[0].platform == "gpu" and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not on_hopper, reason="needs a Hopper GPU")]
@@ -31,8 +32,6 @@ def test_mosaic_matches_xla(router, seed, approx_math):
     """`approx_math`: the SwiGLU kernels take their exp from `ex2.approx`
     (`KernelConfig.for_shape(..., approx_math=True)`), within the same bounds."""
     num_tokens, d, n, num_experts = 4096, 512, 256, 16
-    from pallas_moe.kernels import KernelConfig
-
     config = KernelConfig.for_shape(d, n, approx_math=True) if approx_math else None
     k = jax.random.split(jax.random.key(seed), 5)
     logits = jax.random.normal(k[0], (num_tokens, num_experts)).at[:, :2].add(1.0)  # some skew

@@ -42,10 +42,13 @@ class KernelConfig:
         )
         bwd_approx = self.backward is not None and self.backward.dh.approx_math
         if fwd_approx != bwd_approx:
+            decode = self.forward is not None and self.forward.decode is not None
             raise ValueError(
                 f"forward.up.approx_math={fwd_approx} and backward.dh.approx_math={bwd_approx} "
                 "must match (a config left None counts as False): the backward recomputes the "
                 "forward's activation from H."
+                + (" The decode megakernel forward (forward.decode) computes the exact exp."
+                   if decode else "")
             )
 
     @classmethod
@@ -59,12 +62,8 @@ class KernelConfig:
         with this config (`docs/decode.md`); the backward is unchanged. `approx_math`: the
         up-proj's and dH's SwiGLU take their exp from the hardware's `ex2.approx`
         (`UpProjConfig.approx_math`; 3-7% faster kernels on the H100, A differing from the
-        exact formula's in the last bit of rare elements)."""
-        if approx_math and decode is not None:
-            raise ValueError(
-                "approx_math=True applies to the kernel-by-kernel forward; the decode "
-                "megakernel (decode=...) computes the exact exp, so its backward must too."
-            )
+        exact formula's in the last bit of rare elements). Not with `decode`: the megakernel
+        computes the exact exp, and the config then raises a `ValueError`."""
         forward = ForwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms, decode=decode)
         backward = BackwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms)
         if approx_math:
