@@ -25,6 +25,11 @@ from tests.test_kernels_common import (
 # 3 CTAs walk the work items (interpret mode simulates every CTA).
 PING_PONG = GroupedMatmulConfig(block_m=64, block_n=64, num_stages=3, num_sms=3)
 SPLIT_M = GroupedMatmulConfig(block_m=128, block_n=64, num_stages=3, num_sms=3)
+PING_PONG_128 = GroupedMatmulConfig(block_m=128, block_n=64, num_stages=3, num_sms=3,
+                                    pingpong=True)
+SCHEDULES = pytest.mark.parametrize(
+    "config", [PING_PONG, SPLIT_M, PING_PONG_128], ids=["ping_pong", "split_m", "ping_pong_128"]
+)
 
 
 def dx_reference(dh, group_sizes, w_gate_up):
@@ -58,7 +63,7 @@ def run_dx(plan, n, d, num_experts, config, key, interpret=True):
     assert_untouched(got, rows)
 
 
-@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M], ids=["ping_pong", "split_m"])
+@SCHEDULES
 @pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
 def test_no_races(spec, config):
     plan = assignment_plan(jax.random.key(30), 40, 3, p=0.5)
@@ -67,7 +72,7 @@ def test_no_races(spec, config):
     assert not races_found()
 
 
-@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M], ids=["ping_pong", "split_m"])
+@SCHEDULES
 @pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
 def test_ragged_with_empty_experts_and_padding(spec, config):
     # 3 CTAs walk 2 column blocks x the real tiles (consumers alternate items, or split
@@ -118,6 +123,14 @@ def test_empty_plan_writes_nothing():
         (lambda: GroupedMatmulConfig(block_n=320), "config.block_n=320 must be at most 256"),
         (lambda: GroupedMatmulConfig(block_m=192), "config.block_m=192 must be 64 or 128"),
         (lambda: GroupedMatmulConfig(num_sms=0), "config.num_sms=0 must be >= 1"),
+        (lambda: GroupedMatmulConfig(block_n=256, pingpong=True),
+         "pingpong with block_m=128 .* block_n must be <= 128, got 256"),
+        (lambda: grouped_matmul(jnp.zeros((16, 128), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32),
+                                jnp.zeros((2, 64, 128), jnp.float8_e4m3fn), transpose_w=True,
+                                config=GroupedMatmulConfig(block_k=128, pingpong=True),
+                                row_scales=jnp.ones((16,)), col_scales=jnp.ones((2, 64)),
+                                interpret=True),
+         "pingpong with block_m=128 is a bf16-mode schedule"),
     ],
 )
 def test_bad_inputs_raise_naming_the_argument(make, match):
@@ -125,7 +138,7 @@ def test_bad_inputs_raise_naming_the_argument(make, match):
         make()
 
 
-@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M], ids=["ping_pong", "split_m"])
+@SCHEDULES
 def test_down_proj_expert_bias_no_races(config):
     """Y = A W2[e] + b2[e]: each consumer's bias SMEM is reloaded per work item (3 CTAs walk
     several items each), bitwise the jnp reference, no races."""
@@ -180,3 +193,27 @@ def test_chunked_calls_write_the_whole_calls_rows(config, num_tokens):
         lo, hi = row_bounds[c], row_bounds[c + 1]
         np.testing.assert_array_equal(np.asarray(y[: hi - lo], np.float32), whole[lo:hi])
         assert_untouched(y, hi - lo)
+
+
+@pytest.mark.parametrize("d, n, bias", [(1536, 256, True), (4096, 512, False)], ids=["7b", "30b"])
+def test_default_schedules_lower_for_cuda(d, n, bias):
+    """The default down-proj and dX~ configs (128-row ping-pong, 5 stages: 224 KB of SMEM
+    beside the output tiles) lower for cuda at production widths, the down-proj with its
+    expert bias (interpret mode does not model the SMEM budget; the H100 runs them in
+    benchmarks/ and test_gpu.py)."""
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+    from tests.cuda_target import h100_target
+
+    E, P = 16, 4096 * 8
+    down_cfg = ForwardConfig.for_shape(d, n).down
+    dx_cfg = BackwardConfig.for_shape(d, n).dx
+    assert down_cfg.pingpong and dx_cfg.pingpong == (n <= 256)
+    sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    down_f = jax.jit(lambda a, g, w, b: down_proj(a, g, w, config=down_cfg, bias=b))
+    dx_f = jax.jit(lambda h, g, w: dx_rows(h, g, w, capacity=P, config=dx_cfg))
+    with h100_target():
+        down_f.trace(sds((P, n), bf16), sds((E,), i32), sds((E, n, d), bf16),
+                     sds((E, d), bf16) if bias else None).lower(lowering_platforms=("cuda",))
+        dx_f.trace(sds((P, 2 * n), bf16), sds((E,), i32),
+                   sds((E, d, 2 * n), bf16)).lower(lowering_platforms=("cuda",))

@@ -72,7 +72,12 @@ current item's epilogue.
 - `block_m == 128` (split M): both consumers share every item, consumer c multiplying rows
   [64c, 64c + 64) of the A box by the same weight tile, so each weight tile streamed from L2
   feeds 128 rows (~11 KB of SMEM operands per MFLOP instead of ~19 KB); both release each
-  slot, and a consumer's epilogue store drains while the next item's wgmmas run.
+  slot, and a consumer's epilogue store drains while the next item's wgmmas run. But both
+  consumers reach their epilogue together, so the tensor cores idle through it.
+- `block_m == 128` with `pingpong` (CUTLASS's ping-pong at 128 rows): items alternate
+  between the consumers as with 64 rows, and each consumer multiplies all 128 rows of its
+  item (a 128 x block_n accumulator, two m64 wgmmas per step), so the weight tile still
+  feeds 128 rows and one consumer's epilogue overlaps the other's wgmmas.
 
 With a bias, each consumer TMA-loads its item's `[block_n]` bias columns into its own SMEM
 when the item starts (they land while the K loop runs) and adds them to the fp32
@@ -100,7 +105,8 @@ class GroupedMatmulConfig:
     """Block sizes of the persistent grouped GEMM (down-proj, dX~).
 
     Attributes:
-      block_m: rows per work item: 64 (ping-pong consumers) or 128 (split M).
+      block_m: rows per work item: 64 (ping-pong consumers) or 128 (split M, or ping-pong
+        with `pingpong`).
       block_n: output columns per work item (multiple of 64, divides N, at most 256).
       block_k: contraction step, one 128-byte swizzle row: 64 for bf16, 128 for the fp8
         mode; must divide K.
@@ -116,6 +122,10 @@ class GroupedMatmulConfig:
         (one-row TMA copies, `_common.gather_rows`). Interpret mode always runs "tma".
       gather_completion: the gathered mode with "cp_async": "wait_group" or "mbarrier"
         (`_common.GATHER_COMPLETIONS`).
+      pingpong: with block_m=128: the consumers alternate items, each multiplying all 128
+        rows (`block_n <= 128`: a 128 x block_n f32 accumulator per consumer), instead of
+        splitting every item's rows; one consumer's epilogue then overlaps the other's K
+        loop. bf16 mode only. block_m=64 always runs ping-pong.
     """
 
     block_m: int = 128
@@ -126,10 +136,16 @@ class GroupedMatmulConfig:
     fp8_promote_every: int = 1
     gather: str = "cp_async"
     gather_completion: str = "wait_group"
+    pingpong: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
             raise ValueError(f"config.block_m={self.block_m} must be 64 or 128.")
+        if self.pingpong and self.block_m == 128 and self.block_n > PINGPONG_MAX_BLOCK_N:
+            raise ValueError(
+                f"config.pingpong with block_m=128 keeps a 128 x block_n f32 accumulator per "
+                f"consumer: block_n must be <= {PINGPONG_MAX_BLOCK_N}, got {self.block_n}."
+            )
         _common.require_wgmma_blocks(
             self, "output tiles are 128-byte swizzled", block_ks=FP8_BLOCK_K_CHOICES
         )
@@ -145,6 +161,16 @@ class GroupedMatmulConfig:
         """Consumer warpgroups of the kernel (always 2; the gather checks read it)."""
         return 2
 
+    @property
+    def split_m(self) -> bool:
+        """Both consumers share every item, 64 rows each (block_m=128 without pingpong)."""
+        return self.block_m == 128 and not self.pingpong
+
+
+# A ping-pong consumer of 128 rows holds a 128 x block_n f32 accumulator: 128 registers per
+# thread at block_n = 128, beside the epilogue's.
+PINGPONG_MAX_BLOCK_N = 128
+
 
 # A fused re-quantization parks the SwiGLU output of each earlier column block of a row in
 # SMEM (bf16, 16 KB per consumer for 64 x 128; in registers beside the next block's 128
@@ -157,7 +183,7 @@ FUSED_REQUANT_MAX_BLOCKS = 2
 def fused_requant_fits(config: "GroupedMatmulConfig", n_dim: int) -> bool:
     """Whether the gated fp8 GEMM can quantize A's rows in its epilogue (`requant_smooth`):
     split M (block_m 128), no promotion, N in at most FUSED_REQUANT_MAX_BLOCKS column blocks."""
-    return (config.block_m == 128 and not config.fp8_promote_every
+    return (config.split_m and not config.fp8_promote_every
             and n_dim % config.block_n == 0
             and n_dim // config.block_n <= FUSED_REQUANT_MAX_BLOCKS)
 
@@ -258,6 +284,11 @@ def grouped_matmul(
             )
         if row_scales is None or col_scales is None:
             raise ValueError("the fp8 mode (e4m3 inputs) needs row_scales and col_scales.")
+        if config.pingpong and config.block_m == 128:
+            raise ValueError(
+                "config.pingpong with block_m=128 is a bf16-mode schedule; the fp8 mode runs "
+                "block_m=64 (ping-pong) or 128 without pingpong (split M)."
+            )
     else:
         _common.require_dtype(a_name, a, jnp.bfloat16)
         _common.require_dtype(w_name, w, jnp.bfloat16)
@@ -289,10 +320,11 @@ def grouped_matmul(
         if token_ids.ndim != 1:
             raise ValueError(f"token_ids must be 1-D [P], got shape {tuple(token_ids.shape)}.")
         _common.require_dtype("token_ids", token_ids, jnp.int32)
-        if config.block_m != 128:
+        if not config.split_m:
             raise ValueError(
-                f"the gathered mode (token_ids) needs config.block_m=128 (both consumers "
-                f"share each gathered stage), got {config.block_m}."
+                f"the gathered mode (token_ids) needs config.block_m=128 without pingpong "
+                f"(both consumers share each gathered stage), got block_m={config.block_m}, "
+                f"pingpong={config.pingpong}."
             )
         _common.require_gather_mode(config)
         if capacity is not None and capacity != token_ids.shape[0]:
@@ -403,7 +435,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             has_bias: bool = False, gathered: bool = False, requant: bool = False,
             chunk: int = 0):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
-    split_m = bm == 128
+    split_m = config.split_m
     mb = bm // 2 if split_m else bm  # rows per consumer
     num_sms = config.num_sms
     num_k = k_dim // bk
@@ -454,9 +486,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             a_copy = a_mma = a_smem
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
-        if fp8:
+        if fp8 or mb == 128:
             # The fp8 consumers hold up to two 64x128 (or one 64x256) f32 accumulators plus
-            # the broadcast scales of the epilogue: give them the producer's registers.
+            # the broadcast scales of the epilogue, a 128-row ping-pong consumer a 128 x
+            # block_n one: give them the producer's registers.
             _common.rebalance_registers(wg, num_consumers=2)
         # This call's tiles [first_tile, end_tile) of the whole metadata (`TileChunks`).
         first_tile = bounds_ref[0, chunk]
