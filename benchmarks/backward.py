@@ -224,6 +224,12 @@ def configs_for(d, n, sweep: str):
     if sweep == "approx":
         # Session 8 experiment: the dSwiGLU epilogue's exp as ex2.approx (`approx_math`).
         dh.append(dataclasses.replace(base.dh, approx_math=True))
+    if sweep == "pingpong":
+        # Session 9: dX~ on the engine's 128-row ping-pong schedule (the default at
+        # 2n <= 512) against split-M items (the previous default, 256 columns where d allows).
+        bn = 256 if d % 256 == 0 else 128
+        dx += [GroupedMatmulConfig(block_m=128, block_n=bn, num_stages=3 if bn > 128 else 4),
+               GroupedMatmulConfig(block_m=128, block_n=128, num_stages=5, pingpong=True)]
     if sweep == "full":
         dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
                DHConfig(block_n=64, num_stages=4, num_consumers=2),
@@ -246,7 +252,7 @@ def configs_for(d, n, sweep: str):
     dh = [c for c in dh if ok(c, (n, c.block_n * cons(c)))]
     dw2 = [c for c in dw2 if ok(c, (n, c.block_m * cons(c)), (d, c.block_n))]
     dw1 = [c for c in dw1 if ok(c, (d, c.block_m), (2 * n, c.block_n * cons(c)))]
-    dx = [c for c in dx if ok(c, (d, c.block_n))]
+    dx = [c for i, c in enumerate(dx) if ok(c, (d, c.block_n)) and c not in dx[:i]]
     return base, dh, dw2, dw1, dx
 
 
@@ -395,7 +401,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "early_h", "approx", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "early_h", "approx", "pingpong", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     args = ap.parse_args()
     SMOKE = args.smoke

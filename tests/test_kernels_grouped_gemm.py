@@ -130,7 +130,7 @@ def test_empty_plan_writes_nothing():
                                 config=GroupedMatmulConfig(block_k=128, pingpong=True),
                                 row_scales=jnp.ones((16,)), col_scales=jnp.ones((2, 64)),
                                 interpret=True),
-         "pingpong with block_m=128 is a bf16-mode schedule"),
+         "no registers for fp8 promotion's second set: pass fp8_promote_every=0"),
     ],
 )
 def test_bad_inputs_raise_naming_the_argument(make, match):

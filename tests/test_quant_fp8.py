@@ -34,6 +34,8 @@ E4M3 = jnp.float8_e4m3fn
 # 3 CTAs walk the work items; block_k = 128 one-byte elements (one 128-byte swizzle row).
 PING_PONG = GroupedMatmulConfig(block_m=64, block_n=64, block_k=128, num_stages=3, num_sms=3)
 SPLIT_M = GroupedMatmulConfig(block_m=128, block_n=64, block_k=128, num_stages=2, num_sms=3)
+PING_PONG_128 = GroupedMatmulConfig(block_m=128, block_n=64, block_k=128, num_stages=2, num_sms=3,
+                                    pingpong=True, fp8_promote_every=0)
 
 
 def fp8_operands(key, capacity, k_dim, w_rows, num_experts):
@@ -80,7 +82,8 @@ def run_fp8(plan, k_dim, n_out, num_experts, config, key, *, gated, interpret=Tr
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M], ids=["ping_pong", "split_m"])
+@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M, PING_PONG_128],
+                         ids=["ping_pong", "split_m", "ping_pong_128"])
 def test_fp8_ragged_groups_empty_experts_and_padding(config, gated):
     # Token rounding: groups start and end inside aligned blocks, padding rows at the end;
     # an empty expert (column 3's logits pushed down).

@@ -125,7 +125,8 @@ class GroupedMatmulConfig:
       pingpong: with block_m=128: the consumers alternate items, each multiplying all 128
         rows (`block_n <= 128`: a 128 x block_n f32 accumulator per consumer), instead of
         splitting every item's rows; one consumer's epilogue then overlaps the other's K
-        loop. bf16 mode only. block_m=64 always runs ping-pong.
+        loop. Not with fp8 promotion, the gathered mode or `requant_smooth`. block_m=64
+        always runs ping-pong.
     """
 
     block_m: int = 128
@@ -284,10 +285,11 @@ def grouped_matmul(
             )
         if row_scales is None or col_scales is None:
             raise ValueError("the fp8 mode (e4m3 inputs) needs row_scales and col_scales.")
-        if config.pingpong and config.block_m == 128:
+        if config.pingpong and config.block_m == 128 and config.fp8_promote_every:
             raise ValueError(
-                "config.pingpong with block_m=128 is a bf16-mode schedule; the fp8 mode runs "
-                "block_m=64 (ping-pong) or 128 without pingpong (split M)."
+                "config.pingpong with block_m=128 holds a 128-row accumulator per consumer, "
+                "which leaves no registers for fp8 promotion's second set: pass "
+                "fp8_promote_every=0 (or block_m=64)."
             )
     else:
         _common.require_dtype(a_name, a, jnp.bfloat16)

@@ -191,7 +191,8 @@ class Fp8ForwardConfig:
         narrower column blocks. SMEM per CTA, promoted: up 6 stages x (A 16 KB + gate and up
         tiles 2 x 8 KB) + 16 KB output = 208 KB; down 128 columns, 5 x 32 KB + 32 KB = 192 KB.
         Not promoted: up 128 columns, 3 x 48 KB + 32 KB = 176 KB; down 256 columns,
-        3 x 48 KB + 64 KB = 208 KB (128 columns, 4 stages, when 256 does not divide d).
+        3 x 48 KB + 64 KB = 208 KB (128 columns, 4 stages, when 256 does not divide d), or
+        from n = 512 on the 128-row ping-pong schedule, 5 x 32 KB + 64 KB = 224 KB.
         """
         from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
         from pallas_moe.kernels.moe_forward import ForwardConfig, default_num_sms
@@ -214,7 +215,14 @@ class Fp8ForwardConfig:
             down = gemm(block_n=128, num_stages=5)
         else:
             up = gemm(block_n=128, num_stages=3)
-            if d % 256 == 0:
+            if n >= 512:
+                # Measured on the H100 (session 9, same run, bitwise equal): with K = n of at
+                # least 4 blocks of 128, the consumers alternating 128-row items (ping-pong,
+                # 5 x 32 KB + 64 KB) beat split-M 256-column items, 1177.6 vs 1341.5 us at
+                # 30B; at 7B (n = 256, 2 K blocks per item) split M stays ahead (267.6 vs
+                # 290.8 us).
+                down = gemm(block_n=128, num_stages=5, pingpong=True)
+            elif d % 256 == 0:
                 down = gemm(block_n=256, num_stages=3)
             else:
                 down = gemm(block_n=128, num_stages=4)
