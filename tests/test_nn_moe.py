@@ -370,3 +370,58 @@ def test_orbax_round_trip(tmp_path):
         np.testing.assert_array_equal(a, b)
     x = tokens()
     np.testing.assert_array_equal(apply(layer, x)[0], apply(fresh, x)[0])  # same params, bias and stream
+
+
+# ------------------------------------------------------------------------- fp8 inference
+
+
+def test_quantize_fp8_runs_moe_ffn_fp8_and_dequantize_restores():
+    """A quantized layer's routed part is `pm.quant.moe_ffn_fp8` on the layer's own plan and
+    e4m3 weights (the shared MLP and aux unchanged); `dequantize_fp8` gives back the earlier
+    output bit for bit; the e4m3 copy is not a parameter."""
+    layer = make(num_shared_experts=1, score="softmax_topk")
+    x = tokens()
+    y_before, aux_before = apply(layer, x)
+    layer.quantize_fp8()
+    assert isinstance(layer.quantized, pm.quant.QuantizedExperts)
+    assert "fp8_experts" not in nnx.state(layer, nnx.Param)
+    y, aux = apply(layer, x)
+
+    xt = x.reshape(-1, D)
+    plan = pm.routing.topk_plan(xt @ layer.router[...], K)
+    experts = pm.quant.quantize_experts(layer.w_gate_up[...], layer.w_down[...])
+    routed = pm.quant.moe_ffn_fp8(xt.astype(jnp.bfloat16), plan, experts, backend="xla")
+    ref = routed.astype(jnp.float32) + F.swiglu_mlp(xt, layer.shared_gate_up[...], layer.shared_down[...])
+    np.testing.assert_allclose(y.reshape(-1, D), ref, rtol=1e-5, atol=1e-5)
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_equal(aux["counts"], aux_before["counts"])
+    # fp8 is an approximation of the layer, not another layer (the fp8 tests' 10% bound).
+    rel = np.linalg.norm(y - y_before) / np.linalg.norm(y_before)
+    assert 0 < rel < 0.1, rel
+
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    y_merged, _ = apply(nnx.merge(graphdef, params, rest), x)
+    np.testing.assert_array_equal(y_merged, y)
+
+    layer.dequantize_fp8()
+    assert layer.quantized is None
+    y_after, _ = apply(layer, x)
+    np.testing.assert_array_equal(y_after, y_before)
+
+
+def test_quantize_fp8_is_inference_only_and_checks_the_layer():
+    layer = make()
+    layer.quantize_fp8()
+    x = tokens()
+
+    def loss(layer, x):
+        return jnp.sum(layer(x)[0])
+
+    with pytest.raises(TypeError):
+        nnx.grad(loss)(layer, x)
+    with pytest.raises(ValueError, match="activation"):
+        make(activation=pm.ops.SwiGLU.clamped(alpha=1.702, limit=7.0)).quantize_fp8()
+    with pytest.raises(ValueError, match="expert_bias"):
+        make(expert_bias=True).quantize_fp8()
+    with pytest.raises(ValueError, match="smooth_up"):
+        make().quantize_fp8(smooth_up=jnp.ones((E, D + 1), jnp.float32))

@@ -46,6 +46,7 @@ from pallas_moe.nn.expert_parallel import ExpertParallel, expert_parallel_moe
 from pallas_moe.numerics import Numerics, check_activation_dtype, check_numerics
 from pallas_moe.ops.activation import SwiGLU, check_activation
 from pallas_moe.ops.moe_ffn import BACKENDS, moe_ffn
+from pallas_moe.quant.ffn import QuantizedExperts, moe_ffn_fp8, quantize_experts
 from pallas_moe.routing.aux import update_selection_bias
 
 Initializer = Callable[..., jax.Array]
@@ -59,6 +60,12 @@ SHARED_GATE_AXES = ("embed", None)
 BIAS_AXES = (None,)
 GATE_UP_BIAS_AXES = ("expert", "mlp")
 DOWN_BIAS_AXES = ("expert", "embed")
+
+
+class Fp8Experts(nnx.Variable):
+    """A layer's routed experts in e4m3 (`pm.quant.QuantizedExperts`), set by
+    `MoE.quantize_fp8`. Not an `nnx.Param`: optimizers and `nnx.state(model, nnx.Param)`
+    leave it alone."""
 
 
 class SelectionBias(nnx.Variable):
@@ -310,6 +317,7 @@ class MoE(nnx.Module):
             )  # [E]
         else:
             self.selection_bias = nnx.data(None)
+        self.fp8_experts = nnx.data(None)  # set by quantize_fp8
         if self.config.routing == "token_rounding" and rounding == "stochastic":
             self.routing_rngs = rngs["routing"].fork()
         else:
@@ -393,10 +401,16 @@ class MoE(nnx.Module):
             plan, counts = F.route(
                 logits, self.config, bias=bias, key=key, check_finite=self.check_finite
             )
-            y = moe_ffn(
-                xt, plan, w_gate_up, w_down, backend=self.backend, numerics=self.numerics,
-                **ffn_options,
-            )  # [T, d]
+            if self.fp8_experts is None:
+                y = moe_ffn(
+                    xt, plan, w_gate_up, w_down, backend=self.backend, numerics=self.numerics,
+                    **ffn_options,
+                )  # [T, d]
+            else:
+                y = moe_ffn_fp8(
+                    xt.astype(jnp.bfloat16), plan, self.fp8_experts.get_value(),
+                    backend=self.backend, aggregation=self.numerics.aggregation,
+                ).astype(dtype)  # [T, d]
             aux = F.finish_aux(F.router_sums(logits, counts), self.config)
             if shared is not None:
                 y = y + F.shared_mlp(xt, *shared)  # [T, d]
@@ -409,6 +423,47 @@ class MoE(nnx.Module):
                 **ffn_options,
             )  # [T, d]
         return _reshape_like(y, x), aux
+
+    def quantize_fp8(
+        self, *, smooth_up: jax.Array | None = None, smooth_down: jax.Array | None = None
+    ) -> None:
+        """Switches the routed experts to fp8 (e4m3) inference, `pm.quant.moe_ffn_fp8`.
+
+        Quantizes today's `w_gate_up` [E, d, 2n] and `w_down` [E, n, d] per expert and output
+        channel (`pm.quant.quantize_experts`) and keeps them in `self.fp8_experts`; from then
+        on the layer's routed part runs the fp8 forward on bf16 tokens (the router, the
+        shared MLP and the aux outputs are unchanged; y is cast to the compute dtype).
+        Inference only: differentiating a quantized layer raises a TypeError. The e4m3 copy
+        does not follow later changes of the weights: quantize again after changing them, or
+        call `dequantize_fp8()` to go back to `moe_ffn`.
+
+        Args:
+          smooth_up: f32 [E, d] SmoothQuant scales of the up-proj input, with their inverse
+            already folded into `w_gate_up` (`pm.quant.calibrate_smoothing`), or None.
+          smooth_down: f32 [E, n] scales of the down-proj input, or None.
+        """
+        if self.activation != SwiGLU():
+            raise ValueError(
+                f"quantize_fp8: the fp8 forward computes SwiGLU(); this layer's activation is "
+                f"{self.activation!r}."
+            )
+        if self.b_gate_up is not None:
+            raise ValueError("quantize_fp8: the fp8 forward has no expert biases; this layer has expert_bias=True.")
+        if self.expert_parallel is not None:
+            raise ValueError("quantize_fp8: the fp8 forward runs on one device; this layer has expert_parallel set.")
+        experts = quantize_experts(
+            self.w_gate_up[...], self.w_down[...], smooth_up=smooth_up, smooth_down=smooth_down
+        )
+        self.fp8_experts = Fp8Experts(experts)
+
+    def dequantize_fp8(self) -> None:
+        """Drops the e4m3 experts of `quantize_fp8`: the layer runs `moe_ffn` again."""
+        self.fp8_experts = nnx.data(None)
+
+    @property
+    def quantized(self) -> QuantizedExperts | None:
+        """The e4m3 experts `quantize_fp8` made, or None."""
+        return None if self.fp8_experts is None else self.fp8_experts.get_value()
 
     def update_bias(self, aux: dict, rate: float | None = None) -> None:
         """Aux-loss-free balancing step: `bias += rate * sign(mean(tc_counts) - tc_counts)`.
