@@ -236,6 +236,29 @@ def test_no_races_and_padding_ctas():
     assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), INT8))
 
 
+def test_kernel_without_smooth_scales_equals_ones():
+    """`smooth_scales=None` (the fp8 forward's unsmoothed X and A): Q and s computed once per
+    token and stored at each of its rows, the bits of a smoothing by ones; tokens with 0..3
+    rows, padding CTAs, prefetch across a CTA's tokens (block_t=3, T not a multiple), races
+    watched."""
+    from pallas_moe.quant.kernel import smoothquant_kernel
+
+    num_tokens, d, num_experts = 20, 256, 4
+    ks = jax.random.split(jax.random.key(5), 2)
+    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.4, extra=9)
+    assert np.asarray(plan.rows_per_token).min() == 0 and np.asarray(plan.rows_per_token).max() >= 2
+    x = special_x(ks[1], num_tokens, d)
+    row_experts = jnp.minimum(plan.expert_ids[plan.rows_by_token], num_experts - 1)
+    meta = (plan.token_row_offsets, plan.rows_by_token, row_experts, plan.num_rows)
+    cfg = SmoothQuantConfig(block_t=3, block_pad=8)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    q, s = smoothquant_kernel(x, None, *meta, num_out_rows=plan.capacity, out_dtype=E4M3,
+                              config=cfg, interpret=params)
+    assert not races_found()
+    ones = jnp.ones((num_experts, d), jnp.float32)
+    assert_bitwise(q, s, *numpy_smoothquant(x, ones, *plan_rows(plan), E4M3))
+
+
 def test_out_of_range_topk_ids():
     x = jnp.ones((4, 128), jnp.bfloat16)
     smooth = jnp.ones((3, 128), jnp.float32)

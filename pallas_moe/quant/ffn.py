@@ -407,7 +407,7 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
         # gather); rows past num_rows own none and come out as zeros.
         rows = jnp.arange(capacity + 1, dtype=jnp.int32)
         q2, s2 = smoothquant_kernel(
-            a, smooth_down, jnp.minimum(rows, plan.num_rows), rows[:-1], row_experts,
+            a, experts.smooth_down, jnp.minimum(rows, plan.num_rows), rows[:-1], row_experts,
             plan.num_rows, num_out_rows=down_rows, out_dtype=E4M3, config=config.requant,
             interpret=interpret,
         )

@@ -83,7 +83,7 @@ def supports_width(d: int) -> bool:
 
 def smoothquant_kernel(
     x: jax.Array,
-    smooth_scales: jax.Array,
+    smooth_scales: jax.Array | None,
     row_offsets: jax.Array,
     out_rows: jax.Array,
     row_experts: jax.Array,
@@ -96,13 +96,21 @@ def smoothquant_kernel(
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the fused gather + smooth + quantize over a token-major (CSR) row list.
 
+    Each CTA walks `config.block_t` tokens. A token's X row is read once and every CSR entry
+    of it quantized from it; the next token's row and CSR bounds are loaded before this
+    token's rows are processed, so their latency hides behind this token's work (the kernel
+    is latency-bound: one warpgroup per CTA, a few KB per row).
+
     Args:
       x: [T, d] bf16 or fp16.
-      smooth_scales: f32 [E, d].
+      smooth_scales: f32 [E, d], or None for no smoothing (`Y = x`: the same bits as a
+        row of ones, without loading it; then every CSR entry of a token gets the same Q
+        and s, computed once).
       row_offsets: i32 [T + 1]; token t's rows are CSR entries `[row_offsets[t], row_offsets[t+1])`.
       out_rows: i32 [R]; output row of each CSR entry (a permutation of `[0, num_rows)`
         over the first `row_offsets[T]` entries).
-      row_experts: i32 [R]; expert of each CSR entry, in `[0, E)` (the caller clamps).
+      row_experts: i32 [R]; expert of each CSR entry, in `[0, E)` (the caller clamps;
+        unused without smooth scales).
       num_rows: i32 [1], the first padding row: rows `[num_rows, num_out_rows)` are written as
         zeros. None when every output row belongs to a token (no padding CTAs are launched).
       num_out_rows: static P, rows of the outputs.
@@ -114,10 +122,11 @@ def smoothquant_kernel(
       `(q [P, d] out_dtype, s f32 [P])`.
     """
     num_tokens, d = x.shape
-    num_experts = smooth_scales.shape[0]
     out_dtype = jnp.dtype(out_dtype)
     qmax_of(out_dtype)  # validates out_dtype
-    _common.require_shape("smooth_scales", smooth_scales, (num_experts, d))
+    smoothed = smooth_scales is not None
+    if smoothed:
+        _common.require_shape("smooth_scales", smooth_scales, (smooth_scales.shape[0], d))
     _common.require_shape("row_offsets", row_offsets, (num_tokens + 1,))
     _common.require_shape("row_experts", row_experts, out_rows.shape)
     bt, bp = config.block_t, config.block_pad
@@ -129,40 +138,57 @@ def smoothquant_kernel(
     pad_ctas = 0 if num_rows is None else pl.cdiv(num_out_rows, bp)
 
     def body(*refs):
-        if num_rows is None:
-            off_ref, rows_ref, exp_ref, x_ref, sm_ref, q_ref, s_ref = refs
-            nr_ref = None
-        else:
-            off_ref, rows_ref, exp_ref, nr_ref, x_ref, sm_ref, q_ref, s_ref = refs
+        refs = list(refs)
+        off_ref, rows_ref, exp_ref = refs[:3]
+        nr_ref = None if num_rows is None else refs[3]
+        x_ref, *rest = refs[3 if num_rows is None else 4:]
+        sm_ref, q_ref, s_ref = rest if smoothed else (None, *rest)
         cta = jax.lax.axis_index("cta")
+
+        def load_token(t):
+            """X row and CSR bounds of token t: [d] and two i32 scalars."""
+            return plgpu.load(x_ref.at[t], layout=layout), off_ref[t], off_ref[t + 1]
+
+        def store(j, q, s):
+            r = rows_ref[j]
+            q_ref[r] = q
+            s_ref[r] = s
+
+        def quantize(y):
+            return quantize_row(y, out_dtype, _warpgroup_reciprocal)
+
+        def smoothed_rows(xt, start, stop):
+            def smooth_row(j):
+                return plgpu.load(sm_ref.at[exp_ref[j]], layout=layout)
+
+            def row(j, smooth):
+                # Issue the next row's scale load before this row's reduction.
+                nxt = smooth_row(jnp.minimum(j + 1, stop - 1))
+                store(j, *quantize(xt.astype(jnp.float32) * smooth))
+                return nxt
+
+            jax.lax.fori_loop(start, stop, row, smooth_row(start))
+
+        def plain_rows(xt, start, stop):
+            q, s = quantize(xt.astype(jnp.float32))
+            jax.lax.fori_loop(start, stop, lambda j, c: (store(j, q, s), c)[1], None)
 
         @pl.when(cta < token_ctas)
         def _tokens():
-            for i in range(bt):
-                t = cta * bt + i
+            first = cta * bt
+            count = jnp.minimum(bt, num_tokens - first)
 
-                @pl.when(t < num_tokens)
+            def token(i, cur):
+                xt, start, stop = cur
+                nxt = load_token(jnp.minimum(first + i + 1, num_tokens - 1))
+
+                @pl.when(stop > start)
                 def _():
-                    xt = plgpu.load(x_ref.at[t], layout=layout)  # [d], read once per token
-                    start, stop = off_ref[t], off_ref[t + 1]
+                    (smoothed_rows if smoothed else plain_rows)(xt, start, stop)
 
-                    def smooth_row(j):
-                        return plgpu.load(sm_ref.at[exp_ref[j]], layout=layout)
+                return nxt
 
-                    def quantize(j, smooth):
-                        # Issue the next row's scale load before this row's reduction.
-                        nxt = smooth_row(jnp.minimum(j + 1, stop - 1))
-                        q, s = quantize_row(
-                            xt.astype(jnp.float32) * smooth, out_dtype, _warpgroup_reciprocal
-                        )
-                        r = rows_ref[j]
-                        q_ref[r] = q
-                        s_ref[r] = s
-                        return nxt
-
-                    @pl.when(stop > start)
-                    def _():
-                        jax.lax.fori_loop(start, stop, quantize, smooth_row(start))
+            jax.lax.fori_loop(0, count, token, load_token(first))
 
         if nr_ref is not None:
 
@@ -194,7 +220,10 @@ def smoothquant_kernel(
     args = [row_offsets.astype(jnp.int32), out_rows.astype(jnp.int32), row_experts.astype(jnp.int32)]
     if num_rows is not None:
         args.append(jnp.reshape(num_rows, (1,)).astype(jnp.int32))
-    return kernel(*args, x, smooth_scales.astype(jnp.float32))
+    args.append(x)
+    if smoothed:
+        args.append(smooth_scales.astype(jnp.float32))
+    return kernel(*args)
 
 
 def quantize_tokens_kernel(
@@ -208,8 +237,9 @@ def quantize_tokens_kernel(
 
     The fp8 forward's up-proj input when there are no smooth scales: each token is quantized
     once (T rows, not the plan's P = T*K) and the fp8 GEMM gathers the quantized rows. It is
-    `smoothquant_kernel` with one CSR entry per token (its own output row) and a single
-    smooth-scale row of ones (`x * 1` is exact, so this is the formula of every other path).
+    `smoothquant_kernel` with one CSR entry per token (its own output row) and no smooth
+    scales (`Y = x`: the bits a row of ones gives, `x * 1` being exact, so this is the
+    formula of every other path).
 
     Args:
       x: [T, d] bf16 or fp16.
@@ -225,6 +255,6 @@ def quantize_tokens_kernel(
     num_tokens, d = x.shape
     tokens = jnp.arange(num_tokens + 1, dtype=jnp.int32)
     return smoothquant_kernel(
-        x, jnp.ones((1, d), jnp.float32), tokens, tokens[:-1], jnp.zeros((num_tokens,), jnp.int32),
+        x, None, tokens, tokens[:-1], jnp.zeros((num_tokens,), jnp.int32),
         None, num_out_rows=num_tokens, out_dtype=out_dtype, config=config, interpret=interpret,
     )

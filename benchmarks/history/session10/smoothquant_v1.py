@@ -1,0 +1,230 @@
+"""Fused MoE SmoothQuant kernel (Pallas Mosaic GPU): gather, smooth, row-wise quantize.
+
+For every routed (token t, expert e) row written to output row r:
+
+    Y = x[t] * S[e]  (f32);   Q[r], s[r] = quantize_row(Y)   (see `quant/reference.py`)
+
+The kernel walks *tokens*, not output rows: one CTA (one warpgroup) loads `x[t]` from HBM
+into registers once (a strided warpgroup layout, `vec` contiguous elements per thread) and
+then, for each of the token's rows (CSR: `row_offsets[t]:row_offsets[t+1]`), loads the
+expert's smooth-scale row (`E * d * 4` bytes in all, so it stays in L2), reduces `max|Y|`
+across the warpgroup, and stores the quantized row and its scale at the row's output
+position. So X is read once (`T * d` elements) however many experts a token has, and no
+gathered `[P, d]` copy exists: the kernel moves `T*d*sizeof(x) + P*d*sizeof(Q) + 4*P` bytes
+plus metadata and the L2-resident scales. The next row's smooth-scale load is issued before
+the current row is reduced, to overlap its latency.
+
+Output rows that no token owns (the plan's padding rows `[num_rows, P)`) are written as
+Q = 0, s = 0 by extra CTAs at the end of the grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels import _common
+from pallas_moe.quant.reference import correctly_rounded_reciprocal, qmax_of, quantize_row
+
+_WG = 128  # threads in a warpgroup
+_VECS = (8, 4, 2, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SmoothQuantConfig:
+    """Block sizes of the fused SmoothQuant kernel.
+
+    Attributes:
+      block_t: tokens per CTA (walked one after another).
+      block_pad: padding rows zeroed per CTA of the padding part of the grid.
+      vec: elements each thread loads per access (8 -> 16-byte bf16 loads); `d` must be a
+        multiple of `128 * vec`. None picks the largest of 8, 4, 2, 1 that divides.
+    """
+
+    block_t: int = 1
+    block_pad: int = 64
+    vec: int | None = None
+
+    def resolve_vec(self, d: int) -> int:
+        if self.vec is not None:
+            _common.require_multiple(
+                "d (x.shape[1])", d, _WG * self.vec,
+                f"each of the {_WG} threads of a warpgroup holds vec={self.vec} elements per access",
+            )
+            return self.vec
+        for vec in _VECS:
+            if d % (_WG * vec) == 0:
+                return vec
+        raise ValueError(
+            f"d (x.shape[1])={d} must be a multiple of {_WG} (a warpgroup's {_WG} threads split "
+            "each row evenly); use backend='xla' for other widths."
+        )
+
+
+def _warpgroup_reciprocal(scale: jax.Array) -> jax.Array:
+    """`correctly_rounded_reciprocal` of a scalar inside a kernel: Mosaic GPU (jax 0.11.2)
+    cannot bitcast a scalar, so every thread of the warpgroup computes it on its own copy
+    (a [128] vector, one element per thread) and a max over the equal copies makes it a
+    scalar again."""
+    copies = plgpu.layout_cast(
+        jnp.full((_WG,), scale, jnp.float32), plgpu.Layout.WG_STRIDED((_WG,), vec_size=1)
+    )
+    return jnp.max(correctly_rounded_reciprocal(copies))
+
+
+def supports_width(d: int) -> bool:
+    """Whether the kernel takes rows of width `d`."""
+    return d % _WG == 0
+
+
+def smoothquant_kernel(
+    x: jax.Array,
+    smooth_scales: jax.Array,
+    row_offsets: jax.Array,
+    out_rows: jax.Array,
+    row_experts: jax.Array,
+    num_rows: jax.Array | None,
+    *,
+    num_out_rows: int,
+    out_dtype,
+    config: SmoothQuantConfig = SmoothQuantConfig(),
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Runs the fused gather + smooth + quantize over a token-major (CSR) row list.
+
+    Args:
+      x: [T, d] bf16 or fp16.
+      smooth_scales: f32 [E, d].
+      row_offsets: i32 [T + 1]; token t's rows are CSR entries `[row_offsets[t], row_offsets[t+1])`.
+      out_rows: i32 [R]; output row of each CSR entry (a permutation of `[0, num_rows)`
+        over the first `row_offsets[T]` entries).
+      row_experts: i32 [R]; expert of each CSR entry, in `[0, E)` (the caller clamps).
+      num_rows: i32 [1], the first padding row: rows `[num_rows, num_out_rows)` are written as
+        zeros. None when every output row belongs to a token (no padding CTAs are launched).
+      num_out_rows: static P, rows of the outputs.
+      out_dtype: int8 or float8_e4m3fn.
+      config: block sizes.
+      interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
+
+    Returns:
+      `(q [P, d] out_dtype, s f32 [P])`.
+    """
+    num_tokens, d = x.shape
+    num_experts = smooth_scales.shape[0]
+    out_dtype = jnp.dtype(out_dtype)
+    qmax_of(out_dtype)  # validates out_dtype
+    _common.require_shape("smooth_scales", smooth_scales, (num_experts, d))
+    _common.require_shape("row_offsets", row_offsets, (num_tokens + 1,))
+    _common.require_shape("row_experts", row_experts, out_rows.shape)
+    bt, bp = config.block_t, config.block_pad
+    if bt < 1 or bp < 1:
+        raise ValueError(f"config.block_t={bt} and config.block_pad={bp} must be >= 1.")
+    vec = config.resolve_vec(d)
+    layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
+    token_ctas = pl.cdiv(num_tokens, bt)
+    pad_ctas = 0 if num_rows is None else pl.cdiv(num_out_rows, bp)
+
+    def body(*refs):
+        if num_rows is None:
+            off_ref, rows_ref, exp_ref, x_ref, sm_ref, q_ref, s_ref = refs
+            nr_ref = None
+        else:
+            off_ref, rows_ref, exp_ref, nr_ref, x_ref, sm_ref, q_ref, s_ref = refs
+        cta = jax.lax.axis_index("cta")
+
+        @pl.when(cta < token_ctas)
+        def _tokens():
+            for i in range(bt):
+                t = cta * bt + i
+
+                @pl.when(t < num_tokens)
+                def _():
+                    xt = plgpu.load(x_ref.at[t], layout=layout)  # [d], read once per token
+                    start, stop = off_ref[t], off_ref[t + 1]
+
+                    def smooth_row(j):
+                        return plgpu.load(sm_ref.at[exp_ref[j]], layout=layout)
+
+                    def quantize(j, smooth):
+                        # Issue the next row's scale load before this row's reduction.
+                        nxt = smooth_row(jnp.minimum(j + 1, stop - 1))
+                        q, s = quantize_row(
+                            xt.astype(jnp.float32) * smooth, out_dtype, _warpgroup_reciprocal
+                        )
+                        r = rows_ref[j]
+                        q_ref[r] = q
+                        s_ref[r] = s
+                        return nxt
+
+                    @pl.when(stop > start)
+                    def _():
+                        jax.lax.fori_loop(start, stop, quantize, smooth_row(start))
+
+        if nr_ref is not None:
+
+            @pl.when(cta >= token_ctas)
+            def _padding():
+                first = nr_ref[0]
+                zeros = plgpu.layout_cast(jnp.zeros((d,), jnp.float32), layout).astype(out_dtype)
+                row0 = (cta - token_ctas) * bp
+                start = jnp.clip(first, row0, row0 + bp)
+                stop = jnp.minimum(row0 + bp, num_out_rows)
+
+                def zero_row(r, carry):
+                    q_ref[r] = zeros
+                    s_ref[r] = jnp.float32(0.0)
+                    return carry
+
+                jax.lax.fori_loop(start, stop, zero_row, None)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(
+            jax.ShapeDtypeStruct((num_out_rows, d), out_dtype),
+            jax.ShapeDtypeStruct((num_out_rows,), jnp.float32),
+        ),
+        grid=(token_ctas + pad_ctas,),
+        grid_names=("cta",),
+        interpret=_common.interpret_params(interpret),
+    )
+    args = [row_offsets.astype(jnp.int32), out_rows.astype(jnp.int32), row_experts.astype(jnp.int32)]
+    if num_rows is not None:
+        args.append(jnp.reshape(num_rows, (1,)).astype(jnp.int32))
+    return kernel(*args, x, smooth_scales.astype(jnp.float32))
+
+
+def quantize_tokens_kernel(
+    x: jax.Array,
+    *,
+    out_dtype=jnp.float8_e4m3fn,
+    config: SmoothQuantConfig = SmoothQuantConfig(),
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token row quantization of `x` (no smoothing): `Q[t], s[t] = quantize_row(x[t])`.
+
+    The fp8 forward's up-proj input when there are no smooth scales: each token is quantized
+    once (T rows, not the plan's P = T*K) and the fp8 GEMM gathers the quantized rows. It is
+    `smoothquant_kernel` with one CSR entry per token (its own output row) and a single
+    smooth-scale row of ones (`x * 1` is exact, so this is the formula of every other path).
+
+    Args:
+      x: [T, d] bf16 or fp16.
+      out_dtype: int8 or float8_e4m3fn.
+      config: the SmoothQuant kernel's block sizes.
+      interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
+
+    Returns:
+      `(q [T, d] out_dtype, s f32 [T])`.
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x must be [T, d], got shape {tuple(x.shape)}.")
+    num_tokens, d = x.shape
+    tokens = jnp.arange(num_tokens + 1, dtype=jnp.int32)
+    return smoothquant_kernel(
+        x, jnp.ones((1, d), jnp.float32), tokens, tokens[:-1], jnp.zeros((num_tokens,), jnp.int32),
+        None, num_out_rows=num_tokens, out_dtype=out_dtype, config=config, interpret=interpret,
+    )
