@@ -136,6 +136,10 @@ def smoothquant_kernel(
     layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
     token_ctas = pl.cdiv(num_tokens, bt)
     pad_ctas = 0 if num_rows is None else pl.cdiv(num_out_rows, bp)
+    num_entries = out_rows.shape[0]
+    if num_entries < 1:
+        raise ValueError("out_rows must hold at least one CSR entry (pad it; entries past "
+                         "row_offsets[T] are never read).")
 
     def body(*refs):
         refs = list(refs)
@@ -146,13 +150,18 @@ def smoothquant_kernel(
         cta = jax.lax.axis_index("cta")
 
         def load_token(t):
-            """X row and CSR bounds of token t: [d] and two i32 scalars."""
-            return plgpu.load(x_ref.at[t], layout=layout), off_ref[t], off_ref[t + 1]
+            """X row, CSR bounds and first output row of token t: [d] and three i32 scalars
+            (the row index clamped for a token without rows past the last entry)."""
+            start = off_ref[t]
+            first_row = start if smoothed else rows_ref[jnp.minimum(start, num_entries - 1)]
+            return plgpu.load(x_ref.at[t], layout=layout), start, off_ref[t + 1], first_row
 
-        def store(j, q, s):
-            r = rows_ref[j]
+        def store_at(r, q, s):
             q_ref[r] = q
             s_ref[r] = s
+
+        def store(j, q, s):
+            store_at(rows_ref[j], q, s)
 
         def quantize(y):
             return quantize_row(y, out_dtype, _warpgroup_reciprocal)
@@ -169,9 +178,10 @@ def smoothquant_kernel(
 
             jax.lax.fori_loop(start, stop, row, smooth_row(start))
 
-        def plain_rows(xt, start, stop):
+        def plain_rows(xt, start, stop, first_row):
             q, s = quantize(xt.astype(jnp.float32))
-            jax.lax.fori_loop(start, stop, lambda j, c: (store(j, q, s), c)[1], None)
+            store_at(first_row, q, s)  # prefetched with the token: most tokens own one row
+            jax.lax.fori_loop(start + 1, stop, lambda j, c: (store(j, q, s), c)[1], None)
 
         @pl.when(cta < token_ctas)
         def _tokens():
@@ -179,12 +189,15 @@ def smoothquant_kernel(
             count = jnp.minimum(bt, num_tokens - first)
 
             def token(i, cur):
-                xt, start, stop = cur
+                xt, start, stop, first_row = cur
                 nxt = load_token(jnp.minimum(first + i + 1, num_tokens - 1))
 
                 @pl.when(stop > start)
                 def _():
-                    (smoothed_rows if smoothed else plain_rows)(xt, start, stop)
+                    if smoothed:
+                        smoothed_rows(xt, start, stop)
+                    else:
+                        plain_rows(xt, start, stop, first_row)
 
                 return nxt
 

@@ -66,9 +66,13 @@ for name in names:
         "A requant": (a, jnp.ones((E, n), jnp.float32), None, a_meta, P, P * n * 3 + 4 * P),
         "smoothed K rows": (x, smooth, smooth, meta, P, T * d * 2 + P * d + 4 * P),
     }
+    only = os.environ.get("QUANT_AB_CASES")
+    blocks = [int(b) for b in os.environ.get("QUANT_AB_BLOCKS", "1,4,16,64").split(",")]
     for case, (inp, s1, s2, m, out_rows, nbytes) in cases.items():
+        if only and case not in only.split(","):
+            continue
         want = None
-        for block_t in (1, 4, 16, 64):
+        for block_t in blocks:
             cfg = SmoothQuantConfig(block_t=block_t)
             for ver, kern, sm in (("v1", v1.smoothquant_kernel, s1), ("v2", smoothquant_kernel, s2)):
                 f = jax.jit(lambda i, s, a0, a1, a2, a3, kern=kern, cfg=cfg, r=out_rows: kern(
