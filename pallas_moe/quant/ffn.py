@@ -147,9 +147,9 @@ class Fp8ForwardConfig:
       quant: the SmoothQuant kernel quantizing X (per token, or per row with smooth scales).
       aggregate: the aggregation kernel.
       requant: the SmoothQuant kernel re-quantizing A when the up-proj does not (narrow
-        rows: n elements); None gives 16 rows per CTA: measured on the H100 (session 4,
-        `benchmarks/quant.py --fp8`, same run) 188 / 292 us at 7B / 30B against 247 / 406 us
-        with one row per CTA.
+        rows: n elements); None gives 16 rows per CTA: measured on the H100 (session 10,
+        `benchmarks/history/session10/quant_ab.py`, same run) 153.6 / 224.7 us at 7B / 30B
+        against 157.7 / 231.8 with 4 rows per CTA.
       fuse_requant: quantize A in the up-proj's epilogue where a CTA holds whole rows of A
         (`grouped_gemm.fused_requant_fits`: no promotion, n <= 2 * up.block_n; the 7B
         shape's n = 256, not 30B's 512), instead of writing A in bf16 for the separate pass.
@@ -227,7 +227,9 @@ class Fp8ForwardConfig:
             else:
                 down = gemm(block_n=128, num_stages=4)
         agg = ForwardConfig.for_shape(d, n, num_sms=num_sms).aggregate
-        return cls(up=up, down=down, quant=SmoothQuantConfig(), aggregate=agg)
+        # X per token, 4 tokens per CTA: 40.0 us at 7B (0.97 of a device copy), 148 us at
+        # 30B (0.93) on the H100 (session 10, `benchmarks/history/session10/quant_ab.py`).
+        return cls(up=up, down=down, quant=SmoothQuantConfig(block_t=4), aggregate=agg)
 
 
 def check_fp8_inputs(x: jax.Array, plan: DispatchPlan, experts: QuantizedExperts) -> None:
