@@ -227,9 +227,10 @@ class Fp8ForwardConfig:
             else:
                 down = gemm(block_n=128, num_stages=4)
         agg = ForwardConfig.for_shape(d, n, num_sms=num_sms).aggregate
-        # X per token, 4 tokens per CTA: 40.0 us at 7B (0.97 of a device copy), 148 us at
-        # 30B (0.93) on the H100 (session 10, `benchmarks/history/session10/quant_ab.py`).
-        return cls(up=up, down=down, quant=SmoothQuantConfig(block_t=4), aggregate=agg)
+        # X per token, one token per CTA: 41.5 us at 7B (0.93 of a device copy; 4 per CTA
+        # 40.1), 133.3 us at 30B (1.03; 4 per CTA 148.1) on the H100 (session 10, same run,
+        # `benchmarks/history/session10/quant_ab.py`).
+        return cls(up=up, down=down, quant=SmoothQuantConfig(), aggregate=agg)
 
 
 def check_fp8_inputs(x: jax.Array, plan: DispatchPlan, experts: QuantizedExperts) -> None:
