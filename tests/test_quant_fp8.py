@@ -736,6 +736,31 @@ def test_fp8_grouped_matmul_on_gpu(gated, promote_every):
         assert err < FP8_PROMOTED_GEMM_VS_EXACT_TOL[gated]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
+def test_fp8_pingpong_down_on_gpu():
+    """The 30B-width default down-proj (n >= 512: 128-row ping-pong, unpromoted) against the
+    model of the H100's fp8 sums, and bit for bit the split-M schedule's output (each output
+    element is one consumer's same K loop either way); outputs poisoned first."""
+    plan, (a, w, rs, cs) = gpu_test_operands(False)
+    pingpong = pm.quant.Fp8ForwardConfig.for_shape(1536, 512).down
+    assert pingpong.pingpong and pingpong.fp8_promote_every == 0
+    split_m = dataclasses.replace(pingpong, pingpong=False, block_n=256, num_stages=3)
+    outs = []
+    for config in (pingpong, split_m):
+        junk = jnp.full((plan.capacity * w.shape[1] * 2,), 0xFF, jnp.uint8).block_until_ready()
+        del junk
+        outs.append(jax.jit(functools.partial(grouped_matmul, transpose_w=True, config=config))(
+            a, plan.group_sizes, w, row_scales=rs, col_scales=cs))
+    rows = int(plan.num_rows)
+    g = np.asarray(outs[0][:rows], np.float32)
+    assert np.all(np.isfinite(g))
+    np.testing.assert_array_equal(np.asarray(outs[0][:rows]).view(np.uint16),
+                                  np.asarray(outs[1][:rows]).view(np.uint16))
+    sample = gpu_test_sample(plan)
+    check_against_model(g[sample], sample, plan, a, w, rs, cs, gated=False, promote_blocks=0)
+
+
 def aggregation_interval_ok(out, y, plan):
     """The aggregation on the kernel's own Y: fp32 sums of `score * Y` in ascending expert
     order, rounded to bf16. Another f32 summation order (or an FMA) moves the f32 sum by at
