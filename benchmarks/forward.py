@@ -78,6 +78,22 @@ def wall_time_ms(f, *args, iters=ITERS):
     return statistics.median(times)
 
 
+def pipelined_ms(f, *args, steps=10, repeats=5):
+    """Milliseconds per call of `steps` calls dispatched back to back with one block at the
+    end (median of `repeats`), after a warm-up: what a training loop that does not wait on
+    each step sees. Against `wall_time_ms` it separates one call's host dispatch latency
+    (hidden here behind the previous calls' GPU work) from gaps inside the GPU's work."""
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = [f(*args) for _ in range(steps)]
+        jax.block_until_ready(outs)
+        times.append(1e3 * (time.perf_counter() - t0) / steps)
+        del outs
+    return statistics.median(times)
+
+
 def poison_then(f, *args, nbytes):
     """Runs f after freeing a NaN-filled buffer of `nbytes`, so fresh outputs start dirty."""
     junk = jnp.full((nbytes // 2,), jnp.nan, jnp.bfloat16)
