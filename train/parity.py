@@ -53,12 +53,7 @@ PASS_BAR = 1e-3
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.parity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", help="a train run directory (holding checkpoints/); default: train one")
-    p.add_argument("--config", default="tiny", help="config to train when no --checkpoint is given")
-    p.add_argument("--train-steps", type=int, default=300, dest="train_steps",
-                   help="steps to train when no --checkpoint is given (0: untrained init)")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field of the model to train (repeatable)")
+    add_model_args(p, config="tiny", train_steps=300)
     p.add_argument("--backend", default="xla", help="candidates' moe_ffn backend: xla, interpret, mosaic")
     p.add_argument("--prompts", type=int, default=25, help="N prompts")
     p.add_argument("--prompt-len", type=int, default=32, dest="prompt_len", help="bytes per prompt")
@@ -67,8 +62,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--references", help=f"comma-separated subset of {', '.join(REFERENCES)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/parity", help="output directory")
-    p.add_argument("--no-progress", action="store_true", help="no training progress bar")
     return p.parse_args(argv)
+
+
+def add_model_args(p: argparse.ArgumentParser, *, config: str, train_steps: int) -> None:
+    """The options `load_model` reads: a run to load, or a config to train first."""
+    p.add_argument("--checkpoint", help="a train run directory (holding checkpoints/); default: train one")
+    p.add_argument("--config", default=config, help="config to train when no --checkpoint is given")
+    p.add_argument("--train-steps", type=int, default=train_steps, dest="train_steps",
+                   help="steps to train when no --checkpoint is given (0: untrained init)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field of the model to train (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no training progress bar")
 
 
 def load_model(args, out_dir: pathlib.Path):

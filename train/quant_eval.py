@@ -1,7 +1,7 @@
 """python -m train.quant_eval: validation loss of a trained model with fp8 MoE layers.
 
 Loads a train run (`--checkpoint runs/small`) or trains one first (`--config small
---train-steps 1500`), then evaluates the same validation windows under three settings:
+--train-steps 3000`), then evaluates the same validation windows under three settings:
 
     as trained   the run's own dtype and backend
     bf16         bfloat16 compute, every MoE layer on `pm.moe_ffn` (`--backend`)
@@ -24,18 +24,14 @@ import time
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from train.parity import add_model_args
+
     p = argparse.ArgumentParser(prog="python -m train.quant_eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", help="a train run directory (holding checkpoints/); default: train one")
-    p.add_argument("--config", default="small", help="config to train when no --checkpoint is given")
-    p.add_argument("--train-steps", type=int, default=1500, dest="train_steps",
-                   help="steps to train when no --checkpoint is given (0: untrained init)")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field of the model to train (repeatable)")
+    add_model_args(p, config="small", train_steps=3000)
     p.add_argument("--backend", default="auto", help="MoE backend of the bf16 and fp8 settings")
     p.add_argument("--batches", type=int, help="validation batches (default: the config's eval_batches)")
     p.add_argument("--out", default="runs/quant_eval", help="output directory")
-    p.add_argument("--no-progress", action="store_true", help="no training progress bar")
     return p.parse_args(argv)
 
 
