@@ -139,17 +139,18 @@ def test_parity_tool_end_to_end(tmp_path, capsys):
 
 
 def test_quant_eval_end_to_end(tmp_path, capsys):
-    """`python -m train.quant_eval`: trains, reloads from the checkpoint, and scores the same
-    validation windows as trained, in bf16 and with fp8 experts (the jnp references here)."""
+    """`python -m train.quant_eval` scores the same validation windows as built, in bf16 and
+    with fp8 experts (the jnp references here). It loads models through `train.parity`'s
+    `load_model`, whose train-then-reload path `test_parity_tool_end_to_end` covers."""
     from train import quant_eval
 
     out = tmp_path / "quant"
-    argv = ["--config", "tiny", "--train-steps", "2", "--no-progress", "--batches", "1",
+    argv = ["--config", "tiny", "--train-steps", "0", "--no-progress", "--batches", "1",
             "--backend", "xla", "--out", str(out), *SMALL]
     assert quant_eval.main(argv) == 0
     assert "| fp8 | bfloat16 | xla (fp8 experts) |" in capsys.readouterr().out
     results = json.loads((out / "quant_eval.json").read_text())
-    assert "step 2" in results["model"]
+    assert "untrained" in results["model"]
     rows = results["rows"]
     assert rows["bf16"]["minus_bf16"] == 0 and rows["bf16"]["logits_rel_err_vs_bf16"] == 0
     # fp8 changes the logits (four e4m3 roundings per layer) but not what the model predicts.
