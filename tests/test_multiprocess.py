@@ -61,6 +61,7 @@ def ep_check_argv(*extra):
     ]
 
 
+@pytest.mark.slow  # 2 processes x 2 CPU devices, ~50 s on 2 cores; one-process EP is tested in CI
 def test_ep_across_two_processes():
     """The expert axis across the processes (ragged dispatch, chunked overlap, token
     rounding), and the data axis across them (all_gather dispatch, top-K)."""

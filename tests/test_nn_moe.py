@@ -425,3 +425,34 @@ def test_quantize_fp8_is_inference_only_and_checks_the_layer():
         make(expert_bias=True).quantize_fp8()
     with pytest.raises(ValueError, match="smooth_up"):
         make().quantize_fp8(smooth_up=jnp.ones((E, D + 1), jnp.float32))
+
+
+# --------------------------------------------------------------------------- kernel_config
+
+
+def test_kernel_config_reaches_moe_ffn_and_is_checked():
+    """`kernel_config` is `moe_ffn`'s `config`: the layer's output is the hand-composed
+    op's with it (interpret mode), a config made for other widths fails in the kernels' own
+    checks, and bad combinations are refused at construction."""
+    from pallas_moe.kernels import KernelConfig
+
+    d, n, e, k = 128, 64, 4, 2
+    cfg = KernelConfig.for_shape(d, n)
+    layer = pm.nn.MoE(d, n, e, k, rngs=nnx.Rngs(0), backend="interpret", dtype=jnp.bfloat16,
+                      kernel_config=cfg)
+    x = jax.random.normal(jax.random.key(2), (16, d)).astype(jnp.bfloat16)
+    y, _ = apply(layer, x)
+    plan = pm.routing.topk_plan(x.astype(jnp.float32) @ layer.router[...], k)
+    want = pm.moe_ffn(x, plan, layer.w_gate_up[...].astype(jnp.bfloat16),
+                      layer.w_down[...].astype(jnp.bfloat16), backend="interpret", config=cfg)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+
+    wide = pm.nn.MoE(d, n, e, k, rngs=nnx.Rngs(0), backend="interpret", dtype=jnp.bfloat16,
+                     kernel_config=KernelConfig.for_shape(d, 4 * n))
+    with pytest.raises(ValueError):
+        apply(wide, x)
+
+    with pytest.raises(TypeError, match="kernel_config must be a pallas_moe.kernels.KernelConfig"):
+        make(kernel_config=cfg.forward)
+    with pytest.raises(ValueError, match="backend='xla' runs no kernels"):
+        make(backend="xla", kernel_config=cfg)

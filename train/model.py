@@ -57,7 +57,8 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm residual block: attention, then the MoE feed-forward."""
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, expert_parallel=None, numerics=None):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, expert_parallel=None, numerics=None,
+                 kernel_config=None):
         from pallas_moe.nn import MoE
 
         dtype = DTYPES[cfg.dtype]
@@ -72,7 +73,7 @@ class Block(nnx.Module):
             routing=cfg.routing, tile=cfg.tile, rounding=cfg.rounding,
             load_balance_weight=cfg.load_balance_weight, z_loss_weight=cfg.z_loss_weight,
             backend=cfg.backend, dtype=dtype, rngs=rngs, expert_parallel=expert_parallel,
-            numerics=numerics,
+            numerics=numerics, kernel_config=kernel_config,
         )
 
     def __call__(self, x: jax.Array, *, trace: list | None = None) -> tuple[jax.Array, dict]:
@@ -93,9 +94,12 @@ class MoETransformer(nnx.Module):
     `expert_parallel`: a `pm.nn.ExpertParallel` for every MoE layer (None: one device).
     `numerics`: a `pallas_moe.Numerics` for every MoE layer (default: the library's); it
     changes rounding orders only, not the parameters, so one checkpoint serves them all.
+    `kernel_config`: a `pallas_moe.kernels.KernelConfig` for every MoE layer's kernels
+    (None: their `for_shape` defaults).
     """
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, expert_parallel=None, numerics=None):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs, expert_parallel=None, numerics=None,
+                 kernel_config=None):
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
         # Small embedding init: with a tied head, initial logits are x . embed, so unit-variance
@@ -108,7 +112,8 @@ class MoETransformer(nnx.Module):
             init = jax.nn.initializers.normal(0.02)
             self.pos_embed = nnx.Param(init(rngs.params(), (cfg.seq_len, cfg.d_model)))
         self.blocks = nnx.List([
-            Block(cfg, rngs=rngs, expert_parallel=expert_parallel, numerics=numerics)
+            Block(cfg, rngs=rngs, expert_parallel=expert_parallel, numerics=numerics,
+                  kernel_config=kernel_config)
             for _ in range(cfg.num_layers)
         ])
         self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=self.dtype, rngs=rngs)

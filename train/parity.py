@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, help="M bytes generated per prompt (default: seq_len - prompt_len)")
     p.add_argument("--candidates", help=f"comma-separated subset of {', '.join(CANDIDATES)}")
     p.add_argument("--references", help=f"comma-separated subset of {', '.join(REFERENCES)}")
+    p.add_argument("--approx-math", action="store_true", dest="approx_math",
+                   help="candidates' kernels take the SwiGLU's exp from ex2.approx "
+                        "(KernelConfig.for_shape(..., approx_math=True); needs --backend mosaic or interpret)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/parity", help="output directory")
     return p.parse_args(argv)
@@ -112,9 +115,10 @@ def load_model(args, out_dir: pathlib.Path):
     return cfg, state["params"], f"{run_dir} step {step} ({cfg.name})"
 
 
-def scorer(cfg, numerics: Numerics, params):
+def scorer(cfg, numerics: Numerics, params, kernel_config=None):
     """Jitted `(params, tokens) -> (logits, hidden [L,N,S,d], sets [L,N,S,E])` and a
-    `(params, tokens) -> logits` function for sampling, of the model under `numerics`."""
+    `(params, tokens) -> logits` function for sampling, of the model under `numerics` (and
+    `kernel_config` for its MoE kernels)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -122,7 +126,7 @@ def scorer(cfg, numerics: Numerics, params):
     from pallas_moe.parity import topk_sets
     from train.model import MoETransformer
 
-    model = MoETransformer(cfg, rngs=nnx.Rngs(0), numerics=numerics)
+    model = MoETransformer(cfg, rngs=nnx.Rngs(0), numerics=numerics, kernel_config=kernel_config)
     graphdef, fresh, rest = nnx.split(model, nnx.Param, ...)
     if jax.tree.structure(fresh) != jax.tree.structure(params):
         raise ValueError("the checkpoint's parameters do not fit the evaluation model.")
@@ -184,7 +188,14 @@ def run(args) -> dict:
         "seed": args.seed, "pass_bar": PASS_BAR, "notes": notes, "references": {},
     }
     cand_cfg = dataclasses.replace(eval_cfg, backend=args.backend)
-    cand_scorers = {name: scorer(cand_cfg, CANDIDATES[name], params)[0] for name in names}
+    kernel_config = None
+    if args.approx_math:
+        from pallas_moe.kernels import KernelConfig
+
+        kernel_config = KernelConfig.for_shape(cfg.d_model, cfg.d_expert, approx_math=True)
+    results["kernel_config"] = "approx_math" if args.approx_math else "for_shape defaults"
+    cand_scorers = {name: scorer(cand_cfg, CANDIDATES[name], params, kernel_config)[0]
+                    for name in names}
     for ref_name in reference_names(args):
         ref_numerics = REFERENCES[ref_name]
         ref_score, ref_logits_fn = scorer(dataclasses.replace(eval_cfg, backend="xla"), ref_numerics, params)
@@ -234,7 +245,8 @@ def _fmt(v) -> str:
 def markdown_table(results: dict) -> str:
     """One table per reference: a row per candidate (and the noise floors)."""
     lines = [
-        f"model: {results['model']}; {results['eval']}; candidates on `{results['backend']}`, "
+        f"model: {results['model']}; {results['eval']}; candidates on `{results['backend']}` "
+        f"(kernels: {results.get('kernel_config', 'for_shape defaults')}), "
         f"references on `xla`; {results['prompts']} prompts x {results['tokens']} tokens "
         f"(prompt {results['prompt_len']} bytes), seed {results['seed']}; device {results['device']}.",
         "",
@@ -311,6 +323,8 @@ def check_args(args) -> str | None:
             return f"{flag}: unknown {unknown}; choose from {list(known)}."
     if args.backend not in ("xla", "interpret", "mosaic"):
         return f"--backend must be xla, interpret or mosaic, got {args.backend!r}."
+    if args.approx_math and args.backend == "xla":
+        return "--approx-math sets the kernels' exp; it needs --backend mosaic or interpret."
     for name in ("prompts", "prompt_len"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}."

@@ -46,7 +46,6 @@ from pallas_moe.nn.expert_parallel import ExpertParallel, expert_parallel_moe
 from pallas_moe.numerics import Numerics, check_activation_dtype, check_numerics
 from pallas_moe.ops.activation import SwiGLU, check_activation
 from pallas_moe.ops.moe_ffn import BACKENDS, moe_ffn
-from pallas_moe.quant.ffn import QuantizedExperts, moe_ffn_fp8, quantize_experts
 from pallas_moe.routing.aux import update_selection_bias
 
 Initializer = Callable[..., jax.Array]
@@ -171,6 +170,10 @@ class MoE(nnx.Module):
       numerics: `pm.Numerics` switches (default `Numerics()`): the aggregation order of
         `moe_ffn` (the bf16 modes need dtype=bfloat16), SwiGLU fusion in the kernels, and
         the router's dtype (`router_dtype`). See `pallas_moe.numerics`.
+      kernel_config: a `pallas_moe.kernels.KernelConfig` for `moe_ffn`'s kernels (block
+        sizes, row loader, `approx_math`), or None for `KernelConfig.for_shape` defaults.
+        Not with backend="xla" (no kernels) nor with expert_parallel (the shards use the
+        defaults); with backend="auto" it is ignored where `moe_ffn` picks "xla".
 
     Call: `y, aux = layer(x, key=None)`; x [..., d_model] float; y has x's leading shape and
     the compute dtype; `key` overrides the stream for stochastic rounding. `aux` is a dict
@@ -217,6 +220,7 @@ class MoE(nnx.Module):
         activation: SwiGLU = SwiGLU(),
         check_finite: bool | None = None,
         numerics: Numerics | None = None,
+        kernel_config: Any = None,
     ):
         d_model = _checks.check_positive_int("d_model", d_model)
         d_expert = _checks.check_positive_int("d_expert", d_expert)
@@ -252,6 +256,22 @@ class MoE(nnx.Module):
                 )
             expert_parallel.check_experts(num_experts)
 
+        if kernel_config is not None:
+            from pallas_moe.kernels.config import KernelConfig  # Pallas only when asked for
+
+            if not isinstance(kernel_config, KernelConfig):
+                raise TypeError(
+                    "kernel_config must be a pallas_moe.kernels.KernelConfig or None, got "
+                    f"{type(kernel_config).__name__}."
+                )
+            if backend == "xla":
+                raise ValueError("kernel_config sets kernel block sizes; backend='xla' runs no kernels.")
+            if expert_parallel is not None:
+                raise ValueError(
+                    "kernel_config applies to the one-device layer; under expert_parallel each "
+                    "shard's kernels take their KernelConfig.for_shape defaults. Pass one or the other."
+                )
+        self.kernel_config = kernel_config
         self.d_model, self.d_expert = d_model, d_expert
         self.num_experts, self.top_k = num_experts, top_k
         self.backend = backend
@@ -404,9 +424,11 @@ class MoE(nnx.Module):
             if self.fp8_experts is None:
                 y = moe_ffn(
                     xt, plan, w_gate_up, w_down, backend=self.backend, numerics=self.numerics,
-                    **ffn_options,
+                    config=self.kernel_config, **ffn_options,
                 )  # [T, d]
             else:
+                from pallas_moe.quant.ffn import moe_ffn_fp8  # Pallas only when used
+
                 y = moe_ffn_fp8(
                     xt.astype(jnp.bfloat16), plan, self.fp8_experts.get_value(),
                     backend=self.backend, aggregation=self.numerics.aggregation,
@@ -451,6 +473,8 @@ class MoE(nnx.Module):
             raise ValueError("quantize_fp8: the fp8 forward has no expert biases; this layer has expert_bias=True.")
         if self.expert_parallel is not None:
             raise ValueError("quantize_fp8: the fp8 forward runs on one device; this layer has expert_parallel set.")
+        from pallas_moe.quant.ffn import quantize_experts  # Pallas only when used
+
         experts = quantize_experts(
             self.w_gate_up[...], self.w_down[...], smooth_up=smooth_up, smooth_down=smooth_down
         )
@@ -461,7 +485,7 @@ class MoE(nnx.Module):
         self.fp8_experts = nnx.data(None)
 
     @property
-    def quantized(self) -> QuantizedExperts | None:
+    def quantized(self) -> "pallas_moe.quant.QuantizedExperts | None":
         """The e4m3 experts `quantize_fp8` made, or None."""
         return None if self.fp8_experts is None else self.fp8_experts.get_value()
 
