@@ -22,7 +22,7 @@ train: $(STAMP)
 
 # The test suite (CPU; kernels run in Mosaic GPU interpret mode).
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 2 -q --durations=30
+	$(VENV)/bin/python -m pytest -n 2 --dist worksteal -q --durations=30
 
 clean:
 	rm -rf $(VENV)
