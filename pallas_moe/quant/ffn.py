@@ -385,12 +385,13 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
     down_rows = -(-capacity // config.down.block_m) * config.down.block_m
     row_experts = _row_experts(plan)
     up_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.up.block_m)
-    smooth_down = _smooth_or_ones(experts.smooth_down, num_experts, n)
     fused = config.fuse_requant and fused_requant_fits(config.up, n)
     up = dict(transpose_w=True, config=config.up, interpret=interpret, meta=up_meta,
               capacity=capacity, col_scales=experts.gate_up_scales, gated=True,
               names=("q", "experts.w_gate_up"), kernel_name="moe_fp8_up_proj",
-              requant_smooth=smooth_down if fused else None)
+              # The fused epilogue multiplies by a scale row; the separate pass below
+              # skips it when there is none.
+              requant_smooth=_smooth_or_ones(experts.smooth_down, num_experts, n) if fused else None)
     if experts.smooth_up is None:
         q1, s1 = quantize_tokens_kernel(x, config=config.quant, interpret=interpret)
         up_out = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1,

@@ -181,7 +181,12 @@ def smoothquant_kernel(
         def plain_rows(xt, start, stop, first_row):
             q, s = quantize(xt.astype(jnp.float32))
             store_at(first_row, q, s)  # prefetched with the token: most tokens own one row
-            jax.lax.fori_loop(start + 1, stop, lambda j, c: (store(j, q, s), c)[1], None)
+
+            def other_row(j, carry):
+                store(j, q, s)
+                return carry
+
+            jax.lax.fori_loop(start + 1, stop, other_row, None)
 
         @pl.when(cta < token_ctas)
         def _tokens():
