@@ -646,7 +646,9 @@ def _epilogue_warpgroup_kernel(
         a_copy, a_mma, bg_smem, bu_smem, (hg_copy, hg_mma), (hu_copy, hu_mma) = views(bufs)
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
-        _rebalance_registers_with_epilogue(wg, cons)
+        registers = _epilogue_warpgroup_registers(cons)
+        if not _REGISTERS_IN_ROLE_BRANCHES:
+            _rebalance_registers_with_epilogue(wg, cons)
         my_items = jnp.maximum(num_items - sm + num_ctas - 1, 0) // num_ctas
 
         def item(j):
@@ -674,8 +676,18 @@ def _epilogue_warpgroup_kernel(
 
             return jax.lax.fori_loop(0, my_items, per_item, jnp.int32(0))
 
+        def set_registers(role: str) -> None:
+            # At the top of the role's branch, so the register count dominates its code.
+            if _REGISTERS_IN_ROLE_BRANCHES and registers[role] != registers["launch"]:
+                plgpu.set_max_registers(
+                    registers[role],
+                    action="increase" if registers[role] > registers["launch"] else "decrease",
+                )
+
         @pl.when(wg == producer)
         def _producer():
+            set_registers("producer")
+
             def load_ids(j):  # item j's row sources -> SMEM (double-buffered by item)
                 mi, _, rows = item(j)
 
@@ -775,6 +787,7 @@ def _epilogue_warpgroup_kernel(
         for c in range(cons):
             @pl.when(wg == c)
             def _consumer(c=c):
+                set_registers("consumer")
                 csl = pl.ds(c * bn, bn)
 
                 def run(j, mi, ni, rows, used):
@@ -832,6 +845,8 @@ def _epilogue_warpgroup_kernel(
 
         @pl.when(wg == epilogue)
         def _epilogue():
+            set_registers("epilogue")
+
             def run(j, mi, ni, rows, used):
                 s = staging_slot(used)
                 row0 = start_ref[mi]
@@ -918,19 +933,37 @@ def _staged_pipeline_smem(stages: int, bm: int, bk: int, cols: int, dtype, inter
     ), views
 
 
+# Session 11 experiment: setmaxnreg at the top of each role's branch (True) or in separate
+# branches at the top of the kernel (False, as `_common.rebalance_registers`).
+_REGISTERS_IN_ROLE_BRANCHES = True
+# Session 11 experiment: (producer, consumer, epilogue) registers per thread, or None.
+_REGISTERS_OVERRIDE = None
+
+
+def _epilogue_warpgroup_registers(cons: int) -> dict:
+    """Registers per thread of `_epilogue_warpgroup_kernel`'s roles (the four or three
+    warpgroups share 512 per thread; `launch` is each one's count before any change): the
+    producer drops to `_common.PRODUCER_REGISTERS`, the consumers (two 64 x bn fp32
+    accumulators) take up to 240 and the epilogue warpgroup the rest."""
+    launch = 65536 // (128 * (cons + 2)) // 8 * 8
+    if _REGISTERS_OVERRIDE is not None:
+        producer, consumer, epi = _REGISTERS_OVERRIDE
+    else:
+        producer = _common.PRODUCER_REGISTERS
+        free = 65536 // 128 - producer
+        consumer = min((free - 128) // cons // 8 * 8, 240)
+        epi = min(free - cons * consumer, 240)
+    return dict(launch=launch, producer=producer, consumer=consumer, epilogue=epi)
+
+
 def _rebalance_registers_with_epilogue(wg, cons: int) -> None:
-    """Registers of `_epilogue_warpgroup_kernel`'s warpgroups (512 per thread of the four
-    or three together, 128 each at launch): the producer drops to
-    `_common.PRODUCER_REGISTERS`, the consumers (two 64 x bn fp32 accumulators) take up to
-    240 and the epilogue warpgroup the rest."""
-    launch = 65536 // (128 * (cons + 2)) // 8 * 8  # per thread, before any change
-    free = 65536 // 128 - _common.PRODUCER_REGISTERS
-    consumer = min((free - 128) // cons // 8 * 8, 240)
-    epi = min(free - cons * consumer, 240)
+    """`_epilogue_warpgroup_registers` set in separate branches at the top of the kernel."""
+    regs = _epilogue_warpgroup_registers(cons)
+    launch, consumer, epi = regs["launch"], regs["consumer"], regs["epilogue"]
 
     @pl.when(wg == cons)
     def _():
-        plgpu.set_max_registers(_common.PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(regs["producer"], action="decrease")
 
     @pl.when(wg < cons)
     def _():

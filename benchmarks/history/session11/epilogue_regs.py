@@ -1,0 +1,122 @@
+"""Session 11, second A/B: why the epilogue-warpgroup up-proj (bn=128 per consumer) ran 4x
+slower than the warp-specialized kernel while its bn=64 variant did not. Hypothesis: the
+consumers' two 64x128 fp32 accumulators (128 registers) do not fit in what ptxas gives the
+consumer code of a 4-warpgroup kernel (128 per thread at launch), so the wgmmas are
+serialized. For each variant: ptxas's report (MOSAIC_GPU_DUMP_PTXAS, summarized), a bitwise
+check against the warp-specialized kernel with poisoned outputs, and CUPTI GPU time.
+
+    MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/dump PYTHONPATH=. \
+      python3 benchmarks/history/session11/epilogue_regs.py --out $OUT --dump /tmp/dump
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+import shutil
+import sys
+
+import numpy as np
+
+import jax
+
+sys.path.insert(0, os.getcwd())
+from benchmarks.forward import SHAPES, dense_bound_ms, gpu_time_ms, make_case, poison_then  # noqa: E402
+from pallas_moe.kernels import _common  # noqa: E402
+from pallas_moe.kernels import up_proj as up_mod  # noqa: E402
+from pallas_moe.kernels.moe_forward import ForwardConfig  # noqa: E402
+
+
+def variants(d, n):
+    base = ForwardConfig.for_shape(d, n).up
+    epi = dataclasses.replace(base, epilogue_warpgroup=True)
+    v = [
+        ("ws", base, True, None),
+        ("epi regs-in-branches 40/168/136", epi, True, None),
+        ("epi regs-at-top 40/168/136", epi, False, None),
+        ("epi regs-in-branches 32/176/128", epi, True, (32, 176, 128)),
+        ("epi regs-in-branches 24/184/120", epi, True, (24, 184, 120)),
+        ("epi bn64 5st", dataclasses.replace(epi, block_n=64, num_stages=5), True, None),
+        ("epi bn64 4st", dataclasses.replace(epi, block_n=64, num_stages=4), True, None),
+    ]
+    return v
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--dump", default="")
+    p.add_argument("--shapes", default="7b,30b")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "epilogue_regs_log.txt"), "w")
+
+    def log(s):
+        print(s, flush=True)
+        logf.write(s + "\n")
+        logf.flush()
+
+    def ptxas_summary(tag):
+        if not args.dump or not os.path.isdir(args.dump):
+            return
+        files = sorted(glob.glob(os.path.join(args.dump, "**", "*"), recursive=True))
+        keep = os.path.join(args.dump + "_kept", re.sub(r"[^A-Za-z0-9_.-]", "_", tag))
+        os.makedirs(keep, exist_ok=True)
+        for f in files:
+            if not os.path.isfile(f):
+                continue
+            if "ptxas" in os.path.basename(f).lower() or f.endswith((".log", ".txt")):
+                with open(f, errors="replace") as fh:
+                    for line in fh:
+                        if re.search(r"registers|spill|serializ|Potential|smem|stack", line, re.I):
+                            log(f"    ptxas[{tag}] {line.rstrip()[:300]}")
+            shutil.move(f, os.path.join(keep, os.path.basename(f)))
+
+    log(f"device: {jax.devices()[0].device_kind}")
+    ptxas_summary("startup")
+    rows_out = []
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        T, d, n, E, K = shape
+        x, w1, w2, plan = make_case(shape, False, seed=hash((name, False)) % 1000)
+        P, rows = plan.capacity, int(plan.num_rows)
+        bound = dense_bound_ms(shape)[0] * 1e3
+        ref = None
+        for tag, cfg, in_branches, regs in variants(d, n):
+            if name != "7b" and tag not in ("ws", "epi regs-in-branches 40/168/136",
+                                            "epi regs-in-branches 32/176/128", "epi bn64 5st"):
+                continue
+            up_mod._REGISTERS_IN_ROLE_BRANCHES = in_branches
+            up_mod._REGISTERS_OVERRIDE = regs
+            meta = jax.jit(lambda g, t, bm=cfg.block_m: _common.tile_meta(g, t, bm))(
+                plan.group_sizes, plan.token_ids)
+            f = jax.jit(lambda x, t, g, w, m, cfg=cfg: up_mod.up_proj(x, t, g, w, config=cfg, meta=m))
+            try:
+                h, a = poison_then(f, x, plan.token_ids, plan.group_sizes, w1, meta, nbytes=P * 3 * n * 2)
+                ptxas_summary(f"{name} {tag}")
+                if ref is None:
+                    ref = (np.asarray(h[:rows]), np.asarray(a[:rows]))
+                    same = True
+                else:
+                    same = bool(np.array_equal(ref[0], np.asarray(h[:rows])) and
+                                np.array_equal(ref[1], np.asarray(a[:rows])))
+                t = gpu_time_ms(f, x, plan.token_ids, plan.group_sizes, w1, meta) * 1e3
+            except Exception as e:  # noqa: BLE001
+                log(f"  {name} {tag}: FAILED {type(e).__name__}: {str(e)[:400]}")
+                continue
+            log(f"  {name} {tag}: {t:.1f} us, bitwise={same}")
+            rows_out.append((name, tag, t, same, bound))
+    up_mod._REGISTERS_IN_ROLE_BRANCHES = True
+    up_mod._REGISTERS_OVERRIDE = None
+    log("\n| shape | variant | us | vs ws | of dense bound | bitwise ws |")
+    log("|---|---|---|---|---|---|")
+    ws = {r[0]: r[2] for r in rows_out if r[1] == "ws"}
+    for name, tag, t, same, bound in rows_out:
+        log(f"| {name} | {tag} | {t:.1f} | {t / ws.get(name, float('nan')):.3f} | {bound / t:.3f} | {same} |")
+
+
+if __name__ == "__main__":
+    main()
