@@ -26,7 +26,8 @@ import jax
 sys.path.insert(0, os.getcwd())
 from benchmarks.forward import SHAPES, dense_bound_ms, gpu_time_ms, make_case, poison_then  # noqa: E402
 from pallas_moe.kernels import _common  # noqa: E402
-from pallas_moe.kernels import up_proj as up_mod  # noqa: E402
+import importlib  # noqa: E402
+up_mod = importlib.import_module("pallas_moe.kernels.up_proj")
 from pallas_moe.kernels.moe_forward import ForwardConfig  # noqa: E402
 
 
