@@ -76,6 +76,35 @@ def consumer_registers(num_consumers: int, num_producers: int = 1) -> int:
     return min(free // num_consumers // 8 * 8, 240)
 
 
+# Session 11 A/B (benchmarks/history/session11/): where the kernels issue setmaxnreg. True:
+# at the top of each role's branch (`role_registers`), False: in separate branches at the
+# top of the kernel (`rebalance_registers`, the previous placement).
+REGISTERS_IN_ROLE_BRANCHES = True
+
+
+def role_registers(role: str, num_consumers: int, num_producers: int = 1) -> None:
+    """`rebalance_registers` for one role, called first thing in that role's branch.
+
+    ptxas allocates registers for the code a `setmaxnreg` dominates from its new count, and
+    for other code from the launch count (65536 / threads). Issued in separate branches at
+    the top of the kernel, the consumers' raise did not dominate their code: measured on the
+    H100 (session 11), a 4-warpgroup up-proj whose consumers hold 128 accumulator registers
+    ran 4.2x slower (its wgmmas serialized at the launch count of 128) until the raise moved
+    into the consumer branch. `role`: "producer" or "consumer". Every warpgroup must call it
+    (a raise waits until the producers' registers are free).
+    """
+    if not REGISTERS_IN_ROLE_BRANCHES:
+        return
+    if role == "producer":
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    elif role == "consumer":
+        plgpu.set_max_registers(
+            consumer_registers(num_consumers, num_producers), action="increase"
+        )
+    else:
+        raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}.")
+
+
 def rebalance_registers(wg, num_consumers: int, num_producers: int = 1) -> None:
     """Moves registers from the producer warpgroups (`wg >= num_consumers`) to the consumers.
 
@@ -84,8 +113,11 @@ def rebalance_registers(wg, num_consumers: int, num_producers: int = 1) -> None:
     (seen with Nsight Compute on the H100: 7.1 M spill requests in one 7B dH call). The
     producers only issue copies and need few registers. Measured on the H100 (session 3,
     benchmarks/RESULTS.md): within noise for dH and the weight gradients, 3.6% faster for
-    the 30B up-proj. Call at the top of the kernel body, from every warpgroup.
+    the 30B up-proj. Call at the top of the kernel body, from every warpgroup. (The previous
+    placement: a no-op unless `REGISTERS_IN_ROLE_BRANCHES` is False; see `role_registers`.)
     """
+    if REGISTERS_IN_ROLE_BRANCHES:
+        return
 
     @pl.when(wg >= num_consumers)
     def _():

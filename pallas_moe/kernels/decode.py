@@ -645,6 +645,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
         # ------------------------------------------------------------------ producer
         @pl.when(wg == _PRODUCER)
         def _producer():
+            if config.rebalance_registers:
+                _common.role_registers("producer", 2)
             events = Events(ev_ref, interpret=interpret, row=_PRODUCER,
                             num_events=dims.num_events, scratch=queue_smem)
             if interpret:
@@ -887,6 +889,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
         for c in range(2):
             @pl.when(wg == c)
             def _consumer(c=c):
+                if config.rebalance_registers:
+                    _common.role_registers("consumer", 2)
                 events = Events(ev_ref, interpret=interpret, row=c, num_events=dims.num_events)
 
                 def run_up(tile, cb, g0):

@@ -484,6 +484,8 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
 
         @pl.when((num_rows > 0) & (wg == cons))
         def _producer():
+            if config.rebalance_registers:
+                _common.role_registers("producer", cons)
             expert = expert_ref[mi]
             plgpu.copy_gmem_to_smem(s_ref.at[mi], s_smem, s_bar)  # [bm] f32
             plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
@@ -524,6 +526,8 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
         for c in range(cons):
             @pl.when((num_rows > 0) & (wg == c))
             def _consumer(c=c):
+                if config.rebalance_registers:
+                    _common.role_registers("consumer", cons)
                 row0 = start_ref[mi]
                 c0 = ni * cols + c * bn  # first dA' column of this consumer
                 h_gate = h_ref.at[:, pl.ds(c0, bn)]  # [P, bn]

@@ -488,10 +488,11 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             a_copy = a_mma = a_smem
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
-        if fp8 or mb == 128:
-            # The fp8 consumers hold up to two 64x128 (or one 64x256) f32 accumulators plus
-            # the broadcast scales of the epilogue, a 128-row ping-pong consumer a 128 x
-            # block_n one: give them the producer's registers.
+        # The fp8 consumers hold up to two 64x128 (or one 64x256) f32 accumulators plus
+        # the broadcast scales of the epilogue, a 128-row ping-pong consumer a 128 x
+        # block_n one: give them the producer's registers.
+        rebalance = fp8 or mb == 128
+        if rebalance:
             _common.rebalance_registers(wg, num_consumers=2)
         # This call's tiles [first_tile, end_tile) of the whole metadata (`TileChunks`).
         first_tile = bounds_ref[0, chunk]
@@ -514,6 +515,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
 
         @pl.when(wg == 2)
         def _producer():
+            if rebalance:
+                _common.role_registers("producer", 2)
             if gathered:
                 @pl.when(my_items > 0)
                 def _():
@@ -709,6 +712,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         for c in range(2):
             @pl.when(wg == c)
             def _consumer(c=c):
+                if rebalance:
+                    _common.role_registers("consumer", 2)
                 bar_c = 0 if split_m else c
                 a_rows = pl.ds(c * mb, mb) if split_m else slice(None)
 

@@ -427,6 +427,8 @@ def _warp_specialized_kernel(
         for p in range(prods):
             @pl.when((num_rows > 0) & (wg == cons + p))
             def _producer(p=p):
+                if config.rebalance_registers:
+                    _common.role_registers("producer", cons, prods)
                 expert = expert_ref[mi]
                 if p == 0:
                     plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
@@ -477,6 +479,8 @@ def _warp_specialized_kernel(
         for c in range(cons):
             @pl.when((num_rows > 0) & (wg == c))
             def _consumer(c=c):
+                if config.rebalance_registers:
+                    _common.role_registers("consumer", cons, prods)
                 row0 = start_ref[mi]
                 csl = pl.ds(0, bn) if split_m else pl.ds(c * bn, bn)
                 a_rows = pl.ds(c * mb, mb) if split_m else slice(None)
@@ -647,7 +651,7 @@ def _epilogue_warpgroup_kernel(
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
         registers = _epilogue_warpgroup_registers(cons)
-        if not _REGISTERS_IN_ROLE_BRANCHES:
+        if not _common.REGISTERS_IN_ROLE_BRANCHES:
             _rebalance_registers_with_epilogue(wg, cons)
         my_items = jnp.maximum(num_items - sm + num_ctas - 1, 0) // num_ctas
 
@@ -678,7 +682,7 @@ def _epilogue_warpgroup_kernel(
 
         def set_registers(role: str) -> None:
             # At the top of the role's branch, so the register count dominates its code.
-            if _REGISTERS_IN_ROLE_BRANCHES and registers[role] != registers["launch"]:
+            if _common.REGISTERS_IN_ROLE_BRANCHES and registers[role] != registers["launch"]:
                 plgpu.set_max_registers(
                     registers[role],
                     action="increase" if registers[role] > registers["launch"] else "decrease",
@@ -933,9 +937,6 @@ def _staged_pipeline_smem(stages: int, bm: int, bk: int, cols: int, dtype, inter
     ), views
 
 
-# Session 11 experiment: setmaxnreg at the top of each role's branch (True) or in separate
-# branches at the top of the kernel (False, as `_common.rebalance_registers`).
-_REGISTERS_IN_ROLE_BRANCHES = True
 # Session 11 experiment: (producer, consumer, epilogue) registers per thread, or None.
 _REGISTERS_OVERRIDE = None
 

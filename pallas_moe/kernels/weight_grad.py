@@ -433,6 +433,13 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
         def issue_ids(ki, slot):
             plgpu.copy_gmem_to_smem(ids_ref.at[block0 + ki], ids_smem.at[slot], ids_bars.at[slot])
 
+        if config.rebalance_registers:
+            # Unconditionally (an empty expert's consumers still raise, and a raise waits
+            # for the producer's registers).
+            @pl.when(wg == cons)
+            def _():
+                _common.role_registers("producer", cons)
+
         @pl.when((num_k > 0) & (wg == cons))
         def _producer():
             for s in range(stages):
@@ -486,6 +493,9 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
         for c in range(cons):
             @pl.when(wg == c)
             def _consumer(c=c):
+                if config.rebalance_registers:
+                    _common.role_registers("consumer", cons)
+
                 def mma_scope(*accs):
                     def step(ki, carry):
                         slot = ki % stages

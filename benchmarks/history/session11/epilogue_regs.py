@@ -90,7 +90,7 @@ def main():
             if name != "7b" and tag not in ("ws", "epi regs-in-branches 40/168/136",
                                             "epi regs-in-branches 32/176/128", "epi bn64 5st"):
                 continue
-            up_mod._REGISTERS_IN_ROLE_BRANCHES = in_branches
+            up_mod._common.REGISTERS_IN_ROLE_BRANCHES = in_branches
             up_mod._REGISTERS_OVERRIDE = regs
             meta = jax.jit(lambda g, t, bm=cfg.block_m: _common.tile_meta(g, t, bm))(
                 plan.group_sizes, plan.token_ids)
@@ -110,7 +110,7 @@ def main():
                 continue
             log(f"  {name} {tag}: {t:.1f} us, bitwise={same}")
             rows_out.append((name, tag, t, same, bound))
-    up_mod._REGISTERS_IN_ROLE_BRANCHES = True
+    up_mod._common.REGISTERS_IN_ROLE_BRANCHES = True
     up_mod._REGISTERS_OVERRIDE = None
     log("\n| shape | variant | us | vs ws | of dense bound | bitwise ws |")
     log("|---|---|---|---|---|---|")
