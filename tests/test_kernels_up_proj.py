@@ -188,9 +188,11 @@ def test_two_swizzled_slabs_per_consumer_no_races():
     assert not races_found()
 
 
-@pytest.mark.parametrize("num_sms", [1, 2, 64])
+@pytest.mark.parametrize("num_sms, staging, stages", [
+    (1, "slot", 3), (2, "slot", 3), (64, "slot", 3), (2, "buffer", 2), (1, "buffer", 3),
+])
 @pytest.mark.parametrize("inference", [False, True])
-def test_epilogue_warpgroup_equals_warp_specialized(num_sms, inference):
+def test_epilogue_warpgroup_equals_warp_specialized(num_sms, staging, stages, inference):
     """`epilogue_warpgroup`: bitwise the warp-specialized kernel (A from the staged bf16 H),
     for one CTA walking every item, two CTAs, and more CTAs than items; ragged groups and
     an empty expert; padding rows untouched."""
@@ -198,7 +200,8 @@ def test_epilogue_warpgroup_equals_warp_specialized(num_sms, inference):
     x = random_x(ks[0], 40, 256)  # 4 K steps, 3 stages: the staging slot rotates
     w1, _ = random_weights(ks[1], 3, 256, 128)
     plan = assignment_plan(ks[2], 40, 3, empty=(1,), extra=5)
-    config = dataclasses.replace(EPI_WG, num_sms=num_sms)
+    config = dataclasses.replace(EPI_WG, num_sms=num_sms, epilogue_staging=staging,
+                                 num_stages=stages)
     ws = dataclasses.replace(config, epilogue_warpgroup=False)
     got = up_proj(x, plan.token_ids, plan.group_sizes, w1, config=config, inference=inference,
                   interpret=True)

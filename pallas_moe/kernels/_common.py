@@ -142,8 +142,10 @@ GATHER_MODES = ("tma", "cp_async")
 GATHER_COMPLETIONS = ("mbarrier", "wait_group")
 
 
-def require_gather_mode(config) -> None:
-    """Checks `config.gather` of a gathering kernel (with `num_consumers`, `num_stages`)."""
+def require_gather_mode(config, min_cp_async_stages: int = 3) -> None:
+    """Checks `config.gather` of a gathering kernel (with `num_consumers`, `num_stages`).
+    `min_cp_async_stages`: 2 where the lagged publish may wait on a step's own loads at once
+    (a kernel with no other SMEM need pressing on its stages)."""
     if config.gather not in GATHER_MODES:
         raise ValueError(f"config.gather must be one of {GATHER_MODES}, got {config.gather!r}.")
     if config.gather == "cp_async":
@@ -152,9 +154,10 @@ def require_gather_mode(config) -> None:
                 "config.gather='cp_async' needs the warp-specialized kernel "
                 f"(num_consumers >= 1), got num_consumers={config.num_consumers}."
             )
-        if config.num_stages < 3:
+        if config.num_stages < min_cp_async_stages:
             raise ValueError(
-                f"config.gather='cp_async' needs num_stages >= 3, got {config.num_stages}."
+                f"config.gather='cp_async' needs num_stages >= {min_cp_async_stages}, "
+                f"got {config.num_stages}."
             )
     if config.gather_completion not in GATHER_COMPLETIONS:
         raise ValueError(

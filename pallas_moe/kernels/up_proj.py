@@ -120,6 +120,7 @@ class UpProjConfig:
     epilogue_slabs: bool = True
     approx_math: bool = False
     epilogue_warpgroup: bool = False
+    epilogue_staging: str = "slot"
     num_sms: int = 132
 
 
@@ -146,7 +147,8 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
         raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
     if config.num_producers not in (1, 2):
         raise ValueError(f"config.num_producers={config.num_producers} must be 1 or 2.")
-    _common.require_gather_mode(config)
+    buffered = config.epilogue_warpgroup and config.epilogue_staging == "buffer"
+    _common.require_gather_mode(config, min_cp_async_stages=2 if buffered else 3)
     if config.gather == "cp_async" and config.num_producers != 1:
         raise ValueError(
             f"config.gather='cp_async' needs num_producers == 1, got {config.num_producers}."
@@ -158,13 +160,18 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
 
 def _check_epilogue_warpgroup(config: UpProjConfig, d: int) -> None:
     """What `_epilogue_warpgroup_kernel` needs, with errors naming the config field."""
+    if config.epilogue_staging not in ("slot", "buffer"):
+        raise ValueError(
+            f"config.epilogue_staging must be 'slot' or 'buffer', got {config.epilogue_staging!r}."
+        )
+    slot = config.epilogue_staging == "slot"
     need = [
         (config.num_consumers in (1, 2), f"num_consumers 1 or 2, got {config.num_consumers}"),
         (config.block_m == config.block_k,
          f"block_m == block_k = {config.block_k} (H is staged in one slot's weight bytes), "
          f"got block_m={config.block_m}"),
         (config.num_producers == 1, f"num_producers == 1, got {config.num_producers}"),
-        (d // config.block_k >= config.num_stages,
+        (not slot or d // config.block_k >= config.num_stages,
          f"d // block_k >= num_stages (every K loop refills every slot), got d={d}, "
          f"num_stages={config.num_stages}"),
         (config.gather != "cp_async" or config.gather_completion == "wait_group",
@@ -630,7 +637,10 @@ def _epilogue_warpgroup_kernel(
     grid_n = n // cols
     num_items = num_tiles * grid_n
     num_ctas = max(min(config.num_sms, num_items), 1)
-    steps_per_item = num_k + 1  # K steps, then the staging step
+    # "slot": H is staged in the weight bytes of a pipeline slot (one staging step per item);
+    # "buffer": in SMEM of its own, the pipeline then has only its K steps.
+    buffered = config.epilogue_staging == "buffer"
+    steps_per_item = num_k if buffered else num_k + 1  # K steps (then the staging step)
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
     producer, epilogue = cons, cons + 1
@@ -662,8 +672,9 @@ def _epilogue_warpgroup_kernel(
             return mi, w % grid_n, rows_ref[mi]
 
         def staging_slot(used):
-            """The staging step's slot of the item after `used` non-empty items."""
-            return (used * steps_per_item + num_k) % stages
+            """The staging step's slot of the item after `used` non-empty items (index 0
+            of the one staging buffer with "buffer")."""
+            return 0 if buffered else (used * steps_per_item + num_k) % stages
 
         def for_each_item(f):
             """Runs `f(j, mi, ni, rows, used)` on this CTA's non-empty items in order;
@@ -728,7 +739,7 @@ def _epilogue_warpgroup_kernel(
                         k0 = ki * bk
                         # The slot's previous use, g - stages: the previous item's staging
                         # step (released by the epilogue warpgroup) or a K step.
-                        after_staging = (ki == stages - 1) & (used > 0)
+                        after_staging = (ki == stages - 1) & (used > 0) & (not buffered)
 
                         @pl.when(after_staging)
                         def _():
@@ -771,9 +782,10 @@ def _epilogue_warpgroup_kernel(
                         for i, ki in enumerate(range(num_k - lag, num_k)):
                             _common.cp_async_stage_done(lag - 1 - i)
                             plgpu.barrier_arrive(full.at[(g0 + ki) % stages])
-                    # The staging step: observe the release of its slot's previous K step,
-                    # so every phase of `empty` is observed in order.
-                    plgpu.barrier_wait(empty.at[staging_slot(used)])
+                    if not buffered:
+                        # The staging step: observe the release of its slot's previous K
+                        # step, so every phase of `empty` is observed in order.
+                        plgpu.barrier_wait(empty.at[staging_slot(used)])
 
                 return used + (rows > 0).astype(jnp.int32)
 
@@ -782,11 +794,17 @@ def _epilogue_warpgroup_kernel(
             # staging step (interpret mode checks that every barrier phase is consumed).
             g_end = used * steps_per_item
 
-            @pl.when(used > 0)
-            def _():
-                for back in range(stages, 1, -1):
-                    plgpu.barrier_wait(empty.at[(g_end - back) % stages])
-                plgpu.barrier_wait(h_free)
+            if buffered:  # the last `stages` K steps (if there were that many)
+                for back in range(stages, 0, -1):
+                    @pl.when(g_end - back >= 0)
+                    def _(back=back):
+                        plgpu.barrier_wait(empty.at[(g_end - back) % stages])
+            else:
+                @pl.when(used > 0)
+                def _():
+                    for back in range(stages, 1, -1):
+                        plgpu.barrier_wait(empty.at[(g_end - back) % stages])
+                    plgpu.barrier_wait(h_free)
 
         for c in range(cons):
             @pl.when(wg == c)
@@ -830,8 +848,13 @@ def _epilogue_warpgroup_kernel(
                     )
                     # H overlays the staging slot's weight bytes, which the other consumers'
                     # wgmmas of its previous K step may still read.
-                    plgpu.barrier_arrive(epi_bar)
-                    plgpu.barrier_wait(epi_bar)
+                    if buffered:  # the epilogue warpgroup is done with the previous item's H
+                        @pl.when(used > 0)
+                        def _():
+                            plgpu.barrier_wait(h_free)
+                    else:
+                        plgpu.barrier_arrive(epi_bar)
+                        plgpu.barrier_wait(epi_bar)
                     s = staging_slot(used)
                     if has_bias:
                         bias_g, bias_u = _bias_columns(bias_smem.at[c], bias_bars.at[c], bm)
@@ -845,7 +868,11 @@ def _epilogue_warpgroup_kernel(
                     plgpu.commit_smem()  # visible to the TMA stores
                     plgpu.barrier_arrive(h_full)
 
-                for_each_item(run)
+                used = for_each_item(run)
+                if buffered:  # observe the last item's release too
+                    @pl.when(used > 0)
+                    def _():
+                        plgpu.barrier_wait(h_free)
 
         @pl.when(wg == epilogue)
         def _epilogue():
@@ -872,7 +899,7 @@ def _epilogue_warpgroup_kernel(
 
             for_each_item(run)
 
-    bufs, views = _staged_pipeline_smem(stages, bm, bk, cols, dtype, interpret)
+    bufs, views = _staged_pipeline_smem(stages, bm, bk, cols, dtype, interpret, buffered)
     scratch = [
         plgpu.SMEM((2, bm), jnp.int32),  # row sources of the current and the next item
         bufs,
@@ -902,7 +929,9 @@ def _epilogue_warpgroup_kernel(
     )
 
 
-def _staged_pipeline_smem(stages: int, bm: int, bk: int, cols: int, dtype, interpret: bool):
+def _staged_pipeline_smem(
+    stages: int, bm: int, bk: int, cols: int, dtype, interpret: bool, buffered: bool = False
+):
     """SMEM of `_epilogue_warpgroup_kernel`: the gathered A stages [stages, bm, bk], the
     gate and up weight stages [stages, bk, cols] each, and over the weight stages the
     staging views of H gate and H up, [stages, cols // 64, bm, 64] each (`row_tile_types`:
@@ -917,7 +946,16 @@ def _staged_pipeline_smem(stages: int, bm: int, bk: int, cols: int, dtype, inter
     tf = _common.mma_transforms(dtype)
     a_copy, a_mma = _common._gather_view_types((stages, bm, bk), dtype)
     b_stage = plgpu.SMEM((stages, bk, cols), dtype, transforms=tf)
-    h_copy, h_mma = _common.row_tile_types((stages, bm, cols), dtype)
+    h_copy, h_mma = _common.row_tile_types((1 if buffered else stages, bm, cols), dtype)
+    if buffered and not interpret:  # staging buffers of their own, after the pipeline
+        def views(refs):
+            ((a_c, _, _), (a_m, bg, bu)), (hg_c, hg_m), (hu_c, hu_m) = refs
+            return a_c, a_m, bg, bu, (hg_c, hg_m), (hu_c, hu_m)
+
+        return (
+            plgpu.RefUnion((a_copy, b_stage, b_stage), (a_mma, b_stage, b_stage)),
+            plgpu.RefUnion(h_copy, h_mma), plgpu.RefUnion(h_copy, h_mma),
+        ), views
     if interpret:
         def views(refs):
             (a, bg, bu), (hg, hu) = refs

@@ -43,7 +43,30 @@ def variants(d, n):
         ("epi bn64 5st", dataclasses.replace(epi, block_n=64, num_stages=5), True, None),
         ("epi bn64 4st", dataclasses.replace(epi, block_n=64, num_stages=4), True, None),
     ]
+    if SET == "buffer":  # run 5: H staged in SMEM of its own, 2 pipeline stages
+        buf = dataclasses.replace(epi, epilogue_staging="buffer", num_stages=2)
+        v = [
+            ("ws", base, True, None),
+            ("ws 2st mbarrier", dataclasses.replace(base, num_stages=2, gather="tma"), True, None),
+            ("epi slot 24/184/120", epi, True, (24, 184, 120)),
+            ("epi buffer 2st", buf, True, None),
+            ("epi buffer 2st 24/184/120", buf, True, (24, 184, 120)),
+            ("epi buffer 2st gate-only act", buf, True, "gate-only"),
+        ]
     return v
+
+
+SET = "regs"
+
+
+from pallas_moe.ops.activation import SwiGLU  # noqa: E402
+
+
+class _GateOnly(SwiGLU):
+    """Ablation only: A = the gate pre-activation (no exp, no product)."""
+
+    def apply(self, gate, up):
+        return gate
 
 
 def main():
@@ -51,7 +74,10 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--dump", default="")
     p.add_argument("--shapes", default="7b,30b")
+    p.add_argument("--set", default="regs", choices=("regs", "buffer"))
     args = p.parse_args()
+    global SET
+    SET = args.set
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "epilogue_regs_log.txt"), "w")
 
@@ -87,18 +113,24 @@ def main():
         bound = dense_bound_ms(shape)[0] * 1e3
         ref = None
         for tag, cfg, in_branches, regs in variants(d, n):
-            if name != "7b" and tag not in ("ws", "epi regs-in-branches 40/168/136",
-                                            "epi regs-in-branches 32/176/128", "epi bn64 5st"):
+            if SET == "regs" and name != "7b" and tag not in (
+                    "ws", "epi regs-in-branches 40/168/136", "epi regs-in-branches 32/176/128",
+                    "epi bn64 5st"):
                 continue
             up_mod._common.REGISTERS_IN_ROLE_BRANCHES = in_branches
+            act = {}
+            if regs == "gate-only":  # ablation: A = H's gate half (timing only)
+                act, regs = dict(activation=_GateOnly()), None
             up_mod._REGISTERS_OVERRIDE = regs
             meta = jax.jit(lambda g, t, bm=cfg.block_m: _common.tile_meta(g, t, bm))(
                 plan.group_sizes, plan.token_ids)
-            f = jax.jit(lambda x, t, g, w, m, cfg=cfg: up_mod.up_proj(x, t, g, w, config=cfg, meta=m))
+            f = jax.jit(lambda x, t, g, w, m, cfg=cfg, act=act: up_mod.up_proj(x, t, g, w, config=cfg, meta=m, **act))
             try:
                 h, a = poison_then(f, x, plan.token_ids, plan.group_sizes, w1, meta, nbytes=P * 3 * n * 2)
                 ptxas_summary(f"{name} {tag}")
-                if ref is None:
+                if act:
+                    same = None
+                elif ref is None:
                     ref = (np.asarray(h[:rows]), np.asarray(a[:rows]))
                     same = True
                 else:
