@@ -47,7 +47,7 @@ def variants(d, n):
         buf = dataclasses.replace(epi, epilogue_staging="buffer", num_stages=2)
         v = [
             ("ws", base, True, None),
-            ("ws 2st mbarrier", dataclasses.replace(base, num_stages=2, gather="tma"), True, None),
+            ("ws 2st tma-gather", dataclasses.replace(base, num_stages=2, gather="tma"), True, None),
             ("epi slot 24/184/120", epi, True, (24, 184, 120)),
             ("epi buffer 2st", buf, True, None),
             ("epi buffer 2st 24/184/120", buf, True, (24, 184, 120)),
