@@ -109,54 +109,6 @@ def test_up_proj_cp_async_gather_matches_reference(shape, cfg, completion):
     assert bool(jnp.array_equal(h, h2)) and bool(jnp.array_equal(a[:rows], a2[:rows]))
 
 
-@pytest.mark.parametrize(
-    "shape, cfg",
-    [
-        ((24576, 1536, 256, 128, 8), dict(block_n=128, num_stages=3, num_consumers=2)),  # 7B
-        ((8192, 4096, 512, 128, 8), dict(block_n=128, num_stages=3, num_consumers=2)),  # 30B widths
-        ((3000, 1536, 256, 16, 8), dict(block_n=64, num_stages=5, num_consumers=2)),
-        ((1024, 256, 128, 5, 2), dict(block_n=128, num_stages=4, num_consumers=1)),
-    ],
-)
-@pytest.mark.parametrize("gather", ["cp_async", "tma"])
-@pytest.mark.parametrize("num_sms", [132, 7])
-def test_up_proj_epilogue_warpgroup_equals_warp_specialized(shape, cfg, gather, num_sms):
-    """The persistent up-proj with its SwiGLU in an epilogue warpgroup, H staged in a weight
-    slot (`UpProjConfig.epilogue_warpgroup`; the overlay only exists compiled): bitwise the
-    warp-specialized kernel on fresh data, skewed routing, poisoned outputs, H and A, in
-    training and inference mode; with a bias and the clamped SwiGLU on the last shape."""
-    import dataclasses
-
-    from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
-    from pallas_moe.ops.activation import SwiGLU
-
-    T, d, n, E, K = shape
-    ks = jax.random.split(jax.random.key(T + d + num_sms), 4)
-    x = jax.random.normal(ks[0], (T, d), jnp.bfloat16)
-    w1 = (jax.random.normal(ks[1], (E, d, 2 * n)) * d**-0.5).astype(jnp.bfloat16)
-    logits = jax.random.normal(ks[2], (T, E)).at[:, 0].add(2.0)  # skew: expert 0 is large
-    plan = pm.routing.topk_plan(logits, K)
-    extra = {}
-    if E == 5:
-        extra = dict(bias=(0.5 * jax.random.normal(ks[3], (E, 2 * n))).astype(jnp.bfloat16),
-                     activation=SwiGLU.clamped(alpha=1.702, limit=0.75))
-    base = UpProjConfig(gather=gather, **cfg)
-    staged = dataclasses.replace(base, epilogue_warpgroup=True, num_sms=num_sms)
-    rows = int(plan.num_rows)
-    for inference in (False, True):
-        outs = []
-        for config in (base, staged):
-            f = jax.jit(lambda x, t, g, w, config=config: up_proj(
-                x, t, g, w, config=config, inference=inference, **extra))
-            _poison(plan.capacity * 3 * n * 2)
-            outs.append(f(x, plan.token_ids, plan.group_sizes, w1))
-        (h0, a0), (h1, a1) = outs
-        assert bool(jnp.array_equal(a0[:rows], a1[:rows])), ("A", inference)
-        assert bool(jnp.all(jnp.isfinite(a1[:rows].astype(jnp.float32))))
-        if not inference:
-            assert bool(jnp.array_equal(h0[:rows], h1[:rows])), "H"
-
-
 @pytest.mark.parametrize("shape", [(32768, 128), (16384, 512), (1000, 60), (1000, 4)])
 def test_router_softmax_is_one_program(shape):
     """On the GPU `routing.formulas.softmax` is the Pallas kernel `kernels.softmax_rows`:

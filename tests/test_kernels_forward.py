@@ -3,8 +3,6 @@ of every kernel at production block sizes and shapes (no GPU needed)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 import jax
@@ -113,22 +111,6 @@ def test_forward_lowers_for_cuda(shape, gather):
         sds((t, d), jnp.bfloat16), _abstract_plan(t, e, k),
         sds((e, d, 2 * n), jnp.bfloat16), sds((e, n, d), jnp.bfloat16),
     )
-
-
-@pytest.mark.parametrize("gather", ["cp_async", "tma"])
-@pytest.mark.parametrize("shape", [LOWERING_SHAPES[0], LOWERING_SHAPES[1]],
-                         ids=lambda s: "x".join(map(str, s)))
-def test_up_proj_epilogue_warpgroup_lowers_for_cuda(shape, gather):
-    """The persistent up-proj with an epilogue warpgroup (`UpProjConfig.epilogue_warpgroup`)
-    at production block sizes: two consumers at 7B, one consumer at n = 1408."""
-    t, d, n, e, k = shape
-    p = t * k
-    cfg = dataclasses.replace(ForwardConfig.for_shape(d, n, gather=gather).up,
-                              epilogue_warpgroup=True)
-    sds = jax.ShapeDtypeStruct
-    _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg),
-           sds((t, d), jnp.bfloat16), sds((p,), jnp.int32), sds((e,), jnp.int32),
-           sds((e, d, 2 * n), jnp.bfloat16))
 
 
 def test_each_kernel_lowers_at_7b_production_config():

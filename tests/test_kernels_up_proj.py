@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 import jax
@@ -24,10 +22,6 @@ SMALL = UpProjConfig(block_m=64, block_n=64, num_stages=2)
 WS = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
 # Warp-specialized, consumers split 128-row tiles and share the weight tiles.
 WS_SPLIT_M = UpProjConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2)
-# Persistent, SwiGLU and stores in a fourth warpgroup (H staged in a weight slot); 2 CTAs
-# so each walks several items and the slots rotate through the staging steps.
-EPI_WG = UpProjConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2,
-                      epilogue_warpgroup=True, num_sms=2)
 
 
 def run_and_check(x, plan, w1, config, interpret=True):
@@ -186,72 +180,3 @@ def test_two_swizzled_slabs_per_consumer_no_races():
     config = UpProjConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2)
     run_and_check(x, plan, w1, config, interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not races_found()
-
-
-@pytest.mark.parametrize("num_sms, staging, stages", [
-    (1, "slot", 3), (2, "slot", 3), (64, "slot", 3), (2, "buffer", 2), (1, "buffer", 3),
-])
-@pytest.mark.parametrize("inference", [False, True])
-def test_epilogue_warpgroup_equals_warp_specialized(num_sms, staging, stages, inference):
-    """`epilogue_warpgroup`: bitwise the warp-specialized kernel (A from the staged bf16 H),
-    for one CTA walking every item, two CTAs, and more CTAs than items; ragged groups and
-    an empty expert; padding rows untouched."""
-    ks = jax.random.split(jax.random.key(18), 3)
-    x = random_x(ks[0], 40, 256)  # 4 K steps, 3 stages: the staging slot rotates
-    w1, _ = random_weights(ks[1], 3, 256, 128)
-    plan = assignment_plan(ks[2], 40, 3, empty=(1,), extra=5)
-    config = dataclasses.replace(EPI_WG, num_sms=num_sms, epilogue_staging=staging,
-                                 num_stages=stages)
-    ws = dataclasses.replace(config, epilogue_warpgroup=False)
-    got = up_proj(x, plan.token_ids, plan.group_sizes, w1, config=config, inference=inference,
-                  interpret=True)
-    want = up_proj(x, plan.token_ids, plan.group_sizes, w1, config=ws, inference=inference,
-                   interpret=True)
-    rows = int(plan.num_rows)
-    for g, w in zip(got, want):
-        if w is None:
-            assert g is None
-            continue
-        np.testing.assert_array_equal(np.asarray(g[:rows], np.float32), np.asarray(w[:rows], np.float32))
-        assert_untouched(g, rows)
-
-
-def test_epilogue_warpgroup_no_races_with_bias_and_clamped_swiglu():
-    """The four warpgroups' handshakes (slots released by the consumers or by the epilogue
-    warpgroup, the staged H, double-buffered ids, the bias copies) under the race detector,
-    one consumer and 4 stages, against the jnp reference bitwise."""
-    ks = jax.random.split(jax.random.key(19), 4)
-    x = random_x(ks[0], 30, 256)
-    w1, _ = random_weights(ks[1], 3, 256, 128)
-    bias = (0.5 * jax.random.normal(ks[3], (3, 256))).astype(jnp.bfloat16)
-    plan = assignment_plan(ks[2], 30, 3, p=0.6, empty=(1,), extra=3)
-    config = UpProjConfig(block_m=64, block_n=128, num_stages=4, num_consumers=1,
-                          epilogue_warpgroup=True, num_sms=2)
-    h, a = up_proj(x, plan.token_ids, plan.group_sizes, w1, config=config, bias=bias,
-                   activation=CLAMPED, interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert not races_found()
-    h_ref, a_ref = up_proj_reference(x, plan.token_ids, plan.group_sizes, w1, bias, CLAMPED)
-    rows = int(plan.num_rows)
-    np.testing.assert_array_equal(np.asarray(h[:rows], np.float32), np.asarray(h_ref[:rows], np.float32))
-    np.testing.assert_array_equal(np.asarray(a[:rows], np.float32), np.asarray(a_ref[:rows], np.float32))
-    assert_untouched(h, rows)
-    assert_untouched(a, rows)
-
-
-@pytest.mark.parametrize(
-    "config, d, match",
-    [
-        (dataclasses.replace(EPI_WG, block_m=128), 256, "needs block_m == block_k = 64"),
-        (dataclasses.replace(EPI_WG, num_stages=5), 256, "needs d // block_k >= num_stages"),
-        (dataclasses.replace(EPI_WG, num_consumers=0), 256, "needs num_consumers 1 or 2"),
-        (dataclasses.replace(EPI_WG, gather="cp_async", gather_completion="mbarrier"), 256,
-         "needs gather_completion='wait_group'"),
-        (dataclasses.replace(EPI_WG, num_sms=0), 256, "needs num_sms >= 1"),
-    ],
-)
-def test_epilogue_warpgroup_bad_config_raises(config, d, match):
-    x = jnp.zeros((8, d), jnp.bfloat16)
-    w1 = jnp.zeros((2, d, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match=match):
-        up_proj(x, jnp.zeros((8,), jnp.int32), jnp.zeros((2,), jnp.int32), w1, config=config,
-                interpret=True)

@@ -66,7 +66,7 @@ def require_wgmma_blocks(config, block_n_why: str, block_ks: tuple[int, ...] = (
         raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
 
 
-PRODUCER_REGISTERS = 40  # per thread of a producer warpgroup after `rebalance_registers`
+PRODUCER_REGISTERS = 40  # per thread of a producer warpgroup after `role_registers`
 
 
 def consumer_registers(num_consumers: int, num_producers: int = 1) -> int:
@@ -76,25 +76,28 @@ def consumer_registers(num_consumers: int, num_producers: int = 1) -> int:
     return min(free // num_consumers // 8 * 8, 240)
 
 
-# Session 11 A/B (benchmarks/history/session11/): where the kernels issue setmaxnreg. True:
-# at the top of each role's branch (`role_registers`), False: in separate branches at the
-# top of the kernel (`rebalance_registers`, the previous placement).
-REGISTERS_IN_ROLE_BRANCHES = True
-
-
 def role_registers(role: str, num_consumers: int, num_producers: int = 1) -> None:
-    """`rebalance_registers` for one role, called first thing in that role's branch.
+    """Moves registers from the producer warpgroups to the consumers (setmaxnreg). Call it
+    first thing in each role's branch, from every warpgroup (a consumer's raise waits until
+    the producers' registers are free, so a producer must lower even when it has no work).
 
-    ptxas allocates registers for the code a `setmaxnreg` dominates from its new count, and
-    for other code from the launch count (65536 / threads). Issued in separate branches at
-    the top of the kernel, the consumers' raise did not dominate their code: measured on the
-    H100 (session 11), a 4-warpgroup up-proj whose consumers hold 128 accumulator registers
-    ran 4.2x slower (its wgmmas serialized at the launch count of 128) until the raise moved
-    into the consumer branch. `role`: "producer" or "consumer". Every warpgroup must call it
-    (a raise waits until the producers' registers are free).
+    Without it every thread of a 3-warpgroup kernel is capped at 168 registers, and a
+    consumer holding two 64x128 fp32 accumulators plus an epilogue spills to local memory
+    (seen with Nsight Compute on the H100: 7.1 M spill requests in one 7B dH call). The
+    producers only issue copies and need few registers.
+
+    Why in the role's branch: ptxas allocates registers for the code a `setmaxnreg`
+    dominates from its new count, and for other code from the launch count (65536 /
+    threads). Measured on the H100 (session 11, benchmarks/RESULTS.md): a 4-warpgroup
+    up-proj whose consumers hold 128 accumulator registers ran 4.2x slower with the raise
+    in a separate branch at the top of the kernel (its wgmmas serialized at the launch
+    count of 128) than with it in the consumer branch; the 3-warpgroup kernels were
+    bitwise equal and within -4.5%..+0.9% either way.
+
+    Args:
+      role: "producer" (down to `PRODUCER_REGISTERS`) or "consumer" (up to
+        `consumer_registers(num_consumers, num_producers)`).
     """
-    if not REGISTERS_IN_ROLE_BRANCHES:
-        return
     if role == "producer":
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     elif role == "consumer":
@@ -104,30 +107,6 @@ def role_registers(role: str, num_consumers: int, num_producers: int = 1) -> Non
     else:
         raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}.")
 
-
-def rebalance_registers(wg, num_consumers: int, num_producers: int = 1) -> None:
-    """Moves registers from the producer warpgroups (`wg >= num_consumers`) to the consumers.
-
-    Without it every thread of a 3-warpgroup kernel is capped at 168 registers, and a
-    consumer holding two 64x128 fp32 accumulators plus an epilogue spills to local memory
-    (seen with Nsight Compute on the H100: 7.1 M spill requests in one 7B dH call). The
-    producers only issue copies and need few registers. Measured on the H100 (session 3,
-    benchmarks/RESULTS.md): within noise for dH and the weight gradients, 3.6% faster for
-    the 30B up-proj. Call at the top of the kernel body, from every warpgroup. (The previous
-    placement: a no-op unless `REGISTERS_IN_ROLE_BRANCHES` is False; see `role_registers`.)
-    """
-    if REGISTERS_IN_ROLE_BRANCHES:
-        return
-
-    @pl.when(wg >= num_consumers)
-    def _():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-
-    @pl.when(wg < num_consumers)
-    def _():
-        plgpu.set_max_registers(
-            consumer_registers(num_consumers, num_producers), action="increase"
-        )
 
 
 GATHER_MODES = ("tma", "cp_async")
@@ -142,10 +121,8 @@ GATHER_MODES = ("tma", "cp_async")
 GATHER_COMPLETIONS = ("mbarrier", "wait_group")
 
 
-def require_gather_mode(config, min_cp_async_stages: int = 3) -> None:
-    """Checks `config.gather` of a gathering kernel (with `num_consumers`, `num_stages`).
-    `min_cp_async_stages`: 2 where the lagged publish may wait on a step's own loads at once
-    (a kernel with no other SMEM need pressing on its stages)."""
+def require_gather_mode(config) -> None:
+    """Checks `config.gather` of a gathering kernel (with `num_consumers`, `num_stages`)."""
     if config.gather not in GATHER_MODES:
         raise ValueError(f"config.gather must be one of {GATHER_MODES}, got {config.gather!r}.")
     if config.gather == "cp_async":
@@ -154,10 +131,9 @@ def require_gather_mode(config, min_cp_async_stages: int = 3) -> None:
                 "config.gather='cp_async' needs the warp-specialized kernel "
                 f"(num_consumers >= 1), got num_consumers={config.num_consumers}."
             )
-        if config.num_stages < min_cp_async_stages:
+        if config.num_stages < 3:
             raise ValueError(
-                f"config.gather='cp_async' needs num_stages >= {min_cp_async_stages}, "
-                f"got {config.num_stages}."
+                f"config.gather='cp_async' needs num_stages >= 3, got {config.num_stages}."
             )
     if config.gather_completion not in GATHER_COMPLETIONS:
         raise ValueError(

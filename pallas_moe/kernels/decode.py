@@ -112,7 +112,7 @@ class DecodeConfig:
         ends (`docs/decode.md`, "Where T = 1 loses"). Measured on the H100 (session 7):
         1.1-1.6x slower at every T with D = 16 (the benchmark's `*_ahead` variants), so 0.
       rebalance_registers: move registers from the producer warpgroup to the consumers
-        (`_common.rebalance_registers`, setmaxnreg). Off by default: unlike the other
+        (`_common.role_registers`, setmaxnreg). Off by default: unlike the other
         kernels' producers, this one also schedules tasks and waits on events, and whether
         40 registers cost it spills is for the H100 to tell (benchmark variant `static_regs`).
     """
@@ -623,8 +623,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
         wg = jax.lax.axis_index("wg")
         sm = jax.lax.axis_index("sm")
-        if config.rebalance_registers:
-            _common.rebalance_registers(wg, num_consumers=2)
         real_tiles = counts_ref[0]
         n_up = real_tiles * dims.up_blocks if runs_up else jnp.int32(0)
         n_down = real_tiles * dims.down_blocks if runs_down else jnp.int32(0)

@@ -73,7 +73,7 @@ class DHConfig:
       gather_completion: with gather="cp_async", "mbarrier" (hardware-tracked stages, all in
         flight) or "wait_group" (lagged publish); see `_common.GATHER_COMPLETIONS`.
       rebalance_registers: warp-specialized kernel only: the producer drops to 40 registers
-        per thread and the consumers take the rest (`_common.rebalance_registers`); False
+        per thread and the consumers take the rest (`_common.role_registers`); False
         keeps the even split, where the dSwiGLU epilogue spills.
       prefetch_h: warp-specialized kernel only: True = the tile's H rows get their own SMEM
         and are loaded while the K loop runs; False = they are loaded after the K loop into
@@ -479,8 +479,6 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
         ni = jax.lax.axis_index("n")
         mi = jax.lax.axis_index("m")
         num_rows = rows_ref[mi]
-        if config.rebalance_registers:
-            _common.rebalance_registers(wg, cons)
 
         @pl.when((num_rows > 0) & (wg == cons))
         def _producer():

@@ -492,8 +492,6 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         # the broadcast scales of the epilogue, a 128-row ping-pong consumer a 128 x
         # block_n one: give them the producer's registers.
         rebalance = fp8 or mb == 128
-        if rebalance:
-            _common.rebalance_registers(wg, num_consumers=2)
         # This call's tiles [first_tile, end_tile) of the whole metadata (`TileChunks`).
         first_tile = bounds_ref[0, chunk]
         total = (bounds_ref[0, chunk + 1] - first_tile) * grid_n  # work items

@@ -82,7 +82,7 @@ class UpProjConfig:
         "mbarrier" (hardware-tracked, all stages in flight) or "wait_group" (the producer
         waits for its own loads `num_stages - 2` steps later); see `_common.GATHER_COMPLETIONS`.
       rebalance_registers: warp-specialized kernel only: the producers drop to 40
-        registers per thread and the consumers take the rest (`_common.rebalance_registers`);
+        registers per thread and the consumers take the rest (`_common.role_registers`);
         False keeps the even split (168 each with 2 consumers; the consumers then spill).
       epilogue_slabs: warp-specialized kernel only: True = the SwiGLU epilogue runs one
         64-column slab at a time, so only a slab's temporaries are live next to the two
@@ -94,13 +94,6 @@ class UpProjConfig:
         bf16 rounding). A then differs from the xla backend's in the last bit of rare
         elements; use it together with `DHConfig.approx_math`, so the backward recomputes
         the same A. Interpret mode computes the exact exp either way.
-      epilogue_warpgroup: warp-specialized kernel only: run it persistent (`num_sms` CTAs
-        walking the (row tile, column block) items) with a fourth warpgroup that runs the
-        SwiGLU and the stores (`_epilogue_warpgroup_kernel`): the consumers hand H over
-        through SMEM and start the next item's K loop at once. Needs block_m = 64 (H then
-        fits one pipeline slot's weight bytes), one producer warpgroup, `d // 64 >=
-        num_stages` and, with the cp.async gather, gather_completion="wait_group".
-      num_sms: CTAs of the persistent grid with `epilogue_warpgroup` (132 on an H100 SXM).
     """
 
     block_m: int = 64
@@ -119,9 +112,6 @@ class UpProjConfig:
     gather_completion: str = "wait_group"
     epilogue_slabs: bool = True
     approx_math: bool = False
-    epilogue_warpgroup: bool = False
-    epilogue_staging: str = "slot"
-    num_sms: int = 132
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -147,41 +137,12 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
         raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
     if config.num_producers not in (1, 2):
         raise ValueError(f"config.num_producers={config.num_producers} must be 1 or 2.")
-    buffered = config.epilogue_warpgroup and config.epilogue_staging == "buffer"
-    _common.require_gather_mode(config, min_cp_async_stages=2 if buffered else 3)
+    _common.require_gather_mode(config)
     if config.gather == "cp_async" and config.num_producers != 1:
         raise ValueError(
             f"config.gather='cp_async' needs num_producers == 1, got {config.num_producers}."
         )
-    if config.epilogue_warpgroup:
-        _check_epilogue_warpgroup(config, d)
     return d, n
-
-
-def _check_epilogue_warpgroup(config: UpProjConfig, d: int) -> None:
-    """What `_epilogue_warpgroup_kernel` needs, with errors naming the config field."""
-    if config.epilogue_staging not in ("slot", "buffer"):
-        raise ValueError(
-            f"config.epilogue_staging must be 'slot' or 'buffer', got {config.epilogue_staging!r}."
-        )
-    slot = config.epilogue_staging == "slot"
-    need = [
-        (config.num_consumers in (1, 2), f"num_consumers 1 or 2, got {config.num_consumers}"),
-        (config.block_m == config.block_k,
-         f"block_m == block_k = {config.block_k} (H is staged in one slot's weight bytes), "
-         f"got block_m={config.block_m}"),
-        (config.num_producers == 1, f"num_producers == 1, got {config.num_producers}"),
-        (not slot or d // config.block_k >= config.num_stages,
-         f"d // block_k >= num_stages (every K loop refills every slot), got d={d}, "
-         f"num_stages={config.num_stages}"),
-        (config.gather != "cp_async" or config.gather_completion == "wait_group",
-         f"gather_completion='wait_group' with the cp.async gather, got "
-         f"{config.gather_completion!r}"),
-        (config.num_sms >= 1, f"num_sms >= 1, got {config.num_sms}"),
-    ]
-    for ok, what in need:
-        if not ok:
-            raise ValueError(f"config.epilogue_warpgroup=True needs {what}.")
 
 
 def up_proj(
@@ -257,14 +218,6 @@ def up_proj(
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
     if has_bias:
         args += (bias,)
-    if config.epilogue_warpgroup:
-        outs = _epilogue_warpgroup_kernel(
-            config, d, n, num_tiles, out_types, inference, interpret_mode, params,
-            has_bias, activation,
-        )(*args)
-        if inference:
-            return None, outs[0]
-        return outs[0], outs[1]
     if config.num_consumers:
         outs = _warp_specialized_kernel(
             config, d, n, num_tiles, out_types, inference, interpret_mode, params,
@@ -428,9 +381,6 @@ def _warp_specialized_kernel(
         mi = jax.lax.axis_index("m")
         num_rows = rows_ref[mi]
 
-        if config.rebalance_registers:  # the consumers get what the producers do not need
-            _common.rebalance_registers(wg, cons, prods)
-
         for p in range(prods):
             @pl.when((num_rows > 0) & (wg == cons + p))
             def _producer(p=p):
@@ -591,427 +541,6 @@ def _warp_specialized_kernel(
         compiler_params=plgpu.CompilerParams(**params),
         interpret=interpret_mode,
     )
-
-
-def _epilogue_warpgroup_kernel(
-    config: UpProjConfig, d: int, n: int, num_tiles: int, out_types, inference: bool,
-    interpret_mode, params, has_bias: bool = False, activation: SwiGLU = SwiGLU(),
-):
-    """The up-proj as a persistent kernel whose SwiGLU and stores run in their own warpgroup.
-
-    The warp-specialized kernel's consumers run the SwiGLU epilogue and the H and A stores
-    after every tile's K loop, with the tensor cores idle (one CTA per SM: SMEM and
-    registers). Here `min(num_sms, items)` CTAs walk the (row tile, column block) items
-    (CTA s takes items s, s + num_ctas, ...) with C + 2 warpgroups:
-
-    - Producer (warpgroup C): per item, the gathered A stages and the gate and up weight
-      tiles, exactly as `_warp_specialized_kernel`, into `num_stages` slots used in a
-      CTA-wide sequence: every item takes `num_k` K steps and then one *staging* step.
-      The staging step loads nothing; its slot's gate and up weight bytes ([bk, C * bn]
-      each) hold the item's H ([64, C * bn] each: the reason for block_m == block_k).
-    - Consumers (warpgroups 0..C-1): the item's K loop into two accumulators, then, once
-      every consumer is done with the K step that last used the staging slot (`epi_bar`),
-      H = accumulators (+ bias) in bf16 into the staging slot, and `h_full`. Then straight
-      on to the next item's K loop: its first `num_stages - 1` steps use other slots.
-    - Epilogue (warpgroup C + 1): waits `h_full`, TMA-stores H, computes A = act(H) from
-      the bf16 H in SMEM (bitwise what `_common.swiglu_epilogue` computes), overwrites the
-      gate half with it, stores A, and releases the slot (`h_free`). The producer waits
-      for that release before it reloads the slot, `num_stages - 1` steps into the next
-      item: the SwiGLU overlaps the next item's wgmmas.
-
-    A slot's previous use is a K step (released on `empty[slot]` by the consumers) or a
-    staging step (released on `h_free` by the epilogue warpgroup); `d // bk >= num_stages`
-    makes the staging slot's previous use a K step of the same item. The cp.async stages
-    are published `num_stages - 2` steps late within an item and all at its end, so the
-    producer never waits for a release that needs a step it has not published.
-    Interpret mode does not alias the staging views with the weight slots (it keeps
-    separate buffers), so the race detector checks the handshakes but not the overlay;
-    the GPU tests check the overlay with poisoned outputs.
-    """
-    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
-    cons = config.num_consumers
-    cols = cons * bn  # gate columns per item (and as many up columns)
-    slab = _common.SWIZZLE_BYTES // 2  # bf16 columns of one swizzled slab of a row tile
-    slabs, cslabs = cols // slab, bn // slab  # per item, per consumer
-    num_k = d // bk
-    grid_n = n // cols
-    num_items = num_tiles * grid_n
-    num_ctas = max(min(config.num_sms, num_items), 1)
-    # "slot": H is staged in the weight bytes of a pipeline slot (one staging step per item);
-    # "buffer": in SMEM of its own, the pipeline then has only its K steps.
-    buffered = config.epilogue_staging == "buffer"
-    steps_per_item = num_k if buffered else num_k + 1  # K steps (then the staging step)
-    dtype = jnp.bfloat16
-    tf = _common.mma_transforms(dtype)
-    producer, epilogue = cons, cons + 1
-    interpret = interpret_mode is not None
-    cp_async = config.gather == "cp_async" and not interpret
-    lag = stages - 2  # cp.async steps published late (`_common.cp_async_publish_lagged`)
-    rows_per_warp = bm // 4
-
-    def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
-        b_ref, *rest = rest if has_bias else (None, *rest)
-        if inference:
-            a_out, *scratch = rest
-            h_out = None
-        else:
-            h_out, a_out, *scratch = rest
-        ids_smem, bufs, full, empty, ids_bar, epi_bar, h_full, h_free, *bias_scratch = scratch
-        a_copy, a_mma, bg_smem, bu_smem, (hg_copy, hg_mma), (hu_copy, hu_mma) = views(bufs)
-        wg = jax.lax.axis_index("wg")
-        sm = jax.lax.axis_index("sm")
-        registers = _epilogue_warpgroup_registers(cons)
-        if not _common.REGISTERS_IN_ROLE_BRANCHES:
-            _rebalance_registers_with_epilogue(wg, cons)
-        my_items = jnp.maximum(num_items - sm + num_ctas - 1, 0) // num_ctas
-
-        def item(j):
-            """(row tile, column block, real rows) of this CTA's j-th item."""
-            w = sm + j * num_ctas
-            mi = w // grid_n
-            return mi, w % grid_n, rows_ref[mi]
-
-        def staging_slot(used):
-            """The staging step's slot of the item after `used` non-empty items (index 0
-            of the one staging buffer with "buffer")."""
-            return 0 if buffered else (used * steps_per_item + num_k) % stages
-
-        def for_each_item(f):
-            """Runs `f(j, mi, ni, rows, used)` on this CTA's non-empty items in order;
-            `used` counts the non-empty items before item j."""
-
-            def per_item(j, used):
-                mi, ni, rows = item(j)
-
-                @pl.when(rows > 0)
-                def _():
-                    f(j, mi, ni, rows, used)
-
-                return used + (rows > 0).astype(jnp.int32)
-
-            return jax.lax.fori_loop(0, my_items, per_item, jnp.int32(0))
-
-        def set_registers(role: str) -> None:
-            # At the top of the role's branch, so the register count dominates its code.
-            if _common.REGISTERS_IN_ROLE_BRANCHES and registers[role] != registers["launch"]:
-                plgpu.set_max_registers(
-                    registers[role],
-                    action="increase" if registers[role] > registers["launch"] else "decrease",
-                )
-
-        @pl.when(wg == producer)
-        def _producer():
-            set_registers("producer")
-
-            def load_ids(j):  # item j's row sources -> SMEM (double-buffered by item)
-                mi, _, rows = item(j)
-
-                @pl.when(rows > 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem.at[j % 2], ids_bar.at[j % 2])
-
-            @pl.when(my_items > 0)
-            def _():
-                load_ids(0)
-
-            def per_item(j, used):
-                # The next item's ids land while this item's rows are gathered. Item j - 1's
-                # row copies read that buffer from every producer thread: a warpgroup
-                # barrier first (`commit_smem` ends with one).
-                plgpu.commit_smem()
-
-                @pl.when(j + 1 < my_items)
-                def _():
-                    load_ids(j + 1)
-
-                mi, ni, rows = item(j)
-
-                @pl.when(rows > 0)
-                def _():
-                    plgpu.barrier_wait(ids_bar.at[j % 2])
-                    ids = ids_smem.at[j % 2]
-                    w_e = w_ref.at[expert_ref[mi]]  # [d, 2n]
-                    g0 = used * steps_per_item
-
-                    def step(ki, carry):
-                        g = g0 + ki
-                        slot = g % stages
-                        k0 = ki * bk
-                        # The slot's previous use, g - stages: the previous item's staging
-                        # step (released by the epilogue warpgroup) or a K step.
-                        after_staging = (ki == stages - 1) & (used > 0) & (not buffered)
-
-                        @pl.when(after_staging)
-                        def _():
-                            plgpu.barrier_wait(h_free)
-
-                        @pl.when((g >= stages) & jnp.logical_not(after_staging))
-                        def _():
-                            plgpu.barrier_wait(empty.at[slot])
-
-                        plgpu.copy_gmem_to_smem(  # [bk, C*bn] gate columns
-                            w_e.at[pl.ds(k0, bk), pl.ds(ni * cols, cols)], bg_smem.at[slot],
-                            full.at[slot],
-                        )
-                        plgpu.copy_gmem_to_smem(  # [bk, C*bn] matching up columns
-                            w_e.at[pl.ds(k0, bk), pl.ds(n + ni * cols, cols)],
-                            bu_smem.at[slot], full.at[slot],
-                        )
-                        if cp_async:
-                            _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one group
-                                x_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
-                            )
-
-                            @pl.when(ki >= lag)
-                            def _():  # publish step ki - lag of this item
-                                _common.cp_async_stage_done(lag)
-                                plgpu.barrier_arrive(full.at[(g - lag) % stages])
-                        else:
-                            def per_warp(w):
-                                _common.gather_rows(  # [1, bk] of X[tok] per row
-                                    x_ref, ids, [a_copy.at[slot]], full.at[slot], col0=k0,
-                                    width=bk, first_row=w * rows_per_warp,
-                                    num_rows=rows_per_warp, unroll=config.row_unroll,
-                                )
-
-                            plgpu.warp_map(per_warp)
-                        return carry
-
-                    jax.lax.fori_loop(0, num_k, step, None)
-                    if cp_async:  # the item's last `lag` steps, before anything waits
-                        for i, ki in enumerate(range(num_k - lag, num_k)):
-                            _common.cp_async_stage_done(lag - 1 - i)
-                            plgpu.barrier_arrive(full.at[(g0 + ki) % stages])
-                    if not buffered:
-                        # The staging step: observe the release of its slot's previous K
-                        # step, so every phase of `empty` is observed in order.
-                        plgpu.barrier_wait(empty.at[staging_slot(used)])
-
-                return used + (rows > 0).astype(jnp.int32)
-
-            used = jax.lax.fori_loop(0, my_items, per_item, jnp.int32(0))
-            # Observe the releases nothing reloaded: the last item's final K steps and its
-            # staging step (interpret mode checks that every barrier phase is consumed).
-            g_end = used * steps_per_item
-
-            if buffered:  # the last `stages` K steps (if there were that many)
-                for back in range(stages, 0, -1):
-                    @pl.when(g_end - back >= 0)
-                    def _(back=back):
-                        plgpu.barrier_wait(empty.at[(g_end - back) % stages])
-            else:
-                @pl.when(used > 0)
-                def _():
-                    for back in range(stages, 1, -1):
-                        plgpu.barrier_wait(empty.at[(g_end - back) % stages])
-                    plgpu.barrier_wait(h_free)
-
-        for c in range(cons):
-            @pl.when(wg == c)
-            def _consumer(c=c):
-                set_registers("consumer")
-                csl = pl.ds(c * bn, bn)
-
-                def run(j, mi, ni, rows, used):
-                    g0 = used * steps_per_item
-                    if has_bias:  # this consumer's bias columns land while the K loop runs
-                        bias_smem, bias_bars = bias_scratch
-                        _start_bias_load(
-                            b_ref, expert_ref[mi], ni * cols + c * bn, bn, n,
-                            bias_smem.at[c], bias_bars.at[c],
-                        )
-
-                    def mma_scope(acc_g, acc_u):
-                        def step(ki, carry):
-                            g = g0 + ki
-                            slot = g % stages
-                            plgpu.barrier_wait(full.at[slot])
-                            a_tile = a_mma.at[slot]  # [bm, bk]
-                            plgpu.wgmma(acc_g, a_tile, bg_smem.at[slot, :, csl])  # @ [bk, bn]
-                            plgpu.wgmma(acc_u, a_tile, bu_smem.at[slot, :, csl])
-                            plgpu.wgmma_wait(2)  # step g-1 is done: release its slot
-
-                            @pl.when(ki >= 1)
-                            def _():
-                                plgpu.barrier_arrive(empty.at[(g - 1) % stages])
-
-                            return carry
-
-                        jax.lax.fori_loop(0, num_k, step, None)
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(empty.at[(g0 + num_k - 1) % stages])
-                        return acc_g[...], acc_u[...]
-
-                    g, u = pl.run_scoped(
-                        mma_scope, plgpu.ACC((bm, bn), jnp.float32),
-                        plgpu.ACC((bm, bn), jnp.float32),
-                    )
-                    # H overlays the staging slot's weight bytes, which the other consumers'
-                    # wgmmas of its previous K step may still read.
-                    if buffered:  # the epilogue warpgroup is done with the previous item's H
-                        @pl.when(used > 0)
-                        def _():
-                            plgpu.barrier_wait(h_free)
-                    else:
-                        plgpu.barrier_arrive(epi_bar)
-                        plgpu.barrier_wait(epi_bar)
-                    s = staging_slot(used)
-                    if has_bias:
-                        bias_g, bias_u = _bias_columns(bias_smem.at[c], bias_bars.at[c], bm)
-                    for h in range(cslabs):
-                        cut = slice(h * slab, (h + 1) * slab)
-                        hg, hu = g[:, cut], u[:, cut]
-                        if has_bias:
-                            hg, hu = hg + bias_g[:, cut], hu + bias_u[:, cut]
-                        hg_mma[s, c * cslabs + h] = hg.astype(dtype)
-                        hu_mma[s, c * cslabs + h] = hu.astype(dtype)
-                    plgpu.commit_smem()  # visible to the TMA stores
-                    plgpu.barrier_arrive(h_full)
-
-                used = for_each_item(run)
-                if buffered:  # observe the last item's release too
-                    @pl.when(used > 0)
-                    def _():
-                        plgpu.barrier_wait(h_free)
-
-        @pl.when(wg == epilogue)
-        def _epilogue():
-            set_registers("epilogue")
-
-            def run(j, mi, ni, rows, used):
-                s = staging_slot(used)
-                row0 = start_ref[mi]
-                col = ni * cols
-                plgpu.barrier_wait(h_full)
-                if h_out is not None:
-                    _common.store_row_tile(hg_copy.at[s], h_out.at[:, pl.ds(col, cols)], row0, rows, bm)
-                    _common.store_row_tile(hu_copy.at[s], h_out.at[:, pl.ds(n + col, cols)], row0, rows, bm)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # A overwrites H gate
-                for h in range(slabs):
-                    hg = hg_mma[s, h].astype(jnp.float32)  # [bm, slab], the rounded H
-                    hu = hu_mma[s, h].astype(jnp.float32)
-                    # Each thread overwrites only the elements it read (one layout).
-                    hg_mma[s, h] = activation.apply(hg, hu).astype(dtype)
-                plgpu.commit_smem()
-                _common.store_row_tile(hg_copy.at[s], a_out.at[:, pl.ds(col, cols)], row0, rows, bm)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.barrier_arrive(h_free)
-
-            for_each_item(run)
-
-    bufs, views = _staged_pipeline_smem(stages, bm, bk, cols, dtype, interpret, buffered)
-    scratch = [
-        plgpu.SMEM((2, bm), jnp.int32),  # row sources of the current and the next item
-        bufs,
-        # full[slot]: the two weight copies, plus what the row loader adds.
-        plgpu.Barrier(
-            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 2,
-            num_barriers=stages,
-        ),
-        plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty: a K step released
-        plgpu.Barrier(num_barriers=2),  # ids
-        plgpu.Barrier(num_arrivals=cons),  # epi_bar: consumers done with the K loop
-        plgpu.Barrier(num_arrivals=cons),  # h_full: H is in the staging slot
-        plgpu.Barrier(),  # h_free: the epilogue warpgroup released the staging slot
-        *(_bias_scratch(bn, dtype, cons) if has_bias else ()),
-    ]
-    return plgpu.kernel(
-        body,
-        kernel_name="moe_up_proj_epilogue_wg",
-        out_type=tuple(out_types),
-        scratch_types=scratch,
-        grid=(num_ctas,),
-        grid_names=("sm",),
-        num_threads=cons + 2,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(**params),
-        interpret=interpret_mode,
-    )
-
-
-def _staged_pipeline_smem(
-    stages: int, bm: int, bk: int, cols: int, dtype, interpret: bool, buffered: bool = False
-):
-    """SMEM of `_epilogue_warpgroup_kernel`: the gathered A stages [stages, bm, bk], the
-    gate and up weight stages [stages, bk, cols] each, and over the weight stages the
-    staging views of H gate and H up, [stages, cols // 64, bm, 64] each (`row_tile_types`:
-    a wgmma-layout view the consumers write and the epilogue reads, and a (1, 64) view the
-    TMA stores read). bm == bk, so slot s of a staging view is the bytes of slot s of
-    its weight stages.
-
-    Returns (scratch type, views) with `views(ref) -> (a_copy, a_mma, b_gate, b_up,
-    (hg_copy, hg_mma), (hu_copy, hu_mma))`. Interpret mode (no `RefUnion` aliasing) gets
-    separate staging buffers.
-    """
-    tf = _common.mma_transforms(dtype)
-    a_copy, a_mma = _common._gather_view_types((stages, bm, bk), dtype)
-    b_stage = plgpu.SMEM((stages, bk, cols), dtype, transforms=tf)
-    h_copy, h_mma = _common.row_tile_types((1 if buffered else stages, bm, cols), dtype)
-    if buffered and not interpret:  # staging buffers of their own, after the pipeline
-        def views(refs):
-            ((a_c, _, _), (a_m, bg, bu)), (hg_c, hg_m), (hu_c, hu_m) = refs
-            return a_c, a_m, bg, bu, (hg_c, hg_m), (hu_c, hu_m)
-
-        return (
-            plgpu.RefUnion((a_copy, b_stage, b_stage), (a_mma, b_stage, b_stage)),
-            plgpu.RefUnion(h_copy, h_mma), plgpu.RefUnion(h_copy, h_mma),
-        ), views
-    if interpret:
-        def views(refs):
-            (a, bg, bu), (hg, hu) = refs
-            return a, a, bg, bu, (hg, hg), (hu, hu)
-
-        return ((a_mma, b_stage, b_stage), (h_mma, h_mma)), views
-
-    def views(refs):
-        (a_c, _, _), (a_m, bg, bu), (_, hg_m, hu_m), (_, hg_c, hu_c) = refs
-        return a_c, a_m, bg, bu, (hg_c, hg_m), (hu_c, hu_m)
-
-    # Every group starts with the A stages, so the weight stages and the staging views
-    # start at the same offset (members are laid out in order, 1024-byte aligned).
-    return plgpu.RefUnion(
-        (a_copy, b_stage, b_stage), (a_mma, b_stage, b_stage),
-        (a_mma, h_mma, h_mma), (a_mma, h_copy, h_copy),
-    ), views
-
-
-# Session 11 experiment: (producer, consumer, epilogue) registers per thread, or None.
-_REGISTERS_OVERRIDE = None
-
-
-def _epilogue_warpgroup_registers(cons: int) -> dict:
-    """Registers per thread of `_epilogue_warpgroup_kernel`'s roles (the four or three
-    warpgroups share 512 per thread; `launch` is each one's count before any change): the
-    producer drops to `_common.PRODUCER_REGISTERS`, the consumers (two 64 x bn fp32
-    accumulators) take up to 240 and the epilogue warpgroup the rest."""
-    launch = 65536 // (128 * (cons + 2)) // 8 * 8
-    if _REGISTERS_OVERRIDE is not None:
-        producer, consumer, epi = _REGISTERS_OVERRIDE
-    else:
-        producer = _common.PRODUCER_REGISTERS
-        free = 65536 // 128 - producer
-        consumer = min((free - 128) // cons // 8 * 8, 240)
-        epi = min(free - cons * consumer, 240)
-    return dict(launch=launch, producer=producer, consumer=consumer, epilogue=epi)
-
-
-def _rebalance_registers_with_epilogue(wg, cons: int) -> None:
-    """`_epilogue_warpgroup_registers` set in separate branches at the top of the kernel."""
-    regs = _epilogue_warpgroup_registers(cons)
-    launch, consumer, epi = regs["launch"], regs["consumer"], regs["epilogue"]
-
-    @pl.when(wg == cons)
-    def _():
-        plgpu.set_max_registers(regs["producer"], action="decrease")
-
-    @pl.when(wg < cons)
-    def _():
-        plgpu.set_max_registers(consumer, action="increase")
-
-    if epi != launch:
-        @pl.when(wg == cons + 1)
-        def _():
-            plgpu.set_max_registers(epi, action="increase" if epi > launch else "decrease")
 
 
 def _bias_scratch(cols: int, dtype, consumers: int | None = None) -> tuple:

@@ -70,7 +70,7 @@ class WeightGradConfig:
       gather_completion: with gather="cp_async", "mbarrier" (hardware-tracked stages, all in
         flight) or "wait_group" (lagged publish); see `_common.GATHER_COMPLETIONS`.
       rebalance_registers: warp-specialized kernel only: the producer drops to 40 registers
-        per thread and the consumers take the rest (`_common.rebalance_registers`).
+        per thread and the consumers take the rest (`_common.role_registers`).
       expert_major: launch the output tiles of one expert consecutively (the tile index is
         the fastest grid axis), so the CTAs reading the same expert's rows of the
         contiguous operand run together and share them through L2. False launches one
@@ -416,8 +416,6 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
         if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
             _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
-        if config.rebalance_registers:
-            _common.rebalance_registers(wg, cons)
         tile = jax.lax.axis_index("tile")
         expert = order_ref[jax.lax.axis_index("e")]
         mi, ni = tile // grid_n, tile % grid_n
