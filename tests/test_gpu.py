@@ -286,6 +286,37 @@ def test_backward_cp_async_matches_reference(shape, completion):
         assert bool(jnp.array_equal(g, a)), "bitwise repeat"
 
 
+def test_backward_with_empty_experts_on_gpu():
+    """Experts no token picks: their weight-gradient CTAs have no K steps (the producer
+    lowers its registers without work, `_common.role_registers`), their dW1/dW2 are exactly
+    zero, the rest matches the jnp backward, bitwise from run to run, poisoned outputs."""
+    from pallas_moe.kernels.moe_backward import moe_backward
+    from pallas_moe.ops.minimal_backward import moe_ffn_backward
+
+    T, d, n, E, K = 2048, 512, 256, 16, 4
+    empty = [3, 7, 11]
+    ks = jax.random.split(jax.random.key(23), 6)
+    x = jax.random.normal(ks[0], (T, d), jnp.bfloat16)
+    w1 = (jax.random.normal(ks[1], (E, d, 2 * n)) * d**-0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(ks[2], (E, n, d)) * n**-0.5).astype(jnp.bfloat16)
+    logits = jax.random.normal(ks[3], (T, E)).at[:, jnp.array(empty)].set(-jnp.inf)
+    plan = pm.routing.topk_plan(logits, K)
+    assert all(int(plan.group_sizes[e]) == 0 for e in empty)
+    h = jax.random.normal(ks[4], (plan.capacity, 2 * n), jnp.bfloat16)
+    go = jax.random.normal(ks[5], (T, d), jnp.bfloat16)
+    f = jax.jit(lambda *a: moe_backward(*a))
+    _poison(plan.capacity * (5 * n + d) * 2 + E * 3 * n * d * 2)
+    got = f(x, h, plan, w1, w2, go)
+    ref = jax.jit(moe_ffn_backward)(x, h, plan, w1, w2, go)
+    for name, g, r in zip(("dx", "d_scores", "dw_gate_up", "dw_down"), got, ref):
+        assert rel_err(g, r) < 2e-2, name
+    for dw in got[2:]:
+        assert not bool(jnp.any(dw[jnp.array(empty)] != 0)), "empty experts get zero gradients"
+    again = f(x, h, plan, w1, w2, go)
+    for g, a in zip(got, again):
+        assert bool(jnp.array_equal(g, a)), "bitwise repeat"
+
+
 @pytest.mark.parametrize("skew", [False, True])
 def test_chunked_row_ffn_equals_moe_ffn_bitwise(skew):
     """The chunked EP overlap's expert FFN (`chunked_row_ffn`: one up-proj, one down-proj call

@@ -432,14 +432,16 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
             plgpu.copy_gmem_to_smem(ids_ref.at[block0 + ki], ids_smem.at[slot], ids_bars.at[slot])
 
         if config.rebalance_registers:
-            # Unconditionally (an empty expert's consumers still raise, and a raise waits
-            # for the producer's registers).
-            @pl.when(wg == cons)
+            # An empty expert's consumers still raise, and a raise waits for the producer's
+            # registers: its producer lowers without work.
+            @pl.when((num_k == 0) & (wg == cons))
             def _():
                 _common.role_registers("producer", cons)
 
         @pl.when((num_k > 0) & (wg == cons))
         def _producer():
+            if config.rebalance_registers:
+                _common.role_registers("producer", cons)
             for s in range(stages):
                 @pl.when(s < num_k)
                 def _():
