@@ -8,7 +8,7 @@ check against the warp-specialized kernel with poisoned outputs, and CUPTI GPU t
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=/tmp/dump PYTHONPATH=. \
       python3 benchmarks/history/session11/epilogue_regs.py --out $OUT --dump /tmp/dump
 
-Runs on branch `epilogue-wg-experiment` (main dropped the kernel and the A/B switch).
+Needs `epilogue_wg_experiment.patch` applied (main dropped the kernel and the A/B switch).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ against its base (same `approx_math`), poisoned outputs, H and A over all real r
 CUPTI GPU time of each (training and inference mode), the dense batched-matmul bound of
 the up-proj's FLOPs, and the whole forward with the default and with the best variant.
 
-Runs on branch `epilogue-wg-experiment` (main dropped the kernel and the A/B switch).
+Needs `epilogue_wg_experiment.patch` applied (main dropped the kernel and the A/B switch).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ epilogue-warpgroup up-proj (`UpProjConfig.epilogue_warpgroup`) beside them.
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/history/session11/registers_ab.py --out $OUT
 
-Runs on branch `epilogue-wg-experiment` (main dropped the kernel and the A/B switch).
+Needs `epilogue_wg_experiment.patch` applied (main dropped the kernel and the A/B switch).
 """
 
 from __future__ import annotations

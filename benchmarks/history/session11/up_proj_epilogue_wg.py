@@ -1,0 +1,1061 @@
+# Session 11 record (not imported by the library): pallas_moe/kernels/up_proj.py as it was
+# with `UpProjConfig.epilogue_warpgroup` ("slot" and "buffer" staging) and the A/B switch
+# `_common.REGISTERS_IN_ROLE_BRANCHES`. Measured bitwise equal and not faster
+# (benchmarks/RESULTS.md, session 11). `epilogue_wg_experiment.patch` beside it restores
+# the kernel, its interpret/lowering/GPU tests and the switch on top of main
+# (`git apply benchmarks/history/session11/epilogue_wg_experiment.patch`).
+"""Up-projection: varlen-M grouped GEMM with the token gather fused into the A load, and a
+SwiGLU epilogue.
+
+    H[r] = X[tok[r]] @ W1[e(r)] + b1[e(r)]    bf16 [P, 2n]   (kept for the backward)
+    A[r] = act(H[r, :n], H[r, n:])            bf16 [P, n]
+
+`act` is the `SwiGLU` spec: `silu(gate) * up`, or gpt-oss's clamped variant. The optional
+expert bias b1 ([E, 2n]) is added to the fp32 accumulators before H is rounded, so H is
+the biased pre-activation and the backward recomputes A from it exactly
+(`_common.swiglu_epilogue`). Each CTA (or consumer) TMA-loads its bias columns into SMEM
+once per tile, before the K loop, and reads them in the epilogue.
+
+One CTA computes one (row tile, column block) pair. A row tile holds at most `block_m` rows
+of a single expert (from `tile_schedule`, computed once per plan). A column block `j` holds
+gate columns `[j*bn, (j+1)*bn)` and the matching up columns `n + [j*bn, (j+1)*bn)`, loaded
+as two B tiles straight from the public `[E, d, 2n]` layout into two accumulators, so the
+SwiGLU epilogue has both halves in registers without re-laying the weights.
+
+The gather: Hopper's TMA has no row gather, so each of the `block_m` rows of an A stage is
+its own `[1, block_k]` TMA copy `X[tok, k:k+bk] -> a_smem[slot, r]`, landing in the
+128-byte-swizzled layout wgmma reads (through a (1, 64)-tiled view of the same SMEM, see
+`_common.row_gather_buffers`). No gathered `[P, d]` copy of X is ever written. The source
+tokens of a tile's rows come from `TileMeta.row_ids` (computed once per plan), staged in SMEM.
+
+Two kernel structures (config.num_consumers), both with `num_stages` SMEM slots whose
+barriers count `block_m + 2` copies:
+- single warpgroup (`num_consumers=0`): the warpgroup waits for stage k, issues its two
+  wgmmas, waits for stage k-1's wgmmas and refills that slot, so loads run `num_stages - 1`
+  steps ahead. Simple, but the one warpgroup issues every row copy (~70 cycles each).
+- warp-specialized (`num_consumers=C>=1`, the default on H100, see
+  `_warp_specialized_kernel`): a producer warpgroup issues the row copies from its 4 warps
+  in parallel and C consumer warpgroups run the wgmmas, either sharing each gathered stage
+  and splitting the columns (C*block_n gate columns per CTA, so a row is gathered
+  n / (C*block_n) times) or, with block_m = 64*C, splitting the rows and sharing the
+  weight tiles. Measured on H100: benchmarks/RESULTS.md.
+
+Epilogue: the tile's real rows are TMA-stored with a power-of-two ladder (`store_rows`), so
+a tile never writes rows of the next expert; empty tiles return before loading anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_moe.kernels import _common
+from pallas_moe.kernels._common import TileMeta
+from pallas_moe.ops.activation import SwiGLU
+
+
+@dataclasses.dataclass(frozen=True)
+class UpProjConfig:
+    """Block sizes of the up-proj kernel.
+
+    Attributes:
+      block_m: rows per tile (a multiple of 64: one wgmma M=64 per 64 rows).
+      block_n: gate (and up) columns per CTA; the CTA computes 2*block_n columns of H.
+        Must divide n and be a multiple of 64.
+      block_k: contraction step; must divide d and be 64 (one 128-byte swizzle row of bf16).
+      num_stages: SMEM pipeline depth.
+      num_consumers: 0 = one warpgroup issues the copies and the wgmmas (`_single_wg_body`).
+        C >= 1 = warp-specialized (`_warp_specialized_body`): one producer warpgroup whose 4
+        warps issue the row copies in parallel, and C consumer warpgroups that share each
+        gathered A stage and own `block_n` gate + `block_n` up columns each, so a CTA covers
+        `C * block_n` gate columns and every gathered row is loaded `n / (C * block_n)` times.
+      lane_semantics: lower with Lane semantics (always on for the warp-specialized kernel).
+      no_auto_barriers: `plgpu.CompilerParams.unsafe_no_auto_barriers`.
+      row_unroll: unroll factor of each producer warp's row-copy loop.
+      (With num_consumers == block_m / 64 > 1 the consumers instead split the rows, 64 each,
+        and share the weight tiles: half the L2 weight traffic per FLOP, twice the copies.)
+      num_producers: producer warpgroups of the warp-specialized kernel (their 4 warps each
+        issue `block_m / (4 * num_producers)` row copies per stage).
+      gather: how the warp-specialized producer gathers X rows: "tma" (one `[1, 64]` TMA
+        copy per row chunk; the only loader interpret mode can run) or "cp_async" (all 128
+        producer threads issue 16-byte cp.async loads, `_common.cp_async_gather_rows`;
+        compiled kernels only, one producer warpgroup, `num_stages >= 3`).
+      gather_completion: with gather="cp_async", how a stage's rows are published:
+        "mbarrier" (hardware-tracked, all stages in flight) or "wait_group" (the producer
+        waits for its own loads `num_stages - 2` steps later); see `_common.GATHER_COMPLETIONS`.
+      rebalance_registers: warp-specialized kernel only: the producers drop to 40
+        registers per thread and the consumers take the rest (`_common.rebalance_registers`);
+        False keeps the even split (168 each with 2 consumers; the consumers then spill).
+      epilogue_slabs: warp-specialized kernel only: True = the SwiGLU epilogue runs one
+        64-column slab at a time, so only a slab's temporaries are live next to the two
+        accumulators; False = the whole block at once (the previous version).
+      approx_math: compiled kernels only: the SwiGLU's sigmoid takes its exp from the
+        hardware's `ex2.approx` (`plgpu.CompilerParams.approx_math`) instead of the
+        full-precision libdevice `exp`. Measured on the H100 (session 8): 701.6 -> 679.8 us
+        at 7B, 4383 -> 4297 us at 30B, with the same error against the reference (A 3.5e-3,
+        bf16 rounding). A then differs from the xla backend's in the last bit of rare
+        elements; use it together with `DHConfig.approx_math`, so the backward recomputes
+        the same A. Interpret mode computes the exact exp either way.
+      epilogue_warpgroup: warp-specialized kernel only: run it persistent (`num_sms` CTAs
+        walking the (row tile, column block) items) with a fourth warpgroup that runs the
+        SwiGLU and the stores (`_epilogue_warpgroup_kernel`): the consumers hand H over
+        through SMEM and start the next item's K loop at once. Needs block_m = 64 (H then
+        fits one pipeline slot's weight bytes), one producer warpgroup, `d // 64 >=
+        num_stages` and, with the cp.async gather, gather_completion="wait_group".
+      num_sms: CTAs of the persistent grid with `epilogue_warpgroup` (132 on an H100 SXM).
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    num_stages: int = 4
+    num_consumers: int = 0
+    lane_semantics: bool = False
+    no_auto_barriers: bool = False
+    row_unroll: int = 4
+    num_producers: int = 1
+    gather: str = "tma"
+    rebalance_registers: bool = True
+    # Measured on the H100 (session 4, same run): the lagged publish 768 / 4386 us against
+    # 800 / 4612 us with hardware-tracked stages at 7B / 30B.
+    gather_completion: str = "wait_group"
+    epilogue_slabs: bool = True
+    approx_math: bool = False
+    epilogue_warpgroup: bool = False
+    epilogue_staging: str = "slot"
+    num_sms: int = 132
+
+
+def _check(x, w_gate_up, token_ids, config: UpProjConfig):
+    d, n = _common.gate_up_widths(x, w_gate_up)
+    _common.require_dtype("x", x, jnp.bfloat16)
+    _common.require_dtype("w_gate_up", w_gate_up, jnp.bfloat16)
+    if token_ids.ndim != 1:
+        raise ValueError(f"plan.token_ids must be 1-D, got shape {tuple(token_ids.shape)}.")
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    _common.require_multiple("config.block_m", bm, 64, "wgmma tiles rows by 64")
+    _common.require_multiple("config.block_n", bn, 64, "output tiles are 128-byte swizzled")
+    if bk != 64:
+        raise ValueError(f"config.block_k={bk} must be 64 (one 128-byte swizzle row of bf16).")
+    if config.num_stages < 2:
+        raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
+    _common.require_multiple("d (x.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
+    cols = _cta_cols(config)
+    _common.require_multiple(
+        "n (w_gate_up.shape[2] // 2)", n, cols,
+        f"a CTA computes {cols} gate columns and the matching up columns",
+    )
+    if config.num_consumers < 0:
+        raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
+    if config.num_producers not in (1, 2):
+        raise ValueError(f"config.num_producers={config.num_producers} must be 1 or 2.")
+    buffered = config.epilogue_warpgroup and config.epilogue_staging == "buffer"
+    _common.require_gather_mode(config, min_cp_async_stages=2 if buffered else 3)
+    if config.gather == "cp_async" and config.num_producers != 1:
+        raise ValueError(
+            f"config.gather='cp_async' needs num_producers == 1, got {config.num_producers}."
+        )
+    if config.epilogue_warpgroup:
+        _check_epilogue_warpgroup(config, d)
+    return d, n
+
+
+def _check_epilogue_warpgroup(config: UpProjConfig, d: int) -> None:
+    """What `_epilogue_warpgroup_kernel` needs, with errors naming the config field."""
+    if config.epilogue_staging not in ("slot", "buffer"):
+        raise ValueError(
+            f"config.epilogue_staging must be 'slot' or 'buffer', got {config.epilogue_staging!r}."
+        )
+    slot = config.epilogue_staging == "slot"
+    need = [
+        (config.num_consumers in (1, 2), f"num_consumers 1 or 2, got {config.num_consumers}"),
+        (config.block_m == config.block_k,
+         f"block_m == block_k = {config.block_k} (H is staged in one slot's weight bytes), "
+         f"got block_m={config.block_m}"),
+        (config.num_producers == 1, f"num_producers == 1, got {config.num_producers}"),
+        (not slot or d // config.block_k >= config.num_stages,
+         f"d // block_k >= num_stages (every K loop refills every slot), got d={d}, "
+         f"num_stages={config.num_stages}"),
+        (config.gather != "cp_async" or config.gather_completion == "wait_group",
+         f"gather_completion='wait_group' with the cp.async gather, got "
+         f"{config.gather_completion!r}"),
+        (config.num_sms >= 1, f"num_sms >= 1, got {config.num_sms}"),
+    ]
+    for ok, what in need:
+        if not ok:
+            raise ValueError(f"config.epilogue_warpgroup=True needs {what}.")
+
+
+def up_proj(
+    x: jax.Array,
+    token_ids: jax.Array,
+    group_sizes: jax.Array,
+    w_gate_up: jax.Array,
+    *,
+    config: UpProjConfig = UpProjConfig(),
+    inference: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    meta: TileMeta | None = None,
+    pad_a_rows_to: int = 1,
+    bias: jax.Array | None = None,
+    activation: SwiGLU = SwiGLU(),
+) -> tuple[jax.Array | None, jax.Array]:
+    """Gathered grouped up-projection with fused SwiGLU.
+
+    Args:
+      x: bf16 [T, d] tokens.
+      token_ids: i32 [P] source token of each grouped row (plan.token_ids).
+      group_sizes: i32 [E] rows per expert (plan.group_sizes); rows past the sum are padding.
+      w_gate_up: bf16 [E, d, 2n], gate = [..., :n], up = [..., n:].
+      config: block sizes.
+      inference: if True, only A is written (H is not needed without a backward).
+      interpret: run in Mosaic GPU interpret mode (CPU) if True or an InterpretGPUParams.
+      meta: precomputed `tile_meta(group_sizes, token_ids, config.block_m)`; computed here
+        if None.
+      pad_a_rows_to: A gets `P` rounded up to a multiple of this many rows (the down-proj
+        loads whole aligned row blocks of A; padding here saves it a copy).
+      bias: optional bf16 [E, 2n] expert bias (gate half first), added in fp32 before H is
+        rounded.
+      activation: the `SwiGLU` spec of the epilogue.
+
+    Returns:
+      (h, a): h bf16 [P, 2n] (None if `inference`), a bf16 [P_a, n] with P_a = P rounded
+      up to `pad_a_rows_to`. Padding rows are not written (their contents are unspecified).
+    """
+    d, n = _check(x, w_gate_up, token_ids, config)
+    num_experts = w_gate_up.shape[0]
+    _common.require_shape("group_sizes", group_sizes, (num_experts,))
+    capacity = token_ids.shape[0]
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    if meta is None:
+        meta = _common.tile_meta(group_sizes, token_ids, bm)
+    if meta.block_m != bm:
+        raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
+    has_bias = bias is not None
+    if has_bias:
+        _common.require_dtype("bias", bias, jnp.bfloat16)
+        _common.require_shape("bias", bias, (num_experts, 2 * n))
+    num_tiles = meta.num_tiles
+    num_k = d // bk
+    dtype = x.dtype
+    tf = _common.mma_transforms(dtype)
+    interpret_mode = _common.interpret_params(interpret)
+    a_rows = -(-capacity // pad_a_rows_to) * pad_a_rows_to
+    out_types = [jax.ShapeDtypeStruct((a_rows, n), dtype)]
+    if not inference:
+        out_types.insert(0, jax.ShapeDtypeStruct((capacity, 2 * n), dtype))
+    params = dict(
+        # The warp-specialized kernel reads token ids from SMEM inside `warp_map`, which only
+        # the Lane lowering supports.
+        # The bias is read with an explicit layout (`_common.bias_columns`): Lane only.
+        lowering_semantics=(
+            plgpu.LoweringSemantics.Lane
+            if config.lane_semantics or config.num_consumers or has_bias
+            else plgpu.LoweringSemantics.Warpgroup
+        ),
+        unsafe_no_auto_barriers=config.no_auto_barriers,
+        approx_math=config.approx_math,
+    )
+    args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
+    if has_bias:
+        args += (bias,)
+    if config.epilogue_warpgroup:
+        outs = _epilogue_warpgroup_kernel(
+            config, d, n, num_tiles, out_types, inference, interpret_mode, params,
+            has_bias, activation,
+        )(*args)
+        if inference:
+            return None, outs[0]
+        return outs[0], outs[1]
+    if config.num_consumers:
+        outs = _warp_specialized_kernel(
+            config, d, n, num_tiles, out_types, inference, interpret_mode, params,
+            has_bias, activation,
+        )(*args)
+        if inference:
+            return None, outs[0]
+        return outs[0], outs[1]
+    grid_n = n // bn
+
+    def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
+        b_ref, *rest = rest if has_bias else (None, *rest)
+        if inference:
+            a_out, *scratch = rest
+            h_out = None
+        else:
+            h_out, a_out, *scratch = rest
+        ids_smem, a_bufs, bg_smem, bu_smem, o_smem, bars, ids_bar, *bias_scratch = scratch
+        a_copy, a_mma = a_views(a_bufs)
+        ni = jax.lax.axis_index("n")
+        mi = jax.lax.axis_index("m")
+        num_rows = rows_ref[mi]
+
+        @pl.when(num_rows > 0)
+        def _():
+            expert = expert_ref[mi]
+            row0 = start_ref[mi]
+            # Source token of each row of this tile -> SMEM, read back as scalars below.
+            plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
+            plgpu.barrier_wait(ids_bar)
+            w_e = w_ref.at[expert]  # [d, 2n]
+            if has_bias:  # the tile's bias columns land while the K loop runs
+                bias_smem, bias_bar = bias_scratch
+                _start_bias_load(b_ref, expert, ni * bn, bn, n, bias_smem, bias_bar)
+
+            def issue(ki, slot):
+                k0 = ki * bk
+
+                _common.gather_rows(  # [1, bk] of X[tok] per row
+                    x_ref, ids_smem, [a_copy.at[slot]], bars.at[slot],
+                    col0=k0, width=bk, first_row=0, num_rows=bm, unroll=8,
+                )
+                plgpu.copy_gmem_to_smem(  # [bk, bn] gate columns of W1[e]
+                    w_e.at[pl.ds(k0, bk), pl.ds(ni * bn, bn)], bg_smem.at[slot], bars.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(  # [bk, bn] matching up columns
+                    w_e.at[pl.ds(k0, bk), pl.ds(n + ni * bn, bn)], bu_smem.at[slot], bars.at[slot]
+                )
+
+            def mma_scope(acc_g, acc_u):
+                def mma(slot):
+                    plgpu.wgmma(acc_g, a_mma.at[slot], bg_smem.at[slot])  # [bm,bk] @ [bk,bn]
+                    plgpu.wgmma(acc_u, a_mma.at[slot], bu_smem.at[slot])
+
+                _common.k_pipeline(num_k, stages, bars, issue, mma, mmas_per_step=2)
+                return acc_g[...], acc_u[...]
+
+            g, u = pl.run_scoped(
+                mma_scope, plgpu.ACC((bm, bn), jnp.float32), plgpu.ACC((bm, bn), jnp.float32)
+            )
+            biases = _bias_columns(*bias_scratch, bm) if has_bias else (None, None)
+            act, hg, hu = _common.swiglu_epilogue(g, u, dtype, activation, *biases)  # [bm, bn]
+            o_smem[0] = act
+            if h_out is not None:
+                o_smem[1] = hg
+                o_smem[2] = hu
+            plgpu.commit_smem()
+            _common.store_rows(o_smem.at[0], a_out.at[:, pl.ds(ni * bn, bn)], row0, num_rows, bm)
+            if h_out is not None:
+                _common.store_rows(
+                    o_smem.at[1], h_out.at[:, pl.ds(ni * bn, bn)], row0, num_rows, bm
+                )
+                _common.store_rows(
+                    o_smem.at[2], h_out.at[:, pl.ds(n + ni * bn, bn)], row0, num_rows, bm
+                )
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    num_out = 1 if inference else 3
+    a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret_mode is not None)
+    scratch = [
+        plgpu.SMEM((bm,), jnp.int32),
+        a_scratch,
+        plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),
+        plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),
+        plgpu.SMEM((num_out, bm, bn), dtype),
+        plgpu.Barrier(num_arrivals=bm + 2, num_barriers=stages),
+        plgpu.Barrier(),
+        *(_bias_scratch(bn, dtype) if has_bias else ()),
+    ]
+    kernel = plgpu.kernel(
+        body,
+        kernel_name="moe_up_proj",
+        out_type=tuple(out_types),
+        scratch_types=scratch,
+        grid=(grid_n, num_tiles),
+        grid_names=("n", "m"),
+        compiler_params=plgpu.CompilerParams(**params),
+        interpret=interpret_mode,
+    )
+    outs = kernel(*args)
+    if inference:
+        (a,) = outs
+        return None, a
+    h, a = outs
+    return h, a
+
+
+
+def _warp_specialized_kernel(
+    config: UpProjConfig, d: int, n: int, num_tiles: int, out_types, inference: bool,
+    interpret_mode, params, has_bias: bool = False, activation: SwiGLU = SwiGLU(),
+):
+    """The up-proj as one producer warpgroup + `config.num_consumers` consumer warpgroups.
+
+    Producer (warpgroup C): stages the tile's token ids in SMEM, then for every K step waits
+    until the consumers released the slot (`empty`), issues the `block_m` one-row copies of
+    the gathered A stage from its 4 warps in parallel (`plgpu.warp_map`, `block_m / 4` rows
+    each), and the two `[block_k, C * block_n]` weight tiles (gate and up columns), all
+    arriving on `full[slot]`.
+    Consumer c < C: waits `full[slot]`, issues wgmma on the shared A stage and its own
+    `block_n` columns of each weight tile, and releases the slot once the wgmma of the next
+    step is issued. After the K loop the consumers meet on a barrier (the pipeline buffers
+    are reused as the epilogue's SMEM) and each writes its H and A columns through swizzled
+    64-column slabs (`_common.row_tile_types`) that TMA stores row-exactly. With an expert
+    bias each consumer first TMA-loads its own gate and up bias columns into SMEM of its
+    own (outside the reused pipeline bytes).
+    """
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    cons = config.num_consumers
+    split_m = _split_m(config)
+    cols = _cta_cols(config)  # gate columns per CTA
+    mb = bm // cons if split_m else bm  # rows per consumer
+    num_k = d // bk
+    grid_n = n // cols
+    dtype = jnp.bfloat16
+    tf = _common.mma_transforms(dtype)
+    num_out = 1 if inference else 3
+    prods = config.num_producers
+    rows_per_warp = bm // (4 * prods)
+    interpret = interpret_mode is not None
+    # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
+    cp_async = config.gather == "cp_async" and not interpret
+    stage_bars = _common.uses_stage_mbarriers(config, interpret)
+
+    def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
+        b_ref, *rest = rest if has_bias else (None, *rest)
+        if inference:
+            a_out, *scratch = rest
+            h_out = None
+        else:
+            h_out, a_out, *scratch = rest
+        ids_smem, bufs, full, empty, ids_bar, epi_bar, *extra = scratch
+        # extra: the bias columns and their barrier (with biases), then the per-slot
+        # cp.async mbarriers (hardware-tracked stages).
+        bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
+        a_copy, a_mma, (bg_smem, bu_smem), ((o_copy, o_mma),) = views(bufs)
+        if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
+            _common.cp_async_stage_barriers_init(a_landed[0])
+        wg = jax.lax.axis_index("wg")
+        ni = jax.lax.axis_index("n")
+        mi = jax.lax.axis_index("m")
+        num_rows = rows_ref[mi]
+
+        if config.rebalance_registers:  # the consumers get what the producers do not need
+            _common.rebalance_registers(wg, cons, prods)
+
+        for p in range(prods):
+            @pl.when((num_rows > 0) & (wg == cons + p))
+            def _producer(p=p):
+                if config.rebalance_registers:
+                    _common.role_registers("producer", cons, prods)
+                expert = expert_ref[mi]
+                if p == 0:
+                    plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
+                plgpu.barrier_wait(ids_bar)
+                w_e = w_ref.at[expert]  # [d, 2n]
+
+                def step(ki, carry):
+                    slot = ki % stages
+                    k0 = ki * bk
+
+                    @pl.when(ki >= stages)
+                    def _():
+                        plgpu.barrier_wait(empty.at[slot])
+
+                    def per_warp(w):
+                        _common.gather_rows(  # [1, bk] of X[tok] per row
+                            x_ref, ids_smem, [a_copy.at[slot]], full.at[slot],
+                            col0=k0, width=bk, first_row=(p * 4 + w) * rows_per_warp,
+                            num_rows=rows_per_warp, unroll=config.row_unroll,
+                        )
+
+                    if p == 0:
+                        plgpu.copy_gmem_to_smem(  # [bk, C*bn] gate columns
+                            w_e.at[pl.ds(k0, bk), pl.ds(ni * cols, cols)], bg_smem.at[slot],
+                            full.at[slot],
+                        )
+                        plgpu.copy_gmem_to_smem(  # [bk, C*bn] matching up columns
+                            w_e.at[pl.ds(k0, bk), pl.ds(n + ni * cols, cols)], bu_smem.at[slot],
+                            full.at[slot],
+                        )
+                    if cp_async:
+                        _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one cp.async group
+                            x_ref.at[:, pl.ds(k0, bk)], ids_smem, [a_mma.at[slot]], num_rows=bm
+                        )
+                        _common.cp_async_publish(ki, full, a_landed, stages)
+                    else:
+                        plgpu.warp_map(per_warp)
+                    return carry
+
+                jax.lax.fori_loop(0, num_k, step, None)
+                if cp_async:
+                    _common.cp_async_publish_rest(num_k, full, a_landed, stages)
+                # Observe the consumers' remaining releases (steps num_k-stages .. num_k-2),
+                # so every barrier phase is consumed before exit (interpret mode checks this).
+                for g in range(max(num_k - stages, 0), num_k - 1):
+                    plgpu.barrier_wait(empty.at[g % stages])
+
+        for c in range(cons):
+            @pl.when((num_rows > 0) & (wg == c))
+            def _consumer(c=c):
+                if config.rebalance_registers:
+                    _common.role_registers("consumer", cons, prods)
+                row0 = start_ref[mi]
+                csl = pl.ds(0, bn) if split_m else pl.ds(c * bn, bn)
+                a_rows = pl.ds(c * mb, mb) if split_m else slice(None)
+                if split_m:  # this consumer's rows of the tile: [c*mb, c*mb + mb)
+                    count = jnp.clip(num_rows - c * mb, 0, mb)
+                    dst0 = row0 + c * mb
+                else:
+                    count, dst0 = num_rows, row0
+                col = ni * cols + (0 if split_m else c * bn)  # first gate column of c
+                if has_bias:  # this consumer's bias columns land while the K loop runs
+                    bias_smem, bias_bars = bias_scratch
+                    _start_bias_load(
+                        b_ref, expert_ref[mi], col, bn, n, bias_smem.at[c], bias_bars.at[c]
+                    )
+
+                def mma_scope(acc_g, acc_u):
+                    def step(ki, carry):
+                        slot = ki % stages
+                        plgpu.barrier_wait(full.at[slot])
+                        _common.cp_async_consumer_wait(ki, a_landed, stages)
+                        a_tile = a_mma.at[slot, a_rows]  # [mb, bk]
+                        plgpu.wgmma(acc_g, a_tile, bg_smem.at[slot, :, csl])  # @ [bk, bn]
+                        plgpu.wgmma(acc_u, a_tile, bu_smem.at[slot, :, csl])
+                        plgpu.wgmma_wait(2)  # step ki-1 is done: release its slot
+
+                        @pl.when(ki >= 1)
+                        def _():
+                            plgpu.barrier_arrive(empty.at[(ki - 1) % stages])
+
+                        return carry
+
+                    jax.lax.fori_loop(0, num_k, step, None)
+                    plgpu.wgmma_wait(0)
+                    return acc_g[...], acc_u[...]
+
+                g, u = pl.run_scoped(
+                    mma_scope, plgpu.ACC((mb, bn), jnp.float32), plgpu.ACC((mb, bn), jnp.float32)
+                )
+                # Every consumer is done reading the pipeline buffers before any of them
+                # overwrites them with its epilogue tile.
+                plgpu.barrier_arrive(epi_bar)
+                plgpu.barrier_wait(epi_bar)
+                if has_bias:
+                    biases = _bias_columns(bias_smem.at[c], bias_bars.at[c], mb)
+                else:
+                    biases = (None, None)
+                dsts = [a_out.at[:, pl.ds(col, bn)]]
+                if h_out is not None:
+                    dsts += [h_out.at[:, pl.ds(col, bn)], h_out.at[:, pl.ds(n + col, bn)]]
+                # One 64-column slab at a time (`epilogue_slabs`): only a slab's temporaries
+                # are live next to the two accumulators.
+                w = o_mma.shape[-1]  # columns of one slab
+                slab = w if config.epilogue_slabs else bn
+                for h0 in range(0, bn, slab):
+                    cut = slice(h0, h0 + slab)
+                    act, hg, hu = _common.swiglu_epilogue(  # [mb, slab] each
+                        g[:, cut], u[:, cut], dtype, activation,
+                        *(None if b is None else b[:, cut] for b in biases),
+                    )
+                    for t, tile in enumerate((act, hg, hu)[:num_out]):
+                        _common.write_row_tile(o_mma.at[c, t], tile, first_slab=h0 // w)
+                plgpu.commit_smem()
+                for t, dst in enumerate(dsts):
+                    _common.store_row_tile(o_copy.at[c, t], dst, dst0, count, mb)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    b_shape = (stages, bk, cols)
+    bufs, views = _common.gathered_pipeline_smem(
+        (stages, bm, bk), dtype,
+        others=[plgpu.SMEM(b_shape, dtype, transforms=tf)] * 2,  # gate, up weight stages
+        # Per consumer: A, H gate, H up, as swizzled 64-column slabs (`row_tile_types`):
+        # measured on the H100 (session 5, same run) 710 vs 764 us at 7B and 4345 vs 4512 us
+        # at 30B against untiled rows, whose stores from the accumulator layout conflict.
+        epilogue=[],
+        row_tiles=[(cons, num_out, mb, bn)],
+        interpret=interpret,
+    )
+    scratch = [
+        plgpu.SMEM((bm,), jnp.int32),
+        bufs,
+        # full[slot]: the two weight copies, plus what the row loader adds.
+        plgpu.Barrier(
+            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 2,
+            num_barriers=stages,
+        ),
+        plgpu.Barrier(num_arrivals=cons, num_barriers=stages),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=cons),
+        *(_bias_scratch(bn, dtype, cons) if has_bias else ()),
+        *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
+    ]
+    return plgpu.kernel(
+        body,
+        kernel_name="moe_up_proj",
+        out_type=tuple(out_types),
+        scratch_types=scratch,
+        grid=(grid_n, num_tiles),
+        grid_names=("n", "m"),
+        num_threads=cons + prods,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(**params),
+        interpret=interpret_mode,
+    )
+
+
+def _epilogue_warpgroup_kernel(
+    config: UpProjConfig, d: int, n: int, num_tiles: int, out_types, inference: bool,
+    interpret_mode, params, has_bias: bool = False, activation: SwiGLU = SwiGLU(),
+):
+    """The up-proj as a persistent kernel whose SwiGLU and stores run in their own warpgroup.
+
+    The warp-specialized kernel's consumers run the SwiGLU epilogue and the H and A stores
+    after every tile's K loop, with the tensor cores idle (one CTA per SM: SMEM and
+    registers). Here `min(num_sms, items)` CTAs walk the (row tile, column block) items
+    (CTA s takes items s, s + num_ctas, ...) with C + 2 warpgroups:
+
+    - Producer (warpgroup C): per item, the gathered A stages and the gate and up weight
+      tiles, exactly as `_warp_specialized_kernel`, into `num_stages` slots used in a
+      CTA-wide sequence: every item takes `num_k` K steps and then one *staging* step.
+      The staging step loads nothing; its slot's gate and up weight bytes ([bk, C * bn]
+      each) hold the item's H ([64, C * bn] each: the reason for block_m == block_k).
+    - Consumers (warpgroups 0..C-1): the item's K loop into two accumulators, then, once
+      every consumer is done with the K step that last used the staging slot (`epi_bar`),
+      H = accumulators (+ bias) in bf16 into the staging slot, and `h_full`. Then straight
+      on to the next item's K loop: its first `num_stages - 1` steps use other slots.
+    - Epilogue (warpgroup C + 1): waits `h_full`, TMA-stores H, computes A = act(H) from
+      the bf16 H in SMEM (bitwise what `_common.swiglu_epilogue` computes), overwrites the
+      gate half with it, stores A, and releases the slot (`h_free`). The producer waits
+      for that release before it reloads the slot, `num_stages - 1` steps into the next
+      item: the SwiGLU overlaps the next item's wgmmas.
+
+    A slot's previous use is a K step (released on `empty[slot]` by the consumers) or a
+    staging step (released on `h_free` by the epilogue warpgroup); `d // bk >= num_stages`
+    makes the staging slot's previous use a K step of the same item. The cp.async stages
+    are published `num_stages - 2` steps late within an item and all at its end, so the
+    producer never waits for a release that needs a step it has not published.
+    Interpret mode does not alias the staging views with the weight slots (it keeps
+    separate buffers), so the race detector checks the handshakes but not the overlay;
+    the GPU tests check the overlay with poisoned outputs.
+    """
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    cons = config.num_consumers
+    cols = cons * bn  # gate columns per item (and as many up columns)
+    slab = _common.SWIZZLE_BYTES // 2  # bf16 columns of one swizzled slab of a row tile
+    slabs, cslabs = cols // slab, bn // slab  # per item, per consumer
+    num_k = d // bk
+    grid_n = n // cols
+    num_items = num_tiles * grid_n
+    num_ctas = max(min(config.num_sms, num_items), 1)
+    # "slot": H is staged in the weight bytes of a pipeline slot (one staging step per item);
+    # "buffer": in SMEM of its own, the pipeline then has only its K steps.
+    buffered = config.epilogue_staging == "buffer"
+    steps_per_item = num_k if buffered else num_k + 1  # K steps (then the staging step)
+    dtype = jnp.bfloat16
+    tf = _common.mma_transforms(dtype)
+    producer, epilogue = cons, cons + 1
+    interpret = interpret_mode is not None
+    cp_async = config.gather == "cp_async" and not interpret
+    lag = stages - 2  # cp.async steps published late (`_common.cp_async_publish_lagged`)
+    rows_per_warp = bm // 4
+
+    def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
+        b_ref, *rest = rest if has_bias else (None, *rest)
+        if inference:
+            a_out, *scratch = rest
+            h_out = None
+        else:
+            h_out, a_out, *scratch = rest
+        ids_smem, bufs, full, empty, ids_bar, epi_bar, h_full, h_free, *bias_scratch = scratch
+        a_copy, a_mma, bg_smem, bu_smem, (hg_copy, hg_mma), (hu_copy, hu_mma) = views(bufs)
+        wg = jax.lax.axis_index("wg")
+        sm = jax.lax.axis_index("sm")
+        registers = _epilogue_warpgroup_registers(cons)
+        if not _common.REGISTERS_IN_ROLE_BRANCHES:
+            _rebalance_registers_with_epilogue(wg, cons)
+        my_items = jnp.maximum(num_items - sm + num_ctas - 1, 0) // num_ctas
+
+        def item(j):
+            """(row tile, column block, real rows) of this CTA's j-th item."""
+            w = sm + j * num_ctas
+            mi = w // grid_n
+            return mi, w % grid_n, rows_ref[mi]
+
+        def staging_slot(used):
+            """The staging step's slot of the item after `used` non-empty items (index 0
+            of the one staging buffer with "buffer")."""
+            return 0 if buffered else (used * steps_per_item + num_k) % stages
+
+        def for_each_item(f):
+            """Runs `f(j, mi, ni, rows, used)` on this CTA's non-empty items in order;
+            `used` counts the non-empty items before item j."""
+
+            def per_item(j, used):
+                mi, ni, rows = item(j)
+
+                @pl.when(rows > 0)
+                def _():
+                    f(j, mi, ni, rows, used)
+
+                return used + (rows > 0).astype(jnp.int32)
+
+            return jax.lax.fori_loop(0, my_items, per_item, jnp.int32(0))
+
+        def set_registers(role: str) -> None:
+            # At the top of the role's branch, so the register count dominates its code.
+            if _common.REGISTERS_IN_ROLE_BRANCHES and registers[role] != registers["launch"]:
+                plgpu.set_max_registers(
+                    registers[role],
+                    action="increase" if registers[role] > registers["launch"] else "decrease",
+                )
+
+        @pl.when(wg == producer)
+        def _producer():
+            set_registers("producer")
+
+            def load_ids(j):  # item j's row sources -> SMEM (double-buffered by item)
+                mi, _, rows = item(j)
+
+                @pl.when(rows > 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem.at[j % 2], ids_bar.at[j % 2])
+
+            @pl.when(my_items > 0)
+            def _():
+                load_ids(0)
+
+            def per_item(j, used):
+                # The next item's ids land while this item's rows are gathered. Item j - 1's
+                # row copies read that buffer from every producer thread: a warpgroup
+                # barrier first (`commit_smem` ends with one).
+                plgpu.commit_smem()
+
+                @pl.when(j + 1 < my_items)
+                def _():
+                    load_ids(j + 1)
+
+                mi, ni, rows = item(j)
+
+                @pl.when(rows > 0)
+                def _():
+                    plgpu.barrier_wait(ids_bar.at[j % 2])
+                    ids = ids_smem.at[j % 2]
+                    w_e = w_ref.at[expert_ref[mi]]  # [d, 2n]
+                    g0 = used * steps_per_item
+
+                    def step(ki, carry):
+                        g = g0 + ki
+                        slot = g % stages
+                        k0 = ki * bk
+                        # The slot's previous use, g - stages: the previous item's staging
+                        # step (released by the epilogue warpgroup) or a K step.
+                        after_staging = (ki == stages - 1) & (used > 0) & (not buffered)
+
+                        @pl.when(after_staging)
+                        def _():
+                            plgpu.barrier_wait(h_free)
+
+                        @pl.when((g >= stages) & jnp.logical_not(after_staging))
+                        def _():
+                            plgpu.barrier_wait(empty.at[slot])
+
+                        plgpu.copy_gmem_to_smem(  # [bk, C*bn] gate columns
+                            w_e.at[pl.ds(k0, bk), pl.ds(ni * cols, cols)], bg_smem.at[slot],
+                            full.at[slot],
+                        )
+                        plgpu.copy_gmem_to_smem(  # [bk, C*bn] matching up columns
+                            w_e.at[pl.ds(k0, bk), pl.ds(n + ni * cols, cols)],
+                            bu_smem.at[slot], full.at[slot],
+                        )
+                        if cp_async:
+                            _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one group
+                                x_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
+                            )
+
+                            @pl.when(ki >= lag)
+                            def _():  # publish step ki - lag of this item
+                                _common.cp_async_stage_done(lag)
+                                plgpu.barrier_arrive(full.at[(g - lag) % stages])
+                        else:
+                            def per_warp(w):
+                                _common.gather_rows(  # [1, bk] of X[tok] per row
+                                    x_ref, ids, [a_copy.at[slot]], full.at[slot], col0=k0,
+                                    width=bk, first_row=w * rows_per_warp,
+                                    num_rows=rows_per_warp, unroll=config.row_unroll,
+                                )
+
+                            plgpu.warp_map(per_warp)
+                        return carry
+
+                    jax.lax.fori_loop(0, num_k, step, None)
+                    if cp_async:  # the item's last `lag` steps, before anything waits
+                        for i, ki in enumerate(range(num_k - lag, num_k)):
+                            _common.cp_async_stage_done(lag - 1 - i)
+                            plgpu.barrier_arrive(full.at[(g0 + ki) % stages])
+                    if not buffered:
+                        # The staging step: observe the release of its slot's previous K
+                        # step, so every phase of `empty` is observed in order.
+                        plgpu.barrier_wait(empty.at[staging_slot(used)])
+
+                return used + (rows > 0).astype(jnp.int32)
+
+            used = jax.lax.fori_loop(0, my_items, per_item, jnp.int32(0))
+            # Observe the releases nothing reloaded: the last item's final K steps and its
+            # staging step (interpret mode checks that every barrier phase is consumed).
+            g_end = used * steps_per_item
+
+            if buffered:  # the last `stages` K steps (if there were that many)
+                for back in range(stages, 0, -1):
+                    @pl.when(g_end - back >= 0)
+                    def _(back=back):
+                        plgpu.barrier_wait(empty.at[(g_end - back) % stages])
+            else:
+                @pl.when(used > 0)
+                def _():
+                    for back in range(stages, 1, -1):
+                        plgpu.barrier_wait(empty.at[(g_end - back) % stages])
+                    plgpu.barrier_wait(h_free)
+
+        for c in range(cons):
+            @pl.when(wg == c)
+            def _consumer(c=c):
+                set_registers("consumer")
+                csl = pl.ds(c * bn, bn)
+
+                def run(j, mi, ni, rows, used):
+                    g0 = used * steps_per_item
+                    if has_bias:  # this consumer's bias columns land while the K loop runs
+                        bias_smem, bias_bars = bias_scratch
+                        _start_bias_load(
+                            b_ref, expert_ref[mi], ni * cols + c * bn, bn, n,
+                            bias_smem.at[c], bias_bars.at[c],
+                        )
+
+                    def mma_scope(acc_g, acc_u):
+                        def step(ki, carry):
+                            g = g0 + ki
+                            slot = g % stages
+                            plgpu.barrier_wait(full.at[slot])
+                            a_tile = a_mma.at[slot]  # [bm, bk]
+                            plgpu.wgmma(acc_g, a_tile, bg_smem.at[slot, :, csl])  # @ [bk, bn]
+                            plgpu.wgmma(acc_u, a_tile, bu_smem.at[slot, :, csl])
+                            plgpu.wgmma_wait(2)  # step g-1 is done: release its slot
+
+                            @pl.when(ki >= 1)
+                            def _():
+                                plgpu.barrier_arrive(empty.at[(g - 1) % stages])
+
+                            return carry
+
+                        jax.lax.fori_loop(0, num_k, step, None)
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(empty.at[(g0 + num_k - 1) % stages])
+                        return acc_g[...], acc_u[...]
+
+                    g, u = pl.run_scoped(
+                        mma_scope, plgpu.ACC((bm, bn), jnp.float32),
+                        plgpu.ACC((bm, bn), jnp.float32),
+                    )
+                    # H overlays the staging slot's weight bytes, which the other consumers'
+                    # wgmmas of its previous K step may still read.
+                    if buffered:  # the epilogue warpgroup is done with the previous item's H
+                        @pl.when(used > 0)
+                        def _():
+                            plgpu.barrier_wait(h_free)
+                    else:
+                        plgpu.barrier_arrive(epi_bar)
+                        plgpu.barrier_wait(epi_bar)
+                    s = staging_slot(used)
+                    if has_bias:
+                        bias_g, bias_u = _bias_columns(bias_smem.at[c], bias_bars.at[c], bm)
+                    for h in range(cslabs):
+                        cut = slice(h * slab, (h + 1) * slab)
+                        hg, hu = g[:, cut], u[:, cut]
+                        if has_bias:
+                            hg, hu = hg + bias_g[:, cut], hu + bias_u[:, cut]
+                        hg_mma[s, c * cslabs + h] = hg.astype(dtype)
+                        hu_mma[s, c * cslabs + h] = hu.astype(dtype)
+                    plgpu.commit_smem()  # visible to the TMA stores
+                    plgpu.barrier_arrive(h_full)
+
+                used = for_each_item(run)
+                if buffered:  # observe the last item's release too
+                    @pl.when(used > 0)
+                    def _():
+                        plgpu.barrier_wait(h_free)
+
+        @pl.when(wg == epilogue)
+        def _epilogue():
+            set_registers("epilogue")
+
+            def run(j, mi, ni, rows, used):
+                s = staging_slot(used)
+                row0 = start_ref[mi]
+                col = ni * cols
+                plgpu.barrier_wait(h_full)
+                if h_out is not None:
+                    _common.store_row_tile(hg_copy.at[s], h_out.at[:, pl.ds(col, cols)], row0, rows, bm)
+                    _common.store_row_tile(hu_copy.at[s], h_out.at[:, pl.ds(n + col, cols)], row0, rows, bm)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # A overwrites H gate
+                for h in range(slabs):
+                    hg = hg_mma[s, h].astype(jnp.float32)  # [bm, slab], the rounded H
+                    hu = hu_mma[s, h].astype(jnp.float32)
+                    # Each thread overwrites only the elements it read (one layout).
+                    hg_mma[s, h] = activation.apply(hg, hu).astype(dtype)
+                plgpu.commit_smem()
+                _common.store_row_tile(hg_copy.at[s], a_out.at[:, pl.ds(col, cols)], row0, rows, bm)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(h_free)
+
+            for_each_item(run)
+
+    bufs, views = _staged_pipeline_smem(stages, bm, bk, cols, dtype, interpret, buffered)
+    scratch = [
+        plgpu.SMEM((2, bm), jnp.int32),  # row sources of the current and the next item
+        bufs,
+        # full[slot]: the two weight copies, plus what the row loader adds.
+        plgpu.Barrier(
+            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 2,
+            num_barriers=stages,
+        ),
+        plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty: a K step released
+        plgpu.Barrier(num_barriers=2),  # ids
+        plgpu.Barrier(num_arrivals=cons),  # epi_bar: consumers done with the K loop
+        plgpu.Barrier(num_arrivals=cons),  # h_full: H is in the staging slot
+        plgpu.Barrier(),  # h_free: the epilogue warpgroup released the staging slot
+        *(_bias_scratch(bn, dtype, cons) if has_bias else ()),
+    ]
+    return plgpu.kernel(
+        body,
+        kernel_name="moe_up_proj_epilogue_wg",
+        out_type=tuple(out_types),
+        scratch_types=scratch,
+        grid=(num_ctas,),
+        grid_names=("sm",),
+        num_threads=cons + 2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(**params),
+        interpret=interpret_mode,
+    )
+
+
+def _staged_pipeline_smem(
+    stages: int, bm: int, bk: int, cols: int, dtype, interpret: bool, buffered: bool = False
+):
+    """SMEM of `_epilogue_warpgroup_kernel`: the gathered A stages [stages, bm, bk], the
+    gate and up weight stages [stages, bk, cols] each, and over the weight stages the
+    staging views of H gate and H up, [stages, cols // 64, bm, 64] each (`row_tile_types`:
+    a wgmma-layout view the consumers write and the epilogue reads, and a (1, 64) view the
+    TMA stores read). bm == bk, so slot s of a staging view is the bytes of slot s of
+    its weight stages.
+
+    Returns (scratch type, views) with `views(ref) -> (a_copy, a_mma, b_gate, b_up,
+    (hg_copy, hg_mma), (hu_copy, hu_mma))`. Interpret mode (no `RefUnion` aliasing) gets
+    separate staging buffers.
+    """
+    tf = _common.mma_transforms(dtype)
+    a_copy, a_mma = _common._gather_view_types((stages, bm, bk), dtype)
+    b_stage = plgpu.SMEM((stages, bk, cols), dtype, transforms=tf)
+    h_copy, h_mma = _common.row_tile_types((1 if buffered else stages, bm, cols), dtype)
+    if buffered and not interpret:  # staging buffers of their own, after the pipeline
+        def views(refs):
+            ((a_c, _, _), (a_m, bg, bu)), (hg_c, hg_m), (hu_c, hu_m) = refs
+            return a_c, a_m, bg, bu, (hg_c, hg_m), (hu_c, hu_m)
+
+        return (
+            plgpu.RefUnion((a_copy, b_stage, b_stage), (a_mma, b_stage, b_stage)),
+            plgpu.RefUnion(h_copy, h_mma), plgpu.RefUnion(h_copy, h_mma),
+        ), views
+    if interpret:
+        def views(refs):
+            (a, bg, bu), (hg, hu) = refs
+            return a, a, bg, bu, (hg, hg), (hu, hu)
+
+        return ((a_mma, b_stage, b_stage), (h_mma, h_mma)), views
+
+    def views(refs):
+        (a_c, _, _), (a_m, bg, bu), (_, hg_m, hu_m), (_, hg_c, hu_c) = refs
+        return a_c, a_m, bg, bu, (hg_c, hg_m), (hu_c, hu_m)
+
+    # Every group starts with the A stages, so the weight stages and the staging views
+    # start at the same offset (members are laid out in order, 1024-byte aligned).
+    return plgpu.RefUnion(
+        (a_copy, b_stage, b_stage), (a_mma, b_stage, b_stage),
+        (a_mma, h_mma, h_mma), (a_mma, h_copy, h_copy),
+    ), views
+
+
+# Session 11 experiment: (producer, consumer, epilogue) registers per thread, or None.
+_REGISTERS_OVERRIDE = None
+
+
+def _epilogue_warpgroup_registers(cons: int) -> dict:
+    """Registers per thread of `_epilogue_warpgroup_kernel`'s roles (the four or three
+    warpgroups share 512 per thread; `launch` is each one's count before any change): the
+    producer drops to `_common.PRODUCER_REGISTERS`, the consumers (two 64 x bn fp32
+    accumulators) take up to 240 and the epilogue warpgroup the rest."""
+    launch = 65536 // (128 * (cons + 2)) // 8 * 8
+    if _REGISTERS_OVERRIDE is not None:
+        producer, consumer, epi = _REGISTERS_OVERRIDE
+    else:
+        producer = _common.PRODUCER_REGISTERS
+        free = 65536 // 128 - producer
+        consumer = min((free - 128) // cons // 8 * 8, 240)
+        epi = min(free - cons * consumer, 240)
+    return dict(launch=launch, producer=producer, consumer=consumer, epilogue=epi)
+
+
+def _rebalance_registers_with_epilogue(wg, cons: int) -> None:
+    """`_epilogue_warpgroup_registers` set in separate branches at the top of the kernel."""
+    regs = _epilogue_warpgroup_registers(cons)
+    launch, consumer, epi = regs["launch"], regs["consumer"], regs["epilogue"]
+
+    @pl.when(wg == cons)
+    def _():
+        plgpu.set_max_registers(regs["producer"], action="decrease")
+
+    @pl.when(wg < cons)
+    def _():
+        plgpu.set_max_registers(consumer, action="increase")
+
+    if epi != launch:
+        @pl.when(wg == cons + 1)
+        def _():
+            plgpu.set_max_registers(epi, action="increase" if epi > launch else "decrease")
+
+
+def _bias_scratch(cols: int, dtype, consumers: int | None = None) -> tuple:
+    """SMEM of the gate and up bias columns ([2, cols], per consumer when `consumers` is
+    given) and the barrier their two TMA copies arrive on (one per consumer)."""
+    if consumers is None:
+        return plgpu.SMEM((2, cols), dtype), plgpu.Barrier(num_arrivals=2)
+    return (
+        plgpu.SMEM((consumers, 2, cols), dtype),
+        plgpu.Barrier(num_arrivals=2, num_barriers=consumers),
+    )
+
+
+def _start_bias_load(b_ref, expert, col0, cols: int, n: int, bias_smem, barrier) -> None:
+    """TMA of expert `expert`'s gate bias columns `[col0, col0 + cols)` and the matching up
+    columns `n + [col0, col0 + cols)` into `bias_smem` [2, cols], arriving on `barrier`."""
+    b_e = b_ref.at[expert]  # [2n]
+    plgpu.copy_gmem_to_smem(b_e.at[pl.ds(col0, cols)], bias_smem.at[0], barrier)
+    plgpu.copy_gmem_to_smem(b_e.at[pl.ds(n + col0, cols)], bias_smem.at[1], barrier)
+
+
+def _bias_columns(bias_smem, barrier, rows: int):
+    """(gate bias, up bias) fp32 [rows, cols] once `_start_bias_load`'s copies landed."""
+    plgpu.barrier_wait(barrier)
+    return (
+        _common.bias_columns(bias_smem.at[0], rows),
+        _common.bias_columns(bias_smem.at[1], rows),
+    )
+
+
+def _split_m(config: UpProjConfig) -> bool:
+    """Consumers split the tile's rows (64 each) and share the weight tiles, instead of
+    splitting the columns and sharing the gathered rows."""
+    return config.num_consumers > 1 and config.block_m == 64 * config.num_consumers
+
+
+def _cta_cols(config: UpProjConfig) -> int:
+    """Gate columns (and as many up columns) one CTA computes."""
+    if _split_m(config):
+        return config.block_n
+    return config.block_n * max(config.num_consumers, 1)
