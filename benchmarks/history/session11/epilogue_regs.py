@@ -26,6 +26,7 @@ import numpy as np
 import jax
 
 sys.path.insert(0, os.getcwd())
+from benchmarks.logs import open_log  # noqa: E402
 from benchmarks.forward import SHAPES, dense_bound_ms, gpu_time_ms, make_case, poison_then  # noqa: E402
 from pallas_moe.kernels import _common  # noqa: E402
 import importlib  # noqa: E402
@@ -80,13 +81,7 @@ def main():
     args = p.parse_args()
     global SET
     SET = args.set
-    os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "epilogue_regs_log.txt"), "w")
-
-    def log(s):
-        print(s, flush=True)
-        logf.write(s + "\n")
-        logf.flush()
+    log = open_log(args.out, "epilogue_regs_log.txt")
 
     def ptxas_summary(tag):
         if not args.dump or not os.path.isdir(args.dump):
@@ -104,7 +99,6 @@ def main():
                             log(f"    ptxas[{tag}] {line.rstrip()[:300]}")
             shutil.move(f, os.path.join(keep, os.path.basename(f)))
 
-    log(f"device: {jax.devices()[0].device_kind}")
     ptxas_summary("startup")
     rows_out = []
     for name in args.shapes.split(","):

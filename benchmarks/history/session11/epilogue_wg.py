@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.getcwd())
+from benchmarks.logs import open_log  # noqa: E402
 from benchmarks.forward import (  # noqa: E402
     SHAPES, dense_bound_ms, gpu_time_ms, make_case, poison_then, reference_tiles, rel_err,
 )
@@ -52,15 +53,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--shapes", default="7b,30b")
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "epilogue_wg_log.txt"), "w")
-
-    def log(s):
-        print(s, flush=True)
-        logf.write(s + "\n")
-        logf.flush()
-
-    log(f"device: {jax.devices()[0].device_kind}")
+    log = open_log(args.out, "epilogue_wg_log.txt")
     table, results = [], []
     for name in args.shapes.split(","):
         shape = SHAPES[name]

@@ -24,6 +24,7 @@ import numpy as np
 import jax
 
 sys.path.insert(0, os.getcwd())
+from benchmarks.logs import open_log  # noqa: E402
 from benchmarks import backward as bb  # noqa: E402
 from benchmarks.forward import SHAPES, dense_bound_ms, gpu_time_ms, poison_then  # noqa: E402
 from pallas_moe.kernels import _common  # noqa: E402
@@ -46,15 +47,8 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--shapes", default="7b,30b")
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "registers_ab_log.txt"), "w")
+    log = open_log(args.out, "registers_ab_log.txt")
 
-    def log(s):
-        print(s, flush=True)
-        logf.write(s + "\n")
-        logf.flush()
-
-    log(f"device: {jax.devices()[0].device_kind}")
     table = []
     for name in args.shapes.split(","):
         shape = SHAPES[name]
