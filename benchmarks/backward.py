@@ -222,8 +222,9 @@ def configs_for(d, n, sweep: str):
         # slots those bytes overlay are done (`early_h`), against after the K loop.
         dh.append(dataclasses.replace(base.dh, early_h=not base.dh.early_h))
     if sweep == "approx":
-        # Session 8 experiment: the dSwiGLU epilogue's exp as ex2.approx (`approx_math`).
-        dh.append(dataclasses.replace(base.dh, approx_math=True))
+        # Session 8: the dSwiGLU epilogue's exp as ex2.approx (`approx_math`, the default
+        # since session 12) against the full-precision exp.
+        dh.append(dataclasses.replace(base.dh, approx_math=not base.dh.approx_math))
     if sweep == "pingpong":
         # Session 9: dX~ on the engine's 128-row ping-pong schedule (the default at
         # 2n <= 512) against split-M items (the previous default, 256 columns where d allows).

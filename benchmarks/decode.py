@@ -66,7 +66,12 @@ MEGA_VARIANTS = {
     "static_u128": dict(up_block_n=128, num_stages=3),
     "dynamic_u128": dict(scheduler="dynamic", up_block_n=128, num_stages=3),
     "static_bn256": dict(down_block_n=256, num_stages=3),
+    "static_s5": dict(num_stages=5),
     "static_s6": dict(num_stages=6),
+    # The one-TMA-per-row gather (no cp.async group waits in the producer; session 12).
+    "static_tma": dict(gather="tma"),
+    # The full-precision exp in the up tasks' SwiGLU (the default is ex2.approx, session 12).
+    "static_exact": dict(approx_math=False),
     "static_bt16": dict(token_block=16),
     "static_regs": dict(rebalance_registers=True),
 }

@@ -139,8 +139,9 @@ def main():
     ap.add_argument("--router-dtype", default="bfloat16", choices=("float32", "bfloat16"),
                     help="router GEMM precision: bfloat16 (default) is SonicMoE's benchmark "
                          "layer; float32 is pm.Numerics' default (fp32 products, HIGHEST)")
-    ap.add_argument("--approx-math", action="store_true",
-                    help="the SwiGLU kernels' exp from ex2.approx (KernelConfig approx_math)")
+    ap.add_argument("--exact-math", action="store_true",
+                    help="the SwiGLU kernels' exp in full precision (KernelConfig approx_math="
+                         "False; the default is ex2.approx)")
     ap.add_argument("--gpt-oss", action="store_true",
                     help="expert biases on both projections and the clamped SwiGLU")
     args = ap.parse_args()
@@ -161,13 +162,13 @@ def main():
             routing, gather, *rest = variant.split("/")
             harness = rest[0] if rest else args.harness
             inputs = (x, router, w1, w2, cots[harness], *biases)
-            config = KernelConfig.for_shape(d, n, gather=gather, approx_math=args.approx_math)
+            config = KernelConfig.for_shape(d, n, gather=gather, approx_math=not args.exact_math)
             step = make_step(shape, routing, "mosaic", config,
                              skew=args.skew, gpt_oss=args.gpt_oss, harness=harness,
                              router_dtype=args.router_dtype)
             variant = f"{routing}/{gather}/{harness}"
             row = dict(shape=name, routing=routing, gather=gather, harness=harness,
-                       router_dtype=args.router_dtype, approx_math=args.approx_math,
+                       router_dtype=args.router_dtype, approx_math=not args.exact_math,
                        bound_ms=bound_ms, gpt_oss=args.gpt_oss)
             try:
                 val, grads = step(*inputs)

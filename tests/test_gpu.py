@@ -27,12 +27,12 @@ def rel_err(a, b):
 
 
 @pytest.mark.parametrize("router", sorted(ROUTERS))
-@pytest.mark.parametrize("seed, approx_math", [(0, False), (1, False), (2, True)])
+@pytest.mark.parametrize("seed, approx_math", [(0, True), (1, True), (2, False)])
 def test_mosaic_matches_xla(router, seed, approx_math):
-    """`approx_math`: the SwiGLU kernels take their exp from `ex2.approx`
-    (`KernelConfig.for_shape(..., approx_math=True)`), within the same bounds."""
+    """The defaults (config None) take the SwiGLU kernels' exp from `ex2.approx`;
+    `KernelConfig.for_shape(..., approx_math=False)` the full-precision exp: same bounds."""
     num_tokens, d, n, num_experts = 4096, 512, 256, 16
-    config = KernelConfig.for_shape(d, n, approx_math=True) if approx_math else None
+    config = None if approx_math else KernelConfig.for_shape(d, n, approx_math=False)
     k = jax.random.split(jax.random.key(seed), 5)
     logits = jax.random.normal(k[0], (num_tokens, num_experts)).at[:, :2].add(1.0)  # some skew
     x = jax.random.normal(k[1], (num_tokens, d), jnp.bfloat16)

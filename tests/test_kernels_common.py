@@ -239,21 +239,30 @@ def test_cp_async_stage_publishing_lowers_for_cuda(completion, marker, absent):
 
 @pytest.mark.parametrize("approx", [False, True])
 def test_approx_math_reaches_the_swiglu_kernels(approx):
-    """`approx_math` lowers the up-proj's and dH's exp to `ex2.approx` (and only then), at the
-    7B production blocks. Interpret mode computes the exact exp either way, so the H100
-    benchmarks check the approximate kernels against the reference (RESULTS.md, session 8)."""
+    """`approx_math` lowers the up-proj's, dH's and the decode megakernel's exp to
+    `ex2.approx` (and only then), at the 7B production blocks. Interpret mode computes the
+    exact exp either way, so the H100 tests check the approximate kernels against the
+    reference (`tests/test_gpu.py`, `tests/test_gpu_decode.py`)."""
     import importlib
 
-    from pallas_moe.kernels.dh import dh_kernel
     from pallas_moe.kernels.config import KernelConfig
+    from pallas_moe.kernels.decode import DecodeConfig, moe_decode
+    from pallas_moe.kernels.dh import dh_kernel
+    from pallas_moe.routing import topk_plan
     from tests.cuda_target import h100_target
 
     up = importlib.import_module("pallas_moe.kernels.up_proj")
     T, d, n, E, P = 4096, 1536, 256, 16, 4096 * 8
     cfg = KernelConfig.for_shape(d, n, approx_math=approx)
+    decode_cfg = KernelConfig.for_shape(
+        d, n, approx_math=approx, decode=DecodeConfig.for_shape(d, n, num_sms=132)
+    ).forward.decode
     sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     up_f = jax.jit(lambda x, t, g, w: up.up_proj(x, t, g, w, config=cfg.forward.up))
     dh_f = jax.jit(lambda o, h, t, g, s, w: dh_kernel(o, h, t, g, s, w, config=cfg.backward.dh))
+    Td = 8
+    dec_plan = jax.eval_shape(lambda l: topk_plan(l, 8, impl="sort"), sds((Td, E), jnp.float32))
+    dec_f = jax.jit(lambda x, p, w1, w2: moe_decode(x, p, w1, w2, config=decode_cfg))
     with h100_target():
         texts = [
             up_f.trace(sds((T, d), bf16), sds((P,), i32), sds((E,), i32),
@@ -261,24 +270,47 @@ def test_approx_math_reaches_the_swiglu_kernels(approx):
             dh_f.trace(sds((T, d), bf16), sds((P, 2 * n), bf16), sds((P,), i32), sds((E,), i32),
                        sds((P,), jnp.float32), sds((E, n, d), bf16),
                        ).lower(lowering_platforms=("cuda",)).as_text(),
+            dec_f.trace(sds((Td, d), bf16), dec_plan, sds((E, d, 2 * n), bf16),
+                        sds((E, n, d), bf16),
+                        ).lower(lowering_platforms=("cuda",)).as_text(),
         ]
     for text in texts:
         assert ("ex2.approx" in text) == approx
 
 
 def test_kernel_config_rejects_mismatched_approx_math():
-    """The backward recomputes A from H: the forward's and backward's exp must agree."""
+    """The backward recomputes A from H: the forward's and backward's exp must agree, and a
+    config left None counts as its for_shape default (the approximate exp)."""
     import dataclasses
 
     from pallas_moe.kernels.config import KernelConfig
     from pallas_moe.kernels.decode import DecodeConfig
+    from pallas_moe.kernels.dh import DHConfig
+    from pallas_moe.kernels.up_proj import UpProjConfig
 
-    cfg = KernelConfig.for_shape(1536, 256, approx_math=True)
+    assert UpProjConfig().approx_math and DHConfig().approx_math and DecodeConfig().approx_math
+    cfg = KernelConfig.for_shape(1536, 256)
     assert cfg.forward.up.approx_math and cfg.backward.dh.approx_math
+    exact = KernelConfig.for_shape(1536, 256, approx_math=False)
+    assert not exact.forward.up.approx_math and not exact.backward.dh.approx_math
     exact_dh = dataclasses.replace(cfg.backward.dh, approx_math=False)
     with pytest.raises(ValueError, match="approx_math"):
         KernelConfig(forward=cfg.forward, backward=dataclasses.replace(cfg.backward, dh=exact_dh))
+    KernelConfig(forward=cfg.forward)  # backward None: its defaults are approximate too
     with pytest.raises(ValueError, match="approx_math"):
-        KernelConfig(forward=cfg.forward)  # backward None: its defaults are exact
-    with pytest.raises(ValueError, match="decode"):
-        KernelConfig.for_shape(1536, 256, approx_math=True, decode=DecodeConfig.for_shape(1536, 256))
+        KernelConfig(forward=exact.forward)  # exact forward, approximate default backward
+    with pytest.raises(ValueError, match="approx_math"):
+        KernelConfig(backward=exact.backward)
+    # The decode megakernel's exp follows approx_math; a mismatch names its field.
+    for approx in (False, True):
+        dec = KernelConfig.for_shape(
+            1536, 256, approx_math=approx, decode=DecodeConfig.for_shape(1536, 256, num_sms=4)
+        )
+        assert dec.forward.decode.approx_math == dec.backward.dh.approx_math == approx
+    with pytest.raises(ValueError, match="forward.decode.approx_math"):
+        KernelConfig(
+            forward=dataclasses.replace(
+                cfg.forward, decode=DecodeConfig.for_shape(1536, 256, num_sms=4, approx_math=False)
+            ),
+            backward=cfg.backward,
+        )

@@ -134,7 +134,7 @@ def test_parity_tool_end_to_end(tmp_path, capsys):
                       "--tokens", "8", "--references", "hf_order", "--candidates",
                       "bf16_per_expert", "--out", str(again)]) == 0
     assert tool.main(["--candidates", "nope", "--out", str(again)]) == 2
-    assert tool.main(["--approx-math", "--out", str(again)]) == 2  # xla runs no kernels
+    assert tool.main(["--exact-math", "--out", str(again)]) == 2  # xla runs no kernels
     assert tool.main(["--checkpoint", str(tmp_path), "--out", str(again)]) == 2
     assert "no checkpoints/ directory" in capsys.readouterr().err
 

@@ -60,9 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, help="M bytes generated per prompt (default: seq_len - prompt_len)")
     p.add_argument("--candidates", help=f"comma-separated subset of {', '.join(CANDIDATES)}")
     p.add_argument("--references", help=f"comma-separated subset of {', '.join(REFERENCES)}")
-    p.add_argument("--approx-math", action="store_true", dest="approx_math",
-                   help="candidates' kernels take the SwiGLU's exp from ex2.approx "
-                        "(KernelConfig.for_shape(..., approx_math=True); needs --backend mosaic or interpret)")
+    p.add_argument("--exact-math", action="store_true", dest="exact_math",
+                   help="candidates' kernels take the SwiGLU's exp in full precision instead of "
+                        "the default ex2.approx (KernelConfig.for_shape(..., approx_math=False); "
+                        "needs --backend mosaic or interpret)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/parity", help="output directory")
     return p.parse_args(argv)
@@ -189,11 +190,13 @@ def run(args) -> dict:
     }
     cand_cfg = dataclasses.replace(eval_cfg, backend=args.backend)
     kernel_config = None
-    if args.approx_math:
+    if args.exact_math:
         from pallas_moe.kernels import KernelConfig
 
-        kernel_config = KernelConfig.for_shape(cfg.d_model, cfg.d_expert, approx_math=True)
-    results["kernel_config"] = "approx_math" if args.approx_math else "for_shape defaults"
+        kernel_config = KernelConfig.for_shape(cfg.d_model, cfg.d_expert, approx_math=False)
+    results["kernel_config"] = (
+        "exact math" if args.exact_math else "for_shape defaults (approx_math)"
+    )
     cand_scorers = {name: scorer(cand_cfg, CANDIDATES[name], params, kernel_config)[0]
                     for name in names}
     for ref_name in reference_names(args):
@@ -323,8 +326,8 @@ def check_args(args) -> str | None:
             return f"{flag}: unknown {unknown}; choose from {list(known)}."
     if args.backend not in ("xla", "interpret", "mosaic"):
         return f"--backend must be xla, interpret or mosaic, got {args.backend!r}."
-    if args.approx_math and args.backend == "xla":
-        return "--approx-math sets the kernels' exp; it needs --backend mosaic or interpret."
+    if args.exact_math and args.backend == "xla":
+        return "--exact-math sets the kernels' exp; it needs --backend mosaic or interpret."
     for name in ("prompts", "prompt_len"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}."

@@ -21,8 +21,8 @@ class KernelConfig:
       y = pm.moe_ffn(x, plan, w1, w2, backend="mosaic", config=cfg)
       # The forward as the decode megakernel (small batches):
       cfg = KernelConfig.for_shape(d, n, decode=DecodeConfig.for_shape(d, n))
-      # The SwiGLU's exp from the hardware approximation (faster; see UpProjConfig):
-      cfg = KernelConfig.for_shape(d, n, approx_math=True)
+      # The SwiGLU's exp in full precision (the default is the hardware's ex2.approx):
+      cfg = KernelConfig.for_shape(d, n, approx_math=False)
     """
 
     forward: ForwardConfig | None = None
@@ -36,41 +36,44 @@ class KernelConfig:
                 f"backward must be a BackwardConfig or None, got {type(self.backward).__name__}."
             )
         # The backward recomputes A from H with the forward's formula only if both take
-        # their exp the same way (`UpProjConfig.approx_math`, `DHConfig.approx_math`).
-        fwd_approx = self.forward is not None and self.forward.decode is None and (
-            self.forward.up.approx_math
+        # their exp the same way (`UpProjConfig.approx_math` or `DecodeConfig.approx_math`,
+        # and `DHConfig.approx_math`). A config left None runs its `for_shape` defaults,
+        # whose exp is the hardware approximation (True).
+        fwd_approx = self.forward is None or (
+            self.forward.up.approx_math if self.forward.decode is None
+            else self.forward.decode.approx_math
         )
-        bwd_approx = self.backward is not None and self.backward.dh.approx_math
+        bwd_approx = self.backward is None or self.backward.dh.approx_math
         if fwd_approx != bwd_approx:
             decode = self.forward is not None and self.forward.decode is not None
+            fwd_name = "forward.decode.approx_math" if decode else "forward.up.approx_math"
             raise ValueError(
-                f"forward.up.approx_math={fwd_approx} and backward.dh.approx_math={bwd_approx} "
-                "must match (a config left None counts as False): the backward recomputes the "
-                "forward's activation from H."
-                + (" The decode megakernel forward (forward.decode) computes the exact exp."
-                   if decode else "")
+                f"{fwd_name}={fwd_approx} and backward.dh.approx_math={bwd_approx} must "
+                "match (a config left None counts as True, its for_shape default): the "
+                "backward recomputes the forward's activation from H."
             )
 
     @classmethod
     def for_shape(
         cls, d: int, n: int, *, gather: str = "cp_async", num_sms: int | None = None,
-        decode: DecodeConfig | None = None, approx_math: bool = False,
+        decode: DecodeConfig | None = None, approx_math: bool = True,
     ) -> "KernelConfig":
         """The default configs for model width `d` and expert width `n`, with the given row
         loader ("tma" or "cp_async") in every gathering kernel and `num_sms` persistent CTAs
         (default: the device's SM count). `decode`: run the forward as the decode megakernel
         with this config (`docs/decode.md`); the backward is unchanged. `approx_math`: the
-        up-proj's and dH's SwiGLU take their exp from the hardware's `ex2.approx`
-        (`UpProjConfig.approx_math`; 3-7% faster kernels on the H100, A differing from the
-        exact formula's in the last bit of rare elements). Not with `decode`: the megakernel
-        computes the exact exp, and the config then raises a `ValueError`."""
+        SwiGLU kernels (up-proj or decode megakernel, and dH) take their exp from the
+        hardware's `ex2.approx` (True, default: 3-7% faster kernels on the H100, A differing
+        from the exact formula's in the last bit of rare elements) or the full-precision
+        `exp` (False); it overrides the `approx_math` of `decode` too."""
+        if decode is not None:
+            decode = dataclasses.replace(decode, approx_math=approx_math)
         forward = ForwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms, decode=decode)
         backward = BackwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms)
-        if approx_math:
-            forward = dataclasses.replace(
-                forward, up=dataclasses.replace(forward.up, approx_math=True)
-            )
-            backward = dataclasses.replace(
-                backward, dh=dataclasses.replace(backward.dh, approx_math=True)
-            )
+        forward = dataclasses.replace(
+            forward, up=dataclasses.replace(forward.up, approx_math=approx_math)
+        )
+        backward = dataclasses.replace(
+            backward, dh=dataclasses.replace(backward.dh, approx_math=approx_math)
+        )
         return cls(forward=forward, backward=backward)

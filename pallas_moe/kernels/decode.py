@@ -115,6 +115,10 @@ class DecodeConfig:
         (`_common.role_registers`, setmaxnreg). Off by default: unlike the other
         kernels' producers, this one also schedules tasks and waits on events, and whether
         40 registers cost it spills is for the H100 to tell (benchmark variant `static_regs`).
+      approx_math: compiled kernels only: the up tasks' SwiGLU takes its exp from the
+        hardware's `ex2.approx` (True, default) or the full-precision `exp` (False), as
+        `UpProjConfig.approx_math` does for the kernel-by-kernel forward; the backward's
+        `DHConfig.approx_math` must match it (`KernelConfig` checks it).
     """
 
     scheduler: str = "static"
@@ -130,6 +134,7 @@ class DecodeConfig:
     prefetch_l2: bool = True
     lookahead_steps: int = 0
     rebalance_registers: bool = False
+    approx_math: bool = True
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -159,7 +164,7 @@ class DecodeConfig:
             raise ValueError(
                 f"config.lookahead_steps={self.lookahead_steps!r} must be an int >= 0."
             )
-        for name in ("prefetch_l2", "rebalance_registers"):
+        for name in ("prefetch_l2", "rebalance_registers", "approx_math"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}.")
 
@@ -1092,6 +1097,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=config.approx_math,
+        ),
         interpret=interpret_mode,
     )

@@ -86,12 +86,13 @@ class DHConfig:
         loading the tile's H into the pipeline's bytes as soon as both are done with every
         K step whose slot those bytes overlay (`_h_load_step`), so the load overlaps the
         last K steps instead of following them. False = after the K loop.
-      approx_math: compiled kernels only: the dSwiGLU's sigmoid takes its exp from the
-        hardware's `ex2.approx` (`plgpu.CompilerParams.approx_math`) instead of the
-        full-precision libdevice `exp`. Measured on the H100 (session 8): 623.6 ->
-        581.0 us at 7B, 2927.6 -> 2888.6 us at 30B, same error against the reference. Pair it
-        with `UpProjConfig.approx_math`, so A' is recomputed from H as the forward computed
-        A. Interpret mode computes the exact exp either way.
+      approx_math: compiled kernels only: True (default) = the dSwiGLU's sigmoid takes
+        its exp from the hardware's `ex2.approx` (`plgpu.CompilerParams.approx_math`);
+        False = the full-precision libdevice `exp`. Measured on the H100 (session 8): 623.6
+        -> 581.0 us at 7B, 2927.6 -> 2888.6 us at 30B, same error against the reference.
+        It must equal the forward's `UpProjConfig.approx_math` (or
+        `DecodeConfig.approx_math`), so A' is recomputed from H as the forward computed A.
+        Interpret mode computes the exact exp either way.
     """
 
     block_m: int = 64
@@ -107,7 +108,7 @@ class DHConfig:
     prefetch_h: bool = False
     epilogue_cols: int = 64
     early_h: bool = False
-    approx_math: bool = False
+    approx_math: bool = True
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):

@@ -87,13 +87,15 @@ class UpProjConfig:
       epilogue_slabs: warp-specialized kernel only: True = the SwiGLU epilogue runs one
         64-column slab at a time, so only a slab's temporaries are live next to the two
         accumulators; False = the whole block at once (the previous version).
-      approx_math: compiled kernels only: the SwiGLU's sigmoid takes its exp from the
-        hardware's `ex2.approx` (`plgpu.CompilerParams.approx_math`) instead of the
-        full-precision libdevice `exp`. Measured on the H100 (session 8): 701.6 -> 679.8 us
-        at 7B, 4383 -> 4297 us at 30B, with the same error against the reference (A 3.5e-3,
-        bf16 rounding). A then differs from the xla backend's in the last bit of rare
-        elements; use it together with `DHConfig.approx_math`, so the backward recomputes
-        the same A. Interpret mode computes the exact exp either way.
+      approx_math: compiled kernels only: True (default) = the SwiGLU's sigmoid takes its
+        exp from the hardware's `ex2.approx` (`plgpu.CompilerParams.approx_math`); False =
+        the full-precision libdevice `exp`. Measured on the H100 (session 8): 701.6 ->
+        679.8 us at 7B, 4383 -> 4297 us at 30B, with the same error against the reference
+        (A 3.5e-3, bf16 rounding); a model's parity run (`train.parity --approx-math`,
+        session 10) matched the exact kernels to 7 digits. A differs from the xla backend's
+        in the last bit of rare elements. It must equal `DHConfig.approx_math`, so the
+        backward recomputes the same A (`KernelConfig` checks it). Interpret mode computes
+        the exact exp either way.
     """
 
     block_m: int = 64
@@ -111,7 +113,7 @@ class UpProjConfig:
     # 800 / 4612 us with hardware-tracked stages at 7B / 30B.
     gather_completion: str = "wait_group"
     epilogue_slabs: bool = True
-    approx_math: bool = False
+    approx_math: bool = True
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
