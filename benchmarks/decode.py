@@ -5,8 +5,11 @@
 The Qwen3-30B-A3B MoE layer (d=2048, n=768, E=128, K=8) at T in {1, 8, 64, 128, 512, 1024,
 4096} tokens, routing (`topk_plan` over random logits) included in every timed call. For each
 T, in the same run:
-- `kernels`: `pm.moe_ffn(backend="mosaic")`, this library's kernel-by-kernel forward
-  (routing metadata, up-proj, down-proj, aggregation; it also writes H for the backward);
+- `kernels`: `pm.moe_ffn(backend="mosaic", config=KernelConfig.for_shape(d, n))`, this
+  library's kernel-by-kernel forward (routing metadata, up-proj, down-proj, aggregation; it
+  also writes H for the backward);
+- `auto` (with --variants): `pm.moe_ffn(backend="mosaic")` with no config, the library's
+  default: the megakernel up to `moe_forward.DECODE_MAX_TOKENS` tokens, else `kernels`;
 - `kernels_inf` (with --variants): the same kernels with `inference=True` (no H), the
   comparison for the megakernel without H;
 - `static`, `dynamic`: the megakernel (`pallas_moe.kernels.decode`) with each scheduler;
@@ -45,6 +48,7 @@ from jax.experimental.mosaic.gpu import profiler
 import pallas_moe as pm
 from benchmarks.forward import wall_time_ms
 from benchmarks.logs import open_log
+from pallas_moe.kernels import KernelConfig
 from pallas_moe.kernels.decode import DecodeConfig, moe_decode
 from pallas_moe.kernels.moe_forward import moe_forward
 
@@ -66,6 +70,7 @@ MEGA_VARIANTS = {
     "static_u128": dict(up_block_n=128, num_stages=3),
     "dynamic_u128": dict(scheduler="dynamic", up_block_n=128, num_stages=3),
     "static_bn256": dict(down_block_n=256, num_stages=3),
+    "static_s4": dict(num_stages=4),  # the default until session 12
     "static_s5": dict(num_stages=5),
     "static_s6": dict(num_stages=6),
     # The one-TMA-per-row gather (no cp.async group waits in the producer; session 12).
@@ -75,7 +80,7 @@ MEGA_VARIANTS = {
     "static_bt16": dict(token_block=16),
     "static_regs": dict(rebalance_registers=True),
 }
-VARIANTS = ("kernels", "kernels_inf", *MEGA_VARIANTS)
+VARIANTS = ("kernels", "kernels_inf", "auto", *MEGA_VARIANTS)
 DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused", "static_ahead", "dynamic_ahead")
 # CUPTI kernel names of the MoE kernels (everything else is routing or metadata).
 MOE_KERNELS = ("moe_decode", "moe_up_proj", "moe_down_proj", "moe_aggregate")
@@ -84,7 +89,10 @@ BYTES_PER_EXPERT = (D * 2 * N + N * D) * 2
 
 def make_ffn(variant: str, overrides: dict):
     """(x, plan, w1, w2) -> out for one variant."""
-    if variant == "kernels":
+    if variant == "kernels":  # an explicit config: never the megakernel
+        config = KernelConfig.for_shape(D, N)
+        return lambda x, p, w1, w2: pm.moe_ffn(x, p, w1, w2, backend="mosaic", config=config)
+    if variant == "auto":  # the library's default (the megakernel up to DECODE_MAX_TOKENS)
         return lambda x, p, w1, w2: pm.moe_ffn(x, p, w1, w2, backend="mosaic")
     if variant == "kernels_inf":
         return lambda x, p, w1, w2: moe_forward(x, p, w1, w2, inference=True)[0]

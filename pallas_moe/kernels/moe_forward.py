@@ -137,14 +137,33 @@ def aggregate_width(d: int) -> int:
     return d if d % 128 == 0 else -(-d // 1024) * 1024
 
 
+# With no config, `pm.moe_ffn(backend="mosaic")` runs the forward as the decode megakernel
+# for batches of at most this many tokens. Measured on the H100 (session 12, Qwen3-30B-A3B
+# widths, MoE kernels' GPU time, routing included): see `benchmarks/RESULTS.md`.
+DECODE_MAX_TOKENS = 1
+
+
 def forward_config(
-    config: ForwardConfig | None, d: int, n: int, interpret
+    config: ForwardConfig | None, d: int, n: int, interpret, *,
+    num_tokens: int | None = None, megakernel: bool = False,
 ) -> ForwardConfig:
     """`config`, or the `for_shape(d, n)` defaults (4 persistent CTAs in interpret mode,
-    where every simulated CTA costs time)."""
-    return config if config is not None else ForwardConfig.for_shape(
-        d, n, num_sms=4 if interpret else None
-    )
+    where every simulated CTA costs time).
+
+    `megakernel`: the caller can run the decode megakernel (no expert biases, SwiGLU fused);
+    then, with no config, a batch of at most `DECODE_MAX_TOKENS` tokens (`num_tokens`) runs
+    it (`DecodeConfig.for_shape`; one CTA and the TMA row loader in interpret mode, where
+    the static scheduler's waits need one CTA), where it measured faster.
+    """
+    if config is not None:
+        return config
+    decode = None
+    if (megakernel and num_tokens is not None and num_tokens <= DECODE_MAX_TOKENS
+            and d % 128 == 0):
+        decode = DecodeConfig.for_shape(
+            d, n, **(dict(num_sms=1, gather="tma") if interpret else {})
+        )
+    return ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None, decode=decode)
 
 
 def moe_forward(

@@ -42,7 +42,7 @@ def minimal_residual_moe_ffn(
     backward: Backward = moe_ffn_backward,
     *,
     aggregation: str = "fp32",
-    schedules: Callable[[DispatchPlan, jax.Array], object] | None = None,
+    schedules: Callable[[DispatchPlan, jax.Array, bool], object] | None = None,
 ):
     """Wraps a forward that returns `(out, h)` into a differentiable `moe_ffn`.
 
@@ -54,7 +54,7 @@ def minimal_residual_moe_ffn(
       aggregation: the forward's aggregation mode (`pallas_moe.numerics`). The backward
         multiplies by the scores the forward multiplied by (bf16-rounded for
         "bf16_scores"), and the score gradient passes straight through that rounding.
-      schedules: `(plan, w_gate_up) -> metadata` (the kernels' `plan_schedules`), computed
+      schedules: `(plan, w_gate_up, has_biases) -> metadata` (the kernels' `plan_schedules`), computed
         once per call and passed to both passes as `schedules=`; the backward gets the
         forward's, saved as a residual (small integer arrays), so no pass derives tile
         metadata itself. None: the passes take no schedules.
@@ -65,8 +65,9 @@ def minimal_residual_moe_ffn(
       in the biases given).
     """
 
-    def with_schedules(plan, w_gate_up):
-        return {} if schedules is None else {"schedules": schedules(plan, w_gate_up)}
+    def with_schedules(plan, w_gate_up, biases):
+        has_biases = any(b is not None for b in biases)
+        return {} if schedules is None else {"schedules": schedules(plan, w_gate_up, has_biases)}
 
     def run_forward(x, plan, w_gate_up, w_down, biases, shared):
         b_gate_up, b_down = biases
@@ -76,11 +77,11 @@ def minimal_residual_moe_ffn(
 
     @jax.custom_vjp
     def moe_with_biases(x, plan, w_gate_up, w_down, biases):
-        shared = with_schedules(plan, w_gate_up)
+        shared = with_schedules(plan, w_gate_up, biases)
         return run_forward(x, plan, w_gate_up, w_down, biases, shared)[0]
 
     def moe_fwd(x, plan, w_gate_up, w_down, biases):
-        shared = with_schedules(plan, w_gate_up)
+        shared = with_schedules(plan, w_gate_up, biases)
         out, h = run_forward(x, plan, w_gate_up, w_down, biases, shared)
         return out, (x, h, plan, w_gate_up, w_down, biases, shared)
 
@@ -122,15 +123,21 @@ def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics, activation: Swi
     from pallas_moe.kernels.moe_forward import forward_config, moe_forward
     from pallas_moe.kernels.schedules import plan_schedules
 
-    def configs(w_gate_up):
-        """The (forward, backward) configs both passes and their schedules use."""
+    def configs(plan, w_gate_up, has_biases: bool):
+        """The (forward, backward) configs both passes and their schedules use. With no
+        forward config, a small batch's forward is the decode megakernel where it can run
+        (`forward_config`: no expert biases, SwiGLU fused)."""
         _, d, two_n = w_gate_up.shape
-        return (forward_config(config.forward, d, two_n // 2, interpret),
-                backward_config(config.backward, d, two_n // 2, interpret))
+        forward = forward_config(
+            config.forward, d, two_n // 2, interpret, num_tokens=plan.num_tokens,
+            megakernel=numerics.fuse_swiglu and not has_biases,
+        )
+        return forward, backward_config(config.backward, d, two_n // 2, interpret)
 
     def forward(x, plan, w_gate_up, w_down, *, schedules, **biases):
         return moe_forward(
-            x, plan, w_gate_up, w_down, interpret=interpret, config=configs(w_gate_up)[0],
+            x, plan, w_gate_up, w_down, interpret=interpret,
+            config=configs(plan, w_gate_up, bool(biases))[0],
             aggregation=numerics.aggregation, fuse_swiglu=numerics.fuse_swiglu,
             activation=activation, schedules=schedules, **biases,
         )
@@ -138,12 +145,15 @@ def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics, activation: Swi
     def backward(x, h, plan, w_gate_up, w_down, grad_out, *, schedules, **b_down):
         return moe_backward(
             x, h, plan, w_gate_up, w_down, grad_out, interpret=interpret,
-            config=configs(w_gate_up)[1], activation=activation, schedules=schedules, **b_down,
+            config=configs(plan, w_gate_up, bool(b_down))[1], activation=activation,
+            schedules=schedules, **b_down,
         )
 
     return minimal_residual_moe_ffn(
         forward, backward, aggregation=numerics.aggregation,
-        schedules=lambda plan, w_gate_up: plan_schedules(plan, *configs(w_gate_up)),
+        schedules=lambda plan, w_gate_up, has_biases: plan_schedules(
+            plan, *configs(plan, w_gate_up, has_biases)
+        ),
     )
 
 
