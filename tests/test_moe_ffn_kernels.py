@@ -56,6 +56,28 @@ def test_interpret_backend_forward_and_gradients_match_xla(router):
         assert rel_err(g, r) < 2e-2, name
 
 
+def test_undifferentiated_call_writes_no_h_and_matches_the_differentiated_one():
+    """Where `moe_ffn` is not differentiated (serving), the up-proj runs with
+    `inference=True` and writes no H [P, 2n]; under `jax.grad` it writes H for the backward.
+    Both give bitwise the same output."""
+    logits, x, w1, w2, cot = make_inputs(2, 40, 64, 64, 4)
+    plan = ROUTERS["topk"](logits)
+    h_type = f"bf16[{plan.capacity},{2 * 64}]"  # H: P rows of gate and up columns
+
+    def out_only(x, w1, w2):
+        return pm.moe_ffn(x, plan, w1, w2, backend="interpret")
+
+    def loss(x, w1, w2):
+        out = out_only(x, w1, w2)
+        return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)), out
+
+    assert h_type not in str(jax.make_jaxpr(out_only)(x, w1, w2))
+    assert h_type in str(jax.make_jaxpr(jax.grad(loss, has_aux=True))(x, w1, w2))
+    served = out_only(x, w1, w2)
+    _, trained = jax.value_and_grad(loss, has_aux=True)(x, w1, w2)[0]
+    assert bool(jnp.array_equal(served, trained))
+
+
 def test_kernel_backends_reject_unaligned_widths():
     logits, x, w1, w2, _ = make_inputs(1, 16, 96, 64, 2)
     plan = pm.routing.topk_plan(logits, 1)

@@ -43,6 +43,7 @@ def minimal_residual_moe_ffn(
     *,
     aggregation: str = "fp32",
     schedules: Callable[[DispatchPlan, jax.Array, bool], object] | None = None,
+    inference_forward: Forward | None = None,
 ):
     """Wraps a forward that returns `(out, h)` into a differentiable `moe_ffn`.
 
@@ -58,6 +59,9 @@ def minimal_residual_moe_ffn(
         once per call and passed to both passes as `schedules=`; the backward gets the
         forward's, saved as a residual (small integer arrays), so no pass derives tile
         metadata itself. None: the passes take no schedules.
+      inference_forward: the forward to run where the op is not differentiated (its `h`
+        may be None, and is not kept), with `forward`'s arguments; the kernels' skips
+        writing H there. None: `forward`.
 
     Returns:
       `f(x, plan, w_gate_up, w_down, b_gate_up=None, b_down=None) -> out`, a
@@ -69,16 +73,18 @@ def minimal_residual_moe_ffn(
         has_biases = any(b is not None for b in biases)
         return {} if schedules is None else {"schedules": schedules(plan, w_gate_up, has_biases)}
 
-    def run_forward(x, plan, w_gate_up, w_down, biases, shared):
+    def run_forward(x, plan, w_gate_up, w_down, biases, shared, fwd=forward):
         b_gate_up, b_down = biases
         if b_gate_up is None and b_down is None:
-            return forward(x, plan, w_gate_up, w_down, **shared)
-        return forward(x, plan, w_gate_up, w_down, b_gate_up=b_gate_up, b_down=b_down, **shared)
+            return fwd(x, plan, w_gate_up, w_down, **shared)
+        return fwd(x, plan, w_gate_up, w_down, b_gate_up=b_gate_up, b_down=b_down, **shared)
 
     @jax.custom_vjp
     def moe_with_biases(x, plan, w_gate_up, w_down, biases):
+        # Not differentiated (a custom_vjp runs its primal function only then): no H.
         shared = with_schedules(plan, w_gate_up, biases)
-        return run_forward(x, plan, w_gate_up, w_down, biases, shared)[0]
+        return run_forward(x, plan, w_gate_up, w_down, biases, shared,
+                           fwd=inference_forward or forward)[0]
 
     def moe_fwd(x, plan, w_gate_up, w_down, biases):
         shared = with_schedules(plan, w_gate_up, biases)
@@ -134,10 +140,10 @@ def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics, activation: Swi
         )
         return forward, backward_config(config.backward, d, two_n // 2, interpret)
 
-    def forward(x, plan, w_gate_up, w_down, *, schedules, **biases):
+    def forward(x, plan, w_gate_up, w_down, *, schedules, inference=False, **biases):
         return moe_forward(
             x, plan, w_gate_up, w_down, interpret=interpret,
-            config=configs(plan, w_gate_up, bool(biases))[0],
+            config=configs(plan, w_gate_up, bool(biases))[0], inference=inference,
             aggregation=numerics.aggregation, fuse_swiglu=numerics.fuse_swiglu,
             activation=activation, schedules=schedules, **biases,
         )
@@ -154,6 +160,7 @@ def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics, activation: Swi
         schedules=lambda plan, w_gate_up, has_biases: plan_schedules(
             plan, *configs(plan, w_gate_up, has_biases)
         ),
+        inference_forward=functools.partial(forward, inference=True),
     )
 
 
