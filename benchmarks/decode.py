@@ -6,12 +6,13 @@ The Qwen3-30B-A3B MoE layer (d=2048, n=768, E=128, K=8) at T in {1, 8, 64, 128, 
 4096} tokens, routing (`topk_plan` over random logits) included in every timed call. For each
 T, in the same run:
 - `kernels`: `pm.moe_ffn(backend="mosaic", config=KernelConfig.for_shape(d, n))`, this
-  library's kernel-by-kernel forward (routing metadata, up-proj, down-proj, aggregation; it
-  also writes H for the backward);
+  library's kernel-by-kernel forward (routing metadata, up-proj, down-proj, aggregation).
+  Not differentiated, so it writes no H (since session 12; before, it wrote H for a backward
+  that never came);
 - `auto` (with --variants): `pm.moe_ffn(backend="mosaic")` with no config, the library's
   default: the megakernel up to `moe_forward.DECODE_MAX_TOKENS` tokens, else `kernels`;
-- `kernels_inf` (with --variants): the same kernels with `inference=True` (no H), the
-  comparison for the megakernel without H;
+- `kernels_inf` (with --variants): `moe_forward(..., inference=True)`, the same kernels
+  called directly;
 - `static`, `dynamic`: the megakernel (`pallas_moe.kernels.decode`) with each scheduler;
 - `static_ahead`, `dynamic_ahead`: the same with `lookahead_steps=16` (each producer's L2
   prefetches run 16 K steps ahead of its ring loads, into the CTA's next task too);
