@@ -43,8 +43,9 @@ class ForwardConfig:
 
     `decode`: a `pallas_moe.kernels.decode.DecodeConfig` runs the whole forward as the
     persistent event-driven megakernel (`docs/decode.md`) instead of the three kernels
-    (whose configs are then unused). None (default): the kernel-by-kernel forward. The
-    megakernel is opt-in until the decode benchmark decides where it is faster.
+    (whose configs are then unused). None (default): the kernel-by-kernel forward. Through
+    `pm.moe_ffn` with no config, a batch of at most `DECODE_MAX_TOKENS` tokens runs the
+    megakernel (`forward_config`), where it measured faster.
     """
 
     up: UpProjConfig = UpProjConfig()
@@ -139,7 +140,9 @@ def aggregate_width(d: int) -> int:
 
 # With no config, `pm.moe_ffn(backend="mosaic")` runs the forward as the decode megakernel
 # for batches of at most this many tokens. Measured on the H100 (session 12, Qwen3-30B-A3B
-# widths, MoE kernels' GPU time, routing included): see `benchmarks/RESULTS.md`.
+# widths, one run, MoE kernels' GPU time): megakernel against kernel path 50.9 vs 59.5 us at
+# T = 1, but 76.6 vs 69.6 at T = 2, 118.0 vs 111.2 at T = 4, 209.8 vs 200.4 at T = 8
+# (`benchmarks/RESULTS.md`, session 12).
 DECODE_MAX_TOKENS = 1
 
 

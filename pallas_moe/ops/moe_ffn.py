@@ -154,7 +154,9 @@ def moe_ffn(
         Hopper; bf16, d and n multiples of 64), "interpret" (the same kernels in GPU
         interpret mode on CPU), or "auto" ("mosaic" where it applies, else "xla").
       config: a `pallas_moe.kernels.KernelConfig` with the kernels' block sizes and row
-        loader (None: `for_shape` defaults). Used by the kernel backends; with an explicit
+        loader (None: `for_shape` defaults, and for a single token, T = 1, without expert
+        biases, the decode megakernel forward, which measured faster there; see
+        `kernels.moe_forward.DECODE_MAX_TOKENS`). Used by the kernel backends; with an explicit
         `backend="xla"` it is an error, with "auto" it is ignored where "xla" is chosen.
         Every backend implements the expert biases and both activations (the kernels in
         their epilogues and backward), so they never change what "auto" picks.
