@@ -372,24 +372,31 @@ def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape, promote_every):
             jax.jit(fused).trace(x, plan, per_token).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("gather, completion", [("cp_async", "wait_group"), ("tma", "wait_group")])
-def test_fp8_gathered_loaders_lower_for_cuda(gather, completion):
-    """The gathered up-proj's other loaders (the default, cp.async "mbarrier", lowers in the
-    forward test above) at the 30B shape's blocks."""
+@pytest.mark.parametrize(
+    "gather, completion, approx_math",
+    [("cp_async", "wait_group", True), ("tma", "wait_group", True), ("cp_async", "mbarrier", False)],
+)
+def test_fp8_gathered_loaders_lower_for_cuda(gather, completion, approx_math):
+    """The gathered up-proj's loaders at the 30B shape's blocks; its SwiGLU's exp is
+    `ex2.approx` exactly when `approx_math` (the default, like the bf16 up-proj's)."""
     from tests.cuda_target import h100_target
 
     num_tokens, d, n, num_experts, k = 32768, 4096, 512, 128, 8
     sds = jax.ShapeDtypeStruct
     cfg = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=132)
-    config = dataclasses.replace(cfg.up, gather=gather, gather_completion=completion)
+    assert cfg.up.approx_math
+    config = dataclasses.replace(
+        cfg.up, gather=gather, gather_completion=completion, approx_math=approx_math
+    )
     plan = jax.eval_shape(lambda l: topk_plan(l, k), sds((num_tokens, num_experts), jnp.float32))
     f = functools.partial(grouped_matmul, transpose_w=True, config=config, gated=True)
     with h100_target():
-        jax.jit(f).trace(
+        text = jax.jit(f).trace(
             sds((num_tokens, d), E4M3), plan.group_sizes, sds((num_experts, 2 * n, d), E4M3),
             row_scales=sds((num_tokens,), jnp.float32),
             col_scales=sds((num_experts, 2 * n), jnp.float32), token_ids=plan.token_ids,
-        ).lower(lowering_platforms=("cuda",))
+        ).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("ex2.approx" in text) == approx_math
 
 
 # ---- the H100's fp8 accumulation (tests/fp8_wgmma_model.py) and what promotion does to it

@@ -127,6 +127,9 @@ class GroupedMatmulConfig:
         splitting every item's rows; one consumer's epilogue then overlaps the other's K
         loop. Not with fp8 promotion, the gathered mode or `requant_smooth`. block_m=64
         always runs ping-pong.
+      approx_math: compiled kernels only: the `gated` (fp8 up-proj) epilogue's SwiGLU takes
+        its exp from the hardware's `ex2.approx` (True, default, as `UpProjConfig`) or the
+        full-precision `exp`; the other epilogues have no transcendental math.
     """
 
     block_m: int = 128
@@ -138,6 +141,7 @@ class GroupedMatmulConfig:
     gather: str = "cp_async"
     gather_completion: str = "wait_group"
     pingpong: bool = False
+    approx_math: bool = True
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -836,7 +840,9 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=config.approx_math,
+        ),
         interpret=interpret_mode,
     )
 
