@@ -525,45 +525,47 @@ def _kernel_names(f, *args) -> str:
 
 def test_moe_ffn_runs_the_megakernel_for_the_smallest_batches():
     """With no config, `moe_ffn(backend=...)` runs the forward as the megakernel up to
-    `DECODE_MAX_TOKENS` tokens (where it measured faster) and the kernel-by-kernel path
-    above that, with expert biases, with SwiGLU not fused, or with an explicit config; the
-    output and gradients match the xla backend either way."""
+    `DECODE_MAX_TOKENS` tokens (where it measured faster), and there its output and
+    gradients match the xla backend; above that, with SwiGLU not fused, or with an explicit
+    config it runs the kernel-by-kernel path (tested against xla elsewhere)."""
     import pallas_moe as pm
     from pallas_moe.kernels import KernelConfig
     from pallas_moe.kernels.moe_forward import DECODE_MAX_TOKENS
 
-    def run(num_tokens, **kw):
-        x, plan, w1, w2 = _case(15 + num_tokens, num_tokens=num_tokens, num_experts=4, k=2)
-        cot = jax.random.normal(jax.random.key(16), x.shape, jnp.float32)
+    def case(num_tokens):
+        return _case(15 + num_tokens, num_tokens=num_tokens, num_experts=4, k=2)
 
-        def loss(backend):
-            def f(x, scores, w1, w2):
-                out = pm.moe_ffn(x, plan.with_scores(scores), w1, w2, backend=backend,
-                                 **(kw if backend == "interpret" else {}))
-                return jnp.sum(out.astype(jnp.float32) * cot), out
-
-            return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)
-
-        args = (x, plan.scores, w1, w2)
-        names = _kernel_names(
+    def names(num_tokens, **kw):
+        x, plan, w1, w2 = case(num_tokens)
+        return _kernel_names(
             lambda x, w1, w2: pm.moe_ffn(x, plan, w1, w2, backend="interpret", **kw), x, w1, w2
         )
-        (_, out), grads = loss("interpret")(*args)
-        (_, ref), ref_grads = loss("xla")(*args)
-        close(out, ref, num_tokens)
-        for g, r in zip(grads, ref_grads):
-            close(np.asarray(g, np.float32).reshape(g.shape[0], -1),
-                  np.asarray(r, np.float32).reshape(r.shape[0], -1), g.shape[0], tol=2e-2)
-        return names
 
-    small = run(DECODE_MAX_TOKENS)
+    small = names(DECODE_MAX_TOKENS)
     assert "moe_decode" in small and "moe_up_proj" not in small
-    above = run(DECODE_MAX_TOKENS + 1)
+    above = names(DECODE_MAX_TOKENS + 1)
     assert "moe_decode" not in above and "moe_up_proj" in above
-    explicit = run(DECODE_MAX_TOKENS, config=KernelConfig.for_shape(128, 128, num_sms=4))
+    explicit = names(DECODE_MAX_TOKENS, config=KernelConfig.for_shape(128, 128, num_sms=4))
     assert "moe_decode" not in explicit and "moe_up_proj" in explicit
-    unfused = run(DECODE_MAX_TOKENS, numerics=pm.Numerics(fuse_swiglu=False))
-    assert "moe_decode" not in unfused
+    assert "moe_decode" not in names(DECODE_MAX_TOKENS, numerics=pm.Numerics(fuse_swiglu=False))
+
+    x, plan, w1, w2 = case(DECODE_MAX_TOKENS)
+    cot = jax.random.normal(jax.random.key(16), x.shape, jnp.float32)
+
+    def loss(backend):
+        def f(x, scores, w1, w2):
+            out = pm.moe_ffn(x, plan.with_scores(scores), w1, w2, backend=backend)
+            return jnp.sum(out.astype(jnp.float32) * cot), out
+
+        return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)
+
+    args = (x, plan.scores, w1, w2)
+    (_, out), grads = loss("interpret")(*args)
+    (_, ref), ref_grads = loss("xla")(*args)
+    close(out, ref, x.shape[0])
+    for g, r in zip(grads, ref_grads):
+        close(np.asarray(g, np.float32).reshape(g.shape[0], -1),
+              np.asarray(r, np.float32).reshape(r.shape[0], -1), g.shape[0], tol=2e-2)
 
 
 def test_moe_ffn_with_expert_biases_keeps_the_kernel_path_for_the_smallest_batches():
