@@ -4,7 +4,8 @@ Entry points: `moe_forward(x, plan, w_gate_up, w_down, *, interpret, config)` an
 `moe_backward(...)`; `KernelConfig` bundles their configs for `pm.moe_ffn(config=...)`. The
 forward kernels (`up_proj`, `down_proj`, `aggregate`) are usable on their own.
 `moe_decode(...)` is the forward as one persistent event-driven megakernel for small batches
-(opt-in through `ForwardConfig(decode=DecodeConfig(...))`; `docs/decode.md`).
+(`ForwardConfig(decode=DecodeConfig(...))`; `pm.moe_ffn` with no config runs it for a single
+token, where it measured faster; `docs/decode.md`).
 """
 
 from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
