@@ -108,7 +108,6 @@ def role_registers(role: str, num_consumers: int, num_producers: int = 1) -> Non
         raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}.")
 
 
-
 GATHER_MODES = ("tma", "cp_async")
 # How consumers learn that a stage's cp.async rows landed (`config.gather_completion`):
 # "mbarrier": every producer thread's `cp.async.mbarrier.arrive.noinc` on a per-slot mbarrier

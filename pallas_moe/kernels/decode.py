@@ -186,6 +186,15 @@ class DecodeConfig:
         return dataclasses.replace(base, **overrides)
 
 
+def default_config(d: int, n: int, interpret) -> DecodeConfig:
+    """`DecodeConfig.for_shape(d, n)`, with one CTA and the TMA row loader when `interpret`:
+    interpret mode runs CTAs one after another, so the static scheduler's cross-CTA waits
+    need a single CTA, and it always runs the TMA loader."""
+    if interpret:
+        return DecodeConfig.for_shape(d, n, num_sms=1, gather="tma")
+    return DecodeConfig.for_shape(d, n)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Dims:
     """Static sizes of one kernel instance."""
@@ -502,10 +511,7 @@ def decode_tasks(
                 f"x must be [T, d] and w_gate_up [E, d, 2n], got {tuple(x.shape)} and "
                 f"{tuple(w_gate_up.shape)}."
             )
-        config = DecodeConfig.for_shape(
-            x.shape[1], w_gate_up.shape[2] // 2, num_sms=1 if interpret else None,
-            **({"gather": "tma"} if interpret else {}),
-        )
+        config = default_config(x.shape[1], w_gate_up.shape[2] // 2, interpret)
     if not isinstance(config, DecodeConfig):
         raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}.")
     num_tokens, d, n, num_experts = _check_inputs(x, plan, w_gate_up, w_down, config)

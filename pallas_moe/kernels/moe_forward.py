@@ -22,7 +22,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
-from pallas_moe.kernels.decode import DecodeConfig, moe_decode
+from pallas_moe.kernels.decode import DecodeConfig, default_config as default_decode_config
+from pallas_moe.kernels.decode import moe_decode
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.schedules import PlanSchedules, require_block
@@ -155,17 +156,14 @@ def forward_config(
 
     `megakernel`: the caller can run the decode megakernel (no expert biases, SwiGLU fused);
     then, with no config, a batch of at most `DECODE_MAX_TOKENS` tokens (`num_tokens`) runs
-    it (`DecodeConfig.for_shape`; one CTA and the TMA row loader in interpret mode, where
-    the static scheduler's waits need one CTA), where it measured faster.
+    it (`decode.default_config`), where it measured faster.
     """
     if config is not None:
         return config
     decode = None
     if (megakernel and num_tokens is not None and num_tokens <= DECODE_MAX_TOKENS
             and d % 128 == 0):
-        decode = DecodeConfig.for_shape(
-            d, n, **(dict(num_sms=1, gather="tma") if interpret else {})
-        )
+        decode = default_decode_config(d, n, interpret)
     return ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None, decode=decode)
 
 

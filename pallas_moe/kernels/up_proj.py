@@ -91,8 +91,8 @@ class UpProjConfig:
         exp from the hardware's `ex2.approx` (`plgpu.CompilerParams.approx_math`); False =
         the full-precision libdevice `exp`. Measured on the H100 (session 8): 701.6 ->
         679.8 us at 7B, 4383 -> 4297 us at 30B, with the same error against the reference
-        (A 3.5e-3, bf16 rounding); a model's parity run (`train.parity --approx-math`,
-        session 10) matched the exact kernels to 7 digits. A differs from the xla backend's
+        (A 3.5e-3, bf16 rounding); a model's parity run (`train.parity`, session 10)
+        matched the exact kernels to 7 digits. A differs from the xla backend's
         in the last bit of rare elements. It must equal `DHConfig.approx_math`, so the
         backward recomputes the same A (`KernelConfig` checks it). Interpret mode computes
         the exact exp either way.

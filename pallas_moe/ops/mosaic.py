@@ -129,21 +129,24 @@ def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics, activation: Swi
     from pallas_moe.kernels.moe_forward import forward_config, moe_forward
     from pallas_moe.kernels.schedules import plan_schedules
 
-    def configs(plan, w_gate_up, has_biases: bool):
-        """The (forward, backward) configs both passes and their schedules use. With no
-        forward config, a small batch's forward is the decode megakernel where it can run
-        (`forward_config`: no expert biases, SwiGLU fused)."""
+    # The configs both passes and their schedules use.
+    def forward_cfg(plan, w_gate_up, has_biases: bool):
+        """With no forward config, a small batch's forward is the decode megakernel where it
+        can run (`forward_config`: no expert biases, SwiGLU fused)."""
         _, d, two_n = w_gate_up.shape
-        forward = forward_config(
+        return forward_config(
             config.forward, d, two_n // 2, interpret, num_tokens=plan.num_tokens,
             megakernel=numerics.fuse_swiglu and not has_biases,
         )
-        return forward, backward_config(config.backward, d, two_n // 2, interpret)
+
+    def backward_cfg(w_gate_up):
+        _, d, two_n = w_gate_up.shape
+        return backward_config(config.backward, d, two_n // 2, interpret)
 
     def forward(x, plan, w_gate_up, w_down, *, schedules, inference=False, **biases):
         return moe_forward(
             x, plan, w_gate_up, w_down, interpret=interpret,
-            config=configs(plan, w_gate_up, bool(biases))[0], inference=inference,
+            config=forward_cfg(plan, w_gate_up, bool(biases)), inference=inference,
             aggregation=numerics.aggregation, fuse_swiglu=numerics.fuse_swiglu,
             activation=activation, schedules=schedules, **biases,
         )
@@ -151,14 +154,14 @@ def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics, activation: Swi
     def backward(x, h, plan, w_gate_up, w_down, grad_out, *, schedules, **b_down):
         return moe_backward(
             x, h, plan, w_gate_up, w_down, grad_out, interpret=interpret,
-            config=configs(plan, w_gate_up, bool(b_down))[1], activation=activation,
-            schedules=schedules, **b_down,
+            config=backward_cfg(w_gate_up), activation=activation, schedules=schedules,
+            **b_down,
         )
 
     return minimal_residual_moe_ffn(
         forward, backward, aggregation=numerics.aggregation,
         schedules=lambda plan, w_gate_up, has_biases: plan_schedules(
-            plan, *configs(plan, w_gate_up, has_biases)
+            plan, forward_cfg(plan, w_gate_up, has_biases), backward_cfg(w_gate_up)
         ),
         inference_forward=functools.partial(forward, inference=True),
     )
