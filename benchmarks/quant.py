@@ -383,10 +383,29 @@ def run_fp8_case(name, shape, log, interpret=False, more=False):
     rows = jnp.arange(P + 1, dtype=jnp.int32)
     qa_args = (jnp.minimum(rows, plan.num_rows), rows[:-1],
                jnp.minimum(plan.expert_ids, E - 1), plan.num_rows)
-    qa = jax.jit(lambda a, s, off, r, e, nr: smoothquant_kernel(
+    # A's re-quantization as the forward runs it (`requantize_rows`: the row-block kernel;
+    # None: no scale loads), and the previous version (the CSR SmoothQuant kernel, one entry
+    # per row, 16 rows per CTA), which must give the same bits.
+    from pallas_moe.quant.ffn import requantize_rows
+
+    qa = jax.jit(lambda a, s, p: requantize_rows(a, s, p, num_out_rows=down_rows,
+                                                 config=cfg.requant, **kw))
+    qa_csr = jax.jit(lambda a, s, off, r, e, nr: smoothquant_kernel(
         a, s, off, r, e, nr, num_out_rows=down_rows, out_dtype=jnp.float8_e4m3fn,
-        config=cfg.requant, **kw))
-    q2, s2 = qa(a8, experts.smooth_down, *qa_args)  # as the forward runs it (None: no scale loads)
+        config=SmoothQuantConfig(block_t=16), **kw))
+    q2, s2 = poison_nan_then(qa, a8, experts.smooth_down, plan, nbytes=down_rows * n * 3)
+    q2_csr, s2_csr = qa_csr(a8, experts.smooth_down, *qa_args)
+    res["requant_equals_csr"] = bool(
+        np.array_equal(np.asarray(q2).view(np.uint8), np.asarray(q2_csr).view(np.uint8))
+        and np.array_equal(np.asarray(s2).view(np.uint32), np.asarray(s2_csr).view(np.uint32)))
+    # With smooth scales (the recipe with S2; the bits must match too).
+    smooth_rand = jax.random.uniform(jax.random.key(7), (E, n), jnp.float32, 0.25, 4.0)
+    q2s, s2s = poison_nan_then(qa, a8, smooth_rand, plan, nbytes=down_rows * n * 3)
+    q2s_csr, s2s_csr = qa_csr(a8, smooth_rand, *qa_args)
+    res["requant_smoothed_equals_csr"] = bool(
+        np.array_equal(np.asarray(q2s).view(np.uint8), np.asarray(q2s_csr).view(np.uint8))
+        and np.array_equal(np.asarray(s2s).view(np.uint32), np.asarray(s2s_csr).view(np.uint32)))
+    del q2s, s2s, q2s_csr, s2s_csr, q2_csr, s2_csr
     dn8 = jax.jit(lambda q, g, w, s, c: grouped_matmul(
         q, g, w, transpose_w=True, config=cfg.down, capacity=P, row_scales=s, col_scales=c, **kw))
     dn8_args = (q2, plan.group_sizes, experts.w_down, s2, experts.down_scales)
@@ -397,7 +416,8 @@ def run_fp8_case(name, shape, log, interpret=False, more=False):
                                 experts.down_scales, plan.group_sizes, gated=False)
     res["vs_xla_bound"] = requantization_bound(res["eps_a"], res["eps_y"] + BF16_OUTPUT_ROUNDING)
     res["correct"] = bool(res["finite"] and res["vs_xla_ref"] < res["vs_xla_bound"]
-                          and res["rel_err_all"] < FP8_VS_BF16_TOL and res["bitwise_repeat"])
+                          and res["rel_err_all"] < FP8_VS_BF16_TOL and res["bitwise_repeat"]
+                          and res["requant_equals_csr"] and res["requant_smoothed_equals_csr"])
     fp8_fwd_fused = jax.jit(lambda x, p, e: pm.quant.moe_ffn_fp8(
         x, p, e, backend=backend, config=fused_cfg))
     if fuses:  # the same Q and s, so the same output bits (on poisoned outputs)
@@ -406,7 +426,7 @@ def run_fp8_case(name, shape, log, interpret=False, more=False):
             np.asarray(fused_out).view(np.uint16), np.asarray(out8).view(np.uint16)))
         res["correct"] = res["correct"] and res["fused_equals_unfused"]
     log("  checks: " + json.dumps({k: res[k] for k in res if k.startswith(
-        ("finite", "rel_err", "vs_xla", "eps_", "bitwise", "fused_equals", "correct"))}))
+        ("finite", "rel_err", "vs_xla", "eps_", "bitwise", "fused_equals", "requant_", "correct"))}))
 
     # ---- timings: each kernel alone on the same inputs, then the whole forwards
     # (--interpret: each kernel runs once in interpret mode; times are NaN)
@@ -431,7 +451,10 @@ def run_fp8_case(name, shape, log, interpret=False, more=False):
     a16 = up16(x, plan.token_ids, plan.group_sizes, w1, up_meta)
     dn16 = jax.jit(lambda a, g, w: down_proj(a, g, w, config=base.down, capacity=P, **kw))
     res["bf16_down_us"] = timed(dn16, a16, plan.group_sizes, w2) * 1e3
-    res["quant_a_us"] = timed(qa, a8, experts.smooth_down, *qa_args) * 1e3
+    res["quant_a_us"] = timed(qa, a8, experts.smooth_down, plan) * 1e3
+    res["quant_a_csr_us"] = timed(qa_csr, a8, experts.smooth_down, *qa_args) * 1e3
+    res["quant_a_smoothed_us"] = timed(qa, a8, smooth_rand, plan) * 1e3
+    res["quant_a_smoothed_csr_us"] = timed(qa_csr, a8, smooth_rand, *qa_args) * 1e3
     res["fp8_down_us"] = timed(dn8, *dn8_args) * 1e3
     res["bf16_fwd_us"] = timed(bf16_fwd, x, plan, w1, w2) * 1e3
     res["fp8_fwd_us"] = timed(fp8_fwd, x, plan, experts) * 1e3
@@ -536,6 +559,8 @@ FP8_TABLE_COLS = [
     ("fp8 up TF/s", lambda r: f"{r['fp8_up_TFs']:.0f}"),
     ("bf16 down us", lambda r: f"{r['bf16_down_us']:.0f}"),
     ("A quant us", lambda r: f"{r['quant_a_us']:.0f}"),
+    ("A quant CSR (previous) us", lambda r: f"{r['quant_a_csr_us']:.1f}"),
+    ("A quant smoothed / CSR us", lambda r: f"{r['quant_a_smoothed_us']:.1f} / {r['quant_a_smoothed_csr_us']:.1f}"),
     ("fp8 down us", lambda r: f"{r['fp8_down_us']:.0f}"),
     ("bf16 fwd us", lambda r: f"{r['bf16_fwd_us']:.0f}"),
     ("fp8 fwd us", lambda r: f"{r['fp8_fwd_us']:.0f}"),

@@ -146,10 +146,10 @@ class Fp8ForwardConfig:
       down: the fp8 down-proj grouped GEMM (`block_k` 128).
       quant: the SmoothQuant kernel quantizing X (per token, or per row with smooth scales).
       aggregate: the aggregation kernel.
-      requant: the SmoothQuant kernel re-quantizing A when the up-proj does not (narrow
-        rows: n elements); None gives 16 rows per CTA: measured on the H100 (session 10,
-        `benchmarks/history/session10/quant_ab.py`, same run) 153.6 / 224.7 us at 7B / 30B
-        against 157.7 / 231.8 with 4 rows per CTA.
+      requant: the row-block quantizer re-quantizing A when the up-proj does not
+        (`quant.kernel.quantize_row_blocks`: A's rows are already grouped, so whole 64-row
+        blocks stream through SMEM; rows wider than `row_blocks_fit` allows go through the
+        SmoothQuant kernel, one CSR entry per row, with its defaults).
       fuse_requant: quantize A in the up-proj's epilogue where a CTA holds whole rows of A
         (`grouped_gemm.fused_requant_fits`: no promotion, n <= 2 * up.block_n; the 7B
         shape's n = 256, not 30B's 512), instead of writing A in bf16 for the separate pass.
@@ -165,14 +165,14 @@ class Fp8ForwardConfig:
     down: "GroupedMatmulConfig"
     quant: "SmoothQuantConfig"
     aggregate: "AggregateConfig"
-    requant: "SmoothQuantConfig | None" = None
+    requant: "RowBlockQuantConfig | None" = None
     fuse_requant: bool = False
 
     def __post_init__(self):
         if self.requant is None:
-            from pallas_moe.quant.kernel import SmoothQuantConfig
+            from pallas_moe.quant.kernel import RowBlockQuantConfig
 
-            object.__setattr__(self, "requant", SmoothQuantConfig(block_t=16))
+            object.__setattr__(self, "requant", RowBlockQuantConfig())
 
     @classmethod
     def for_shape(cls, d: int, n: int, *, num_sms: int | None = None,
@@ -406,15 +406,10 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
     if fused:  # e4m3 [P_up, n], f32 [P_up]; padding rows unwritten (never stored later)
         a, (q2, s2) = None, up_out
     else:
-        a = up_out  # bf16 [P, n]; padding rows unwritten
-        # A's rows are already grouped: row r is its own "token" with one CSR entry (no
-        # gather); rows past num_rows own none and come out as zeros.
-        rows = jnp.arange(capacity + 1, dtype=jnp.int32)
-        q2, s2 = smoothquant_kernel(
-            a, experts.smooth_down, jnp.minimum(rows, plan.num_rows), rows[:-1], row_experts,
-            plan.num_rows, num_out_rows=down_rows, out_dtype=E4M3, config=config.requant,
-            interpret=interpret,
-        )
+        a = up_out  # bf16 [P, n]; padding rows unwritten (never read: rows past num_rows
+        # come out as zeros)
+        q2, s2 = requantize_rows(a, experts.smooth_down, plan, num_out_rows=down_rows,
+                                 config=config.requant, interpret=interpret)
     down_meta = up_meta if config.down.block_m == config.up.block_m else (
         _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
     )
@@ -431,6 +426,28 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
     )
     out = out[:, :d] if width != d else out
     return dict(q1=q1, s1=s1, a=a, q2=q2, s2=s2, y=y, out=out)
+
+
+def requantize_rows(a, smooth, plan: DispatchPlan, *, num_out_rows: int,
+                    config: "RowBlockQuantConfig", interpret=False):
+    """e4m3 `(Q [num_out_rows, n], s f32 [num_out_rows])` of A's grouped rows, each row
+    times its expert's smooth scale (`smooth` f32 [E, n] or None), zero rows past
+    `plan.num_rows`: the row-block quantizer, or for rows too wide for its SMEM blocks the
+    SmoothQuant kernel with one CSR entry per row (no gather)."""
+    from pallas_moe.quant.kernel import (
+        SmoothQuantConfig, quantize_row_blocks, row_blocks_fit, smoothquant_kernel,
+    )
+
+    if row_blocks_fit(a.shape[1], a.dtype.itemsize, E4M3.itemsize) and num_out_rows % 64 == 0:
+        return quantize_row_blocks(a, smooth, plan.group_sizes, plan.num_rows,
+                                   num_out_rows=num_out_rows, out_dtype=E4M3, config=config,
+                                   interpret=interpret)
+    rows = jnp.arange(plan.capacity + 1, dtype=jnp.int32)
+    return smoothquant_kernel(
+        a, smooth, jnp.minimum(rows, plan.num_rows), rows[:-1], _row_experts(plan),
+        plan.num_rows, num_out_rows=num_out_rows, out_dtype=E4M3,
+        config=SmoothQuantConfig(block_t=16), interpret=interpret,
+    )
 
 
 def _forward_xla(x, plan, experts: QuantizedExperts, *, aggregation):

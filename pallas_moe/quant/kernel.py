@@ -28,7 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
-from pallas_moe.quant.reference import correctly_rounded_reciprocal, qmax_of, quantize_row
+from pallas_moe.quant.reference import (
+    apply_row_scale, correctly_rounded_reciprocal, qmax_of, quantize_row, row_scale,
+)
 
 _WG = 128  # threads in a warpgroup
 _VECS = (8, 4, 2, 1)
@@ -276,3 +278,258 @@ def quantize_tokens_kernel(
         x, None, tokens, tokens[:-1], jnp.zeros((num_tokens,), jnp.int32),
         None, num_out_rows=num_tokens, out_dtype=out_dtype, config=config, interpret=interpret,
     )
+
+
+# --- Contiguous grouped rows: the row-block quantizer ---------------------------------------
+
+ROW_BLOCK = 64  # rows per block: the height of the wgmma register layout the math runs in
+# SMEM the pipeline may take: inputs and outputs of `num_stages` blocks in flight.
+_ROW_BLOCK_SMEM_BYTES = 200 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBlockQuantConfig:
+    """Block sizes of `quantize_row_blocks`.
+
+    Attributes:
+      block_cols: columns each register pass holds (a multiple of 128 dividing the row
+        width): a [64, block_cols] f32 chunk is block_cols / 2 registers per thread.
+      num_stages: row blocks in flight per CTA (the pipeline's SMEM slots); None = as many
+        as fit in ~200 KB, at most 4.
+      num_sms: CTAs of the persistent grid; None = the device's SM count (132 on an H100).
+    """
+
+    block_cols: int = 128
+    num_stages: int | None = None
+    num_sms: int | None = None
+
+    def __post_init__(self):
+        if self.block_cols < 128 or self.block_cols % 128:
+            raise ValueError(
+                f"config.block_cols={self.block_cols} must be a positive multiple of 128 "
+                "(one 128-byte swizzle row of the 8-bit output)."
+            )
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"config.num_stages={self.num_stages} must be >= 1.")
+        if self.num_sms is not None and self.num_sms < 1:
+            raise ValueError(f"config.num_sms={self.num_sms} must be >= 1.")
+
+    def resolve_stages(self, width: int, in_bytes: int, out_bytes: int) -> int:
+        if self.num_stages is not None:
+            return self.num_stages
+        return max(1, min(4, _ROW_BLOCK_SMEM_BYTES // _row_block_bytes(width, in_bytes, out_bytes)))
+
+
+def _row_block_bytes(width: int, in_bytes: int, out_bytes: int) -> int:
+    """SMEM of one block in flight: its input rows, its quantized rows and their scales."""
+    return ROW_BLOCK * width * (in_bytes + out_bytes) + ROW_BLOCK * 4
+
+
+def row_blocks_fit(width: int, in_bytes: int = 2, out_bytes: int = 1) -> bool:
+    """Whether `quantize_row_blocks` takes rows of `width` elements: a multiple of 128 whose
+    64-row block (input and output) fits the SMEM budget (up to 1088 bf16 -> 8-bit)."""
+    return width % 128 == 0 and _row_block_bytes(width, in_bytes, out_bytes) <= _ROW_BLOCK_SMEM_BYTES
+
+
+def quantize_row_blocks(
+    a: jax.Array,
+    smooth_scales: jax.Array | None,
+    group_sizes: jax.Array,
+    num_rows: jax.Array,
+    *,
+    num_out_rows: int,
+    out_dtype,
+    config: RowBlockQuantConfig = RowBlockQuantConfig(),
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Row-wise quantization of rows that are already in grouped order (no gather).
+
+        Q[r], s[r] = quantize_row(a[r] * S[e(r)])   for r < num_rows
+        Q[r], s[r] = 0, 0                           for num_rows <= r < num_out_rows
+
+    with `e(r)` the expert owning row r (the plan's groups are consecutive row ranges). The
+    fp8 forward re-quantizes the up-proj's output A this way before the down-proj.
+
+    How (why it is faster than walking rows one by one, `smoothquant_kernel`): a persistent
+    CTA (one warpgroup) pipelines whole `[64, w]` row blocks through SMEM with TMA
+    (`plgpu.emit_pipeline`), reads them in the wgmma register layout, where each row lives
+    in one quad of threads, so a row's max is a reduction inside each thread and across its
+    quad (two shuffles), with no barrier per row; Q goes back through 128-byte-swizzled
+    SMEM tiles and TMA, s as a [64] box. Each block makes two passes over its SMEM copy in
+    `block_cols` chunks (the row maxima, then the scaled values), so a wide row never sits
+    in registers whole. With smooth scales, each expert's scale chunk is loaded once per
+    (block, chunk) and applied to that expert's rows of the block (`jnp.where`, so a
+    non-finite value in a padding row never reaches a real one).
+
+    Args:
+      a: [P_a, w] bf16 or fp16 rows in grouped order (w a multiple of `block_cols`); rows
+        at or past `num_rows` are never used (their contents may be anything).
+      smooth_scales: f32 [E, w] per-expert smooth scales, or None (`Y = a`, the bits of a
+        row of ones).
+      group_sizes: i32 [E] rows per expert (the plan's); only read with smooth scales.
+      num_rows: i32 [] or [1], the plan's real rows (`P_a >= num_rows`).
+      num_out_rows: static P_out >= num_rows, rows of the outputs (a multiple of 64).
+      out_dtype: int8 or float8_e4m3fn.
+      config: block sizes.
+      interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
+
+    Returns:
+      `(q [P_out, w] out_dtype, s f32 [P_out])`.
+    """
+    if a.ndim != 2:
+        raise ValueError(f"a must be [P, w], got shape {tuple(a.shape)}.")
+    if a.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise TypeError(f"a must be bf16 or fp16, got {a.dtype}.")
+    out_dtype = jnp.dtype(out_dtype)
+    qmax_of(out_dtype)  # validates out_dtype
+    a_rows, width = a.shape
+    if not row_blocks_fit(width, a.dtype.itemsize, out_dtype.itemsize):
+        raise ValueError(
+            f"a.shape[1]={width} must be a multiple of 128 whose 64-row blocks fit in SMEM "
+            f"(<= {_ROW_BLOCK_SMEM_BYTES} bytes for input and output); quantize wider rows "
+            "with smoothquant_kernel."
+        )
+    bc = config.block_cols
+    _common.require_multiple("a.shape[1]", width, bc, f"config.block_cols={bc} columns per pass")
+    _common.require_multiple("num_out_rows", num_out_rows, ROW_BLOCK,
+                             f"the kernel writes whole blocks of {ROW_BLOCK} rows")
+    num_experts = group_sizes.shape[0]
+    _common.require_shape("group_sizes", group_sizes, (num_experts,))
+    smoothed = smooth_scales is not None
+    if smoothed:
+        _common.require_shape("smooth_scales", smooth_scales, (num_experts, width))
+        _common.require_dtype("smooth_scales", smooth_scales, jnp.float32)
+    if a_rows % ROW_BLOCK:  # every block the kernel reads must lie inside `a`
+        a = jnp.pad(a, ((0, ROW_BLOCK - a_rows % ROW_BLOCK), (0, 0)))
+    in_blocks = a.shape[0] // ROW_BLOCK
+    num_blocks = num_out_rows // ROW_BLOCK
+    num_ctas = min(config.num_sms or _default_num_sms(), num_blocks)
+    stages = config.resolve_stages(width, a.dtype.itemsize, out_dtype.itemsize)
+    layout = plgpu.Layout.WGMMA
+    in_transforms = _common.mma_transforms(a.dtype)
+    q_transforms = _common.mma_transforms(out_dtype)
+    num_chunks = width // bc
+
+    def body(nr_ref, *refs):
+        if smoothed:
+            ends_ref, sizes_ref, a_ref, sm_ref, q_ref, s_ref, *scratch = refs
+        else:
+            a_ref, q_ref, s_ref, *scratch = refs
+        cta = jax.lax.axis_index("sm")
+        count = (num_blocks - cta + num_ctas - 1) // num_ctas  # >= 1: cta < num_blocks
+        real_rows = nr_ref[0]
+        rows_iota = plgpu.broadcasted_iota(jnp.int32, (ROW_BLOCK, bc), 0, layout=layout)
+
+        def block_of(i):
+            return cta + i * num_ctas
+
+        def chunk(a_smem, c, r0, live):
+            """f32 [64, bc]: columns [c*bc, (c+1)*bc) of the block's Y, zero past `live`."""
+            x = a_smem[:, pl.ds(c * bc, bc)].astype(jnp.float32)
+            if not smoothed:
+                return jnp.where(rows_iota < live, x, 0.0)
+            # Experts of rows [r0, r0 + live): consecutive, each a range of the block's rows.
+            first = _expert_of(ends_ref, r0, num_experts)
+            last = _expert_of(ends_ref, r0 + jnp.maximum(live, 1) - 1, num_experts)
+
+            def apply(e, y):
+                end = ends_ref[e]
+                lo = jnp.maximum(end - sizes_ref[e], r0) - r0
+                hi = jnp.minimum(end - r0, live)
+                smooth = plgpu.load(sm_ref.at[e, pl.ds(c * bc, bc)],
+                                    layout=layout.reduce(0), optimized=False)
+                scaled = x * jax.lax.broadcast_in_dim(smooth, (ROW_BLOCK, bc), [1])
+                return jnp.where((rows_iota >= lo) & (rows_iota < hi), scaled, y)
+
+            zeros = plgpu.layout_cast(jnp.zeros((ROW_BLOCK, bc), jnp.float32), layout)
+            return jax.lax.fori_loop(first, last + 1, apply, zeros)
+
+        def quantize_block(i, a_smem, q_smem, s_smem):
+            r0 = block_of(i) * ROW_BLOCK
+            live = jnp.clip(real_rows - r0, 0, ROW_BLOCK)  # real rows of this block
+            amax = None
+            for c in range(num_chunks):  # pass 1: the rows' maxima
+                m = jnp.max(jnp.abs(chunk(a_smem, c, r0, live)), axis=1)  # [64]
+                amax = m if amax is None else jnp.maximum(amax, m)
+            scale, inv = row_scale(amax, out_dtype)
+            inv = jax.lax.broadcast_in_dim(inv, (ROW_BLOCK, bc), [0])
+            for c in range(num_chunks):  # pass 2: the quantized values
+                q_smem[:, pl.ds(c * bc, bc)] = apply_row_scale(
+                    chunk(a_smem, c, r0, live), inv, out_dtype)
+            s_smem[...] = scale
+
+        a_bufs, q_bufs, s_bufs, landed = scratch
+
+        def load(i, slot):  # blocks past `a` (output padding: every row masked) read its last
+            src = jnp.minimum(block_of(i), in_blocks - 1) * ROW_BLOCK
+            plgpu.copy_gmem_to_smem(a_ref.at[pl.ds(src, ROW_BLOCK)], a_bufs.at[slot],
+                                    landed.at[slot])
+
+        jax.lax.fori_loop(0, jnp.minimum(count, stages), lambda i, c: load(i, i), None)
+
+        def step(i, carry):
+            slot = i % stages
+            plgpu.barrier_wait(landed.at[slot])
+            # The Q and s stores of `stages` blocks ago (two bulk groups per block) have read
+            # this slot's output buffers.
+            plgpu.wait_smem_to_gmem(2 * (stages - 1), wait_read_only=True)
+            quantize_block(i, a_bufs.at[slot], q_bufs.at[slot], s_bufs.at[slot])
+            plgpu.commit_smem()  # every thread's reads of a_bufs[slot] are done, too
+            r0 = block_of(i) * ROW_BLOCK
+            plgpu.copy_smem_to_gmem(q_bufs.at[slot], q_ref.at[pl.ds(r0, ROW_BLOCK)])
+            plgpu.copy_smem_to_gmem(s_bufs.at[slot], s_ref.at[pl.ds(r0, ROW_BLOCK)])
+
+            @pl.when(i + stages < count)
+            def _():
+                load(i + stages, slot)
+
+            return carry
+
+        jax.lax.fori_loop(0, count, step, None)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    if smoothed:
+        ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # [E] one past each group's rows
+    kernel = plgpu.kernel(
+        body,
+        kernel_name="moe_quantize_row_blocks",
+        out_type=(
+            jax.ShapeDtypeStruct((num_out_rows, width), out_dtype),
+            jax.ShapeDtypeStruct((num_out_rows,), jnp.float32),
+        ),
+        scratch_types=[
+            plgpu.SMEM((stages, ROW_BLOCK, width), a.dtype, transforms=in_transforms),
+            plgpu.SMEM((stages, ROW_BLOCK, width), out_dtype, transforms=q_transforms),
+            plgpu.SMEM((stages, ROW_BLOCK), jnp.float32),
+            plgpu.Barrier(num_barriers=stages),
+        ],
+        grid=(num_ctas,),
+        grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=_common.interpret_params(interpret),
+    )
+    nr = jnp.reshape(num_rows, (1,)).astype(jnp.int32)
+    if smoothed:
+        return kernel(nr, ends, group_sizes.astype(jnp.int32), a, smooth_scales)
+    return kernel(nr, a)
+
+
+def _expert_of(ends_ref, row, num_experts: int):
+    """The expert owning grouped row `row`: the first e with ends[e] > row (binary search
+    over the [E] group ends in GMEM; log2(E) scalar loads); E - 1 for rows past the last."""
+    lo, hi = jnp.int32(0), jnp.int32(num_experts - 1)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        right = ends_ref[mid] <= row
+        return jnp.where(right, mid + 1, lo), jnp.where(right, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, max(num_experts - 1, 1).bit_length(), halve, (lo, hi))
+    return jnp.minimum(lo, num_experts - 1)
+
+
+def _default_num_sms() -> int:
+    from pallas_moe.kernels.moe_forward import default_num_sms
+
+    return default_num_sms()
