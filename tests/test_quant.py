@@ -461,3 +461,128 @@ def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype):
     assert_bitwise(q.reshape(-1, d), s.reshape(-1),
                    *numpy_smoothquant(x, smooth, tokens, np.asarray(ids).reshape(-1),
                                       np.ones(num_tokens * k, bool), out_dtype))
+
+
+# --- The row-block quantizer (contiguous grouped rows: A's re-quantization) ---------------
+
+def row_block_case(key, num_rows, width, group_sizes, in_rows=None, dtype=jnp.bfloat16):
+    """A [in_rows, width] with the special rows of `special_x` among real rows, NaN past
+    `num_rows` (padding the kernel must not read into a real row), smooth scales, groups."""
+    in_rows = num_rows if in_rows is None else in_rows
+    ks = jax.random.split(key, 2)
+    a = special_x(ks[0], in_rows, width, dtype=dtype, at=(0, 63, 64, 65, 130))
+    a = jnp.where(jnp.arange(in_rows)[:, None] < num_rows, a, jnp.nan).astype(dtype)
+    smooth = smooth_scales(ks[1], len(group_sizes), width)
+    return a, smooth, jnp.asarray(group_sizes, jnp.int32)
+
+
+def numpy_row_blocks(a, smooth, group_sizes, num_rows, out_rows, out_dtype):
+    """The formula per grouped row r < num_rows with its expert's scale; zeros past it."""
+    experts = np.searchsorted(np.cumsum(group_sizes), np.arange(out_rows), side="right")
+    a_np = np.zeros((out_rows, a.shape[1]), np.float32)
+    a_np[:num_rows] = np.asarray(a, np.float32)[:num_rows]
+    s_np = np.ones((len(group_sizes), a.shape[1]), np.float32) if smooth is None else smooth
+    return numpy_smoothquant(a_np, s_np, np.arange(out_rows), experts,
+                             np.arange(out_rows) < num_rows, out_dtype)
+
+
+def run_row_blocks(a, smooth, group_sizes, num_rows, out_rows, out_dtype, config, interpret=True):
+    from pallas_moe.quant.kernel import quantize_row_blocks
+
+    return quantize_row_blocks(a, smooth, group_sizes, jnp.int32(num_rows), num_out_rows=out_rows,
+                               out_dtype=out_dtype, config=config, interpret=interpret)
+
+
+@pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
+@pytest.mark.parametrize("smoothed", [False, True], ids=["plain", "smoothed"])
+def test_row_blocks_match_numpy(out_dtype, smoothed):
+    # 200 real rows in ragged groups (an empty expert, a group spanning three blocks, blocks
+    # holding up to four experts), zero / largest-bf16 / sub-normal-scale rows, NaN padding
+    # rows, and output rows past the input (320 > 256): every bit of Q and s.
+    from pallas_moe.quant.kernel import RowBlockQuantConfig
+
+    sizes = [3, 0, 150, 9, 38]
+    a, smooth, gs = row_block_case(jax.random.key(11), 200, 256, sizes, in_rows=256)
+    s_arg = smooth if smoothed else None
+    q, s = run_row_blocks(a, s_arg, gs, 200, 320, out_dtype,
+                          RowBlockQuantConfig(block_cols=128, num_stages=2, num_sms=3))
+    assert_bitwise(q, s, *numpy_row_blocks(a, None if s_arg is None else np.asarray(smooth),
+                                           sizes, 200, 320, out_dtype))
+
+
+def test_row_blocks_no_races_one_stage_and_one_column_pass():
+    from pallas_moe.quant.kernel import RowBlockQuantConfig
+
+    sizes = [70, 0, 58]
+    a, smooth, gs = row_block_case(jax.random.key(12), 128, 256, sizes, in_rows=130)
+    for cfg in (RowBlockQuantConfig(block_cols=256, num_stages=1, num_sms=2),
+                RowBlockQuantConfig(block_cols=128, num_stages=3, num_sms=2)):
+        q, s = run_row_blocks(a, smooth, gs, 128, 192, E4M3, cfg,
+                              interpret=plgpu.InterpretGPUParams(detect_races=True))
+        assert not races_found()
+        assert_bitwise(q, s, *numpy_row_blocks(a, np.asarray(smooth), sizes, 128, 192, E4M3))
+
+
+def test_row_blocks_bad_inputs_raise():
+    from pallas_moe.quant.kernel import RowBlockQuantConfig, quantize_row_blocks
+
+    a = jnp.zeros((128, 256), jnp.bfloat16)
+    gs = jnp.asarray([64, 64], jnp.int32)
+    kw = dict(num_out_rows=128, out_dtype=E4M3)
+    with pytest.raises(ValueError, match="num_out_rows=100 must be a multiple of 64"):
+        quantize_row_blocks(a, None, gs, jnp.int32(128), num_out_rows=100, out_dtype=E4M3)
+    with pytest.raises(ValueError, match=r"a.shape\[1\]=1536 must be a multiple of 128 whose"):
+        quantize_row_blocks(jnp.zeros((128, 1536), jnp.bfloat16), None, gs, jnp.int32(1), **kw)
+    with pytest.raises(ValueError, match="smooth_scales"):
+        quantize_row_blocks(a, jnp.ones((3, 256), jnp.float32), gs, jnp.int32(1), **kw)
+    with pytest.raises(TypeError, match="a must be bf16 or fp16"):
+        quantize_row_blocks(a.astype(jnp.float32), None, gs, jnp.int32(1), **kw)
+    with pytest.raises(ValueError, match="out_dtype must be int8 or float8_e4m3fn"):
+        quantize_row_blocks(a, None, gs, jnp.int32(1), num_out_rows=128, out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="config.block_cols=64 must be a positive multiple of 128"):
+        RowBlockQuantConfig(block_cols=64)
+    with pytest.raises(ValueError, match=r"a.shape\[1\]=384 must be a multiple of 256"):
+        quantize_row_blocks(jnp.zeros((128, 384), jnp.bfloat16), None, gs, jnp.int32(1),
+                            config=RowBlockQuantConfig(block_cols=256), **kw)
+
+
+@pytest.mark.parametrize("width,smoothed", [(256, False), (512, False), (512, True), (1024, True)])
+def test_row_blocks_lower_for_cuda_at_production_widths(width, smoothed):
+    # A's widths n of the 7B / 30B shapes (and the widest the SMEM budget takes), P of 30B.
+    from pallas_moe.quant.kernel import quantize_row_blocks
+    from tests.cuda_target import h100_target
+
+    rows, sds = 262144, jax.ShapeDtypeStruct
+
+    def f(a, smooth, gs, nr):
+        return quantize_row_blocks(a, smooth if smoothed else None, gs, nr, num_out_rows=rows,
+                                   out_dtype=E4M3)
+
+    with h100_target():
+        jax.jit(f).trace(sds((rows, width), jnp.bfloat16), sds((128, width), jnp.float32),
+                         sds((128,), jnp.int32), sds((), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
+@pytest.mark.parametrize("width", [256, 512])
+def test_row_blocks_match_numpy_on_gpu(out_dtype, width):
+    # A plan's ragged groups at a production width, special and NaN padding rows, poisoned
+    # outputs (a freed buffer of 0xff bytes: NaN scales, NaN e4m3 / -1 int8): every bit.
+    from pallas_moe.quant.kernel import RowBlockQuantConfig
+
+    plan = topk_plan(jax.random.normal(jax.random.key(5), (4096, 64)), 4)
+    sizes = np.asarray(plan.group_sizes)
+    rows = int(plan.num_rows) - 37  # the last block holds real and padding rows
+    a, smooth, gs = row_block_case(jax.random.key(6), rows, width, list(sizes[:-1]) +
+                                   [sizes[-1] - 37], in_rows=plan.capacity)
+    junk = jnp.full((plan.capacity * width * 2,), 0xFF, jnp.uint8).block_until_ready()
+    del junk
+    for s_arg in (None, smooth):
+        q, s = run_row_blocks(a, s_arg, gs, rows, plan.capacity + 64, out_dtype,
+                              RowBlockQuantConfig(), interpret=False)
+        assert_bitwise(q, s, *numpy_row_blocks(
+            a, None if s_arg is None else np.asarray(smooth), list(np.asarray(gs)), rows,
+            plan.capacity + 64, out_dtype))
