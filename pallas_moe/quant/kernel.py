@@ -423,11 +423,12 @@ def quantize_row_blocks(
         def block_of(i):
             return cta + i * num_ctas
 
-        def chunk(a_smem, c, r0, live):
-            """f32 [64, bc]: columns [c*bc, (c+1)*bc) of the block's Y, zero past `live`."""
+        def chunk(a_smem, c, r0, live, masked=True):
+            """f32 [64, bc]: columns [c*bc, (c+1)*bc) of the block's Y, zero past `live`
+            (`masked=False`: every row is real)."""
             x = a_smem[:, pl.ds(c * bc, bc)].astype(jnp.float32)
             if not smoothed:
-                return jnp.where(rows_iota < live, x, 0.0)
+                return jnp.where(rows_iota < live, x, 0.0) if masked else x
             # Experts of rows [r0, r0 + live): consecutive, each a range of the block's rows.
             first = _expert_of(ends_ref, r0, num_experts)
             last = _expert_of(ends_ref, r0 + jnp.maximum(live, 1) - 1, num_experts)
@@ -444,19 +445,42 @@ def quantize_row_blocks(
             zeros = plgpu.layout_cast(jnp.zeros((ROW_BLOCK, bc), jnp.float32), layout)
             return jax.lax.fori_loop(first, last + 1, apply, zeros)
 
-        def quantize_block(i, a_smem, q_smem, s_smem):
-            r0 = block_of(i) * ROW_BLOCK
-            live = jnp.clip(real_rows - r0, 0, ROW_BLOCK)  # real rows of this block
-            amax = None
-            for c in range(num_chunks):  # pass 1: the rows' maxima
-                m = jnp.max(jnp.abs(chunk(a_smem, c, r0, live)), axis=1)  # [64]
-                amax = m if amax is None else jnp.maximum(amax, m)
-            scale, inv = row_scale(amax, out_dtype)
+        def row_maxima(a_smem, r0, live, masked):
+            """f32 [64]: max |Y| of each row of the block (pass 1)."""
+            if smoothed or masked:
+                amax = None
+                for c in range(num_chunks):
+                    m = jnp.max(jnp.abs(chunk(a_smem, c, r0, live, masked)), axis=1)
+                    amax = m if amax is None else jnp.maximum(amax, m)
+                return amax
+            # A whole block without smoothing: |x| and max are exact in the input dtype, so
+            # the elementwise maxima over the chunks run on packed 16-bit pairs and only the
+            # last one is widened for the row reduction (the same value as in f32).
+            m = None
+            for c in range(num_chunks):
+                x = jnp.abs(a_smem[:, pl.ds(c * bc, bc)])
+                m = x if m is None else jnp.maximum(m, x)
+            return jnp.max(m.astype(jnp.float32), axis=1)
+
+        def quantize_block(a_smem, q_smem, s_smem, r0, live, masked):
+            scale, inv = row_scale(row_maxima(a_smem, r0, live, masked), out_dtype)
             inv = jax.lax.broadcast_in_dim(inv, (ROW_BLOCK, bc), [0])
             for c in range(num_chunks):  # pass 2: the quantized values
                 q_smem[:, pl.ds(c * bc, bc)] = apply_row_scale(
-                    chunk(a_smem, c, r0, live), inv, out_dtype)
+                    chunk(a_smem, c, r0, live, masked), inv, out_dtype)
             s_smem[...] = scale
+
+        def quantize(i, a_smem, q_smem, s_smem):
+            r0 = block_of(i) * ROW_BLOCK
+            live = jnp.clip(real_rows - r0, 0, ROW_BLOCK)  # real rows of this block
+
+            @pl.when(live == ROW_BLOCK)  # every row real: no masking
+            def _():
+                quantize_block(a_smem, q_smem, s_smem, r0, live, masked=False)
+
+            @pl.when(live < ROW_BLOCK)
+            def _():
+                quantize_block(a_smem, q_smem, s_smem, r0, live, masked=True)
 
         a_bufs, q_bufs, s_bufs, landed = scratch
 
@@ -473,7 +497,7 @@ def quantize_row_blocks(
             # The Q and s stores of `stages` blocks ago (two bulk groups per block) have read
             # this slot's output buffers.
             plgpu.wait_smem_to_gmem(2 * (stages - 1), wait_read_only=True)
-            quantize_block(i, a_bufs.at[slot], q_bufs.at[slot], s_bufs.at[slot])
+            quantize(i, a_bufs.at[slot], q_bufs.at[slot], s_bufs.at[slot])
             plgpu.commit_smem()  # every thread's reads of a_bufs[slot] are done, too
             r0 = block_of(i) * ROW_BLOCK
             plgpu.copy_smem_to_gmem(q_bufs.at[slot], q_ref.at[pl.ds(r0, ROW_BLOCK)])
