@@ -16,6 +16,10 @@ the current row is reduced, to overlap its latency.
 
 Output rows that no token owns (the plan's padding rows `[num_rows, P)`) are written as
 Q = 0, s = 0 by extra CTAs at the end of the grid.
+
+Rows that are already in grouped order (the fp8 forward's A) take the row-block quantizer
+below instead (`quantize_row_blocks`): whole 64-row blocks through SMEM, each row reduced
+inside one quad of threads of the wgmma register layout, with no barrier per row.
 """
 
 from __future__ import annotations
