@@ -10,7 +10,6 @@ small; the per-kernel sweeps, race detection and the 30B lowering are `slow`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -478,10 +477,9 @@ def test_real_widths_have_configs(d, n):
 # ----------------------------------------------------------------------------- cuda lowering
 
 
-def _lower_for_cuda(num_tokens, d, n, num_experts, k, gather="cp_async", **dh_options):
+def _lower_for_cuda(num_tokens, d, n, num_experts, k, gather="cp_async"):
     args = _abstract_args(num_tokens, d, n, num_experts, k)
     config = BackwardConfig.for_shape(d, n, gather=gather)
-    config = dataclasses.replace(config, dh=dataclasses.replace(config.dh, **dh_options))
     f = jax.jit(functools.partial(moe_backward, interpret=False, config=config))
     return f.trace(*args).lower(lowering_platforms=("cuda",))
 
@@ -490,12 +488,6 @@ def _lower_for_cuda(num_tokens, d, n, num_experts, k, gather="cp_async", **dh_op
 def test_lowers_for_cuda_7b(gather):
     """Production block sizes at the 7B shape lower for cuda, with either row loader."""
     _lower_for_cuda(24576, 1536, 256, 128, 8, gather)
-
-
-@pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8)],
-                         ids=["7b", "30b"])
-def test_dh_swizzled_epilogue_lowers_for_cuda(shape):
-    _lower_for_cuda(*shape, swizzled_epilogue=True)
 
 
 @pytest.mark.slow
@@ -507,35 +499,3 @@ def test_dh_swizzled_epilogue_lowers_for_cuda(shape):
 )
 def test_lowers_for_cuda_large(shape):
     _lower_for_cuda(*shape)
-
-
-@pytest.mark.parametrize("early_h", [False, True], ids=["after_k_loop", "early_h"])
-def test_dh_kernel_swizzled_epilogue_equals_untiled_no_races(early_h):
-    """`swizzled_epilogue`: H, dH and A' as 128-byte-swizzled 64-column slabs (one TMA ladder
-    per slab) give bit for bit the untiled epilogue's outputs, with the race detector;
-    block_n = 128 (two slabs per consumer), 8 K steps over 5 stages (`early_h` loads H from
-    step 7 on, as the untiled layout does)."""
-    from pallas_moe.kernels.dh import _h_load_step
-
-    assert _h_load_step(64, 128, 64, 5, 2, 8, swizzled=True) == 7 == _h_load_step(
-        64, 128, 64, 5, 2, 8)
-    x, h, plan, w1, w2, grad_out = make_problem(8, 20, 512, 256, 2, 2)
-    base = DHConfig(block_n=128, num_stages=5, num_consumers=2, early_h=early_h)
-    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
-    want = dh_kernel(*args, config=base, interpret=True)
-    got = dh_kernel(*args, config=dataclasses.replace(base, swizzled_epilogue=True),
-                    interpret=interp(detect_races=True))
-    assert not races_found()
-    rows = int(plan.num_rows)
-    for name, g, w in zip(("dh", "a_scaled", "d_scores"), got, want):
-        np.testing.assert_array_equal(np.asarray(g[:rows], np.float32),
-                                      np.asarray(w[:rows], np.float32), err_msg=name)
-    assert_untouched(got[0], rows)
-    assert_untouched(got[1], rows)
-
-
-def test_dh_swizzled_epilogue_needs_the_warp_specialized_kernel():
-    x, h, plan, w1, w2, grad_out = make_problem(8, 20, 128, 128, 2, 2)
-    with pytest.raises(ValueError, match="config.swizzled_epilogue needs"):
-        dh_kernel(grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2,
-                  config=DHConfig(block_n=64, swizzled_epilogue=True), interpret=True)

@@ -86,12 +86,6 @@ class DHConfig:
         loading the tile's H into the pipeline's bytes as soon as both are done with every
         K step whose slot those bytes overlay (`_h_load_step`), so the load overlaps the
         last K steps instead of following them. False = after the K loop.
-      swizzled_epilogue: warp-specialized kernel with `prefetch_h=False` only: the H tiles
-        (rewritten as dH) and A' sit in SMEM as 128-byte-swizzled 64-column slabs
-        (`_common.row_tile_types`), so the epilogue's wgmma-layout loads and stores are free
-        of bank conflicts (an untiled [rows, bn] tile puts a warp's 8 rows in the same banks:
-        8-way conflicts), at the cost of one TMA ladder per slab; the epilogue then runs in
-        64-column chunks. False = untiled tiles (the measured default).
       approx_math: compiled kernels only: True (default) = the dSwiGLU's sigmoid takes
         its exp from the hardware's `ex2.approx` (`plgpu.CompilerParams.approx_math`);
         False = the full-precision libdevice `exp`. Measured on the H100 (session 8): 623.6
@@ -115,7 +109,6 @@ class DHConfig:
     epilogue_cols: int = 64
     early_h: bool = False
     approx_math: bool = True
-    swizzled_epilogue: bool = False
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -144,14 +137,6 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         raise ValueError(
             f"config.epilogue_cols={config.epilogue_cols} must be 0 or a multiple of 8 dividing "
             f"block_n={bn}."
-        )
-    if config.swizzled_epilogue and (config.num_consumers < 1 or config.prefetch_h
-                                     or config.epilogue_cols != 64):
-        raise ValueError(
-            "config.swizzled_epilogue needs the warp-specialized kernel (num_consumers >= 1) "
-            f"with prefetch_h=False and epilogue_cols=64 (one slab per chunk), got "
-            f"num_consumers={config.num_consumers}, prefetch_h={config.prefetch_h}, "
-            f"epilogue_cols={config.epilogue_cols}."
         )
     _common.require_gather_mode(config)
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
@@ -193,14 +178,10 @@ def load_rows(src_gmem, dst_smem, row0, num_rows, max_rows: int, bars, issue: bo
         i += 1
 
 
-def _smem_layout(bm: int, bn: int, bk: int, stages: int, cons: int, swizzled: bool = False):
+def _smem_layout(bm: int, bn: int, bk: int, stages: int, cons: int):
     """SMEM of the warp-specialized kernel (`gathered_pipeline_smem`'s arguments): the dO
     stages' shape, the pipeline's other arrays (W2 stages, then the tile's token ids and
-    scores), the epilogue's arrays before H (A', dS partials) and H's type; with `swizzled`
-    (`DHConfig.swizzled_epilogue`): the epilogue's dS partials only, and the shape of the
-    row tiles `(3, cons, bm, bn)` (A', H gate, H up of each consumer: A' first, so H lies
-    where the untiled layout puts it and `early_h` starts at the same step) as the last
-    element."""
+    scores), the epilogue's arrays before H (A', dS partials) and H's type."""
     dtype = jnp.bfloat16
     others = [
         plgpu.SMEM((stages, cons * bn, bk), dtype, transforms=_common.mma_transforms(dtype)),
@@ -209,8 +190,6 @@ def _smem_layout(bm: int, bn: int, bk: int, stages: int, cons: int, swizzled: bo
         plgpu.SMEM((bm,), jnp.int32),
         plgpu.SMEM((bm,), jnp.float32),
     ]
-    if swizzled:  # per consumer: dS partial; A', H gate and H up (-> dH) as row tiles
-        return (stages, bm, bk), others, [plgpu.SMEM((cons, bm), jnp.float32)], (3, cons, bm, bn)
     epilogue = [
         plgpu.SMEM((cons, bm, bn), dtype),  # per consumer: A'
         plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: dS partial
@@ -219,20 +198,15 @@ def _smem_layout(bm: int, bn: int, bk: int, stages: int, cons: int, swizzled: bo
     return (stages, bm, bk), others, epilogue, h_type
 
 
-def _h_load_step(bm: int, bn: int, bk: int, stages: int, cons: int, num_k: int,
-                 swizzled: bool = False) -> int:
+def _h_load_step(bm: int, bn: int, bk: int, stages: int, cons: int, num_k: int) -> int:
     """The first K step at which the warp-specialized kernel's consumers may start loading
     H (`early_h`): one past the last step whose pipeline slot shares bytes with the H tiles
     the epilogue overlays (`num_k`: only after the K loop). The bytes come from the kernel's
     own `_smem_layout`, placed as Pallas places a `RefUnion` group (`_common.group_spans`).
     """
-    a_shape, others, epilogue, h_type = _smem_layout(bm, bn, bk, stages, cons, swizzled)
+    a_shape, others, epilogue, h_type = _smem_layout(bm, bn, bk, stages, cons)
     stage_arrays = _common.group_spans([plgpu.SMEM(a_shape, jnp.bfloat16), others[0]])
-    if swizzled:  # H is the last two thirds of the row tiles (after A')
-        lo, hi = _common.group_spans([*epilogue, _common.row_tile_types(h_type, jnp.bfloat16)[1]])[-1]
-        h_lo, h_hi = lo + (hi - lo) // 3, hi
-    else:
-        h_lo, h_hi = _common.group_spans([*epilogue, h_type])[-1]
+    h_lo, h_hi = _common.group_spans([*epilogue, h_type])[-1]
 
     def overlays_h(slot):
         for lo, hi in stage_arrays:
@@ -484,9 +458,7 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     grid_n = n // cols
     dtype = jnp.bfloat16
     num_ladder = ladder_len(bm)
-    swizzled = config.swizzled_epilogue
-    h_step = _h_load_step(bm, bn, bk, stages, cons, num_k, swizzled)
-    slabs = bn // 64
+    h_step = _h_load_step(bm, bn, bk, stages, cons, num_k)
     # Interpret mode keeps the epilogue's buffers apart from the pipeline's: any step works.
     early = config.early_h and not config.prefetch_h and 1 <= h_step < num_k
     rows_per_warp = bm // 4
@@ -499,9 +471,6 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
         if prefetch_h:
             bufs, h_smem, full, empty, ids_bar, h_bars, s_bar, epi_bar, h_ready, *a_landed = scratch
             a_copy, a_mma, (b_smem, ids_smem, s_smem), (ap_smem, ds_smem) = views(bufs)
-        elif swizzled:  # row tiles [3 (A', H gate, H up), cons, slabs, bm, 64], two views
-            bufs, full, empty, ids_bar, h_bars, s_bar, epi_bar, h_ready, *a_landed = scratch
-            a_copy, a_mma, (b_smem, ids_smem, s_smem), (ds_smem, (t_copy, t_mma)) = views(bufs)
         else:
             bufs, full, empty, ids_bar, h_bars, s_bar, epi_bar, h_ready, *a_landed = scratch
             a_copy, a_mma, (b_smem, ids_smem, s_smem), (ap_smem, ds_smem, h_smem) = views(bufs)
@@ -565,12 +534,6 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 bar0 = c * num_ladder
 
                 def start_h_loads():  # this consumer's H gate and up rows -> h_smem[c]
-                    if swizzled:  # one ladder per 64-column slab
-                        for half, src in enumerate((h_gate, h_up)):
-                            for q in range(slabs):
-                                load_rows(src.at[:, pl.ds(q * 64, 64)], t_copy.at[1 + half, c, q],
-                                          row0, num_rows, bm, h_bars, True, bar0)
-                        return
                     load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, True, bar0)
                     load_rows(h_up, h_smem.at[c, 1], row0, num_rows, bm, h_bars, True, bar0)
 
@@ -612,11 +575,9 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 if not prefetch_h and not early:  # H goes into the pipeline's SMEM, now free
                     start_h_loads()
                 plgpu.barrier_wait(s_bar)
-                # Waits on the ladder's barriers once (they count every box issued on them).
-                load_rows(h_gate, None, row0, num_rows, bm, h_bars, False, bar0)
+                load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, False, bar0)
                 layout = plgpu.Layout.WGMMA
-                if not swizzled:
-                    hg_ref, hu_ref = h_smem.at[c, 0], h_smem.at[c, 1]
+                hg_ref, hu_ref = h_smem.at[c, 0], h_smem.at[c, 1]
                 s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
                 s = jax.lax.broadcast_in_dim(s, (bm, ep_cols), [0])
                 ds = None
@@ -624,47 +585,33 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 # to the accumulator (the whole tile at once spills).
                 for q in range(bn // ep_cols):
                     chunk = pl.ds(q * ep_cols, ep_cols)
-                    if swizzled:  # slab q of H gate and H up: conflict-free tiled loads
-                        g, u = t_mma[1, c, q], t_mma[2, c, q]
-                    else:
-                        g = plgpu.load(hg_ref.at[:, chunk], layout=layout, optimized=False)
-                        u = plgpu.load(hu_ref.at[:, chunk], layout=layout, optimized=False)
+                    g = plgpu.load(hg_ref.at[:, chunk], layout=layout, optimized=False)
+                    u = plgpu.load(hu_ref.at[:, chunk], layout=layout, optimized=False)
                     d_gate, d_up, a_scaled, ds_q = dswiglu_epilogue(
                         da[:, q * ep_cols:(q + 1) * ep_cols], g.astype(jnp.float32),
                         u.astype(jnp.float32), s, activation,
                     )
                     ds = ds_q if ds is None else ds + ds_q
                     # Same layout as the loads above: each thread overwrites only what it read.
-                    if swizzled:
-                        t_mma[1, c, q] = d_gate.astype(dtype)
-                        t_mma[2, c, q] = d_up.astype(dtype)
-                        t_mma[0, c, q] = a_scaled.astype(dtype)
-                    else:
-                        hg_ref[:, chunk] = d_gate.astype(dtype)
-                        hu_ref[:, chunk] = d_up.astype(dtype)
-                        ap_smem[c, :, chunk] = a_scaled.astype(dtype)
+                    hg_ref[:, chunk] = d_gate.astype(dtype)
+                    hu_ref[:, chunk] = d_up.astype(dtype)
+                    ap_smem[c, :, chunk] = a_scaled.astype(dtype)
                 ds_smem[c] = ds
                 plgpu.commit_smem()
-                dsts = (dh_out.at[:, pl.ds(c0, bn)], dh_out.at[:, pl.ds(n + c0, bn)],
-                        ap_out.at[:, pl.ds(c0, bn)])
-                if swizzled:
-                    for t, dst in zip((1, 2, 0), dsts):
-                        _common.store_row_tile(t_copy.at[t, c], dst, row0, num_rows, bm)
-                else:
-                    for src, dst in zip((hg_ref, hu_ref, ap_smem.at[c]), dsts):
-                        _common.store_rows(src, dst, row0, num_rows, bm)
+                _common.store_rows(hg_ref, dh_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
+                _common.store_rows(hu_ref, dh_out.at[:, pl.ds(n + c0, bn)], row0, num_rows, bm)
+                _common.store_rows(ap_smem.at[c], ap_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
                 plgpu.copy_smem_to_gmem(ds_smem.at[c], ds_out.at[mi, ni * cons + c])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # Per consumer: H gate, H up -> dH gate, dH up.
-    a_shape, others, epilogue, h_type = _smem_layout(bm, bn, bk, stages, cons, swizzled)
-    h_types = [] if swizzled else [h_type]
+    a_shape, others, epilogue, h_type = _smem_layout(bm, bn, bk, stages, cons)
+    h_types = [h_type]
     prefetch_h = config.prefetch_h
     bufs, views = _common.gathered_pipeline_smem(
         a_shape, dtype, others=others,
         epilogue=[*epilogue, *([] if prefetch_h else h_types)],
         interpret=interpret_mode is not None,
-        row_tiles=[h_type] if swizzled else (),
     )
     scratch = [
         bufs,  # gathered dO stages [stages, bm, bk] + W2 stages + ids + scores; then A', dS
@@ -676,9 +623,7 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
         ),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
         plgpu.Barrier(),  # ids
-        # H boxes: gate and up (one ladder per 64-column slab of each when swizzled)
-        plgpu.Barrier(num_arrivals=2 * (slabs if swizzled else 1),
-                      num_barriers=cons * num_ladder),
+        plgpu.Barrier(num_arrivals=2, num_barriers=cons * num_ladder),  # H boxes
         plgpu.Barrier(),  # scores
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the pipeline
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the steps H overlays

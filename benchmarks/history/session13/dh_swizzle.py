@@ -1,7 +1,10 @@
 """Session 13: dH with its epilogue tiles as 128-byte-swizzled slabs
 (`DHConfig.swizzled_epilogue`) against the untiled default, same run, H100.
 
+    git apply benchmarks/history/session13/dh_swizzled_epilogue_experiment.patch
     PYTHONPATH=. python3 benchmarks/history/session13/dh_swizzle.py [7b,30b]
+
+(The option was measured slower and removed from the library; the patch restores it.)
 
 Hypothesis: the untiled [64, bn] H / dH / A' tiles put a warp's 8 rows in the same banks, so
 every wgmma-layout load and store of the epilogue is an 8-way bank conflict (~5k wavefronts
