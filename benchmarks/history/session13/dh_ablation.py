@@ -24,12 +24,17 @@ from pallas_moe.kernels.dh import dh_kernel
 from pallas_moe.kernels.moe_backward import BackwardConfig
 from pallas_moe.routing import topk_plan
 
-SHAPES = {"7b": (24576, 1536, 256, 128, 8), "30b": (32768, 4096, 512, 128, 8)}
+SHAPES = {"7b": (24576, 1536, 256, 128, 8), "30b": (32768, 4096, 512, 128, 8),
+          # The 7B widths at other d: time = fixed + slope * d separates the K loop.
+          "7b_d768": (24576, 768, 256, 128, 8), "7b_d3072": (24576, 3072, 256, 128, 8)}
 VARIANTS = {"default": set(), "nostore": {"nostore"}, "nomath": {"nomath"}, "noh": {"noh"},
             "none of the three": {"nostore", "nomath", "noh"}}
 
 
-def main(names):
+def main(names, variants=None):
+    global VARIANTS
+    if variants:
+        VARIANTS = {k: v for k, v in VARIANTS.items() if k in variants}
     table = []
     for name in names:
         T, d, n, E, K = SHAPES[name]
@@ -71,4 +76,5 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main((sys.argv[1] if len(sys.argv) > 1 else "7b,30b").split(","))
+    main((sys.argv[1] if len(sys.argv) > 1 else "7b,30b").split(","),
+         sys.argv[2].split(",") if len(sys.argv) > 2 else None)
