@@ -17,10 +17,15 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.forward import gpu_time_ms
-from pallas_moe.kernels import _common, up_proj as up_module
+import importlib
+
+from pallas_moe.kernels import _common
 from pallas_moe.kernels.moe_forward import ForwardConfig
 from pallas_moe.kernels.up_proj import up_proj
 from pallas_moe.routing import topk_plan
+
+# `pallas_moe.kernels.up_proj` the attribute is the function; the module holds `_ABLATE`.
+up_module = importlib.import_module("pallas_moe.kernels.up_proj")
 
 SHAPES = {"7b": (24576, 1536, 256, 128, 8), "30b": (32768, 4096, 512, 128, 8),
           "7b_d768": (24576, 768, 256, 128, 8), "7b_d3072": (24576, 3072, 256, 128, 8)}
