@@ -25,9 +25,10 @@ S2 [E, n] multiply the activations (`calibrate_smoothing`); None means no smooth
 
 A's quantization needs each row's max over all n columns. By default the up-proj writes A
 in bf16 and the row-block quantizer (`quant.kernel.quantize_row_blocks`) quantizes its
-grouped rows, 64 at a time, no gather (`requantize_rows`). With `Fp8ForwardConfig(fuse_requant=True)`, where one CTA holds whole rows
-(no promotion and n <= 2 * up.block_n: the 7B shape's n = 256, not 30B's 512), the up-proj
-quantizes A in its epilogue instead (`grouped_matmul(requant_smooth=)`: `P * n * 5` bytes
+grouped rows, 64 at a time, no gather (`requantize_rows`). With
+`Fp8ForwardConfig(fuse_requant=True)`, where one CTA holds whole rows (no promotion and
+n <= 2 * up.block_n: the 7B shape's n = 256, not 30B's 512), the up-proj quantizes A in its
+epilogue instead (`grouped_matmul(requant_smooth=)`: `P * n * 5` bytes
 less traffic). Both give the same Q and s (docs/quant.md).
 
 Inference only: differentiating `moe_ffn_fp8` raises a TypeError (the quantizers have no

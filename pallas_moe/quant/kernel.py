@@ -321,7 +321,8 @@ class RowBlockQuantConfig:
     def resolve_stages(self, width: int, in_bytes: int, out_bytes: int) -> int:
         if self.num_stages is not None:
             return self.num_stages
-        return max(1, min(4, _ROW_BLOCK_SMEM_BYTES // _row_block_bytes(width, in_bytes, out_bytes)))
+        per_block = _row_block_bytes(width, in_bytes, out_bytes)
+        return max(1, min(4, _ROW_BLOCK_SMEM_BYTES // per_block))
 
 
 def _row_block_bytes(width: int, in_bytes: int, out_bytes: int) -> int:
@@ -331,7 +332,7 @@ def _row_block_bytes(width: int, in_bytes: int, out_bytes: int) -> int:
 
 def row_blocks_fit(width: int, in_bytes: int = 2, out_bytes: int = 1) -> bool:
     """Whether `quantize_row_blocks` takes rows of `width` elements: a multiple of 128 whose
-    64-row block (input and output) fits the SMEM budget (up to 1088 bf16 -> 8-bit)."""
+    64-row block (input and output) fits the SMEM budget (up to 1024 bf16 -> 8-bit)."""
     return width % 128 == 0 and _row_block_bytes(width, in_bytes, out_bytes) <= _ROW_BLOCK_SMEM_BYTES
 
 
@@ -355,14 +356,16 @@ def quantize_row_blocks(
     fp8 forward re-quantizes the up-proj's output A this way before the down-proj.
 
     How (why it is faster than walking rows one by one, `smoothquant_kernel`): a persistent
-    CTA (one warpgroup) pipelines whole `[64, w]` row blocks through SMEM with TMA
-    (`plgpu.emit_pipeline`), reads them in the wgmma register layout, where each row lives
+    CTA (one warpgroup) pipelines whole `[64, w]` row blocks through SMEM with TMA (a ring
+    of `num_stages` slots written out here: `plgpu.emit_pipeline`'s predicated output
+    stores do not run in interpret mode), reads them in the wgmma register layout, where each row lives
     in one quad of threads, so a row's max is a reduction inside each thread and across its
     quad (two shuffles), with no barrier per row; Q goes back through 128-byte-swizzled
     SMEM tiles and TMA, s as a [64] box. Each block makes two passes over its SMEM copy in
     `block_cols` chunks (the row maxima, then the scaled values), so a wide row never sits
-    in registers whole. With smooth scales, each expert's scale chunk is loaded once per
-    (block, chunk) and applied to that expert's rows of the block (`jnp.where`, so a
+    in registers whole. With smooth scales, the block's experts are found once per block
+    (a binary search over the group ends) and each expert's scale chunk is loaded per
+    (block, chunk, pass) and applied to that expert's rows of the block (`jnp.where`, so a
     non-finite value in a padding row never reaches a real one).
 
     Args:
@@ -427,15 +430,19 @@ def quantize_row_blocks(
         def block_of(i):
             return cta + i * num_ctas
 
-        def chunk(a_smem, c, r0, live, masked=True):
+        def block_experts(r0, live):
+            """(first, last) expert of rows [r0, r0 + live): consecutive experts, each a
+            range of the block's rows (smooth scales only)."""
+            return (_expert_of(ends_ref, r0, num_experts),
+                    _expert_of(ends_ref, r0 + jnp.maximum(live, 1) - 1, num_experts))
+
+        def chunk(a_smem, c, r0, live, experts, masked=True):
             """f32 [64, bc]: columns [c*bc, (c+1)*bc) of the block's Y, zero past `live`
-            (`masked=False`: every row is real)."""
+            (`masked=False`: every row is real); `experts` from `block_experts`."""
             x = a_smem[:, pl.ds(c * bc, bc)].astype(jnp.float32)
             if not smoothed:
                 return jnp.where(rows_iota < live, x, 0.0) if masked else x
-            # Experts of rows [r0, r0 + live): consecutive, each a range of the block's rows.
-            first = _expert_of(ends_ref, r0, num_experts)
-            last = _expert_of(ends_ref, r0 + jnp.maximum(live, 1) - 1, num_experts)
+            first, last = experts
 
             def apply(e, y):
                 end = ends_ref[e]
@@ -449,12 +456,12 @@ def quantize_row_blocks(
             zeros = plgpu.layout_cast(jnp.zeros((ROW_BLOCK, bc), jnp.float32), layout)
             return jax.lax.fori_loop(first, last + 1, apply, zeros)
 
-        def row_maxima(a_smem, r0, live, masked):
+        def row_maxima(a_smem, r0, live, experts, masked):
             """f32 [64]: max |Y| of each row of the block (pass 1)."""
             if smoothed or masked:
                 amax = None
                 for c in range(num_chunks):
-                    m = jnp.max(jnp.abs(chunk(a_smem, c, r0, live, masked)), axis=1)
+                    m = jnp.max(jnp.abs(chunk(a_smem, c, r0, live, experts, masked)), axis=1)
                     amax = m if amax is None else jnp.maximum(amax, m)
                 return amax
             # A whole block without smoothing: |x| and max are exact in the input dtype, so
@@ -467,11 +474,12 @@ def quantize_row_blocks(
             return jnp.max(m.astype(jnp.float32), axis=1)
 
         def quantize_block(a_smem, q_smem, s_smem, r0, live, masked):
-            scale, inv = row_scale(row_maxima(a_smem, r0, live, masked), out_dtype)
+            experts = block_experts(r0, live) if smoothed else None
+            scale, inv = row_scale(row_maxima(a_smem, r0, live, experts, masked), out_dtype)
             inv = jax.lax.broadcast_in_dim(inv, (ROW_BLOCK, bc), [0])
             for c in range(num_chunks):  # pass 2: the quantized values
                 q_smem[:, pl.ds(c * bc, bc)] = apply_row_scale(
-                    chunk(a_smem, c, r0, live, masked), inv, out_dtype)
+                    chunk(a_smem, c, r0, live, experts, masked), inv, out_dtype)
             s_smem[...] = scale
 
         def quantize(i, a_smem, q_smem, s_smem):
