@@ -915,6 +915,14 @@ def cp_async_stage_wait(bars, ki, stages: int) -> None:
     """Consumer: waits until step `ki`'s rows landed in slot `ki % stages`, then fences
     the async proxy. Phase parity of step ki is `(ki // stages) % 2`; the producer is never
     more than `stages` steps ahead (it waits on `empty`), so the parity is unambiguous."""
+    cp_async_stage_wait_parity(bars.at[ki % stages], (ki // stages) % 2)
+
+
+def cp_async_stage_wait_parity(bar, parity) -> None:
+    """Consumer: waits for the phase of one slot's mbarrier (`bars.at[slot]`) with the given
+    parity (traced 0 or 1: the slot's uses so far, mod 2), then fences the async proxy so
+    wgmma sees the generic-proxy cp.async writes. For kernels whose slot order is not
+    `ki % stages` over one run of steps (the persistent dH restarts it per item)."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, nvvm
@@ -931,9 +939,6 @@ def cp_async_stage_wait(bars, ki, stages: int) -> None:
             nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
         return _wait
-
-    bar = bars.at[ki % stages]
-    parity = (ki // stages) % 2
 
     @pl.when(parity == 0)
     def _():

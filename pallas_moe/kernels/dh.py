@@ -93,6 +93,12 @@ class DHConfig:
         It must equal the forward's `UpProjConfig.approx_math` (or
         `DecodeConfig.approx_math`), so A' is recomputed from H as the forward computed A.
         Interpret mode computes the exact exp either way.
+      persistent_ctas: warp-specialized kernel only: 0 = one CTA per (row tile, column
+        block); C > 0 = C persistent CTAs (`_dh_persistent`, e.g. the SM count) walk the
+        tiles, the producer loading the next tile's ids, scores and first K steps while the
+        consumers run the epilogue. Same bits either way. The persistent kernel loads H
+        after the K loop into the bytes of its last W2 slots, so it needs
+        `early_h = prefetch_h = False`.
     """
 
     block_m: int = 64
@@ -109,6 +115,7 @@ class DHConfig:
     epilogue_cols: int = 64
     early_h: bool = False
     approx_math: bool = True
+    persistent_ctas: int = 0
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -139,6 +146,17 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
             f"block_n={bn}."
         )
     _common.require_gather_mode(config)
+    if config.persistent_ctas < 0:
+        raise ValueError(f"config.persistent_ctas={config.persistent_ctas} must be >= 0.")
+    if config.persistent_ctas and (
+        config.num_consumers < 1 or config.early_h or config.prefetch_h
+    ):
+        raise ValueError(
+            f"config.persistent_ctas={config.persistent_ctas} needs the warp-specialized kernel "
+            f"with H loaded after the K loop: num_consumers >= 1 (got {config.num_consumers}), "
+            f"early_h=False (got {config.early_h}) and prefetch_h=False (got "
+            f"{config.prefetch_h})."
+        )
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
     cols = bn * max(config.num_consumers, 1)
     _common.require_multiple(
@@ -264,6 +282,51 @@ def dswiglu_epilogue(da, g, u, s, activation: SwiGLU = SwiGLU()):
     return d_gate, d_up, s * act, jnp.sum(da * act, axis=1)
 
 
+def _dswiglu_and_store(da, s_smem, hg_ref, hu_ref, ap_ref, ds_ref, dh_out, ap_out, ds_dst, c0,
+                       n: int, row0, num_rows, bm: int, ep_cols: int, activation: SwiGLU):
+    """A warp-specialized consumer's epilogue, once its H tile is in SMEM: dSwiGLU in column
+    chunks, then the row-exact TMA stores of dH and A' and the copy of its dS partial.
+
+    Args:
+      da: f32 [bm, bn] accumulator (dA' of the consumer's `bn` columns, from column c0).
+      s_smem: f32 [bm] scores of the tile's rows; hg_ref, hu_ref: bf16 [bm, bn] H gate and
+        up columns, overwritten with dH; ap_ref: bf16 [bm, bn] A' tile; ds_ref: f32 [bm].
+      dh_out, ap_out: the GMEM outputs [P_pad, 2n] and [P_pad, n]; ds_dst: f32 [bm] slot of
+        the dS partials.
+
+    Returns once the stores have read the SMEM tiles (the caller may reuse them).
+    """
+    dtype = hg_ref.dtype
+    bn = hg_ref.shape[1]
+    layout = plgpu.Layout.WGMMA
+    s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
+    s = jax.lax.broadcast_in_dim(s, (bm, ep_cols), [0])
+    ds = None
+    # In column chunks: only a chunk's H, temporaries and results are live next to the
+    # accumulator (the whole tile at once spills).
+    for q in range(bn // ep_cols):
+        chunk = pl.ds(q * ep_cols, ep_cols)
+        g = plgpu.load(hg_ref.at[:, chunk], layout=layout, optimized=False)
+        u = plgpu.load(hu_ref.at[:, chunk], layout=layout, optimized=False)
+        d_gate, d_up, a_scaled, ds_q = dswiglu_epilogue(
+            da[:, q * ep_cols:(q + 1) * ep_cols], g.astype(jnp.float32),
+            u.astype(jnp.float32), s, activation,
+        )
+        ds = ds_q if ds is None else ds + ds_q
+        # Same layout as the loads above: each thread overwrites only what it read.
+        hg_ref[:, chunk] = d_gate.astype(dtype)
+        hu_ref[:, chunk] = d_up.astype(dtype)
+        ap_ref[:, chunk] = a_scaled.astype(dtype)
+    ds_ref[...] = ds
+    plgpu.commit_smem()
+    _common.store_rows(hg_ref, dh_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
+    _common.store_rows(hu_ref, dh_out.at[:, pl.ds(n + c0, bn)], row0, num_rows, bm)
+    _common.store_rows(ap_ref, ap_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
+    plgpu.copy_smem_to_gmem(ds_ref, ds_dst)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+
 def dh_kernel(
     grad_out: jax.Array,
     h: jax.Array,
@@ -319,6 +382,10 @@ def dh_kernel(
     )
     interpret_mode = _common.interpret_params(interpret)
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, s_tiles, grad_out, w_down, h)
+    if config.persistent_ctas:
+        kernel = _dh_persistent(config, d, n, num_tiles, out_types, interpret_mode, activation)
+        dh, a_scaled, ds_part = kernel(*args)
+        return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
     if config.num_consumers:
         kernel = _dh_warp_specialized(
             config, d, n, num_tiles, out_types, interpret_mode, activation
@@ -576,33 +643,11 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                     start_h_loads()
                 plgpu.barrier_wait(s_bar)
                 load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, False, bar0)
-                layout = plgpu.Layout.WGMMA
-                hg_ref, hu_ref = h_smem.at[c, 0], h_smem.at[c, 1]
-                s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
-                s = jax.lax.broadcast_in_dim(s, (bm, ep_cols), [0])
-                ds = None
-                # In column chunks: only a chunk's H, temporaries and results are live next
-                # to the accumulator (the whole tile at once spills).
-                for q in range(bn // ep_cols):
-                    chunk = pl.ds(q * ep_cols, ep_cols)
-                    g = plgpu.load(hg_ref.at[:, chunk], layout=layout, optimized=False)
-                    u = plgpu.load(hu_ref.at[:, chunk], layout=layout, optimized=False)
-                    d_gate, d_up, a_scaled, ds_q = dswiglu_epilogue(
-                        da[:, q * ep_cols:(q + 1) * ep_cols], g.astype(jnp.float32),
-                        u.astype(jnp.float32), s, activation,
-                    )
-                    ds = ds_q if ds is None else ds + ds_q
-                    # Same layout as the loads above: each thread overwrites only what it read.
-                    hg_ref[:, chunk] = d_gate.astype(dtype)
-                    hu_ref[:, chunk] = d_up.astype(dtype)
-                    ap_smem[c, :, chunk] = a_scaled.astype(dtype)
-                ds_smem[c] = ds
-                plgpu.commit_smem()
-                _common.store_rows(hg_ref, dh_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
-                _common.store_rows(hu_ref, dh_out.at[:, pl.ds(n + c0, bn)], row0, num_rows, bm)
-                _common.store_rows(ap_smem.at[c], ap_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
-                plgpu.copy_smem_to_gmem(ds_smem.at[c], ds_out.at[mi, ni * cons + c])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                _dswiglu_and_store(
+                    da, s_smem, h_smem.at[c, 0], h_smem.at[c, 1], ap_smem.at[c], ds_smem.at[c],
+                    dh_out, ap_out, ds_out.at[mi, ni * cons + c], c0, n, row0, num_rows, bm,
+                    ep_cols, activation,
+                )
 
     # Per consumer: H gate, H up -> dH gate, dH up.
     a_shape, others, epilogue, h_type = _smem_layout(bm, bn, bk, stages, cons)
@@ -636,6 +681,266 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
         scratch_types=scratch,
         grid=(grid_n, num_tiles),
         grid_names=("n", "m"),
+        num_threads=cons + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                             approx_math=config.approx_math),
+        interpret=interpret_mode,
+    )
+
+
+def _persistent_layout(bm: int, bn: int, bk: int, stages: int, cons: int):
+    """(overlaid, W2 slot bytes, epilogue bytes) of the persistent kernel's SMEM: the
+    epilogue's A' and H tiles overlay the last `overlaid` W2 slots, so the next item's first
+    `stages - overlaid` steps can load while the consumers run the epilogue."""
+    slot_bytes = cons * bn * bk * 2
+    spans = _common.group_spans([plgpu.SMEM((cons, bm, bn), jnp.bfloat16),
+                                 plgpu.SMEM((cons, 2, bm, bn), jnp.bfloat16)])
+    epilogue_bytes = spans[-1][1]
+    return -(-epilogue_bytes // slot_bytes), slot_bytes, epilogue_bytes
+
+
+def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
+                   interpret_mode, activation: SwiGLU = SwiGLU()):
+    """The warp-specialized dH kernel as `config.persistent_ctas` persistent CTAs.
+
+    CTA `i` walks the work items `i, i + num_ctas, ...` (item = (row tile, column block),
+    row tiles fastest, the order of the one-CTA-per-item grid), each item computed exactly as
+    `_dh_warp_specialized` computes its CTA's tile (same wgmmas in the same order, same
+    epilogue), so the outputs are bitwise those of that kernel. What persistence buys: the
+    producer runs ahead into the next item (its token ids, scores and first K steps) while
+    the consumers run the epilogue, and no CTA is relaunched per tile.
+
+    Pipeline: every item's K loop starts at slot 0 (`slot = ki % stages`). The epilogue's A'
+    and H tiles overlay the last `overlaid` W2 slots (`_persistent_layout`); the gathered dO
+    slots and the first W2 slots stay free, so the producer may fill the next item's steps
+    `[0, stages - overlaid)` at once, and waits for the consumers' `epi_done` (their stores
+    have read the tiles) before its first overlaid slot. Every slot use is released by the
+    consumers, and the producer waits for the release of a slot's previous use (across
+    items), then observes the last ones before exit. Token ids and scores are
+    double-buffered by the parity of the CTA's count of non-empty items. With the lagged
+    cp.async publish the producer publishes an item's last steps at its end (a short stall
+    while the consumers still have the item's last steps to compute); with per-slot
+    mbarriers the consumers wait on each slot's phase parity counted across items.
+    """
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    cons = config.num_consumers
+    cols = cons * bn
+    ep_cols = config.epilogue_cols or bn
+    num_k = d // bk
+    grid_n = n // cols
+    num_items = num_tiles * grid_n
+    num_ctas = min(config.persistent_ctas, num_items)
+    dtype = jnp.bfloat16
+    num_ladder = ladder_len(bm)
+    interpret = interpret_mode is not None
+    cp_async = config.gather == "cp_async" and not interpret
+    stage_bars = _common.uses_stage_mbarriers(config, interpret)
+    rows_per_warp = bm // 4
+    overlaid, slot_bytes, epilogue_bytes = _persistent_layout(bm, bn, bk, stages, cons)
+    free = stages - overlaid  # W2 slots the epilogue leaves alone
+    if free < 1:
+        raise ValueError(
+            f"config.num_stages={stages} is too few for the persistent dH kernel at "
+            f"block_m={bm}, block_n={bn} and {cons} consumers: its epilogue tiles "
+            f"({epilogue_bytes} B) overlay {overlaid} W2 slots of {slot_bytes} B, and at least "
+            f"one slot must stay free; use num_stages >= {overlaid + 1}."
+        )
+    # Uses of slot s per item (the K loop restarts at slot 0): the mbarrier phase parity.
+    uses_per_item = lambda slot: (num_k - slot + stages - 1) // stages  # noqa: E731
+    tf = _common.mma_transforms(dtype)
+    a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
+    w_type = plgpu.SMEM((stages, cols, bk), dtype, transforms=tf)
+    epi_types = (plgpu.SMEM((cons, bm, bn), dtype), plgpu.SMEM((cons, 2, bm, bn), dtype))
+    if interpret:  # interpret mode does not alias RefUnion members: plain buffers
+        w_scratch = (w_type, *epi_types)
+
+        def w_views(refs):
+            return tuple(refs)
+    else:
+        pad = plgpu.SMEM((free * slot_bytes // 2,), dtype)  # the free slots' bytes
+        w_scratch = plgpu.RefUnion(w_type, (pad, *epi_types))
+
+        def w_views(refs):
+            w, (_, ap, h) = refs
+            return w, ap, h
+
+    def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
+             dh_out, ap_out, ds_out, a_bufs, w_bufs, ids_smem, s_smem, ds_smem,
+             full, empty, ids_bar, s_bar, h_bars, epi_bar, epi_done, *a_landed):
+        a_copy, a_mma = a_views(a_bufs)
+        b_smem, ap_smem, h_smem = w_views(w_bufs)
+        if stage_bars:
+            _common.cp_async_stage_barriers_init(a_landed[0])
+        wg = jax.lax.axis_index("wg")
+        cta = jax.lax.axis_index("cta")
+        my_items = (num_items - cta + num_ctas - 1) // num_ctas  # >= 1: num_ctas <= items
+
+        def item(j):  # (row tile, column block) of this CTA's j-th item
+            w = cta + j * num_ctas
+            return w % num_tiles, w // num_tiles
+
+        @pl.when(wg == cons)
+        def _producer():
+            if config.rebalance_registers:
+                _common.role_registers("producer", cons)
+
+            def per_item(j, done):  # done: this CTA's non-empty items so far
+                mi, ni = item(j)
+                num_rows = rows_ref[mi]
+
+                @pl.when(num_rows > 0)
+                def _():
+                    p = done % 2
+                    # Every producer thread is done reading ids[p] (item done - 2) first.
+                    plgpu.commit_smem()
+                    plgpu.copy_gmem_to_smem(s_ref.at[mi], s_smem.at[p], s_bar.at[p])
+                    plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem.at[p], ids_bar.at[p])
+                    plgpu.barrier_wait(ids_bar.at[p])
+                    ids = ids_smem.at[p]
+                    w_e = w_ref.at[expert_ref[mi]]  # [n, d]
+
+                    def step(ki, carry):
+                        slot = ki % stages
+                        k0 = ki * bk
+
+                        @pl.when((done > 0) | (ki >= stages))  # the slot's previous use
+                        def _():
+                            plgpu.barrier_wait(empty.at[slot])
+
+                        @pl.when((done > 0) & (ki == free))  # first overlaid slot
+                        def _():
+                            plgpu.barrier_wait(epi_done)
+
+                        plgpu.copy_gmem_to_smem(  # [C*bn, bk] rows of W2[e], K-minor
+                            w_e.at[pl.ds(ni * cols, cols), pl.ds(k0, bk)], b_smem.at[slot],
+                            full.at[slot],
+                        )
+                        if cp_async:
+                            _common.cp_async_gather_rows(
+                                do_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
+                            )
+                            _common.cp_async_publish(ki, full, a_landed, stages)
+                        else:
+                            def per_warp(w):
+                                _common.gather_rows(  # [1, bk] of dO[tok] per row
+                                    do_ref, ids, [a_copy.at[slot]], full.at[slot],
+                                    col0=k0, width=bk, first_row=w * rows_per_warp,
+                                    num_rows=rows_per_warp, unroll=4,
+                                )
+
+                            plgpu.warp_map(per_warp)
+                        return carry
+
+                    jax.lax.fori_loop(0, num_k, step, None)
+                    if num_k <= free:  # no overlaid slot in the loop: wait here instead
+                        @pl.when(done > 0)
+                        def _():
+                            plgpu.barrier_wait(epi_done)
+                    if cp_async:
+                        _common.cp_async_publish_rest(num_k, full, a_landed, stages)
+
+                return done + (num_rows > 0).astype(jnp.int32)
+
+            done = jax.lax.fori_loop(0, my_items, per_item, jnp.int32(0))
+
+            # Observe the last releases and the last epilogue, so no phase is left unconsumed.
+            @pl.when(done > 0)
+            def _():
+                for slot in range(min(stages, num_k)):
+                    plgpu.barrier_wait(empty.at[slot])
+                plgpu.barrier_wait(epi_done)
+
+        for c in range(cons):
+            @pl.when(wg == c)
+            def _consumer(c=c):
+                if config.rebalance_registers:
+                    _common.role_registers("consumer", cons)
+                bar0 = c * num_ladder
+
+                def per_item(j, done):
+                    mi, ni = item(j)
+                    num_rows = rows_ref[mi]
+
+                    @pl.when(num_rows > 0)
+                    def _():
+                        p = done % 2
+                        row0 = start_ref[mi]
+                        c0 = ni * cols + c * bn  # first dA' column of this consumer
+
+                        def mma_scope(acc):
+                            def step(ki, carry):
+                                slot = ki % stages
+                                plgpu.barrier_wait(full.at[slot])
+                                if stage_bars:
+                                    uses = done * uses_per_item(slot) + ki // stages
+                                    _common.cp_async_stage_wait_parity(
+                                        a_landed[0].at[slot], uses % 2
+                                    )
+                                w_t = b_smem.at[slot, pl.ds(c * bn, bn)]  # [bn, bk]
+                                plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
+                                plgpu.wgmma_wait(1)  # step ki-1 is done: release its slot
+
+                                @pl.when(ki >= 1)
+                                def _():
+                                    plgpu.barrier_arrive(empty.at[(ki - 1) % stages])
+
+                                return carry
+
+                            jax.lax.fori_loop(0, num_k, step, None)
+                            plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(empty.at[(num_k - 1) % stages])
+                            return acc[...]
+
+                        da = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))
+                        # The epilogue's tiles overlay W2 slots: both consumers are done
+                        # with every K step first.
+                        plgpu.barrier_arrive(epi_bar)
+                        plgpu.barrier_wait(epi_bar)
+                        h_gate = h_ref.at[:, pl.ds(c0, bn)]  # [P, bn]
+                        h_up = h_ref.at[:, pl.ds(n + c0, bn)]  # [P, bn]
+                        for half, src in enumerate((h_gate, h_up)):
+                            load_rows(src, h_smem.at[c, half], row0, num_rows, bm, h_bars,
+                                      True, bar0)
+                        plgpu.barrier_wait(s_bar.at[p])
+                        load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, False,
+                                  bar0)
+                        _dswiglu_and_store(
+                            da, s_smem.at[p], h_smem.at[c, 0], h_smem.at[c, 1], ap_smem.at[c],
+                            ds_smem.at[c], dh_out, ap_out, ds_out.at[mi, ni * cons + c], c0,
+                            n, row0, num_rows, bm, ep_cols, activation,
+                        )
+                        plgpu.barrier_arrive(epi_done)  # the tiles' bytes are free again
+
+                    return done + (num_rows > 0).astype(jnp.int32)
+
+                jax.lax.fori_loop(0, my_items, per_item, jnp.int32(0))
+
+    scratch = [
+        a_scratch,  # gathered dO stages [stages, bm, bk]
+        w_scratch,  # W2 stages [stages, C*bn, bk]; the last `overlaid` hold A' and H later
+        plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
+        plgpu.SMEM((2, bm), jnp.float32),  # scores, double-buffered
+        plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: dS partial
+        plgpu.Barrier(  # full: the W2 copy plus what the row loader adds
+            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 1,
+            num_barriers=stages,
+        ),
+        plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
+        plgpu.Barrier(num_barriers=2),  # ids
+        plgpu.Barrier(num_barriers=2),  # scores
+        plgpu.Barrier(num_arrivals=2, num_barriers=cons * num_ladder),  # H boxes
+        plgpu.Barrier(num_arrivals=cons),  # consumers done with the item's K loop
+        plgpu.Barrier(num_arrivals=cons),  # consumers done with the epilogue's tiles
+        *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
+    ]
+    return plgpu.kernel(
+        body,
+        kernel_name="moe_dh",
+        out_type=out_types,
+        scratch_types=scratch,
+        grid=(num_ctas,),
+        grid_names=("cta",),
         num_threads=cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
