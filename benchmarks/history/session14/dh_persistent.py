@@ -1,4 +1,4 @@
-"""Session 14: the persistent dH kernel (`DHConfig.persistent_ctas`) against the one-CTA-
+"""Session 14: the persistent dH kernels (`DHConfig.persistent_ctas`, `pingpong`) against the one-CTA-
 per-tile kernel (issue 9), same run, same inputs.
 
     PYTHONPATH=. python3 benchmarks/history/session14/dh_persistent.py [7b,30b,qwen3]
@@ -34,6 +34,10 @@ def variants(base, num_sms):
         "per-tile, H after the K loop": dataclasses.replace(base, early_h=False),
         "persistent, lagged publish": dataclasses.replace(base, gather_completion="wait_group", **per),
         "persistent, slot mbarriers": dataclasses.replace(base, gather_completion="mbarrier", **per),
+        "ping-pong 4 stages, lagged publish": dataclasses.replace(
+            base, gather_completion="wait_group", pingpong=True, num_stages=4, **per),
+        "ping-pong 4 stages, slot mbarriers": dataclasses.replace(
+            base, gather_completion="mbarrier", pingpong=True, num_stages=4, **per),
     }
 
 
