@@ -5,9 +5,14 @@ with its own scale: `s = max|Y| / qmax`, `Q = round(Y / s)` (formula, rounding a
 saturation in `quant/reference.py`). Two layouts:
 
 - `moe_smoothquant(x, S, plan)`: rows in the plan's grouped order, `Q [P, d]` and `s [P]`,
-  ready for a grouped GEMM; padding rows get Q = 0, s = 0.
+  ready for a grouped GEMM; padding rows get Q = 0, s = 0. The kernel backends run the
+  gathered row-block kernel (`quant.gathered`: blocks of grouped rows gathered from x, each
+  expert's scale row loaded once per block) wherever its block fits in SMEM (`quant.gathered.gathered_fits`:
+  d = 1536, 2048, 4096, 7168 among others), else the token-walking CSR kernel
+  (`quant.kernel.smoothquant_kernel`).
 - `moe_smoothquant_topk(x, S, topk_ids)`: the CK-tile operator's own layout,
-  `Q [T, K, d]` and `s [T, K]`.
+  `Q [T, K, d]` and `s [T, K]` (the CSR kernel: its rows are in token order, so
+  consecutive rows belong to different experts and no block shares a scale row).
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe import _checks
 from pallas_moe.ops.moe_ffn import resolve_backend
+from pallas_moe.quant.gathered import (
+    GatheredQuantConfig, gathered_fits, quantize_gathered_rows,
+)
 from pallas_moe.quant.kernel import SmoothQuantConfig, smoothquant_kernel, supports_width
 from pallas_moe.quant.reference import qmax_of, smoothquant_rows_reference
 from pallas_moe.routing.plan import DispatchPlan
@@ -65,10 +73,23 @@ def moe_smoothquant(
     *,
     out_dtype=jnp.int8,
     backend: Backend = "auto",
-    config: SmoothQuantConfig = SmoothQuantConfig(),
+    config: GatheredQuantConfig | SmoothQuantConfig | None = None,
     interpret_params: plgpu.InterpretGPUParams | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Smooths and quantizes every routed row, in the plan's grouped order.
+
+    Row r (token t = plan.token_ids[r], expert e = the group holding r) becomes
+    `quantize_row(x[t] * S[e])` (`quant/reference.py`); rows past `plan.num_rows` get Q = 0,
+    s = 0 whatever x holds.
+
+    Kernel backends ("mosaic", "interpret"): the gathered row-block kernel
+    (`quant.gathered.quantize_gathered_rows`: persistent CTAs gather blocks of grouped rows,
+    load each expert's scale row once per block, reduce each row inside a quad of threads)
+    where its block fits in SMEM (`quant.gathered.gathered_fits(d)`: every multiple of 128
+    up to 1536 and wider ones with enough factors of two, at most 7168 for bf16 -> 8-bit,
+    so d = 1536, 2048, 4096, 7168); the token-walking CSR kernel
+    (`quant.kernel.smoothquant_kernel`) for the other widths (e.g. 2944, 8192) or when
+    `config` is a `SmoothQuantConfig`. Both give the same bits.
 
     Args:
       x: [T, d] bf16 or fp16 tokens.
@@ -76,10 +97,12 @@ def moe_smoothquant(
         `calibrate_smoothing` computes it).
       plan: the `DispatchPlan` (rows grouped by expert).
       out_dtype: int8 (default, as in the CK-tile operator) or float8_e4m3fn.
-      backend: "mosaic" (the Pallas kernel on a Hopper GPU), "interpret" (the same kernel in
-        Mosaic GPU interpret mode, for CPU tests), "xla" (the jnp reference, runs anywhere)
-        or "auto" (mosaic on Hopper when `d` is a multiple of 128, else xla).
-      config: kernel block sizes.
+      backend: "mosaic" (the Pallas kernels on a Hopper GPU), "interpret" (the same kernels
+        in Mosaic GPU interpret mode, for CPU tests), "xla" (the jnp reference, runs
+        anywhere) or "auto" (mosaic on Hopper when `d` is a multiple of 128, else xla).
+      config: None (the gathered kernel with `GatheredQuantConfig.for_width(d)` where it
+        fits, else the CSR kernel's defaults), a `GatheredQuantConfig` (the gathered kernel;
+        a ValueError if d does not fit it), or a `SmoothQuantConfig` (the CSR kernel).
       interpret_params: interpret-mode settings (e.g. `detect_races=True`) for "interpret".
 
     Returns:
@@ -96,18 +119,32 @@ def moe_smoothquant(
             f"smooth_scales has {smooth_scales.shape[0]} experts but the plan routes to "
             f"E={plan.num_experts}."
         )
+    if config is not None and not isinstance(config, (GatheredQuantConfig, SmoothQuantConfig)):
+        raise TypeError(
+            "config must be None, a GatheredQuantConfig or a SmoothQuantConfig, got "
+            f"{type(config).__name__}."
+        )
     backend = _backend(backend, x.shape[1])
-    expert_ids = plan.expert_ids  # E on padding rows
     if backend == "xla":
         return smoothquant_rows_reference(
-            x, smooth_scales, plan.token_ids, expert_ids, plan.row_is_valid, out_dtype
+            x, smooth_scales, plan.token_ids, plan.expert_ids, plan.row_is_valid, out_dtype
         )
-    # The kernel walks tokens: each token's rows from the plan's CSR, with their experts.
-    row_experts = jnp.minimum(expert_ids[plan.rows_by_token], plan.num_experts - 1)
+    interpret = _interpret(backend, interpret_params)
+    gathered = isinstance(config, GatheredQuantConfig) or (
+        config is None and gathered_fits(x.shape[1], in_bytes=x.dtype.itemsize,
+                                         out_bytes=jnp.dtype(out_dtype).itemsize))
+    if gathered:
+        return quantize_gathered_rows(
+            x, smooth_scales, plan.token_ids, plan.group_sizes, plan.num_rows,
+            num_out_rows=plan.capacity, out_dtype=out_dtype, config=config,
+            interpret=interpret,
+        )
+    # The CSR kernel walks tokens: each token's rows from the plan's CSR, with their experts.
+    row_experts = jnp.minimum(plan.expert_ids[plan.rows_by_token], plan.num_experts - 1)
     return smoothquant_kernel(
         x, smooth_scales, plan.token_row_offsets, plan.rows_by_token, row_experts,
-        plan.num_rows, num_out_rows=plan.capacity, out_dtype=out_dtype, config=config,
-        interpret=_interpret(backend, interpret_params),
+        plan.num_rows, num_out_rows=plan.capacity, out_dtype=out_dtype,
+        config=config or SmoothQuantConfig(), interpret=interpret,
     )
 
 
@@ -129,7 +166,8 @@ def moe_smoothquant_topk(
       topk_ids: integer [T, K], expert of each of token t's K choices. Out-of-range ids raise
         a ValueError when the ids are concrete; under `jit` their rows get s = NaN (and a
         meaningless Q), so they cannot pass for real data.
-      out_dtype, backend, config, interpret_params: as in `moe_smoothquant`.
+      out_dtype, backend, interpret_params: as in `moe_smoothquant`.
+      config: the CSR kernel's block sizes (this layout always runs the CSR kernel).
 
     Returns:
       `(q [T, K, d] out_dtype, s f32 [T, K])`.
