@@ -21,18 +21,25 @@ printed last).
 
 For each shape (T, d, E, K), routing (top-K over random logits; token rounding on one shape,
 so there are padding rows) and output dtype (int8, e4m3), it:
-  1. checks `pm.quant.moe_smoothquant(backend="mosaic")` on fresh random data against the
-     XLA reference (`backend="xla"`, same formula) on every row, bit for bit, and against
-     an independent numpy implementation of the formula on a sample of rows (all padding rows
-     included); outputs are produced right after freeing a buffer filled with a byte the
-     formula never produces there (int8: 0x80 = -128, e4m3 and the f32 scales: 0xff = NaN),
-     so an unwritten row shows up;
-  2. times with CUPTI (GPU kernel time): the kernel alone for a few block configs, the whole
-     op (its per-plan metadata included), the XLA reference, and a device copy (`v + 1` on a
-     [P, d] bf16 array) as the bandwidth reference;
-  3. reports the bytes the kernel must move (X read once: T*d*2; Q written: P*d; scales: 4*P;
-     smooth scales E*d*4; metadata) over its time, as a fraction of the copy's bytes/s
-     (target >= 0.8), and writes results.json, quant_log.txt and quant_RESULTS.md into --out.
+  1. checks `pm.quant.moe_smoothquant(backend="mosaic")` (the gathered row-block kernel,
+     `quant.gathered`, where d fits it) on fresh random data against the XLA reference
+     (`backend="xla"`, same formula) on every row, bit for bit, and against an independent
+     numpy implementation of the formula on a sample of rows (all padding rows included);
+     outputs are produced right after freeing a buffer filled with a byte the formula never
+     produces there (int8: 0x80 = -128, e4m3 and the f32 scales: 0xff = NaN), so an
+     unwritten row shows up; then the CSR kernel (`quant.kernel.smoothquant_kernel`, the
+     previous version) on poisoned outputs must give the same bits as the gathered one
+     (`gathered == csr`), and so must every gathered variant timed (`GATHERED_VARIANTS`);
+  2. times with CUPTI (GPU kernel time), same run: the gathered kernel (default config and
+     the variants), the CSR kernel for a few block configs (the previous version), the
+     whole op (its per-plan metadata included), the XLA reference, and a device copy
+     (`v + 1` on a [P, d] bf16 array) as the bandwidth reference;
+  3. reports the bytes the op must move (X read once: T*d*2; Q written: P*d; scales: 4*P;
+     smooth scales E*d*4; metadata) over each kernel's time, as a fraction of the copy's
+     bytes/s (target >= 0.8; `gathered/copy`, `csr/copy`), the gathered kernel's speed-up
+     over the CSR kernel, and writes results.json, quant_log.txt and quant_RESULTS.md into
+     --out. (The gathered kernel reads each of a token's K rows; visiting blocks in token
+     order makes K - 1 of them L2 hits, so its DRAM bytes approach the same minimum.)
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ import pallas_moe as pm
 from benchmarks.logs import markdown_report, open_log
 from benchmarks.forward import gpu_time_ms
 from pallas_moe.quant import SmoothQuantConfig, smoothquant_kernel
+from pallas_moe.quant.gathered import GatheredQuantConfig, gathered_fits
 from pallas_moe.routing import token_rounding_plan, topk_plan
 
 # (T, d, E, K): the 7B and 30B benchmark shapes, and the other production widths.
@@ -72,6 +80,14 @@ CONFIGS = [
     SmoothQuantConfig(block_t=2, vec=2),
     SmoothQuantConfig(block_pad=256),
 ]
+# Gathered-kernel variants timed beside the default (`GatheredQuantConfig.for_width(d,
+# **overrides)`); a variant that does not fit a width is reported and skipped.
+GATHERED_VARIANTS = {
+    "fewer parts": dict(parts_delta=-1),
+    "more parts": dict(parts_delta=+1),
+    "tma loader": dict(loader="tma"),
+    "grouped order": dict(token_order=False),
+}
 POISON = {jnp.dtype(jnp.int8): 0x80, jnp.dtype(jnp.float8_e4m3fn): 0xFF}
 NUMPY_SAMPLE_ROWS = 2048
 
@@ -167,46 +183,123 @@ def run_case(name, shape, routing, out_dtype, log, interpret=False):
     if interpret:
         log("  interpret mode: config checks only, no timings")
 
-    # ---- timings
+    # ---- the CSR kernel (previous version) and the gathered variants: same bits
     meta = jax.jit(kernel_args)(plan)
+    gathered = gathered_fits(d)
+    res["kernel"] = "gathered" if gathered else "csr"
+    csr_default = jax.jit(lambda x, s, off, r, e, n: smoothquant_kernel(
+        x, s, off, r, e, n, num_out_rows=P, out_dtype=out_dtype, config=CONFIGS[0],
+        interpret=interpret))
+    if gathered:
+        qc, sc = poison_then(csr_default, x, smooth, *meta, nbytes=nbytes, byte=POISON[out_dtype])
+        res["mismatch_q_csr"], res["mismatch_s_csr"] = mismatches(qc, sc, q, s)
+        res["gathered_equals_csr"] = res["mismatch_q_csr"] == 0 and res["mismatch_s_csr"] == 0
+        res["correct"] = res["correct"] and res["gathered_equals_csr"]
+        log(f"  gathered == csr: {res['gathered_equals_csr']} ({res['mismatch_q_csr']} Q, "
+            f"{res['mismatch_s_csr']} s mismatches)")
+        del qc, sc
+    variants = gathered_variants(d) if gathered else {}
+    timed_variants = {}
+    for label, cfg in variants.items():
+        f = jax.jit(lambda x, s, p, cfg=cfg: pm.quant.moe_smoothquant(
+            x, s, p, out_dtype=out_dtype, backend=backend, config=cfg))
+        try:
+            if label != "default":  # the default is the public op checked above
+                qv, sv = poison_then(f, x, smooth, plan, nbytes=nbytes, byte=POISON[out_dtype])
+                bad = mismatches(qv, sv, q, s)
+                if bad != (0, 0):
+                    log(f"  gathered {label} {cfg}: WRONG ({bad[0]} Q, {bad[1]} s mismatches)")
+                    res["correct"] = False
+                    continue
+            if not interpret:
+                timed_variants[label] = (gpu_time_ms(f, x, smooth, plan) * 1e3, cfg)
+                log(f"  gathered {label} {cfg}: {timed_variants[label][0]:.1f} us")
+        except Exception as e:  # noqa: BLE001 - a variant that does not fit is skipped
+            log(f"  gathered {label} {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
+    if interpret:
+        return res
+
+    # ---- timings: the CSR kernel's configs, the op, XLA, a device copy
     best = (float("inf"), None)
     for cfg in CONFIGS:
         f = jax.jit(lambda x, s, off, r, e, n, cfg=cfg: smoothquant_kernel(
-            x, s, off, r, e, n, num_out_rows=P, out_dtype=out_dtype, config=cfg,
-            interpret=interpret))
+            x, s, off, r, e, n, num_out_rows=P, out_dtype=out_dtype, config=cfg))
         try:
-            if cfg != CONFIGS[0]:  # the default was checked through the public op above
+            if cfg != CONFIGS[0]:  # the default was checked against the op above
                 qc, sc = poison_then(f, x, smooth, *meta, nbytes=nbytes, byte=POISON[out_dtype])
                 bad = mismatches(qc, sc, q, s)
                 if bad != (0, 0):
-                    log(f"  {cfg}: WRONG ({bad[0]} Q, {bad[1]} s mismatches), not timed")
+                    log(f"  csr {cfg}: WRONG ({bad[0]} Q, {bad[1]} s mismatches), not timed")
                     continue
-            if interpret:
-                continue
             t = gpu_time_ms(f, x, smooth, *meta)
         except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
-            log(f"  {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
+            log(f"  csr {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
             continue
-        log(f"  kernel {cfg}: {t * 1e3:.1f} us")
+        log(f"  csr {cfg}: {t * 1e3:.1f} us")
         if t < best[0]:
             best = (t, cfg)
-    if interpret:
-        return res
-    res["kernel_us"] = best[0] * 1e3
-    res["kernel_cfg"] = str(best[1])
+    res["csr_us"] = best[0] * 1e3
+    res["csr_cfg"] = str(best[1])
     res["op_us"] = gpu_time_ms(op, x, smooth, plan) * 1e3  # with the per-plan metadata
     res["xla_us"] = gpu_time_ms(ref, x, smooth, plan, iters=5) * 1e3
     moved = T * d * 2 + P * d * out_dtype.itemsize + 4 * P + E * d * 4 + 4 * (T + 1) + 8 * P + 4
     res["bytes_moved"] = moved
-    res["kernel_GBs"] = moved / (res["kernel_us"] * 1e-6) / 1e9
     copy_src = jax.random.normal(jax.random.key(3), (P, d), jnp.bfloat16)
     t_copy = gpu_time_ms(jax.jit(lambda v: v + 1), copy_src)
+    res["copy_us"] = t_copy * 1e3
     res["copy_GBs"] = 2 * P * d * 2 / (t_copy * 1e-3) / 1e9
+    res["csr_vs_copy"] = moved / (res["csr_us"] * 1e-6) / 1e9 / res["copy_GBs"]
+    if timed_variants:
+        res["gathered_us"], gcfg = timed_variants["default"]
+        res["gathered_cfg"] = str(gcfg)
+        res["gathered_variants_us"] = {k: round(v[0], 2) for k, v in timed_variants.items()}
+        best_label = min(timed_variants, key=lambda k: timed_variants[k][0])
+        res["gathered_best"] = f"{best_label}: {timed_variants[best_label][1]}"
+        res["gathered_vs_copy"] = moved / (res["gathered_us"] * 1e-6) / 1e9 / res["copy_GBs"]
+        res["gathered_speedup"] = res["csr_us"] / res["gathered_us"]
+    # The op's kernel: the gathered one where d fits it, else the CSR kernel.
+    res["kernel_us"] = res.get("gathered_us", res["csr_us"])
+    res["kernel_GBs"] = moved / (res["kernel_us"] * 1e-6) / 1e9
     res["kernel_vs_copy"] = res["kernel_GBs"] / res["copy_GBs"]
-    # For scale: reading the gathered rows instead (P*d*2) would add this many bytes.
+    # For scale: the gathered rows (P*d*2) are this many bytes more than X read once.
     res["gathered_read_extra_bytes"] = (P - T) * d * 2
     log("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}))
+    log(f"  RATIOS {name} {routing} {out_dtype.name}: gathered/copy "
+        f"{res.get('gathered_vs_copy', float('nan')):.2f}, csr/copy {res['csr_vs_copy']:.2f}, "
+        f"gathered speed-up over csr {res.get('gathered_speedup', float('nan')):.2f}x "
+        f"(gathered {res.get('gathered_us', float('nan')):.1f} us, csr {res['csr_us']:.1f} us, "
+        f"copy of P*d bf16 {t_copy * 1e3:.1f} us)")
     return res
+
+
+def gathered_variants(d: int) -> dict[str, GatheredQuantConfig]:
+    """The default gathered config for width d and the `GATHERED_VARIANTS` that fit it."""
+    default = GatheredQuantConfig.for_width(d)
+    out = {"default": default}
+    parts = (1, 2, 4, 8)
+    for label, over in GATHERED_VARIANTS.items():
+        over = dict(over)
+        delta = over.pop("parts_delta", 0)
+        if delta:
+            i = parts.index(default.parts) + delta
+            if not 0 <= i < len(parts):
+                continue
+            over["parts"] = parts[i]
+        cfg = dataclasses.replace(default, **over)
+        if over.get("parts") and not gathered_config_fits(d, cfg):
+            continue
+        out[label] = cfg
+    return out
+
+
+def gathered_config_fits(d: int, cfg: GatheredQuantConfig) -> bool:
+    from pallas_moe.quant.gathered import gathered_smem_bytes
+
+    try:
+        gathered_smem_bytes(d, cfg)
+    except ValueError:
+        return False
+    return True
 
 
 TABLE_COLS = [
@@ -214,12 +307,16 @@ TABLE_COLS = [
     ("out", lambda r: r["out_dtype"].replace("float8_", "")),
     ("P", lambda r: str(r["P"])),
     ("ok", lambda r: "yes" if r["correct"] else "NO"),
-    ("kernel us", lambda r: f"{r['kernel_us']:.0f}"),
+    ("op's kernel", lambda r: r["kernel"]),
+    ("gathered us", lambda r: f"{r['gathered_us']:.1f}" if "gathered_us" in r else "-"),
+    ("CSR us (previous)", lambda r: f"{r['csr_us']:.1f}"),
+    ("copy us", lambda r: f"{r['copy_us']:.1f}"),
     ("op us (with metadata)", lambda r: f"{r['op_us']:.0f}"),
     ("MB moved", lambda r: f"{r['bytes_moved'] / 1e6:.0f}"),
-    ("kernel GB/s", lambda r: f"{r['kernel_GBs']:.0f}"),
     ("copy GB/s", lambda r: f"{r['copy_GBs']:.0f}"),
-    ("kernel/copy", lambda r: f"{r['kernel_vs_copy']:.2f}"),
+    ("gathered/copy", lambda r: f"**{r['gathered_vs_copy']:.2f}**" if "gathered_vs_copy" in r else "-"),
+    ("CSR/copy", lambda r: f"{r['csr_vs_copy']:.2f}"),
+    ("speed-up", lambda r: f"{r['gathered_speedup']:.2f}x" if "gathered_speedup" in r else "-"),
     ("xla us", lambda r: f"{r['xla_us']:.0f}"),
 ]
 
@@ -235,15 +332,22 @@ def markdown(results, cmd, device):
     lines = markdown_report(
         f"MoE SmoothQuant kernel on {device}", "GPU kernel time (CUPTI), median of 20 calls.",
         cmd,
-        "`kernel/copy` = (bytes the kernel must move / kernel time) / (a device copy's bytes/s); "
-        "target >= 0.8. `ok` = bitwise equal to the XLA reference on every row and to numpy on "
-        "a sample, padding rows zero, no poison left.",
+        "`gathered/copy`, `CSR/copy` = (bytes the op must move: X once, Q, s, scales / kernel "
+        "time) / (a device copy's bytes/s); target >= 0.8. `speed-up` = CSR us / gathered us. "
+        "`op's kernel` = what `moe_smoothquant(backend='mosaic')` runs at this width. `ok` = "
+        "bitwise equal to the XLA reference on every row and to numpy on a sample, padding rows "
+        "zero, no poison left, and the gathered kernel (every variant) bitwise equal to the CSR "
+        "kernel on poisoned outputs.",
         TABLE_COLS, results, failed_row,
     )
     lines.append("")
-    lines.append("Best configs: " + "; ".join(
-        f"{r['name']} {r['routing']} {r['out_dtype']}: {r['kernel_cfg']}"
-        for r in results if "kernel_cfg" in r))
+    lines.append("Best CSR configs: " + "; ".join(
+        f"{r['name']} {r['routing']} {r['out_dtype']}: {r['csr_cfg']}"
+        for r in results if "csr_cfg" in r))
+    lines.append("")
+    lines.append("Gathered variants (us): " + "; ".join(
+        f"{r['name']} {r['routing']} {r['out_dtype']}: {r['gathered_variants_us']}"
+        for r in results if "gathered_variants_us" in r))
     return "\n".join(lines) + "\n"
 
 
