@@ -376,7 +376,7 @@ def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion, ping
     h = jax.random.normal(ks[2], (plan.capacity, 2 * n), jnp.bfloat16)
     w2 = (jax.random.normal(ks[3], (E, n, d)) * n**-0.5).astype(jnp.bfloat16)
     base = dataclasses.replace(BackwardConfig.for_shape(d, n).dh, early_h=False,
-                               gather_completion=completion)
+                               gather_completion=completion, persistent_ctas=0)
     rows = int(plan.num_rows)
     outs = []
     fast = dict(pingpong=True, num_stages=4) if pingpong else {}
@@ -406,10 +406,12 @@ def test_dh_early_h_equals_after_the_k_loop(shape):
     do = jax.random.normal(ks[1], (T, d), jnp.bfloat16)
     h = jax.random.normal(ks[2], (plan.capacity, 2 * n), jnp.bfloat16)
     w2 = (jax.random.normal(ks[3], (E, n, d)) * n**-0.5).astype(jnp.bfloat16)
-    base = BackwardConfig.for_shape(d, n).dh
+    # The one-CTA-per-tile kernel (the persistent default loads H after the K loop).
+    base = dataclasses.replace(BackwardConfig.for_shape(d, n).dh, persistent_ctas=0,
+                               early_h=True)
     rows = int(plan.num_rows)
     outs = []
-    for cfg in (base, dataclasses.replace(base, early_h=not base.early_h)):
+    for cfg in (base, dataclasses.replace(base, early_h=False)):
         f = jax.jit(lambda *a, cfg=cfg: dh_kernel(*a, config=cfg))
         _poison(plan.capacity * 3 * n * 2)
         dh, ap, ds = f(do, h, plan.token_ids, plan.group_sizes, plan.scores, w2)

@@ -59,7 +59,7 @@ class BackwardConfig:
         """Default block sizes dividing the model width `d` and expert width `n`.
 
         Both must be multiples of 64 (`ValueError` naming the argument otherwise). `num_sms`:
-        CTAs of the persistent dX~ kernel (default: the device's SM count). `gather`: the row
+        CTAs of the persistent dH and dX~ kernels (default: the device's SM count). `gather`: the row
         loader of dH and both weight gradients, "cp_async" (default) or "tma" (see
         `DHConfig.gather`).
         `overrides` may replace any of the five configs.
@@ -72,20 +72,20 @@ class BackwardConfig:
         # dH: two consumer warpgroups of 128 (or 64) columns share each gathered dO stage;
         # A', dS and H reuse the pipeline's SMEM, which leaves room for 5 stages at 128
         # (measured on the H100: 5 stages 729 us, 4 760, 3 with H prefetched 901 at 7B).
-        # How the cp.async dO stages are published (`_common.GATHER_COMPLETIONS`), measured
-        # on the H100 in one run (session 4): hardware-tracked mbarriers 880 vs 846 us for
-        # the lagged publish at 7B (d=1536, 24 K steps), 3440 vs 3553 us at 30B (d=4096).
-        dh_completion = "mbarrier" if d >= 4096 else "wait_group"
         if n % 256 == 0:
             dh = DHConfig(block_n=128, num_stages=5, num_consumers=2, pad_rows_to=k)
         elif n % 128 == 0:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=2, pad_rows_to=k)
         else:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=1, pad_rows_to=k)
-        # H starts loading into the pipeline's bytes during the last K steps (`early_h`):
-        # measured on the H100 in one run (session 7), bitwise the same, 627.4 -> 611.8 us
-        # at 7B and 3003.7 -> 2963.6 us at 30B.
-        dh = dataclasses.replace(dh, gather_completion=dh_completion, early_h=True)
+        # Persistent CTAs (one per SM) walk the tiles, the producer loading the next tile's
+        # ids, scores and first K steps while the consumers run the epilogue. Measured on
+        # the H100 in two runs (session 14, bitwise the same): 7B 582.0 -> 556.5-558.1 us
+        # against the one-CTA-per-tile kernel with `early_h`; 30B and Qwen3 (d=2048, n=768)
+        # within the spread (30B mean of six rounds 2956 vs 2941 us, Qwen3 -0.7..-0.9%),
+        # where the lagged publish beat the slot mbarriers (30B 3005 us).
+        dh = dataclasses.replace(dh, gather_completion="wait_group",
+                                 persistent_ctas=default_num_sms() if num_sms is None else num_sms)
         # Weight gradients: measured on the H100 (benchmarks/RESULTS.md, 7B sweep), a CTA
         # tile of 256 x 128 with 2 consumers beats 128 x 128 by ~20%; the output tile reuses
         # the pipeline's SMEM, which leaves room for 4 stages of 48 KB.
