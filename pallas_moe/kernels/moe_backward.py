@@ -59,9 +59,9 @@ class BackwardConfig:
         """Default block sizes dividing the model width `d` and expert width `n`.
 
         Both must be multiples of 64 (`ValueError` naming the argument otherwise). `num_sms`:
-        CTAs of the persistent dH and dX~ kernels (default: the device's SM count). `gather`: the row
-        loader of dH and both weight gradients, "cp_async" (default) or "tma" (see
-        `DHConfig.gather`).
+        CTAs of the persistent dH (below d = 4096) and dX~ kernels (default: the device's SM
+        count). `gather`: the row loader of dH and both weight gradients, "cp_async"
+        (default) or "tma" (see `DHConfig.gather`).
         `overrides` may replace any of the five configs.
         """
         if gather not in _common.GATHER_MODES:
@@ -78,14 +78,21 @@ class BackwardConfig:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=2, pad_rows_to=k)
         else:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=1, pad_rows_to=k)
-        # Persistent CTAs (one per SM) walk the tiles, the producer loading the next tile's
-        # ids, scores and first K steps while the consumers run the epilogue. Measured on
-        # the H100 in two runs (session 14, bitwise the same): 7B 582.0 -> 556.5-558.1 us
-        # against the one-CTA-per-tile kernel with `early_h`; 30B and Qwen3 (d=2048, n=768)
-        # within the spread (30B mean of six rounds 2956 vs 2941 us, Qwen3 -0.7..-0.9%),
-        # where the lagged publish beat the slot mbarriers (30B 3005 us).
-        dh = dataclasses.replace(dh, gather_completion="wait_group",
-                                 persistent_ctas=default_num_sms() if num_sms is None else num_sms)
+        # Below d = 4096, persistent CTAs (one per SM) walk the tiles, the producer loading
+        # the next tile's ids, scores and first K steps while the consumers run the
+        # epilogue. Measured on the H100 (session 14, bitwise the same, two runs): 7B
+        # 582.0 -> 556.5-558.1 us against one CTA per tile with `early_h`, Qwen3 (d=2048,
+        # n=768) -0.7..-1.8%. At 30B (64 K steps per tile) it measured level in isolation
+        # (six rounds: 2956 vs 2941 us) and 3.37 vs 3.24 ms inside the step (two sessions),
+        # so there the tile's CTA keeps loading H during its last K steps (`early_h`, session
+        # 7: 3003.7 -> 2963.6 us) with hardware-tracked stages (session 4: 3440 vs 3553 us).
+        if d < 4096:
+            dh = dataclasses.replace(
+                dh, gather_completion="wait_group",
+                persistent_ctas=default_num_sms() if num_sms is None else num_sms,
+            )
+        else:
+            dh = dataclasses.replace(dh, gather_completion="mbarrier", early_h=True)
         # Weight gradients: measured on the H100 (benchmarks/RESULTS.md, 7B sweep), a CTA
         # tile of 256 x 128 with 2 consumers beats 128 x 128 by ~20%; the output tile reuses
         # the pipeline's SMEM, which leaves room for 4 stages of 48 KB.

@@ -402,9 +402,17 @@ def quantize_gathered_rows(
         q_copy, q_mma = q_views(q_bufs)
         cta = jax.lax.axis_index("sm")
         count = (num_blocks - cta + num_ctas - 1) // num_ctas  # >= 1: cta < num_blocks
-        rows_iota = plgpu.broadcasted_iota(jnp.int32, (REGISTER_ROWS, bc), 0, layout=layout)
-        real_iota = rows_iota % R  # real row of each register row
-        band_iota = rows_iota // R
+
+        # Masks are [64] row vectors (two registers per thread) broadcast where they are
+        # used: a [64, block_cols] i32 iota would pin block_cols / 2 registers per thread.
+        def register_rows():
+            return plgpu.broadcasted_iota(jnp.int32, (REGISTER_ROWS,), 0, layout=row_layout)
+
+        def real_rows():  # the block's real row held by each register row
+            return register_rows() % R
+
+        def on_rows(pred):  # [64] bool -> [64, bc], constant along each row
+            return jax.lax.broadcast_in_dim(pred, (REGISTER_ROWS, bc), [0])
 
         def load_meta(j):
             slot = j % M
@@ -471,7 +479,7 @@ def quantize_gathered_rows(
             """[64, bc] f32: band k's scale columns on band k's register rows."""
             scale = jax.lax.broadcast_in_dim(load_band(0), (REGISTER_ROWS, bc), [1])
             for k in range(1, p):
-                scale = jnp.where(band_iota == k,
+                scale = jnp.where(on_rows(register_rows() // R == k),
                                   jax.lax.broadcast_in_dim(load_band(k), (REGISTER_ROWS, bc), [1]),
                                   scale)
             return scale
@@ -480,13 +488,17 @@ def quantize_gathered_rows(
             return band_scale(lambda k: plgpu.load(scale_bufs.at[slot, e_slot, k],
                                                    layout=col_layout, optimized=False))
 
-        def y_chunk(slot, c: int, blk, masked: bool):
-            """f32 [64, bc]: Y of chunk c (zero on rows past `live` when masked)."""
-            x = x_chunk(slot)
-            if not smoothed:
-                return jnp.where(real_iota < blk["live"], x, 0.0) if masked else x
-            y = x * staged_scale(slot, 0)
-            if masked:  # other experts of the block override their rows
+        def y_chunk(slot, c: int, blk, masked: bool, zero_past_live: bool):
+            """f32 [64, bc]: Y of chunk c. Rows past `live` hold whatever was loaded (zeros
+            or another token's values) unless `zero_past_live`: pass 1 masks their maxima
+            instead, pass 2 zeroes them (Q must be +0 there, whatever the sign of Y)."""
+            y = x_chunk(slot)
+            if smoothed:
+                y = y * staged_scale(slot, 0)
+            if not masked:
+                return y
+            if smoothed:  # other experts of the block override their rows
+                x = x_chunk(slot)
                 first, last, r0 = blk["first"], blk["last"], blk["r0"]
 
                 def middle(e, y):  # an expert strictly inside the block: from GMEM
@@ -495,15 +507,18 @@ def quantize_gathered_rows(
                     scale = band_scale(lambda k: plgpu.load(
                         sm_ref.at[e, pl.ds(k * C + c * bc, bc)], layout=col_layout,
                         optimized=False))
-                    return jnp.where((real_iota >= lo) & (real_iota < hi), x * scale, y)
+                    real = real_rows()
+                    return jnp.where(on_rows((real >= lo) & (real < hi)), x * scale, y)
 
                 y = jax.lax.fori_loop(first + 1, last, middle, y)
 
                 def last_expert(_, y):
-                    return jnp.where(real_iota >= blk["last_start"], x * staged_scale(slot, 1), y)
+                    return jnp.where(on_rows(real_rows() >= blk["last_start"]),
+                                     x * staged_scale(slot, 1), y)
 
                 y = jax.lax.fori_loop(0, (last > first).astype(jnp.int32), last_expert, y)
-                y = jnp.where(real_iota < blk["live"], y, 0.0)
+            if zero_past_live:
+                y = jnp.where(on_rows(real_rows() < blk["live"]), y, 0.0)
             return y
 
         def combine_bands(m):
@@ -549,14 +564,17 @@ def quantize_gathered_rows(
             for c in range(nc):  # pass 1: row maxima, waiting for each chunk
                 slot = (i * nc + c) % K
                 wait_chunk(c, slot)
-                m = jnp.max(jnp.abs(y_chunk(slot, c, blk, masked)), axis=1)
+                m = jnp.max(jnp.abs(y_chunk(slot, c, blk, masked, False)), axis=1)
                 amax = m if amax is None else jnp.maximum(amax, m)
+            if masked:  # rows past `live` may hold anything, NaN included: zero rows
+                amax = jnp.where(real_rows() < blk["live"], amax, 0.0)
             scale, inv = row_scale(combine_bands(amax), out_dtype)
-            inv = jax.lax.broadcast_in_dim(inv, (REGISTER_ROWS, bc), [0])
             for c in range(nc):  # pass 2: quantize, store, free the chunk's slot
                 g = i * nc + c
                 slot = g % K
-                q = apply_row_scale(y_chunk(slot, c, blk, masked), inv, out_dtype)
+                q = apply_row_scale(y_chunk(slot, c, blk, masked, True),
+                                    jax.lax.broadcast_in_dim(inv, (REGISTER_ROWS, bc), [0]),
+                                    out_dtype)
                 t = g % _Q_TILES
                 # The stores of the tile written _Q_TILES chunks ago (one bulk group per
                 # chunk; the newest group is the other tile's) have read it.

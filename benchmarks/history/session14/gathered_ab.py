@@ -35,6 +35,7 @@ VARIANTS = {
     "p8": dict(parts=8),
     "tma": dict(loader="tma"),
     "grouped_order": dict(token_order=False),
+    "no_smoothing": dict(),  # smooth_scales=None, against the CSR kernel without them
 }
 
 
@@ -70,12 +71,18 @@ def main(names, variant_names):
         for label in variant_names:
             try:
                 cfg = GatheredQuantConfig.for_width(d, **VARIANTS[label])
-                f = jax.jit(lambda x, s, t, g, n, cfg=cfg: quantize_gathered_rows(
-                    x, s, t, g, n, num_out_rows=P, out_dtype=E4M3, config=cfg))
+                plain = label == "no_smoothing"
+                f = jax.jit(lambda x, s, t, g, n, cfg=cfg, plain=plain: quantize_gathered_rows(
+                    x, None if plain else s, t, g, n, num_out_rows=P, out_dtype=E4M3,
+                    config=cfg))
                 args = (x, smooth, plan.token_ids, plan.group_sizes, plan.num_rows)
                 q, s = poison_then(f, *args, nbytes=P * d * 2)
-                bad_q = int(np.sum(np.asarray(q).view(np.uint8) != want_q))
-                bad_s = int(np.sum(np.asarray(s).view(np.uint32) != want_s))
+                ref_q, ref_s = want_q, want_s
+                if plain:
+                    ref_q, ref_s = (np.asarray(a) for a in csr(x, None, *csr_args))
+                    ref_q, ref_s = ref_q.view(np.uint8), ref_s.view(np.uint32)
+                bad_q = int(np.sum(np.asarray(q).view(np.uint8) != ref_q))
+                bad_s = int(np.sum(np.asarray(s).view(np.uint32) != ref_s))
                 t = gpu_time_ms(f, *args)
             except Exception as e:  # noqa: BLE001 - a variant that does not fit
                 print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
