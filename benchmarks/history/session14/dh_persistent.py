@@ -27,8 +27,17 @@ SHAPES = {"7b": (24576, 1536, 256, 128, 8), "30b": (32768, 4096, 512, 128, 8),
           "qwen3": (16384, 2048, 768, 128, 8)}
 
 
-def variants(base, num_sms):
+def variants(base, num_sms, which="all"):
     per = dict(persistent_ctas=num_sms, early_h=False)
+    if which == "epcols":  # call 5: the ping-pong epilogue in narrower chunks
+        coop = dataclasses.replace(base, gather_completion="wait_group", **per)
+        pp = dataclasses.replace(coop, pingpong=True, num_stages=4)
+        return {
+            "per-tile (default)": dataclasses.replace(base, persistent_ctas=0, early_h=True),
+            "persistent cooperative": coop,
+            **{f"ping-pong, {c}-column chunks": dataclasses.replace(pp, epilogue_cols=c)
+               for c in (8, 16, 32)},
+        }
     return {
         "per-tile (default)": base,
         "per-tile, H after the K loop": dataclasses.replace(base, early_h=False),
@@ -45,7 +54,7 @@ def poison(nbytes):
     jax.block_until_ready(jnp.full((nbytes // 4,), jnp.nan, jnp.float32))
 
 
-def main(names):
+def main(names, which="all"):
     num_sms = jax.devices()[0].core_count
     table = []
     for name in names:
@@ -63,7 +72,7 @@ def main(names):
                                                                            plan.token_ids)
         args = (go, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
         fns, first = {}, None
-        for k, cfg in variants(base, num_sms).items():
+        for k, cfg in variants(base, num_sms, which).items():
             f = jax.jit(lambda *a, cfg=cfg: dh_kernel(*a, config=cfg, meta=meta))
             poison(P * 3 * n * 2 * 2)
             out = [np.asarray(o) for o in f(*args)]
@@ -95,4 +104,5 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main((sys.argv[1] if len(sys.argv) > 1 else "7b,30b,qwen3").split(","))
+    main((sys.argv[1] if len(sys.argv) > 1 else "7b,30b,qwen3").split(","),
+         sys.argv[2] if len(sys.argv) > 2 else "all")

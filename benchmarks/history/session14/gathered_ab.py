@@ -35,6 +35,7 @@ VARIANTS = {
     "p8": dict(parts=8),
     "tma": dict(loader="tma"),
     "grouped_order": dict(token_order=False),
+    "p4_2cta": dict(parts=4, num_slots=4, num_sms=264),  # two CTAs per SM
     "no_smoothing": dict(),  # smooth_scales=None, against the CSR kernel without them
 }
 
