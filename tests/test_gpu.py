@@ -348,7 +348,6 @@ def test_chunked_row_ffn_equals_moe_ffn_bitwise(skew):
         assert bool(jnp.array_equal(got, whole)), f"{num_chunks} chunks"
 
 
-@pytest.mark.parametrize("pingpong", [False, True], ids=["cooperative", "pingpong"])
 @pytest.mark.parametrize("completion", ["wait_group", "mbarrier"])
 @pytest.mark.parametrize(
     "shape, num_ctas",
@@ -356,10 +355,9 @@ def test_chunked_row_ffn_equals_moe_ffn_bitwise(skew):
      ((4000, 2048, 768, 32, 8), 7)],
     ids=["7b_widths", "30b_widths", "qwen3_widths_7_ctas"],
 )
-def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion, pingpong):
-    """The persistent dH kernels (`persistent_ctas`; consumers splitting each tile or taking
-    whole tiles in turn, `pingpong`; with the cp.async dO gather and either way of
-    publishing a stage) write the bits of the one-CTA-per-tile kernel: skewed
+def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion):
+    """The persistent dH kernel (`persistent_ctas`, with the cp.async dO gather and either
+    way of publishing a stage) writes the bits of the one-CTA-per-tile kernel: skewed
     routing with an empty expert, poisoned outputs, fresh random data; 7 CTAs make every CTA
     walk many tiles, and the Qwen3 widths have 3 column blocks per row tile."""
     import dataclasses
@@ -379,8 +377,7 @@ def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion, ping
                                gather_completion=completion, persistent_ctas=0)
     rows = int(plan.num_rows)
     outs = []
-    fast = dict(pingpong=True, num_stages=4) if pingpong else {}
-    for cfg in (base, dataclasses.replace(base, persistent_ctas=num_ctas, **fast)):
+    for cfg in (base, dataclasses.replace(base, persistent_ctas=num_ctas)):
         f = jax.jit(lambda *a, cfg=cfg: dh_kernel(*a, config=cfg))
         _poison(plan.capacity * 3 * n * 2)
         dh, ap, ds = f(do, h, plan.token_ids, plan.group_sizes, plan.scores, w2)

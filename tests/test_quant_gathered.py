@@ -97,16 +97,17 @@ def test_gathered_token_rounding_plan_tail_block_and_tiny_experts():
 
 
 def test_gathered_no_races_bands_and_ring():
-    # The race detector watches the chunk ring (2 chunks per block in 3 slots), the band
-    # maxima's round trip (4 bands: R = 16), the metadata ring, the Q tiles and a tail block
-    # (P = 87 rows); 2 CTAs of 3 blocks each.
+    # The race detector watches two warpgroups sharing each block (one chunk each, two ring
+    # slots each: the ring wraps), the row maxima's round trip between them and across 4
+    # bands (R = 16), the metadata ring, the Q tiles and a tail block (P = 87 rows); 2 CTAs
+    # of 3 blocks each.
     num_tokens, d, num_experts = 16, 1024, 4
     ks = jax.random.split(jax.random.key(32), 3)
     plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.6, empty=(1,), extra=23)
     assert plan.capacity == 87
     x = special_x(ks[1], num_tokens, d, at=(0, 1, 2, 3, 4))
     smooth = smooth_scales(ks[2], num_experts, d)
-    cfg = GatheredQuantConfig(parts=4, block_cols=128, num_slots=3, num_sms=2)
+    cfg = GatheredQuantConfig(parts=4, block_cols=128, warpgroups=2, num_slots=4, num_sms=2)
     q, s = gathered_op(INT8, cfg, detect_races=True)(x, smooth, plan)
     assert not races_found()
     assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), INT8))

@@ -99,9 +99,6 @@ class DHConfig:
         consumers run the epilogue. Same bits either way. The persistent kernel loads H
         after the K loop into the bytes of its last W2 slots, so it needs
         `early_h = prefetch_h = False`.
-      pingpong: with `persistent_ctas` and `num_consumers=2` only: the two consumers take
-        whole tiles in turn (`_dh_pingpong`), so one's epilogue runs under the other's K
-        loop; False = they split each tile's columns (`_dh_persistent`). Same bits.
     """
 
     block_m: int = 64
@@ -119,7 +116,6 @@ class DHConfig:
     early_h: bool = False
     approx_math: bool = True
     persistent_ctas: int = 0
-    pingpong: bool = False
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -160,11 +156,6 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
             f"with H loaded after the K loop: num_consumers >= 1 (got {config.num_consumers}), "
             f"early_h=False (got {config.early_h}) and prefetch_h=False (got "
             f"{config.prefetch_h})."
-        )
-    if config.pingpong and (not config.persistent_ctas or config.num_consumers != 2):
-        raise ValueError(
-            f"config.pingpong=True needs persistent_ctas > 0 (got {config.persistent_ctas}) "
-            f"and num_consumers=2 (got {config.num_consumers})."
         )
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
     cols = bn * max(config.num_consumers, 1)
@@ -392,8 +383,7 @@ def dh_kernel(
     interpret_mode = _common.interpret_params(interpret)
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, s_tiles, grad_out, w_down, h)
     if config.persistent_ctas:
-        build = _dh_pingpong if config.pingpong else _dh_persistent
-        kernel = build(config, d, n, num_tiles, out_types, interpret_mode, activation)
+        kernel = _dh_persistent(config, d, n, num_tiles, out_types, interpret_mode, activation)
         dh, a_scaled, ds_part = kernel(*args)
         return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
     if config.num_consumers:
@@ -699,10 +689,6 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     )
 
 
-# Dynamic SMEM of an H100 CTA (232448 bytes) less a margin for barriers and alignment.
-PINGPONG_SMEM_BUDGET = 232448 - 4096
-
-
 def _persistent_layout(bm: int, bn: int, bk: int, stages: int, cons: int):
     """(overlaid, W2 slot bytes, epilogue bytes) of the persistent kernel's SMEM: the
     epilogue's A' and H tiles overlay the last `overlaid` W2 slots, so the next item's first
@@ -962,269 +948,3 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         interpret=interpret_mode,
     )
 
-
-def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
-                 interpret_mode, activation: SwiGLU = SwiGLU()):
-    """The dH kernel as `config.persistent_ctas` persistent CTAs whose two consumer
-    warpgroups take turns (`config.pingpong`): one consumer's epilogue runs while the other
-    one's K loop keeps the tensor cores busy.
-
-    A work item is the same `[block_m, C * block_n]` tile the cooperative kernels give one
-    CTA (C = `num_consumers` = 2), but one consumer computes all of it (a [bm, C*bn] f32
-    accumulator: 128 registers per thread at bn = 128): the CTA's q-th non-empty item goes
-    to consumer q % 2. Each gathered dO row still feeds all C*bn columns, as in the
-    cooperative tile.
-
-    Producer: one continuous ring over the CTA's items (global step `g = q * num_k + ki`,
-    slot `g % stages`), so the next item's loads, and the lagged cp.async publish, run on
-    across item boundaries. Token ids are double-buffered and prefetched one item ahead.
-    Consumers: K loop into the accumulator, then the epilogue in C column blocks of bn
-    through one shared SMEM buffer (H gate and up of one block, A' of one block, 48 KB at
-    bn = 128) that the two consumers hand over in turn (`epi_turn`): load the block's H,
-    dSwiGLU (`_dswiglu_and_store`, the cooperative kernels' epilogue, so the bits and the
-    dS partial layout are theirs), store, next block. Each consumer stages its own item's
-    scores. The epilogue does not overlay the pipeline, so the ring has fewer stages (4 at
-    bn = 128) than the cooperative kernel's.
-    """
-    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
-    cons = config.num_consumers  # column blocks per item (the cooperative kernel's split)
-    cols = cons * bn
-    ep_cols = config.epilogue_cols or bn
-    num_k = d // bk
-    grid_n = n // cols
-    num_items = num_tiles * grid_n
-    num_ctas = min(config.persistent_ctas, num_items)
-    dtype = jnp.bfloat16
-    num_ladder = ladder_len(bm)
-    interpret = interpret_mode is not None
-    cp_async = config.gather == "cp_async" and not interpret
-    stage_bars = _common.uses_stage_mbarriers(config, interpret)
-    rows_per_warp = bm // 4
-    tf = _common.mma_transforms(dtype)
-    a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
-    smem_bytes = sum(hi - lo for lo, hi in _common.group_spans([
-        plgpu.SMEM((stages, bm + cols, bk), dtype),  # dO and W2 stages
-        plgpu.SMEM((3, bm, bn), dtype),  # H gate, H up, A' of one column block
-    ])) + 3 * _common.SMEM_ALIGNMENT  # ids, scores, dS partials
-    if smem_bytes > PINGPONG_SMEM_BUDGET:
-        raise ValueError(
-            f"config.num_stages={stages} is too many for the ping-pong dH kernel at "
-            f"block_m={bm}, block_n={bn}: {smem_bytes} bytes of SMEM, more than "
-            f"{PINGPONG_SMEM_BUDGET}; use fewer stages."
-        )
-
-    def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
-             dh_out, ap_out, ds_out, a_bufs, b_smem, h_smem, ap_smem, ids_smem, s_smem,
-             ds_smem, full, empty, ids_bar, s_bar, h_bars, epi_turn, *a_landed):
-        a_copy, a_mma = a_views(a_bufs)
-        if stage_bars:
-            _common.cp_async_stage_barriers_init(a_landed[0])
-        wg = jax.lax.axis_index("wg")
-        cta = jax.lax.axis_index("cta")
-        my_items = (num_items - cta + num_ctas - 1) // num_ctas  # >= 1: num_ctas <= items
-
-        def item(j):  # (row tile, column block) of this CTA's j-th item
-            w = cta + j * num_ctas
-            return w % num_tiles, w // num_tiles
-
-        def count_nonempty(j, done):
-            return done + (rows_ref[item(j)[0]] > 0).astype(jnp.int32)
-
-        @pl.when(wg == 2)
-        def _producer():
-            if config.rebalance_registers:
-                _common.role_registers("producer", 2)
-
-            def load_ids(j):
-                plgpu.copy_gmem_to_smem(ids_ref.at[item(j)[0]], ids_smem.at[j % 2],
-                                        ids_bar.at[j % 2])
-
-            load_ids(0)
-            lag = stages - 2  # the lagged publish (`_common.cp_async_publish_lagged`)
-
-            def full_of(g):  # step g's `full` barrier: its item's consumer, its slot
-                return full.at[(g // num_k) % 2, g % stages]
-
-            def publish(g):  # step g's cp.async rows were issued
-                if stage_bars:  # the hardware arrives when they land
-                    _common.cp_async_stage_arrive(a_landed[0].at[g % stages])
-                    return
-
-                @pl.when(g >= lag)
-                def _():
-                    _common.cp_async_stage_done(lag)
-                    plgpu.barrier_arrive(full_of(g - lag))
-
-            def per_item(j, done):  # done: this CTA's non-empty items before item j
-                mi, ni = item(j)
-                num_rows = rows_ref[mi]
-                # Item j - 1's row copies, from every producer thread, have read the buffer
-                # item j + 1's ids overwrite: a warpgroup barrier first.
-                plgpu.commit_smem()
-
-                @pl.when(j + 1 < my_items)
-                def _():
-                    load_ids(j + 1)
-
-                plgpu.barrier_wait(ids_bar.at[j % 2])  # observed even for an empty item
-
-                @pl.when(num_rows > 0)
-                def _():
-                    ids = ids_smem.at[j % 2]
-                    w_e = w_ref.at[expert_ref[mi]]  # [n, d]
-
-                    owner = done % 2  # the consumer of this item's steps
-
-                    def step(ki, carry):
-                        g = done * num_k + ki
-                        slot = g % stages
-                        k0 = ki * bk
-
-                        @pl.when(g >= stages)
-                        def _():
-                            plgpu.barrier_wait(empty.at[slot])
-
-                        plgpu.copy_gmem_to_smem(  # [C*bn, bk] rows of W2[e], K-minor
-                            w_e.at[pl.ds(ni * cols, cols), pl.ds(k0, bk)], b_smem.at[slot],
-                            full.at[owner, slot],
-                        )
-                        if cp_async:
-                            _common.cp_async_gather_rows(
-                                do_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
-                            )
-                            publish(g)
-                        else:
-                            def per_warp(w):
-                                _common.gather_rows(  # [1, bk] of dO[tok] per row
-                                    do_ref, ids, [a_copy.at[slot]], full.at[owner, slot],
-                                    col0=k0, width=bk, first_row=w * rows_per_warp,
-                                    num_rows=rows_per_warp, unroll=4,
-                                )
-
-                            plgpu.warp_map(per_warp)
-                        return carry
-
-                    jax.lax.fori_loop(0, num_k, step, None)
-
-                return count_nonempty(j, done)
-
-            done = jax.lax.fori_loop(0, my_items, per_item, jnp.int32(0))
-            num_steps = done * num_k
-            if cp_async and not stage_bars:  # the lagged publish's last `lag` steps
-                for i in range(lag):
-                    @pl.when(num_steps - lag + i >= 0)
-                    def _(i=i):
-                        _common.cp_async_stage_done(lag - 1 - i)
-                        plgpu.barrier_arrive(full_of(num_steps - lag + i))
-
-            def drain(g, carry):  # observe the last releases: no phase left unconsumed
-                plgpu.barrier_wait(empty.at[g % stages])
-                return carry
-
-            jax.lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
-
-        for c in range(2):
-            @pl.when(wg == c)
-            def _consumer(c=c):
-                if config.rebalance_registers:
-                    _common.role_registers("consumer", 2)
-                s_mine = s_smem.at[c]
-
-                def per_item(j, done):
-                    mi, ni = item(j)
-                    num_rows = rows_ref[mi]
-
-                    @pl.when((num_rows > 0) & (done % 2 == c))
-                    def _():
-                        row0 = start_ref[mi]
-                        plgpu.copy_gmem_to_smem(s_ref.at[mi], s_mine, s_bar.at[c])  # [bm] f32
-
-                        def mma_scope(acc):
-                            def step(ki, carry):
-                                g = done * num_k + ki
-                                slot = g % stages
-                                plgpu.barrier_wait(full.at[c, slot])
-                                if stage_bars:
-                                    _common.cp_async_consumer_wait(g, a_landed, stages)
-                                w_t = b_smem.at[slot]  # [C*bn, bk]
-                                plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
-                                plgpu.wgmma_wait(1)  # step g-1 is done: release its slot
-
-                                @pl.when(ki >= 1)
-                                def _():
-                                    plgpu.barrier_arrive(empty.at[(g - 1) % stages])
-
-                                return carry
-
-                            jax.lax.fori_loop(0, num_k, step, None)
-                            plgpu.wgmma_wait(0)
-                            plgpu.barrier_arrive(empty.at[(done * num_k + num_k - 1) % stages])
-                            return acc[...]
-
-                        da = pl.run_scoped(mma_scope, plgpu.ACC((bm, cols), jnp.float32))
-
-                        @pl.when(done > 0)  # the other consumer's epilogue left the buffer
-                        def _():
-                            plgpu.barrier_wait(epi_turn.at[c])
-
-                        plgpu.barrier_wait(s_bar.at[c])
-                        for blk in range(cons):  # the cooperative kernel's consumer blk
-                            c0 = ni * cols + blk * bn
-                            h_gate = h_ref.at[:, pl.ds(c0, bn)]  # [P, bn]
-                            h_up = h_ref.at[:, pl.ds(n + c0, bn)]  # [P, bn]
-                            bar0 = c * num_ladder  # this consumer's waits: its own barriers
-                            for half, src in enumerate((h_gate, h_up)):
-                                load_rows(src, h_smem.at[half], row0, num_rows, bm, h_bars,
-                                          True, bar0)
-                            load_rows(h_gate, h_smem.at[0], row0, num_rows, bm, h_bars, False,
-                                      bar0)
-                            _dswiglu_and_store(
-                                da[:, blk * bn:(blk + 1) * bn], s_mine, h_smem.at[0],
-                                h_smem.at[1], ap_smem, ds_smem.at[c], dh_out, ap_out,
-                                ds_out.at[mi, ni * cons + blk], c0, n, row0, num_rows, bm,
-                                ep_cols, activation,
-                            )
-                        plgpu.barrier_arrive(epi_turn.at[1 - c])  # the buffer is free
-
-                    return count_nonempty(j, done)
-
-                done = jax.lax.fori_loop(0, my_items, per_item, jnp.int32(0))
-
-                # The other consumer's last hand-over has no epilogue after it: observe it.
-                @pl.when((done > 0) & ((done - 1) % 2 == 1 - c))
-                def _():
-                    plgpu.barrier_wait(epi_turn.at[c])
-
-    scratch = [
-        a_scratch,  # gathered dO stages [stages, bm, bk]
-        plgpu.SMEM((stages, cols, bk), dtype, transforms=tf),  # W2 stages
-        plgpu.SMEM((2, bm, bn), dtype),  # one column block's H gate, H up -> dH (shared)
-        plgpu.SMEM((bm, bn), dtype),  # one column block's A' (shared)
-        plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered (producer)
-        plgpu.SMEM((2, bm), jnp.float32),  # per consumer: its item's scores
-        plgpu.SMEM((2, bm), jnp.float32),  # per consumer: dS partial
-        # Barriers each have one waiter role: Mosaic tracks a barrier's phase per thread.
-        plgpu.Barrier(  # full[c, slot]: the W2 copy plus what the row loader adds
-            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 1,
-            num_barriers=(2, stages),
-        ),
-        plgpu.Barrier(num_barriers=stages),  # empty: one consumer per step
-        plgpu.Barrier(num_barriers=2),  # ids
-        plgpu.Barrier(num_barriers=2),  # per consumer: scores
-        plgpu.Barrier(num_arrivals=2, num_barriers=2 * num_ladder),  # per consumer: H boxes
-        plgpu.Barrier(num_barriers=2),  # epi_turn[c]: consumer c may use the buffer
-        *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
-    ]
-    return plgpu.kernel(
-        body,
-        kernel_name="moe_dh",
-        out_type=out_types,
-        scratch_types=scratch,
-        grid=(num_ctas,),
-        grid_names=("cta",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                             approx_math=config.approx_math),
-        interpret=interpret_mode,
-    )

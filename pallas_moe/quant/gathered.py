@@ -86,8 +86,14 @@ class GatheredQuantConfig:
       block_cols: columns of a chunk (a multiple of 128 dividing `d / parts`): the unit of
         the SMEM ring, of a register pass (`[64, block_cols]` f32: block_cols / 2 registers
         per thread) and of a quantized tile.
-      num_slots: chunk slots of the SMEM ring (at least the chunks of one block, `d /
-        (parts * block_cols)`); None: as many as fit in `SMEM_LIMIT_BYTES`.
+      warpgroups: consumer warpgroups per CTA (1 to 4), sharing each block: warpgroup w
+        owns chunks `[w, w + 1) * chunks / warpgroups` of every block (its own ring of
+        slots, its own loads and stores); one cross-warpgroup barrier per block combines the
+        row maxima. More warps per SM hide the latency of SMEM loads and barriers that one
+        warpgroup (one warp per scheduler) cannot. None: 2 where the chunks divide, else 1.
+      num_slots: chunk slots of the SMEM ring, all warpgroups together (a multiple of
+        `warpgroups`, at least the chunks of one block, `d / (parts * block_cols)`); None:
+        as many as fit in `SMEM_LIMIT_BYTES`.
       loader: "cp_async" (16-byte loads from all threads; compiled only) or "tma" (one TMA
         copy per 128-byte piece). Interpret mode always runs "tma".
       token_order: visit blocks sorted by their first row's token (L2 reuse of the K rows
@@ -97,6 +103,7 @@ class GatheredQuantConfig:
 
     parts: int | None = None
     block_cols: int = 128
+    warpgroups: int | None = None
     num_slots: int | None = None
     loader: str = "cp_async"
     token_order: bool = True
@@ -110,6 +117,9 @@ class GatheredQuantConfig:
                 f"config.block_cols={self.block_cols} must be a positive multiple of 128 "
                 "(one 128-byte swizzle row of the 8-bit output)."
             )
+        if self.warpgroups is not None and self.warpgroups not in MAX_WARPGROUPS_RANGE:
+            raise ValueError(
+                f"config.warpgroups={self.warpgroups} must be 1 to {MAX_WARPGROUPS_RANGE[-1]}.")
         if self.num_slots is not None and self.num_slots < 1:
             raise ValueError(f"config.num_slots={self.num_slots} must be >= 1.")
         if self.loader not in LOADERS:
@@ -121,8 +131,9 @@ class GatheredQuantConfig:
     def for_width(cls, width: int, *, smoothed: bool = True, in_bytes: int = 2,
                   out_bytes: int = 1, **overrides) -> "GatheredQuantConfig":
         """The default for rows of `width`: the fewest parts whose whole block fits in SMEM
-        with at least one spare chunk slot (so the next block's first chunk loads while
-        this one is quantized). Raises a ValueError naming the width when none fits."""
+        with at least one spare chunk slot per warpgroup (so the next block's first chunks
+        load while this one is quantized). Raises a ValueError naming the width when none
+        fits."""
         base = cls(**overrides)
         if base.parts is not None:
             return base
@@ -130,14 +141,25 @@ class GatheredQuantConfig:
             if width % (parts * base.block_cols):
                 continue
             chunks = width // (parts * base.block_cols)
-            slots = _max_slots(width, parts, base.block_cols, smoothed, in_bytes, out_bytes)
-            if slots >= chunks + 1:
+            wgs = _resolve_warpgroups(base.warpgroups, chunks)
+            slots = _max_slots(width, parts, base.block_cols, wgs, smoothed, in_bytes, out_bytes)
+            if slots >= chunks + wgs:
                 return dataclasses.replace(base, parts=parts)
         raise ValueError(
             f"d={width}: no parts in {PARTS} gives a block of [64, d / parts] that fits in "
             f"{SMEM_LIMIT_BYTES} bytes of SMEM with columns a multiple of "
             f"block_cols={base.block_cols}."
         )
+
+
+MAX_WARPGROUPS_RANGE = (1, 2, 3, 4)
+DEFAULT_WARPGROUPS = 2
+
+
+def _resolve_warpgroups(warpgroups: int | None, chunks: int) -> int:
+    if warpgroups is not None:
+        return warpgroups
+    return DEFAULT_WARPGROUPS if chunks % DEFAULT_WARPGROUPS == 0 else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +172,8 @@ class _Geometry:
     band_cols: int  # C = d / parts
     block_cols: int
     chunks: int  # chunks per block, C / block_cols
-    slots: int  # chunk slots of the ring
+    warpgroups: int
+    slots: int  # chunk slots of the ring, all warpgroups
     lead: int  # blocks the chunk loads run ahead of the block being quantized
     meta_slots: int  # metadata ring
 
@@ -161,6 +184,14 @@ class _Geometry:
     @property
     def meta_cols(self) -> int:
         return _meta_cols(self.rows)
+
+    @property
+    def wg_chunks(self) -> int:  # chunks of a block each warpgroup owns
+        return self.chunks // self.warpgroups
+
+    @property
+    def wg_slots(self) -> int:  # ring slots of each warpgroup
+        return self.slots // self.warpgroups
 
 
 def _meta_cols(rows: int) -> int:
@@ -173,22 +204,18 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _common.SMEM_ALIGNMENT) * _common.SMEM_ALIGNMENT
 
 
-def _fixed_smem_bytes(parts: int, block_cols: int, out_bytes: int, meta_slots: int) -> int:
-    """SMEM besides the chunk ring: quantized tiles, scales, band maxima, metadata ring."""
+def _fixed_smem_bytes(parts: int, block_cols: int, warpgroups: int, out_bytes: int,
+                      meta_slots: int) -> int:
+    """SMEM besides the chunk ring: quantized tiles, scales, row maxima, metadata ring."""
     rows = REGISTER_ROWS // parts
     return (
-        _aligned(_Q_TILES * REGISTER_ROWS * block_cols * out_bytes)
+        _aligned(warpgroups * _Q_TILES * REGISTER_ROWS * block_cols * out_bytes)
         + _aligned(2 * REGISTER_ROWS * 4)  # s of two blocks
-        + _aligned(2 * REGISTER_ROWS * 4)  # band maxima, written twice (rotations)
+        # each warpgroup's row maxima of two blocks, written twice (band rotations)
+        + _aligned(2 * warpgroups * 2 * REGISTER_ROWS * 4)
         + _aligned(meta_slots * _meta_cols(rows) * 4)
         + _common.SMEM_ALIGNMENT  # barriers
     )
-
-
-def _slot_bytes(parts: int, block_cols: int, smoothed: bool, in_bytes: int) -> int:
-    """SMEM of one chunk slot: the gathered chunk and its scale columns of two experts."""
-    scale = 2 * parts * block_cols * 4 if smoothed else 0
-    return REGISTER_ROWS * block_cols * in_bytes + scale
 
 
 def _ring_bytes(slots: int, parts: int, block_cols: int, smoothed: bool, in_bytes: int) -> int:
@@ -197,22 +224,28 @@ def _ring_bytes(slots: int, parts: int, block_cols: int, smoothed: bool, in_byte
     return x + scale
 
 
-def _lead_and_meta_slots(chunks: int, slots: int) -> tuple[int, int]:
-    # Pass 2 of chunk c of block i issues chunk (c + slots) % chunks of block
-    # i + (c + slots) // chunks: at most `lead` blocks ahead. The metadata of block j is
-    # loaded when block j - lead - 1 starts and read until block j ends.
-    lead = (chunks - 1 + slots) // chunks
+def _lead_and_meta_slots(wg_chunks: int, wg_slots: int) -> tuple[int, int]:
+    # Pass 2 of a warpgroup's chunk c of block i issues its chunk (c + wg_slots) % wg_chunks
+    # of block i + (c + wg_slots) // wg_chunks: at most `lead` blocks ahead. The metadata
+    # of block j is loaded when block j - lead - 1 starts and read until block j ends.
+    lead = (wg_chunks - 1 + wg_slots) // wg_chunks
     return lead, lead + 2
 
 
-def _max_slots(width, parts, block_cols, smoothed, in_bytes, out_bytes) -> int:
+def _smem_bytes(width, parts, block_cols, warpgroups, slots, smoothed, in_bytes, out_bytes):
+    chunks = width // (parts * block_cols)
+    _, meta_slots = _lead_and_meta_slots(chunks // warpgroups, slots // warpgroups)
+    return (_ring_bytes(slots, parts, block_cols, smoothed, in_bytes)
+            + _fixed_smem_bytes(parts, block_cols, warpgroups, out_bytes, meta_slots))
+
+
+def _max_slots(width, parts, block_cols, warpgroups, smoothed, in_bytes, out_bytes) -> int:
+    """The most ring slots (a multiple of `warpgroups`) that fit in SMEM_LIMIT_BYTES."""
     chunks = width // (parts * block_cols)
     best = 0
-    for slots in range(1, 4 * chunks + 9):
-        _, meta_slots = _lead_and_meta_slots(chunks, slots)
-        total = (_ring_bytes(slots, parts, block_cols, smoothed, in_bytes)
-                 + _fixed_smem_bytes(parts, block_cols, out_bytes, meta_slots))
-        if total <= SMEM_LIMIT_BYTES:
+    for slots in range(warpgroups, 4 * chunks + 9 * warpgroups, warpgroups):
+        if _smem_bytes(width, parts, block_cols, warpgroups, slots, smoothed, in_bytes,
+                       out_bytes) <= SMEM_LIMIT_BYTES:
             best = slots
     return best
 
@@ -221,8 +254,8 @@ def gathered_smem_bytes(width: int, config: GatheredQuantConfig, *, smoothed: bo
                         in_bytes: int = 2, out_bytes: int = 1) -> int:
     """SMEM the kernel's scratch takes for rows of `width` under `config` (resolved)."""
     geo = _geometry(width, config, smoothed, in_bytes, out_bytes)
-    return (_ring_bytes(geo.slots, geo.parts, geo.block_cols, smoothed, in_bytes)
-            + _fixed_smem_bytes(geo.parts, geo.block_cols, out_bytes, geo.meta_slots))
+    return _smem_bytes(width, geo.parts, geo.block_cols, geo.warpgroups, geo.slots, smoothed,
+                       in_bytes, out_bytes)
 
 
 def _geometry(width: int, config: GatheredQuantConfig, smoothed: bool, in_bytes: int,
@@ -237,8 +270,14 @@ def _geometry(width: int, config: GatheredQuantConfig, smoothed: bool, in_bytes:
                              f"config.parts={parts} bands of whole config.block_cols={bc} chunks")
     band_cols = width // parts
     chunks = band_cols // bc
-    fit = _max_slots(width, parts, bc, smoothed, in_bytes, out_bytes)
+    wgs = _resolve_warpgroups(config.warpgroups, chunks)
+    _common.require_multiple(
+        f"the chunks of a block (d / (parts * block_cols) = {width} / ({parts} * {bc}))",
+        chunks, wgs, f"config.warpgroups={wgs} warpgroups own equal shares")
+    fit = _max_slots(width, parts, bc, wgs, smoothed, in_bytes, out_bytes)
     slots = config.num_slots if config.num_slots is not None else fit
+    _common.require_multiple("config.num_slots", slots, wgs,
+                             f"each of the config.warpgroups={wgs} warpgroups has its own slots")
     if slots < chunks:
         raise ValueError(
             f"config.num_slots={slots} must be at least the {chunks} chunks of one block "
@@ -247,27 +286,26 @@ def _geometry(width: int, config: GatheredQuantConfig, smoothed: bool, in_bytes:
             + ("" if fit >= chunks else
                f" At most {fit} slots fit in SMEM_LIMIT_BYTES={SMEM_LIMIT_BYTES}: use more parts.")
         )
-    lead, meta_slots = _lead_and_meta_slots(chunks, slots)
-    need = (_ring_bytes(slots, parts, bc, smoothed, in_bytes)
-            + _fixed_smem_bytes(parts, bc, out_bytes, meta_slots))
+    need = _smem_bytes(width, parts, bc, wgs, slots, smoothed, in_bytes, out_bytes)
     if need > SMEM_LIMIT_BYTES:
         raise ValueError(
             f"config.num_slots={slots} chunk slots need {need} bytes of SMEM for d={width}, "
-            f"parts={parts}, block_cols={bc}; at most {SMEM_LIMIT_BYTES} fit "
-            f"(num_slots <= {fit})."
+            f"parts={parts}, block_cols={bc}, warpgroups={wgs}; at most {SMEM_LIMIT_BYTES} "
+            f"fit (num_slots <= {fit})."
         )
+    lead, meta_slots = _lead_and_meta_slots(chunks // wgs, slots // wgs)
     return _Geometry(width=width, parts=parts, rows=REGISTER_ROWS // parts,
-                     band_cols=band_cols, block_cols=bc, chunks=chunks, slots=slots,
-                     lead=lead, meta_slots=meta_slots)
+                     band_cols=band_cols, block_cols=bc, chunks=chunks, warpgroups=wgs,
+                     slots=slots, lead=lead, meta_slots=meta_slots)
 
 
 def gathered_fits(width: int, *, smoothed: bool = True, in_bytes: int = 2,
                   out_bytes: int = 1) -> bool:
     """Whether `GatheredQuantConfig.for_width` finds a block for rows of `width`: some
     `parts` in (1, 2, 4, 8) cuts the row into bands of whole 128-column chunks, and the
-    block plus one spare chunk slot fits in SMEM. For bf16 -> 8-bit with smooth scales:
-    every multiple of 128 up to 1536, and wider widths with enough factors of two (2048,
-    3072, 4096, 6144, 7168, ...), at most 7168."""
+    block plus one spare chunk slot per warpgroup fits in SMEM. For bf16 -> 8-bit with
+    smooth scales: every multiple of 128 up to 1536, and wider widths with enough factors
+    of two (2048, 3072, 4096, 6144, 7168, ...), at most 7168."""
     if width % 128:
         return False
     try:
@@ -373,7 +411,8 @@ def quantize_gathered_rows(
     interpret_mode = _common.interpret_params(interpret)
     geo = _geometry(width, config, smoothed, x.dtype.itemsize, out_dtype.itemsize)
     cp_async = config.loader == "cp_async" and interpret_mode is None
-    R, p, C, bc, nc, K = geo.rows, geo.parts, geo.band_cols, geo.block_cols, geo.chunks, geo.slots
+    R, p, C, bc, nc = geo.rows, geo.parts, geo.band_cols, geo.block_cols, geo.chunks
+    W, ncw, Kw = geo.warpgroups, geo.wg_chunks, geo.wg_slots
     L, M, ns = geo.lead, geo.meta_slots, geo.slabs
     num_blocks = -(-num_out_rows // R)
     num_ctas = min(config.num_sms or _default_num_sms(), num_blocks)
@@ -383,9 +422,9 @@ def quantize_gathered_rows(
     layout = plgpu.Layout.WGMMA
     row_layout = layout.reduce(1)
     col_layout = layout.reduce(0)
-    x_scratch, x_views = _common.row_gather_buffers(K * ns, REGISTER_ROWS, SLAB_COLS, x.dtype,
-                                                    interpret_mode is not None)
-    q_scratch, q_views = _common.row_tile_buffers((_Q_TILES, REGISTER_ROWS, bc), out_dtype,
+    x_scratch, x_views = _common.row_gather_buffers(geo.slots * ns, REGISTER_ROWS, SLAB_COLS,
+                                                    x.dtype, interpret_mode is not None)
+    q_scratch, q_views = _common.row_tile_buffers((W * _Q_TILES, REGISTER_ROWS, bc), out_dtype,
                                                   interpret_mode is not None)
     tail_rows = num_out_rows % R  # rows of the last block (0: whole)
     arrivals = REGISTER_ROWS * ns + (2 * p if smoothed else 0)
@@ -396,11 +435,12 @@ def quantize_gathered_rows(
         else:
             q_ref, s_ref, *scratch = refs
             sm_ref = starts_ref = ends_ref = None
-        (x_bufs, scale_bufs, q_bufs, s_smem, band_max, meta_smem, meta_bar,
+        (x_bufs, scale_bufs, q_bufs, s_smem, row_max, meta_smem, meta_bar, max_bar,
          *landed) = scratch
         x_copy, x_mma = x_views(x_bufs)
         q_copy, q_mma = q_views(q_bufs)
         cta = jax.lax.axis_index("sm")
+        wg = jax.lax.axis_index("wg") if W > 1 else 0
         count = (num_blocks - cta + num_ctas - 1) // num_ctas  # >= 1: cta < num_blocks
 
         # Masks are [64] row vectors (two registers per thread) broadcast where they are
@@ -414,26 +454,37 @@ def quantize_gathered_rows(
         def on_rows(pred):  # [64] bool -> [64, bc], constant along each row
             return jax.lax.broadcast_in_dim(pred, (REGISTER_ROWS, bc), [0])
 
-        def load_meta(j):
+        def load_meta(j):  # by warpgroup 0 for all
             slot = j % M
-            plgpu.copy_gmem_to_smem(meta_ref.at[cta + j * num_ctas], meta_smem.at[slot],
-                                    meta_bar.at[slot])
+
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_gmem_to_smem(meta_ref.at[cta + j * num_ctas], meta_smem.at[slot],
+                                        meta_bar.at[slot])
 
         def meta_of(j, col):
             return meta_smem[j % M, R + col]
 
-        # ---- chunk loads: chunk c of block j into ring slot `slot`
-        def issue_chunk(j, c: int, slot):
-            if c == 0:  # the block's first chunk: its metadata has to be there
+        # This warpgroup's chunk cl (static) of a block is the block's chunk wg * ncw + cl;
+        # its local step g = i * ncw + cl sits in its ring slot wg * Kw + g % Kw.
+        def slot_of(g):
+            return wg * Kw + g % Kw
+
+        def col0_of(cl: int):
+            return (wg * ncw + cl) * bc
+
+        # ---- chunk loads: this warpgroup's chunk cl of block j into ring slot `slot`
+        def issue_chunk(j, cl: int, slot):
+            if cl == 0:  # the warpgroup's first chunk of the block: its metadata is needed
                 plgpu.barrier_wait(meta_bar.at[j % M])
             mrow = meta_smem.at[j % M]
-            col0 = c * bc
             if cp_async:
                 dsts = [x_mma.at[slot * ns + h] for h in range(ns)]
                 _cp_async_chunk(x_ref, sm_ref, mrow, dsts,
                                 scale_bufs.at[slot] if smoothed else None,
-                                geo=geo, col0=col0)
+                                geo=geo, local_chunk=cl)
                 return
+            col0 = col0_of(cl)
             bar = landed[0].at[slot]
 
             def row_copy(i, carry):
@@ -453,19 +504,19 @@ def quantize_gathered_rows(
                         plgpu.copy_gmem_to_smem(sm_ref.at[e, pl.ds(k * C + col0, bc)],
                                                 scale_bufs.at[slot, e_slot, k], bar)
 
-        def issue_chunk_if(j, c: int, slot):
+        def issue_chunk_if(j, cl: int, slot):
             @pl.when(j < count)
             def _():
-                issue_chunk(j, c, slot)
+                issue_chunk(j, cl, slot)
 
             if cp_async:  # keep one cp.async group per chunk step, loaded or not
                 @pl.when(j >= count)
                 def _():
                     _cp_async_commit_empty()
 
-        def wait_chunk(c: int, slot):
-            if cp_async:  # groups newer than this chunk's: the ring's other K - 1 - c
-                _cp_async_wait_and_sync(K - 1 - c)
+        def wait_chunk(cl: int, slot):
+            if cp_async:  # groups newer than this chunk's: the ring's other Kw - 1 - cl
+                _cp_async_wait_and_sync(Kw - 1 - cl)
             else:
                 plgpu.barrier_wait(landed[0].at[slot])
 
@@ -488,10 +539,11 @@ def quantize_gathered_rows(
             return band_scale(lambda k: plgpu.load(scale_bufs.at[slot, e_slot, k],
                                                    layout=col_layout, optimized=False))
 
-        def y_chunk(slot, c: int, blk, masked: bool, zero_past_live: bool):
-            """f32 [64, bc]: Y of chunk c. Rows past `live` hold whatever was loaded (zeros
-            or another token's values) unless `zero_past_live`: pass 1 masks their maxima
-            instead, pass 2 zeroes them (Q must be +0 there, whatever the sign of Y)."""
+        def y_chunk(slot, cl: int, blk, masked: bool, zero_past_live: bool):
+            """f32 [64, bc]: Y of the warpgroup's chunk cl. Rows past `live` hold whatever
+            was loaded (zeros or another token's values) unless `zero_past_live`: pass 1
+            masks their maxima instead, pass 2 zeroes them (Q must be +0 there, whatever
+            the sign of Y)."""
             y = x_chunk(slot)
             if smoothed:
                 y = y * staged_scale(slot, 0)
@@ -500,12 +552,13 @@ def quantize_gathered_rows(
             if smoothed:  # other experts of the block override their rows
                 x = x_chunk(slot)
                 first, last, r0 = blk["first"], blk["last"], blk["r0"]
+                col0 = col0_of(cl)
 
                 def middle(e, y):  # an expert strictly inside the block: from GMEM
                     lo = starts_ref[e] - r0
                     hi = ends_ref[e] - r0
                     scale = band_scale(lambda k: plgpu.load(
-                        sm_ref.at[e, pl.ds(k * C + c * bc, bc)], layout=col_layout,
+                        sm_ref.at[e, pl.ds(k * C + col0, bc)], layout=col_layout,
                         optimized=False))
                     real = real_rows()
                     return jnp.where(on_rows((real >= lo) & (real < hi)), x * scale, y)
@@ -521,33 +574,42 @@ def quantize_gathered_rows(
                 y = jnp.where(on_rows(real_rows() < blk["live"]), y, 0.0)
             return y
 
-        def combine_bands(m):
-            """Row maxima of the real rows, on every register row of the row (p > 1)."""
-            if p == 1:
+        def combine(i, m):
+            """Row maxima of the real rows over every warpgroup's chunks and every band, on
+            each register row of the row."""
+            if W == 1 and p == 1:
                 return m
-            band_max[pl.ds(0, REGISTER_ROWS)] = m
-            band_max[pl.ds(REGISTER_ROWS, REGISTER_ROWS)] = m
-            plgpu.commit_smem()  # every thread's maxima are in SMEM
-            out = m
-            for k in range(1, p):  # register row r + k R (mod 64): the same real row
-                out = jnp.maximum(out, plgpu.load(band_max.at[pl.ds(k * R, REGISTER_ROWS)],
-                                                  layout=row_layout, optimized=False))
+            buf = row_max.at[i % 2]  # two blocks: a fast warpgroup may be one block ahead
+            buf[wg, pl.ds(0, REGISTER_ROWS)] = m
+            buf[wg, pl.ds(REGISTER_ROWS, REGISTER_ROWS)] = m  # rotations past row 63
+            if W == 1:
+                plgpu.commit_smem()  # every thread's maxima are in SMEM
+            else:  # every warpgroup's maxima (arrive releases, wait acquires)
+                plgpu.barrier_arrive(max_bar.at[i % 2])
+                plgpu.barrier_wait(max_bar.at[i % 2])
+            out = None
+            for w in range(W):
+                for k in range(p):  # register row r + k R (mod 64): the same real row
+                    v = plgpu.load(buf.at[w, pl.ds(k * R, REGISTER_ROWS)], layout=row_layout,
+                                   optimized=False)
+                    out = v if out is None else jnp.maximum(out, v)
             return out
 
-        def store_q_tile(t, c: int, blk, tail):
-            """TMA-stores quantized tile t (chunk c, every band) to the block's rows."""
+        def store_q_tile(t, cl: int, blk, tail):
+            """TMA-stores quantized tile t (chunk cl, every band) to the block's rows."""
             r0 = blk["r0"]
+            col0 = col0_of(cl)
             for k in range(p):
                 for h in range(bc // 128):
                     src = q_copy.at[t, h]
-                    dst = q_ref.at[:, pl.ds(k * C + c * bc + h * 128, 128)]
+                    dst = q_ref.at[:, pl.ds(k * C + col0 + h * 128, 128)]
                     if tail:
                         _store_row_ladder(src, dst, r0, blk["n_out"], R, k * R)
                     else:
                         plgpu.copy_smem_to_gmem(src.at[pl.ds(k * R, R)],
                                                 dst.at[pl.ds(r0, R)], commit_group=False)
 
-        def store_scales(i, blk, tail):
+        def store_scales(i, blk, tail):  # warpgroup 0, with its last chunk's stores
             r0 = blk["r0"]
             if tail:  # a TMA store of fewer than 4 f32 is below its 16-byte granule
                 def one(n, carry):
@@ -561,43 +623,47 @@ def quantize_gathered_rows(
 
         def quantize_block(i, blk, masked: bool, tail: bool):
             amax = None
-            for c in range(nc):  # pass 1: row maxima, waiting for each chunk
-                slot = (i * nc + c) % K
-                wait_chunk(c, slot)
-                m = jnp.max(jnp.abs(y_chunk(slot, c, blk, masked, False)), axis=1)
+            for cl in range(ncw):  # pass 1: row maxima, waiting for each chunk
+                slot = slot_of(i * ncw + cl)
+                wait_chunk(cl, slot)
+                m = jnp.max(jnp.abs(y_chunk(slot, cl, blk, masked, False)), axis=1)
                 amax = m if amax is None else jnp.maximum(amax, m)
             if masked:  # rows past `live` may hold anything, NaN included: zero rows
                 amax = jnp.where(real_rows() < blk["live"], amax, 0.0)
-            scale, inv = row_scale(combine_bands(amax), out_dtype)
-            for c in range(nc):  # pass 2: quantize, store, free the chunk's slot
-                g = i * nc + c
-                slot = g % K
-                q = apply_row_scale(y_chunk(slot, c, blk, masked, True),
+            scale, inv = row_scale(combine(i, amax), out_dtype)
+            for cl in range(ncw):  # pass 2: quantize, store, free the chunk's slot
+                g = i * ncw + cl
+                slot = slot_of(g)
+                q = apply_row_scale(y_chunk(slot, cl, blk, masked, True),
                                     jax.lax.broadcast_in_dim(inv, (REGISTER_ROWS, bc), [0]),
                                     out_dtype)
-                t = g % _Q_TILES
-                # The stores of the tile written _Q_TILES chunks ago (one bulk group per
-                # chunk; the newest group is the other tile's) have read it.
+                t = wg * _Q_TILES + g % _Q_TILES
+                # This warpgroup's stores of the tile written _Q_TILES chunks ago (one bulk
+                # group per chunk; the newest group is its other tile's) have read it.
                 plgpu.wait_smem_to_gmem(_Q_TILES - 1, wait_read_only=True)
-                if c == 0:  # this block's scales; block i - 2's store of them is done
-                    s_smem[i % 2] = scale
+                if cl == 0:  # this block's scales; block i - 2's store of them is done
+                    @pl.when(wg == 0)
+                    def _():
+                        s_smem[i % 2] = scale
                 _common.write_row_tile(q_mma.at[t], q)
-                plgpu.commit_smem()  # every thread is done with the chunk and wrote its Q
-                store_q_tile(t, c, blk, tail)
-                if c == nc - 1:
-                    store_scales(i, blk, tail)
+                plgpu.commit_smem()  # the warpgroup is done with the chunk and wrote its Q
+                store_q_tile(t, cl, blk, tail)
+                if cl == ncw - 1:
+                    @pl.when(wg == 0)
+                    def _():
+                        store_scales(i, blk, tail)
                 plgpu.commit_smem_to_gmem_group()
-                nxt = c + K  # the chunk this slot holds next
-                issue_chunk_if(i + nxt // nc, nxt % nc, slot)
+                nxt = cl + Kw  # the chunk this slot holds next
+                issue_chunk_if(i + nxt // ncw, nxt % ncw, slot)
 
-        # ---- prologue: metadata of blocks 0..L, chunks 0..K-1
+        # ---- prologue: metadata of blocks 0..L, this warpgroup's first Kw chunks
         for j in range(L + 1):
             @pl.when(j < count)
             def _(j=j):
                 load_meta(j)
 
-        for g in range(K):
-            issue_chunk_if(jnp.int32(g // nc), g % nc, g)
+        for g in range(Kw):
+            issue_chunk_if(jnp.int32(g // ncw), g % ncw, slot_of(g))
 
         def step(i, carry):
             @pl.when(i + L + 1 < count)
@@ -631,15 +697,17 @@ def quantize_gathered_rows(
 
     scratch = [
         x_scratch,
-        plgpu.SMEM((K, 2, p, bc), jnp.float32) if smoothed else plgpu.SMEM((1, 4), jnp.float32),
+        (plgpu.SMEM((geo.slots, 2, p, bc), jnp.float32) if smoothed
+         else plgpu.SMEM((1, 4), jnp.float32)),
         q_scratch,
         plgpu.SMEM((2, REGISTER_ROWS), jnp.float32),
-        plgpu.SMEM((2 * REGISTER_ROWS,), jnp.float32),
+        plgpu.SMEM((2, W, 2 * REGISTER_ROWS), jnp.float32),
         plgpu.SMEM((M, geo.meta_cols), jnp.int32),
         plgpu.Barrier(num_barriers=M),
+        plgpu.Barrier(num_arrivals=W, num_barriers=2),
     ]
     if not cp_async:
-        scratch.append(plgpu.Barrier(num_arrivals=arrivals, num_barriers=K))
+        scratch.append(plgpu.Barrier(num_arrivals=arrivals, num_barriers=geo.slots))
     kernel = plgpu.kernel(
         body,
         kernel_name="moe_smoothquant_gathered",
@@ -650,6 +718,8 @@ def quantize_gathered_rows(
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("sm",),
+        num_threads=W if W > 1 else None,
+        thread_name="wg" if W > 1 else None,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret_mode,
     )
@@ -682,9 +752,12 @@ _CP_BYTES = 16
 _PIECE_THREADS = _common.SWIZZLE_BYTES // _CP_BYTES  # 8 threads load one 128-byte piece
 
 
-def _cp_async_chunk(x_ref, sm_ref, meta_row, dsts, scale_dst, *, geo: _Geometry, col0: int):
-    """Issues chunk `col0 / block_cols` of a block as one cp.async group from all 128
-    threads: register row r's slab h gets `x[tok[r % R], (r // R) C + col0 + 64 h :][:64]`
+def _cp_async_chunk(x_ref, sm_ref, meta_row, dsts, scale_dst, *, geo: _Geometry,
+                    local_chunk: int):
+    """Issues the calling warpgroup's chunk `local_chunk` of a block (the block's chunk
+    `wg * wg_chunks + local_chunk`, starting at column col0 of each band) as one cp.async
+    group from its 128 threads: register row r's slab h gets
+    `x[tok[r % R], (r // R) C + col0 + 64 h :][:64]`
     (zero-filled, nothing read, for rows past the block's real rows), and with smooth
     scales `scale_dst[s, k] = S[expert_s, k C + col0 :][:block_cols]` for the block's first
     (s = 0) and last (s = 1; skipped when it is the first) expert.
@@ -730,6 +803,9 @@ def _cp_async_chunk(x_ref, sm_ref, meta_row, dsts, scale_dst, *, geo: _Geometry,
             return llvm.addrspacecast(llvm.PointerType.get(address_space=1), utils.memref_ptr(ref))
 
         tid = arith.remui(utils.thread_idx(), c(128))
+        # The warpgroup's chunks start at column (wg * wg_chunks + local_chunk) * bc.
+        wg = utils.warpgroup_idx(sync=False)
+        col0 = arith.muli(arith.addi(arith.muli(wg, c(geo.wg_chunks)), c(local_chunk)), c(bc))
         piece = arith.remui(tid, c(_PIECE_THREADS))
         row_in_pass = arith.divui(tid, c(_PIECE_THREADS))
         live = load_meta(c(R + 1))
@@ -742,7 +818,7 @@ def _cp_async_chunk(x_ref, sm_ref, meta_row, dsts, scale_dst, *, geo: _Geometry,
             tok = load_meta(real)
             valid = arith.cmpi(arith.CmpIPredicate.slt, real, live)
             size = arith.select(valid, c(_CP_BYTES), c(0))  # zero-fill, no read, past `live`
-            col = arith.addi(arith.muli(band, c(C)), c(col0))
+            col = arith.addi(arith.muli(band, c(C)), col0)
             src_row = utils.getelementptr(
                 x_base,
                 [arith.addi(arith.muli(arith.extui(i64, tok), utils.c(d * itemsize, i64)),
@@ -774,7 +850,7 @@ def _cp_async_chunk(x_ref, sm_ref, meta_row, dsts, scale_dst, *, geo: _Geometry,
                               arith.cmpi(arith.CmpIPredicate.ne, last, first)))
                 with utils.when(wanted):
                     src_el = arith.addi(arith.muli(expert, c(d)),
-                                        arith.addi(arith.muli(band, c(C)), c(col0)))
+                                        arith.addi(arith.muli(band, c(C)), col0))
                     src = utils.getelementptr(
                         sm_base,
                         [arith.addi(arith.muli(arith.extui(i64, src_el), utils.c(4, i64)),

@@ -5,7 +5,8 @@ per-tile kernel (issue 9), same run, same inputs.
 
 Every variant's outputs are compared bitwise with the default's (rows < num_rows of dH and
 A', all of dS) after poisoning the allocator with NaN, then timed in three alternating
-rounds (CUPTI, `benchmarks.forward.gpu_time_ms`). The dense bound is a same-run batched
+rounds (CUPTI, `benchmarks.forward.gpu_time_ms`). The ping-pong variants need the kernel
+that was measured and removed: `git apply benchmarks/history/session14/dh_pingpong_experiment.patch`. The dense bound is a same-run batched
 matmul of dH's FLOPs (2 P n d).
 """
 import dataclasses
