@@ -6,10 +6,10 @@ saturation in `quant/reference.py`). Two layouts:
 
 - `moe_smoothquant(x, S, plan)`: rows in the plan's grouped order, `Q [P, d]` and `s [P]`,
   ready for a grouped GEMM; padding rows get Q = 0, s = 0. The kernel backends run the
-  gathered row-block kernel (`quant.gathered`: blocks of grouped rows gathered from x, each
-  expert's scale row loaded once per block) wherever its block fits in SMEM (`quant.gathered.gathered_fits`:
-  d = 1536, 2048, 4096, 7168 among others), else the token-walking CSR kernel
-  (`quant.kernel.smoothquant_kernel`).
+  token-walking CSR kernel (`quant.kernel.smoothquant_kernel`) by default, or, with a
+  `GatheredQuantConfig`, the gathered row-block kernel (`quant.gathered`: blocks of grouped
+  rows gathered from x, each expert's scale row loaded once per block); same bits. The
+  CSR kernel stays the default because it measured faster on the H100 (docs/quant.md).
 - `moe_smoothquant_topk(x, S, topk_ids)`: the CK-tile operator's own layout,
   `Q [T, K, d]` and `s [T, K]` (the CSR kernel: its rows are in token order, so
   consecutive rows belong to different experts and no block shares a scale row).
@@ -27,9 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe import _checks
 from pallas_moe.ops.moe_ffn import resolve_backend
-from pallas_moe.quant.gathered import (
-    GatheredQuantConfig, gathered_fits, quantize_gathered_rows,
-)
+from pallas_moe.quant.gathered import GatheredQuantConfig, quantize_gathered_rows
 from pallas_moe.quant.kernel import SmoothQuantConfig, smoothquant_kernel, supports_width
 from pallas_moe.quant.reference import qmax_of, smoothquant_rows_reference
 from pallas_moe.routing.plan import DispatchPlan
@@ -82,14 +80,18 @@ def moe_smoothquant(
     `quantize_row(x[t] * S[e])` (`quant/reference.py`); rows past `plan.num_rows` get Q = 0,
     s = 0 whatever x holds.
 
-    Kernel backends ("mosaic", "interpret"): the gathered row-block kernel
-    (`quant.gathered.quantize_gathered_rows`: persistent CTAs gather blocks of grouped rows,
-    load each expert's scale row once per block, reduce each row inside a quad of threads)
-    where its block fits in SMEM (`quant.gathered.gathered_fits(d)`: every multiple of 128
-    up to 1536 and wider ones with enough factors of two, at most 7168 for bf16 -> 8-bit,
-    so d = 1536, 2048, 4096, 7168); the token-walking CSR kernel
-    (`quant.kernel.smoothquant_kernel`) for the other widths (e.g. 2944, 8192) or when
-    `config` is a `SmoothQuantConfig`. Both give the same bits.
+    Kernel backends ("mosaic", "interpret"), same bits either way:
+    - `config=None` or a `SmoothQuantConfig`: the token-walking CSR kernel
+      (`quant.kernel.smoothquant_kernel`: each X row read once, one f32 scale row read per
+      output row, each row reduced across the warpgroup).
+    - a `GatheredQuantConfig` (e.g. `GatheredQuantConfig.for_width(d)`): the gathered
+      row-block kernel (`quant.gathered.quantize_gathered_rows`: persistent CTAs gather
+      blocks of grouped rows in token order, load each expert's scale row once per block,
+      reduce each row inside a quad of threads), for widths whose block fits in SMEM
+      (`quant.gathered.gathered_fits(d)`: d = 1536, 2048, 4096, 7168 among others; a
+      ValueError otherwise). Not the default: on the H100 (session 14, e4m3, same run) it
+      took 328 us at the 7B shape and 894 us at 30B against the CSR kernel's 227 / 698 us
+      (docs/quant.md says why and what is left).
 
     Args:
       x: [T, d] bf16 or fp16 tokens.
@@ -100,9 +102,8 @@ def moe_smoothquant(
       backend: "mosaic" (the Pallas kernels on a Hopper GPU), "interpret" (the same kernels
         in Mosaic GPU interpret mode, for CPU tests), "xla" (the jnp reference, runs
         anywhere) or "auto" (mosaic on Hopper when `d` is a multiple of 128, else xla).
-      config: None (the gathered kernel with `GatheredQuantConfig.for_width(d)` where it
-        fits, else the CSR kernel's defaults), a `GatheredQuantConfig` (the gathered kernel;
-        a ValueError if d does not fit it), or a `SmoothQuantConfig` (the CSR kernel).
+      config: None (the CSR kernel's defaults), a `SmoothQuantConfig` (the CSR kernel) or a
+        `GatheredQuantConfig` (the gathered kernel; a ValueError if d does not fit it).
       interpret_params: interpret-mode settings (e.g. `detect_races=True`) for "interpret".
 
     Returns:
@@ -130,10 +131,7 @@ def moe_smoothquant(
             x, smooth_scales, plan.token_ids, plan.expert_ids, plan.row_is_valid, out_dtype
         )
     interpret = _interpret(backend, interpret_params)
-    gathered = isinstance(config, GatheredQuantConfig) or (
-        config is None and gathered_fits(x.shape[1], in_bytes=x.dtype.itemsize,
-                                         out_bytes=jnp.dtype(out_dtype).itemsize))
-    if gathered:
+    if isinstance(config, GatheredQuantConfig):
         return quantize_gathered_rows(
             x, smooth_scales, plan.token_ids, plan.group_sizes, plan.num_rows,
             num_out_rows=plan.capacity, out_dtype=out_dtype, config=config,

@@ -35,7 +35,11 @@ VARIANTS = {
     "p8": dict(parts=8),
     "tma": dict(loader="tma"),
     "grouped_order": dict(token_order=False),
-    "p4_2cta": dict(parts=4, num_slots=4, num_sms=264),  # two CTAs per SM
+    "p4_2cta": dict(parts=4, num_slots=4, num_sms=264, warpgroups=1),  # two CTAs per SM
+    "wg1": dict(warpgroups=1),
+    "wg3": dict(warpgroups=3),
+    "wg4": dict(warpgroups=4),
+    "p4wg2": dict(parts=4, warpgroups=2),
     "no_smoothing": dict(),  # smooth_scales=None, against the CSR kernel without them
 }
 
