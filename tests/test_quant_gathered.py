@@ -114,8 +114,6 @@ def test_gathered_no_races_bands_and_ring():
 
 
 def test_gathered_without_smooth_scales_equals_ones():
-    from pallas_moe.quant.kernel import quantize_row_blocks  # noqa: F401 - same formula
-
     num_tokens, d, num_experts = 20, 256, 3
     ks = jax.random.split(jax.random.key(33), 2)
     plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, extra=5)

@@ -7,13 +7,16 @@ For grouped row r (token t = token_ids[r], expert e = the group holding r):
 
 and Q = 0, s = 0 on rows past `num_rows`. Same bits as `smoothquant_rows_reference`.
 
-Why a new kernel. The CSR kernel (`quant.kernel.smoothquant_kernel`) walks tokens and reads
-one f32 scale row S[e] per output row (`P d 4` bytes, four times what it writes) and
-reduces each row across the warpgroup: 0.57 of a device copy at the 7B shape. Here a
-persistent CTA (one warpgroup) walks *blocks of grouped rows*: a block's rows belong to one
-expert, sometimes two, so each scale row is loaded once per block, and every row is reduced
-inside one quad of threads of the wgmma register layout (no barrier per row), as in the
-row-block quantizer (`quant.kernel.quantize_row_blocks`) this kernel generalizes.
+Why. The CSR kernel (`quant.kernel.smoothquant_kernel`) walks tokens and reads one f32
+scale row S[e] per output row (`P d 4` bytes, four times what it writes) and reduces each
+row across the warpgroup: 0.57 of a device copy at the 7B shape. Here persistent CTAs walk
+*blocks of grouped rows*: a block's rows belong to one expert, sometimes two, so each scale
+row is loaded once per block, and every row is reduced inside one quad of threads of the
+wgmma register layout (no barrier per row), as in the row-block quantizer
+(`quant.kernel.quantize_row_blocks`) this kernel generalizes. Measured on the H100 (session
+14, docs/quant.md) it is still slower than the CSR kernel (331 vs 227 us at 7B, 895 vs 677
+us at 30B: bound by instructions, each element converted and smoothed in both passes), so
+`moe_smoothquant` runs it only when given a `GatheredQuantConfig`.
 
 Layout of a block (why "bands"). The math runs on `[64, block_cols]` f32 chunks in the
 wgmma register layout (64 register rows). A whole block has to stay in SMEM between the
@@ -24,10 +27,14 @@ and 64 rows of d = 1536 bf16 are 192 KB, 64 rows of d = 7168 are 896 KB: more th
 `[k C, (k+1) C)`) of the block's real row i. A row's max is the max of its bands' maxima
 (one SMEM round trip per block); each register row is quantized with its real row's scale,
 and band k of the quantized tile is stored to columns `[k C, (k+1) C)` of the block's R
-output rows. The block lives in SMEM as `C / block_cols` chunks of `[64, block_cols]` bf16
-(128-byte-swizzled 64-column slabs) in a ring of `num_slots` chunk slots: chunks of the
-next blocks load as soon as pass 2 of the current block frees slots (a chunk-granular
-pipeline; `num_slots >= chunks per block`).
+output rows. With R >= 16 a warp's 16 register rows lie in one band, so each thread loads
+its own band's scale columns (no per-element select). The block lives in SMEM as
+`C / block_cols` chunks of `[64, block_cols]` bf16 (128-byte-swizzled 64-column slabs) in
+a ring of `num_slots` chunk slots: chunks of the next blocks load as soon as pass 2 of the
+current block frees slots (a chunk-granular pipeline; `num_slots >= chunks per block`).
+`warpgroups` consumer warpgroups share each block, each with its own contiguous share of
+the chunks, its own slots, loads and stores, and one cross-warpgroup barrier per block for
+the row maxima.
 
 Loads. Each 128-byte piece of a gathered row goes to its place in a swizzled slab:
 `loader="cp_async"` (compiled default): all 128 threads issue 16-byte `cp.async` loads (8
@@ -54,8 +61,6 @@ an SMEM ring a few blocks ahead.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -338,7 +343,8 @@ def _block_metadata(token_ids, group_sizes, num_rows, *, num_tokens: int, rows: 
     live = jnp.clip(num_rows - r0, 0, rows)
 
     def expert_of(r):
-        return jnp.minimum(jnp.searchsorted(ends, r, side="right"), num_experts - 1).astype(jnp.int32)
+        e = jnp.searchsorted(ends, r, side="right")
+        return jnp.minimum(e, num_experts - 1).astype(jnp.int32)
 
     first = expert_of(r0)
     last = expert_of(r0 + jnp.maximum(live, 1) - 1)
@@ -401,7 +407,8 @@ def quantize_gathered_rows(
     num_tokens, width = x.shape
     num_experts = group_sizes.shape[0]
     if group_sizes.ndim != 1 or num_experts < 1:
-        raise ValueError(f"group_sizes must be [E] with E >= 1, got shape {tuple(group_sizes.shape)}.")
+        raise ValueError(
+            f"group_sizes must be [E] with E >= 1, got shape {tuple(group_sizes.shape)}.")
     if token_ids.ndim != 1 or token_ids.shape[0] < 1:
         raise ValueError(f"token_ids must be [P] with P >= 1, got shape {tuple(token_ids.shape)}.")
     if not isinstance(num_out_rows, int) or num_out_rows < 1:
