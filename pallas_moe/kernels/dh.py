@@ -489,6 +489,30 @@ def dh_kernel(
     return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
 
 
+def _issue_k_step(do_ref, ids, w_e, col0, cols: int, k0, bk: int, a_copy, a_mma, b_slot,
+                  full_bar, cp_async: bool) -> None:
+    """Producer warpgroup, one K step of a warp-specialized dH kernel: the `[cols, bk]` W2
+    tile `w_e[col0:col0+cols, k0:k0+bk]` (K-minor) and the gathered dO rows
+    `dO[ids[r], k0:k0+bk]` of the slot, arriving on `full_bar`. With cp.async the rows are
+    one cp.async group the caller publishes (`_common.cp_async_publish`); otherwise each of
+    the 4 warps issues a quarter of the one-row TMA copies (the loader interpret mode runs).
+    """
+    plgpu.copy_gmem_to_smem(w_e.at[pl.ds(col0, cols), pl.ds(k0, bk)], b_slot, full_bar)
+    bm = a_mma.shape[0]
+    if cp_async:
+        _common.cp_async_gather_rows(do_ref.at[:, pl.ds(k0, bk)], ids, [a_mma], num_rows=bm)
+        return
+    rows_per_warp = bm // 4
+
+    def per_warp(w):
+        _common.gather_rows(  # [1, bk] of dO[tok] per row
+            do_ref, ids, [a_copy], full_bar, col0=k0, width=bk,
+            first_row=w * rows_per_warp, num_rows=rows_per_warp, unroll=4,
+        )
+
+    plgpu.warp_map(per_warp)
+
+
 def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                          interpret_mode, activation: SwiGLU = SwiGLU()):
     """The dH kernel as one producer warpgroup + `config.num_consumers` consumer warpgroups.
@@ -528,7 +552,6 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     h_step = _h_load_step(bm, bn, bk, stages, cons, num_k)
     # Interpret mode keeps the epilogue's buffers apart from the pipeline's: any step works.
     early = config.early_h and not config.prefetch_h and 1 <= h_step < num_k
-    rows_per_warp = bm // 4
     # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
     cp_async = config.gather == "cp_async" and interpret_mode is None
     stage_bars = _common.uses_stage_mbarriers(config, interpret_mode is not None)
@@ -566,23 +589,10 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 def _():
                     plgpu.barrier_wait(empty.at[slot])
 
-                def per_warp(w):
-                    _common.gather_rows(  # [1, bk] of dO[tok] per row
-                        do_ref, ids_smem, [a_copy.at[slot]], full.at[slot],
-                        col0=k0, width=bk, first_row=w * rows_per_warp,
-                        num_rows=rows_per_warp, unroll=4,
-                    )
-
-                plgpu.copy_gmem_to_smem(  # [C*bn, bk] rows of W2[e], K-minor
-                    w_e.at[pl.ds(ni * cols, cols), pl.ds(k0, bk)], b_smem.at[slot], full.at[slot]
-                )
+                _issue_k_step(do_ref, ids_smem, w_e, ni * cols, cols, k0, bk, a_copy.at[slot],
+                              a_mma.at[slot], b_smem.at[slot], full.at[slot], cp_async)
                 if cp_async:
-                    _common.cp_async_gather_rows(  # [bm, bk] of dO[tok], one cp.async group
-                        do_ref.at[:, pl.ds(k0, bk)], ids_smem, [a_mma.at[slot]], num_rows=bm
-                    )
                     _common.cp_async_publish(ki, full, a_landed, stages)
-                else:
-                    plgpu.warp_map(per_warp)
                 return carry
 
             jax.lax.fori_loop(0, num_k, step, None)
@@ -689,7 +699,7 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     )
 
 
-def _persistent_layout(bm: int, bn: int, bk: int, stages: int, cons: int):
+def _persistent_layout(bm: int, bn: int, bk: int, cons: int):
     """(overlaid, W2 slot bytes, epilogue bytes) of the persistent kernel's SMEM: the
     epilogue's A' and H tiles overlay the last `overlaid` W2 slots, so the next item's first
     `stages - overlaid` steps can load while the consumers run the epilogue."""
@@ -736,8 +746,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
-    rows_per_warp = bm // 4
-    overlaid, slot_bytes, epilogue_bytes = _persistent_layout(bm, bn, bk, stages, cons)
+    overlaid, slot_bytes, epilogue_bytes = _persistent_layout(bm, bn, bk, cons)
     free = stages - overlaid  # W2 slots the epilogue leaves alone
     if free < 1:
         raise ValueError(
@@ -812,24 +821,11 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                         def _():
                             plgpu.barrier_wait(epi_done)
 
-                        plgpu.copy_gmem_to_smem(  # [C*bn, bk] rows of W2[e], K-minor
-                            w_e.at[pl.ds(ni * cols, cols), pl.ds(k0, bk)], b_smem.at[slot],
-                            full.at[slot],
-                        )
+                        _issue_k_step(do_ref, ids, w_e, ni * cols, cols, k0, bk,
+                                      a_copy.at[slot], a_mma.at[slot], b_smem.at[slot],
+                                      full.at[slot], cp_async)
                         if cp_async:
-                            _common.cp_async_gather_rows(
-                                do_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
-                            )
                             _common.cp_async_publish(ki, full, a_landed, stages)
-                        else:
-                            def per_warp(w):
-                                _common.gather_rows(  # [1, bk] of dO[tok] per row
-                                    do_ref, ids, [a_copy.at[slot]], full.at[slot],
-                                    col0=k0, width=bk, first_row=w * rows_per_warp,
-                                    num_rows=rows_per_warp, unroll=4,
-                                )
-
-                            plgpu.warp_map(per_warp)
                         return carry
 
                     jax.lax.fori_loop(0, num_k, step, None)
