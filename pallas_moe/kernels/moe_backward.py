@@ -140,11 +140,19 @@ def _dx_config(d: int, n: int, num_sms: int | None) -> GroupedMatmulConfig:
 def backward_config(
     config: BackwardConfig | None, d: int, n: int, interpret
 ) -> BackwardConfig:
-    """`config`, or the `for_shape(d, n)` defaults (4 persistent CTAs in interpret mode,
-    where every simulated CTA costs time)."""
-    return config if config is not None else BackwardConfig.for_shape(
-        d, n, num_sms=4 if interpret else None
-    )
+    """`config`, or the `for_shape(d, n)` defaults. In interpret mode: 4 persistent CTAs
+    (every simulated CTA costs time), and dH one CTA per tile, because the persistent dH
+    kernel under `jit` can deadlock the interpreter on a 2-core machine (its simulated
+    warpgroups block in callbacks that hold XLA's few CPU threads, session 14; the kernel
+    itself is tested in interpret mode without `jit`, and on the H100)."""
+    if config is not None:
+        return config
+    config = BackwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
+    if interpret and config.dh.persistent_ctas:
+        config = dataclasses.replace(
+            config, dh=dataclasses.replace(config.dh, persistent_ctas=0, early_h=True)
+        )
+    return config
 
 
 def moe_backward(
