@@ -320,6 +320,8 @@ def _dswiglu_and_store(da, s_smem, hg_ref, hu_ref, ap_ref, ds_ref, dh_out, ap_ou
         chunk = pl.ds(q * ep_cols, ep_cols)
         g = plgpu.load(hg_ref.at[:, chunk], layout=layout, optimized=False)
         u = plgpu.load(hu_ref.at[:, chunk], layout=layout, optimized=False)
+        if "obar" in _ABLATE:  # session 15: keep each chunk's loads in place
+            g, u = jax.lax.optimization_barrier((g, u))
         if "nomath" in _ABLATE:
             dq = da[:, q * ep_cols:(q + 1) * ep_cols]
             d_gate, d_up, a_scaled, ds_q = dq, g, u, jnp.sum(dq, axis=1)
@@ -329,6 +331,8 @@ def _dswiglu_and_store(da, s_smem, hg_ref, hu_ref, ap_ref, ds_ref, dh_out, ap_ou
                 u.astype(jnp.float32), s, activation,
             )
         ds = ds_q if ds is None else ds + ds_q
+        if "obar" in _ABLATE:
+            d_gate, d_up, a_scaled, ds = jax.lax.optimization_barrier((d_gate, d_up, a_scaled, ds))
         # Same layout as the loads above: each thread overwrites only what it read.
         hg_ref[:, chunk] = d_gate.astype(dtype)
         hu_ref[:, chunk] = d_up.astype(dtype)

@@ -17,14 +17,15 @@ import sys
 import tarfile
 
 VARIANTS = {
-    "step7b": {},
     "pp": dict(pingpong=True, num_stages=4),
-    "pp_nomath": dict(pingpong=True, num_stages=4, ablate=["nomath"]),
-    "pp_noepi": dict(pingpong=True, num_stages=4, ablate=["noepi"]),
     "pp_ep16": dict(pingpong=True, num_stages=4, epilogue_cols=16),
-    "pp_norebalance": dict(pingpong=True, num_stages=4, rebalance_registers=False),
+    "pp_ep16_obar": dict(pingpong=True, num_stages=4, epilogue_cols=16, ablate=["obar"]),
+    "pp_obar": dict(pingpong=True, num_stages=4, ablate=["obar"]),
+    "pp_ep16_r240": dict(pingpong=True, num_stages=4, epilogue_cols=16, producer_regs=24),
     "coop": dict(),
 }
+# Variants whose SASS and ptxas log come back (`sass.tar.gz`).
+KEEP_SASS = ("pp_ep16", "coop")
 
 
 def worker(name):
@@ -67,6 +68,8 @@ def worker(name):
     cfg = dataclasses.replace(cfg, persistent_ctas=jax.devices()[0].core_count, early_h=False,
                               gather_completion="wait_group")
     dh_pp._ABLATE.update(spec.pop("ablate", []))
+    if "producer_regs" in spec:
+        _common.PRODUCER_REGISTERS = spec.pop("producer_regs")
     cfg = dataclasses.replace(cfg, **spec)
     meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(plan.group_sizes,
                                                                       plan.token_ids)
@@ -120,8 +123,15 @@ def main(out):
         report.append(dict(variant=name, rc=proc.returncode, timing=timing, kernels=rows))
     with open(os.path.join(out, "regs.json"), "w") as fh:
         json.dump(report, fh, indent=1)
-    with tarfile.open(os.path.join(out, "regs_dump.tar.gz"), "w:gz") as tar:
-        tar.add("/tmp/regs_dump", arcname="regs_dump")
+    with tarfile.open(os.path.join(out, "sass.tar.gz"), "w:gz") as tar:
+        for name in KEEP_SASS:
+            for path in sorted(glob.glob(f"/tmp/regs_dump/{name}/**/*", recursive=True)):
+                base = os.path.basename(path).lower()
+                if os.path.isfile(path) and "mlir" not in base and "moe_dh" in base:
+                    print("   kept", path, os.path.getsize(path), flush=True)
+                    tar.add(path, arcname=os.path.relpath(path, "/tmp/regs_dump"))
+    print("all files:", sorted(os.path.relpath(p, "/tmp/regs_dump") for p in
+                              glob.glob("/tmp/regs_dump/*/**", recursive=True))[:60])
 
 
 if __name__ == "__main__":
