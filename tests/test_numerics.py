@@ -350,6 +350,32 @@ def test_router_dtype_bfloat16_is_a_bf16_linear():
     assert np.any(got != np.asarray(router_logits(x, w, dtype="float32")))
 
 
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+def test_router_dtype_bfloat16_backward_is_a_bf16_linear_layers(x_dtype):
+    """The bf16 router's gradients are a bf16 linear layer's (PyTorch autograd through
+    `F.linear` on bf16 tensors): the logits' gradient rounded to bf16, then fp32-accumulated
+    GEMMs of bf16 operands, each cast to its input's dtype. With x in fp32 the check is
+    sharp (fp32 accumulation against float64): an unrounded gradient misses it by ~2^-9."""
+    from pallas_moe.nn.functional import router_logits
+
+    ks = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(ks[0], (40, 96)).astype(x_dtype)
+    w = jax.random.normal(ks[1], (96, 8)) * 0.2  # an f32 parameter, as pm.nn.MoE keeps it
+    ct = jax.random.normal(ks[2], (40, 8))  # f32, most values not representable in bf16
+    logits, pullback = jax.vjp(lambda x, w: router_logits(x, w, dtype="bfloat16"), x, w)
+    dx, dw = pullback(ct)
+    assert dx.dtype == x_dtype and dw.dtype == jnp.float32 and logits.dtype == jnp.float32
+    g = bf16(ct).astype(np.float64)
+    dx_want = g @ bf16(w).astype(np.float64).T
+    dw_want = bf16(x).astype(np.float64).T @ g
+    np.testing.assert_allclose(np.asarray(dw), dw_want, rtol=1e-5, atol=1e-6)
+    if x_dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(dx), dx_want, rtol=1e-5, atol=1e-6)
+    else:  # one bf16 rounding of the fp32 product
+        np.testing.assert_allclose(np.asarray(dx, np.float64), dx_want, rtol=2**-8 + 1e-5,
+                                   atol=1e-6)
+
+
 @pytest.mark.slow  # ~80 s: ten MoE compilations on an 8-device CPU mesh
 def test_expert_parallel_bitwise_settings():
     """The README's claims: the ragged dispatch's forward and weight gradients are bitwise the

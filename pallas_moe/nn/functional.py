@@ -111,20 +111,51 @@ def router_logits(
     """f32[T, E] router logits `x @ router (+ bias)` of x [T, d], router [d, E], bias [E].
 
     `dtype` is `Numerics.router_dtype`: "float32" multiplies fp32 inputs with fp32
-    accumulation; "bfloat16" is a bf16 linear layer (inputs rounded to bf16, fp32
-    accumulation, logits rounded to bf16), returned as f32. The bias is added in fp32.
+    accumulation; "bfloat16" is a bf16 linear layer (`bf16_linear`: inputs rounded to bf16,
+    fp32 accumulation, logits rounded to bf16, and its backward as a bf16 layer's: the
+    logits' gradient rounded to bf16), returned as f32. The bias is added in fp32.
     """
     if dtype == "float32":
         logits = jnp.dot(
             x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
         )
     elif dtype == "bfloat16":
-        logits = round_bf16(jnp.dot(
-            x.astype(jnp.bfloat16), router.astype(jnp.bfloat16), preferred_element_type=jnp.float32
-        ))
+        logits = bf16_linear(x, router)
     else:
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}.")
     return logits if bias is None else logits + bias.astype(jnp.float32)
+
+
+@jax.custom_vjp
+def bf16_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """f32[T, E] `x @ w` of x [T, d] and w [d, E] as a bf16 linear layer computes it: both
+    rounded to bf16, the product accumulated in fp32 and rounded to bf16.
+
+    Its backward is the layer's as engines run it (PyTorch autograd through `F.linear` on
+    bf16 tensors): the output gradient is rounded to bf16, then `dx = g @ w^T` and
+    `dw = x^T @ g` are bf16 GEMMs with fp32 accumulation, cast to x's and w's dtypes. So
+    the three GEMMs read and write bf16. Measured on the H100 (benchmarks/RESULTS.md,
+    session 15): with the fp32 gradient of a plain `jnp.dot` (straight through the
+    rounding), XLA ran `dx` as an fp32 GEMM writing fp32 [T, d], then a separate add of the
+    experts' dx. Reverse mode only (`jax.jvp` raises).
+    """
+    return round_bf16(jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                              preferred_element_type=jnp.float32))
+
+
+def _bf16_linear_fwd(x, w):
+    return bf16_linear(x, w), (x, w)
+
+
+def _bf16_linear_bwd(residuals, grad):
+    x, w = residuals
+    g = grad.astype(jnp.bfloat16)  # [T, E]
+    dx = jnp.dot(g, w.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32)  # [T, d]
+    dw = jnp.dot(x.astype(jnp.bfloat16).T, g, preferred_element_type=jnp.float32)  # [d, E]
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+bf16_linear.defvjp(_bf16_linear_fwd, _bf16_linear_bwd)
 
 
 def route_assignment(

@@ -294,6 +294,17 @@ def dswiglu_epilogue(da, g, u, s, activation: SwiGLU = SwiGLU()):
 _ABLATE = set()  # session 14 diagnostic: {"noepi", "noh", "nostore", "nomath"}
 
 
+def _membar_cta():
+    from jax._src.lib.mlir.dialects import nvvm
+
+    @plgpu.inline_mgpu()
+    def _fence(ctx):
+        del ctx
+        nvvm.MembarOp(nvvm.MemScopeKind.CTA)
+
+    _fence()
+
+
 def _dswiglu_and_store(da, s_smem, hg_ref, hu_ref, ap_ref, ds_ref, dh_out, ap_out, ds_dst, c0,
                        n: int, row0, num_rows, bm: int, ep_cols: int, activation: SwiGLU):
     """A warp-specialized consumer's epilogue, once its H tile is in SMEM: dSwiGLU in column
@@ -318,6 +329,8 @@ def _dswiglu_and_store(da, s_smem, hg_ref, hu_ref, ap_ref, ds_ref, dh_out, ap_ou
     # accumulator (the whole tile at once spills).
     for q in range(bn // ep_cols):
         chunk = pl.ds(q * ep_cols, ep_cols)
+        if "mfence" in _ABLATE and q:  # session 15: ptxas may not hoist these loads above
+            _membar_cta()                # the previous chunk's stores
         g = plgpu.load(hg_ref.at[:, chunk], layout=layout, optimized=False)
         u = plgpu.load(hu_ref.at[:, chunk], layout=layout, optimized=False)
         if "obar" in _ABLATE:  # session 15: keep each chunk's loads in place

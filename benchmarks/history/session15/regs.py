@@ -1,6 +1,6 @@
 """Session 15: register use and spills of the kernels (issues 9, 16), from ptxas.
 
-    PYTHONPATH=. python3 benchmarks/history/session15/regs.py OUT_DIR
+    PYTHONPATH=. python3 benchmarks/history/session15/regs.py OUT_DIR [variant,...]
 
 Each variant compiles in its own process with MOSAIC_GPU_DUMP_PTXAS / _SASS and
 MOSAIC_GPU_DUMP_TO set, runs once, and is timed (CUPTI, median). Variants: the default 7B
@@ -17,15 +17,23 @@ import sys
 import tarfile
 
 VARIANTS = {
+    "step7b": {},
     "pp": dict(pingpong=True, num_stages=4),
+    "pp_nomath": dict(pingpong=True, num_stages=4, ablate=["nomath"]),
+    "pp_noepi": dict(pingpong=True, num_stages=4, ablate=["noepi"]),
     "pp_ep16": dict(pingpong=True, num_stages=4, epilogue_cols=16),
+    "pp_norebalance": dict(pingpong=True, num_stages=4, rebalance_registers=False),
     "pp_ep16_obar": dict(pingpong=True, num_stages=4, epilogue_cols=16, ablate=["obar"]),
     "pp_obar": dict(pingpong=True, num_stages=4, ablate=["obar"]),
     "pp_ep16_r240": dict(pingpong=True, num_stages=4, epilogue_cols=16, producer_regs=24),
+    "pp_mfence": dict(pingpong=True, num_stages=4, ablate=["mfence"]),
+    "pp_ep16_mfence": dict(pingpong=True, num_stages=4, epilogue_cols=16, ablate=["mfence"]),
     "coop": dict(),
+    "coop_mfence": dict(ablate=["mfence"]),
+    "coop_ep32_mfence": dict(epilogue_cols=32, ablate=["mfence"]),
 }
 # Variants whose SASS and ptxas log come back (`sass.tar.gz`).
-KEEP_SASS = ("pp_ep16", "coop")
+KEEP_SASS = ("pp_ep16_mfence", "coop_mfence")
 
 
 def worker(name):
@@ -101,11 +109,11 @@ def summarize(dump_dir):
     return rows
 
 
-def main(out):
+def main(out, names):
     os.makedirs(out, exist_ok=True)
     here = os.path.abspath(__file__)
     report = []
-    for name in VARIANTS:
+    for name in names:
         dump = f"/tmp/regs_dump/{name}"
         os.makedirs(dump, exist_ok=True)
         env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1",
@@ -138,4 +146,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--worker":
         worker(sys.argv[2])
     else:
-        main(sys.argv[1])
+        main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else list(VARIANTS))
