@@ -295,12 +295,12 @@ _ABLATE = set()  # session 14 diagnostic: {"noepi", "noh", "nostore", "nomath"}
 
 
 def _membar_cta():
-    from jax._src.lib.mlir.dialects import nvvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     @plgpu.inline_mgpu()
     def _fence(ctx):
         del ctx
-        nvvm.MembarOp(nvvm.MemScopeKind.CTA)
+        mgpu_utils.inline_ptx("membar.cta;", has_side_effects=True)
 
     _fence()
 
