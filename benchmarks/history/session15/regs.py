@@ -7,6 +7,12 @@ MOSAIC_GPU_DUMP_TO set, runs once, and is timed (CUPTI, median). Variants: the d
 layer step (every kernel of the library's training step), and session 14's ping-pong dH
 (`dh_pp.py`: dh.py as of 3891ad3 with the ablation switches) at 7B, whole and ablated.
 Prints, per kernel: registers, spill bytes, and the SASS's local loads / stores (LDL/STL).
+
+`dh_pp.py` (session 14's dH module with the ping-pong kernel and this session's ablation
+switches) is not kept in the tree; recreate it before running:
+
+    git show 3891ad3:pallas_moe/kernels/dh.py > benchmarks/history/session15/dh_pp.py
+    patch -p0 benchmarks/history/session15/dh_pp.py < benchmarks/history/session15/dh_pp.patch
 """
 import glob
 import json
