@@ -68,8 +68,8 @@ class Numerics:
         fp32 accumulation. "bfloat16": a bf16 linear layer as engines and HF run it: x and
         W_r rounded to bf16, fp32 accumulation, logits rounded to bf16; softmax/top-K
         then run in fp32 on those logits. Its backward is that layer's too: the logits'
-        gradient rounded to bf16, bf16 GEMMs (`pm.nn.functional.bf16_linear`). Used by `pm.nn.MoE` (the op `pm.moe_ffn` takes
-        a finished plan and has no router).
+        gradient rounded to bf16, bf16 GEMMs (`pm.nn.functional.bf16_linear`). Used by
+        `pm.nn.MoE` (the op `pm.moe_ffn` takes a finished plan and has no router).
     """
 
     aggregation: str = "fp32"
