@@ -457,6 +457,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     interpret_mode = _common.interpret_params(interpret)
     # The gathered mode: interpret mode cannot run cp.async, it runs the TMA row loader.
     cp_async = gathered and config.gather == "cp_async" and interpret_mode is None
+    approx = config.approx_math and interpret_mode is None  # `_common.kernel_sigmoid`
     stage_bars = gathered and _common.uses_stage_mbarriers(config, interpret_mode is not None)
     if gathered:
         a_scratch, a_views = _common.row_gather_buffers(
@@ -673,7 +674,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                 accs = k_steps(j, cb * num_k, num_k, bar_c, a_rows)  # [mb, bn] f32 each
                 if cb == 0:
                     plgpu.barrier_wait(scale_bar.at[c])
-                act = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, cb], jnp.bfloat16)
+                act = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, cb], jnp.bfloat16,
+                                           approx=approx)
                 y = smoothed(act, cb)
                 block_max = jnp.max(jnp.abs(y), axis=1)  # [mb]
                 amax = block_max if amax is None else jnp.maximum(amax, block_max)
@@ -766,7 +768,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                         accs = k_steps(j, 0, num_k, bar_c, a_rows)  # [mb, bn] f32 each
                     if fp8:
                         plgpu.barrier_wait(scale_bar.at[c])
-                        y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, 0], out_dtype)
+                        y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, 0], out_dtype,
+                                                 approx=approx)
                     else:
                         (y,) = accs
                     if has_bias:
@@ -847,7 +850,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     )
 
 
-def _dequantize_epilogue(accs, row_scales_smem, col_scales_smem, out_dtype):
+def _dequantize_epilogue(accs, row_scales_smem, col_scales_smem, out_dtype, *, approx: bool):
     """fp8 epilogue: `acc * row_scale * col_scale` per accumulator (f32), then SwiGLU of the
     (gate, up) pair when there are two. Returns [mb, bn] f32 (or out_dtype for SwiGLU).
 
@@ -856,6 +859,7 @@ def _dequantize_epilogue(accs, row_scales_smem, col_scales_smem, out_dtype):
       row_scales_smem: SMEM f32 [mb], the scales of the consumer's rows.
       col_scales_smem: SMEM f32 [len(accs), bn], the item's column scales.
       out_dtype: the output dtype (SwiGLU rounds each half to it first).
+      approx: compiled with `approx_math` (`_common.kernel_sigmoid`).
     """
     mb, bn = accs[0].shape
     layout = plgpu.Layout.WGMMA
@@ -867,5 +871,5 @@ def _dequantize_epilogue(accs, row_scales_smem, col_scales_smem, out_dtype):
         out.append(acc * rows * jax.lax.broadcast_in_dim(cols, (mb, bn), [1]))
     if len(out) == 1:
         return out[0]
-    act, _, _ = _common.swiglu_epilogue(out[0], out[1], out_dtype)
+    act, _, _ = _common.swiglu_epilogue(out[0], out[1], out_dtype, approx=approx)
     return act
