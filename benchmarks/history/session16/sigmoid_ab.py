@@ -29,8 +29,10 @@ SHAPES = {"7b": (24576, 1536, 256, 128, 8), "30b": (32768, 4096, 512, 128, 8)}
 
 
 def traced(fn, args, exact: bool):
-    """jit(fn), compiled now, with the previous sigmoid if `exact`."""
-    f = jax.jit(fn)
+    """jit of a fresh wrapper of fn (jit caches traces per function object: the same fn
+    would reuse the first variant's trace), traced now, with the previous sigmoid if
+    `exact`."""
+    f = jax.jit(lambda *a: fn(*a))
     saved = _common.kernel_sigmoid
     if exact:
         _common.kernel_sigmoid = lambda approx: jax.nn.sigmoid
