@@ -240,8 +240,7 @@ def test_cp_async_stage_publishing_lowers_for_cuda(completion, marker, absent):
 @pytest.mark.parametrize("approx", [False, True])
 def test_approx_math_reaches_the_swiglu_kernels(approx):
     """`approx_math` lowers the up-proj's, dH's and the decode megakernel's exp to
-    `ex2.approx` and their sigmoid's reciprocal to `rsqrt.approx` (and only then), at the 7B
-    production blocks. Interpret mode computes the
+    `ex2.approx` (and only then), at the 7B production blocks. Interpret mode computes the
     exact exp either way, so the H100 tests check the approximate kernels against the
     reference (`tests/test_gpu.py`, `tests/test_gpu_decode.py`)."""
     import importlib
@@ -277,9 +276,6 @@ def test_approx_math_reaches_the_swiglu_kernels(approx):
         ]
     for text in texts:
         assert ("ex2.approx" in text) == approx
-        # The sigmoid's reciprocal (`_common.kernel_sigmoid`): one rsqrt.approx and a square
-        # instead of an IEEE division.
-        assert ("rsqrt.approx" in text) == approx
 
 
 def test_kernel_config_rejects_mismatched_approx_math():
@@ -318,23 +314,3 @@ def test_kernel_config_rejects_mismatched_approx_math():
             ),
             backward=cfg.backward,
         )
-
-def test_kernel_sigmoid_formula_matches_the_logistic_function():
-    """`kernel_sigmoid(True)` (`rsqrt(1 + exp(-x))**2`, what the approx_math kernels run)
-    is the logistic function: within f32 rounding here (CPU: exact rsqrt and exp), results
-    below f32's smallest normal allowed to flush to 0, the
-    saturated ends exact (+-inf, and `1 + exp(-x) = inf` giving 0, not NaN), NaN kept.
-    The H100 tests check the hardware approximations against the reference."""
-    from pallas_moe.kernels._common import kernel_sigmoid
-
-    assert kernel_sigmoid(False) is jax.nn.sigmoid
-    x = jnp.concatenate([
-        jnp.linspace(-120.0, 120.0, 4001, dtype=jnp.float32),
-        jnp.array([0.0, -0.0, 1e-30, -1e-30, 88.7, -88.7, 89.0, -89.0, -104.0], jnp.float32),
-    ])
-    got = np.asarray(kernel_sigmoid(True)(x), np.float64)
-    want = 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
-    # Below f32's smallest normal the square may flush to 0 (as the kernels' ftz math does).
-    np.testing.assert_allclose(got, want, rtol=4e-7, atol=np.finfo(np.float32).tiny)
-    ends = np.asarray(kernel_sigmoid(True)(jnp.array([-jnp.inf, jnp.inf, jnp.nan], jnp.float32)))
-    assert ends[0] == 0.0 and ends[1] == 1.0 and np.isnan(ends[2])

@@ -320,30 +320,7 @@ def _gather_view_types(shape, dtype):
     return copy_view, plgpu.SMEM(shape, dtype, transforms=mma_transforms(dtype))
 
 
-def kernel_sigmoid(approx: bool):
-    """The logistic function of the SwiGLU kernels' epilogues (up-proj, dH, decode, fp8).
-
-    `approx=False`: `jax.nn.sigmoid`, which Mosaic GPU lowers to `1 / (1 + exp(-x))` with an
-    IEEE division (`div.rn.f32`: a reciprocal, Newton steps and a range check, about 8
-    instructions per element).
-    `approx=True` (kernels compiled with `approx_math`, where `exp` is already `ex2.approx`):
-    the reciprocal as `rsqrt(t)**2`, `t = 1 + exp(-x) >= 1`, which lowers to one
-    `rsqrt.approx.f32` and a multiply (relative error about 2^-21, the size of the
-    `ex2.approx` error before it; `t = inf` gives 0). Pass it only when compiling with
-    `approx_math` (interpret mode and the `xla` backend keep the exact formula), and the
-    same way in the forward and in dH, which recomputes A from H.
-    """
-    if not approx:
-        return jax.nn.sigmoid
-
-    def sigmoid(x):
-        return jnp.square(jax.lax.rsqrt(1.0 + jnp.exp(-x)))
-
-    return sigmoid
-
-
-def swiglu_epilogue(gate_acc, up_acc, dtype, activation=SwiGLU(), gate_bias=None, up_bias=None,
-                    *, approx: bool = False):
+def swiglu_epilogue(gate_acc, up_acc, dtype, activation=SwiGLU(), gate_bias=None, up_bias=None):
     """The up-proj's SwiGLU epilogue: `(A, H_gate, H_up)` in `dtype` from fp32 accumulators.
 
     Args:
@@ -352,8 +329,6 @@ def swiglu_epilogue(gate_acc, up_acc, dtype, activation=SwiGLU(), gate_bias=None
       activation: the `SwiGLU` spec (plain or gpt-oss's clamped variant).
       gate_bias, up_bias: None, or fp32 [rows, cols] expert-bias columns (`bias_columns`),
         added to the accumulators before H is rounded.
-      approx: the kernel is compiled with `approx_math` (not interpret mode): the sigmoid
-        is `kernel_sigmoid(True)`.
 
     H (the saved residual) is the biased pre-activation rounded to `dtype`, and A is computed
     in fp32 from the rounded H by `activation.apply`, so A is exactly what the backward
@@ -364,9 +339,7 @@ def swiglu_epilogue(gate_acc, up_acc, dtype, activation=SwiGLU(), gate_bias=None
         up_acc = up_acc + up_bias
     hg = gate_acc.astype(dtype)
     hu = up_acc.astype(dtype)
-    act = activation.apply(
-        hg.astype(jnp.float32), hu.astype(jnp.float32), sigmoid=kernel_sigmoid(approx)
-    ).astype(dtype)
+    act = activation.apply(hg.astype(jnp.float32), hu.astype(jnp.float32)).astype(dtype)
     return act, hg, hu
 
 

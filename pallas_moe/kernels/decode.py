@@ -931,9 +931,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         mma_scope, plgpu.ACC((bm, u_cols), jnp.float32),
                         plgpu.ACC((bm, u_cols), jnp.float32),
                     )
-                    act, hg, hu = _common.swiglu_epilogue(
-                        gate, up, dtype, activation, approx=config.approx_math and not interpret
-                    )
+                    act, hg, hu = _common.swiglu_epilogue(gate, up, dtype, activation)
                     o_up[c, 0] = act
                     if write_h:
                         o_up[c, 1] = hg

@@ -267,27 +267,23 @@ def reduce_row_partials(partials: jax.Array, meta: TileMeta, capacity: int) -> j
     return out.at[rows.reshape(-1)].set(jnp.where(valid, total, 0.0).reshape(-1), mode="drop")
 
 
-def dswiglu_epilogue(da, g, u, s, activation: SwiGLU = SwiGLU(), *, approx: bool = False):
+def dswiglu_epilogue(da, g, u, s, activation: SwiGLU = SwiGLU()):
     """The dH epilogue on one [bm, bn] tile, all fp32 in registers.
 
     Args:
       da: dA' (the accumulator); g, u: H gate and up columns; s: scores broadcast to [bm, bn].
       activation: the forward's `SwiGLU` spec.
-      approx: compiled with `approx_math`: the sigmoid is `_common.kernel_sigmoid(True)`,
-        the forward kernels' (so A is recomputed as the forward computed it).
 
     Returns:
       (d gate, d up, A' = s * A, dS partial [bm] = sum over the tile's columns of dA' * A).
     """
-    sigmoid = _common.kernel_sigmoid(approx)
-    act = activation.apply(g, u, sigmoid=sigmoid)
-    d_gate, d_up = activation.grad_halves(g, u, s * da, sigmoid=sigmoid)
+    act = activation.apply(g, u)
+    d_gate, d_up = activation.grad_halves(g, u, s * da)
     return d_gate, d_up, s * act, jnp.sum(da * act, axis=1)
 
 
 def _dswiglu_and_store(da, s_smem, hg_ref, hu_ref, ap_ref, ds_ref, dh_out, ap_out, ds_dst, c0,
-                       n: int, row0, num_rows, bm: int, ep_cols: int, activation: SwiGLU,
-                       approx: bool):
+                       n: int, row0, num_rows, bm: int, ep_cols: int, activation: SwiGLU):
     """A warp-specialized consumer's epilogue, once its H tile is in SMEM: dSwiGLU in column
     chunks, then the row-exact TMA stores of dH and A' and the copy of its dS partial.
 
@@ -297,7 +293,6 @@ def _dswiglu_and_store(da, s_smem, hg_ref, hu_ref, ap_ref, ds_ref, dh_out, ap_ou
         up columns, overwritten with dH; ap_ref: bf16 [bm, bn] A' tile; ds_ref: f32 [bm].
       dh_out, ap_out: the GMEM outputs [P_pad, 2n] and [P_pad, n]; ds_dst: f32 [bm] slot of
         the dS partials.
-      approx: compiled with `approx_math` (`dswiglu_epilogue`).
 
     Returns once the stores have read the SMEM tiles (the caller may reuse them).
     """
@@ -315,7 +310,7 @@ def _dswiglu_and_store(da, s_smem, hg_ref, hu_ref, ap_ref, ds_ref, dh_out, ap_ou
         u = plgpu.load(hu_ref.at[:, chunk], layout=layout, optimized=False)
         d_gate, d_up, a_scaled, ds_q = dswiglu_epilogue(
             da[:, q * ep_cols:(q + 1) * ep_cols], g.astype(jnp.float32),
-            u.astype(jnp.float32), s, activation, approx=approx,
+            u.astype(jnp.float32), s, activation,
         )
         ds = ds_q if ds is None else ds + ds_q
         # Same layout as the loads above: each thread overwrites only what it read.
@@ -452,9 +447,7 @@ def dh_kernel(
             u = plgpu.load(h_smem.at[1], layout=layout, optimized=False).astype(jnp.float32)
             s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
             s = jax.lax.broadcast_in_dim(s, (bm, bn), [0])  # [bm, bn]
-            d_gate, d_up, a_scaled, ds = dswiglu_epilogue(
-                da, g, u, s, activation, approx=config.approx_math and interpret_mode is None
-            )
+            d_gate, d_up, a_scaled, ds = dswiglu_epilogue(da, g, u, s, activation)
             ds_smem[...] = ds  # [bm] partial over this column block
             o_smem[0] = d_gate.astype(dtype)
             o_smem[1] = d_up.astype(dtype)
@@ -663,7 +656,7 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                 _dswiglu_and_store(
                     da, s_smem, h_smem.at[c, 0], h_smem.at[c, 1], ap_smem.at[c], ds_smem.at[c],
                     dh_out, ap_out, ds_out.at[mi, ni * cons + c], c0, n, row0, num_rows, bm,
-                    ep_cols, activation, config.approx_math and interpret_mode is None,
+                    ep_cols, activation,
                 )
 
     # Per consumer: H gate, H up -> dH gate, dH up.
@@ -912,7 +905,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                             da, s_smem.at[p], h_smem.at[c, 0], h_smem.at[c, 1], ap_smem.at[c],
                             ds_smem.at[c], dh_out, ap_out, ds_out.at[mi, ni * cons + c], c0,
                             n, row0, num_rows, bm, ep_cols, activation,
-                            config.approx_math and not interpret,
                         )
                         plgpu.barrier_arrive(epi_done)  # the tiles' bytes are free again
 

@@ -457,7 +457,6 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     interpret_mode = _common.interpret_params(interpret)
     # The gathered mode: interpret mode cannot run cp.async, it runs the TMA row loader.
     cp_async = gathered and config.gather == "cp_async" and interpret_mode is None
-    approx = config.approx_math and interpret_mode is None  # `_common.kernel_sigmoid`
     stage_bars = gathered and _common.uses_stage_mbarriers(config, interpret_mode is not None)
     if gathered:
         a_scratch, a_views = _common.row_gather_buffers(
@@ -674,8 +673,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                 accs = k_steps(j, cb * num_k, num_k, bar_c, a_rows)  # [mb, bn] f32 each
                 if cb == 0:
                     plgpu.barrier_wait(scale_bar.at[c])
-                act = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, cb], jnp.bfloat16,
-                                           approx=approx)
+                act = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, cb], jnp.bfloat16)
                 y = smoothed(act, cb)
                 block_max = jnp.max(jnp.abs(y), axis=1)  # [mb]
                 amax = block_max if amax is None else jnp.maximum(amax, block_max)
@@ -768,8 +766,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                         accs = k_steps(j, 0, num_k, bar_c, a_rows)  # [mb, bn] f32 each
                     if fp8:
                         plgpu.barrier_wait(scale_bar.at[c])
-                        y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, 0], out_dtype,
-                                                 approx=approx)
+                        y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, 0], out_dtype)
                     else:
                         (y,) = accs
                     if has_bias:
@@ -850,7 +847,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     )
 
 
-def _dequantize_epilogue(accs, row_scales_smem, col_scales_smem, out_dtype, *, approx: bool):
+def _dequantize_epilogue(accs, row_scales_smem, col_scales_smem, out_dtype):
     """fp8 epilogue: `acc * row_scale * col_scale` per accumulator (f32), then SwiGLU of the
     (gate, up) pair when there are two. Returns [mb, bn] f32 (or out_dtype for SwiGLU).
 
@@ -859,7 +856,6 @@ def _dequantize_epilogue(accs, row_scales_smem, col_scales_smem, out_dtype, *, a
       row_scales_smem: SMEM f32 [mb], the scales of the consumer's rows.
       col_scales_smem: SMEM f32 [len(accs), bn], the item's column scales.
       out_dtype: the output dtype (SwiGLU rounds each half to it first).
-      approx: compiled with `approx_math` (`_common.kernel_sigmoid`).
     """
     mb, bn = accs[0].shape
     layout = plgpu.Layout.WGMMA
@@ -871,5 +867,5 @@ def _dequantize_epilogue(accs, row_scales_smem, col_scales_smem, out_dtype, *, a
         out.append(acc * rows * jax.lax.broadcast_in_dim(cols, (mb, bn), [1]))
     if len(out) == 1:
         return out[0]
-    act, _, _ = _common.swiglu_epilogue(out[0], out[1], out_dtype, approx=approx)
+    act, _, _ = _common.swiglu_epilogue(out[0], out[1], out_dtype)
     return act

@@ -281,10 +281,7 @@ def up_proj(
                 mma_scope, plgpu.ACC((bm, bn), jnp.float32), plgpu.ACC((bm, bn), jnp.float32)
             )
             biases = _bias_columns(*bias_scratch, bm) if has_bias else (None, None)
-            act, hg, hu = _common.swiglu_epilogue(  # [bm, bn]
-                g, u, dtype, activation, *biases,
-                approx=config.approx_math and interpret_mode is None,
-            )
+            act, hg, hu = _common.swiglu_epilogue(g, u, dtype, activation, *biases)  # [bm, bn]
             o_smem[0] = act
             if h_out is not None:
                 o_smem[1] = hg
@@ -501,7 +498,6 @@ def _warp_specialized_kernel(
                     act, hg, hu = _common.swiglu_epilogue(  # [mb, slab] each
                         g[:, cut], u[:, cut], dtype, activation,
                         *(None if b is None else b[:, cut] for b in biases),
-                        approx=config.approx_math and not interpret,
                     )
                     for t, tile in enumerate((act, hg, hu)[:num_out]):
                         _common.write_row_tile(o_mma.at[c, t], tile, first_slab=h0 // w)

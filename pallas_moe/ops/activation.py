@@ -67,16 +67,12 @@ class SwiGLU:
         """A = act(h) in fp32: h [..., 2n] (any float dtype) -> f32[..., n]."""
         return self.apply(*_split(h))
 
-    def apply(self, gate: jax.Array, up: jax.Array, *, sigmoid=jax.nn.sigmoid) -> jax.Array:
-        """A from the fp32 halves `gate`, `up` (same shape) -> fp32, same shape.
-
-        `sigmoid`: the logistic function to use; kernels compiled with `approx_math` pass
-        `kernels._common.kernel_sigmoid(True)` (the same formula in the forward and in the
-        backward's recomputation of A)."""
+    def apply(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """A from the fp32 halves `gate`, `up` (same shape) -> fp32, same shape."""
         if self.kind == "silu":
-            return gate * sigmoid(gate) * up  # silu(gate) * up
+            return gate * jax.nn.sigmoid(gate) * up  # silu(gate) * up
         g, u, _, _ = self._clamp(gate, up)
-        return (u + 1.0) * g * sigmoid(self.alpha * g)
+        return (u + 1.0) * g * jax.nn.sigmoid(self.alpha * g)
 
     def grad(self, h: jax.Array, grad_a: jax.Array) -> jax.Array:
         """dL/dh in fp32 [..., 2n] (gate part first) given h [..., 2n] and grad_a = dL/dA [..., n]."""
@@ -84,20 +80,20 @@ class SwiGLU:
         return jnp.concatenate(self.grad_halves(gate, up, grad_a.astype(jnp.float32)), axis=-1)
 
     def grad_halves(
-        self, gate: jax.Array, up: jax.Array, grad_a: jax.Array, *, sigmoid=jax.nn.sigmoid
+        self, gate: jax.Array, up: jax.Array, grad_a: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
         """(dL/dgate, dL/dup) in fp32 from the fp32 halves and grad_a = dL/dA (same shapes).
 
         Clamped: zero where the clamp is active (`gate > limit`, `|up| > limit`), the
-        value's gradient on the closed interval, as PyTorch's clamp. `sigmoid` as in `apply`.
+        value's gradient on the closed interval, as PyTorch's clamp.
         """
         if self.kind == "silu":
-            sig = sigmoid(gate)
+            sig = jax.nn.sigmoid(gate)
             d_gate = grad_a * up * sig * (1 + gate * (1 - sig))
             d_up = grad_a * gate * sig
             return d_gate, d_up
         g, u, gate_passes, up_passes = self._clamp(gate, up)
-        sig = sigmoid(self.alpha * g)
+        sig = jax.nn.sigmoid(self.alpha * g)
         d_g = grad_a * (u + 1.0) * sig * (1 + self.alpha * g * (1 - sig))
         d_gate = jnp.where(gate_passes, d_g, 0.0)
         d_up = jnp.where(up_passes, grad_a * g * sig, 0.0)

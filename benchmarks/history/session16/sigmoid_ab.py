@@ -2,7 +2,11 @@
 (`_common.kernel_sigmoid(True)`, the approx_math default now) against the IEEE division it
 replaces (the previous default), same run, same inputs, default configs.
 
+    git apply benchmarks/history/session16/sigmoid_rsqrt_experiment.patch
     PYTHONPATH=. python3 benchmarks/history/session16/sigmoid_ab.py [7b,30b]
+
+Measured no faster (calls 1-2) and not kept: the patch restores the experiment's library
+code.
 
 The previous kernels are traced with `_common.kernel_sigmoid` patched back to
 `jax.nn.sigmoid` (the library has no switch for it). Outputs are computed right after a
