@@ -1,8 +1,11 @@
 """pallas-moe: Mixture-of-Experts layers for JAX with Pallas Mosaic GPU kernels for Hopper."""
 
-from pallas_moe import ops, routing
+from pallas_moe import _kernel_dedup, ops, routing
 from pallas_moe.numerics import Numerics
 from pallas_moe.ops.moe_ffn import moe_ffn
+
+# Identical Mosaic GPU kernels (a model's repeated MoE layers) compile once (`_kernel_dedup`).
+_kernel_dedup.install()
 
 __version__ = "0.1.0"
 __all__ = ["routing", "moe_ffn", "Numerics", "ops", "nn", "quant"]

@@ -314,3 +314,49 @@ def test_kernel_config_rejects_mismatched_approx_math():
             ),
             backward=cfg.backward,
         )
+
+def test_identical_kernels_share_one_hash_and_compilation():
+    """Mosaic GPU compiles one kernel per `kernel_hash`; Pallas stamps every module with a
+    counter (`mosaic_gpu.dump_basename`), so without `pallas_moe._kernel_dedup` the same
+    MoE layer called twice lowers to different hashes and compiles twice. With it, the
+    two layers' kernels hash alike (and different kernels still differ); with a
+    `MOSAIC_GPU_DUMP*` variable set the counter stays, for distinct dump names."""
+    import os
+    import re
+
+    import pallas_moe as pm
+    from pallas_moe.kernels.config import KernelConfig
+    from tests.cuda_target import h100_target
+
+    T, d, n, E, K = 512, 256, 128, 8, 2
+    cfg = KernelConfig.for_shape(d, n, num_sms=132)
+
+    def layer(x, logits, w1, w2):
+        plan = pm.routing.topk_plan(logits, K)
+        return pm.moe_ffn(x, plan, w1, w2, backend="mosaic", config=cfg)
+
+    def two_layers(x, logits, a1, a2, b1, b2):
+        return layer(layer(x, logits, a1, a2), logits, b1, b2)
+
+    sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    args = (sds((T, d), bf), sds((T, E), jnp.float32), sds((E, d, 2 * n), bf),
+            sds((E, n, d), bf), sds((E, d, 2 * n), bf), sds((E, n, d), bf))
+
+    def kernel_hashes():
+        with h100_target():
+            # A fresh function each time: jit caches lowerings per function.
+            fresh = jax.jit(lambda *a: two_layers(*a))
+            text = fresh.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return re.findall(r'kernel_hash = "([^"]*)"', text)
+
+    hashes = kernel_hashes()
+    half = len(hashes) // 2
+    assert len(hashes) == 2 * half and half >= 3  # routing, up-proj, down-proj, aggregation
+    assert hashes[:half] == hashes[half:]
+    assert len(set(hashes[:half])) == half
+    os.environ["MOSAIC_GPU_DUMP_TO"] = "/tmp/unused"
+    try:
+        dumped = kernel_hashes()
+    finally:
+        del os.environ["MOSAIC_GPU_DUMP_TO"]
+    assert len(set(dumped)) == len(dumped)
