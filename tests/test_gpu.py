@@ -417,3 +417,40 @@ def test_dh_early_h_equals_after_the_k_loop(shape):
     _assert_dh_configs_write_the_same_bits(
         shape, T + d, (base, dataclasses.replace(base, early_h=False))
     )
+
+
+def test_shared_kernel_compilations_are_bitwise_neutral():
+    """`pallas_moe._kernel_dedup` lets identical kernels share one compilation (here the
+    two layers' up-proj, down-proj, dH, ... kernels): a two-layer step traced with it is
+    bitwise the step traced with Mosaic GPU's own rule (one compilation per call site),
+    forward and every gradient, on fresh data."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    T, d, n, E, K = 4096, 1536, 256, 32, 8
+    ks = jax.random.split(jax.random.key(16), 7)
+    x = jax.random.normal(ks[0], (T, d), jnp.bfloat16)
+    logits = jax.random.normal(ks[1], (T, E), jnp.float32)
+    w = [(jax.random.normal(k, shape, jnp.float32) * shape[1] ** -0.5).astype(jnp.bfloat16)
+         for k, shape in zip(ks[2:6], [(E, d, 2 * n), (E, n, d)] * 2)]
+    cot = jax.random.normal(ks[6], (T, d), jnp.bfloat16)
+
+    def two_layers(x, a1, a2, b1, b2):
+        plan = pm.routing.topk_plan(logits, K)
+        y = pm.moe_ffn(x, plan, a1, a2, backend="mosaic")
+        return pm.moe_ffn(y, plan, b1, b2, backend="mosaic")
+
+    def step(*args):
+        out, pullback = jax.vjp(two_layers, *args)
+        return out, pullback(cot)
+
+    rule = mgpu_core._mosaic_gpu_lowering_rule
+    assert getattr(rule, "_drops_dump_basename", False)
+    shared = jax.jit(lambda *a: step(*a))(x, *w)
+    mgpu_core._mosaic_gpu_lowering_rule = rule.__wrapped__
+    try:
+        separate = jax.jit(lambda *a: step(*a))(x, *w)
+    finally:
+        mgpu_core._mosaic_gpu_lowering_rule = rule
+    for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(separate)):
+        assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32))))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
