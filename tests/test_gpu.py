@@ -419,7 +419,7 @@ def test_dh_early_h_equals_after_the_k_loop(shape):
     )
 
 
-def test_shared_kernel_compilations_are_bitwise_neutral():
+def test_shared_kernel_compilations_are_bitwise_neutral(monkeypatch):
     """`pallas_moe._kernel_dedup` lets identical kernels share one compilation (here the
     two layers' up-proj, down-proj, dH, ... kernels): a two-layer step traced with it is
     bitwise the step traced with Mosaic GPU's own rule (one compilation per call site),
@@ -446,11 +446,8 @@ def test_shared_kernel_compilations_are_bitwise_neutral():
     rule = mgpu_core._mosaic_gpu_lowering_rule
     assert getattr(rule, "_drops_dump_basename", False)
     shared = jax.jit(lambda *a: step(*a))(x, *w)
-    mgpu_core._mosaic_gpu_lowering_rule = rule.__wrapped__
-    try:
-        separate = jax.jit(lambda *a: step(*a))(x, *w)
-    finally:
-        mgpu_core._mosaic_gpu_lowering_rule = rule
+    monkeypatch.setattr(mgpu_core, "_mosaic_gpu_lowering_rule", rule.__wrapped__)
+    separate = jax.jit(lambda *a: step(*a))(x, *w)
     for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(separate)):
         assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32))))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

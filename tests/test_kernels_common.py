@@ -315,7 +315,8 @@ def test_kernel_config_rejects_mismatched_approx_math():
             backward=cfg.backward,
         )
 
-def test_identical_kernels_share_one_hash_and_compilation():
+
+def test_identical_kernels_share_one_hash_and_compilation(monkeypatch):
     """Mosaic GPU compiles one kernel per `kernel_hash`; Pallas stamps every module with a
     counter (`mosaic_gpu.dump_basename`), so without `pallas_moe._kernel_dedup` the same
     MoE layer called twice lowers to different hashes and compiles twice. With it, the
@@ -349,14 +350,13 @@ def test_identical_kernels_share_one_hash_and_compilation():
             text = fresh.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         return re.findall(r'kernel_hash = "([^"]*)"', text)
 
+    for name in [n for n in os.environ if n.startswith("MOSAIC_GPU_DUMP")]:
+        monkeypatch.delenv(name)
     hashes = kernel_hashes()
     half = len(hashes) // 2
     assert len(hashes) == 2 * half and half >= 3  # routing, up-proj, down-proj, aggregation
     assert hashes[:half] == hashes[half:]
     assert len(set(hashes[:half])) == half
-    os.environ["MOSAIC_GPU_DUMP_TO"] = "/tmp/unused"
-    try:
-        dumped = kernel_hashes()
-    finally:
-        del os.environ["MOSAIC_GPU_DUMP_TO"]
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", "/tmp/unused")
+    dumped = kernel_hashes()
     assert len(set(dumped)) == len(dumped)
