@@ -180,3 +180,50 @@ def test_two_swizzled_slabs_per_consumer_no_races():
     config = UpProjConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2)
     run_and_check(x, plan, w1, config, interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not races_found()
+
+
+# Split M with the gate and up weight tiles side by side in one SMEM tile: one N = 2 * bn
+# wgmma per consumer (`UpProjConfig.fused_gate_up`).
+WS_FUSED = UpProjConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2, fused_gate_up=True)
+
+
+def test_fused_gate_up_tiles_ending_in_either_half_no_races():
+    """Two column blocks (n = 128, block_n = 64), 4 K steps over 2 stages, 150 rows of 3
+    experts with one empty: tiles end in either consumer's half; race-free, equal to the
+    reference, padding rows untouched."""
+    ks = jax.random.split(jax.random.key(18), 3)
+    x = random_x(ks[0], 150, 256)
+    w1, _ = random_weights(ks[1], 3, 256, 128)
+    plan = assignment_plan(ks[2], 150, 3, empty=(1,), p=0.6)
+    run_and_check(x, plan, w1, WS_FUSED, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+
+
+def test_fused_gate_up_equals_two_wgmmas_bitwise():
+    """The fused tile only changes which wgmma reads which SMEM: the results are the
+    unfused split-M kernel's, bit for bit."""
+    ks = jax.random.split(jax.random.key(19), 3)
+    x = random_x(ks[0], 90, 128)
+    w1, _ = random_weights(ks[1], 2, 128, 128)
+    plan = assignment_plan(ks[2], 90, 2)
+    fused = up_proj(x, plan.token_ids, plan.group_sizes, w1, config=WS_FUSED, interpret=True)
+    plain = up_proj(x, plan.token_ids, plan.group_sizes, w1, config=WS_SPLIT_M, interpret=True)
+    rows = int(plan.num_rows)
+    for f, p in zip(fused, plain):
+        np.testing.assert_array_equal(np.asarray(f[:rows]), np.asarray(p[:rows]))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        UpProjConfig(block_m=64, block_n=64, num_consumers=2, fused_gate_up=True),
+        UpProjConfig(block_m=128, block_n=192, num_consumers=2, fused_gate_up=True),
+    ],
+    ids=["columns_split", "n_over_256"],
+)
+def test_fused_gate_up_config_errors(config):
+    x = jnp.zeros((8, 64), jnp.bfloat16)
+    w1 = jnp.zeros((2, 64, 2 * config.block_n), jnp.bfloat16)
+    with pytest.raises(ValueError, match="config.fused_gate_up needs the split-M kernel"):
+        up_proj(x, jnp.zeros((8,), jnp.int32), jnp.zeros((2,), jnp.int32), w1, config=config,
+                interpret=True)
