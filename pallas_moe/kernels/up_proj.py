@@ -100,9 +100,10 @@ class UpProjConfig:
         256`): the gate and up weight tiles of a K step land side by side in one
         `[block_k, 2 * block_n]` SMEM tile, and each consumer issues one N = 2 * block_n
         wgmma instead of two N = block_n ones, so its A rows are read from SMEM once per K
-        step, not twice. wgmma needs a uniform stride between 64-column groups, and a
-        `[block_k, block_n]` TMA box lands its groups contiguously only in a tile of its
-        own, so the weights come as 8-row boxes (`2 * block_k / 8` copies per step).
+        step, not twice. wgmma needs a uniform stride between 64-column groups, so both
+        halves come in one 5-D TMA box (`_common.gate_up_weight_copy`, completing on a
+        per-slot mbarrier of its own); interpret mode, which cannot run it, loads 8-row
+        boxes (`2 * block_k / 8` copies per step) into the same tile.
     """
 
     block_m: int = 64
@@ -234,6 +235,8 @@ def up_proj(
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
     if has_bias:
         args += (bias,)
+    if config.fused_gate_up and interpret_mode is None:  # rows of `gate_up_weight_copy`
+        args = args[:5] + (w_gate_up.reshape(num_experts * d, 2, n),) + args[6:]
     if config.num_consumers:
         outs = _warp_specialized_kernel(
             config, d, n, num_tiles, out_types, inference, interpret_mode, params,
@@ -378,7 +381,10 @@ def _warp_specialized_kernel(
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     fused = config.fused_gate_up
-    weight_copies = 2 * (bk // 8) if fused else 2  # per K step, on `full[slot]`
+    # Compiled, the fused tile is one 5-D TMA completing on its own mbarrier per slot
+    # (`_common.gate_up_weight_copy`); interpret mode runs 8-row boxes on `full`.
+    fused_tma = fused and not interpret
+    weight_copies = 0 if fused_tma else 2 * (bk // 8) if fused else 2  # per K step, on full
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
         b_ref, *rest = rest if has_bias else (None, *rest)
@@ -390,6 +396,9 @@ def _warp_specialized_kernel(
         ids_smem, bufs, full, empty, ids_bar, epi_bar, *extra = scratch
         # extra: the bias columns and their barrier (with biases), then the per-slot
         # cp.async mbarriers (hardware-tracked stages).
+        if fused_tma:  # per-slot mbarriers the fused weight TMA completes on
+            *extra, w_landed = extra
+            _common.cp_async_stage_barriers_init(w_landed, arrivals=1)
         bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
         a_copy, a_mma, b_stages, ((o_copy, o_mma),) = views(bufs)
         if fused:
@@ -412,7 +421,7 @@ def _warp_specialized_kernel(
                 if p == 0:
                     plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
                 plgpu.barrier_wait(ids_bar)
-                w_e = w_ref.at[expert]  # [d, 2n]
+                w_e = None if fused_tma else w_ref.at[expert]  # [d, 2n]
 
                 def step(ki, carry):
                     slot = ki % stages
@@ -429,7 +438,12 @@ def _warp_specialized_kernel(
                             num_rows=rows_per_warp, unroll=config.row_unroll,
                         )
 
-                    if p == 0 and fused:
+                    if p == 0 and fused_tma:
+                        _common.gate_up_weight_copy(
+                            w_ref, expert * d + k0, ni * cols, bgu_smem.at[slot],
+                            w_landed.at[slot],
+                        )
+                    elif p == 0 and fused:
                         # [8, cols] boxes: gate into columns [0, cols) of the fused tile,
                         # up into [cols, 2 cols); 8 rows are one row of 64-column groups.
                         for r0 in range(0, bk, 8):
@@ -490,6 +504,8 @@ def _warp_specialized_kernel(
                         slot = ki % stages
                         plgpu.barrier_wait(full.at[slot])
                         _common.cp_async_consumer_wait(ki, a_landed, stages)
+                        if fused_tma:
+                            _common.cp_async_stage_wait(w_landed, ki, stages)
                         a_tile = a_mma.at[slot, a_rows]  # [mb, bk]
                         if fused:  # @ [bk, 2 bn]: gate and up columns in one wgmma
                             plgpu.wgmma(accs[0], a_tile, bgu_smem.at[slot])
@@ -571,6 +587,7 @@ def _warp_specialized_kernel(
         plgpu.Barrier(num_arrivals=cons),
         *(_bias_scratch(bn, dtype, cons) if has_bias else ()),
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
+        *([_common.cp_async_stage_barriers(stages)] if fused_tma else []),
     ]
     return plgpu.kernel(
         body,
