@@ -392,22 +392,6 @@ def slabs_up_cfgs(d, n):
     return _fitting_up_cfgs([base, dataclasses.replace(base, epilogue_slabs=False)], n)
 
 
-def fused_up_cfgs(d, n):
-    """Session 17: 128-row split-M tiles whose gate and up weight tiles sit side by side in
-    SMEM, one N = 2 * block_n wgmma per consumer (`fused_gate_up`), against the same tiles
-    with two N = block_n wgmmas and the default."""
-    base = ForwardConfig.for_shape(d, n).up
-    cands = [base]
-    for stages in (4, 3):
-        split = UpProjConfig(block_m=128, block_n=128, num_stages=stages, num_consumers=2,
-                             gather=base.gather)
-        cands += [split, dataclasses.replace(split, fused_gate_up=True)]
-    cands.append(UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
-                              gather=base.gather, gather_completion="mbarrier",
-                              fused_gate_up=True))
-    return _fitting_up_cfgs(cands, n)
-
-
 def approx_up_cfgs(d, n):
     """Session 8: the SwiGLU epilogue's exp as ex2.approx (`approx_math`, the default since
     session 12) against the full-precision exp."""
@@ -480,7 +464,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "slabs", "approx", "fused", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "slabs", "approx", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     args = p.parse_args()
@@ -494,7 +478,7 @@ def main():
                 up_cfgs = {"variants": variant_up_cfgs, "default": default_up_cfgs,
                            "gather": gather_up_cfgs, "registers": registers_up_cfgs,
                            "completion": completion_up_cfgs, "slabs": slabs_up_cfgs,
-                           "approx": approx_up_cfgs, "fused": fused_up_cfgs,
+                           "approx": approx_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

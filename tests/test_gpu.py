@@ -73,8 +73,6 @@ def _poison(nbytes):
         ((2048, 512, 256, 8, 4), dict(block_m=64, block_n=128, num_stages=3, num_consumers=2)),
         ((2048, 512, 256, 8, 4), dict(block_m=128, block_n=128, num_stages=4, num_consumers=2)),
         ((3000, 1536, 256, 16, 8), dict(block_m=128, block_n=128, num_stages=3, num_consumers=2)),
-        ((3000, 1536, 256, 16, 8),
-         dict(block_m=128, block_n=128, num_stages=4, num_consumers=2, fused_gate_up=True)),
         ((1024, 256, 128, 5, 2), dict(block_m=64, block_n=128, num_stages=4, num_consumers=1)),
     ],
 )

@@ -12,7 +12,7 @@ from pallas_moe.kernels.aggregate import aggregate
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward
 from pallas_moe.kernels.reference import moe_forward_reference
-from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
+from pallas_moe.kernels.up_proj import up_proj
 from pallas_moe.routing import token_rounding_plan, topk_plan
 from tests.test_kernels_common import assert_untouched, close, random_weights, random_x
 
@@ -125,17 +125,3 @@ def test_each_kernel_lowers_at_7b_production_config():
            sds((p, n), jnp.bfloat16), sds((e,), i32), sds((e, n, d), jnp.bfloat16))
     _lower(lambda y, r, o, s: aggregate(y, r, o, s, config=cfg.aggregate),
            sds((p, d), jnp.bfloat16), sds((p,), i32), sds((t + 1,), i32), sds((p,), jnp.float32))
-
-
-@pytest.mark.parametrize("gather", ["cp_async", "tma"])
-@pytest.mark.parametrize("d, n", [(1536, 256), (4096, 512)], ids=["7b", "30b"])
-def test_fused_gate_up_up_proj_lowers_for_cuda(d, n, gather):
-    """The split-M up-proj with one N = 256 wgmma per consumer (`fused_gate_up`) at the
-    block sizes the H100 runs: 128-row tiles, 128 gate + 128 up columns, 4 stages."""
-    t, e, k = 4096, 128, 8
-    cfg = UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2, gather=gather,
-                       fused_gate_up=True)
-    sds = jax.ShapeDtypeStruct
-    _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg),
-           sds((t, d), jnp.bfloat16), sds((t * k,), jnp.int32), sds((e,), jnp.int32),
-           sds((e, d, 2 * n), jnp.bfloat16))

@@ -869,11 +869,10 @@ def cp_async_stage_barriers(stages: int):
     return plgpu.SMEM((stages, _MBARRIER_BYTES // 4), jnp.int32)
 
 
-def cp_async_stage_barriers_init(bars, arrivals: int = CP_ASYNC_THREADS) -> None:
-    """Initialises every slot's mbarrier for `arrivals` arrivals per phase (default: one per
-    producer thread, the cp.async stages; 1 for `gate_up_weight_copy`'s expect_tx). Call once
-    at the top of the kernel body from every thread of the CTA (it ends with a CTA-wide
-    barrier, so the init is visible before any producer arrives or consumer waits)."""
+def cp_async_stage_barriers_init(bars) -> None:
+    """Initialises every slot's mbarrier for CP_ASYNC_THREADS arrivals. Call once at the top
+    of the kernel body from every thread of the CTA (it ends with a CTA-wide barrier, so the
+    init is visible before any producer arrives or consumer waits)."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import gpu, nvvm
@@ -890,7 +889,7 @@ def cp_async_stage_barriers_init(bars, arrivals: int = CP_ASYNC_THREADS) -> None
         for s in range(stages):
             nvvm.mbarrier_init(
                 utils.getelementptr(base, [s * _MBARRIER_BYTES], i8),
-                utils.c(arrivals, i32),
+                utils.c(CP_ASYNC_THREADS, i32),
                 predicate=one_thread,
             )
         gpu.barrier()
@@ -948,72 +947,3 @@ def cp_async_stage_wait_parity(bar, parity) -> None:
     @pl.when(parity == 1)
     def _():
         waiter(1)(bar)
-
-
-# --- Gate and up weight columns side by side: one 5-D TMA box ------------------------------
-
-
-def _warpgroup_scalar(value):
-    """An i32 scalar as a [128] warpgroup array (one copy per thread): how a traced scalar
-    reaches `inline_mgpu`, which takes refs and arrays only."""
-    return plgpu.layout_cast(
-        jnp.full((128,), value, jnp.int32), plgpu.Layout.WG_STRIDED((128,), vec_size=1)
-    )
-
-
-def gate_up_weight_copy(w_rows, row0, col0, dst, bar) -> None:
-    """One TMA of W1's gate columns `[col0, col0 + c)` and up columns `n + [col0, col0 + c)`
-    of rows `[row0, row0 + k)` into `dst` [k, 2c] (the (8, 64)-tiled, 128-byte-swizzled
-    wgmma B layout): gate in columns `[0, c)`, up in `[c, 2c)`, so one N = 2c wgmma reads
-    both halves. Issued by one thread of the calling warpgroup; completes on `bar` (an
-    mbarrier of `cp_async_stage_barriers`, initialised for 1 arrival: this copy's expect_tx).
-
-    The SMEM tile is (K/8, half, c/64, 8, 64) in memory. A Pallas copy into a 3-D ref with a
-    (8, 1, 64) tiling describes it with a unit tile dim, 6 dims, past TMA's 5, and a copy per
-    half lands in a non-contiguous SMEM window; so the box is built here: the [k, 2, c] GMEM
-    window transposed to (half, k, c), tiled (8, 64), transposed to (k/8, half, c/64, 8, 64).
-
-    Args:
-      w_rows: GMEM bf16 [E * d, 2, n]: `w_gate_up` [E, d, 2n] reshaped (free), so an
-        expert's K rows are rows `e * d + [k0, k0 + k)`.
-      row0, col0: i32 scalars (traced): first row, first gate column.
-      dst: SMEM [k, 2c] ref with `mma_transforms`.
-      bar: SMEM mbarrier ref (`cp_async_stage_barriers(...).at[slot]`).
-    """
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, vector
-
-    rows, cols = dst.shape[0], dst.shape[1] // 2
-    scalar_type = plgpu.Layout.WG_STRIDED((128,), vec_size=1)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar_type, scalar_type,
-                                  plgpu.RefType(transforms=mma_transforms(dst.dtype)),
-                                  plgpu.RefType()))
-    def _copy(ctx, src, row_arr, col_arr, dst_ref, bar_ref):
-        utils = mgpu.utils
-        index = ir.IndexType.get()
-        i32 = ir.IntegerType.get_signless(32)
-
-        def scalar(arr):
-            reg = arr.registers.flat[0]
-            if isinstance(reg.type, ir.VectorType):
-                reg = vector.extract(
-                    reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([0])
-                )
-            return arith.index_cast(index, reg)
-
-        _, col_tiles, _, _ = ir.MemRefType(dst_ref.type).shape
-        dst5 = utils.memref_unfold(dst_ref, 1, (2, col_tiles // 2))
-        ctx.async_copy(
-            src_ref=src, dst_ref=dst5,
-            gmem_slice=(utils.ds(scalar(row_arr), rows), slice(None),
-                        utils.ds(scalar(col_arr), cols)),
-            gmem_transform=(mgpu.TransposeTransform((1, 0, 2)), mgpu.TileTransform((8, 64)),
-                            mgpu.TransposeTransform((1, 0, 2, 3, 4))),
-            swizzle=SWIZZLE_BYTES,
-            barrier=utils.BarrierRef(utils.memref_ptr(bar_ref), utils.c(0, i32), None, 1),
-            arrive=True,
-        )
-
-    _copy(w_rows, _warpgroup_scalar(row0), _warpgroup_scalar(col0), dst, bar)

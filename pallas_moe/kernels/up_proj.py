@@ -96,14 +96,6 @@ class UpProjConfig:
         in the last bit of rare elements. It must equal `DHConfig.approx_math`, so the
         backward recomputes the same A (`KernelConfig` checks it). Interpret mode computes
         the exact exp either way.
-      fused_gate_up: split-M kernel only (`block_m == 64 * num_consumers`, `2 * block_n <=
-        256`): the gate and up weight tiles of a K step land side by side in one
-        `[block_k, 2 * block_n]` SMEM tile, and each consumer issues one N = 2 * block_n
-        wgmma instead of two N = block_n ones, so its A rows are read from SMEM once per K
-        step, not twice. wgmma needs a uniform stride between 64-column groups, so both
-        halves come in one 5-D TMA box (`_common.gate_up_weight_copy`, completing on a
-        per-slot mbarrier of its own); interpret mode, which cannot run it, loads 8-row
-        boxes (`2 * block_k / 8` copies per step) into the same tile.
     """
 
     block_m: int = 64
@@ -122,7 +114,6 @@ class UpProjConfig:
     gather_completion: str = "wait_group"
     epilogue_slabs: bool = True
     approx_math: bool = True
-    fused_gate_up: bool = False
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -139,12 +130,6 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
     if config.num_stages < 2:
         raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
     _common.require_multiple("d (x.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
-    if config.fused_gate_up and not (_split_m(config) and 2 * bn <= 256):
-        raise ValueError(
-            "config.fused_gate_up needs the split-M kernel (block_m == 64 * num_consumers, "
-            f"num_consumers > 1) and 2 * block_n <= 256 (one wgmma's N), got block_m={bm}, "
-            f"num_consumers={config.num_consumers}, block_n={bn}."
-        )
     cols = _cta_cols(config)
     _common.require_multiple(
         "n (w_gate_up.shape[2] // 2)", n, cols,
@@ -235,8 +220,6 @@ def up_proj(
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
     if has_bias:
         args += (bias,)
-    if config.fused_gate_up and interpret_mode is None:  # rows of `gate_up_weight_copy`
-        args = args[:5] + (w_gate_up.reshape(num_experts * d, 2, n),) + args[6:]
     if config.num_consumers:
         outs = _warp_specialized_kernel(
             config, d, n, num_tiles, out_types, inference, interpret_mode, params,
@@ -380,11 +363,6 @@ def _warp_specialized_kernel(
     # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
-    fused = config.fused_gate_up
-    # Compiled, the fused tile is one 5-D TMA completing on its own mbarrier per slot
-    # (`_common.gate_up_weight_copy`); interpret mode runs 8-row boxes on `full`.
-    fused_tma = fused and not interpret
-    weight_copies = 0 if fused_tma else 2 * (bk // 8) if fused else 2  # per K step, on full
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
         b_ref, *rest = rest if has_bias else (None, *rest)
@@ -396,15 +374,8 @@ def _warp_specialized_kernel(
         ids_smem, bufs, full, empty, ids_bar, epi_bar, *extra = scratch
         # extra: the bias columns and their barrier (with biases), then the per-slot
         # cp.async mbarriers (hardware-tracked stages).
-        if fused_tma:  # per-slot mbarriers the fused weight TMA completes on
-            *extra, w_landed = extra
-            _common.cp_async_stage_barriers_init(w_landed, arrivals=1)
         bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
-        a_copy, a_mma, b_stages, ((o_copy, o_mma),) = views(bufs)
-        if fused:
-            (bgu_smem,) = b_stages  # [stages, bk, 2 bn]: gate columns, then up columns
-        else:
-            bg_smem, bu_smem = b_stages
+        a_copy, a_mma, (bg_smem, bu_smem), ((o_copy, o_mma),) = views(bufs)
         if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
             _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
@@ -421,7 +392,7 @@ def _warp_specialized_kernel(
                 if p == 0:
                     plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
                 plgpu.barrier_wait(ids_bar)
-                w_e = None if fused_tma else w_ref.at[expert]  # [d, 2n]
+                w_e = w_ref.at[expert]  # [d, 2n]
 
                 def step(ki, carry):
                     slot = ki % stages
@@ -438,22 +409,7 @@ def _warp_specialized_kernel(
                             num_rows=rows_per_warp, unroll=config.row_unroll,
                         )
 
-                    if p == 0 and fused_tma:
-                        _common.gate_up_weight_copy(
-                            w_ref, expert * d + k0, ni * cols, bgu_smem.at[slot],
-                            w_landed.at[slot],
-                        )
-                    elif p == 0 and fused:
-                        # [8, cols] boxes: gate into columns [0, cols) of the fused tile,
-                        # up into [cols, 2 cols); 8 rows are one row of 64-column groups.
-                        for r0 in range(0, bk, 8):
-                            for half in range(2):
-                                plgpu.copy_gmem_to_smem(
-                                    w_e.at[pl.ds(k0 + r0, 8), pl.ds(half * n + ni * cols, cols)],
-                                    bgu_smem.at[slot, pl.ds(r0, 8), pl.ds(half * cols, cols)],
-                                    full.at[slot],
-                                )
-                    elif p == 0:
+                    if p == 0:
                         plgpu.copy_gmem_to_smem(  # [bk, C*bn] gate columns
                             w_e.at[pl.ds(k0, bk), pl.ds(ni * cols, cols)], bg_smem.at[slot],
                             full.at[slot],
@@ -499,20 +455,15 @@ def _warp_specialized_kernel(
                         b_ref, expert_ref[mi], col, bn, n, bias_smem.at[c], bias_bars.at[c]
                     )
 
-                def mma_scope(*accs):
+                def mma_scope(acc_g, acc_u):
                     def step(ki, carry):
                         slot = ki % stages
                         plgpu.barrier_wait(full.at[slot])
                         _common.cp_async_consumer_wait(ki, a_landed, stages)
-                        if fused_tma:
-                            _common.cp_async_stage_wait(w_landed, ki, stages)
                         a_tile = a_mma.at[slot, a_rows]  # [mb, bk]
-                        if fused:  # @ [bk, 2 bn]: gate and up columns in one wgmma
-                            plgpu.wgmma(accs[0], a_tile, bgu_smem.at[slot])
-                        else:
-                            plgpu.wgmma(accs[0], a_tile, bg_smem.at[slot, :, csl])  # @ [bk, bn]
-                            plgpu.wgmma(accs[1], a_tile, bu_smem.at[slot, :, csl])
-                        plgpu.wgmma_wait(len(accs))  # step ki-1 is done: release its slot
+                        plgpu.wgmma(acc_g, a_tile, bg_smem.at[slot, :, csl])  # @ [bk, bn]
+                        plgpu.wgmma(acc_u, a_tile, bu_smem.at[slot, :, csl])
+                        plgpu.wgmma_wait(2)  # step ki-1 is done: release its slot
 
                         @pl.when(ki >= 1)
                         def _():
@@ -522,16 +473,11 @@ def _warp_specialized_kernel(
 
                     jax.lax.fori_loop(0, num_k, step, None)
                     plgpu.wgmma_wait(0)
-                    if fused:
-                        gu = accs[0][...]  # [mb, 2 bn]
-                        return gu[:, :bn], gu[:, bn:]
-                    return accs[0][...], accs[1][...]
+                    return acc_g[...], acc_u[...]
 
-                acc_types = (
-                    [plgpu.ACC((mb, 2 * bn), jnp.float32)] if fused
-                    else [plgpu.ACC((mb, bn), jnp.float32)] * 2
+                g, u = pl.run_scoped(
+                    mma_scope, plgpu.ACC((mb, bn), jnp.float32), plgpu.ACC((mb, bn), jnp.float32)
                 )
-                g, u = pl.run_scoped(mma_scope, *acc_types)
                 # Every consumer is done reading the pipeline buffers before any of them
                 # overwrites them with its epilogue tile.
                 plgpu.barrier_arrive(epi_bar)
@@ -560,13 +506,10 @@ def _warp_specialized_kernel(
                     _common.store_row_tile(o_copy.at[c, t], dst, dst0, count, mb)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    b_types = (  # gate and up weight stages: one fused tile, or one tile each
-        [plgpu.SMEM((stages, bk, 2 * cols), dtype, transforms=tf)] if fused
-        else [plgpu.SMEM((stages, bk, cols), dtype, transforms=tf)] * 2
-    )
+    b_shape = (stages, bk, cols)
     bufs, views = _common.gathered_pipeline_smem(
         (stages, bm, bk), dtype,
-        others=b_types,
+        others=[plgpu.SMEM(b_shape, dtype, transforms=tf)] * 2,  # gate, up weight stages
         # Per consumer: A, H gate, H up, as swizzled 64-column slabs (`row_tile_types`):
         # measured on the H100 (session 5, same run) 710 vs 764 us at 7B and 4345 vs 4512 us
         # at 30B against untiled rows, whose stores from the accumulator layout conflict.
@@ -577,9 +520,9 @@ def _warp_specialized_kernel(
     scratch = [
         plgpu.SMEM((bm,), jnp.int32),
         bufs,
-        # full[slot]: the weight copies, plus what the row loader adds.
+        # full[slot]: the two weight copies, plus what the row loader adds.
         plgpu.Barrier(
-            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + weight_copies,
+            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 2,
             num_barriers=stages,
         ),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),
@@ -587,7 +530,6 @@ def _warp_specialized_kernel(
         plgpu.Barrier(num_arrivals=cons),
         *(_bias_scratch(bn, dtype, cons) if has_bias else ()),
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
-        *([_common.cp_async_stage_barriers(stages)] if fused_tma else []),
     ]
     return plgpu.kernel(
         body,

@@ -1,3 +1,4 @@
+# Needs benchmarks/history/session17/fused_gate_up_experiment.patch applied (calls 1-3 ran with the option on the tree).
 set -x
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv
 export PYTHONPATH=. PYTHONUNBUFFERED=1

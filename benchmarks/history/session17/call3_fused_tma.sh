@@ -1,3 +1,4 @@
+# Needs benchmarks/history/session17/fused_gate_up_experiment.patch applied (calls 1-3 ran with the option on the tree).
 # Call 3: the fused gate/up up-proj with its weights in one 5-D TMA box per step (gate_up_weight_copy).
 set -x
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv

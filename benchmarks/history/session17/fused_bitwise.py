@@ -2,7 +2,10 @@
 same tiles with two wgmmas and against the default, bitwise, on fresh 7B / 30B data with
 poisoned outputs.
 
+    git apply benchmarks/history/session17/fused_gate_up_experiment.patch
     PYTHONPATH=. python3 benchmarks/history/session17/fused_bitwise.py 7b,30b
+
+(`fused_gate_up` is not on main: it measured no faster, see benchmarks/RESULTS.md.)
 """
 import sys
 
