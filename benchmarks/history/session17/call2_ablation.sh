@@ -1,3 +1,4 @@
+# Ran on commit e4eceda (fused_gate_up with its 8-row loader, before the 5-D TMA): loader_ablation.patch applies there, not on main or on fused_gate_up_experiment.patch.
 # The fused gate/up up-proj against the same split-M tiles whose weights also come as
 # 8-row boxes (loader_ablation.patch, device only): separates the loader from the wgmma.
 set -x
