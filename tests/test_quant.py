@@ -463,6 +463,38 @@ def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype):
                                       np.ones(num_tokens * k, bool), out_dtype))
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
+def test_kernel_reciprocal_is_correctly_rounded_on_gpu():
+    """The CSR kernel's `rcp.rn.f32` (interpret mode runs the jnp reciprocal instead) gives
+    `correctly_rounded_reciprocal`'s bits, and numpy's `1 / s`, on every kind of input the
+    kernel hands it: normal scales across the whole exponent range below 2^126 (random
+    mantissas, powers of two, all-ones mantissas), NaN and inf."""
+    from pallas_moe.quant.kernel import _rcp_rn
+    from pallas_moe.quant.reference import correctly_rounded_reciprocal
+
+    rng = np.random.default_rng(5)
+    exponents = rng.integers(1, 253, 60000)  # biased exponents of normal f32 below 2^126
+    bits = (exponents << 23) | rng.integers(0, 1 << 23, 60000)
+    edges = [(e << 23) | m for e in (1, 2, 126, 127, 128, 200, 252) for m in (0, 1, (1 << 23) - 1)]
+    values = np.concatenate([bits, edges]).astype(np.uint32).view(np.float32)
+    values = np.concatenate([values, np.float32([np.nan, np.inf])])
+
+    def body(v_ref, o_ref):
+        i = jax.lax.axis_index("i")
+        o_ref[i] = jnp.max(_rcp_rn(jnp.full((128,), v_ref[i], jnp.float32)))
+
+    rcp = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(values.shape, jnp.float32),
+                       grid=(values.size,), grid_names=("i",))
+    got = np.asarray(jax.jit(rcp)(jnp.asarray(values)))
+    want = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(values)))
+    numpy = np.float32(1) / values
+    assert np.isnan(got[-2]) and np.isnan(want[-2])  # NaN payloads differ between platforms
+    got, want, numpy = (np.delete(v, -2).view(np.uint32) for v in (got, want, numpy))
+    assert np.array_equal(got, want), np.flatnonzero(got != want)[:10]
+    assert np.array_equal(got, numpy), np.flatnonzero(got != numpy)[:10]
+
 # --- The row-block quantizer (contiguous grouped rows: A's re-quantization) ---------------
 
 def row_block_case(key, num_rows, width, group_sizes, in_rows=None, dtype=jnp.bfloat16):

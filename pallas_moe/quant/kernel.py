@@ -33,7 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.quant.reference import (
-    apply_row_scale, correctly_rounded_reciprocal, qmax_of, quantize_row, row_scale,
+    apply_row_scale, correctly_rounded_reciprocal, qmax_of, row_scale,
 )
 
 _WG = 128  # threads in a warpgroup
@@ -71,15 +71,29 @@ class SmoothQuantConfig:
         )
 
 
-def _warpgroup_reciprocal(scale: jax.Array) -> jax.Array:
-    """`correctly_rounded_reciprocal` of a scalar inside a kernel: Mosaic GPU (jax 0.11.2)
-    cannot bitcast a scalar, so every thread of the warpgroup computes it on its own copy
-    (a [128] vector, one element per thread) and a max over the equal copies makes it a
-    scalar again."""
-    copies = plgpu.layout_cast(
-        jnp.full((_WG,), scale, jnp.float32), plgpu.Layout.WG_STRIDED((_WG,), vec_size=1)
+def _rcp_rn(splat: jax.Array) -> jax.Array:
+    """`correctly_rounded_reciprocal` of a warpgroup-splat f32 vector on the GPU: PTX
+    `rcp.rn.f32`, the IEEE round-to-nearest-even reciprocal (NaN -> NaN, inf -> 0), which is
+    that function's value on every input the kernel gives it (normal scales below 2^126,
+    NaN, inf). One instruction sequence per thread instead of the remainder-corrected
+    division, which Mosaic GPU compiles from `div.full.f32` plus four correction steps.
+    A splat holds one register per thread, so each thread computes it once per row."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+
+    layout = plgpu.Layout.WG_SPLAT(splat.shape)
+
+    @plgpu.inline_mgpu(
+        arg_types=(layout,),
+        return_type=plgpu.ShapeDtypeStruct(splat.shape, jnp.float32, layout=layout),
     )
-    return jnp.max(correctly_rounded_reciprocal(copies))
+    def rcp(ctx, v):
+        del ctx
+        f32 = ir.F32Type.get()
+        return v._pointwise(lambda r: llvm.inline_asm(
+            f32, [r], "rcp.rn.f32 $0, $1;", "=f,f", has_side_effects=False))
+
+    return rcp(splat)
 
 
 def supports_width(d: int) -> bool:
@@ -140,6 +154,8 @@ def smoothquant_kernel(
         raise ValueError(f"config.block_t={bt} and config.block_pad={bp} must be >= 1.")
     vec = config.resolve_vec(d)
     layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
+    # Interpret mode cannot run inline PTX; the jnp reciprocal gives the same bits.
+    reciprocal = correctly_rounded_reciprocal if interpret else _rcp_rn
     token_ctas = pl.cdiv(num_tokens, bt)
     pad_ctas = 0 if num_rows is None else pl.cdiv(num_out_rows, bp)
     num_entries = out_rows.shape[0]
@@ -170,7 +186,14 @@ def smoothquant_kernel(
             store_at(rows_ref[j], q, s)
 
         def quantize(y):
-            return quantize_row(y, out_dtype, _warpgroup_reciprocal)
+            """`quantize_row(y)`: one warpgroup reduction for the row's max, then the scale
+            and its reciprocal on a splat of it (one register per thread: Mosaic GPU cannot
+            bitcast a scalar, which the jnp reciprocal does), so every thread has the
+            reciprocal with no second reduction."""
+            amax = jnp.max(jnp.abs(y))
+            scale = row_scale(amax, out_dtype, reciprocal=lambda s: s)[0]  # the f32 scalar
+            _, inv = row_scale(jnp.full(y.shape, amax, jnp.float32), out_dtype, reciprocal)
+            return apply_row_scale(y, inv, out_dtype), scale
 
         def smoothed_rows(xt, start, stop):
             def smooth_row(j):
