@@ -1,9 +1,16 @@
-"""SmoothQuant CSR kernel, session 18 (the row's scale and reciprocal on a warpgroup splat,
-`rcp.rn.f32` on the GPU: no second warpgroup reduction per row, no remainder correction)
-against session 17's kernel (`smoothquant_s17.py`), same run, H100.
+"""SmoothQuant CSR kernel, session 18, against session 17's kernel (`smoothquant_s17.py`),
+same run, H100.
 
-Versions: s17 (previous), splat_jnp (this session's kernel with the jnp remainder-corrected
-reciprocal on the splat), splat_rcp (this session's kernel). Cases, e4m3 and int8:
+Versions (call 1: s17, splat_jnp, splat_rcp; call 2: s17, s18a, s18b, cur):
+  s17        session 17's kernel (previous);
+  splat_jnp  the row's scale and reciprocal on a warpgroup splat (no second warpgroup
+             reduction per row), the jnp remainder-corrected reciprocal;
+  splat_rcp  the same with `rcp.rn.f32` (call 1's tree; kept as `smoothquant_s18a.py`);
+  s18a       = splat_rcp;
+  s18b       s18a + the saturating conversions (`_saturating_quantize`: e4m3 cast without
+             the clip, int8 `cvt.rni.sat.s8.f32`), `smoothquant_s18b.py`;
+  cur        s18b + X converted to f32 once per token instead of once per row (the tree).
+Set QUANT_AB_VERSIONS to pick (default: call 2's). Cases, e4m3 and int8:
   smoothed     the MoE-SmoothQuant op: K rows per token, each smoothed by its expert's row;
   one expert   diagnostic: every row smoothed by expert 0's row (the same instructions,
                the scale row stays in L1: what the L2 traffic of the scale rows costs);
@@ -31,11 +38,19 @@ from pallas_moe.quant import SmoothQuantConfig  # noqa: E402
 from pallas_moe.quant import kernel as cur  # noqa: E402
 from pallas_moe.quant.reference import correctly_rounded_reciprocal  # noqa: E402
 
-spec = importlib.util.spec_from_file_location(
-    "smoothquant_s17", os.path.join(os.path.dirname(__file__), "smoothquant_s17.py"))
-s17 = importlib.util.module_from_spec(spec)
-sys.modules["smoothquant_s17"] = s17
-spec.loader.exec_module(s17)
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # its dataclass looks its module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+OLD = {"s17": _load("smoothquant_s17"), "s18a": _load("smoothquant_s18a"),
+       "s18b": _load("smoothquant_s18b")}
+VERSIONS = os.environ.get("QUANT_AB_VERSIONS", "s17,s18a,s18b,cur").split(",")
 
 SHAPES = {"7b": (24576, 1536, 128, 8), "30b": (32768, 4096, 128, 8), "tiny": (40, 256, 4, 2)}
 INTERPRET = os.environ.get("QUANT_AB_INTERPRET") == "1"
@@ -54,10 +69,10 @@ def log(*a):
 
 
 def run(version, *args, **kw):
-    if version == "s17":
-        return s17.smoothquant_kernel(*args, **kw)
+    if version in OLD:
+        return OLD[version].smoothquant_kernel(*args, **kw)
     saved = cur._rcp_rn
-    if version == "splat_jnp":
+    if version == "splat_jnp":  # splat_rcp and cur: the tree as it is
         cur._rcp_rn = correctly_rounded_reciprocal
     try:
         return cur.smoothquant_kernel(*args, **kw)
@@ -93,7 +108,7 @@ for name in names:
             for block_t in bts:
                 want = None
                 cfg = SmoothQuantConfig(block_t=block_t)
-                for ver in ("s17", "splat_jnp", "splat_rcp"):
+                for ver in VERSIONS:
                     f = jax.jit(lambda i, s, a0, a1, a2, a3, ver=ver, cfg=cfg, r=out_rows, od=out_dtype: run(
                         ver, i, s, a0, a1, a2, a3, num_out_rows=r, out_dtype=od, config=cfg,
                         interpret=INTERPRET))
@@ -105,7 +120,7 @@ for name in names:
                         if want is None:
                             want = (q, s)
                         row["bitwise_equal_s17"] = bool(np.array_equal(q, want[0]) and np.array_equal(s, want[1]))
-                        if case == "smoothed" and ver == "splat_rcp" and block_t == 1:
+                        if case == "smoothed" and ver == VERSIONS[-1] and block_t == 1:
                             # Independent numpy formula on a sample of rows.
                             xs, ss = np.asarray(x.astype(jnp.float32)), np.asarray(smooth)
                             rows = np.asarray(meta[1])[:4096]
@@ -122,14 +137,16 @@ for name in names:
     log(json.dumps(dict(shape=name, copy_us=round(t_copy * 1e3, 1), copy_GBs=round(copy_bps / 1e9))))
 
 json.dump(rows_out, open(os.path.join(out, "quant_ab.json"), "w"), indent=1)
-log("| shape | dtype | case | block_t | s17 us | splat_jnp us | splat_rcp us | s17/rcp | rcp of copy | bitwise |")
-log("|---|---|---|---|---|---|---|---|---|---|")
+log("| shape | dtype | case | block_t | " + " | ".join(f"{v} us" for v in VERSIONS)
+    + f" | s17/{VERSIONS[-1]} | {VERSIONS[-1]} of copy | bitwise |")
+log("|---|---|---|---|" + "---|" * (len(VERSIONS) + 3))
 by = {}
 for r in rows_out:
     by.setdefault((r["shape"], r["dtype"], r["case"], r["block_t"]), {})[r["version"]] = r
 for k, vs in by.items():
-    a, b, c = vs.get("s17", {}), vs.get("splat_jnp", {}), vs.get("splat_rcp", {})
-    us = [v.get("us", "err") for v in (a, b, c)]
+    got = [vs.get(v, {}) for v in VERSIONS]
+    a, c = got[0], got[-1]
     ratio = f"{a['us'] / c['us']:.3f}" if "us" in a and "us" in c else ""
-    eq = all(v.get("bitwise_equal_s17", False) for v in (a, b, c))
-    log(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {us[0]} | {us[1]} | {us[2]} | {ratio} | {c.get('of_copy', '')} | {eq} |")
+    eq = all(v.get("bitwise_equal_s17", False) for v in got)
+    log(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(str(v.get("us", "err")) for v in got)
+        + f" | {ratio} | {c.get('of_copy', '')} | {eq} |")
