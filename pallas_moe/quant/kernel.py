@@ -271,10 +271,7 @@ def smoothquant_kernel(
             first = cta * bt
             count = jnp.minimum(bt, num_tokens - first)
 
-            def token(i, cur):
-                xt, start, stop, first_row = cur
-                nxt = load_token(jnp.minimum(first + i + 1, num_tokens - 1))
-
+            def process(xt, start, stop, first_row):
                 @pl.when(stop > start)
                 def _():
                     if smoothed:
@@ -282,6 +279,13 @@ def smoothquant_kernel(
                     else:
                         plain_rows(xt, start, stop, first_row)
 
+            if bt == 1:  # one token per CTA: nothing to prefetch (it would load a row twice)
+                process(*load_token(first))
+                return
+
+            def token(i, cur):
+                nxt = load_token(jnp.minimum(first + i + 1, num_tokens - 1))
+                process(*cur)
                 return nxt
 
             jax.lax.fori_loop(0, count, token, load_token(first))

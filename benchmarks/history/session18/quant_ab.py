@@ -9,8 +9,11 @@ Versions (call 1: s17, splat_jnp, splat_rcp; call 2: s17, s18a, s18b, cur):
   s18a       = splat_rcp;
   s18b       s18a + the saturating conversions (`_saturating_quantize`: e4m3 cast without
              the clip, int8 `cvt.rni.sat.s8.f32`), `smoothquant_s18b.py`;
-  cur        s18b + X converted to f32 once per token instead of once per row (the tree).
-Set QUANT_AB_VERSIONS to pick (default: call 2's). Cases, e4m3 and int8:
+  s18c       s18b + X converted to f32 once per token instead of once per row (call 2's
+             kept kernel, `smoothquant_s18c.py`);
+  cur        s18c without the next-token prefetch when a CTA has one token (the tree);
+  s18d       cur without the per-token X conversion (fewer registers), `smoothquant_s18d.py`.
+Set QUANT_AB_VERSIONS to pick (default: call 3's) and QUANT_AB_CASES to pick cases. Cases, e4m3 and int8:
   smoothed     the MoE-SmoothQuant op: K rows per token, each smoothed by its expert's row;
   one expert   diagnostic: every row smoothed by expert 0's row (the same instructions,
                the scale row stays in L1: what the L2 traffic of the scale rows costs);
@@ -48,9 +51,9 @@ def _load(name):
     return mod
 
 
-OLD = {"s17": _load("smoothquant_s17"), "s18a": _load("smoothquant_s18a"),
-       "s18b": _load("smoothquant_s18b")}
-VERSIONS = os.environ.get("QUANT_AB_VERSIONS", "s17,s18a,s18b,cur").split(",")
+OLD = {v: _load("smoothquant_" + v) for v in ("s17", "s18a", "s18b", "s18c", "s18d")}
+VERSIONS = os.environ.get("QUANT_AB_VERSIONS", "s17,s18c,s18d,cur").split(",")
+CASES = os.environ.get("QUANT_AB_CASES", "smoothed,one expert,plain,X per token").split(",")
 
 SHAPES = {"7b": (24576, 1536, 128, 8), "30b": (32768, 4096, 128, 8), "tiny": (40, 256, 4, 2)}
 INTERPRET = os.environ.get("QUANT_AB_INTERPRET") == "1"
@@ -103,6 +106,8 @@ for name in names:
     for out_dtype in (jnp.float8_e4m3fn, jnp.int8):
         dt = jnp.dtype(out_dtype).name
         for case, (sm, m, out_rows, nbytes, bts) in cases.items():
+            if case not in CASES:
+                continue
             if case in ("one expert", "plain", "X per token") and dt == "int8":
                 continue
             for block_t in bts:
