@@ -21,25 +21,23 @@ printed last).
 
 For each shape (T, d, E, K), routing (top-K over random logits; token rounding on one shape,
 so there are padding rows) and output dtype (int8, e4m3), it:
-  1. checks `pm.quant.moe_smoothquant(backend="mosaic")` (by default the CSR kernel,
+  1. checks `pm.quant.moe_smoothquant(backend="mosaic")` (the CSR kernel,
      `quant.kernel.smoothquant_kernel`) on fresh random data against the XLA reference
      (`backend="xla"`, same formula) on every row, bit for bit, and against an independent
      numpy implementation of the formula on a sample of rows (all padding rows included);
      outputs are produced right after freeing a buffer filled with a byte the formula never
      produces there (int8: 0x80 = -128, e4m3 and the f32 scales: 0xff = NaN), so an
-     unwritten row shows up; then the gathered row-block kernel (`quant.gathered`, with
-     `GatheredQuantConfig.for_width(d)` and each of `GATHERED_VARIANTS`) on poisoned outputs
-     must give the CSR kernel's bits (`gathered == csr`);
-  2. times with CUPTI (GPU kernel time), same run: the gathered kernel (default config and
-     the variants), the CSR kernel for a few block configs (the previous version), the
-     whole op (the CSR kernel and its per-plan metadata), the XLA reference, and a device copy
-     (`v + 1` on a [P, d] bf16 array) as the bandwidth reference;
+     unwritten row shows up;
+  2. times with CUPTI (GPU kernel time), same run: the CSR kernel at each block config of
+     `CONFIGS` (the non-default ones first checked bitwise against the op's output, on
+     poisoned buffers), the whole op (the CSR kernel and its per-plan metadata), the XLA
+     reference, and a device copy (`v + 1` on a [P, d] bf16 array) as the bandwidth
+     reference;
   3. reports the bytes the op must move (X read once: T*d*2; Q written: P*d; scales: 4*P;
-     smooth scales E*d*4; metadata) over each kernel's time, as a fraction of the copy's
-     bytes/s (target >= 0.8; `gathered/copy`, `csr/copy`), the gathered kernel's speed-up
-     over the CSR kernel, and writes results.json, quant_log.txt and quant_RESULTS.md into
-     --out. (The gathered kernel reads each of a token's K rows; visiting blocks in token
-     order makes K - 1 of them L2 hits, so its DRAM bytes approach the same minimum.)
+     smooth scales E*d*4; metadata) over the best CSR config's time, as a fraction of the
+     copy's bytes/s (target >= 0.8; `csr/copy`), and writes results.json, quant_log.txt and
+     quant_RESULTS.md into --out.
+With --interpret (CPU, `--shapes tiny`) only step 1 runs, with the kernel in interpret mode.
 """
 
 from __future__ import annotations
@@ -61,7 +59,6 @@ import pallas_moe as pm
 from benchmarks.logs import markdown_report, open_log
 from benchmarks.forward import gpu_time_ms
 from pallas_moe.quant import SmoothQuantConfig, smoothquant_kernel
-from pallas_moe.quant.gathered import GatheredQuantConfig, gathered_fits
 from pallas_moe.routing import token_rounding_plan, topk_plan
 
 # (T, d, E, K): the 7B and 30B benchmark shapes, and the other production widths.
@@ -80,13 +77,6 @@ CONFIGS = [
     SmoothQuantConfig(block_t=2, vec=2),
     SmoothQuantConfig(block_pad=256),
 ]
-# Gathered-kernel variants timed beside the default (`GatheredQuantConfig.for_width(d,
-# **overrides)`); a variant that does not fit a width is reported and skipped.
-GATHERED_VARIANTS = {
-    "1 warpgroup": dict(warpgroups=1),
-    "more parts": dict(parts_delta=+1),
-    "grouped order": dict(token_order=False),
-}
 POISON = {jnp.dtype(jnp.int8): 0x80, jnp.dtype(jnp.float8_e4m3fn): 0xFF}
 NUMPY_SAMPLE_ROWS = 2048
 
@@ -180,40 +170,11 @@ def run_case(name, shape, routing, out_dtype, log, interpret=False):
     log("  checks: " + " ".join(f"{k}={res[k]}" for k in res if k.startswith(("mismatch", "padding", "no_poison"))))
     del q_ref, s_ref
     if interpret:
-        log("  interpret mode: config checks only, no timings")
-
-    # ---- the gathered kernel (default config and variants): the op's (CSR) bits
-    meta = jax.jit(kernel_args)(plan)
-    gathered = gathered_fits(d)
-    variants = gathered_variants(d) if gathered else {}
-    timed_variants = {}
-    res["gathered_equals_csr"] = bool(variants)
-    # Interpret mode runs the gathered kernel eagerly: jitted, its warpgroups waiting on
-    # each other can starve on a small CPU's XLA threads.
-    wrap = (lambda g: g) if interpret else jax.jit
-    for label, cfg in variants.items():
-        f = wrap(lambda x, s, p, cfg=cfg: pm.quant.moe_smoothquant(
-            x, s, p, out_dtype=out_dtype, backend=backend, config=cfg))
-        try:
-            qv, sv = poison_then(f, x, smooth, plan, nbytes=nbytes, byte=POISON[out_dtype])
-            bad = mismatches(qv, sv, q, s)
-            del qv, sv
-            if bad != (0, 0):
-                log(f"  gathered {label} {cfg}: WRONG ({bad[0]} Q, {bad[1]} s mismatches)")
-                res["gathered_equals_csr"] = False
-                continue
-            if not interpret:
-                timed_variants[label] = (gpu_time_ms(f, x, smooth, plan) * 1e3, cfg)
-                log(f"  gathered {label} {cfg}: {timed_variants[label][0]:.1f} us")
-        except Exception as e:  # noqa: BLE001 - a variant that does not fit is skipped
-            log(f"  gathered {label} {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
-    if gathered:
-        res["correct"] = res["correct"] and res["gathered_equals_csr"]
-        log(f"  gathered == csr (every variant, poisoned outputs): {res['gathered_equals_csr']}")
-    if interpret:
+        log("  interpret mode: correctness checks only, no timings")
         return res
 
     # ---- timings: the CSR kernel's configs, the op, XLA, a device copy
+    meta = jax.jit(kernel_args)(plan)
     best = (float("inf"), None)
     for cfg in CONFIGS:
         f = jax.jit(lambda x, s, off, r, e, n, cfg=cfg: smoothquant_kernel(
@@ -243,57 +204,14 @@ def run_case(name, shape, routing, out_dtype, log, interpret=False):
     res["copy_us"] = t_copy * 1e3
     res["copy_GBs"] = 2 * P * d * 2 / (t_copy * 1e-3) / 1e9
     res["csr_vs_copy"] = moved / (res["csr_us"] * 1e-6) / 1e9 / res["copy_GBs"]
-    if timed_variants:
-        res["gathered_us"], gcfg = timed_variants["default"]
-        res["gathered_cfg"] = str(gcfg)
-        res["gathered_variants_us"] = {k: round(v[0], 2) for k, v in timed_variants.items()}
-        best_label = min(timed_variants, key=lambda k: timed_variants[k][0])
-        res["gathered_best"] = f"{best_label}: {timed_variants[best_label][1]}"
-        res["gathered_vs_copy"] = moved / (res["gathered_us"] * 1e-6) / 1e9 / res["copy_GBs"]
-        res["gathered_speedup"] = res["csr_us"] / res["gathered_us"]
-    # The op's kernel by default: the CSR kernel (the gathered one takes a config).
+    # The op's kernel: the CSR kernel (at its best config of CONFIGS).
     res["kernel_us"] = res["csr_us"]
     res["kernel_GBs"] = moved / (res["kernel_us"] * 1e-6) / 1e9
     res["kernel_vs_copy"] = res["kernel_GBs"] / res["copy_GBs"]
-    # For scale: the gathered rows (P*d*2) are this many bytes more than X read once.
-    res["gathered_read_extra_bytes"] = (P - T) * d * 2
     log("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}))
-    log(f"  RATIOS {name} {routing} {out_dtype.name}: gathered/copy "
-        f"{res.get('gathered_vs_copy', float('nan')):.2f}, csr/copy {res['csr_vs_copy']:.2f}, "
-        f"gathered speed-up over csr {res.get('gathered_speedup', float('nan')):.2f}x "
-        f"(gathered {res.get('gathered_us', float('nan')):.1f} us, csr {res['csr_us']:.1f} us, "
-        f"copy of P*d bf16 {t_copy * 1e3:.1f} us)")
+    log(f"  RATIOS {name} {routing} {out_dtype.name}: csr/copy {res['csr_vs_copy']:.2f} "
+        f"(csr {res['csr_us']:.1f} us, copy of P*d bf16 {t_copy * 1e3:.1f} us)")
     return res
-
-
-def gathered_variants(d: int) -> dict[str, GatheredQuantConfig]:
-    """The default gathered config for width d and the `GATHERED_VARIANTS` that fit it."""
-    default = GatheredQuantConfig.for_width(d)
-    out = {"default": default}
-    parts = (1, 2, 4, 8)
-    for label, over in GATHERED_VARIANTS.items():
-        over = dict(over)
-        delta = over.pop("parts_delta", 0)
-        if delta:
-            i = parts.index(default.parts) + delta
-            if not 0 <= i < len(parts):
-                continue
-            over["parts"] = parts[i]
-        cfg = dataclasses.replace(default, **over)
-        if over.get("parts") and not gathered_config_fits(d, cfg):
-            continue
-        out[label] = cfg
-    return out
-
-
-def gathered_config_fits(d: int, cfg: GatheredQuantConfig) -> bool:
-    from pallas_moe.quant.gathered import gathered_smem_bytes
-
-    try:
-        gathered_smem_bytes(d, cfg)
-    except ValueError:
-        return False
-    return True
 
 
 TABLE_COLS = [
@@ -301,15 +219,12 @@ TABLE_COLS = [
     ("out", lambda r: r["out_dtype"].replace("float8_", "")),
     ("P", lambda r: str(r["P"])),
     ("ok", lambda r: "yes" if r["correct"] else "NO"),
-    ("gathered us", lambda r: f"{r['gathered_us']:.1f}" if "gathered_us" in r else "-"),
-    ("CSR us (previous)", lambda r: f"{r['csr_us']:.1f}"),
+    ("CSR us (best config)", lambda r: f"{r['csr_us']:.1f}"),
     ("copy us", lambda r: f"{r['copy_us']:.1f}"),
     ("op us (with metadata)", lambda r: f"{r['op_us']:.0f}"),
     ("MB moved", lambda r: f"{r['bytes_moved'] / 1e6:.0f}"),
     ("copy GB/s", lambda r: f"{r['copy_GBs']:.0f}"),
-    ("gathered/copy", lambda r: f"**{r['gathered_vs_copy']:.2f}**" if "gathered_vs_copy" in r else "-"),
-    ("CSR/copy", lambda r: f"{r['csr_vs_copy']:.2f}"),
-    ("speed-up", lambda r: f"{r['gathered_speedup']:.2f}x" if "gathered_speedup" in r else "-"),
+    ("CSR/copy", lambda r: f"**{r['csr_vs_copy']:.2f}**"),
     ("xla us", lambda r: f"{r['xla_us']:.0f}"),
 ]
 
@@ -325,22 +240,16 @@ def markdown(results, cmd, device):
     lines = markdown_report(
         f"MoE SmoothQuant kernel on {device}", "GPU kernel time (CUPTI), median of 20 calls.",
         cmd,
-        "`gathered/copy`, `CSR/copy` = (bytes the op must move: X once, Q, s, scales / kernel "
-        "time) / (a device copy's bytes/s); target >= 0.8. `speed-up` = CSR us / gathered us. "
-        "`op us` = `moe_smoothquant(backend='mosaic')` (the CSR kernel by default). `ok` = "
-        "bitwise equal to the XLA reference on every row and to numpy on a sample, padding rows "
-        "zero, no poison left, and the gathered kernel (every variant) bitwise equal to the CSR "
-        "kernel on poisoned outputs.",
+        "`CSR/copy` = (bytes the op must move: X once, Q, s, scales / kernel time) / (a "
+        "device copy's bytes/s); target >= 0.8. `op us` = `moe_smoothquant(backend='mosaic')` "
+        "(the CSR kernel and its per-plan metadata). `ok` = bitwise equal to the XLA "
+        "reference on every row and to numpy on a sample, padding rows zero, no poison left.",
         TABLE_COLS, results, failed_row,
     )
     lines.append("")
     lines.append("Best CSR configs: " + "; ".join(
         f"{r['name']} {r['routing']} {r['out_dtype']}: {r['csr_cfg']}"
         for r in results if "csr_cfg" in r))
-    lines.append("")
-    lines.append("Gathered variants (us): " + "; ".join(
-        f"{r['name']} {r['routing']} {r['out_dtype']}: {r['gathered_variants_us']}"
-        for r in results if "gathered_variants_us" in r))
     return "\n".join(lines) + "\n"
 
 

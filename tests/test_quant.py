@@ -9,6 +9,7 @@ the kernel forgot to write fails the comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import ml_dtypes
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_moe as pm
-from pallas_moe.quant import SmoothQuantConfig
+from pallas_moe.quant import RowBlockQuantConfig, SmoothQuantConfig
 from pallas_moe.routing import topk_plan
 from tests.test_kernels_common import assignment_plan, races_found
 
@@ -300,6 +301,25 @@ def test_bad_inputs_raise():
         q(x, smooth, plan, backend="interpret", config=SmoothQuantConfig(vec=8))
     # "auto" takes any width (the reference where the kernel does not apply).
     assert q(narrow, smooth[:, :192], plan, backend="auto")[0].shape == (16, 192)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_config_of_another_kernel_raises(backend):
+    # One kernel per op: `config` takes only the CSR kernel's SmoothQuantConfig. A config of
+    # another kernel (the row-block quantizer's, or one shaped like the removed gathered
+    # row-block kernel's) must not silently run the CSR kernel's defaults, on any backend.
+    @dataclasses.dataclass(frozen=True)
+    class GatheredLikeConfig:
+        parts: int = 2
+        block_cols: int = 128
+
+    plan = topk_plan(jnp.zeros((8, 4)), 2)
+    x = jnp.zeros((8, 256), jnp.bfloat16)
+    smooth = jnp.ones((4, 256), jnp.float32)
+    expected = r"config must be None or a pallas_moe.quant.SmoothQuantConfig .*, got "
+    for wrong in (GatheredLikeConfig(), RowBlockQuantConfig(), "fast"):
+        with pytest.raises(TypeError, match=expected + type(wrong).__name__):
+            pm.quant.moe_smoothquant(x, smooth, plan, backend=backend, config=wrong)
 
 
 def _abstract_plan(num_tokens, num_experts, k):

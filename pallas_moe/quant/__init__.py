@@ -1,8 +1,7 @@
 """Quantized MoE inference: fused MoE SmoothQuant (int8 / fp8 e4m3) and weight quantization.
 
 - `moe_smoothquant(x, smooth_scales, plan, *, out_dtype)`: `Q [P, d]`, `s f32 [P]` in the
-  plan's grouped order, the token gather fused (Pallas Mosaic GPU kernels: the CSR kernel,
-  or with `config=GatheredQuantConfig(...)` the gathered row-block kernel; jnp reference).
+  plan's grouped order, the token gather fused (Pallas Mosaic GPU CSR kernel; jnp reference).
 - `moe_smoothquant_topk(x, smooth_scales, topk_ids, *, out_dtype)`: `Q [T, K, d]`, `s [T, K]`.
 - `quantize_tokens_kernel(x)`: `Q [T, d]`, `s f32 [T]`, each token once (no smoothing).
 - `quantize_row_blocks(a, smooth_scales, group_sizes, num_rows, ...)`: rows already in
@@ -14,7 +13,6 @@
 """
 
 from pallas_moe.quant.ffn import Fp8ForwardConfig, QuantizedExperts, moe_ffn_fp8, quantize_experts
-from pallas_moe.quant.gathered import GatheredQuantConfig, quantize_gathered_rows
 from pallas_moe.quant.kernel import (
     RowBlockQuantConfig,
     SmoothQuantConfig,
@@ -33,7 +31,6 @@ from pallas_moe.quant.weights import (
 
 __all__ = [
     "moe_smoothquant", "moe_smoothquant_topk", "SmoothQuantConfig", "smoothquant_kernel",
-    "GatheredQuantConfig", "quantize_gathered_rows",
     "quantize_tokens_kernel", "quantize_row_blocks", "RowBlockQuantConfig",
     "QMAX", "quantize_row", "quantize_absmax",
     "quantize_weights", "dequantize_weights", "expert_activation_absmax", "calibrate_smoothing",

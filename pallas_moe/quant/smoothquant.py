@@ -6,10 +6,7 @@ saturation in `quant/reference.py`). Two layouts:
 
 - `moe_smoothquant(x, S, plan)`: rows in the plan's grouped order, `Q [P, d]` and `s [P]`,
   ready for a grouped GEMM; padding rows get Q = 0, s = 0. The kernel backends run the
-  token-walking CSR kernel (`quant.kernel.smoothquant_kernel`) by default, or, with a
-  `GatheredQuantConfig`, the gathered row-block kernel (`quant.gathered`: blocks of grouped
-  rows gathered from x, each expert's scale row loaded once per block); same bits. The
-  CSR kernel stays the default because it measured faster on the H100 (docs/quant.md).
+  token-walking CSR kernel (`quant.kernel.smoothquant_kernel`).
 - `moe_smoothquant_topk(x, S, topk_ids)`: the CK-tile operator's own layout,
   `Q [T, K, d]` and `s [T, K]` (the CSR kernel: its rows are in token order, so
   consecutive rows belong to different experts and no block shares a scale row).
@@ -27,7 +24,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe import _checks
 from pallas_moe.ops.moe_ffn import resolve_backend
-from pallas_moe.quant.gathered import GatheredQuantConfig, quantize_gathered_rows
 from pallas_moe.quant.kernel import SmoothQuantConfig, smoothquant_kernel, supports_width
 from pallas_moe.quant.reference import qmax_of, smoothquant_rows_reference
 from pallas_moe.routing.plan import DispatchPlan
@@ -71,7 +67,7 @@ def moe_smoothquant(
     *,
     out_dtype=jnp.int8,
     backend: Backend = "auto",
-    config: GatheredQuantConfig | SmoothQuantConfig | None = None,
+    config: SmoothQuantConfig | None = None,
     interpret_params: plgpu.InterpretGPUParams | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Smooths and quantizes every routed row, in the plan's grouped order.
@@ -80,18 +76,9 @@ def moe_smoothquant(
     `quantize_row(x[t] * S[e])` (`quant/reference.py`); rows past `plan.num_rows` get Q = 0,
     s = 0 whatever x holds.
 
-    Kernel backends ("mosaic", "interpret"), same bits either way:
-    - `config=None` or a `SmoothQuantConfig`: the token-walking CSR kernel
-      (`quant.kernel.smoothquant_kernel`: each X row read once, one f32 scale row read per
-      output row, each row reduced across the warpgroup).
-    - a `GatheredQuantConfig` (e.g. `GatheredQuantConfig.for_width(d)`): the gathered
-      row-block kernel (`quant.gathered.quantize_gathered_rows`: persistent CTAs gather
-      blocks of grouped rows in token order, load each expert's scale row once per block,
-      reduce each row inside a quad of threads), for widths whose block fits in SMEM
-      (`quant.gathered.gathered_fits(d)`: d = 1536, 2048, 4096, 7168 among others; a
-      ValueError otherwise). Not the default: on the H100 (session 14, e4m3, same run) it
-      took 328 us at the 7B shape and 894 us at 30B against the CSR kernel's 227 / 698 us
-      (docs/quant.md says why and what is left).
+    The kernel backends ("mosaic", "interpret") run the token-walking CSR kernel
+    (`quant.kernel.smoothquant_kernel`: each X row read once, one f32 scale row read per
+    output row, each row reduced across the warpgroup).
 
     Args:
       x: [T, d] bf16 or fp16 tokens.
@@ -102,8 +89,8 @@ def moe_smoothquant(
       backend: "mosaic" (the Pallas kernels on a Hopper GPU), "interpret" (the same kernels
         in Mosaic GPU interpret mode, for CPU tests), "xla" (the jnp reference, runs
         anywhere) or "auto" (mosaic on Hopper when `d` is a multiple of 128, else xla).
-      config: None (the CSR kernel's defaults), a `SmoothQuantConfig` (the CSR kernel) or a
-        `GatheredQuantConfig` (the gathered kernel; a ValueError if d does not fit it).
+      config: None (the CSR kernel's defaults) or a `SmoothQuantConfig` (its block sizes);
+        anything else raises a TypeError.
       interpret_params: interpret-mode settings (e.g. `detect_races=True`) for "interpret".
 
     Returns:
@@ -120,10 +107,12 @@ def moe_smoothquant(
             f"smooth_scales has {smooth_scales.shape[0]} experts but the plan routes to "
             f"E={plan.num_experts}."
         )
-    if config is not None and not isinstance(config, (GatheredQuantConfig, SmoothQuantConfig)):
+    # One kernel per op: a config meant for another kernel (e.g. the removed gathered
+    # row-block kernel's) must fail loudly, not silently run the CSR kernel's defaults.
+    if config is not None and not isinstance(config, SmoothQuantConfig):
         raise TypeError(
-            "config must be None, a GatheredQuantConfig or a SmoothQuantConfig, got "
-            f"{type(config).__name__}."
+            "config must be None or a pallas_moe.quant.SmoothQuantConfig (the CSR kernel's "
+            f"block sizes), got {type(config).__name__}."
         )
     backend = _backend(backend, x.shape[1])
     if backend == "xla":
@@ -131,12 +120,6 @@ def moe_smoothquant(
             x, smooth_scales, plan.token_ids, plan.expert_ids, plan.row_is_valid, out_dtype
         )
     interpret = _interpret(backend, interpret_params)
-    if isinstance(config, GatheredQuantConfig):
-        return quantize_gathered_rows(
-            x, smooth_scales, plan.token_ids, plan.group_sizes, plan.num_rows,
-            num_out_rows=plan.capacity, out_dtype=out_dtype, config=config,
-            interpret=interpret,
-        )
     # The CSR kernel walks tokens: each token's rows from the plan's CSR, with their experts.
     row_experts = jnp.minimum(plan.expert_ids[plan.rows_by_token], plan.num_experts - 1)
     return smoothquant_kernel(
