@@ -157,8 +157,8 @@ def test_fp8_reference_matches_numpy():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(transpose_w=False), "the fp8 mode needs transpose_w=True"),
-        (dict(row_scales=None), "the fp8 mode .e4m3 inputs. needs row_scales and col_scales"),
+        (dict(transpose_w=False), "the 8-bit mode needs transpose_w=True"),
+        (dict(row_scales=None), "the 8-bit mode .e4m3 or int8 inputs. needs row_scales and col_scales"),
         (dict(config=GroupedMatmulConfig(block_k=64)), "config.block_k=64 must be 128 for float8_e4m3fn"),
         (dict(col_scales=jnp.ones((2, 32), jnp.float32)), r"col_scales must have shape \(2, 128\)"),
         (dict(row_scales=jnp.ones((8,), jnp.float32)), r"row_scales must be \[P_a\] with P_a >= capacity=16"),
@@ -181,7 +181,7 @@ def test_fp8_bad_inputs_raise(kwargs, match):
         grouped_matmul(**args)
     with pytest.raises(ValueError, match="config.fp8_promote_every=-1 must be >= 0"):
         GroupedMatmulConfig(block_k=128, fp8_promote_every=-1)
-    with pytest.raises(ValueError, match="row_scales, col_scales and gated belong to the fp8 mode"):
+    with pytest.raises(ValueError, match="row_scales, col_scales and gated belong to the 8-bit mode"):
         grouped_matmul(jnp.zeros((16, 64), jnp.bfloat16), args["group_sizes"],
                        jnp.zeros((2, 64, 64), jnp.bfloat16), transpose_w=False, gated=True)
 
@@ -957,7 +957,7 @@ def test_fp8_gathered_no_races():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(a=jnp.zeros((12, 128), jnp.bfloat16)), "token_ids .the gathered mode. is an fp8-mode option"),
+        (dict(a=jnp.zeros((12, 128), jnp.bfloat16)), "token_ids .the gathered mode. is an 8-bit-mode option"),
         (dict(config=GroupedMatmulConfig(block_m=64, block_k=128, num_sms=2)),
          "the gathered mode .token_ids. needs config.block_m=128"),
         (dict(config=GroupedMatmulConfig(block_k=128, num_stages=2, num_sms=2)),

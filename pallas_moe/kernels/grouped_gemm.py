@@ -15,6 +15,12 @@ K-major, so W is `[E, N, K]` (`transpose_w=True`), and the epilogue dequantizes:
     out[r, j] = acc[r, j] * row_scales[r] * col_scales[e(r), j]                  (fp8)
     out[r, j] = swiglu(dequantized gate[r, j], dequantized up[r, j])    (fp8, `gated`)
 
+The int8 mode (int8 A and W: W8A8 SmoothQuant) is the same pipeline and epilogue: s8 x s8
+wgmma sums exactly in an s32 accumulator (|sum| <= K * 128^2 < 2^31 for K <= 131,072, checked), which
+the epilogue converts to f32 (one rounding) before it dequantizes. It needs no promotion
+(`fp8_promote_every` is ignored); the gathered mode and `gated` work as with e4m3; the
+fused requantization (`requant_smooth`) targets e4m3 only.
+
 With `gated`, W is `[E, 2N, K]` (gate rows `[0, N)`, up rows `[N, 2N)`): each K step
 loads the gate and the up tile of the item's column block, into two accumulators, so both
 halves of a column are in one consumer's registers (as in the bf16 up-proj). Each consumer
@@ -198,6 +204,15 @@ def fused_requant_fits(config: "GroupedMatmulConfig", n_dim: int) -> bool:
 FP8_PROMOTED_MAX_COLUMNS = 128
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+INT8 = jnp.dtype(jnp.int8)
+EIGHT_BIT_DTYPES = (E4M3, INT8)  # the 8-bit mode's inputs
+INT8_MAX_K = 2**31 // 128**2  # K products of int8 magnitude <= 128 stay exact in s32
+
+
+def promotes(config: "GroupedMatmulConfig", in_dtype) -> bool:
+    """Whether the K loop promotes partial sums into f32 registers: e4m3 inputs with
+    `fp8_promote_every > 0` only (int8 wgmma sums exactly in s32, bf16 in f32)."""
+    return jnp.dtype(in_dtype) == E4M3 and config.fp8_promote_every > 0
 FP8_BLOCK_K_CHOICES = (64, 128)  # bf16, fp8: one 128-byte swizzle row either way
 
 
@@ -227,13 +242,13 @@ def grouped_matmul(
     """`out[r] = A[r] @ W[e(r)]` (or `@ W[e(r)]^T`) over rows grouped by expert.
 
     Args:
-      a: bf16 [P_a, K] rows in grouped order, or e4m3 (the fp8 mode). `P_a` may exceed
+      a: bf16 [P_a, K] rows in grouped order, or e4m3 / int8 (the 8-bit mode). `P_a` may exceed
         `capacity` (a producer may pad to a multiple of block_m, which saves a copy here);
         extra rows are ignored. With `token_ids`: e4m3 [T, K] source rows (quantized
         tokens), gathered by the kernel.
       group_sizes: i32 [E] rows per expert; rows past the sum are padding.
       w: bf16 [E, K, N], or [E, N, K] with `transpose_w`; e4m3 [E, N, K] (or [E, 2N, K]
-        with `gated`) in the fp8 mode.
+        with `gated`) of a's dtype in the 8-bit mode.
       transpose_w: read W K-minor (`[E, N, K]`) and multiply by its transpose (required
         in the fp8 mode: 8-bit wgmma takes B only K-major).
       config: block sizes.
@@ -279,17 +294,17 @@ def grouped_matmul(
         raise ValueError(f"{a_name} must be 2-D [P, K], got shape {tuple(a.shape)}.")
     if w.ndim != 3:
         raise ValueError(f"{w_name} must be 3-D, got shape {tuple(w.shape)}.")
-    fp8 = a.dtype == E4M3
-    if fp8:
-        _common.require_dtype(w_name, w, E4M3)
+    eight_bit = a.dtype in EIGHT_BIT_DTYPES
+    if eight_bit:
+        _common.require_dtype(w_name, w, a.dtype)
         if not transpose_w:
             raise ValueError(
-                f"the fp8 mode needs transpose_w=True: 8-bit wgmma takes B only K-major, so "
+                f"the 8-bit mode needs transpose_w=True: 8-bit wgmma takes B only K-major, so "
                 f"{w_name} must be [E, N, K]."
             )
         if row_scales is None or col_scales is None:
-            raise ValueError("the fp8 mode (e4m3 inputs) needs row_scales and col_scales.")
-        if config.pingpong and config.block_m == 128 and config.fp8_promote_every:
+            raise ValueError("the 8-bit mode (e4m3 or int8 inputs) needs row_scales and col_scales.")
+        if config.pingpong and config.block_m == 128 and config.fp8_promote_every and a.dtype == E4M3:
             raise ValueError(
                 "config.pingpong with block_m=128 holds a 128-row accumulator per consumer, "
                 "which leaves no registers for fp8 promotion's second set: pass "
@@ -300,7 +315,8 @@ def grouped_matmul(
         _common.require_dtype(w_name, w, jnp.bfloat16)
         if row_scales is not None or col_scales is not None or gated:
             raise ValueError(
-                f"row_scales, col_scales and gated belong to the fp8 mode; {a_name} is {a.dtype}."
+                f"row_scales, col_scales and gated belong to the 8-bit mode (e4m3 or int8 "
+                f"inputs); {a_name} is {a.dtype}."
             )
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
@@ -317,11 +333,16 @@ def grouped_matmul(
         raise ValueError(
             f"{w_name}.shape[{k_axis}]={w_k} must equal {a_name}.shape[1]={k_dim} (the contraction)."
         )
+    if a.dtype == INT8 and k_dim > INT8_MAX_K:
+        raise ValueError(
+            f"{a_name}.shape[1]={k_dim} must be <= {INT8_MAX_K} in the int8 mode: the s32 "
+            "accumulator holds K products of up to 128^2 exactly only that far."
+        )
     gathered = token_ids is not None
     if gathered:
-        if not fp8:
+        if not eight_bit:
             raise ValueError(
-                f"token_ids (the gathered mode) is an fp8-mode option; {a_name} is {a.dtype}."
+                f"token_ids (the gathered mode) is an 8-bit-mode option; {a_name} is {a.dtype}."
             )
         if token_ids.ndim != 1:
             raise ValueError(f"token_ids must be 1-D [P], got shape {tuple(token_ids.shape)}.")
@@ -356,9 +377,9 @@ def grouped_matmul(
         f"a work item computes block_n={bn} columns",
     )
     if bias is not None:
-        if fp8:
+        if eight_bit:
             raise ValueError(
-                "bias is a bf16-mode option; the fp8 mode (e4m3 inputs) takes no bias."
+                "bias is a bf16-mode option; the 8-bit mode (e4m3 or int8 inputs) takes no bias."
             )
         _common.require_dtype("bias", bias, jnp.bfloat16)
         _common.require_shape("bias", bias, (num_experts, n_dim))
@@ -367,7 +388,7 @@ def grouped_matmul(
         raise ValueError(f"out_cols={out_cols} must be >= {n_dim}.")
     requant = requant_smooth is not None
     if requant:
-        if not (fp8 and gated):
+        if not (a.dtype == E4M3 and gated):
             raise ValueError("requant_smooth quantizes the gated fp8 mode's A; pass gated=True "
                              "with e4m3 inputs.")
         _common.require_shape("requant_smooth", requant_smooth, (num_experts, n_dim))
@@ -403,7 +424,7 @@ def grouped_matmul(
     elif a_rows < padded:
         a = jnp.pad(a, ((0, padded - a_rows), (0, 0)))
     scales = ()
-    if fp8:
+    if eight_bit:
         w_cols = w.shape[1]
         _common.require_shape("col_scales", col_scales, (num_experts, w_cols))
         if gathered:
@@ -417,7 +438,7 @@ def grouped_matmul(
         if gathered:  # the epilogue reads each grouped row's scale: gather the P of them
             row_scales = row_scales[row_ids[0]]
         _common.require_dtype("col_scales", col_scales, jnp.float32)
-        if config.fp8_promote_every and (gated + 1) * bn > FP8_PROMOTED_MAX_COLUMNS:
+        if promotes(config, a.dtype) and (gated + 1) * bn > FP8_PROMOTED_MAX_COLUMNS:
             raise ValueError(
                 f"config.fp8_promote_every={config.fp8_promote_every} keeps a second f32 "
                 f"accumulator set: block_n{' * 2 (gated)' if gated else ''} must be <= "
@@ -430,14 +451,15 @@ def grouped_matmul(
     if requant:
         scales += (requant_smooth,)
     kernel = _kernel(config, k_dim, n_dim, chunks.rows, out_cols, transpose_w, kernel_name,
-                     interpret, in_dtype=a.dtype, out_dtype=out_dtype, fp8=fp8, gated=gated,
+                     interpret, in_dtype=a.dtype, out_dtype=out_dtype, eight_bit=eight_bit,
+                     gated=gated,
                      has_bias=bias is not None, gathered=gathered, requant=requant, chunk=chunk)
     operands = (meta.expert, meta.row_start, meta.num_rows, chunks.bounds, *row_ids, a, w)
     return kernel(*operands, *scales, *(() if bias is None else (bias,)))
 
 
 def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, transpose_w,
-            kernel_name, interpret, *, in_dtype, out_dtype, fp8: bool, gated: bool,
+            kernel_name, interpret, *, in_dtype, out_dtype, eight_bit: bool, gated: bool,
             has_bias: bool = False, gathered: bool = False, requant: bool = False,
             chunk: int = 0):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
@@ -453,7 +475,9 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     dtype = in_dtype
     tf = _common.mma_transforms(dtype)
     num_b = 2 if gated else 1  # weight tiles per K step (gate and up)
-    promote_every = config.fp8_promote_every if fp8 else 0
+    promote_every = config.fp8_promote_every if promotes(config, in_dtype) else 0
+    # int8 wgmma sums exactly in s32 (no promotion needed); e4m3 and bf16 in f32.
+    acc_dtype = jnp.int32 if in_dtype == INT8 else jnp.float32
     interpret_mode = _common.interpret_params(interpret)
     # The gathered mode: interpret mode cannot run cp.async, it runs the TMA row loader.
     cp_async = gathered and config.gather == "cp_async" and interpret_mode is None
@@ -474,7 +498,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             stash_smem, *gather_scratch = (
                 gather_scratch if blocks_per_item > 1 else (None, *gather_scratch))
             bias_ref, bias_scratch = None, ()
-        elif fp8:
+        elif eight_bit:
             (rs_ref, cs_ref, out_ref, a_smem, b_smem, o_bufs, full, empty,
              rs_smem, cs_smem, scale_bar, *gather_scratch) = refs
             bias_ref, bias_scratch = None, ()
@@ -495,7 +519,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         # The fp8 consumers hold up to two 64x128 (or one 64x256) f32 accumulators plus
         # the broadcast scales of the epilogue, a 128-row ping-pong consumer a 128 x
         # block_n one: give them the producer's registers.
-        rebalance = fp8 or mb == 128
+        rebalance = eight_bit or mb == 128
         # This call's tiles [first_tile, end_tile) of the whole metadata (`TileChunks`).
         first_tile = bounds_ref[0, chunk]
         total = (bounds_ref[0, chunk + 1] - first_tile) * grid_n  # work items
@@ -628,7 +652,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                 plgpu.barrier_arrive(empty.at[(j * steps_per_item + k0 + length - 1) % stages])
                 return tuple(acc[...] for acc in accs)
 
-            return pl.run_scoped(scope, *[plgpu.ACC((mb, bn), jnp.float32)] * num_b)
+            return pl.run_scoped(scope, *[plgpu.ACC((mb, bn), acc_dtype)] * num_b)
 
         def promoted_k_loop(j, bar_c, a_rows):
             """The consumer's K loop of item j with fp8 promotion: per interval of
@@ -739,7 +763,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                             bias_bars.at[c],
                         )
 
-                    if fp8:  # this item's scales -> SMEM, waited on in the epilogue
+                    if eight_bit:  # this item's scales -> SMEM, waited on in the epilogue
                         scale_rows = box0 + (c * mb if split_m else 0)
                         plgpu.copy_gmem_to_smem(
                             rs_ref.at[pl.ds(scale_rows, mb)], rs_smem.at[c], scale_bar.at[c]
@@ -764,7 +788,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                         accs = promoted_k_loop(j, bar_c, a_rows)
                     else:
                         accs = k_steps(j, 0, num_k, bar_c, a_rows)  # [mb, bn] f32 each
-                    if fp8:
+                    if eight_bit:
                         plgpu.barrier_wait(scale_bar.at[c])
                         y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, 0], out_dtype)
                     else:
@@ -808,7 +832,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     ]
     if has_bias:  # per consumer: the item's bias columns and the barrier their copy arrives on
         scratch += [plgpu.SMEM((2, bn), dtype), plgpu.Barrier(num_barriers=2)]
-    if fp8:  # per consumer: its rows' scales, the item's column scales, their barrier
+    if eight_bit:  # per consumer: its rows' scales, the item's column scales, their barrier
         scratch += [
             plgpu.SMEM((2, mb), jnp.float32),
             plgpu.SMEM((2, blocks_per_item, num_b, bn), jnp.float32),
@@ -858,6 +882,7 @@ def _dequantize_epilogue(accs, row_scales_smem, col_scales_smem, out_dtype):
       out_dtype: the output dtype (SwiGLU rounds each half to it first).
     """
     mb, bn = accs[0].shape
+    accs = [acc.astype(jnp.float32) for acc in accs]  # int8 mode: exact s32 sums -> f32
     layout = plgpu.Layout.WGMMA
     rows = plgpu.load(row_scales_smem, layout=layout.reduce(1), optimized=False)  # [mb]
     rows = jax.lax.broadcast_in_dim(rows, (mb, bn), [0])

@@ -76,13 +76,14 @@ def fp8_grouped_matmul_reference(
     capacity: int | None = None,
     out_dtype=jnp.bfloat16,
 ) -> jax.Array:
-    """The grouped GEMM's fp8 mode: `acc = A[r] @ W[e]^T` (e4m3 products, f32 sums), then
-    `acc * row_scales[r] * col_scales[e, j]`; with `gated`, SwiGLU of the (gate, up) halves
-    rounded to out_dtype first (`_common.swiglu_epilogue`'s order).
+    """The grouped GEMM's 8-bit mode: `acc = A[r] @ W[e]^T` (e4m3 products with f32 sums, or
+    int8 products with exact s32 sums rounded once to f32, as the int8 wgmma's accumulator),
+    then `acc * row_scales[r] * col_scales[e, j]`; with `gated`, SwiGLU of the (gate, up)
+    halves rounded to out_dtype first (`_common.swiglu_epilogue`'s order).
 
     Args:
-      a: e4m3 [P_a, K]; w_t: e4m3 [E, N, K] ([E, 2N, K] gated); row_scales f32 [>= P];
-      col_scales f32 [E, N] ([E, 2N]); capacity: P (default a.shape[0]).
+      a: e4m3 or int8 [P_a, K]; w_t: a's dtype [E, N, K] ([E, 2N, K] gated); row_scales f32
+      [>= P]; col_scales f32 [E, N] ([E, 2N]); capacity: P (default a.shape[0]).
 
     Returns:
       [P, N] in out_dtype; padding rows are zero.
@@ -93,10 +94,16 @@ def fp8_grouped_matmul_reference(
     valid = expert < num_experts
     e = jnp.minimum(expert, num_experts - 1)
     # Grouped rows are contiguous per expert: a ragged dot, no per-row weight copy.
-    acc = jax.lax.ragged_dot(
-        a[:capacity].astype(jnp.float32), jnp.swapaxes(w_t, 1, 2).astype(jnp.float32),
-        group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
-    )  # [P, N]; rows past sum(group_sizes) are 0
+    if a.dtype == jnp.int8:  # exact s32 sums, then one rounding to f32
+        acc = jax.lax.ragged_dot(
+            a[:capacity], jnp.swapaxes(w_t, 1, 2), group_sizes.astype(jnp.int32),
+            preferred_element_type=jnp.int32,
+        ).astype(jnp.float32)
+    else:
+        acc = jax.lax.ragged_dot(
+            a[:capacity].astype(jnp.float32), jnp.swapaxes(w_t, 1, 2).astype(jnp.float32),
+            group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
+        )  # [P, N]; rows past sum(group_sizes) are 0
     deq = fp8_epilogue_reference(acc, row_scales[:capacity], col_scales[e], gated=gated,
                                  out_dtype=out_dtype)
     return jnp.where(valid[:, None], deq, 0.0).astype(out_dtype)
