@@ -1,14 +1,15 @@
 """The grouped GEMM's int8 mode (s8 x s8 -> s32 wgmma) against its e4m3 mode (the previous
-8-bit kernel, same pipeline) and a same-run dense int8 matmul (XLA/cuBLAS, the dense
-bound), H100, 7B and 30B shapes, top-K over random logits.
+8-bit kernel, same pipeline), H100, 7B and 30B shapes, top-K over random logits. (Call 6
+also timed XLA's int8 einsum as a dense bound: 1000 us for the 7B up-proj's FLOPs, 2.6x
+the int8 kernel's time, so it bounds nothing; dropped.)
 
 Per shape: the gated up-proj gathering the tokens' 8-bit rows (`token_ids`, the fp8
 forward's up-proj config) and the down-proj (the fp8 forward's down config), each in int8,
 in e4m3 unpromoted (the same instruction count) and in e4m3 as the forward runs it
 (promoted where its config promotes). Checks on outputs written after a poisoned buffer was
-freed: int8 down bitwise equal to the exact reference, int8 gated up within 2e-6 of it.
-Times: CUPTI medians (benchmarks.forward.gpu_time_ms). "dense" = an int8 batched matmul
-with the same FLOPs (E batches of [P/E, K] @ [K, N], s32 out).
+freed, on 256 sampled rows (the reference per row: exact s32 sums of the row against its
+expert's W): int8 down (bf16 out, its config's) bitwise equal, int8 gated up (f32 out)
+within 2e-6. Times: CUPTI medians (benchmarks.forward.gpu_time_ms).
 
     PYTHONPATH=. python3 benchmarks/history/session18/int8_gemm.py OUT 7b,30b
 """
@@ -82,19 +83,27 @@ for name in names:
             if label == "e4m3 (forward's config)" and not c.fp8_promote_every:
                 continue
             extra = {} if o["ids"] is None else dict(token_ids=o["ids"])
-            f = jax.jit(lambda a, w, rs, cs, c=c, g=o["gated"], extra=extra: grouped_matmul(
+            od = jnp.float32 if o["gated"] else jnp.bfloat16
+            f = jax.jit(lambda a, w, rs, cs, c=c, g=o["gated"], extra=extra, od=od: grouped_matmul(
                 a, plan.group_sizes, w, transpose_w=True, config=c, gated=g, row_scales=rs,
-                col_scales=cs, out_dtype=jnp.float32, **extra))
+                col_scales=cs, out_dtype=od, **extra))
             try:
                 got = poisoned(f, a, w, o["rs"], o["cs"], nbytes=P * o["out_n"] * 4 * 2)
                 if label == "int8":
-                    src = o["a"] if o["ids"] is None else o["a"][o["ids"]]
-                    rsrc = o["rs"] if o["ids"] is None else o["rs"][o["ids"]]
-                    want = fp8_grouped_matmul_reference(src, plan.group_sizes, o["w"], rsrc,
-                                                        o["cs"], gated=o["gated"],
-                                                        out_dtype=jnp.float32)
                     nr = int(plan.num_rows)
-                    g, wn = np.asarray(got[:nr]), np.asarray(want[:nr])
+                    sample = np.sort(np.random.default_rng(0).choice(nr, 256, replace=False))
+                    ids = sample if o["ids"] is None else np.asarray(o["ids"])[sample]
+                    experts = np.searchsorted(np.cumsum(np.asarray(plan.group_sizes)), sample,
+                                              side="right")
+                    acc = jnp.einsum("rk,rnk->rn", o["a"][ids], o["w"][experts],
+                                     preferred_element_type=jnp.int32).astype(jnp.float32)
+                    deq = acc * o["rs"][ids][:, None] * o["cs"][experts]
+                    if o["gated"]:
+                        hg = deq[:, :n].astype(od).astype(jnp.float32)
+                        hu = deq[:, n:].astype(od).astype(jnp.float32)
+                        deq = hg * jax.nn.sigmoid(hg) * hu
+                    g = np.asarray(got[sample].astype(jnp.float32))
+                    wn = np.asarray(deq.astype(od).astype(jnp.float32))
                     res["int8_finite"] = bool(np.all(np.isfinite(g)))
                     if o["gated"]:
                         res["int8_max_rel"] = float(np.max(np.abs(g - wn)) / np.max(np.abs(wn)))
@@ -106,23 +115,12 @@ for name in names:
                 res[label + " TOPS"] = round(o["flops"] / (t * 1e-3) / 1e12, 1)
             except Exception as e:  # noqa: BLE001 - report and go on
                 res[label + " error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        # Dense int8 bound: E batches of [P/E, K] @ [K, N] with s32 out, same FLOPs.
-        m = P // E
-        da = jax.random.randint(ks[0], (E, m, o["k"]), -127, 128).astype(jnp.int8)
-        dw = jax.random.randint(ks[1], (E, o["k"], o["nn"]), -127, 128).astype(jnp.int8)
-        dense = jax.jit(lambda p, q: jnp.einsum("emk,ekn->emn", p, q,
-                                                preferred_element_type=jnp.int32))
-        try:
-            t = gpu_time_ms(dense, da, dw)
-            res["dense int8 us"] = round(t * 1e3, 1)
-        except Exception as e:  # noqa: BLE001
-            res["dense error"] = f"{type(e).__name__}: {str(e)[:200]}"
         log(json.dumps(res))
         rows.append(res)
 
 json.dump(rows, open(os.path.join(out_dir, "int8_gemm.json"), "w"), indent=1)
-log("| shape | op | int8 us (TOPS) | e4m3 unpromoted us | e4m3 forward's us | int8 / e4m3 unpromoted | dense int8 us | dense / int8 | int8 ok |")
-log("|---|---|---|---|---|---|---|---|---|")
+log("| shape | op | int8 us (TOPS) | e4m3 unpromoted us | e4m3 forward's us | e4m3 unpromoted / int8 | int8 ok |")
+log("|---|---|---|---|---|---|---|")
 FWD = "e4m3 (forward's config) us"
 
 
@@ -131,6 +129,6 @@ def ratio(num, den):
 
 
 for r in rows:
-    i8, f8, dn = r.get("int8 us"), r.get("e4m3 unpromoted us"), r.get("dense int8 us")
+    i8, f8 = r.get("int8 us"), r.get("e4m3 unpromoted us")
     log(f"| {r['shape']} | {r['op']} | {i8} ({r.get('int8 TOPS')}) | {f8} | {r.get(FWD, '-')} | "
-        f"{ratio(f8, i8)} | {dn} | {ratio(dn, i8)} | {r.get('int8_ok')} |")
+        f"{ratio(f8, i8)} | {r.get('int8_ok')} |")
