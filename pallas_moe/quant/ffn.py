@@ -1,4 +1,7 @@
-"""`pm.quant.moe_ffn_fp8`: the fp8 (e4m3) inference forward of a SwiGLU MoE layer.
+"""`pm.quant.moe_ffn_fp8`: the 8-bit inference forward of a SwiGLU MoE layer, fp8 (e4m3) or
+int8 (W8A8 SmoothQuant), by the dtype of the quantized experts (`quantize_experts(dtype=)`):
+every quantized tensor below is in that dtype, and the int8 GEMMs sum exactly in s32
+(`kernels/grouped_gemm.py`, "The int8 mode").
 
 Without smooth scales on the up-proj (`smooth_up=None`, the common fp8 serving recipe):
 
@@ -54,6 +57,8 @@ from pallas_moe.routing.plan import DispatchPlan
 
 Backend = Literal["auto", "mosaic", "interpret", "xla"]
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+INT8 = jnp.dtype(jnp.int8)
+QUANTIZED_DTYPES = (E4M3, INT8)  # what `quantize_experts` quantizes weights and activations to
 # The kernels' width unit: a warpgroup's 128 threads split a SmoothQuant row, and a K step
 # of the fp8 GEMM is 128 elements (one 128-byte swizzle row).
 FP8_WIDTH_MULTIPLE = 128
@@ -67,12 +72,12 @@ FP8_WIDTH_MULTIPLE = 128
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedExperts:
-    """An MoE layer's expert weights in e4m3, as `moe_ffn_fp8` reads them.
+    """An MoE layer's expert weights in e4m3 or int8, as `moe_ffn_fp8` reads them.
 
     Attributes:
-      w_gate_up: e4m3 [E, 2n, d], `quantize_weights(w_gate_up, k_major=True)`.
+      w_gate_up: e4m3 or int8 [E, 2n, d], `quantize_weights(w_gate_up, k_major=True)`.
       gate_up_scales: f32 [E, 2n], per output channel.
-      w_down: e4m3 [E, d, n], `quantize_weights(w_down, k_major=True)`.
+      w_down: [E, d, n] in w_gate_up's dtype, `quantize_weights(w_down, k_major=True)`.
       down_scales: f32 [E, d].
       smooth_up: f32 [E, d], SmoothQuant scales multiplying X before its quantization, or
         None (no smoothing: X is quantized once per token and the up-proj gathers its rows).
@@ -93,6 +98,12 @@ class QuantizedExperts:
         num_experts, two_n, d = self.w_gate_up.shape
         return num_experts, d, two_n // 2
 
+    @property
+    def dtype(self):
+        """The quantized dtype (e4m3 or int8) of the weights, and of the forward's
+        quantized activations."""
+        return jnp.dtype(self.w_gate_up.dtype)
+
 
 def quantize_experts(
     w_gate_up: jax.Array,
@@ -100,6 +111,7 @@ def quantize_experts(
     *,
     smooth_up: jax.Array | None = None,
     smooth_down: jax.Array | None = None,
+    dtype=jnp.float8_e4m3fn,
 ) -> QuantizedExperts:
     """Quantizes bf16 (or f32) expert weights for `moe_ffn_fp8`.
 
@@ -110,6 +122,8 @@ def quantize_experts(
       smooth_up: f32 [E, d] or None (no smoothing; kept as None, which selects the
         per-token quantization of X with the gather in the up-proj).
       smooth_down: f32 [E, n] or None (no smoothing).
+      dtype: float8_e4m3fn (default: the fp8 forward) or int8 (the W8A8 forward: int8
+        weights and activations, s32 sums).
 
     Returns:
       A `QuantizedExperts`.
@@ -124,8 +138,11 @@ def quantize_experts(
         raise ValueError(f"w_down must be [E, n, d] = {(num_experts, n, d)}, got {w_down.shape}.")
     smooth_up = _checked_smooth("smooth_up", smooth_up, (num_experts, d))
     smooth_down = _checked_smooth("smooth_down", smooth_down, (num_experts, n))
-    w1, c1 = quantize_weights(w_gate_up, out_dtype=E4M3, k_major=True)
-    w2, c2 = quantize_weights(w_down, out_dtype=E4M3, k_major=True)
+    dtype = jnp.dtype(dtype)
+    if dtype not in QUANTIZED_DTYPES:
+        raise ValueError(f"dtype must be float8_e4m3fn or int8, got {dtype.name}.")
+    w1, c1 = quantize_weights(w_gate_up, out_dtype=dtype, k_major=True)
+    w2, c2 = quantize_weights(w_down, out_dtype=dtype, k_major=True)
     return QuantizedExperts(w1, c1, w2, c2, smooth_up, smooth_down)
 
 
@@ -253,10 +270,14 @@ def check_fp8_inputs(x: jax.Array, plan: DispatchPlan, experts: QuantizedExperts
     if d_w != d:
         raise ValueError(f"experts.w_gate_up must be [E, 2n, d] with d={d} from x; got "
                          f"{experts.w_gate_up.shape}.")
+    if experts.dtype not in QUANTIZED_DTYPES:
+        raise ValueError(
+            f"experts.w_gate_up must be float8_e4m3fn or int8, got {experts.dtype.name}."
+        )
     expected = {
-        "w_gate_up": ((num_experts, 2 * n, d), E4M3),
+        "w_gate_up": ((num_experts, 2 * n, d), experts.dtype),
         "gate_up_scales": ((num_experts, 2 * n), jnp.float32),
-        "w_down": ((num_experts, d, n), E4M3),
+        "w_down": ((num_experts, d, n), experts.dtype),
         "down_scales": ((num_experts, d), jnp.float32),
         "smooth_up": ((num_experts, d), jnp.float32),
         "smooth_down": ((num_experts, n), jnp.float32),
@@ -286,12 +307,14 @@ def moe_ffn_fp8(
     aggregation: str = "fp32",
     interpret_params: plgpu.InterpretGPUParams | None = None,
 ) -> jax.Array:
-    """fp8 inference forward of a SwiGLU MoE layer (module docstring for the steps).
+    """8-bit inference forward of a SwiGLU MoE layer: fp8 (e4m3) or, with int8 experts,
+    W8A8 int8 (module docstring for the steps).
 
     Args:
       x: bf16 [T, d] tokens.
       plan: the `DispatchPlan` (top-K or token rounding).
-      experts: `quantize_experts(w_gate_up, w_down, ...)`.
+      experts: `quantize_experts(w_gate_up, w_down, ...)`; its dtype (e4m3 or int8) picks
+        the forward's.
       backend: "mosaic" (Pallas kernels on a Hopper GPU), "interpret" (the same kernels in
         Mosaic GPU interpret mode, for CPU tests), "xla" (jnp references of every step,
         runs anywhere) or "auto" (mosaic on Hopper when d and n are multiples of 128, else xla).
@@ -366,7 +389,7 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
     step against its reference fed with the kernel's own inputs).
 
     Returns:
-      dict: "q1" e4m3 and "s1" f32, the up-proj's quantized input (without smooth scales:
+      dict: "q1" (the experts' dtype: e4m3 or int8, as "q2") and "s1" f32, the up-proj's quantized input (without smooth scales:
       per token, [T, d] and [T]; with them: per grouped row, [P_up, d] and [P_up]), "a" bf16
       [P, n] (None when the up-proj quantizes A itself, `config.fuse_requant`), "q2" e4m3
       [P_down, n], "s2" f32 [P_down], "y" bf16 [P, width] (width = `aggregate_width(d)`),
@@ -379,6 +402,8 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
     from pallas_moe.quant.kernel import quantize_tokens_kernel, smoothquant_kernel
 
     num_experts, d, n = experts.shape
+    qdtype = experts.dtype
+    prefix = "moe_fp8" if qdtype == E4M3 else "moe_int8"
     capacity = plan.capacity
     # Each GEMM loads whole aligned row blocks: the quantized rows (and their scales) come
     # out of the SmoothQuant kernel padded to them, zero-filled, so no copy pads them later.
@@ -386,22 +411,24 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
     down_rows = -(-capacity // config.down.block_m) * config.down.block_m
     row_experts = _row_experts(plan)
     up_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.up.block_m)
-    fused = config.fuse_requant and fused_requant_fits(config.up, n)
+    # The fused requantization quantizes A to e4m3 only.
+    fused = config.fuse_requant and fused_requant_fits(config.up, n) and qdtype == E4M3
     up = dict(transpose_w=True, config=config.up, interpret=interpret, meta=up_meta,
               capacity=capacity, col_scales=experts.gate_up_scales, gated=True,
-              names=("q", "experts.w_gate_up"), kernel_name="moe_fp8_up_proj",
+              names=("q", "experts.w_gate_up"), kernel_name=f"{prefix}_up_proj",
               # The fused epilogue multiplies by a scale row; the separate pass below
               # skips it when there is none.
               requant_smooth=_smooth_or_ones(experts.smooth_down, num_experts, n) if fused else None)
     if experts.smooth_up is None:
-        q1, s1 = quantize_tokens_kernel(x, config=config.quant, interpret=interpret)
+        q1, s1 = quantize_tokens_kernel(x, out_dtype=qdtype, config=config.quant,
+                                        interpret=interpret)
         up_out = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1,
                                 token_ids=plan.token_ids, **up)
     else:
         q1, s1 = smoothquant_kernel(  # tokens' rows at their grouped positions (gather fused)
             x, experts.smooth_up, plan.token_row_offsets, plan.rows_by_token,
             row_experts[plan.rows_by_token], plan.num_rows, num_out_rows=up_rows,
-            out_dtype=E4M3, config=config.quant, interpret=interpret,
+            out_dtype=qdtype, config=config.quant, interpret=interpret,
         )
         up_out = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1, **up)
     if fused:  # e4m3 [P_up, n], f32 [P_up]; padding rows unwritten (never stored later)
@@ -410,7 +437,7 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
         a = up_out  # bf16 [P, n]; padding rows unwritten (never read: rows past num_rows
         # come out as zeros)
         q2, s2 = requantize_rows(a, experts.smooth_down, plan, num_out_rows=down_rows,
-                                 config=config.requant, interpret=interpret)
+                                 config=config.requant, interpret=interpret, out_dtype=qdtype)
     down_meta = up_meta if config.down.block_m == config.up.block_m else (
         _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
     )
@@ -419,7 +446,7 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
         q2, plan.group_sizes, experts.w_down, transpose_w=True, config=config.down,
         interpret=interpret, meta=down_meta, capacity=capacity, out_cols=width, row_scales=s2,
         col_scales=experts.down_scales, names=("q", "experts.w_down"),
-        kernel_name="moe_fp8_down_proj",
+        kernel_name=f"{prefix}_down_proj",
     )  # bf16 [P, width]
     out = aggregate(
         y, plan.rows_by_token, plan.token_row_offsets, plan.scores, aggregation=aggregation,
@@ -430,8 +457,8 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
 
 
 def requantize_rows(a, smooth, plan: DispatchPlan, *, num_out_rows: int,
-                    config: "RowBlockQuantConfig", interpret=False):
-    """e4m3 `(Q [num_out_rows, n], s f32 [num_out_rows])` of A's grouped rows, each row
+                    config: "RowBlockQuantConfig", interpret=False, out_dtype=E4M3):
+    """`(Q [num_out_rows, n] out_dtype (e4m3 or int8), s f32 [num_out_rows])` of A's grouped rows, each row
     times its expert's smooth scale (`smooth` f32 [E, n] or None), zero rows past
     `plan.num_rows`: the row-block quantizer, or for rows too wide for its SMEM blocks the
     SmoothQuant kernel with one CSR entry per row (no gather)."""
@@ -439,14 +466,14 @@ def requantize_rows(a, smooth, plan: DispatchPlan, *, num_out_rows: int,
         SmoothQuantConfig, quantize_row_blocks, row_blocks_fit, smoothquant_kernel,
     )
 
-    if row_blocks_fit(a.shape[1], a.dtype.itemsize, E4M3.itemsize) and num_out_rows % 64 == 0:
+    if row_blocks_fit(a.shape[1], a.dtype.itemsize, 1) and num_out_rows % 64 == 0:
         return quantize_row_blocks(a, smooth, plan.group_sizes, plan.num_rows,
-                                   num_out_rows=num_out_rows, out_dtype=E4M3, config=config,
+                                   num_out_rows=num_out_rows, out_dtype=out_dtype, config=config,
                                    interpret=interpret)
     rows = jnp.arange(plan.capacity + 1, dtype=jnp.int32)
     return smoothquant_kernel(
         a, smooth, jnp.minimum(rows, plan.num_rows), rows[:-1], _row_experts(plan),
-        plan.num_rows, num_out_rows=num_out_rows, out_dtype=E4M3,
+        plan.num_rows, num_out_rows=num_out_rows, out_dtype=out_dtype,
         config=SmoothQuantConfig(block_t=16), interpret=interpret,
     )
 
@@ -463,14 +490,15 @@ def _forward_xla(x, plan, experts: QuantizedExperts, *, aggregation):
     # Per (token, expert) row, the formula both kernel recipes compute (module docstring).
     q1, s1 = smoothquant_rows_reference(
         x, _smooth_or_ones(experts.smooth_up, num_experts, d), plan.token_ids, row_experts,
-        valid, E4M3
+        valid, experts.dtype
     )
     a = fp8_grouped_matmul_reference(
         q1, plan.group_sizes, experts.w_gate_up, s1, experts.gate_up_scales, gated=True
     )
     rows = jnp.arange(plan.capacity, dtype=jnp.int32)
     q2, s2 = smoothquant_rows_reference(
-        a, _smooth_or_ones(experts.smooth_down, num_experts, n), rows, row_experts, valid, E4M3
+        a, _smooth_or_ones(experts.smooth_down, num_experts, n), rows, row_experts, valid,
+        experts.dtype,
     )
     y = fp8_grouped_matmul_reference(
         q2, plan.group_sizes, experts.w_down, s2, experts.down_scales, gated=False
