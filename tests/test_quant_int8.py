@@ -62,8 +62,13 @@ def check_exact(got, a, plan, w, rs, cs, *, gated):
         np.testing.assert_array_equal(g.view(np.uint32), wnt.view(np.uint32))
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M], ids=["ping_pong", "split_m"])
+@pytest.mark.parametrize("config, gated", [
+    pytest.param(PING_PONG, False, id="ping_pong-plain"),
+    pytest.param(SPLIT_M, True, id="split_m-gated"),
+    # The other two pairings run the same code paths (opt-in: `-m slow`).
+    pytest.param(PING_PONG, True, id="ping_pong-gated", marks=pytest.mark.slow),
+    pytest.param(SPLIT_M, False, id="split_m-plain", marks=pytest.mark.slow),
+])
 def test_int8_grouped_matmul_equals_the_exact_reference(config, gated):
     plan = ragged_plan()
     n_out = 64
