@@ -16,8 +16,8 @@ K-major, so W is `[E, N, K]` (`transpose_w=True`), and the epilogue dequantizes:
     out[r, j] = swiglu(dequantized gate[r, j], dequantized up[r, j])    (fp8, `gated`)
 
 The int8 mode (int8 A and W: W8A8 SmoothQuant) is the same pipeline and epilogue: s8 x s8
-wgmma sums exactly in an s32 accumulator (|sum| <= K * 128^2 < 2^31 for K <= 131,072, checked), which
-the epilogue converts to f32 (one rounding) before it dequantizes. It needs no promotion
+wgmma sums exactly in an s32 accumulator (|sum| <= K * 128^2 < 2^31 for K <= 131,072,
+checked), which the epilogue converts to f32 (one rounding) before it dequantizes. It needs no promotion
 (`fp8_promote_every` is ignored); the gathered mode and `gated` work as with e4m3; the
 fused requantization (`requant_smooth`) targets e4m3 only.
 
@@ -213,6 +213,8 @@ def promotes(config: "GroupedMatmulConfig", in_dtype) -> bool:
     """Whether the K loop promotes partial sums into f32 registers: e4m3 inputs with
     `fp8_promote_every > 0` only (int8 wgmma sums exactly in s32, bf16 in f32)."""
     return jnp.dtype(in_dtype) == E4M3 and config.fp8_promote_every > 0
+
+
 FP8_BLOCK_K_CHOICES = (64, 128)  # bf16, fp8: one 128-byte swizzle row either way
 
 
@@ -242,10 +244,10 @@ def grouped_matmul(
     """`out[r] = A[r] @ W[e(r)]` (or `@ W[e(r)]^T`) over rows grouped by expert.
 
     Args:
-      a: bf16 [P_a, K] rows in grouped order, or e4m3 / int8 (the 8-bit mode). `P_a` may exceed
-        `capacity` (a producer may pad to a multiple of block_m, which saves a copy here);
-        extra rows are ignored. With `token_ids`: e4m3 [T, K] source rows (quantized
-        tokens), gathered by the kernel.
+      a: bf16 [P_a, K] rows in grouped order, or e4m3 / int8 (the 8-bit mode). `P_a` may
+        exceed `capacity` (a producer may pad to a multiple of block_m, which saves a copy
+        here); extra rows are ignored. With `token_ids`: e4m3 or int8 [T, K] source rows
+        (quantized tokens), gathered by the kernel.
       group_sizes: i32 [E] rows per expert; rows past the sum are padding.
       w: bf16 [E, K, N], or [E, N, K] with `transpose_w`; e4m3 [E, N, K] (or [E, 2N, K]
         with `gated`) of a's dtype in the 8-bit mode.
@@ -303,8 +305,10 @@ def grouped_matmul(
                 f"{w_name} must be [E, N, K]."
             )
         if row_scales is None or col_scales is None:
-            raise ValueError("the 8-bit mode (e4m3 or int8 inputs) needs row_scales and col_scales.")
-        if config.pingpong and config.block_m == 128 and config.fp8_promote_every and a.dtype == E4M3:
+            raise ValueError(
+                "the 8-bit mode (e4m3 or int8 inputs) needs row_scales and col_scales."
+            )
+        if config.pingpong and config.block_m == 128 and promotes(config, a.dtype):
             raise ValueError(
                 "config.pingpong with block_m=128 holds a 128-row accumulator per consumer, "
                 "which leaves no registers for fp8 promotion's second set: pass "
@@ -452,8 +456,8 @@ def grouped_matmul(
         scales += (requant_smooth,)
     kernel = _kernel(config, k_dim, n_dim, chunks.rows, out_cols, transpose_w, kernel_name,
                      interpret, in_dtype=a.dtype, out_dtype=out_dtype, eight_bit=eight_bit,
-                     gated=gated,
-                     has_bias=bias is not None, gathered=gathered, requant=requant, chunk=chunk)
+                     gated=gated, has_bias=bias is not None, gathered=gathered, requant=requant,
+                     chunk=chunk)
     operands = (meta.expert, meta.row_start, meta.num_rows, chunks.bounds, *row_ids, a, w)
     return kernel(*operands, *scales, *(() if bias is None else (bias,)))
 

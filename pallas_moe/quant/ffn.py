@@ -458,10 +458,10 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
 
 def requantize_rows(a, smooth, plan: DispatchPlan, *, num_out_rows: int,
                     config: "RowBlockQuantConfig", interpret=False, out_dtype=E4M3):
-    """`(Q [num_out_rows, n] out_dtype (e4m3 or int8), s f32 [num_out_rows])` of A's grouped rows, each row
-    times its expert's smooth scale (`smooth` f32 [E, n] or None), zero rows past
-    `plan.num_rows`: the row-block quantizer, or for rows too wide for its SMEM blocks the
-    SmoothQuant kernel with one CSR entry per row (no gather)."""
+    """`(Q [num_out_rows, n] in out_dtype (e4m3 or int8), s f32 [num_out_rows])` of A's
+    grouped rows, each row times its expert's smooth scale (`smooth` f32 [E, n] or None),
+    zero rows past `plan.num_rows`: the row-block quantizer, or for rows too wide for its
+    SMEM blocks the SmoothQuant kernel with one CSR entry per row (no gather)."""
     from pallas_moe.quant.kernel import (
         SmoothQuantConfig, quantize_row_blocks, row_blocks_fit, smoothquant_kernel,
     )
