@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels.grouped_gemm import (
-    GroupedMatmulConfig, fused_requant_fits, grouped_matmul,
+    INT8_MAX_K, GroupedMatmulConfig, fused_requant_fits, grouped_matmul,
 )
 from pallas_moe.kernels.reference import (
     aggregate_reference, fp8_epilogue_reference, fp8_grouped_matmul_reference,
@@ -169,6 +169,16 @@ def test_fp8_reference_matches_numpy():
               gated=True),
          r"fp8_promote_every=1 keeps a second f32 accumulator set: block_n \* 2 \(gated\) "
          r"must be <= 128, got block_n=128 \(use block_n=64, or fp8_promote_every=0\)"),
+        # The int8 mode (tests/test_quant_int8.py).
+        (dict(a=jnp.zeros((16, 128), jnp.int8)), "w must have dtype int8"),
+        (dict(a=jnp.zeros((16, 128), jnp.uint8)), "must have dtype bfloat16"),
+        (dict(a=jnp.zeros((16, 128), jnp.int8), w=jnp.zeros((2, 256, 128), jnp.int8),
+              col_scales=jnp.ones((2, 256), jnp.float32), gated=True,
+              requant_smooth=jnp.ones((2, 128), jnp.float32)),
+         "requant_smooth quantizes the gated fp8 mode's A"),
+        (dict(a=jnp.zeros((16, INT8_MAX_K + 128), jnp.int8),
+              w=jnp.zeros((2, 128, INT8_MAX_K + 128), jnp.int8)),
+         f"a.shape\\[1\\]={INT8_MAX_K + 128} must be <= {INT8_MAX_K} in the int8 mode"),
     ],
 )
 def test_fp8_bad_inputs_raise(kwargs, match):
