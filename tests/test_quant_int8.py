@@ -220,7 +220,13 @@ def test_quantize_experts_int8():
         pm.quant.quantize_experts(w1, w2, dtype=jnp.int16)
 
 
-@pytest.mark.parametrize("smoothing", [True, False], ids=["smoothquant", "per_token"])
+@pytest.mark.parametrize("smoothing", [
+    pytest.param(False, id="per_token"),
+    # CI time: its steps are covered apart (the int8 SmoothQuant kernel in test_quant.py, the
+    # int8 GEMM on grouped rows above); the whole smoothed forward runs with `-m slow` and
+    # on the GPU (test_int8_forward_on_gpu).
+    pytest.param(True, id="smoothquant", marks=pytest.mark.slow),
+])
 def test_int8_forward_interpret_matches_xla_and_bf16(smoothing):
     # Token rounding: padding rows and an empty expert.
     x, plan, w1, w2 = int8_layer(jax.random.key(91), 40, 256, 128, 4, 2, token_rounding=True)
