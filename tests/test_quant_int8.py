@@ -24,6 +24,7 @@ from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
 from pallas_moe.kernels.reference import fp8_grouped_matmul_reference
 from pallas_moe.routing import token_rounding_plan, topk_plan
 from tests.test_kernels_common import assert_untouched, assignment_plan, races_found
+from tests.test_quant_fp8 import fp8_layer, rel_err
 
 INT8 = jnp.int8
 PING_PONG = GroupedMatmulConfig(block_m=64, block_n=64, block_k=128, num_stages=3, num_sms=3)
@@ -185,28 +186,8 @@ INT8_VS_BF16_TOL = 0.05
 INT8_KERNELS_VS_XLA_TOL = 1e-2
 
 
-def rel_err(got, want):
-    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.linalg.norm(g - w) / np.linalg.norm(w)
-
-
-def int8_layer(key, num_tokens, d, n, num_experts, k, *, token_rounding):
-    from tests.test_kernels_common import random_weights
-
-    ks = jax.random.split(key, 3)
-    x = jax.random.normal(ks[0], (num_tokens, d)).astype(jnp.bfloat16)
-    logits = jax.random.normal(ks[1], (num_tokens, num_experts))
-    if token_rounding:
-        logits = logits.at[:, 1].add(-100.0)  # an empty expert
-        plan = token_rounding_plan(logits, k, tile=16)
-    else:
-        plan = topk_plan(logits, k)
-    w1, w2 = random_weights(ks[2], num_experts, d, n)
-    return x, plan, w1, w2
-
-
 def test_quantize_experts_int8():
-    _, _, w1, w2 = int8_layer(jax.random.key(90), 8, 256, 128, 3, 2, token_rounding=False)
+    _, _, w1, w2 = fp8_layer(jax.random.key(90), 8, 256, 128, 3, 2, token_rounding=False)
     experts = pm.quant.quantize_experts(w1, w2, dtype=INT8)
     assert experts.dtype == jnp.dtype(INT8)
     assert experts.w_gate_up.shape == (3, 256, 256) and experts.w_down.shape == (3, 256, 128)
@@ -229,16 +210,14 @@ def test_quantize_experts_int8():
 ])
 def test_int8_forward_interpret_matches_xla_and_bf16(smoothing):
     # Token rounding: padding rows and an empty expert.
-    x, plan, w1, w2 = int8_layer(jax.random.key(91), 40, 256, 128, 4, 2, token_rounding=True)
+    x, plan, w1, w2 = fp8_layer(jax.random.key(91), 40, 256, 128, 4, 2, token_rounding=True)
     assert int(plan.group_sizes[1]) == 0 and int(plan.num_rows) < plan.capacity
-    if smoothing:
+    smooth_up, w1_quantized = None, w1
+    if smoothing:  # the smoothing folded into the weights that are quantized
         act = pm.quant.expert_activation_absmax(x, plan)
-        smooth_up, w1 = pm.quant.calibrate_smoothing(act, w1, alpha=0.5)
-    else:
-        smooth_up = None
-    experts = pm.quant.quantize_experts(w1, w2, smooth_up=smooth_up, dtype=INT8)
-    want = pm.moe_ffn(x, plan, *(int8_layer(jax.random.key(91), 40, 256, 128, 4, 2,
-                                             token_rounding=True)[2:]), backend="xla")
+        smooth_up, w1_quantized = pm.quant.calibrate_smoothing(act, w1, alpha=0.5)
+    experts = pm.quant.quantize_experts(w1_quantized, w2, smooth_up=smooth_up, dtype=INT8)
+    want = pm.moe_ffn(x, plan, w1, w2, backend="xla")
     ref = pm.quant.moe_ffn_fp8(x, plan, experts, backend="xla")
     got = pm.quant.moe_ffn_fp8(x, plan, experts, backend="interpret")
     assert got.shape == x.shape and got.dtype == jnp.bfloat16
@@ -254,7 +233,7 @@ def test_int8_forward_interpret_matches_xla_and_bf16(smoothing):
 @pytest.mark.parametrize("smoothing", [False, True], ids=["per_token", "smoothquant"])
 def test_int8_forward_on_gpu(smoothing):
     # The 7B widths, top-K; the output written after a poisoned buffer was freed.
-    x, plan, w1, w2 = int8_layer(jax.random.key(92), 2048, 1536, 256, 16, 4, token_rounding=False)
+    x, plan, w1, w2 = fp8_layer(jax.random.key(92), 2048, 1536, 256, 16, 4, token_rounding=False)
     want = jax.jit(functools.partial(pm.moe_ffn, backend="xla"))(x, plan, w1, w2)
     smooth_up = None
     if smoothing:

@@ -103,7 +103,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels._common import TileChunks, TileMeta
-from pallas_moe.quant.reference import apply_row_scale, row_scale
+from pallas_moe.quant.reference import QUANTIZED_DTYPES, apply_row_scale, row_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +205,6 @@ FP8_PROMOTED_MAX_COLUMNS = 128
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 INT8 = jnp.dtype(jnp.int8)
-EIGHT_BIT_DTYPES = (E4M3, INT8)  # the 8-bit mode's inputs
 INT8_MAX_K = 2**31 // 128**2  # K products of int8 magnitude <= 128 stay exact in s32
 
 
@@ -296,7 +295,7 @@ def grouped_matmul(
         raise ValueError(f"{a_name} must be 2-D [P, K], got shape {tuple(a.shape)}.")
     if w.ndim != 3:
         raise ValueError(f"{w_name} must be 3-D, got shape {tuple(w.shape)}.")
-    eight_bit = a.dtype in EIGHT_BIT_DTYPES
+    eight_bit = a.dtype in QUANTIZED_DTYPES  # the 8-bit mode
     if eight_bit:
         _common.require_dtype(w_name, w, a.dtype)
         if not transpose_w:

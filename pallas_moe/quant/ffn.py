@@ -51,14 +51,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_moe import _checks
 from pallas_moe.numerics import AGGREGATIONS
 from pallas_moe.ops.moe_ffn import resolve_backend
-from pallas_moe.quant.reference import smoothquant_rows_reference
+from pallas_moe.quant.reference import QUANTIZED_DTYPES, smoothquant_rows_reference
 from pallas_moe.quant.weights import quantize_weights
 from pallas_moe.routing.plan import DispatchPlan
 
 Backend = Literal["auto", "mosaic", "interpret", "xla"]
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
-INT8 = jnp.dtype(jnp.int8)
-QUANTIZED_DTYPES = (E4M3, INT8)  # what `quantize_experts` quantizes weights and activations to
 # The kernels' width unit: a warpgroup's 128 threads split a SmoothQuant row, and a K step
 # of the fp8 GEMM is 128 elements (one 128-byte swizzle row).
 FP8_WIDTH_MULTIPLE = 128

@@ -33,7 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.quant.reference import (
-    apply_row_scale, correctly_rounded_reciprocal, qmax_of, row_scale,
+    absmax_scale, apply_row_scale, correctly_rounded_reciprocal, qmax_of, row_scale,
 )
 
 _WG = 128  # threads in a warpgroup
@@ -236,7 +236,7 @@ def smoothquant_kernel(
             bitcast a scalar, which the jnp reciprocal does), so every thread has the
             reciprocal with no second reduction."""
             amax = jnp.max(jnp.abs(y))
-            scale = row_scale(amax, out_dtype, reciprocal=lambda s: s)[0]  # the f32 scalar
+            scale, _ = absmax_scale(amax, out_dtype)  # the f32 scalar stored as s
             _, inv = row_scale(jnp.full(y.shape, amax, jnp.float32), out_dtype, reciprocal)
             if interpret:
                 return apply_row_scale(y, inv, out_dtype), scale

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 # Largest magnitude each quantized dtype represents (and what a row's max maps to).
 QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+QUANTIZED_DTYPES = tuple(QMAX)  # the 8-bit dtypes rows and weights are quantized to
 
 
 # Scales below this are flushed to 0 (their reciprocal would overflow f32).
@@ -129,13 +130,19 @@ def quantize_row(
     return apply_row_scale(y, inv_scale, out_dtype), scale
 
 
+def absmax_scale(amax: jax.Array, out_dtype) -> tuple[jax.Array, jax.Array]:
+    """`(s, zero_row)` of rows with absmax `amax` (f32, any shape): `s = amax * fl(1/qmax)`,
+    flushed to 0 below the smallest normal f32 (`zero_row`, False for NaN, so a NaN row
+    keeps s = NaN). `row_scale` adds the reciprocal."""
+    scale = amax * np.float32(1.0 / qmax_of(out_dtype))
+    zero_row = scale < _SMALLEST_NORMAL
+    return jnp.where(zero_row, 0.0, scale), zero_row
+
+
 def row_scale(amax: jax.Array, out_dtype, reciprocal=correctly_rounded_reciprocal):
     """`(s, rcp(s))` of rows with absmax `amax` (f32, any shape; `quantize_row`'s formula:
     zero rows get 0 and 0). Kernels that hold a row in pieces reduce `amax` themselves."""
-    qmax = qmax_of(out_dtype)
-    scale = amax * np.float32(1.0 / qmax)
-    zero_row = scale < _SMALLEST_NORMAL  # False for NaN, so a NaN row keeps s = NaN
-    scale = jnp.where(zero_row, 0.0, scale)
+    scale, zero_row = absmax_scale(amax, out_dtype)
     inv_scale = jnp.where(zero_row, 0.0, reciprocal(jnp.where(zero_row, 1.0, scale)))
     return scale, inv_scale
 
