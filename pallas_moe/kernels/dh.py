@@ -888,24 +888,29 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                             plgpu.barrier_arrive(empty.at[(num_k - 1) % stages])
                             return acc[...]
 
-                        da = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))
+                        with jax.named_scope("k_loop"):
+                            da = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))
                         # The epilogue's tiles overlay W2 slots: both consumers are done
                         # with every K step first.
-                        plgpu.barrier_arrive(epi_bar)
-                        plgpu.barrier_wait(epi_bar)
+                        with jax.named_scope("epilogue_sync"):
+                            plgpu.barrier_arrive(epi_bar)
+                            plgpu.barrier_wait(epi_bar)
                         h_gate = h_ref.at[:, pl.ds(c0, bn)]  # [P, bn]
                         h_up = h_ref.at[:, pl.ds(n + c0, bn)]  # [P, bn]
-                        for half, src in enumerate((h_gate, h_up)):
-                            load_rows(src, h_smem.at[c, half], row0, num_rows, bm, h_bars,
-                                      True, bar0)
-                        plgpu.barrier_wait(s_bar.at[p])
-                        load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars, False,
-                                  bar0)
-                        _dswiglu_and_store(
-                            da, s_smem.at[p], h_smem.at[c, 0], h_smem.at[c, 1], ap_smem.at[c],
-                            ds_smem.at[c], dh_out, ap_out, ds_out.at[mi, ni * cons + c], c0,
-                            n, row0, num_rows, bm, ep_cols, activation,
-                        )
+                        with jax.named_scope("h_load"):
+                            for half, src in enumerate((h_gate, h_up)):
+                                load_rows(src, h_smem.at[c, half], row0, num_rows, bm, h_bars,
+                                          True, bar0)
+                            plgpu.barrier_wait(s_bar.at[p])
+                            load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars,
+                                      False, bar0)
+                        with jax.named_scope("epilogue"):
+                            _dswiglu_and_store(
+                                da, s_smem.at[p], h_smem.at[c, 0], h_smem.at[c, 1],
+                                ap_smem.at[c], ds_smem.at[c], dh_out, ap_out,
+                                ds_out.at[mi, ni * cons + c], c0, n, row0, num_rows, bm,
+                                ep_cols, activation,
+                            )
                         plgpu.barrier_arrive(epi_done)  # the tiles' bytes are free again
 
                     return done + (num_rows > 0).astype(jnp.int32)

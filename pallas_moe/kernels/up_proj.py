@@ -389,9 +389,10 @@ def _warp_specialized_kernel(
                 if config.rebalance_registers:
                     _common.role_registers("producer", cons, prods)
                 expert = expert_ref[mi]
-                if p == 0:
-                    plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
-                plgpu.barrier_wait(ids_bar)
+                with jax.named_scope("ids"):
+                    if p == 0:
+                        plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
+                    plgpu.barrier_wait(ids_bar)
                 w_e = w_ref.at[expert]  # [d, 2n]
 
                 def step(ki, carry):
@@ -427,13 +428,16 @@ def _warp_specialized_kernel(
                         plgpu.warp_map(per_warp)
                     return carry
 
-                jax.lax.fori_loop(0, num_k, step, None)
-                if cp_async:
-                    _common.cp_async_publish_rest(num_k, full, a_landed, stages)
-                # Observe the consumers' remaining releases (steps num_k-stages .. num_k-2),
-                # so every barrier phase is consumed before exit (interpret mode checks this).
-                for g in range(max(num_k - stages, 0), num_k - 1):
-                    plgpu.barrier_wait(empty.at[g % stages])
+                with jax.named_scope("loads"):
+                    jax.lax.fori_loop(0, num_k, step, None)
+                with jax.named_scope("drain"):
+                    if cp_async:
+                        _common.cp_async_publish_rest(num_k, full, a_landed, stages)
+                    # Observe the consumers' remaining releases (steps num_k-stages ..
+                    # num_k-2), so every barrier phase is consumed before exit (interpret
+                    # mode checks this).
+                    for g in range(max(num_k - stages, 0), num_k - 1):
+                        plgpu.barrier_wait(empty.at[g % stages])
 
         for c in range(cons):
             @pl.when((num_rows > 0) & (wg == c))
@@ -475,13 +479,16 @@ def _warp_specialized_kernel(
                     plgpu.wgmma_wait(0)
                     return acc_g[...], acc_u[...]
 
-                g, u = pl.run_scoped(
-                    mma_scope, plgpu.ACC((mb, bn), jnp.float32), plgpu.ACC((mb, bn), jnp.float32)
-                )
+                with jax.named_scope("k_loop"):
+                    g, u = pl.run_scoped(
+                        mma_scope, plgpu.ACC((mb, bn), jnp.float32),
+                        plgpu.ACC((mb, bn), jnp.float32),
+                    )
                 # Every consumer is done reading the pipeline buffers before any of them
                 # overwrites them with its epilogue tile.
-                plgpu.barrier_arrive(epi_bar)
-                plgpu.barrier_wait(epi_bar)
+                with jax.named_scope("epilogue_sync"):
+                    plgpu.barrier_arrive(epi_bar)
+                    plgpu.barrier_wait(epi_bar)
                 if has_bias:
                     biases = _bias_columns(bias_smem.at[c], bias_bars.at[c], mb)
                 else:
@@ -493,18 +500,20 @@ def _warp_specialized_kernel(
                 # are live next to the two accumulators.
                 w = o_mma.shape[-1]  # columns of one slab
                 slab = w if config.epilogue_slabs else bn
-                for h0 in range(0, bn, slab):
-                    cut = slice(h0, h0 + slab)
-                    act, hg, hu = _common.swiglu_epilogue(  # [mb, slab] each
-                        g[:, cut], u[:, cut], dtype, activation,
-                        *(None if b is None else b[:, cut] for b in biases),
-                    )
-                    for t, tile in enumerate((act, hg, hu)[:num_out]):
-                        _common.write_row_tile(o_mma.at[c, t], tile, first_slab=h0 // w)
-                plgpu.commit_smem()
-                for t, dst in enumerate(dsts):
-                    _common.store_row_tile(o_copy.at[c, t], dst, dst0, count, mb)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                with jax.named_scope("epilogue_math"):
+                    for h0 in range(0, bn, slab):
+                        cut = slice(h0, h0 + slab)
+                        act, hg, hu = _common.swiglu_epilogue(  # [mb, slab] each
+                            g[:, cut], u[:, cut], dtype, activation,
+                            *(None if b is None else b[:, cut] for b in biases),
+                        )
+                        for t, tile in enumerate((act, hg, hu)[:num_out]):
+                            _common.write_row_tile(o_mma.at[c, t], tile, first_slab=h0 // w)
+                    plgpu.commit_smem()
+                with jax.named_scope("epilogue_store"):
+                    for t, dst in enumerate(dsts):
+                        _common.store_row_tile(o_copy.at[c, t], dst, dst0, count, mb)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     b_shape = (stages, bk, cols)
     bufs, views = _common.gathered_pipeline_smem(

@@ -1,0 +1,220 @@
+"""Where a kernel's time goes inside it: Mosaic GPU's on-device profiler (run on an H100).
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/timeline.py --out $OUT \
+        [--shapes 7b,30b] [--kernels up,up_inference,dh]
+
+The kernels mark their phases with `jax.named_scope` (the up-proj: the producer's `ids`,
+`loads`, `drain`; the consumers' `k_loop`, `epilogue_sync`, `epilogue_math`,
+`epilogue_store`; the persistent dH: `k_loop`, `epilogue_sync`, `h_load`, `epilogue`). The
+scopes cost nothing unless the kernel is compiled with `plgpu.CompilerParams.profile_space`:
+this script sets it (for the kernel under test only), runs the kernel once, and reads the
+trace Mosaic GPU dumps. Thread 0 of every warpgroup records `%clock` at each region's entry
+and exit, and `%globaltimer` once at the CTA's start.
+
+It prints, per kernel and warpgroup role, each region's median / p10 / p90 duration per
+visit (cycles converted to us at the SM clock `nvidia-smi` reports during the run), the
+share of the CTA's time, and the per-SM gaps between consecutive CTAs (launch and
+teardown, one-CTA-per-tile kernels). The unprofiled kernel's CUPTI time is measured in the
+same run, so the profiler's own cost shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.forward import SHAPES, gpu_time_ms, make_case  # noqa: E402
+from benchmarks.logs import open_log  # noqa: E402
+from pallas_moe.kernels import _common  # noqa: E402
+from pallas_moe.kernels.dh import dh_kernel  # noqa: E402
+from pallas_moe.kernels.moe_backward import BackwardConfig  # noqa: E402
+from pallas_moe.kernels.moe_forward import ForwardConfig  # noqa: E402
+from pallas_moe.kernels.up_proj import up_proj  # noqa: E402
+
+
+@contextlib.contextmanager
+def profiled(out_dir: str, regions: int):
+    """Every Mosaic GPU kernel traced inside this context records up to `regions` named
+    regions per warpgroup (bounds-checked) and dumps its trace into `out_dir`."""
+    original = plgpu.CompilerParams
+
+    def with_profile(**kwargs):
+        return original(**kwargs, profile_space=regions, profile_dir=out_dir,
+                        profile_bounds_check=True)
+
+    plgpu.CompilerParams = with_profile
+    try:
+        yield
+    finally:
+        plgpu.CompilerParams = original
+
+
+def sm_clock_mhz() -> float:
+    """The SM clock nvidia-smi reports now (0 if it cannot be read)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return float(out.split()[0])
+    except Exception:  # noqa: BLE001 - a missing reading only changes the unit
+        return 0.0
+
+
+def run_profiled(f, args, out_dir: str, regions: int):
+    """Runs a fresh jit of f once with the profiler on and returns the dumped trace
+    (parsed JSON) and the SM clock sampled right after."""
+    os.makedirs(out_dir, exist_ok=True)
+    before = set(glob.glob(os.path.join(out_dir, "*-trace.json")))
+    with profiled(out_dir, regions):
+        g = jax.jit(lambda *a: f(*a))  # a new function object: traced with the profiler
+        jax.block_until_ready(g(*args))  # compile + warm up: dumps a trace
+        jax.block_until_ready(g(*args))
+    jax.effects_barrier()
+    mhz = sm_clock_mhz()
+    new = sorted(set(glob.glob(os.path.join(out_dir, "*-trace.json"))) - before)
+    if not new:
+        raise RuntimeError("the profiled kernel dumped no trace")
+    with open(new[-1]) as fh:
+        return json.load(fh), mhz
+
+
+def summarize(trace, num_wgs: int, roles: dict[int, str], mhz: float, log):
+    """Per-region durations per role, CTA durations and per-SM gaps between CTAs.
+
+    Events of one trace (a warpgroup of a CTA): `ts` = (globaltimer at the CTA's start, ns
+    + `%clock` cycles since the trace's first event) / 1e3, so within a trace differences
+    are cycles / 1e3 and the first event is the CTA's start in wall ns / 1e3."""
+    by_tid: dict[int, list] = {}
+    for ev in trace["traceEvents"]:
+        by_tid.setdefault(ev["tid"], []).append(ev)
+    cyc_per_us = mhz if mhz > 0 else 1755.0
+    durations: dict[tuple[str, str], list[float]] = {}
+    cta_span: dict[int, list] = {}  # block -> [start wall us, cycles to its last event, sm]
+    for tid, evs in by_tid.items():
+        block, wg = divmod(tid - 1, num_wgs)
+        role = roles.get(wg, f"wg{wg}")
+        t0 = evs[0]["ts"]
+        stack = []
+        for ev in evs:
+            cyc = (ev["ts"] - t0) * 1e3
+            if ev["ph"] == "B":
+                stack.append((ev["name"], cyc))
+            else:
+                name, c0 = stack.pop()
+                durations.setdefault((role, name), []).append((cyc - c0) / cyc_per_us)
+        last = (evs[-1]["ts"] - t0) * 1e3
+        span = cta_span.setdefault(block, [t0, 0.0, ev["pid"]])
+        span[0] = min(span[0], t0)
+        span[1] = max(span[1], last)
+    log(f"  SM clock {mhz:.0f} MHz (nvidia-smi after the run; 1755 assumed if 0)")
+    log("  | role | region | visits | median us | p10 | p90 | sum per CTA us |")
+    log("  |---|---|---|---|---|---|---|")
+    num_blocks = len(cta_span)
+    for (role, name), ds in sorted(durations.items()):
+        a = np.asarray(ds)
+        log(f"  | {role} | {name} | {a.size} | {np.median(a):.2f} | {np.percentile(a, 10):.2f} | "
+            f"{np.percentile(a, 90):.2f} | {a.sum() / max(num_blocks, 1):.2f} |")
+    # Per SM: CTAs in start order; gap = next start - (start + this CTA's recorded span).
+    per_sm: dict[int, list] = {}
+    for start, cycles, sm in cta_span.values():
+        per_sm.setdefault(sm, []).append((start, cycles / cyc_per_us))
+    gaps, spans, counts = [], [], []
+    for rows in per_sm.values():
+        rows.sort()
+        counts.append(len(rows))
+        spans.extend(s for _, s in rows)
+        gaps.extend(b[0] - (a[0] + a[1]) for a, b in zip(rows, rows[1:]))
+    starts = [s for s, _, _ in cta_span.values()]
+    ends = [s + c / cyc_per_us for s, c, _ in cta_span.values()]
+    log(f"  CTAs {num_blocks} on {len(per_sm)} SMs ({min(counts)}-{max(counts)} each); "
+        f"CTA recorded span median {np.median(spans):.2f} us; "
+        f"first start to last end {max(ends) - min(starts):.1f} us")
+    if gaps:
+        g = np.asarray(gaps)
+        log(f"  gap between consecutive CTAs on an SM (launch + the part of the CTA before its "
+            f"first / after its last event): median {np.median(g):.2f} us, p10 "
+            f"{np.percentile(g, 10):.2f}, p90 {np.percentile(g, 90):.2f}, sum per SM "
+            f"{g.sum() / len(per_sm):.1f} us")
+    return {f"{role}/{name}": float(np.median(ds)) for (role, name), ds in durations.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="7b,30b")
+    ap.add_argument("--kernels", default="up,up_inference,dh")
+    ap.add_argument("--traces", default="/tmp/timeline_traces",
+                    help="where the raw traces go (one JSON per profiled call, MBs each)")
+    args = ap.parse_args()
+    log = open_log(args.out, "timeline_log.txt")
+    results = {}
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        T, d, n, E, K = shape
+        x, w1, w2, plan = make_case(shape, skew=False, seed=3)
+        fcfg = ForwardConfig.for_shape(d, n)
+        bcfg = BackwardConfig.for_shape(d, n)
+        for kernel in args.kernels.split(","):
+            if kernel in ("up", "up_inference"):
+                cfg = fcfg.up
+                meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(
+                    plan.group_sizes, plan.token_ids)
+                inference = kernel == "up_inference"
+
+                def f(x, tok, g, w, cfg=cfg, meta=meta, inference=inference):
+                    return up_proj(x, tok, g, w, config=cfg, meta=meta, inference=inference)
+
+                fargs = (x, plan.token_ids, plan.group_sizes, w1)
+                wgs = cfg.num_consumers + cfg.num_producers
+                roles = {c: f"consumer{c}" for c in range(cfg.num_consumers)}
+                roles.update({cfg.num_consumers + p: f"producer{p}"
+                              for p in range(cfg.num_producers)})
+                regions = 8
+            elif kernel == "dh":
+                cfg = bcfg.dh
+                meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(
+                    plan.group_sizes, plan.token_ids)
+                h = jax.random.normal(jax.random.key(5), (plan.capacity, 2 * n),
+                                      jnp.float32).astype(jnp.bfloat16)
+                go = jax.random.normal(jax.random.key(6), (T, d), jnp.float32).astype(jnp.bfloat16)
+
+                def f(go, h, tok, g, s, w, cfg=cfg, meta=meta):
+                    return dh_kernel(go, h, tok, g, s, w, config=cfg, meta=meta)
+
+                fargs = (go, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+                wgs = cfg.num_consumers + 1
+                roles = {c: f"consumer{c}" for c in range(cfg.num_consumers)}
+                roles[cfg.num_consumers] = "producer"
+                tiles = meta.num_tiles
+                ctas = cfg.persistent_ctas or tiles
+                regions = 4 * (-(-tiles // ctas)) + 8
+            else:
+                raise ValueError(f"unknown kernel {kernel!r}")
+            log(f"== {name} {shape} {kernel}: {cfg}")
+            t_plain = gpu_time_ms(jax.jit(f), *fargs, iters=10)
+            trace, mhz = run_profiled(f, fargs, os.path.join(args.traces, f"{name}_{kernel}"),
+                                      regions)
+            os.makedirs(os.path.join(args.traces, "timed"), exist_ok=True)
+            with profiled(os.path.join(args.traces, "timed"), regions):
+                t_prof = gpu_time_ms(jax.jit(lambda *a: f(*a)), *fargs, iters=5)
+            log(f"  CUPTI: plain {t_plain * 1e3:.1f} us, profiled {t_prof * 1e3:.1f} us")
+            results[f"{name}/{kernel}"] = dict(
+                plain_us=t_plain * 1e3, profiled_us=t_prof * 1e3,
+                regions=summarize(trace, wgs, roles, mhz, log))
+    with open(os.path.join(args.out, "timeline.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
