@@ -61,6 +61,25 @@ def profiled(out_dir: str, regions: int):
         plgpu.CompilerParams = original
 
 
+@contextlib.contextmanager
+def ablated(what: str):
+    """Traces kernels with a step of the up-proj's epilogue removed (timing only: the
+    outputs are wrong). "nostore": no H / A TMA stores; "nomath": H and A are the rounded
+    accumulators (no SwiGLU); "noepilogue": both."""
+    saved = (_common.store_row_tile, _common.swiglu_epilogue)
+    if what in ("nostore", "noepilogue"):
+        _common.store_row_tile = lambda *a, **k: None
+    if what in ("nomath", "noepilogue"):
+        _common.swiglu_epilogue = lambda g, u, dtype, *a, **k: (
+            g.astype(dtype), g.astype(dtype), u.astype(dtype))
+    if what not in ("nostore", "nomath", "noepilogue"):
+        raise ValueError(f"unknown ablation {what!r}")
+    try:
+        yield
+    finally:
+        _common.store_row_tile, _common.swiglu_epilogue = saved
+
+
 def sm_clock_mhz() -> float:
     """The SM clock nvidia-smi reports now (0 if it cannot be read)."""
     try:
@@ -140,13 +159,32 @@ def summarize(trace, num_wgs: int, roles: dict[int, str], mhz: float, log):
     log(f"  CTAs {num_blocks} on {len(per_sm)} SMs ({min(counts)}-{max(counts)} each); "
         f"CTA recorded span median {np.median(spans):.2f} us; "
         f"first start to last end {max(ends) - min(starts):.1f} us")
+    # The SM clock under load, and the time between CTAs, from the trace itself: per SM, the
+    # wall time between consecutive CTAs' starts is (cycles of the first) / f + gap; a least-
+    # squares fit over all pairs gives 1 / f (slope) and the mean gap (intercept).
+    xs, ys = [], []
+    for rows in per_sm.values():
+        for a, b in zip(rows, rows[1:]):
+            xs.append(a[1] * cyc_per_us)  # cycles
+            ys.append(b[0] - a[0])  # wall us
+    fit = None
+    if len(xs) > 10 and np.std(xs) > 0:
+        slope, intercept = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
+        fit = (1.0 / slope, intercept)
+        log(f"  fit of CTA start-to-start wall time on its cycles ({len(xs)} pairs, cycles "
+            f"p10-p90 {np.percentile(xs, 10):.0f}-{np.percentile(xs, 90):.0f}): SM clock "
+            f"{fit[0]:.0f} MHz, time between one CTA's last event and the next CTA's start "
+            f"{fit[1]:.2f} us")
     if gaps:
         g = np.asarray(gaps)
         log(f"  gap between consecutive CTAs on an SM (launch + the part of the CTA before its "
             f"first / after its last event): median {np.median(g):.2f} us, p10 "
             f"{np.percentile(g, 10):.2f}, p90 {np.percentile(g, 90):.2f}, sum per SM "
             f"{g.sum() / len(per_sm):.1f} us")
-    return {f"{role}/{name}": float(np.median(ds)) for (role, name), ds in durations.items()}
+    out = {f"{role}/{name}": float(np.median(ds)) for (role, name), ds in durations.items()}
+    if fit is not None:
+        out["fit_clock_mhz"], out["fit_gap_us"] = float(fit[0]), float(fit[1])
+    return out
 
 
 def main():
@@ -166,11 +204,14 @@ def main():
         fcfg = ForwardConfig.for_shape(d, n)
         bcfg = BackwardConfig.for_shape(d, n)
         for kernel in args.kernels.split(","):
-            if kernel in ("up", "up_inference"):
+            ablate = contextlib.nullcontext()
+            if kernel.startswith("up_no"):  # ablations, traced with a _common function replaced
+                ablate = ablated(kernel[len("up_"):])
+            if kernel in ("up", "up_inference") or kernel.startswith("up_no"):
                 cfg = fcfg.up
                 meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(
                     plan.group_sizes, plan.token_ids)
-                inference = kernel == "up_inference"
+                inference = kernel == "up_inference"  # ablations write H too
 
                 def f(x, tok, g, w, cfg=cfg, meta=meta, inference=inference):
                     return up_proj(x, tok, g, w, config=cfg, meta=meta, inference=inference)
@@ -202,12 +243,13 @@ def main():
             else:
                 raise ValueError(f"unknown kernel {kernel!r}")
             log(f"== {name} {shape} {kernel}: {cfg}")
-            t_plain = gpu_time_ms(jax.jit(f), *fargs, iters=10)
-            trace, mhz = run_profiled(f, fargs, os.path.join(args.traces, f"{name}_{kernel}"),
-                                      regions)
-            os.makedirs(os.path.join(args.traces, "timed"), exist_ok=True)
-            with profiled(os.path.join(args.traces, "timed"), regions):
-                t_prof = gpu_time_ms(jax.jit(lambda *a: f(*a)), *fargs, iters=5)
+            with ablate:
+                t_plain = gpu_time_ms(jax.jit(lambda *a: f(*a)), *fargs, iters=10)
+                trace, mhz = run_profiled(f, fargs, os.path.join(args.traces, f"{name}_{kernel}"),
+                                          regions)
+                os.makedirs(os.path.join(args.traces, "timed"), exist_ok=True)
+                with profiled(os.path.join(args.traces, "timed"), regions):
+                    t_prof = gpu_time_ms(jax.jit(lambda *a: f(*a)), *fargs, iters=5)
             log(f"  CUPTI: plain {t_plain * 1e3:.1f} us, profiled {t_prof * 1e3:.1f} us")
             results[f"{name}/{kernel}"] = dict(
                 plain_us=t_plain * 1e3, profiled_us=t_prof * 1e3,
