@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.forward import SHAPES, gpu_time_ms, make_case  # noqa: E402
 from benchmarks.logs import open_log  # noqa: E402
 from pallas_moe.kernels import _common  # noqa: E402
+from pallas_moe.kernels import dh as dh_module  # noqa: E402
 from pallas_moe.kernels.dh import dh_kernel  # noqa: E402
 from pallas_moe.kernels.moe_backward import BackwardConfig  # noqa: E402
 from pallas_moe.kernels.moe_forward import ForwardConfig  # noqa: E402
@@ -63,21 +64,26 @@ def profiled(out_dir: str, regions: int):
 
 @contextlib.contextmanager
 def ablated(what: str):
-    """Traces kernels with a step of the up-proj's epilogue removed (timing only: the
-    outputs are wrong). "nostore": no H / A TMA stores; "nomath": H and A are the rounded
-    accumulators (no SwiGLU); "noepilogue": both."""
-    saved = (_common.store_row_tile, _common.swiglu_epilogue)
+    """Traces kernels with a step of the epilogue removed (timing only: the outputs are
+    wrong). "nostore": no output TMA stores (up-proj: H and A; dH: dH and A'); "nomath":
+    the up-proj writes the rounded accumulators (no SwiGLU), dH writes dA', H gate and H up
+    as dH and A' (no dSwiGLU; dS is the row sum of dA'); "noepilogue": both."""
+    saved = (_common.store_row_tile, _common.swiglu_epilogue, _common.store_rows,
+             dh_module.dswiglu_epilogue)
     if what in ("nostore", "noepilogue"):
         _common.store_row_tile = lambda *a, **k: None
+        _common.store_rows = lambda *a, **k: None
     if what in ("nomath", "noepilogue"):
         _common.swiglu_epilogue = lambda g, u, dtype, *a, **k: (
             g.astype(dtype), g.astype(dtype), u.astype(dtype))
+        dh_module.dswiglu_epilogue = lambda da, g, u, s, *a: (da, g, u, jnp.sum(da, axis=1))
     if what not in ("nostore", "nomath", "noepilogue"):
         raise ValueError(f"unknown ablation {what!r}")
     try:
         yield
     finally:
-        _common.store_row_tile, _common.swiglu_epilogue = saved
+        (_common.store_row_tile, _common.swiglu_epilogue, _common.store_rows,
+         dh_module.dswiglu_epilogue) = saved
 
 
 def sm_clock_mhz() -> float:
@@ -205,8 +211,9 @@ def main():
         bcfg = BackwardConfig.for_shape(d, n)
         for kernel in args.kernels.split(","):
             ablate = contextlib.nullcontext()
-            if kernel.startswith("up_no"):  # ablations, traced with a _common function replaced
-                ablate = ablated(kernel[len("up_"):])
+            if "_no" in kernel:  # ablations, traced with an epilogue function replaced
+                base, what = kernel.split("_", 1)
+                ablate = ablated(what)
             if kernel in ("up", "up_inference") or kernel.startswith("up_no"):
                 cfg = fcfg.up
                 meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(
@@ -222,7 +229,7 @@ def main():
                 roles.update({cfg.num_consumers + p: f"producer{p}"
                               for p in range(cfg.num_producers)})
                 regions = 8
-            elif kernel == "dh":
+            elif kernel == "dh" or kernel.startswith("dh_no"):
                 cfg = bcfg.dh
                 meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(
                     plan.group_sizes, plan.token_ids)
@@ -239,7 +246,7 @@ def main():
                 roles[cfg.num_consumers] = "producer"
                 tiles = meta.num_tiles
                 ctas = cfg.persistent_ctas or tiles
-                regions = 4 * (-(-tiles // ctas)) + 8
+                regions = 8 * (-(-tiles // ctas)) + 8
             else:
                 raise ValueError(f"unknown kernel {kernel!r}")
             log(f"== {name} {shape} {kernel}: {cfg}")

@@ -304,26 +304,28 @@ def _dswiglu_and_store(da, s_smem, hg_ref, hu_ref, ap_ref, ds_ref, dh_out, ap_ou
     ds = None
     # In column chunks: only a chunk's H, temporaries and results are live next to the
     # accumulator (the whole tile at once spills).
-    for q in range(bn // ep_cols):
-        chunk = pl.ds(q * ep_cols, ep_cols)
-        g = plgpu.load(hg_ref.at[:, chunk], layout=layout, optimized=False)
-        u = plgpu.load(hu_ref.at[:, chunk], layout=layout, optimized=False)
-        d_gate, d_up, a_scaled, ds_q = dswiglu_epilogue(
-            da[:, q * ep_cols:(q + 1) * ep_cols], g.astype(jnp.float32),
-            u.astype(jnp.float32), s, activation,
-        )
-        ds = ds_q if ds is None else ds + ds_q
-        # Same layout as the loads above: each thread overwrites only what it read.
-        hg_ref[:, chunk] = d_gate.astype(dtype)
-        hu_ref[:, chunk] = d_up.astype(dtype)
-        ap_ref[:, chunk] = a_scaled.astype(dtype)
-    ds_ref[...] = ds
-    plgpu.commit_smem()
-    _common.store_rows(hg_ref, dh_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
-    _common.store_rows(hu_ref, dh_out.at[:, pl.ds(n + c0, bn)], row0, num_rows, bm)
-    _common.store_rows(ap_ref, ap_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
-    plgpu.copy_smem_to_gmem(ds_ref, ds_dst)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    with jax.named_scope("dswiglu"):
+        for q in range(bn // ep_cols):
+            chunk = pl.ds(q * ep_cols, ep_cols)
+            g = plgpu.load(hg_ref.at[:, chunk], layout=layout, optimized=False)
+            u = plgpu.load(hu_ref.at[:, chunk], layout=layout, optimized=False)
+            d_gate, d_up, a_scaled, ds_q = dswiglu_epilogue(
+                da[:, q * ep_cols:(q + 1) * ep_cols], g.astype(jnp.float32),
+                u.astype(jnp.float32), s, activation,
+            )
+            ds = ds_q if ds is None else ds + ds_q
+            # Same layout as the loads above: each thread overwrites only what it read.
+            hg_ref[:, chunk] = d_gate.astype(dtype)
+            hu_ref[:, chunk] = d_up.astype(dtype)
+            ap_ref[:, chunk] = a_scaled.astype(dtype)
+        ds_ref[...] = ds
+        plgpu.commit_smem()
+    with jax.named_scope("store"):
+        _common.store_rows(hg_ref, dh_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
+        _common.store_rows(hu_ref, dh_out.at[:, pl.ds(n + c0, bn)], row0, num_rows, bm)
+        _common.store_rows(ap_ref, ap_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
+        plgpu.copy_smem_to_gmem(ds_ref, ds_dst)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 
