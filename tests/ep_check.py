@@ -3,6 +3,7 @@
 Run in its own process (the device count is fixed when jax is imported):
 
     python -m tests.ep_check --cases fast      # what tests/test_expert_parallel.py runs
+    python -m tests.ep_check --cases fast_extra  # its opt-in extras (slow)
     python -m tests.ep_check --cases full      # every combination (slow)
 
 For each case it builds the same `MoE` twice (same init), once with
@@ -145,12 +146,22 @@ FAST = [
     # (routing, dispatch, ep_size, skew, extra[, ep_options]); scan_and_capacity_checks adds
     # EP=4 ragged top-K.
     ("topk", "all_gather", 2, True, {}, {"check_vma": True}),
-    ("token_rounding", "all_gather", 4, True, {"tile": 16}),
     ("token_rounding", "all_gather", 1, False, {"tile": 16}),
     ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"}),
     ("topk", "emulated_ragged_all_to_all", 2, False, {"score": "sigmoid", "selection_bias": True}),
-    ("token_rounding", "emulated_ragged_all_to_all", 2, False, {"preset": "biases_clamped", "tile": 16}),
     ("topk", "all_gather", 4, True, {"preset": "grouped_scaled_gated"}),
+]
+
+FAST_EXTRA = [
+    # CI time: opt-in (--cases fast_extra, a slow test); each is another case's twin.
+    # Token rounding through the all-gather dispatch at EP=4, skewed: "layouts"' scan_ep runs
+    # the same (EP=4 of a (2, 4) mesh, skewed inputs, output, loss and gradients at 2e-5);
+    # FAST's EP=1 token-rounding case checks the aux of that dispatch, rounding both ways.
+    ("token_rounding", "all_gather", 4, True, {"tile": 16}),
+    # gpt-oss's biases and clamped SwiGLU through the ragged dispatch: FAST_CHUNKED runs this
+    # very case with overlap="chunked" (same routing, dispatch, EP size, biases); the
+    # unchunked ragged path is FAST's other ragged cases (EP=8 token rounding, EP=2 top-K).
+    ("token_rounding", "emulated_ragged_all_to_all", 2, False, {"preset": "biases_clamped", "tile": 16}),
 ]
 
 FAST_CHUNKED = [
@@ -204,7 +215,10 @@ def error_checks():
            "T=10 must be divisible by the 6 token shards")
     expect("missing_axis", lambda: pm.nn.ExpertParallel(mesh, axis="experts"),
            "axis='experts' is not an axis of the mesh")
-    y, _ = layer(jnp.ones((12, D)))  # and the valid layout on the same mesh runs
+    # And the valid layout on the same mesh runs: under jit, as the README calls the layer
+    # (1.5 s); the same call outside jit is `eager_check`, opt-in (11 s: op by op, each op of
+    # the shard_map body compiles apart).
+    y, _ = nnx.jit(lambda m, x: m(x))(layer, jnp.ones((12, D)))
     checks.append({"check": "valid_3way", "ok": bool(y.shape == (12, D))})
 
     # The emulated collective reproduces the example of `jax.lax.ragged_all_to_all`'s docstring.
@@ -224,6 +238,15 @@ def error_checks():
     result = np.asarray(fn(*args)).reshape(2, 4).tolist()
     checks.append({"check": "emulation_doc_example", "ok": result == [[1, 3, 0, 0], [2, 2, 4, 0]], "result": result})
     return checks
+
+
+def eager_check():
+    """`error_checks`' valid 3-way layout, called outside jit."""
+    mesh = Mesh(np.array(jax.devices()[:6]).reshape(2, 3), ("data", "expert"))
+    layer = pm.nn.MoE(D, N, 6, K, rngs=nnx.Rngs(0), backend="xla",
+                      expert_parallel=pm.nn.ExpertParallel(mesh, axis="expert"))
+    y, _ = layer(jnp.ones((12, D)))
+    return [{"check": "valid_3way_eager", "ok": bool(y.shape == (12, D))}]
 
 
 def scan_and_capacity_checks():
@@ -380,20 +403,21 @@ def signal_primitives_check():
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", choices=("fast", "chunked", "layouts", "schedule", "full"),
+    parser.add_argument("--cases", choices=("fast", "fast_extra", "chunked", "layouts", "schedule", "full"),
                         default="fast")
     args = parser.parse_args(argv)
     assert len(jax.devices()) >= 8, jax.devices()
     # "fast", "chunked", "layouts" and "schedule" split the default checks into processes
-    # (pytest-xdist runs them side by side).
-    cases = {"fast": FAST, "chunked": FAST_CHUNKED, "layouts": [], "schedule": [],
-             "full": list(full_cases())}[args.cases]
+    # (pytest-xdist runs them side by side); "fast_extra" is their opt-in rest.
+    cases = {"fast": FAST, "fast_extra": FAST_EXTRA, "chunked": FAST_CHUNKED, "layouts": [],
+             "schedule": [], "full": list(full_cases())}[args.cases]
     checks = {
-        "fast": error_checks, "chunked": lambda: [], "layouts": scan_and_capacity_checks,
-        "schedule": lambda: schedule_checks() + signal_primitives_check(),
+        "fast": error_checks, "fast_extra": eager_check, "chunked": lambda: [],
+        "layouts": scan_and_capacity_checks, "schedule": lambda: schedule_checks() + signal_primitives_check(),
     }.get(args.cases)
     checks = checks() if checks else (
-        error_checks() + scan_and_capacity_checks() + schedule_checks() + signal_primitives_check()
+        error_checks() + eager_check() + scan_and_capacity_checks() + schedule_checks()
+        + signal_primitives_check()
     )
     failed = 0
     for result in checks:

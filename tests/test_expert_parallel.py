@@ -93,6 +93,18 @@ def test_ep_layouts():
     assert {r["check"] for r in results} == {"scan_ep", "capacity_drop", "capacity_ample", "explicit_mesh"}
 
 
+@pytest.mark.slow  # CI time: twins of default cases (see ep_check.FAST_EXTRA and eager_check)
+def test_ep_matches_single_device_extra():
+    """The opt-in rest of `test_ep_matches_single_device`: token rounding through the
+    all-gather dispatch at EP=4, gpt-oss's biases through the unchunked ragged dispatch, and
+    the valid 3-way layout called outside jit."""
+    proc, results = _run_ep_check("fast_extra")
+    _check(proc, results, 3)
+    assert {r["check"] for r in results if "check" in r} == {"valid_3way_eager"}
+    results = [r for r in results if "check" not in r]
+    assert {(r["dispatch"], r["ep"]) for r in results} == {("all_gather", 4), ("emulated_ragged_all_to_all", 2)}
+
+
 @pytest.mark.slow
 def test_ep_matches_single_device_full_matrix():
     proc, results = _run_ep_check("full")
