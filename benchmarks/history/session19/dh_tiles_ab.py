@@ -26,6 +26,7 @@ from pallas_moe.ops.minimal_backward import dswiglu  # noqa: E402
 spec = importlib.util.spec_from_file_location(
     "dh_untiled", os.path.join(os.path.dirname(__file__), "dh_untiled.py"))
 old = importlib.util.module_from_spec(spec)
+sys.modules["dh_untiled"] = old  # dataclasses look their module up there
 spec.loader.exec_module(old)
 
 rows_out = []
@@ -58,7 +59,7 @@ for name in sys.argv[1].split(","):
     same = all(np.array_equal(a, b) for a, b in zip(outs["untiled"], outs["tiled"]))
     finite = all(np.all(np.isfinite(a.astype(np.float32))) for a in outs["tiled"])
     # Against the jnp dSwiGLU of the same dA' (dO gathered @ W2^T in f32).
-    sl = slice(0, min(rows, 8192))
+    sl = slice(0, min(rows, 1024))
     tok = np.asarray(plan.token_ids)[sl]
     ex = np.searchsorted(np.cumsum(np.asarray(plan.group_sizes)), np.arange(sl.stop), side="right")
     da = jnp.einsum("rd,rnd->rn", go[tok].astype(jnp.float32), w2[ex].astype(jnp.float32))
