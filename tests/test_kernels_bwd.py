@@ -504,7 +504,7 @@ def test_lowers_for_cuda_large(shape):
 @pytest.mark.parametrize(
     "num_tokens, d, stages, num_ctas, block_n",
     [(100, 448, 5, 1, 64), (60, 64, 4, 2, 64), (90, 128, 4, 3, 64), (70, 192, 5, 2, 128)],
-    ids=["one_cta_7_k_steps", "k_steps_within_free_slots", "three_ctas", "two_slab_tiles"],
+    ids=["one_cta_7_k_steps", "k_steps_within_free_slots", "three_ctas", "block_n_128"],
 )
 def test_dh_persistent_matches_one_cta_per_tile_no_races(num_tokens, d, stages, num_ctas,
                                                          block_n):
@@ -512,8 +512,7 @@ def test_dh_persistent_matches_one_cta_per_tile_no_races(num_tokens, d, stages, 
     bitwise, with the race detector: one CTA walking every tile (7 K steps over 5 slots, two
     of them free during the epilogue), an item shorter than the free slots (d = 64: the
     producer waits for the epilogue after its K loop), 3 CTAs, and block_n = 128 (the 7B
-    default: each epilogue tile is two 64-column swizzled slabs, loaded and stored by
-    ladders per slab); an empty expert gives empty tiles to skip. Also against the
+    default's epilogue tiles); an empty expert gives empty tiles to skip. Also against the
     reference."""
     import dataclasses
 
@@ -546,7 +545,6 @@ def test_dh_persistent_config_errors():
     for bad, match in [(dict(early_h=True), "early_h=False"),
                        (dict(num_consumers=0, gather="tma"), "num_consumers >= 1"),
                        (dict(persistent_ctas=-1), "persistent_ctas=-1"),
-                       (dict(num_stages=3), "num_stages=3 is too few"),
-                       (dict(epilogue_cols=32), "epilogue_cols=32 must be 0 or a multiple of 64")]:
+                       (dict(num_stages=3), "num_stages=3 is too few")]:
         with pytest.raises(ValueError, match=match):
             dh_kernel(*args, config=dataclasses.replace(base, **bad), interpret=True)
