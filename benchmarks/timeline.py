@@ -86,6 +86,44 @@ def ablated(what: str):
          dh_module.dswiglu_epilogue) = saved
 
 
+@contextlib.contextmanager
+def stores_evict_first():
+    """Traces kernels whose TMA stores (SMEM -> GMEM) carry an L2 `evict_first` cache
+    policy (`createpolicy.fractional.L2::evict_first`), so the streamed outputs do not push
+    the operands the next tiles reuse (weights, gathered rows, H) out of L2. The outputs are
+    the same bits: a cache hint only."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental.mosaic.gpu import launch_context
+
+    nvvm = launch_context.nvvm
+    original = nvvm.cp_async_bulk_tensor_global_shared_cta
+
+    def with_policy(tma_desc, smem_ptr, coords, predicate=None, **kwargs):
+        # The NVVM op's own lowering takes no cache hint together with a predicate: the
+        # store is written out as PTX here.
+        if kwargs:
+            raise NotImplementedError(f"store with {sorted(kwargs)}")
+        i64 = ir.IntegerType.get_signless(64)
+        policy = llvm.inline_asm(i64, [], "createpolicy.fractional.L2::evict_first.b64.f32 $0, 1.0;",
+                                 "=l", has_side_effects=False)
+        if predicate is None:
+            predicate = arith.constant(ir.IntegerType.get_signless(1), 1)
+        rank = len(coords)
+        idx = ",".join(f"${i}" for i in range(3, 3 + rank))
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"), [predicate, smem_ptr, tma_desc, *coords, policy],
+            f"@$0 cp.async.bulk.tensor.{rank}d.global.shared::cta.tile.bulk_group"
+            f".L2::cache_hint [$2, {{{idx}}}], [$1], ${3 + rank};",
+            "b,r,l" + ",r" * rank + ",l", has_side_effects=True)
+
+    nvvm.cp_async_bulk_tensor_global_shared_cta = with_policy
+    try:
+        yield
+    finally:
+        nvvm.cp_async_bulk_tensor_global_shared_cta = original
+
+
 def sm_clock_mhz() -> float:
     """The SM clock nvidia-smi reports now (0 if it cannot be read)."""
     try:
@@ -211,10 +249,12 @@ def main():
         bcfg = BackwardConfig.for_shape(d, n)
         for kernel in args.kernels.split(","):
             ablate = contextlib.nullcontext()
-            if "_no" in kernel:  # ablations, traced with an epilogue function replaced
+            if kernel.endswith("_evictfirst"):  # same kernel, stores with an L2 hint
+                ablate = stores_evict_first()
+            elif "_no" in kernel:  # ablations, traced with an epilogue function replaced
                 base, what = kernel.split("_", 1)
                 ablate = ablated(what)
-            if kernel in ("up", "up_inference") or kernel.startswith("up_no"):
+            if kernel in ("up", "up_inference", "up_evictfirst") or kernel.startswith("up_no"):
                 cfg = fcfg.up
                 meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(
                     plan.group_sizes, plan.token_ids)
@@ -229,7 +269,7 @@ def main():
                 roles.update({cfg.num_consumers + p: f"producer{p}"
                               for p in range(cfg.num_producers)})
                 regions = 8
-            elif kernel == "dh" or kernel.startswith("dh_no"):
+            elif kernel in ("dh", "dh_evictfirst") or kernel.startswith("dh_no"):
                 cfg = bcfg.dh
                 meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(
                     plan.group_sizes, plan.token_ids)
