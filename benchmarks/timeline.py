@@ -101,21 +101,20 @@ def stores_evict_first():
 
     def with_policy(tma_desc, smem_ptr, coords, predicate=None, **kwargs):
         # The NVVM op's own lowering takes no cache hint together with a predicate: the
-        # store is written out as PTX here.
+        # store is written out as PTX here, the policy made in a register of its own block.
         if kwargs:
             raise NotImplementedError(f"store with {sorted(kwargs)}")
-        i64 = ir.IntegerType.get_signless(64)
-        policy = llvm.inline_asm(i64, [], "createpolicy.fractional.L2::evict_first.b64.f32 $0, 1.0;",
-                                 "=l", has_side_effects=False)
         if predicate is None:
             predicate = arith.constant(ir.IntegerType.get_signless(1), 1)
         rank = len(coords)
         idx = ",".join(f"${i}" for i in range(3, 3 + rank))
         llvm.inline_asm(
-            ir.Type.parse("!llvm.void"), [predicate, smem_ptr, tma_desc, *coords, policy],
+            ir.Type.parse("!llvm.void"), [predicate, smem_ptr, tma_desc, *coords],
+            "{\n.reg .b64 policy;\n"
+            "createpolicy.fractional.L2::evict_first.b64.f32 policy, 1.0;\n"
             f"@$0 cp.async.bulk.tensor.{rank}d.global.shared::cta.tile.bulk_group"
-            f".L2::cache_hint [$2, {{{idx}}}], [$1], ${3 + rank};",
-            "b,r,l" + ",r" * rank + ",l", has_side_effects=True)
+            f".L2::cache_hint [$2, {{{idx}}}], [$1], policy;\n}}",
+            "b,r,l" + ",r" * rank, has_side_effects=True)
 
     nvvm.cp_async_bulk_tensor_global_shared_cta = with_policy
     try:
