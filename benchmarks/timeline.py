@@ -111,7 +111,7 @@ def stores_evict_first():
         llvm.inline_asm(
             ir.Type.parse("!llvm.void"), [predicate, smem_ptr, tma_desc, *coords],
             "{\n.reg .b64 policy;\n"
-            "createpolicy.fractional.L2::evict_first.b64.f32 policy, 1.0;\n"
+            "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
             f"@$0 cp.async.bulk.tensor.{rank}d.global.shared::cta.tile.bulk_group"
             f".L2::cache_hint [$2, {{{idx}}}], [$1], policy;\n}}",
             "b,r,l" + ",r" * rank, has_side_effects=True)
