@@ -182,8 +182,10 @@ def test_int8_grouped_matmul_on_gpu(gated):
 INT8_VS_BF16_TOL = 0.05
 # The kernels against the jnp steps: the same exact s32 sums and formulas; only the
 # SwiGLU's sigmoid may round differently (ex2.approx on the GPU), moving a requantized
-# element of A by one int8 step now and then.
-INT8_KERNELS_VS_XLA_TOL = 1e-2
+# element of A by one int8 step now and then. Measured: 1.4e-5 in interpret mode, 1.7e-5
+# and 9.4e-6 on the H100 (session 19; 9.8e-3 before the reference rounded H with
+# `round_bf16`, which XLA on GPU cannot drop).
+INT8_KERNELS_VS_XLA_TOL = 1e-3
 
 
 def test_quantize_experts_int8():
