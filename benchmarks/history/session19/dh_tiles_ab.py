@@ -1,7 +1,8 @@
 """The persistent dH with swizzled epilogue tiles (session 19) against the same kernel with
-untiled [bm, bn] tiles (`dh_untiled.py`, the code before), same run, H100: bitwise outputs
-on poisoned buffers and CUPTI time, alternating rounds.
+untiled [bm, bn] tiles (dh.py at e06568a, the code before and after), same run, H100:
+bitwise outputs on poisoned buffers and CUPTI time, alternating rounds.
 
+    git apply benchmarks/history/session19/dh_swizzled_tiles_experiment.patch
     PYTHONPATH=. python3 benchmarks/history/session19/dh_tiles_ab.py 7b,30b
 """
 import dataclasses
@@ -23,8 +24,14 @@ from pallas_moe.kernels.dh import dh_kernel  # noqa: E402
 from pallas_moe.kernels.moe_backward import BackwardConfig  # noqa: E402
 from pallas_moe.ops.minimal_backward import dswiglu  # noqa: E402
 
-spec = importlib.util.spec_from_file_location(
-    "dh_untiled", os.path.join(os.path.dirname(__file__), "dh_untiled.py"))
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+
+_untiled = os.path.join(tempfile.mkdtemp(), "dh_untiled.py")
+with open(_untiled, "w") as fh:  # the untiled kernel, as committed before the experiment
+    fh.write(subprocess.run(["git", "show", "e06568a:pallas_moe/kernels/dh.py"],
+                            capture_output=True, text=True, check=True).stdout)
+spec = importlib.util.spec_from_file_location("dh_untiled", _untiled)
 old = importlib.util.module_from_spec(spec)
 sys.modules["dh_untiled"] = old  # dataclasses look their module up there
 spec.loader.exec_module(old)
