@@ -12,9 +12,9 @@ trace Mosaic GPU dumps. Thread 0 of every warpgroup records `%clock` at each reg
 and exit, and `%globaltimer` once at the CTA's start.
 
 It prints, per kernel and warpgroup role, each region's median / p10 / p90 duration per
-visit (cycles converted to us at the SM clock `nvidia-smi` reports during the run), the
-share of the CTA's time, and the per-SM gaps between consecutive CTAs (launch and
-teardown, one-CTA-per-tile kernels). The unprofiled kernel's CUPTI time is measured in the
+visit (cycles converted to us at the SM clock fitted from the trace, see `summarize`), the
+sum per CTA, and the time between consecutive CTAs on an SM (launch and teardown,
+one-CTA-per-tile kernels). The unprofiled kernel's CUPTI time is measured in the
 same run, so the profiler's own cost shows.
 """
 
@@ -152,16 +152,22 @@ def run_profiled(f, args, out_dir: str, regions: int):
 
 
 def summarize(trace, num_wgs: int, roles: dict[int, str], mhz: float, log):
-    """Per-region durations per role, CTA durations and per-SM gaps between CTAs.
+    """Per-region durations per role, CTA durations and the time between CTAs on an SM.
 
     Events of one trace (a warpgroup of a CTA): `ts` = (globaltimer at the CTA's start, ns
     + `%clock` cycles since the trace's first event) / 1e3, so within a trace differences
-    are cycles / 1e3 and the first event is the CTA's start in wall ns / 1e3."""
+    are cycles / 1e3 and the first event is the CTA's start in wall ns / 1e3.
+
+    The SM clock under load (what converts cycles to us) is fitted from the trace itself: on
+    one SM the wall time from a CTA's start to the next CTA's start is (the first CTA's
+    cycles) / f + gap, so a least-squares line over all such pairs gives 1 / f (slope) and
+    the mean time from a CTA's last event to the next CTA's start (intercept). Without
+    enough pairs (persistent kernels) `mhz` (nvidia-smi's reading, often the idle boost
+    clock) converts instead."""
     by_tid: dict[int, list] = {}
     for ev in trace["traceEvents"]:
         by_tid.setdefault(ev["tid"], []).append(ev)
-    cyc_per_us = mhz if mhz > 0 else 1755.0
-    durations: dict[tuple[str, str], list[float]] = {}
+    cycles: dict[tuple[str, str], list[float]] = {}
     cta_span: dict[int, list] = {}  # block -> [start wall us, cycles to its last event, sm]
     for tid, evs in by_tid.items():
         block, wg = divmod(tid - 1, num_wgs)
@@ -174,61 +180,53 @@ def summarize(trace, num_wgs: int, roles: dict[int, str], mhz: float, log):
                 stack.append((ev["name"], cyc))
             else:
                 name, c0 = stack.pop()
-                durations.setdefault((role, name), []).append((cyc - c0) / cyc_per_us)
-        last = (evs[-1]["ts"] - t0) * 1e3
-        span = cta_span.setdefault(block, [t0, 0.0, ev["pid"]])
+                cycles.setdefault((role, name), []).append(cyc - c0)
+        span = cta_span.setdefault(block, [t0, 0.0, evs[0]["pid"]])
         span[0] = min(span[0], t0)
-        span[1] = max(span[1], last)
-    log(f"  SM clock {mhz:.0f} MHz (nvidia-smi after the run; 1755 assumed if 0)")
-    log("  | role | region | visits | median us | p10 | p90 | sum per CTA us |")
-    log("  |---|---|---|---|---|---|---|")
-    num_blocks = len(cta_span)
-    for (role, name), ds in sorted(durations.items()):
-        a = np.asarray(ds)
-        log(f"  | {role} | {name} | {a.size} | {np.median(a):.2f} | {np.percentile(a, 10):.2f} | "
-            f"{np.percentile(a, 90):.2f} | {a.sum() / max(num_blocks, 1):.2f} |")
-    # Per SM: CTAs in start order; gap = next start - (start + this CTA's recorded span).
+        span[1] = max(span[1], (evs[-1]["ts"] - t0) * 1e3)
     per_sm: dict[int, list] = {}
-    for start, cycles, sm in cta_span.values():
-        per_sm.setdefault(sm, []).append((start, cycles / cyc_per_us))
-    gaps, spans, counts = [], [], []
-    for rows in per_sm.values():
-        rows.sort()
-        counts.append(len(rows))
-        spans.extend(s for _, s in rows)
-        gaps.extend(b[0] - (a[0] + a[1]) for a, b in zip(rows, rows[1:]))
-    starts = [s for s, _, _ in cta_span.values()]
-    ends = [s + c / cyc_per_us for s, c, _ in cta_span.values()]
-    log(f"  CTAs {num_blocks} on {len(per_sm)} SMs ({min(counts)}-{max(counts)} each); "
-        f"CTA recorded span median {np.median(spans):.2f} us; "
-        f"first start to last end {max(ends) - min(starts):.1f} us")
-    # The SM clock under load, and the time between CTAs, from the trace itself: per SM, the
-    # wall time between consecutive CTAs' starts is (cycles of the first) / f + gap; a least-
-    # squares fit over all pairs gives 1 / f (slope) and the mean gap (intercept).
+    for start, cyc, sm in cta_span.values():
+        per_sm.setdefault(sm, []).append((start, cyc))
     xs, ys = [], []
     for rows in per_sm.values():
+        rows.sort()
         for a, b in zip(rows, rows[1:]):
-            xs.append(a[1] * cyc_per_us)  # cycles
+            xs.append(a[1])  # cycles
             ys.append(b[0] - a[0])  # wall us
     fit = None
     if len(xs) > 10 and np.std(xs) > 0:
         slope, intercept = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
         fit = (1.0 / slope, intercept)
+    if fit is not None and 500 < fit[0] < 2500:
+        cyc_per_us, clock_note = fit[0], "fitted from the trace"
+    else:
+        cyc_per_us = mhz if mhz > 0 else 1755.0
+        clock_note = "nvidia-smi after the run" if mhz > 0 else "assumed"
+    log(f"  SM clock {cyc_per_us:.0f} MHz ({clock_note}; nvidia-smi read {mhz:.0f})")
+    log("  | role | region | visits | median us | p10 | p90 | sum per CTA us |")
+    log("  |---|---|---|---|---|---|---|")
+    num_blocks = len(cta_span)
+    for (role, name), cs in sorted(cycles.items()):
+        a = np.asarray(cs) / cyc_per_us
+        log(f"  | {role} | {name} | {a.size} | {np.median(a):.2f} | {np.percentile(a, 10):.2f} | "
+            f"{np.percentile(a, 90):.2f} | {a.sum() / max(num_blocks, 1):.2f} |")
+    spans = [c / cyc_per_us for _, c, _ in cta_span.values()]
+    starts = [s for s, _, _ in cta_span.values()]
+    ends = [s + c / cyc_per_us for s, c, _ in cta_span.values()]
+    counts = [len(rows) for rows in per_sm.values()]
+    log(f"  CTAs {num_blocks} on {len(per_sm)} SMs ({min(counts)}-{max(counts)} each); "
+        f"CTA recorded span median {np.median(spans):.2f} us; "
+        f"first start to last end {max(ends) - min(starts):.1f} us")
+    if fit is not None:
         log(f"  fit of CTA start-to-start wall time on its cycles ({len(xs)} pairs, cycles "
             f"p10-p90 {np.percentile(xs, 10):.0f}-{np.percentile(xs, 90):.0f}): SM clock "
             f"{fit[0]:.0f} MHz, time between one CTA's last event and the next CTA's start "
-            f"{fit[1]:.2f} us")
-    if gaps:
-        g = np.asarray(gaps)
-        log(f"  gap between consecutive CTAs on an SM (launch + the part of the CTA before its "
-            f"first / after its last event): median {np.median(g):.2f} us, p10 "
-            f"{np.percentile(g, 10):.2f}, p90 {np.percentile(g, 90):.2f}, sum per SM "
-            f"{g.sum() / len(per_sm):.1f} us")
-    out = {f"{role}/{name}": float(np.median(ds)) for (role, name), ds in durations.items()}
+            f"{fit[1]:.2f} us (sum per SM {fit[1] * len(xs) / len(per_sm):.1f} us)")
+    out = {f"{role}/{name}": float(np.median(cs) / cyc_per_us) for (role, name), cs in cycles.items()}
+    out["clock_mhz"] = float(cyc_per_us)
     if fit is not None:
         out["fit_clock_mhz"], out["fit_gap_us"] = float(fit[0]), float(fit[1])
     return out
-
 
 def main():
     ap = argparse.ArgumentParser()
