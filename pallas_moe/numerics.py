@@ -130,6 +130,17 @@ def _round_bf16_jvp(primals, tangents):
     return round_bf16(x), t.astype(jnp.float32)
 
 
+def round_to(x: jax.Array, dtype) -> jax.Array:
+    """`x` rounded to `dtype`'s precision, as f32: a reference's rounding point (a value the
+    kernels store in `dtype` and read back). bf16 goes through `round_bf16`, which XLA on a
+    GPU cannot drop (measured on the H100, session 19: it dropped the convert pair of the
+    fp8 epilogue reference, 34% of A's elements one bf16 step off); other dtypes through
+    the convert pair."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return round_bf16(x)
+    return x.astype(dtype).astype(jnp.float32)
+
+
 def multiplied_scores(scores: jax.Array, aggregation: str) -> jax.Array:
     """f32 router weights as the aggregation multiplies them: bf16-rounded for "bf16_scores".
 

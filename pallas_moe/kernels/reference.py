@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_moe.numerics import round_bf16
+from pallas_moe.numerics import round_to
 from pallas_moe.ops.activation import SwiGLU
 
 
@@ -124,20 +124,9 @@ def fp8_epilogue_reference(acc, row_scales, col_scales, *, gated: bool, out_dtyp
     deq = acc * row_scales[:, None] * col_scales
     if gated:
         n = deq.shape[1] // 2
-        hg, hu = _rounded_to(deq[:, :n], out_dtype), _rounded_to(deq[:, n:], out_dtype)
+        hg, hu = round_to(deq[:, :n], out_dtype), round_to(deq[:, n:], out_dtype)
         deq = hg * jax.nn.sigmoid(hg) * hu
     return deq.astype(out_dtype)
-
-
-def _rounded_to(x: jax.Array, dtype) -> jax.Array:
-    """f32 `x` rounded to `dtype`'s precision, staying f32. For bf16 through
-    `numerics.round_bf16` (`lax.reduce_precision`): XLA on GPU drops an f32 -> bf16 -> f32
-    convert pair under its excess-precision rule, and did here (measured on the H100,
-    session 19: 35% of the int8 forward's A elements one bf16 step off the CPU's, 0.98% on
-    the layer output)."""
-    if jnp.dtype(dtype) == jnp.bfloat16:
-        return round_bf16(x)
-    return x.astype(dtype).astype(jnp.float32)
 
 
 def aggregate_reference(

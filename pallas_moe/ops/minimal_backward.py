@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_moe.numerics import round_to
 from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.ops.xla import scan_row_tiles
 from pallas_moe.routing.plan import DispatchPlan
@@ -152,7 +153,7 @@ def moe_ffn_backward(
         dw2_t = jnp.einsum("cmn,cmd->cnd", a_scaled, do_t, preferred_element_type=jnp.float32)
         dw1_t = jnp.einsum("cmd,cmf->cdf", x_t, dh, preferred_element_type=jnp.float32)
         dx_rows = jnp.einsum("cmf,cdf->cmd", dh, w_gate_up[e], preferred_element_type=jnp.float32)
-        dx_rows = jnp.where(slot_is_row, dx_rows.astype(dtype).astype(jnp.float32), 0.0)
+        dx_rows = jnp.where(slot_is_row, round_to(dx_rows, dtype), 0.0)  # the kernel's bf16 rows
         dx = dx.at[tok.reshape(-1)].add(dx_rows.reshape(-1, d))
         dw1 = dw1.at[e].add(dw1_t)
         dw2 = dw2.at[e].add(dw2_t)
