@@ -5,7 +5,9 @@
 
 The kernels mark their phases with `jax.named_scope` (the up-proj: the producer's `ids`,
 `loads`, `drain`; the consumers' `k_loop`, `epilogue_sync`, `epilogue_math`,
-`epilogue_store`; the persistent dH: `k_loop`, `epilogue_sync`, `h_load`, `epilogue`). The
+`epilogue_store`; the persistent dH: `k_loop`, `epilogue_sync`, `h_load`, `epilogue`
+(`dswiglu`, `store`); the grouped-GEMM engine's consumers (`down`, `dx`): `k_loop`,
+`epilogue_math`, `previous_store`, `epilogue_store`). The
 scopes cost nothing unless the kernel is compiled with `plgpu.CompilerParams.profile_space`:
 this script sets it (for the kernel under test only), runs the kernel once, and reads the
 trace Mosaic GPU dumps. Thread 0 of every warpgroup records `%clock` at each region's entry
@@ -40,6 +42,8 @@ from benchmarks.logs import open_log  # noqa: E402
 from pallas_moe.kernels import _common  # noqa: E402
 from pallas_moe.kernels import dh as dh_module  # noqa: E402
 from pallas_moe.kernels.dh import dh_kernel  # noqa: E402
+from pallas_moe.kernels.down_proj import down_proj  # noqa: E402
+from pallas_moe.kernels.dx import dx_rows  # noqa: E402
 from pallas_moe.kernels.moe_backward import BackwardConfig  # noqa: E402
 from pallas_moe.kernels.moe_forward import ForwardConfig  # noqa: E402
 from pallas_moe.kernels.up_proj import up_proj  # noqa: E402
@@ -284,6 +288,30 @@ def main():
                 tiles = meta.num_tiles
                 ctas = cfg.persistent_ctas or tiles
                 regions = 8 * (-(-tiles // ctas)) + 8
+            elif kernel in ("down", "dx"):  # the persistent grouped-GEMM engine
+                pad = -(-plan.capacity // 128) * 128
+                if kernel == "down":
+                    cfg = fcfg.down
+                    lhs = jax.random.normal(jax.random.key(5), (pad, n), jnp.float32
+                                            ).astype(jnp.bfloat16)
+
+                    def f(a, g, w, cfg=cfg):
+                        return down_proj(a, g, w, config=cfg, capacity=plan.capacity)
+
+                    fargs = (lhs, plan.group_sizes, w2)
+                else:
+                    cfg = bcfg.dx
+                    lhs = jax.random.normal(jax.random.key(5), (pad, 2 * n), jnp.float32
+                                            ).astype(jnp.bfloat16)
+
+                    def f(dh, g, w, cfg=cfg):
+                        return dx_rows(dh, g, w, capacity=plan.capacity, config=cfg)
+
+                    fargs = (lhs, plan.group_sizes, w1)
+                wgs = 3
+                roles = {0: "consumer0", 1: "consumer1", 2: "producer"}
+                items = -(-(plan.capacity // cfg.block_m + E) * (d // cfg.block_n) // 132)
+                regions = min(4 * items + 8, 48)  # the first items: SMEM is tight
             else:
                 raise ValueError(f"unknown kernel {kernel!r}")
             log(f"== {name} {shape} {kernel}: {cfg}")

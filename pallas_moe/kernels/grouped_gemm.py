@@ -787,25 +787,31 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                     if requant:
                         quantize_rows(j, c, bar_c, a_rows, dst0 - out_row0, src0, count)
                         return carry
-                    if promote_every:
-                        accs = promoted_k_loop(j, bar_c, a_rows)
-                    else:
-                        accs = k_steps(j, 0, num_k, bar_c, a_rows)  # [mb, bn] f32 each
-                    if eight_bit:
-                        plgpu.barrier_wait(scale_bar.at[c])
-                        y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, 0], out_dtype)
-                    else:
-                        (y,) = accs
-                    if has_bias:
-                        plgpu.barrier_wait(bias_bars.at[c])
-                        y = y + _common.bias_columns(bias_smem.at[c], mb)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's store
-                    _common.write_row_tile(o_mma.at[c], y.astype(out_dtype))
-                    plgpu.commit_smem()
-                    _common.store_row_tile(
-                        o_copy.at[c], out_ref.at[:, pl.ds(ni * bn, bn)], dst0 - out_row0, count,
-                        mb, src_row0=src0,
-                    )
+                    # Named regions: `benchmarks/timeline.py` (no-ops unless profiled).
+                    with jax.named_scope("k_loop"):
+                        if promote_every:
+                            accs = promoted_k_loop(j, bar_c, a_rows)
+                        else:
+                            accs = k_steps(j, 0, num_k, bar_c, a_rows)  # [mb, bn] f32 each
+                    with jax.named_scope("epilogue_math"):
+                        if eight_bit:
+                            plgpu.barrier_wait(scale_bar.at[c])
+                            y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, 0],
+                                                     out_dtype)
+                        else:
+                            (y,) = accs
+                        if has_bias:
+                            plgpu.barrier_wait(bias_bars.at[c])
+                            y = y + _common.bias_columns(bias_smem.at[c], mb)
+                    with jax.named_scope("previous_store"):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's store
+                    with jax.named_scope("epilogue_store"):
+                        _common.write_row_tile(o_mma.at[c], y.astype(out_dtype))
+                        plgpu.commit_smem()
+                        _common.store_row_tile(
+                            o_copy.at[c], out_ref.at[:, pl.ds(ni * bn, bn)], dst0 - out_row0,
+                            count, mb, src_row0=src0,
+                        )
                     return carry
 
                 num_mine = my_items if split_m else (my_items - c + 1) // 2
