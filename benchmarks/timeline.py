@@ -1,7 +1,11 @@
 """Where a kernel's time goes inside it: Mosaic GPU's on-device profiler (run on an H100).
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/timeline.py --out $OUT \
-        [--shapes 7b,30b] [--kernels up,up_inference,dh]
+        [--shapes 7b,30b] [--kernels up,up_inference,dh,down,dx]
+
+A kernel name is `up`, `dh`, `down` or `dx`, optionally with a variant: `up_inference` (no
+H), `_nostore` / `_nomath` / `_noepilogue` (`ablated`: timing only, wrong outputs) or
+`_evictfirst` (`stores_evict_first`).
 
 The kernels mark their phases with `jax.named_scope` (the up-proj: the producer's `ids`,
 `loads`, `drain`; the consumers' `k_loop`, `epilogue_sync`, `epilogue_math`,
@@ -66,12 +70,18 @@ def profiled(out_dir: str, regions: int):
         plgpu.CompilerParams = original
 
 
+ABLATIONS = ("nostore", "nomath", "noepilogue")
+KERNELS = ("up", "dh", "down", "dx")
+
+
 @contextlib.contextmanager
 def ablated(what: str):
     """Traces kernels with a step of the epilogue removed (timing only: the outputs are
     wrong). "nostore": no output TMA stores (up-proj: H and A; dH: dH and A'); "nomath":
     the up-proj writes the rounded accumulators (no SwiGLU), dH writes dA', H gate and H up
     as dH and A' (no dSwiGLU; dS is the row sum of dA'); "noepilogue": both."""
+    if what not in ABLATIONS:
+        raise ValueError(f"unknown ablation {what!r}")
     saved = (_common.store_row_tile, _common.swiglu_epilogue, _common.store_rows,
              dh_module.dswiglu_epilogue)
     if what in ("nostore", "noepilogue"):
@@ -81,8 +91,6 @@ def ablated(what: str):
         _common.swiglu_epilogue = lambda g, u, dtype, *a, **k: (
             g.astype(dtype), g.astype(dtype), u.astype(dtype))
         dh_module.dswiglu_epilogue = lambda da, g, u, s, *a: (da, g, u, jnp.sum(da, axis=1))
-    if what not in ("nostore", "nomath", "noepilogue"):
-        raise ValueError(f"unknown ablation {what!r}")
     try:
         yield
     finally:
@@ -138,8 +146,9 @@ def sm_clock_mhz() -> float:
 
 
 def run_profiled(f, args, out_dir: str, regions: int):
-    """Runs a fresh jit of f once with the profiler on and returns the dumped trace
-    (parsed JSON) and the SM clock sampled right after."""
+    """Runs a fresh jit of f with the profiler on and returns (the dumped trace, parsed
+    JSON; the SM clock sampled right after; the profiled jitted function, which dumps a
+    trace into `out_dir` at every call)."""
     os.makedirs(out_dir, exist_ok=True)
     before = set(glob.glob(os.path.join(out_dir, "*-trace.json")))
     with profiled(out_dir, regions):
@@ -152,7 +161,7 @@ def run_profiled(f, args, out_dir: str, regions: int):
     if not new:
         raise RuntimeError("the profiled kernel dumped no trace")
     with open(new[-1]) as fh:
-        return json.load(fh), mhz
+        return json.load(fh), mhz, g
 
 
 def summarize(trace, num_wgs: int, roles: dict[int, str], mhz: float, log):
@@ -232,6 +241,7 @@ def summarize(trace, num_wgs: int, roles: dict[int, str], mhz: float, log):
         out["fit_clock_mhz"], out["fit_gap_us"] = float(fit[0]), float(fit[1])
     return out
 
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -249,31 +259,33 @@ def main():
         fcfg = ForwardConfig.for_shape(d, n)
         bcfg = BackwardConfig.for_shape(d, n)
         for kernel in args.kernels.split(","):
-            ablate = contextlib.nullcontext()
-            if kernel.endswith("_evictfirst"):  # same kernel, stores with an L2 hint
-                ablate = stores_evict_first()
-            elif "_no" in kernel:  # ablations, traced with an epilogue function replaced
-                base, what = kernel.split("_", 1)
-                ablate = ablated(what)
-            if kernel in ("up", "up_inference", "up_evictfirst") or kernel.startswith("up_no"):
-                cfg = fcfg.up
-                meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(
+            base, _, variant = kernel.partition("_")  # e.g. "up_nostore" -> "up", "nostore"
+            if base not in KERNELS or variant not in ("", "inference", "evictfirst", *ABLATIONS) \
+                    or (variant == "inference" and base != "up"):
+                raise ValueError(f"unknown kernel {kernel!r}")
+            if variant == "evictfirst":  # same kernel, stores with an L2 hint
+                variant_ctx = stores_evict_first()
+            elif variant in ABLATIONS:  # traced with an epilogue function replaced
+                variant_ctx = ablated(variant)
+            else:
+                variant_ctx = contextlib.nullcontext()
+            cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx}[base]
+            if base in ("up", "dh"):  # the gathering kernels' per-plan row tiles
+                meta = jax.jit(lambda g, t, bm=cfg.block_m: _common.tile_meta(g, t, bm))(
                     plan.group_sizes, plan.token_ids)
-                inference = kernel == "up_inference"  # ablations write H too
+                roles = {c: f"consumer{c}" for c in range(cfg.num_consumers)}
+            if base == "up":
+                inference = variant == "inference"  # ablations write H too
 
                 def f(x, tok, g, w, cfg=cfg, meta=meta, inference=inference):
                     return up_proj(x, tok, g, w, config=cfg, meta=meta, inference=inference)
 
                 fargs = (x, plan.token_ids, plan.group_sizes, w1)
                 wgs = cfg.num_consumers + cfg.num_producers
-                roles = {c: f"consumer{c}" for c in range(cfg.num_consumers)}
                 roles.update({cfg.num_consumers + p: f"producer{p}"
                               for p in range(cfg.num_producers)})
                 regions = 8
-            elif kernel in ("dh", "dh_evictfirst") or kernel.startswith("dh_no"):
-                cfg = bcfg.dh
-                meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(
-                    plan.group_sizes, plan.token_ids)
+            elif base == "dh":
                 h = jax.random.normal(jax.random.key(5), (plan.capacity, 2 * n),
                                       jnp.float32).astype(jnp.bfloat16)
                 go = jax.random.normal(jax.random.key(6), (T, d), jnp.float32).astype(jnp.bfloat16)
@@ -283,45 +295,33 @@ def main():
 
                 fargs = (go, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
                 wgs = cfg.num_consumers + 1
-                roles = {c: f"consumer{c}" for c in range(cfg.num_consumers)}
                 roles[cfg.num_consumers] = "producer"
                 tiles = meta.num_tiles
                 ctas = cfg.persistent_ctas or tiles
                 regions = 8 * (-(-tiles // ctas)) + 8
-            elif kernel in ("down", "dx"):  # the persistent grouped-GEMM engine
+            else:  # the persistent grouped-GEMM engine: down-proj or dX~
                 pad = -(-plan.capacity // 128) * 128
-                if kernel == "down":
-                    cfg = fcfg.down
-                    lhs = jax.random.normal(jax.random.key(5), (pad, n), jnp.float32
-                                            ).astype(jnp.bfloat16)
-
+                width, w = (n, w2) if base == "down" else (2 * n, w1)
+                lhs = jax.random.normal(jax.random.key(5), (pad, width), jnp.float32
+                                        ).astype(jnp.bfloat16)
+                if base == "down":
                     def f(a, g, w, cfg=cfg):
                         return down_proj(a, g, w, config=cfg, capacity=plan.capacity)
-
-                    fargs = (lhs, plan.group_sizes, w2)
                 else:
-                    cfg = bcfg.dx
-                    lhs = jax.random.normal(jax.random.key(5), (pad, 2 * n), jnp.float32
-                                            ).astype(jnp.bfloat16)
-
                     def f(dh, g, w, cfg=cfg):
                         return dx_rows(dh, g, w, capacity=plan.capacity, config=cfg)
-
-                    fargs = (lhs, plan.group_sizes, w1)
+                fargs = (lhs, plan.group_sizes, w)
                 wgs = 3
                 roles = {0: "consumer0", 1: "consumer1", 2: "producer"}
                 items = -(-(plan.capacity // cfg.block_m + E) * (d // cfg.block_n) // 132)
                 regions = min(4 * items + 8, 48)  # the first items: SMEM is tight
-            else:
-                raise ValueError(f"unknown kernel {kernel!r}")
             log(f"== {name} {shape} {kernel}: {cfg}")
-            with ablate:
+            with variant_ctx:
                 t_plain = gpu_time_ms(jax.jit(lambda *a: f(*a)), *fargs, iters=10)
-                trace, mhz = run_profiled(f, fargs, os.path.join(args.traces, f"{name}_{kernel}"),
-                                          regions)
-                os.makedirs(os.path.join(args.traces, "timed"), exist_ok=True)
-                with profiled(os.path.join(args.traces, "timed"), regions):
-                    t_prof = gpu_time_ms(jax.jit(lambda *a: f(*a)), *fargs, iters=5)
+                trace, mhz, profiled_f = run_profiled(
+                    f, fargs, os.path.join(args.traces, f"{name}_{kernel}"), regions)
+            # Timed after the trace was read: each call dumps another one next to it.
+            t_prof = gpu_time_ms(profiled_f, *fargs, iters=5)
             log(f"  CUPTI: plain {t_plain * 1e3:.1f} us, profiled {t_prof * 1e3:.1f} us")
             results[f"{name}/{kernel}"] = dict(
                 plain_us=t_plain * 1e3, profiled_us=t_prof * 1e3,
