@@ -4,7 +4,8 @@
         [--shapes 7b,30b] [--kernels up,up_inference,dh,down,dx]
 
 A kernel name is `up`, `dh`, `down` or `dx`, optionally with a variant: `up_inference` (no
-H), `_nostore` / `_nomath` / `_noepilogue` (`ablated`: timing only, wrong outputs) or
+H), `up_pingpong` (the persistent ping-pong kernel, `UpProjConfig.pingpong_ctas`),
+`_nostore` / `_nomath` / `_noepilogue` (`ablated`: timing only, wrong outputs) or
 `_evictfirst` (`stores_evict_first`).
 
 The kernels mark their phases with `jax.named_scope` (the up-proj: the producer's `ids`,
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import glob
 import json
 import os
@@ -260,8 +262,9 @@ def main():
         bcfg = BackwardConfig.for_shape(d, n)
         for kernel in args.kernels.split(","):
             base, _, variant = kernel.partition("_")  # e.g. "up_nostore" -> "up", "nostore"
-            if base not in KERNELS or variant not in ("", "inference", "evictfirst", *ABLATIONS) \
-                    or (variant == "inference" and base != "up"):
+            if base not in KERNELS or variant not in ("", "inference", "evictfirst", "pingpong",
+                                                      *ABLATIONS) \
+                    or (variant in ("inference", "pingpong") and base != "up"):
                 raise ValueError(f"unknown kernel {kernel!r}")
             if variant == "evictfirst":  # same kernel, stores with an L2 hint
                 variant_ctx = stores_evict_first()
@@ -270,6 +273,8 @@ def main():
             else:
                 variant_ctx = contextlib.nullcontext()
             cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx}[base]
+            if variant == "pingpong":  # the persistent ping-pong up-proj
+                cfg = dataclasses.replace(cfg, pingpong_ctas=132, num_stages=4, epilogue_cols=64)
             if base in ("up", "dh"):  # the gathering kernels' per-plan row tiles
                 meta = jax.jit(lambda g, t, bm=cfg.block_m: _common.tile_meta(g, t, bm))(
                     plan.group_sizes, plan.token_ids)
@@ -284,7 +289,8 @@ def main():
                 wgs = cfg.num_consumers + cfg.num_producers
                 roles.update({cfg.num_consumers + p: f"producer{p}"
                               for p in range(cfg.num_producers)})
-                regions = 8
+                # The ping-pong kernel's CTAs walk ~47 items at 7B: record the first ones.
+                regions = 48 if cfg.pingpong_ctas else 8
             elif base == "dh":
                 h = jax.random.normal(jax.random.key(5), (plan.capacity, 2 * n),
                                       jnp.float32).astype(jnp.bfloat16)

@@ -109,6 +109,53 @@ def test_up_proj_cp_async_gather_matches_reference(shape, cfg, completion):
     assert bool(jnp.array_equal(h, h2)) and bool(jnp.array_equal(a[:rows], a2[:rows]))
 
 
+@pytest.mark.parametrize(
+    "shape, stages, epilogue_cols",
+    [((2048, 512, 256, 8, 4), 4, 64), ((3000, 1536, 512, 16, 8), 3, 128),
+     ((1024, 256, 128, 5, 2), 4, 64)],
+)
+@pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_cols, completion, with_bias):
+    """The persistent ping-pong up-proj (`UpProjConfig.pingpong_ctas`) against the jnp
+    reference and bit for bit against the cooperative kernel, poisoned outputs, skewed
+    routing; inference mode writes the same A; 8 CTAs make every CTA walk many items."""
+    from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
+
+    T, d, n, E, K = shape
+    ks = jax.random.split(jax.random.key(T + d + n), 5)
+    x = jax.random.normal(ks[0], (T, d), jnp.bfloat16)
+    w1 = (jax.random.normal(ks[1], (E, d, 2 * n)) * d**-0.5).astype(jnp.bfloat16)
+    logits = jax.random.normal(ks[2], (T, E)).at[:, 0].add(2.0)  # skew: expert 0 is large
+    plan = pm.routing.topk_plan(logits, K)
+    bias = (0.5 * jax.random.normal(ks[3], (E, 2 * n))).astype(jnp.bfloat16) if with_bias else None
+    coop = UpProjConfig(block_n=128, num_stages=3, num_consumers=2 if n % 256 == 0 else 1,
+                        gather="cp_async")
+    rows = int(plan.num_rows)
+    want_h, want_a = jax.jit(lambda x, t, g, w: up_proj(x, t, g, w, config=coop, bias=bias))(
+        x, plan.token_ids, plan.group_sizes, w1)
+    starts = [0, *jnp.cumsum(plan.group_sizes).tolist()]
+    h_ref = jnp.concatenate([
+        (jnp.dot(x[plan.token_ids[starts[e]:starts[e + 1]]], w1[e],
+                 preferred_element_type=jnp.float32)
+         + (0.0 if bias is None else bias[e].astype(jnp.float32))).astype(jnp.bfloat16)
+        for e in range(E)
+    ])
+    assert rel_err(want_h[:rows], h_ref[:rows]) < 1e-2
+    for ctas in (132, 8):
+        config = UpProjConfig(block_n=128, num_stages=stages, num_consumers=2, gather="cp_async",
+                              gather_completion=completion, pingpong_ctas=ctas,
+                              epilogue_cols=epilogue_cols)
+        for inference in (False, True):
+            f = jax.jit(lambda x, t, g, w, c=config, i=inference: up_proj(
+                x, t, g, w, config=c, bias=bias, inference=i))
+            _poison(plan.capacity * 3 * n * 2)
+            h, a = f(x, plan.token_ids, plan.group_sizes, w1)
+            assert bool(jnp.array_equal(a[:rows], want_a[:rows])), (ctas, inference)
+            if not inference:
+                assert bool(jnp.array_equal(h[:rows], want_h[:rows])), ctas
+
+
 @pytest.mark.parametrize("shape", [(32768, 128), (16384, 512), (1000, 60), (1000, 4)])
 def test_router_softmax_is_one_program(shape):
     """On the GPU `routing.formulas.softmax` is the Pallas kernel `kernels.softmax_rows`:

@@ -778,7 +778,11 @@ def cp_async_publish(ki, full, landed, stages: int) -> None:
     (`config.gather_completion`): with per-slot mbarriers (`landed` = [the
     `cp_async_stage_barriers` ref]) every producer thread arrives on its slot's mbarrier
     when its loads land; without (`landed` = []) step `ki - (stages - 2)` is published on
-    `full` (`cp_async_publish_lagged`)."""
+    `full` (`cp_async_publish_lagged`).
+
+    `full` is the stages' barrier array (step j arrives on `full.at[j % stages]`) or a
+    function `step -> barrier ref`, for kernels whose consumers wait on separate barrier
+    sets (the ping-pong up-proj: one per consumer)."""
     if landed:
         cp_async_stage_arrive(landed[0].at[ki % stages])
     else:
@@ -815,7 +819,7 @@ def cp_async_publish_lagged(ki, lag: int, full, stages: int) -> None:
     @pl.when(ki >= lag)
     def _():
         cp_async_stage_done(lag)
-        plgpu.barrier_arrive(full.at[(ki - lag) % stages])
+        plgpu.barrier_arrive(_step_barrier(full, ki - lag, stages))
 
 
 def cp_async_publish_tail(num_k: int, lag: int, full, stages: int) -> None:
@@ -823,7 +827,7 @@ def cp_async_publish_tail(num_k: int, lag: int, full, stages: int) -> None:
     tail = range(max(num_k - lag, 0), num_k)
     for i, step in enumerate(tail):
         cp_async_stage_done(len(tail) - 1 - i)
-        plgpu.barrier_arrive(full.at[step % stages])
+        plgpu.barrier_arrive(_step_barrier(full, step, stages))
 
 
 def cp_async_publish_tail_dynamic(num_k, lag: int, full, stages: int) -> None:
@@ -834,7 +838,13 @@ def cp_async_publish_tail_dynamic(num_k, lag: int, full, stages: int) -> None:
         @pl.when(step >= 0)
         def _(step=step, i=i):
             cp_async_stage_done(lag - 1 - i)
-            plgpu.barrier_arrive(full.at[step % stages])
+            plgpu.barrier_arrive(_step_barrier(full, step, stages))
+
+
+def _step_barrier(full, step, stages: int):
+    """The barrier step `step` is published on: `full(step)` if `full` is a function (see
+    `cp_async_publish`), else `full.at[step % stages]`."""
+    return full(step) if callable(full) else full.at[step % stages]
 
 
 def cp_async_stage_done(pending: int) -> None:

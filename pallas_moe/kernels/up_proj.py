@@ -96,6 +96,17 @@ class UpProjConfig:
         in the last bit of rare elements. It must equal `DHConfig.approx_math`, so the
         backward recomputes the same A (`KernelConfig` checks it). Interpret mode computes
         the exact exp either way.
+      pingpong_ctas: 0 = one CTA per (row tile, column block). C > 0 (with two consumers
+        and block_m = 64) = the ping-pong kernel (`_pingpong_kernel`): C persistent CTAs
+        (e.g. the SM count) walk the (row tile, `block_n` gate columns) items, and each
+        CTA's consumers take its items in turn, so one consumer's SwiGLU epilogue and
+        stores run while the other's wgmmas keep the tensor cores busy. Each item's rows
+        are gathered for it (a row is gathered `n / block_n` times, from L2 after the
+        first). Bitwise the same outputs as the cooperative kernel.
+      epilogue_cols: ping-pong kernel only: columns of H and A each consumer stages in SMEM
+        per store (a multiple of 64 dividing block_n; 0 = block_n). Fewer columns leave
+        SMEM for more pipeline stages; the consumer then waits for its previous stores to
+        read the buffer before refilling it.
     """
 
     block_m: int = 64
@@ -114,6 +125,8 @@ class UpProjConfig:
     gather_completion: str = "wait_group"
     epilogue_slabs: bool = True
     approx_math: bool = True
+    pingpong_ctas: int = 0
+    epilogue_cols: int = 0
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -144,7 +157,35 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
         raise ValueError(
             f"config.gather='cp_async' needs num_producers == 1, got {config.num_producers}."
         )
+    _check_pingpong(config)
     return d, n
+
+
+def _check_pingpong(config: UpProjConfig) -> None:
+    """The ping-pong kernel's own constraints (`pingpong_ctas`, `epilogue_cols`)."""
+    if config.pingpong_ctas < 0:
+        raise ValueError(f"config.pingpong_ctas={config.pingpong_ctas} must be >= 0.")
+    if config.epilogue_cols < 0:
+        raise ValueError(f"config.epilogue_cols={config.epilogue_cols} must be >= 0.")
+    if not config.pingpong_ctas:
+        if config.epilogue_cols:
+            raise ValueError(
+                f"config.epilogue_cols={config.epilogue_cols} belongs to the ping-pong kernel: "
+                "set pingpong_ctas > 0 too, or leave it 0."
+            )
+        return
+    if config.num_consumers != 2 or config.block_m != 64 or config.num_producers != 1:
+        raise ValueError(
+            "config.pingpong_ctas > 0 (the ping-pong kernel) needs num_consumers=2, block_m=64 "
+            f"and num_producers=1, got num_consumers={config.num_consumers}, "
+            f"block_m={config.block_m}, num_producers={config.num_producers}."
+        )
+    cols = config.epilogue_cols or config.block_n
+    if cols % 64 or config.block_n % cols:
+        raise ValueError(
+            f"config.epilogue_cols={config.epilogue_cols} must be a multiple of 64 that divides "
+            f"block_n={config.block_n} (or 0 for block_n)."
+        )
 
 
 def up_proj(
@@ -220,6 +261,17 @@ def up_proj(
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
     if has_bias:
         args += (bias,)
+    if config.pingpong_ctas:
+        # Real tiles come first in a TileMeta (empty ones only past the end), so the
+        # kernel walks the first `real_tiles * grid_n` items.
+        real_tiles = jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1)
+        outs = _pingpong_kernel(
+            config, d, n, num_tiles, out_types, inference, interpret_mode, params,
+            has_bias, activation,
+        )(real_tiles, *args)
+        if inference:
+            return None, outs[0]
+        return outs[0], outs[1]
     if config.num_consumers:
         outs = _warp_specialized_kernel(
             config, d, n, num_tiles, out_types, inference, interpret_mode, params,
@@ -554,6 +606,273 @@ def _warp_specialized_kernel(
     )
 
 
+# Shared memory of an H100 CTA (227 KB): the ping-pong kernel checks its layout against it.
+SMEM_BYTES = 227 * 1024
+
+
+def _pingpong_kernel(
+    config: UpProjConfig, d: int, n: int, num_tiles: int, out_types, inference: bool,
+    interpret_mode, params, has_bias: bool = False, activation: SwiGLU = SwiGLU(),
+):
+    """The up-proj as `config.pingpong_ctas` persistent CTAs whose two consumers take turns.
+
+    Work item w = (row tile w // grid_n, column block w % grid_n), grid_n = n / block_n:
+    64 rows times `block_n` gate and `block_n` up columns. CTA i walks the items
+    i, i + num_ctas, ... of the real tiles (the first `real_tiles[0] * grid_n`); its j-th
+    item goes to consumer j % 2. Each consumer computes its item exactly as a consumer of
+    the cooperative kernel computes its columns of a tile (same wgmmas in the same order,
+    same epilogue), so the outputs are bitwise those of `_warp_specialized_kernel`.
+
+    Pipeline: one ring of `num_stages` slots, each holding a gathered A stage [64, 64] and
+    the item's gate and up weight tiles [64, block_n]. The producer issues every K step of
+    every item back to back (global step g = j * num_k + ki uses slot g % stages), so the
+    next item's rows and weights load while a consumer runs its epilogue. A step arrives on
+    the `full` barrier of its item's consumer (`full[c * stages + slot]`: each consumer
+    waits on every phase of its own barriers, which is how Pallas tracks phases), and the
+    consumer that used a slot releases it on `empty[slot]`, which only the producer waits on.
+    The producer stages the next item's token ids (double-buffered) while it loads this one.
+
+    Epilogue: each consumer owns `[3, 64, epilogue_cols]` of swizzled row tiles (A, H gate,
+    H up) outside the ring; it computes the SwiGLU slab by slab and TMA-stores the buffer
+    whenever it is full, after waiting for its previous stores to have read it.
+    """
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    cons = 2
+    num_k = d // bk
+    grid_n = n // bn
+    num_ctas = min(config.pingpong_ctas, num_tiles * grid_n)
+    ep_cols = config.epilogue_cols or bn
+    slab = 64  # SwiGLU columns computed at a time (one swizzled slab)
+    dtype = jnp.bfloat16
+    tf = _common.mma_transforms(dtype)
+    num_out = 1 if inference else 3
+    interpret = interpret_mode is not None
+    cp_async = config.gather == "cp_async" and not interpret
+    stage_bars = _common.uses_stage_mbarriers(config, interpret)
+    smem = (stages * (bm * bk + 2 * bk * bn) + cons * num_out * bm * ep_cols) * 2
+    if smem > SMEM_BYTES - 4096:  # the rest: ids, biases, barriers
+        raise ValueError(
+            f"the ping-pong up-proj needs {smem} B of SMEM for {stages} stages of [{bm}, {bk}] "
+            f"rows + 2 x [{bk}, {bn}] weights and {cons} x {num_out} epilogue tiles of "
+            f"[{bm}, {ep_cols}], over the {SMEM_BYTES - 4096} B available: lower "
+            "config.num_stages or config.epilogue_cols."
+        )
+    a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
+    o_scratch, o_views = _common.row_tile_buffers((cons, num_out, bm, ep_cols), dtype, interpret)
+
+    def body(real_ref, expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
+        b_ref, *rest = rest if has_bias else (None, *rest)
+        if inference:
+            a_out, *scratch = rest
+            h_out = None
+        else:
+            h_out, a_out, *scratch = rest
+        (a_bufs, bg_smem, bu_smem, o_bufs, ids_smem, full, empty, ids_bar,
+         *extra) = scratch
+        bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
+        a_copy, a_mma = a_views(a_bufs)
+        o_copy, o_mma = o_views(o_bufs)
+        if stage_bars:
+            _common.cp_async_stage_barriers_init(a_landed[0])
+        wg = jax.lax.axis_index("wg")
+        cta = jax.lax.axis_index("cta")
+        num_items = real_ref[0] * grid_n
+        my_items = jnp.maximum(num_items - cta + num_ctas - 1, 0) // num_ctas
+
+        def item(j):  # (row tile, column block) of this CTA's j-th item
+            w = cta + j * num_ctas
+            return w // grid_n, w % grid_n
+
+        def full_of(step):  # the full barrier of global step `step`: its item's consumer's
+            return full.at[((step // num_k) % cons) * stages + step % stages]
+
+        def load_ids(j):  # item j's source token ids -> ids_smem[j % 2]
+            mi, _ = item(j)
+            plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem.at[j % 2], ids_bar.at[j % 2])
+
+        @pl.when(wg == cons)
+        def _producer():
+            if config.rebalance_registers:
+                _common.role_registers("producer", cons)
+
+            @pl.when(my_items > 0)
+            def _():
+                load_ids(0)
+
+            def per_item(j, carry):
+                mi, ni = item(j)
+                with jax.named_scope("ids"):
+                    plgpu.barrier_wait(ids_bar.at[j % 2])
+                    # Every producer thread is done reading item j - 1's ids before the
+                    # next item's land in their buffer.
+                    plgpu.commit_smem()
+
+                    @pl.when(j + 1 < my_items)
+                    def _():
+                        load_ids(j + 1)
+
+                ids = ids_smem.at[j % 2]
+                w_e = w_ref.at[expert_ref[mi]]  # [d, 2n]
+
+                def step(ki, carry):
+                    g = j * num_k + ki
+                    slot = g % stages
+                    k0 = ki * bk
+
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(empty.at[slot])
+
+                    bar = full_of(g)
+                    plgpu.copy_gmem_to_smem(  # [bk, bn] gate columns
+                        w_e.at[pl.ds(k0, bk), pl.ds(ni * bn, bn)], bg_smem.at[slot], bar
+                    )
+                    plgpu.copy_gmem_to_smem(  # [bk, bn] matching up columns
+                        w_e.at[pl.ds(k0, bk), pl.ds(n + ni * bn, bn)], bu_smem.at[slot], bar
+                    )
+                    if cp_async:
+                        _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one group
+                            x_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
+                        )
+                        _common.cp_async_publish(g, full_of, a_landed, stages)
+                    else:
+                        def per_warp(w):
+                            _common.gather_rows(  # [1, bk] of X[tok] per row
+                                x_ref, ids, [a_copy.at[slot]], bar, col0=k0, width=bk,
+                                first_row=w * (bm // 4), num_rows=bm // 4,
+                                unroll=config.row_unroll,
+                            )
+
+                        plgpu.warp_map(per_warp)
+                    return carry
+
+                with jax.named_scope("loads"):
+                    jax.lax.fori_loop(0, num_k, step, None)
+                return carry
+
+            jax.lax.fori_loop(0, my_items, per_item, None)
+            total = my_items * num_k  # steps issued
+            with jax.named_scope("drain"):
+                if cp_async:
+                    @pl.when(total > 0)
+                    def _():
+                        _common.cp_async_publish_rest(total, full_of, a_landed, stages)
+                # Observe the last releases (one per slot used in the last `stages` steps),
+                # so no barrier phase is left unconsumed.
+                for slot in range(stages):
+                    @pl.when(total > slot)
+                    def _(slot=slot):
+                        plgpu.barrier_wait(empty.at[slot])
+
+        for c in range(cons):
+            @pl.when(wg == c)
+            def _consumer(c=c):
+                if config.rebalance_registers:
+                    _common.role_registers("consumer", cons)
+
+                def per_item(jj, carry):
+                    j = c + cons * jj
+                    mi, ni = item(j)
+                    row0, count = start_ref[mi], rows_ref[mi]
+                    col = ni * bn  # first gate column of the item
+                    if has_bias:  # the item's bias columns land while the K loop runs
+                        bias_smem, bias_bars = bias_scratch
+                        _start_bias_load(
+                            b_ref, expert_ref[mi], col, bn, n, bias_smem.at[c],
+                            bias_bars.at[c],
+                        )
+
+                    def mma_scope(acc_g, acc_u):
+                        def step(ki, carry):
+                            g = j * num_k + ki
+                            slot = g % stages
+                            plgpu.barrier_wait(full.at[c * stages + slot])
+                            if stage_bars:
+                                _common.cp_async_stage_wait_parity(
+                                    a_landed[0].at[slot], (g // stages) % 2
+                                )
+                            plgpu.wgmma(acc_g, a_mma.at[slot], bg_smem.at[slot])  # [bm, bn]
+                            plgpu.wgmma(acc_u, a_mma.at[slot], bu_smem.at[slot])
+                            plgpu.wgmma_wait(2)  # step ki-1 is done: release its slot
+
+                            @pl.when(ki >= 1)
+                            def _():
+                                plgpu.barrier_arrive(empty.at[(g - 1) % stages])
+
+                            return carry
+
+                        jax.lax.fori_loop(0, num_k, step, None)
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(empty.at[(j * num_k + num_k - 1) % stages])
+                        return acc_g[...], acc_u[...]
+
+                    with jax.named_scope("k_loop"):
+                        g_acc, u_acc = pl.run_scoped(
+                            mma_scope, plgpu.ACC((bm, bn), jnp.float32),
+                            plgpu.ACC((bm, bn), jnp.float32),
+                        )
+                    if has_bias:
+                        biases = _bias_columns(bias_smem.at[c], bias_bars.at[c], bm)
+                    else:
+                        biases = (None, None)
+                    for h0 in range(0, bn, slab):
+                        q = (h0 % ep_cols) // slab  # the slab's place in the staging buffer
+                        with jax.named_scope("epilogue_math"):
+                            cut = slice(h0, h0 + slab)
+                            act, hg, hu = _common.swiglu_epilogue(  # [bm, slab] each
+                                g_acc[:, cut], u_acc[:, cut], dtype, activation,
+                                *(None if b is None else b[:, cut] for b in biases),
+                            )
+                        if q == 0:  # the previous stores have read the buffer
+                            with jax.named_scope("previous_store"):
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        with jax.named_scope("epilogue_math"):
+                            for t, tile in enumerate((act, hg, hu)[:num_out]):
+                                _common.write_row_tile(o_mma.at[c, t], tile, first_slab=q)
+                        if (h0 + slab) % ep_cols == 0:  # the buffer is full: store it
+                            with jax.named_scope("epilogue_store"):
+                                plgpu.commit_smem()
+                                c0 = col + h0 + slab - ep_cols
+                                dsts = [a_out.at[:, pl.ds(c0, ep_cols)]]
+                                if h_out is not None:
+                                    dsts += [h_out.at[:, pl.ds(c0, ep_cols)],
+                                             h_out.at[:, pl.ds(n + c0, ep_cols)]]
+                                for t, dst in enumerate(dsts):
+                                    _common.store_row_tile(o_copy.at[c, t], dst, row0, count, bm)
+                    return carry
+
+                jax.lax.fori_loop(0, (my_items - c + cons - 1) // cons, per_item, None)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    scratch = [
+        a_scratch,  # gathered X stages [stages, bm, bk]
+        plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),  # gate weight stages
+        plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),  # up weight stages
+        o_scratch,  # per consumer: A, H gate, H up staging tiles
+        plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
+        plgpu.Barrier(  # full, one set per consumer: the two weight copies + the rows
+            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 2,
+            num_barriers=cons * stages,
+        ),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # empty: the slot's consumer
+        plgpu.Barrier(num_barriers=2),  # ids
+        *(_bias_scratch(bn, dtype, cons) if has_bias else ()),
+        *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
+    ]
+    return plgpu.kernel(
+        body,
+        kernel_name="moe_up_proj",
+        out_type=tuple(out_types),
+        scratch_types=scratch,
+        grid=(num_ctas,),
+        grid_names=("cta",),
+        num_threads=cons + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(**params),
+        interpret=interpret_mode,
+    )
+
+
 def _bias_scratch(cols: int, dtype, consumers: int | None = None) -> tuple:
     """SMEM of the gate and up bias columns ([2, cols], per consumer when `consumers` is
     given) and the barrier their two TMA copies arrive on (one per consumer)."""
@@ -590,6 +909,6 @@ def _split_m(config: UpProjConfig) -> bool:
 
 def _cta_cols(config: UpProjConfig) -> int:
     """Gate columns (and as many up columns) one CTA computes."""
-    if _split_m(config):
+    if _split_m(config) or config.pingpong_ctas:  # ping-pong: an item's gate columns
         return config.block_n
     return config.block_n * max(config.num_consumers, 1)

@@ -1,0 +1,68 @@
+"""Session 20: the ping-pong up-proj (`UpProjConfig.pingpong_ctas`) against the cooperative
+default, same run: bitwise equality on poisoned outputs, CUPTI time, the dense bound.
+
+    PYTHONPATH=. python3 benchmarks/history/session20/pingpong_up.py 7b,30b
+"""
+import dataclasses
+import sys
+
+import jax
+import numpy as np
+
+from benchmarks.forward import SHAPES, dense_bound_ms, gpu_time_ms, make_case, poison_then
+from pallas_moe.kernels import _common
+from pallas_moe.kernels.moe_forward import ForwardConfig
+from pallas_moe.kernels.up_proj import up_proj
+
+
+def variants(base):
+    pp = dataclasses.replace(base, pingpong_ctas=132)
+    out = {}
+    for stages, ep in ((4, 64), (3, 128)):
+        for comp in ("wait_group", "mbarrier"):
+            out[f"pp s{stages} e{ep} {comp}"] = dataclasses.replace(
+                pp, num_stages=stages, epilogue_cols=ep, gather_completion=comp)
+    return out
+
+
+rows_out = []
+for name in sys.argv[1].split(","):
+    shape = SHAPES[name]
+    T, d, n, E, K = shape
+    x, w1, _, plan = make_case(shape, skew=False, seed=11)
+    rows = int(plan.num_rows)
+    base = ForwardConfig.for_shape(d, n).up
+    meta = jax.jit(lambda g, t: _common.tile_meta(g, t, 64))(plan.group_sizes, plan.token_ids)
+    t_bmm = dense_bound_ms(shape)[0]
+    cfgs = {"cooperative (default)": base, **variants(base)}
+    ref = None
+    for label, cfg in cfgs.items():
+        for inference in (False, True):
+            f = jax.jit(lambda x, t, g, w, cfg=cfg, inf=inference: up_proj(
+                x, t, g, w, config=cfg, meta=meta, inference=inf))
+            try:
+                h, a = poison_then(f, x, plan.token_ids, plan.group_sizes, w1,
+                                   nbytes=plan.capacity * 3 * n * 2)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name} {label} inf={inference}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+                continue
+            a = np.asarray(a[:rows].astype(np.float32))
+            if not inference:
+                h = np.asarray(h[:rows].astype(np.float32))
+            if ref is None:
+                ref = (h, a)
+                eq = "ref"
+            else:
+                eq = bool(np.array_equal(a, ref[1]) and (inference or np.array_equal(h, ref[0])))
+            nan = int(np.isnan(a).sum()) + (0 if inference else int(np.isnan(h).sum()))
+            t = gpu_time_ms(f, x, plan.token_ids, plan.group_sizes, w1) * 1e3
+            line = (f"| {name} | {label} | {'A only' if inference else 'H, A'} | {t:.1f} | "
+                    f"{t_bmm * 1e3 / t:.3f} | {eq} | {nan} |")
+            print(line, flush=True)
+            rows_out.append(line)
+    print(f"{name}: dense bound (up) {t_bmm * 1e3:.1f} us", flush=True)
+    rows_out.append(f"| {name} | dense bound | | {t_bmm * 1e3:.1f} | 1 | | |")
+
+print("\n| shape | kernel | writes | us | x/bmm | bitwise = default | NaNs |")
+print("|---|---|---|---|---|---|---|")
+print("\n".join(rows_out))
