@@ -274,7 +274,7 @@ def main():
                 variant_ctx = contextlib.nullcontext()
             cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx}[base]
             if variant == "pingpong":  # the persistent ping-pong up-proj
-                cfg = dataclasses.replace(cfg, pingpong_ctas=132, num_stages=4, epilogue_cols=64)
+                cfg = dataclasses.replace(cfg, pingpong_ctas=132, num_stages=5, epilogue_tiles=1)
             if base in ("up", "dh"):  # the gathering kernels' per-plan row tiles
                 meta = jax.jit(lambda g, t, bm=cfg.block_m: _common.tile_meta(g, t, bm))(
                     plan.group_sizes, plan.token_ids)

@@ -110,13 +110,13 @@ def test_up_proj_cp_async_gather_matches_reference(shape, cfg, completion):
 
 
 @pytest.mark.parametrize(
-    "shape, stages, epilogue_cols",
-    [((2048, 512, 256, 8, 4), 4, 64), ((3000, 1536, 512, 16, 8), 3, 128),
-     ((1024, 256, 128, 5, 2), 4, 64)],
+    "shape, stages, epilogue_tiles, completion, with_bias",
+    [((2048, 512, 256, 8, 4), 5, 1, "wait_group", False),
+     ((2048, 512, 256, 8, 4), 4, 3, "mbarrier", True),
+     ((3000, 1536, 512, 16, 8), 5, 1, "mbarrier", False),
+     ((1024, 256, 128, 5, 2), 3, 0, "wait_group", True)],
 )
-@pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_cols, completion, with_bias):
+def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, completion, with_bias):
     """The persistent ping-pong up-proj (`UpProjConfig.pingpong_ctas`) against the jnp
     reference and bit for bit against the cooperative kernel, poisoned outputs, skewed
     routing; inference mode writes the same A; 8 CTAs make every CTA walk many items."""
@@ -142,18 +142,17 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_cols, compl
         for e in range(E)
     ])
     assert rel_err(want_h[:rows], h_ref[:rows]) < 1e-2
-    for ctas in (132, 8):
+    for ctas, inference in ((132, False), (8, False), (132, True)):
         config = UpProjConfig(block_n=128, num_stages=stages, num_consumers=2, gather="cp_async",
                               gather_completion=completion, pingpong_ctas=ctas,
-                              epilogue_cols=epilogue_cols)
-        for inference in (False, True):
-            f = jax.jit(lambda x, t, g, w, c=config, i=inference: up_proj(
-                x, t, g, w, config=c, bias=bias, inference=i))
-            _poison(plan.capacity * 3 * n * 2)
-            h, a = f(x, plan.token_ids, plan.group_sizes, w1)
-            assert bool(jnp.array_equal(a[:rows], want_a[:rows])), (ctas, inference)
-            if not inference:
-                assert bool(jnp.array_equal(h[:rows], want_h[:rows])), ctas
+                              epilogue_tiles=epilogue_tiles)
+        f = jax.jit(lambda x, t, g, w, c=config, i=inference: up_proj(
+            x, t, g, w, config=c, bias=bias, inference=i))
+        _poison(plan.capacity * 3 * n * 2)
+        h, a = f(x, plan.token_ids, plan.group_sizes, w1)
+        assert bool(jnp.array_equal(a[:rows], want_a[:rows])), (ctas, inference)
+        if not inference:
+            assert bool(jnp.array_equal(h[:rows], want_h[:rows])), ctas
 
 
 @pytest.mark.parametrize("shape", [(32768, 128), (16384, 512), (1000, 60), (1000, 4)])

@@ -103,10 +103,11 @@ class UpProjConfig:
         stores run while the other's wgmmas keep the tensor cores busy. Each item's rows
         are gathered for it (a row is gathered `n / block_n` times, from L2 after the
         first). Bitwise the same outputs as the cooperative kernel.
-      epilogue_cols: ping-pong kernel only: columns of H and A each consumer stages in SMEM
-        per store (a multiple of 64 dividing block_n; 0 = block_n). Fewer columns leave
+      epilogue_tiles: ping-pong kernel only: how many [64, 64] output tiles (of A, H gate
+        and H up, 3 * block_n / 64 per item, or block_n / 64 with `inference`) each consumer
+        stages in SMEM before it TMA-stores them (0 = all of the item's). Fewer tiles leave
         SMEM for more pipeline stages; the consumer then waits for its previous stores to
-        read the buffer before refilling it.
+        read the buffer before it refills it.
     """
 
     block_m: int = 64
@@ -126,7 +127,7 @@ class UpProjConfig:
     epilogue_slabs: bool = True
     approx_math: bool = True
     pingpong_ctas: int = 0
-    epilogue_cols: int = 0
+    epilogue_tiles: int = 0
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -162,15 +163,15 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
 
 
 def _check_pingpong(config: UpProjConfig) -> None:
-    """The ping-pong kernel's own constraints (`pingpong_ctas`, `epilogue_cols`)."""
+    """The ping-pong kernel's own constraints (`pingpong_ctas`, `epilogue_tiles`)."""
     if config.pingpong_ctas < 0:
         raise ValueError(f"config.pingpong_ctas={config.pingpong_ctas} must be >= 0.")
-    if config.epilogue_cols < 0:
-        raise ValueError(f"config.epilogue_cols={config.epilogue_cols} must be >= 0.")
+    if config.epilogue_tiles < 0:
+        raise ValueError(f"config.epilogue_tiles={config.epilogue_tiles} must be >= 0.")
     if not config.pingpong_ctas:
-        if config.epilogue_cols:
+        if config.epilogue_tiles:
             raise ValueError(
-                f"config.epilogue_cols={config.epilogue_cols} belongs to the ping-pong kernel: "
+                f"config.epilogue_tiles={config.epilogue_tiles} belongs to the ping-pong kernel: "
                 "set pingpong_ctas > 0 too, or leave it 0."
             )
         return
@@ -179,12 +180,6 @@ def _check_pingpong(config: UpProjConfig) -> None:
             "config.pingpong_ctas > 0 (the ping-pong kernel) needs num_consumers=2, block_m=64 "
             f"and num_producers=1, got num_consumers={config.num_consumers}, "
             f"block_m={config.block_m}, num_producers={config.num_producers}."
-        )
-    cols = config.epilogue_cols or config.block_n
-    if cols % 64 or config.block_n % cols:
-        raise ValueError(
-            f"config.epilogue_cols={config.epilogue_cols} must be a multiple of 64 that divides "
-            f"block_n={config.block_n} (or 0 for block_n)."
         )
 
 
@@ -632,33 +627,35 @@ def _pingpong_kernel(
     consumer that used a slot releases it on `empty[slot]`, which only the producer waits on.
     The producer stages the next item's token ids (double-buffered) while it loads this one.
 
-    Epilogue: each consumer owns `[3, 64, epilogue_cols]` of swizzled row tiles (A, H gate,
-    H up) outside the ring; it computes the SwiGLU slab by slab and TMA-stores the buffer
-    whenever it is full, after waiting for its previous stores to have read it.
+    Epilogue: each consumer owns `epilogue_tiles` swizzled [64, 64] row tiles outside the
+    ring. It computes the SwiGLU one 64-column slab at a time, writes the slab's A, H gate
+    and H up tiles into the buffer, and TMA-stores the buffer whenever it is full; before
+    it starts refilling the buffer it waits for its previous stores to have read it.
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = 2
     num_k = d // bk
     grid_n = n // bn
     num_ctas = min(config.pingpong_ctas, num_tiles * grid_n)
-    ep_cols = config.epilogue_cols or bn
     slab = 64  # SwiGLU columns computed at a time (one swizzled slab)
+    num_tiles_out = (1 if inference else 3) * (bn // slab)  # output tiles per item
+    per_fill = min(config.epilogue_tiles or num_tiles_out, num_tiles_out)
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
     num_out = 1 if inference else 3
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
-    smem = (stages * (bm * bk + 2 * bk * bn) + cons * num_out * bm * ep_cols) * 2
+    smem = (stages * (bm * bk + 2 * bk * bn) + cons * per_fill * bm * slab) * 2
     if smem > SMEM_BYTES - 4096:  # the rest: ids, biases, barriers
         raise ValueError(
             f"the ping-pong up-proj needs {smem} B of SMEM for {stages} stages of [{bm}, {bk}] "
-            f"rows + 2 x [{bk}, {bn}] weights and {cons} x {num_out} epilogue tiles of "
-            f"[{bm}, {ep_cols}], over the {SMEM_BYTES - 4096} B available: lower "
-            "config.num_stages or config.epilogue_cols."
+            f"rows + 2 x [{bk}, {bn}] weights and {cons} x {per_fill} epilogue tiles of "
+            f"[{bm}, {slab}], over the {SMEM_BYTES - 4096} B available: lower "
+            "config.num_stages or config.epilogue_tiles."
         )
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
-    o_scratch, o_views = _common.row_tile_buffers((cons, num_out, bm, ep_cols), dtype, interpret)
+    o_scratch, o_views = _common.row_tile_buffers((cons, per_fill, bm, slab), dtype, interpret)
 
     def body(real_ref, expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
         b_ref, *rest = rest if has_bias else (None, *rest)
@@ -815,30 +812,30 @@ def _pingpong_kernel(
                         biases = _bias_columns(bias_smem.at[c], bias_bars.at[c], bm)
                     else:
                         biases = (None, None)
+                    outs = [a_out] if h_out is None else [a_out, h_out, h_out]
+                    fill = []  # (buffer tile, destination) staged since the last store
                     for h0 in range(0, bn, slab):
-                        q = (h0 % ep_cols) // slab  # the slab's place in the staging buffer
                         with jax.named_scope("epilogue_math"):
                             cut = slice(h0, h0 + slab)
-                            act, hg, hu = _common.swiglu_epilogue(  # [bm, slab] each
+                            tiles = _common.swiglu_epilogue(  # A, H gate, H up [bm, slab]
                                 g_acc[:, cut], u_acc[:, cut], dtype, activation,
                                 *(None if b is None else b[:, cut] for b in biases),
                             )
-                        if q == 0:  # the previous stores have read the buffer
-                            with jax.named_scope("previous_store"):
-                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        with jax.named_scope("epilogue_math"):
-                            for t, tile in enumerate((act, hg, hu)[:num_out]):
-                                _common.write_row_tile(o_mma.at[c, t], tile, first_slab=q)
-                        if (h0 + slab) % ep_cols == 0:  # the buffer is full: store it
-                            with jax.named_scope("epilogue_store"):
-                                plgpu.commit_smem()
-                                c0 = col + h0 + slab - ep_cols
-                                dsts = [a_out.at[:, pl.ds(c0, ep_cols)]]
-                                if h_out is not None:
-                                    dsts += [h_out.at[:, pl.ds(c0, ep_cols)],
-                                             h_out.at[:, pl.ds(n + c0, ep_cols)]]
-                                for t, dst in enumerate(dsts):
-                                    _common.store_row_tile(o_copy.at[c, t], dst, row0, count, bm)
+                        for t, dst in enumerate(outs):
+                            if not fill:  # the previous stores have read the buffer
+                                with jax.named_scope("previous_store"):
+                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            with jax.named_scope("epilogue_math"):
+                                _common.write_row_tile(o_mma.at[c, len(fill)], tiles[t])
+                            c0 = col + h0 + (n if t == 2 else 0)  # H up: the second half
+                            fill.append((len(fill), dst.at[:, pl.ds(c0, slab)]))
+                            if len(fill) == per_fill or (h0 + slab == bn and t == len(outs) - 1):
+                                with jax.named_scope("epilogue_store"):
+                                    plgpu.commit_smem()
+                                    for i, tile_dst in fill:
+                                        _common.store_row_tile(o_copy.at[c, i], tile_dst, row0,
+                                                               count, bm)
+                                fill = []
                     return carry
 
                 jax.lax.fori_loop(0, (my_items - c + cons - 1) // cons, per_item, None)

@@ -18,10 +18,9 @@ from pallas_moe.kernels.up_proj import up_proj
 def variants(base):
     pp = dataclasses.replace(base, pingpong_ctas=132)
     out = {}
-    for stages, ep in ((4, 64), (3, 128)):
-        for comp in ("wait_group", "mbarrier"):
-            out[f"pp s{stages} e{ep} {comp}"] = dataclasses.replace(
-                pp, num_stages=stages, epilogue_cols=ep, gather_completion=comp)
+    for stages, tiles, comp in ((4, 3, "wait_group"), (5, 1, "wait_group"), (5, 1, "mbarrier")):
+        out[f"pp s{stages} t{tiles} {comp}"] = dataclasses.replace(
+            pp, num_stages=stages, epilogue_tiles=tiles, gather_completion=comp)
     return out
 
 
