@@ -58,6 +58,7 @@ SHAPES = {
     "w2880": (8192, 2880, 1408, 32, 4),
     "w7168": (8192, 7168, 2048, 16, 2),
     "gpt-oss-20b": (8192, 2880, 2880, 32, 4),  # d = n = 2880; pair with step.py --gpt-oss
+    "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),  # issue 15's widths at a training batch
 }
 ITERS = 20
 

@@ -38,6 +38,11 @@ def _largest_block(dim: int, candidates: tuple[int, ...]) -> int | None:
     return None
 
 
+# The widest d (the up-proj's K) at which the ping-pong up-proj is the default (see
+# `ForwardConfig.for_shape`).
+PINGPONG_UP_MAX_D = 2048
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
     """Block sizes of the three forward kernels, or the decode megakernel.
@@ -79,7 +84,14 @@ class ForwardConfig:
         # Measured on H100 (benchmarks/RESULTS.md, benchmarks/history/): the warp-specialized
         # up-proj with two consumers sharing each gathered stage is fastest, and the
         # persistent down-proj (132 CTAs) beats one CTA per tile.
-        if n % 256 == 0:
+        if n % 128 == 0 and d <= PINGPONG_UP_MAX_D:
+            # Measured on the H100 (session 20, same run, bitwise equal): the ping-pong
+            # up-proj (two consumers taking alternate 64-row items, 5 stages, one-tile
+            # epilogue buffers) 610 vs 676 us at 7B (d = 1536); at 30B (d = 4096) it is
+            # slower (5630 vs 4165 us): its producer cannot keep 64-step items fed.
+            up = UpProjConfig(block_n=128, num_stages=5, num_consumers=2,
+                              pingpong_ctas=num_sms, epilogue_tiles=1)
+        elif n % 256 == 0:
             up = UpProjConfig(block_n=128, num_stages=3, num_consumers=2)
         elif n % 128 == 0:
             up = UpProjConfig(block_n=128, num_stages=4, num_consumers=1)

@@ -1,7 +1,10 @@
 """Session 20: the ping-pong up-proj (`UpProjConfig.pingpong_ctas`) against the cooperative
 default, same run: bitwise equality on poisoned outputs, CUPTI time, the dense bound.
 
-    PYTHONPATH=. python3 benchmarks/history/session20/pingpong_up.py 7b,30b
+    PYTHONPATH=. python3 benchmarks/history/session20/pingpong_up.py 7b,30b [widths]
+
+Shapes are `benchmarks.forward.SHAPES` names; a `+skew` suffix skews the routing. With
+`widths`: only the previous default against the ping-pong kernel's default form.
 """
 import dataclasses
 import sys
@@ -11,8 +14,7 @@ import numpy as np
 
 from benchmarks.forward import SHAPES, dense_bound_ms, gpu_time_ms, make_case, poison_then
 from pallas_moe.kernels import _common
-from pallas_moe.kernels.moe_forward import ForwardConfig
-from pallas_moe.kernels.up_proj import up_proj
+from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
 
 
 def variants(base):
@@ -24,16 +26,35 @@ def variants(base):
     return out
 
 
+def previous_default(d, n):
+    """`ForwardConfig.for_shape`'s up-proj before the ping-pong kernel (session 19)."""
+    if n % 256 == 0:
+        return UpProjConfig(block_n=128, num_stages=3, num_consumers=2, gather="cp_async")
+    if n % 128 == 0:
+        return UpProjConfig(block_n=128, num_stages=4, num_consumers=1, gather="cp_async")
+    return UpProjConfig(block_n=64, num_stages=4, num_consumers=1, gather="cp_async")
+
+
+def widths(d, n):
+    """Call 3: the previous default against the ping-pong kernel's default form."""
+    return {"previous default": previous_default(d, n),
+            "pp s5 t1 wait_group": UpProjConfig(
+                block_n=128, num_stages=5, num_consumers=2, gather="cp_async",
+                pingpong_ctas=132, epilogue_tiles=1)}
+
+
 rows_out = []
 for name in sys.argv[1].split(","):
-    shape = SHAPES[name]
+    shape = SHAPES[name.removesuffix("+skew")]
     T, d, n, E, K = shape
-    x, w1, _, plan = make_case(shape, skew=False, seed=11)
+    x, w1, _, plan = make_case(shape, skew=name.endswith("+skew"), seed=11)
     rows = int(plan.num_rows)
-    base = ForwardConfig.for_shape(d, n).up
     meta = jax.jit(lambda g, t: _common.tile_meta(g, t, 64))(plan.group_sizes, plan.token_ids)
     t_bmm = dense_bound_ms(shape)[0]
-    cfgs = {"cooperative (default)": base, **variants(base)}
+    if sys.argv[2:] == ["widths"]:
+        cfgs = widths(d, n)
+    else:
+        cfgs = {"cooperative (default)": previous_default(d, n), **variants(previous_default(d, n))}
     ref = None
     for label, cfg in cfgs.items():
         for inference in (False, True):
