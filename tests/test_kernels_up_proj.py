@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import jax
@@ -180,3 +182,69 @@ def test_two_swizzled_slabs_per_consumer_no_races():
     config = UpProjConfig(block_m=64, block_n=128, num_stages=2, num_consumers=2)
     run_and_check(x, plan, w1, config, interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not races_found()
+
+
+# The ping-pong kernel: persistent CTAs whose two consumers take alternate items.
+PINGPONG = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2, pingpong_ctas=3)
+
+
+@pytest.mark.parametrize(
+    "config, inference",
+    [(PINGPONG, False),
+     # Two slabs per item, a one-tile epilogue buffer (a store wait before every tile), more
+     # CTAs than items: some CTAs and consumers have no work.
+     (dataclasses.replace(PINGPONG, block_n=128, num_stages=3, epilogue_tiles=1,
+                          pingpong_ctas=8), False),
+     pytest.param(dataclasses.replace(PINGPONG, epilogue_tiles=1), True,
+                  marks=pytest.mark.slow)],
+    ids=["three_ctas", "one_tile_buffer_idle_ctas", "inference"],
+)
+def test_pingpong_equals_cooperative_no_races(config, inference):
+    """Bit for bit the cooperative kernel (same wgmmas per consumer, same epilogue), with an
+    expert bias and the clamped SwiGLU, ragged groups and an empty expert; race-free;
+    padding rows untouched."""
+    ks = jax.random.split(jax.random.key(18), 4)
+    x = random_x(ks[0], 40, 256)  # 4 K steps > the stages: slots are refilled across items
+    w1, _ = random_weights(ks[1], 3, 256, 256)
+    bias = (0.5 * jax.random.normal(ks[3], (3, 512))).astype(jnp.bfloat16)
+    plan = assignment_plan(ks[2], 40, 3, empty=(1,), extra=5)
+    args = (x, plan.token_ids, plan.group_sizes, w1)
+    kw = dict(bias=bias, activation=CLAMPED)
+    coop = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
+    want_h, want_a = up_proj(*args, config=coop, interpret=True, **kw)
+    h, a = up_proj(*args, config=config, inference=inference, **kw,
+                   interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+    rows = int(plan.num_rows)
+    np.testing.assert_array_equal(np.asarray(a[:rows], np.float32),
+                                  np.asarray(want_a[:rows], np.float32))
+    assert_untouched(a, rows)
+    if inference:
+        assert h is None
+    else:
+        np.testing.assert_array_equal(np.asarray(h[:rows], np.float32),
+                                      np.asarray(want_h[:rows], np.float32))
+        assert_untouched(h, rows)
+    _, a_ref = up_proj_reference(x, plan.token_ids, plan.group_sizes, w1, bias, CLAMPED)
+    close(a, a_ref, rows)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (dataclasses.replace(PINGPONG, num_consumers=1), "needs num_consumers=2, block_m=64"),
+        (dataclasses.replace(PINGPONG, block_m=128), "needs num_consumers=2, block_m=64"),
+        (dataclasses.replace(PINGPONG, pingpong_ctas=-1), "pingpong_ctas=-1 must be >= 0"),
+        (dataclasses.replace(PINGPONG, epilogue_tiles=-2), "epilogue_tiles=-2 must be >= 0"),
+        (UpProjConfig(block_n=64, num_consumers=2, epilogue_tiles=1),
+         "belongs to the ping-pong kernel"),
+        (dataclasses.replace(PINGPONG, block_n=128, num_stages=6),
+         "needs \\d+ B of SMEM .* lower config.num_stages or config.epilogue_tiles"),
+    ],
+)
+def test_pingpong_bad_config_raises(config, match):
+    x = jnp.zeros((16, 64), jnp.bfloat16)
+    w1 = jnp.zeros((2, 64, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        up_proj(x, jnp.zeros((16,), jnp.int32), jnp.zeros((2,), jnp.int32), w1, config=config,
+                interpret=True)

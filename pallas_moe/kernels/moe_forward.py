@@ -40,7 +40,7 @@ def _largest_block(dim: int, candidates: tuple[int, ...]) -> int | None:
 
 # The widest d (the up-proj's K) at which the ping-pong up-proj is the default (see
 # `ForwardConfig.for_shape`).
-PINGPONG_UP_MAX_D = 2048
+PINGPONG_UP_MAX_D = 1536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +87,10 @@ class ForwardConfig:
         if n % 128 == 0 and d <= PINGPONG_UP_MAX_D:
             # Measured on the H100 (session 20, same run, bitwise equal): the ping-pong
             # up-proj (two consumers taking alternate 64-row items, 5 stages, one-tile
-            # epilogue buffers) 610 vs 676 us at 7B (d = 1536); at 30B (d = 4096) it is
-            # slower (5630 vs 4165 us): its producer cannot keep 64-step items fed.
+            # epilogue buffers) against the cooperative kernel: 610 vs 676 us at 7B (d =
+            # 1536, n = 256), 619 vs 681 skewed, 602 vs 681 at n = 512; level at d = 2048
+            # (1759 vs 1736 us, n = 768); slower from d = 2880 on (0.76x; 30B 0.74x, d =
+            # 7168 0.49x): its producer's time per K step grows with d (benchmarks/RESULTS.md).
             up = UpProjConfig(block_n=128, num_stages=5, num_consumers=2,
                               pingpong_ctas=num_sms, epilogue_tiles=1)
         elif n % 256 == 0:
