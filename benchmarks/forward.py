@@ -412,6 +412,19 @@ def completion_up_cfgs(d, n):
     return _fitting_up_cfgs(cands, n)
 
 
+def pingpong_up_cfgs(d, n):
+    """Session 20: the ping-pong up-proj (`UpProjConfig.pingpong_ctas`, the default for
+    d <= 1536) against the cooperative kernel (the previous default, and still the default
+    at wider d)."""
+    if n % 256 == 0:
+        coop = UpProjConfig(block_n=128, num_stages=3, num_consumers=2, gather="cp_async")
+    else:
+        coop = UpProjConfig(block_n=128, num_stages=4, num_consumers=1, gather="cp_async")
+    pp = UpProjConfig(block_n=128, num_stages=5, num_consumers=2, gather="cp_async",
+                      pingpong_ctas=132, epilogue_tiles=1)
+    return _fitting_up_cfgs([ForwardConfig.for_shape(d, n).up, coop, pp], n)
+
+
 def default_down_cfgs(d, n):
     cands = [
         ForwardConfig.for_shape(d, n).down,
@@ -465,7 +478,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "slabs", "approx", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "slabs", "approx", "pingpong", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     args = p.parse_args()
@@ -479,7 +492,7 @@ def main():
                 up_cfgs = {"variants": variant_up_cfgs, "default": default_up_cfgs,
                            "gather": gather_up_cfgs, "registers": registers_up_cfgs,
                            "completion": completion_up_cfgs, "slabs": slabs_up_cfgs,
-                           "approx": approx_up_cfgs,
+                           "approx": approx_up_cfgs, "pingpong": pingpong_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
