@@ -773,6 +773,53 @@ def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
     _issue(src_ref, token_ids, dsts)
 
 
+def prefetch_rows_l2(src_ref, token_ids, *, num_rows: int) -> None:
+    """Asks L2 for `src[token_ids[r], :]` for r < num_rows (one 128-byte row chunk each;
+    `prefetch.global.L2`), so a later cp.async gather of those chunks hits L2. Called by a
+    whole (producer) warpgroup in Lane semantics; thread r < num_rows prefetches row r. A
+    hint only: no data moves into the CTA and nothing waits.
+
+    Args:
+      src_ref: GMEM ref [T, 128 bytes of columns] (`x.at[:, pl.ds(col0, 64)]` for bf16).
+      token_ids: SMEM ref i32 [>= num_rows], the source row of each row.
+      num_rows: static rows, at most 128.
+    """
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
+
+    if not 0 < num_rows <= 128:
+        raise ValueError(f"num_rows={num_rows} must be in [1, 128] (one row per thread).")
+    itemsize = jnp.dtype(src_ref.dtype).itemsize
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def _prefetch(ctx, src, ids):
+        del ctx
+        utils = mgpu.utils
+        i32 = ir.IntegerType.get_signless(32)
+        i64 = ir.IntegerType.get_signless(64)
+        i8 = ir.IntegerType.get_signless(8)
+        index = ir.IndexType.get()
+        src_ty = ir.MemRefType(src.type)
+        (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
+        if col_stride != 1:
+            raise ValueError(f"src must have contiguous rows, got {src_ty}.")
+        tid = arith.remui(utils.thread_idx(), utils.c(128, i32))
+        active = arith.cmpi(arith.CmpIPredicate.ult, tid, utils.c(num_rows, i32))
+        row = arith.select(active, tid, utils.c(0, i32))  # idle threads read a valid id
+        tok = memref.load(ids, [arith.index_cast(index, row)])
+        base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), utils.memref_ptr(src))
+        addr = utils.getelementptr(
+            base, [arith.muli(arith.extui(i64, tok), utils.c(row_stride * itemsize, i64))], i8
+        )
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"), [active, llvm.ptrtoint(i64, addr)],
+            "@$0 prefetch.global.L2 [$1];", "b,l", has_side_effects=True,
+        )
+
+    _prefetch(src_ref, token_ids)
+
+
 def cp_async_publish(ki, full, landed, stages: int) -> None:
     """After issuing step `ki`'s cp.async group, publish it the kernel's way
     (`config.gather_completion`): with per-slot mbarriers (`landed` = [the

@@ -108,6 +108,10 @@ class UpProjConfig:
         stages in SMEM before it TMA-stores them (0 = all of the item's). Fewer tiles leave
         SMEM for more pipeline stages; the consumer then waits for its previous stores to
         read the buffer before it refills it.
+      prefetch_steps: ping-pong kernel with the cp.async gather only (interpret mode skips
+        it): the producer asks L2 for the rows of the K step this many steps ahead (the
+        next item's first steps near an item's end) with `prefetch.global.L2`, so the
+        gather's cp.async loads hit L2. 0 = no prefetch.
     """
 
     block_m: int = 64
@@ -128,6 +132,7 @@ class UpProjConfig:
     approx_math: bool = True
     pingpong_ctas: int = 0
     epilogue_tiles: int = 0
+    prefetch_steps: int = 0
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -168,6 +173,13 @@ def _check_pingpong(config: UpProjConfig) -> None:
         raise ValueError(f"config.pingpong_ctas={config.pingpong_ctas} must be >= 0.")
     if config.epilogue_tiles < 0:
         raise ValueError(f"config.epilogue_tiles={config.epilogue_tiles} must be >= 0.")
+    if config.prefetch_steps < 0:
+        raise ValueError(f"config.prefetch_steps={config.prefetch_steps} must be >= 0.")
+    if config.prefetch_steps and (not config.pingpong_ctas or config.gather != "cp_async"):
+        raise ValueError(
+            f"config.prefetch_steps={config.prefetch_steps} belongs to the ping-pong kernel's "
+            "cp.async gather: set pingpong_ctas > 0 and gather='cp_async', or leave it 0."
+        )
     if not config.pingpong_ctas:
         if config.epilogue_tiles:
             raise ValueError(
@@ -646,6 +658,7 @@ def _pingpong_kernel(
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
+    ahead = min(config.prefetch_steps, num_k) if cp_async else 0  # L2 prefetch distance
     smem = (stages * (bm * bk + 2 * bk * bn) + cons * per_fill * bm * slab) * 2
     if smem > SMEM_BYTES - 4096:  # the rest: ids, biases, barriers
         raise ValueError(
@@ -698,18 +711,41 @@ def _pingpong_kernel(
 
             def per_item(j, carry):
                 mi, ni = item(j)
+                has_next = j + 1 < my_items
                 with jax.named_scope("ids"):
-                    plgpu.barrier_wait(ids_bar.at[j % 2])
+                    if ahead:  # item j's ids were awaited during item j - 1's prefetches
+                        @pl.when(j == 0)
+                        def _():
+                            plgpu.barrier_wait(ids_bar.at[0])
+                    else:
+                        plgpu.barrier_wait(ids_bar.at[j % 2])
                     # Every producer thread is done reading item j - 1's ids before the
                     # next item's land in their buffer.
                     plgpu.commit_smem()
 
-                    @pl.when(j + 1 < my_items)
+                    @pl.when(has_next)
                     def _():
                         load_ids(j + 1)
 
                 ids = ids_smem.at[j % 2]
                 w_e = w_ref.at[expert_ref[mi]]  # [d, 2n]
+
+                def prefetch(ki):  # the rows of K step ki + ahead (of this item or the next)
+                    pk = ki + ahead
+
+                    @pl.when(pk < num_k)
+                    def _():
+                        _common.prefetch_rows_l2(x_ref.at[:, pl.ds(pk * bk, bk)], ids,
+                                                 num_rows=bm)
+
+                    @pl.when((pk == num_k) & has_next)  # the next item's ids: land first
+                    def _():
+                        plgpu.barrier_wait(ids_bar.at[(j + 1) % 2])
+
+                    @pl.when((pk >= num_k) & has_next)
+                    def _():
+                        _common.prefetch_rows_l2(x_ref.at[:, pl.ds((pk - num_k) * bk, bk)],
+                                                 ids_smem.at[(j + 1) % 2], num_rows=bm)
 
                 def step(ki, carry):
                     g = j * num_k + ki
@@ -732,6 +768,8 @@ def _pingpong_kernel(
                             x_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
                         )
                         _common.cp_async_publish(g, full_of, a_landed, stages)
+                        if ahead:
+                            prefetch(ki)
                     else:
                         def per_warp(w):
                             _common.gather_rows(  # [1, bk] of X[tok] per row

@@ -4,7 +4,8 @@ default, same run: bitwise equality on poisoned outputs, CUPTI time, the dense b
     PYTHONPATH=. python3 benchmarks/history/session20/pingpong_up.py 7b,30b [widths]
 
 Shapes are `benchmarks.forward.SHAPES` names; a `+skew` suffix skews the routing. With
-`widths`: only the previous default against the ping-pong kernel's default form.
+`widths`: only the previous default against the ping-pong kernel's default form; with
+`prefetch`: also the ping-pong kernel with the L2 prefetch of its gathered rows.
 """
 import dataclasses
 import sys
@@ -51,13 +52,21 @@ for name in sys.argv[1].split(","):
     rows = int(plan.num_rows)
     meta = jax.jit(lambda g, t: _common.tile_meta(g, t, 64))(plan.group_sizes, plan.token_ids)
     t_bmm = dense_bound_ms(shape)[0]
+    modes = (False, True)
     if sys.argv[2:] == ["widths"]:
         cfgs = widths(d, n)
+    elif sys.argv[2:] == ["prefetch"]:  # call 5: the L2 prefetch of the gathered rows
+        cfgs = widths(d, n)
+        pp = cfgs["pp s5 t1 wait_group"]
+        for ahead in (8, 16):
+            cfgs[f"pp + L2 prefetch {ahead} steps ahead"] = dataclasses.replace(
+                pp, prefetch_steps=ahead)
+        modes = (False,)
     else:
         cfgs = {"cooperative (default)": previous_default(d, n), **variants(previous_default(d, n))}
     ref = None
     for label, cfg in cfgs.items():
-        for inference in (False, True):
+        for inference in modes:
             f = jax.jit(lambda x, t, g, w, cfg=cfg, inf=inference: up_proj(
                 x, t, g, w, config=cfg, meta=meta, inference=inf))
             try:
