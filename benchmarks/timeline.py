@@ -4,7 +4,8 @@
         [--shapes 7b,30b] [--kernels up,up_inference,dh,down,dx]
 
 A kernel name is `up`, `dh`, `down` or `dx`, optionally with a variant: `up_inference` (no
-H), `up_pingpong` (the persistent ping-pong kernel, `UpProjConfig.pingpong_ctas`),
+H), `up_pingpong` / `up_coop` (the persistent ping-pong kernel,
+`UpProjConfig.pingpong_ctas`, the default for d <= 1536 / the cooperative kernel),
 `_nostore` / `_nomath` / `_noepilogue` (`ablated`: timing only, wrong outputs) or
 `_evictfirst` (`stores_evict_first`).
 
@@ -263,8 +264,8 @@ def main():
         for kernel in args.kernels.split(","):
             base, _, variant = kernel.partition("_")  # e.g. "up_nostore" -> "up", "nostore"
             if base not in KERNELS or variant not in ("", "inference", "evictfirst", "pingpong",
-                                                      *ABLATIONS) \
-                    or (variant in ("inference", "pingpong") and base != "up"):
+                                                      "coop", *ABLATIONS) \
+                    or (variant in ("inference", "pingpong", "coop") and base != "up"):
                 raise ValueError(f"unknown kernel {kernel!r}")
             if variant == "evictfirst":  # same kernel, stores with an L2 hint
                 variant_ctx = stores_evict_first()
@@ -275,6 +276,9 @@ def main():
             cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx}[base]
             if variant == "pingpong":  # the persistent ping-pong up-proj
                 cfg = dataclasses.replace(cfg, pingpong_ctas=132, num_stages=5, epilogue_tiles=1)
+            elif variant == "coop":  # the cooperative up-proj (the default before session 20)
+                cfg = dataclasses.replace(cfg, pingpong_ctas=0, num_stages=3, epilogue_tiles=0,
+                                          prefetch_steps=0)
             if base in ("up", "dh"):  # the gathering kernels' per-plan row tiles
                 meta = jax.jit(lambda g, t, bm=cfg.block_m: _common.tile_meta(g, t, bm))(
                     plan.group_sizes, plan.token_ids)
