@@ -22,8 +22,8 @@ its own `[1, block_k]` TMA copy `X[tok, k:k+bk] -> a_smem[slot, r]`, landing in 
 `_common.row_gather_buffers`). No gathered `[P, d]` copy of X is ever written. The source
 tokens of a tile's rows come from `TileMeta.row_ids` (computed once per plan), staged in SMEM.
 
-Two kernel structures (config.num_consumers), both with `num_stages` SMEM slots whose
-barriers count `block_m + 2` copies:
+Two one-CTA-per-tile kernel structures (config.num_consumers), both with `num_stages` SMEM
+slots whose barriers count `block_m + 2` copies:
 - single warpgroup (`num_consumers=0`): the warpgroup waits for stage k, issues its two
   wgmmas, waits for stage k-1's wgmmas and refills that slot, so loads run `num_stages - 1`
   steps ahead. Simple, but the one warpgroup issues every row copy (~70 cycles each).
@@ -33,6 +33,12 @@ barriers count `block_m + 2` copies:
   and splitting the columns (C*block_n gate columns per CTA, so a row is gathered
   n / (C*block_n) times) or, with block_m = 64*C, splitting the rows and sharing the
   weight tiles. Measured on H100: benchmarks/RESULTS.md.
+
+A third structure, the default on the H100 for d <= 1536 (`ForwardConfig.for_shape`), is
+the ping-pong kernel (`config.pingpong_ctas`, `_pingpong_kernel`): persistent CTAs whose two
+consumers take alternate (64-row tile, `block_n` columns) items, each gathering its own
+rows, so one consumer's SwiGLU epilogue and stores run while the other's wgmmas keep the
+tensor cores busy. Same bits as the cooperative kernel.
 
 Epilogue: the tile's real rows are TMA-stored with a power-of-two ladder (`store_rows`), so
 a tile never writes rows of the next expert; empty tiles return before loading anything.
