@@ -110,16 +110,19 @@ def test_up_proj_cp_async_gather_matches_reference(shape, cfg, completion):
 
 
 @pytest.mark.parametrize(
-    "shape, stages, epilogue_tiles, completion, with_bias",
-    [((2048, 512, 256, 8, 4), 5, 1, "wait_group", False),
-     ((2048, 512, 256, 8, 4), 4, 3, "mbarrier", True),
-     ((3000, 1536, 512, 16, 8), 5, 1, "mbarrier", False),
-     ((1024, 256, 128, 5, 2), 3, 0, "wait_group", True)],
+    "shape, stages, epilogue_tiles, completion, with_bias, prefetch",
+    [((2048, 512, 256, 8, 4), 5, 1, "wait_group", False, 0),
+     ((2048, 512, 256, 8, 4), 4, 3, "mbarrier", True, 0),
+     ((3000, 1536, 512, 16, 8), 5, 1, "mbarrier", False, 0),
+     ((1024, 256, 128, 5, 2), 3, 0, "wait_group", True, 0),
+     ((3000, 4096, 512, 16, 8), 5, 1, "wait_group", False, 8)],
 )
-def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, completion, with_bias):
+def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, completion, with_bias,
+                                             prefetch):
     """The persistent ping-pong up-proj (`UpProjConfig.pingpong_ctas`) against the jnp
     reference and bit for bit against the cooperative kernel, poisoned outputs, skewed
-    routing; inference mode writes the same A; 8 CTAs make every CTA walk many items."""
+    routing; inference mode writes the same A; 8 CTAs make every CTA walk many items; the
+    L2 prefetch of the gathered rows (`prefetch_steps`) changes no bit."""
     from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
 
     T, d, n, E, K = shape
@@ -145,7 +148,7 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, comp
     for ctas, inference in ((132, False), (8, False), (132, True)):
         config = UpProjConfig(block_n=128, num_stages=stages, num_consumers=2, gather="cp_async",
                               gather_completion=completion, pingpong_ctas=ctas,
-                              epilogue_tiles=epilogue_tiles)
+                              epilogue_tiles=epilogue_tiles, prefetch_steps=prefetch)
         f = jax.jit(lambda x, t, g, w, c=config, i=inference: up_proj(
             x, t, g, w, config=c, bias=bias, inference=i))
         _poison(plan.capacity * 3 * n * 2)

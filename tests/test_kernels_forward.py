@@ -12,7 +12,7 @@ from pallas_moe.kernels.aggregate import aggregate
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward
 from pallas_moe.kernels.reference import moe_forward_reference
-from pallas_moe.kernels.up_proj import up_proj
+from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
 from pallas_moe.routing import token_rounding_plan, topk_plan
 from tests.test_kernels_common import assert_untouched, close, random_weights, random_x
 
@@ -125,3 +125,17 @@ def test_each_kernel_lowers_at_7b_production_config():
            sds((p, n), jnp.bfloat16), sds((e,), i32), sds((e, n, d), jnp.bfloat16))
     _lower(lambda y, r, o, s: aggregate(y, r, o, s, config=cfg.aggregate),
            sds((p, d), jnp.bfloat16), sds((p,), i32), sds((t + 1,), i32), sds((p,), jnp.float32))
+
+
+@pytest.mark.parametrize("prefetch_steps, inference", [(0, True), (8, False)])
+def test_pingpong_up_proj_lowers_for_cuda_at_30b(prefetch_steps, inference):
+    """The ping-pong up-proj off its default widths (d = 4096, 64-step items), with the L2
+    prefetch of the gathered rows (compiled kernels only: interpret mode skips it) and in
+    inference mode (A only, one-tile epilogue buffers)."""
+    t, d, n, e, k = 32768, 4096, 512, 128, 8
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    cfg = UpProjConfig(block_n=128, num_stages=5, num_consumers=2, gather="cp_async",
+                       pingpong_ctas=132, epilogue_tiles=1, prefetch_steps=prefetch_steps)
+    _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg, inference=inference),
+           sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
+           sds((e, d, 2 * n), jnp.bfloat16))
