@@ -700,6 +700,14 @@ CP_ASYNC_BYTES = 16
 CP_ASYNC_ROW_THREADS = SWIZZLE_BYTES // CP_ASYNC_BYTES  # 8 threads load one 128-byte row
 
 
+def _mlir_int_types():
+    """(i32, i64, i8, index) MLIR types, for the kernels' inline Mosaic GPU code."""
+    from jax._src.lib.mlir import ir
+
+    return (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
+            ir.IntegerType.get_signless(8), ir.IndexType.get())
+
+
 def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
     """Issues `dsts[j][r, :] = src[token_ids[r], c*j : c*(j+1)]` for r < num_rows, as one
     cp.async group, with `c` the elements of one 128-byte row (64 bf16, 128 e4m3). Called by
@@ -731,10 +739,7 @@ def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
     def _issue(ctx, src, ids, dst_refs):
         del ctx
         utils = mgpu.utils
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        i8 = ir.IntegerType.get_signless(8)
-        index = ir.IndexType.get()
+        i32, i64, i8, index = _mlir_int_types()
         src_ty = ir.MemRefType(src.type)
         (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
         if col_stride != 1 or src_ty.shape[-1] * itemsize != SWIZZLE_BYTES * len(dst_refs):
@@ -796,10 +801,7 @@ def prefetch_rows_l2(src_ref, token_ids, *, num_rows: int) -> None:
     def _prefetch(ctx, src, ids):
         del ctx
         utils = mgpu.utils
-        i32 = ir.IntegerType.get_signless(32)
-        i64 = ir.IntegerType.get_signless(64)
-        i8 = ir.IntegerType.get_signless(8)
-        index = ir.IndexType.get()
+        i32, i64, i8, index = _mlir_int_types()
         src_ty = ir.MemRefType(src.type)
         (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
         if col_stride != 1:

@@ -296,12 +296,7 @@ def up_proj(
     grid_n = n // bn
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
-        b_ref, *rest = rest if has_bias else (None, *rest)
-        if inference:
-            a_out, *scratch = rest
-            h_out = None
-        else:
-            h_out, a_out, *scratch = rest
+        b_ref, h_out, a_out, scratch = _body_refs(rest, has_bias, inference)
         ids_smem, a_bufs, bg_smem, bu_smem, o_smem, bars, ids_bar, *bias_scratch = scratch
         a_copy, a_mma = a_views(a_bufs)
         ni = jax.lax.axis_index("n")
@@ -430,12 +425,7 @@ def _warp_specialized_kernel(
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
-        b_ref, *rest = rest if has_bias else (None, *rest)
-        if inference:
-            a_out, *scratch = rest
-            h_out = None
-        else:
-            h_out, a_out, *scratch = rest
+        b_ref, h_out, a_out, scratch = _body_refs(rest, has_bias, inference)
         ids_smem, bufs, full, empty, ids_bar, epi_bar, *extra = scratch
         # extra: the bias columns and their barrier (with biases), then the per-slot
         # cp.async mbarriers (hardware-tracked stages).
@@ -524,24 +514,16 @@ def _warp_specialized_kernel(
                         b_ref, expert_ref[mi], col, bn, n, bias_smem.at[c], bias_bars.at[c]
                     )
 
+                def wait(g, slot):
+                    plgpu.barrier_wait(full.at[slot])
+                    _common.cp_async_consumer_wait(g, a_landed, stages)
+
                 def mma_scope(acc_g, acc_u):
-                    def step(ki, carry):
-                        slot = ki % stages
-                        plgpu.barrier_wait(full.at[slot])
-                        _common.cp_async_consumer_wait(ki, a_landed, stages)
-                        a_tile = a_mma.at[slot, a_rows]  # [mb, bk]
-                        plgpu.wgmma(acc_g, a_tile, bg_smem.at[slot, :, csl])  # @ [bk, bn]
-                        plgpu.wgmma(acc_u, a_tile, bu_smem.at[slot, :, csl])
-                        plgpu.wgmma_wait(2)  # step ki-1 is done: release its slot
-
-                        @pl.when(ki >= 1)
-                        def _():
-                            plgpu.barrier_arrive(empty.at[(ki - 1) % stages])
-
-                        return carry
-
-                    jax.lax.fori_loop(0, num_k, step, None)
-                    plgpu.wgmma_wait(0)
+                    _gate_up_k_loop(
+                        acc_g, acc_u, num_k, stages, 0, wait, empty,
+                        lambda slot: a_mma.at[slot, a_rows],  # [mb, bk]
+                        lambda slot: (bg_smem.at[slot, :, csl], bu_smem.at[slot, :, csl]),
+                    )
                     return acc_g[...], acc_u[...]
 
                 with jax.named_scope("k_loop"):
@@ -677,12 +659,7 @@ def _pingpong_kernel(
     o_scratch, o_views = _common.row_tile_buffers((cons, per_fill, bm, slab), dtype, interpret)
 
     def body(real_ref, expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
-        b_ref, *rest = rest if has_bias else (None, *rest)
-        if inference:
-            a_out, *scratch = rest
-            h_out = None
-        else:
-            h_out, a_out, *scratch = rest
+        b_ref, h_out, a_out, scratch = _body_refs(rest, has_bias, inference)
         (a_bufs, bg_smem, bu_smem, o_bufs, ids_smem, full, empty, ids_bar,
          *extra) = scratch
         bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
@@ -823,27 +800,17 @@ def _pingpong_kernel(
                             bias_bars.at[c],
                         )
 
+                    def wait(g, slot):  # this consumer's full barrier of the slot
+                        plgpu.barrier_wait(full.at[c * stages + slot])
+                        _common.cp_async_consumer_wait(g, a_landed, stages)
+
                     def mma_scope(acc_g, acc_u):
-                        def step(ki, carry):
-                            g = j * num_k + ki
-                            slot = g % stages
-                            plgpu.barrier_wait(full.at[c * stages + slot])
-                            if stage_bars:
-                                _common.cp_async_stage_wait_parity(
-                                    a_landed[0].at[slot], (g // stages) % 2
-                                )
-                            plgpu.wgmma(acc_g, a_mma.at[slot], bg_smem.at[slot])  # [bm, bn]
-                            plgpu.wgmma(acc_u, a_mma.at[slot], bu_smem.at[slot])
-                            plgpu.wgmma_wait(2)  # step ki-1 is done: release its slot
-
-                            @pl.when(ki >= 1)
-                            def _():
-                                plgpu.barrier_arrive(empty.at[(g - 1) % stages])
-
-                            return carry
-
-                        jax.lax.fori_loop(0, num_k, step, None)
-                        plgpu.wgmma_wait(0)
+                        _gate_up_k_loop(
+                            acc_g, acc_u, num_k, stages, j * num_k, wait, empty,
+                            lambda slot: a_mma.at[slot],  # [bm, bk]
+                            lambda slot: (bg_smem.at[slot], bu_smem.at[slot]),  # [bk, bn]
+                        )
+                        # The last step's slot: the other consumer's item comes next.
                         plgpu.barrier_arrive(empty.at[(j * num_k + num_k - 1) % stages])
                         return acc_g[...], acc_u[...]
 
@@ -912,6 +879,49 @@ def _pingpong_kernel(
         compiler_params=plgpu.CompilerParams(**params),
         interpret=interpret_mode,
     )
+
+
+def _body_refs(rest, has_bias: bool, inference: bool):
+    """(bias ref or None, H out or None, A out, scratch refs) from a kernel body's refs
+    after X and W1: the optional bias operand, the outputs (no H with `inference`), then
+    the scratch."""
+    b_ref, *rest = rest if has_bias else (None, *rest)
+    if inference:
+        a_out, *scratch = rest
+        return b_ref, None, a_out, scratch
+    h_out, a_out, *scratch = rest
+    return b_ref, h_out, a_out, scratch
+
+
+def _gate_up_k_loop(acc_g, acc_u, num_k, stages: int, first_step, wait, empty, a_tile,
+                    b_tiles) -> None:
+    """A consumer's K loop over the gate and up accumulators (fp32 [rows, cols] each).
+
+    Step ki is the pipeline's global step g = first_step + ki in slot g % stages: `wait(g,
+    slot)` waits until it landed, then the gate and up wgmmas multiply `a_tile(slot)`
+    [rows, bk] by `b_tiles(slot)` ([bk, cols] gate, [bk, cols] up), and once step g - 1's
+    wgmmas are done its slot is released on `empty`. Returns with every wgmma finished;
+    the last step's slot is still held (the caller releases it, or the producer observes
+    it)."""
+
+    def step(ki, carry):
+        g = first_step + ki
+        slot = g % stages
+        wait(g, slot)
+        a = a_tile(slot)
+        b_gate, b_up = b_tiles(slot)
+        plgpu.wgmma(acc_g, a, b_gate)
+        plgpu.wgmma(acc_u, a, b_up)
+        plgpu.wgmma_wait(2)  # step g - 1 is done: release its slot
+
+        @pl.when(ki >= 1)
+        def _():
+            plgpu.barrier_arrive(empty.at[(g - 1) % stages])
+
+        return carry
+
+    jax.lax.fori_loop(0, num_k, step, None)
+    plgpu.wgmma_wait(0)
 
 
 def _bias_scratch(cols: int, dtype, consumers: int | None = None) -> tuple:
