@@ -240,7 +240,7 @@ def test_pingpong_equals_cooperative_no_races(config, inference):
          "belongs to the ping-pong kernel"),
         (dataclasses.replace(PINGPONG, prefetch_steps=4), "belongs to the ping-pong kernel's "
          "cp.async gather"),
-        (dataclasses.replace(PINGPONG, gather="cp_async", prefetch_steps=-1),
+        (dataclasses.replace(PINGPONG, gather="cp_async", num_stages=3, prefetch_steps=-1),
          "prefetch_steps=-1 must be >= 0"),
         (dataclasses.replace(PINGPONG, block_n=128, num_stages=6),
          "needs \\d+ B of SMEM .* lower config.num_stages or config.epilogue_tiles"),
