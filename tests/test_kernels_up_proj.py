@@ -252,3 +252,18 @@ def test_pingpong_bad_config_raises(config, match):
     with pytest.raises(ValueError, match=match):
         up_proj(x, jnp.zeros((16,), jnp.int32), jnp.zeros((2,), jnp.int32), w1, config=config,
                 interpret=True)
+
+
+def test_pingpong_plan_without_rows_writes_nothing():
+    """A plan that routed no row (every group empty): no CTA has an item, every barrier
+    is left balanced (interpret mode checks it), and no output row is written."""
+    ks = jax.random.split(jax.random.key(19), 3)
+    x = random_x(ks[0], 12, 128)
+    w1, _ = random_weights(ks[1], 3, 128, 128)
+    plan = assignment_plan(ks[2], 12, 3, empty=(0, 1, 2), extra=7)
+    assert int(plan.num_rows) == 0
+    h, a = up_proj(x, plan.token_ids, plan.group_sizes, w1,
+                   config=dataclasses.replace(PINGPONG, block_n=128, num_stages=3),
+                   interpret=True)
+    assert_untouched(h, 0)
+    assert_untouched(a, 0)
