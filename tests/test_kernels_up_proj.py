@@ -190,7 +190,7 @@ PINGPONG = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2, p
 
 @pytest.mark.parametrize(
     "config, inference",
-    [(PINGPONG, False),
+    [pytest.param(PINGPONG, False, marks=pytest.mark.slow),  # CI: the default form below
      # Two slabs per item, a one-tile epilogue buffer (a store wait before every tile), more
      # CTAs than items: some CTAs and consumers have no work.
      (dataclasses.replace(PINGPONG, block_n=128, num_stages=3, epilogue_tiles=1,
