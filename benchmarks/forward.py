@@ -412,17 +412,27 @@ def completion_up_cfgs(d, n):
     return _fitting_up_cfgs(cands, n)
 
 
+def cooperative_up_cfg(n):
+    """`ForwardConfig.for_shape`'s up-proj before the ping-pong kernel (session 19), the
+    default still at d > 1536: one CTA per tile."""
+    if n % 256 == 0:
+        return UpProjConfig(block_n=128, num_stages=3, num_consumers=2, gather="cp_async")
+    if n % 128 == 0:
+        return UpProjConfig(block_n=128, num_stages=4, num_consumers=1, gather="cp_async")
+    return UpProjConfig(block_n=64, num_stages=4, num_consumers=1, gather="cp_async")
+
+
+# The ping-pong up-proj as `ForwardConfig.for_shape` builds it at d <= 1536 on an H100.
+PINGPONG_UP = UpProjConfig(block_n=128, num_stages=5, num_consumers=2, gather="cp_async",
+                           pingpong_ctas=132, epilogue_tiles=1)
+
+
 def pingpong_up_cfgs(d, n):
     """Session 20: the ping-pong up-proj (`UpProjConfig.pingpong_ctas`, the default for
     d <= 1536) against the cooperative kernel (the previous default, and still the default
     at wider d)."""
-    if n % 256 == 0:
-        coop = UpProjConfig(block_n=128, num_stages=3, num_consumers=2, gather="cp_async")
-    else:
-        coop = UpProjConfig(block_n=128, num_stages=4, num_consumers=1, gather="cp_async")
-    pp = UpProjConfig(block_n=128, num_stages=5, num_consumers=2, gather="cp_async",
-                      pingpong_ctas=132, epilogue_tiles=1)
-    return _fitting_up_cfgs([ForwardConfig.for_shape(d, n).up, coop, pp], n)
+    return _fitting_up_cfgs([ForwardConfig.for_shape(d, n).up, cooperative_up_cfg(n),
+                             PINGPONG_UP], n)
 
 
 def default_down_cfgs(d, n):

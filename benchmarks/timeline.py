@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import glob
 import json
 import os
@@ -44,7 +43,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.forward import SHAPES, gpu_time_ms, make_case  # noqa: E402
+from benchmarks.forward import (  # noqa: E402
+    PINGPONG_UP, SHAPES, cooperative_up_cfg, gpu_time_ms, make_case,
+)
 from benchmarks.logs import open_log  # noqa: E402
 from pallas_moe.kernels import _common  # noqa: E402
 from pallas_moe.kernels import dh as dh_module  # noqa: E402
@@ -275,10 +276,9 @@ def main():
                 variant_ctx = contextlib.nullcontext()
             cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx}[base]
             if variant == "pingpong":  # the persistent ping-pong up-proj
-                cfg = dataclasses.replace(cfg, pingpong_ctas=132, num_stages=5, epilogue_tiles=1)
+                cfg = PINGPONG_UP
             elif variant == "coop":  # the cooperative up-proj (the default before session 20)
-                cfg = dataclasses.replace(cfg, pingpong_ctas=0, num_stages=3, epilogue_tiles=0,
-                                          prefetch_steps=0)
+                cfg = cooperative_up_cfg(n)
             if base in ("up", "dh"):  # the gathering kernels' per-plan row tiles
                 meta = jax.jit(lambda g, t, bm=cfg.block_m: _common.tile_meta(g, t, bm))(
                     plan.group_sizes, plan.token_ids)

@@ -22,6 +22,10 @@ from pallas_moe.routing.plan import TileSchedule, count_at_most, tile_schedule
 SWIZZLE_BYTES = 128
 # Pallas starts every SMEM scratch ref, and every member of a RefUnion group, this aligned.
 SMEM_ALIGNMENT = 1024
+# Dynamic SMEM of an H100 CTA (232448 bytes), less a margin for barriers, alignment and
+# Pallas' own scratch (about 3 KB measured by lowering): what the kernels that size their
+# pipelines from a config check their layout against (decode megakernel, ping-pong up-proj).
+SMEM_BUDGET = 232448 - 4096
 
 
 def mma_transforms(dtype) -> tuple:

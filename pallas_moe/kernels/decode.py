@@ -71,9 +71,6 @@ BLOCK_K = 64  # one 128-byte swizzle row of bf16
 # Y loads an aggregation task issues before summing them (a group of rows times the column
 # chunks of d; 16 loads of 8 bf16 per thread = 64 registers).
 AGG_LOADS_IN_FLIGHT = 16
-# Dynamic SMEM of an H100 CTA (232448 bytes), less a margin for barriers, alignment and
-# Pallas' own scratch (about 3 KB measured by lowering).
-SMEM_BUDGET = 232448 - 4096
 
 _PRODUCER = 2  # warpgroup index of the producer; consumers are 0 and 1
 
@@ -532,9 +529,9 @@ def decode_tasks(
     bm = config.block_m
     max_tiles = max_decode_tiles(plan.capacity, num_experts, bm)
     n_out = 3 if write_h else 1
-    if _smem_bytes(config, n_out) > SMEM_BUDGET:
+    if _smem_bytes(config, n_out) > _common.SMEM_BUDGET:
         raise ValueError(
-            f"config needs {_smem_bytes(config, n_out)} bytes of SMEM, more than {SMEM_BUDGET}: "
+            f"config needs {_smem_bytes(config, n_out)} bytes of SMEM, more than {_common.SMEM_BUDGET}: "
             "lower num_stages, up_block_n or down_block_n."
         )
     slab_rows = max_tiles * bm

@@ -601,10 +601,6 @@ def _warp_specialized_kernel(
     )
 
 
-# Shared memory of an H100 CTA (227 KB): the ping-pong kernel checks its layout against it.
-SMEM_BYTES = 227 * 1024
-
-
 def _pingpong_kernel(
     config: UpProjConfig, d: int, n: int, num_tiles: int, out_types, inference: bool,
     interpret_mode, params, has_bias: bool = False, activation: SwiGLU = SwiGLU(),
@@ -638,21 +634,21 @@ def _pingpong_kernel(
     grid_n = n // bn
     num_ctas = min(config.pingpong_ctas, num_tiles * grid_n)
     slab = 64  # SwiGLU columns computed at a time (one swizzled slab)
-    num_tiles_out = (1 if inference else 3) * (bn // slab)  # output tiles per item
+    num_out = 1 if inference else 3
+    num_tiles_out = num_out * (bn // slab)  # output tiles per item
     per_fill = min(config.epilogue_tiles or num_tiles_out, num_tiles_out)
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
-    num_out = 1 if inference else 3
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     ahead = min(config.prefetch_steps, num_k) if cp_async else 0  # L2 prefetch distance
     smem = (stages * (bm * bk + 2 * bk * bn) + cons * per_fill * bm * slab) * 2
-    if smem > SMEM_BYTES - 4096:  # the rest: ids, biases, barriers
+    if smem > _common.SMEM_BUDGET:  # the margin: ids, biases, barriers
         raise ValueError(
             f"the ping-pong up-proj needs {smem} B of SMEM for {stages} stages of [{bm}, {bk}] "
             f"rows + 2 x [{bk}, {bn}] weights and {cons} x {per_fill} epilogue tiles of "
-            f"[{bm}, {slab}], over the {SMEM_BYTES - 4096} B available: lower "
+            f"[{bm}, {slab}], over the {_common.SMEM_BUDGET} B available: lower "
             "config.num_stages or config.epilogue_tiles."
         )
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)

@@ -13,9 +13,11 @@ import sys
 import jax
 import numpy as np
 
-from benchmarks.forward import SHAPES, dense_bound_ms, gpu_time_ms, make_case, poison_then
+from benchmarks.forward import (
+    PINGPONG_UP, SHAPES, cooperative_up_cfg, dense_bound_ms, gpu_time_ms, make_case, poison_then,
+)
 from pallas_moe.kernels import _common
-from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
+from pallas_moe.kernels.up_proj import up_proj
 
 
 def variants(base):
@@ -27,21 +29,9 @@ def variants(base):
     return out
 
 
-def previous_default(d, n):
-    """`ForwardConfig.for_shape`'s up-proj before the ping-pong kernel (session 19)."""
-    if n % 256 == 0:
-        return UpProjConfig(block_n=128, num_stages=3, num_consumers=2, gather="cp_async")
-    if n % 128 == 0:
-        return UpProjConfig(block_n=128, num_stages=4, num_consumers=1, gather="cp_async")
-    return UpProjConfig(block_n=64, num_stages=4, num_consumers=1, gather="cp_async")
-
-
 def widths(d, n):
     """Call 3: the previous default against the ping-pong kernel's default form."""
-    return {"previous default": previous_default(d, n),
-            "pp s5 t1 wait_group": UpProjConfig(
-                block_n=128, num_stages=5, num_consumers=2, gather="cp_async",
-                pingpong_ctas=132, epilogue_tiles=1)}
+    return {"previous default": cooperative_up_cfg(n), "pp s5 t1 wait_group": PINGPONG_UP}
 
 
 rows_out = []
@@ -63,7 +53,7 @@ for name in sys.argv[1].split(","):
                 pp, prefetch_steps=ahead)
         modes = (False,)
     else:
-        cfgs = {"cooperative (default)": previous_default(d, n), **variants(previous_default(d, n))}
+        cfgs = {"cooperative (default)": cooperative_up_cfg(n), **variants(cooperative_up_cfg(n))}
     ref = None
     for label, cfg in cfgs.items():
         for inference in modes:
