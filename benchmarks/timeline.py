@@ -6,8 +6,10 @@
 A kernel name is `up`, `dh`, `down` or `dx`, optionally with a variant: `up_inference` (no
 H), `up_pingpong` / `up_coop` (the persistent ping-pong kernel,
 `UpProjConfig.pingpong_ctas`, the default for d <= 1536 / the cooperative kernel),
-`_nostore` / `_nomath` / `_noepilogue` (`ablated`: timing only, wrong outputs) or
-`_evictfirst` (`stores_evict_first`).
+`_nostore` / `_nomath` / `_noepilogue` / `_halfweights` (`ablated`: timing only, wrong
+outputs) or `_evictfirst` (`stores_evict_first`). Variants combine with `+`, e.g.
+`up_pingpong+noepilogue+halfweights`. `--plain` skips the profiler and prints only the
+CUPTI times (a quick A/B of the ablations).
 
 The kernels mark their phases with `jax.named_scope` (the up-proj: the producer's `ids`,
 `loads`, `drain`; the consumers' `k_loop`, `epilogue_sync`, `epilogue_math`,
@@ -40,6 +42,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,7 +77,7 @@ def profiled(out_dir: str, regions: int):
         plgpu.CompilerParams = original
 
 
-ABLATIONS = ("nostore", "nomath", "noepilogue")
+ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights")
 KERNELS = ("up", "dh", "down", "dx")
 
 
@@ -83,9 +86,14 @@ def ablated(what: str):
     """Traces kernels with a step of the epilogue removed (timing only: the outputs are
     wrong). "nostore": no output TMA stores (up-proj: H and A; dH: dH and A'); "nomath":
     the up-proj writes the rounded accumulators (no SwiGLU), dH writes dA', H gate and H up
-    as dH and A' (no dSwiGLU; dS is the row sum of dA'); "noepilogue": both."""
+    as dH and A' (no dSwiGLU; dS is the row sum of dA'); "noepilogue": both;
+    "halfweights": `half_weight_copies`."""
     if what not in ABLATIONS:
         raise ValueError(f"unknown ablation {what!r}")
+    if what == "halfweights":
+        with half_weight_copies():
+            yield
+        return
     saved = (_common.store_row_tile, _common.swiglu_epilogue, _common.store_rows,
              dh_module.dswiglu_epilogue)
     if what in ("nostore", "noepilogue"):
@@ -100,6 +108,34 @@ def ablated(what: str):
     finally:
         (_common.store_row_tile, _common.swiglu_epilogue, _common.store_rows,
          dh_module.dswiglu_epilogue) = saved
+
+
+@contextlib.contextmanager
+def half_weight_copies():
+    """Traces kernels whose expert-weight TMA copies (GMEM source sliced from a 3-D `[E, ., .]`
+    weight) move half their bytes: the leading half of the stage's rows (of the up-proj's
+    `[bk, bn]` gate and up stages, of dH's `[C*bn, bk]` W2 stage), and the wgmmas read the
+    other half stale. Timing only: the outputs are wrong.
+    The barrier protocol is unchanged (one copy, its own byte count). What it tests: whether
+    the K loops are bound by the bytes moved from L2 into SMEM per FLOP (session 20: 40 KB
+    per 2.1-MFLOP step in the ping-pong up-proj and the persistent dH), i.e. what a 2-CTA
+    weight multicast would save."""
+    original = plgpu.copy_gmem_to_smem
+
+    def halved(src, dst, *args, **kwargs):
+        base = getattr(src, "ref", src)
+        shape = tuple(dst.shape)
+        if len(getattr(base, "shape", ())) == 3 and len(shape) == 2 and shape[0] >= 16:
+            # The leading half of the rows: contiguous in the (8, 64)-tiled stage.
+            cut = (pl.ds(0, shape[0] // 2), slice(None))
+            return original(src.at[cut], dst.at[cut], *args, **kwargs)
+        return original(src, dst, *args, **kwargs)
+
+    plgpu.copy_gmem_to_smem = halved
+    try:
+        yield
+    finally:
+        plgpu.copy_gmem_to_smem = original
 
 
 @contextlib.contextmanager
@@ -253,9 +289,12 @@ def main():
     ap.add_argument("--kernels", default="up,up_inference,dh")
     ap.add_argument("--traces", default="/tmp/timeline_traces",
                     help="where the raw traces go (one JSON per profiled call, MBs each)")
+    ap.add_argument("--plain", action="store_true",
+                    help="CUPTI times only, no profiled run (ablation A/B)")
     args = ap.parse_args()
     log = open_log(args.out, "timeline_log.txt")
     results = {}
+    plain_rows = []
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         T, d, n, E, K = shape
@@ -263,28 +302,29 @@ def main():
         fcfg = ForwardConfig.for_shape(d, n)
         bcfg = BackwardConfig.for_shape(d, n)
         for kernel in args.kernels.split(","):
-            base, _, variant = kernel.partition("_")  # e.g. "up_nostore" -> "up", "nostore"
-            if base not in KERNELS or variant not in ("", "inference", "evictfirst", "pingpong",
-                                                      "coop", *ABLATIONS) \
-                    or (variant in ("inference", "pingpong", "coop") and base != "up"):
+            # e.g. "up_nostore" -> "up", {"nostore"}; "up_coop+halfweights" -> "up", {...}
+            base, _, variant = kernel.partition("_")
+            variants = set(variant.split("+")) - {""}
+            up_only = {"inference", "pingpong", "coop"}
+            if base not in KERNELS or variants - {"evictfirst", *up_only, *ABLATIONS} \
+                    or (variants & up_only and base != "up") or {"pingpong", "coop"} <= variants:
                 raise ValueError(f"unknown kernel {kernel!r}")
-            if variant == "evictfirst":  # same kernel, stores with an L2 hint
-                variant_ctx = stores_evict_first()
-            elif variant in ABLATIONS:  # traced with an epilogue function replaced
-                variant_ctx = ablated(variant)
-            else:
-                variant_ctx = contextlib.nullcontext()
+            variant_ctx = contextlib.ExitStack()
+            if "evictfirst" in variants:  # same kernel, stores with an L2 hint
+                variant_ctx.enter_context(stores_evict_first())
+            for ablation in sorted(variants & set(ABLATIONS)):  # traced with a step replaced
+                variant_ctx.enter_context(ablated(ablation))
             cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx}[base]
-            if variant == "pingpong":  # the persistent ping-pong up-proj
+            if "pingpong" in variants:  # the persistent ping-pong up-proj
                 cfg = PINGPONG_UP
-            elif variant == "coop":  # the cooperative up-proj (the default before session 20)
+            elif "coop" in variants:  # the cooperative up-proj (the default before session 20)
                 cfg = cooperative_up_cfg(n)
             if base in ("up", "dh"):  # the gathering kernels' per-plan row tiles
                 meta = jax.jit(lambda g, t, bm=cfg.block_m: _common.tile_meta(g, t, bm))(
                     plan.group_sizes, plan.token_ids)
                 roles = {c: f"consumer{c}" for c in range(cfg.num_consumers)}
             if base == "up":
-                inference = variant == "inference"  # ablations write H too
+                inference = "inference" in variants  # ablations write H too
 
                 def f(x, tok, g, w, cfg=cfg, meta=meta, inference=inference):
                     return up_proj(x, tok, g, w, config=cfg, meta=meta, inference=inference)
@@ -328,6 +368,11 @@ def main():
             log(f"== {name} {shape} {kernel}: {cfg}")
             with variant_ctx:
                 t_plain = gpu_time_ms(jax.jit(lambda *a: f(*a)), *fargs, iters=10)
+                if args.plain:
+                    log(f"  CUPTI: plain {t_plain * 1e3:.1f} us")
+                    results[f"{name}/{kernel}"] = dict(plain_us=t_plain * 1e3)
+                    plain_rows.append(f"| {name} | {kernel} | {t_plain * 1e3:.1f} |")
+                    continue
                 trace, mhz, profiled_f = run_profiled(
                     f, fargs, os.path.join(args.traces, f"{name}_{kernel}"), regions)
             # Timed after the trace was read: each call dumps another one next to it.
@@ -338,6 +383,8 @@ def main():
                 regions=summarize(trace, wgs, roles, mhz, log))
     with open(os.path.join(args.out, "timeline.json"), "w") as fh:
         json.dump(results, fh, indent=1)
+    if plain_rows:
+        log("\n| shape | kernel | CUPTI us |\n|---|---|---|\n" + "\n".join(plain_rows))
 
 
 if __name__ == "__main__":
