@@ -450,6 +450,32 @@ def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion):
     )
 
 
+@pytest.mark.parametrize("loader", ["tma", "cp_async"])
+@pytest.mark.parametrize(
+    "shape, num_ctas",
+    [((6000, 1536, 256, 32, 8), 132), ((4000, 2048, 768, 32, 8), 7)],
+    ids=["7b_widths", "qwen3_widths_7_ctas"],
+)
+def test_dh_swizzled_epilogue_equals_untiled(shape, num_ctas, loader):
+    """The persistent dH with 128-byte-swizzled epilogue slabs (`epilogue_layout`), H loaded
+    by the TMA ladder or by the consumers' cp.async loads (`h_loader`: rows past a tile's
+    zero-filled, never read past the array), writes the bits of the untiled default: skewed
+    routing with an empty expert (partial tiles of every size), poisoned outputs, fresh
+    random data."""
+    import dataclasses
+
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+
+    T, d, n, E, K = shape
+    base = dataclasses.replace(BackwardConfig.for_shape(d, n).dh, early_h=False,
+                               gather_completion="wait_group", persistent_ctas=num_ctas)
+    _assert_dh_configs_write_the_same_bits(
+        shape, T + d + n + 1, (base, dataclasses.replace(base, epilogue_layout="swizzled",
+                                                         h_loader=loader)),
+        empty_expert=5,
+    )
+
+
 @pytest.mark.parametrize("shape", [(6000, 1536, 256, 32, 8), (3000, 4096, 512, 16, 4)])
 def test_dh_early_h_equals_after_the_k_loop(shape):
     """dH with H loaded into the pipeline's bytes during the last K steps (`early_h`) writes

@@ -502,22 +502,27 @@ def test_lowers_for_cuda_large(shape):
 
 
 @pytest.mark.parametrize(
-    "num_tokens, d, stages, num_ctas, block_n",
-    [(100, 448, 5, 1, 64), (60, 64, 4, 2, 64),
+    "num_tokens, d, stages, num_ctas, block_n, layout",
+    [(100, 448, 5, 1, 64, "untiled"), (60, 64, 4, 2, 64, "untiled"),
+     (70, 192, 5, 2, 128, "swizzled"),
      # CI time: the same item walk as two CTAs (item = cta + j * num_ctas) and the same
      # epilogue code at another block_n; opt-in extras.
-     pytest.param(90, 128, 4, 3, 64, marks=pytest.mark.slow),
-     pytest.param(70, 192, 5, 2, 128, marks=pytest.mark.slow)],
-    ids=["one_cta_7_k_steps", "k_steps_within_free_slots", "three_ctas", "block_n_128"],
+     pytest.param(90, 128, 4, 3, 64, "untiled", marks=pytest.mark.slow),
+     pytest.param(70, 192, 5, 2, 128, "untiled", marks=pytest.mark.slow),
+     pytest.param(100, 448, 5, 1, 64, "swizzled", marks=pytest.mark.slow)],
+    ids=["one_cta_7_k_steps", "k_steps_within_free_slots", "swizzled_two_slab_tiles",
+         "three_ctas", "block_n_128", "swizzled_one_cta"],
 )
 def test_dh_persistent_matches_one_cta_per_tile_no_races(num_tokens, d, stages, num_ctas,
-                                                         block_n):
+                                                         block_n, layout):
     """The persistent dH kernel (`persistent_ctas`) against the one-CTA-per-tile kernel,
     bitwise, with the race detector: one CTA walking every tile (7 K steps over 5 slots, two
     of them free during the epilogue), an item shorter than the free slots (d = 64: the
     producer waits for the epilogue after its K loop), 3 CTAs, and block_n = 128 (the 7B
-    default's epilogue tiles); an empty expert gives empty tiles to skip. Also against the
-    reference."""
+    default's epilogue tiles); an empty expert gives empty tiles to skip. The swizzled
+    epilogue tiles (`epilogue_layout`, two 64-column slabs per tile at block_n = 128) load
+    H by the TMA ladder here: interpret mode runs that loader for `h_loader="cp_async"` too
+    (the cp.async loader: lowering and GPU tests). Also against the reference."""
     import dataclasses
 
     x, h, plan, w1, w2, grad_out = make_problem(8, num_tokens, d, 2 * block_n, 3, 2,
@@ -525,8 +530,9 @@ def test_dh_persistent_matches_one_cta_per_tile_no_races(num_tokens, d, stages, 
     args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
     base = DHConfig(block_n=block_n, num_stages=stages, num_consumers=2)
     want = dh_kernel(*args, config=base, interpret=True)
-    got = dh_kernel(*args, config=dataclasses.replace(base, persistent_ctas=num_ctas),
-                    interpret=interp(detect_races=True))
+    persistent = dataclasses.replace(base, persistent_ctas=num_ctas, epilogue_layout=layout,
+                                     h_loader="cp_async" if layout == "swizzled" else "tma")
+    got = dh_kernel(*args, config=persistent, interpret=interp(detect_races=True))
     assert not races_found()
     rows = int(plan.num_rows)
     for g, w in zip(got, want):
@@ -549,6 +555,13 @@ def test_dh_persistent_config_errors():
     for bad, match in [(dict(early_h=True), "early_h=False"),
                        (dict(num_consumers=0, gather="tma"), "num_consumers >= 1"),
                        (dict(persistent_ctas=-1), "persistent_ctas=-1"),
-                       (dict(num_stages=3), "num_stages=3 is too few")]:
+                       (dict(num_stages=3), "num_stages=3 is too few"),
+                       (dict(epilogue_layout="tiled"), "epilogue_layout='tiled' must be one of"),
+                       (dict(h_loader="bulk"), "h_loader='bulk' must be one of"),
+                       (dict(h_loader="cp_async"), "set epilogue_layout='swizzled'"),
+                       (dict(persistent_ctas=0, epilogue_layout="swizzled"),
+                        "belongs to the persistent kernel"),
+                       (dict(epilogue_layout="swizzled", epilogue_cols=32),
+                        "epilogue_cols=32 must be 0 or a multiple of 64")]:
         with pytest.raises(ValueError, match=match):
             dh_kernel(*args, config=dataclasses.replace(base, **bad), interpret=True)

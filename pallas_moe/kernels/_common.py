@@ -727,9 +727,53 @@ def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
         aligned).
       num_rows: static rows to load, a multiple of 16.
     """
+    from jax._src.lib.mlir.dialects import arith, memref
+
+    def source(row, ids):  # (source row as i64, bytes to copy: all of them)
+        _, i64, _, index = _mlir_int_types()
+        return arith.extui(i64, memref.load(ids, [arith.index_cast(index, row)])), None
+
+    _cp_async_rows(src_ref, token_ids, dsts, num_rows, source)
+
+
+def cp_async_load_rows(src_ref, dsts, row_count) -> None:
+    """Issues `dsts[j][r, :] = src[r, c*j : c*(j+1)]` for the rows r < `row_count[0]` and
+    zero-fills the rest (their cp.async copies 0 source bytes and reads nothing), as one
+    cp.async group, `c` as in `cp_async_gather_rows`. Called by a whole warpgroup in Lane
+    semantics; it waits for nothing (`cp_async_stage_done`, then a warpgroup barrier such
+    as `plgpu.commit_smem`, before any thread reads rows another thread loaded).
+
+    What it is for: rows of a tile whose TMA boxes would be the row-exact ladder of
+    `load_rows`, straight into the 128-byte-swizzled layout whose register reads are free
+    of bank conflicts, without the TMA unit (which the kernel's producer keeps busy).
+
+    Args:
+      src_ref: GMEM ref [R, c * len(dsts)] starting at the tile's first row (rows past
+        `row_count[0]` may lie past the array's end: they are not read).
+      dsts: SMEM refs [R, c] with `mma_transforms`, as in `cp_async_gather_rows`; R is a
+        multiple of 16.
+      row_count: ref i32 [1] (GMEM or SMEM): the rows to load, in [1, R].
+    """
+    from jax._src.lib.mlir.dialects import arith, memref
+
+    def source(row, count_ref):  # rows past the count: the first row's address, 0 bytes
+        i32, i64, _, index = _mlir_int_types()
+        count = memref.load(count_ref, [arith.constant(index, 0)])
+        valid = arith.cmpi(arith.CmpIPredicate.slt, row, count)
+        src_row = arith.select(valid, row, arith.constant(i32, 0))
+        size = arith.select(valid, arith.constant(i32, CP_ASYNC_BYTES), arith.constant(i32, 0))
+        return arith.extui(i64, src_row), size
+
+    _cp_async_rows(src_ref, row_count, dsts, tuple(dsts)[0].shape[0], source)
+
+
+def _cp_async_rows(src_ref, index_ref, dsts, num_rows: int, source) -> None:
+    """The 16-byte cp.async loads of `cp_async_gather_rows` / `cp_async_load_rows`: thread
+    t of the warpgroup copies chunk `t % 8` of rows `t // 8 + 16 p`, row r's source row and
+    byte count given by `source(r, index_ref) -> (i64 row, i32 bytes or None for all 16)`."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+    from jax._src.lib.mlir.dialects import arith, llvm, nvvm
 
     rows_per_pass = 128 // CP_ASYNC_ROW_THREADS
     if num_rows % rows_per_pass:
@@ -740,10 +784,10 @@ def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
     dst_type = plgpu.RefType(transforms=mma_transforms(dtype))
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), (dst_type,) * len(dsts)))
-    def _issue(ctx, src, ids, dst_refs):
+    def _issue(ctx, src, index, dst_refs):
         del ctx
         utils = mgpu.utils
-        i32, i64, i8, index = _mlir_int_types()
+        i32, i64, i8, index_type = _mlir_int_types()
         src_ty = ir.MemRefType(src.type)
         (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
         if col_stride != 1 or src_ty.shape[-1] * itemsize != SWIZZLE_BYTES * len(dst_refs):
@@ -766,9 +810,9 @@ def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
         )
         for p in range(num_rows // rows_per_pass):
             row = arith.addi(row_in_pass, utils.c(p * rows_per_pass, i32))
-            tok = memref.load(ids, [arith.index_cast(index, row)])
+            src_index, size = source(row, index)
             src_row = utils.getelementptr(
-                src_base, [arith.muli(arith.extui(i64, tok), utils.c(row_stride * itemsize, i64))], i8
+                src_base, [arith.muli(src_index, utils.c(row_stride * itemsize, i64))], i8
             )
             for j, dst_base in enumerate(dst_bases):
                 nvvm.cp_async_shared_global(
@@ -776,10 +820,11 @@ def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int) -> None:
                     utils.getelementptr(src_row, [j * SWIZZLE_BYTES], i8),
                     CP_ASYNC_BYTES,
                     nvvm.LoadCacheModifierKind.CG,
+                    cp_size=size,
                 )
         nvvm.cp_async_commit_group()
 
-    _issue(src_ref, token_ids, dsts)
+    _issue(src_ref, index_ref, dsts)
 
 
 def prefetch_rows_l2(src_ref, token_ids, *, num_rows: int) -> None:

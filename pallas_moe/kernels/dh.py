@@ -50,6 +50,10 @@ from pallas_moe.kernels._common import TileMeta
 from pallas_moe.ops.activation import SwiGLU
 
 
+EPILOGUE_LAYOUTS = ("untiled", "swizzled")
+H_LOADERS = ("tma", "cp_async")
+
+
 @dataclasses.dataclass(frozen=True)
 class DHConfig:
     """Block sizes of the dH kernel.
@@ -81,7 +85,8 @@ class DHConfig:
         prefetching allows only 3).
       epilogue_cols: warp-specialized kernel only: the dSwiGLU epilogue runs in chunks of
         this many columns (a multiple of 8 dividing block_n; 0 = the whole block at once),
-        so only a chunk's temporaries are live next to the accumulator.
+        so only a chunk's temporaries are live next to the accumulator. With
+        `persistent_ctas` and `epilogue_layout="swizzled"`, a multiple of 64 (whole slabs).
       early_h: warp-specialized kernel with `prefetch_h=False` only: the consumers start
         loading the tile's H into the pipeline's bytes as soon as both are done with every
         K step whose slot those bytes overlay (`_h_load_step`), so the load overlaps the
@@ -99,6 +104,16 @@ class DHConfig:
         consumers run the epilogue. Same bits either way. The persistent kernel loads H
         after the K loop into the bytes of its last W2 slots, so it needs
         `early_h = prefetch_h = False`.
+      epilogue_layout: persistent kernel only: how its epilogue tiles (H gate and up, which
+        become dH, and A') sit in SMEM. "untiled": [bm, bn] row-major, TMA-loaded and
+        -stored in whole boxes; the accumulator layout's reads and writes hit one bank 8 times
+        (a warp touches 8 rows of 256 bytes). "swizzled": 128-byte-swizzled 64-column slabs
+        (`_common.row_tile_types`), free of bank conflicts, stored per slab.
+      h_loader: persistent kernel with `epilogue_layout="swizzled"` only: how H reaches its
+        slabs. "tma": a row-exact ladder of TMA boxes per slab (`load_row_tile`); "cp_async":
+        the consumer's own 128 threads issue 16-byte cp.async loads straight into the
+        swizzled layout, rows past the tile's zero-filled (`_common.cp_async_load_rows`;
+        compiled kernels only, interpret mode runs "tma").
     """
 
     block_m: int = 64
@@ -116,6 +131,8 @@ class DHConfig:
     early_h: bool = False
     approx_math: bool = True
     persistent_ctas: int = 0
+    epilogue_layout: str = "untiled"
+    h_loader: str = "tma"
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -156,6 +173,28 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
             f"with H loaded after the K loop: num_consumers >= 1 (got {config.num_consumers}), "
             f"early_h=False (got {config.early_h}) and prefetch_h=False (got "
             f"{config.prefetch_h})."
+        )
+    if config.epilogue_layout not in EPILOGUE_LAYOUTS:
+        raise ValueError(
+            f"config.epilogue_layout={config.epilogue_layout!r} must be one of {EPILOGUE_LAYOUTS}."
+        )
+    if config.h_loader not in H_LOADERS:
+        raise ValueError(f"config.h_loader={config.h_loader!r} must be one of {H_LOADERS}.")
+    swizzled = config.epilogue_layout == "swizzled"
+    if swizzled and not config.persistent_ctas:
+        raise ValueError(
+            "config.epilogue_layout='swizzled' belongs to the persistent kernel: set "
+            "persistent_ctas > 0, or leave it 'untiled'."
+        )
+    if config.h_loader != "tma" and not swizzled:
+        raise ValueError(
+            f"config.h_loader={config.h_loader!r} loads H into swizzled slabs: set "
+            "epilogue_layout='swizzled' (and persistent_ctas > 0), or leave it 'tma'."
+        )
+    if swizzled and config.epilogue_cols % 64:
+        raise ValueError(
+            f"config.epilogue_cols={config.epilogue_cols} must be 0 or a multiple of 64 with "
+            "epilogue_layout='swizzled': the epilogue tiles are 64-column slabs."
         )
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
     cols = bn * max(config.num_consumers, 1)
@@ -289,16 +328,51 @@ def _dswiglu_and_store(da, s_smem, hg_ref, hu_ref, ap_ref, ds_ref, dh_out, ap_ou
 
     Args:
       da: f32 [bm, bn] accumulator (dA' of the consumer's `bn` columns, from column c0).
-      s_smem: f32 [bm] scores of the tile's rows; hg_ref, hu_ref: bf16 [bm, bn] H gate and
-        up columns, overwritten with dH; ap_ref: bf16 [bm, bn] A' tile; ds_ref: f32 [bm].
+      s_smem: f32 [bm] scores of the tile's rows; ds_ref: f32 [bm].
+      hg_ref, hu_ref: the H gate and up columns, overwritten with dH; ap_ref: the A' tile.
+        Each is either an untiled bf16 [bm, bn] SMEM ref, or a `_common.row_tile_types`
+        pair (copy view, wgmma view) of [bn / 64, bm, 64] 128-byte-swizzled slabs, whose
+        register reads and writes are free of bank conflicts (an untiled row of 256 bytes
+        puts the 8 rows a warp touches in the same banks: 8-way conflicts). Tiled, `ep_cols`
+        must be a multiple of 64 (whole slabs).
       dh_out, ap_out: the GMEM outputs [P_pad, 2n] and [P_pad, n]; ds_dst: f32 [bm] slot of
         the dS partials.
 
     Returns once the stores have read the SMEM tiles (the caller may reuse them).
     """
-    dtype = hg_ref.dtype
-    bn = hg_ref.shape[1]
+    tiled = isinstance(hg_ref, tuple)
     layout = plgpu.Layout.WGMMA
+    if tiled:
+        slab = hg_ref[1].shape[-1]
+        bn = hg_ref[1].shape[-3] * slab
+        dtype = hg_ref[1].dtype
+        assert ep_cols % slab == 0, (ep_cols, slab)
+
+        def read(tile, q):  # [bm, ep_cols] of chunk q, wgmma layout
+            first = q * ep_cols // slab
+            return jnp.concatenate(
+                [tile[1][h] for h in range(first, first + ep_cols // slab)], axis=1)
+
+        def write(tile, q, value):
+            _common.write_row_tile(tile[1], value, first_slab=q * ep_cols // slab)
+
+        def store(tile, dst):
+            _common.store_row_tile(tile[0], dst, row0, num_rows, bm)
+    else:
+        bn = hg_ref.shape[1]
+        dtype = hg_ref.dtype
+
+        def read(ref, q):
+            return plgpu.load(ref.at[:, pl.ds(q * ep_cols, ep_cols)], layout=layout,
+                              optimized=False)
+
+        def write(ref, q, value):
+            # Same layout as the loads: each thread overwrites only what it read.
+            ref[:, pl.ds(q * ep_cols, ep_cols)] = value
+
+        def store(ref, dst):
+            _common.store_rows(ref, dst, row0, num_rows, bm)
+
     s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
     s = jax.lax.broadcast_in_dim(s, (bm, ep_cols), [0])
     ds = None
@@ -306,27 +380,35 @@ def _dswiglu_and_store(da, s_smem, hg_ref, hu_ref, ap_ref, ds_ref, dh_out, ap_ou
     # accumulator (the whole tile at once spills).
     with jax.named_scope("dswiglu"):
         for q in range(bn // ep_cols):
-            chunk = pl.ds(q * ep_cols, ep_cols)
-            g = plgpu.load(hg_ref.at[:, chunk], layout=layout, optimized=False)
-            u = plgpu.load(hu_ref.at[:, chunk], layout=layout, optimized=False)
+            g, u = read(hg_ref, q), read(hu_ref, q)
             d_gate, d_up, a_scaled, ds_q = dswiglu_epilogue(
                 da[:, q * ep_cols:(q + 1) * ep_cols], g.astype(jnp.float32),
                 u.astype(jnp.float32), s, activation,
             )
             ds = ds_q if ds is None else ds + ds_q
-            # Same layout as the loads above: each thread overwrites only what it read.
-            hg_ref[:, chunk] = d_gate.astype(dtype)
-            hu_ref[:, chunk] = d_up.astype(dtype)
-            ap_ref[:, chunk] = a_scaled.astype(dtype)
+            write(hg_ref, q, d_gate.astype(dtype))
+            write(hu_ref, q, d_up.astype(dtype))
+            write(ap_ref, q, a_scaled.astype(dtype))
         ds_ref[...] = ds
         plgpu.commit_smem()
     with jax.named_scope("store"):
-        _common.store_rows(hg_ref, dh_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
-        _common.store_rows(hu_ref, dh_out.at[:, pl.ds(n + c0, bn)], row0, num_rows, bm)
-        _common.store_rows(ap_ref, ap_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
+        store(hg_ref, dh_out.at[:, pl.ds(c0, bn)])
+        store(hu_ref, dh_out.at[:, pl.ds(n + c0, bn)])
+        store(ap_ref, ap_out.at[:, pl.ds(c0, bn)])
         plgpu.copy_smem_to_gmem(ds_ref, ds_dst)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+
+def load_row_tile(src_gmem, copy_view, row0, num_rows, max_rows: int, bars, issue: bool,
+                  bar0=0):
+    """`load_rows` into a `_common.row_tile_types` tile (copy view [slabs, max_rows, w]):
+    slab h gets `src_gmem[row0 + i, w h : w (h + 1)]`. Issuing, every slab's boxes arrive on
+    the same ladder barriers (count `slabs` arrivals per tile); waiting, each barrier is
+    waited on once (`load_rows`' rule)."""
+    slabs, w = copy_view.shape[-3], copy_view.shape[-1]
+    for h in range(slabs if issue else 1):
+        load_rows(src_gmem.at[:, pl.ds(h * w, w)], copy_view.at[h], row0, num_rows, max_rows,
+                  bars, issue, bar0)
 
 
 def dh_kernel(
@@ -701,14 +783,27 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
     )
 
 
-def _persistent_layout(bm: int, bn: int, bk: int, cons: int):
+def _persistent_epilogue_types(bm: int, bn: int, cons: int, swizzled: bool):
+    """The persistent kernel's epilogue tiles, per consumer: A' [bm, bn] and H gate / up
+    [2, bm, bn] (overwritten with dH), as ((A' views), (H views)). Untiled: one view each
+    (`(ref_type,)`). Swizzled (`DHConfig.epilogue_layout`): `_common.row_tile_types` (copy
+    view, wgmma view) pairs of 128-byte-swizzled 64-column slabs. Measured on the H100
+    (session 19, `benchmarks/timeline.py`): with untiled [bm, bn] tiles the epilogue's SMEM
+    reads and writes (8-way bank conflicts) took ~4.7 of its ~7.5 us per 7B item."""
+    if swizzled:
+        return (_common.row_tile_types((cons, bm, bn), jnp.bfloat16),
+                _common.row_tile_types((cons, 2, bm, bn), jnp.bfloat16))
+    return ((plgpu.SMEM((cons, bm, bn), jnp.bfloat16),),
+            (plgpu.SMEM((cons, 2, bm, bn), jnp.bfloat16),))
+
+
+def _persistent_layout(bm: int, bn: int, bk: int, cons: int, swizzled: bool):
     """(overlaid, W2 slot bytes, epilogue bytes) of the persistent kernel's SMEM: the
     epilogue's A' and H tiles overlay the last `overlaid` W2 slots, so the next item's first
     `stages - overlaid` steps can load while the consumers run the epilogue."""
     slot_bytes = cons * bn * bk * 2
-    spans = _common.group_spans([plgpu.SMEM((cons, bm, bn), jnp.bfloat16),
-                                 plgpu.SMEM((cons, 2, bm, bn), jnp.bfloat16)])
-    epilogue_bytes = spans[-1][1]
+    ap_views, h_views = _persistent_epilogue_types(bm, bn, cons, swizzled)
+    epilogue_bytes = _common.group_spans([ap_views[-1], h_views[-1]])[-1][1]
     return -(-epilogue_bytes // slot_bytes), slot_bytes, epilogue_bytes
 
 
@@ -748,7 +843,9 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
-    overlaid, slot_bytes, epilogue_bytes = _persistent_layout(bm, bn, bk, cons)
+    swizzled = config.epilogue_layout == "swizzled"
+    h_cp_async = config.h_loader == "cp_async" and not interpret
+    overlaid, slot_bytes, epilogue_bytes = _persistent_layout(bm, bn, bk, cons, swizzled)
     free = stages - overlaid  # W2 slots the epilogue leaves alone
     if free < 1:
         raise ValueError(
@@ -762,19 +859,25 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     tf = _common.mma_transforms(dtype)
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
     w_type = plgpu.SMEM((stages, cols, bk), dtype, transforms=tf)
-    epi_types = (plgpu.SMEM((cons, bm, bn), dtype), plgpu.SMEM((cons, 2, bm, bn), dtype))
-    if interpret:  # interpret mode does not alias RefUnion members: plain buffers
-        w_scratch = (w_type, *epi_types)
+    ap_types, h_types = _persistent_epilogue_types(bm, bn, cons, swizzled)
+    if interpret:  # interpret mode does not alias RefUnion members: plain buffers, and
+        # one ref serves as every view (it allows one-row slices of the wgmma tiling)
+        w_scratch = (w_type, ap_types[-1], h_types[-1])
 
         def w_views(refs):
-            return tuple(refs)
+            w, ap, h = refs
+            return w, (ap,) * len(ap_types), (h,) * len(h_types)
     else:
         pad = plgpu.SMEM((free * slot_bytes // 2,), dtype)  # the free slots' bytes
-        w_scratch = plgpu.RefUnion(w_type, (pad, *epi_types))
+        w_scratch = plgpu.RefUnion(w_type, *((pad, a, h) for a, h in zip(ap_types, h_types)))
 
         def w_views(refs):
-            w, (_, ap, h) = refs
-            return w, ap, h
+            w, *views = refs
+            return w, tuple(v[1] for v in views), tuple(v[2] for v in views)
+
+    def tile(views, *idx):  # an epilogue tile: an untiled ref, or a (copy, wgmma) view pair
+        tiles = tuple(v.at[idx] for v in views)
+        return tiles if swizzled else tiles[0]
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
              dh_out, ap_out, ds_out, a_bufs, w_bufs, ids_smem, s_smem, ds_smem,
@@ -900,16 +1003,29 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                         h_gate = h_ref.at[:, pl.ds(c0, bn)]  # [P, bn]
                         h_up = h_ref.at[:, pl.ds(n + c0, bn)]  # [P, bn]
                         with jax.named_scope("h_load"):
-                            for half, src in enumerate((h_gate, h_up)):
-                                load_rows(src, h_smem.at[c, half], row0, num_rows, bm, h_bars,
-                                          True, bar0)
+                            load = load_row_tile if swizzled else load_rows
+                            if h_cp_async:  # this consumer's threads: cp.async, zero-filled
+                                for half, col in enumerate((c0, n + c0)):
+                                    _common.cp_async_load_rows(
+                                        h_ref.at[pl.ds(row0, bm), pl.ds(col, bn)],
+                                        [h_smem[1].at[c, half, s] for s in range(bn // 64)],
+                                        rows_ref.at[pl.ds(mi, 1)],
+                                    )
+                            else:
+                                for half, src in enumerate((h_gate, h_up)):
+                                    load(src, h_smem[0].at[c, half], row0, num_rows, bm,
+                                         h_bars, True, bar0)
                             plgpu.barrier_wait(s_bar.at[p])
-                            load_rows(h_gate, h_smem.at[c, 0], row0, num_rows, bm, h_bars,
-                                      False, bar0)
+                            if h_cp_async:
+                                _common.cp_async_stage_done(0)
+                                plgpu.commit_smem()  # every thread's rows, to all of them
+                            else:
+                                load(h_gate, h_smem[0].at[c, 0], row0, num_rows, bm, h_bars,
+                                     False, bar0)
                         with jax.named_scope("epilogue"):
                             _dswiglu_and_store(
-                                da, s_smem.at[p], h_smem.at[c, 0], h_smem.at[c, 1],
-                                ap_smem.at[c], ds_smem.at[c], dh_out, ap_out,
+                                da, s_smem.at[p], tile(h_smem, c, 0), tile(h_smem, c, 1),
+                                tile(ap_smem, c), ds_smem.at[c], dh_out, ap_out,
                                 ds_out.at[mi, ni * cons + c], c0, n, row0, num_rows, bm,
                                 ep_cols, activation,
                             )
@@ -932,7 +1048,9 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
         plgpu.Barrier(num_barriers=2),  # ids
         plgpu.Barrier(num_barriers=2),  # scores
-        plgpu.Barrier(num_arrivals=2, num_barriers=cons * num_ladder),  # H boxes
+        # H boxes: per ladder box, the gate and up halves (each in 64-column slabs if swizzled)
+        plgpu.Barrier(num_arrivals=2 * (bn // 64 if swizzled else 1),
+                      num_barriers=cons * num_ladder),
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the item's K loop
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the epilogue's tiles
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
