@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 
@@ -129,7 +130,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--variants", default="topk/cp_async,token_rounding/cp_async",
-                    help="routing/gather[/harness], harness as --harness")
+                    help="routing/gather[/harness][/untiled-dh], harness as --harness; "
+                         "untiled-dh: the persistent dH's untiled epilogue (before session 21)")
     ap.add_argument("--harness", default="vjp", choices=("vjp", "loss"),
                     help="vjp: forward + backward of a bf16 output cotangent (SonicMoE's "
                          "timing); loss: value_and_grad of sum(out * f32 cotangent)")
@@ -160,14 +162,21 @@ def main():
         reference = {}
         for variant in args.variants.split(","):
             routing, gather, *rest = variant.split("/")
+            untiled_dh = "untiled-dh" in rest  # the persistent dH's epilogue before session 21
+            rest = [r for r in rest if r != "untiled-dh"]
             harness = rest[0] if rest else args.harness
             inputs = (x, router, w1, w2, cots[harness], *biases)
             config = KernelConfig.for_shape(d, n, gather=gather, approx_math=not args.exact_math)
+            if untiled_dh and config.backward.dh.persistent_ctas:
+                config = dataclasses.replace(config, backward=dataclasses.replace(
+                    config.backward, dh=dataclasses.replace(
+                        config.backward.dh, epilogue_layout="untiled", h_loader="tma")))
             step = make_step(shape, routing, "mosaic", config,
                              skew=args.skew, gpt_oss=args.gpt_oss, harness=harness,
                              router_dtype=args.router_dtype)
-            variant = f"{routing}/{gather}/{harness}"
-            row = dict(shape=name, routing=routing, gather=gather, harness=harness,
+            variant = f"{routing}/{gather}/{harness}" + ("/untiled-dh" if untiled_dh else "")
+            row = dict(shape=name, routing=routing,
+                       gather=gather + (" untiled-dh" if untiled_dh else ""), harness=harness,
                        router_dtype=args.router_dtype, approx_math=not args.exact_math,
                        bound_ms=bound_ms, gpt_oss=args.gpt_oss)
             try:

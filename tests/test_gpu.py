@@ -443,7 +443,8 @@ def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion):
 
     T, d, n, E, K = shape
     base = dataclasses.replace(BackwardConfig.for_shape(d, n).dh, early_h=False,
-                               gather_completion=completion, persistent_ctas=0)
+                               gather_completion=completion, persistent_ctas=0,
+                               epilogue_layout="untiled", h_loader="tma")
     _assert_dh_configs_write_the_same_bits(
         shape, T + d + n, (base, dataclasses.replace(base, persistent_ctas=num_ctas)),
         empty_expert=3,
@@ -468,7 +469,8 @@ def test_dh_swizzled_epilogue_equals_untiled(shape, num_ctas, loader):
 
     T, d, n, E, K = shape
     base = dataclasses.replace(BackwardConfig.for_shape(d, n).dh, early_h=False,
-                               gather_completion="wait_group", persistent_ctas=num_ctas)
+                               gather_completion="wait_group", persistent_ctas=num_ctas,
+                               epilogue_layout="untiled", h_loader="tma")
     _assert_dh_configs_write_the_same_bits(
         shape, T + d + n + 1, (base, dataclasses.replace(base, epilogue_layout="swizzled",
                                                          h_loader=loader)),
@@ -488,6 +490,7 @@ def test_dh_early_h_equals_after_the_k_loop(shape):
     T, d, n, E, K = shape
     # The one-CTA-per-tile kernel (the persistent default loads H after the K loop).
     base = dataclasses.replace(BackwardConfig.for_shape(d, n).dh, persistent_ctas=0,
+                               epilogue_layout="untiled", h_loader="tma",
                                early_h=True)
     _assert_dh_configs_write_the_same_bits(
         shape, T + d, (base, dataclasses.replace(base, early_h=False))

@@ -86,10 +86,16 @@ class BackwardConfig:
         # (six rounds: 2956 vs 2941 us) and 3.37 vs 3.24 ms inside the step (two sessions),
         # so there the tile's CTA keeps loading H during its last K steps (`early_h`, session
         # 7: 3003.7 -> 2963.6 us) with hardware-tracked stages (session 4: 3440 vs 3553 us).
+        # Its epilogue tiles are 128-byte-swizzled slabs (no bank conflicts) that the
+        # consumers fill with their own cp.async loads of H. Measured on an H200 (session
+        # 21, same run, bitwise equal): 7B 538.9 -> 437.7 us (1.23x; skewed routing 1.23x),
+        # Qwen3 widths 1248.2 -> 1061.7 (1.18x); the same slabs loaded by TMA boxes were
+        # 0.92-0.95x (session 19's finding, reproduced).
         if d < 4096:
             dh = dataclasses.replace(
                 dh, gather_completion="wait_group",
                 persistent_ctas=default_num_sms() if num_sms is None else num_sms,
+                epilogue_layout="swizzled", h_loader="cp_async",
             )
         else:
             dh = dataclasses.replace(dh, gather_completion="mbarrier", early_h=True)
@@ -150,7 +156,8 @@ def backward_config(
     config = BackwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
     if interpret and config.dh.persistent_ctas:
         config = dataclasses.replace(
-            config, dh=dataclasses.replace(config.dh, persistent_ctas=0, early_h=True)
+            config, dh=dataclasses.replace(config.dh, persistent_ctas=0, early_h=True,
+                                           epilogue_layout="untiled", h_loader="tma")
         )
     return config
 
