@@ -39,6 +39,7 @@ from benchmarks.logs import open_log
 from benchmarks.forward import SHAPES, gpu_time_ms, pipelined_ms, wall_time_ms
 from benchmarks.layer import dense_bound_fns
 from pallas_moe.kernels import KernelConfig
+from pallas_moe.kernels.moe_forward import default_num_sms
 from pallas_moe.nn.functional import router_logits
 
 ITERS = 5
@@ -130,8 +131,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--variants", default="topk/cp_async,token_rounding/cp_async",
-                    help="routing/gather[/harness][/untiled-dh], harness as --harness; "
-                         "untiled-dh: the persistent dH's untiled epilogue (before session 21)")
+                    help="routing/gather[/harness][/untiled-dh][/persistent-dh], harness as "
+                         "--harness; untiled-dh: the persistent dH's untiled epilogue (before "
+                         "session 21); persistent-dh: the persistent dH at d >= 4096 too")
     ap.add_argument("--harness", default="vjp", choices=("vjp", "loss"),
                     help="vjp: forward + backward of a bf16 output cotangent (SonicMoE's "
                          "timing); loss: value_and_grad of sum(out * f32 cotangent)")
@@ -163,10 +165,17 @@ def main():
         for variant in args.variants.split(","):
             routing, gather, *rest = variant.split("/")
             untiled_dh = "untiled-dh" in rest  # the persistent dH's epilogue before session 21
-            rest = [r for r in rest if r != "untiled-dh"]
+            persistent_dh = "persistent-dh" in rest  # the persistent dH also at d >= 4096
+            rest = [r for r in rest if r not in ("untiled-dh", "persistent-dh")]
             harness = rest[0] if rest else args.harness
             inputs = (x, router, w1, w2, cots[harness], *biases)
             config = KernelConfig.for_shape(d, n, gather=gather, approx_math=not args.exact_math)
+            if persistent_dh and not config.backward.dh.persistent_ctas:
+                config = dataclasses.replace(config, backward=dataclasses.replace(
+                    config.backward, dh=dataclasses.replace(
+                        config.backward.dh, persistent_ctas=default_num_sms(),
+                        early_h=False, gather_completion="wait_group",
+                        epilogue_layout="swizzled", h_loader="cp_async")))
             if untiled_dh and config.backward.dh.persistent_ctas:
                 config = dataclasses.replace(config, backward=dataclasses.replace(
                     config.backward, dh=dataclasses.replace(
@@ -174,9 +183,11 @@ def main():
             step = make_step(shape, routing, "mosaic", config,
                              skew=args.skew, gpt_oss=args.gpt_oss, harness=harness,
                              router_dtype=args.router_dtype)
-            variant = f"{routing}/{gather}/{harness}" + ("/untiled-dh" if untiled_dh else "")
+            variant = (f"{routing}/{gather}/{harness}" + ("/untiled-dh" if untiled_dh else "")
+                       + ("/persistent-dh" if persistent_dh else ""))
             row = dict(shape=name, routing=routing,
-                       gather=gather + (" untiled-dh" if untiled_dh else ""), harness=harness,
+                       gather=gather + (" untiled-dh" if untiled_dh else "")
+                       + (" persistent-dh" if persistent_dh else ""), harness=harness,
                        router_dtype=args.router_dtype, approx_math=not args.exact_math,
                        bound_ms=bound_ms, gpt_oss=args.gpt_oss)
             try:

@@ -454,8 +454,9 @@ def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion):
 @pytest.mark.parametrize("loader", ["tma", "cp_async"])
 @pytest.mark.parametrize(
     "shape, num_ctas",
-    [((6000, 1536, 256, 32, 8), 132), ((4000, 2048, 768, 32, 8), 7)],
-    ids=["7b_widths", "qwen3_widths_7_ctas"],
+    [((6000, 1536, 256, 32, 8), 132), ((4000, 2048, 768, 32, 8), 7),
+     ((3000, 4096, 512, 16, 4), 132)],
+    ids=["7b_widths", "qwen3_widths_7_ctas", "30b_widths"],
 )
 def test_dh_swizzled_epilogue_equals_untiled(shape, num_ctas, loader):
     """The persistent dH with 128-byte-swizzled epilogue slabs (`epilogue_layout`), H loaded
