@@ -214,13 +214,19 @@ def configs_for(d, n, sweep: str):
         # Session 6: the dSwiGLU epilogue in column chunks (64 by default) against the
         # previous version's whole block at once (epilogue_cols=0), and narrower chunks.
         # (128-row tiles measured slower: 1750 / 5423 us at 7B / 30B, RESULTS.md.)
+        # Narrower chunks than a 64-column slab need the untiled tiles (session 21's default
+        # tiles are swizzled slabs).
         rep = dataclasses.replace
-        dh += [rep(base.dh, epilogue_cols=0), rep(base.dh, epilogue_cols=32),
-               rep(base.dh, epilogue_cols=16)]
+        untiled = rep(base.dh, epilogue_layout="untiled", h_loader="tma")
+        dh += [rep(base.dh, epilogue_cols=0), rep(untiled, epilogue_cols=32),
+               rep(untiled, epilogue_cols=16)]
     if sweep == "early_h":
         # Session 7: the consumers load H into the pipeline's bytes once the K steps whose
         # slots those bytes overlay are done (`early_h`), against after the K loop.
-        dh.append(dataclasses.replace(base.dh, early_h=not base.dh.early_h))
+        # (A one-CTA-per-tile option since session 14's persistent default.)
+        one_cta = dataclasses.replace(base.dh, persistent_ctas=0, epilogue_layout="untiled",
+                                      h_loader="tma")
+        dh += [one_cta, dataclasses.replace(one_cta, early_h=not one_cta.early_h)]
     if sweep == "approx":
         # Session 8: the dSwiGLU epilogue's exp as ex2.approx (`approx_math`, the default
         # since session 12) against the full-precision exp.

@@ -7,8 +7,10 @@ A kernel name is `up`, `dh`, `down` or `dx`, optionally with a variant: `up_infe
 H), `up_pingpong` / `up_coop` (the persistent ping-pong kernel,
 `UpProjConfig.pingpong_ctas`, the default for d <= 1536 / the cooperative kernel),
 `_nostore` / `_nomath` / `_noepilogue` / `_halfweights` (`ablated`: timing only, wrong
-outputs) or `_evictfirst` (`stores_evict_first`); for `dh`, `_swizzled` / `_hcpasync` (its epilogue tiles
-swizzled, H loaded by TMA / by cp.async: `DHConfig.epilogue_layout`, `h_loader`). Variants combine with `+`, e.g.
+outputs) or `_evictfirst` (`stores_evict_first`); for `dh`, `_untiled` / `_swizzled` /
+`_hcpasync` (its epilogue tiles untiled with H loaded by TMA, the session-21 default's
+predecessor; swizzled with H loaded by TMA; swizzled with H loaded by cp.async, the
+default: `DHConfig.epilogue_layout`, `h_loader`). Variants combine with `+`, e.g.
 `up_pingpong+noepilogue+halfweights`. `--plain` skips the profiler and prints only the
 CUPTI times (a quick A/B of the ablations).
 
@@ -308,7 +310,7 @@ def main():
             base, _, variant = kernel.partition("_")
             variants = set(variant.split("+")) - {""}
             up_only = {"inference", "pingpong", "coop"}
-            dh_only = {"swizzled", "hcpasync"}  # DHConfig.epilogue_layout / h_loader
+            dh_only = {"untiled", "swizzled", "hcpasync"}  # DHConfig.epilogue_layout / h_loader
             if base not in KERNELS \
                     or variants - {"evictfirst", *up_only, *dh_only, *ABLATIONS} \
                     or (variants & up_only and base != "up") \
@@ -324,9 +326,9 @@ def main():
                 cfg = PINGPONG_UP
             elif "coop" in variants:  # the cooperative up-proj (the default before session 20)
                 cfg = cooperative_up_cfg(n)
-            if variants & dh_only:  # the persistent dH's swizzled epilogue tiles
+            if variants & dh_only:  # the persistent dH's epilogue tiles and H loader
                 cfg = dataclasses.replace(
-                    cfg, epilogue_layout="swizzled",
+                    cfg, epilogue_layout="untiled" if "untiled" in variants else "swizzled",
                     h_loader="cp_async" if "hcpasync" in variants else "tma")
             if base in ("up", "dh"):  # the gathering kernels' per-plan row tiles
                 meta = jax.jit(lambda g, t, bm=cfg.block_m: _common.tile_meta(g, t, bm))(

@@ -30,10 +30,20 @@ registers and written as a per-(tile, column block) partial `[num_tiles, grid_n,
 CTA owns its slot: no atomics); `reduce_row_partials` sums the partials in a fixed order.
 
 Two variants (`DHConfig.num_consumers`): 0 = one warpgroup issues the copies and the
-wgmmas (the structure above); C > 0 = warp specialization (`_dh_warp_specialized`, the
-default of `BackwardConfig.for_shape`): a producer warpgroup issues the row copies from its 4
-warps and C consumer warpgroups share each gathered stage. Measured on the H100 at the 7B
-shape: 52 TF/s for one warpgroup, 156 TF/s with 2 consumers (benchmarks/RESULTS.md).
+wgmmas (the structure above); C > 0 = warp specialization (`_dh_warp_specialized`): a
+producer warpgroup issues the row copies from its 4 warps and C consumer warpgroups share
+each gathered stage. Measured on the H100 at the 7B shape: 52 TF/s for one warpgroup, 156
+TF/s with 2 consumers (benchmarks/RESULTS.md).
+
+The default of `BackwardConfig.for_shape` is the warp-specialized kernel as persistent CTAs
+(`DHConfig.persistent_ctas`, `_dh_persistent`) whose epilogue tiles are 128-byte-swizzled
+64-column slabs (`epilogue_layout="swizzled"`): the accumulator layout's SMEM reads and
+writes hit every bank once, where untiled rows of 256 bytes put the 8 rows a warp touches in
+one bank. Each consumer fills its slabs with H by its own 16-byte cp.async loads
+(`h_loader="cp_async"`, `_common.cp_async_load_rows`: rows past the tile zero-filled, none
+read past the array); TMA boxes into the slabs measured slower than the conflicts they
+remove (benchmarks/RESULTS.md, sessions 19 and 21). Interpret mode runs the TMA ladder in
+their place (it cannot run cp.async).
 """
 
 from __future__ import annotations

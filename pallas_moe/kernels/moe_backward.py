@@ -59,7 +59,7 @@ class BackwardConfig:
         """Default block sizes dividing the model width `d` and expert width `n`.
 
         Both must be multiples of 64 (`ValueError` naming the argument otherwise). `num_sms`:
-        CTAs of the persistent dH (up to d = 4096) and dX~ kernels (default: the device's SM
+        CTAs of the persistent dH and dX~ kernels (default: the device's SM
         count). `gather`: the row loader of dH and both weight gradients, "cp_async"
         (default) or "tma" (see `DHConfig.gather`).
         `overrides` may replace any of the five configs.
@@ -78,28 +78,24 @@ class BackwardConfig:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=2, pad_rows_to=k)
         else:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=1, pad_rows_to=k)
-        # Up to d = 4096, persistent CTAs (one per SM) walk the tiles, the producer loading
-        # the next tile's ids, scores and first K steps while the consumers run the
-        # epilogue, whose tiles are 128-byte-swizzled slabs (no bank conflicts) that the
-        # consumers fill with their own cp.async loads of H. Measured (bitwise the same
-        # outputs every time): session 14 on the H100, persistent with untiled tiles 7B
-        # 582.0 -> 556.5-558.1 us against one CTA per tile with `early_h`, level at 30B.
-        # Session 21, the swizzled, cp.async-loaded epilogue: an H200, 7B 538.9 -> 437.7 us
+        # Persistent CTAs (one per SM) walk the tiles, the producer loading the next tile's
+        # ids, scores and first K steps while the consumers run the epilogue, whose tiles
+        # are 128-byte-swizzled slabs (no bank conflicts) that the consumers fill with their
+        # own cp.async loads of H. Measured (bitwise the same outputs every time): session
+        # 14 on the H100, persistent with untiled tiles 7B 582.0 -> 556.5-558.1 us against
+        # one CTA per tile with `early_h`, level at 30B (so d >= 4096 kept one CTA per tile,
+        # loading H during its last K steps with hardware-tracked stages). Session 21, the
+        # swizzled, cp.async-loaded epilogue, same runs: an H200, 7B 538.9 -> 437.7 us
         # (1.23x; skewed routing 1.23x), Qwen3 widths 1248.2 -> 1061.7 (1.18x); the H100,
-        # 7B 565.5 -> 488.3 us and the 7B step 3.705 -> 3.621 ms, 30B 2848.7 (one CTA per
-        # tile) -> 2731.5 us and the 30B step 20.610 -> 20.374 ms (dH 3.322 -> 2.932 ms in
-        # it); the same slabs loaded by TMA boxes were 0.92-0.95x (session 19's finding,
-        # reproduced). Wider models (d > 4096, not measured with it) keep one CTA per tile,
-        # loading H during its last K steps (`early_h`, session 7: 3003.7 -> 2963.6 us at
-        # 30B) with hardware-tracked stages (session 4: 3440 vs 3553 us).
-        if d <= 4096:
-            dh = dataclasses.replace(
-                dh, gather_completion="wait_group",
-                persistent_ctas=default_num_sms() if num_sms is None else num_sms,
-                epilogue_layout="swizzled", h_loader="cp_async",
-            )
-        else:
-            dh = dataclasses.replace(dh, gather_completion="mbarrier", early_h=True)
+        # 7B 565.5 -> 488.3 us (step 3.705 -> 3.621 ms), d = 2880 1237.3 -> 1151.5, 30B
+        # 2848.7 (one CTA per tile) -> 2731.5 us (step 20.610 -> 20.374 ms, dH 3.322 ->
+        # 2.932 in it), d = 7168 1152.2 (one CTA per tile) -> 1131.8. The same slabs loaded
+        # by TMA boxes were 0.92-0.95x (session 19's finding, reproduced).
+        dh = dataclasses.replace(
+            dh, gather_completion="wait_group",
+            persistent_ctas=default_num_sms() if num_sms is None else num_sms,
+            epilogue_layout="swizzled", h_loader="cp_async",
+        )
         # Weight gradients: measured on the H100 (benchmarks/RESULTS.md, 7B sweep), a CTA
         # tile of 256 x 128 with 2 consumers beats 128 x 128 by ~20%; the output tile reuses
         # the pipeline's SMEM, which leaves room for 4 stages of 48 KB.
