@@ -787,7 +787,7 @@ def _cp_async_rows(src_ref, index_ref, dsts, num_rows: int, source) -> None:
     def _issue(ctx, src, index, dst_refs):
         del ctx
         utils = mgpu.utils
-        i32, i64, i8, index_type = _mlir_int_types()
+        i32, i64, i8, _ = _mlir_int_types()
         src_ty = ir.MemRefType(src.type)
         (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
         if col_stride != 1 or src_ty.shape[-1] * itemsize != SWIZZLE_BYTES * len(dst_refs):
