@@ -6,7 +6,7 @@
 A kernel name is `up`, `dh`, `down` or `dx`, optionally with a variant: `up_inference` (no
 H), `up_pingpong` / `up_coop` (the persistent ping-pong kernel,
 `UpProjConfig.pingpong_ctas`, the default for d <= 1536 / the cooperative kernel),
-`_nostore` / `_nomath` / `_noepilogue` / `_halfweights` (`ablated`: timing only, wrong
+`_nostore` / `_nomath` / `_noepilogue` / `_halfweights` / `_nomma` (`ablated`: timing only, wrong
 outputs) or `_evictfirst` (`stores_evict_first`); for `dh`, `_untiled` / `_swizzled` /
 `_hcpasync` (its epilogue tiles untiled with H loaded by TMA, the session-21 default's
 predecessor; swizzled with H loaded by TMA; swizzled with H loaded by cp.async, the
@@ -81,7 +81,7 @@ def profiled(out_dir: str, regions: int):
         plgpu.CompilerParams = original
 
 
-ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights")
+ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights", "nomma")
 KERNELS = ("up", "dh", "down", "dx")
 
 
@@ -91,12 +91,22 @@ def ablated(what: str):
     wrong). "nostore": no output TMA stores (up-proj: H and A; dH: dH and A'); "nomath":
     the up-proj writes the rounded accumulators (no SwiGLU), dH writes dA', H gate and H up
     as dH and A' (no dSwiGLU; dS is the row sum of dA'); "noepilogue": both;
-    "halfweights": `half_weight_copies`."""
+    "halfweights": `half_weight_copies`; "nomma": no wgmma is issued (the consumers still
+    wait for every stage and release it: the time the feed alone takes; the accumulators
+    stay zero)."""
     if what not in ABLATIONS:
         raise ValueError(f"unknown ablation {what!r}")
     if what == "halfweights":
         with half_weight_copies():
             yield
+        return
+    if what == "nomma":  # the consumers wait for every stage and release it, issue no wgmma
+        original = plgpu.wgmma
+        plgpu.wgmma = lambda *a, **k: None
+        try:
+            yield
+        finally:
+            plgpu.wgmma = original
         return
     saved = (_common.store_row_tile, _common.swiglu_epilogue, _common.store_rows,
              dh_module.dswiglu_epilogue)
