@@ -96,17 +96,11 @@ def ablated(what: str):
     stay zero)."""
     if what not in ABLATIONS:
         raise ValueError(f"unknown ablation {what!r}")
-    if what == "halfweights":
-        with half_weight_copies():
+    if what in ("halfweights", "nomma"):
+        # nomma: the consumers wait for every stage and release it, issuing no wgmma.
+        with (half_weight_copies() if what == "halfweights"
+              else _patched(plgpu, "wgmma", lambda *a, **k: None)):
             yield
-        return
-    if what == "nomma":  # the consumers wait for every stage and release it, issue no wgmma
-        original = plgpu.wgmma
-        plgpu.wgmma = lambda *a, **k: None
-        try:
-            yield
-        finally:
-            plgpu.wgmma = original
         return
     saved = (_common.store_row_tile, _common.swiglu_epilogue, _common.store_rows,
              dh_module.dswiglu_epilogue)
@@ -145,11 +139,19 @@ def half_weight_copies():
             return original(src.at[cut], dst.at[cut], *args, **kwargs)
         return original(src, dst, *args, **kwargs)
 
-    plgpu.copy_gmem_to_smem = halved
+    with _patched(plgpu, "copy_gmem_to_smem", halved):
+        yield
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, value):
+    """`module.name` is `value` inside the context (kernels traced there use it)."""
+    original = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        plgpu.copy_gmem_to_smem = original
+        setattr(module, name, original)
 
 
 @contextlib.contextmanager
