@@ -11,7 +11,7 @@ outputs) or `_evictfirst` (`stores_evict_first`); for `dh`, `_untiled` / `_swizz
 `_hcpasync` (its epilogue tiles untiled with H loaded by TMA, the session-21 default's
 predecessor; swizzled with H loaded by TMA; swizzled with H loaded by cp.async, the
 default: `DHConfig.epilogue_layout`, `h_loader`). Variants combine with `+`, e.g.
-`up_pingpong+noepilogue+halfweights`. `--plain` skips the profiler and prints only the
+`up_pingpong+noepilogue+halfweights`; `up_pingpong+fused` sets `UpProjConfig.fused_gate_up`. `--plain` skips the profiler and prints only the
 CUPTI times (a quick A/B of the ablations).
 
 The kernels mark their phases with `jax.named_scope` (the up-proj: the producer's `ids`,
@@ -321,7 +321,7 @@ def main():
             # e.g. "up_nostore" -> "up", {"nostore"}; "up_coop+halfweights" -> "up", {...}
             base, _, variant = kernel.partition("_")
             variants = set(variant.split("+")) - {""}
-            up_only = {"inference", "pingpong", "coop"}
+            up_only = {"inference", "pingpong", "coop", "fused"}
             dh_only = {"untiled", "swizzled", "hcpasync"}  # DHConfig.epilogue_layout / h_loader
             if base not in KERNELS \
                     or variants - {"evictfirst", *up_only, *dh_only, *ABLATIONS} \
@@ -338,6 +338,8 @@ def main():
                 cfg = PINGPONG_UP
             elif "coop" in variants:  # the cooperative up-proj (the default before session 20)
                 cfg = cooperative_up_cfg(n)
+            if "fused" in variants:  # one N = 2 * block_n wgmma per K step
+                cfg = dataclasses.replace(cfg, fused_gate_up=True)
             if variants & dh_only:  # the persistent dH's epilogue tiles and H loader
                 cfg = dataclasses.replace(
                     cfg, epilogue_layout="untiled" if "untiled" in variants else "swizzled",

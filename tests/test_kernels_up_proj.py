@@ -196,8 +196,10 @@ PINGPONG = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2, p
      (dataclasses.replace(PINGPONG, block_n=128, num_stages=3, epilogue_tiles=1,
                           pingpong_ctas=8), False),
      pytest.param(dataclasses.replace(PINGPONG, epilogue_tiles=1), True,
-                  marks=pytest.mark.slow)],
-    ids=["three_ctas", "one_tile_buffer_idle_ctas", "inference"],
+                  marks=pytest.mark.slow),
+     # One wgmma of N = 2 * block_n on a [bk, gate | up] weight tile per K step.
+     (dataclasses.replace(PINGPONG, fused_gate_up=True), False)],
+    ids=["three_ctas", "one_tile_buffer_idle_ctas", "inference", "fused_gate_up"],
 )
 def test_pingpong_equals_cooperative_no_races(config, inference):
     """Bit for bit the cooperative kernel (same wgmmas per consumer, same epilogue), with an
@@ -242,6 +244,10 @@ def test_pingpong_equals_cooperative_no_races(config, inference):
          "cp.async gather"),
         (dataclasses.replace(PINGPONG, gather="cp_async", num_stages=3, prefetch_steps=-1),
          "prefetch_steps=-1 must be >= 0"),
+        (UpProjConfig(block_n=64, num_consumers=2, fused_gate_up=True),
+         "fused_gate_up=True belongs to the ping-pong kernel"),
+        (dataclasses.replace(PINGPONG, block_n=256, fused_gate_up=True),
+         "needs 2 \\* block_n <= 256 .* got block_n=256"),
         (dataclasses.replace(PINGPONG, block_n=128, num_stages=6),
          "needs \\d+ B of SMEM .* lower config.num_stages or config.epilogue_tiles"),
     ],

@@ -118,6 +118,11 @@ class UpProjConfig:
         it): the producer asks L2 for the rows of the K step this many steps ahead (the
         next item's first steps near an item's end) with `prefetch.global.L2`, so the
         gather's cp.async loads hit L2. 0 = no prefetch.
+      fused_gate_up: ping-pong kernel only: each K step's gate and up weight tiles land side
+        by side in one [block_k, 2 * block_n] SMEM tile and one wgmma of N = 2 * block_n
+        multiplies it into one [64, 2 * block_n] accumulator (gate columns first), instead of
+        two wgmmas of N = block_n that each re-read the A stage. Same products in the same
+        K order per column, so bitwise the same outputs.
     """
 
     block_m: int = 64
@@ -139,6 +144,7 @@ class UpProjConfig:
     pingpong_ctas: int = 0
     epilogue_tiles: int = 0
     prefetch_steps: int = 0
+    fused_gate_up: bool = False
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -155,6 +161,7 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
     if config.num_stages < 2:
         raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
     _common.require_multiple("d (x.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
+    _check_pingpong(config)
     cols = _cta_cols(config)
     _common.require_multiple(
         "n (w_gate_up.shape[2] // 2)", n, cols,
@@ -169,7 +176,6 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
         raise ValueError(
             f"config.gather='cp_async' needs num_producers == 1, got {config.num_producers}."
         )
-    _check_pingpong(config)
     return d, n
 
 
@@ -187,12 +193,22 @@ def _check_pingpong(config: UpProjConfig) -> None:
             "cp.async gather: set pingpong_ctas > 0 and gather='cp_async', or leave it 0."
         )
     if not config.pingpong_ctas:
+        if config.fused_gate_up:
+            raise ValueError(
+                "config.fused_gate_up=True belongs to the ping-pong kernel: set "
+                "pingpong_ctas > 0 too, or leave it False."
+            )
         if config.epilogue_tiles:
             raise ValueError(
                 f"config.epilogue_tiles={config.epilogue_tiles} belongs to the ping-pong kernel: "
                 "set pingpong_ctas > 0 too, or leave it 0."
             )
         return
+    if config.fused_gate_up and 2 * config.block_n > 256:
+        raise ValueError(
+            f"config.fused_gate_up=True needs 2 * block_n <= 256 (one wgmma's widest N), got "
+            f"block_n={config.block_n}."
+        )
     if config.num_consumers != 2 or config.block_m != 64 or config.num_producers != 1:
         raise ValueError(
             "config.pingpong_ctas > 0 (the ping-pong kernel) needs num_consumers=2, block_m=64 "
@@ -520,7 +536,7 @@ def _warp_specialized_kernel(
 
                 def mma_scope(acc_g, acc_u):
                     _gate_up_k_loop(
-                        acc_g, acc_u, num_k, stages, 0, wait, empty,
+                        (acc_g, acc_u), num_k, stages, 0, wait, empty,
                         lambda slot: a_mma.at[slot, a_rows],  # [mb, bk]
                         lambda slot: (bg_smem.at[slot, :, csl], bu_smem.at[slot, :, csl]),
                     )
@@ -643,6 +659,10 @@ def _pingpong_kernel(
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     ahead = min(config.prefetch_steps, num_k) if cp_async else 0  # L2 prefetch distance
+    fused = config.fused_gate_up
+    # The weight TMAs per K step: a whole [bk, bn] tile each, or, into one [bk, 2 bn] tile,
+    # one per 8-row tile row (a half's columns of several tile rows are not contiguous).
+    weight_boxes = [(r0, 8) for r0 in range(0, bk, 8)] if fused else [(0, bk)]
     smem = (stages * (bm * bk + 2 * bk * bn) + cons * per_fill * bm * slab) * 2
     if smem > _common.SMEM_BUDGET:  # the margin: ids, biases, barriers
         raise ValueError(
@@ -656,8 +676,14 @@ def _pingpong_kernel(
 
     def body(real_ref, expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
         b_ref, h_out, a_out, scratch = _body_refs(rest, has_bias, inference)
-        (a_bufs, bg_smem, bu_smem, o_bufs, ids_smem, full, empty, ids_bar,
-         *extra) = scratch
+        num_b = 1 if fused else 2
+        a_bufs, b_bufs = scratch[0], scratch[1:1 + num_b]
+        o_bufs, ids_smem, full, empty, ids_bar, *extra = scratch[1 + num_b:]
+        if fused:  # gate columns [0, bn), up columns [bn, 2 bn) of one tile
+            bg_smem = b_bufs[0].at[:, :, pl.ds(0, bn)]
+            bu_smem = b_bufs[0].at[:, :, pl.ds(bn, bn)]
+        else:
+            bg_smem, bu_smem = b_bufs
         bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
         a_copy, a_mma = a_views(a_bufs)
         o_copy, o_mma = o_views(o_bufs)
@@ -736,12 +762,15 @@ def _pingpong_kernel(
                         plgpu.barrier_wait(empty.at[slot])
 
                     bar = full_of(g)
-                    plgpu.copy_gmem_to_smem(  # [bk, bn] gate columns
-                        w_e.at[pl.ds(k0, bk), pl.ds(ni * bn, bn)], bg_smem.at[slot], bar
-                    )
-                    plgpu.copy_gmem_to_smem(  # [bk, bn] matching up columns
-                        w_e.at[pl.ds(k0, bk), pl.ds(n + ni * bn, bn)], bu_smem.at[slot], bar
-                    )
+                    for r0, rows in weight_boxes:
+                        plgpu.copy_gmem_to_smem(  # [rows, bn] gate columns
+                            w_e.at[pl.ds(k0 + r0, rows), pl.ds(ni * bn, bn)],
+                            bg_smem.at[slot, pl.ds(r0, rows)], bar,
+                        )
+                        plgpu.copy_gmem_to_smem(  # [rows, bn] matching up columns
+                            w_e.at[pl.ds(k0 + r0, rows), pl.ds(n + ni * bn, bn)],
+                            bu_smem.at[slot, pl.ds(r0, rows)], bar,
+                        )
                     if cp_async:
                         _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one group
                             x_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
@@ -800,20 +829,24 @@ def _pingpong_kernel(
                         plgpu.barrier_wait(full.at[c * stages + slot])
                         _common.cp_async_consumer_wait(g, a_landed, stages)
 
-                    def mma_scope(acc_g, acc_u):
+                    def mma_scope(*accs):
                         _gate_up_k_loop(
-                            acc_g, acc_u, num_k, stages, j * num_k, wait, empty,
+                            accs, num_k, stages, j * num_k, wait, empty,
                             lambda slot: a_mma.at[slot],  # [bm, bk]
-                            lambda slot: (bg_smem.at[slot], bu_smem.at[slot]),  # [bk, bn]
+                            # [bk, 2 bn] gate | up, or ([bk, bn] gate, [bk, bn] up)
+                            lambda slot: ((b_bufs[0].at[slot],) if fused
+                                          else (bg_smem.at[slot], bu_smem.at[slot])),
                         )
                         # The last step's slot: the other consumer's item comes next.
                         plgpu.barrier_arrive(empty.at[(j * num_k + num_k - 1) % stages])
-                        return acc_g[...], acc_u[...]
+                        if fused:
+                            return accs[0][:, :bn], accs[0][:, bn:]
+                        return accs[0][...], accs[1][...]
 
                     with jax.named_scope("k_loop"):
+                        acc_shapes = [(bm, 2 * bn)] if fused else [(bm, bn), (bm, bn)]
                         g_acc, u_acc = pl.run_scoped(
-                            mma_scope, plgpu.ACC((bm, bn), jnp.float32),
-                            plgpu.ACC((bm, bn), jnp.float32),
+                            mma_scope, *(plgpu.ACC(shape, jnp.float32) for shape in acc_shapes)
                         )
                     if has_bias:
                         biases = _bias_columns(bias_smem.at[c], bias_bars.at[c], bm)
@@ -850,12 +883,13 @@ def _pingpong_kernel(
 
     scratch = [
         a_scratch,  # gathered X stages [stages, bm, bk]
-        plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),  # gate weight stages
-        plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),  # up weight stages
+        *([plgpu.SMEM((stages, bk, 2 * bn), dtype, transforms=tf)] if fused  # gate | up
+          else [plgpu.SMEM((stages, bk, bn), dtype, transforms=tf)] * 2),  # gate, up stages
         o_scratch,  # per consumer: A, H gate, H up staging tiles
         plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
-        plgpu.Barrier(  # full, one set per consumer: the two weight copies + the rows
-            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 2,
+        plgpu.Barrier(  # full, one set per consumer: the weight copies + the rows
+            num_arrivals=_common.gather_full_arrivals(config, bm, interpret)
+            + 2 * len(weight_boxes),
             num_barriers=cons * stages,
         ),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # empty: the slot's consumer
@@ -889,26 +923,26 @@ def _body_refs(rest, has_bias: bool, inference: bool):
     return b_ref, h_out, a_out, scratch
 
 
-def _gate_up_k_loop(acc_g, acc_u, num_k, stages: int, first_step, wait, empty, a_tile,
+def _gate_up_k_loop(accs, num_k, stages: int, first_step, wait, empty, a_tile,
                     b_tiles) -> None:
-    """A consumer's K loop over the gate and up accumulators (fp32 [rows, cols] each).
+    """A consumer's K loop over its fp32 accumulators: (gate [rows, cols], up [rows, cols]),
+    or one [rows, 2 * cols] of gate then up columns.
 
     Step ki is the pipeline's global step g = first_step + ki in slot g % stages: `wait(g,
-    slot)` waits until it landed, then the gate and up wgmmas multiply `a_tile(slot)`
-    [rows, bk] by `b_tiles(slot)` ([bk, cols] gate, [bk, cols] up), and once step g - 1's
-    wgmmas are done its slot is released on `empty`. Returns with every wgmma finished;
-    the last step's slot is still held (the caller releases it, or the producer observes
-    it)."""
+    slot)` waits until it landed, then one wgmma per accumulator multiplies `a_tile(slot)`
+    [rows, bk] by the matching tile of `b_tiles(slot)` ([bk, cols] gate and up, or one
+    [bk, 2 * cols]), and once step g - 1's wgmmas are done its slot is released on `empty`.
+    Returns with every wgmma finished; the last step's slot is still held (the caller
+    releases it, or the producer observes it)."""
 
     def step(ki, carry):
         g = first_step + ki
         slot = g % stages
         wait(g, slot)
         a = a_tile(slot)
-        b_gate, b_up = b_tiles(slot)
-        plgpu.wgmma(acc_g, a, b_gate)
-        plgpu.wgmma(acc_u, a, b_up)
-        plgpu.wgmma_wait(2)  # step g - 1 is done: release its slot
+        for acc, b in zip(accs, b_tiles(slot), strict=True):
+            plgpu.wgmma(acc, a, b)
+        plgpu.wgmma_wait(len(accs))  # step g - 1 is done: release its slot
 
         @pl.when(ki >= 1)
         def _():
