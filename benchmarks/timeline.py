@@ -11,11 +11,13 @@ outputs) or `_evictfirst` (`stores_evict_first`); for `dh`, `_untiled` / `_swizz
 `_hcpasync` (its epilogue tiles untiled with H loaded by TMA, the session-21 default's
 predecessor; swizzled with H loaded by TMA; swizzled with H loaded by cp.async, the
 default: `DHConfig.epilogue_layout`, `h_loader`). Variants combine with `+`, e.g.
-`up_pingpong+noepilogue+halfweights`; `up_pingpong+fused` sets `UpProjConfig.fused_gate_up`. `--plain` skips the profiler and prints only the
+`up_pingpong+noepilogue+halfweights`; `up_pingpong+fused` sets `UpProjConfig.fused_gate_up`,
+and a `field=value` token sets any field of the kernel's config (`up_pingpong+num_stages=4`). `--plain` skips the profiler and prints only the
 CUPTI times (a quick A/B of the ablations).
 
 The kernels mark their phases with `jax.named_scope` (the up-proj: the producer's `ids`,
-`loads`, `drain`; the consumers' `k_loop`, `epilogue_sync`, `epilogue_math`,
+`loads` (in the ping-pong kernel, per K step: `empty_wait`, `weights`, `gather`, `publish`),
+`drain`; the consumers' `k_loop`, `epilogue_sync`, `epilogue_math`,
 `epilogue_store`; the persistent dH: `k_loop`, `epilogue_sync`, `h_load`, `epilogue`
 (`dswiglu`, `store`); the grouped-GEMM engine's consumers (`down`, `dx`): `k_loop`,
 `epilogue_math`, `previous_store`, `epilogue_store`). The
@@ -305,6 +307,8 @@ def main():
     ap.add_argument("--kernels", default="up,up_inference,dh")
     ap.add_argument("--traces", default="/tmp/timeline_traces",
                     help="where the raw traces go (one JSON per profiled call, MBs each)")
+    ap.add_argument("--regions", type=int, default=0,
+                    help="ping-pong up-proj: regions recorded per warpgroup (0 = 48)")
     ap.add_argument("--plain", action="store_true",
                     help="CUPTI times only, no profiled run (ablation A/B)")
     args = ap.parse_args()
@@ -321,6 +325,9 @@ def main():
             # e.g. "up_nostore" -> "up", {"nostore"}; "up_coop+halfweights" -> "up", {...}
             base, _, variant = kernel.partition("_")
             variants = set(variant.split("+")) - {""}
+            # "field=value" tokens override the kernel config's fields, e.g. num_stages=4.
+            overrides = dict(v.split("=", 1) for v in variants if "=" in v)
+            variants -= {v for v in variants if "=" in v}
             up_only = {"inference", "pingpong", "coop", "fused"}
             dh_only = {"untiled", "swizzled", "hcpasync"}  # DHConfig.epilogue_layout / h_loader
             if base not in KERNELS \
@@ -344,6 +351,10 @@ def main():
                 cfg = dataclasses.replace(
                     cfg, epilogue_layout="untiled" if "untiled" in variants else "swizzled",
                     h_loader="cp_async" if "hcpasync" in variants else "tma")
+            if overrides:
+                cfg = dataclasses.replace(cfg, **{
+                    k: type(getattr(cfg, k))(v) if not isinstance(getattr(cfg, k), bool)
+                    else v == "True" for k, v in overrides.items()})
             if base in ("up", "dh"):  # the gathering kernels' per-plan row tiles
                 meta = jax.jit(lambda g, t, bm=cfg.block_m: _common.tile_meta(g, t, bm))(
                     plan.group_sizes, plan.token_ids)
@@ -359,7 +370,7 @@ def main():
                 roles.update({cfg.num_consumers + p: f"producer{p}"
                               for p in range(cfg.num_producers)})
                 # The ping-pong kernel's CTAs walk ~47 items at 7B: record the first ones.
-                regions = 48 if cfg.pingpong_ctas else 8
+                regions = (args.regions or 48) if cfg.pingpong_ctas else 8
             elif base == "dh":
                 h = jax.random.normal(jax.random.key(5), (plan.capacity, 2 * n),
                                       jnp.float32).astype(jnp.bfloat16)

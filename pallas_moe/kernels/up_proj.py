@@ -757,25 +757,29 @@ def _pingpong_kernel(
                     slot = g % stages
                     k0 = ki * bk
 
-                    @pl.when(g >= stages)
-                    def _():
-                        plgpu.barrier_wait(empty.at[slot])
+                    with jax.named_scope("empty_wait"):
+                        @pl.when(g >= stages)
+                        def _():
+                            plgpu.barrier_wait(empty.at[slot])
 
                     bar = full_of(g)
-                    for r0, rows in weight_boxes:
-                        plgpu.copy_gmem_to_smem(  # [rows, bn] gate columns
-                            w_e.at[pl.ds(k0 + r0, rows), pl.ds(ni * bn, bn)],
-                            bg_smem.at[slot, pl.ds(r0, rows)], bar,
-                        )
-                        plgpu.copy_gmem_to_smem(  # [rows, bn] matching up columns
-                            w_e.at[pl.ds(k0 + r0, rows), pl.ds(n + ni * bn, bn)],
-                            bu_smem.at[slot, pl.ds(r0, rows)], bar,
-                        )
+                    with jax.named_scope("weights"):
+                        for r0, rows in weight_boxes:
+                            plgpu.copy_gmem_to_smem(  # [rows, bn] gate columns
+                                w_e.at[pl.ds(k0 + r0, rows), pl.ds(ni * bn, bn)],
+                                bg_smem.at[slot, pl.ds(r0, rows)], bar,
+                            )
+                            plgpu.copy_gmem_to_smem(  # [rows, bn] matching up columns
+                                w_e.at[pl.ds(k0 + r0, rows), pl.ds(n + ni * bn, bn)],
+                                bu_smem.at[slot, pl.ds(r0, rows)], bar,
+                            )
                     if cp_async:
-                        _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one group
-                            x_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
-                        )
-                        _common.cp_async_publish(g, full_of, a_landed, stages)
+                        with jax.named_scope("gather"):
+                            _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one group
+                                x_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
+                            )
+                        with jax.named_scope("publish"):  # waits for an older step's rows
+                            _common.cp_async_publish(g, full_of, a_landed, stages)
                         if ahead:
                             prefetch(ki)
                     else:
