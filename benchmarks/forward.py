@@ -422,9 +422,8 @@ def cooperative_up_cfg(n):
     return UpProjConfig(block_n=64, num_stages=4, num_consumers=1, gather="cp_async")
 
 
-# The ping-pong up-proj as `ForwardConfig.for_shape` builds it at d <= 1536 on an H100.
-PINGPONG_UP = UpProjConfig(block_n=128, num_stages=5, num_consumers=2, gather="cp_async",
-                           pingpong_ctas=132, epilogue_tiles=1)
+# The ping-pong up-proj as `ForwardConfig.for_shape` builds it at d <= 1536 on this device.
+PINGPONG_UP = ForwardConfig.for_shape(1536, 256, num_sms=132).up
 
 
 def pingpong_up_cfgs(d, n):

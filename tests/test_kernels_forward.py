@@ -113,6 +113,22 @@ def test_forward_lowers_for_cuda(shape, gather):
     )
 
 
+@pytest.mark.parametrize("kind, completion", [("NVIDIA H100 80GB HBM3", "wait_group"),
+                                              ("NVIDIA H200", "mbarrier"), ("", "wait_group")])
+def test_pingpong_up_proj_completion_follows_the_device(kind, completion):
+    """The ping-pong up-proj's gathered stages complete as measured fastest on each card
+    (mbarriers on the H200, the lagged publish on the H100 and by default), and the H200's
+    form lowers for cuda at 7B."""
+    t, d, n, e, k = 24576, 1536, 256, 128, 8
+    up = ForwardConfig.for_shape(d, n, device_kind=kind).up
+    assert up.pingpong_ctas and up.gather_completion == completion
+    if kind.endswith("H200"):
+        sds = jax.ShapeDtypeStruct
+        _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=up),
+               sds((t, d), jnp.bfloat16), sds((t * k,), jnp.int32), sds((e,), jnp.int32),
+               sds((e, d, 2 * n), jnp.bfloat16))
+
+
 def test_each_kernel_lowers_at_7b_production_config():
     t, d, n, e, k = 24576, 1536, 256, 128, 8
     p = t * k

@@ -67,18 +67,24 @@ class ForwardConfig:
 
     @classmethod
     def for_shape(
-        cls, d: int, n: int, *, num_sms: int | None = None, gather: str = "cp_async", **overrides
+        cls, d: int, n: int, *, num_sms: int | None = None, gather: str = "cp_async",
+        device_kind: str | None = None, **overrides
     ) -> "ForwardConfig":
         """Default block sizes that divide the model widths `d` and `n` (both multiples of 64).
 
         `num_sms`: CTAs of the persistent down-proj (default: the device's SM count, 132 on
-        H100). `overrides` may also set `decode=DecodeConfig.for_shape(d, n)` (the megakernel). `gather`: the up-proj's row loader, "cp_async" (default: measured faster on
-        the H100, bitwise the same result) or "tma" (see `UpProjConfig.gather`; interpret mode
-        always runs the TMA loader). `overrides` may replace the `up`, `down` or `aggregate`
-        configs.
+        H100). `device_kind`: the GPU the defaults are tuned for (default: the default
+        device's `device_kind`, e.g. "NVIDIA H100 80GB HBM3"); an H200 gets its own measured
+        choices. `overrides` may also set `decode=DecodeConfig.for_shape(d, n)` (the
+        megakernel). `gather`: the up-proj's row loader, "cp_async" (default: measured faster
+        on the H100, bitwise the same result) or "tma" (see `UpProjConfig.gather`; interpret
+        mode always runs the TMA loader). `overrides` may replace the `up`, `down` or
+        `aggregate` configs.
         """
         if num_sms is None:
             num_sms = default_num_sms()
+        if device_kind is None:
+            device_kind = default_device_kind()
         _common.require_multiple("d", d, 64, "the kernels tile the model width by 64")
         _common.require_multiple("n", n, 64, "the kernels tile the expert width by 64")
         # Measured on H100 (benchmarks/RESULTS.md, benchmarks/history/): the warp-specialized
@@ -91,8 +97,14 @@ class ForwardConfig:
             # 1536, n = 256), 619 vs 681 skewed, 602 vs 681 at n = 512; level at d = 2048
             # (1759 vs 1736 us, n = 768); slower from d = 2880 on (0.76x; 30B 0.74x, d =
             # 7168 0.49x): its producer's time per K step grows with d (benchmarks/RESULTS.md).
+            # How its gathered stages complete depends on the card. On an H200 (session 22,
+            # same runs, bitwise equal) hardware-tracked mbarriers win, 7B 608.2 / 607.9 ->
+            # 567.8 / 569.3 us: the lagged publish's producer stalls on its own cp.async
+            # groups. On the H100 (session 20, same run) they lost, 610.1 -> 638.7 us.
             up = UpProjConfig(block_n=128, num_stages=5, num_consumers=2,
-                              pingpong_ctas=num_sms, epilogue_tiles=1)
+                              pingpong_ctas=num_sms, epilogue_tiles=1,
+                              gather_completion="mbarrier" if "H200" in device_kind
+                              else "wait_group")
         elif n % 256 == 0:
             up = UpProjConfig(block_n=128, num_stages=3, num_consumers=2)
         elif n % 128 == 0:
@@ -134,6 +146,15 @@ def default_num_sms() -> int:
     except RuntimeError:
         return 132
     return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
+
+
+def default_device_kind() -> str:
+    """`device_kind` of the default device if it is a GPU (e.g. "NVIDIA H200"), else ""."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return ""
+    return str(getattr(dev, "device_kind", "")) if dev.platform == "gpu" else ""
 
 
 def _aggregate_config(d: int) -> AggregateConfig:

@@ -31,7 +31,7 @@ def variants(base):
 
 def widths(d, n):
     """Call 3: the previous default against the ping-pong kernel's default form."""
-    return {"previous default": cooperative_up_cfg(n), "pp s5 t1 wait_group": PINGPONG_UP}
+    return {"previous default": cooperative_up_cfg(n), "pp s5 t1 wait_group": dataclasses.replace(PINGPONG_UP, gather_completion="wait_group")}
 
 
 rows_out = []
