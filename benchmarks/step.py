@@ -126,14 +126,36 @@ def rel_err(a, b):
     return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
+def _replace(config: KernelConfig, kernel: str, **fields) -> KernelConfig:
+    """`config` with the fields of one kernel's config replaced (kernel: "up" or "dh")."""
+    part = "forward" if kernel == "up" else "backward"
+    sub = getattr(config, part)
+    sub = dataclasses.replace(sub, **{kernel: dataclasses.replace(getattr(sub, kernel), **fields)})
+    return dataclasses.replace(config, **{part: sub})
+
+
+# Variant flags (`--variants routing/gather/.../flag`): an A/B change of the default config.
+CONFIG_FLAGS = {
+    # The persistent dH's epilogue before session 21 (untiled tiles, H loaded by TMA).
+    "untiled-dh": lambda c: _replace(c, "dh", epilogue_layout="untiled", h_loader="tma")
+    if c.backward.dh.persistent_ctas else c,
+    # The persistent dH at d >= 4096 too (one CTA per tile there before session 21).
+    "persistent-dh": lambda c: c if c.backward.dh.persistent_ctas else _replace(
+        c, "dh", persistent_ctas=default_num_sms(), early_h=False,
+        gather_completion="wait_group", epilogue_layout="swizzled", h_loader="cp_async"),
+    # The up-proj's gathered stages published by the producer's lagged wait (the H100's
+    # default; session 22 made mbarriers the H200's for the ping-pong kernel).
+    "lagged-up": lambda c: _replace(c, "up", gather_completion="wait_group"),
+}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--variants", default="topk/cp_async,token_rounding/cp_async",
-                    help="routing/gather[/harness][/untiled-dh][/persistent-dh], harness as "
-                         "--harness; untiled-dh: the persistent dH's untiled epilogue (before "
-                         "session 21); persistent-dh: the persistent dH at d >= 4096 too")
+                    help="routing/gather[/harness][/flag...], harness as --harness; flags "
+                         f"change the default config: {', '.join(CONFIG_FLAGS)} (CONFIG_FLAGS)")
     ap.add_argument("--harness", default="vjp", choices=("vjp", "loss"),
                     help="vjp: forward + backward of a bf16 output cotangent (SonicMoE's "
                          "timing); loss: value_and_grad of sum(out * f32 cotangent)")
@@ -164,30 +186,19 @@ def main():
         reference = {}
         for variant in args.variants.split(","):
             routing, gather, *rest = variant.split("/")
-            untiled_dh = "untiled-dh" in rest  # the persistent dH's epilogue before session 21
-            persistent_dh = "persistent-dh" in rest  # the persistent dH also at d >= 4096
-            rest = [r for r in rest if r not in ("untiled-dh", "persistent-dh")]
+            flags = [r for r in rest if r in CONFIG_FLAGS]  # config changes, in order
+            rest = [r for r in rest if r not in CONFIG_FLAGS]
             harness = rest[0] if rest else args.harness
             inputs = (x, router, w1, w2, cots[harness], *biases)
             config = KernelConfig.for_shape(d, n, gather=gather, approx_math=not args.exact_math)
-            if persistent_dh and not config.backward.dh.persistent_ctas:
-                config = dataclasses.replace(config, backward=dataclasses.replace(
-                    config.backward, dh=dataclasses.replace(
-                        config.backward.dh, persistent_ctas=default_num_sms(),
-                        early_h=False, gather_completion="wait_group",
-                        epilogue_layout="swizzled", h_loader="cp_async")))
-            if untiled_dh and config.backward.dh.persistent_ctas:
-                config = dataclasses.replace(config, backward=dataclasses.replace(
-                    config.backward, dh=dataclasses.replace(
-                        config.backward.dh, epilogue_layout="untiled", h_loader="tma")))
+            for flag in flags:
+                config = CONFIG_FLAGS[flag](config)
             step = make_step(shape, routing, "mosaic", config,
                              skew=args.skew, gpt_oss=args.gpt_oss, harness=harness,
                              router_dtype=args.router_dtype)
-            variant = (f"{routing}/{gather}/{harness}" + ("/untiled-dh" if untiled_dh else "")
-                       + ("/persistent-dh" if persistent_dh else ""))
-            row = dict(shape=name, routing=routing,
-                       gather=gather + (" untiled-dh" if untiled_dh else "")
-                       + (" persistent-dh" if persistent_dh else ""), harness=harness,
+            variant = "/".join([routing, gather, harness, *flags])
+            row = dict(shape=name, routing=routing, gather=" ".join([gather, *flags]),
+                       harness=harness,
                        router_dtype=args.router_dtype, approx_math=not args.exact_math,
                        bound_ms=bound_ms, gpt_oss=args.gpt_oss)
             try:
