@@ -12,6 +12,7 @@ outputs) or `_evictfirst` (`stores_evict_first`); for `dh`, `_untiled` / `_swizz
 predecessor; swizzled with H loaded by TMA; swizzled with H loaded by cp.async, the
 default: `DHConfig.epilogue_layout`, `h_loader`). Variants combine with `+`, e.g.
 `up_pingpong+noepilogue+halfweights`; `up_pingpong+fused` sets `UpProjConfig.fused_gate_up`,
+`+interleaved` passes W1 with gate and up interleaved per block_n (`gate_up_blocks`),
 and a `field=value` token sets any field of the kernel's config (`up_pingpong+num_stages=4`). `--plain` skips the profiler and prints only the
 CUPTI times (a quick A/B of the ablations).
 
@@ -63,7 +64,7 @@ from pallas_moe.kernels.down_proj import down_proj  # noqa: E402
 from pallas_moe.kernels.dx import dx_rows  # noqa: E402
 from pallas_moe.kernels.moe_backward import BackwardConfig  # noqa: E402
 from pallas_moe.kernels.moe_forward import ForwardConfig  # noqa: E402
-from pallas_moe.kernels.up_proj import up_proj  # noqa: E402
+from pallas_moe.kernels.up_proj import interleave_gate_up, up_proj  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -328,7 +329,7 @@ def main():
             # "field=value" tokens override the kernel config's fields, e.g. num_stages=4.
             overrides = dict(v.split("=", 1) for v in variants if "=" in v)
             variants -= {v for v in variants if "=" in v}
-            up_only = {"inference", "pingpong", "coop", "fused"}
+            up_only = {"inference", "pingpong", "coop", "fused", "interleaved"}
             dh_only = {"untiled", "swizzled", "hcpasync"}  # DHConfig.epilogue_layout / h_loader
             if base not in KERNELS \
                     or variants - {"evictfirst", *up_only, *dh_only, *ABLATIONS} \
@@ -362,10 +363,14 @@ def main():
             if base == "up":
                 inference = "inference" in variants  # ablations write H too
 
-                def f(x, tok, g, w, cfg=cfg, meta=meta, inference=inference):
-                    return up_proj(x, tok, g, w, config=cfg, meta=meta, inference=inference)
+                blocks = cfg.block_n if "interleaved" in variants else 0  # W1 layout
 
-                fargs = (x, plan.token_ids, plan.group_sizes, w1)
+                def f(x, tok, g, w, cfg=cfg, meta=meta, inference=inference, blocks=blocks):
+                    return up_proj(x, tok, g, w, config=cfg, meta=meta, inference=inference,
+                                   gate_up_blocks=blocks)
+
+                w_up = interleave_gate_up(w1, blocks) if blocks else w1
+                fargs = (x, plan.token_ids, plan.group_sizes, w_up)
                 wgs = cfg.num_consumers + cfg.num_producers
                 roles.update({cfg.num_consumers + p: f"producer{p}"
                               for p in range(cfg.num_producers)})

@@ -123,8 +123,8 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, comp
     reference and bit for bit against the cooperative kernel, poisoned outputs, skewed
     routing; inference mode writes the same A; 8 CTAs make every CTA walk many items; the
     L2 prefetch of the gathered rows (`prefetch_steps`) changes no bit, nor does one
-    N = 256 wgmma per K step (`fused_gate_up`)."""
-    from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
+    N = 256 wgmma per K step (`fused_gate_up`), nor W1 interleaved (`gate_up_blocks`)."""
+    from pallas_moe.kernels.up_proj import UpProjConfig, interleave_gate_up, up_proj
 
     T, d, n, E, K = shape
     ks = jax.random.split(jax.random.key(T + d + n), 5)
@@ -146,16 +146,18 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, comp
         for e in range(E)
     ])
     assert rel_err(want_h[:rows], h_ref[:rows]) < 1e-2
-    for ctas, inference, fused in ((132, False, False), (8, False, False), (132, True, False),
-                                   (132, False, True), (8, True, True)):
+    w1_interleaved = interleave_gate_up(w1, 128)
+    for ctas, inference, fused, blocks in ((132, False, False, 0), (8, False, False, 0),
+                                           (132, True, False, 0), (132, False, True, 0),
+                                           (8, True, True, 0), (132, False, True, 128)):
         config = UpProjConfig(block_n=128, num_stages=stages, num_consumers=2, gather="cp_async",
                               gather_completion=completion, pingpong_ctas=ctas,
                               epilogue_tiles=epilogue_tiles, prefetch_steps=prefetch,
                               fused_gate_up=fused)
-        f = jax.jit(lambda x, t, g, w, c=config, i=inference: up_proj(
-            x, t, g, w, config=c, bias=bias, inference=i))
+        f = jax.jit(lambda x, t, g, w, c=config, i=inference, b=blocks: up_proj(
+            x, t, g, w, config=c, bias=bias, inference=i, gate_up_blocks=b))
         _poison(plan.capacity * 3 * n * 2)
-        h, a = f(x, plan.token_ids, plan.group_sizes, w1)
+        h, a = f(x, plan.token_ids, plan.group_sizes, w1_interleaved if blocks else w1)
         assert bool(jnp.array_equal(a[:rows], want_a[:rows])), (ctas, inference, fused)
         if not inference:
             assert bool(jnp.array_equal(h[:rows], want_h[:rows])), (ctas, fused)

@@ -3,6 +3,8 @@ of every kernel at production block sizes and shapes (no GPU needed)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import jax
@@ -125,6 +127,11 @@ def test_pingpong_up_proj_completion_follows_the_device(kind, completion):
     if kind.endswith("H200"):
         sds = jax.ShapeDtypeStruct
         _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=up),
+               sds((t, d), jnp.bfloat16), sds((t * k,), jnp.int32), sds((e,), jnp.int32),
+               sds((e, d, 2 * n), jnp.bfloat16))
+        # One [64, 256] weight box per K step from interleaved W1 columns, one N = 256 wgmma.
+        fused = dataclasses.replace(up, fused_gate_up=True)
+        _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=fused, gate_up_blocks=128),
                sds((t, d), jnp.bfloat16), sds((t * k,), jnp.int32), sds((e,), jnp.int32),
                sds((e, d, 2 * n), jnp.bfloat16))
 

@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels.reference import up_proj_reference
-from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
+from pallas_moe.kernels.up_proj import UpProjConfig, interleave_gate_up, up_proj
 from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.routing import token_rounding_plan, topk_plan
 from tests.test_kernels_common import (
@@ -229,6 +229,51 @@ def test_pingpong_equals_cooperative_no_races(config, inference):
         assert_untouched(h, rows)
     _, a_ref = up_proj_reference(x, plan.token_ids, plan.group_sizes, w1, bias, CLAMPED)
     close(a, a_ref, rows)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["two_wgmmas", "fused_gate_up"])
+def test_pingpong_interleaved_weights_equal_halves(fused):
+    """W1 with gate and up columns interleaved per block_n (`gate_up_blocks`, one weight TMA
+    per K step when fused) gives bit for bit the cooperative kernel's H and A on the halves
+    layout; race-free."""
+    ks = jax.random.split(jax.random.key(23), 4)
+    x = random_x(ks[0], 40, 256)
+    w1, _ = random_weights(ks[1], 3, 256, 256)  # n = 256: four 64-column blocks
+    bias = (0.5 * jax.random.normal(ks[3], (3, 512))).astype(jnp.bfloat16)
+    plan = assignment_plan(ks[2], 40, 3, empty=(1,), extra=5)
+    args = (x, plan.token_ids, plan.group_sizes)
+    coop = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
+    want_h, want_a = up_proj(*args, w1, config=coop, bias=bias, interpret=True)
+    config = dataclasses.replace(PINGPONG, fused_gate_up=fused)
+    h, a = up_proj(*args, interleave_gate_up(w1, 64), config=config, bias=bias,
+                   gate_up_blocks=64, interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+    rows = int(plan.num_rows)
+    np.testing.assert_array_equal(np.asarray(h[:rows], np.float32),
+                                  np.asarray(want_h[:rows], np.float32))
+    np.testing.assert_array_equal(np.asarray(a[:rows], np.float32),
+                                  np.asarray(want_a[:rows], np.float32))
+    assert_untouched(a, rows)
+
+
+def test_interleave_gate_up_layout():
+    w = jnp.arange(2 * 3 * 8, dtype=jnp.float32).reshape(2, 3, 8)  # n = 4
+    got = interleave_gate_up(w, 2)
+    np.testing.assert_array_equal(got[..., :2], w[..., :2])  # gate block 0
+    np.testing.assert_array_equal(got[..., 2:4], w[..., 4:6])  # its up block
+    np.testing.assert_array_equal(got[..., 4:6], w[..., 2:4])  # gate block 1
+    np.testing.assert_array_equal(got[..., 6:], w[..., 6:])  # its up block
+    with pytest.raises(ValueError, match="must be a multiple of 3"):
+        interleave_gate_up(w, 3)
+
+
+@pytest.mark.parametrize("config, blocks", [(PINGPONG, 128), (WS, 64)])
+def test_gate_up_blocks_needs_the_pingpong_kernel_and_block_n(config, blocks):
+    x = jnp.zeros((16, 64), jnp.bfloat16)
+    w1 = jnp.zeros((2, 64, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"gate_up_blocks={blocks} .* needs the ping-pong"):
+        up_proj(x, jnp.zeros((16,), jnp.int32), jnp.zeros((2,), jnp.int32), w1, config=config,
+                gate_up_blocks=blocks, interpret=True)
 
 
 @pytest.mark.parametrize(

@@ -230,6 +230,7 @@ def up_proj(
     pad_a_rows_to: int = 1,
     bias: jax.Array | None = None,
     activation: SwiGLU = SwiGLU(),
+    gate_up_blocks: int = 0,
 ) -> tuple[jax.Array | None, jax.Array]:
     """Gathered grouped up-projection with fused SwiGLU.
 
@@ -248,6 +249,11 @@ def up_proj(
       bias: optional bf16 [E, 2n] expert bias (gate half first), added in fp32 before H is
         rounded.
       activation: the `SwiGLU` spec of the epilogue.
+      gate_up_blocks: the column layout of `w_gate_up`. 0 (default): gate = [..., :n], up =
+        [..., n:]. b > 0 (ping-pong kernel only, b = config.block_n): interleaved blocks,
+        columns [2 b j, 2 b j + b) are gate columns [b j, b j + b) and the next b their up
+        columns, so an item's gate and up weights are one contiguous [block_k, 2 b] box per
+        K step (`interleave_gate_up` builds it). H and the bias keep the halves layout.
 
     Returns:
       (h, a): h bf16 [P, 2n] (None if `inference`), a bf16 [P_a, n] with P_a = P rounded
@@ -290,13 +296,18 @@ def up_proj(
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
     if has_bias:
         args += (bias,)
+    if gate_up_blocks and (not config.pingpong_ctas or gate_up_blocks != bn):
+        raise ValueError(
+            f"gate_up_blocks={gate_up_blocks} (interleaved W1 columns) needs the ping-pong "
+            f"kernel (config.pingpong_ctas > 0) and gate_up_blocks == config.block_n={bn}."
+        )
     if config.pingpong_ctas:
         # Real tiles come first in a TileMeta (empty ones only past the end), so the
         # kernel walks the first `real_tiles * grid_n` items.
         real_tiles = jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1)
         outs = _pingpong_kernel(
             config, d, n, num_tiles, out_types, inference, interpret_mode, params,
-            has_bias, activation,
+            has_bias, activation, interleaved=bool(gate_up_blocks),
         )(real_tiles, *args)
         if inference:
             return None, outs[0]
@@ -620,6 +631,7 @@ def _warp_specialized_kernel(
 def _pingpong_kernel(
     config: UpProjConfig, d: int, n: int, num_tiles: int, out_types, inference: bool,
     interpret_mode, params, has_bias: bool = False, activation: SwiGLU = SwiGLU(),
+    interleaved: bool = False,
 ):
     """The up-proj as `config.pingpong_ctas` persistent CTAs whose two consumers take turns.
 
@@ -660,9 +672,13 @@ def _pingpong_kernel(
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     ahead = min(config.prefetch_steps, num_k) if cp_async else 0  # L2 prefetch distance
     fused = config.fused_gate_up
-    # The weight TMAs per K step: a whole [bk, bn] tile each, or, into one [bk, 2 bn] tile,
-    # one per 8-row tile row (a half's columns of several tile rows are not contiguous).
-    weight_boxes = [(r0, 8) for r0 in range(0, bk, 8)] if fused else [(0, bk)]
+    # The weight TMAs per K step: a whole [bk, bn] gate and up tile each; into one fused
+    # [bk, 2 bn] tile, one gate and one up box per 8-row tile row (a half's columns of
+    # several tile rows are not contiguous in SMEM), or with interleaved W1 columns one
+    # [bk, 2 bn] box (`weight_boxes` then lists it once, for the gate half's copy).
+    weight_boxes = [(r0, 8) for r0 in range(0, bk, 8)] if fused and not interleaved \
+        else [(0, bk)]
+    one_box = fused and interleaved
     smem = (stages * (bm * bk + 2 * bk * bn) + cons * per_fill * bm * slab) * 2
     if smem > _common.SMEM_BUDGET:  # the margin: ids, biases, barriers
         raise ValueError(
@@ -763,14 +779,22 @@ def _pingpong_kernel(
                             plgpu.barrier_wait(empty.at[slot])
 
                     bar = full_of(g)
+                    gate0, up0 = (2 * ni * bn, 2 * ni * bn + bn) if interleaved \
+                        else (ni * bn, n + ni * bn)
                     with jax.named_scope("weights"):
                         for r0, rows in weight_boxes:
+                            if one_box:  # [bk, 2 bn]: the gate block, then its up block
+                                plgpu.copy_gmem_to_smem(
+                                    w_e.at[pl.ds(k0, bk), pl.ds(gate0, 2 * bn)],
+                                    b_bufs[0].at[slot], bar,
+                                )
+                                continue
                             plgpu.copy_gmem_to_smem(  # [rows, bn] gate columns
-                                w_e.at[pl.ds(k0 + r0, rows), pl.ds(ni * bn, bn)],
+                                w_e.at[pl.ds(k0 + r0, rows), pl.ds(gate0, bn)],
                                 bg_smem.at[slot, pl.ds(r0, rows)], bar,
                             )
                             plgpu.copy_gmem_to_smem(  # [rows, bn] matching up columns
-                                w_e.at[pl.ds(k0 + r0, rows), pl.ds(n + ni * bn, bn)],
+                                w_e.at[pl.ds(k0 + r0, rows), pl.ds(up0, bn)],
                                 bu_smem.at[slot, pl.ds(r0, rows)], bar,
                             )
                     if cp_async:
@@ -893,7 +917,7 @@ def _pingpong_kernel(
         plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
         plgpu.Barrier(  # full, one set per consumer: the weight copies + the rows
             num_arrivals=_common.gather_full_arrivals(config, bm, interpret)
-            + 2 * len(weight_boxes),
+            + (1 if one_box else 2 * len(weight_boxes)),
             num_barriers=cons * stages,
         ),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # empty: the slot's consumer
@@ -913,6 +937,17 @@ def _pingpong_kernel(
         compiler_params=plgpu.CompilerParams(**params),
         interpret=interpret_mode,
     )
+
+
+def interleave_gate_up(w_gate_up: jax.Array, block: int) -> jax.Array:
+    """[E, d, 2n] halves layout (gate = [..., :n], up = [..., n:]) -> the interleaved layout
+    `up_proj(gate_up_blocks=block)` reads: per `block` gate columns, then their up columns."""
+    e, d, two_n = w_gate_up.shape
+    n = two_n // 2
+    _common.require_multiple("n (w_gate_up.shape[2] // 2)", n, block,
+                             f"the columns interleave in blocks of {block}")
+    halves = w_gate_up.reshape(e, d, 2, n // block, block)  # [E, d, gate|up, j, block]
+    return halves.transpose(0, 1, 3, 2, 4).reshape(e, d, two_n)
 
 
 def _body_refs(rest, has_bias: bool, inference: bool):
