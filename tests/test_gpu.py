@@ -123,7 +123,8 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, comp
     reference and bit for bit against the cooperative kernel, poisoned outputs, skewed
     routing; inference mode writes the same A; 8 CTAs make every CTA walk many items; the
     L2 prefetch of the gathered rows (`prefetch_steps`) changes no bit, nor does one
-    N = 256 wgmma per K step (`fused_gate_up`), nor W1 interleaved (`gate_up_blocks`)."""
+    N = 256 wgmma per K step (`fused_gate_up`), nor W1 interleaved (`gate_up_blocks`);
+    split-M tiles with the fused wgmma on interleaved W1 give the same bits too."""
     from pallas_moe.kernels.up_proj import UpProjConfig, interleave_gate_up, up_proj
 
     T, d, n, E, K = shape
@@ -161,6 +162,16 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, comp
         assert bool(jnp.array_equal(a[:rows], want_a[:rows])), (ctas, inference, fused)
         if not inference:
             assert bool(jnp.array_equal(h[:rows], want_h[:rows])), (ctas, fused)
+    # Split-M tiles (128 rows, the weight stage shared) with one N = 256 wgmma per consumer
+    # on interleaved W1.
+    split_m = UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
+                           gather="cp_async", gather_completion=completion, fused_gate_up=True)
+    _poison(plan.capacity * 3 * n * 2)
+    h, a = jax.jit(lambda x, t, g, w: up_proj(x, t, g, w, config=split_m, bias=bias,
+                                              gate_up_blocks=128))(
+        x, plan.token_ids, plan.group_sizes, w1_interleaved)
+    assert bool(jnp.array_equal(a[:rows], want_a[:rows])) and \
+        bool(jnp.array_equal(h[:rows], want_h[:rows])), "split-M fused"
 
 
 @pytest.mark.parametrize("shape", [(32768, 128), (16384, 512), (1000, 60), (1000, 4)])

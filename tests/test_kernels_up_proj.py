@@ -231,11 +231,15 @@ def test_pingpong_equals_cooperative_no_races(config, inference):
     close(a, a_ref, rows)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["two_wgmmas", "fused_gate_up"])
-def test_pingpong_interleaved_weights_equal_halves(fused):
+@pytest.mark.parametrize(
+    "kernel, fused",
+    [("pingpong", False), ("pingpong", True), ("split_m", False), ("split_m", True)],
+)
+def test_interleaved_weights_equal_halves(kernel, fused):
     """W1 with gate and up columns interleaved per block_n (`gate_up_blocks`, one weight TMA
-    per K step when fused) gives bit for bit the cooperative kernel's H and A on the halves
-    layout; race-free."""
+    and one N = 2 * block_n wgmma per K step when fused) gives bit for bit the cooperative
+    kernel's H and A on the halves layout, in the ping-pong kernel and with split-M tiles;
+    race-free."""
     ks = jax.random.split(jax.random.key(23), 4)
     x = random_x(ks[0], 40, 256)
     w1, _ = random_weights(ks[1], 3, 256, 256)  # n = 256: four 64-column blocks
@@ -244,7 +248,8 @@ def test_pingpong_interleaved_weights_equal_halves(fused):
     args = (x, plan.token_ids, plan.group_sizes)
     coop = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
     want_h, want_a = up_proj(*args, w1, config=coop, bias=bias, interpret=True)
-    config = dataclasses.replace(PINGPONG, fused_gate_up=fused)
+    config = dataclasses.replace(PINGPONG if kernel == "pingpong" else WS_SPLIT_M,
+                                 fused_gate_up=fused)
     h, a = up_proj(*args, interleave_gate_up(w1, 64), config=config, bias=bias,
                    gate_up_blocks=64, interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not races_found()
@@ -267,11 +272,17 @@ def test_interleave_gate_up_layout():
         interleave_gate_up(w, 3)
 
 
-@pytest.mark.parametrize("config, blocks", [(PINGPONG, 128), (WS, 64)])
-def test_gate_up_blocks_needs_the_pingpong_kernel_and_block_n(config, blocks):
+@pytest.mark.parametrize(
+    "config, blocks, match",
+    [(PINGPONG, 128, "gate_up_blocks=128 .* needs the ping-pong"),
+     (WS, 64, "gate_up_blocks=64 .* needs the ping-pong"),
+     (dataclasses.replace(WS_SPLIT_M, fused_gate_up=True), 0,
+      "split-M tiles reads W1 in one box .* gate_up_blocks=64")],
+)
+def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
     x = jnp.zeros((16, 64), jnp.bfloat16)
     w1 = jnp.zeros((2, 64, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match=f"gate_up_blocks={blocks} .* needs the ping-pong"):
+    with pytest.raises(ValueError, match=match):
         up_proj(x, jnp.zeros((16,), jnp.int32), jnp.zeros((2,), jnp.int32), w1, config=config,
                 gate_up_blocks=blocks, interpret=True)
 
@@ -290,7 +301,7 @@ def test_gate_up_blocks_needs_the_pingpong_kernel_and_block_n(config, blocks):
         (dataclasses.replace(PINGPONG, gather="cp_async", num_stages=3, prefetch_steps=-1),
          "prefetch_steps=-1 must be >= 0"),
         (UpProjConfig(block_n=64, num_consumers=2, fused_gate_up=True),
-         "fused_gate_up=True belongs to the ping-pong kernel"),
+         "fused_gate_up=True needs the ping-pong kernel .* or split-M tiles"),
         (dataclasses.replace(PINGPONG, block_n=256, fused_gate_up=True),
          "needs 2 \\* block_n <= 256 .* got block_n=256"),
         (dataclasses.replace(PINGPONG, block_n=128, num_stages=6),

@@ -118,11 +118,14 @@ class UpProjConfig:
         it): the producer asks L2 for the rows of the K step this many steps ahead (the
         next item's first steps near an item's end) with `prefetch.global.L2`, so the
         gather's cp.async loads hit L2. 0 = no prefetch.
-      fused_gate_up: ping-pong kernel only: each K step's gate and up weight tiles land side
-        by side in one [block_k, 2 * block_n] SMEM tile and one wgmma of N = 2 * block_n
-        multiplies it into one [64, 2 * block_n] accumulator (gate columns first), instead of
-        two wgmmas of N = block_n that each re-read the A stage. Same products in the same
-        K order per column, so bitwise the same outputs.
+      fused_gate_up: each K step's gate and up weight tiles land side by side in one
+        [block_k, 2 * block_n] SMEM tile and one wgmma of N = 2 * block_n multiplies it into
+        one [64, 2 * block_n] accumulator per consumer (gate columns first), instead of two
+        wgmmas of N = block_n that each re-read the A stage. Same products in the same K
+        order per column, so bitwise the same outputs. The ping-pong kernel takes W1 in
+        either layout (the halves layout costs 16 eight-row TMA boxes per step, measured
+        0.63x on an H200; interleaved W1, `up_proj(gate_up_blocks=block_n)`, one box:
+        1.025x); split-M tiles (num_consumers == block_m / 64 > 1) need interleaved W1.
     """
 
     block_m: int = 64
@@ -193,10 +196,10 @@ def _check_pingpong(config: UpProjConfig) -> None:
             "cp.async gather: set pingpong_ctas > 0 and gather='cp_async', or leave it 0."
         )
     if not config.pingpong_ctas:
-        if config.fused_gate_up:
+        if config.fused_gate_up and not _split_m(config):
             raise ValueError(
-                "config.fused_gate_up=True belongs to the ping-pong kernel: set "
-                "pingpong_ctas > 0 too, or leave it False."
+                "config.fused_gate_up=True needs the ping-pong kernel (pingpong_ctas > 0) or "
+                "split-M tiles (num_consumers == block_m / 64 > 1), or leave it False."
             )
         if config.epilogue_tiles:
             raise ValueError(
@@ -296,10 +299,17 @@ def up_proj(
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
     if has_bias:
         args += (bias,)
-    if gate_up_blocks and (not config.pingpong_ctas or gate_up_blocks != bn):
+    if gate_up_blocks and (not (config.pingpong_ctas or _split_m(config))
+                           or gate_up_blocks != bn):
         raise ValueError(
             f"gate_up_blocks={gate_up_blocks} (interleaved W1 columns) needs the ping-pong "
-            f"kernel (config.pingpong_ctas > 0) and gate_up_blocks == config.block_n={bn}."
+            "kernel (config.pingpong_ctas > 0) or split-M tiles (num_consumers == block_m / "
+            f"64 > 1), and gate_up_blocks == config.block_n={bn}."
+        )
+    if config.fused_gate_up and not config.pingpong_ctas and not gate_up_blocks:
+        raise ValueError(
+            "config.fused_gate_up=True with split-M tiles reads W1 in one box per K step: "
+            f"pass W1 interleaved (`interleave_gate_up(w, {bn})`) with gate_up_blocks={bn}."
         )
     if config.pingpong_ctas:
         # Real tiles come first in a TileMeta (empty ones only past the end), so the
@@ -315,7 +325,7 @@ def up_proj(
     if config.num_consumers:
         outs = _warp_specialized_kernel(
             config, d, n, num_tiles, out_types, inference, interpret_mode, params,
-            has_bias, activation,
+            has_bias, activation, interleaved=bool(gate_up_blocks),
         )(*args)
         if inference:
             return None, outs[0]
@@ -418,6 +428,7 @@ def up_proj(
 def _warp_specialized_kernel(
     config: UpProjConfig, d: int, n: int, num_tiles: int, out_types, inference: bool,
     interpret_mode, params, has_bias: bool = False, activation: SwiGLU = SwiGLU(),
+    interleaved: bool = False,
 ):
     """The up-proj as one producer warpgroup + `config.num_consumers` consumer warpgroups.
 
@@ -433,10 +444,14 @@ def _warp_specialized_kernel(
     64-column slabs (`_common.row_tile_types`) that TMA stores row-exactly. With an expert
     bias each consumer first TMA-loads its own gate and up bias columns into SMEM of its
     own (outside the reused pipeline bytes).
+    With `config.fused_gate_up` (split-M tiles and interleaved W1 columns only) a K step's
+    gate and up columns are one [block_k, 2 * block_n] TMA box and each consumer issues one
+    wgmma of N = 2 * block_n into one accumulator (gate columns first).
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
     split_m = _split_m(config)
+    fused = config.fused_gate_up
     cols = _cta_cols(config)  # gate columns per CTA
     mb = bm // cons if split_m else bm  # rows per consumer
     num_k = d // bk
@@ -457,7 +472,8 @@ def _warp_specialized_kernel(
         # extra: the bias columns and their barrier (with biases), then the per-slot
         # cp.async mbarriers (hardware-tracked stages).
         bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
-        a_copy, a_mma, (bg_smem, bu_smem), ((o_copy, o_mma),) = views(bufs)
+        a_copy, a_mma, b_bufs, ((o_copy, o_mma),) = views(bufs)
+        bg_smem, bu_smem = (None, None) if fused else b_bufs
         if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
             _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
@@ -492,13 +508,20 @@ def _warp_specialized_kernel(
                             num_rows=rows_per_warp, unroll=config.row_unroll,
                         )
 
-                    if p == 0:
+                    gate0, up0 = (2 * ni * cols, 2 * ni * cols + cols) if interleaved \
+                        else (ni * cols, n + ni * cols)
+                    if p == 0 and fused:  # [bk, 2 bn]: the gate block, then its up block
+                        plgpu.copy_gmem_to_smem(
+                            w_e.at[pl.ds(k0, bk), pl.ds(gate0, 2 * cols)], b_bufs[0].at[slot],
+                            full.at[slot],
+                        )
+                    elif p == 0:
                         plgpu.copy_gmem_to_smem(  # [bk, C*bn] gate columns
-                            w_e.at[pl.ds(k0, bk), pl.ds(ni * cols, cols)], bg_smem.at[slot],
+                            w_e.at[pl.ds(k0, bk), pl.ds(gate0, cols)], bg_smem.at[slot],
                             full.at[slot],
                         )
                         plgpu.copy_gmem_to_smem(  # [bk, C*bn] matching up columns
-                            w_e.at[pl.ds(k0, bk), pl.ds(n + ni * cols, cols)], bu_smem.at[slot],
+                            w_e.at[pl.ds(k0, bk), pl.ds(up0, cols)], bu_smem.at[slot],
                             full.at[slot],
                         )
                     if cp_async:
@@ -545,18 +568,23 @@ def _warp_specialized_kernel(
                     plgpu.barrier_wait(full.at[slot])
                     _common.cp_async_consumer_wait(g, a_landed, stages)
 
-                def mma_scope(acc_g, acc_u):
+                def mma_scope(*accs):
                     _gate_up_k_loop(
-                        (acc_g, acc_u), num_k, stages, 0, wait, empty,
+                        accs, num_k, stages, 0, wait, empty,
                         lambda slot: a_mma.at[slot, a_rows],  # [mb, bk]
-                        lambda slot: (bg_smem.at[slot, :, csl], bu_smem.at[slot, :, csl]),
+                        # [bk, 2 bn] gate | up (split-M: every consumer's), or its columns
+                        # of the [bk, C bn] gate and up tiles
+                        lambda slot: ((b_bufs[0].at[slot],) if fused else
+                                      (bg_smem.at[slot, :, csl], bu_smem.at[slot, :, csl])),
                     )
-                    return acc_g[...], acc_u[...]
+                    if fused:
+                        return accs[0][:, :bn], accs[0][:, bn:]
+                    return accs[0][...], accs[1][...]
 
                 with jax.named_scope("k_loop"):
+                    acc_shapes = [(mb, 2 * bn)] if fused else [(mb, bn)] * 2
                     g, u = pl.run_scoped(
-                        mma_scope, plgpu.ACC((mb, bn), jnp.float32),
-                        plgpu.ACC((mb, bn), jnp.float32),
+                        mma_scope, *(plgpu.ACC(shape, jnp.float32) for shape in acc_shapes)
                     )
                 # Every consumer is done reading the pipeline buffers before any of them
                 # overwrites them with its epilogue tile.
@@ -589,10 +617,12 @@ def _warp_specialized_kernel(
                         _common.store_row_tile(o_copy.at[c, t], dst, dst0, count, mb)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    b_shape = (stages, bk, cols)
+    # Gate and up weight stages [bk, C bn] each, or one [bk, 2 bn] (fused).
+    b_types = [plgpu.SMEM((stages, bk, 2 * cols), dtype, transforms=tf)] if fused \
+        else [plgpu.SMEM((stages, bk, cols), dtype, transforms=tf)] * 2
     bufs, views = _common.gathered_pipeline_smem(
         (stages, bm, bk), dtype,
-        others=[plgpu.SMEM(b_shape, dtype, transforms=tf)] * 2,  # gate, up weight stages
+        others=b_types,
         # Per consumer: A, H gate, H up, as swizzled 64-column slabs (`row_tile_types`):
         # measured on the H100 (session 5, same run) 710 vs 764 us at 7B and 4345 vs 4512 us
         # at 30B against untiled rows, whose stores from the accumulator layout conflict.
@@ -603,9 +633,10 @@ def _warp_specialized_kernel(
     scratch = [
         plgpu.SMEM((bm,), jnp.int32),
         bufs,
-        # full[slot]: the two weight copies, plus what the row loader adds.
+        # full[slot]: the weight copies (two, or one fused), plus what the row loader adds.
         plgpu.Barrier(
-            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 2,
+            num_arrivals=_common.gather_full_arrivals(config, bm, interpret)
+            + (1 if fused else 2),
             num_barriers=stages,
         ),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),
