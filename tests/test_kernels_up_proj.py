@@ -19,7 +19,8 @@ from tests.test_kernels_common import (
     assert_untouched, assignment_plan, close, races_found, random_weights, random_x,
 )
 
-SMALL = UpProjConfig(block_m=64, block_n=64, num_stages=2)
+# One consumer warpgroup beside the producer (the smallest kernel; 64-column blocks).
+WS1 = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=1)
 # The warp-specialized kernel the forward uses on H100 (2 consumers share each A stage).
 WS = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
 # Warp-specialized, consumers split 128-row tiles and share the weight tiles.
@@ -39,8 +40,8 @@ def run_and_check(x, plan, w1, config, interpret=True):
 
 @pytest.mark.parametrize(
     "config",
-    [pytest.param(SMALL, marks=pytest.mark.slow), WS],  # single_wg is also covered by test_no_races
-    ids=["single_wg", "warp_specialized"],
+    [pytest.param(WS1, marks=pytest.mark.slow), WS],  # one consumer: also test_no_races
+    ids=["one_consumer", "two_consumers"],
 )
 def test_ragged_groups_with_empty_expert(config):
     ks = jax.random.split(jax.random.key(10), 3)
@@ -65,7 +66,7 @@ def test_one_expert_holds_all_tokens_multi_tile():
     x = random_x(ks[0], 70, 64)  # 70 rows -> two tiles of one expert, the second ragged
     w1, _ = random_weights(ks[1], 3, 64, 64)
     plan = assignment_plan(ks[2], 70, 3, only=2)
-    run_and_check(x, plan, w1, SMALL)
+    run_and_check(x, plan, w1, WS1)
 
 
 def test_single_expert_topk1():
@@ -73,7 +74,7 @@ def test_single_expert_topk1():
     x = random_x(ks[0], 24, 64)
     w1, _ = random_weights(ks[1], 1, 64, 64)
     plan = topk_plan(jax.random.normal(ks[2], (24, 1)), 1)  # E = 1, K = 1
-    run_and_check(x, plan, w1, SMALL)
+    run_and_check(x, plan, w1, WS1)
 
 
 def test_token_rounding_plan_with_padding_rows():
@@ -98,7 +99,7 @@ def test_inference_writes_only_a():
 
 
 @pytest.mark.parametrize(
-    "config", [SMALL, WS, WS_SPLIT_M], ids=["single_wg", "warp_specialized", "split_m"]
+    "config", [WS1, WS, WS_SPLIT_M], ids=["one_consumer", "two_consumers", "split_m"]
 )
 def test_no_races(config):
     ks = jax.random.split(jax.random.key(15), 3)
@@ -112,11 +113,13 @@ def test_no_races(config):
 @pytest.mark.parametrize(
     "shape, config, match",
     [
-        ((64, 96, 2, 64), SMALL, "d \\(x.shape\\[1\\]\\)=96 must be a multiple of 64"),
-        ((64, 64, 2, 96), SMALL, "n \\(w_gate_up.shape\\[2\\] // 2\\)=96 must be a multiple of 64"),
+        ((64, 96, 2, 64), WS1, "d \\(x.shape\\[1\\]\\)=96 must be a multiple of 64"),
+        ((64, 64, 2, 96), WS1, "n \\(w_gate_up.shape\\[2\\] // 2\\)=96 must be a multiple of 64"),
         ((64, 64, 2, 64), WS, "n \\(w_gate_up.shape\\[2\\] // 2\\)=64 must be a multiple of 128"),
         ((64, 64, 2, 64), UpProjConfig(block_k=128), "config.block_k=128 must be 64"),
         ((64, 64, 2, 64), UpProjConfig(block_m=32), "config.block_m=32 must be a multiple of 64"),
+        ((64, 64, 2, 64), UpProjConfig(block_n=64, num_consumers=0),
+         "config.num_consumers=0 must be >= 1"),
     ],
 )
 def test_bad_dims_raise_naming_the_argument(shape, config, match):
@@ -141,7 +144,7 @@ def test_bad_dtype_and_shape_raise():
 CLAMPED = SwiGLU.clamped(alpha=1.702, limit=0.75)  # small limit: both clamps are hit
 
 
-@pytest.mark.parametrize("config", [SMALL, WS], ids=["single_wg", "warp_specialized"])
+@pytest.mark.parametrize("config", [WS1, WS], ids=["one_consumer", "two_consumers"])
 def test_expert_bias_and_clamped_swiglu_no_races(config):
     """H = X W1 + b1 (bias added before rounding), A = clamped SwiGLU of H: bitwise the jnp
     reference, every tile's bias columns, no races between the bias copy and its reads."""
@@ -168,7 +171,7 @@ def test_bias_of_the_wrong_shape_raises():
     w1 = jnp.zeros((2, 64, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="bias must have shape \\(2, 128\\)"):
         up_proj(x, jnp.zeros((8,), jnp.int32), jnp.zeros((2,), jnp.int32), w1,
-                bias=jnp.zeros((2, 64), jnp.bfloat16), config=SMALL, interpret=True)
+                bias=jnp.zeros((2, 64), jnp.bfloat16), config=WS1, interpret=True)
 
 
 def test_two_swizzled_slabs_per_consumer_no_races():

@@ -22,20 +22,18 @@ its own `[1, block_k]` TMA copy `X[tok, k:k+bk] -> a_smem[slot, r]`, landing in 
 `_common.row_gather_buffers`). No gathered `[P, d]` copy of X is ever written. The source
 tokens of a tile's rows come from `TileMeta.row_ids` (computed once per plan), staged in SMEM.
 
-Two one-CTA-per-tile kernel structures (config.num_consumers), both with `num_stages` SMEM
-slots whose barriers count `block_m + 2` copies:
-- single warpgroup (`num_consumers=0`): the warpgroup waits for stage k, issues its two
-  wgmmas, waits for stage k-1's wgmmas and refills that slot, so loads run `num_stages - 1`
-  steps ahead. Simple, but the one warpgroup issues every row copy (~70 cycles each).
-- warp-specialized (`num_consumers=C>=1`, the default on H100, see
-  `_warp_specialized_kernel`): a producer warpgroup issues the row copies from its 4 warps
-  in parallel and C consumer warpgroups run the wgmmas, either sharing each gathered stage
-  and splitting the columns (C*block_n gate columns per CTA, so a row is gathered
-  n / (C*block_n) times) or, with block_m = 64*C, splitting the rows and sharing the
-  weight tiles. Measured on H100: benchmarks/RESULTS.md.
+Two kernel structures, both warp-specialized: a producer warpgroup issues the copies and
+C consumer warpgroups (`config.num_consumers`) run the wgmmas, through `num_stages` SMEM
+slots.
+- cooperative, one CTA per (row tile, column block) (`_warp_specialized_kernel`, the default
+  on the H100 for d > 1536): the consumers either share each gathered stage and split the
+  columns (C*block_n gate columns per CTA, so a row is gathered n / (C*block_n) times) or,
+  with block_m = 64*C, split the rows and share the weight tiles. Measured on the H100:
+  benchmarks/RESULTS.md.
+(Session 22 removed a third, one-warpgroup kernel, in which the single warpgroup issued every
+row copy and every wgmma: 3-4x slower, and no default used it.)
 
-A third structure, the default on the H100 for d <= 1536 (`ForwardConfig.for_shape`), is
-the ping-pong kernel (`config.pingpong_ctas`, `_pingpong_kernel`): persistent CTAs whose two
+- ping-pong, the default on the H100 for d <= 1536 (`ForwardConfig.for_shape`): the ping-pong kernel (`config.pingpong_ctas`, `_pingpong_kernel`): persistent CTAs whose two
 consumers take alternate (64-row tile, `block_n` columns) items, each gathering its own
 rows, so one consumer's SwiGLU epilogue and stores run while the other's wgmmas keep the
 tensor cores busy. Same bits as the cooperative kernel.
@@ -68,12 +66,10 @@ class UpProjConfig:
         Must divide n and be a multiple of 64.
       block_k: contraction step; must divide d and be 64 (one 128-byte swizzle row of bf16).
       num_stages: SMEM pipeline depth.
-      num_consumers: 0 = one warpgroup issues the copies and the wgmmas (`_single_wg_body`).
-        C >= 1 = warp-specialized (`_warp_specialized_body`): one producer warpgroup whose 4
-        warps issue the row copies in parallel, and C consumer warpgroups that share each
-        gathered A stage and own `block_n` gate + `block_n` up columns each, so a CTA covers
-        `C * block_n` gate columns and every gathered row is loaded `n / (C * block_n)` times.
-      lane_semantics: lower with Lane semantics (always on for the warp-specialized kernel).
+      num_consumers: C >= 1 consumer warpgroups beside one producer warpgroup (whose 4
+        warps issue the row copies in parallel); they share each gathered A stage and own
+        `block_n` gate + `block_n` up columns each, so a CTA covers `C * block_n` gate
+        columns and every gathered row is loaded `n / (C * block_n)` times.
       no_auto_barriers: `plgpu.CompilerParams.unsafe_no_auto_barriers`.
       row_unroll: unroll factor of each producer warp's row-copy loop.
       (With num_consumers == block_m / 64 > 1 the consumers instead split the rows, 64 each,
@@ -132,8 +128,7 @@ class UpProjConfig:
     block_n: int = 128
     block_k: int = 64
     num_stages: int = 4
-    num_consumers: int = 0
-    lane_semantics: bool = False
+    num_consumers: int = 1
     no_auto_barriers: bool = False
     row_unroll: int = 4
     num_producers: int = 1
@@ -164,14 +159,17 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
     if config.num_stages < 2:
         raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
     _common.require_multiple("d (x.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
+    if config.num_consumers < 1:
+        raise ValueError(
+            f"config.num_consumers={config.num_consumers} must be >= 1 (consumer warpgroups "
+            "beside the producer)."
+        )
     _check_pingpong(config)
     cols = _cta_cols(config)
     _common.require_multiple(
         "n (w_gate_up.shape[2] // 2)", n, cols,
         f"a CTA computes {cols} gate columns and the matching up columns",
     )
-    if config.num_consumers < 0:
-        raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
     if config.num_producers not in (1, 2):
         raise ValueError(f"config.num_producers={config.num_producers} must be 1 or 2.")
     _common.require_gather_mode(config)
@@ -266,7 +264,7 @@ def up_proj(
     num_experts = w_gate_up.shape[0]
     _common.require_shape("group_sizes", group_sizes, (num_experts,))
     capacity = token_ids.shape[0]
-    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    bm, bn = config.block_m, config.block_n
     if meta is None:
         meta = _common.tile_meta(group_sizes, token_ids, bm)
     if meta.block_m != bm:
@@ -275,24 +273,16 @@ def up_proj(
     if has_bias:
         _common.require_dtype("bias", bias, jnp.bfloat16)
         _common.require_shape("bias", bias, (num_experts, 2 * n))
-    num_tiles = meta.num_tiles
-    num_k = d // bk
     dtype = x.dtype
-    tf = _common.mma_transforms(dtype)
     interpret_mode = _common.interpret_params(interpret)
     a_rows = -(-capacity // pad_a_rows_to) * pad_a_rows_to
     out_types = [jax.ShapeDtypeStruct((a_rows, n), dtype)]
     if not inference:
         out_types.insert(0, jax.ShapeDtypeStruct((capacity, 2 * n), dtype))
     params = dict(
-        # The warp-specialized kernel reads token ids from SMEM inside `warp_map`, which only
-        # the Lane lowering supports.
-        # The bias is read with an explicit layout (`_common.bias_columns`): Lane only.
-        lowering_semantics=(
-            plgpu.LoweringSemantics.Lane
-            if config.lane_semantics or config.num_consumers or has_bias
-            else plgpu.LoweringSemantics.Warpgroup
-        ),
+        # The producer reads token ids from SMEM inside `warp_map`, and the bias is read with
+        # an explicit layout (`_common.bias_columns`): both need the Lane lowering.
+        lowering_semantics=plgpu.LoweringSemantics.Lane,
         unsafe_no_auto_barriers=config.no_auto_barriers,
         approx_math=config.approx_math,
     )
@@ -311,118 +301,19 @@ def up_proj(
             "config.fused_gate_up=True with split-M tiles reads W1 in one box per K step: "
             f"pass W1 interleaved (`interleave_gate_up(w, {bn})`) with gate_up_blocks={bn}."
         )
+    kernel_args = (config, d, n, meta.num_tiles, out_types, inference, interpret_mode, params,
+                   has_bias, activation)
     if config.pingpong_ctas:
         # Real tiles come first in a TileMeta (empty ones only past the end), so the
         # kernel walks the first `real_tiles * grid_n` items.
         real_tiles = jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1)
-        outs = _pingpong_kernel(
-            config, d, n, num_tiles, out_types, inference, interpret_mode, params,
-            has_bias, activation, interleaved=bool(gate_up_blocks),
-        )(real_tiles, *args)
-        if inference:
-            return None, outs[0]
-        return outs[0], outs[1]
-    if config.num_consumers:
-        outs = _warp_specialized_kernel(
-            config, d, n, num_tiles, out_types, inference, interpret_mode, params,
-            has_bias, activation, interleaved=bool(gate_up_blocks),
-        )(*args)
-        if inference:
-            return None, outs[0]
-        return outs[0], outs[1]
-    grid_n = n // bn
-
-    def body(expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
-        b_ref, h_out, a_out, scratch = _body_refs(rest, has_bias, inference)
-        ids_smem, a_bufs, bg_smem, bu_smem, o_smem, bars, ids_bar, *bias_scratch = scratch
-        a_copy, a_mma = a_views(a_bufs)
-        ni = jax.lax.axis_index("n")
-        mi = jax.lax.axis_index("m")
-        num_rows = rows_ref[mi]
-
-        @pl.when(num_rows > 0)
-        def _():
-            expert = expert_ref[mi]
-            row0 = start_ref[mi]
-            # Source token of each row of this tile -> SMEM, read back as scalars below.
-            plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
-            plgpu.barrier_wait(ids_bar)
-            w_e = w_ref.at[expert]  # [d, 2n]
-            if has_bias:  # the tile's bias columns land while the K loop runs
-                bias_smem, bias_bar = bias_scratch
-                _start_bias_load(b_ref, expert, ni * bn, bn, n, bias_smem, bias_bar)
-
-            def issue(ki, slot):
-                k0 = ki * bk
-
-                _common.gather_rows(  # [1, bk] of X[tok] per row
-                    x_ref, ids_smem, [a_copy.at[slot]], bars.at[slot],
-                    col0=k0, width=bk, first_row=0, num_rows=bm, unroll=8,
-                )
-                plgpu.copy_gmem_to_smem(  # [bk, bn] gate columns of W1[e]
-                    w_e.at[pl.ds(k0, bk), pl.ds(ni * bn, bn)], bg_smem.at[slot], bars.at[slot]
-                )
-                plgpu.copy_gmem_to_smem(  # [bk, bn] matching up columns
-                    w_e.at[pl.ds(k0, bk), pl.ds(n + ni * bn, bn)], bu_smem.at[slot], bars.at[slot]
-                )
-
-            def mma_scope(acc_g, acc_u):
-                def mma(slot):
-                    plgpu.wgmma(acc_g, a_mma.at[slot], bg_smem.at[slot])  # [bm,bk] @ [bk,bn]
-                    plgpu.wgmma(acc_u, a_mma.at[slot], bu_smem.at[slot])
-
-                _common.k_pipeline(num_k, stages, bars, issue, mma, mmas_per_step=2)
-                return acc_g[...], acc_u[...]
-
-            g, u = pl.run_scoped(
-                mma_scope, plgpu.ACC((bm, bn), jnp.float32), plgpu.ACC((bm, bn), jnp.float32)
-            )
-            biases = _bias_columns(*bias_scratch, bm) if has_bias else (None, None)
-            act, hg, hu = _common.swiglu_epilogue(g, u, dtype, activation, *biases)  # [bm, bn]
-            o_smem[0] = act
-            if h_out is not None:
-                o_smem[1] = hg
-                o_smem[2] = hu
-            plgpu.commit_smem()
-            _common.store_rows(o_smem.at[0], a_out.at[:, pl.ds(ni * bn, bn)], row0, num_rows, bm)
-            if h_out is not None:
-                _common.store_rows(
-                    o_smem.at[1], h_out.at[:, pl.ds(ni * bn, bn)], row0, num_rows, bm
-                )
-                _common.store_rows(
-                    o_smem.at[2], h_out.at[:, pl.ds(n + ni * bn, bn)], row0, num_rows, bm
-                )
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    num_out = 1 if inference else 3
-    a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret_mode is not None)
-    scratch = [
-        plgpu.SMEM((bm,), jnp.int32),
-        a_scratch,
-        plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),
-        plgpu.SMEM((stages, bk, bn), dtype, transforms=tf),
-        plgpu.SMEM((num_out, bm, bn), dtype),
-        plgpu.Barrier(num_arrivals=bm + 2, num_barriers=stages),
-        plgpu.Barrier(),
-        *(_bias_scratch(bn, dtype) if has_bias else ()),
-    ]
-    kernel = plgpu.kernel(
-        body,
-        kernel_name="moe_up_proj",
-        out_type=tuple(out_types),
-        scratch_types=scratch,
-        grid=(grid_n, num_tiles),
-        grid_names=("n", "m"),
-        compiler_params=plgpu.CompilerParams(**params),
-        interpret=interpret_mode,
-    )
-    outs = kernel(*args)
+        outs = _pingpong_kernel(*kernel_args, interleaved=bool(gate_up_blocks))(
+            real_tiles, *args)
+    else:
+        outs = _warp_specialized_kernel(*kernel_args, interleaved=bool(gate_up_blocks))(*args)
     if inference:
-        (a,) = outs
-        return None, a
-    h, a = outs
-    return h, a
-
+        return None, outs[0]
+    return outs[0], outs[1]
 
 
 def _warp_specialized_kernel(
@@ -1062,4 +953,4 @@ def _cta_cols(config: UpProjConfig) -> int:
     """Gate columns (and as many up columns) one CTA computes."""
     if _split_m(config) or config.pingpong_ctas:  # ping-pong: an item's gate columns
         return config.block_n
-    return config.block_n * max(config.num_consumers, 1)
+    return config.block_n * config.num_consumers
