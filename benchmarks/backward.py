@@ -239,23 +239,20 @@ def configs_for(d, n, sweep: str):
                GroupedMatmulConfig(block_m=128, block_n=128, num_stages=5, pingpong=True)]
     if sweep == "full":
         dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
-               DHConfig(block_n=64, num_stages=4, num_consumers=2),
-               DHConfig(block_n=128, num_stages=4, num_consumers=0)]
+               DHConfig(block_n=64, num_stages=4, num_consumers=2)]
         dw2 += [W(block_m=128, block_n=128, num_stages=3, num_consumers=2),
                 W(block_m=64, block_n=256 if d % 256 == 0 else 128, num_stages=3,
                   num_consumers=2),
                 W(block_m=128, block_n=64, num_stages=4, num_consumers=2),
-                W(block_m=128, block_n=128, num_stages=4, num_consumers=1),
-                W(block_m=128, block_n=128, num_stages=4, num_consumers=0)]
+                W(block_m=128, block_n=128, num_stages=4, num_consumers=1)]
         dw1 += [W(block_m=64, block_n=256, num_stages=2, num_consumers=2),
                 W(block_m=128, block_n=128, num_stages=3, num_consumers=2),
                 W(block_m=64, block_n=128, num_stages=4, num_consumers=2),
-                W(block_m=128, block_n=128, num_stages=4, num_consumers=1),
-                W(block_m=128, block_n=128, num_stages=4, num_consumers=0)]
+                W(block_m=128, block_n=128, num_stages=4, num_consumers=1)]
         dx += [GroupedMatmulConfig(block_m=64, block_n=256, num_stages=4),
                GroupedMatmulConfig(block_m=128, block_n=128, num_stages=4)]
     ok = lambda c, *dims: all(dim % m == 0 for dim, m in dims)
-    cons = lambda c: max(c.num_consumers, 1)
+    cons = lambda c: c.num_consumers
     dh = [c for c in dh if ok(c, (n, c.block_n * cons(c)))]
     dw2 = [c for c in dw2 if ok(c, (n, c.block_m * cons(c)), (d, c.block_n))]
     dw1 = [c for c in dw1 if ok(c, (d, c.block_m), (2 * n, c.block_n * cons(c)))]

@@ -349,7 +349,7 @@ def default_up_cfgs(d, n):
     ]
     out = []
     for cfg in cands:
-        cols = cfg.block_n if cfg.block_m == 128 else cfg.block_n * max(cfg.num_consumers, 1)
+        cols = cfg.block_n if cfg.block_m == 128 else cfg.block_n * cfg.num_consumers
         if n % cols == 0 and cfg not in out:
             out.append(cfg)
     return out
@@ -359,7 +359,7 @@ def _fitting_up_cfgs(cands, n):
     """The distinct up-proj configs whose CTA column block divides n."""
     out = []
     for cfg in cands:
-        cols = cfg.block_n if cfg.block_m == 64 * cfg.num_consumers else cfg.block_n * max(cfg.num_consumers, 1)
+        cols = cfg.block_n if cfg.block_m == 64 * cfg.num_consumers else cfg.block_n * cfg.num_consumers
         if n % cols == 0 and cfg not in out:
             out.append(cfg)
     return out

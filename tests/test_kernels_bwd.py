@@ -188,13 +188,14 @@ def test_backward_plans(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("consumers", [0, 2], ids=["single_wg", "two_consumers"])
+@pytest.mark.parametrize("consumers", [1, 2], ids=["one_consumer", "two_consumers"])
 def test_backward_kernel_variants(consumers):
-    # n = 256 and d = 256: every kernel with 0 (one warpgroup) or 2 consumer warpgroups.
+    # n = 256 and d = 256: every kernel with 1 or 2 consumer warpgroups.
     problem = make_problem(12, 30, 256, 256, 3, 2, router="token_rounding")
     base = BackwardConfig.for_shape(256, 256)
     cfg = BackwardConfig(
-        dh=DHConfig(block_n=128 if consumers else 64, num_stages=3, num_consumers=consumers),
+        dh=DHConfig(block_n=128 if consumers == 2 else 64, num_stages=3,
+                    num_consumers=consumers),
         dw_down=WeightGradConfig(block_m=64, block_n=128, num_stages=3, num_consumers=consumers),
         dw_gate_up=WeightGradConfig(block_m=128, block_n=64, num_stages=3,
                                     num_consumers=consumers),
@@ -273,8 +274,8 @@ def test_dh_kernel(plan_kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "consumers, prefetch_h", [(0, False), (2, False), (2, True)],
-    ids=["single_wg", "two_consumers", "two_consumers_prefetch_h"],
+    "consumers, prefetch_h", [(1, False), (2, False), (2, True)],
+    ids=["one_consumer", "two_consumers", "two_consumers_prefetch_h"],
 )
 def test_dh_kernel_detect_races(consumers, prefetch_h):
     x, h, plan, w1, w2, grad_out = make_problem(5, 20, 256, 128, 2, 2)  # 4 K-steps, 3 stages
@@ -377,7 +378,7 @@ def test_weight_grad(gathered, plan_kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("consumers", [0, 2], ids=["single_wg", "two_consumers"])
+@pytest.mark.parametrize("consumers", [1, 2], ids=["one_consumer", "two_consumers"])
 @pytest.mark.parametrize("gathered", ["lhs", "rhs"])
 def test_weight_grad_detect_races(gathered, consumers):
     # 220 rows in one expert: 5 K-blocks with 2 stages, so the token-id ring is refilled
@@ -467,7 +468,7 @@ def test_bad_config_and_shapes_raise():
                                   (4096, 768), (1536, 1024)])
 def test_real_widths_have_configs(d, n):
     cfg = BackwardConfig.for_shape(d, n)
-    cons = lambda c: max(c.num_consumers, 1)
+    cons = lambda c: c.num_consumers
     assert n % (cfg.dh.block_n * cons(cfg.dh)) == 0 and d % cfg.dx.block_n == 0
     assert n % (cfg.dw_down.block_m * cons(cfg.dw_down)) == 0 and d % cfg.dw_down.block_n == 0
     assert d % cfg.dw_gate_up.block_m == 0
@@ -554,7 +555,7 @@ def test_dh_persistent_config_errors():
     args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
     base = DHConfig(block_n=64, num_stages=4, num_consumers=2, persistent_ctas=2)
     for bad, match in [(dict(early_h=True), "early_h=False"),
-                       (dict(num_consumers=0, gather="tma"), "num_consumers >= 1"),
+                       (dict(num_consumers=0, gather="tma"), "num_consumers=0 must be >= 1"),
                        (dict(persistent_ctas=-1), "persistent_ctas=-1"),
                        (dict(num_stages=3), "num_stages=3 is too few"),
                        (dict(epilogue_layout="tiled"), "epilogue_layout='tiled' must be one of"),

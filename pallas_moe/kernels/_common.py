@@ -264,34 +264,6 @@ def tile_meta(
     )
 
 
-def k_pipeline(num_k: int, stages: int, bars, issue, mma, mmas_per_step: int) -> None:
-    """Runs a `stages`-deep TMA -> wgmma pipeline over `num_k` contraction steps.
-
-    `issue(ki, slot)` starts the copies of step `ki` into SMEM slot `slot`, all arriving on
-    `bars.at[slot]`; `mma(slot)` issues `mmas_per_step` wgmmas reading that slot. Copies run
-    `stages - 1` steps ahead of the tensor cores: after issuing step ki's wgmmas we wait for
-    step ki-1's (so its slot is free) and refill that slot with step ki-1+stages.
-    """
-    for s in range(min(stages, num_k)):
-        issue(s, s)
-
-    def step(ki, carry):
-        slot = ki % stages
-        plgpu.barrier_wait(bars.at[slot])
-        mma(slot)
-        plgpu.wgmma_wait(mmas_per_step)  # step ki-1 is done reading its slot
-        nxt = ki - 1 + stages
-
-        @pl.when((ki >= 1) & (nxt < num_k))
-        def _():
-            issue(nxt, (ki - 1) % stages)
-
-        return carry
-
-    jax.lax.fori_loop(0, num_k, step, None)
-    plgpu.wgmma_wait(0)
-
-
 def row_gather_buffers(stages: int, block_m: int, block_k: int, dtype, interpret: bool):
     """SMEM for gathered A stages: (scratch type, fn(scratch) -> (copy view, mma view)).
 

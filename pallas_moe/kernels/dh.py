@@ -29,11 +29,11 @@ read. dH and A' rows are TMA-stored row-exactly. dS is reduced over the CTA's `b
 registers and written as a per-(tile, column block) partial `[num_tiles, grid_n, bm]` (each
 CTA owns its slot: no atomics); `reduce_row_partials` sums the partials in a fixed order.
 
-Two variants (`DHConfig.num_consumers`): 0 = one warpgroup issues the copies and the
-wgmmas (the structure above); C > 0 = warp specialization (`_dh_warp_specialized`): a
-producer warpgroup issues the row copies from its 4 warps and C consumer warpgroups share
-each gathered stage. Measured on the H100 at the 7B shape: 52 TF/s for one warpgroup, 156
-TF/s with 2 consumers (benchmarks/RESULTS.md).
+The kernel is warp-specialized (`_dh_warp_specialized`): a producer warpgroup issues the
+row copies from its 4 warps and C consumer warpgroups (`DHConfig.num_consumers`) share each
+gathered stage. (Session 22 removed the one-warpgroup kernel that issued every copy and
+every wgmma itself: 52 TF/s against 156 with 2 consumers at 7B on the H100, and no default
+used it.)
 
 The default of `BackwardConfig.for_shape` is the warp-specialized kernel as persistent CTAs
 (`DHConfig.persistent_ctas`, `_dh_persistent`) whose epilogue tiles are 128-byte-swizzled
@@ -76,28 +76,27 @@ class DHConfig:
       num_stages: SMEM pipeline depth.
       pad_rows_to: dH and A' get `P` rounded up to a multiple of this (the dX and weight-
         gradient kernels load whole aligned row blocks); padding rows are not written.
-      num_consumers: 0 = one warpgroup issues the copies and the wgmmas. C > 0 = warp
-        specialization: a producer warpgroup issues the gathered row copies from its 4 warps
-        and C consumer warpgroups share each gathered stage, each computing its own
-        `block_n` columns (a CTA covers C * block_n columns, which must divide n).
+      num_consumers: C >= 1 consumer warpgroups beside the producer warpgroup (which issues
+        the gathered row copies from its 4 warps); they share each gathered stage, each
+        computing its own `block_n` columns (a CTA covers C * block_n columns, which must
+        divide n).
       gather: how the producer gathers rows: "tma" (one `[1, 64]` TMA copy per row chunk;
         the loader interpret mode runs) or "cp_async" (16-byte cp.async loads from all 128
         producer threads, `_common.cp_async_gather_rows`; compiled kernels only, needs
-        `num_consumers >= 1` and `num_stages >= 3`; interpret mode falls back to "tma").
+        `num_stages >= 3`; interpret mode falls back to "tma").
       gather_completion: with gather="cp_async", "mbarrier" (hardware-tracked stages, all in
         flight) or "wait_group" (lagged publish); see `_common.GATHER_COMPLETIONS`.
-      rebalance_registers: warp-specialized kernel only: the producer drops to 40 registers
-        per thread and the consumers take the rest (`_common.role_registers`); False
+      rebalance_registers: the producer drops to 40 registers per thread and the consumers take the rest (`_common.role_registers`); False
         keeps the even split, where the dSwiGLU epilogue spills.
-      prefetch_h: warp-specialized kernel only: True = the tile's H rows get their own SMEM
+      prefetch_h: True = the tile's H rows get their own SMEM
         and are loaded while the K loop runs; False = they are loaded after the K loop into
         the pipeline's SMEM, which leaves room for more stages (5 at block_n=128, where
         prefetching allows only 3).
-      epilogue_cols: warp-specialized kernel only: the dSwiGLU epilogue runs in chunks of
+      epilogue_cols: the dSwiGLU epilogue runs in chunks of
         this many columns (a multiple of 8 dividing block_n; 0 = the whole block at once),
         so only a chunk's temporaries are live next to the accumulator. With
         `persistent_ctas` and `epilogue_layout="swizzled"`, a multiple of 64 (whole slabs).
-      early_h: warp-specialized kernel with `prefetch_h=False` only: the consumers start
+      early_h: with `prefetch_h=False` only: the consumers start
         loading the tile's H into the pipeline's bytes as soon as both are done with every
         K step whose slot those bytes overlay (`_h_load_step`), so the load overlaps the
         last K steps instead of following them. False = after the K loop.
@@ -108,7 +107,7 @@ class DHConfig:
         It must equal the forward's `UpProjConfig.approx_math` (or
         `DecodeConfig.approx_math`), so A' is recomputed from H as the forward computed A.
         Interpret mode computes the exact exp either way.
-      persistent_ctas: warp-specialized kernel only: 0 = one CTA per (row tile, column
+      persistent_ctas: 0 = one CTA per (row tile, column
         block); C > 0 = C persistent CTAs (`_dh_persistent`, e.g. the SM count) walk the
         tiles, the producer loading the next tile's ids, scores and first K steps while the
         consumers run the epilogue. Same bits either way. The persistent kernel loads H
@@ -133,7 +132,7 @@ class DHConfig:
     block_k: int = 64
     num_stages: int = 4
     pad_rows_to: int = 64
-    num_consumers: int = 0
+    num_consumers: int = 1
     gather: str = "tma"
     rebalance_registers: bool = True
     # BackwardConfig.for_shape picks per width (measured: see there).
@@ -167,8 +166,11 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
     _common.require_wgmma_blocks(config, "B tiles are 128-byte swizzled")
     if config.pad_rows_to < 1:
         raise ValueError(f"config.pad_rows_to={config.pad_rows_to} must be >= 1.")
-    if config.num_consumers < 0:
-        raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
+    if config.num_consumers < 1:
+        raise ValueError(
+            f"config.num_consumers={config.num_consumers} must be >= 1 (consumer warpgroups "
+            "beside the producer)."
+        )
     if config.epilogue_cols and (config.epilogue_cols % 8 or bn % config.epilogue_cols):
         raise ValueError(
             f"config.epilogue_cols={config.epilogue_cols} must be 0 or a multiple of 8 dividing "
@@ -177,12 +179,9 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
     _common.require_gather_mode(config)
     if config.persistent_ctas < 0:
         raise ValueError(f"config.persistent_ctas={config.persistent_ctas} must be >= 0.")
-    if config.persistent_ctas and (
-        config.num_consumers < 1 or config.early_h or config.prefetch_h
-    ):
+    if config.persistent_ctas and (config.early_h or config.prefetch_h):
         raise ValueError(
-            f"config.persistent_ctas={config.persistent_ctas} needs the warp-specialized kernel "
-            f"with H loaded after the K loop: num_consumers >= 1 (got {config.num_consumers}), "
+            f"config.persistent_ctas={config.persistent_ctas} needs H loaded after the K loop: "
             f"early_h=False (got {config.early_h}) and prefetch_h=False (got "
             f"{config.prefetch_h})."
         )
@@ -209,10 +208,10 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
             "epilogue_layout='swizzled': the epilogue tiles are 64-column slabs."
         )
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
-    cols = bn * max(config.num_consumers, 1)
+    cols = bn * config.num_consumers
     _common.require_multiple(
         "n (w_down.shape[1])", n, cols,
-        f"a CTA computes block_n * max(num_consumers, 1) = {cols} columns of dA'",
+        f"a CTA computes block_n * num_consumers = {cols} columns of dA'",
     )
     return d, n, num_experts
 
@@ -458,17 +457,14 @@ def dh_kernel(
     d, n, num_experts = _check(grad_out, h, w_down, token_ids, scores, config)
     _common.require_shape("group_sizes", group_sizes, (num_experts,))
     capacity = token_ids.shape[0]
-    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    bm, bn = config.block_m, config.block_n
     if meta is None:
         meta = _common.tile_meta(group_sizes, token_ids, bm)
     if meta.block_m != bm:
         raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
     num_tiles = meta.num_tiles
-    num_k = d // bk
     grid_n = n // bn
     dtype = grad_out.dtype
-    tf = _common.mma_transforms(dtype)
-    num_ladder = ladder_len(bm)
     s_tiles = tile_scores(scores, meta)  # [nt, bm]
     rows_pad = -(-capacity // config.pad_rows_to) * config.pad_rows_to
     out_types = (
@@ -478,109 +474,8 @@ def dh_kernel(
     )
     interpret_mode = _common.interpret_params(interpret)
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, s_tiles, grad_out, w_down, h)
-    if config.persistent_ctas:
-        kernel = _dh_persistent(config, d, n, num_tiles, out_types, interpret_mode, activation)
-        dh, a_scaled, ds_part = kernel(*args)
-        return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
-    if config.num_consumers:
-        kernel = _dh_warp_specialized(
-            config, d, n, num_tiles, out_types, interpret_mode, activation
-        )
-        dh, a_scaled, ds_part = kernel(*args)
-        return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
-
-    def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
-             dh_out, ap_out, ds_out, *scratch):
-        (ids_smem, a_bufs, b_smem, h_smem, s_smem, o_smem, ds_smem,
-         bars, ids_bar, h_bars, s_bar) = scratch
-        a_copy, a_mma = a_views(a_bufs)
-        ni = jax.lax.axis_index("n")
-        mi = jax.lax.axis_index("m")
-        num_rows = rows_ref[mi]
-
-        @pl.when(num_rows > 0)
-        def _():
-            expert = expert_ref[mi]
-            row0 = start_ref[mi]
-            c0 = ni * bn
-            # Epilogue operands first, so they land while the K loop runs.
-            plgpu.copy_gmem_to_smem(s_ref.at[mi], s_smem, s_bar)  # [bm] f32
-            h_gate = h_ref.at[:, pl.ds(c0, bn)]  # [P, bn]
-            h_up = h_ref.at[:, pl.ds(n + c0, bn)]  # [P, bn]
-            load_rows(h_gate, h_smem.at[0], row0, num_rows, bm, h_bars, issue=True)
-            load_rows(h_up, h_smem.at[1], row0, num_rows, bm, h_bars, issue=True)
-            # Source token of each row of this tile -> SMEM, read back as scalars below.
-            plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
-            plgpu.barrier_wait(ids_bar)
-            w_e = w_ref.at[expert]  # [n, d]
-
-            def issue(ki, slot):
-                k0 = ki * bk
-
-                _common.gather_rows(  # [1, bk] of dO[tok] per row
-                    do_ref, ids_smem, [a_copy.at[slot]], bars.at[slot],
-                    col0=k0, width=bk, first_row=0, num_rows=bm, unroll=8,
-                )
-                plgpu.copy_gmem_to_smem(  # [bn, bk] rows c0.. of W2[e], K-minor
-                    w_e.at[pl.ds(c0, bn), pl.ds(k0, bk)], b_smem.at[slot], bars.at[slot]
-                )
-
-            def mma_scope(acc):
-                def mma(slot):
-                    # [bm, bk] @ [bk, bn]
-                    plgpu.wgmma(acc, a_mma.at[slot], b_smem.at[slot].transpose((1, 0)))
-
-                _common.k_pipeline(num_k, stages, bars, issue, mma, mmas_per_step=1)
-                return acc[...]
-
-            da = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))  # [bm, bn] f32
-
-            # Epilogue: recompute A from H, dSwiGLU, A' and the dS partial.
-            plgpu.barrier_wait(s_bar)
-            load_rows(h_gate, h_smem.at[0], row0, num_rows, bm, h_bars, issue=False)  # both
-            layout = plgpu.Layout.WGMMA
-            g = plgpu.load(h_smem.at[0], layout=layout, optimized=False).astype(jnp.float32)
-            u = plgpu.load(h_smem.at[1], layout=layout, optimized=False).astype(jnp.float32)
-            s = plgpu.load(s_smem, layout=layout.reduce(1))  # [bm] f32
-            s = jax.lax.broadcast_in_dim(s, (bm, bn), [0])  # [bm, bn]
-            d_gate, d_up, a_scaled, ds = dswiglu_epilogue(da, g, u, s, activation)
-            ds_smem[...] = ds  # [bm] partial over this column block
-            o_smem[0] = d_gate.astype(dtype)
-            o_smem[1] = d_up.astype(dtype)
-            o_smem[2] = a_scaled.astype(dtype)
-            plgpu.commit_smem()
-            _common.store_rows(o_smem.at[0], dh_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
-            _common.store_rows(o_smem.at[1], dh_out.at[:, pl.ds(n + c0, bn)], row0, num_rows, bm)
-            _common.store_rows(o_smem.at[2], ap_out.at[:, pl.ds(c0, bn)], row0, num_rows, bm)
-            plgpu.copy_smem_to_gmem(ds_smem, ds_out.at[mi, ni])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    a_scratch, a_views = _common.row_gather_buffers(
-        stages, bm, bk, dtype, interpret_mode is not None
-    )
-    scratch = [
-        plgpu.SMEM((bm,), jnp.int32),  # token ids of the tile
-        a_scratch,  # gathered dO stages [stages, bm, bk]
-        plgpu.SMEM((stages, bn, bk), dtype, transforms=tf),  # W2 stages
-        plgpu.SMEM((2, bm, bn), dtype),  # H gate, H up (untiled: row-exact loads)
-        plgpu.SMEM((bm,), jnp.float32),  # scores
-        plgpu.SMEM((3, bm, bn), dtype),  # dH gate, dH up, A'
-        plgpu.SMEM((bm,), jnp.float32),  # dS partial
-        plgpu.Barrier(num_arrivals=bm + 1, num_barriers=stages),
-        plgpu.Barrier(),
-        plgpu.Barrier(num_arrivals=2, num_barriers=num_ladder),
-        plgpu.Barrier(),
-    ]
-    kernel = plgpu.kernel(
-        body,
-        kernel_name="moe_dh",
-        out_type=out_types,
-        scratch_types=scratch,
-        grid=(grid_n, num_tiles),
-        grid_names=("n", "m"),
-        compiler_params=plgpu.CompilerParams(approx_math=config.approx_math),
-        interpret=interpret_mode,
-    )
+    build = _dh_persistent if config.persistent_ctas else _dh_warp_specialized
+    kernel = build(config, d, n, num_tiles, out_types, interpret_mode, activation)
     dh, a_scaled, ds_part = kernel(*args)
     return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
 

@@ -21,10 +21,11 @@ buffer and one fp32 accumulator per chunk, so every chunk keeps the layout wgmma
 The token ids of each K-block are themselves TMA-prefetched into SMEM `num_stages` steps
 ahead, so issuing the row copies never waits on a global load.
 
-Two variants (`WeightGradConfig.num_consumers`): 0 = one warpgroup issues the copies and the
-wgmmas; C > 0 = a producer warpgroup issues them (the row copies from its 4 warps) and C
-consumer warpgroups split the contiguous side's columns (`_weight_grad_ws`, the default of
-`BackwardConfig.for_shape`; 282 vs 70 TF/s on the H100 at the 7B shape).
+The kernel is warp-specialized (`_weight_grad_ws`): a producer warpgroup issues the copies
+(the row copies from its 4 warps) and C consumer warpgroups (`WeightGradConfig.
+num_consumers`) split the contiguous side's columns. (Session 22 removed the one-warpgroup
+kernel that issued every copy and every wgmma itself: 70 against 282 TF/s on the H100 at the
+7B shape, and no default used it.)
 
 Empty experts run no K loop and store their zero accumulators: every output element is
 written. The grid walks experts by decreasing group size (largest first), so the long
@@ -58,19 +59,18 @@ class WeightGradConfig:
         the gathered side it is split into `block_n // 64` chunks.
       block_k: rows (of the contraction) per step; a multiple of 64.
       num_stages: SMEM pipeline depth.
-      num_consumers: 0 = one warpgroup issues the copies and the wgmmas. C > 0 = warp
-        specialization: a producer warpgroup issues the copies (the gathered rows from its 4
-        warps) and C consumer warpgroups share each gathered stage; they split the
+      num_consumers: C >= 1 consumer warpgroups beside the producer warpgroup (which issues
+        the copies, the gathered rows from its 4 warps); they share each gathered stage and
+        split the
         contiguous side's columns, so a CTA covers `C * block_m` rows of the output when
         the contiguous side is L (`gathered="rhs"`), `C * block_n` columns otherwise.
       gather: how the producer gathers rows: "tma" (one `[1, 64]` TMA copy per row chunk;
         the loader interpret mode runs) or "cp_async" (16-byte cp.async loads from all 128
         producer threads, `_common.cp_async_gather_rows`; compiled kernels only, needs
-        `num_consumers >= 1` and `num_stages >= 3`; interpret mode falls back to "tma").
+        `num_stages >= 3`; interpret mode falls back to "tma").
       gather_completion: with gather="cp_async", "mbarrier" (hardware-tracked stages, all in
         flight) or "wait_group" (lagged publish); see `_common.GATHER_COMPLETIONS`.
-      rebalance_registers: warp-specialized kernel only: the producer drops to 40 registers
-        per thread and the consumers take the rest (`_common.role_registers`).
+      rebalance_registers: the producer drops to 40 registers per thread and the consumers take the rest (`_common.role_registers`).
       expert_major: launch the output tiles of one expert consecutively (the tile index is
         the fastest grid axis), so the CTAs reading the same expert's rows of the
         contiguous operand run together and share them through L2. False launches one
@@ -82,7 +82,7 @@ class WeightGradConfig:
     block_n: int = 128
     block_k: int = 64
     num_stages: int = 4
-    num_consumers: int = 0
+    num_consumers: int = 1
     gather: str = "tma"
     rebalance_registers: bool = True
     # Measured on the H100 (session 4, same run): hardware-tracked stages dW1 575 / 3877 us,
@@ -197,10 +197,13 @@ def weight_grad(
         raise ValueError(f"config.block_n={bn} must be at most 256 (one wgmma N).")
     if stages < 2:
         raise ValueError(f"config.num_stages={stages} must be >= 2.")
-    if config.num_consumers < 0:
-        raise ValueError(f"config.num_consumers={config.num_consumers} must be >= 0.")
+    if config.num_consumers < 1:
+        raise ValueError(
+            f"config.num_consumers={config.num_consumers} must be >= 1 (consumer warpgroups "
+            "beside the producer)."
+        )
     _common.require_gather_mode(config)
-    cons = max(config.num_consumers, 1)
+    cons = config.num_consumers
     cta_m = bm * (cons if gathered == "rhs" else 1)  # consumers split the contiguous side
     cta_n = bn * (cons if gathered == "lhs" else 1)
     _common.require_multiple("M (lhs.shape[1])", m_dim, cta_m, f"a CTA computes {cta_m} rows")
@@ -217,149 +220,10 @@ def weight_grad(
         meta = k_block_meta(group_sizes, token_ids, bk)
     if meta.block_k != bk:
         raise ValueError(f"meta.block_k={meta.block_k} must equal config.block_k={bk}.")
-    dtype = lhs.dtype
-    tf = _common.mma_transforms(dtype)
-    grid_m, grid_n = m_dim // bm, n_dim // bn
-    gather_lhs = gathered == "lhs"
-    chunks = (bm if gather_lhs else bn) // _CHUNK
     interpret_mode = _common.interpret_params(interpret)
     args = (meta.order, meta.row_lo, meta.row_hi, meta.block_off, meta.block_ids, lhs, rhs)
-    if config.num_consumers:
-        kernel = _weight_grad_ws(
-            config, gathered, m_dim, n_dim, num_experts, jnp.dtype(out_dtype), interpret_mode
-        )
-        return kernel(*args)
-
-    def body(order_ref, lo_ref, hi_ref, off_ref, ids_ref, l_ref, r_ref, out_ref, *scratch):
-        ids_smem, g_bufs, c_smem, o_smem, bars, ids_bars = scratch
-        g_copy, g_mma = g_views(g_bufs)
-        tile = jax.lax.axis_index("tile")
-        expert = order_ref[jax.lax.axis_index("e")]
-        mi, ni = tile // grid_n, tile % grid_n
-        m0, n0 = mi * bm, ni * bn
-        lo, hi = lo_ref[expert], hi_ref[expert]
-        block0 = off_ref[expert]
-        num_k = off_ref[expert + 1] - block0
-        kb0 = lo // bk  # first aligned K-block of the group
-        g_ref = l_ref if gather_lhs else r_ref
-        c_ref = r_ref if gather_lhs else l_ref
-        g_col0 = m0 if gather_lhs else n0
-
-        def issue_ids(ki, slot):
-            plgpu.copy_gmem_to_smem(ids_ref.at[block0 + ki], ids_smem.at[slot], ids_bars.at[slot])
-
-        def issue(ki, slot):
-            k0 = (kb0 + ki) * bk
-            if gather_lhs:  # [bk, bn] of dH
-                c_src = c_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)]
-            else:  # [bk, bm] of A'
-                c_src = c_ref.at[pl.ds(k0, bk), pl.ds(m0, bm)]
-            plgpu.copy_gmem_to_smem(c_src, c_smem.at[slot], bars.at[slot])
-            plgpu.barrier_wait(ids_bars.at[slot])
-
-            _common.gather_rows(  # [1, 64] chunks of X[tok] or dO[tok] per row
-                g_ref, ids_smem.at[slot], [g_copy.at[slot * chunks + j] for j in range(chunks)],
-                bars.at[slot], col0=g_col0, width=_CHUNK, first_row=0, num_rows=bk,
-                unroll=8 // chunks if chunks <= 8 else 1,
-            )
-
-            # The ids slot is free again once every warp has read it (the barrier in
-            # commit_smem orders those reads before the TMA overwrite): prefetch the ids of
-            # step ki + stages into it.
-            @pl.when(ki + stages < num_k)
-            def _():
-                plgpu.commit_smem()
-                issue_ids(ki + stages, slot)
-
-        def mask(ki, slot):
-            """Zeroes rows of the contiguous K-block outside [lo, hi) (first/last block only)."""
-            k0 = (kb0 + ki) * bk
-
-            @pl.when((k0 < lo) | (k0 + bk > hi))
-            def _():
-                ref = c_smem.at[slot]  # [bk, bn] or [bk, bm]
-                layout = plgpu.Layout.WGMMA
-                vals = plgpu.load(ref, layout=layout, optimized=False)
-                rows = plgpu.broadcasted_iota(jnp.int32, vals.shape, 0, layout=layout) + k0
-                keep = (rows >= lo) & (rows < hi)
-                ref[...] = jnp.where(keep, vals, jnp.zeros_like(vals))
-                plgpu.commit_smem()
-
-        def mma_scope(*accs):
-            def mma(slot):
-                for j in range(chunks):
-                    g_tile = g_mma.at[slot * chunks + j]  # [bk, 64]
-                    if gather_lhs:  # [64, bk] @ [bk, bn]
-                        plgpu.wgmma(accs[j], g_tile.transpose((1, 0)), c_smem.at[slot])
-                    else:  # [bm, bk] @ [bk, 64]
-                        plgpu.wgmma(accs[j], c_smem.at[slot].transpose((1, 0)), g_tile)
-
-            @pl.when(num_k > 0)
-            def _():
-                for s in range(stages):
-                    @pl.when(s < num_k)
-                    def _():
-                        issue_ids(s, s)
-
-                for s in range(stages):
-                    @pl.when(s < num_k)
-                    def _():
-                        issue(s, s)
-
-                def step(ki, carry):
-                    slot = ki % stages
-                    plgpu.barrier_wait(bars.at[slot])
-                    mask(ki, slot)
-                    mma(slot)
-                    plgpu.wgmma_wait(chunks)  # step ki-1 is done reading its slot
-                    nxt = ki - 1 + stages
-
-                    @pl.when((ki >= 1) & (nxt < num_k))
-                    def _():
-                        issue(nxt, (ki - 1) % stages)
-
-                    return carry
-
-                jax.lax.fori_loop(0, num_k, step, None)
-                plgpu.wgmma_wait(0)
-
-            return tuple(acc[...] for acc in accs)
-
-        acc_shape = (_CHUNK, bn) if gather_lhs else (bm, _CHUNK)
-        accs = pl.run_scoped(
-            mma_scope, *[plgpu.ACC(acc_shape, jnp.float32) for _ in range(chunks)]
-        )
-        for j in range(chunks):
-            o_smem[j] = accs[j].astype(o_smem.dtype)
-        plgpu.commit_smem()
-        for j in range(chunks):
-            if gather_lhs:
-                dst = out_ref.at[expert, pl.ds(m0 + j * _CHUNK, _CHUNK), pl.ds(n0, bn)]
-            else:
-                dst = out_ref.at[expert, pl.ds(m0, bm), pl.ds(n0 + j * _CHUNK, _CHUNK)]
-            plgpu.copy_smem_to_gmem(o_smem.at[j], dst)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    g_scratch, g_views = _common.row_gather_buffers(
-        stages * chunks, bk, _CHUNK, dtype, interpret_mode is not None
-    )
-    c_shape = (stages, bk, bn) if gather_lhs else (stages, bk, bm)
-    o_shape = (chunks, _CHUNK, bn) if gather_lhs else (chunks, bm, _CHUNK)
-    scratch = [
-        plgpu.SMEM((stages, bk), jnp.int32),  # token ids of each stage's K-block
-        g_scratch,  # gathered chunks [stages * chunks, bk, 64]
-        plgpu.SMEM(c_shape, dtype, transforms=tf),  # contiguous K-blocks
-        plgpu.SMEM(o_shape, jnp.dtype(out_dtype)),  # output tile
-        plgpu.Barrier(num_arrivals=bk * chunks + 1, num_barriers=stages),
-        plgpu.Barrier(num_barriers=stages),
-    ]
-    kernel = plgpu.kernel(
-        body,
-        kernel_name=f"moe_weight_grad_{gathered}",
-        out_type=jax.ShapeDtypeStruct((num_experts, m_dim, n_dim), out_dtype),
-        scratch_types=scratch,
-        **_grid(config, grid_m * grid_n, num_experts),
-        interpret=interpret_mode,
+    kernel = _weight_grad_ws(
+        config, gathered, m_dim, n_dim, num_experts, jnp.dtype(out_dtype), interpret_mode
     )
     return kernel(*args)
 
