@@ -870,6 +870,38 @@ def cp_async_publish_rest(num_k, full, landed, stages: int) -> None:
         cp_async_publish_tail_dynamic(num_k, stages - 2, full, stages)
 
 
+def consumer_k_loop(num_k, stages: int, wait, mma, empty, *, mmas_per_step: int,
+                    step_of=None, release_if=None, after_mma=None) -> None:
+    """A consumer warpgroup's K loop over a `stages`-slot ring (the one the kernels share).
+
+    Step ki is the pipeline's global step g = `step_of(ki)` (g = ki without `step_of`; a
+    persistent kernel's steps run on across its items) in slot g % stages: `wait(g, slot)`
+    waits until it landed, `mma(slot)`
+    issues `mmas_per_step` wgmmas reading it, and once step g - 1's wgmmas are done
+    (`wgmma_wait(mmas_per_step)`) its slot is released on `empty` (only where
+    `release_if(ki)` holds, if given; `after_mma(ki)` runs between the wait and the release).
+    Returns with every wgmma finished and the last step's slot still held: the caller
+    releases it (or the producer observes it)."""
+
+    def step(ki, carry):
+        g = ki if step_of is None else step_of(ki)
+        slot = g % stages
+        wait(g, slot)
+        mma(slot)
+        plgpu.wgmma_wait(mmas_per_step)  # step g - 1 is done: release its slot
+        if after_mma is not None:
+            after_mma(ki)
+
+        @pl.when((ki >= 1) if release_if is None else release_if(ki))
+        def _():
+            plgpu.barrier_arrive(empty.at[(g - 1) % stages])
+
+        return carry
+
+    jax.lax.fori_loop(0, num_k, step, None)
+    plgpu.wgmma_wait(0)
+
+
 def cp_async_consumer_wait(ki, landed, stages: int) -> None:
     """Consumer, after waiting on step `ki`'s `full` slot: with per-slot mbarriers also wait
     for its cp.async rows (`cp_async_stage_wait`); the lagged publish needs nothing more."""

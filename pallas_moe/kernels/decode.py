@@ -905,22 +905,14 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                 def run_up(tile, cb, g0):
                     def mma_scope(acc_g, acc_u):
-                        def step(k, carry):
-                            g = g0 + k
-                            slot = g % stages
-                            plgpu.barrier_wait(full_up.at[c, slot])
+                        def mma(slot):
                             plgpu.wgmma(acc_g, a_mma.at[slot], wg_smem(slot))  # [64,64]@[64,U]
                             plgpu.wgmma(acc_u, a_mma.at[slot], wu_smem(slot))
-                            plgpu.wgmma_wait(2)  # step k-1 is done: release its slot
 
-                            @pl.when(k >= 1)
-                            def _():
-                                plgpu.barrier_arrive(empty.at[(g - 1) % stages])
-
-                            return carry
-
-                        jax.lax.fori_loop(0, num_k_up, step, None)
-                        plgpu.wgmma_wait(0)
+                        _common.consumer_k_loop(
+                            num_k_up, stages, lambda g, slot: plgpu.barrier_wait(
+                                full_up.at[c, slot]), mma, empty, mmas_per_step=2,
+                            step_of=lambda k: g0 + k)
                         plgpu.barrier_arrive(empty.at[(g0 + num_k_up - 1) % stages])
                         return acc_g[...], acc_u[...]
 
@@ -950,21 +942,13 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                 def run_down(tile, cb, g0):
                     def mma_scope(acc):
-                        def step(k, carry):
-                            g = g0 + k
-                            slot = g % stages
-                            plgpu.barrier_wait(full_dn.at[c, slot])
-                            plgpu.wgmma(acc, a_mma.at[slot], wd_smem(slot))  # [64,64]@[64,bn]
-                            plgpu.wgmma_wait(1)
+                        def mma(slot):  # [64,64]@[64,bn]
+                            plgpu.wgmma(acc, a_mma.at[slot], wd_smem(slot))
 
-                            @pl.when(k >= 1)
-                            def _():
-                                plgpu.barrier_arrive(empty.at[(g - 1) % stages])
-
-                            return carry
-
-                        jax.lax.fori_loop(0, num_k_down, step, None)
-                        plgpu.wgmma_wait(0)
+                        _common.consumer_k_loop(
+                            num_k_down, stages, lambda g, slot: plgpu.barrier_wait(
+                                full_dn.at[c, slot]), mma, empty, mmas_per_step=1,
+                            step_of=lambda k: g0 + k)
                         plgpu.barrier_arrive(empty.at[(g0 + num_k_down - 1) % stages])
                         return acc[...]
 

@@ -609,14 +609,15 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                     start_h_loads()
 
                 def mma_scope(acc):
-                    def step(ki, carry):
-                        slot = ki % stages
+                    def wait(ki, slot):
                         plgpu.barrier_wait(full.at[slot])
                         _common.cp_async_consumer_wait(ki, a_landed, stages)
+
+                    def mma(slot):
                         w_t = b_smem.at[slot, pl.ds(c * bn, bn)]  # [bn, bk]
                         plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
-                        plgpu.wgmma_wait(1)  # step ki-1 is done: release its slot
 
+                    def after_mma(ki):
                         if early:  # every step before ki is done: H's bytes are free
                             @pl.when(ki == h_step)
                             def _():
@@ -624,16 +625,11 @@ def _dh_warp_specialized(config: DHConfig, d: int, n: int, num_tiles: int, out_t
                                 plgpu.barrier_wait(h_ready)
                                 start_h_loads()
 
-                        # Only the releases the producer waits for (step ki-1 + stages exists),
-                        # so every completed phase of `empty` is observed.
-                        @pl.when((ki >= 1) & (ki - 1 + stages < num_k))
-                        def _():
-                            plgpu.barrier_arrive(empty.at[(ki - 1) % stages])
-
-                        return carry
-
-                    jax.lax.fori_loop(0, num_k, step, None)
-                    plgpu.wgmma_wait(0)
+                    # Only the releases the producer waits for (step ki-1 + stages exists),
+                    # so every completed phase of `empty` is observed.
+                    _common.consumer_k_loop(
+                        num_k, stages, wait, mma, empty, mmas_per_step=1, after_mma=after_mma,
+                        release_if=lambda ki: (ki >= 1) & (ki - 1 + stages < num_k))
                     return acc[...]
 
                 da = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))  # [bm, bn]
@@ -877,26 +873,20 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                         c0 = ni * cols + c * bn  # first dA' column of this consumer
 
                         def mma_scope(acc):
-                            def step(ki, carry):
-                                slot = ki % stages
+                            def wait(ki, slot):
                                 plgpu.barrier_wait(full.at[slot])
                                 if stage_bars:
                                     uses = done * uses_per_item(slot) + ki // stages
                                     _common.cp_async_stage_wait_parity(
                                         a_landed[0].at[slot], uses % 2
                                     )
+
+                            def mma(slot):
                                 w_t = b_smem.at[slot, pl.ds(c * bn, bn)]  # [bn, bk]
                                 plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
-                                plgpu.wgmma_wait(1)  # step ki-1 is done: release its slot
 
-                                @pl.when(ki >= 1)
-                                def _():
-                                    plgpu.barrier_arrive(empty.at[(ki - 1) % stages])
-
-                                return carry
-
-                            jax.lax.fori_loop(0, num_k, step, None)
-                            plgpu.wgmma_wait(0)
+                            _common.consumer_k_loop(num_k, stages, wait, mma, empty,
+                                                    mmas_per_step=1)
                             plgpu.barrier_arrive(empty.at[(num_k - 1) % stages])
                             return acc[...]
 

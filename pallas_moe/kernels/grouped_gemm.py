@@ -631,27 +631,20 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             issued, the last one after the final wait. Returns num_b [mb, bn] f32."""
 
             def scope(*accs):
-                def per_step(t, carry):
-                    g = j * steps_per_item + k0 + t
-                    slot = g % stages
+                def wait(g, slot):
                     plgpu.barrier_wait(full.at[bar_c, slot])
                     if stage_bars:
                         _common.cp_async_consumer_wait(g, a_landed, stages)
+
+                def mma(slot):
                     for h, acc in enumerate(accs):
                         b = b_smem.at[h, slot]
                         if transpose_w:
                             b = b.transpose((1, 0))
                         plgpu.wgmma(acc, a_mma.at[slot, a_rows], b)  # [mb,bk] @ [bk,bn]
-                    plgpu.wgmma_wait(num_b)  # step g-1 is done: release its slot
 
-                    @pl.when(t >= 1)
-                    def _():
-                        plgpu.barrier_arrive(empty.at[(g - 1) % stages])
-
-                    return carry
-
-                jax.lax.fori_loop(0, length, per_step, None)
-                plgpu.wgmma_wait(0)
+                _common.consumer_k_loop(length, stages, wait, mma, empty, mmas_per_step=num_b,
+                                        step_of=lambda t: j * steps_per_item + k0 + t)
                 plgpu.barrier_arrive(empty.at[(j * steps_per_item + k0 + length - 1) % stages])
                 return tuple(acc[...] for acc in accs)
 

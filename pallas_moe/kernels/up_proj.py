@@ -886,33 +886,18 @@ def _body_refs(rest, has_bias: bool, inference: bool):
 
 def _gate_up_k_loop(accs, num_k, stages: int, first_step, wait, empty, a_tile,
                     b_tiles) -> None:
-    """A consumer's K loop over its fp32 accumulators: (gate [rows, cols], up [rows, cols]),
-    or one [rows, 2 * cols] of gate then up columns.
+    """A consumer's K loop (`_common.consumer_k_loop`) over its fp32 accumulators: (gate
+    [rows, cols], up [rows, cols]), or one [rows, 2 * cols] of gate then up columns; step g
+    multiplies `a_tile(slot)` [rows, bk] by the matching tile of `b_tiles(slot)` ([bk, cols]
+    gate and up, or one [bk, 2 * cols])."""
 
-    Step ki is the pipeline's global step g = first_step + ki in slot g % stages: `wait(g,
-    slot)` waits until it landed, then one wgmma per accumulator multiplies `a_tile(slot)`
-    [rows, bk] by the matching tile of `b_tiles(slot)` ([bk, cols] gate and up, or one
-    [bk, 2 * cols]), and once step g - 1's wgmmas are done its slot is released on `empty`.
-    Returns with every wgmma finished; the last step's slot is still held (the caller
-    releases it, or the producer observes it)."""
-
-    def step(ki, carry):
-        g = first_step + ki
-        slot = g % stages
-        wait(g, slot)
+    def mma(slot):
         a = a_tile(slot)
         for acc, b in zip(accs, b_tiles(slot), strict=True):
             plgpu.wgmma(acc, a, b)
-        plgpu.wgmma_wait(len(accs))  # step g - 1 is done: release its slot
 
-        @pl.when(ki >= 1)
-        def _():
-            plgpu.barrier_arrive(empty.at[(g - 1) % stages])
-
-        return carry
-
-    jax.lax.fori_loop(0, num_k, step, None)
-    plgpu.wgmma_wait(0)
+    _common.consumer_k_loop(num_k, stages, wait, mma, empty, mmas_per_step=len(accs),
+                            step_of=lambda ki: first_step + ki)
 
 
 def _bias_scratch(cols: int, dtype, consumers: int | None = None) -> tuple:

@@ -361,36 +361,32 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                     _common.role_registers("consumer", cons)
 
                 def mma_scope(*accs):
-                    def step(ki, carry):
-                        slot = ki % stages
+                    def own(slot):  # this consumer's columns of the contiguous K-block
+                        return c_smem.at[slot, :, pl.ds(c * (bn if gather_lhs else bm),
+                                                        bn if gather_lhs else bm)]
+
+                    def wait(ki, slot):  # landed, then rows outside [lo, hi) zeroed
                         k0 = (kb0 + ki) * bk
-                        own = c_smem.at[slot, :, pl.ds(c * (bn if gather_lhs else bm),
-                                                       bn if gather_lhs else bm)]
                         plgpu.barrier_wait(full.at[slot])
                         _common.cp_async_consumer_wait(ki, a_landed, stages)
 
                         @pl.when((k0 < lo) | (k0 + bk > hi))
                         def _():
-                            _mask_foreign_rows(own, k0, lo, hi)
+                            _mask_foreign_rows(own(slot), k0, lo, hi)
 
+                    def mma(slot):
                         for j in range(chunks):
                             g_tile = g_mma.at[slot * chunks + j]  # [bk, 64]
                             if gather_lhs:  # [64, bk] @ [bk, bn]
-                                plgpu.wgmma(accs[j], g_tile.transpose((1, 0)), own)
+                                plgpu.wgmma(accs[j], g_tile.transpose((1, 0)), own(slot))
                             else:  # [bm, bk] @ [bk, 64]
-                                plgpu.wgmma(accs[j], own.transpose((1, 0)), g_tile)
-                        plgpu.wgmma_wait(chunks)  # step ki-1 is done: release its slot
+                                plgpu.wgmma(accs[j], own(slot).transpose((1, 0)), g_tile)
 
-                        # Only the releases the producer waits for (step ki-1 + stages exists),
-                        # so every completed phase of `empty` is observed.
-                        @pl.when((ki >= 1) & (ki - 1 + stages < num_k))
-                        def _():
-                            plgpu.barrier_arrive(empty.at[(ki - 1) % stages])
-
-                        return carry
-
-                    jax.lax.fori_loop(0, num_k, step, None)
-                    plgpu.wgmma_wait(0)
+                    # Only the releases the producer waits for (step ki-1 + stages exists), so
+                    # every completed phase of `empty` is observed.
+                    _common.consumer_k_loop(
+                        num_k, stages, wait, mma, empty, mmas_per_step=chunks,
+                        release_if=lambda ki: (ki >= 1) & (ki - 1 + stages < num_k))
                     return tuple(acc[...] for acc in accs)
 
                 acc_shape = (_CHUNK, bn) if gather_lhs else (bm, _CHUNK)
