@@ -307,6 +307,8 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
          "fused_gate_up=True needs the ping-pong kernel .* or split-M tiles"),
         (dataclasses.replace(PINGPONG, block_n=256, fused_gate_up=True),
          "needs 2 \\* block_n <= 256 .* got block_n=256"),
+        (dataclasses.replace(WS_SPLIT_M, block_n=256, fused_gate_up=True),
+         "needs 2 \\* block_n <= 256 .* got block_n=256"),
         (dataclasses.replace(PINGPONG, block_n=128, num_stages=6),
          "needs \\d+ B of SMEM .* lower config.num_stages or config.epilogue_tiles"),
     ],

@@ -30,13 +30,13 @@ slots.
   columns (C*block_n gate columns per CTA, so a row is gathered n / (C*block_n) times) or,
   with block_m = 64*C, split the rows and share the weight tiles. Measured on the H100:
   benchmarks/RESULTS.md.
+- ping-pong, the default on the H100 for d <= 1536 (`ForwardConfig.for_shape`;
+  `config.pingpong_ctas`, `_pingpong_kernel`): persistent CTAs whose two consumers take
+  alternate (64-row tile, `block_n` columns) items, each gathering its own rows, so one
+  consumer's SwiGLU epilogue and stores run while the other's wgmmas keep the tensor cores
+  busy. Same bits as the cooperative kernel.
 (Session 22 removed a third, one-warpgroup kernel, in which the single warpgroup issued every
 row copy and every wgmma: 3-4x slower, and no default used it.)
-
-- ping-pong, the default on the H100 for d <= 1536 (`ForwardConfig.for_shape`): the ping-pong kernel (`config.pingpong_ctas`, `_pingpong_kernel`): persistent CTAs whose two
-consumers take alternate (64-row tile, `block_n` columns) items, each gathering its own
-rows, so one consumer's SwiGLU epilogue and stores run while the other's wgmmas keep the
-tensor cores busy. Same bits as the cooperative kernel.
 
 Epilogue: the tile's real rows are TMA-stored with a power-of-two ladder (`store_rows`), so
 a tile never writes rows of the next expert; empty tiles return before loading anything.
@@ -181,7 +181,8 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
 
 
 def _check_pingpong(config: UpProjConfig) -> None:
-    """The ping-pong kernel's own constraints (`pingpong_ctas`, `epilogue_tiles`)."""
+    """The ping-pong kernel's own constraints (`pingpong_ctas`, `epilogue_tiles`,
+    `prefetch_steps`) and the fused gate and up wgmma's (`fused_gate_up`)."""
     if config.pingpong_ctas < 0:
         raise ValueError(f"config.pingpong_ctas={config.pingpong_ctas} must be >= 0.")
     if config.epilogue_tiles < 0:
@@ -192,6 +193,11 @@ def _check_pingpong(config: UpProjConfig) -> None:
         raise ValueError(
             f"config.prefetch_steps={config.prefetch_steps} belongs to the ping-pong kernel's "
             "cp.async gather: set pingpong_ctas > 0 and gather='cp_async', or leave it 0."
+        )
+    if config.fused_gate_up and 2 * config.block_n > 256:
+        raise ValueError(
+            f"config.fused_gate_up=True needs 2 * block_n <= 256 (one wgmma's widest N), got "
+            f"block_n={config.block_n}."
         )
     if not config.pingpong_ctas:
         if config.fused_gate_up and not _split_m(config):
@@ -205,11 +211,6 @@ def _check_pingpong(config: UpProjConfig) -> None:
                 "set pingpong_ctas > 0 too, or leave it 0."
             )
         return
-    if config.fused_gate_up and 2 * config.block_n > 256:
-        raise ValueError(
-            f"config.fused_gate_up=True needs 2 * block_n <= 256 (one wgmma's widest N), got "
-            f"block_n={config.block_n}."
-        )
     if config.num_consumers != 2 or config.block_m != 64 or config.num_producers != 1:
         raise ValueError(
             "config.pingpong_ctas > 0 (the ping-pong kernel) needs num_consumers=2, block_m=64 "
