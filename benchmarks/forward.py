@@ -41,7 +41,7 @@ from pallas_moe.kernels.aggregate import aggregate
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_forward import ForwardConfig, aggregate_width, moe_forward
-from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
+from pallas_moe.kernels.up_proj import UpProjConfig, _cta_cols, up_proj
 from pallas_moe.routing.topk import topk_plan
 
 SHAPES = {
@@ -347,20 +347,14 @@ def default_up_cfgs(d, n):
         UpProjConfig(block_m=128, block_n=128, num_stages=3, num_consumers=2),
         UpProjConfig(block_m=64, block_n=128, num_stages=4, num_consumers=1),
     ]
-    out = []
-    for cfg in cands:
-        cols = cfg.block_n if cfg.block_m == 128 else cfg.block_n * cfg.num_consumers
-        if n % cols == 0 and cfg not in out:
-            out.append(cfg)
-    return out
+    return _fitting_up_cfgs(cands, n)
 
 
 def _fitting_up_cfgs(cands, n):
     """The distinct up-proj configs whose CTA column block divides n."""
     out = []
     for cfg in cands:
-        cols = cfg.block_n if cfg.block_m == 64 * cfg.num_consumers else cfg.block_n * cfg.num_consumers
-        if n % cols == 0 and cfg not in out:
+        if n % _cta_cols(cfg) == 0 and cfg not in out:
             out.append(cfg)
     return out
 

@@ -13,8 +13,8 @@ predecessor; swizzled with H loaded by TMA; swizzled with H loaded by cp.async, 
 default: `DHConfig.epilogue_layout`, `h_loader`). Variants combine with `+`, e.g.
 `up_pingpong+noepilogue+halfweights`; `up_pingpong+fused` sets `UpProjConfig.fused_gate_up`,
 `+interleaved` passes W1 with gate and up interleaved per block_n (`gate_up_blocks`),
-and a `field=value` token sets any field of the kernel's config (`up_pingpong+num_stages=4`). `--plain` skips the profiler and prints only the
-CUPTI times (a quick A/B of the ablations).
+and a `field=value` token sets any field of the kernel's config (`up_pingpong+num_stages=4`).
+`--plain` skips the profiler and prints only the CUPTI times (a quick A/B of the ablations).
 
 The kernels mark their phases with `jax.named_scope` (the up-proj: the producer's `ids`,
 `loads` (in the ping-pong kernel, per K step: `empty_wait`, `weights`, `gather`, `publish`),

@@ -86,20 +86,20 @@ class DHConfig:
         `num_stages >= 3`; interpret mode falls back to "tma").
       gather_completion: with gather="cp_async", "mbarrier" (hardware-tracked stages, all in
         flight) or "wait_group" (lagged publish); see `_common.GATHER_COMPLETIONS`.
-      rebalance_registers: the producer drops to 40 registers per thread and the consumers take the rest (`_common.role_registers`); False
-        keeps the even split, where the dSwiGLU epilogue spills.
-      prefetch_h: True = the tile's H rows get their own SMEM
-        and are loaded while the K loop runs; False = they are loaded after the K loop into
-        the pipeline's SMEM, which leaves room for more stages (5 at block_n=128, where
-        prefetching allows only 3).
-      epilogue_cols: the dSwiGLU epilogue runs in chunks of
-        this many columns (a multiple of 8 dividing block_n; 0 = the whole block at once),
-        so only a chunk's temporaries are live next to the accumulator. With
-        `persistent_ctas` and `epilogue_layout="swizzled"`, a multiple of 64 (whole slabs).
-      early_h: with `prefetch_h=False` only: the consumers start
-        loading the tile's H into the pipeline's bytes as soon as both are done with every
-        K step whose slot those bytes overlay (`_h_load_step`), so the load overlaps the
-        last K steps instead of following them. False = after the K loop.
+      rebalance_registers: the producer drops to 40 registers per thread and the consumers
+        take the rest (`_common.role_registers`); False keeps the even split, where the
+        dSwiGLU epilogue spills.
+      prefetch_h: True = the tile's H rows get their own SMEM and are loaded while the K
+        loop runs; False = they are loaded after the K loop into the pipeline's SMEM, which
+        leaves room for more stages (5 at block_n=128, where prefetching allows only 3).
+      epilogue_cols: the dSwiGLU epilogue runs in chunks of this many columns (a multiple of
+        8 dividing block_n; 0 = the whole block at once), so only a chunk's temporaries are
+        live next to the accumulator. With `persistent_ctas` and
+        `epilogue_layout="swizzled"`, a multiple of 64 (whole slabs).
+      early_h: with `prefetch_h=False` only: the consumers start loading the tile's H into
+        the pipeline's bytes as soon as both are done with every K step whose slot those
+        bytes overlay (`_h_load_step`), so the load overlaps the last K steps instead of
+        following them. False = after the K loop.
       approx_math: compiled kernels only: True (default) = the dSwiGLU's sigmoid takes
         its exp from the hardware's `ex2.approx` (`plgpu.CompilerParams.approx_math`);
         False = the full-precision libdevice `exp`. Measured on the H100 (session 8): 623.6
@@ -107,8 +107,7 @@ class DHConfig:
         It must equal the forward's `UpProjConfig.approx_math` (or
         `DecodeConfig.approx_math`), so A' is recomputed from H as the forward computed A.
         Interpret mode computes the exact exp either way.
-      persistent_ctas: 0 = one CTA per (row tile, column
-        block); C > 0 = C persistent CTAs (`_dh_persistent`, e.g. the SM count) walk the
+      persistent_ctas: 0 = one CTA per (row tile, column block); C > 0 = C persistent CTAs (`_dh_persistent`, e.g. the SM count) walk the
         tiles, the producer loading the next tile's ids, scores and first K steps while the
         consumers run the epilogue. Same bits either way. The persistent kernel loads H
         after the K loop into the bytes of its last W2 slots, so it needs

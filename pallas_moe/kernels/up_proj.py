@@ -365,7 +365,7 @@ def _warp_specialized_kernel(
         # cp.async mbarriers (hardware-tracked stages).
         bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
         a_copy, a_mma, b_bufs, ((o_copy, o_mma),) = views(bufs)
-        bg_smem, bu_smem = (None, None) if fused else b_bufs
+        bg_smem, bu_smem = (None, None) if fused else b_bufs  # [stages, bk, C*bn] each
         if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
             _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
@@ -400,21 +400,10 @@ def _warp_specialized_kernel(
                             num_rows=rows_per_warp, unroll=config.row_unroll,
                         )
 
-                    gate0, up0 = (2 * ni * cols, 2 * ni * cols + cols) if interleaved \
-                        else (ni * cols, n + ni * cols)
-                    if p == 0 and fused:  # [bk, 2 bn]: the gate block, then its up block
-                        plgpu.copy_gmem_to_smem(
-                            w_e.at[pl.ds(k0, bk), pl.ds(gate0, 2 * cols)], b_bufs[0].at[slot],
-                            full.at[slot],
-                        )
-                    elif p == 0:
-                        plgpu.copy_gmem_to_smem(  # [bk, C*bn] gate columns
-                            w_e.at[pl.ds(k0, bk), pl.ds(gate0, cols)], bg_smem.at[slot],
-                            full.at[slot],
-                        )
-                        plgpu.copy_gmem_to_smem(  # [bk, C*bn] matching up columns
-                            w_e.at[pl.ds(k0, bk), pl.ds(up0, cols)], bu_smem.at[slot],
-                            full.at[slot],
+                    if p == 0:  # [bk, C*bn] gate and up columns, or one [bk, 2 bn] (fused)
+                        _copy_gate_up_weights(
+                            w_e, k0, bk, ni, cols, n, [b.at[slot] for b in b_bufs],
+                            full.at[slot], interleaved=interleaved,
                         )
                     if cp_async:
                         _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one cp.async group
@@ -525,10 +514,10 @@ def _warp_specialized_kernel(
     scratch = [
         plgpu.SMEM((bm,), jnp.int32),
         bufs,
-        # full[slot]: the weight copies (two, or one fused), plus what the row loader adds.
+        # full[slot]: the weight copies, plus what the row loader adds.
         plgpu.Barrier(
             num_arrivals=_common.gather_full_arrivals(config, bm, interpret)
-            + (1 if fused else 2),
+            + _gate_up_weight_copies(fused, interleaved, bk),
             num_barriers=stages,
         ),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),
@@ -595,13 +584,6 @@ def _pingpong_kernel(
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     ahead = min(config.prefetch_steps, num_k) if cp_async else 0  # L2 prefetch distance
     fused = config.fused_gate_up
-    # The weight TMAs per K step: a whole [bk, bn] gate and up tile each; into one fused
-    # [bk, 2 bn] tile, one gate and one up box per 8-row tile row (a half's columns of
-    # several tile rows are not contiguous in SMEM), or with interleaved W1 columns one
-    # [bk, 2 bn] box (`weight_boxes` then lists it once, for the gate half's copy).
-    weight_boxes = [(r0, 8) for r0 in range(0, bk, 8)] if fused and not interleaved \
-        else [(0, bk)]
-    one_box = fused and interleaved
     smem = (stages * (bm * bk + 2 * bk * bn) + cons * per_fill * bm * slab) * 2
     if smem > _common.SMEM_BUDGET:  # the margin: ids, biases, barriers
         raise ValueError(
@@ -618,11 +600,7 @@ def _pingpong_kernel(
         num_b = 1 if fused else 2
         a_bufs, b_bufs = scratch[0], scratch[1:1 + num_b]
         o_bufs, ids_smem, full, empty, ids_bar, *extra = scratch[1 + num_b:]
-        if fused:  # gate columns [0, bn), up columns [bn, 2 bn) of one tile
-            bg_smem = b_bufs[0].at[:, :, pl.ds(0, bn)]
-            bu_smem = b_bufs[0].at[:, :, pl.ds(bn, bn)]
-        else:
-            bg_smem, bu_smem = b_bufs
+        bg_smem, bu_smem = (None, None) if fused else b_bufs  # [stages, bk, bn] each
         bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
         a_copy, a_mma = a_views(a_bufs)
         o_copy, o_mma = o_views(o_bufs)
@@ -702,24 +680,10 @@ def _pingpong_kernel(
                             plgpu.barrier_wait(empty.at[slot])
 
                     bar = full_of(g)
-                    gate0, up0 = (2 * ni * bn, 2 * ni * bn + bn) if interleaved \
-                        else (ni * bn, n + ni * bn)
                     with jax.named_scope("weights"):
-                        for r0, rows in weight_boxes:
-                            if one_box:  # [bk, 2 bn]: the gate block, then its up block
-                                plgpu.copy_gmem_to_smem(
-                                    w_e.at[pl.ds(k0, bk), pl.ds(gate0, 2 * bn)],
-                                    b_bufs[0].at[slot], bar,
-                                )
-                                continue
-                            plgpu.copy_gmem_to_smem(  # [rows, bn] gate columns
-                                w_e.at[pl.ds(k0 + r0, rows), pl.ds(gate0, bn)],
-                                bg_smem.at[slot, pl.ds(r0, rows)], bar,
-                            )
-                            plgpu.copy_gmem_to_smem(  # [rows, bn] matching up columns
-                                w_e.at[pl.ds(k0 + r0, rows), pl.ds(up0, bn)],
-                                bu_smem.at[slot, pl.ds(r0, rows)], bar,
-                            )
+                        _copy_gate_up_weights(w_e, k0, bk, ni, bn, n,
+                                              [b.at[slot] for b in b_bufs], bar,
+                                              interleaved=interleaved)
                     if cp_async:
                         with jax.named_scope("gather"):
                             _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one group
@@ -840,7 +804,7 @@ def _pingpong_kernel(
         plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
         plgpu.Barrier(  # full, one set per consumer: the weight copies + the rows
             num_arrivals=_common.gather_full_arrivals(config, bm, interpret)
-            + (1 if one_box else 2 * len(weight_boxes)),
+            + _gate_up_weight_copies(fused, interleaved, bk),
             num_barriers=cons * stages,
         ),
         plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # empty: the slot's consumer
@@ -860,6 +824,39 @@ def _pingpong_kernel(
         compiler_params=plgpu.CompilerParams(**params),
         interpret=interpret_mode,
     )
+
+
+def _gate_up_weight_copies(fused: bool, interleaved: bool, bk: int) -> int:
+    """TMA copies `_copy_gate_up_weights` issues per K step (each one barrier arrival)."""
+    if fused and interleaved:
+        return 1
+    return 2 * (bk // 8 if fused else 1)
+
+
+def _copy_gate_up_weights(w_e, k0, bk: int, block, cols: int, n: int, dsts, bar, *,
+                          interleaved: bool) -> None:
+    """TMA copies of the K step at row `k0` of W1[e] (`w_e` [d, 2n]): gate column block
+    `block` (`cols` columns) and its up columns, into `dsts` = [[bk, cols] gate, [bk, cols]
+    up] or [one [bk, 2 cols] tile, gate columns first] (`fused_gate_up`), arriving on `bar`.
+
+    W1's columns are the halves layout or interleaved per `cols` (`gate_up_blocks`). A fused
+    tile from interleaved columns is one box; from the halves layout it takes one gate and
+    one up box per 8-row tile row, since a half's columns of several tile rows are not
+    contiguous in the (8, 64)-tiled tile (TMA needs a contiguous destination)."""
+    gate0, up0 = (2 * block * cols, 2 * block * cols + cols) if interleaved \
+        else (block * cols, n + block * cols)
+    if len(dsts) == 1 and interleaved:
+        plgpu.copy_gmem_to_smem(w_e.at[pl.ds(k0, bk), pl.ds(gate0, 2 * cols)], dsts[0], bar)
+        return
+    if len(dsts) == 1:
+        (tile,) = dsts
+        halves, rows = (tile.at[:, pl.ds(0, cols)], tile.at[:, pl.ds(cols, cols)]), 8
+    else:
+        halves, rows = dsts, bk
+    for r0 in range(0, bk, rows):
+        for col0, dst in zip((gate0, up0), halves, strict=True):
+            plgpu.copy_gmem_to_smem(w_e.at[pl.ds(k0 + r0 if r0 else k0, rows), pl.ds(col0, cols)],
+                                    dst if rows == bk else dst.at[pl.ds(r0, rows)], bar)
 
 
 def interleave_gate_up(w_gate_up: jax.Array, block: int) -> jax.Array:

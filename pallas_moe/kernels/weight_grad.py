@@ -70,7 +70,8 @@ class WeightGradConfig:
         `num_stages >= 3`; interpret mode falls back to "tma").
       gather_completion: with gather="cp_async", "mbarrier" (hardware-tracked stages, all in
         flight) or "wait_group" (lagged publish); see `_common.GATHER_COMPLETIONS`.
-      rebalance_registers: the producer drops to 40 registers per thread and the consumers take the rest (`_common.role_registers`).
+      rebalance_registers: the producer drops to 40 registers per thread and the consumers
+        take the rest (`_common.role_registers`).
       expert_major: launch the output tiles of one expert consecutively (the tile index is
         the fastest grid axis), so the CTAs reading the same expert's rows of the
         contiguous operand run together and share them through L2. False launches one
