@@ -876,10 +876,10 @@ def consumer_k_loop(num_k, stages: int, wait, mma, empty, *, mmas_per_step: int,
 
     Step ki is the pipeline's global step g = `step_of(ki)` (g = ki without `step_of`; a
     persistent kernel's steps run on across its items) in slot g % stages: `wait(g, slot)`
-    waits until it landed, `mma(slot)`
-    issues `mmas_per_step` wgmmas reading it, and once step g - 1's wgmmas are done
-    (`wgmma_wait(mmas_per_step)`) its slot is released on `empty` (only where
-    `release_if(ki)` holds, if given; `after_mma(ki)` runs between the wait and the release).
+    waits until it landed, `mma(slot)` issues `mmas_per_step` wgmmas reading it, and once
+    step g - 1's wgmmas are done (`wgmma_wait(mmas_per_step)`) its slot is released on
+    `empty` (only where `release_if(ki)` holds, if given; `after_mma(ki)` runs between the
+    wait and the release).
     Returns with every wgmma finished and the last step's slot still held: the caller
     releases it (or the producer observes it)."""
 

@@ -139,22 +139,23 @@ class ForwardConfig:
 PINGPONG_DOWN = GroupedMatmulConfig(block_m=128, block_n=128, num_stages=5, pingpong=True)
 
 
-def default_num_sms() -> int:
-    """SM count of the default device if it is a GPU, else 132 (H100 SXM)."""
+def _default_gpu():
+    """The default device if it is a GPU, else None."""
     try:
         dev = jax.devices()[0]
     except RuntimeError:
-        return 132
-    return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
+        return None
+    return dev if dev.platform == "gpu" else None
+
+
+def default_num_sms() -> int:
+    """SM count of the default device if it is a GPU, else 132 (H100 SXM)."""
+    return int(getattr(_default_gpu(), "core_count", 0) or 132)
 
 
 def default_device_kind() -> str:
     """`device_kind` of the default device if it is a GPU (e.g. "NVIDIA H200"), else ""."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return ""
-    return str(getattr(dev, "device_kind", "")) if dev.platform == "gpu" else ""
+    return str(getattr(_default_gpu(), "device_kind", "") or "")
 
 
 def _aggregate_config(d: int) -> AggregateConfig:
