@@ -127,7 +127,8 @@ def rel_err(a, b):
 
 
 def _replace(config: KernelConfig, kernel: str, **fields) -> KernelConfig:
-    """`config` with the fields of one kernel's config replaced (kernel: "up" or "dh")."""
+    """`config` with the fields of one kernel's config replaced (kernel: the forward's "up" or
+    a field of `BackwardConfig`: "dh", "dw_down", "dw_gate_up", "dx")."""
     part = "forward" if kernel == "up" else "backward"
     sub = getattr(config, part)
     sub = dataclasses.replace(sub, **{kernel: dataclasses.replace(getattr(sub, kernel), **fields)})
@@ -146,6 +147,11 @@ CONFIG_FLAGS = {
     # The up-proj's gathered stages published by the producer's lagged wait (the H100's
     # default; session 22 made mbarriers the H200's for the ping-pong kernel).
     "lagged-up": lambda c: _replace(c, "up", gather_completion="wait_group"),
+    # Both weight gradients as persistent CTAs (session 23), 3 stages (what fits beside
+    # their own output tiles).
+    "persistent-wg": lambda c: _replace(
+        _replace(c, "dw_gate_up", persistent_ctas=default_num_sms(), num_stages=3),
+        "dw_down", persistent_ctas=default_num_sms(), num_stages=3),
 }
 
 

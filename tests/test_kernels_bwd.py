@@ -10,6 +10,7 @@ small; the per-kernel sweeps, race detection and the 30B lowering are `slow`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -360,6 +361,7 @@ def _wgrad_case(seed, gathered, plan, m_dim, n_dim, config, interpret=True):
     assert_close(got, ref, 1e-2, f"weight_grad[{gathered}]")
     for e in np.flatnonzero(np.asarray(plan.group_sizes) == 0):
         assert not np.any(np.asarray(got[e], np.float32)), f"expert {e} must be exactly 0"
+    return got
 
 
 @pytest.mark.slow
@@ -387,6 +389,56 @@ def test_weight_grad_detect_races(gathered, consumers):
     config = WeightGradConfig(block_m=64, block_n=64, num_stages=2, num_consumers=consumers)
     _wgrad_case(9, gathered, plan, 128, 128, config, interpret=interp(detect_races=True))
     assert not races_found()
+
+
+@pytest.mark.parametrize("gathered", ["lhs", "rhs"])
+@pytest.mark.parametrize(
+    "plan_kw, ctas, expert_major",
+    [(dict(num_tokens=90, k=2, empty=(2,), skew=3.0), 3, True),
+     (dict(num_tokens=72, k=2, router="token_rounding", skew=3.0), 2, False)],
+    ids=["topk_empty_expert_major", "token_rounding_skewed_tile_major"],
+)
+def test_persistent_weight_grad_equals_one_cta_per_item(gathered, plan_kw, ctas, expert_major):
+    """Persistent CTAs walk several (expert, tile) items each, experts of different K-block
+    counts and an empty one among them, so the producer's global steps, its token-id
+    look-ahead across items and the consumers' separate output tiles are all exercised.
+    Same products in the same order as one CTA per item: bitwise equal, and both match the
+    reference (`_wgrad_case`)."""
+    plan_kw = dict(plan_kw)
+    plan = make_plan(21, plan_kw.pop("num_tokens"), 5, plan_kw.pop("k"), **plan_kw)
+    assert int(np.max(np.asarray(plan.group_sizes))) > 64  # an expert of several K-blocks
+    base = WeightGradConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2,
+                            expert_major=expert_major)
+    one = _wgrad_case(22, gathered, plan, 128, 128, base)
+    many = _wgrad_case(22, gathered, plan, 128, 128,
+                       dataclasses.replace(base, persistent_ctas=ctas))
+    np.testing.assert_array_equal(np.asarray(many, np.float32), np.asarray(one, np.float32))
+
+
+@pytest.mark.parametrize("gathered", ["lhs", "rhs"])
+def test_persistent_weight_grad_detect_races(gathered):
+    """Two persistent CTAs over 3 experts x 2 tiles (one expert of 4 K-blocks, an empty
+    one): a 2-slot ring reused across items, and output tiles rewritten while the previous
+    item's stores may still read them."""
+    plan = make_plan(23, 120, 3, 2, empty=(1,))
+    config = WeightGradConfig(block_m=64, block_n=64, num_stages=2, num_consumers=1,
+                              persistent_ctas=2)
+    _wgrad_case(24, gathered, plan, 128, 128, config, interpret=interp(detect_races=True))
+    assert not races_found()
+
+
+def test_weight_grad_config_errors():
+    plan = make_plan(25, 16, 2, 1)
+    x = jnp.zeros((16, 128), BF16)
+    dh = jnp.zeros((64, 256), BF16)
+    call = functools.partial(weight_grad, x, dh, plan.token_ids, plan.group_sizes,
+                             gathered="lhs", out_dtype=BF16)
+    with pytest.raises(ValueError, match="persistent_ctas=-1"):
+        call(config=WeightGradConfig(persistent_ctas=-1))
+    # 4 stages of 48 KB plus 64 KB of output tiles: more SMEM than a CTA has.
+    with pytest.raises(ValueError, match="lower config.num_stages"):
+        call(config=WeightGradConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
+                                     persistent_ctas=132))
 
 
 # ----------------------------------------------------------------------------- dX~

@@ -77,6 +77,13 @@ class WeightGradConfig:
         contiguous operand run together and share them through L2. False launches one
         tile of every expert before the next tile: each tile then re-reads the expert's
         rows from DRAM (measured on the H100 at 7B: dW1 moved ~3x its operand bytes).
+      persistent_ctas: 0 = one CTA per (expert, output tile) item. P > 0 = P persistent
+        CTAs (e.g. the SM count) walk the items in the same order, CTA i taking items i,
+        i + P, ...: the producer runs on into the next item's K-steps (and has its token
+        ids in SMEM `num_stages` steps ahead) while the consumers finish this one, and each
+        consumer's output tile has its own SMEM, whose stores drain under the next item's K
+        loop. That SMEM no longer overlays the pipeline, so fewer stages fit (3 at the 7B
+        defaults). Same products in the same order: bitwise the same result.
     """
 
     block_m: int = 128
@@ -90,6 +97,7 @@ class WeightGradConfig:
     # dW2 323 / 1933 us against the lagged publish's 615 / 4164 and 335 / 2086 (7B / 30B).
     gather_completion: str = "mbarrier"
     expert_major: bool = True
+    persistent_ctas: int = 0
 
 
 @functools.partial(
@@ -204,11 +212,24 @@ def weight_grad(
             "beside the producer)."
         )
     _common.require_gather_mode(config)
+    if config.persistent_ctas < 0:
+        raise ValueError(
+            f"config.persistent_ctas={config.persistent_ctas} must be >= 0 (0: one CTA per "
+            "output tile; P > 0: P persistent CTAs)."
+        )
     cons = config.num_consumers
     cta_m = bm * (cons if gathered == "rhs" else 1)  # consumers split the contiguous side
     cta_n = bn * (cons if gathered == "lhs" else 1)
     _common.require_multiple("M (lhs.shape[1])", m_dim, cta_m, f"a CTA computes {cta_m} rows")
     _common.require_multiple("N (rhs.shape[1])", n_dim, cta_n, f"a CTA computes {cta_n} columns")
+    smem = _smem_bytes(config, gathered, jnp.dtype(out_dtype).itemsize)
+    if smem > _common.SMEM_BUDGET:
+        raise ValueError(
+            f"config needs {smem} bytes of SMEM ({config.num_stages} stages"
+            + (" and a separate output tile per consumer, as persistent_ctas > 0 does"
+               if config.persistent_ctas else "")
+            + f"), more than the {_common.SMEM_BUDGET} a CTA has: lower config.num_stages."
+        )
     contiguous = rhs if gathered == "lhs" else lhs
     name = "rhs" if gathered == "lhs" else "lhs"
     rows_pad = -(-capacity // bk) * bk
@@ -229,12 +250,20 @@ def weight_grad(
     return kernel(*args)
 
 
-def _grid(config: WeightGradConfig, num_tiles: int, num_experts: int) -> dict:
-    """`grid` and `grid_names` of a weight-gradient kernel. The last grid axis is the
-    fastest-launched one (CUDA's x), so `expert_major` puts the tiles last."""
-    if config.expert_major:
-        return dict(grid=(num_experts, num_tiles), grid_names=("e", "tile"))
-    return dict(grid=(num_tiles, num_experts), grid_names=("tile", "e"))
+def _smem_bytes(config: WeightGradConfig, gathered: str, out_itemsize: int) -> int:
+    """SMEM of a weight-gradient CTA: the stages (gathered chunks and contiguous K-block) and
+    token ids, plus the consumers' output tiles unless they overlay the stages (one CTA per
+    item); barriers and alignment are in `_common.SMEM_BUDGET`'s margin."""
+    bm, bn, bk, cons = config.block_m, config.block_n, config.block_k, config.num_consumers
+    if gathered == "lhs":
+        gathered_cols, contiguous_cols = bm, cons * bn
+    else:
+        gathered_cols, contiguous_cols = bn, cons * bm
+    stage = bk * (gathered_cols + contiguous_cols) * 2 + bk * 4
+    out = cons * bm * bn * out_itemsize
+    if config.persistent_ctas:
+        return config.num_stages * stage + out
+    return max(config.num_stages * stage, out)
 
 
 def _mask_foreign_rows(ref, k0, lo, hi):
@@ -251,15 +280,26 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                     num_experts: int, out_dtype, interpret_mode):
     """The weight gradient as one producer warpgroup + `config.num_consumers` consumers.
 
-    Producer (warpgroup C): for every K-step waits until the consumers released the slot
-    (`empty`), waits for the step's token ids (TMA-prefetched `num_stages` steps ahead),
-    issues the contiguous K-block (`[bk, C * b]`, all consumers' columns) and the gathered
-    rows from its 4 warps in parallel (`plgpu.warp_map`, `bk / 4` rows per warp, one
-    `[1, 64]` copy per row and chunk), all arriving on `full[slot]`; after a warpgroup barrier
-    (every warp has read the ids) it refills the ids slot.
-    Consumer c < C: waits `full[slot]`, masks its own columns of the contiguous block on the
-    group's first and last K-block, issues one wgmma per gathered chunk, and releases the slot
-    once the next step's wgmmas are issued. Then it stores its own output tile.
+    Work items are (expert, output tile) pairs, numbered expert-major (`item = e * tiles +
+    tile`, e in `order`, the largest expert first) or tile-major (`expert_major=False`).
+    One CTA per item, or `config.persistent_ctas` CTAs where CTA i takes items i, i + C, ...
+
+    Producer (warpgroup C): walks its items' K-steps as one run of global steps g (slot
+    g % stages). Per step it waits until the consumers released the slot (`empty`), waits
+    for the step's token ids, issues the contiguous K-block (`[bk, C * b]`, all consumers'
+    columns) and the gathered rows (cp.async from all 128 threads, or one `[1, 64]` TMA copy
+    per row and chunk from its 4 warps), all arriving on `full[slot]`; then (after a
+    warpgroup barrier: every thread has read the ids slot) it refills the ids slot with the
+    ids of the step `stages` steps ahead, which may lie in a later item (a cursor over the
+    CTA's items that skips empty experts). So a persistent CTA's next item starts loading
+    while the consumers finish this one, and its first ids are in SMEM long before.
+    Consumer c < C: per item, waits `full[slot]`, masks its own columns of the contiguous
+    block on the group's first and last K-block, issues one wgmma per gathered chunk, and
+    releases each slot once the next step's wgmmas are issued (the item's last slot after
+    its K loop). Then it stores its own output tile: one CTA per item writes it into the
+    pipeline's bytes (every consumer done first); a persistent CTA has a separate tile per
+    consumer, whose TMA stores drain while the next item's K loop runs (the consumer waits
+    only until its previous stores have read the tile before it rewrites it).
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
@@ -268,6 +308,10 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     cta_m = bm * (1 if gather_lhs else cons)
     cta_n = bn * (cons if gather_lhs else 1)
     grid_m, grid_n = m_dim // cta_m, n_dim // cta_n
+    num_tiles = grid_m * grid_n
+    num_items = num_experts * num_tiles
+    persistent = config.persistent_ctas > 0
+    num_ctas = min(config.persistent_ctas, num_items) if persistent else num_items
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
     rows_per_warp = bk // 4
@@ -276,84 +320,120 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     stage_bars = _common.uses_stage_mbarriers(config, interpret_mode is not None)
 
     def body(order_ref, lo_ref, hi_ref, off_ref, ids_ref, l_ref, r_ref, out_ref, *scratch):
-        ids_smem, bufs, full, empty, ids_bars, epi_bar, *a_landed = scratch
-        g_copy, g_mma, (c_smem,), (o_smem,) = views(bufs)
+        if persistent:
+            ids_smem, bufs, o_smem, full, empty, ids_bars, *a_landed = scratch
+            g_copy, g_mma, (c_smem,), () = views(bufs)
+        else:
+            ids_smem, bufs, full, empty, ids_bars, epi_bar, *a_landed = scratch
+            g_copy, g_mma, (c_smem,), (o_smem,) = views(bufs)
         if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
             _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
-        tile = jax.lax.axis_index("tile")
-        expert = order_ref[jax.lax.axis_index("e")]
-        mi, ni = tile // grid_n, tile % grid_n
-        m0, n0 = mi * cta_m, ni * cta_n
-        lo, hi = lo_ref[expert], hi_ref[expert]
-        block0 = off_ref[expert]
-        num_k = off_ref[expert + 1] - block0
-        kb0 = lo // bk  # first aligned K-block of the group
+        cta = jax.lax.axis_index("cta")
+        my_items = (num_items - cta + num_ctas - 1) // num_ctas  # >= 1: num_ctas <= items
+
+        def item(j):  # (expert, first output row, first output column) of item j of this CTA
+            w = cta + j * num_ctas
+            if config.expert_major:
+                e, t = w // num_tiles, w % num_tiles
+            else:
+                t, e = w // num_experts, w % num_experts
+            return order_ref[e], (t // grid_n) * cta_m, (t % grid_n) * cta_n
+
+        def k_blocks(expert):  # (first entry in ids_ref, K-blocks) of an expert's rows
+            return off_ref[expert], off_ref[expert + 1] - off_ref[expert]
+
         g_ref = l_ref if gather_lhs else r_ref
         c_ref = r_ref if gather_lhs else l_ref
-        g_col0 = m0 if gather_lhs else n0
 
-        def issue_ids(ki, slot):
-            plgpu.copy_gmem_to_smem(ids_ref.at[block0 + ki], ids_smem.at[slot], ids_bars.at[slot])
-
-        if config.rebalance_registers:
-            # An empty expert's consumers still raise, and a raise waits for the producer's
-            # registers: its producer lowers without work.
-            @pl.when((num_k == 0) & (wg == cons))
-            def _():
-                _common.role_registers("producer", cons)
-
-        @pl.when((num_k > 0) & (wg == cons))
+        @pl.when(wg == cons)
         def _producer():
             if config.rebalance_registers:
                 _common.role_registers("producer", cons)
+
+            def advance(cursor):  # the step after (item j, step ki), skipping empty items
+                def past_item(c):
+                    j, ki = c
+                    _, steps = k_blocks(item(jnp.minimum(j, my_items - 1))[0])
+                    return (j < my_items) & (ki >= steps)
+
+                j, ki = cursor
+                return jax.lax.while_loop(past_item, lambda c: (c[0] + 1, jnp.int32(0)),
+                                          (j, ki + 1))
+
+            def issue_ids(cursor, slot):  # the token ids of the step at `cursor`, if any
+                j, ki = cursor
+
+                @pl.when(j < my_items)
+                def _():
+                    block0, _ = k_blocks(item(j)[0])
+                    plgpu.copy_gmem_to_smem(ids_ref.at[block0 + ki], ids_smem.at[slot],
+                                            ids_bars.at[slot])
+
+            ahead = advance((jnp.int32(0), jnp.int32(-1)))  # the CTA's first step
             for s in range(stages):
-                @pl.when(s < num_k)
-                def _():
-                    issue_ids(s, s)
+                issue_ids(ahead, s)
+                ahead = advance(ahead)
 
-            def step(ki, carry):
-                slot = ki % stages
-                k0 = (kb0 + ki) * bk
+            def per_item(j, carry):
+                expert, m0, n0 = item(j)
+                kb0 = lo_ref[expert] // bk  # first aligned K-block of the group
+                _, num_k = k_blocks(expert)
+                g_col0 = m0 if gather_lhs else n0
 
-                @pl.when(ki >= stages)
-                def _():
-                    plgpu.barrier_wait(empty.at[slot])
+                def step(ki, carry):
+                    g, ahead = carry
+                    slot = g % stages
+                    k0 = (kb0 + ki) * bk
 
-                if gather_lhs:  # [bk, C*bn] of dH
-                    c_src = c_ref.at[pl.ds(k0, bk), pl.ds(n0, cta_n)]
-                else:  # [bk, C*bm] of A'
-                    c_src = c_ref.at[pl.ds(k0, bk), pl.ds(m0, cta_m)]
-                plgpu.copy_gmem_to_smem(c_src, c_smem.at[slot], full.at[slot])
-                plgpu.barrier_wait(ids_bars.at[slot])
+                    @pl.when(g >= stages)
+                    def _():
+                        plgpu.barrier_wait(empty.at[slot])
 
-                def per_warp(w):
-                    _common.gather_rows(  # [1, 64] chunks of X[tok] or dO[tok] per row
-                        g_ref, ids_smem.at[slot],
-                        [g_copy.at[slot * chunks + j] for j in range(chunks)], full.at[slot],
-                        col0=g_col0, width=_CHUNK, first_row=w * rows_per_warp,
-                        num_rows=rows_per_warp, unroll=4,
-                    )
+                    if gather_lhs:  # [bk, C*bn] of dH
+                        c_src = c_ref.at[pl.ds(k0, bk), pl.ds(n0, cta_n)]
+                    else:  # [bk, C*bm] of A'
+                        c_src = c_ref.at[pl.ds(k0, bk), pl.ds(m0, cta_m)]
+                    plgpu.copy_gmem_to_smem(c_src, c_smem.at[slot], full.at[slot])
+                    plgpu.barrier_wait(ids_bars.at[slot])
 
-                if cp_async:
-                    _common.cp_async_gather_rows(  # [bk, 64] per chunk of X[tok] or dO[tok]
-                        g_ref.at[:, pl.ds(g_col0, chunks * _CHUNK)], ids_smem.at[slot],
-                        [g_mma.at[slot * chunks + j] for j in range(chunks)], num_rows=bk,
-                    )
-                    _common.cp_async_publish(ki, full, a_landed, stages)
-                else:
-                    plgpu.warp_map(per_warp)
+                    def per_warp(w):
+                        _common.gather_rows(  # [1, 64] chunks of X[tok] or dO[tok] per row
+                            g_ref, ids_smem.at[slot],
+                            [g_copy.at[slot * chunks + j] for j in range(chunks)],
+                            full.at[slot], col0=g_col0, width=_CHUNK,
+                            first_row=w * rows_per_warp, num_rows=rows_per_warp, unroll=4,
+                        )
 
-                @pl.when(ki + stages < num_k)
-                def _():
-                    plgpu.commit_smem()  # every warp has read the ids slot
-                    issue_ids(ki + stages, slot)
+                    if cp_async:
+                        _common.cp_async_gather_rows(  # [bk, 64] per chunk of X or dO rows
+                            g_ref.at[:, pl.ds(g_col0, chunks * _CHUNK)], ids_smem.at[slot],
+                            [g_mma.at[slot * chunks + j] for j in range(chunks)], num_rows=bk,
+                        )
+                        _common.cp_async_publish(g, full, a_landed, stages)
+                    else:
+                        plgpu.warp_map(per_warp)
 
-                return carry
+                    @pl.when(ahead[0] < my_items)
+                    def _():
+                        plgpu.commit_smem()  # every thread has read the ids slot
+                        issue_ids(ahead, slot)
 
-            jax.lax.fori_loop(0, num_k, step, None)
+                    return g + 1, advance(ahead)
+
+                return jax.lax.fori_loop(0, num_k, step, carry)
+
+            total, _ = jax.lax.fori_loop(0, my_items, per_item, (jnp.int32(0), ahead))
             if cp_async:
-                _common.cp_async_publish_rest(num_k, full, a_landed, stages)
+                @pl.when(total > 0)
+                def _():
+                    _common.cp_async_publish_rest(total, full, a_landed, stages)
+
+            # Observe the releases of the last `stages` steps, so every phase is consumed.
+            for s in range(stages):
+                @pl.when(total - stages + s >= 0)
+                def _():
+                    plgpu.barrier_wait(empty.at[(total - stages + s) % stages])
 
         for c in range(cons):
             @pl.when(wg == c)
@@ -361,66 +441,82 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                 if config.rebalance_registers:
                     _common.role_registers("consumer", cons)
 
-                def mma_scope(*accs):
-                    def own(slot):  # this consumer's columns of the contiguous K-block
-                        return c_smem.at[slot, :, pl.ds(c * (bn if gather_lhs else bm),
-                                                        bn if gather_lhs else bm)]
+                def per_item(j, g0):
+                    expert, m0, n0 = item(j)
+                    lo, hi = lo_ref[expert], hi_ref[expert]
+                    kb0 = lo // bk
+                    _, num_k = k_blocks(expert)
 
-                    def wait(ki, slot):  # landed, then rows outside [lo, hi) zeroed
-                        k0 = (kb0 + ki) * bk
-                        plgpu.barrier_wait(full.at[slot])
-                        _common.cp_async_consumer_wait(ki, a_landed, stages)
+                    def mma_scope(*accs):
+                        def own(slot):  # this consumer's columns of the contiguous K-block
+                            return c_smem.at[slot, :, pl.ds(c * (bn if gather_lhs else bm),
+                                                            bn if gather_lhs else bm)]
 
-                        @pl.when((k0 < lo) | (k0 + bk > hi))
+                        def wait(g, slot):  # landed, then rows outside [lo, hi) zeroed
+                            k0 = (kb0 + g - g0) * bk
+                            plgpu.barrier_wait(full.at[slot])
+                            _common.cp_async_consumer_wait(g, a_landed, stages)
+
+                            @pl.when((k0 < lo) | (k0 + bk > hi))
+                            def _():
+                                _mask_foreign_rows(own(slot), k0, lo, hi)
+
+                        def mma(slot):
+                            for j in range(chunks):
+                                g_tile = g_mma.at[slot * chunks + j]  # [bk, 64]
+                                if gather_lhs:  # [64, bk] @ [bk, bn]
+                                    plgpu.wgmma(accs[j], g_tile.transpose((1, 0)), own(slot))
+                                else:  # [bm, bk] @ [bk, 64]
+                                    plgpu.wgmma(accs[j], own(slot).transpose((1, 0)), g_tile)
+
+                        _common.consumer_k_loop(num_k, stages, wait, mma, empty,
+                                                mmas_per_step=chunks,
+                                                step_of=lambda ki: g0 + ki)
+
+                        @pl.when(num_k > 0)
                         def _():
-                            _mask_foreign_rows(own(slot), k0, lo, hi)
+                            plgpu.barrier_arrive(empty.at[(g0 + num_k - 1) % stages])
 
-                    def mma(slot):
-                        for j in range(chunks):
-                            g_tile = g_mma.at[slot * chunks + j]  # [bk, 64]
-                            if gather_lhs:  # [64, bk] @ [bk, bn]
-                                plgpu.wgmma(accs[j], g_tile.transpose((1, 0)), own(slot))
-                            else:  # [bm, bk] @ [bk, 64]
-                                plgpu.wgmma(accs[j], own(slot).transpose((1, 0)), g_tile)
+                        return tuple(acc[...] for acc in accs)
 
-                    # Only the releases the producer waits for (step ki-1 + stages exists), so
-                    # every completed phase of `empty` is observed.
-                    _common.consumer_k_loop(
-                        num_k, stages, wait, mma, empty, mmas_per_step=chunks,
-                        release_if=lambda ki: (ki >= 1) & (ki - 1 + stages < num_k))
-                    return tuple(acc[...] for acc in accs)
+                    acc_shape = (_CHUNK, bn) if gather_lhs else (bm, _CHUNK)
+                    accs = pl.run_scoped(
+                        mma_scope, *[plgpu.ACC(acc_shape, jnp.float32) for _ in range(chunks)]
+                    )
+                    if persistent:  # this consumer's previous stores have read its tile
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    else:  # the tile reuses the pipeline's SMEM: every consumer is done
+                        plgpu.barrier_arrive(epi_bar)
+                        plgpu.barrier_wait(epi_bar)
+                    for j in range(chunks):
+                        o_smem[c, j] = accs[j].astype(out_dtype)
+                    plgpu.commit_smem()
+                    for j in range(chunks):
+                        if gather_lhs:
+                            dst = out_ref.at[expert, pl.ds(m0 + j * _CHUNK, _CHUNK),
+                                             pl.ds(n0 + c * bn, bn)]
+                        else:
+                            dst = out_ref.at[expert, pl.ds(m0 + c * bm, bm),
+                                             pl.ds(n0 + j * _CHUNK, _CHUNK)]
+                        plgpu.copy_smem_to_gmem(o_smem.at[c, j], dst)
+                    return g0 + num_k
 
-                acc_shape = (_CHUNK, bn) if gather_lhs else (bm, _CHUNK)
-                accs = pl.run_scoped(
-                    mma_scope, *[plgpu.ACC(acc_shape, jnp.float32) for _ in range(chunks)]
-                )
-                # The output tile reuses the pipeline's SMEM: every consumer is done with it.
-                plgpu.barrier_arrive(epi_bar)
-                plgpu.barrier_wait(epi_bar)
-                for j in range(chunks):
-                    o_smem[c, j] = accs[j].astype(out_dtype)
-                plgpu.commit_smem()
-                for j in range(chunks):
-                    if gather_lhs:
-                        dst = out_ref.at[expert, pl.ds(m0 + j * _CHUNK, _CHUNK),
-                                         pl.ds(n0 + c * bn, bn)]
-                    else:
-                        dst = out_ref.at[expert, pl.ds(m0 + c * bm, bm),
-                                         pl.ds(n0 + j * _CHUNK, _CHUNK)]
-                    plgpu.copy_smem_to_gmem(o_smem.at[c, j], dst)
+                jax.lax.fori_loop(0, my_items, per_item, jnp.int32(0))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     c_shape = (stages, bk, cta_n) if gather_lhs else (stages, bk, cta_m)
-    o_shape = (cons, chunks, _CHUNK, bn) if gather_lhs else (cons, chunks, bm, _CHUNK)
+    o_type = plgpu.SMEM((cons, chunks, _CHUNK, bn) if gather_lhs else (cons, chunks, bm, _CHUNK),
+                        out_dtype)  # per consumer output tile
     bufs, views = _common.gathered_pipeline_smem(
         (stages * chunks, bk, _CHUNK), dtype,
         others=[plgpu.SMEM(c_shape, dtype, transforms=tf)],  # contiguous K-blocks
-        epilogue=[plgpu.SMEM(o_shape, out_dtype)],  # per consumer output tile
+        epilogue=[] if persistent else [o_type],
         interpret=interpret_mode is not None,
     )
     scratch = [
         plgpu.SMEM((stages, bk), jnp.int32),  # token ids of each stage's K-block
-        bufs,  # gathered chunks [stages * chunks, bk, 64] + contiguous K-blocks; then output
+        bufs,  # gathered chunks [stages * chunks, bk, 64] + contiguous K-blocks (+ output)
+        *([o_type] if persistent else []),
         # full: the contiguous block plus what the row loader adds (TMA: one per row and
         # chunk)
         plgpu.Barrier(
@@ -431,7 +527,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
         ),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
         plgpu.Barrier(num_barriers=stages),  # ids
-        plgpu.Barrier(num_arrivals=cons),  # consumers done with the pipeline
+        *([] if persistent else [plgpu.Barrier(num_arrivals=cons)]),  # done with the pipeline
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
     return plgpu.kernel(
@@ -439,7 +535,8 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
         kernel_name=f"moe_weight_grad_{gathered}",
         out_type=jax.ShapeDtypeStruct((num_experts, m_dim, n_dim), out_dtype),
         scratch_types=scratch,
-        **_grid(config, grid_m * grid_n, num_experts),
+        grid=(num_ctas,),
+        grid_names=("cta",),
         num_threads=cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
