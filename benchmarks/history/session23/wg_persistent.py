@@ -4,7 +4,10 @@ against an XLA reference, with poisoned outputs and NaN padding rows in the cont
 operand; then CUPTI times against the default, the default at 3 stages, and a same-run
 batched matmul of the same FLOPs.
 
-    PYTHONPATH=. python3 benchmarks/history/session23/wg_persistent.py [7b,30b,7b-skew]
+    PYTHONPATH=. python3 benchmarks/history/session23/wg_persistent.py [7b,30b,7b-skew] [--direct]
+
+`--direct` (call 6): the persistent kernel with 4 stages and its output tiles stored straight
+from registers (`weight_grad._DIRECT_STORES`, no SMEM tile), instead of the 3-stage row.
 """
 import dataclasses
 import statistics
@@ -18,9 +21,11 @@ from jax.experimental.mosaic.gpu import profiler
 
 from pallas_moe.kernels.moe_backward import BackwardConfig
 from pallas_moe.kernels.moe_forward import default_num_sms
+from pallas_moe.kernels import weight_grad as wg
 from pallas_moe.kernels.weight_grad import k_block_meta, weight_grad
 from pallas_moe.routing.topk import topk_plan
 
+DIRECT = "--direct" in sys.argv
 SHAPES = {"7b": (24576, 1536, 256, 128, 8), "30b": (32768, 4096, 512, 128, 8),
           "7b-skew": (24576, 1536, 256, 128, 8)}
 
@@ -94,21 +99,29 @@ def main(names):
                 "persistent, 3 stages": dataclasses.replace(base, num_stages=3,
                                                             persistent_ctas=sms),
             }
+            if DIRECT:  # call 6: output tiles stored from registers, no SMEM tile
+                variants = {v: c for v, c in variants.items() if v != "3 stages"}
+                variants["persistent, 4 stages, direct stores"] = dataclasses.replace(
+                    base, persistent_ctas=sms)
             fns = {v: jax.jit(lambda l, r, t, g, c=c, gathered=gathered: weight_grad(
                 l, r, t, g, gathered=gathered, out_dtype=jnp.bfloat16, config=c, meta=meta))
                 for v, c in variants.items()}
             args = (l, r, plan.token_ids, plan.group_sizes)
             nbytes = E * l.shape[1] * r.shape[1] * 2
-            outs = {v: np.asarray(poisoned(f, *args, nbytes=nbytes)) for v, f in fns.items()}
+            outs = {}
+            for v, f in fns.items():  # traced (and compiled) here
+                wg._DIRECT_STORES = "direct" in v
+                outs[v] = np.asarray(poisoned(f, *args, nbytes=nbytes))
+            wg._DIRECT_STORES = False
             l_rows = x[plan.token_ids] if gathered == "lhs" else ap[:P]
             r_rows = dh[:P] if gathered == "lhs" else go[plan.token_ids]
             ref = jax.jit(reference, static_argnums=(3, 4))(l_rows, r_rows, plan, E,
                                                             int(sizes.max()))
-            err = rel(outs["persistent, 3 stages"].astype(np.float32), ref)
+            last = list(outs)[-1]
+            err = rel(outs[last].astype(np.float32), ref)
             bitwise = all(np.array_equal(outs["default"], o) for o in outs.values())
-            finite = bool(np.isfinite(outs["persistent, 3 stages"].astype(np.float32)).all())
-            repeat = np.array_equal(np.asarray(fns["persistent, 3 stages"](*args)),
-                                    outs["persistent, 3 stages"])
+            finite = bool(np.isfinite(outs[last].astype(np.float32)).all())
+            repeat = np.array_equal(np.asarray(fns[last](*args)), outs[last])
             print(f"  {kname}: rel err vs XLA {err:.2e}, bitwise equal to default {bitwise}, "
                   f"finite {finite}, bitwise repeat {repeat}", flush=True)
             ka, kb = jax.random.split(jax.random.key(7))
@@ -126,4 +139,5 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].split(",") if len(sys.argv) > 1 else list(SHAPES))
+    names = [a for a in sys.argv[1:] if not a.startswith("--")]
+    main(names[0].split(",") if names else list(SHAPES))
