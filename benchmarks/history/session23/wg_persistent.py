@@ -6,8 +6,11 @@ batched matmul of the same FLOPs.
 
     PYTHONPATH=. python3 benchmarks/history/session23/wg_persistent.py [7b,30b,7b-skew] [--direct]
 
-`--direct` (call 6): the persistent kernel with 4 stages and its output tiles stored straight
-from registers (`weight_grad._DIRECT_STORES`, no SMEM tile), instead of the 3-stage row.
+`--direct` (call 6; first `git apply
+benchmarks/history/session23/wg_direct_stores_experiment.patch`, which also makes the masking
+load `optimized=True`, as calls 5 and 6 ran it): the persistent kernel with 4 stages and its
+output tiles stored straight from registers (`weight_grad._DIRECT_STORES`, no SMEM tile),
+instead of the 3-stage row. Measured slower (0.92-0.95x at 7B); not kept.
 """
 import dataclasses
 import statistics
