@@ -467,6 +467,59 @@ def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion):
     )
 
 
+@pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])
+@pytest.mark.parametrize(
+    "shape, num_ctas",
+    [((6000, 1536, 256, 32, 8), 132), ((3000, 4096, 512, 16, 4), 132),
+     ((4000, 2048, 768, 32, 8), 7)],
+    ids=["7b_widths", "30b_widths", "qwen3_widths_7_ctas"],
+)
+def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas, completion):
+    """Both weight gradients as persistent CTAs (`WeightGradConfig.persistent_ctas`, 3
+    stages, cp.async gather with either way of publishing a stage) write the bits of the
+    one-CTA-per-item kernel and match the jnp reference: skewed routing with an empty
+    expert, NaN in the contiguous operand's padding rows, poisoned outputs, fresh random
+    data; 7 CTAs make every CTA walk many items of different K-block counts."""
+    import dataclasses
+
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.weight_grad import weight_grad
+
+    T, d, n, E, K = shape
+    ks = jax.random.split(jax.random.key(T + d), 5)
+    logits = jax.random.normal(ks[0], (T, E)).at[:, :2].add(1.5).at[:, 3].add(-1e4)
+    plan = pm.routing.topk_plan(logits, K)
+    assert int(plan.group_sizes[3]) == 0
+    P = plan.capacity
+    p64 = -(-P // 64) * 64
+    pad = lambda a: jnp.concatenate(  # noqa: E731  padding rows past P: NaN
+        [a, jnp.full((p64 - P, a.shape[1]), jnp.nan, a.dtype)])
+    x = jax.random.normal(ks[1], (T, d), jnp.bfloat16)
+    go = jax.random.normal(ks[2], (T, d), jnp.bfloat16)
+    dh = pad(jax.random.normal(ks[3], (P, 2 * n), jnp.bfloat16))
+    ap = pad(jax.random.normal(ks[4], (P, n), jnp.bfloat16))
+    cfg = BackwardConfig.for_shape(d, n)
+    rows = np.asarray(plan.token_ids)
+    lo = np.concatenate([[0], np.cumsum(np.asarray(plan.group_sizes))])
+    for gathered, lhs, rhs, base in (("lhs", x, dh, cfg.dw_gate_up), ("rhs", ap, go, cfg.dw_down)):
+        base = dataclasses.replace(base, gather_completion=completion)
+        outs = []
+        for c in (base, dataclasses.replace(base, num_stages=3, persistent_ctas=num_ctas)):
+            f = jax.jit(lambda l, r, t, g, c=c: weight_grad(
+                l, r, t, g, gathered=gathered, out_dtype=jnp.bfloat16, config=c))
+            _poison(E * lhs.shape[1] * rhs.shape[1] * 2)
+            outs.append(np.asarray(f(lhs, rhs, plan.token_ids, plan.group_sizes), np.float32))
+        assert np.array_equal(outs[0], outs[1]), gathered
+        assert np.all(np.isfinite(outs[1])) and not np.any(outs[1][3]), gathered
+        lf = np.asarray(lhs, np.float32)
+        rf = np.asarray(rhs, np.float32)
+        for e in (0, 1, E - 1):  # the two largest experts and one other, against numpy
+            r = slice(lo[e], lo[e + 1])
+            lr = lf[rows[r]] if gathered == "lhs" else lf[r]
+            rr = rf[r] if gathered == "lhs" else rf[rows[r]]
+            assert rel_err(outs[1][e], lr.T @ rr) < 1e-2, (gathered, e)
+
+
 @pytest.mark.parametrize("loader", ["tma", "cp_async"])
 @pytest.mark.parametrize(
     "shape, num_ctas",
