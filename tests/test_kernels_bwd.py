@@ -395,7 +395,8 @@ def test_weight_grad_detect_races(gathered, consumers):
 @pytest.mark.parametrize(
     "plan_kw, ctas, expert_major",
     [(dict(num_tokens=90, k=2, empty=(2,), skew=3.0), 3, True),
-     (dict(num_tokens=72, k=2, router="token_rounding", skew=3.0), 2, False)],
+     pytest.param(dict(num_tokens=72, k=2, router="token_rounding", skew=3.0), 2, False,
+                  marks=pytest.mark.slow)],
     ids=["topk_empty_expert_major", "token_rounding_skewed_tile_major"],
 )
 def test_persistent_weight_grad_equals_one_cta_per_item(gathered, plan_kw, ctas, expert_major):
