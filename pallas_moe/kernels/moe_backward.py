@@ -98,7 +98,9 @@ class BackwardConfig:
         )
         # Weight gradients: measured on the H100 (benchmarks/RESULTS.md, 7B sweep), a CTA
         # tile of 256 x 128 with 2 consumers beats 128 x 128 by ~20%; the output tile reuses
-        # the pipeline's SMEM, which leaves room for 4 stages of 48 KB.
+        # the pipeline's SMEM, which leaves room for 4 stages of 48 KB. One CTA per tile:
+        # persistent CTAs (3 stages beside their own output tiles) measured level at 7B and
+        # 30B on an H200 (session 23), 1.04-1.07x only at ~1000 rows per expert.
         # dW2 = A'^T dO[tok]: consumers split n (A' columns), the gathered dO chunks span d.
         bm2 = 128 if n % 256 == 0 else 64
         dw_down = WeightGradConfig(

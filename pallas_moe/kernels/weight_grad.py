@@ -30,6 +30,16 @@ kernel that issued every copy and every wgmma itself: 70 against 282 TF/s on the
 Empty experts run no K loop and store their zero accumulators: every output element is
 written. The grid walks experts by decreasing group size (largest first), so the long
 experts start early and the short ones fill the tail.
+
+Work items are (expert, output tile) pairs; by default one CTA computes one. With
+`WeightGradConfig.persistent_ctas` the same kernel runs as persistent CTAs that walk the
+items in the same order (bitwise the same result): its producer runs into the next item's
+K-steps while the consumers finish this one, and each consumer's output tile has its own SMEM
+so its stores drain under the next K loop. Measured on an H200 (benchmarks/RESULTS.md,
+session 23): level at 7B and 30B (the separate output tile leaves room for 3 stages instead
+of 4, which alone costs 4-8%; persistence wins that back), 1.04-1.07x where experts hold
+~1000 rows; so it is opt-in. Ablations at 7B: the group-edge masking costs ~14 us of dW1's
+~577 and the stores ~35; storing the output straight from registers (4 stages) was slower.
 """
 
 from __future__ import annotations
