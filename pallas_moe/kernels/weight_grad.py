@@ -232,13 +232,12 @@ def weight_grad(
     cta_n = bn * (cons if gathered == "lhs" else 1)
     _common.require_multiple("M (lhs.shape[1])", m_dim, cta_m, f"a CTA computes {cta_m} rows")
     _common.require_multiple("N (rhs.shape[1])", n_dim, cta_n, f"a CTA computes {cta_n} columns")
-    smem = _smem_bytes(config, gathered, jnp.dtype(out_dtype).itemsize)
-    if smem > _common.SMEM_BUDGET:
+    smem = _persistent_smem_bytes(config, gathered, jnp.dtype(out_dtype).itemsize)
+    if config.persistent_ctas and smem > _common.SMEM_BUDGET:
         raise ValueError(
-            f"config needs {smem} bytes of SMEM ({config.num_stages} stages"
-            + (" and a separate output tile per consumer, as persistent_ctas > 0 does"
-               if config.persistent_ctas else "")
-            + f"), more than the {_common.SMEM_BUDGET} a CTA has: lower config.num_stages."
+            f"config needs {smem} bytes of SMEM ({config.num_stages} stages and a separate "
+            "output tile per consumer, as persistent_ctas > 0 has), more than the "
+            f"{_common.SMEM_BUDGET} a CTA has: lower config.num_stages."
         )
     contiguous = rhs if gathered == "lhs" else lhs
     name = "rhs" if gathered == "lhs" else "lhs"
@@ -260,20 +259,17 @@ def weight_grad(
     return kernel(*args)
 
 
-def _smem_bytes(config: WeightGradConfig, gathered: str, out_itemsize: int) -> int:
-    """SMEM of a weight-gradient CTA: the stages (gathered chunks and contiguous K-block) and
-    token ids, plus the consumers' output tiles unless they overlay the stages (one CTA per
-    item); barriers and alignment are in `_common.SMEM_BUDGET`'s margin."""
+def _persistent_smem_bytes(config: WeightGradConfig, gathered: str, out_itemsize: int) -> int:
+    """SMEM of a persistent weight-gradient CTA: the stages (gathered chunks, contiguous
+    K-block, token ids) and the consumers' own output tiles; barriers and alignment are in
+    `_common.SMEM_BUDGET`'s margin. (One CTA per item overlays the tiles on the stages.)"""
     bm, bn, bk, cons = config.block_m, config.block_n, config.block_k, config.num_consumers
     if gathered == "lhs":
         gathered_cols, contiguous_cols = bm, cons * bn
     else:
         gathered_cols, contiguous_cols = bn, cons * bm
     stage = bk * (gathered_cols + contiguous_cols) * 2 + bk * 4
-    out = cons * bm * bn * out_itemsize
-    if config.persistent_ctas:
-        return config.num_stages * stage + out
-    return max(config.num_stages * stage, out)
+    return config.num_stages * stage + cons * bm * bn * out_itemsize
 
 
 def _mask_foreign_rows(ref, k0, lo, hi):
