@@ -418,9 +418,9 @@ def test_persistent_weight_grad_equals_one_cta_per_item(gathered, plan_kw, ctas,
 
 @pytest.mark.parametrize("gathered", ["lhs", "rhs"])
 def test_persistent_weight_grad_detect_races(gathered):
-    """Two persistent CTAs over 3 experts x 2 tiles (one expert of 4 K-blocks, an empty
-    one): a 2-slot ring reused across items, and output tiles rewritten while the previous
-    item's stores may still read them."""
+    """Two persistent CTAs over 3 experts x 4 tiles (experts of 2 and 3 K-blocks that share
+    one block, and an empty one): a 2-slot ring reused across items, and output tiles
+    rewritten while the previous item's stores may still read them."""
     plan = make_plan(23, 120, 3, 2, empty=(1,))
     config = WeightGradConfig(block_m=64, block_n=64, num_stages=2, num_consumers=1,
                               persistent_ctas=2)
