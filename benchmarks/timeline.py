@@ -6,7 +6,7 @@
 A kernel name is `up`, `dh`, `down` or `dx`, optionally with a variant: `up_inference` (no
 H), `up_pingpong` / `up_coop` (the persistent ping-pong kernel,
 `UpProjConfig.pingpong_ctas`, the default for d <= 1536 / the cooperative kernel),
-`_nostore` / `_nomath` / `_noepilogue` / `_halfweights` / `_nomma` (`ablated`: timing only, wrong
+`_nostore` / `_nomath` / `_noepilogue` / `_halfweights` / `_nomma` / `_nofeed` (`ablated`: timing only, wrong
 outputs) or `_evictfirst` (`stores_evict_first`); for `dh`, `_untiled` / `_swizzled` /
 `_hcpasync` (its epilogue tiles untiled with H loaded by TMA, the session-21 default's
 predecessor; swizzled with H loaded by TMA; swizzled with H loaded by cp.async, the
@@ -84,7 +84,7 @@ def profiled(out_dir: str, regions: int):
         plgpu.CompilerParams = original
 
 
-ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights", "nomma")
+ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights", "nomma", "nofeed")
 KERNELS = ("up", "dh", "down", "dx")
 
 
@@ -96,13 +96,13 @@ def ablated(what: str):
     as dH and A' (no dSwiGLU; dS is the row sum of dA'); "noepilogue": both;
     "halfweights": `half_weight_copies`; "nomma": no wgmma is issued (the consumers still
     wait for every stage and release it: the time the feed alone takes; the accumulators
-    stay zero)."""
+    stay zero); "nofeed": `no_feed` (the wgmmas alone, on stale stages)."""
     if what not in ABLATIONS:
         raise ValueError(f"unknown ablation {what!r}")
-    if what in ("halfweights", "nomma"):
+    if what in ("halfweights", "nomma", "nofeed"):
         # nomma: the consumers wait for every stage and release it, issuing no wgmma.
-        with (half_weight_copies() if what == "halfweights"
-              else _patched(plgpu, "wgmma", lambda *a, **k: None)):
+        with {"halfweights": half_weight_copies, "nofeed": no_feed,
+              "nomma": lambda: _patched(plgpu, "wgmma", lambda *a, **k: None)}[what]():
             yield
         return
     saved = (_common.store_row_tile, _common.swiglu_epilogue, _common.store_rows,
@@ -143,6 +143,30 @@ def half_weight_copies():
         return original(src, dst, *args, **kwargs)
 
     with _patched(plgpu, "copy_gmem_to_smem", halved):
+        yield
+
+
+@contextlib.contextmanager
+def no_feed():
+    """Traces kernels whose producer loads nothing: each expert-weight TMA copy (GMEM source
+    sliced from a 3-D `[E, ., .]` weight) becomes a plain arrival on its barrier, and the
+    cp.async row gather issues no loads (its stage publishing is unchanged). The consumers
+    wait for and release every stage as before and their wgmmas read stale SMEM: the time
+    the MMA side alone takes, the complement of `nomma`. Timing only: the outputs are wrong.
+    Session 23: if feed alone and MMA alone are each well under the K loop, they contend
+    for something they share (SMEM bandwidth: the gather's and the TMA's writes, the
+    wgmmas' operand reads)."""
+    original = plgpu.copy_gmem_to_smem
+
+    def arrive_only(src, dst, barrier=None, *args, **kwargs):
+        base = getattr(src, "ref", src)
+        if len(getattr(base, "shape", ())) == 3 and barrier is not None:
+            plgpu.barrier_arrive(barrier)
+            return None
+        return original(src, dst, barrier, *args, **kwargs)
+
+    with _patched(plgpu, "copy_gmem_to_smem", arrive_only), \
+            _patched(_common, "cp_async_gather_rows", lambda *a, **k: None):
         yield
 
 
