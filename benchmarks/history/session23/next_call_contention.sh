@@ -7,7 +7,7 @@
 # feed, so compare the K loop with the max of its two halves, not with the bound).
 U=up_coop+noepilogue
 F=up_pingpong+fused+interleaved+noepilogue
-D=dh+noepilogue
+D=dh_noepilogue
 T=up_coop+noepilogue+gather=tma
 PYTHONPATH=. PYTHONUNBUFFERED=1 timeout 300 python3 benchmarks/timeline.py --plain --out $OUT --shapes 7b --kernels \
 $U,$U+nomma,$U+nofeed,$F,$F+nofeed,$D,$D+nomma,$D+nofeed,$T,$T+nomma,$T+nofeed \
