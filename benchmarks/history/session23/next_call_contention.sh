@@ -1,14 +1,15 @@
-# Planned first call of the next session (built in session 23, not run): does the feed/MMA
-# contention that bounds the ping-pong and split-M up-proj K loops (session 23, call 9) follow
-# the cp.async gather? The same three ablations (K loop without epilogue, feed alone `nomma`,
-# MMA alone `nofeed`) for the cooperative up-proj (64 x 512 tiles, 72 KB per 4.2 MFLOP), the
-# fused ping-pong, and the persistent dH (whose K loops session 14 saw near the dense rate);
-# then the cooperative kernel with the TMA row loader (no cp.async; its issue rate bounds the
-# feed, so compare the K loop with the max of its two halves, not with the bound).
-U=up_coop+noepilogue
+# Planned first call of the next session (built in session 23; its cooperative and dH rows ran
+# as call 11). Does the feed/MMA contention that bounds the gathering kernels' K loops
+# (session 23, calls 9 and 11: each half alone under the dense bound, together 1.23-1.5x the
+# slower half) follow the cp.async gather? The split-M fused tile with the TMA row loader
+# (one [1, 64] TMA per row, no cp.async) from 1 and 2 producer warpgroups (2: 16 row copies per
+# warp per step, ~45 cycles each), each as K loop / feed alone (nomma) / MMA alone (nofeed);
+# the cp.async split-M rows of call 9 are the comparison (524.7 / 384.8 / 394.0 us). If the TMA
+# loader's K loop sits near the max of its halves, the contention is the cp.async path, and a
+# TMA-issued gather with more issuing warps is the build; then the fused ping-pong's nofeed.
+S=up_coop+block_m=128+fused+interleaved+num_stages=4+gather=tma+noepilogue
+S2=$S+num_producers=2
 F=up_pingpong+fused+interleaved+noepilogue
-D=dh_noepilogue
-T=up_coop+noepilogue+gather=tma
 PYTHONPATH=. PYTHONUNBUFFERED=1 timeout 300 python3 benchmarks/timeline.py --plain --out $OUT --shapes 7b --kernels \
-$U,$U+nomma,$U+nofeed,$F,$F+nofeed,$D,$D+nomma,$D+nofeed,$T,$T+nomma,$T+nofeed \
- 2>&1 | grep -v "^WARNING\|^I0000\|^W0000\|^  CUPTI\|^==" | tail -16
+$S,$S+nomma,$S+nofeed,$S2,$S2+nomma,$F,$F+nofeed \
+ 2>&1 | grep -v "^WARNING\|^I0000\|^W0000\|^  CUPTI\|^==" | tail -12
