@@ -441,13 +441,18 @@ def _assert_dh_configs_write_the_same_bits(shape, seed, configs, empty_expert=No
         assert np.all(np.isfinite(a.astype(np.float32))) and np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("completion", ["wait_group", "mbarrier"])
-@pytest.mark.parametrize(
+# The persistent kernels' GPU checks (dH, weight gradients): 7B and 30B widths on 132 CTAs,
+# and the Qwen3 widths on 7 CTAs, so that every CTA walks many items.
+PERSISTENT_SHAPES = pytest.mark.parametrize(
     "shape, num_ctas",
     [((6000, 1536, 256, 32, 8), 132), ((3000, 4096, 512, 16, 4), 132),
      ((4000, 2048, 768, 32, 8), 7)],
     ids=["7b_widths", "30b_widths", "qwen3_widths_7_ctas"],
 )
+
+
+@pytest.mark.parametrize("completion", ["wait_group", "mbarrier"])
+@PERSISTENT_SHAPES
 def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion):
     """The persistent dH kernel (`persistent_ctas`, with the cp.async dO gather and either
     way of publishing a stage) writes the bits of the one-CTA-per-tile kernel: skewed
@@ -468,12 +473,7 @@ def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion):
 
 
 @pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])
-@pytest.mark.parametrize(
-    "shape, num_ctas",
-    [((6000, 1536, 256, 32, 8), 132), ((3000, 4096, 512, 16, 4), 132),
-     ((4000, 2048, 768, 32, 8), 7)],
-    ids=["7b_widths", "30b_widths", "qwen3_widths_7_ctas"],
-)
+@PERSISTENT_SHAPES
 def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas, completion):
     """Both weight gradients as persistent CTAs (`WeightGradConfig.persistent_ctas`, 3
     stages, cp.async gather with either way of publishing a stage) write the bits of the

@@ -11,23 +11,16 @@ Plus the persistent kernel (3 stages) with and without the masking.
 """
 import contextlib
 import dataclasses
-import statistics
 import sys
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.mosaic.gpu import profiler
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from benchmarks.forward import gpu_time_ms
 from pallas_moe.kernels import weight_grad as wg
 from pallas_moe.kernels.moe_backward import BackwardConfig
 from pallas_moe.routing.topk import topk_plan
-
-
-def gpu_ms(f, *args):
-    jax.block_until_ready(f(*args))
-    _, times = profiler.measure(f, iterations=20)(*args)
-    return statistics.median(times)
 
 
 @contextlib.contextmanager
@@ -78,7 +71,7 @@ def main():
                     f = jax.jit(lambda l, r, t, g, conf=conf, gathered=gathered: wg.weight_grad(
                         l, r, t, g, gathered=gathered, out_dtype=jnp.bfloat16, config=conf,
                         meta=meta))
-                    t_us = gpu_ms(f, l, r, plan.token_ids, plan.group_sizes) * 1e3
+                    t_us = gpu_time_ms(f, l, r, plan.token_ids, plan.group_sizes) * 1e3
                 rows.append((T, name, variant, t_us))
                 print(rows[-1], flush=True)
     by = {(T, k, v): t for T, k, v, t in rows}

@@ -10,23 +10,16 @@ same FLOPs (balanced groups) is the bound.
     PYTHONPATH=. python3 benchmarks/history/session23/wg_fixed.py
 """
 import contextlib
-import statistics
 import sys
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.mosaic.gpu import profiler
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from benchmarks.forward import gpu_time_ms
 from pallas_moe.kernels.moe_backward import BackwardConfig
 from pallas_moe.kernels.weight_grad import k_block_meta, weight_grad
 from pallas_moe.routing.topk import topk_plan
-
-
-def gpu_ms(f, *args):
-    jax.block_until_ready(f(*args))
-    _, times = profiler.measure(f, iterations=20)(*args)
-    return statistics.median(times)
 
 
 @contextlib.contextmanager
@@ -55,8 +48,8 @@ def main():
         meta = jax.jit(lambda g, t: k_block_meta(g, t, 64))(plan.group_sizes, plan.token_ids)
         m = P // E
         bmm = jax.jit(lambda a, b: jnp.einsum("emk,ekn->emn", a, b))
-        bound1 = gpu_ms(bmm, jnp.ones((E, d, m), jnp.bfloat16), jnp.ones((E, m, 2 * n), jnp.bfloat16))
-        bound2 = gpu_ms(bmm, jnp.ones((E, n, m), jnp.bfloat16), jnp.ones((E, m, d), jnp.bfloat16))
+        bound1 = gpu_time_ms(bmm, jnp.ones((E, d, m), jnp.bfloat16), jnp.ones((E, m, 2 * n), jnp.bfloat16))
+        bound2 = gpu_time_ms(bmm, jnp.ones((E, n, m), jnp.bfloat16), jnp.ones((E, m, d), jnp.bfloat16))
         for name, gathered, l, r, c, bound in (
                 ("dW1", "lhs", x, dh, cfg.dw_gate_up, bound1),
                 ("dW2", "rhs", ap, x, cfg.dw_down, bound2)):
@@ -65,7 +58,7 @@ def main():
                     f = jax.jit(lambda l, r, t, g, c=c, gathered=gathered: weight_grad(
                         l, r, t, g, gathered=gathered, out_dtype=jnp.bfloat16, config=c,
                         meta=meta))
-                    t_ms = gpu_ms(f, l, r, plan.token_ids, plan.group_sizes)
+                    t_ms = gpu_time_ms(f, l, r, plan.token_ids, plan.group_sizes)
                 rows.append((T, name + ("+" + variant if variant else ""), t_ms * 1e3,
                              bound * 1e3))
                 print(rows[-1], flush=True)

@@ -13,15 +13,14 @@ output tiles stored straight from registers (`weight_grad._DIRECT_STORES`, no SM
 instead of the 3-stage row. Measured slower (0.92-0.95x at 7B); not kept.
 """
 import dataclasses
-import statistics
 import sys
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.mosaic.gpu import profiler
 
+from benchmarks.forward import gpu_time_ms, poison_then
 from pallas_moe.kernels.moe_backward import BackwardConfig
 from pallas_moe.kernels.moe_forward import default_num_sms
 from pallas_moe.kernels import weight_grad as wg
@@ -31,19 +30,6 @@ from pallas_moe.routing.topk import topk_plan
 DIRECT = "--direct" in sys.argv
 SHAPES = {"7b": (24576, 1536, 256, 128, 8), "30b": (32768, 4096, 512, 128, 8),
           "7b-skew": (24576, 1536, 256, 128, 8)}
-
-
-def gpu_ms(f, *args):
-    jax.block_until_ready(f(*args))
-    _, times = profiler.measure(f, iterations=20)(*args)
-    return statistics.median(times)
-
-
-def poisoned(f, *args, nbytes):
-    junk = jnp.full((nbytes // 2,), jnp.nan, jnp.bfloat16)
-    junk.block_until_ready()
-    del junk
-    return jax.block_until_ready(f(*args))
 
 
 def reference(l_rows, r_rows, plan, num_experts, max_rows):
@@ -114,7 +100,7 @@ def main(names):
             outs = {}
             for v, f in fns.items():  # traced (and compiled) here
                 wg._DIRECT_STORES = "direct" in v
-                outs[v] = np.asarray(poisoned(f, *args, nbytes=nbytes))
+                outs[v] = np.asarray(poison_then(f, *args, nbytes=nbytes))
             wg._DIRECT_STORES = False
             l_rows = x[plan.token_ids] if gathered == "lhs" else ap[:P]
             r_rows = dh[:P] if gathered == "lhs" else go[plan.token_ids]
@@ -128,9 +114,9 @@ def main(names):
             print(f"  {kname}: rel err vs XLA {err:.2e}, bitwise equal to default {bitwise}, "
                   f"finite {finite}, bitwise repeat {repeat}", flush=True)
             ka, kb = jax.random.split(jax.random.key(7))
-            bound = gpu_ms(bmm, jax.random.normal(ka, bound_shapes[0], jnp.bfloat16),
+            bound = gpu_time_ms(bmm, jax.random.normal(ka, bound_shapes[0], jnp.bfloat16),
                            jax.random.normal(kb, bound_shapes[1], jnp.bfloat16)) * 1e3
-            times = {v: gpu_ms(f, *args) * 1e3 for v, f in fns.items()}
+            times = {v: gpu_time_ms(f, *args) * 1e3 for v, f in fns.items()}
             for v, t in times.items():
                 rows.append((name, kname, v, t, bound, times["default"], err, bitwise))
                 print("  ", rows[-1], flush=True)
