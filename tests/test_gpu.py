@@ -4,6 +4,8 @@ Forward and gradients through `pm.moe_ffn(backend="mosaic")` against the `xla` b
 fresh random data, for top-K and token-rounding plans, plus run-to-run bitwise determinism.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,6 +174,18 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, comp
         x, plan.token_ids, plan.group_sizes, w1_interleaved)
     assert bool(jnp.array_equal(a[:rows], want_a[:rows])) and \
         bool(jnp.array_equal(h[:rows], want_h[:rows])), "split-M fused"
+    # The same split-M tiles as persistent CTAs (`pingpong_ctas` with block_m=128): both
+    # consumers take every item; 8 CTAs walk many items; inference writes the same A.
+    for ctas, st, tiles, inference in ((132, 4, 1, False), (8, 3, 4, True)):
+        config = dataclasses.replace(split_m, num_stages=st, pingpong_ctas=ctas,
+                                     epilogue_tiles=tiles)
+        _poison(plan.capacity * 3 * n * 2)
+        h, a = jax.jit(lambda x, t, g, w, c=config, i=inference: up_proj(
+            x, t, g, w, config=c, bias=bias, inference=i, gate_up_blocks=128))(
+            x, plan.token_ids, plan.group_sizes, w1_interleaved)
+        assert bool(jnp.array_equal(a[:rows], want_a[:rows])), ("persistent split-M", ctas)
+        if not inference:
+            assert bool(jnp.array_equal(h[:rows], want_h[:rows])), ("persistent split-M", ctas)
 
 
 @pytest.mark.parametrize("shape", [(32768, 128), (16384, 512), (1000, 60), (1000, 4)])

@@ -236,6 +236,37 @@ def test_pingpong_equals_cooperative_no_races(config, inference):
     close(a, a_ref, rows)
 
 
+def test_persistent_split_m_equals_cooperative_no_races():
+    """Persistent split-M tiles (`pingpong_ctas` with block_m=128: both consumers take every
+    128-row item, 64 rows each, one N = 2 * block_n wgmma on interleaved W1) give bit for
+    bit the cooperative kernel's H and A, race-free, with an expert bias and the clamped
+    SwiGLU. Groups of 136, 0, 142 and 124 rows: full items, items whose second consumer has
+    no rows (8 and 14 rows), one whose second consumer has 60, an empty expert; 2 CTAs walk
+    8 items each on a 3-slot ring (2 K steps per item, so slots refill across items)."""
+    ks = jax.random.split(jax.random.key(0), 4)
+    x = random_x(ks[1], 300, 128)
+    w1, _ = random_weights(ks[2], 4, 128, 128)  # n = 128: two 64-column blocks
+    bias = (0.5 * jax.random.normal(ks[3], (4, 256))).astype(jnp.bfloat16)
+    plan = assignment_plan(jax.random.key(0), 300, 4, p=0.42, empty=(1,), extra=5)
+    assert plan.group_sizes.tolist() == [136, 0, 142, 124]
+    args = (x, plan.token_ids, plan.group_sizes)
+    kw = dict(bias=bias, activation=CLAMPED)
+    coop = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
+    want_h, want_a = up_proj(*args, w1, config=coop, interpret=True, **kw)
+    config = UpProjConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2,
+                          pingpong_ctas=2, epilogue_tiles=2, fused_gate_up=True)
+    h, a = up_proj(*args, interleave_gate_up(w1, 64), config=config, gate_up_blocks=64, **kw,
+                   interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+    rows = int(plan.num_rows)
+    np.testing.assert_array_equal(np.asarray(h[:rows], np.float32),
+                                  np.asarray(want_h[:rows], np.float32))
+    np.testing.assert_array_equal(np.asarray(a[:rows], np.float32),
+                                  np.asarray(want_a[:rows], np.float32))
+    assert_untouched(a, rows)
+    assert_untouched(h, rows)
+
+
 @pytest.mark.parametrize(
     "kernel, fused",
     # CI: the fused forms (interleaved W1 is what they exist for); the two-wgmma forms with
@@ -299,7 +330,9 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
     "config, match",
     [
         (dataclasses.replace(PINGPONG, num_consumers=1), "needs num_consumers=2, block_m=64"),
-        (dataclasses.replace(PINGPONG, block_m=128), "needs num_consumers=2, block_m=64"),
+        (dataclasses.replace(PINGPONG, block_m=192), "needs num_consumers=2, block_m=64"),
+        (dataclasses.replace(PINGPONG, block_m=128),
+         "block_m=128 \\(persistent split-M tiles\\) needs fused_gate_up=True"),
         (dataclasses.replace(PINGPONG, pingpong_ctas=-1), "pingpong_ctas=-1 must be >= 0"),
         (dataclasses.replace(PINGPONG, epilogue_tiles=-2), "epilogue_tiles=-2 must be >= 0"),
         (UpProjConfig(block_n=64, num_consumers=2, epilogue_tiles=1),

@@ -211,11 +211,19 @@ def _check_pingpong(config: UpProjConfig) -> None:
                 "set pingpong_ctas > 0 too, or leave it 0."
             )
         return
-    if config.num_consumers != 2 or config.block_m != 64 or config.num_producers != 1:
+    if config.num_consumers != 2 or config.block_m not in (64, 128) \
+            or config.num_producers != 1:
         raise ValueError(
-            "config.pingpong_ctas > 0 (the ping-pong kernel) needs num_consumers=2, block_m=64 "
-            f"and num_producers=1, got num_consumers={config.num_consumers}, "
-            f"block_m={config.block_m}, num_producers={config.num_producers}."
+            "config.pingpong_ctas > 0 (the persistent kernel) needs num_consumers=2, block_m=64 "
+            "(ping-pong) or 128 (split-M), and num_producers=1, got "
+            f"num_consumers={config.num_consumers}, block_m={config.block_m}, "
+            f"num_producers={config.num_producers}."
+        )
+    if _split_m(config) and not config.fused_gate_up:
+        raise ValueError(
+            "config.pingpong_ctas > 0 with block_m=128 (persistent split-M tiles) needs "
+            "fused_gate_up=True: both consumers multiply their rows by one [block_k, "
+            "2 * block_n] weight tile."
         )
 
 
@@ -545,7 +553,7 @@ def _pingpong_kernel(
     interpret_mode, params, has_bias: bool = False, activation: SwiGLU = SwiGLU(),
     interleaved: bool = False,
 ):
-    """The up-proj as `config.pingpong_ctas` persistent CTAs whose two consumers take turns.
+    """The up-proj as `config.pingpong_ctas` persistent CTAs: ping-pong or split-M.
 
     Work item w = (row tile w // grid_n, column block w % grid_n), grid_n = n / block_n:
     64 rows times `block_n` gate and `block_n` up columns. CTA i walks the items
@@ -567,9 +575,20 @@ def _pingpong_kernel(
     ring. It computes the SwiGLU one 64-column slab at a time, writes the slab's A, H gate
     and H up tiles into the buffer, and TMA-stores the buffer whenever it is full; before
     it starts refilling the buffer it waits for its previous stores to have read it.
+
+    Split-M (`block_m = 128`, `_split_m`): the same persistent walk over 128-row items, but
+    both consumers take every item, consumer c multiplying rows [64 c, 64 c + 64) of each
+    gathered stage by the stage's one [block_k, 2 block_n] weight tile (fused, N = 256), as
+    the cooperative split-M kernel's consumers do; so each weight tile serves 128 rows, and
+    the producer streams the next item's stages while both consumers run their epilogues
+    (the cooperative kernel drains and refills its ring once per CTA). One `full` barrier
+    per slot, which both consumers wait on, and `empty` takes both consumers' releases.
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = 2
+    split = _split_m(config)  # both consumers take every item, 64 rows each
+    rows_c = 64  # rows of one consumer's accumulator (the whole item unless split-M)
+    sets = 1 if split else cons  # sets of `full` barriers: one per consumer in ping-pong
     num_k = d // bk
     grid_n = n // bn
     num_ctas = min(config.pingpong_ctas, num_tiles * grid_n)
@@ -584,16 +603,17 @@ def _pingpong_kernel(
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     ahead = min(config.prefetch_steps, num_k) if cp_async else 0  # L2 prefetch distance
     fused = config.fused_gate_up
-    smem = (stages * (bm * bk + 2 * bk * bn) + cons * per_fill * bm * slab) * 2
+    smem = (stages * (bm * bk + 2 * bk * bn) + cons * per_fill * rows_c * slab) * 2
     if smem > _common.SMEM_BUDGET:  # the margin: ids, biases, barriers
         raise ValueError(
             f"the ping-pong up-proj needs {smem} B of SMEM for {stages} stages of [{bm}, {bk}] "
             f"rows + 2 x [{bk}, {bn}] weights and {cons} x {per_fill} epilogue tiles of "
-            f"[{bm}, {slab}], over the {_common.SMEM_BUDGET} B available: lower "
+            f"[{rows_c}, {slab}], over the {_common.SMEM_BUDGET} B available: lower "
             "config.num_stages or config.epilogue_tiles."
         )
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
-    o_scratch, o_views = _common.row_tile_buffers((cons, per_fill, bm, slab), dtype, interpret)
+    o_scratch, o_views = _common.row_tile_buffers((cons, per_fill, rows_c, slab), dtype,
+                                                  interpret)
 
     def body(real_ref, expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
         b_ref, h_out, a_out, scratch = _body_refs(rest, has_bias, inference)
@@ -616,6 +636,8 @@ def _pingpong_kernel(
             return w // grid_n, w % grid_n
 
         def full_of(step):  # the full barrier of global step `step`: its item's consumer's
+            if split:  # (split-M: both consumers')
+                return full.at[step % stages]
             return full.at[((step // num_k) % cons) * stages + step % stages]
 
         def load_ids(j):  # item j's source token ids -> ids_smem[j % 2]
@@ -729,9 +751,11 @@ def _pingpong_kernel(
                     _common.role_registers("consumer", cons)
 
                 def per_item(jj, carry):
-                    j = c + cons * jj
+                    j = jj if split else c + cons * jj
                     mi, ni = item(j)
                     row0, count = start_ref[mi], rows_ref[mi]
+                    if split:  # this consumer's rows of the item: [c*64, c*64 + 64)
+                        row0, count = row0 + c * rows_c, jnp.clip(count - c * rows_c, 0, rows_c)
                     col = ni * bn  # first gate column of the item
                     if has_bias:  # the item's bias columns land while the K loop runs
                         bias_smem, bias_bars = bias_scratch
@@ -741,30 +765,32 @@ def _pingpong_kernel(
                         )
 
                     def wait(g, slot):  # this consumer's full barrier of the slot
-                        plgpu.barrier_wait(full.at[c * stages + slot])
+                        plgpu.barrier_wait(full.at[(0 if split else c) * stages + slot])
                         _common.cp_async_consumer_wait(g, a_landed, stages)
 
                     def mma_scope(*accs):
                         _gate_up_k_loop(
                             accs, num_k, stages, j * num_k, wait, empty,
-                            lambda slot: a_mma.at[slot],  # [bm, bk]
+                            # [64, bk]: the item's rows, or split-M this consumer's
+                            lambda slot: a_mma.at[slot, pl.ds(c * rows_c, rows_c) if split
+                                                  else slice(None)],
                             # [bk, 2 bn] gate | up, or ([bk, bn] gate, [bk, bn] up)
                             lambda slot: ((b_bufs[0].at[slot],) if fused
                                           else (bg_smem.at[slot], bu_smem.at[slot])),
                         )
-                        # The last step's slot: the other consumer's item comes next.
+                        # The last step's slot (ping-pong: the other consumer's item is next).
                         plgpu.barrier_arrive(empty.at[(j * num_k + num_k - 1) % stages])
                         if fused:
                             return accs[0][:, :bn], accs[0][:, bn:]
                         return accs[0][...], accs[1][...]
 
                     with jax.named_scope("k_loop"):
-                        acc_shapes = [(bm, 2 * bn)] if fused else [(bm, bn), (bm, bn)]
+                        acc_shapes = [(rows_c, 2 * bn)] if fused else [(rows_c, bn)] * 2
                         g_acc, u_acc = pl.run_scoped(
                             mma_scope, *(plgpu.ACC(shape, jnp.float32) for shape in acc_shapes)
                         )
                     if has_bias:
-                        biases = _bias_columns(bias_smem.at[c], bias_bars.at[c], bm)
+                        biases = _bias_columns(bias_smem.at[c], bias_bars.at[c], rows_c)
                     else:
                         biases = (None, None)
                     outs = [a_out] if h_out is None else [a_out, h_out, h_out]
@@ -789,11 +815,12 @@ def _pingpong_kernel(
                                     plgpu.commit_smem()
                                     for i, tile_dst in fill:
                                         _common.store_row_tile(o_copy.at[c, i], tile_dst, row0,
-                                                               count, bm)
+                                                               count, rows_c)
                                 fill = []
                     return carry
 
-                jax.lax.fori_loop(0, (my_items - c + cons - 1) // cons, per_item, None)
+                mine = my_items if split else (my_items - c + cons - 1) // cons
+                jax.lax.fori_loop(0, mine, per_item, None)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     scratch = [
@@ -802,12 +829,13 @@ def _pingpong_kernel(
           else [plgpu.SMEM((stages, bk, bn), dtype, transforms=tf)] * 2),  # gate, up stages
         o_scratch,  # per consumer: A, H gate, H up staging tiles
         plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
-        plgpu.Barrier(  # full, one set per consumer: the weight copies + the rows
+        plgpu.Barrier(  # full, one set per consumer (split-M: one): weight copies + rows
             num_arrivals=_common.gather_full_arrivals(config, bm, interpret)
             + _gate_up_weight_copies(fused, interleaved, bk),
-            num_barriers=cons * stages,
+            num_barriers=sets * stages,
         ),
-        plgpu.Barrier(num_arrivals=1, num_barriers=stages),  # empty: the slot's consumer
+        # empty: the slot's consumer (split-M: both)
+        plgpu.Barrier(num_arrivals=cons if split else 1, num_barriers=stages),
         plgpu.Barrier(num_barriers=2),  # ids
         *(_bias_scratch(bn, dtype, cons) if has_bias else ()),
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
