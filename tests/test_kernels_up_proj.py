@@ -236,10 +236,14 @@ def test_pingpong_equals_cooperative_no_races(config, inference):
     close(a, a_ref, rows)
 
 
-def test_persistent_split_m_equals_cooperative_no_races():
+@pytest.mark.parametrize(
+    "fused", [False, pytest.param(True, marks=pytest.mark.slow)],  # CI: the halves layout;
+    ids=["halves", "fused_interleaved"])  # fused differs only in the weight tiles it reads
+def test_persistent_split_m_equals_cooperative_no_races(fused):
     """Persistent split-M tiles (`pingpong_ctas` with block_m=128: both consumers take every
-    128-row item, 64 rows each, one N = 2 * block_n wgmma on interleaved W1) give bit for
-    bit the cooperative kernel's H and A, race-free, with an expert bias and the clamped
+    128-row item, 64 rows each; two N = block_n wgmmas on W1's halves, or one N = 2 * block_n
+    on interleaved W1) give bit for bit the cooperative kernel's H and A, race-free, with an
+    expert bias and the clamped
     SwiGLU. Groups of 136, 0, 142 and 124 rows: full items, items whose second consumer has
     no rows (8 and 14 rows), one whose second consumer has 60, an empty expert; 2 CTAs walk
     8 items each on a 3-slot ring (2 K steps per item, so slots refill across items)."""
@@ -254,8 +258,9 @@ def test_persistent_split_m_equals_cooperative_no_races():
     coop = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
     want_h, want_a = up_proj(*args, w1, config=coop, interpret=True, **kw)
     config = UpProjConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2,
-                          pingpong_ctas=2, epilogue_tiles=2, fused_gate_up=True)
-    h, a = up_proj(*args, interleave_gate_up(w1, 64), config=config, gate_up_blocks=64, **kw,
+                          pingpong_ctas=2, epilogue_tiles=2, fused_gate_up=fused)
+    h, a = up_proj(*args, interleave_gate_up(w1, 64) if fused else w1, config=config,
+                   gate_up_blocks=64 if fused else 0, **kw,
                    interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not races_found()
     rows = int(plan.num_rows)
@@ -330,9 +335,8 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
     "config, match",
     [
         (dataclasses.replace(PINGPONG, num_consumers=1), "needs num_consumers=2, block_m=64"),
-        (dataclasses.replace(PINGPONG, block_m=192), "needs num_consumers=2, block_m=64"),
-        (dataclasses.replace(PINGPONG, block_m=128),
-         "block_m=128 \\(persistent split-M tiles\\) needs fused_gate_up=True"),
+        (dataclasses.replace(PINGPONG, block_m=192), "needs num_consumers=2, block_m=64 "
+         "\\(ping-pong\\) or 128 \\(split-M\\)"),
         (dataclasses.replace(PINGPONG, pingpong_ctas=-1), "pingpong_ctas=-1 must be >= 0"),
         (dataclasses.replace(PINGPONG, epilogue_tiles=-2), "epilogue_tiles=-2 must be >= 0"),
         (UpProjConfig(block_n=64, num_consumers=2, epilogue_tiles=1),

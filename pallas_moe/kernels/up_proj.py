@@ -219,12 +219,6 @@ def _check_pingpong(config: UpProjConfig) -> None:
             f"num_consumers={config.num_consumers}, block_m={config.block_m}, "
             f"num_producers={config.num_producers}."
         )
-    if _split_m(config) and not config.fused_gate_up:
-        raise ValueError(
-            "config.pingpong_ctas > 0 with block_m=128 (persistent split-M tiles) needs "
-            "fused_gate_up=True: both consumers multiply their rows by one [block_k, "
-            "2 * block_n] weight tile."
-        )
 
 
 def up_proj(
@@ -578,8 +572,9 @@ def _pingpong_kernel(
 
     Split-M (`block_m = 128`, `_split_m`): the same persistent walk over 128-row items, but
     both consumers take every item, consumer c multiplying rows [64 c, 64 c + 64) of each
-    gathered stage by the stage's one [block_k, 2 block_n] weight tile (fused, N = 256), as
-    the cooperative split-M kernel's consumers do; so each weight tile serves 128 rows, and
+    gathered stage by the stage's gate and up weight tiles (or, fused, its one [block_k,
+    2 block_n] tile), as the cooperative split-M kernel's consumers do; so each weight tile
+    serves 128 rows, and
     the producer streams the next item's stages while both consumers run their epilogues
     (the cooperative kernel drains and refills its ring once per CTA). One `full` barrier
     per slot, which both consumers wait on, and `empty` takes both consumers' releases.
