@@ -33,8 +33,21 @@ def rel_err(a, b):
 def test_mosaic_matches_xla(router, seed, approx_math):
     """The defaults (config None) take the SwiGLU kernels' exp from `ex2.approx`;
     `KernelConfig.for_shape(..., approx_math=False)` the full-precision exp: same bounds."""
-    num_tokens, d, n, num_experts = 4096, 512, 256, 16
+    d, n = 512, 256
     config = None if approx_math else KernelConfig.for_shape(d, n, approx_math=False)
+    _check_mosaic_matches_xla(router, seed, config, (4096, d, n, 16))
+
+
+def test_mosaic_matches_xla_at_d_2048():
+    """The defaults above the ping-pong up-proj's widths (on an H200 the persistent split-M
+    up-proj, 128-row items, beside dH's 64-row tiles; on an H100 the cooperative kernel)."""
+    _check_mosaic_matches_xla("topk", 3, None, (4096, 2048, 768, 16))
+
+
+def _check_mosaic_matches_xla(router, seed, config, dims):
+    """Forward and gradients of `backend="mosaic"` against `xla` on fresh random data,
+    then a bitwise repeat. dims: (T, d, n, E)."""
+    num_tokens, d, n, num_experts = dims
     k = jax.random.split(jax.random.key(seed), 5)
     logits = jax.random.normal(k[0], (num_tokens, num_experts)).at[:, :2].add(1.0)  # some skew
     x = jax.random.normal(k[1], (num_tokens, d), jnp.bfloat16)

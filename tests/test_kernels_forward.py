@@ -140,6 +140,27 @@ def test_pingpong_up_proj_completion_follows_the_device(kind, completion):
                    sds((e, d, 2 * n), jnp.bfloat16))
 
 
+@pytest.mark.parametrize("kind, d, n, split_m", [
+    ("NVIDIA H200", 2048, 768, True), ("NVIDIA H200", 4096, 512, True),
+    ("NVIDIA H200", 2880, 1408, True), ("NVIDIA H200", 7168, 2048, False),
+    ("NVIDIA H100 80GB HBM3", 4096, 512, False), ("", 2048, 768, False)])
+def test_split_m_up_proj_follows_the_device_and_width(kind, d, n, split_m):
+    """Above the ping-pong's widths an H200 runs the persistent split-M up-proj (measured
+    there at d = 2048 and 4096) up to SPLIT_M_UP_MAX_D; the H100 (not measured) and wider
+    models keep the cooperative kernel. The H200's form lowers for cuda at its widths."""
+    up = ForwardConfig.for_shape(d, n, device_kind=kind).up
+    assert (up.block_m == 128 and up.pingpong_ctas > 0) == split_m, up
+    if split_m:
+        assert not up.fused_gate_up and up.gather_completion == "mbarrier", up
+        t, e, k = 4096, 16, 8
+        sds = jax.ShapeDtypeStruct
+        for inference in (False, True):
+            _lower(lambda x, tok, g, w, i=inference: up_proj(x, tok, g, w, config=up,
+                                                             inference=i),
+                   sds((t, d), jnp.bfloat16), sds((t * k,), jnp.int32), sds((e,), jnp.int32),
+                   sds((e, d, 2 * n), jnp.bfloat16))
+
+
 def test_each_kernel_lowers_at_7b_production_config():
     t, d, n, e, k = 24576, 1536, 256, 128, 8
     p = t * k

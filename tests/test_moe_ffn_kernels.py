@@ -1,7 +1,7 @@
 """`pm.moe_ffn(backend="interpret")`: the kernels end to end, forward and gradients, vs `xla`."""
 
-import functools
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,40 @@ def test_interpret_backend_forward_and_gradients_match_xla(router):
     (_, out), grads = loss("interpret")(logits, x, w1, w2)
     (_, ref_out), ref_grads = loss("xla")(logits, x, w1, w2)
     assert out.dtype == jnp.bfloat16 and out.shape == x.shape
+    assert rel_err(out, ref_out) < 1e-2
+    for name, g, r in zip(["logits", "x", "w_gate_up", "w_down"], grads, ref_grads):
+        assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+        assert rel_err(g, r) < 2e-2, name
+
+
+def test_interpret_backend_with_the_persistent_split_m_up_proj_matches_xla():
+    """The op with the H200's up-proj above d = 1536 (persistent split-M, 128-row items:
+    `ForwardConfig.for_shape`), whose 128-row tiles differ from dH's 64 (two row-tile
+    schedules per plan): forward and every gradient against the xla backend, on the inputs
+    of test_interpret_backend_forward_and_gradients_match_xla (ragged, skewed groups). The
+    kernel's row patterns (items over 64 and 128 rows): test_kernels_up_proj's persistent
+    split-M test."""
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+    from pallas_moe.kernels.up_proj import UpProjConfig
+
+    logits, x, w1, w2, cot = make_inputs(0, 40, 64, 64, 4, skew=1.5)
+    up = UpProjConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2, pingpong_ctas=3,
+                      epilogue_tiles=1)
+    forward = dataclasses.replace(ForwardConfig.for_shape(64, 64, num_sms=3), up=up)
+    config = pm.kernels.KernelConfig(forward=forward,
+                                     backward=BackwardConfig.for_shape(64, 64, num_sms=3))
+
+    def loss(backend):
+        def f(logits, x, w1, w2):
+            out = pm.moe_ffn(x, ROUTERS["topk"](logits), w1, w2, backend=backend,
+                             config=config if backend == "interpret" else None)
+            return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32)), out
+
+        return jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True)
+
+    (_, out), grads = loss("interpret")(logits, x, w1, w2)
+    (_, ref_out), ref_grads = loss("xla")(logits, x, w1, w2)
     assert rel_err(out, ref_out) < 1e-2
     for name, g, r in zip(["logits", "x", "w_gate_up", "w_down"], grads, ref_grads):
         assert np.all(np.isfinite(np.asarray(g, np.float32))), name

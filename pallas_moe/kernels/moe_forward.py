@@ -41,6 +41,9 @@ def _largest_block(dim: int, candidates: tuple[int, ...]) -> int | None:
 # The widest d (the up-proj's K) at which the ping-pong up-proj is the default (see
 # `ForwardConfig.for_shape`).
 PINGPONG_UP_MAX_D = 1536
+# The widest d at which an H200 runs the persistent split-M up-proj above PINGPONG_UP_MAX_D
+# (measured at d = 2048 and 4096; see `ForwardConfig.for_shape`).
+SPLIT_M_UP_MAX_D = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,17 @@ class ForwardConfig:
                               pingpong_ctas=num_sms, epilogue_tiles=1,
                               gather_completion="mbarrier" if "H200" in device_kind
                               else "wait_group")
+        elif "H200" in device_kind and n % 128 == 0 and d <= SPLIT_M_UP_MAX_D:
+            # Measured on an H200 (session 24, same runs, bitwise equal): persistent CTAs
+            # walking 128-row items, both consumers taking every item with 64 rows each
+            # (split-M: each weight tile feeds 128 rows, and the ring streams across items
+            # instead of draining and refilling once per CTA), on W1's halves, against the
+            # cooperative kernel below: 30B 3899.0 -> 3528.3 us (1.105x), the Qwen3 widths
+            # (d = 2048, n = 768) 1634.4 -> 1468.0 (1.113x). Not yet measured on an H100,
+            # which keeps the cooperative kernel.
+            up = UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
+                              pingpong_ctas=num_sms, epilogue_tiles=1,
+                              gather_completion="mbarrier")
         elif n % 256 == 0:
             up = UpProjConfig(block_n=128, num_stages=3, num_consumers=2)
         elif n % 128 == 0:
