@@ -146,7 +146,7 @@ def test_pingpong_up_proj_completion_follows_the_device(kind, completion):
     ("NVIDIA H100 80GB HBM3", 4096, 512, False), ("", 2048, 768, False)])
 def test_split_m_up_proj_follows_the_device_and_width(kind, d, n, split_m):
     """Above the ping-pong's widths an H200 runs the persistent split-M up-proj (measured
-    there at d = 2048 and 4096) up to SPLIT_M_UP_MAX_D; the H100 (not measured) and wider
+    there at d = 2048, 2880 and 4096) up to SPLIT_M_UP_MAX_D; the H100 (not measured) and wider
     models keep the cooperative kernel. The H200's form lowers for cuda at its widths."""
     up = ForwardConfig.for_shape(d, n, device_kind=kind).up
     assert (up.block_m == 128 and up.pingpong_ctas > 0) == split_m, up

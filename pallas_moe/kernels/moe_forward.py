@@ -42,7 +42,7 @@ def _largest_block(dim: int, candidates: tuple[int, ...]) -> int | None:
 # `ForwardConfig.for_shape`).
 PINGPONG_UP_MAX_D = 1536
 # The widest d at which an H200 runs the persistent split-M up-proj above PINGPONG_UP_MAX_D
-# (measured at d = 2048 and 4096; see `ForwardConfig.for_shape`).
+# (measured at d = 2048, 2880 and 4096; see `ForwardConfig.for_shape`).
 SPLIT_M_UP_MAX_D = 4096
 
 
@@ -114,8 +114,10 @@ class ForwardConfig:
             # (split-M: each weight tile feeds 128 rows, and the ring streams across items
             # instead of draining and refilling once per CTA), on W1's halves, against the
             # cooperative kernel below: 30B 3899.0 -> 3528.3 us (1.105x), the Qwen3 widths
-            # (d = 2048, n = 768) 1634.4 -> 1468.0 (1.113x). Not yet measured on an H100,
-            # which keeps the cooperative kernel.
+            # (d = 2048, n = 768) 1634.4 -> 1468.0 (1.113x), d = 2880 (n = 1408, where the
+            # cooperative kernel has one consumer) 1144.1 -> 902.1 (1.268x). Level at 7B
+            # (569.4 vs the ping-pong's 569.3), so the ping-pong stays there. Not yet
+            # measured on an H100, which keeps the cooperative kernel.
             up = UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
                               pingpong_ctas=num_sms, epilogue_tiles=1,
                               gather_completion="mbarrier")
