@@ -104,7 +104,12 @@ class UpProjConfig:
         CTA's consumers take its items in turn, so one consumer's SwiGLU epilogue and
         stores run while the other's wgmmas keep the tensor cores busy. Each item's rows
         are gathered for it (a row is gathered `n / block_n` times, from L2 after the
-        first). Bitwise the same outputs as the cooperative kernel.
+        first). With block_m = 128 (split-M) the same persistent kernel gives every item
+        to both consumers, 64 rows each, so each weight tile feeds 128 rows and the ring
+        streams across items (the one-CTA-per-tile kernel drains and refills it per tile):
+        the H200's default for 1536 < d <= 4096 (`ForwardConfig.for_shape`; session 24:
+        1.10-1.27x the cooperative kernel at d = 2048-4096). Bitwise the same outputs as
+        the cooperative kernel.
       epilogue_tiles: ping-pong kernel only: how many [64, 64] output tiles (of A, H gate
         and H up, 3 * block_n / 64 per item, or block_n / 64 with `inference`) each consumer
         stages in SMEM before it TMA-stores them (0 = all of the item's). Fewer tiles leave
