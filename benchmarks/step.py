@@ -36,10 +36,10 @@ from jax.experimental.mosaic.gpu import profiler
 
 import pallas_moe as pm
 from benchmarks.logs import open_log
-from benchmarks.forward import SHAPES, gpu_time_ms, pipelined_ms, wall_time_ms
+from benchmarks.forward import SHAPES, cooperative_up_cfg, gpu_time_ms, pipelined_ms, wall_time_ms
 from benchmarks.layer import dense_bound_fns
 from pallas_moe.kernels import KernelConfig
-from pallas_moe.kernels.moe_forward import default_num_sms
+from pallas_moe.kernels.moe_forward import default_num_sms, split_m_up_config
 from pallas_moe.nn.functional import router_logits
 
 ITERS = 5
@@ -135,21 +135,34 @@ def _replace(config: KernelConfig, kernel: str, **fields) -> KernelConfig:
     return dataclasses.replace(config, **{part: sub})
 
 
-# Variant flags (`--variants routing/gather/.../flag`): an A/B change of the default config.
+def _replace_up(config: KernelConfig, up) -> KernelConfig:
+    """`config` with another up-proj config, keeping the variant's row loader and exp."""
+    up = dataclasses.replace(up, gather=config.forward.up.gather,
+                             approx_math=config.forward.up.approx_math)
+    return dataclasses.replace(config, forward=dataclasses.replace(config.forward, up=up))
+
+
+# Variant flags (`--variants routing/gather/.../flag`): an A/B change of the default config,
+# a function of (config, n).
 CONFIG_FLAGS = {
     # The persistent dH's epilogue before session 21 (untiled tiles, H loaded by TMA).
-    "untiled-dh": lambda c: _replace(c, "dh", epilogue_layout="untiled", h_loader="tma")
+    "untiled-dh": lambda c, n: _replace(c, "dh", epilogue_layout="untiled", h_loader="tma")
     if c.backward.dh.persistent_ctas else c,
     # The persistent dH at d >= 4096 too (one CTA per tile there before session 21).
-    "persistent-dh": lambda c: c if c.backward.dh.persistent_ctas else _replace(
+    "persistent-dh": lambda c, n: c if c.backward.dh.persistent_ctas else _replace(
         c, "dh", persistent_ctas=default_num_sms(), early_h=False,
         gather_completion="wait_group", epilogue_layout="swizzled", h_loader="cp_async"),
     # The up-proj's gathered stages published by the producer's lagged wait (the H100's
     # default; session 22 made mbarriers the H200's for the ping-pong kernel).
-    "lagged-up": lambda c: _replace(c, "up", gather_completion="wait_group"),
+    "lagged-up": lambda c, n: _replace(c, "up", gather_completion="wait_group"),
+    # The persistent split-M up-proj (session 24: the H200's default for 1536 < d <= 4096)
+    # at any width and on any card, e.g. to measure it on an H100 or at 7B.
+    "split-m-up": lambda c, n: _replace_up(c, split_m_up_config(default_num_sms())),
+    # The cooperative up-proj (one CTA per tile), the default before session 24 at d > 1536.
+    "cooperative-up": lambda c, n: _replace_up(c, cooperative_up_cfg(n)),
     # Both weight gradients as persistent CTAs (session 23), 3 stages (what fits beside
     # their own output tiles).
-    "persistent-wg": lambda c: _replace(
+    "persistent-wg": lambda c, n: _replace(
         _replace(c, "dw_gate_up", persistent_ctas=default_num_sms(), num_stages=3),
         "dw_down", persistent_ctas=default_num_sms(), num_stages=3),
 }
@@ -198,7 +211,7 @@ def main():
             inputs = (x, router, w1, w2, cots[harness], *biases)
             config = KernelConfig.for_shape(d, n, gather=gather, approx_math=not args.exact_math)
             for flag in flags:
-                config = CONFIG_FLAGS[flag](config)
+                config = CONFIG_FLAGS[flag](config, n)
             step = make_step(shape, routing, "mosaic", config,
                              skew=args.skew, gpt_oss=args.gpt_oss, harness=harness,
                              router_dtype=args.router_dtype)

@@ -118,9 +118,7 @@ class ForwardConfig:
             # cooperative kernel has one consumer) 1144.1 -> 902.1 (1.268x). Level at 7B
             # (569.4 vs the ping-pong's 569.3), so the ping-pong stays there. Not yet
             # measured on an H100, which keeps the cooperative kernel.
-            up = UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
-                              pingpong_ctas=num_sms, epilogue_tiles=1,
-                              gather_completion="mbarrier")
+            up = split_m_up_config(num_sms)
         elif n % 256 == 0:
             up = UpProjConfig(block_n=128, num_stages=3, num_consumers=2)
         elif n % 128 == 0:
@@ -152,6 +150,14 @@ class ForwardConfig:
 
 
 # The ping-pong grouped GEMM the down-proj (and dX~ with a short K loop) runs by default.
+def split_m_up_config(num_sms: int) -> UpProjConfig:
+    """The persistent split-M up-proj (`UpProjConfig.pingpong_ctas` with block_m = 128) as
+    an H200 runs it above `PINGPONG_UP_MAX_D`: `num_sms` CTAs, 4 stages on mbarriers,
+    one-tile epilogue buffers, W1's halves (two N = 128 wgmmas per consumer and step)."""
+    return UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
+                        pingpong_ctas=num_sms, epilogue_tiles=1, gather_completion="mbarrier")
+
+
 PINGPONG_DOWN = GroupedMatmulConfig(block_m=128, block_n=128, num_stages=5, pingpong=True)
 
 
