@@ -110,12 +110,13 @@ class UpProjConfig:
         the H200's default for 1536 < d <= 4096 (`ForwardConfig.for_shape`; session 24:
         1.10-1.27x the cooperative kernel at d = 2048-4096). Bitwise the same outputs as
         the cooperative kernel.
-      epilogue_tiles: ping-pong kernel only: how many [64, 64] output tiles (of A, H gate
-        and H up, 3 * block_n / 64 per item, or block_n / 64 with `inference`) each consumer
+      epilogue_tiles: persistent kernel (pingpong_ctas > 0) only: how many [64, 64] output
+        tiles (of A, H gate and H up, 3 * block_n / 64 per item and consumer, or
+        block_n / 64 with `inference`) each consumer
         stages in SMEM before it TMA-stores them (0 = all of the item's). Fewer tiles leave
         SMEM for more pipeline stages; the consumer then waits for its previous stores to
         read the buffer before it refills it.
-      prefetch_steps: ping-pong kernel with the cp.async gather only (interpret mode skips
+      prefetch_steps: persistent kernel with the cp.async gather only (interpret mode skips
         it): the producer asks L2 for the rows of the K step this many steps ahead (the
         next item's first steps near an item's end) with `prefetch.global.L2`, so the
         gather's cp.async loads hit L2. 0 = no prefetch.
@@ -259,10 +260,11 @@ def up_proj(
         rounded.
       activation: the `SwiGLU` spec of the epilogue.
       gate_up_blocks: the column layout of `w_gate_up`. 0 (default): gate = [..., :n], up =
-        [..., n:]. b > 0 (ping-pong kernel only, b = config.block_n): interleaved blocks,
-        columns [2 b j, 2 b j + b) are gate columns [b j, b j + b) and the next b their up
-        columns, so an item's gate and up weights are one contiguous [block_k, 2 b] box per
-        K step (`interleave_gate_up` builds it). H and the bias keep the halves layout.
+        [..., n:]. b > 0 (the persistent kernel or split-M tiles, b = config.block_n):
+        interleaved blocks, columns [2 b j, 2 b j + b) are gate columns [b j, b j + b) and
+        the next b their up columns, so an item's gate and up weights are one contiguous
+        [block_k, 2 b] box per K step (`interleave_gate_up` builds it). H and the bias keep
+        the halves layout.
 
     Returns:
       (h, a): h bf16 [P, 2n] (None if `inference`), a bf16 [P_a, n] with P_a = P rounded
