@@ -165,6 +165,10 @@ CONFIG_FLAGS = {
     "persistent-wg": lambda c, n: _replace(
         _replace(c, "dw_gate_up", persistent_ctas=default_num_sms(), num_stages=3),
         "dw_down", persistent_ctas=default_num_sms(), num_stages=3),
+    # The same with 4 stages beside one output buffer per consumer (session 24).
+    "persistent-wg4": lambda c, n: _replace(
+        _replace(c, "dw_gate_up", persistent_ctas=default_num_sms(), output_chunks=1),
+        "dw_down", persistent_ctas=default_num_sms(), output_chunks=1),
 }
 
 

@@ -505,7 +505,8 @@ def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion):
 @PERSISTENT_SHAPES
 def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas, completion):
     """Both weight gradients as persistent CTAs (`WeightGradConfig.persistent_ctas`, 3
-    stages, cp.async gather with either way of publishing a stage) write the bits of the
+    stages, or 4 beside one output buffer per consumer (`output_chunks=1`); cp.async gather
+    with either way of publishing a stage) write the bits of the
     one-CTA-per-item kernel and match the jnp reference: skewed routing with an empty
     expert, NaN in the contiguous operand's padding rows, poisoned outputs, fresh random
     data; 7 CTAs make every CTA walk many items of different K-block counts."""
@@ -533,12 +534,16 @@ def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas, complet
     for gathered, lhs, rhs, base in (("lhs", x, dh, cfg.dw_gate_up), ("rhs", ap, go, cfg.dw_down)):
         base = dataclasses.replace(base, gather_completion=completion)
         outs = []
-        for c in (base, dataclasses.replace(base, num_stages=3, persistent_ctas=num_ctas)):
+        for c in (base, dataclasses.replace(base, num_stages=3, persistent_ctas=num_ctas),
+                  # 4 stages beside one output buffer per consumer (session 24)
+                  dataclasses.replace(base, num_stages=4, persistent_ctas=num_ctas,
+                                      output_chunks=1)):
             f = jax.jit(lambda l, r, t, g, c=c: weight_grad(
                 l, r, t, g, gathered=gathered, out_dtype=jnp.bfloat16, config=c))
             _poison(E * lhs.shape[1] * rhs.shape[1] * 2)
             outs.append(np.asarray(f(lhs, rhs, plan.token_ids, plan.group_sizes), np.float32))
         assert np.array_equal(outs[0], outs[1]), gathered
+        assert np.array_equal(outs[0], outs[2]), (gathered, "output_chunks=1")
         assert np.all(np.isfinite(outs[1])) and not np.any(outs[1][3]), gathered
         lf = np.asarray(lhs, np.float32)
         rf = np.asarray(rhs, np.float32)

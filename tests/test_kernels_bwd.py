@@ -416,14 +416,21 @@ def test_persistent_weight_grad_equals_one_cta_per_item(gathered, plan_kw, ctas,
     np.testing.assert_array_equal(np.asarray(many, np.float32), np.asarray(one, np.float32))
 
 
-@pytest.mark.parametrize("gathered", ["lhs", "rhs"])
-def test_persistent_weight_grad_detect_races(gathered):
+@pytest.mark.parametrize("gathered, output_chunks", [
+    ("lhs", 0), ("rhs", 0), ("lhs", 1),
+    # CI time: dW2's chunks are column blocks, the same buffer walk as dW1's row blocks.
+    pytest.param("rhs", 1, marks=pytest.mark.slow)])
+def test_persistent_weight_grad_detect_races(gathered, output_chunks):
     """Two persistent CTAs over 3 experts x 4 tiles (experts of 2 and 3 K-blocks that share
     one block, and an empty one): a 2-slot ring reused across items, and output tiles
-    rewritten while the previous item's stores may still read them."""
+    rewritten while the previous item's stores may still read them. With
+    `output_chunks=1` a consumer's two output chunks (block 128 on the gathered side) take
+    turns in one buffer, each rewritten while the other's store may still read it."""
     plan = make_plan(23, 120, 3, 2, empty=(1,))
-    config = WeightGradConfig(block_m=64, block_n=64, num_stages=2, num_consumers=1,
-                              persistent_ctas=2)
+    wide = dict(block_m=128) if gathered == "lhs" else dict(block_n=128)
+    config = WeightGradConfig(**{"block_m": 64, "block_n": 64, **(wide if output_chunks else {})},
+                              num_stages=2, num_consumers=1, persistent_ctas=2,
+                              output_chunks=output_chunks)
     _wgrad_case(24, gathered, plan, 128, 128, config, interpret=interp(detect_races=True))
     assert not races_found()
 
@@ -437,9 +444,35 @@ def test_weight_grad_config_errors():
     with pytest.raises(ValueError, match="persistent_ctas=-1"):
         call(config=WeightGradConfig(persistent_ctas=-1))
     # 4 stages of 48 KB plus 64 KB of output tiles: more SMEM than a CTA has.
-    with pytest.raises(ValueError, match="lower config.num_stages"):
-        call(config=WeightGradConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
-                                     persistent_ctas=132))
+    wide4 = WeightGradConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
+                             persistent_ctas=132)
+    with pytest.raises(ValueError, match="lower config.num_stages or config.output_chunks"):
+        call(config=wide4)
+    for bad in (dict(persistent_ctas=0, output_chunks=1), dict(output_chunks=3),
+                dict(output_chunks=-1)):
+        with pytest.raises(ValueError, match="output_chunks=-?[13] needs persistent_ctas > 0 "
+                                             "and must divide the 2 output chunks"):
+            call(config=dataclasses.replace(wide4, **bad))
+
+
+@pytest.mark.parametrize("gathered", ["lhs", "rhs"])
+@pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8),
+                                   (16384, 2048, 768, 128, 8)], ids=["7b", "30b", "qwen3"])
+def test_persistent_weight_grad_with_4_stages_lowers_for_cuda(shape, gathered):
+    """The defaults' weight-gradient tiles as persistent CTAs with 4 stages beside one
+    16-KB output buffer per consumer (`output_chunks=1`) fit a CTA's SMEM (Mosaic checks
+    the exact bytes when it lowers) at the 7B, 30B and Qwen3 widths."""
+    t, d, n, e, k = shape
+    base = BackwardConfig.for_shape(d, n)
+    config = dataclasses.replace(base.dw_gate_up if gathered == "lhs" else base.dw_down,
+                                 persistent_ctas=132, num_stages=4, output_chunks=1)
+    p = t * k
+    sds = jax.ShapeDtypeStruct
+    lhs, rhs = ((sds((t, d), BF16), sds((p, 2 * n), BF16)) if gathered == "lhs"
+                else (sds((p, n), BF16), sds((t, d), BF16)))
+    f = functools.partial(weight_grad, gathered=gathered, out_dtype=BF16, config=config)
+    jax.jit(f).trace(lhs, rhs, sds((p,), jnp.int32), sds((e,), jnp.int32)).lower(
+        lowering_platforms=("cuda",))
 
 
 # ----------------------------------------------------------------------------- dX~

@@ -40,6 +40,8 @@ session 23): level at 7B and 30B (the separate output tile leaves room for 3 sta
 of 4, which alone costs 4-8%; persistence wins that back), 1.04-1.07x where experts hold
 ~1000 rows; so it is opt-in. Ablations at 7B: the group-edge masking costs ~14 us of dW1's
 ~577 and the stores ~35; storing the output straight from registers (4 stages) was slower.
+`WeightGradConfig.output_chunks=1` (session 24; not yet measured on a GPU) keeps 4 stages
+beside one output buffer per consumer, whose chunks take turns in it.
 """
 
 from __future__ import annotations
@@ -93,7 +95,14 @@ class WeightGradConfig:
         ids in SMEM `num_stages` steps ahead) while the consumers finish this one, and each
         consumer's output tile has its own SMEM, whose stores drain under the next item's K
         loop. That SMEM no longer overlays the pipeline, so fewer stages fit (3 at the 7B
-        defaults). Same products in the same order: bitwise the same result.
+        defaults, 4 with `output_chunks=1`). Same products in the same order: bitwise the
+        same result.
+      output_chunks: persistent kernel only: how many of a consumer's output chunks (the
+        [64, block_n] row blocks of a dW1 tile, the [block_m, 64] column blocks of a dW2
+        tile: one per gathered chunk) have their own SMEM buffer; 0 = all of them. Must
+        divide the chunk count. Fewer buffers leave room for another stage (at the 7B,
+        30B and Qwen3 defaults, 4 stages beside one 16-KB buffer per consumer); before it
+        rewrites a buffer the consumer waits until the store that last read it has read it.
     """
 
     block_m: int = 128
@@ -108,6 +117,7 @@ class WeightGradConfig:
     gather_completion: str = "mbarrier"
     expert_major: bool = True
     persistent_ctas: int = 0
+    output_chunks: int = 0
 
 
 @functools.partial(
@@ -227,17 +237,26 @@ def weight_grad(
             f"config.persistent_ctas={config.persistent_ctas} must be >= 0 (0: one CTA per "
             "output tile; P > 0: P persistent CTAs)."
         )
+    chunks = (bm if gathered == "lhs" else bn) // _CHUNK
+    if config.output_chunks and (not config.persistent_ctas or config.output_chunks < 0
+                                 or chunks % config.output_chunks):
+        raise ValueError(
+            f"config.output_chunks={config.output_chunks} needs persistent_ctas > 0 and must "
+            f"divide the {chunks} output chunks per consumer (block_"
+            f"{'m' if gathered == 'lhs' else 'n'} / 64), or be 0 (all)."
+        )
     cons = config.num_consumers
     cta_m = bm * (cons if gathered == "rhs" else 1)  # consumers split the contiguous side
     cta_n = bn * (cons if gathered == "lhs" else 1)
     _common.require_multiple("M (lhs.shape[1])", m_dim, cta_m, f"a CTA computes {cta_m} rows")
     _common.require_multiple("N (rhs.shape[1])", n_dim, cta_n, f"a CTA computes {cta_n} columns")
     smem = _persistent_smem_bytes(config, gathered, jnp.dtype(out_dtype).itemsize)
-    if config.persistent_ctas and smem > _common.SMEM_BUDGET:
+    if config.persistent_ctas and smem > _PERSISTENT_SMEM_BUDGET:
         raise ValueError(
-            f"config needs {smem} bytes of SMEM ({config.num_stages} stages and a separate "
-            "output tile per consumer, as persistent_ctas > 0 has), more than the "
-            f"{_common.SMEM_BUDGET} a CTA has: lower config.num_stages."
+            f"config needs {smem} bytes of SMEM ({config.num_stages} stages and separate "
+            "output buffers per consumer, as persistent_ctas > 0 has), more than the "
+            f"{_PERSISTENT_SMEM_BUDGET} a CTA has: lower config.num_stages or "
+            "config.output_chunks."
         )
     contiguous = rhs if gathered == "lhs" else lhs
     name = "rhs" if gathered == "lhs" else "lhs"
@@ -259,17 +278,24 @@ def weight_grad(
     return kernel(*args)
 
 
+# What `_persistent_smem_bytes` may take: a CTA's dynamic SMEM less its barriers and
+# Pallas' own scratch (1120 bytes at the 7B defaults, by lowering).
+_PERSISTENT_SMEM_BUDGET = 232448 - 2048
+
+
 def _persistent_smem_bytes(config: WeightGradConfig, gathered: str, out_itemsize: int) -> int:
     """SMEM of a persistent weight-gradient CTA: the stages (gathered chunks, contiguous
-    K-block, token ids) and the consumers' own output tiles; barriers and alignment are in
-    `_common.SMEM_BUDGET`'s margin. (One CTA per item overlays the tiles on the stages.)"""
+    K-block, token ids) and the consumers' own output buffers (`output_chunks` of the
+    tile's chunks each). (One CTA per item overlays its tile on the stages.)"""
     bm, bn, bk, cons = config.block_m, config.block_n, config.block_k, config.num_consumers
     if gathered == "lhs":
         gathered_cols, contiguous_cols = bm, cons * bn
     else:
         gathered_cols, contiguous_cols = bn, cons * bm
+    chunks = gathered_cols // _CHUNK
+    buffers = config.output_chunks or chunks
     stage = bk * (gathered_cols + contiguous_cols) * 2 + bk * 4
-    return config.num_stages * stage + cons * bm * bn * out_itemsize
+    return config.num_stages * stage + cons * (bm * bn // chunks) * buffers * out_itemsize
 
 
 def _mask_foreign_rows(ref, k0, lo, hi):
@@ -303,9 +329,10 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     block on the group's first and last K-block, issues one wgmma per gathered chunk, and
     releases each slot once the next step's wgmmas are issued (the item's last slot after
     its K loop). Then it stores its own output tile: one CTA per item writes it into the
-    pipeline's bytes (every consumer done first); a persistent CTA has a separate tile per
-    consumer, whose TMA stores drain while the next item's K loop runs (the consumer waits
-    only until its previous stores have read the tile before it rewrites it).
+    pipeline's bytes (every consumer done first); a persistent CTA has separate buffers per
+    consumer (`output_chunks` of the tile's chunks, default all), whose TMA stores drain
+    while the next item's K loop runs (before it rewrites a buffer, the consumer waits only
+    until the store that last read it has read it).
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
@@ -317,6 +344,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     num_tiles = grid_m * grid_n
     num_items = num_experts * num_tiles
     persistent = config.persistent_ctas > 0
+    buffers = (config.output_chunks or chunks) if persistent else chunks  # output buffers
     num_ctas = min(config.persistent_ctas, num_items) if persistent else num_items
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
@@ -489,30 +517,37 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                     accs = pl.run_scoped(
                         mma_scope, *[plgpu.ACC(acc_shape, jnp.float32) for _ in range(chunks)]
                     )
-                    if persistent:  # this consumer's previous stores have read its tile
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    def dst(j):  # chunk j of this consumer's output tile
+                        if gather_lhs:
+                            return out_ref.at[expert, pl.ds(m0 + j * _CHUNK, _CHUNK),
+                                              pl.ds(n0 + c * bn, bn)]
+                        return out_ref.at[expert, pl.ds(m0 + c * bm, bm),
+                                          pl.ds(n0 + j * _CHUNK, _CHUNK)]
+
+                    if persistent:  # chunk j in buffer j % buffers, stored at once
+                        for j in range(chunks):
+                            # The `buffers - 1` stores since this buffer's last use may
+                            # still read theirs; the one before them has read this one.
+                            plgpu.wait_smem_to_gmem(buffers - 1, wait_read_only=True)
+                            o_smem[c, j % buffers] = accs[j].astype(out_dtype)
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(o_smem.at[c, j % buffers], dst(j))
                     else:  # the tile reuses the pipeline's SMEM: every consumer is done
                         plgpu.barrier_arrive(epi_bar)
                         plgpu.barrier_wait(epi_bar)
-                    for j in range(chunks):
-                        o_smem[c, j] = accs[j].astype(out_dtype)
-                    plgpu.commit_smem()
-                    for j in range(chunks):
-                        if gather_lhs:
-                            dst = out_ref.at[expert, pl.ds(m0 + j * _CHUNK, _CHUNK),
-                                             pl.ds(n0 + c * bn, bn)]
-                        else:
-                            dst = out_ref.at[expert, pl.ds(m0 + c * bm, bm),
-                                             pl.ds(n0 + j * _CHUNK, _CHUNK)]
-                        plgpu.copy_smem_to_gmem(o_smem.at[c, j], dst)
+                        for j in range(chunks):
+                            o_smem[c, j] = accs[j].astype(out_dtype)
+                        plgpu.commit_smem()
+                        for j in range(chunks):
+                            plgpu.copy_smem_to_gmem(o_smem.at[c, j], dst(j))
                     return g0 + num_k
 
                 jax.lax.fori_loop(0, my_items, per_item, jnp.int32(0))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     c_shape = (stages, bk, cta_n) if gather_lhs else (stages, bk, cta_m)
-    o_type = plgpu.SMEM((cons, chunks, _CHUNK, bn) if gather_lhs else (cons, chunks, bm, _CHUNK),
-                        out_dtype)  # per consumer output tile
+    o_type = plgpu.SMEM(  # per consumer: the output tile, or (persistent) its buffers
+        (cons, buffers, _CHUNK, bn) if gather_lhs else (cons, buffers, bm, _CHUNK), out_dtype)
     bufs, views = _common.gathered_pipeline_smem(
         (stages * chunks, bk, _CHUNK), dtype,
         others=[plgpu.SMEM(c_shape, dtype, transforms=tf)],  # contiguous K-blocks

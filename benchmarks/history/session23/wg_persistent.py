@@ -11,6 +11,9 @@ benchmarks/history/session23/wg_direct_stores_experiment.patch`, which also make
 load `optimized=True`, as calls 5 and 6 ran it): the persistent kernel with 4 stages and its
 output tiles stored straight from registers (`weight_grad._DIRECT_STORES`, no SMEM tile),
 instead of the 3-stage row. Measured slower (0.92-0.95x at 7B); not kept.
+
+`--output-chunks` (added in session 24 for its next session): also the persistent kernel with
+4 stages beside one output buffer per consumer (`WeightGradConfig.output_chunks=1`).
 """
 import dataclasses
 import sys
@@ -28,6 +31,7 @@ from pallas_moe.kernels.weight_grad import k_block_meta, weight_grad
 from pallas_moe.routing.topk import topk_plan
 
 DIRECT = "--direct" in sys.argv
+OUTPUT_CHUNKS = "--output-chunks" in sys.argv
 SHAPES = {"7b": (24576, 1536, 256, 128, 8), "30b": (32768, 4096, 512, 128, 8),
           "7b-skew": (24576, 1536, 256, 128, 8)}
 
@@ -88,6 +92,9 @@ def main(names):
                 "persistent, 3 stages": dataclasses.replace(base, num_stages=3,
                                                             persistent_ctas=sms),
             }
+            if OUTPUT_CHUNKS:  # session 24: 4 stages, one output buffer per consumer
+                variants["persistent, 4 stages, output_chunks=1"] = dataclasses.replace(
+                    base, persistent_ctas=sms, output_chunks=1)
             if DIRECT:  # call 6: output tiles stored from registers, no SMEM tile
                 variants = {v: c for v, c in variants.items() if v != "3 stages"}
                 variants["persistent, 4 stages, direct stores"] = dataclasses.replace(

@@ -15,3 +15,13 @@ else
   timeout 300 python3 benchmarks/step.py --out $OUT --shapes 7b,30b \
     --variants topk/cp_async,topk/cp_async/split-m-up 2>&1 | grep "^|" | tail -8
 fi
+# 3. On either card: the persistent weight gradients with 4 stages beside one output buffer
+#    per consumer (`WeightGradConfig.output_chunks=1`, built and interpret-checked in session
+#    24, lowering checked at 7B/30B/Qwen3): bitwise against the default, XLA reference,
+#    times against the default and the 3-stage persistent form; then the 7B step with it;
+#    then its GPU test.
+timeout 300 python3 benchmarks/history/session23/wg_persistent.py 7b,30b --output-chunks 2>&1 \
+  | grep -v "^WARNING\|^I0000\|^W0000" | tail -14
+timeout 200 python3 benchmarks/step.py --out $OUT/wg --shapes 7b \
+  --variants topk/cp_async,topk/cp_async/persistent-wg4,topk/cp_async 2>&1 | grep "^|" | tail -5
+timeout 200 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k test_weight_grad_persistent_equals_one_cta_per_item 2>&1 | tail -3
