@@ -112,8 +112,8 @@ class UpProjConfig:
         the cooperative kernel.
       epilogue_tiles: persistent kernel (pingpong_ctas > 0) only: how many [64, 64] output
         tiles (of A, H gate and H up, 3 * block_n / 64 per item and consumer, or
-        block_n / 64 with `inference`) each consumer
-        stages in SMEM before it TMA-stores them (0 = all of the item's). Fewer tiles leave
+        block_n / 64 with `inference`) each consumer stages in SMEM before it TMA-stores
+        them (0 = all of the item's). Fewer tiles leave
         SMEM for more pipeline stages; the consumer then waits for its previous stores to
         read the buffer before it refills it.
       prefetch_steps: persistent kernel with the cp.async gather only (interpret mode skips
@@ -581,10 +581,10 @@ def _pingpong_kernel(
     both consumers take every item, consumer c multiplying rows [64 c, 64 c + 64) of each
     gathered stage by the stage's gate and up weight tiles (or, fused, its one [block_k,
     2 block_n] tile), as the cooperative split-M kernel's consumers do; so each weight tile
-    serves 128 rows, and
-    the producer streams the next item's stages while both consumers run their epilogues
-    (the cooperative kernel drains and refills its ring once per CTA). One `full` barrier
-    per slot, which both consumers wait on, and `empty` takes both consumers' releases.
+    serves 128 rows, and the producer streams the next item's stages while both consumers
+    run their epilogues (the cooperative kernel drains and refills its ring once per CTA).
+    One `full` barrier per slot, which both consumers wait on, and `empty` takes both
+    consumers' releases.
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = 2
@@ -608,7 +608,7 @@ def _pingpong_kernel(
     smem = (stages * (bm * bk + 2 * bk * bn) + cons * per_fill * rows_c * slab) * 2
     if smem > _common.SMEM_BUDGET:  # the margin: ids, biases, barriers
         raise ValueError(
-            f"the ping-pong up-proj needs {smem} B of SMEM for {stages} stages of [{bm}, {bk}] "
+            f"the persistent up-proj needs {smem} B of SMEM for {stages} stages of [{bm}, {bk}] "
             f"rows + 2 x [{bk}, {bn}] weights and {cons} x {per_fill} epilogue tiles of "
             f"[{rows_c}, {slab}], over the {_common.SMEM_BUDGET} B available: lower "
             "config.num_stages or config.epilogue_tiles."
@@ -774,8 +774,8 @@ def _pingpong_kernel(
                         _gate_up_k_loop(
                             accs, num_k, stages, j * num_k, wait, empty,
                             # [64, bk]: the item's rows, or split-M this consumer's
-                            lambda slot: a_mma.at[slot, pl.ds(c * rows_c, rows_c) if split
-                                                  else slice(None)],
+                            (lambda slot: a_mma.at[slot, pl.ds(c * rows_c, rows_c)]) if split
+                            else (lambda slot: a_mma.at[slot]),
                             # [bk, 2 bn] gate | up, or ([bk, bn] gate, [bk, bn] up)
                             lambda slot: ((b_bufs[0].at[slot],) if fused
                                           else (bg_smem.at[slot], bu_smem.at[slot])),
