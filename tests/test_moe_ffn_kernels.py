@@ -56,6 +56,10 @@ def test_interpret_backend_forward_and_gradients_match_xla(router):
         assert rel_err(g, r) < 2e-2, name
 
 
+# CI time: the kernel is checked bitwise in test_kernels_up_proj (persistent split-M, race
+# detector), its schedules by test_persistent_split_m_schedules_trace below, and the op on
+# the GPU by test_gpu's test_mosaic_matches_xla_at_d_2048; this is the interpret-mode extra.
+@pytest.mark.slow
 def test_interpret_backend_with_the_persistent_split_m_up_proj_matches_xla():
     """The op with the H200's up-proj above d = 1536 (persistent split-M, 128-row items:
     `ForwardConfig.for_shape`), whose 128-row tiles differ from dH's 64 (two row-tile
@@ -296,6 +300,35 @@ def test_tile_metadata_is_computed_once_per_plan(monkeypatch):
             ("aligned_tile_meta", forward.down.block_m), ("aligned_tile_meta", backward.dx.block_m),
             ("k_block_meta", backward.dw_down.block_k)}
     assert sorted(calls) == sorted(want), calls
+
+
+def test_persistent_split_m_schedules_trace(monkeypatch):
+    """The op's forward and backward trace with 128-row up-proj tiles (the H200's persistent
+    split-M kernel above d = 1536) beside dH's 64-row tiles: each block size's row tiles
+    are derived once per plan and handed to its kernel."""
+    from pallas_moe.kernels import _common
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+    from pallas_moe.kernels.up_proj import UpProjConfig
+
+    logits, x, w1, w2, cot = make_inputs(0, 40, 64, 64, 4)
+    plan = pm.routing.topk_plan(logits, 2)
+    up = UpProjConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2, pingpong_ctas=3,
+                      epilogue_tiles=1)
+    forward = dataclasses.replace(ForwardConfig.for_shape(64, 64, num_sms=3), up=up)
+    backward = BackwardConfig.for_shape(64, 64, num_sms=3)
+    config = pm.kernels.KernelConfig(forward=forward, backward=backward)
+    blocks = []
+    original = _common.tile_meta
+
+    def loss(x, w1, w2):
+        out = pm.moe_ffn(x, plan, w1, w2, backend="interpret", config=config)
+        return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
+
+    monkeypatch.setattr(_common, "tile_meta",
+                        lambda *a, **kw: blocks.append(a[-1]) or original(*a, **kw))
+    jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, w1, w2)
+    assert sorted(blocks) == sorted({128, backward.dh.block_m}), blocks
 
 
 def test_precomputed_schedules_must_match_the_config():
