@@ -25,5 +25,13 @@ def pytest_configure(config):
         return
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", str(config.cache.mkdir("jax_compilation_cache")))
+    cache_dir = str(config.cache.mkdir("jax_compilation_cache"))
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    # The same cache for the Python subprocesses the tests start (they copy os.environ):
+    # the four `tests.ep_check` processes build the same single-device reference layers
+    # (top-K and token rounding on skewed inputs) and `tests.train_kill` trains the config
+    # of test_train_reliability's reference run, so each such program compiles once per
+    # suite instead of once per process. JAX reads these variables at import.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", cache_dir)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
