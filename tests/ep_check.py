@@ -145,15 +145,20 @@ CHUNKED = {"overlap": "chunked", "num_chunks": 3}
 FAST = [
     # (routing, dispatch, ep_size, skew, extra[, ep_options]); scan_and_capacity_checks adds
     # EP=4 ragged top-K.
-    ("topk", "all_gather", 2, True, {}, {"check_vma": True}),
     ("token_rounding", "all_gather", 1, False, {"tile": 16}),
     ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"}),
     ("topk", "emulated_ragged_all_to_all", 2, False, {"score": "sigmoid", "selection_bias": True}),
-    ("topk", "all_gather", 4, True, {"preset": "grouped_scaled_gated"}),
+    # The all-gather dispatch under the vma type check, with DeepSeek-V3's routing options.
+    ("topk", "all_gather", 4, True, {"preset": "grouped_scaled_gated"}, {"check_vma": True}),
 ]
 
 FAST_EXTRA = [
     # CI time: opt-in (--cases fast_extra, a slow test); each is another case's twin.
+    # Plain top-K through the all-gather dispatch at EP=2, skewed, under the vma check:
+    # FAST's EP=4 all-gather case runs the same dispatch and check (skewed, with grouped
+    # top-K on top), as do "layouts"' explicit_mesh (EP=4, plain top-K, skewed) and the
+    # schedule checks; EP=2 is FAST's ragged top-K case.
+    ("topk", "all_gather", 2, True, {}, {"check_vma": True}),
     # Token rounding through the all-gather dispatch at EP=4, skewed: "layouts"' scan_ep runs
     # the same (EP=4 of a (2, 4) mesh, skewed inputs, output, loss and gradients at 2e-5);
     # FAST's EP=1 token-rounding case checks the aux of that dispatch, rounding both ways.
