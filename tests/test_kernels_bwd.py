@@ -219,6 +219,7 @@ def test_backward_wide_blocks():
     check_backward(problem, config=cfg)
 
 
+@pytest.mark.slow  # CI time: the same VJP and checks run in test_moe_ffn_kernels' test_interpret_backend_forward_and_gradients_match_xla[topk]
 def test_custom_vjp_gradients_through_kernels():
     """Gradients of a loss through `minimal_residual_moe_ffn` with the kernel backward (and
     the jnp reference forward, so only the backward is under test here), vs plain autodiff of
