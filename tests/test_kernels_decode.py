@@ -484,6 +484,7 @@ def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
 # --------------------------------------------------------------------- through the op
 
 
+@pytest.mark.slow  # CI time: this path vs xla: test_moe_ffn_runs_the_megakernel_for_the_smallest_batches; BASE at 8 tokens: test_whole_kernel_static_one_cta
 def test_moe_ffn_with_the_megakernel_forward_and_gradients_match_xla():
     import pallas_moe as pm
     from pallas_moe.kernels import ForwardConfig, KernelConfig
@@ -529,7 +530,7 @@ def test_moe_ffn_runs_the_megakernel_for_the_smallest_batches():
     gradients match the xla backend; above that, with SwiGLU not fused, or with an explicit
     config it runs the kernel-by-kernel path (tested against xla elsewhere)."""
     import pallas_moe as pm
-    from pallas_moe.kernels import KernelConfig
+    from pallas_moe.kernels import ForwardConfig, KernelConfig
     from pallas_moe.kernels.moe_forward import DECODE_MAX_TOKENS
 
     def case(num_tokens):
@@ -547,6 +548,10 @@ def test_moe_ffn_runs_the_megakernel_for_the_smallest_batches():
     assert "moe_decode" not in above and "moe_up_proj" in above
     explicit = names(DECODE_MAX_TOKENS, config=KernelConfig.for_shape(128, 128, num_sms=4))
     assert "moe_decode" not in explicit and "moe_up_proj" in explicit
+    # An explicit decode config runs the megakernel at any batch (the opt-in
+    # test_moe_ffn_with_the_megakernel_forward_and_gradients_match_xla runs it at 8 tokens).
+    explicit_decode = names(8, config=KernelConfig(forward=ForwardConfig(decode=BASE)))
+    assert "moe_decode" in explicit_decode and "moe_up_proj" not in explicit_decode
     assert "moe_decode" not in names(DECODE_MAX_TOKENS, numerics=pm.Numerics(fuse_swiglu=False))
 
     x, plan, w1, w2 = case(DECODE_MAX_TOKENS)
