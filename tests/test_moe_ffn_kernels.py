@@ -123,6 +123,7 @@ def test_kernel_backends_reject_unaligned_widths():
         pm.moe_ffn(x, plan, w1, w2, backend="interpret")
 
 
+@pytest.mark.slow  # CI time: test_expert_biases_with_a_plan_that_dropped_every_row runs the same empty plan through the op, same checks
 def test_interpret_backend_with_a_plan_that_dropped_every_row():
     logits, x, w1, w2, cot = make_inputs(2, 16, 64, 64, 4)
     plan = pm.routing.token_rounding_plan(logits, 1, tile=64, rounding="down")
