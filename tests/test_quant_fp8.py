@@ -100,8 +100,14 @@ def test_fp8_no_races():
     assert not races_found()
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M], ids=["ping_pong", "split_m"])
+@pytest.mark.parametrize("config, gated", [
+    pytest.param(PING_PONG, False, id="ping_pong-plain"),
+    pytest.param(SPLIT_M, True, id="split_m-gated"),
+    # CI time: the K loop's promotion is one code path over the kernel's accumulators (one,
+    # or two when gated); the two cases above run it on each config and each gating.
+    pytest.param(PING_PONG, True, id="ping_pong-gated", marks=pytest.mark.slow),
+    pytest.param(SPLIT_M, False, id="split_m-plain", marks=pytest.mark.slow),
+])
 def test_fp8_promotion_equals_reference_and_unpromoted(config, gated):
     # K = 3 blocks: promoting every 2 runs one full interval and a tail of 1, every 4 one
     # short interval. Interpret mode sums in f32 (no 13-bit truncation), and a promoted
