@@ -283,7 +283,11 @@ def test_lookahead_share_prefetches_each_next_step_once_ending_with_the_last(
     assert lookahead_share(current_steps, next_steps, 0) == (0, 0)
 
 
-@pytest.mark.parametrize("scheduler", ["static", "dynamic"])
+@pytest.mark.parametrize("scheduler", [
+    "static",
+    # CI time: the unfused tasks run in [static]; the dynamic queue in test_whole_kernel_dynamic_queue_hands_out_every_task_once.
+    pytest.param("dynamic", marks=pytest.mark.slow),
+])
 def test_whole_kernel_unfused_control(scheduler):
     x, plan, w1, w2 = _case(7)
     config = dataclasses.replace(BASE, fused=False, scheduler=scheduler)
