@@ -159,7 +159,9 @@ def test_resume_gives_identical_next_steps(tmp_path, split, routing, rounding):
 def test_resume_rejects_changed_model(tmp_path, split):
     from train.trainer import train
 
-    cfg = small_config(tmp_path, "r", steps=4, eval_every=100, checkpoint_every=100)
+    # steps=6: the schedule of test_train_reliability's runs (RUN), so this train step is the
+    # program they compile (the test stops at step 2 either way).
+    cfg = small_config(tmp_path, "r", steps=6, eval_every=100, checkpoint_every=100)
     train(cfg, progress=False, plot=False, stop_at=2, data_split=split)
     with pytest.raises(ValueError, match="d_expert"):
         train(with_overrides(cfg, d_expert=64), resume=True, progress=False, plot=False, data_split=split)
