@@ -111,7 +111,8 @@ def test_new_run_into_non_empty_dir_is_refused(tmp_path, split, reference, capsy
 
     # --overwrite starts again: the old run's outputs go, other files stay.
     (out / "notes.txt").write_text("keep me")
-    result = _train(with_overrides(cfg, steps=2, warmup_steps=1), split, overwrite=True)
+    # stop_at=2 on the reference's schedule: the train step the reference compiled.
+    result = _train(cfg, split, overwrite=True, stop_at=2)
     assert result.final_step == 2 and sorted(_losses(out)) == [1, 2]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2"]
     assert (out / "notes.txt").read_text() == "keep me"
