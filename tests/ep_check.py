@@ -146,7 +146,6 @@ FAST = [
     # (routing, dispatch, ep_size, skew, extra[, ep_options]); scan_and_capacity_checks adds
     # EP=4 ragged top-K.
     ("token_rounding", "all_gather", 1, False, {"tile": 16}),
-    ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"}),
     ("topk", "emulated_ragged_all_to_all", 2, False, {"score": "sigmoid", "selection_bias": True}),
     # The all-gather dispatch under the vma type check, with DeepSeek-V3's routing options.
     ("topk", "all_gather", 4, True, {"preset": "grouped_scaled_gated"}, {"check_vma": True}),
@@ -159,13 +158,18 @@ FAST_EXTRA = [
     # top-K on top), as do "layouts"' explicit_mesh (EP=4, plain top-K, skewed) and the
     # schedule checks; EP=2 is FAST's ragged top-K case.
     ("topk", "all_gather", 2, True, {}, {"check_vma": True}),
+    # Token rounding through the unchunked ragged dispatch at EP=8, skewed, rounding up:
+    # FAST_CHUNKED runs this very case with overlap="chunked" (same routing, plan, EP size,
+    # the same dispatch and combine around the experts), and FAST's ragged top-K case runs
+    # the unchunked expert call and reverse exchange.
+    ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"}),
     # Token rounding through the all-gather dispatch at EP=4, skewed: "layouts"' scan_ep runs
     # the same (EP=4 of a (2, 4) mesh, skewed inputs, output, loss and gradients at 2e-5);
     # FAST's EP=1 token-rounding case checks the aux of that dispatch, rounding both ways.
     ("token_rounding", "all_gather", 4, True, {"tile": 16}),
     # gpt-oss's biases and clamped SwiGLU through the ragged dispatch: FAST_CHUNKED runs this
     # very case with overlap="chunked" (same routing, dispatch, EP size, biases); the
-    # unchunked ragged path is FAST's other ragged cases (EP=8 token rounding, EP=2 top-K).
+    # unchunked ragged path is FAST's ragged top-K case (EP=2) and "layouts"' capacity checks.
     ("token_rounding", "emulated_ragged_all_to_all", 2, False, {"preset": "biases_clamped", "tile": 16}),
 ]
 

@@ -40,20 +40,21 @@ def _check(proc, results, min_cases):
 
 
 def test_ep_matches_single_device():
-    """EP 1/2/4/8, top-K and token rounding, both dispatches, skewed routing: y, aux, grads.
+    """EP 1/2/4 (8: the chunked test), top-K and token rounding, both dispatches, skewed
+    routing: y, aux, grads.
 
     Also the layout errors on a real 2x3 mesh (experts or tokens not divisible) and the
     emulated collective against the `ragged_all_to_all` docstring example.
     """
     proc, results = _run_ep_check("fast")
-    _check(proc, results, 9)  # 5 checks + the 4 FAST cases
+    _check(proc, results, 8)  # 5 checks + the 3 FAST cases
     checks = {r["check"] for r in results if "check" in r}
     assert checks == {
         "experts_not_divisible", "tokens_not_divisible", "missing_axis", "valid_3way",
         "emulation_doc_example",
     }
     results = [r for r in results if "check" not in r]
-    assert {r["ep"] for r in results} == {1, 2, 4, 8}
+    assert {r["ep"] for r in results} == {1, 2, 4}  # EP=8: test_ep_chunked_overlap_matches_single_device
     assert {r["dispatch"] for r in results} == {"all_gather", "emulated_ragged_all_to_all"}
     tr = [r for r in results if r["routing"] == "token_rounding"]
     assert any(r["added_rows"] > 0 and r["dropped_rows"] > 0 for r in tr)  # rounding both ways
@@ -70,6 +71,7 @@ def test_ep_chunked_overlap_matches_single_device():
     assert all(r.get("overlap") == "chunked" for r in results)
     assert {r["routing"] for r in results} == {"topk", "token_rounding"}
     assert all(r["chunks"] >= 3 for r in results)
+    assert {r["ep"] for r in results} == {2, 4, 8}
     assert any(r.get("preset") == "biases_clamped" for r in results)
     assert {r["dispatch"] for r in results if r.get("check_vma")} == {"emulated_ragged_all_to_all"}
 
@@ -96,14 +98,16 @@ def test_ep_layouts():
 @pytest.mark.slow  # CI time: twins of default cases (see ep_check.FAST_EXTRA and eager_check)
 def test_ep_matches_single_device_extra():
     """The opt-in rest of `test_ep_matches_single_device`: plain top-K through the all-gather
-    dispatch at EP=2 under the vma check, token rounding through it at EP=4, gpt-oss's biases
-    through the unchunked ragged dispatch, and the valid 3-way layout called outside jit."""
+    dispatch at EP=2 under the vma check, token rounding through it at EP=4 and through the
+    unchunked ragged dispatch at EP=8, gpt-oss's biases through the unchunked ragged
+    dispatch, and the valid 3-way layout called outside jit."""
     proc, results = _run_ep_check("fast_extra")
-    _check(proc, results, 4)
+    _check(proc, results, 5)
     assert {r["check"] for r in results if "check" in r} == {"valid_3way_eager"}
     results = [r for r in results if "check" not in r]
     assert {(r["dispatch"], r["ep"]) for r in results} == {
-        ("all_gather", 2), ("all_gather", 4), ("emulated_ragged_all_to_all", 2)}
+        ("all_gather", 2), ("all_gather", 4), ("emulated_ragged_all_to_all", 2),
+        ("emulated_ragged_all_to_all", 8)}
 
 
 @pytest.mark.slow
