@@ -163,12 +163,19 @@ CONFIG_FLAGS = {
     # Both weight gradients as persistent CTAs (session 23), 3 stages (what fits beside
     # their own output tiles).
     "persistent-wg": lambda c, n: _replace(
-        _replace(c, "dw_gate_up", persistent_ctas=default_num_sms(), num_stages=3),
-        "dw_down", persistent_ctas=default_num_sms(), num_stages=3),
-    # The same with 4 stages beside one output buffer per consumer (session 24).
+        _replace(c, "dw_gate_up", persistent_ctas=default_num_sms(), num_stages=3,
+                 output_chunks=0),
+        "dw_down", persistent_ctas=default_num_sms(), num_stages=3, output_chunks=0),
+    # Persistent with 4 stages beside one output buffer per consumer (session 24; the H200's
+    # default since session 25).
     "persistent-wg4": lambda c, n: _replace(
         _replace(c, "dw_gate_up", persistent_ctas=default_num_sms(), output_chunks=1),
         "dw_down", persistent_ctas=default_num_sms(), output_chunks=1),
+    # One CTA per weight-gradient item (the default before session 25 on an H200; still
+    # the H100's).
+    "one-cta-wg": lambda c, n: _replace(
+        _replace(c, "dw_gate_up", persistent_ctas=0, output_chunks=0),
+        "dw_down", persistent_ctas=0, output_chunks=0),
 }
 
 

@@ -502,14 +502,20 @@ def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion):
 
 
 @pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])
-@PERSISTENT_SHAPES
+@pytest.mark.parametrize(
+    "shape, num_ctas",
+    [((6000, 1536, 256, 32, 8), 132), ((3000, 4096, 512, 16, 4), 132),
+     ((4000, 2048, 768, 32, 8), 7), ((3000, 2880, 1408, 16, 4), 132)],
+    ids=["7b_widths", "30b_widths", "qwen3_widths_7_ctas", "w2880_widths"],
+)
 def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas, completion):
     """Both weight gradients as persistent CTAs (`WeightGradConfig.persistent_ctas`, 3
-    stages, or 4 beside one output buffer per consumer (`output_chunks=1`); cp.async gather
-    with either way of publishing a stage) write the bits of the
-    one-CTA-per-item kernel and match the jnp reference: skewed routing with an empty
-    expert, NaN in the contiguous operand's padding rows, poisoned outputs, fresh random
-    data; 7 CTAs make every CTA walk many items of different K-block counts."""
+    stages, and the H200's default: 4 beside one output buffer per consumer,
+    `output_chunks=1`; cp.async gather with either way of publishing a stage) write the bits
+    of the one-CTA-per-item kernel (the H100's default) and match the jnp reference: skewed
+    routing with an empty expert, NaN in the contiguous operand's padding rows, poisoned
+    outputs, fresh random data; 7 CTAs make every CTA walk many items of different K-block
+    counts; at d = 2880 a dW1 tile is three 64-row chunks taking turns in one buffer."""
     import dataclasses
 
     from pallas_moe.kernels.moe_backward import BackwardConfig
@@ -528,16 +534,18 @@ def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas, complet
     go = jax.random.normal(ks[2], (T, d), jnp.bfloat16)
     dh = pad(jax.random.normal(ks[3], (P, 2 * n), jnp.bfloat16))
     ap = pad(jax.random.normal(ks[4], (P, n), jnp.bfloat16))
-    cfg = BackwardConfig.for_shape(d, n)
+    cfg = BackwardConfig.for_shape(d, n, device_kind="")  # one CTA per item
+    h200 = BackwardConfig.for_shape(d, n, device_kind="NVIDIA H200", num_sms=num_ctas)
     rows = np.asarray(plan.token_ids)
     lo = np.concatenate([[0], np.cumsum(np.asarray(plan.group_sizes))])
-    for gathered, lhs, rhs, base in (("lhs", x, dh, cfg.dw_gate_up), ("rhs", ap, go, cfg.dw_down)):
+    for gathered, lhs, rhs, base, fast in (("lhs", x, dh, cfg.dw_gate_up, h200.dw_gate_up),
+                                           ("rhs", ap, go, cfg.dw_down, h200.dw_down)):
         base = dataclasses.replace(base, gather_completion=completion)
+        assert base.persistent_ctas == 0 and fast.output_chunks == 1, (base, fast)
         outs = []
         for c in (base, dataclasses.replace(base, num_stages=3, persistent_ctas=num_ctas),
-                  # 4 stages beside one output buffer per consumer (session 24)
-                  dataclasses.replace(base, num_stages=4, persistent_ctas=num_ctas,
-                                      output_chunks=1)):
+                  # the H200's default: 4 stages beside one output buffer per consumer
+                  dataclasses.replace(fast, gather_completion=completion)):
             f = jax.jit(lambda l, r, t, g, c=c: weight_grad(
                 l, r, t, g, gathered=gathered, out_dtype=jnp.bfloat16, config=c))
             _poison(E * lhs.shape[1] * rhs.shape[1] * 2)

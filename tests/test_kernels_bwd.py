@@ -458,15 +458,22 @@ def test_weight_grad_config_errors():
 
 @pytest.mark.parametrize("gathered", ["lhs", "rhs"])
 @pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8),
-                                   (16384, 2048, 768, 128, 8)], ids=["7b", "30b", "qwen3"])
-def test_persistent_weight_grad_with_4_stages_lowers_for_cuda(shape, gathered):
-    """The defaults' weight-gradient tiles as persistent CTAs with 4 stages beside one
-    16-KB output buffer per consumer (`output_chunks=1`) fit a CTA's SMEM (Mosaic checks
-    the exact bytes when it lowers) at the 7B, 30B and Qwen3 widths."""
+                                   (16384, 2048, 768, 128, 8), (8192, 2880, 1408, 32, 4),
+                                   (8192, 7168, 2048, 16, 2)],
+                         ids=["7b", "30b", "qwen3", "w2880", "w7168"])
+def test_h200_persistent_weight_grads_lower_for_cuda(shape, gathered):
+    """An H200's default weight gradients (`BackwardConfig.for_shape`) are persistent CTAs
+    with 4 stages beside one output buffer per consumer (`output_chunks=1`), and they fit a
+    CTA's SMEM (Mosaic checks the exact bytes when it lowers) at the 7B, 30B, Qwen3, d = 2880
+    (192-wide gathered tiles: three chunks take turns in one buffer) and d = 7168 widths.
+    Other cards keep one CTA per item."""
     t, d, n, e, k = shape
-    base = BackwardConfig.for_shape(d, n)
-    config = dataclasses.replace(base.dw_gate_up if gathered == "lhs" else base.dw_down,
-                                 persistent_ctas=132, num_stages=4, output_chunks=1)
+    h200 = BackwardConfig.for_shape(d, n, device_kind="NVIDIA H200", num_sms=132)
+    config = h200.dw_gate_up if gathered == "lhs" else h200.dw_down
+    assert (config.persistent_ctas, config.num_stages, config.output_chunks) == (132, 4, 1)
+    for kind in ("NVIDIA H100 80GB HBM3", ""):
+        other = BackwardConfig.for_shape(d, n, device_kind=kind)
+        assert other.dw_gate_up.persistent_ctas == other.dw_down.persistent_ctas == 0, kind
     p = t * k
     sds = jax.ShapeDtypeStruct
     lhs, rhs = ((sds((t, d), BF16), sds((p, 2 * n), BF16)) if gathered == "lhs"

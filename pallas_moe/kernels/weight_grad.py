@@ -36,12 +36,15 @@ Work items are (expert, output tile) pairs; by default one CTA computes one. Wit
 items in the same order (bitwise the same result): its producer runs into the next item's
 K-steps while the consumers finish this one, and each consumer's output tile has its own SMEM
 so its stores drain under the next K loop. Measured on an H200 (benchmarks/RESULTS.md,
-session 23): level at 7B and 30B (the separate output tile leaves room for 3 stages instead
-of 4, which alone costs 4-8%; persistence wins that back), 1.04-1.07x where experts hold
-~1000 rows; so it is opt-in. Ablations at 7B: the group-edge masking costs ~14 us of dW1's
-~577 and the stores ~35; storing the output straight from registers (4 stages) was slower.
-`WeightGradConfig.output_chunks=1` (session 24; not yet measured on a GPU) keeps 4 stages
-beside one output buffer per consumer, whose chunks take turns in it.
+session 23): level at 7B and 30B with separate output tiles (they leave room for 3 stages
+instead of 4, which alone costs 4-8%; persistence wins that back), 1.04-1.07x where experts
+hold ~1000 rows. Ablations at 7B: the group-edge masking costs ~14 us of dW1's ~577 and the
+stores ~35; storing the output straight from registers (4 stages) was slower.
+`WeightGradConfig.output_chunks=1` (session 24) keeps 4 stages beside one output buffer per
+consumer, whose chunks take turns in it: on an H200 (session 25, same run, bitwise equal)
+7B dW1 1.010x and dW2 1.019x, 30B 1.041x and 1.103x against one CTA per item, so it is the
+H200's default (`BackwardConfig.for_shape`); the H100, not yet measured, keeps one CTA per
+item.
 """
 
 from __future__ import annotations
@@ -250,12 +253,12 @@ def weight_grad(
     cta_n = bn * (cons if gathered == "lhs" else 1)
     _common.require_multiple("M (lhs.shape[1])", m_dim, cta_m, f"a CTA computes {cta_m} rows")
     _common.require_multiple("N (rhs.shape[1])", n_dim, cta_n, f"a CTA computes {cta_n} columns")
-    smem = _persistent_smem_bytes(config, gathered, jnp.dtype(out_dtype).itemsize)
-    if config.persistent_ctas and smem > _PERSISTENT_SMEM_BUDGET:
+    smem = persistent_smem_bytes(config, gathered, jnp.dtype(out_dtype).itemsize)
+    if config.persistent_ctas and smem > PERSISTENT_SMEM_BUDGET:
         raise ValueError(
             f"config needs {smem} bytes of SMEM ({config.num_stages} stages and separate "
             "output buffers per consumer, as persistent_ctas > 0 has), more than the "
-            f"{_PERSISTENT_SMEM_BUDGET} a CTA has: lower config.num_stages or "
+            f"{PERSISTENT_SMEM_BUDGET} a CTA has: lower config.num_stages or "
             "config.output_chunks."
         )
     contiguous = rhs if gathered == "lhs" else lhs
@@ -278,12 +281,12 @@ def weight_grad(
     return kernel(*args)
 
 
-# What `_persistent_smem_bytes` may take: a CTA's dynamic SMEM less its barriers and
+# What `persistent_smem_bytes` may take: a CTA's dynamic SMEM less its barriers and
 # Pallas' own scratch (1120 bytes at the 7B defaults, by lowering).
-_PERSISTENT_SMEM_BUDGET = 232448 - 2048
+PERSISTENT_SMEM_BUDGET = 232448 - 2048
 
 
-def _persistent_smem_bytes(config: WeightGradConfig, gathered: str, out_itemsize: int) -> int:
+def persistent_smem_bytes(config: WeightGradConfig, gathered: str, out_itemsize: int) -> int:
     """SMEM of a persistent weight-gradient CTA: the stages (gathered chunks, contiguous
     K-block, token ids) and the consumers' own output buffers (`output_chunks` of the
     tile's chunks each). (One CTA per item overlays its tile on the stages.)"""
