@@ -227,9 +227,6 @@ def smoothquant_kernel(
             q_ref[r] = q
             s_ref[r] = s
 
-        def store(j, q, s):
-            store_at(rows_ref[j], q, s)
-
         def quantize(y):
             """`quantize_row(y)`: one warpgroup reduction for the row's max, then the scale
             and its reciprocal on a splat of it (one register per thread: Mosaic GPU cannot
@@ -244,27 +241,39 @@ def smoothquant_kernel(
 
         def smoothed_rows(xt, start, stop):
             xf = xt.astype(jnp.float32)  # once per token, not per row
+            last = stop - 1
 
-            def smooth_row(j):
-                return plgpu.load(sm_ref.at[exp_ref[j]], layout=layout)
+            def expert(j):  # the expert of CSR entry j (the last entry's past the end)
+                return exp_ref[jnp.minimum(j, last)]
 
-            def row(j, smooth):
-                # Issue the next row's scale load before this row's reduction.
-                nxt = smooth_row(jnp.minimum(j + 1, stop - 1))
-                store(j, *quantize(xf * smooth))
-                return nxt
+            def smooth_row(e):
+                return plgpu.load(sm_ref.at[e], layout=layout)
 
-            jax.lax.fori_loop(start, stop, row, smooth_row(start))
+            def row(j, carry):
+                # Each load's address was loaded a row earlier, so no load waits on another
+                # within a row: the expert id two rows ahead, the next row's scale row (its
+                # id came with the previous row) and its output row, all issued before this
+                # row's reduction.
+                smooth, next_expert, out_row = carry
+                later = (smooth_row(next_expert), expert(j + 2),
+                         rows_ref[jnp.minimum(j + 1, last)])
+                store_at(out_row, *quantize(xf * smooth))
+                return later[0], later[1], later[2]
+
+            first = (smooth_row(exp_ref[start]), expert(start + 1), rows_ref[start])
+            jax.lax.fori_loop(start, stop, row, first)
 
         def plain_rows(xt, start, stop, first_row):
             q, s = quantize(xt.astype(jnp.float32))
             store_at(first_row, q, s)  # prefetched with the token: most tokens own one row
 
-            def other_row(j, carry):
-                store(j, q, s)
-                return carry
+            def other_row(j, out_row):  # the next output row loaded before this store
+                later = rows_ref[jnp.minimum(j + 1, stop - 1)]
+                store_at(out_row, q, s)
+                return later
 
-            jax.lax.fori_loop(start + 1, stop, other_row, None)
+            jax.lax.fori_loop(start + 1, stop, other_row,
+                              rows_ref[jnp.minimum(start + 1, stop - 1)])
 
         @pl.when(cta < token_ctas)
         def _tokens():
