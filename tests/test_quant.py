@@ -237,6 +237,31 @@ def test_no_races_and_padding_ctas():
     assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), INT8))
 
 
+@pytest.mark.parametrize("ahead", [2, 3])
+def test_scale_rows_ahead_same_bits(ahead):
+    """`SmoothQuantConfig.scale_rows_ahead`: smooth-scale rows loaded 2 or 3 rows ahead (past
+    a token's last row the loads repeat its last entry) give the bits of the numpy formula:
+    tokens with 0..3 rows, padding CTAs, several tokens per CTA, races watched."""
+    num_tokens, d, num_experts = 13, 128, 4
+    ks = jax.random.split(jax.random.key(9), 3)
+    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, extra=5)
+    rows_per_token = np.asarray(plan.rows_per_token)
+    assert rows_per_token.min() == 0 and rows_per_token.max() >= 3
+    x = special_x(ks[1], num_tokens, d, at=tuple(np.flatnonzero(rows_per_token)[:5]))
+    smooth = smooth_scales(ks[2], num_experts, d)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    q, s = pm.quant.moe_smoothquant(
+        x, smooth, plan, out_dtype=INT8, backend="interpret", interpret_params=params,
+        config=SmoothQuantConfig(block_t=2, block_pad=8, scale_rows_ahead=ahead))
+    assert not races_found()
+    assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), INT8))
+
+
+def test_scale_rows_ahead_must_be_positive():
+    with pytest.raises(ValueError, match="scale_rows_ahead=0 must be >= 1"):
+        SmoothQuantConfig(scale_rows_ahead=0)
+
+
 def test_kernel_without_smooth_scales_equals_ones():
     """`smooth_scales=None` (the fp8 forward's unsmoothed X and A): Q and s computed once per
     token and stored at each of its rows, the bits of a smoothing by ones; tokens with 0..3
@@ -337,11 +362,21 @@ def test_lowers_for_cuda_at_production_widths(d, out_dtype):
         _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype)
 
 
-def _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype):
+@pytest.mark.parametrize("d", [1536, 4096])
+def test_scale_rows_ahead_lowers_for_cuda(d):
+    """Scale rows 2 ahead (session 25's next A/B) at the 7B and 30B widths."""
+    from tests.cuda_target import h100_target
+
+    with h100_target():
+        _lower_smoothquant(32768, 128, 8, d, INT8, SmoothQuantConfig(scale_rows_ahead=2))
+
+
+def _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype, config=None):
     sds = jax.ShapeDtypeStruct
     x_dtype = jnp.float16 if d == 4096 else jnp.bfloat16  # fp16 input once
     x, smooth = sds((num_tokens, d), x_dtype), sds((num_experts, d), jnp.float32)
-    f = functools.partial(pm.quant.moe_smoothquant, out_dtype=out_dtype, backend="mosaic")
+    f = functools.partial(pm.quant.moe_smoothquant, out_dtype=out_dtype, backend="mosaic",
+                          config=config)
     jax.jit(f).trace(x, smooth, _abstract_plan(num_tokens, num_experts, k)).lower(
         lowering_platforms=("cuda",))
     g = functools.partial(pm.quant.moe_smoothquant_topk, out_dtype=out_dtype, backend="mosaic")

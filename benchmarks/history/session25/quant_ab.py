@@ -8,6 +8,11 @@ numpy formula on 4096 sampled rows; `of copy` = the bytes the op must move per s
 same-run device copy's.
 
     PYTHONPATH=. python3 benchmarks/history/session25/quant_ab.py OUT 7b,30b
+
+`QUANT_AB_VERSIONS` (default "s24,cur", call 7) picks the versions: also "ahead2" and
+"ahead3" (`SmoothQuantConfig.scale_rows_ahead`, scale rows 2 or 3 rows ahead) and "bt2"
+(two tokens per CTA, the next token's X row and CSR bounds prefetched); the first version is
+the reference of the bitwise check and the speed-up.
 """
 import importlib.util
 import json
@@ -27,7 +32,10 @@ spec = importlib.util.spec_from_file_location(
 old = importlib.util.module_from_spec(spec)
 sys.modules["smoothquant_s24"] = old
 spec.loader.exec_module(old)
-VERSIONS = {"s24": old, "cur": cur}
+ALL = {"s24": (old, {}), "cur": (cur, {}), "ahead2": (cur, dict(scale_rows_ahead=2)),
+       "ahead3": (cur, dict(scale_rows_ahead=3)), "bt2": (cur, dict(block_t=2)),
+       "ahead2_bt2": (cur, dict(scale_rows_ahead=2, block_t=2))}
+VERSIONS = {v: ALL[v] for v in os.environ.get("QUANT_AB_VERSIONS", "s24,cur").split(",")}
 SHAPES = {"7b": (24576, 1536, 128, 8), "30b": (32768, 4096, 128, 8), "tiny": (40, 256, 4, 2)}
 INTERPRET = os.environ.get("QUANT_AB_INTERPRET") == "1"
 if INTERPRET:
@@ -48,16 +56,19 @@ def main(out, names):
         nbytes = T * d * 2 + P * d + 4 * P
         for out_dtype in (jnp.float8_e4m3fn, jnp.int8):
             want = None
-            for ver, mod in VERSIONS.items():
-                f = jax.jit(lambda i, s, a0, a1, a2, a3, mod=mod, od=out_dtype: mod.smoothquant_kernel(
-                    i, s, a0, a1, a2, a3, num_out_rows=P, out_dtype=od, interpret=INTERPRET))
+            for ver, (mod, fields) in VERSIONS.items():
+                cfg = mod.SmoothQuantConfig(**fields)
+                f = jax.jit(lambda i, s, a0, a1, a2, a3, mod=mod, od=out_dtype, cfg=cfg:
+                            mod.smoothquant_kernel(i, s, a0, a1, a2, a3, num_out_rows=P,
+                                                   out_dtype=od, config=cfg,
+                                                   interpret=INTERPRET))
                 q, s = poison_then(f, x, smooth, *meta, nbytes=P * (d + 4) * 2, byte=0xFF)
                 q, s = np.asarray(q).view(np.uint8), np.asarray(s).view(np.uint32)
                 want = want or (q, s)
                 row = dict(shape=name, dtype=jnp.dtype(out_dtype).name, version=ver,
-                           bitwise_equal_s24=bool(np.array_equal(q, want[0])
+                           bitwise_equal_first=bool(np.array_equal(q, want[0])
                                                   and np.array_equal(s, want[1])))
-                if ver == "cur":
+                if ver != next(iter(VERSIONS)):
                     xs, ss = np.asarray(x.astype(jnp.float32)), np.asarray(smooth)
                     r = np.asarray(meta[1])[:4096]
                     toks = np.repeat(np.arange(T), np.diff(np.asarray(meta[0])))[:4096]
@@ -71,12 +82,17 @@ def main(out, names):
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     json.dump(rows, open(os.path.join(out, "quant_ab.json"), "w"), indent=1)
-    print("| shape | dtype | s24 us (of copy) | new us (of copy) | speed-up | bitwise = s24 | numpy mismatches |")
-    print("|---|---|---|---|---|---|---|")
-    for a, b in zip(rows[::2], rows[1::2]):
-        print(f"| {a['shape']} | {a['dtype']} | {a['us']} ({a['of_copy']}) | {b['us']} "
-              f"({b['of_copy']}) | {a['us'] / b['us']:.3f} | {b['bitwise_equal_s24']} | "
-              f"{b['numpy_mismatches']} |")
+    names = list(VERSIONS)
+    print("| shape | dtype | " + " | ".join(f"{v} us (of copy)" for v in names)
+          + f" | {names[0]} / {names[-1]} | bitwise | numpy mismatches |")
+    print("|---|---|" + "---|" * (len(names) + 3))
+    for i in range(0, len(rows), len(names)):
+        got = rows[i:i + len(names)]
+        print(f"| {got[0]['shape']} | {got[0]['dtype']} | "
+              + " | ".join(f"{r['us']} ({r['of_copy']})" for r in got)
+              + f" | {got[0]['us'] / got[-1]['us']:.3f} | "
+              + f"{all(r['bitwise_equal_first'] for r in got)} | "
+              + f"{sum(r.get('numpy_mismatches', 0) for r in got)} |")
 
 
 if __name__ == "__main__":
