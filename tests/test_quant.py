@@ -363,12 +363,16 @@ def test_lowers_for_cuda_at_production_widths(d, out_dtype):
 
 
 @pytest.mark.parametrize("d", [1536, 4096])
-def test_scale_rows_ahead_lowers_for_cuda(d):
-    """Scale rows 2 ahead (session 25's next A/B) at the 7B and 30B widths."""
+def test_scale_rows_ahead_and_fadd_rounding_lower_for_cuda(d):
+    """Scale rows 2 ahead and int8 rounded by an f32 add (session 25's next A/B) at the 7B
+    and 30B widths; a bad rounding name is refused."""
     from tests.cuda_target import h100_target
 
     with h100_target():
-        _lower_smoothquant(32768, 128, 8, d, INT8, SmoothQuantConfig(scale_rows_ahead=2))
+        _lower_smoothquant(32768, 128, 8, d, INT8,
+                           SmoothQuantConfig(scale_rows_ahead=2, int8_rounding="fadd"))
+    with pytest.raises(ValueError, match='int8_rounding must be "cvt" or "fadd", got .rne.'):
+        SmoothQuantConfig(int8_rounding="rne")
 
 
 def _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype, config=None):
@@ -499,19 +503,24 @@ _on_hopper = (jax.devices()[0].platform == "gpu"
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("config", [
+    SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2)],
+    ids=["default", "fadd_ahead2"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
-def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype):
-    # Token rounding (padding rows) at a production width; every row, bit for bit.
+def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
+    # Token rounding (padding rows) at a production width; every row, bit for bit. Also int8
+    # rounded by an f32 add and scale rows loaded 2 rows ahead (session 25).
     num_tokens, d, num_experts, k = 2048, 2048, 16, 4
     ks = jax.random.split(jax.random.key(7), 3)
     plan = pm.routing.token_rounding_plan(
         jax.random.normal(ks[0], (num_tokens, num_experts)), k, tile=128)
     x = special_x(ks[1], num_tokens, d)
     smooth = smooth_scales(ks[2], num_experts, d)
-    q, s = plan_quant(out_dtype, "mosaic")(x, smooth, plan)
+    q, s = plan_quant(out_dtype, "mosaic", config)(x, smooth, plan)
     assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), out_dtype))
     ids = jax.random.randint(ks[0], (num_tokens, k), 0, num_experts)
-    q, s = pm.quant.moe_smoothquant_topk(x, smooth, ids, out_dtype=out_dtype, backend="mosaic")
+    q, s = pm.quant.moe_smoothquant_topk(x, smooth, ids, out_dtype=out_dtype, backend="mosaic",
+                                         config=config)
     tokens = np.repeat(np.arange(num_tokens), k)
     assert_bitwise(q.reshape(-1, d), s.reshape(-1),
                    *numpy_smoothquant(x, smooth, tokens, np.asarray(ids).reshape(-1),

@@ -54,14 +54,23 @@ class SmoothQuantConfig:
         expert id one row further is loaded with them, so no scale load waits on its id).
         Measured on an H200 (session 25, 1 against session 24's loop, where the next row's
         scale load waited on its expert id's load): 1.07-1.11x, the same bits.
+      int8_rounding: how compiled kernels round int8 values (`_saturating_quantize`; the
+        same bits for every finite row): "cvt" (`cvt.rni.sat.s8.f32`, the conversion pipe;
+        default, GPU-tested) or "fadd" (an f32 add of 1.5 * 2^23 on the FP32 pipe; session
+        25, not yet run on a GPU).
     """
 
     block_t: int = 1
     block_pad: int = 64
     vec: int | None = None
     scale_rows_ahead: int = 1
+    int8_rounding: str = "cvt"
 
     def __post_init__(self):
+        if self.int8_rounding not in ("cvt", "fadd"):
+            raise ValueError(
+                f'config.int8_rounding must be "cvt" or "fadd", got {self.int8_rounding!r}.'
+            )
         if self.scale_rows_ahead < 1:
             raise ValueError(
                 f"config.scale_rows_ahead={self.scale_rows_ahead} must be >= 1 (smooth-scale "
@@ -109,13 +118,28 @@ def _rcp_rn(splat: jax.Array) -> jax.Array:
     return rcp(splat)
 
 
-def _saturating_quantize(v: jax.Array, out_dtype, layout) -> jax.Array:
+# int8 rounding by an f32 add (`int8_rounding="fadd"`): 1.5 * 2^23, whose ulp is 1, so
+# `add.rn.f32 v, 0f4B400000` rounds v half to even to an integer held in the low mantissa
+# bits, as two's complement in the low byte. `.rn` keeps ptxas from fusing the add with the
+# multiply `y * rcp(s)` before it into an fma (which would round the exact product instead).
+_INT8_ROUND_ASM = "{ .reg .f32 t; add.rn.f32 t, $1, 0f4B400000; mov.b32 $0, t; }"
+
+
+_INT8_ROUNDINGS = {"cvt": "cvt.rni.sat.s8.f32 $0, $1;", "fadd": _INT8_ROUND_ASM}
+
+
+def _saturating_quantize(v: jax.Array, out_dtype, layout, int8_rounding: str = "cvt") -> jax.Array:
     """`apply_row_scale`'s `saturate(round(v))` on the GPU, in fewer instructions, for the
     values `v = y * rcp(s)` of a finite row (|v| <= qmax within a few ulp):
       e4m3: the cast alone (`cvt.rn.satfinite.e4m3x2.f32` rounds half to even and clips to
         +-448 itself, as the clip would; NaN stays NaN);
-      int8: `cvt.rni.sat.s8.f32` per element (round half to even, then saturate to
-        [-128, 127]; |v| < 127.5 here, so never -128, as the clip to +-127 guarantees).
+      int8, `int8_rounding="cvt"`: `cvt.rni.sat.s8.f32` per element (round half to even,
+        then saturate to [-128, 127]; |v| < 127.5 here, so never -128, as the clip to +-127
+        guarantees);
+      int8, "fadd": an f32 add of 1.5 * 2^23 (`_INT8_ROUND_ASM`, the full-rate FP32 pipe
+        instead of the conversion pipe) and the low byte of its bits: round half to even,
+        the same integer, since |v| < 127.5 needs no saturation. Rows whose scale is NaN or
+        infinite have meaningless Q (`quant/reference.py`); NaN gives -1 there, not 0.
     Interpret mode runs `apply_row_scale` itself.
 
     Args:
@@ -143,7 +167,7 @@ def _saturating_quantize(v: jax.Array, out_dtype, layout) -> jax.Array:
             n = ir.VectorType(reg.type).shape[0]
             out = [
                 arith.trunci(i8, llvm.inline_asm(
-                    i32, [vector.extract(reg, [], [i])], "cvt.rni.sat.s8.f32 $0, $1;", "=r,f",
+                    i32, [vector.extract(reg, [], [i])], _INT8_ROUNDINGS[int8_rounding], "=r,f",
                     has_side_effects=False))
                 for i in range(n)
             ]
@@ -250,7 +274,7 @@ def smoothquant_kernel(
             _, inv = row_scale(jnp.full(y.shape, amax, jnp.float32), out_dtype, reciprocal)
             if interpret:
                 return apply_row_scale(y, inv, out_dtype), scale
-            return _saturating_quantize(y * inv, out_dtype, layout), scale
+            return _saturating_quantize(y * inv, out_dtype, layout, config.int8_rounding), scale
 
         def smoothed_rows(xt, start, stop):
             xf = xt.astype(jnp.float32)  # once per token, not per row

@@ -9,7 +9,8 @@ same-run device copy's.
 
     PYTHONPATH=. python3 benchmarks/history/session25/quant_ab.py OUT 7b,30b
 
-`QUANT_AB_VERSIONS` (default "s24,cur", call 7) picks the versions: also "ahead2" and
+`QUANT_AB_VERSIONS` (default "s24,cur", call 7) picks the versions: also "s25a" (call 7's
+kernel file), "fadd" (int8 rounded by an f32 add, not `cvt.rni.sat.s8.f32`), "ahead2" and
 "ahead3" (`SmoothQuantConfig.scale_rows_ahead`, scale rows 2 or 3 rows ahead) and "bt2"
 (two tokens per CTA, the next token's X row and CSR bounds prefetched); the first version is
 the reference of the bitwise check and the speed-up.
@@ -27,12 +28,21 @@ sys.path.insert(0, ".")
 from benchmarks.quant import gpu_time_ms, kernel_args, make_case, numpy_rows, poison_then  # noqa: E402
 from pallas_moe.quant import kernel as cur  # noqa: E402
 
-spec = importlib.util.spec_from_file_location(
-    "smoothquant_s24", os.path.join(os.path.dirname(__file__), "smoothquant_s24.py"))
-old = importlib.util.module_from_spec(spec)
-sys.modules["smoothquant_s24"] = old
-spec.loader.exec_module(old)
-ALL = {"s24": (old, {}), "cur": (cur, {}), "ahead2": (cur, dict(scale_rows_ahead=2)),
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(__file__), name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # its dataclass looks its module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# s24: session 24's kernel; s25a: call 7's (the dependent-load fix); cur: the tree (its
+# defaults); fadd: int8 rounded by an f32 add (`int8_rounding="fadd"`).
+ALL = {"s24": (_load("smoothquant_s24"), {}), "s25a": (_load("smoothquant_s25a"), {}),
+       "cur": (cur, {}), "fadd": (cur, dict(int8_rounding="fadd")), "ahead2": (cur, dict(scale_rows_ahead=2)),
        "ahead3": (cur, dict(scale_rows_ahead=3)), "bt2": (cur, dict(block_t=2)),
        "ahead2_bt2": (cur, dict(scale_rows_ahead=2, block_t=2))}
 VERSIONS = {v: ALL[v] for v in os.environ.get("QUANT_AB_VERSIONS", "s24,cur").split(",")}
