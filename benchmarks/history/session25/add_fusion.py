@@ -47,6 +47,20 @@ def main():
             g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16) + producer(z),
         "a param, + bf16 dot": lambda g, w, z: jnp.dot(g, w.T, preferred_element_type=jnp.bfloat16) + z,
     }
+    # Added after call 3 (for the next session): the addend behind an optimization barrier,
+    # which no fusion crosses, as the step's Pallas output; and dot forms that might keep
+    # the dot out of XLA's Triton GEMM fusion (whose cuBLAS fallback never sees the add).
+    barrier = lambda z: jax.lax.optimization_barrier(producer(z))  # noqa: E731
+    variants.update({
+        "barrier a + bf16 dot": lambda g, w, z: jnp.dot(
+            g, w.T, preferred_element_type=jnp.bfloat16) + barrier(z),
+        "barrier a + HIGHEST bf16 dot": lambda g, w, z: jnp.dot(
+            g, w.T, preferred_element_type=jnp.bfloat16,
+            precision=jax.lax.Precision.HIGHEST) + barrier(z),
+        "barrier a + BF16_BF16_F32 dot": lambda g, w, z: jax.lax.dot(
+            g, w.T, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+            preferred_element_type=jnp.bfloat16) + barrier(z),
+    })
     rows = []
     for name, f in variants.items():
         jf = jax.jit(f)
