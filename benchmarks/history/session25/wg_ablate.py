@@ -22,10 +22,10 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.forward import SHAPES, gpu_time_ms
+from benchmarks.history.session25.wg_run import inputs
 from benchmarks.timeline import _patched, no_feed
 from pallas_moe.kernels import weight_grad as wg
 from pallas_moe.kernels.moe_backward import BackwardConfig
-from pallas_moe.routing.topk import topk_plan
 
 ABLATIONS = {
     "default": contextlib.nullcontext,
@@ -39,14 +39,8 @@ ABLATIONS = {
 def main(names):
     rows = []
     for name in names:
-        t, d, n, e, k = SHAPES[name]
-        ks = jax.random.split(jax.random.key(0), 5)
-        plan = topk_plan(jax.random.normal(ks[0], (t, e)), k)
-        p64 = -(-plan.capacity // 64) * 64
-        x = jax.random.normal(ks[1], (t, d), jnp.bfloat16)
-        go = jax.random.normal(ks[2], (t, d), jnp.bfloat16)
-        dh = jax.random.normal(ks[3], (p64, 2 * n), jnp.bfloat16)
-        ap = jax.random.normal(ks[4], (p64, n), jnp.bfloat16)
+        _, d, n, _, _ = SHAPES[name]
+        plan, x, go, dh, ap = inputs(name)
         cfg = BackwardConfig.for_shape(d, n, device_kind="NVIDIA H200")  # persistent, 4 stages
         for kernel, gathered, lhs, rhs, c in (("dW1", "lhs", x, dh, cfg.dw_gate_up),
                                               ("dW2", "rhs", ap, go, cfg.dw_down)):

@@ -15,15 +15,22 @@ from pallas_moe.kernels.weight_grad import weight_grad
 from pallas_moe.routing.topk import topk_plan
 
 
-def main(name):
+def inputs(name):
+    """(plan, X, dO, dH, A') of a weight-gradient case: top-K over random logits, the
+    contiguous operands padded to whole 64-row K-blocks."""
     t, d, n, e, k = SHAPES[name]
     ks = jax.random.split(jax.random.key(0), 5)
     plan = topk_plan(jax.random.normal(ks[0], (t, e)), k)
     p64 = -(-plan.capacity // 64) * 64
-    x = jax.random.normal(ks[1], (t, d), jnp.bfloat16)
-    go = jax.random.normal(ks[2], (t, d), jnp.bfloat16)
-    dh = jax.random.normal(ks[3], (p64, 2 * n), jnp.bfloat16)
-    ap = jax.random.normal(ks[4], (p64, n), jnp.bfloat16)
+    return (plan, jax.random.normal(ks[1], (t, d), jnp.bfloat16),
+            jax.random.normal(ks[2], (t, d), jnp.bfloat16),
+            jax.random.normal(ks[3], (p64, 2 * n), jnp.bfloat16),
+            jax.random.normal(ks[4], (p64, n), jnp.bfloat16))
+
+
+def main(name):
+    _, d, n, _, _ = SHAPES[name]
+    plan, x, go, dh, ap = inputs(name)
     cfg = BackwardConfig.for_shape(d, n)
     print(cfg.dw_gate_up, cfg.dw_down, flush=True)
     for gathered, lhs, rhs, c in (("lhs", x, dh, cfg.dw_gate_up), ("rhs", ap, go, cfg.dw_down)):
