@@ -9,8 +9,7 @@ same-run device copy's.
 
     PYTHONPATH=. python3 benchmarks/history/session25/quant_ab.py OUT 7b,30b
 
-`QUANT_AB_VERSIONS` (default "s24,cur", call 7) picks the versions: also "s25a" (call 7's
-kernel file), "fadd" (int8 rounded by an f32 add, not `cvt.rni.sat.s8.f32`), "ahead2" and
+`QUANT_AB_VERSIONS` (default "s24,cur", call 7) picks the versions: also "fadd" (int8 rounded by an f32 add, not `cvt.rni.sat.s8.f32`), "ahead2" and
 "ahead3" (`SmoothQuantConfig.scale_rows_ahead`, scale rows 2 or 3 rows ahead) and "bt2"
 (two tokens per CTA, the next token's X row and CSR bounds prefetched); the first version is
 the reference of the bitwise check and the speed-up.
@@ -39,9 +38,9 @@ def _load(name):
     return mod
 
 
-# s24: session 24's kernel; s25a: call 7's (the dependent-load fix); cur: the tree (its
-# defaults); fadd: int8 rounded by an f32 add (`int8_rounding="fadd"`).
-ALL = {"s24": (_load("smoothquant_s24"), {}), "s25a": (_load("smoothquant_s25a"), {}),
+# s24: session 24's kernel; cur: the tree with its defaults (call 7's kernel); fadd: int8
+# rounded by an f32 add (`int8_rounding="fadd"`).
+ALL = {"s24": (_load("smoothquant_s24"), {}),
        "cur": (cur, {}), "fadd": (cur, dict(int8_rounding="fadd")), "ahead2": (cur, dict(scale_rows_ahead=2)),
        "ahead3": (cur, dict(scale_rows_ahead=3)), "bt2": (cur, dict(block_t=2)),
        "ahead2_bt2": (cur, dict(scale_rows_ahead=2, block_t=2))}
