@@ -459,14 +459,14 @@ def test_weight_grad_config_errors():
 @pytest.mark.parametrize("gathered", ["lhs", "rhs"])
 @pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8),
                                    (16384, 2048, 768, 128, 8), (8192, 2880, 1408, 32, 4),
-                                   (8192, 7168, 2048, 16, 2)],
-                         ids=["7b", "30b", "qwen3", "w2880", "w7168"])
+                                   (8192, 7168, 2048, 16, 2), (8192, 2880, 2880, 32, 4)],
+                         ids=["7b", "30b", "qwen3", "w2880", "w7168", "gpt_oss_20b"])
 def test_h200_persistent_weight_grads_lower_for_cuda(shape, gathered):
     """An H200's default weight gradients (`BackwardConfig.for_shape`) are persistent CTAs
     with 4 stages beside one output buffer per consumer (`output_chunks=1`), and they fit a
     CTA's SMEM (Mosaic checks the exact bytes when it lowers) at the 7B, 30B, Qwen3, d = 2880
-    (192-wide gathered tiles: three chunks take turns in one buffer) and d = 7168 widths.
-    Other cards keep one CTA per item."""
+    (192-wide gathered tiles: three chunks take turns in one buffer), d = 7168 and gpt-oss-20b
+    (d = n = 2880: dW2 with one consumer) widths. Other cards keep one CTA per item."""
     t, d, n, e, k = shape
     h200 = BackwardConfig.for_shape(d, n, device_kind="NVIDIA H200", num_sms=132)
     config = h200.dw_gate_up if gathered == "lhs" else h200.dw_down
