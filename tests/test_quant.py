@@ -503,6 +503,29 @@ _on_hopper = (jax.devices()[0].platform == "gpu"
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
+def test_kernel_without_smooth_scales_on_gpu():
+    """The compiled kernel without smooth scales (each token quantized once, stored at every
+    one of its rows, the next output row loaded before each store) at a production width:
+    tokens with several rows (top-K) and padding rows, every row against numpy's smoothing
+    by ones, bit for bit."""
+    from pallas_moe.quant.kernel import smoothquant_kernel
+
+    num_tokens, d, num_experts, k = 2048, 2048, 16, 4
+    ks = jax.random.split(jax.random.key(8), 2)
+    plan = pm.routing.token_rounding_plan(
+        jax.random.normal(ks[0], (num_tokens, num_experts)), k, tile=128)
+    x = special_x(ks[1], num_tokens, d)
+    row_experts = jnp.minimum(plan.expert_ids[plan.rows_by_token], num_experts - 1)
+    meta = (plan.token_row_offsets, plan.rows_by_token, row_experts, plan.num_rows)
+    for out_dtype in (INT8, E4M3):
+        q, s = jax.jit(lambda x, *m, od=out_dtype: smoothquant_kernel(
+            x, None, *m, num_out_rows=plan.capacity, out_dtype=od))(x, *meta)
+        ones = jnp.ones((num_experts, d), jnp.float32)
+        assert_bitwise(q, s, *numpy_smoothquant(x, ones, *plan_rows(plan), out_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("config", [
     SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2)],
     ids=["default", "fadd_ahead2"])
