@@ -13,4 +13,4 @@
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 QUANT_AB_VERSIONS=s24,cur,fadd,ahead2,ahead3,bt2,ahead2_bt2 timeout 300 \
   python3 benchmarks/history/session25/quant_ab.py $OUT 7b,30b 2>&1 | grep "^|"
-timeout 90 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant.py -k "on_gpu" 2>&1 | tail -2  # includes the unsmoothed loop (several rows per token)
+timeout 200 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant.py -k "on_gpu" 2>&1 | tail -2  # includes the unsmoothed loop (several rows per token)
