@@ -80,6 +80,10 @@ MEGA_VARIANTS = {
     "static_exact": dict(approx_math=False),
     "static_bt16": dict(token_block=16),
     "static_regs": dict(rebalance_registers=True),
+    # Split K of the up tasks (session 25; `docs/decode.md`, "Where T = 1 loses").
+    "static_split2": dict(up_split_k=2),
+    "static_split4": dict(up_split_k=4),
+    "dynamic_split4": dict(scheduler="dynamic", up_split_k=4),
 }
 VARIANTS = ("kernels", "kernels_inf", "auto", *MEGA_VARIANTS)
 DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused", "static_ahead", "dynamic_ahead")

@@ -30,6 +30,10 @@ VARIANTS = {
     # scheduler claims a task ahead).
     "static_ahead": dict(lookahead_steps=16),
     "dynamic_ahead": dict(scheduler="dynamic", lookahead_steps=16),
+    # Split K of the up tasks (session 25): 4 partial tasks and a reduce task per up task.
+    "static_split4": dict(up_split_k=4),
+    "dynamic_split4": dict(scheduler="dynamic", up_split_k=4),
+    "unfused_split2": dict(fused=False, up_split_k=2),
 }
 
 
@@ -85,7 +89,10 @@ def _run(variant, x, plan, write_h=False):
     + [(t, "dynamic") for t in (1, 128, 1024)]
     + [(t, "unfused") for t in (8, 512)]
     + [(t, "static_ahead") for t in (1, 8, 128, 1024)]
-    + [(t, "dynamic_ahead") for t in (1, 128)],
+    + [(t, "dynamic_ahead") for t in (1, 128)]
+    + [(t, "static_split4") for t in (1, 8, 128)]
+    + [(t, "dynamic_split4") for t in (1, 64)]
+    + [(8, "unfused_split2")],
 )
 def test_matches_xla(num_tokens, variant):
     x, plan = _case(num_tokens, seed=0)
@@ -107,19 +114,22 @@ def test_routing_edge_cases(routing, variant):
     assert _rel_err(out, _reference_fn()(x, plan, w1, w2)) < 1e-2
 
 
-def test_h_matches_the_kernel_path():
-    """With write_h the megakernel also writes H, as the op's backward needs it."""
+@pytest.mark.parametrize("variant", ["static", "static_split4"])
+def test_h_matches_the_kernel_path(variant):
+    """With write_h the megakernel also writes H, as the op's backward needs it (with split
+    K, from the reduce tasks' sums)."""
     from pallas_moe.kernels.moe_forward import moe_forward
 
     x, plan = _case(128, seed=2)
     w1, w2 = _weights()
-    _, h = _run("static", x, plan, write_h=True)
+    _, h = _run(variant, x, plan, write_h=True)
     _, h_ref = jax.jit(moe_forward)(x, plan, w1, w2)
     rows = int(plan.num_rows)
     assert _rel_err(h[:rows], h_ref[:rows]) < 1e-2
 
 
-@pytest.mark.parametrize("variant", ["static", "dynamic", "static_ahead", "dynamic_ahead"])
+@pytest.mark.parametrize("variant", ["static", "dynamic", "static_ahead", "dynamic_ahead",
+                                     "static_split4", "dynamic_split4"])
 def test_hundred_runs_no_hang_bitwise_equal(variant):
     x, plan = _case(64, seed=3)
     first, _ = _run(variant, x, plan)

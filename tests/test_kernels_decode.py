@@ -79,11 +79,16 @@ def _expected_counts(meta, config, num_events, n, d, fused=True):
     real = int(meta.counts[0])
     want = np.zeros(num_events, np.int64)
     up_blocks, down_blocks = n // config.up_block_n, d // config.down_block_n
+    num_blocks = meta.block_target.shape[0]
+    # With split K: part_done[tile * up_blocks + cb] reaches S for every real tile, fused or not.
+    num_parts = max_tiles * up_blocks if config.up_split_k > 1 else 0
+    part_done = max_tiles + num_blocks
+    want[part_done:part_done + real * up_blocks] = config.up_split_k if num_parts else 0
     if fused:
         want[:real] = up_blocks
-        want[max_tiles:max_tiles + meta.block_target.shape[0]] = np.asarray(meta.block_target)
+        want[max_tiles:max_tiles + num_blocks] = np.asarray(meta.block_target)
     else:
-        stage_up = max_tiles + meta.block_target.shape[0]
+        stage_up = part_done + num_parts
         want[stage_up] = real * up_blocks
         want[stage_up + 1] = real * down_blocks
     return want
@@ -160,6 +165,29 @@ def test_up_tasks_alone_match_reference_with_h():
     rows = int(plan.num_rows)
     close(_slab_to_rows(outs.a_slab, meta, plan.capacity), a_ref, rows)
     close(outs.h, h_ref, rows)
+
+
+def test_split_k_up_tasks_alone_match_reference_with_h():
+    """Split K (`up_split_k=2`): the partial up tasks and the reduce tasks alone, one CTA whose
+    consumers hand the partial sums over through GMEM and part_done; the race detector
+    watches (the hand-over is ordered by the counters)."""
+    x, plan, w1, w2 = _case(1, num_tokens=40, d=256, num_experts=4, k=2)
+    config = dataclasses.replace(BASE, up_split_k=2)
+    outs = decode_tasks(
+        x, plan, w1, w2, config=config, kinds=("up",), write_h=True,
+        interpret=plgpu.InterpretGPUParams(detect_races=True),
+    )
+    assert not races_found()
+    meta = decode_meta(plan, config, 256)
+    h_ref, a_ref = up_proj_reference(x, plan.token_ids, plan.group_sizes, w1)
+    rows = int(plan.num_rows)
+    close(_slab_to_rows(outs.a_slab, meta, plan.capacity), a_ref, rows)
+    close(outs.h, h_ref, rows)
+    counts = np.asarray(outs.events)[:, :-1].sum(axis=0)
+    assert np.all(np.asarray(outs.events)[:, -1] == 0)
+    real, up_blocks = int(meta.counts[0]), 128 // config.up_block_n
+    part_done = meta.expert.shape[0] + meta.block_target.shape[0]
+    np.testing.assert_array_equal(counts[part_done:part_done + real * up_blocks], 2)
 
 
 def test_down_tasks_alone_match_reference():
@@ -242,6 +270,25 @@ def test_whole_kernel_dynamic_queue_hands_out_every_task_once():
     total = real * 2 + real * 1 + meta.block_target.shape[0]
     # Every task once, plus one failed fetch per CTA (its exit).
     assert fetched == total + config.num_sms
+
+
+@pytest.mark.parametrize("overrides, d", [
+    (dict(up_split_k=2), 128),
+    (dict(up_split_k=4, fused=False), 256),
+    # CI time: the dynamic queue with split K (every partial and reduce task once).
+    pytest.param(dict(up_split_k=2, scheduler="dynamic", num_sms=3), 128, marks=pytest.mark.slow),
+], ids=["static-S2", "unfused-S4", "dynamic-S2"])
+def test_whole_kernel_split_k(overrides, d):
+    """Split K of the up tasks: S partial tasks per (tile, column block) and a reduce task
+    that adds their f32 sums in a fixed order; the output and H against the reference,
+    every counter at its target (part_done at S), and for the dynamic queue every task
+    (S partials + 1 reduce per up task) handed out once."""
+    x, plan, w1, w2 = _case(6, num_tokens=9, d=d, num_experts=4, k=2)
+    config = dataclasses.replace(BASE, **overrides)
+    _, meta, fetched = _run_whole(x, plan, w1, w2, config, write_h=True)
+    real, split = int(meta.counts[0]), config.up_split_k
+    tasks = real * 2 * (split + 1) + real * (d // 128) + meta.block_target.shape[0]
+    assert fetched == (tasks + config.num_sms if config.scheduler == "dynamic" else 0)
 
 
 @pytest.mark.slow  # 9 s of CI each; both also run on the H100 (static_ahead, dynamic_ahead)
@@ -443,6 +490,13 @@ def test_bad_inputs_raise_clear_errors():
         )
     with pytest.raises(TypeError, match="w_down must have dtype bfloat16"):
         moe_decode(x, plan, w1, w2.astype(jnp.float32), config=BASE, interpret=True)
+    with pytest.raises(ValueError, match="config.up_split_k=0 must be a positive int"):
+        DecodeConfig(up_split_k=0)
+    with pytest.raises(ValueError, match="config.up_split_k=2 and config.lookahead_steps=4"):
+        DecodeConfig(up_split_k=2, lookahead_steps=4)
+    # d = 128 is 2 K steps: 4 partials cannot split them.
+    with pytest.raises(ValueError, match="d \\(x.shape\\[1\\]\\)=128 must be a multiple of 256.*up_split_k=4"):
+        moe_decode(x, plan, w1, w2, config=dataclasses.replace(BASE, up_split_k=4), interpret=True)
 
 
 # --------------------------------------------------------------------- CUDA lowering
@@ -468,9 +522,13 @@ def _abstract_plan(t, e, k):
         # The L2 lookahead (prefetches and the dynamic scheduler's claim a task ahead).
         (1, dict(lookahead_steps=16), False),
         (8, dict(scheduler="dynamic", lookahead_steps=32), False),
+        # Split K of the up tasks (session 25, not yet run on a GPU).
+        (1, dict(up_split_k=4), True),
+        (8, dict(up_split_k=2, scheduler="dynamic", fused=False), False),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6",
-         "setmaxnreg", "T1-static-lookahead16", "T8-dynamic-lookahead32"],
+         "setmaxnreg", "T1-static-lookahead16", "T8-dynamic-lookahead32", "T1-split4",
+         "T8-dynamic-unfused-split2"],
 )
 def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
     from tests.cuda_target import h100_target

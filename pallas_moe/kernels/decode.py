@@ -120,6 +120,15 @@ class DecodeConfig:
         hardware's `ex2.approx` (True, default) or the full-precision `exp` (False), as
         `UpProjConfig.approx_math` does for the kernel-by-kernel forward; the backward's
         `DHConfig.approx_math` must match it (`KernelConfig` checks it).
+      up_split_k: S, how many up tasks share one (tile, column block)'s contraction. S = 1
+        (default): one up task computes it whole. S > 1 (session 25, for T = 1, where 8
+        tiles give only `8 n / U` up tasks for 132 SMs, `docs/decode.md`): S partial tasks
+        each multiply `d / S` of it and store their f32 gate and up sums to a GMEM scratch
+        (`[max tiles, n/U, S, 2, 64, U]` f32, so meant for small T), then one reduce task
+        per (tile, column block) waits for the S partials, adds them in the order s = 0..S-1
+        (deterministic; not bitwise the S = 1 result), applies the SwiGLU and writes A (and
+        H). `d / 64` must be a multiple of S; not with `lookahead_steps`. Not yet run on a
+        GPU.
     """
 
     scheduler: str = "static"
@@ -136,6 +145,7 @@ class DecodeConfig:
     lookahead_steps: int = 0
     rebalance_registers: bool = False
     approx_math: bool = True
+    up_split_k: int = 1
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -164,6 +174,13 @@ class DecodeConfig:
         if not isinstance(self.lookahead_steps, int) or self.lookahead_steps < 0:
             raise ValueError(
                 f"config.lookahead_steps={self.lookahead_steps!r} must be an int >= 0."
+            )
+        if not isinstance(self.up_split_k, int) or self.up_split_k < 1:
+            raise ValueError(f"config.up_split_k={self.up_split_k!r} must be a positive int.")
+        if self.up_split_k > 1 and self.lookahead_steps:
+            raise ValueError(
+                f"config.up_split_k={self.up_split_k} and config.lookahead_steps="
+                f"{self.lookahead_steps}: the lookahead only prefetches whole up tasks; use one."
             )
         for name in ("prefetch_l2", "rebalance_registers", "approx_math"):
             if not isinstance(getattr(self, name), bool):
@@ -206,23 +223,34 @@ class _Dims:
     agg_vec: int  # elements per thread per Y load
     up_blocks: int
     down_blocks: int
+    split: int = 1  # `DecodeConfig.up_split_k`
 
     @property
     def agg_width(self) -> int:
         return 128 * self.agg_vec
 
     @property
-    def num_events(self) -> int:
-        return self.max_tiles + self.num_blocks + 3
+    def num_parts(self) -> int:
+        """part_done counters: one per (tile, up column block) when the up tasks split K."""
+        return self.max_tiles * self.up_blocks if self.split > 1 else 0
 
-    # Event layout: up_done[max_tiles], tok_done[num_blocks], stage_up, stage_down, queue.
+    @property
+    def num_events(self) -> int:
+        return self.max_tiles + self.num_blocks + self.num_parts + 3
+
+    # Event layout: up_done[max_tiles], tok_done[num_blocks], part_done[num_parts],
+    # stage_up, stage_down, queue.
     @property
     def tok_done(self) -> int:
         return self.max_tiles
 
     @property
-    def stage_up(self) -> int:
+    def part_done(self) -> int:
         return self.max_tiles + self.num_blocks
+
+    @property
+    def stage_up(self) -> int:
+        return self.max_tiles + self.num_blocks + self.num_parts
 
     @property
     def stage_down(self) -> int:
@@ -391,6 +419,10 @@ def _check_inputs(x, plan, w_gate_up, w_down, config: DecodeConfig):
         "d (x.shape[1])", d, config.down_block_n,
         f"a down task computes config.down_block_n={config.down_block_n} columns",
     )
+    _common.require_multiple(
+        "d (x.shape[1])", d, BLOCK_K * config.up_split_k,
+        f"config.up_split_k={config.up_split_k} partial up tasks split d's {BLOCK_K}-row K steps",
+    )
     return num_tokens, d, n, num_experts
 
 
@@ -550,6 +582,7 @@ def decode_tasks(
         num_tokens=num_tokens, d=d, n=n, num_experts=num_experts, capacity=plan.capacity,
         max_tiles=max_tiles, num_blocks=-(-num_tokens // config.token_block), agg_vec=agg_vec,
         up_blocks=n // config.up_block_n, down_blocks=d // config.down_block_n,
+        split=config.up_split_k,
     )
     if meta is None:
         meta = decode_meta(plan, config, d, aggregation)
@@ -577,6 +610,8 @@ def decode_tasks(
     out, a_out, y_out = outs[:3]
     rest = outs[3:]
     h = rest.pop(0) if write_h else None
+    if dims.split > 1:
+        rest.pop(0)  # the partial up sums (GMEM scratch)
     events = rest.pop(0) if interpret_mode is not None else None
     return DecodeOutputs(out=out, a_slab=a_out, y_slab=y_out, h=h, events=events)
 
@@ -588,6 +623,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
     bt = config.token_block
     d, n = dims.d, dims.n
     num_k_up, num_k_down = d // BLOCK_K, n // BLOCK_K
+    split = dims.split  # partial up tasks per (tile, column block); 1: whole up tasks
+    num_k_task = num_k_up // split  # K steps of one up (or partial up) task
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
     lag = stages - 2  # cp.async steps in flight before publishing (see _common)
@@ -614,6 +651,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
         y_in = rest.pop(0) if read_y else None
         out_ref, a_slab, y_slab, *rest = rest
         h_ref = rest.pop(0) if write_h else None
+        part_ref = rest.pop(0) if split > 1 else None  # f32 [M, n/U, S, 2, bm, U]
         ev_out = rest.pop(0) if interpret else None
         (ids_smem, a_bufs, w_bufs, o_up, o_dn, box, queue_smem,
          full_up, full_dn, empty, ids_bar, box_full, box_empty) = rest
@@ -637,12 +675,27 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
         sm = jax.lax.axis_index("sm")
         real_tiles = counts_ref[0]
         n_up = real_tiles * dims.up_blocks if runs_up else jnp.int32(0)
+        # With split K the up region is the partial tasks, then one reduce task per (tile,
+        # column block): n_part + n_up of them.
+        n_finished_up = n_up  # tasks that raise up_done / stage_up (whole or reduce)
+        n_part = n_up * split if split > 1 else jnp.int32(0)
+        n_up = n_part + n_up if split > 1 else n_up
         n_down = real_tiles * dims.down_blocks if runs_down else jnp.int32(0)
         n_agg = dims.num_blocks if runs_agg else 0
         total = n_up + n_down + n_agg
 
         def decode_task(task):
-            """(is_up, is_down, tile, column block, token block) of a global task index."""
+            """(is_up, is_down, tile, column block, token block) of a global task index.
+            With split K, `is_up` marks the partial up tasks (the ones with weight loads);
+            `decode_split` tells the reduce tasks and a partial's index."""
+            if split > 1:
+                is_part, is_red, tile_up, cb_up, _ = decode_split(task)
+                in_up = is_part | is_red
+                is_down = (task >= n_up) & (task < n_up + n_down)
+                j_down = task - n_up
+                tile = jnp.where(in_up, tile_up, j_down // dims.down_blocks)
+                cb = jnp.where(in_up, cb_up, j_down % dims.down_blocks)
+                return is_part, is_down, tile, cb, task - n_up - n_down
             is_up = task < n_up
             is_down = (task >= n_up) & (task < n_up + n_down)
             j_up = task
@@ -651,6 +704,17 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
             cb = jnp.where(is_up, j_up % dims.up_blocks, j_down % dims.down_blocks)
             block = task - n_up - n_down
             return is_up, is_down, tile, cb, block
+
+        def decode_split(task):
+            """Split K: (is partial, is reduce, tile, column block, partial index s) of an
+            up-region task. Partials: `(tile * (n/U) + cb) * S + s`; reduce tasks:
+            `n_part + tile * (n/U) + cb`."""
+            is_part = task < n_part
+            is_red = (task >= n_part) & (task < n_up)
+            j_red = task - n_part
+            tile = jnp.where(is_part, task // (dims.up_blocks * split), j_red // dims.up_blocks)
+            cb = jnp.where(is_part, (task // split) % dims.up_blocks, j_red % dims.up_blocks)
+            return is_part, is_red, tile, cb, task % split
 
         # ------------------------------------------------------------------ producer
         @pl.when(wg == _PRODUCER)
@@ -713,8 +777,11 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         for box in boxes:
                             plgpu.async_prefetch(box, predicate=go)
 
-            def issue_up(tile, cb, c, g0, ahead):
+            def issue_up(tile, cb, c, g0, ahead, part=0):
+                """The loads of an up task, or of partial `part` of it (K steps
+                `[part * num_k_task, (part + 1) * num_k_task)`) with split K."""
                 w_e = w1_ref.at[expert_ref[tile]]  # [d, 2n]
+                k_first = part * num_k_task
 
                 def up_boxes(k):  # the gate and up weight tiles [64, U] of step k
                     rows = pl.ds(k * BLOCK_K, BLOCK_K)
@@ -737,7 +804,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 def step(k, carry):
                     g = g0 + k
                     slot = g % stages
-                    k0 = k * BLOCK_K
+                    k0 = ((k_first + k) if split > 1 else k) * BLOCK_K
 
                     @pl.when(g >= stages)
                     def _():
@@ -750,7 +817,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     plgpu.copy_gmem_to_smem(  # [64, U] the matching up columns
                         w_e.at[pl.ds(k0, BLOCK_K), pl.ds(n + cb * u_cols, u_cols)], wu_smem(slot), bar
                     )
-                    prefetch_ahead(ahead, k, num_k_up)
+                    prefetch_ahead(ahead, k, num_k_task)
                     if 0 < own_ahead < num_k_up:
                         own = k + own_ahead
                         for box in up_boxes(jnp.minimum(own, num_k_up - 1)):
@@ -776,9 +843,9 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         plgpu.warp_map(per_warp)
                     return carry
 
-                jax.lax.fori_loop(0, num_k_up, step, None)
+                jax.lax.fori_loop(0, num_k_task, step, None)
                 if cp_async:  # publish the last `lag` steps
-                    tail = range(max(num_k_up - lag, 0), num_k_up)
+                    tail = range(max(num_k_task - lag, 0), num_k_task)
                     for i, k in enumerate(tail):
                         _common.cp_async_stage_done(len(tail) - 1 - i)
                         plgpu.barrier_arrive(full_up.at[c, (g0 + k) % stages])
@@ -808,7 +875,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     if config.fused:
                         events.wait(tile, dims.up_blocks)  # up_done[tile]
                     else:
-                        events.wait(dims.stage_up, n_up)
+                        events.wait(dims.stage_up, n_finished_up)
                 for k in range(prefetch_steps):
                     g = g0 + k
                     plgpu.copy_gmem_to_smem(
@@ -852,7 +919,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 valid = task < total
                 c = j % 2
                 is_up, is_down, tile, cb, _ = decode_task(task)
-                steps = jnp.where(is_up, num_k_up, jnp.where(is_down, num_k_down, 0))
+                steps = jnp.where(is_up, num_k_task, jnp.where(is_down, num_k_down, 0))
                 # (The GMEM read of the next task's expert overlaps the post.)
                 ahead = lookahead_target(jnp.where(following >= 0, following, total), j == 0)
                 for ci, kc in ((0, k0), (1, k1)):
@@ -862,7 +929,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                         @pl.when(is_up)
                         def _():
-                            issue_up(tile, cb, ci, g, ahead)
+                            issue_up(tile, cb, ci, g, ahead,
+                                     task % split if split > 1 else 0)
 
                         @pl.when(is_down)
                         def _():
@@ -903,23 +971,54 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     _common.role_registers("consumer", 2)
                 events = Events(ev_ref, interpret=interpret, row=c, num_events=dims.num_events)
 
-                def run_up(tile, cb, g0):
+                def up_sums(g0):
+                    """f32 [bm, U] gate and up sums over the task's `num_k_task` K steps."""
                     def mma_scope(acc_g, acc_u):
                         def mma(slot):
                             plgpu.wgmma(acc_g, a_mma.at[slot], wg_smem(slot))  # [64,64]@[64,U]
                             plgpu.wgmma(acc_u, a_mma.at[slot], wu_smem(slot))
 
                         _common.consumer_k_loop(
-                            num_k_up, stages, lambda g, slot: plgpu.barrier_wait(
+                            num_k_task, stages, lambda g, slot: plgpu.barrier_wait(
                                 full_up.at[c, slot]), mma, empty, mmas_per_step=2,
                             step_of=lambda k: g0 + k)
-                        plgpu.barrier_arrive(empty.at[(g0 + num_k_up - 1) % stages])
+                        plgpu.barrier_arrive(empty.at[(g0 + num_k_task - 1) % stages])
                         return acc_g[...], acc_u[...]
 
-                    gate, up = pl.run_scoped(
+                    return pl.run_scoped(
                         mma_scope, plgpu.ACC((bm, u_cols), jnp.float32),
                         plgpu.ACC((bm, u_cols), jnp.float32),
                     )
+
+                def run_up(tile, cb, g0):
+                    finish_up(tile, cb, *up_sums(g0))
+
+                def run_partial(tile, cb, part, g0):
+                    """Split K: this partial's f32 sums into the scratch, then part_done."""
+                    gate, up = up_sums(g0)
+                    part_ref[tile, cb, part, 0] = gate
+                    part_ref[tile, cb, part, 1] = up
+                    events.notify(dims.part_done + tile * dims.up_blocks + cb)
+
+                def run_reduce(tile, cb):
+                    """Split K: once the S partials are stored, their sums in the order
+                    s = 0..S-1 (the same for every run and scheduler), then the epilogue."""
+                    events.wait(dims.part_done + tile * dims.up_blocks + cb, split)
+                    wgmma = plgpu.Layout.WGMMA
+
+                    def partial(part, which):
+                        return plgpu.load(part_ref.at[tile, cb, part, which], layout=wgmma,
+                                          optimized=False)  # GMEM: plain loads
+
+                    gate, up = partial(0, 0), partial(0, 1)
+                    for part in range(1, split):
+                        gate = gate + partial(part, 0)
+                        up = up + partial(part, 1)
+                    finish_up(tile, cb, gate, up)
+
+                def finish_up(tile, cb, gate, up):
+                    """The SwiGLU epilogue: A (and H) of the tile's column block, stored;
+                    then up_done[tile] (or the unfused stage counter)."""
                     act, hg, hu = _common.swiglu_epilogue(gate, up, dtype, activation)
                     o_up[c, 0] = act
                     if write_h:
@@ -1030,16 +1129,30 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     plgpu.barrier_arrive(box_empty.at[c, slot])
                     valid = task >= 0
                     is_up, is_down, tile, cb, block = decode_task(task)
+                    if split > 1:
+                        _, is_red, _, _, part = decode_split(task)
 
-                    @pl.when(valid & is_up)
-                    def _():
-                        run_up(tile, cb, g0)
+                        @pl.when(valid & is_up)
+                        def _():
+                            run_partial(tile, cb, part, g0)
+
+                        @pl.when(valid & is_red)
+                        def _():
+                            run_reduce(tile, cb)
+                    else:
+                        @pl.when(valid & is_up)
+                        def _():
+                            run_up(tile, cb, g0)
 
                     @pl.when(valid & is_down)
                     def _():
                         run_down(tile, cb, g0)
 
-                    @pl.when(valid & ~is_up & ~is_down)
+                    is_agg = valid & ~is_up & ~is_down
+                    if split > 1:
+                        is_agg = is_agg & ~is_red
+
+                    @pl.when(is_agg)
                     def _():
                         run_aggregate(block)
 
@@ -1077,6 +1190,9 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
     ]
     if write_h:
         out_types.append(jax.ShapeDtypeStruct((dims.capacity, 2 * n), dtype))
+    if split > 1:  # the partial up sums (GMEM scratch)
+        out_types.append(jax.ShapeDtypeStruct(
+            (dims.max_tiles, dims.up_blocks, split, 2, bm, u_cols), jnp.float32))
     if interpret:
         out_types.append(jax.ShapeDtypeStruct((INTERPRET_ROWS, dims.num_events + 1), jnp.int32))
     return plgpu.kernel(
