@@ -270,10 +270,14 @@ def test_persistent_split_m_equals_cooperative_no_races(fused):
 
 @pytest.mark.parametrize(
     "kernel, fused",
-    # CI: the fused forms (interleaved W1 is what they exist for); the two-wgmma forms with
-    # interleaved W1 differ only in the weight copies' column offsets.
+    # CI: the fused ping-pong form (interleaved W1 is what the fused forms exist for); the
+    # two-wgmma forms with interleaved W1 differ only in the weight copies' column offsets.
+    # The fused split-M form (opt-in, not a default) is a slow extra: [pingpong-True] runs
+    # the same interleaved copies and N = 2 * block_n wgmma, and
+    # test_persistent_split_m_equals_cooperative_no_races[halves] the split-M walk (CI time).
     [pytest.param("pingpong", False, marks=pytest.mark.slow), ("pingpong", True),
-     pytest.param("split_m", False, marks=pytest.mark.slow), ("split_m", True)],
+     pytest.param("split_m", False, marks=pytest.mark.slow),
+     pytest.param("split_m", True, marks=pytest.mark.slow)],
 )
 def test_interleaved_weights_equal_halves(kernel, fused):
     """W1 with gate and up columns interleaved per block_n (`gate_up_blocks`, one weight TMA
