@@ -250,7 +250,7 @@ class _Dims:
 
     @property
     def stage_up(self) -> int:
-        return self.max_tiles + self.num_blocks + self.num_parts
+        return self.part_done + self.num_parts
 
     @property
     def stage_down(self) -> int:
@@ -804,6 +804,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 def step(k, carry):
                     g = g0 + k
                     slot = g % stages
+                    # (Without split K, no `0 + k`: the kernel stays the GPU-tested one.)
                     k0 = ((k_first + k) if split > 1 else k) * BLOCK_K
 
                     @pl.when(g >= stages)
@@ -930,7 +931,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         @pl.when(is_up)
                         def _():
                             issue_up(tile, cb, ci, g, ahead,
-                                     task % split if split > 1 else 0)
+                                     decode_split(task)[4] if split > 1 else 0)
 
                         @pl.when(is_down)
                         def _():
