@@ -27,8 +27,11 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import glob
 import json
 import os
+import re
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +59,57 @@ def kernel_breakdown(f, *args):
         per[key] += ms
         count[key] += 1
     return [(k, per[k], count[k]) for k, _ in per.most_common()]
+
+
+def _short(kernel_name: str) -> str:
+    return kernel_name.split("(")[0][:48]
+
+
+def idle_between_kernels(f, *args, steps: int = 5, top: int = 10):
+    """Where a training loop's GPU waits between kernels: `steps` calls dispatched back to
+    back under `jax.profiler.trace`, every kernel and copy of the device's streams, their
+    union (busy), the span from the first start to the last end, and the idle time in
+    between, each per step; plus the `top` idle gaps summed by (kernel before, kernel after),
+    in microseconds per step, and the number of command buffers (CUDA graphs) in the compiled
+    step. A gap is time no stream runs anything: launch latency, host work the GPU waits for,
+    or a kernel's ramp that the previous one's tail does not cover."""
+    jax.block_until_ready(f(*args))
+    compiled_text = f.lower(*args).compile().as_text()
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            outs = [f(*args) for _ in range(steps)]
+            jax.block_until_ready(outs)
+        del outs
+        (pb,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+        data = jax.profiler.ProfileData.from_file(pb)
+        events = []
+        for plane in data.planes:
+            if plane.name.startswith("/device:GPU"):
+                for line in plane.lines:
+                    if line.name.startswith("Stream"):
+                        events += [(e.start_ns, e.end_ns, e.name) for e in line.events]
+    if not events:
+        return dict(error="no GPU stream events in the trace")
+    events.sort()
+    gaps = collections.Counter()
+    busy = 0.0
+    start, end, prev = events[0]
+    busy_start = start
+    for s, e, name in events[1:]:
+        if s > end:  # nothing runs on any stream between `end` and `s`
+            gaps[(_short(prev), _short(name))] += s - end
+            busy += end - busy_start
+            busy_start = s
+        if e > end:
+            end, prev = e, name
+    busy += end - busy_start
+    span = end - start
+    per_step_ms = lambda ns: ns / steps / 1e6  # noqa: E731
+    return dict(
+        span_ms=per_step_ms(span), busy_ms=per_step_ms(busy), idle_ms=per_step_ms(span - busy),
+        events_per_step=len(events) / steps,
+        command_buffers=len(re.findall(r"command_buffer", compiled_text)),
+        top_gaps_us=[(a, b, 1e3 * per_step_ms(ns)) for (a, b), ns in gaps.most_common(top)])
 
 
 def make_step(shape, routing, backend, config, skew: float = 0.0, gpt_oss: bool = False,
@@ -200,6 +254,9 @@ def main():
                          "False; the default is ex2.approx)")
     ap.add_argument("--gpt-oss", action="store_true",
                     help="expert biases on both projections and the clamped SwiGLU")
+    ap.add_argument("--gaps", action="store_true",
+                    help="also trace 5 back-to-back steps and report the GPU's idle time "
+                         "between kernels and its largest gaps (`idle_between_kernels`)")
     args = ap.parse_args()
     log = open_log(args.out, "step_log.txt")
     rows = []
@@ -252,15 +309,24 @@ def main():
                 row["pipelined_ms"] = pipelined_ms(step, *inputs)
                 row["vs_bound"] = bound_ms / row["gpu_ms"]
                 row["kernels"] = kernel_breakdown(step, *inputs)
+                if args.gaps:
+                    row["gaps"] = idle_between_kernels(step, *inputs)
             except Exception as e:  # noqa: BLE001 - report and go on
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             log("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
-                                   for k, v in row.items() if k != "kernels"}))
+                                   for k, v in row.items() if k not in ("kernels", "gaps")}))
             if "kernels" in row:
                 top = row["kernels"][:14]
                 rest = sum(ms for _, ms, _ in row["kernels"][14:])
                 log("    kernels (ms, launches): " + ", ".join(
                     f"{name} {ms:.3f} x{cnt}" for name, ms, cnt in top) + f", other {rest:.3f}")
+            if "gaps" in row:
+                g = row["gaps"]
+                log("    gaps: " + (g["error"] if "error" in g else (
+                    f"span {g['span_ms']:.3f} ms/step, busy {g['busy_ms']:.3f}, idle "
+                    f"{g['idle_ms']:.3f}, {g['events_per_step']:.0f} events/step, "
+                    f"{g['command_buffers']} command-buffer mentions; largest (us/step): " +
+                    "; ".join(f"{a} -> {b} {us:.1f}" for a, b, us in g["top_gaps_us"]))))
             rows.append(row)
             with open(os.path.join(args.out, "step.json"), "w") as f:
                 json.dump(rows, f, indent=1)
