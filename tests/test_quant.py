@@ -364,14 +364,14 @@ def test_lowers_for_cuda_at_production_widths(d, out_dtype):
 
 
 @pytest.mark.parametrize("d", [1536, 4096])
-def test_scale_rows_ahead_and_fadd_rounding_lower_for_cuda(d):
-    """Scale rows 2 ahead and int8 rounded by an f32 add (session 25's next A/B) at the 7B
-    and 30B widths; a bad rounding name is refused."""
+def test_scale_rows_ahead_and_cvt_rounding_lower_for_cuda(d):
+    """Scale rows 2 ahead and int8 rounded by the conversion instruction (the defaults are
+    1 row and an f32 add) at the 7B and 30B widths; a bad rounding name is refused."""
     from tests.cuda_target import h100_target
 
     with h100_target():
         _lower_smoothquant(32768, 128, 8, d, INT8,
-                           SmoothQuantConfig(scale_rows_ahead=2, int8_rounding="fadd"))
+                           SmoothQuantConfig(scale_rows_ahead=2, int8_rounding="cvt"))
     with pytest.raises(ValueError, match='int8_rounding must be "cvt" or "fadd", got .rne.'):
         SmoothQuantConfig(int8_rounding="rne")
 
@@ -528,12 +528,14 @@ def test_kernel_without_smooth_scales_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("config", [
-    SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2)],
-    ids=["default", "fadd_ahead2"])
+    SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"),
+    SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2)],
+    ids=["default", "cvt", "fadd_ahead2"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
-    # Token rounding (padding rows) at a production width; every row, bit for bit. Also int8
-    # rounded by an f32 add and scale rows loaded 2 rows ahead (session 25).
+    # Token rounding (padding rows) at a production width; every row, bit for bit. The
+    # default rounds int8 by an f32 add (session 26); also the conversion instruction, and
+    # scale rows loaded 2 rows ahead.
     num_tokens, d, num_experts, k = 2048, 2048, 16, 4
     ks = jax.random.split(jax.random.key(7), 3)
     plan = pm.routing.token_rounding_plan(

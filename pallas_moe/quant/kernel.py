@@ -54,17 +54,18 @@ class SmoothQuantConfig:
         expert id one row further is loaded with them, so no scale load waits on its id).
         Measured on an H200 (session 25, 1 against session 24's loop, where the next row's
         scale load waited on its expert id's load): 1.07-1.11x, the same bits.
+        Rows 2 or 3 ahead were 0.63-0.81x at 7B and 30B (H200, session 26; presumably registers).
       int8_rounding: how compiled kernels round int8 values (`_saturating_quantize`; the
-        same bits for every finite row): "cvt" (`cvt.rni.sat.s8.f32`, the conversion pipe;
-        default, GPU-tested) or "fadd" (an f32 add of 1.5 * 2^23 on the FP32 pipe; session
-        25, not yet run on a GPU).
+        same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
+        full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
+        "cvt" (`cvt.rni.sat.s8.f32`, the quarter-rate conversion pipe).
     """
 
     block_t: int = 1
     block_pad: int = 64
     vec: int | None = None
     scale_rows_ahead: int = 1
-    int8_rounding: str = "cvt"
+    int8_rounding: str = "fadd"
 
     def __post_init__(self):
         if self.int8_rounding not in ("cvt", "fadd"):
@@ -128,7 +129,7 @@ _INT8_ROUND_ASM = "{ .reg .f32 t; add.rn.f32 t, $1, 0f4B400000; mov.b32 $0, t; }
 _INT8_ROUNDINGS = {"cvt": "cvt.rni.sat.s8.f32 $0, $1;", "fadd": _INT8_ROUND_ASM}
 
 
-def _saturating_quantize(v: jax.Array, out_dtype, layout, int8_rounding: str = "cvt") -> jax.Array:
+def _saturating_quantize(v: jax.Array, out_dtype, layout, int8_rounding: str) -> jax.Array:
     """`apply_row_scale`'s `saturate(round(v))` on the GPU, in fewer instructions, for the
     values `v = y * rcp(s)` of a finite row (|v| <= qmax within a few ulp):
       e4m3: the cast alone (`cvt.rn.satfinite.e4m3x2.f32` rounds half to even and clips to
