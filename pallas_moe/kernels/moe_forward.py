@@ -221,7 +221,7 @@ def forward_config(
     decode = None
     if (megakernel and num_tokens is not None and num_tokens <= DECODE_MAX_TOKENS
             and d % 128 == 0):
-        decode = default_decode_config(d, n, interpret)
+        decode = default_decode_config(d, n, interpret, num_tokens=num_tokens)
     return ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None, decode=decode)
 
 
