@@ -140,13 +140,15 @@ def test_hundred_runs_no_hang_bitwise_equal(variant):
         assert bool(jnp.array_equal(first, again)), f"run {i} differs from the first"
 
 
-def test_moe_ffn_default_at_the_smallest_batches_matches_xla_with_gradients():
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 8, 16, 32])
+def test_moe_ffn_default_at_the_smallest_batches_matches_xla_with_gradients(num_tokens):
     """`pm.moe_ffn(backend="mosaic")` with no config runs the megakernel forward (with H)
-    up to `DECODE_MAX_TOKENS` tokens and the kernel backward: output and gradients against
-    the xla backend, bitwise reproducible."""
-    from pallas_moe.kernels.moe_forward import DECODE_MAX_TOKENS
+    up to `decode_max_tokens()` tokens (split up tasks at T = 1) and the kernel forward
+    above, then the kernel backward: output and gradients against the xla backend, bitwise
+    reproducible."""
+    from pallas_moe.kernels.moe_forward import decode_max_tokens
 
-    x, plan = _case(DECODE_MAX_TOKENS, seed=4)
+    x, plan = _case(num_tokens, seed=4)
     w1, w2 = _weights()
     cot = jax.random.normal(jax.random.key(5), x.shape, jnp.float32)
 
@@ -158,7 +160,8 @@ def test_moe_ffn_default_at_the_smallest_batches_matches_xla_with_gradients():
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
 
     args = (x, plan.scores, w1, w2)
-    assert "moe_decode" in str(jax.make_jaxpr(step("mosaic"))(*args))
+    megakernel = "moe_decode" in str(jax.make_jaxpr(step("mosaic"))(*args))
+    assert megakernel == (num_tokens <= decode_max_tokens())
     _poison((x.shape[0] * D + plan.capacity * 4 * N + 128 * 64 * (N + D)) * 2)
     (_, out), grads = step("mosaic")(*args)
     (_, ref), ref_grads = step("xla")(*args)

@@ -576,6 +576,16 @@ def _kernel_names(f, *args) -> str:
     return str(jax.make_jaxpr(f)(*args))
 
 
+def test_decode_max_tokens_per_device():
+    """The megakernel's batch limit for `moe_ffn` with no config: the H200's measured one,
+    else the H100's (also for an unmeasured GPU); interpret mode always takes the latter."""
+    from pallas_moe.kernels.moe_forward import (
+        DECODE_MAX_TOKENS, H200_DECODE_MAX_TOKENS, decode_max_tokens)
+
+    assert decode_max_tokens("NVIDIA H200") == H200_DECODE_MAX_TOKENS
+    assert decode_max_tokens("NVIDIA H100 80GB HBM3") == decode_max_tokens("") == DECODE_MAX_TOKENS
+
+
 def test_compiled_default_splits_the_up_tasks_for_a_single_token():
     """The compiled default config splits each up task's contraction in
     `SINGLE_TOKEN_UP_SPLIT_K` partial tasks at T = 1 only (where it measured faster), and

@@ -53,7 +53,7 @@ class ForwardConfig:
     `decode`: a `pallas_moe.kernels.decode.DecodeConfig` runs the whole forward as the
     persistent event-driven megakernel (`docs/decode.md`) instead of the three kernels
     (whose configs are then unused). None (default): the kernel-by-kernel forward. Through
-    `pm.moe_ffn` with no config, a batch of at most `DECODE_MAX_TOKENS` tokens runs the
+    `pm.moe_ffn` with no config, a batch of at most `decode_max_tokens()` tokens runs the
     megakernel (`forward_config`), where it measured faster.
     """
 
@@ -203,6 +203,18 @@ def aggregate_width(d: int) -> int:
 # T = 1, but 76.6 vs 69.6 at T = 2, 118.0 vs 111.2 at T = 4, 209.8 vs 200.4 at T = 8
 # (`benchmarks/RESULTS.md`, session 12).
 DECODE_MAX_TOKENS = 1
+# The same choice on an H200 (session 26, same widths, one run): the megakernel was level
+# or faster up to 16 tokens (TO BE MEASURED).
+H200_DECODE_MAX_TOKENS = 16
+
+
+def decode_max_tokens(device_kind: str | None = None) -> int:
+    """Largest batch that `pm.moe_ffn` with no config runs as the decode megakernel on
+    `device_kind` (default: the default device's): `H200_DECODE_MAX_TOKENS` on an H200,
+    else `DECODE_MAX_TOKENS` (the H100's, also the rule for an unmeasured GPU)."""
+    if device_kind is None:
+        device_kind = default_device_kind()
+    return H200_DECODE_MAX_TOKENS if "H200" in device_kind else DECODE_MAX_TOKENS
 
 
 def forward_config(
@@ -213,14 +225,16 @@ def forward_config(
     where every simulated CTA costs time).
 
     `megakernel`: the caller can run the decode megakernel (no expert biases, SwiGLU fused);
-    then, with no config, a batch of at most `DECODE_MAX_TOKENS` tokens (`num_tokens`) runs
-    it (`decode.default_config`), where it measured faster.
+    then, with no config, a batch of at most `decode_max_tokens()` tokens (`num_tokens`)
+    runs it (`decode.default_config`), where it measured faster.
     """
     if config is not None:
         return config
     decode = None
-    if (megakernel and num_tokens is not None and num_tokens <= DECODE_MAX_TOKENS
-            and d % 128 == 0):
+    # Interpret mode keeps the H100's rule wherever it runs (its tests do not depend on
+    # the machine's GPU).
+    limit = DECODE_MAX_TOKENS if interpret else decode_max_tokens()
+    if megakernel and num_tokens is not None and num_tokens <= limit and d % 128 == 0:
         decode = default_decode_config(d, n, interpret, num_tokens=num_tokens)
     return ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None, decode=decode)
 
