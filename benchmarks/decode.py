@@ -10,7 +10,7 @@ T, in the same run:
   Not differentiated, so it writes no H (since session 12; before, it wrote H for a backward
   that never came);
 - `auto` (with --variants): `pm.moe_ffn(backend="mosaic")` with no config, the library's
-  default: the megakernel up to `moe_forward.DECODE_MAX_TOKENS` tokens, else `kernels`;
+  default: the megakernel up to `moe_forward.decode_max_tokens()` tokens, else `kernels`;
 - `kernels_inf` (with --variants): `moe_forward(..., inference=True)`, the same kernels
   called directly;
 - `static`, `dynamic`: the megakernel (`pallas_moe.kernels.decode`) with each scheduler;
@@ -97,7 +97,7 @@ def make_ffn(variant: str, overrides: dict):
     if variant == "kernels":  # an explicit config: never the megakernel
         config = KernelConfig.for_shape(D, N)
         return lambda x, p, w1, w2: pm.moe_ffn(x, p, w1, w2, backend="mosaic", config=config)
-    if variant == "auto":  # the library's default (the megakernel up to DECODE_MAX_TOKENS)
+    if variant == "auto":  # the library's default (the megakernel up to decode_max_tokens())
         return lambda x, p, w1, w2: pm.moe_ffn(x, p, w1, w2, backend="mosaic")
     if variant == "kernels_inf":
         return lambda x, p, w1, w2: moe_forward(x, p, w1, w2, inference=True)[0]

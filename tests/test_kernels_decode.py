@@ -586,24 +586,6 @@ def test_decode_max_tokens_per_device():
     assert decode_max_tokens("NVIDIA H100 80GB HBM3") == decode_max_tokens("") == DECODE_MAX_TOKENS
 
 
-def test_compiled_default_splits_the_up_tasks_for_a_single_token():
-    """The compiled default config splits each up task's contraction in
-    `SINGLE_TOKEN_UP_SPLIT_K` partial tasks at T = 1 only (where it measured faster), and
-    only where d / 64 allows it; interpret mode keeps one CTA, the TMA loader and whole
-    tasks. The op passes its token count through (`forward_config`)."""
-    from pallas_moe.kernels.decode import SINGLE_TOKEN_UP_SPLIT_K, default_config
-    from pallas_moe.kernels.moe_forward import forward_config
-
-    assert default_config(2048, 768, False, num_tokens=1).up_split_k == SINGLE_TOKEN_UP_SPLIT_K
-    assert default_config(2048, 768, False, num_tokens=2).up_split_k == 1
-    assert default_config(2048, 768, False).up_split_k == 1
-    assert default_config(128, 128, False, num_tokens=1).up_split_k == 1  # d / 64 = 2
-    assert default_config(2048, 768, True, num_tokens=1) == DecodeConfig.for_shape(
-        2048, 768, num_sms=1, gather="tma")
-    chosen = forward_config(None, 2048, 768, False, num_tokens=1, megakernel=True).decode
-    assert chosen.up_split_k == SINGLE_TOKEN_UP_SPLIT_K
-
-
 def test_moe_ffn_runs_the_megakernel_for_the_smallest_batches():
     """With no config, `moe_ffn(backend=...)` runs the forward as the megakernel up to
     `DECODE_MAX_TOKENS` tokens (where it measured faster), and there its output and

@@ -127,9 +127,9 @@ class DecodeConfig:
         (`[max tiles, n/U, S, 2, 64, U]` f32, so meant for small T), then one reduce task
         per (tile, column block) waits for the S partials, adds them in the order s = 0..S-1
         (deterministic; not bitwise the S = 1 result), applies the SwiGLU and writes A (and
-        H). `d / 64` must be a multiple of S; not with `lookahead_steps`. The default for
-        a single token (`SINGLE_TOKEN_UP_SPLIT_K`; H200, session 26: 1.065x at T = 1,
-        slower from T = 2 on).
+        H). `d / 64` must be a multiple of S; not with `lookahead_steps`. GPU-tested; on
+        an H200 (session 26) S = 4 at T = 1 measured 0.94x and 1.08x the time of whole
+        tasks in two runs (no clear gain), slower from T = 2 on, so the defaults keep S = 1.
     """
 
     scheduler: str = "static"
@@ -201,24 +201,12 @@ class DecodeConfig:
         return dataclasses.replace(base, **overrides)
 
 
-# `up_split_k` of the default config for a single token. On an H200 (session 26, Qwen3-30B-A3B
-# widths d = 2048, n = 768, top-8, MoE kernels' GPU time, one run): S = 4 took 45.9 us
-# against 48.9 for whole up tasks (1.065x; S = 2 47.4), and lost from T = 2 on (0.90x at
-# T = 2, 0.84x at T = 8), where more tiles already fill the SMs.
-SINGLE_TOKEN_UP_SPLIT_K = 4
-
-
-def default_config(d: int, n: int, interpret, num_tokens: int | None = None) -> DecodeConfig:
+def default_config(d: int, n: int, interpret) -> DecodeConfig:
     """`DecodeConfig.for_shape(d, n)`, with one CTA and the TMA row loader when `interpret`:
     interpret mode runs CTAs one after another, so the static scheduler's cross-CTA waits
-    need a single CTA, and it always runs the TMA loader. Compiled, a single token
-    (`num_tokens == 1`) splits each up task's contraction in `SINGLE_TOKEN_UP_SPLIT_K`
-    partial tasks where `d / 64` allows it: its top-K tiles alone leave SMs without
-    weights to stream."""
+    need a single CTA, and it always runs the TMA loader."""
     if interpret:
         return DecodeConfig.for_shape(d, n, num_sms=1, gather="tma")
-    if num_tokens == 1 and (d // 64) % SINGLE_TOKEN_UP_SPLIT_K == 0:
-        return DecodeConfig.for_shape(d, n, up_split_k=SINGLE_TOKEN_UP_SPLIT_K)
     return DecodeConfig.for_shape(d, n)
 
 
@@ -553,8 +541,7 @@ def decode_tasks(
                 f"x must be [T, d] and w_gate_up [E, d, 2n], got {tuple(x.shape)} and "
                 f"{tuple(w_gate_up.shape)}."
             )
-        config = default_config(x.shape[1], w_gate_up.shape[2] // 2, interpret,
-                                num_tokens=x.shape[0])
+        config = default_config(x.shape[1], w_gate_up.shape[2] // 2, interpret)
     if not isinstance(config, DecodeConfig):
         raise TypeError(f"config must be a DecodeConfig or None, got {type(config).__name__}.")
     num_tokens, d, n, num_experts = _check_inputs(x, plan, w_gate_up, w_down, config)

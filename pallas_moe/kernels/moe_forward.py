@@ -203,9 +203,11 @@ def aggregate_width(d: int) -> int:
 # T = 1, but 76.6 vs 69.6 at T = 2, 118.0 vs 111.2 at T = 4, 209.8 vs 200.4 at T = 8
 # (`benchmarks/RESULTS.md`, session 12).
 DECODE_MAX_TOKENS = 1
-# The same choice on an H200 (session 26, same widths, one run): the megakernel was level
-# or faster up to 16 tokens (TO BE MEASURED).
-H200_DECODE_MAX_TOKENS = 16
+# The same choice on an H200 (session 26, same widths, MoE kernels' GPU time, two runs on
+# two machines): megakernel against kernel path 43.1-48.9 vs 56.4-68.3 us at T = 1, level
+# at T = 2 (71.8 vs 71.6, 66.2 vs 67.1), faster at T = 4 (102.4 vs 118.1, 102.5 vs 123.8)
+# and T = 8 (162.5 vs 179.6, 166.8 vs 177.3), then within 4% (T = 16-64, one run).
+H200_DECODE_MAX_TOKENS = 8
 
 
 def decode_max_tokens(device_kind: str | None = None) -> int:
@@ -235,7 +237,7 @@ def forward_config(
     # the machine's GPU).
     limit = DECODE_MAX_TOKENS if interpret else decode_max_tokens()
     if megakernel and num_tokens is not None and num_tokens <= limit and d % 128 == 0:
-        decode = default_decode_config(d, n, interpret, num_tokens=num_tokens)
+        decode = default_decode_config(d, n, interpret)
     return ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None, decode=decode)
 
 

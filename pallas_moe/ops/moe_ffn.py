@@ -154,10 +154,11 @@ def moe_ffn(
         Hopper; bf16, d and n multiples of 64), "interpret" (the same kernels in GPU
         interpret mode on CPU), or "auto" ("mosaic" where it applies, else "xla").
       config: a `pallas_moe.kernels.KernelConfig` with the kernels' block sizes and row
-        loader (None: `for_shape` defaults, and for a single token, T = 1, without expert
-        biases, the decode megakernel forward, which measured faster there; see
-        `kernels.moe_forward.DECODE_MAX_TOKENS`). Used by the kernel backends; with an explicit
-        `backend="xla"` it is an error, with "auto" it is ignored where "xla" is chosen.
+        loader (None: `for_shape` defaults, and for the smallest batches without expert
+        biases the decode megakernel forward, which measured faster there: T = 1 on an
+        H100, T <= 8 on an H200; see `kernels.moe_forward.decode_max_tokens`). Used by the
+        kernel backends; with an explicit `backend="xla"` it is an error, with "auto" it
+        is ignored where "xla" is chosen.
         Every backend implements the expert biases and both activations (the kernels in
         their epilogues and backward), so they never change what "auto" picks.
       validate: check the plan's values with `pm.routing.validate_plan` first (for hand-built
