@@ -42,7 +42,7 @@ def main():
     a = torch.empty(2**30 // 2, dtype=torch.bfloat16, device="cuda")
     b = torch.empty_like(a)
     copy_ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50)
-    print(f"device copy (read + write counted): {2 * 2**30 / copy_ms / 1e9:.0f} GB/s")
+    print(f"device copy (read + write counted): {2 * 2**30 / copy_ms / 1e9:.2f} TB/s")
     print("| table MB | programs per SM | read TB/s |")
     print("|---|---|---|")
     for mb, per_sm, tbs in rows:
