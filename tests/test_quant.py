@@ -258,39 +258,6 @@ def test_scale_rows_ahead_same_bits(ahead):
     assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), INT8))
 
 
-@pytest.mark.parametrize("stages, block_t", [(2, 2), (1, 1)], ids=["2_slots", "1_slot"])
-def test_scale_rows_staged_in_smem_same_bits(stages, block_t):
-    """`SmoothQuantConfig.scale_stages`: smooth-scale rows copied by TMA into a ring of SMEM
-    slots give the bits of the numpy formula: tokens with 0..3 rows (more rows than slots,
-    so slots are reused within a token and, with 2 tokens per CTA, their phases run on into
-    the next token), padding CTAs, races watched."""
-    num_tokens, d, num_experts = 13, 128, 4
-    ks = jax.random.split(jax.random.key(9), 3)
-    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, extra=5)
-    rows_per_token = np.asarray(plan.rows_per_token)
-    assert rows_per_token.min() == 0 and rows_per_token.max() >= 3
-    x = special_x(ks[1], num_tokens, d, at=tuple(np.flatnonzero(rows_per_token)[:5]))
-    smooth = smooth_scales(ks[2], num_experts, d)
-    params = plgpu.InterpretGPUParams(detect_races=True)
-    for out_dtype in (INT8, E4M3):
-        q, s = pm.quant.moe_smoothquant(
-            x, smooth, plan, out_dtype=out_dtype, backend="interpret", interpret_params=params,
-            config=SmoothQuantConfig(block_t=block_t, block_pad=8, scale_stages=stages))
-        assert not races_found()
-        assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), out_dtype))
-
-
-def test_scale_stages_config_errors():
-    with pytest.raises(ValueError, match="scale_stages=-1 must be an int >= 0"):
-        SmoothQuantConfig(scale_stages=-1)
-    x = jnp.zeros((4, 16384 + 128), jnp.bfloat16)
-    smooth = jnp.ones((2, 16384 + 128), jnp.float32)
-    plan = topk_plan(jnp.zeros((4, 2)), 1)
-    with pytest.raises(ValueError, match="must be at most 16384 with config.scale_stages > 0"):
-        pm.quant.moe_smoothquant(x, smooth, plan, out_dtype=INT8, backend="interpret",
-                                 config=SmoothQuantConfig(scale_stages=2))
-
-
 def test_scale_rows_ahead_must_be_positive():
     with pytest.raises(ValueError, match="scale_rows_ahead=0 must be >= 1"):
         SmoothQuantConfig(scale_rows_ahead=0)
@@ -394,17 +361,6 @@ def test_lowers_for_cuda_at_production_widths(d, out_dtype):
 
     with h100_target():  # the AOT target `backend="mosaic"`'s device check reads
         _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype)
-
-
-@pytest.mark.parametrize("d", [1536, 4096])
-@pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
-def test_scale_rows_staged_in_smem_lower_for_cuda(d, out_dtype):
-    """Scale rows through 2 and 3 SMEM slots (`scale_stages`) at the 7B and 30B widths."""
-    from tests.cuda_target import h100_target
-
-    with h100_target():
-        for stages in (2, 3):
-            _lower_smoothquant(32768, 128, 8, d, out_dtype, SmoothQuantConfig(scale_stages=stages))
 
 
 @pytest.mark.parametrize("d", [1536, 4096])
@@ -573,9 +529,8 @@ def test_kernel_without_smooth_scales_on_gpu():
 @pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("config", [
     SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"),
-    SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2),
-    SmoothQuantConfig(scale_stages=2), SmoothQuantConfig(scale_stages=3, block_t=2)],
-    ids=["default", "cvt", "fadd_ahead2", "smem2", "smem3_bt2"])
+    SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2)],
+    ids=["default", "cvt", "fadd_ahead2"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
     # Token rounding (padding rows) at a production width; every row, bit for bit. The

@@ -55,12 +55,6 @@ class SmoothQuantConfig:
         Measured on an H200 (session 25, 1 against session 24's loop, where the next row's
         scale load waited on its expert id's load): 1.07-1.11x, the same bits.
         Rows 2 or 3 ahead were 0.63-0.81x at 7B and 30B (H200, session 26; presumably registers).
-      scale_stages: with smooth scales, where the scale rows land. 0 (default): in
-        registers, `scale_rows_ahead` rows ahead (each in-flight row holds `d / 128`
-        registers per thread, which is what limits how many CTAs an SM runs). N >= 1: a ring
-        of N SMEM slots per CTA (`4 d` bytes each) that TMA fills up to N rows ahead, so the
-        rows in flight cost no registers (session 26; `scale_rows_ahead` is then unused).
-        Needs `d <= 16384` (one `[d / 64, 64]` TMA box per row).
       int8_rounding: how compiled kernels round int8 values (`_saturating_quantize`; the
         same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
         full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
@@ -72,14 +66,8 @@ class SmoothQuantConfig:
     vec: int | None = None
     scale_rows_ahead: int = 1
     int8_rounding: str = "fadd"
-    scale_stages: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.scale_stages, int) or self.scale_stages < 0:
-            raise ValueError(
-                f"config.scale_stages={self.scale_stages!r} must be an int >= 0 (0: smooth-"
-                "scale rows loaded into registers; N >= 1: N SMEM slots filled by TMA)."
-            )
         if self.int8_rounding not in ("cvt", "fadd"):
             raise ValueError(
                 f'config.int8_rounding must be "cvt" or "fadd", got {self.int8_rounding!r}.'
@@ -249,12 +237,6 @@ def smoothquant_kernel(
         raise ValueError(f"config.block_t={bt} and config.block_pad={bp} must be >= 1.")
     vec = config.resolve_vec(d)
     layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
-    stages = config.scale_stages if smoothed else 0
-    if stages and d > 64 * 256:
-        raise ValueError(
-            f"d (x.shape[1])={d} must be at most 16384 with config.scale_stages > 0 (a scale "
-            "row is one [d / 64, 64] TMA box, at most 256 along each dimension)."
-        )
     # Interpret mode cannot run inline PTX; the jnp reciprocal gives the same bits.
     reciprocal = correctly_rounded_reciprocal if interpret else _rcp_rn
     token_ctas = pl.cdiv(num_tokens, bt)
@@ -295,50 +277,6 @@ def smoothquant_kernel(
                 return apply_row_scale(y, inv, out_dtype), scale
             return _saturating_quantize(y * inv, out_dtype, layout, config.int8_rounding), scale
 
-        def staged_rows(xt, start, stop, slots, landed):
-            """`smoothed_rows` with the scale rows in a ring of `stages` SMEM slots: row j's
-            lands in slot j % stages (TMA, `landed` barrier), issued `stages` rows ahead.
-            Slot phases run on across tokens: every issued copy is waited for."""
-            xf = xt.astype(jnp.float32)
-            last = stop - 1
-
-            def expert(j):
-                return exp_ref[jnp.minimum(j, last)]
-
-            def fetch(j, e):  # scale row of expert e for CSR entry j
-                slot = (j - start) % stages
-                plgpu.copy_gmem_to_smem(sm_ref.at[e], slots.at[slot], landed.at[slot])
-
-            for i in range(stages):  # the first rows' copies, before any is reduced
-
-                @pl.when(start + i < stop)
-                def _(i=i):
-                    fetch(start + i, expert(start + i))
-
-            def row(j, carry):
-                next_expert, out_row = carry  # of entry j + stages, and j's output row
-                later = (expert(j + stages + 1), rows_ref[jnp.minimum(j + 1, last)])
-                slot = (j - start) % stages
-                plgpu.barrier_wait(landed.at[slot])
-                if interpret:  # interpret mode has no reshaped SMEM views
-                    smooth = plgpu.load(slots.at[slot]).reshape(d)
-                else:
-                    smooth = plgpu.load(slots.at[slot].reshape((d,)), layout=layout,
-                                        optimized=False)
-                q, scale = quantize(xf * smooth)
-                # Every thread's read of the slot ended before the row's max reduction
-                # (its value feeds it); the barrier orders them before the TMA overwrite.
-                plgpu.commit_smem()
-
-                @pl.when(j + stages < stop)
-                def _():
-                    fetch(j + stages, next_expert)
-
-                store_at(out_row, q, scale)
-                return later
-
-            jax.lax.fori_loop(start, stop, row, (expert(start + stages), rows_ref[start]))
-
         def smoothed_rows(xt, start, stop):
             xf = xt.astype(jnp.float32)  # once per token, not per row
             last = stop - 1
@@ -377,16 +315,15 @@ def smoothquant_kernel(
             jax.lax.fori_loop(start + 1, stop, other_row,
                               rows_ref[jnp.minimum(start + 1, stop - 1)])
 
-        def tokens(*staging):
+        @pl.when(cta < token_ctas)
+        def _tokens():
             first = cta * bt
             count = jnp.minimum(bt, num_tokens - first)
 
             def process(xt, start, stop, first_row):
                 @pl.when(stop > start)
                 def _():
-                    if staging:
-                        staged_rows(xt, start, stop, *staging)
-                    elif smoothed:
+                    if smoothed:
                         smoothed_rows(xt, start, stop)
                     else:
                         plain_rows(xt, start, stop, first_row)
@@ -401,14 +338,6 @@ def smoothquant_kernel(
                 return nxt
 
             jax.lax.fori_loop(0, count, token, load_token(first))
-
-        @pl.when(cta < token_ctas)
-        def _tokens():
-            if stages:
-                pl.run_scoped(tokens, plgpu.SMEM((stages, d // 64, 64), jnp.float32),
-                              plgpu.Barrier(num_arrivals=1, num_barriers=stages))
-            else:
-                tokens()
 
         if nr_ref is not None:
 
@@ -442,9 +371,8 @@ def smoothquant_kernel(
     if num_rows is not None:
         args.append(jnp.reshape(num_rows, (1,)).astype(jnp.int32))
     args.append(x)
-    if smoothed:  # [E, d / 64, 64] for the staged copies: one TMA box per row
-        scales = smooth_scales.astype(jnp.float32)
-        args.append(scales.reshape(scales.shape[0], d // 64, 64) if stages else scales)
+    if smoothed:
+        args.append(smooth_scales.astype(jnp.float32))
     return kernel(*args)
 
 
