@@ -9,7 +9,7 @@ there), and scale rows 2-3 ahead in registers were 0.63-0.81x (call 3): each in-
 costs `d / 128` registers per thread, which limits CTAs per SM. In SMEM the rows in flight
 cost none.
 
-Needs commit c851d0a (the option was removed after this call: 0.83-0.95x).
+Needs commit c851d0a (the option was removed after this call: 0.79-0.95x).
 
     PYTHONPATH=. python3 benchmarks/history/session26/quant_smem.py OUT 7b,30b
 """
