@@ -65,16 +65,9 @@ def _short(kernel_name: str) -> str:
     return kernel_name.split("(")[0][:48]
 
 
-def idle_between_kernels(f, *args, steps: int = 5, top: int = 10):
-    """Where a training loop's GPU waits between kernels: `steps` calls dispatched back to
-    back under `jax.profiler.trace`, every kernel and copy of the device's streams, their
-    union (busy), the span from the first start to the last end, and the idle time in
-    between, each per step; plus the `top` idle gaps summed by (kernel before, kernel after),
-    in microseconds per step, and the number of command buffers (CUDA graphs) in the compiled
-    step. A gap is time no stream runs anything: launch latency, host work the GPU waits for,
-    or a kernel's ramp that the previous one's tail does not cover."""
-    jax.block_until_ready(f(*args))
-    compiled_text = f.lower(*args).compile().as_text()
+def traced_gpu_events(f, *args, steps: int):
+    """[(start ns, end ns, name)] of every kernel and copy on the GPU's streams while `steps`
+    calls of f run back to back under `jax.profiler.trace`, sorted by start."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             outs = [f(*args) for _ in range(steps)]
@@ -88,9 +81,22 @@ def idle_between_kernels(f, *args, steps: int = 5, top: int = 10):
                 for line in plane.lines:
                     if line.name.startswith("Stream"):
                         events += [(e.start_ns, e.end_ns, e.name) for e in line.events]
+    return sorted(events)
+
+
+def idle_between_kernels(f, *args, steps: int = 5, top: int = 10):
+    """Where a training loop's GPU waits between kernels: `steps` calls dispatched back to
+    back under `jax.profiler.trace`, every kernel and copy of the device's streams, their
+    union (busy), the span from the first start to the last end, and the idle time in
+    between, each per step; plus the `top` idle gaps summed by (kernel before, kernel after),
+    in microseconds per step, and the number of command buffers (CUDA graphs) in the compiled
+    step. A gap is time no stream runs anything: launch latency, host work the GPU waits for,
+    or a kernel's ramp that the previous one's tail does not cover."""
+    jax.block_until_ready(f(*args))
+    compiled_text = f.lower(*args).compile().as_text()
+    events = traced_gpu_events(f, *args, steps=steps)
     if not events:
         return dict(error="no GPU stream events in the trace")
-    events.sort()
     gaps = collections.Counter()
     busy = 0.0
     start, end, prev = events[0]

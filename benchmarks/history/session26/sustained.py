@@ -10,18 +10,15 @@ nvidia-smi's SM clock and power sampled every 10 ms during each phase.
 
     PYTHONPATH=. python3 benchmarks/history/session26/sustained.py
 """
-import glob
-import os
 import statistics
 import subprocess
-import tempfile
 import threading
 import time
 
 import jax
 
 from benchmarks.forward import SHAPES
-from benchmarks.step import make_step, step_inputs
+from benchmarks.step import make_step, step_inputs, traced_gpu_events
 from pallas_moe.kernels import KernelConfig
 
 SAMPLES = []
@@ -74,19 +71,7 @@ def main():
         wall = 1e3 * (t1 - t0) / n_steps
         clocks = window(t0, t1)
         time.sleep(1.0)
-        with tempfile.TemporaryDirectory() as trace_dir:
-            with jax.profiler.trace(trace_dir):
-                outs = [step(*args) for _ in range(n_steps)]
-                jax.block_until_ready(outs)
-            del outs
-            (pb,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-            events = []
-            for plane in jax.profiler.ProfileData.from_file(pb).planes:
-                if plane.name.startswith("/device:GPU"):
-                    for line in plane.lines:
-                        if line.name.startswith("Stream"):
-                            events += [(e.start_ns, e.end_ns, e.name) for e in line.events]
-        events.sort()
+        events = traced_gpu_events(step, *args, steps=n_steps)
         starts = [s for s, _, name in events if name.startswith("moe_up_proj")]
         spans = [(b - a) / 1e6 for a, b in zip(starts, starts[1:])]
         busy = sum(e - s for s, e, _ in events) / 1e6 / n_steps
