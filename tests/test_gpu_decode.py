@@ -140,11 +140,13 @@ def test_hundred_runs_no_hang_bitwise_equal(variant):
         assert bool(jnp.array_equal(first, again)), f"run {i} differs from the first"
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 4, 8, 16, 32])
+# The H200's limit (8) and one past it; T = 1 is the megakernel everywhere. (Session 26 ran
+# T = 1, 2, 4, 8 and 16 with the megakernel; each case is ~50 s on the GPU.)
+@pytest.mark.parametrize("num_tokens", [1, 8, 16])
 def test_moe_ffn_default_at_the_smallest_batches_matches_xla_with_gradients(num_tokens):
     """`pm.moe_ffn(backend="mosaic")` with no config runs the megakernel forward (with H)
-    up to `decode_max_tokens()` tokens (split up tasks at T = 1) and the kernel forward
-    above, then the kernel backward: output and gradients against the xla backend, bitwise
+    up to `decode_max_tokens()` tokens and the kernel forward above, then the kernel
+    backward: output and gradients against the xla backend, bitwise
     reproducible."""
     from pallas_moe.kernels.moe_forward import decode_max_tokens
 
