@@ -128,8 +128,9 @@ class DecodeConfig:
         per (tile, column block) waits for the S partials, adds them in the order s = 0..S-1
         (deterministic; not bitwise the S = 1 result), applies the SwiGLU and writes A (and
         H). `d / 64` must be a multiple of S; not with `lookahead_steps`. GPU-tested; on
-        an H200 (session 26) S = 4 at T = 1 measured 0.94x and 1.08x the time of whole
-        tasks in two runs (no clear gain), slower from T = 2 on, so the defaults keep S = 1.
+        an H200 (session 26) S = 4 at T = 1 ran 1.065x, 0.93x and 0.94x the speed of whole
+        tasks in three runs (no clear gain) and slower from T = 2 on, so the defaults keep
+        S = 1.
     """
 
     scheduler: str = "static"

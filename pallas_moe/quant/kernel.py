@@ -54,7 +54,8 @@ class SmoothQuantConfig:
         expert id one row further is loaded with them, so no scale load waits on its id).
         Measured on an H200 (session 25, 1 against session 24's loop, where the next row's
         scale load waited on its expert id's load): 1.07-1.11x, the same bits.
-        Rows 2 or 3 ahead were 0.63-0.81x at 7B and 30B (H200, session 26; presumably registers).
+        Rows 2 or 3 ahead were 0.63-0.81x at 7B and 30B (H200, session 26; presumably
+        their registers).
       int8_rounding: how compiled kernels round int8 values (`_saturating_quantize`; the
         same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
         full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
