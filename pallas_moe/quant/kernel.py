@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -60,6 +61,21 @@ class SmoothQuantConfig:
         same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
         full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
         "cvt" (`cvt.rni.sat.s8.f32`, the quarter-rate conversion pipe).
+      rows_per_reduction: with smooth scales, how many of a token's rows share one
+        cross-warp exchange of their maxima. None: a row at a time (each row's `max|Y|` is a
+        warpgroup reduction of its own: shuffles, an SMEM exchange and two warpgroup
+        barriers), its scale row loaded `scale_rows_ahead` rows ahead. R >= 1: the token's
+        rows in groups of R, held as one [R, d] array (`_row_layout`): R shuffle trees, then
+        one SMEM exchange and two barriers for the group; the group's R scale rows are
+        loaded together once its expert ids (loaded a group earlier) are known. A token's
+        last group is padded with copies of its last row, which store the same bits to
+        the same output row again. Session 27's profile of the R = 1 loop (H200, 7B e4m3):
+        ~120 instructions per row per warp and 4 warpgroup barriers per row.
+      no_auto_barriers: `plgpu.CompilerParams.unsafe_no_auto_barriers`: Pallas puts a
+        warpgroup barrier before every store to a ref (two per row here: Q and s), which
+        only protects memory a thread both reads and writes; this kernel only reads its
+        inputs and only writes its outputs (the reduction's SMEM scratch has barriers of
+        its own).
     """
 
     block_t: int = 1
@@ -67,6 +83,8 @@ class SmoothQuantConfig:
     vec: int | None = None
     scale_rows_ahead: int = 1
     int8_rounding: str = "fadd"
+    rows_per_reduction: int | None = None
+    no_auto_barriers: bool = False
 
     def __post_init__(self):
         if self.int8_rounding not in ("cvt", "fadd"):
@@ -77,6 +95,17 @@ class SmoothQuantConfig:
             raise ValueError(
                 f"config.scale_rows_ahead={self.scale_rows_ahead} must be >= 1 (smooth-scale "
                 "rows loaded ahead of the row being quantized)."
+            )
+        if self.rows_per_reduction is not None and self.rows_per_reduction < 1:
+            raise ValueError(
+                f"config.rows_per_reduction={self.rows_per_reduction} must be >= 1 (rows "
+                "whose maxima share one cross-warp exchange)."
+            )
+        if self.rows_per_reduction is not None and self.scale_rows_ahead != 1:
+            raise ValueError(
+                f"config.scale_rows_ahead={self.scale_rows_ahead} applies to one row per "
+                f"reduction; with config.rows_per_reduction={self.rows_per_reduction} a "
+                "group's scale rows load together (leave scale_rows_ahead at 1)."
             )
 
     def resolve_vec(self, d: int) -> int:
@@ -95,29 +124,69 @@ class SmoothQuantConfig:
         )
 
 
-def _rcp_rn(splat: jax.Array) -> jax.Array:
-    """`correctly_rounded_reciprocal` of a warpgroup-splat f32 vector on the GPU: PTX
-    `rcp.rn.f32`, the IEEE round-to-nearest-even reciprocal (NaN -> NaN, inf -> 0), which is
-    that function's value on every input the kernel gives it (normal scales below 2^126,
-    NaN, inf). One instruction sequence per thread instead of the remainder-corrected
-    division, which Mosaic GPU compiles from `div.full.f32` plus four correction steps.
-    A splat holds one register per thread, so each thread computes it once per row."""
+def _rcp_rn(v: jax.Array, layout=None) -> jax.Array:
+    """`correctly_rounded_reciprocal` of an f32 array on the GPU: PTX `rcp.rn.f32`, the IEEE
+    round-to-nearest-even reciprocal (NaN -> NaN, inf -> 0), which is that function's value
+    on every input the kernel gives it (normal scales below 2^126, NaN, inf). One
+    instruction sequence per element instead of the remainder-corrected division, which
+    Mosaic GPU compiles from `div.full.f32` plus four correction steps. The kernel calls it
+    on a warpgroup splat (`layout` None: one register per thread, once per row) or on a
+    group's [R] row maxima (`_row_layout(...).reduce(1)`: R registers per thread)."""
+    import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
+    from jax._src.lib.mlir.dialects import llvm, vector
 
-    layout = plgpu.Layout.WG_SPLAT(splat.shape)
+    layout = plgpu.Layout.WG_SPLAT(v.shape) if layout is None else layout
 
     @plgpu.inline_mgpu(
         arg_types=(layout,),
-        return_type=plgpu.ShapeDtypeStruct(splat.shape, jnp.float32, layout=layout),
+        return_type=plgpu.ShapeDtypeStruct(v.shape, jnp.float32, layout=layout),
     )
-    def rcp(ctx, v):
+    def rcp(ctx, values):
         del ctx
         f32 = ir.F32Type.get()
-        return v._pointwise(lambda r: llvm.inline_asm(
-            f32, [r], "rcp.rn.f32 $0, $1;", "=f,f", has_side_effects=False))
 
-    return rcp(splat)
+        def one(r):  # a register: an f32, or a vector of them
+            if not isinstance(r.type, ir.VectorType):
+                return llvm.inline_asm(f32, [r], "rcp.rn.f32 $0, $1;", "=f,f",
+                                       has_side_effects=False)
+            n = ir.VectorType(r.type).shape[0]
+            return vector.from_elements(r.type, [one(vector.extract(r, [], [i])) for i in range(n)])
+
+        # Built register by register: a reduced TILED layout holds plain f32 registers,
+        # which `FragmentedArray._pointwise` (vectors only there) does not take.
+        registers = np.empty(values.registers.shape, dtype=object)
+        for idx in np.ndindex(values.registers.shape):
+            registers[idx] = one(values.registers[idx])
+        return mgpu.FragmentedArray(_registers=registers, _layout=values.layout, _is_signed=None)
+
+    return rcp(v)
+
+
+def _row_layout(vec: int):
+    """The layout of a token's rows as one [R, d] array: each row split over the warpgroup
+    as WG_STRIDED splits a [d] row (thread i holds `vec` contiguous elements every
+    `128 * vec`), so a reduction along d reduces every row with one cross-warp exchange."""
+    from jax.experimental.mosaic.gpu.fragmented_array import Tiling
+
+    return plgpu.Layout.TILED(Tiling(((1, _WG * vec), (32 * vec,), (vec,))),
+                              warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1)
+
+
+def _store_gmem(ref, value, layout, interpret: bool) -> None:
+    """`ref[...] = value` for a `_row_layout` array (or its reduction) in GMEM: Pallas's
+    store lowers TILED layouts through the SMEM-only optimized path, so compiled kernels
+    store through Mosaic GPU's plain vector stores."""
+    if interpret:
+        ref[...] = value
+        return
+
+    @plgpu.inline_mgpu(arg_types=(layout, plgpu.RefType()))
+    def store(ctx, v, r):
+        del ctx
+        v.store_untiled(r, optimized=False)
+
+    store(value, ref)
 
 
 # int8 rounding by an f32 add (`int8_rounding="fadd"`): 1.5 * 2^23, whose ulp is 1, so
@@ -238,6 +307,8 @@ def smoothquant_kernel(
         raise ValueError(f"config.block_t={bt} and config.block_pad={bp} must be >= 1.")
     vec = config.resolve_vec(d)
     layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
+    grouped = smoothed and config.rows_per_reduction is not None
+    row_layout = _row_layout(vec)  # [R, d]: a token's rows, grouped
     # Interpret mode cannot run inline PTX; the jnp reciprocal gives the same bits.
     reciprocal = correctly_rounded_reciprocal if interpret else _rcp_rn
     token_ctas = pl.cdiv(num_tokens, bt)
@@ -260,7 +331,11 @@ def smoothquant_kernel(
             (the row index clamped for a token without rows past the last entry)."""
             start = off_ref[t]
             first_row = start if smoothed else rows_ref[jnp.minimum(start, num_entries - 1)]
-            return plgpu.load(x_ref.at[t], layout=layout), start, off_ref[t + 1], first_row
+            if grouped:  # [1, d]
+                xt = plgpu.load(x_ref.at[pl.ds(t, 1)], layout=row_layout, optimized=False)
+            else:
+                xt = plgpu.load(x_ref.at[t], layout=layout)
+            return xt, start, off_ref[t + 1], first_row
 
         def store_at(r, q, s):
             q_ref[r] = q
@@ -304,6 +379,43 @@ def smoothquant_kernel(
                      expert(start + ahead), rows_ref[start])
             jax.lax.fori_loop(start, stop, row, first)
 
+        def smoothed_groups(xt, start, stop):
+            """The token's rows in groups of R = `config.rows_per_reduction`, each group one
+            [R, d] array whose R row maxima share one cross-warp exchange. The group's expert
+            ids and output rows were loaded with the previous group, so its R scale-row
+            loads are issued at once; rows past the token's last repeat the last row."""
+            rows = config.rows_per_reduction
+            last = stop - 1
+            xf = xt.astype(jnp.float32)  # [1, d], once per token
+            reduced = row_layout.reduce(1)  # [R] row maxima, scales, reciprocals
+
+            def rcp(v):
+                return reciprocal(v) if interpret else _rcp_rn(v, reduced)
+
+            def ids(j0):  # (expert ids, output rows) of the group starting at CSR entry j0
+                entries = [jnp.minimum(j0 + i, last) for i in range(rows)]
+                return (tuple(exp_ref[j] for j in entries), tuple(rows_ref[j] for j in entries))
+
+            def group(g, carry):
+                experts, outs = carry
+                smooth = [plgpu.load(sm_ref.at[pl.ds(e, 1)], layout=row_layout, optimized=False)
+                          for e in experts]
+                later = ids(start + (g + 1) * rows)
+                y = jnp.concatenate([xf * s for s in smooth], axis=0)  # [R, d]
+                amax = jnp.max(jnp.abs(y), axis=1)  # [R]
+                scale, inv = row_scale(amax, out_dtype, rcp)
+                inv = plgpu.layout_cast(jax.lax.broadcast_in_dim(inv, y.shape, (0,)), row_layout)
+                if interpret:
+                    q = apply_row_scale(y, inv, out_dtype)
+                else:
+                    q = _saturating_quantize(y * inv, out_dtype, row_layout, config.int8_rounding)
+                for i, r in enumerate(outs):
+                    _store_gmem(q_ref.at[pl.ds(r, 1)], q[i:i + 1], row_layout, interpret)
+                    _store_gmem(s_ref.at[pl.ds(r, 1)], scale[i:i + 1], reduced, interpret)
+                return later
+
+            jax.lax.fori_loop(0, (stop - start + rows - 1) // rows, group, ids(start))
+
         def plain_rows(xt, start, stop, first_row):
             q, s = quantize(xt.astype(jnp.float32))
             store_at(first_row, q, s)  # prefetched with the token: most tokens own one row
@@ -324,7 +436,9 @@ def smoothquant_kernel(
             def process(xt, start, stop, first_row):
                 @pl.when(stop > start)
                 def _():
-                    if smoothed:
+                    if grouped:
+                        smoothed_groups(xt, start, stop)
+                    elif smoothed:
                         smoothed_rows(xt, start, stop)
                     else:
                         plain_rows(xt, start, stop, first_row)
@@ -367,6 +481,12 @@ def smoothquant_kernel(
         grid_names=("cta",),
         kernel_name="moe_smoothquant_csr",
         interpret=_common.interpret_params(interpret),
+        compiler_params=plgpu.CompilerParams(
+            # The grouped rows' TILED layouts and plain GMEM stores are Lane-level code.
+            lowering_semantics=(plgpu.LoweringSemantics.Lane if grouped
+                                else plgpu.CompilerParams().lowering_semantics),
+            unsafe_no_auto_barriers=config.no_auto_barriers,
+        ),
     )
     args = [row_offsets.astype(jnp.int32), out_rows.astype(jnp.int32), row_experts.astype(jnp.int32)]
     if num_rows is not None:
