@@ -238,9 +238,10 @@ def test_no_races_and_padding_ctas():
 
 
 # CI time: 3 rows ahead is a slow extra ([2] runs the same carry, one row shorter).
-@pytest.mark.parametrize("ahead", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ahead", [0, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_scale_rows_ahead_same_bits(ahead):
-    """`SmoothQuantConfig.scale_rows_ahead`: smooth-scale rows loaded 2 or 3 rows ahead (past
+    """`SmoothQuantConfig.scale_rows_ahead`: smooth-scale rows loaded with their own row or
+    2 or 3 rows ahead (past
     a token's last row the loads repeat its last entry) give the bits of the numpy formula:
     tokens with 0..3 rows, padding CTAs, several tokens per CTA, races watched."""
     num_tokens, d, num_experts = 13, 128, 4
@@ -290,9 +291,9 @@ def test_rows_per_reduction_config_errors():
         SmoothQuantConfig(rows_per_reduction=4, scale_rows_ahead=2)
 
 
-def test_scale_rows_ahead_must_be_positive():
-    with pytest.raises(ValueError, match="scale_rows_ahead=0 must be >= 1"):
-        SmoothQuantConfig(scale_rows_ahead=0)
+def test_scale_rows_ahead_must_be_non_negative():
+    with pytest.raises(ValueError, match="scale_rows_ahead=-1 must be >= 0"):
+        SmoothQuantConfig(scale_rows_ahead=-1)
 
 
 def test_kernel_without_smooth_scales_equals_ones():
@@ -418,6 +419,8 @@ def test_rows_per_reduction_lowers_for_cuda(d):
         _lower_smoothquant(32768, 128, 8, d, INT8,
                            SmoothQuantConfig(rows_per_reduction=4, no_auto_barriers=True))
         _lower_smoothquant(32768, 128, 8, d, E4M3, SmoothQuantConfig(rows_per_reduction=8))
+        _lower_smoothquant(32768, 128, 8, d, INT8, SmoothQuantConfig(
+            scale_rows_ahead=0, lane=True, no_auto_barriers=True))
 
 
 def _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype, config=None):

@@ -85,15 +85,16 @@ class SmoothQuantConfig:
     int8_rounding: str = "fadd"
     rows_per_reduction: int | None = None
     no_auto_barriers: bool = False
+    lane: bool = False  # session 27's A/B only: Lane lowering semantics for the row loop
 
     def __post_init__(self):
         if self.int8_rounding not in ("cvt", "fadd"):
             raise ValueError(
                 f'config.int8_rounding must be "cvt" or "fadd", got {self.int8_rounding!r}.'
             )
-        if self.scale_rows_ahead < 1:
+        if self.scale_rows_ahead < 0:
             raise ValueError(
-                f"config.scale_rows_ahead={self.scale_rows_ahead} must be >= 1 (smooth-scale "
+                f"config.scale_rows_ahead={self.scale_rows_ahead} must be >= 0 (smooth-scale "
                 "rows loaded ahead of the row being quantized)."
             )
         if self.rows_per_reduction is not None and self.rows_per_reduction < 1:
@@ -367,11 +368,11 @@ def smoothquant_kernel(
             def row(j, carry):
                 # Each load's address was loaded a row earlier, so no load waits on another
                 # within a row: the scale row `ahead` rows on (its expert id came with the
-                # previous row), the expert id one further and the next output row, all
-                # issued before this row's reduction.
+                # previous row; ahead = 0: this row's own), the expert id one further and
+                # the next output row, all issued before this row's reduction.
                 *smooth, next_expert, out_row = carry
-                later = (smooth_row(next_expert), expert(j + ahead + 1),
-                         rows_ref[jnp.minimum(j + 1, last)])
+                smooth = (*smooth, smooth_row(next_expert))  # entries j .. j + ahead
+                later = (expert(j + ahead + 1), rows_ref[jnp.minimum(j + 1, last)])
                 store_at(out_row, *quantize(xf * smooth[0]))
                 return (*smooth[1:], *later)
 
@@ -483,7 +484,7 @@ def smoothquant_kernel(
         interpret=_common.interpret_params(interpret),
         compiler_params=plgpu.CompilerParams(
             # The grouped rows' TILED layouts and plain GMEM stores are Lane-level code.
-            lowering_semantics=(plgpu.LoweringSemantics.Lane if grouped
+            lowering_semantics=(plgpu.LoweringSemantics.Lane if grouped or config.lane
                                 else plgpu.CompilerParams().lowering_semantics),
             unsafe_no_auto_barriers=config.no_auto_barriers,
         ),
