@@ -259,41 +259,20 @@ def test_scale_rows_ahead_same_bits(ahead):
     assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), INT8))
 
 
-# CI time: R = 2 (groups of 2: odd tokens' last groups repeat a row) is the default case;
-# R = 3 (groups that straddle K) is a slow extra of the same code.
-@pytest.mark.parametrize("rows", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_rows_per_reduction_same_bits(rows):
-    """`SmoothQuantConfig.rows_per_reduction`: a token's rows in groups of R whose maxima
-    share one cross-warp exchange (the last group repeats the token's last row) give the
-    bits of the numpy formula: tokens with 0..3+ rows, padding CTAs, several tokens per
-    CTA, both output dtypes, races watched, auto barriers off."""
-    num_tokens, d, num_experts = 13, 256, 4
-    ks = jax.random.split(jax.random.key(9), 3)
-    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, extra=5)
-    rows_per_token = np.asarray(plan.rows_per_token)
-    assert rows_per_token.min() == 0 and rows_per_token.max() >= 3
-    x = special_x(ks[1], num_tokens, d, at=tuple(np.flatnonzero(rows_per_token)[:5]))
-    smooth = smooth_scales(ks[2], num_experts, d)
-    params = plgpu.InterpretGPUParams(detect_races=True)
-    for out_dtype in (INT8, E4M3):
-        q, s = pm.quant.moe_smoothquant(
-            x, smooth, plan, out_dtype=out_dtype, backend="interpret", interpret_params=params,
-            config=SmoothQuantConfig(block_t=2, block_pad=8, rows_per_reduction=rows,
-                                     no_auto_barriers=True))
-        assert not races_found()
-        assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), out_dtype))
-
-
-def test_rows_per_reduction_config_errors():
-    with pytest.raises(ValueError, match="rows_per_reduction=0 must be >= 1"):
-        SmoothQuantConfig(rows_per_reduction=0)
-    with pytest.raises(ValueError, match="leave scale_rows_ahead at 1"):
-        SmoothQuantConfig(rows_per_reduction=4, scale_rows_ahead=2)
-
-
 def test_scale_rows_ahead_must_be_non_negative():
     with pytest.raises(ValueError, match="scale_rows_ahead=-1 must be >= 0"):
         SmoothQuantConfig(scale_rows_ahead=-1)
+
+
+def test_scale_rows_ahead_default_follows_the_width():
+    # One row ahead up to SCALE_ROWS_AHEAD_MAX_WIDTH (7B's 1536, Qwen3's 2048), none above
+    # (30B's 4096: the held row's registers cost CTAs per SM); an explicit value wins.
+    from pallas_moe.quant.kernel import SCALE_ROWS_AHEAD_MAX_WIDTH
+
+    assert SmoothQuantConfig().resolve_scale_rows_ahead(1536) == 1
+    assert SmoothQuantConfig().resolve_scale_rows_ahead(SCALE_ROWS_AHEAD_MAX_WIDTH) == 1
+    assert SmoothQuantConfig().resolve_scale_rows_ahead(4096) == 0
+    assert SmoothQuantConfig(scale_rows_ahead=2).resolve_scale_rows_ahead(4096) == 2
 
 
 def test_kernel_without_smooth_scales_equals_ones():
@@ -407,20 +386,6 @@ def test_scale_rows_ahead_and_cvt_rounding_lower_for_cuda(d):
                            SmoothQuantConfig(scale_rows_ahead=2, int8_rounding="cvt"))
     with pytest.raises(ValueError, match='int8_rounding must be "cvt" or "fadd", got .rne.'):
         SmoothQuantConfig(int8_rounding="rne")
-
-
-@pytest.mark.parametrize("d", [1536, 4096])
-def test_rows_per_reduction_lowers_for_cuda(d):
-    """Grouped rows (Lane semantics, TILED [R, d] rows, plain GMEM stores) at the 7B and 30B
-    widths, both output dtypes, with and without auto barriers."""
-    from tests.cuda_target import h100_target
-
-    with h100_target():
-        _lower_smoothquant(32768, 128, 8, d, INT8,
-                           SmoothQuantConfig(rows_per_reduction=4, no_auto_barriers=True))
-        _lower_smoothquant(32768, 128, 8, d, E4M3, SmoothQuantConfig(rows_per_reduction=8))
-        _lower_smoothquant(32768, 128, 8, d, INT8, SmoothQuantConfig(
-            scale_rows_ahead=0, lane=True, no_auto_barriers=True))
 
 
 def _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype, config=None):
@@ -577,9 +542,8 @@ def test_kernel_without_smooth_scales_on_gpu():
 @pytest.mark.parametrize("config", [
     SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"),
     SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2),
-    SmoothQuantConfig(rows_per_reduction=4, no_auto_barriers=True),
-    SmoothQuantConfig(rows_per_reduction=8)],
-    ids=["default", "cvt", "fadd_ahead2", "groups4", "groups8"])
+    SmoothQuantConfig(scale_rows_ahead=0), SmoothQuantConfig(scale_rows_ahead=1, block_t=2)],
+    ids=["default", "cvt", "fadd_ahead2", "ahead0", "ahead1_bt2"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
     # Token rounding (padding rows) at a production width; every row, bit for bit. The

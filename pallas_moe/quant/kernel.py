@@ -11,8 +11,9 @@ expert's smooth-scale row (`E * d * 4` bytes in all, so it stays in L2), reduces
 across the warpgroup, and stores the quantized row and its scale at the row's output
 position. So X is read once (`T * d` elements) however many experts a token has, and no
 gathered `[P, d]` copy exists: the kernel moves `T*d*sizeof(x) + P*d*sizeof(Q) + 4*P` bytes
-plus metadata and the L2-resident scales. The next row's smooth-scale load is issued before
-the current row is reduced, to overlap its latency.
+plus metadata and the L2-resident scales. Up to d = 2048 the next row's smooth-scale load
+is issued before the current row is reduced, to overlap its latency; wider rows load their
+own (`SmoothQuantConfig.scale_rows_ahead`), which leaves registers for more CTAs per SM.
 
 Output rows that no token owns (the plan's padding rows `[num_rows, P)`) are written as
 Q = 0, s = 0 by extra CTAs at the end of the grid.
@@ -38,6 +39,9 @@ from pallas_moe.quant.reference import (
 )
 
 _WG = 128  # threads in a warpgroup
+# `SmoothQuantConfig.scale_rows_ahead=None`: the widest row whose next scale row is held in
+# registers (d / 128 per thread) while the current one is quantized.
+SCALE_ROWS_AHEAD_MAX_WIDTH = 2048
 _VECS = (8, 4, 2, 1)
 
 
@@ -52,62 +56,39 @@ class SmoothQuantConfig:
         multiple of `128 * vec`. None picks the largest of 8, 4, 2, 1 that divides.
       scale_rows_ahead: with smooth scales, how many rows ahead of the one being quantized
         the smooth-scale rows are loaded (each costs `d / 128` registers per thread; the
-        expert id one row further is loaded with them, so no scale load waits on its id).
-        Measured on an H200 (session 25, 1 against session 24's loop, where the next row's
-        scale load waited on its expert id's load): 1.07-1.11x, the same bits.
-        Rows 2 or 3 ahead were 0.63-0.81x at 7B and 30B (H200, session 26; presumably
-        their registers).
+        expert id one row further is loaded with them, so no scale load waits on its id);
+        0 loads a row's scale row in its own iteration. None (default): 1 up to
+        `SCALE_ROWS_AHEAD_MAX_WIDTH`, 0 above, where the registers cost occupancy.
+        Measured on an H200: 1 against loading the next row's scale row after its expert
+        id (session 25) 1.07-1.11x; 2 or 3 ahead 0.63-0.81x (session 26); 0 against 1,
+        session 27 below.
       int8_rounding: how compiled kernels round int8 values (`_saturating_quantize`; the
         same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
         full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
         "cvt" (`cvt.rni.sat.s8.f32`, the quarter-rate conversion pipe).
-      rows_per_reduction: with smooth scales, how many of a token's rows share one
-        cross-warp exchange of their maxima. None: a row at a time (each row's `max|Y|` is a
-        warpgroup reduction of its own: shuffles, an SMEM exchange and two warpgroup
-        barriers), its scale row loaded `scale_rows_ahead` rows ahead. R >= 1: the token's
-        rows in groups of R, held as one [R, d] array (`_row_layout`): R shuffle trees, then
-        one SMEM exchange and two barriers for the group; the group's R scale rows are
-        loaded together once its expert ids (loaded a group earlier) are known. A token's
-        last group is padded with copies of its last row, which store the same bits to
-        the same output row again. Session 27's profile of the R = 1 loop (H200, 7B e4m3):
-        ~120 instructions per row per warp and 4 warpgroup barriers per row.
-      no_auto_barriers: `plgpu.CompilerParams.unsafe_no_auto_barriers`: Pallas puts a
-        warpgroup barrier before every store to a ref (two per row here: Q and s), which
-        only protects memory a thread both reads and writes; this kernel only reads its
-        inputs and only writes its outputs (the reduction's SMEM scratch has barriers of
-        its own).
     """
 
     block_t: int = 1
     block_pad: int = 64
     vec: int | None = None
-    scale_rows_ahead: int = 1
+    scale_rows_ahead: int | None = None
     int8_rounding: str = "fadd"
-    rows_per_reduction: int | None = None
-    no_auto_barriers: bool = False
-    lane: bool = False  # session 27's A/B only: Lane lowering semantics for the row loop
 
     def __post_init__(self):
         if self.int8_rounding not in ("cvt", "fadd"):
             raise ValueError(
                 f'config.int8_rounding must be "cvt" or "fadd", got {self.int8_rounding!r}.'
             )
-        if self.scale_rows_ahead < 0:
+        if self.scale_rows_ahead is not None and self.scale_rows_ahead < 0:
             raise ValueError(
                 f"config.scale_rows_ahead={self.scale_rows_ahead} must be >= 0 (smooth-scale "
-                "rows loaded ahead of the row being quantized)."
+                "rows loaded ahead of the row being quantized) or None."
             )
-        if self.rows_per_reduction is not None and self.rows_per_reduction < 1:
-            raise ValueError(
-                f"config.rows_per_reduction={self.rows_per_reduction} must be >= 1 (rows "
-                "whose maxima share one cross-warp exchange)."
-            )
-        if self.rows_per_reduction is not None and self.scale_rows_ahead != 1:
-            raise ValueError(
-                f"config.scale_rows_ahead={self.scale_rows_ahead} applies to one row per "
-                f"reduction; with config.rows_per_reduction={self.rows_per_reduction} a "
-                "group's scale rows load together (leave scale_rows_ahead at 1)."
-            )
+
+    def resolve_scale_rows_ahead(self, d: int) -> int:
+        if self.scale_rows_ahead is not None:
+            return self.scale_rows_ahead
+        return 1 if d <= SCALE_ROWS_AHEAD_MAX_WIDTH else 0
 
     def resolve_vec(self, d: int) -> int:
         if self.vec is not None:
@@ -131,8 +112,8 @@ def _rcp_rn(v: jax.Array, layout=None) -> jax.Array:
     on every input the kernel gives it (normal scales below 2^126, NaN, inf). One
     instruction sequence per element instead of the remainder-corrected division, which
     Mosaic GPU compiles from `div.full.f32` plus four correction steps. The kernel calls it
-    on a warpgroup splat (`layout` None: one register per thread, once per row) or on a
-    group's [R] row maxima (`_row_layout(...).reduce(1)`: R registers per thread)."""
+    once per row: on a warpgroup splat (`layout` None) or on a smoothed row's reduced [1]
+    maximum (`_row_layout(...).reduce(1)`); either holds one register per thread."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm, vector
@@ -165,9 +146,11 @@ def _rcp_rn(v: jax.Array, layout=None) -> jax.Array:
 
 
 def _row_layout(vec: int):
-    """The layout of a token's rows as one [R, d] array: each row split over the warpgroup
-    as WG_STRIDED splits a [d] row (thread i holds `vec` contiguous elements every
-    `128 * vec`), so a reduction along d reduces every row with one cross-warp exchange."""
+    """The layout of a smoothed row as a [1, d] array: split over the warpgroup as
+    WG_STRIDED splits a [d] row (thread i holds `vec` contiguous elements every `128 * vec`),
+    but a TILED layout, whose loads, row reduction and plain stores Mosaic GPU compiles to
+    less code: 1.08-1.10x at d = 4096 on an H200 than the same loop on WG_STRIDED rows
+    (session 27, `benchmarks/RESULTS.md`)."""
     from jax.experimental.mosaic.gpu.fragmented_array import Tiling
 
     return plgpu.Layout.TILED(Tiling(((1, _WG * vec), (32 * vec,), (vec,))),
@@ -176,8 +159,8 @@ def _row_layout(vec: int):
 
 def _store_gmem(ref, value, layout, interpret: bool) -> None:
     """`ref[...] = value` for a `_row_layout` array (or its reduction) in GMEM: Pallas's
-    store lowers TILED layouts through the SMEM-only optimized path, so compiled kernels
-    store through Mosaic GPU's plain vector stores."""
+    store takes TILED layouts down the SMEM-only optimized path, so compiled kernels store
+    through Mosaic GPU's plain vector stores (interpret mode has no layouts)."""
     if interpret:
         ref[...] = value
         return
@@ -308,8 +291,8 @@ def smoothquant_kernel(
         raise ValueError(f"config.block_t={bt} and config.block_pad={bp} must be >= 1.")
     vec = config.resolve_vec(d)
     layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
-    grouped = smoothed and config.rows_per_reduction is not None
-    row_layout = _row_layout(vec)  # [R, d]: a token's rows, grouped
+    row_layout = _row_layout(vec)  # [1, d]: a smoothed row
+    scale_rows_ahead = config.resolve_scale_rows_ahead(d)
     # Interpret mode cannot run inline PTX; the jnp reciprocal gives the same bits.
     reciprocal = correctly_rounded_reciprocal if interpret else _rcp_rn
     token_ctas = pl.cdiv(num_tokens, bt)
@@ -332,7 +315,7 @@ def smoothquant_kernel(
             (the row index clamped for a token without rows past the last entry)."""
             start = off_ref[t]
             first_row = start if smoothed else rows_ref[jnp.minimum(start, num_entries - 1)]
-            if grouped:  # [1, d]
+            if smoothed:  # [1, d]
                 xt = plgpu.load(x_ref.at[pl.ds(t, 1)], layout=row_layout, optimized=False)
             else:
                 xt = plgpu.load(x_ref.at[t], layout=layout)
@@ -355,15 +338,20 @@ def smoothquant_kernel(
             return _saturating_quantize(y * inv, out_dtype, layout, config.int8_rounding), scale
 
         def smoothed_rows(xt, start, stop):
+            """Rows [start, stop) of one token from its [1, d] X row (`row_layout`)."""
             xf = xt.astype(jnp.float32)  # once per token, not per row
             last = stop - 1
-            ahead = config.scale_rows_ahead
+            ahead = scale_rows_ahead
+            reduced = row_layout.reduce(1)  # [1]: the row's max, scale, reciprocal
+
+            def rcp(v):
+                return reciprocal(v) if interpret else _rcp_rn(v, reduced)
 
             def expert(j):  # the expert of CSR entry j (the last entry's past the end)
                 return exp_ref[jnp.minimum(j, last)]
 
-            def smooth_row(e):
-                return plgpu.load(sm_ref.at[e], layout=layout)
+            def smooth_row(e):  # [1, d]
+                return plgpu.load(sm_ref.at[pl.ds(e, 1)], layout=row_layout, optimized=False)
 
             def row(j, carry):
                 # Each load's address was loaded a row earlier, so no load waits on another
@@ -373,49 +361,21 @@ def smoothquant_kernel(
                 *smooth, next_expert, out_row = carry
                 smooth = (*smooth, smooth_row(next_expert))  # entries j .. j + ahead
                 later = (expert(j + ahead + 1), rows_ref[jnp.minimum(j + 1, last)])
-                store_at(out_row, *quantize(xf * smooth[0]))
-                return (*smooth[1:], *later)
-
-            first = (*(smooth_row(expert(start + i)) for i in range(ahead)),
-                     expert(start + ahead), rows_ref[start])
-            jax.lax.fori_loop(start, stop, row, first)
-
-        def smoothed_groups(xt, start, stop):
-            """The token's rows in groups of R = `config.rows_per_reduction`, each group one
-            [R, d] array whose R row maxima share one cross-warp exchange. The group's expert
-            ids and output rows were loaded with the previous group, so its R scale-row
-            loads are issued at once; rows past the token's last repeat the last row."""
-            rows = config.rows_per_reduction
-            last = stop - 1
-            xf = xt.astype(jnp.float32)  # [1, d], once per token
-            reduced = row_layout.reduce(1)  # [R] row maxima, scales, reciprocals
-
-            def rcp(v):
-                return reciprocal(v) if interpret else _rcp_rn(v, reduced)
-
-            def ids(j0):  # (expert ids, output rows) of the group starting at CSR entry j0
-                entries = [jnp.minimum(j0 + i, last) for i in range(rows)]
-                return (tuple(exp_ref[j] for j in entries), tuple(rows_ref[j] for j in entries))
-
-            def group(g, carry):
-                experts, outs = carry
-                smooth = [plgpu.load(sm_ref.at[pl.ds(e, 1)], layout=row_layout, optimized=False)
-                          for e in experts]
-                later = ids(start + (g + 1) * rows)
-                y = jnp.concatenate([xf * s for s in smooth], axis=0)  # [R, d]
-                amax = jnp.max(jnp.abs(y), axis=1)  # [R]
+                y = xf * smooth[0]  # [1, d]
+                amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
                 scale, inv = row_scale(amax, out_dtype, rcp)
                 inv = plgpu.layout_cast(jax.lax.broadcast_in_dim(inv, y.shape, (0,)), row_layout)
                 if interpret:
                     q = apply_row_scale(y, inv, out_dtype)
                 else:
                     q = _saturating_quantize(y * inv, out_dtype, row_layout, config.int8_rounding)
-                for i, r in enumerate(outs):
-                    _store_gmem(q_ref.at[pl.ds(r, 1)], q[i:i + 1], row_layout, interpret)
-                    _store_gmem(s_ref.at[pl.ds(r, 1)], scale[i:i + 1], reduced, interpret)
-                return later
+                _store_gmem(q_ref.at[pl.ds(out_row, 1)], q, row_layout, interpret)
+                _store_gmem(s_ref.at[pl.ds(out_row, 1)], scale, reduced, interpret)
+                return (*smooth[1:], *later)
 
-            jax.lax.fori_loop(0, (stop - start + rows - 1) // rows, group, ids(start))
+            first = (*(smooth_row(expert(start + i)) for i in range(ahead)),
+                     expert(start + ahead), rows_ref[start])
+            jax.lax.fori_loop(start, stop, row, first)
 
         def plain_rows(xt, start, stop, first_row):
             q, s = quantize(xt.astype(jnp.float32))
@@ -437,9 +397,7 @@ def smoothquant_kernel(
             def process(xt, start, stop, first_row):
                 @pl.when(stop > start)
                 def _():
-                    if grouped:
-                        smoothed_groups(xt, start, stop)
-                    elif smoothed:
+                    if smoothed:
                         smoothed_rows(xt, start, stop)
                     else:
                         plain_rows(xt, start, stop, first_row)
@@ -483,10 +441,12 @@ def smoothquant_kernel(
         kernel_name="moe_smoothquant_csr",
         interpret=_common.interpret_params(interpret),
         compiler_params=plgpu.CompilerParams(
-            # The grouped rows' TILED layouts and plain GMEM stores are Lane-level code.
-            lowering_semantics=(plgpu.LoweringSemantics.Lane if grouped or config.lane
-                                else plgpu.CompilerParams().lowering_semantics),
-            unsafe_no_auto_barriers=config.no_auto_barriers,
+            lowering_semantics=plgpu.LoweringSemantics.Lane,
+            # Pallas would put a warpgroup barrier before and after every store to a ref
+            # (Q and s: up to four per row). They only order memory that one thread both
+            # reads and writes; this kernel reads only its inputs and writes only its
+            # outputs, and the reductions' SMEM scratch has barriers of its own.
+            unsafe_no_auto_barriers=True,
         ),
     )
     args = [row_offsets.astype(jnp.int32), out_rows.astype(jnp.int32), row_experts.astype(jnp.int32)]
