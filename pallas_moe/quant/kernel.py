@@ -11,9 +11,10 @@ expert's smooth-scale row (`E * d * 4` bytes in all, so it stays in L2), reduces
 across the warpgroup, and stores the quantized row and its scale at the row's output
 position. So X is read once (`T * d` elements) however many experts a token has, and no
 gathered `[P, d]` copy exists: the kernel moves `T*d*sizeof(x) + P*d*sizeof(Q) + 4*P` bytes
-plus metadata and the L2-resident scales. Up to d = 2048 the next row's smooth-scale load
-is issued before the current row is reduced, to overlap its latency; wider rows load their
-own (`SmoothQuantConfig.scale_rows_ahead`), which leaves registers for more CTAs per SM.
+plus metadata and the L2-resident scales. Each row's loads take their addresses from loads
+issued a row earlier (the expert id with the previous row, then the scale row), so no load
+waits on another inside a row; the scale row is not held a row ahead, which leaves
+registers for more CTAs per SM (`SmoothQuantConfig.scale_rows_ahead`).
 
 Output rows that no token owns (the plan's padding rows `[num_rows, P)`) are written as
 Q = 0, s = 0 by extra CTAs at the end of the grid.
@@ -39,9 +40,6 @@ from pallas_moe.quant.reference import (
 )
 
 _WG = 128  # threads in a warpgroup
-# `SmoothQuantConfig.scale_rows_ahead=None`: the widest row whose next scale row is held in
-# registers (d / 128 per thread) while the current one is quantized.
-SCALE_ROWS_AHEAD_MAX_WIDTH = 2048
 _VECS = (8, 4, 2, 1)
 
 
@@ -57,11 +55,10 @@ class SmoothQuantConfig:
       scale_rows_ahead: with smooth scales, how many rows ahead of the one being quantized
         the smooth-scale rows are loaded (each costs `d / 128` registers per thread; the
         expert id one row further is loaded with them, so no scale load waits on its id);
-        0 loads a row's scale row in its own iteration. None (default): 1 up to
-        `SCALE_ROWS_AHEAD_MAX_WIDTH`, 0 above, where the registers cost occupancy.
-        Measured on an H200: 1 against loading the next row's scale row after its expert
-        id (session 25) 1.07-1.11x; 2 or 3 ahead 0.63-0.81x (session 26); 0 against 1,
-        session 27 below.
+        0 (default) loads a row's scale row in its own iteration, its expert id having
+        come with the previous row. Measured on an H200 (session 27, TILED rows, same
+        bits): 0 against 1 row ahead 1.07-1.09x at d = 2048 and 4096, level at 1536 (the
+        held row's registers cost CTAs per SM); 2 or 3 ahead were 0.63-0.81x (session 26).
       int8_rounding: how compiled kernels round int8 values (`_saturating_quantize`; the
         same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
         full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
@@ -71,7 +68,7 @@ class SmoothQuantConfig:
     block_t: int = 1
     block_pad: int = 64
     vec: int | None = None
-    scale_rows_ahead: int | None = None
+    scale_rows_ahead: int = 0
     int8_rounding: str = "fadd"
 
     def __post_init__(self):
@@ -79,16 +76,11 @@ class SmoothQuantConfig:
             raise ValueError(
                 f'config.int8_rounding must be "cvt" or "fadd", got {self.int8_rounding!r}.'
             )
-        if self.scale_rows_ahead is not None and self.scale_rows_ahead < 0:
+        if self.scale_rows_ahead < 0:
             raise ValueError(
                 f"config.scale_rows_ahead={self.scale_rows_ahead} must be >= 0 (smooth-scale "
-                "rows loaded ahead of the row being quantized) or None."
+                "rows loaded ahead of the row being quantized)."
             )
-
-    def resolve_scale_rows_ahead(self, d: int) -> int:
-        if self.scale_rows_ahead is not None:
-            return self.scale_rows_ahead
-        return 1 if d <= SCALE_ROWS_AHEAD_MAX_WIDTH else 0
 
     def resolve_vec(self, d: int) -> int:
         if self.vec is not None:
@@ -148,9 +140,10 @@ def _rcp_rn(v: jax.Array, layout=None) -> jax.Array:
 def _row_layout(vec: int):
     """The layout of a smoothed row as a [1, d] array: split over the warpgroup as
     WG_STRIDED splits a [d] row (thread i holds `vec` contiguous elements every `128 * vec`),
-    but a TILED layout, whose loads, row reduction and plain stores Mosaic GPU compiles to
-    less code: 1.08-1.10x at d = 4096 on an H200 than the same loop on WG_STRIDED rows
-    (session 27, `benchmarks/RESULTS.md`)."""
+    but a TILED layout (loads, row reduction and plain stores in Lane semantics): with the
+    scale row loaded in its own iteration, 1.08-1.10x at d = 2048 and 4096 on an H200 over
+    the same loop on WG_STRIDED rows, which gained nothing from it (session 27,
+    `benchmarks/RESULTS.md`)."""
     from jax.experimental.mosaic.gpu.fragmented_array import Tiling
 
     return plgpu.Layout.TILED(Tiling(((1, _WG * vec), (32 * vec,), (vec,))),
@@ -292,7 +285,6 @@ def smoothquant_kernel(
     vec = config.resolve_vec(d)
     layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
     row_layout = _row_layout(vec)  # [1, d]: a smoothed row
-    scale_rows_ahead = config.resolve_scale_rows_ahead(d)
     # Interpret mode cannot run inline PTX; the jnp reciprocal gives the same bits.
     reciprocal = correctly_rounded_reciprocal if interpret else _rcp_rn
     token_ctas = pl.cdiv(num_tokens, bt)
@@ -341,7 +333,7 @@ def smoothquant_kernel(
             """Rows [start, stop) of one token from its [1, d] X row (`row_layout`)."""
             xf = xt.astype(jnp.float32)  # once per token, not per row
             last = stop - 1
-            ahead = scale_rows_ahead
+            ahead = config.scale_rows_ahead
             reduced = row_layout.reduce(1)  # [1]: the row's max, scale, reciprocal
 
             def rcp(v):
