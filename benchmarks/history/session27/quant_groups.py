@@ -34,6 +34,10 @@ ALL = {
     "ahead1": (cur, dict(scale_rows_ahead=1)),
     "ahead0": (cur, dict(scale_rows_ahead=0)),
     "ahead1bt2": (cur, dict(scale_rows_ahead=1, block_t=2)),
+    # call 7: scale rows staged in SMEM by each thread's own cp.async loads
+    "staged1": (cur, dict(staged_scale_rows=1)),
+    "staged2": (cur, dict(staged_scale_rows=2)),
+    "staged1bt2": (cur, dict(staged_scale_rows=1, block_t=2)),
 }
 qa.SHAPES["qwen3"] = (32768, 2048, 128, 8)  # the Qwen3-30B-A3B width: the default's edge
 qa.VERSIONS = {v: ALL[v] for v in
