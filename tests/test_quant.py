@@ -262,10 +262,6 @@ def test_scale_rows_ahead_same_bits(ahead):
 def test_scale_rows_ahead_must_be_non_negative():
     with pytest.raises(ValueError, match="scale_rows_ahead=-1 must be >= 0"):
         SmoothQuantConfig(scale_rows_ahead=-1)
-    with pytest.raises(ValueError, match="staged_scale_rows=-1 must be >= 0"):
-        SmoothQuantConfig(staged_scale_rows=-1)
-    with pytest.raises(ValueError, match="set one of them to 0"):
-        SmoothQuantConfig(staged_scale_rows=1, scale_rows_ahead=1)
 
 
 def test_kernel_without_smooth_scales_equals_ones():
@@ -371,17 +367,12 @@ def test_lowers_for_cuda_at_production_widths(d, out_dtype):
 @pytest.mark.parametrize("d", [1536, 4096])
 def test_scale_rows_ahead_and_cvt_rounding_lower_for_cuda(d):
     """Scale rows 2 ahead and int8 rounded by the conversion instruction (the defaults are
-    0 rows and an f32 add), and scale rows staged in SMEM by cp.async (compiled kernels
-    only: interpret mode loads them directly), one and two tokens per CTA, at the 7B and
-    30B widths; a bad rounding name is refused."""
+    1 row and an f32 add) at the 7B and 30B widths; a bad rounding name is refused."""
     from tests.cuda_target import h100_target
 
     with h100_target():
         _lower_smoothquant(32768, 128, 8, d, INT8,
                            SmoothQuantConfig(scale_rows_ahead=2, int8_rounding="cvt"))
-        _lower_smoothquant(32768, 128, 8, d, E4M3, SmoothQuantConfig(staged_scale_rows=1))
-        _lower_smoothquant(32768, 128, 8, d, INT8,
-                           SmoothQuantConfig(staged_scale_rows=2, block_t=2))
     with pytest.raises(ValueError, match='int8_rounding must be "cvt" or "fadd", got .rne.'):
         SmoothQuantConfig(int8_rounding="rne")
 
@@ -540,9 +531,8 @@ def test_kernel_without_smooth_scales_on_gpu():
 @pytest.mark.parametrize("config", [
     SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"),
     SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2),
-    SmoothQuantConfig(scale_rows_ahead=1), SmoothQuantConfig(block_t=2),
-    SmoothQuantConfig(staged_scale_rows=1), SmoothQuantConfig(staged_scale_rows=2, block_t=3)],
-    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "staged1", "staged2_bt3"])
+    SmoothQuantConfig(scale_rows_ahead=1), SmoothQuantConfig(block_t=2)],
+    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
     # Token rounding (padding rows) at a production width; every row, bit for bit. The

@@ -59,12 +59,6 @@ class SmoothQuantConfig:
         come with the previous row. Measured on an H200 (session 27, TILED rows, same
         bits): 0 against 1 row ahead 1.07-1.09x at d = 2048 and 4096, level at 1536 (the
         held row's registers cost CTAs per SM); 2 or 3 ahead were 0.63-0.81x (session 26).
-      staged_scale_rows: with smooth scales, compiled kernels only: how many rows ahead
-        the scale rows are staged in SMEM (0: not staged). Each thread copies the elements
-        of the row it will hold with its own 16-byte cp.async loads into a ring of
-        `staged_scale_rows + 1` row slots ([d] f32 each), waits for its own copies only
-        (`cp.async.wait_group`), and reads them back: latency hidden with no registers
-        held and no barrier. Interpret mode loads the rows directly (same values).
       int8_rounding: how compiled kernels round int8 values (`_saturating_quantize`; the
         same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
         full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
@@ -76,7 +70,6 @@ class SmoothQuantConfig:
     vec: int | None = None
     scale_rows_ahead: int = 0
     int8_rounding: str = "fadd"
-    staged_scale_rows: int = 0
 
     def __post_init__(self):
         if self.int8_rounding not in ("cvt", "fadd"):
@@ -87,17 +80,6 @@ class SmoothQuantConfig:
             raise ValueError(
                 f"config.scale_rows_ahead={self.scale_rows_ahead} must be >= 0 (smooth-scale "
                 "rows loaded ahead of the row being quantized)."
-            )
-        if self.staged_scale_rows < 0:
-            raise ValueError(
-                f"config.staged_scale_rows={self.staged_scale_rows} must be >= 0 (scale rows "
-                "staged in SMEM ahead of the row being quantized)."
-            )
-        if self.staged_scale_rows and self.scale_rows_ahead:
-            raise ValueError(
-                f"config.staged_scale_rows={self.staged_scale_rows} and "
-                f"config.scale_rows_ahead={self.scale_rows_ahead}: scale rows are either held "
-                "ahead in registers or staged in SMEM; set one of them to 0."
             )
 
     def resolve_vec(self, d: int) -> int:
@@ -182,64 +164,6 @@ def _store_gmem(ref, value, layout, interpret: bool) -> None:
         v.store_untiled(r, optimized=False)
 
     store(value, ref)
-
-
-_CP_ASYNC_BYTES = 16
-
-
-def _stage_own_elements(src_row, dst_row, valid, vec: int) -> None:
-    """Thread t of the warpgroup copies the f32 elements it holds of a `_row_layout(vec)`
-    [1, d] row (elements `t * vec + 128 * vec * k + [0, vec)`) from GMEM `src_row` [1, d]
-    to the same positions of SMEM `dst_row` [1, d], with 16-byte `cp.async.cg` loads, if
-    `valid` (an i32 scalar, nonzero); then commits one cp.async group (empty if not valid),
-    so `_wait_own_stages(n)` counts one group per row. No thread reads another's copies."""
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, nvvm
-
-    (d,) = dst_row.shape[1:]
-    itemsize = 4
-    pieces = vec * itemsize // _CP_ASYNC_BYTES  # 16-byte copies per `vec` elements
-    if vec * itemsize % _CP_ASYNC_BYTES:
-        raise ValueError(f"vec={vec} f32 elements are not a whole number of 16-byte copies.")
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))
-    def _issue(ctx, src, dst, ok):
-        del ctx
-        utils = mgpu.utils
-        i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
-        i8 = ir.IntegerType.get_signless(8)
-        ok = ok.registers.item()
-        tid = arith.remui(utils.thread_idx(), utils.c(_WG, i32))
-        first = arith.muli(tid, utils.c(vec * itemsize, i32))  # byte offset of its first vec
-        src_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), utils.memref_ptr(src))
-        dst_base = utils.memref_ptr(dst)
-        for k in range(d // (_WG * vec)):
-            for b in range(pieces):
-                off = arith.addi(first, utils.c(k * _WG * vec * itemsize + b * _CP_ASYNC_BYTES, i32))
-                dst_addr = llvm.ptrtoint(i32, utils.getelementptr(dst_base, [off], i8))
-                src_addr = llvm.ptrtoint(i64, utils.getelementptr(src_base, [off], i8))
-                llvm.inline_asm(
-                    ir.Type.parse("!llvm.void"), [ok, dst_addr, src_addr],
-                    "{ .reg .pred p; setp.ne.b32 p, $0, 0; "
-                    "@p cp.async.cg.shared.global [$1], [$2], 16; }",
-                    "r,r,l", has_side_effects=True,
-                )
-        nvvm.cp_async_commit_group()
-
-    _issue(src_row, dst_row, valid)
-
-
-def _wait_own_stages(pending: int) -> None:
-    """Waits for this thread's cp.async groups but the newest `pending`."""
-    from jax._src.lib.mlir.dialects import nvvm
-
-    @plgpu.inline_mgpu()
-    def _wait(ctx):
-        del ctx
-        nvvm.cp_async_wait_group(pending)
-
-    _wait()
 
 
 # int8 rounding by an f32 add (`int8_rounding="fadd"`): 1.5 * 2^23, whose ulp is 1, so
@@ -375,7 +299,6 @@ def smoothquant_kernel(
         off_ref, rows_ref, exp_ref = refs[:3]
         nr_ref = None if num_rows is None else refs[3]
         x_ref, *rest = refs[3 if num_rows is None else 4:]
-        rest, scratch = rest[:3 if smoothed else 2], rest[3 if smoothed else 2:]
         sm_ref, q_ref, s_ref = rest if smoothed else (None, *rest)
         cta = jax.lax.axis_index("cta")
 
@@ -422,33 +345,14 @@ def smoothquant_kernel(
             def smooth_row(e):  # [1, d]
                 return plgpu.load(sm_ref.at[pl.ds(e, 1)], layout=row_layout, optimized=False)
 
-            staged = 0 if interpret else config.staged_scale_rows
-            if staged:  # ring slot of CSR entry j: j % (staged + 1)
-                ahead = staged
-                stage_ref = scratch[0]
-
-                def stage(j, e):  # entry j's scale row (expert e) into its slot, if j < stop
-                    _stage_own_elements(sm_ref.at[pl.ds(e, 1)],
-                                        stage_ref.at[pl.ds(j % (staged + 1), 1)],
-                                        (j < stop).astype(jnp.int32), vec)
-
             def row(j, carry):
                 # Each load's address was loaded a row earlier, so no load waits on another
                 # within a row: the scale row `ahead` rows on (its expert id came with the
                 # previous row; ahead = 0: this row's own), the expert id one further and
                 # the next output row, all issued before this row's reduction.
                 *smooth, next_expert, out_row = carry
+                smooth = (*smooth, smooth_row(next_expert))  # entries j .. j + ahead
                 later = (expert(j + ahead + 1), rows_ref[jnp.minimum(j + 1, last)])
-                if staged:
-                    # Entry j + staged's copies go into the slot entry j - 1 read: that
-                    # thread's reads of it are done (this thread's own, ordered before the
-                    # previous row's reduction barrier). Then entry j's own copies landed.
-                    stage(j + staged, next_expert)
-                    _wait_own_stages(staged)
-                    smooth = (plgpu.load(stage_ref.at[pl.ds(j % (staged + 1), 1)],
-                                         layout=row_layout, optimized=False),)
-                else:
-                    smooth = (*smooth, smooth_row(next_expert))  # entries j .. j + ahead
                 y = xf * smooth[0]  # [1, d]
                 amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
                 scale, inv = row_scale(amax, out_dtype, rcp)
@@ -461,13 +365,8 @@ def smoothquant_kernel(
                 _store_gmem(s_ref.at[pl.ds(out_row, 1)], scale, reduced, interpret)
                 return (*smooth[1:], *later)
 
-            if staged:
-                for i in range(staged):  # entries start .. start + staged - 1
-                    stage(start + i, expert(start + i))
-                first = (expert(start + ahead), rows_ref[start])
-            else:
-                first = (*(smooth_row(expert(start + i)) for i in range(ahead)),
-                         expert(start + ahead), rows_ref[start])
+            first = (*(smooth_row(expert(start + i)) for i in range(ahead)),
+                     expert(start + ahead), rows_ref[start])
             jax.lax.fori_loop(start, stop, row, first)
 
         def plain_rows(xt, start, stop, first_row):
@@ -523,15 +422,12 @@ def smoothquant_kernel(
 
                 jax.lax.fori_loop(start, stop, zero_row, None)
 
-    staged = config.staged_scale_rows if smoothed and not interpret else 0
     kernel = plgpu.kernel(
         body,
         out_type=(
             jax.ShapeDtypeStruct((num_out_rows, d), out_dtype),
             jax.ShapeDtypeStruct((num_out_rows,), jnp.float32),
         ),
-        # The staged scale rows' ring: row slots [staged + 1, d] f32.
-        scratch_types=[plgpu.SMEM((staged + 1, d), jnp.float32)] if staged else [],
         grid=(token_ctas + pad_ctas,),
         grid_names=("cta",),
         kernel_name="moe_smoothquant_csr",

@@ -34,7 +34,8 @@ ALL = {
     "ahead1": (cur, dict(scale_rows_ahead=1)),
     "ahead0": (cur, dict(scale_rows_ahead=0)),
     "ahead1bt2": (cur, dict(scale_rows_ahead=1, block_t=2)),
-    # call 7: scale rows staged in SMEM by each thread's own cp.async loads
+    # call 7 (at commit 4ebcfd0; the code is staged_scale_rows.patch, removed after it measured
+    # 0.60-0.95x): scale rows staged in SMEM by each thread's own cp.async loads
     "staged1": (cur, dict(staged_scale_rows=1)),
     "staged2": (cur, dict(staged_scale_rows=2)),
     "staged1bt2": (cur, dict(staged_scale_rows=1, block_t=2)),
