@@ -7,8 +7,7 @@ A kernel name is `up`, `dh`, `down` or `dx`, optionally with a variant: `up_infe
 H), `up_pingpong` / `up_coop` (the persistent ping-pong kernel,
 `UpProjConfig.pingpong_ctas`, the default for d <= 1536 / the cooperative kernel),
 `_nostore` / `_nomath` / `_noepilogue` / `_halfweights` / `_nomma` / `_nofeed` (`ablated`: timing only, wrong
-outputs), `_evictfirst` (`stores_evict_first`) or `_inlineids` (the cp.async gather as before
-session 27: each pass's id load and address just before its copies); for `dh`, `_untiled` / `_swizzled` /
+outputs) or `_evictfirst` (`stores_evict_first`); for `dh`, `_untiled` / `_swizzled` /
 `_hcpasync` (its epilogue tiles untiled with H loaded by TMA, the session-21 default's
 predecessor; swizzled with H loaded by TMA; swizzled with H loaded by cp.async, the
 default: `DHConfig.epilogue_layout`, `h_loader`). Variants combine with `+`, e.g.
@@ -362,16 +361,13 @@ def main():
             up_only = {"inference", "pingpong", "coop", "fused", "interleaved"}
             dh_only = {"untiled", "swizzled", "hcpasync"}  # DHConfig.epilogue_layout / h_loader
             if base not in KERNELS \
-                    or variants - {"evictfirst", "inlineids", *up_only, *dh_only, *ABLATIONS} \
+                    or variants - {"evictfirst", *up_only, *dh_only, *ABLATIONS} \
                     or (variants & up_only and base != "up") \
                     or (variants & dh_only and base != "dh") or {"pingpong", "coop"} <= variants:
                 raise ValueError(f"unknown kernel {kernel!r}")
             variant_ctx = contextlib.ExitStack()
             if "evictfirst" in variants:  # same kernel, stores with an L2 hint
                 variant_ctx.enter_context(stores_evict_first())
-            if "inlineids" in variants:  # same outputs, the cp.async gather's id loads and
-                # addresses interleaved with its copies (before session 27)
-                variant_ctx.enter_context(_patched(_common, "_CP_ASYNC_SOURCES_FIRST", False))
             for ablation in sorted(variants & set(ABLATIONS)):  # traced with a step replaced
                 variant_ctx.enter_context(ablated(ablation))
             cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx}[base]

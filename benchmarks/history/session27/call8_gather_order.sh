@@ -7,6 +7,7 @@
 # (ping-pong) and the split-M persistent kernel, the 30B up-proj, the 7B dH, both 7B weight
 # gradients (bitwise check), each with the ids inline (as before) and first. Then the GPU
 # tests of the cp.async gathers and the quant kernel's final form.
+# Ran at commit b742280: timeline.py's `inlineids` variant was removed after it.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 P=up_pingpong+block_m=128+fused+interleaved+num_stages=4
 timeout 200 python3 benchmarks/timeline.py --plain --out /tmp/t7 --shapes 7b --kernels \

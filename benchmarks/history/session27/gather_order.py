@@ -1,6 +1,8 @@
 """Session 27: the weight gradients with the cp.async gather's id loads and addresses issued
 before its copies (`_common._CP_ASYNC_SOURCES_FIRST`, new) against interleaved with them
-(as before), same run, the H200's default configs; outputs must be bitwise equal.
+(as before), same run, the H200's default configs; outputs must be bitwise equal. Call 8
+ran it at commit b742280; the switch (and timeline.py's `inlineids` variant, which ran the
+up-proj and dH rows) was removed after it, the new order being the only one.
 
     PYTHONPATH=. python3 benchmarks/history/session27/gather_order.py 7b
 """
