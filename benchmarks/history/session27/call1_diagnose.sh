@@ -18,7 +18,7 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 ncu --clock-control none --secti
   -o /tmp/up python3 benchmarks/timeline.py --run-only --out /tmp/tr --shapes 7b --kernels $P \
   > $OUT/ncu_up_log.txt 2>&1
 ncu -i /tmp/up.ncu-rep --page source --csv --print-source sass > /tmp/up_sass.csv 2> /tmp/src_err.txt
-python3 $S/ncu_source.py /tmp/up_sass.csv > $OUT/up_stalls.txt 2>&1
+python3 benchmarks/ncu_source.py /tmp/up_sass.csv > $OUT/up_stalls.txt 2>&1
 cat /tmp/src_err.txt >> $OUT/up_stalls.txt
 gzip -c /tmp/up_sass.csv > $OUT/up_sass.csv.gz
 ncu -i /tmp/up.ncu-rep --page details > $OUT/up_details.txt 2>&1

@@ -11,7 +11,7 @@ run() {  # name, kernel regex, launches to skip, command...
     --launch-count 1 -o /tmp/$name "$@" > /tmp/${name}_log.txt 2>&1
   ncu -i /tmp/$name.ncu-rep --page source --csv --print-source sass > /tmp/${name}.csv 2>/dev/null
   ncu -i /tmp/$name.ncu-rep --page details > /tmp/${name}_details.txt 2>&1
-  python3 $S/ncu_source.py /tmp/${name}.csv > /tmp/${name}_stalls.txt 2>&1
+  python3 benchmarks/ncu_source.py /tmp/${name}.csv > /tmp/${name}_stalls.txt 2>&1
 }
 run q7 smoothquant 1 python3 benchmarks/history/session26/quant_run.py
 run q30 smoothquant 5 python3 benchmarks/history/session26/quant_run.py
