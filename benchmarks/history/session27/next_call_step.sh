@@ -14,3 +14,14 @@ timeout 240 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k "test_m
 timeout 300 python3 benchmarks/step.py --out $OUT/step --shapes 7b,30b --variants topk/cp_async \
   2>&1 | $F | grep "^|\|kernels" | tail -6
 timeout 200 python3 benchmarks/forward.py --out $OUT/fwd --shapes 7b,30b 2>&1 | $F | grep "^|" | tail -12
+# 4. What is left in the up-proj's producer after the new order: call 1's sampling again on
+#    the 7B default (ping-pong) and the split-M form, with a listing of the hot code.
+for k in up up_pingpong+block_m=128+fused+interleaved+num_stages=4; do
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 ncu --clock-control none --section WarpStateStats \
+    --section SourceCounters --kernel-name regex:moe_up_proj --launch-skip 1 --launch-count 1 \
+    -o /tmp/up python3 benchmarks/timeline.py --run-only --out /tmp/tr --shapes 7b --kernels $k \
+    > /dev/null 2>&1
+  ncu -i /tmp/up.ncu-rep --page source --csv --print-source sass > /tmp/up.csv 2>/dev/null
+  python3 benchmarks/ncu_source.py /tmp/up.csv --top 25 --listing 1500 > $OUT/stalls_${k%%+*}_$(echo $k | wc -c).txt
+  rm -f /tmp/up.ncu-rep
+done
