@@ -243,9 +243,9 @@ def test_no_races_and_padding_ctas():
                                    pytest.param(3, marks=pytest.mark.slow)])
 def test_scale_rows_ahead_same_bits(ahead):
     """`SmoothQuantConfig.scale_rows_ahead`: smooth-scale rows loaded 1, 2 or 3 rows ahead
-    (the default is 0, with their own row; past
-    a token's last row the loads repeat its last entry) give the bits of the numpy formula:
-    tokens with 0..3 rows, padding CTAs, several tokens per CTA, races watched."""
+    (the default, 0, loads each with its own row; past a token's last row the loads repeat
+    its last entry) give the bits of the numpy formula: tokens with 0..3 rows, padding CTAs,
+    several tokens per CTA, races watched."""
     num_tokens, d, num_experts = 13, 128, 4
     ks = jax.random.split(jax.random.key(9), 3)
     plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, extra=5)
