@@ -25,3 +25,8 @@ for k in up up_pingpong+block_m=128+fused+interleaved+num_stages=4; do
   python3 benchmarks/ncu_source.py /tmp/up.csv --top 25 --listing 1500 > $OUT/stalls_${k%%+*}_$(echo $k | wc -c).txt
   rm -f /tmp/up.ncu-rep
 done
+# 5. Before building the split-M epilogue warpgroup (benchmarks/NOTES.md, session 27): what 3
+#    stages instead of 4 cost its K loop now that the producer issues faster.
+P=up_pingpong+block_m=128+fused+interleaved
+timeout 150 python3 benchmarks/timeline.py --plain --out /tmp/st --shapes 7b,30b --kernels \
+  $P+num_stages=4,$P+num_stages=4+noepilogue,$P+num_stages=3+noepilogue 2>&1 | grep "^|"
