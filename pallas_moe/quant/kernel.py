@@ -303,8 +303,9 @@ def smoothquant_kernel(
         cta = jax.lax.axis_index("cta")
 
         def load_token(t):
-            """X row, CSR bounds and first output row of token t: [d] and three i32 scalars
-            (the row index clamped for a token without rows past the last entry)."""
+            """X row, CSR bounds and first output row of token t: the row ([1, d] in
+            `row_layout` with smooth scales, else [d]) and three i32 scalars (the row index
+            clamped for a token without rows past the last entry)."""
             start = off_ref[t]
             first_row = start if smoothed else rows_ref[jnp.minimum(start, num_entries - 1)]
             if smoothed:  # [1, d]
@@ -317,6 +318,13 @@ def smoothquant_kernel(
             q_ref[r] = q
             s_ref[r] = s
 
+        def scaled(y, inv, y_layout):
+            """`apply_row_scale(y, inv)`: Q of a row from its reciprocal scale (broadcast to
+            y's shape), the compiled kernel's way on the GPU."""
+            if interpret:
+                return apply_row_scale(y, inv, out_dtype)
+            return _saturating_quantize(y * inv, out_dtype, y_layout, config.int8_rounding)
+
         def quantize(y):
             """`quantize_row(y)`: one warpgroup reduction for the row's max, then the scale
             and its reciprocal on a splat of it (one register per thread: Mosaic GPU cannot
@@ -325,9 +333,7 @@ def smoothquant_kernel(
             amax = jnp.max(jnp.abs(y))
             scale, _ = absmax_scale(amax, out_dtype)  # the f32 scalar stored as s
             _, inv = row_scale(jnp.full(y.shape, amax, jnp.float32), out_dtype, reciprocal)
-            if interpret:
-                return apply_row_scale(y, inv, out_dtype), scale
-            return _saturating_quantize(y * inv, out_dtype, layout, config.int8_rounding), scale
+            return scaled(y, inv, layout), scale
 
         def smoothed_rows(xt, start, stop):
             """Rows [start, stop) of one token from its [1, d] X row (`row_layout`)."""
@@ -357,10 +363,7 @@ def smoothquant_kernel(
                 amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
                 scale, inv = row_scale(amax, out_dtype, rcp)
                 inv = plgpu.layout_cast(jax.lax.broadcast_in_dim(inv, y.shape, (0,)), row_layout)
-                if interpret:
-                    q = apply_row_scale(y, inv, out_dtype)
-                else:
-                    q = _saturating_quantize(y * inv, out_dtype, row_layout, config.int8_rounding)
+                q = scaled(y, inv, row_layout)
                 _store_gmem(q_ref.at[pl.ds(out_row, 1)], q, row_layout, interpret)
                 _store_gmem(s_ref.at[pl.ds(out_row, 1)], scale, reduced, interpret)
                 return (*smooth[1:], *later)
