@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from pallas_moe.kernels.aggregate import aggregate
 from pallas_moe.kernels.down_proj import down_proj
-from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward, split_m_up_config
+from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward
 from pallas_moe.kernels.reference import moe_forward_reference
 from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
 from pallas_moe.routing import token_rounding_plan, topk_plan
@@ -114,23 +114,6 @@ def test_forward_lowers_for_cuda(shape, gather):
         sds((t, d), jnp.bfloat16), _abstract_plan(t, e, k),
         sds((e, d, 2 * n), jnp.bfloat16), sds((e, n, d), jnp.bfloat16),
     )
-
-
-@pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8)],
-                         ids=["7b", "30b"])
-@pytest.mark.parametrize("fused", [False, True], ids=["halves", "fused_interleaved"])
-def test_split_m_epilogue_warpgroup_lowers_for_cuda(shape, fused):
-    """The persistent split-M up-proj with its epilogue in a fourth warpgroup (3 stages of
-    48 KB beside the 64-KB H hand-off buffer, registers 40 / 184 / 184 / 104) lowers for
-    cuda at the 7B and 30B shapes, on W1's halves and fused on interleaved W1."""
-    t, d, n, e, k = shape
-    up = dataclasses.replace(split_m_up_config(132), num_stages=3, epilogue_tiles=0,
-                             epilogue_warpgroup=True, gather="cp_async", fused_gate_up=fused)
-    sds = jax.ShapeDtypeStruct
-    _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=up,
-                                        gate_up_blocks=128 if fused else 0),
-           sds((t, d), jnp.bfloat16), sds((t * k,), jnp.int32), sds((e,), jnp.int32),
-           sds((e, d, 2 * n), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("kind, completion", [("NVIDIA H100 80GB HBM3", "wait_group"),

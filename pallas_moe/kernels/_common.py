@@ -71,27 +71,19 @@ def require_wgmma_blocks(config, block_n_why: str, block_ks: tuple[int, ...] = (
 
 
 PRODUCER_REGISTERS = 40  # per thread of a producer warpgroup after `role_registers`
-# Per thread of an epilogue warpgroup (`role_registers("epilogue", ...)`): it holds one
-# [64, 64] slab of each SwiGLU operand in fp32 at a time, no accumulator.
-EPILOGUE_REGISTERS = 104
 
 
-def consumer_registers(num_consumers: int, num_producers: int = 1,
-                       num_epilogues: int = 0) -> int:
+def consumer_registers(num_consumers: int, num_producers: int = 1) -> int:
     """Registers per consumer thread once every producer warpgroup drops to
-    `PRODUCER_REGISTERS` and every epilogue warpgroup to `EPILOGUE_REGISTERS`: the
-    64K-register file split evenly (multiple of 8, at most 240)."""
-    free = (65536 // 128 - PRODUCER_REGISTERS * num_producers
-            - EPILOGUE_REGISTERS * num_epilogues)
+    `PRODUCER_REGISTERS`: the 64K-register file split evenly (multiple of 8, at most 240)."""
+    free = 65536 // 128 - PRODUCER_REGISTERS * num_producers
     return min(free // num_consumers // 8 * 8, 240)
 
 
-def role_registers(role: str, num_consumers: int, num_producers: int = 1,
-                   num_epilogues: int = 0) -> None:
-    """Moves registers from the producer (and epilogue) warpgroups to the consumers
-    (setmaxnreg). Call it first thing in each role's branch, from every warpgroup (a
-    consumer's raise waits until the others' registers are free, so a producer must lower
-    even when it has no work).
+def role_registers(role: str, num_consumers: int, num_producers: int = 1) -> None:
+    """Moves registers from the producer warpgroups to the consumers (setmaxnreg). Call it
+    first thing in each role's branch, from every warpgroup (a consumer's raise waits until
+    the producers' registers are free, so a producer must lower even when it has no work).
 
     Without it every thread of a 3-warpgroup kernel is capped at 168 registers, and a
     consumer holding two 64x128 fp32 accumulators plus an epilogue spills to local memory
@@ -107,23 +99,17 @@ def role_registers(role: str, num_consumers: int, num_producers: int = 1,
     bitwise equal and within -4.5%..+0.9% either way.
 
     Args:
-      role: "producer" (down to `PRODUCER_REGISTERS`), "epilogue" (down to
-        `EPILOGUE_REGISTERS`) or "consumer" (up to `consumer_registers(num_consumers,
-        num_producers, num_epilogues)`).
+      role: "producer" (down to `PRODUCER_REGISTERS`) or "consumer" (up to
+        `consumer_registers(num_consumers, num_producers)`).
     """
     if role == "producer":
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-    elif role == "epilogue":
-        plgpu.set_max_registers(EPILOGUE_REGISTERS, action="decrease")
     elif role == "consumer":
         plgpu.set_max_registers(
-            consumer_registers(num_consumers, num_producers, num_epilogues),
-            action="increase",
+            consumer_registers(num_consumers, num_producers), action="increase"
         )
     else:
-        raise ValueError(
-            f"role must be 'producer', 'epilogue' or 'consumer', got {role!r}."
-        )
+        raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}.")
 
 
 GATHER_MODES = ("tma", "cp_async")
@@ -322,27 +308,15 @@ def swiglu_epilogue(gate_acc, up_acc, dtype, activation=SwiGLU(), gate_bias=None
 
     H (the saved residual) is the biased pre-activation rounded to `dtype`, and A is computed
     in fp32 from the rounded H by `activation.apply`, so A is exactly what the backward
-    recomputes from the saved H, and every backend computes one formula. The two halves
-    are `swiglu_pre_activation` and `swiglu_from_pre_activation`, which a kernel may run in
-    different warpgroups (the up-proj's `epilogue_warpgroup`) with the same bits.
+    recomputes from the saved H, and every backend computes one formula.
     """
-    hg, hu = swiglu_pre_activation(gate_acc, up_acc, dtype, gate_bias, up_bias)
-    return swiglu_from_pre_activation(hg, hu, dtype, activation), hg, hu
-
-
-def swiglu_pre_activation(gate_acc, up_acc, dtype, gate_bias=None, up_bias=None):
-    """`(H_gate, H_up)` in `dtype`: the fp32 accumulators [rows, cols] plus the optional
-    fp32 bias columns, rounded (the first half of `swiglu_epilogue`)."""
     if gate_bias is not None:
         gate_acc = gate_acc + gate_bias
         up_acc = up_acc + up_bias
-    return gate_acc.astype(dtype), up_acc.astype(dtype)
-
-
-def swiglu_from_pre_activation(h_gate, h_up, dtype, activation=SwiGLU()):
-    """A in `dtype` from the rounded pre-activation halves [rows, cols] (the second half of
-    `swiglu_epilogue`), computed in fp32."""
-    return activation.apply(h_gate.astype(jnp.float32), h_up.astype(jnp.float32)).astype(dtype)
+    hg = gate_acc.astype(dtype)
+    hu = up_acc.astype(dtype)
+    act = activation.apply(hg.astype(jnp.float32), hu.astype(jnp.float32)).astype(dtype)
+    return act, hg, hu
 
 
 def bias_columns(bias_smem, rows: int):

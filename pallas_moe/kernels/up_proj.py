@@ -45,7 +45,6 @@ a tile never writes rows of the next expert; empty tiles return before loading a
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -129,17 +128,6 @@ class UpProjConfig:
         either layout (the halves layout costs 16 eight-row TMA boxes per step, measured
         0.63x on an H200; interleaved W1, `up_proj(gate_up_blocks=block_n)`, one box:
         1.025x); split-M tiles (num_consumers == block_m / 64 > 1) need interleaved W1.
-      epilogue_warpgroup: persistent split-M kernel only (pingpong_ctas > 0, block_m =
-        128): a fourth warpgroup runs the SwiGLU and every store, so the tensor cores do
-        not idle through the epilogue (both split-M consumers reach it together). After
-        its K loop each consumer only rounds its accumulators (plus bias) to H and writes
-        its 64 rows into a [128, 2 * block_n] bf16 hand-off buffer in SMEM, then starts
-        the next item; the epilogue warpgroup TMA-stores H from the buffer, computes A =
-        SwiGLU(H) from it (`_common.swiglu_from_pre_activation`: A from the rounded H, as
-        always, so the same bits), writes A over the gate half once H's stores have read
-        it, stores A and frees the buffer. The buffer (64 KB at block_n = 128) leaves room
-        for 3 stages; registers 40 (producer) / 184 (consumers) / 104 (epilogue). Replaces
-        `epilogue_tiles`.
     """
 
     block_m: int = 64
@@ -161,7 +149,6 @@ class UpProjConfig:
     epilogue_tiles: int = 0
     prefetch_steps: int = 0
     fused_gate_up: bool = False
-    epilogue_warpgroup: bool = False
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -217,17 +204,6 @@ def _check_pingpong(config: UpProjConfig) -> None:
         raise ValueError(
             f"config.fused_gate_up=True needs 2 * block_n <= 256 (one wgmma's widest N), got "
             f"block_n={config.block_n}."
-        )
-    if config.epilogue_warpgroup and not (config.pingpong_ctas and _split_m(config)):
-        raise ValueError(
-            "config.epilogue_warpgroup=True belongs to the persistent split-M kernel: set "
-            "pingpong_ctas > 0, block_m=128 and num_consumers=2, or leave it False."
-        )
-    if config.epilogue_warpgroup and config.epilogue_tiles:
-        raise ValueError(
-            f"config.epilogue_tiles={config.epilogue_tiles} stages the consumers' own "
-            "epilogue; with epilogue_warpgroup=True the epilogue warpgroup stores from the "
-            "H hand-off buffer: leave epilogue_tiles 0."
         )
     if not config.pingpong_ctas:
         if config.fused_gate_up and not _split_m(config):
@@ -629,31 +605,23 @@ def _pingpong_kernel(
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     ahead = min(config.prefetch_steps, num_k) if cp_async else 0  # L2 prefetch distance
     fused = config.fused_gate_up
-    epi = config.epilogue_warpgroup  # a fourth warpgroup runs the SwiGLU and the stores
-    # Output staging: per consumer, `per_fill` [64, 64] tiles; or (epilogue warpgroup) the
-    # item's H hand-off buffer [gate | up, bm, bn] (as `row_tile_types` slabs: [2, bn / 64,
-    # bm, 64]).
-    out_shape = (2, bm, bn) if epi else (cons, per_fill, rows_c, slab)
-    smem = (stages * (bm * bk + 2 * bk * bn) + math.prod(out_shape)) * 2
+    smem = (stages * (bm * bk + 2 * bk * bn) + cons * per_fill * rows_c * slab) * 2
     if smem > _common.SMEM_BUDGET:  # the margin: ids, biases, barriers
-        staging = (f"a [{bm}, {2 * bn}] H hand-off buffer" if epi else
-                   f"{cons} x {per_fill} epilogue tiles of [{rows_c}, {slab}]")
         raise ValueError(
             f"the persistent up-proj needs {smem} B of SMEM for {stages} stages of [{bm}, {bk}] "
-            f"rows + 2 x [{bk}, {bn}] weights and {staging}, over the "
-            f"{_common.SMEM_BUDGET} B available: lower config.num_stages"
-            f"{'' if epi else ' or config.epilogue_tiles'}."
+            f"rows + 2 x [{bk}, {bn}] weights and {cons} x {per_fill} epilogue tiles of "
+            f"[{rows_c}, {slab}], over the {_common.SMEM_BUDGET} B available: lower "
+            "config.num_stages or config.epilogue_tiles."
         )
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
-    o_scratch, o_views = _common.row_tile_buffers(out_shape, dtype, interpret)
+    o_scratch, o_views = _common.row_tile_buffers((cons, per_fill, rows_c, slab), dtype,
+                                                  interpret)
 
     def body(real_ref, expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
         b_ref, h_out, a_out, scratch = _body_refs(rest, has_bias, inference)
         num_b = 1 if fused else 2
         a_bufs, b_bufs = scratch[0], scratch[1:1 + num_b]
         o_bufs, ids_smem, full, empty, ids_bar, *extra = scratch[1 + num_b:]
-        # h_full: both consumers wrote the item's H; h_empty: its stores read the buffer.
-        h_full, h_empty, *extra = extra if epi else (None, None, *extra)
         bg_smem, bu_smem = (None, None) if fused else b_bufs  # [stages, bk, bn] each
         bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
         a_copy, a_mma = a_views(a_bufs)
@@ -681,7 +649,7 @@ def _pingpong_kernel(
         @pl.when(wg == cons)
         def _producer():
             if config.rebalance_registers:
-                _common.role_registers("producer", cons, num_epilogues=int(epi))
+                _common.role_registers("producer", cons)
 
             @pl.when(my_items > 0)
             def _():
@@ -782,7 +750,7 @@ def _pingpong_kernel(
             @pl.when(wg == c)
             def _consumer(c=c):
                 if config.rebalance_registers:
-                    _common.role_registers("consumer", cons, num_epilogues=int(epi))
+                    _common.role_registers("consumer", cons)
 
                 def per_item(jj, carry):
                     j = jj if split else c + cons * jj
@@ -827,24 +795,6 @@ def _pingpong_kernel(
                         biases = _bias_columns(bias_smem.at[c], bias_bars.at[c], rows_c)
                     else:
                         biases = (None, None)
-                    if epi:  # hand the item's H to the epilogue warpgroup
-                        with jax.named_scope("hand_off"):
-                            @pl.when(jj >= 1)  # its stores of the previous item read it
-                            def _():
-                                plgpu.barrier_wait(h_empty)
-
-                            rows = pl.ds(c * rows_c, rows_c)
-                            for h0 in range(0, bn, slab):
-                                cut = slice(h0, h0 + slab)
-                                halves = _common.swiglu_pre_activation(  # [64, slab] each
-                                    g_acc[:, cut], u_acc[:, cut], dtype,
-                                    *(None if b is None else b[:, cut] for b in biases),
-                                )
-                                for t, h in enumerate(halves):
-                                    o_mma.at[t, h0 // slab, rows][...] = h
-                            plgpu.commit_smem()  # visible to the epilogue's TMA stores
-                            plgpu.barrier_arrive(h_full)
-                        return carry
                     outs = [a_out] if h_out is None else [a_out, h_out, h_out]
                     fill = []  # (buffer tile, destination) staged since the last store
                     for h0 in range(0, bn, slab):
@@ -875,55 +825,6 @@ def _pingpong_kernel(
                 jax.lax.fori_loop(0, mine, per_item, None)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        if epi:
-            @pl.when(wg == cons + 1)
-            def _epilogue():
-                if config.rebalance_registers:
-                    _common.role_registers("epilogue", cons, num_epilogues=1)
-
-                def per_item(j, carry):
-                    mi, ni = item(j)
-                    row0, count = start_ref[mi], rows_ref[mi]
-                    col = ni * bn  # first gate column of the item
-                    with jax.named_scope("epilogue_h"):
-                        plgpu.barrier_wait(h_full)
-                        if h_out is not None:  # H gate, H up: straight from the buffer
-                            for t in range(2):
-                                _common.store_row_tile(
-                                    o_copy.at[t], h_out.at[:, pl.ds(t * n + col, bn)], row0,
-                                    count, bm,
-                                )
-                    # A = SwiGLU(H), 64 rows of one slab at a time (register budget), over
-                    # the gate half once H's stores have read it. Each thread reads and
-                    # writes the same elements (one layout), so no thread overwrites gate
-                    # values another still reads.
-                    for h0 in range(0, bn, slab):
-                        for r0 in range(0, bm, rows_c):
-                            with jax.named_scope("epilogue_math"):
-                                gate = o_mma.at[0, h0 // slab, pl.ds(r0, rows_c)]
-                                act = _common.swiglu_from_pre_activation(
-                                    gate[...], o_mma.at[1, h0 // slab, pl.ds(r0, rows_c)][...],
-                                    dtype, activation,
-                                )
-                            if h0 == r0 == 0 and h_out is not None:
-                                with jax.named_scope("epilogue_h_read"):
-                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            gate[...] = act
-                    with jax.named_scope("epilogue_a"):
-                        plgpu.commit_smem()
-                        _common.store_row_tile(o_copy.at[0], a_out.at[:, pl.ds(col, bn)],
-                                               row0, count, bm)
-
-                        @pl.when(j + 1 < my_items)  # the consumers' next write waits on it
-                        def _():
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            plgpu.barrier_arrive(h_empty)
-
-                    return carry
-
-                jax.lax.fori_loop(0, my_items, per_item, None)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
     scratch = [
         a_scratch,  # gathered X stages [stages, bm, bk]
         *([plgpu.SMEM((stages, bk, 2 * bn), dtype, transforms=tf)] if fused  # gate | up
@@ -938,8 +839,6 @@ def _pingpong_kernel(
         # empty: the slot's consumer (split-M: both)
         plgpu.Barrier(num_arrivals=cons if split else 1, num_barriers=stages),
         plgpu.Barrier(num_barriers=2),  # ids
-        # h_full (both consumers), h_empty (the epilogue warpgroup)
-        *([plgpu.Barrier(num_arrivals=cons), plgpu.Barrier()] if epi else []),
         *(_bias_scratch(bn, dtype, cons) if has_bias else ()),
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
@@ -950,7 +849,7 @@ def _pingpong_kernel(
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("cta",),
-        num_threads=cons + 1 + int(epi),
+        num_threads=cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(**params),
         interpret=interpret_mode,
