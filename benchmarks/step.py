@@ -214,6 +214,8 @@ CONFIG_FLAGS = {
     # The up-proj's gathered stages published by the producer's lagged wait (the H100's
     # default; session 22 made mbarriers the H200's for the ping-pong kernel).
     "lagged-up": lambda c, n: _replace(c, "up", gather_completion="wait_group"),
+    # The H200's choice on any card (e.g. to measure it again on an H100).
+    "mbarrier-up": lambda c, n: _replace(c, "up", gather_completion="mbarrier"),
     # The persistent split-M up-proj (session 24: the H200's default for 1536 < d <= 4096)
     # at any width and on any card, e.g. to measure it on an H100 or at 7B.
     "split-m-up": lambda c, n: _replace_up(c, split_m_up_config(default_num_sms())),

@@ -84,7 +84,10 @@ def profiled(out_dir: str, regions: int):
         plgpu.CompilerParams = original
 
 
-ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights", "nomma", "nofeed")
+ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights", "nomma", "nofeed", "storel2")
+# "storel2" folds every output row into the first rows of its output (`STOREL2_ROWS`): the
+# same stores (count, boxes, SMEM reads, TMA issue) on a footprint that stays in L2.
+STOREL2_ROWS = 4096
 KERNELS = ("up", "dh", "down", "dx")
 
 
@@ -96,7 +99,12 @@ def ablated(what: str):
     as dH and A' (no dSwiGLU; dS is the row sum of dA'); "noepilogue": both;
     "halfweights": `half_weight_copies`; "nomma": no wgmma is issued (the consumers still
     wait for every stage and release it: the time the feed alone takes; the accumulators
-    stay zero); "nofeed": `no_feed` (the wgmmas alone, on stale stages)."""
+    stay zero); "nofeed": `no_feed` (the wgmmas alone, on stale stages); "storel2": every
+    TMA store lands at its row modulo `STOREL2_ROWS` (7B up-proj: a 6-MB footprint of H
+    and A, rewritten ~48 times, so L2 absorbs it instead of HBM): with "nostore", it tells
+    whether the stores cost the K loop through the write traffic to HBM and L2 capacity
+    (storel2 ~ nostore) or through issuing them, the TMA unit and L2 bandwidth (storel2 ~
+    the full kernel)."""
     if what not in ABLATIONS:
         raise ValueError(f"unknown ablation {what!r}")
     if what in ("halfweights", "nomma", "nofeed"):
@@ -110,6 +118,10 @@ def ablated(what: str):
     if what in ("nostore", "noepilogue"):
         _common.store_row_tile = lambda *a, **k: None
         _common.store_rows = lambda *a, **k: None
+    if what == "storel2":  # `store_row_tile` calls the module's `store_rows`: fold once
+        store_rows = saved[2]
+        _common.store_rows = lambda src, dst, row0, *a, **k: store_rows(
+            src, dst, row0 % STOREL2_ROWS, *a, **k)
     if what in ("nomath", "noepilogue"):
         _common.swiglu_epilogue = lambda g, u, dtype, *a, **k: (
             g.astype(dtype), g.astype(dtype), u.astype(dtype))
