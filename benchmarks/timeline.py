@@ -6,8 +6,9 @@
 A kernel name is `up`, `dh`, `down` or `dx`, optionally with a variant: `up_inference` (no
 H), `up_pingpong` / `up_coop` (the persistent ping-pong kernel,
 `UpProjConfig.pingpong_ctas`, the default for d <= 1536 / the cooperative kernel),
-`_nostore` / `_nomath` / `_noepilogue` / `_halfweights` / `_nomma` / `_nofeed` (`ablated`: timing only, wrong
-outputs) or `_evictfirst` (`stores_evict_first`); for `dh`, `_untiled` / `_swizzled` /
+`_nostore` / `_nomath` / `_noepilogue` / `_halfweights` / `_nomma` / `_nofeed` / `_storel2` (`ablated`: timing only, wrong
+outputs), `_evictfirst` (`stores_evict_first`) or `_packedbf16` (`packed_bf16_conversions`,
+the same bits); for `dh`, `_untiled` / `_swizzled` /
 `_hcpasync` (its epilogue tiles untiled with H loaded by TMA, the session-21 default's
 predecessor; swizzled with H loaded by TMA; swizzled with H loaded by cp.async, the
 default: `DHConfig.epilogue_layout`, `h_loader`). Variants combine with `+`, e.g.
@@ -232,6 +233,47 @@ def stores_evict_first():
         nvvm.cp_async_bulk_tensor_global_shared_cta = original
 
 
+@contextlib.contextmanager
+def packed_bf16_conversions():
+    """Traces kernels whose f32 -> bf16 conversions of two-element registers (the wgmma
+    accumulator layout's, and the layouts of the epilogues' slabs) are one PTX
+    `cvt.rn.bf16x2.f32` per register, instead of Mosaic GPU's `arith.truncf` on the vector,
+    which Nsight Compute showed ptxas emitting as two `F2F.BF16.F32` plus a `PRMT` per pair
+    (session 27, the up-proj's SwiGLU epilogue). Both round to nearest even: the outputs
+    are the same bits (`packed_bf16.py` in benchmarks/history/session28 checks it)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm, vector
+    from jax.experimental.mosaic.gpu import fragmented_array, utils
+
+    array = fragmented_array.FragmentedArray
+    original = array.astype
+
+    def astype(self, new_dtype, *, is_signed=None, rounding=None):
+        reg_type = self.registers.flat[0].type
+        if (rounding is not None or self.mlir_dtype != ir.F32Type.get()
+                or new_dtype != ir.BF16Type.get()
+                or not isinstance(reg_type, ir.VectorType)
+                or tuple(ir.VectorType(reg_type).shape) != (2,)):
+            return original(self, new_dtype, is_signed=is_signed, rounding=rounding)
+        i32 = ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get((2,), new_dtype)
+        registers = np.empty(self.registers.shape, dtype=object)
+        for idx, reg in np.ndenumerate(self.registers):
+            lo, hi = (vector.extract(reg, dynamic_position=[], static_position=[i])
+                      for i in (0, 1))
+            # cvt.rn.bf16x2.f32 d, a, b: a into the upper half, b into the lower.
+            packed = llvm.inline_asm(i32, [hi, lo], "cvt.rn.bf16x2.f32 $0, $1, $2;",
+                                     "=r,f,f", has_side_effects=False)
+            registers[idx] = utils.bitcast(packed, pair)
+        return array(_registers=registers, _layout=self.layout, _is_signed=None)
+
+    array.astype = astype
+    try:
+        yield
+    finally:
+        array.astype = original
+
+
 def sm_clock_mhz() -> float:
     """The SM clock nvidia-smi reports now (0 if it cannot be read)."""
     try:
@@ -373,13 +415,16 @@ def main():
             up_only = {"inference", "pingpong", "coop", "fused", "interleaved"}
             dh_only = {"untiled", "swizzled", "hcpasync"}  # DHConfig.epilogue_layout / h_loader
             if base not in KERNELS \
-                    or variants - {"evictfirst", *up_only, *dh_only, *ABLATIONS} \
+                    or variants - {"evictfirst", "packedbf16", *up_only, *dh_only,
+                                   *ABLATIONS} \
                     or (variants & up_only and base != "up") \
                     or (variants & dh_only and base != "dh") or {"pingpong", "coop"} <= variants:
                 raise ValueError(f"unknown kernel {kernel!r}")
             variant_ctx = contextlib.ExitStack()
             if "evictfirst" in variants:  # same kernel, stores with an L2 hint
                 variant_ctx.enter_context(stores_evict_first())
+            if "packedbf16" in variants:  # same bits, paired f32 -> bf16 conversions
+                variant_ctx.enter_context(packed_bf16_conversions())
             for ablation in sorted(variants & set(ABLATIONS)):  # traced with a step replaced
                 variant_ctx.enter_context(ablated(ablation))
             cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx}[base]
