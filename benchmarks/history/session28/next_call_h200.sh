@@ -11,6 +11,13 @@ timeout 200 python3 benchmarks/history/session28/packed_bf16.py 7b,30b 2>&1 | $F
 timeout 240 python3 benchmarks/timeline.py --plain --out $OUT/pk --shapes 7b,30b --kernels \
   up,up_packedbf16,dh,dh_packedbf16,down,down_packedbf16,dx,dx_packedbf16 2>&1 \
   | tee $OUT/pk.log | grep "^|"
+# 1b. Issue 13: the SmoothQuant kernel with the next scale row prefetched into L1
+#    (`SmoothQuantConfig.prefetch_scale_rows`, built in session 28, interpret-tested only),
+#    against the default, bitwise and against numpy; then its GPU test. If it gains at every
+#    width, make it the default.
+timeout 240 python3 benchmarks/history/session28/quant_prefetch.py $OUT/qp 7b,30b,qwen3 \
+  > $OUT/qp_log.txt 2>&1; grep "^|" $OUT/qp_log.txt; grep -E "Error|Traceback" $OUT/qp_log.txt | head -3
+timeout 120 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant.py -k "prefetch or default" 2>&1 | tail -2
 # 2. Where the stores cost the K loops (session 28, call 6: the up-proj's stores cost ~53 us
 #    of the 7B split-M K loop even from a warpgroup of their own). `storel2` keeps every
 #    store but folds its rows into the first 4096 of the output, a footprint L2 absorbs:
