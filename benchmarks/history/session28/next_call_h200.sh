@@ -34,3 +34,10 @@ timeout 240 python3 benchmarks/timeline.py --plain --out $OUT/st --shapes 7b,30b
 #   --up-sweep none --down-sweep none 2>&1 | $F | tee $OUT/fwd.log | grep "^|" | tail -12
 # timeout 200 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
 #   -k "test_mosaic_matches_xla and not 0-True and not d_2048" 2>&1 | tail -3
+# 4. Issue 15 (T = 1 at 1.9x the weight-read bound): what a TMA ring alone streams per SM
+#    (`benchmarks/stream_probe.py`, new in session 28: one CTA per SM, boxes of 8-32 KB,
+#    2-8 in flight, against a same-run copy). The megakernel's up task streams 16 KB per K
+#    step on 5 stages and reached 13-18 GB/s per SM: if the ring alone does ~2x that at the
+#    same size, the megakernel's own waits are the loss; if only larger boxes or more
+#    stages reach the copy rate, its tasks should stream those.
+timeout 200 python3 benchmarks/stream_probe.py --out $OUT/sp 2>&1 | $F | grep "^|\|copy" | tail -24
