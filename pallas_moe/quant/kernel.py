@@ -404,13 +404,12 @@ def smoothquant_kernel(
                 else:
                     *smooth, next_expert, out_row = carry
                 smooth = (*smooth, smooth_row(next_expert))  # entries j .. j + ahead
-                next_row = rows_ref[jnp.minimum(j + 1, last)]
                 if prefetch:  # entry j + ahead + 1's scale row (its id came a row ago)
                     if not interpret:
                         _prefetch_row_l1(sm_ref.at[pl.ds(after, 1)])
-                    later = (after, expert(j + ahead + 2), next_row)
+                    later = (after, expert(j + ahead + 2), rows_ref[jnp.minimum(j + 1, last)])
                 else:
-                    later = (expert(j + ahead + 1), next_row)
+                    later = (expert(j + ahead + 1), rows_ref[jnp.minimum(j + 1, last)])
                 y = xf * smooth[0]  # [1, d]
                 amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
                 scale, inv = row_scale(amax, out_dtype, rcp)
