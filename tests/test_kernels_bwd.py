@@ -661,3 +661,49 @@ def test_dh_persistent_config_errors():
                         "epilogue_cols=32 must be 0 or a multiple of 64")]:
         with pytest.raises(ValueError, match=match):
             dh_kernel(*args, config=dataclasses.replace(base, **bad), interpret=True)
+
+
+def test_dh_persistent_producer_observes_every_epilogue_phase(monkeypatch):
+    """An item with no more K steps than free slots (d = 64: one step, the epilogue tiles
+    overlay 3 of 4 W2 slots): the producer waits for the previous item's epilogue
+    (`epi_done`) before the item's last step. Session 28 found it waiting after that step,
+    which let the consumers finish the whole item and complete `epi_done`'s next phase before
+    the producer observed the previous one: interpret mode raised "Barrier completed phase 1,
+    but no threads observed phase 0" in ~1 of 10 loaded runs (on the GPU the wait would block
+    on a phase that never completes). Here every producer wait on `epi_done` first sleeps,
+    so the consumers run as far ahead as the protocol lets them; then bitwise against the
+    one-CTA-per-tile kernel."""
+    import dataclasses
+    import time
+
+    from jax._src import source_info_util
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    wait = gpu_callbacks._barrier_wait
+
+    def late_epilogue_wait(token, mesh_location, thread, key, source_info=None):
+        frame = source_info_util.user_frame(source_info.traceback) if source_info else None
+        if (frame is not None and frame.file_name.endswith("dh.py")
+                and "barrier_wait(epi_done)" in _source_line(frame)
+                and int(np.asarray(mesh_location.thread_id)) == 1):  # the producer
+            time.sleep(1.0)
+        return wait(token, mesh_location, thread, key, source_info=source_info)
+
+    monkeypatch.setattr(gpu_callbacks, "_barrier_wait", late_epilogue_wait)
+    x, h, plan, w1, w2, grad_out = make_problem(8, 40, 64, 128, 3, 2)
+    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    base = DHConfig(block_n=64, num_stages=4, num_consumers=1)
+    want = dh_kernel(*args, config=base, interpret=True)
+    persistent = dataclasses.replace(base, persistent_ctas=2, epilogue_layout="swizzled",
+                                     h_loader="cp_async")
+    got = dh_kernel(*args, config=persistent, interpret=True)
+    rows = int(plan.num_rows)
+    for g, w in zip(got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.array_equal(g[:rows] if g.ndim == 2 else g, w[:rows] if w.ndim == 2 else w)
+
+
+def _source_line(frame) -> str:
+    import linecache
+
+    return linecache.getline(frame.file_name, frame.start_line)

@@ -724,7 +724,9 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     and H tiles overlay the last `overlaid` W2 slots (`_persistent_layout`); the gathered dO
     slots and the first W2 slots stay free, so the producer may fill the next item's steps
     `[0, stages - overlaid)` at once, and waits for the consumers' `epi_done` (their stores
-    have read the tiles) before its first overlaid slot. Every slot use is released by the
+    have read the tiles) before its first overlaid slot, or before the last step of an item
+    with no more steps than free slots (so the consumers never complete `epi_done`'s next
+    phase before the producer observed the previous one). Every slot use is released by the
     consumers, and the producer waits for the release of a slot's previous use (across
     items), then observes the last ones before exit. Token ids and scores are
     double-buffered by the parity of the CTA's count of non-empty items. With the lagged
@@ -749,6 +751,9 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     h_cp_async = config.h_loader == "cp_async" and not interpret
     overlaid, slot_bytes, epilogue_bytes = _persistent_layout(bm, bn, bk, cons, swizzled)
     free = stages - overlaid  # W2 slots the epilogue leaves alone
+    # The K step before which the producer waits for the previous item's epilogue: the first
+    # overlaid slot's, or the last step of an item that fits in the free slots.
+    epi_wait_step = min(free, num_k - 1)
     if free < 1:
         raise ValueError(
             f"config.num_stages={stages} is too few for the persistent dH kernel at "
@@ -824,7 +829,13 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                         def _():
                             plgpu.barrier_wait(empty.at[slot])
 
-                        @pl.when((done > 0) & (ki == free))  # first overlaid slot
+                        # The previous item's epilogue tiles are free again: before the
+                        # first overlaid slot, or (an item within the free slots) before
+                        # the item's last step. Not after it: the consumers could then
+                        # finish this item's epilogue too and complete epi_done's next
+                        # phase before this wait observed the previous one (on the GPU the
+                        # wait would then block on a phase that never completes).
+                        @pl.when((done > 0) & (ki == epi_wait_step))
                         def _():
                             plgpu.barrier_wait(epi_done)
 
@@ -836,10 +847,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                         return carry
 
                     jax.lax.fori_loop(0, num_k, step, None)
-                    if num_k <= free:  # no overlaid slot in the loop: wait here instead
-                        @pl.when(done > 0)
-                        def _():
-                            plgpu.barrier_wait(epi_done)
                     if cp_async:
                         _common.cp_async_publish_rest(num_k, full, a_landed, stages)
 
