@@ -389,8 +389,9 @@ def smoothquant_kernel(
             def smooth_row(e):  # [1, d]
                 return plgpu.load(sm_ref.at[pl.ds(e, 1)], layout=row_layout, optimized=False)
 
-            # Interpret mode runs the prefetch's id bookkeeping too, without the hint.
-            prefetch = config.prefetch_scale_rows
+            # Expert ids carried beyond the next scale row's: the prefetched row's. Interpret
+            # mode runs that bookkeeping too, without the hint.
+            extra = int(config.prefetch_scale_rows)
 
             def row(j, carry):
                 # Each load's address was loaded a row earlier, so no load waits on another
@@ -399,17 +400,12 @@ def smoothquant_kernel(
                 # the next output row, all issued before this row's reduction. With
                 # `prefetch_scale_rows` the ids run one row further still, and the scale row
                 # after this one is asked into L1.
-                if prefetch:  # after: the expert of entry j + ahead + 1
-                    *smooth, next_expert, after, out_row = carry
-                else:
-                    *smooth, next_expert, out_row = carry
-                smooth = (*smooth, smooth_row(next_expert))  # entries j .. j + ahead
-                if prefetch:  # entry j + ahead + 1's scale row (its id came a row ago)
-                    if not interpret:
-                        _prefetch_row_l1(sm_ref.at[pl.ds(after, 1)])
-                    later = (after, expert(j + ahead + 2), rows_ref[jnp.minimum(j + 1, last)])
-                else:
-                    later = (expert(j + ahead + 1), rows_ref[jnp.minimum(j + 1, last)])
+                *smooth, ids, out_row = carry  # ids: experts of entries j + ahead + [0, extra]
+                smooth = (*smooth, smooth_row(ids[0]))  # entries j .. j + ahead
+                if extra and not interpret:
+                    _prefetch_row_l1(sm_ref.at[pl.ds(ids[1], 1)])
+                later = ((*ids[1:], expert(j + ahead + (1 + extra))),
+                         rows_ref[jnp.minimum(j + 1, last)])
                 y = xf * smooth[0]  # [1, d]
                 amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
                 scale, inv = row_scale(amax, out_dtype, rcp)
@@ -420,7 +416,7 @@ def smoothquant_kernel(
                 return (*smooth[1:], *later)
 
             first = (*(smooth_row(expert(start + i)) for i in range(ahead)),
-                     expert(start + ahead), *([expert(start + ahead + 1)] if prefetch else []),
+                     tuple(expert(start + (ahead + i)) for i in range(1 + extra)),
                      rows_ref[start])
             jax.lax.fori_loop(start, stop, row, first)
 
