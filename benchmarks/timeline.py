@@ -85,7 +85,8 @@ def profiled(out_dir: str, regions: int):
         plgpu.CompilerParams = original
 
 
-ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights", "nomma", "nofeed", "storel2")
+ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights", "nomma", "nofeed", "storel2",
+             "nowait", "lsustore")
 # "storel2" folds every output row into the first rows of its output (`STOREL2_ROWS`): the
 # same stores (count, boxes, SMEM reads, TMA issue) on a footprint that stays in L2.
 STOREL2_ROWS = 4096
@@ -105,9 +106,27 @@ def ablated(what: str):
     and A, rewritten ~48 times, so L2 absorbs it instead of HBM): with "nostore", it tells
     whether the stores cost the K loop through the write traffic to HBM and L2 capacity
     (storel2 ~ nostore) or through issuing them, the TMA unit and L2 bandwidth (storel2 ~
-    the full kernel)."""
+    the full kernel). "nowait": every `wait_smem_to_gmem(..., wait_read_only=True)` is
+    dropped (the epilogues overwrite staging tiles the TMA may still be reading): what
+    waiting for the stores' SMEM reads costs. "lsustore": the row tiles are stored by the
+    warpgroup's own 16-byte loads and stores (`_common.lsu_store_row_tile`) instead of the
+    TMA unit (same bytes; not timing-only if its bits match)."""
     if what not in ABLATIONS:
         raise ValueError(f"unknown ablation {what!r}")
+    if what == "nowait":
+        original = plgpu.wait_smem_to_gmem
+
+        def wait_unless_read_only(n, wait_read_only=False):
+            if not wait_read_only:
+                original(n, wait_read_only=False)
+
+        with _patched(plgpu, "wait_smem_to_gmem", wait_unless_read_only):
+            yield
+        return
+    if what == "lsustore":
+        with _patched(_common, "store_row_tile", _common.lsu_store_row_tile):
+            yield
+        return
     if what in ("halfweights", "nomma", "nofeed"):
         # nomma: the consumers wait for every stage and release it, issuing no wgmma.
         with {"halfweights": half_weight_copies, "nofeed": no_feed,

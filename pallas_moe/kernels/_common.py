@@ -808,6 +808,84 @@ def _cp_async_rows(src_ref, index_ref, dsts, num_rows: int, source) -> None:
     _issue(src_ref, index_ref, dsts)
 
 
+def lsu_store_row_tile(copy_view, dst_gmem, row0, num_rows, max_rows: int, src_row0=0) -> None:
+    """`store_row_tile` without the TMA unit: every thread of the calling warpgroup moves
+    16-byte chunks, `ld.shared.v4` from the 128-byte-swizzled slab and a predicated
+    `st.global.v4` (rows `>= num_rows` are not written), then a warpgroup barrier, so the
+    tile may be overwritten when it returns. Called by a whole warpgroup in Lane semantics;
+    compiled kernels only (interpret mode cannot run inline Mosaic GPU code).
+
+    Args:
+      copy_view: SMEM ref [slabs, max_rows, w] (`row_tile_types`' copy view, w = 128 bytes
+        of columns), rows from `src_row0` on.
+      dst_gmem: GMEM ref [P, slabs * w] (a column window of the output).
+      row0, num_rows: i32 scalars, the first destination row and the rows to write.
+      max_rows: static rows of the tile, a multiple of 16.
+    """
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+
+    rows_per_pass = 128 // CP_ASYNC_ROW_THREADS
+    if max_rows % rows_per_pass:
+        raise ValueError(f"max_rows={max_rows} must be a multiple of {rows_per_pass}.")
+    dtype = jnp.dtype(copy_view.dtype)
+    w = SWIZZLE_BYTES // dtype.itemsize
+    src_type = plgpu.RefType(
+        transforms=(plgpu.TilingTransform((1, w)), plgpu.SwizzleTransform(SWIZZLE_BYTES)))
+    scalar = plgpu.Layout.WG_SPLAT
+
+    @plgpu.inline_mgpu(arg_types=(src_type, plgpu.RefType(), scalar, scalar, scalar))
+    def _store(ctx, src, dst, first_dst_row, count, first_src_row):
+        del ctx
+        utils = mgpu.utils
+        i32, i64, i8, _ = _mlir_int_types()
+        slabs = ir.MemRefType(src.type).shape[0]
+        dst_ty = ir.MemRefType(dst.type)
+        (row_stride, col_stride), _ = dst_ty.get_strides_and_offset()
+        if col_stride != 1 or dst_ty.shape[-1] != slabs * w:
+            raise ValueError(f"dst must be a contiguous window of {slabs * w} columns, got {dst_ty}.")
+        scalars = [v.registers.item() if hasattr(v, "registers") else v
+                   for v in (first_dst_row, count, first_src_row)]
+        first_dst_row, count, first_src_row = scalars
+        tid = arith.remui(utils.thread_idx(), utils.c(128, i32))
+        chunk = arith.remui(tid, utils.c(CP_ASYNC_ROW_THREADS, i32))
+        row_in_pass = arith.divui(tid, utils.c(CP_ASYNC_ROW_THREADS, i32))
+        src_base = llvm.ptrtoint(i32, utils.memref_ptr(src))
+        dst_base = llvm.ptrtoint(i64, llvm.addrspacecast(
+            llvm.PointerType.get(address_space=1), utils.memref_ptr(dst)))
+        dst_base = arith.addi(dst_base, arith.extui(i64, arith.muli(chunk, utils.c(CP_ASYNC_BYTES, i32))))
+        v4 = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+        for h in range(slabs):
+            loaded = []
+            for p in range(max_rows // rows_per_pass):
+                row = arith.addi(row_in_pass, utils.c(p * rows_per_pass, i32))
+                src_row = arith.addi(first_src_row, row)
+                swizzled = arith.xori(chunk, arith.andi(src_row, utils.c(7, i32)))
+                src_addr = arith.addi(src_base, arith.addi(
+                    arith.muli(arith.addi(src_row, utils.c(h * max_rows, i32)), utils.c(SWIZZLE_BYTES, i32)),
+                    arith.muli(swizzled, utils.c(CP_ASYNC_BYTES, i32))))
+                value = llvm.inline_asm(v4, [src_addr], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                        "=r,=r,=r,=r,r", has_side_effects=True)
+                loaded.append((row, value))
+            for row, value in loaded:
+                valid = arith.cmpi(arith.CmpIPredicate.slt, row, count)
+                dst_row = arith.extui(i64, arith.addi(first_dst_row, row))
+                dst_addr = arith.addi(dst_base, arith.addi(
+                    arith.muli(dst_row, utils.c(row_stride * dtype.itemsize, i64)),
+                    utils.c(h * SWIZZLE_BYTES, i64)))
+                words = [llvm.extractvalue(i32, value, [k]) for k in range(4)]
+                llvm.inline_asm(
+                    ir.Type.parse("!llvm.void"), [valid, dst_addr, *words],
+                    "@$0 st.global.v4.b32 [$1], {$2, $3, $4, $5};", "b,l,r,r,r,r",
+                    has_side_effects=True,
+                )
+        utils.warpgroup_barrier()  # every thread has read its chunks: the tile may be reused
+
+    _store(copy_view, dst_gmem, jnp.asarray(row0, jnp.int32), jnp.asarray(num_rows, jnp.int32),
+           jnp.asarray(src_row0, jnp.int32))
+
+
 def prefetch_rows_l2(src_ref, token_ids, *, num_rows: int) -> None:
     """Asks L2 for `src[token_ids[r], :]` for r < num_rows (one 128-byte row chunk each;
     `prefetch.global.L2`), so a later cp.async gather of those chunks hits L2. Called by a
