@@ -239,16 +239,13 @@ def test_no_races_and_padding_ctas():
 
 # CI time: 1 and 3 rows ahead are slow extras ([2] runs the same carry code; the default,
 # 0, runs in test_no_races_and_padding_ctas; the GPU test times 1).
-@pytest.mark.parametrize("ahead, prefetch", [
-    pytest.param(1, False, marks=pytest.mark.slow), (2, False),
-    pytest.param(3, False, marks=pytest.mark.slow), (0, True),
-    pytest.param(1, True, marks=pytest.mark.slow)])
-def test_scale_rows_ahead_same_bits(ahead, prefetch):
+@pytest.mark.parametrize("ahead", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                   pytest.param(3, marks=pytest.mark.slow)])
+def test_scale_rows_ahead_same_bits(ahead):
     """`SmoothQuantConfig.scale_rows_ahead`: smooth-scale rows loaded 1, 2 or 3 rows ahead
     (the default, 0, loads each with its own row; past a token's last row the loads repeat
     its last entry) give the bits of the numpy formula: tokens with 0..3 rows, padding CTAs,
-    several tokens per CTA, races watched. So do `prefetch_scale_rows`'s expert ids one row
-    further ahead (interpret mode runs their bookkeeping, not the L1 hint itself)."""
+    several tokens per CTA, races watched."""
     num_tokens, d, num_experts = 13, 128, 4
     ks = jax.random.split(jax.random.key(9), 3)
     plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, extra=5)
@@ -259,8 +256,7 @@ def test_scale_rows_ahead_same_bits(ahead, prefetch):
     params = plgpu.InterpretGPUParams(detect_races=True)
     q, s = pm.quant.moe_smoothquant(
         x, smooth, plan, out_dtype=INT8, backend="interpret", interpret_params=params,
-        config=SmoothQuantConfig(block_t=2, block_pad=8, scale_rows_ahead=ahead,
-                                 prefetch_scale_rows=prefetch))
+        config=SmoothQuantConfig(block_t=2, block_pad=8, scale_rows_ahead=ahead))
     assert not races_found()
     assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), INT8))
 
@@ -373,17 +369,12 @@ def test_lowers_for_cuda_at_production_widths(d, out_dtype):
 @pytest.mark.parametrize("d", [1536, 4096])
 def test_scale_rows_ahead_and_cvt_rounding_lower_for_cuda(d):
     """Scale rows 2 ahead and int8 rounded by the conversion instruction (the defaults are
-    0 rows and an f32 add), and the next scale row prefetched into L1 (4096 * 4 bytes: one
-    line per thread; 1536: 48 of the 128 threads), at the 7B and 30B widths; a bad rounding
-    name is refused."""
+    0 rows and an f32 add) at the 7B and 30B widths; a bad rounding name is refused."""
     from tests.cuda_target import h100_target
 
     with h100_target():
         _lower_smoothquant(32768, 128, 8, d, INT8,
                            SmoothQuantConfig(scale_rows_ahead=2, int8_rounding="cvt"))
-        text = _lower_smoothquant(32768, 128, 8, d, E4M3,
-                                  SmoothQuantConfig(prefetch_scale_rows=True))
-        assert "prefetch.global.L1" in text
     with pytest.raises(ValueError, match='int8_rounding must be "cvt" or "fadd", got .rne.'):
         SmoothQuantConfig(int8_rounding="rne")
 
@@ -394,11 +385,10 @@ def _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype, config=None):
     x, smooth = sds((num_tokens, d), x_dtype), sds((num_experts, d), jnp.float32)
     f = functools.partial(pm.quant.moe_smoothquant, out_dtype=out_dtype, backend="mosaic",
                           config=config)
-    lowered = jax.jit(f).trace(x, smooth, _abstract_plan(num_tokens, num_experts, k)).lower(
+    jax.jit(f).trace(x, smooth, _abstract_plan(num_tokens, num_experts, k)).lower(
         lowering_platforms=("cuda",))
     g = functools.partial(pm.quant.moe_smoothquant_topk, out_dtype=out_dtype, backend="mosaic")
     jax.jit(g).trace(x, smooth, sds((num_tokens, k), jnp.int32)).lower(lowering_platforms=("cuda",))
-    return lowered.as_text()
 
 
 @pytest.mark.parametrize("dtype", [E4M3, INT8], ids=["e4m3", "int8"])
@@ -543,9 +533,8 @@ def test_kernel_without_smooth_scales_on_gpu():
 @pytest.mark.parametrize("config", [
     SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"),
     SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2),
-    SmoothQuantConfig(scale_rows_ahead=1), SmoothQuantConfig(block_t=2),
-    SmoothQuantConfig(prefetch_scale_rows=True)],
-    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "prefetch"])
+    SmoothQuantConfig(scale_rows_ahead=1), SmoothQuantConfig(block_t=2)],
+    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
     # Token rounding (padding rows) at a production width; every row, bit for bit. The

@@ -63,12 +63,6 @@ class SmoothQuantConfig:
         same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
         full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
         "cvt" (`cvt.rni.sat.s8.f32`, the quarter-rate conversion pipe).
-      prefetch_scale_rows: with smooth scales, each row asks L1 for the next row's scale row
-        (`prefetch.global.L1`, one 128-byte line per thread; the expert id then comes two
-        rows ahead), so the next row's scale load hits L1 without holding the row in
-        registers, as `scale_rows_ahead` does (session 27: at 30B 31% of the warps' samples
-        waited on that load). A hint: the same bits. Compiled kernels only (interpret mode
-        skips the hint).
     """
 
     block_t: int = 1
@@ -76,7 +70,6 @@ class SmoothQuantConfig:
     vec: int | None = None
     scale_rows_ahead: int = 0
     int8_rounding: str = "fadd"
-    prefetch_scale_rows: bool = False
 
     def __post_init__(self):
         if self.int8_rounding not in ("cvt", "fadd"):
@@ -142,37 +135,6 @@ def _rcp_rn(v: jax.Array, layout=None) -> jax.Array:
         return mgpu.FragmentedArray(_registers=registers, _layout=values.layout, _is_signed=None)
 
     return rcp(v)
-
-
-def _prefetch_row_l1(row_ref) -> None:
-    """Asks L1 for a GMEM row (`row_ref`: [1, d] f32, e.g. a smooth-scale row): thread t
-    of the warpgroup prefetches the row's 128-byte lines t, t + 128, ... A hint only: no data
-    moves into registers and nothing waits."""
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-
-    line = _common.SWIZZLE_BYTES  # 128 bytes
-    num_lines = pl.cdiv(row_ref.shape[-1] * jnp.dtype(row_ref.dtype).itemsize, line)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def prefetch(ctx, row):
-        del ctx
-        utils = mgpu.utils
-        i32, i64, i8, _ = _common._mlir_int_types()
-        tid = arith.remui(utils.thread_idx(), utils.c(_WG, i32))
-        base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), utils.memref_ptr(row))
-        for first in range(0, num_lines, _WG):
-            index = arith.addi(tid, utils.c(first, i32))
-            active = arith.cmpi(arith.CmpIPredicate.ult, index, utils.c(num_lines, i32))
-            addr = utils.getelementptr(
-                base, [arith.muli(arith.extui(i64, index), utils.c(line, i64))], i8)
-            llvm.inline_asm(
-                ir.Type.parse("!llvm.void"), [active, llvm.ptrtoint(i64, addr)],
-                "@$0 prefetch.global.L1 [$1];", "b,l", has_side_effects=True,
-            )
-
-    prefetch(row_ref)
 
 
 def _row_layout(vec: int):
@@ -389,23 +351,16 @@ def smoothquant_kernel(
             def smooth_row(e):  # [1, d]
                 return plgpu.load(sm_ref.at[pl.ds(e, 1)], layout=row_layout, optimized=False)
 
-            # Expert ids carried beyond the next scale row's: the prefetched row's. Interpret
-            # mode runs that bookkeeping too, without the hint.
-            extra = int(config.prefetch_scale_rows)
-
             def row(j, carry):
                 # Each load's address was loaded a row earlier, so no load waits on another
                 # within a row: the scale row `ahead` rows on (its expert id came with the
                 # previous row; ahead = 0: this row's own), the expert id one further and
-                # the next output row, all issued before this row's reduction. With
-                # `prefetch_scale_rows` the ids run one row further still, and the scale row
-                # after this one is asked into L1.
-                *smooth, ids, out_row = carry  # ids: experts of entries j + ahead + [0, extra]
+                # the next output row, all issued before this row's reduction. (Session 29,
+                # H200: asking L1 for the scale row after this one as well,
+                # `prefetch.global.L1`, was 0.80-0.82x at every width, same bits.)
+                *smooth, ids, out_row = carry  # ids: the expert of entry j + ahead
                 smooth = (*smooth, smooth_row(ids[0]))  # entries j .. j + ahead
-                if extra and not interpret:
-                    _prefetch_row_l1(sm_ref.at[pl.ds(ids[1], 1)])
-                later = ((*ids[1:], expert(j + ahead + (1 + extra))),
-                         rows_ref[jnp.minimum(j + 1, last)])
+                later = ((expert(j + ahead + 1),), rows_ref[jnp.minimum(j + 1, last)])
                 y = xf * smooth[0]  # [1, d]
                 amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
                 scale, inv = row_scale(amax, out_dtype, rcp)
@@ -416,7 +371,7 @@ def smoothquant_kernel(
                 return (*smooth[1:], *later)
 
             first = (*(smooth_row(expert(start + i)) for i in range(ahead)),
-                     tuple(expert(start + (ahead + i)) for i in range(1 + extra)),
+                     (expert(start + ahead),),
                      rows_ref[start])
             jax.lax.fori_loop(start, stop, row, first)
 
