@@ -86,7 +86,7 @@ def profiled(out_dir: str, regions: int):
 
 
 ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights", "nomma", "nofeed", "storel2",
-             "nowait")
+             "nowait", "lsuload", "lsuwrite")
 # "storel2" folds every output row into the first rows of its output (`STOREL2_ROWS`): the
 # same stores (count, boxes, SMEM reads, TMA issue) on a footprint that stays in L2.
 STOREL2_ROWS = 4096
@@ -109,7 +109,14 @@ def ablated(what: str):
     the full kernel). "nowait": every `wait_smem_to_gmem(..., wait_read_only=True)` is
     dropped (the epilogues overwrite staging tiles the TMA may still be reading): what
     waiting for the stores' SMEM reads costs (session 29, H200: nothing, 7B up-proj, dH
-    and dX~ within 0.5%)."""
+    and dX~ within 0.5%). "lsuload" / "lsuwrite" (`lsu_store_halves`): the row tiles'
+    stores split into their two halves, each alone: every tile's SMEM bytes read by the
+    warpgroup's own `ld.shared.v4` and never written out, or every tile's GMEM bytes written
+    by `st.global.v4` with nothing read from SMEM (same rows, same addresses). Storing
+    with the warpgroup's loads and stores instead of TMA (both halves) measured 0.98x on
+    the 7B up-proj and 1.01x on dH (session 29, `history/session29/lsu_store.patch`), so
+    the halves locate the stores' cost: SMEM reads (contending with the wgmmas' operand
+    reads) or L2 writes."""
     if what not in ABLATIONS:
         raise ValueError(f"unknown ablation {what!r}")
     if what == "nowait":
@@ -120,6 +127,10 @@ def ablated(what: str):
                 original(n, wait_read_only=False)
 
         with _patched(plgpu, "wait_smem_to_gmem", wait_unless_read_only):
+            yield
+        return
+    if what in ("lsuload", "lsuwrite"):
+        with _patched(_common, "store_row_tile", lsu_store_halves(what[3:])):
             yield
         return
     if what in ("halfweights", "nomma", "nofeed"):
@@ -208,6 +219,86 @@ def _patched(module, name: str, value):
         yield
     finally:
         setattr(module, name, original)
+
+
+def lsu_store_halves(half: str):
+    """A `_common.store_row_tile` replacement that does one half of a row tile's store with
+    the calling warpgroup's own 16-byte accesses (timing only). Thread t handles 16-byte
+    chunk t % 8 of rows t // 8 + 16 p of each 128-byte slab. half="load": `ld.shared.v4`
+    of every chunk (the 128-byte swizzle applied), then a `st.global.v4` predicated on
+    `num_rows < 0`, never true, which keeps the loads; half="write": `st.global.v4` of
+    every real row's chunk (rows < num_rows) with register values, no SMEM read. Ends with a
+    warpgroup barrier, as a correct LSU store would."""
+    if half not in ("load", "write"):
+        raise ValueError(f"half must be 'load' or 'write', got {half!r}")
+
+    def store(copy_view, dst_gmem, row0, num_rows, max_rows: int, src_row0=0) -> None:
+        import jax.experimental.mosaic.gpu as mgpu
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith, llvm
+
+        threads_per_row = _common.CP_ASYNC_ROW_THREADS
+        rows_per_pass = 128 // threads_per_row
+        chunk_bytes = _common.CP_ASYNC_BYTES
+        line = _common.SWIZZLE_BYTES
+        dtype = jnp.dtype(copy_view.dtype)
+        w = line // dtype.itemsize
+        src_type = plgpu.RefType(
+            transforms=(plgpu.TilingTransform((1, w)), plgpu.SwizzleTransform(line)))
+        scalar = plgpu.Layout.WG_SPLAT
+
+        @plgpu.inline_mgpu(arg_types=(src_type, plgpu.RefType(), scalar, scalar, scalar))
+        def _store(ctx, src, dst, first_dst_row, count, first_src_row):
+            del ctx
+            utils = mgpu.utils
+            i32, i64, _, _ = _common._mlir_int_types()
+            slabs = ir.MemRefType(src.type).shape[0]
+            (row_stride, _), _ = ir.MemRefType(dst.type).get_strides_and_offset()
+            first_dst_row, count, first_src_row = [
+                v.registers.item() if hasattr(v, "registers") else v
+                for v in (first_dst_row, count, first_src_row)]
+            tid = arith.remui(utils.thread_idx(), utils.c(128, i32))
+            chunk = arith.remui(tid, utils.c(threads_per_row, i32))
+            row_in_pass = arith.divui(tid, utils.c(threads_per_row, i32))
+            src_base = llvm.ptrtoint(i32, utils.memref_ptr(src))
+            dst_base = llvm.ptrtoint(i64, llvm.addrspacecast(
+                llvm.PointerType.get(address_space=1), utils.memref_ptr(dst)))
+            dst_base = arith.addi(dst_base, arith.extui(
+                i64, arith.muli(chunk, utils.c(chunk_bytes, i32))))
+            never = arith.cmpi(arith.CmpIPredicate.slt, count, utils.c(0, i32))
+            v4 = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+            for h in range(slabs):
+                for p in range(max_rows // rows_per_pass):
+                    row = arith.addi(row_in_pass, utils.c(p * rows_per_pass, i32))
+                    dst_addr = arith.addi(dst_base, arith.addi(
+                        arith.muli(arith.extui(i64, arith.addi(first_dst_row, row)),
+                                   utils.c(row_stride * dtype.itemsize, i64)),
+                        utils.c(h * line, i64)))
+                    if half == "load":
+                        src_row = arith.addi(first_src_row, row)
+                        swizzled = arith.xori(chunk, arith.andi(src_row, utils.c(7, i32)))
+                        src_addr = arith.addi(src_base, arith.addi(
+                            arith.muli(arith.addi(src_row, utils.c(h * max_rows, i32)),
+                                       utils.c(line, i32)),
+                            arith.muli(swizzled, utils.c(chunk_bytes, i32))))
+                        value = llvm.inline_asm(
+                            v4, [src_addr], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                            "=r,=r,=r,=r,r", has_side_effects=True)
+                        words = [llvm.extractvalue(i32, value, [k]) for k in range(4)]
+                        predicate = never
+                    else:
+                        words = [arith.trunci(i32, dst_addr)] * 4
+                        predicate = arith.cmpi(arith.CmpIPredicate.slt, row, count)
+                    llvm.inline_asm(
+                        ir.Type.parse("!llvm.void"), [predicate, dst_addr, *words],
+                        "@$0 st.global.v4.b32 [$1], {$2, $3, $4, $5};", "b,l,r,r,r,r",
+                        has_side_effects=True)
+            utils.warpgroup_barrier()
+
+        _store(copy_view, dst_gmem, jnp.asarray(row0, jnp.int32),
+               jnp.asarray(num_rows, jnp.int32), jnp.asarray(src_row0, jnp.int32))
+
+    return store
 
 
 @contextlib.contextmanager

@@ -48,3 +48,14 @@ def test_nowait_drops_the_read_only_waits():
         nowait = _lowered_up_proj()
     assert nowait != base and len(nowait) < len(base)
     assert _lowered_up_proj() == base  # the patch is undone on exit
+
+
+def test_lsu_store_halves_keep_only_their_half():
+    base = _lowered_up_proj()
+    with timeline.ablated("lsuload"):
+        load = _lowered_up_proj()
+    with timeline.ablated("lsuwrite"):
+        write = _lowered_up_proj()
+    assert "ld.shared.v4.b32" in load and "st.global.v4.b32" in load
+    assert "ld.shared.v4.b32" not in write and "st.global.v4.b32" in write
+    assert "st.global.v4.b32" not in base and _lowered_up_proj() == base
