@@ -3,11 +3,15 @@
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/timeline.py --out $OUT \
         [--shapes 7b,30b] [--kernels up,up_inference,dh,down,dx]
 
-A kernel name is `up`, `dh`, `down` or `dx`, optionally with a variant: `up_inference` (no
+A kernel name is `up`, `dh`, `down`, `dx` or `decode` (the decode megakernel, at the
+`decode<T>` shapes only: the Qwen3-30B-A3B layer at T = 1, 8, 64, 128, 1024 tokens; its
+regions: the producer's `post_wait`, `ids`, `empty_wait`, `weights`, `gather`, `publish`,
+`event_wait`; the consumers' `task_wait`, `k_loop`, `epilogue`, `event_wait`), optionally
+with a variant: `up_inference` (no
 H), `up_pingpong` / `up_coop` (the persistent ping-pong kernel,
 `UpProjConfig.pingpong_ctas`, the default for d <= 1536 / the cooperative kernel),
-`_nostore` / `_nomath` / `_noepilogue` / `_halfweights` / `_nomma` / `_nofeed` / `_storel2` (`ablated`: timing only, wrong
-outputs), `_evictfirst` (`stores_evict_first`) or `_packedbf16` (`packed_bf16_conversions`,
+`_nostore` / `_nomath` / `_noepilogue` / `_halfweights` / `_nomma` / `_nofeed` / `_storel2` /
+`_nowait` / `_lsuload` / `_lsuwrite` (`ablated`: timing only, wrong outputs), `_evictfirst` (`stores_evict_first`) or `_packedbf16` (`packed_bf16_conversions`,
 the same bits); for `dh`, `_untiled` / `_swizzled` /
 `_hcpasync` (its epilogue tiles untiled with H loaded by TMA, the session-21 default's
 predecessor; swizzled with H loaded by TMA; swizzled with H loaded by cp.async, the
@@ -60,6 +64,7 @@ from benchmarks.forward import (  # noqa: E402
 from benchmarks.logs import open_log  # noqa: E402
 from pallas_moe.kernels import _common  # noqa: E402
 from pallas_moe.kernels import dh as dh_module  # noqa: E402
+from pallas_moe.kernels.decode import DecodeConfig, moe_decode  # noqa: E402
 from pallas_moe.kernels.dh import dh_kernel  # noqa: E402
 from pallas_moe.kernels.down_proj import down_proj  # noqa: E402
 from pallas_moe.kernels.dx import dx_rows  # noqa: E402
@@ -90,7 +95,9 @@ ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights", "nomma", "nofeed"
 # "storel2" folds every output row into the first rows of its output (`STOREL2_ROWS`): the
 # same stores (count, boxes, SMEM reads, TMA issue) on a footprint that stays in L2.
 STOREL2_ROWS = 4096
-KERNELS = ("up", "dh", "down", "dx")
+KERNELS = ("up", "dh", "down", "dx", "decode")
+# The decode megakernel's shapes: the Qwen3-30B-A3B MoE layer at serving batch sizes.
+DECODE_SHAPES = {f"decode{T}": (T, 2048, 768, 128, 8) for T in (1, 8, 64, 128, 1024)}
 
 
 @contextlib.contextmanager
@@ -507,7 +514,7 @@ def main():
     results = {}
     plain_rows = []
     for name in args.shapes.split(","):
-        shape = SHAPES[name]
+        shape = {**SHAPES, **DECODE_SHAPES}[name]
         T, d, n, E, K = shape
         x, w1, w2, plan = make_case(shape, skew=False, seed=3)
         fcfg = ForwardConfig.for_shape(d, n)
@@ -534,7 +541,11 @@ def main():
                 variant_ctx.enter_context(packed_bf16_conversions())
             for ablation in sorted(variants & set(ABLATIONS)):  # traced with a step replaced
                 variant_ctx.enter_context(ablated(ablation))
-            cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx}[base]
+            if (base == "decode") != (name in DECODE_SHAPES):
+                raise ValueError(f"kernel {kernel!r} at shape {name!r}: the decode kernel "
+                                 f"runs at the {sorted(DECODE_SHAPES)} shapes, only it does")
+            cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx,
+                   "decode": DecodeConfig.for_shape(d, n)}[base]
             if "pingpong" in variants:  # the persistent ping-pong up-proj
                 cfg = PINGPONG_UP
             elif "coop" in variants:  # the cooperative up-proj (the default before session 20)
@@ -569,6 +580,15 @@ def main():
                               for p in range(cfg.num_producers)})
                 # The ping-pong kernel's CTAs walk ~47 items at 7B: record the first ones.
                 regions = (args.regions or 48) if cfg.pingpong_ctas else 8
+            elif base == "decode":
+                def f(x, p, w1, w2, cfg=cfg):
+                    return moe_decode(x, p, w1, w2, config=cfg)[0]
+
+                fargs = (x, plan, w1, w2)
+                wgs = 3
+                roles = {0: "consumer0", 1: "consumer1", 2: "producer"}
+                # The producer records ~5 regions per K step: a CTA's first tasks.
+                regions = args.regions or 256
             elif base == "dh":
                 h = jax.random.normal(jax.random.key(5), (plan.capacity, 2 * n),
                                       jnp.float32).astype(jnp.bfloat16)

@@ -734,7 +734,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                 @pl.when(k >= depth)
                 def _():
-                    plgpu.barrier_wait(box_empty.at[c, slot])
+                    with jax.named_scope("post_wait"):
+                        plgpu.barrier_wait(box_empty.at[c, slot])
 
                 box[c, slot, 0] = task
                 box[c, slot, 1] = g
@@ -799,9 +800,10 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         plgpu.async_prefetch(box, predicate=ahead[-1])
                 # Every producer lane is done reading the previous tile's ids (generic
                 # proxy) before the TMA (async proxy) overwrites them.
-                plgpu.commit_smem()
-                plgpu.copy_gmem_to_smem(ids_ref.at[tile], ids_smem, ids_bar)
-                plgpu.barrier_wait(ids_bar)
+                with jax.named_scope("ids"):
+                    plgpu.commit_smem()
+                    plgpu.copy_gmem_to_smem(ids_ref.at[tile], ids_smem, ids_bar)
+                    plgpu.barrier_wait(ids_bar)
 
                 def step(k, carry):
                     g = g0 + k
@@ -811,29 +813,32 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                     @pl.when(g >= stages)
                     def _():
-                        plgpu.barrier_wait(empty.at[slot])
+                        with jax.named_scope("empty_wait"):
+                            plgpu.barrier_wait(empty.at[slot])
 
                     bar = full_up.at[c, slot]
-                    plgpu.copy_gmem_to_smem(  # [64, U] gate columns of W1[e]
-                        w_e.at[pl.ds(k0, BLOCK_K), pl.ds(cb * u_cols, u_cols)], wg_smem(slot), bar
-                    )
-                    plgpu.copy_gmem_to_smem(  # [64, U] the matching up columns
-                        w_e.at[pl.ds(k0, BLOCK_K), pl.ds(n + cb * u_cols, u_cols)], wu_smem(slot), bar
-                    )
+                    with jax.named_scope("weights"):
+                        plgpu.copy_gmem_to_smem(  # [64, U] gate columns of W1[e]
+                            w_e.at[pl.ds(k0, BLOCK_K), pl.ds(cb * u_cols, u_cols)], wg_smem(slot),
+                            bar)
+                        plgpu.copy_gmem_to_smem(  # [64, U] the matching up columns
+                            w_e.at[pl.ds(k0, BLOCK_K), pl.ds(n + cb * u_cols, u_cols)],
+                            wu_smem(slot), bar)
                     prefetch_ahead(ahead, k, num_k_task)
                     if 0 < own_ahead < num_k_up:
                         own = k + own_ahead
                         for box in up_boxes(jnp.minimum(own, num_k_up - 1)):
                             plgpu.async_prefetch(box, predicate=own < num_k_up)
                     if cp_async:
-                        _common.cp_async_gather_rows(
-                            x_ref.at[:, pl.ds(k0, BLOCK_K)], ids_smem, [a_mma.at[slot]], num_rows=bm
-                        )
+                        with jax.named_scope("gather"):
+                            _common.cp_async_gather_rows(x_ref.at[:, pl.ds(k0, BLOCK_K)], ids_smem,
+                                                         [a_mma.at[slot]], num_rows=bm)
 
                         @pl.when(k >= lag)
                         def _():
-                            _common.cp_async_stage_done(lag)
-                            plgpu.barrier_arrive(full_up.at[c, (g - lag) % stages])
+                            with jax.named_scope("publish"):
+                                _common.cp_async_stage_done(lag)
+                                plgpu.barrier_arrive(full_up.at[c, (g - lag) % stages])
                     else:
                         rows_per_warp = bm // 4
 
@@ -875,10 +880,11 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     for k in range(prefetch_steps, num_k_down):
                         plgpu.async_prefetch(w_tile(k))
                 if down_waits:
-                    if config.fused:
-                        events.wait(tile, dims.up_blocks)  # up_done[tile]
-                    else:
-                        events.wait(dims.stage_up, n_finished_up)
+                    with jax.named_scope("event_wait"):
+                        if config.fused:
+                            events.wait(tile, dims.up_blocks)  # up_done[tile]
+                        else:
+                            events.wait(dims.stage_up, n_finished_up)
                 for k in range(prefetch_steps):
                     g = g0 + k
                     plgpu.copy_gmem_to_smem(
@@ -981,10 +987,11 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                             plgpu.wgmma(acc_g, a_mma.at[slot], wg_smem(slot))  # [64,64]@[64,U]
                             plgpu.wgmma(acc_u, a_mma.at[slot], wu_smem(slot))
 
-                        _common.consumer_k_loop(
-                            num_k_task, stages, lambda g, slot: plgpu.barrier_wait(
-                                full_up.at[c, slot]), mma, empty, mmas_per_step=2,
-                            step_of=lambda k: g0 + k)
+                        with jax.named_scope("k_loop"):
+                            _common.consumer_k_loop(
+                                num_k_task, stages, lambda g, slot: plgpu.barrier_wait(
+                                    full_up.at[c, slot]), mma, empty, mmas_per_step=2,
+                                step_of=lambda k: g0 + k)
                         plgpu.barrier_arrive(empty.at[(g0 + num_k_task - 1) % stages])
                         return acc_g[...], acc_u[...]
 
@@ -1022,6 +1029,10 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 def finish_up(tile, cb, gate, up):
                     """The SwiGLU epilogue: A (and H) of the tile's column block, stored;
                     then up_done[tile] (or the unfused stage counter)."""
+                    with jax.named_scope("epilogue"):
+                        _finish_up(tile, cb, gate, up)
+
+                def _finish_up(tile, cb, gate, up):
                     act, hg, hu = _common.swiglu_epilogue(gate, up, dtype, activation)
                     o_up[c, 0] = act
                     if write_h:
@@ -1047,14 +1058,19 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         def mma(slot):  # [64,64]@[64,bn]
                             plgpu.wgmma(acc, a_mma.at[slot], wd_smem(slot))
 
-                        _common.consumer_k_loop(
-                            num_k_down, stages, lambda g, slot: plgpu.barrier_wait(
-                                full_dn.at[c, slot]), mma, empty, mmas_per_step=1,
-                            step_of=lambda k: g0 + k)
+                        with jax.named_scope("k_loop"):
+                            _common.consumer_k_loop(
+                                num_k_down, stages, lambda g, slot: plgpu.barrier_wait(
+                                    full_dn.at[c, slot]), mma, empty, mmas_per_step=1,
+                                step_of=lambda k: g0 + k)
                         plgpu.barrier_arrive(empty.at[(g0 + num_k_down - 1) % stages])
                         return acc[...]
 
                     y = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))
+                    with jax.named_scope("epilogue"):
+                        store_down(tile, cb, y)
+
+                def store_down(tile, cb, y):
                     o_dn[c] = y.astype(dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(
@@ -1068,10 +1084,11 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                 def run_aggregate(block):
                     if agg_waits:
-                        if config.fused:
-                            events.wait(dims.tok_done + block, btgt_ref[block])
-                        else:
-                            events.wait(dims.stage_down, n_down)
+                        with jax.named_scope("event_wait"):
+                            if config.fused:
+                                events.wait(dims.tok_done + block, btgt_ref[block])
+                            else:
+                                events.wait(dims.stage_down, n_down)
                     for i in range(bt):
                         t = block * bt + i
 
@@ -1126,7 +1143,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 def consume(carry):
                     k, _ = carry
                     slot = k % depth
-                    plgpu.barrier_wait(box_full.at[c, slot])
+                    with jax.named_scope("task_wait"):
+                        plgpu.barrier_wait(box_full.at[c, slot])
                     task = box[c, slot, 0]
                     g0 = box[c, slot, 1]
                     plgpu.barrier_arrive(box_empty.at[c, slot])

@@ -14,3 +14,11 @@ timeout 240 python3 benchmarks/timeline.py --plain --out $OUT/wide --shapes 7b-n
 # 2. 30b-n256, which call 6 lost to an OOM in the harness's dense bound (fixed: measured first).
 timeout 300 python3 benchmarks/forward.py --out $OUT/fwd --shapes 30b-n256 --skew '' \
   --up-sweep none --down-sweep none 2>&1 | grep "^|" | tail -4
+# 3. Issue 15: where the decode megakernel's producer spends each K step at T = 1 and 8 (its
+#    named regions, new in session 29: post_wait, ids, empty_wait, weights, gather, publish,
+#    event_wait; consumers: task_wait, k_loop, epilogue, event_wait). The stream probe says a
+#    bare ring streams ~31 GB/s per SM at 16-KB steps, the megakernel ~13-18: the regions
+#    say whether the producer waits on `empty` (consumers slow to release), on its own
+#    cp.async groups (`publish`), or issues slowly (`weights`, `gather`).
+timeout 200 python3 benchmarks/timeline.py --out $OUT/dec --shapes decode1,decode8 --kernels decode \
+  2>&1 | tee $OUT/dec.log | grep -v "^WARNING\|^I0000\|^W0000" | tail -60
