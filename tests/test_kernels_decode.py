@@ -649,3 +649,22 @@ def test_moe_ffn_with_expert_biases_keeps_the_kernel_path_for_the_smallest_batch
     out = pm.moe_ffn(x, plan, w1, w2, backend="interpret", b_gate_up=b1)
     ref = pm.moe_ffn(x, plan, w1, w2, backend="xla", b_gate_up=b1)
     close(out, ref, x.shape[0])
+
+
+def test_named_regions_for_the_timeline():
+    """The regions `benchmarks/timeline.py` reads from the on-device profiler are in the
+    lowered kernel (as the name stacks of their operations: they cost nothing unprofiled;
+    the kernel's jaxprs are unchanged by them)."""
+    from tests.cuda_target import h100_target
+
+    d, n, e, k = 2048, 768, 128, 8
+    sds = jax.ShapeDtypeStruct
+    config = DecodeConfig.for_shape(d, n, num_sms=132)
+    with h100_target():
+        text = jax.jit(lambda x, p, a, b: moe_decode(x, p, a, b, config=config)[0]).trace(
+            sds((1, d), jnp.bfloat16), _abstract_plan(1, e, k),
+            sds((e, d, 2 * n), jnp.bfloat16), sds((e, n, d), jnp.bfloat16),
+        ).lower(lowering_platforms=("cuda",)).as_text()
+    for region in ("post_wait", "empty_wait", "publish", "event_wait", "task_wait", "k_loop",
+                   "epilogue"):
+        assert f"{region}/" in text, region  # e.g. "empty_wait/barrier_wait"
