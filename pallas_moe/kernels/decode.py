@@ -629,7 +629,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
     num_k_task = num_k_up // split  # K steps of one up (or partial up) task
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
-    lag = stages - 2  # cp.async steps in flight before publishing (see _common)
     dtype = jnp.bfloat16
     n_out = 3 if write_h else 1
     runs_up, runs_down, runs_agg = ("up" in kinds), ("down" in kinds), ("aggregate" in kinds)
@@ -805,6 +804,9 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     plgpu.copy_gmem_to_smem(ids_ref.at[tile], ids_smem, ids_bar)
                     plgpu.barrier_wait(ids_bar)
 
+                def full_of(k):  # the barrier the task's step k completes on
+                    return full_up.at[c, (g0 + k) % stages]
+
                 def step(k, carry):
                     g = g0 + k
                     slot = g % stages
@@ -834,11 +836,9 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                             _common.cp_async_gather_rows(x_ref.at[:, pl.ds(k0, BLOCK_K)], ids_smem,
                                                          [a_mma.at[slot]], num_rows=bm)
 
-                        @pl.when(k >= lag)
-                        def _():
-                            with jax.named_scope("publish"):
-                                _common.cp_async_stage_done(lag)
-                                plgpu.barrier_arrive(full_up.at[c, (g - lag) % stages])
+                        # Step k - (stages - 2), once its rows landed (`_common.cp_async_publish`).
+                        with jax.named_scope("publish"):
+                            _common.cp_async_publish(k, full_of, [], stages)
                     else:
                         rows_per_warp = bm // 4
 
@@ -852,11 +852,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     return carry
 
                 jax.lax.fori_loop(0, num_k_task, step, None)
-                if cp_async:  # publish the last `lag` steps
-                    tail = range(max(num_k_task - lag, 0), num_k_task)
-                    for i, k in enumerate(tail):
-                        _common.cp_async_stage_done(len(tail) - 1 - i)
-                        plgpu.barrier_arrive(full_up.at[c, (g0 + k) % stages])
+                if cp_async:  # publish the last stages - 2 steps
+                    _common.cp_async_publish_rest(num_k_task, full_of, [], stages)
 
             def issue_down(tile, cb, c, g0, ahead):
                 w_e = w2_ref.at[expert_ref[tile]]  # [n, d]

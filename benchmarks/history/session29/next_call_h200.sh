@@ -14,7 +14,15 @@ timeout 240 python3 benchmarks/timeline.py --plain --out $OUT/wide --shapes 7b-n
 # 2. 30b-n256, which call 6 lost to an OOM in the harness's dense bound (fixed: measured first).
 timeout 300 python3 benchmarks/forward.py --out $OUT/fwd --shapes 30b-n256 --skew '' \
   --up-sweep none --down-sweep none 2>&1 | grep "^|" | tail -4
-# 3. Issue 15: where the decode megakernel's producer spends each K step at T = 1 and 8 (its
+# 3. Issue 15. First the decode kernel after session 29's refactor: its cp.async publish is
+#    now `_common.cp_async_publish` / `_rest` (the same barrier index, g0 + (k - lag)
+#    instead of (g0 + k) - lag; otherwise the same jaxpr), so the GPU tests run first.
+G=tests/test_gpu_decode.py
+timeout 240 python3 -m pytest -p no:xdist -q -m gpu "$G::test_matches_xla[1-static]" \
+  "$G::test_matches_xla[128-dynamic]" "$G::test_matches_xla[8-unfused]" \
+  "$G::test_matches_xla[1-static_split4]" "$G::test_hundred_runs_no_hang_bitwise_equal[static]" \
+  2>&1 | tail -3
+#    Then where the decode megakernel's producer spends each K step at T = 1 and 8 (its
 #    named regions, new in session 29: post_wait, ids, empty_wait, weights, gather, publish,
 #    event_wait; consumers: task_wait, k_loop, epilogue, event_wait). The stream probe says a
 #    bare ring streams ~31 GB/s per SM at 16-KB steps, the megakernel ~13-18: the regions
