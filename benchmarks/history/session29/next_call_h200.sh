@@ -2,10 +2,11 @@
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # 1. Issue 16: the up-proj at the 7B shapes with wider experts is far below the 7B shape's
 #    0.81 (call 6, same-run dense bound): 7b-n512 0.67 (0.90x ragged_dot_mgpu), 7b-n1024 0.62
-#    (0.81x). `ForwardConfig.for_shape` gives every d <= 1536 the 64-row ping-pong, whose
-#    items re-gather their 64 rows for each of the n / 128 column blocks (8 times at n =
-#    1024 against 2 at n = 256). Candidates with 128-row items (half the re-gathers): the
-#    persistent split-M kernel (the H200's choice above d = 1536), fused or on W1's halves.
+#    (0.81x). `ForwardConfig.for_shape` gives every d <= 1536 the 64-row ping-pong; its items'
+#    bytes per FLOP do not depend on n, so the cause is open. Candidates with 128-row items
+#    (half the weight bytes per FLOP): the persistent split-M kernel (the H200's choice above
+#    d = 1536), fused or on W1's halves. If neither closes the gap, ncu_source.py on the
+#    default at 7b-n1024 against 7b.
 P=up_pingpong+block_m=128+num_stages=4
 timeout 240 python3 benchmarks/timeline.py --plain --out $OUT/wide --shapes 7b-n512,7b-n1024 \
   --kernels up,$P,$P+fused+interleaved 2>&1 | tee $OUT/wide.log | grep "^|"
