@@ -11,8 +11,9 @@ with a variant: `up_inference` (no
 H), `up_pingpong` / `up_coop` (the persistent ping-pong kernel,
 `UpProjConfig.pingpong_ctas`, the default for d <= 1536 / the cooperative kernel),
 `_nostore` / `_nomath` / `_noepilogue` / `_halfweights` / `_nomma` / `_nofeed` / `_storel2` /
-`_nowait` / `_lsuload` / `_lsuwrite` (`ablated`: timing only, wrong outputs), `_evictfirst` (`stores_evict_first`) or `_packedbf16` (`packed_bf16_conversions`,
-the same bits); for `dh`, `_untiled` / `_swizzled` /
+`_nowait` / `_lsuload` / `_lsuwrite` (`ablated`: timing only, wrong outputs), `_evictfirst`
+(`stores_evict_first`) or `_packedbf16` (`packed_bf16_conversions`, the same bits); for
+`dh`, `_untiled` / `_swizzled` /
 `_hcpasync` (its epilogue tiles untiled with H loaded by TMA, the session-21 default's
 predecessor; swizzled with H loaded by TMA; swizzled with H loaded by cp.async, the
 default: `DHConfig.epilogue_layout`, `h_loader`). Variants combine with `+`, e.g.

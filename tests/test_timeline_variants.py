@@ -41,7 +41,6 @@ def test_storel2_keeps_the_stores_and_folds_their_rows():
     assert len(none) < len(base) < len(folded)  # no stores; the same stores plus the fold
 
 
-
 def test_nowait_drops_the_read_only_waits():
     base = _lowered_up_proj()
     with timeline.ablated("nowait"):

@@ -1023,13 +1023,10 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         up = up + partial(part, 1)
                     finish_up(tile, cb, gate, up)
 
+                @jax.named_scope("epilogue")  # a region of the on-device profiler
                 def finish_up(tile, cb, gate, up):
                     """The SwiGLU epilogue: A (and H) of the tile's column block, stored;
                     then up_done[tile] (or the unfused stage counter)."""
-                    with jax.named_scope("epilogue"):
-                        _finish_up(tile, cb, gate, up)
-
-                def _finish_up(tile, cb, gate, up):
                     act, hg, hu = _common.swiglu_epilogue(gate, up, dtype, activation)
                     o_up[c, 0] = act
                     if write_h:
@@ -1064,10 +1061,11 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         return acc[...]
 
                     y = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))
-                    with jax.named_scope("epilogue"):
-                        store_down(tile, cb, y)
+                    store_down(tile, cb, y)
 
+                @jax.named_scope("epilogue")
                 def store_down(tile, cb, y):
+                    """Y of the tile's column block, stored; then its token blocks' events."""
                     o_dn[c] = y.astype(dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(

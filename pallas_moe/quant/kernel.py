@@ -357,10 +357,10 @@ def smoothquant_kernel(
                 # previous row; ahead = 0: this row's own), the expert id one further and
                 # the next output row, all issued before this row's reduction. (Session 29,
                 # H200: asking L1 for the scale row after this one as well,
-                # `prefetch.global.L1`, was 0.80-0.82x at every width, same bits.)
-                *smooth, ids, out_row = carry  # ids: the expert of entry j + ahead
-                smooth = (*smooth, smooth_row(ids[0]))  # entries j .. j + ahead
-                later = ((expert(j + ahead + 1),), rows_ref[jnp.minimum(j + 1, last)])
+                # `prefetch.global.L1`, was 0.83-0.86x at every width, same bits.)
+                *smooth, next_expert, out_row = carry
+                smooth = (*smooth, smooth_row(next_expert))  # entries j .. j + ahead
+                later = (expert(j + ahead + 1), rows_ref[jnp.minimum(j + 1, last)])
                 y = xf * smooth[0]  # [1, d]
                 amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
                 scale, inv = row_scale(amax, out_dtype, rcp)
@@ -371,8 +371,7 @@ def smoothquant_kernel(
                 return (*smooth[1:], *later)
 
             first = (*(smooth_row(expert(start + i)) for i in range(ahead)),
-                     (expert(start + ahead),),
-                     rows_ref[start])
+                     expert(start + ahead), rows_ref[start])
             jax.lax.fori_loop(start, stop, row, first)
 
         def plain_rows(xt, start, stop, first_row):
