@@ -44,6 +44,12 @@ def test_mosaic_matches_xla_at_d_2048():
     _check_mosaic_matches_xla("topk", 3, None, (4096, 2048, 768, 16))
 
 
+def test_mosaic_matches_xla_with_wide_experts_at_d_1536():
+    """The defaults at the ping-pong's widths with wide experts (on an H200, from n =
+    SPLIT_M_UP_MIN_N on, the persistent split-M up-proj; elsewhere the ping-pong)."""
+    _check_mosaic_matches_xla("topk", 4, None, (4096, 1536, 1024, 8))
+
+
 def _check_mosaic_matches_xla(router, seed, config, dims):
     """Forward and gradients of `backend="mosaic"` against `xla` on fresh random data,
     then a bitwise repeat. dims: (T, d, n, E)."""

@@ -144,11 +144,15 @@ def test_pingpong_up_proj_completion_follows_the_device(kind, completion):
 @pytest.mark.parametrize("kind, d, n, split_m", [
     ("NVIDIA H200", 2048, 768, True), ("NVIDIA H200", 4096, 512, True),
     ("NVIDIA H200", 2880, 1408, True), ("NVIDIA H200", 7168, 2048, False),
+    ("NVIDIA H200", 1536, 512, True), ("NVIDIA H200", 1536, 1024, True),
+    ("NVIDIA H200", 1536, 256, False), ("NVIDIA H100 80GB HBM3", 1536, 1024, False),
     ("NVIDIA H100 80GB HBM3", 4096, 512, False), ("", 2048, 768, False)])
 def test_split_m_up_proj_follows_the_device_and_width(kind, d, n, split_m):
     """Above the ping-pong's widths an H200 runs the persistent split-M up-proj (measured
-    there at d = 2048, 2880 and 4096) up to SPLIT_M_UP_MAX_D; the H100 (not measured) and wider
-    models keep the cooperative kernel. The H200's form lowers for cuda at its widths."""
+    there at d = 2048, 2880 and 4096) up to SPLIT_M_UP_MAX_D, and at the ping-pong's widths
+    too once experts are wide (n >= SPLIT_M_UP_MIN_N, measured at d = 1536, n = 512 and 1024);
+    the H100 (not measured) and wider models keep their kernels. The H200's form lowers for
+    cuda at its widths."""
     up = ForwardConfig.for_shape(d, n, device_kind=kind).up
     assert (up.block_m == 128 and up.pingpong_ctas > 0) == split_m, up
     if split_m:

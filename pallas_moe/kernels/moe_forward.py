@@ -44,6 +44,9 @@ PINGPONG_UP_MAX_D = 1536
 # The widest d at which an H200 runs the persistent split-M up-proj above PINGPONG_UP_MAX_D
 # (measured at d = 2048, 2880 and 4096; see `ForwardConfig.for_shape`).
 SPLIT_M_UP_MAX_D = 4096
+# The narrowest expert width n at which an H200 runs the split-M up-proj at d <=
+# PINGPONG_UP_MAX_D too (measured at n = 512 and 1024; see `ForwardConfig.for_shape`).
+SPLIT_M_UP_MIN_N = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +96,28 @@ class ForwardConfig:
         # Measured on H100 (benchmarks/RESULTS.md, benchmarks/history/): the warp-specialized
         # up-proj with two consumers sharing each gathered stage is fastest, and the
         # persistent down-proj (132 CTAs) beats one CTA per tile.
-        if n % 128 == 0 and d <= PINGPONG_UP_MAX_D:
+        h200 = "H200" in device_kind
+        split_m = h200 and n % 128 == 0 and d <= SPLIT_M_UP_MAX_D and (
+            d > PINGPONG_UP_MAX_D or n >= SPLIT_M_UP_MIN_N)
+        if split_m:
+            # Measured on an H200 (session 24, same runs, bitwise equal): persistent CTAs
+            # walking 128-row items, both consumers taking every item with 64 rows each
+            # (split-M: each weight tile feeds 128 rows, and the ring streams across items
+            # instead of draining and refilling once per CTA), on W1's halves, against the
+            # cooperative kernel below: 30B 3899.0 -> 3528.3 us (1.105x), the Qwen3 widths
+            # (d = 2048, n = 768) 1634.4 -> 1468.0 (1.113x), d = 2880 (n = 1408, where the
+            # cooperative kernel has one consumer) 1144.1 -> 902.1 (1.268x). Level at 7B
+            # (569.4 vs the ping-pong's 569.3), so the ping-pong stays there. Not yet
+            # measured on an H100, which keeps the cooperative kernel (and the ping-pong).
+            # Below PINGPONG_UP_MAX_D, from n = SPLIT_M_UP_MIN_N on (session 30, same run):
+            # at d = 1536 the ping-pong's 64-row items fall behind with wide experts
+            # (7b-n512 587.3 us, 7b-n1024 637.1; 7B itself 521.7) and split-M does not
+            # (527.6, 528.0; 534.4 at 7B). The items' bytes per FLOP do not depend on n, but
+            # the L2 served 1.36x more read sectors at n = 1024 for the same bytes delivered
+            # to the SMs (ncu: 167 M vs 123 M; its output port 81% busy), so halving the
+            # weight bytes per FLOP (128-row items) pays there.
+            up = split_m_up_config(num_sms)
+        elif n % 128 == 0 and d <= PINGPONG_UP_MAX_D:
             # Measured on the H100 (session 20, same run, bitwise equal): the ping-pong
             # up-proj (two consumers taking alternate 64-row items, 5 stages, one-tile
             # epilogue buffers) against the cooperative kernel: 610 vs 676 us at 7B (d =
@@ -106,19 +130,7 @@ class ForwardConfig:
             # groups. On the H100 (session 20, same run) they lost, 610.1 -> 638.7 us.
             up = UpProjConfig(block_n=128, num_stages=5, num_consumers=2,
                               pingpong_ctas=num_sms, epilogue_tiles=1,
-                              gather_completion="mbarrier" if "H200" in device_kind
-                              else "wait_group")
-        elif "H200" in device_kind and n % 128 == 0 and d <= SPLIT_M_UP_MAX_D:
-            # Measured on an H200 (session 24, same runs, bitwise equal): persistent CTAs
-            # walking 128-row items, both consumers taking every item with 64 rows each
-            # (split-M: each weight tile feeds 128 rows, and the ring streams across items
-            # instead of draining and refilling once per CTA), on W1's halves, against the
-            # cooperative kernel below: 30B 3899.0 -> 3528.3 us (1.105x), the Qwen3 widths
-            # (d = 2048, n = 768) 1634.4 -> 1468.0 (1.113x), d = 2880 (n = 1408, where the
-            # cooperative kernel has one consumer) 1144.1 -> 902.1 (1.268x). Level at 7B
-            # (569.4 vs the ping-pong's 569.3), so the ping-pong stays there. Not yet
-            # measured on an H100, which keeps the cooperative kernel.
-            up = split_m_up_config(num_sms)
+                              gather_completion="mbarrier" if h200 else "wait_group")
         elif n % 256 == 0:
             up = UpProjConfig(block_n=128, num_stages=3, num_consumers=2)
         elif n % 128 == 0:
@@ -152,7 +164,7 @@ class ForwardConfig:
 # The ping-pong grouped GEMM the down-proj (and dX~ with a short K loop) runs by default.
 def split_m_up_config(num_sms: int) -> UpProjConfig:
     """The persistent split-M up-proj (`UpProjConfig.pingpong_ctas` with block_m = 128) as
-    an H200 runs it above `PINGPONG_UP_MAX_D`: `num_sms` CTAs, 4 stages on mbarriers,
+    an H200 runs it above `PINGPONG_UP_MAX_D`, and from `SPLIT_M_UP_MIN_N` on below it: `num_sms` CTAs, 4 stages on mbarriers,
     one-tile epilogue buffers, W1's halves (two N = 128 wgmmas per consumer and step)."""
     return UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
                         pingpong_ctas=num_sms, epilogue_tiles=1, gather_completion="mbarrier")
