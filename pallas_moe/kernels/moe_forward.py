@@ -115,7 +115,12 @@ class ForwardConfig:
             # (527.6, 528.0; 534.4 at 7B). The items' bytes per FLOP do not depend on n, but
             # the L2 served 1.36x more read sectors at n = 1024 for the same bytes delivered
             # to the SMs (ncu: 167 M vs 123 M; its output port 81% busy), so halving the
-            # weight bytes per FLOP (128-row items) pays there.
+            # weight bytes per FLOP (128-row items) pays there. Inside the whole training
+            # step (calls 4 and 6, both variant orders) the step stays level or gains
+            # (7b-n512 2.935 -> 2.912 and 2.924 -> 2.902 ms, 7b-n1024 2.850 -> 2.775 and
+            # 2.848 -> 2.762), although there the split-M kernel itself measured slower at
+            # n = 512 (0.59 vs 0.54 ms; level at 1024): why the step's context reverses
+            # the kernels' order at n = 512 is open (benchmarks/NOTES.md, session 30).
             up = split_m_up_config(num_sms)
         elif n % 128 == 0 and d <= PINGPONG_UP_MAX_D:
             # Measured on the H100 (session 20, same run, bitwise equal): the ping-pong
