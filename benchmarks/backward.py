@@ -50,6 +50,8 @@ from pallas_moe.routing.topk import topk_plan
 SHAPES = {
     "7b": (24576, 1536, 256, 128, 8),
     "30b": (32768, 4096, 512, 128, 8),
+    "7b-n512": (24576, 1536, 512, 64, 4),  # the 7B FLOPs with wider experts
+    "7b-n1024": (24576, 1536, 1024, 32, 2),
     "7b-skew": (24576, 1536, 256, 128, 8),  # a quarter of the experts strongly preferred
     "30b-skew": (32768, 4096, 512, 128, 8),
     "smoke": (40, 128, 128, 4, 2),
