@@ -242,6 +242,10 @@ def main(argv=None) -> int:
                         help="ragged dispatch receive buffer, x T_l*K rows (default: exact worst case)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tol", type=float, default=2e-2)
+    parser.add_argument("--check-routings", default="topk,token_rounding", dest="check_routings",
+                        help="routings of the correctness checks (to split the run over calls)")
+    parser.add_argument("--scaling", default="strong,weak",
+                        help="timing runs to do: strong, weak or both (to split the run over calls)")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--out", default=None, help="markdown table path (default benchmarks/results/ep_<device>.md)")
@@ -250,6 +254,12 @@ def main(argv=None) -> int:
     ep_sizes = [int(v) for v in args.ep.split(",") if v]
     dispatches = [v for v in args.dispatch.split(",") if v]
     overlaps = [v for v in args.overlap.split(",") if v]
+    check_routings = [v for v in args.check_routings.split(",") if v]
+    scalings = [v for v in args.scaling.split(",") if v]
+    for name, values, allowed in (("--check-routings", check_routings, ("topk", "token_rounding")),
+                                  ("--scaling", scalings, ("strong", "weak"))):
+        if not values or any(v not in allowed for v in values):
+            parser.error(f"{name} takes a comma-separated subset of {allowed}, got {values}")
     device = jax.devices()[0]
     print(f"devices: {len(jax.devices())} x {device.device_kind}; backend={args.backend}", flush=True)
     if max(ep_sizes) > len(jax.devices()):
@@ -263,12 +273,12 @@ def main(argv=None) -> int:
         runs = [
             (ep_size, dispatch, overlap, routing, skew, args.backend, False)
             for ep_size in ep_sizes for dispatch, overlap in modes(dispatches, overlaps)
-            for routing in ("topk", "token_rounding") for skew in (False, True)
+            for routing in check_routings for skew in (False, True)
         ]
         # The vma type check, on the xla backend (see the docstring), largest EP, skewed.
         runs += [
             (max(ep_sizes), dispatch, overlap, routing, True, "xla", True)
-            for dispatch, overlap in modes(dispatches, overlaps) for routing in ("topk", "token_rounding")
+            for dispatch, overlap in modes(dispatches, overlaps) for routing in check_routings
         ]
         for ep_size, dispatch, overlap, routing, skew, backend, vma in runs:
             try:
@@ -284,10 +294,12 @@ def main(argv=None) -> int:
     rows = []
     if not args.skip_bench:
         strong = Shape.parse(args.shape)
-        configs = [("strong", strong, 1, None, "none")] + [
-            ("strong", strong, e, d, o) for e in ep_sizes for d, o in modes(dispatches, overlaps)
-        ]
-        if args.weak_tokens:
+        configs = []
+        if "strong" in scalings:
+            configs += [("strong", strong, 1, None, "none")] + [
+                ("strong", strong, e, d, o) for e in ep_sizes for d, o in modes(dispatches, overlaps)
+            ]
+        if args.weak_tokens and "weak" in scalings:
             for e in [1] + ep_sizes:
                 weak = dataclasses.replace(strong, T=args.weak_tokens * e)
                 configs += [("weak", weak, 1, None, "none")] if e == 1 else [
