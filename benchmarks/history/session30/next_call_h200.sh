@@ -11,5 +11,17 @@ timeout 300 python3 benchmarks/history/session30/up_context.py 7b,7b-n512,7b-n10
 # 2. (Not needed: in the step at the wide shapes (calls 4 and 6) dH takes 0.46-0.48 ms, dW1
 #    0.59-0.61, dX~ 0.45-0.51, no worse than at 7B (0.48, 0.63, 0.53 in session 28's step):
 #    only the up-proj lost there. `backward.py --shapes 7b-n512,7b-n1024` runs them alone.)
-# 3. history/session29/next_call_h200.sh item 4 (decode regions) ran in session 30 call 2;
-#    the decode ideas not built are in benchmarks/NOTES.md (session 29).
+# 3. Issue 15: the decode megakernel's new `gather_completion="mbarrier"` (session 30, CPU
+#    only: lowering tests, default jaxprs unchanged). GPU checks first (against xla, bitwise
+#    the default completion, 100 runs), then the same-run A/B. Prediction: T = 1 and 8 gain
+#    what the producer's `publish` tail costs (timeline call 2: p90 0.9 us per step, ~7 of
+#    ~34 us per CTA profiled), i.e. 5-15% at T = 1, less at larger T; if level, the wait
+#    was not on the critical path (the consumers' full waits are weights, not rows).
+G=tests/test_gpu_decode.py
+timeout 300 python3 -m pytest -p no:xdist -q -m gpu "$G::test_matches_xla[1-static_mbarrier]" \
+  "$G::test_matches_xla[128-dynamic_mbarrier]" "$G::test_matches_xla[8-unfused_split4_mbarrier]" \
+  "$G::test_mbarrier_completion_is_bitwise_the_lagged_publish" \
+  "$G::test_hundred_runs_no_hang_bitwise_equal[static_mbarrier]" 2>&1 | tee $OUT/dec_tests.log | tail -3
+timeout 250 python3 benchmarks/decode.py --out /tmp/dec --tokens 1,8,64,128,1024 \
+  --variants kernels,static,static_mbarrier,dynamic,dynamic_mbarrier > $OUT/decode.log 2>&1
+cp /tmp/dec/decode_RESULTS.md $OUT/; grep "^|" $OUT/decode_RESULTS.md
