@@ -876,11 +876,11 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     _common.cp_async_publish_rest(num_k_task, full_of, landed, stages)
 
             def complete_slot_phase(g):
-                """Ring step g, a down step, loads no cp.async rows, but with per-slot mbarriers it still
-                completes one phase of its slot's (every thread's arrival fires once its
-                earlier loads landed), so that a slot's phase parity is its ring uses mod 2
-                and consumers wait on every use (none can release a slot before its phase
-                completed, so no arrival is counted into the wrong phase)."""
+                """Ring step g, a down step, loads no cp.async rows, but with per-slot
+                mbarriers it still completes one phase of its slot's (every thread's
+                arrival fires once its earlier loads landed), so that a slot's phase parity
+                is its ring uses mod 2; consumers wait on every use, so none releases a slot
+                before its phase completed and no arrival counts into the wrong phase."""
                 if landed:
                     _common.cp_async_stage_arrive(landed[0].at[g % stages])
 

@@ -169,8 +169,9 @@ class ForwardConfig:
 # The ping-pong grouped GEMM the down-proj (and dX~ with a short K loop) runs by default.
 def split_m_up_config(num_sms: int) -> UpProjConfig:
     """The persistent split-M up-proj (`UpProjConfig.pingpong_ctas` with block_m = 128) as
-    an H200 runs it above `PINGPONG_UP_MAX_D`, and from `SPLIT_M_UP_MIN_N` on below it: `num_sms` CTAs, 4 stages on mbarriers,
-    one-tile epilogue buffers, W1's halves (two N = 128 wgmmas per consumer and step)."""
+    an H200 runs it above `PINGPONG_UP_MAX_D`, and below it from `SPLIT_M_UP_MIN_N` on:
+    `num_sms` CTAs, 4 stages on mbarriers, one-tile epilogue buffers, W1's halves (two
+    N = 128 wgmmas per consumer and step)."""
     return UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
                         pingpong_ctas=num_sms, epilogue_tiles=1, gather_completion="mbarrier")
 
