@@ -25,3 +25,17 @@ timeout 300 python3 -m pytest -p no:xdist -q -m gpu "$G::test_matches_xla[1-stat
 timeout 250 python3 benchmarks/decode.py --out /tmp/dec --tokens 1,8,64,128,1024 \
   --variants kernels,static,static_mbarrier,dynamic,dynamic_mbarrier > $OUT/decode.log 2>&1
 cp /tmp/dec/decode_RESULTS.md $OUT/; grep "^|" $OUT/decode_RESULTS.md
+# 4. Issue 9: does dW1 (the weakest backward kernel, 0.74 / 0.68 of its bound at 7B / 30B)
+#    lose L2 work the way the wide-expert up-proj did? Raw metrics of the H200 default at 7B
+#    and 30B against the up-proj at 7B (1.58 delivered sectors per served L2 read sector),
+#    summed by benchmarks/ncu_l2.py.
+for s in 7b 30b; do
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 ncu --clock-control none --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Chart \
+    --section MemoryWorkloadAnalysis_Tables --kernel-name regex:moe_weight_grad_lhs \
+    --launch-skip 1 --launch-count 1 -o /tmp/dw1_$s \
+    python3 benchmarks/history/session25/wg_run.py $s > $OUT/ncu_dw1_$s.log 2>&1
+  ncu -i /tmp/dw1_$s.ncu-rep --page raw --csv 2>/dev/null | gzip > $OUT/raw_dw1_$s.csv.gz
+done
+python3 benchmarks/ncu_l2.py $OUT/raw_dw1_7b.csv.gz $OUT/raw_dw1_30b.csv.gz \
+  benchmarks/history/session30/call2/raw_7b.csv.gz --names dW1-7b,dW1-30b,up-7b
