@@ -39,3 +39,10 @@ for s in 7b 30b; do
 done
 python3 benchmarks/ncu_l2.py $OUT/raw_dw1_7b.csv.gz $OUT/raw_dw1_30b.csv.gz \
   benchmarks/history/session30/call2/raw_7b.csv.gz --names dW1-7b,dW1-30b,up-7b
+# 5. Issue 13: SmoothQuant's row maximum with one warpgroup barrier instead of two
+#    (`SmoothQuantConfig(row_reduction="one_barrier")`, session 30, CPU only). GPU test (every
+#    row bit for bit against numpy), then quant.py's CONFIGS A/B (default first) at 7B / 30B.
+timeout 200 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant.py \
+  -k "test_mosaic_kernel_matches_numpy_on_gpu and one_barrier" 2>&1 | tee $OUT/quant_tests.log | tail -2
+timeout 300 python3 benchmarks/quant.py --out /tmp/q --shapes 7b,30b --token-rounding '' \
+  > $OUT/quant.log 2>&1; grep "csr\|one_barrier\|^|" $OUT/quant.log | tail -30
