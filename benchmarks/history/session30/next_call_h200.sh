@@ -37,8 +37,18 @@ for s in 7b 30b; do
     python3 benchmarks/history/session25/wg_run.py $s > $OUT/ncu_dw1_$s.log 2>&1
   ncu -i /tmp/dw1_$s.ncu-rep --page raw --csv 2>/dev/null | gzip > $OUT/raw_dw1_$s.csv.gz
 done
+#    And the 30B up-proj (split-M, 0.79 of its bound): is its read sharing as good as the
+#    7B ping-pong's 1.58? If far lower, the item walk (which CTAs read the same weight
+#    tile or rows at the same time) is the next lever for issue 16's 0.85.
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 ncu --clock-control none --section SpeedOfLight \
+  --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Chart \
+  --section MemoryWorkloadAnalysis_Tables --kernel-name regex:moe_up_proj --launch-skip 1 \
+  --launch-count 1 -o /tmp/up30 python3 benchmarks/timeline.py --run-only --out /tmp/tr \
+  --shapes 30b --kernels up > $OUT/ncu_up30.log 2>&1
+ncu -i /tmp/up30.ncu-rep --page raw --csv 2>/dev/null | gzip > $OUT/raw_up_30b.csv.gz
 python3 benchmarks/ncu_l2.py $OUT/raw_dw1_7b.csv.gz $OUT/raw_dw1_30b.csv.gz \
-  benchmarks/history/session30/call2/raw_7b.csv.gz --names dW1-7b,dW1-30b,up-7b
+  benchmarks/history/session30/call2/raw_7b.csv.gz $OUT/raw_up_30b.csv.gz \
+  --names dW1-7b,dW1-30b,up-7b,up-30b
 # 5. Issue 13: SmoothQuant's row maximum with one warpgroup barrier instead of two
 #    (`SmoothQuantConfig(row_reduction="one_barrier")`, session 30, CPU only). GPU test (every
 #    row bit for bit against numpy), then quant.py's CONFIGS A/B (default first) at 7B / 30B.
