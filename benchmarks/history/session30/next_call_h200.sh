@@ -1,5 +1,9 @@
-# Planned for the next H200 session (session 30 left 323 s of device time, too few to start).
+# Planned for the next H200 session (session 30 spent its device time). Four calls of
+# <= 10 min and <= 8 files each: `bash next_call_h200.sh A` (items 1 and 3's tests), `B`
+# (3's A/B and 5's tests), `C` (4), `D` (5's A/B). Each part tees its logs under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+part=${1:-A}
+if [ "$part" = A ]; then
 # 1. Issue 16 / 9: why the step reverses the up-proj kernels' order at 7b-n512 (inside the
 #    step split-M 0.59 ms vs ping-pong 0.54; alone 0.52 vs 0.59). Each kernel alone, right
 #    after the router GEMM (X just read, as in the step), and after a 256-MB pass (X out of
@@ -22,9 +26,13 @@ timeout 300 python3 -m pytest -p no:xdist -q -m gpu "$G::test_matches_xla[1-stat
   "$G::test_matches_xla[128-dynamic_mbarrier]" "$G::test_matches_xla[8-unfused_split4_mbarrier]" \
   "$G::test_mbarrier_completion_is_bitwise_the_lagged_publish" \
   "$G::test_hundred_runs_no_hang_bitwise_equal[static_mbarrier]" 2>&1 | tee $OUT/dec_tests.log | tail -3
+fi
+if [ "$part" = B ]; then
 timeout 250 python3 benchmarks/decode.py --out /tmp/dec --tokens 1,8,64,128,1024 \
   --variants kernels,static,static_mbarrier,dynamic,dynamic_mbarrier > $OUT/decode.log 2>&1
 cp /tmp/dec/decode_RESULTS.md $OUT/; grep "^|" $OUT/decode_RESULTS.md
+fi
+if [ "$part" = C ]; then
 # 4. Issue 9: does dW1 (the weakest backward kernel, 0.74 / 0.68 of its bound at 7B / 30B)
 #    lose L2 work the way the wide-expert up-proj did? Raw metrics of the H200 default at 7B
 #    and 30B against the up-proj at 7B (1.58 delivered sectors per served L2 read sector),
@@ -49,10 +57,15 @@ ncu -i /tmp/up30.ncu-rep --page raw --csv 2>/dev/null | gzip > $OUT/raw_up_30b.c
 python3 benchmarks/ncu_l2.py $OUT/raw_dw1_7b.csv.gz $OUT/raw_dw1_30b.csv.gz \
   benchmarks/history/session30/call2/raw_7b.csv.gz $OUT/raw_up_30b.csv.gz \
   --names dW1-7b,dW1-30b,up-7b,up-30b
+fi
+if [ "$part" = B ]; then
 # 5. Issue 13: SmoothQuant's row maximum with one warpgroup barrier instead of two
 #    (`SmoothQuantConfig(row_reduction="one_barrier")`, session 30, CPU only). GPU test (every
 #    row bit for bit against numpy), then quant.py's CONFIGS A/B (default first) at 7B / 30B.
 timeout 200 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant.py \
   -k "test_mosaic_kernel_matches_numpy_on_gpu and one_barrier" 2>&1 | tee $OUT/quant_tests.log | tail -2
+fi
+if [ "$part" = D ]; then
 timeout 300 python3 benchmarks/quant.py --out /tmp/q --shapes 7b,30b --token-rounding '' \
   > $OUT/quant.log 2>&1; grep "csr\|one_barrier\|^|" $OUT/quant.log | tail -30
+fi
