@@ -823,6 +823,9 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 def full_of(k):  # the barrier the task's step k completes on
                     return full_up.at[c, (g0 + k) % stages]
 
+                # With per-slot mbarriers: the one its rows complete (`complete_slot_phase`).
+                landed_of = [lambda k: landed[0].at[(g0 + k) % stages]] if landed else []
+
                 def step(k, carry):
                     g = g0 + k
                     slot = g % stages
@@ -855,10 +858,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         # Step k - (stages - 2), once its rows landed, or (per-slot
                         # mbarriers) this step when they land (`_common.cp_async_publish`).
                         with jax.named_scope("publish"):
-                            if landed:
-                                _common.cp_async_stage_arrive(landed[0].at[slot])
-                            else:
-                                _common.cp_async_publish(k, full_of, [], stages)
+                            _common.cp_async_publish(k, full_of, landed_of, stages)
                     else:
                         rows_per_warp = bm // 4
 
@@ -873,7 +873,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                 jax.lax.fori_loop(0, num_k_task, step, None)
                 if cp_async:  # publish the last stages - 2 steps (lagged publish only)
-                    _common.cp_async_publish_rest(num_k_task, full_of, landed, stages)
+                    _common.cp_async_publish_rest(num_k_task, full_of, landed_of, stages)
 
             def complete_slot_phase(g):
                 """Ring step g, a down step, loads no cp.async rows, but with per-slot
