@@ -379,21 +379,6 @@ def test_scale_rows_ahead_and_cvt_rounding_lower_for_cuda(d):
         SmoothQuantConfig(int8_rounding="rne")
 
 
-@pytest.mark.parametrize("d", [1536, 7168])
-def test_one_barrier_row_reduction_lowers_for_cuda(d):
-    """`SmoothQuantConfig.row_reduction="one_barrier"` (its inline code runs at lowering) at
-    the 7B and widest production widths, both output dtypes, with a scale row ahead once; a
-    bad name is refused."""
-    from tests.cuda_target import h100_target
-
-    with h100_target():
-        for out_dtype, ahead in ((INT8, 0), (E4M3, 1)):
-            _lower_smoothquant(32768, 128, 8, d, out_dtype, SmoothQuantConfig(
-                row_reduction="one_barrier", scale_rows_ahead=ahead))
-    with pytest.raises(ValueError, match="config.row_reduction must be one of"):
-        SmoothQuantConfig(row_reduction="two_barriers")
-
-
 def _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype, config=None):
     sds = jax.ShapeDtypeStruct
     x_dtype = jnp.float16 if d == 4096 else jnp.bfloat16  # fp16 input once
@@ -549,9 +534,8 @@ def test_kernel_without_smooth_scales_on_gpu():
     SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"),
     SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2),
     SmoothQuantConfig(scale_rows_ahead=1), SmoothQuantConfig(block_t=2),
-    SmoothQuantConfig(row_reduction="one_barrier"),
-    SmoothQuantConfig(block_t=2, scale_rows_ahead=1, row_reduction="one_barrier")],
-    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "one_barrier", "one_barrier_bt2_ahead1"])
+    SmoothQuantConfig(vec=8)],
+    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "vec8"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
     # Token rounding (padding rows) at a production width; every row, bit for bit. The

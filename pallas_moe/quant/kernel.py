@@ -40,8 +40,9 @@ from pallas_moe.quant.reference import (
 )
 
 _WG = 128  # threads in a warpgroup
-_VECS = (8, 4, 2, 1)
-ROW_REDUCTIONS = ("mosaic", "one_barrier")  # `SmoothQuantConfig.row_reduction`
+# The default's choices of `vec`, best first. 8 (16-byte loads) is taken only when asked:
+# at d = 4096 it was 0.94-0.95x of 4 (H200, session 31, same bits); see `docs/quant.md`.
+_VECS = (4, 2, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +52,9 @@ class SmoothQuantConfig:
     Attributes:
       block_t: tokens per CTA (walked one after another).
       block_pad: padding rows zeroed per CTA of the padding part of the grid.
-      vec: elements each thread loads per access (8 -> 16-byte bf16 loads); `d` must be a
-        multiple of `128 * vec`. None picks the largest of 8, 4, 2, 1 that divides.
+      vec: elements each thread loads per access (4 -> 8-byte bf16 loads, 8 -> 16-byte);
+        `d` must be a multiple of `128 * vec`. None picks the largest of 4, 2, 1 that
+        divides (8 was slower where both fit; `_VECS`).
       scale_rows_ahead: with smooth scales, how many rows ahead of the one being quantized
         the smooth-scale rows are loaded (each costs `d / 128` registers per thread; the
         expert id one row further is loaded with them, so no scale load waits on its id);
@@ -64,12 +66,6 @@ class SmoothQuantConfig:
         same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
         full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
         "cvt" (`cvt.rni.sat.s8.f32`, the quarter-rate conversion pipe).
-      row_reduction: how compiled kernels reduce a smoothed row's `max|Y|` across the
-        warpgroup: "mosaic" (default: Mosaic GPU's reduction, whose cross-warp step stores,
-        waits on a warpgroup barrier, loads and waits on a second one, per row) or
-        "one_barrier" (`_row_absmax_one_barrier`: the warps' maxima go to one of two SMEM
-        slots by row parity, so one barrier per row suffices). Max is exact, so both give
-        the same bits. Interpret mode always runs "mosaic". Session 30; not yet measured.
     """
 
     block_t: int = 1
@@ -77,16 +73,11 @@ class SmoothQuantConfig:
     vec: int | None = None
     scale_rows_ahead: int = 0
     int8_rounding: str = "fadd"
-    row_reduction: str = "mosaic"
 
     def __post_init__(self):
         if self.int8_rounding not in ("cvt", "fadd"):
             raise ValueError(
                 f'config.int8_rounding must be "cvt" or "fadd", got {self.int8_rounding!r}.'
-            )
-        if self.row_reduction not in ROW_REDUCTIONS:
-            raise ValueError(
-                f"config.row_reduction must be one of {ROW_REDUCTIONS}, got {self.row_reduction!r}."
             )
         if self.scale_rows_ahead < 0:
             raise ValueError(
@@ -160,63 +151,6 @@ def _row_layout(vec: int):
 
     return plgpu.Layout.TILED(Tiling(((1, _WG * vec), (32 * vec,), (vec,))),
                               warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1)
-
-
-def _row_absmax_one_barrier(a: jax.Array, slot, row_layout) -> jax.Array:
-    """f32 [1]: the maximum of a row `a` [1, d] (f32 |Y| in `row_layout`) across the
-    warpgroup, in `row_layout.reduce(1)` as `jnp.max(a, axis=1)` gives it, with one
-    warpgroup barrier instead of Mosaic GPU's two.
-
-    Each thread takes the max of its registers, each warp of its lanes (butterfly
-    shuffles), lane 0 of each warp stores the warp's max into `slot` (an f32 [4] SMEM ref),
-    one barrier, then every thread loads the 4 maxima. Callers alternate between two slots
-    by row parity: a thread can store into a slot again only two rows later, after passing
-    the next row's barrier, which no thread reaches before it has loaded this row's maxima,
-    so no second barrier is needed to protect the loads. `max.NaN.f32` throughout, the
-    instruction Mosaic GPU's own max reduction uses, so the result has the same bits."""
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref, vector
-
-    reduced = row_layout.reduce(1)
-
-    @plgpu.inline_mgpu(
-        arg_types=(row_layout, plgpu.RefType()),
-        return_type=plgpu.ShapeDtypeStruct((1,), jnp.float32, layout=reduced),
-    )
-    def absmax(ctx, values, slot_ref):
-        del ctx
-        utils = mgpu.utils
-        f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
-
-        def fmax(x, y):
-            return llvm.inline_asm(f32, [x, y], "max.NaN.f32 $0, $1, $2;", "=f,f,f",
-                                   has_side_effects=False)
-
-        acc = None  # this thread's max over its registers
-        for reg in values.registers.flat:
-            for i in range(ir.VectorType(reg.type).shape[0]):
-                e = vector.extract(reg, dynamic_position=[],
-                                   static_position=ir.DenseI64ArrayAttr.get([i]))
-                acc = e if acc is None else fmax(acc, e)
-        for distance in (16, 8, 4, 2, 1):  # the warp's max, in every lane
-            acc = fmax(acc, utils.shfl_bfly(acc, distance))
-        lane = arith.remui(utils.thread_idx(), utils.c(32, i32))
-        warp = arith.index_cast(index, utils.warp_idx(sync=False))
-        with utils.when(arith.cmpi(arith.CmpIPredicate.eq, lane, utils.c(0, i32))):
-            memref.store(acc, slot_ref, [warp])
-        utils.warpgroup_barrier()
-        row_max = None
-        for w in range(4):
-            part = memref.load(slot_ref, [arith.constant(index, w)])
-            row_max = part if row_max is None else fmax(row_max, part)
-        out_layout = values.layout.reduce((1,))
-        registers = np.empty(out_layout.registers_shape((1,)), dtype=object)
-        for idx in np.ndindex(registers.shape):
-            registers[idx] = vector.broadcast(ir.VectorType.get((1,), f32), row_max)
-        return mgpu.FragmentedArray(_registers=registers, _layout=out_layout, _is_signed=None)
-
-    return absmax(a, slot)
 
 
 def _store_gmem(ref, value, layout, interpret: bool) -> None:
@@ -359,7 +293,6 @@ def smoothquant_kernel(
     token_ctas = pl.cdiv(num_tokens, bt)
     pad_ctas = 0 if num_rows is None else pl.cdiv(num_out_rows, bp)
     num_entries = out_rows.shape[0]
-    one_barrier = smoothed and not interpret and config.row_reduction == "one_barrier"
     if num_entries < 1:
         raise ValueError("out_rows must hold at least one CSR entry (pad it; entries past "
                          "row_offsets[T] are never read).")
@@ -369,7 +302,6 @@ def smoothquant_kernel(
         off_ref, rows_ref, exp_ref = refs[:3]
         nr_ref = None if num_rows is None else refs[3]
         x_ref, *rest = refs[3 if num_rows is None else 4:]
-        max_slots = rest.pop() if one_barrier else None  # f32 [2, 4]: warp maxima by row parity
         sm_ref, q_ref, s_ref = rest if smoothed else (None, *rest)
         cta = jax.lax.axis_index("cta")
 
@@ -433,10 +365,7 @@ def smoothquant_kernel(
                 smooth = (*smooth, smooth_row(next_expert))  # entries j .. j + ahead
                 later = (expert(j + ahead + 1), rows_ref[jnp.minimum(j + 1, last)])
                 y = xf * smooth[0]  # [1, d]
-                if one_barrier:  # the same value, one warpgroup barrier instead of two
-                    amax = _row_absmax_one_barrier(jnp.abs(y), max_slots.at[j % 2], row_layout)
-                else:
-                    amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
+                amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
                 scale, inv = row_scale(amax, out_dtype, rcp)
                 inv = plgpu.layout_cast(jax.lax.broadcast_in_dim(inv, y.shape, (0,)), row_layout)
                 q = scaled(y, inv, row_layout)
@@ -507,7 +436,6 @@ def smoothquant_kernel(
             jax.ShapeDtypeStruct((num_out_rows, d), out_dtype),
             jax.ShapeDtypeStruct((num_out_rows,), jnp.float32),
         ),
-        scratch_types=(plgpu.SMEM((2, 4), jnp.float32),) if one_barrier else (),
         grid=(token_ctas + pad_ctas,),
         grid_names=("cta",),
         kernel_name="moe_smoothquant_csr",
