@@ -84,11 +84,6 @@ MEGA_VARIANTS = {
     "static_split2": dict(up_split_k=2),
     "static_split4": dict(up_split_k=4),
     "dynamic_split4": dict(scheduler="dynamic", up_split_k=4),
-    # The gathered rows completed by per-slot mbarriers instead of the producer's lagged
-    # wait (session 30; `DecodeConfig.gather_completion`).
-    "static_mbarrier": dict(gather_completion="mbarrier"),
-    "dynamic_mbarrier": dict(scheduler="dynamic", gather_completion="mbarrier"),
-    "static_ahead_mbarrier": dict(lookahead_steps=16, gather_completion="mbarrier"),
 }
 VARIANTS = ("kernels", "kernels_inf", "auto", *MEGA_VARIANTS)
 DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused", "static_ahead", "dynamic_ahead")

@@ -74,6 +74,8 @@ CONFIGS = [
     SmoothQuantConfig(block_t=2),
     SmoothQuantConfig(block_t=4),
     SmoothQuantConfig(vec=8),  # the default before session 31 where d % 1024 == 0
+    SmoothQuantConfig(vec=2),
+    SmoothQuantConfig(vec=1),
     SmoothQuantConfig(block_t=2, vec=2),
     SmoothQuantConfig(block_pad=256),
 ]

@@ -460,8 +460,6 @@ def test_bad_inputs_raise_clear_errors():
         DecodeConfig(token_block=0)
     with pytest.raises(ValueError, match="config.lookahead_steps=-1"):
         DecodeConfig(lookahead_steps=-1)
-    with pytest.raises(ValueError, match="config.gather_completion must be one of"):
-        DecodeConfig(gather_completion="spin")
     with pytest.raises(ValueError, match="static scheduler's cross-CTA waits"):
         decode_tasks(x, plan, w1, w2, config=dataclasses.replace(BASE, num_sms=2), interpret=True)
     with pytest.raises(ValueError, match="need a_slab"):
@@ -517,15 +515,10 @@ def _abstract_plan(t, e, k):
         # Split K of the up tasks (session 25, not yet run on a GPU).
         (1, dict(up_split_k=4), True),
         (8, dict(up_split_k=2, scheduler="dynamic", fused=False), False),
-        # Per-slot mbarriers for the gathered rows (session 30, not yet run on a GPU).
-        (1, dict(gather_completion="mbarrier"), True),
-        (64, dict(gather_completion="mbarrier", scheduler="dynamic", lookahead_steps=16), False),
-        (8, dict(gather_completion="mbarrier", fused=False, up_split_k=4), True),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6",
          "setmaxnreg", "T1-static-lookahead16", "T8-dynamic-lookahead32", "T1-split4",
-         "T8-dynamic-unfused-split2", "T1-mbarrier", "T64-dynamic-lookahead-mbarrier",
-         "T8-unfused-split4-mbarrier"],
+         "T8-dynamic-unfused-split2"],
 )
 def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
     from tests.cuda_target import h100_target

@@ -859,12 +859,11 @@ def cp_async_publish(ki, full, landed, stages: int) -> None:
     when its loads land; without (`landed` = []) step `ki - (stages - 2)` is published on
     `full` (`cp_async_publish_lagged`).
 
-    `full` (and `landed[0]`) is the stages' barrier array (step j arrives on
-    `full.at[j % stages]`) or a function `step -> barrier ref`, for kernels whose consumers
-    wait on separate barrier sets (the ping-pong up-proj: one per consumer) or whose steps
-    `ki` count from a task's start (the decode megakernel)."""
+    `full` is the stages' barrier array (step j arrives on `full.at[j % stages]`) or a
+    function `step -> barrier ref`, for kernels whose consumers wait on separate barrier
+    sets (the ping-pong up-proj: one per consumer)."""
     if landed:
-        cp_async_stage_arrive(_step_barrier(landed[0], ki, stages))
+        cp_async_stage_arrive(landed[0].at[ki % stages])
     else:
         cp_async_publish_lagged(ki, stages - 2, full, stages)
 

@@ -97,14 +97,6 @@ class DecodeConfig:
       token_block: tokens per aggregation task (and per aggregation event).
       gather: "cp_async" (the 128 producer threads issue 16-byte cp.async loads,
         compiled only) or "tma" (one TMA copy per row); interpret mode always runs "tma".
-      gather_completion: with gather="cp_async", how an up step's gathered rows are
-        published (`_common.GATHER_COMPLETIONS`): "wait_group" (default, the GPU-measured
-        kernel: the producer waits for its own cp.async group `num_stages - 2` steps later,
-        which the on-device profiler shows as a long tail of its `publish` region at
-        T = 1) or "mbarrier" (per-slot mbarriers the hardware completes when the rows land,
-        so the producer never waits on its loads; every ring step, down steps too, then
-        completes one phase of its slot's mbarrier, and the consumers wait on it, which
-        keeps the phases aligned with the ring's steps). Not yet measured on a GPU.
       num_sms: CTAs of the persistent grid; must not exceed the SMs of the device (all
         CTAs must be resident at once, or a wait could block forever).
       mailbox_depth: tasks the producer may hand a consumer ahead of it.
@@ -149,7 +141,6 @@ class DecodeConfig:
     num_stages: int = 5
     token_block: int = 4
     gather: str = "cp_async"
-    gather_completion: str = "wait_group"
     num_sms: int = 132
     mailbox_depth: int = 2
     prefetch_l2: bool = True
@@ -172,11 +163,6 @@ class DecodeConfig:
                 raise ValueError(f"config.{name}={value} must be in [64, 256] (one TMA box, one wgmma N).")
         if self.gather not in _common.GATHER_MODES:
             raise ValueError(f"config.gather must be one of {_common.GATHER_MODES}, got {self.gather!r}.")
-        if self.gather_completion not in _common.GATHER_COMPLETIONS:
-            raise ValueError(
-                f"config.gather_completion must be one of {_common.GATHER_COMPLETIONS}, "
-                f"got {self.gather_completion!r}."
-            )
         min_stages = 3 if self.gather == "cp_async" else 2
         if self.num_stages < min_stages:
             raise ValueError(
@@ -669,9 +655,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
         part_ref = rest.pop(0) if split > 1 else None  # f32 [M, n/U, S, 2, bm, U]
         ev_out = rest.pop(0) if interpret else None
         (ids_smem, a_bufs, w_bufs, o_up, o_dn, box, queue_smem,
-         full_up, full_dn, empty, ids_bar, box_full, box_empty, *landed) = rest
-        if landed:  # [the per-slot mbarriers], or [] (`_common.cp_async_publish`)
-            _common.cp_async_stage_barriers_init(landed[0])
+         full_up, full_dn, empty, ids_bar, box_full, box_empty) = rest
         a_copy, a_mma = a_views(a_bufs)
         w_up, w_dn = w_views(w_bufs)  # [stages, blocks, 64, cols]: slot s is one K step
 
@@ -823,9 +807,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 def full_of(k):  # the barrier the task's step k completes on
                     return full_up.at[c, (g0 + k) % stages]
 
-                # With per-slot mbarriers: the one its rows complete (`complete_slot_phase`).
-                landed_of = [lambda k: landed[0].at[(g0 + k) % stages]] if landed else []
-
                 def step(k, carry):
                     g = g0 + k
                     slot = g % stages
@@ -855,10 +836,9 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                             _common.cp_async_gather_rows(x_ref.at[:, pl.ds(k0, BLOCK_K)], ids_smem,
                                                          [a_mma.at[slot]], num_rows=bm)
 
-                        # Step k - (stages - 2), once its rows landed, or (per-slot
-                        # mbarriers) this step when they land (`_common.cp_async_publish`).
+                        # Step k - (stages - 2), once its rows landed (`_common.cp_async_publish`).
                         with jax.named_scope("publish"):
-                            _common.cp_async_publish(k, full_of, landed_of, stages)
+                            _common.cp_async_publish(k, full_of, [], stages)
                     else:
                         rows_per_warp = bm // 4
 
@@ -872,17 +852,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     return carry
 
                 jax.lax.fori_loop(0, num_k_task, step, None)
-                if cp_async:  # publish the last stages - 2 steps (lagged publish only)
-                    _common.cp_async_publish_rest(num_k_task, full_of, landed_of, stages)
-
-            def complete_slot_phase(g):
-                """Ring step g, a down step, loads no cp.async rows, but with per-slot
-                mbarriers it still completes one phase of its slot's (every thread's
-                arrival fires once its earlier loads landed), so that a slot's phase parity
-                is its ring uses mod 2; consumers wait on every use, so none releases a slot
-                before its phase completed and no arrival counts into the wrong phase."""
-                if landed:
-                    _common.cp_async_stage_arrive(landed[0].at[g % stages])
+                if cp_async:  # publish the last stages - 2 steps
+                    _common.cp_async_publish_rest(num_k_task, full_of, [], stages)
 
             def issue_down(tile, cb, c, g0, ahead):
                 w_e = w2_ref.at[expert_ref[tile]]  # [n, d]
@@ -917,7 +888,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         a_src.at[a_rows, pl.ds(k * BLOCK_K, BLOCK_K)], a_mma.at[g % stages],
                         full_dn.at[c, g % stages],
                     )
-                    complete_slot_phase(g)
 
                 def step(k, carry):
                     g = g0 + k
@@ -929,7 +899,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         a_src.at[a_rows, pl.ds(k * BLOCK_K, BLOCK_K)], a_mma.at[slot],
                         full_dn.at[c, slot],
                     )
-                    complete_slot_phase(g)
                     return carry
 
                 jax.lax.fori_loop(prefetch_steps, num_k_down, step, None)
@@ -1008,12 +977,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     _common.role_registers("consumer", 2)
                 events = Events(ev_ref, interpret=interpret, row=c, num_events=dims.num_events)
 
-                def wait_step(full, g):
-                    """Ring step g's loads are in: its `full` barrier, and with per-slot
-                    mbarriers also the slot's phase for this use (`complete_slot_phase`)."""
-                    plgpu.barrier_wait(full)
-                    _common.cp_async_consumer_wait(g, landed, stages)
-
                 def up_sums(g0):
                     """f32 [bm, U] gate and up sums over the task's `num_k_task` K steps."""
                     def mma_scope(acc_g, acc_u):
@@ -1023,8 +986,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                         with jax.named_scope("k_loop"):
                             _common.consumer_k_loop(
-                                num_k_task, stages, lambda g, slot: wait_step(
-                                    full_up.at[c, slot], g), mma, empty, mmas_per_step=2,
+                                num_k_task, stages, lambda g, slot: plgpu.barrier_wait(
+                                    full_up.at[c, slot]), mma, empty, mmas_per_step=2,
                                 step_of=lambda k: g0 + k)
                         plgpu.barrier_arrive(empty.at[(g0 + num_k_task - 1) % stages])
                         return acc_g[...], acc_u[...]
@@ -1091,8 +1054,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                         with jax.named_scope("k_loop"):
                             _common.consumer_k_loop(
-                                num_k_down, stages, lambda g, slot: wait_step(
-                                    full_dn.at[c, slot], g), mma, empty, mmas_per_step=1,
+                                num_k_down, stages, lambda g, slot: plgpu.barrier_wait(
+                                    full_dn.at[c, slot]), mma, empty, mmas_per_step=1,
                                 step_of=lambda k: g0 + k)
                         plgpu.barrier_arrive(empty.at[(g0 + num_k_down - 1) % stages])
                         return acc[...]
@@ -1219,8 +1182,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
     def w_views(refs):
         return refs[0], refs[1]
 
-    up_arrivals = 2 + _common.gather_full_arrivals(config, bm, interpret)  # weights + A rows
-    stage_bars = _common.uses_stage_mbarriers(config, interpret)
+    up_arrivals = 2 + (1 if cp_async else bm)  # two weight copies + the A rows
     scratch = [
         plgpu.SMEM((bm,), jnp.int32),  # token ids of the up tile being gathered
         a_scratch,
@@ -1235,9 +1197,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
         plgpu.Barrier(),
         plgpu.Barrier(num_arrivals=1, num_barriers=(2, depth)),
         plgpu.Barrier(num_arrivals=1, num_barriers=(2, depth)),
-        # With gather_completion="mbarrier": one mbarrier per ring slot that the up steps'
-        # cp.async rows complete (and every down step, with no loads pending, too).
-        *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
     slab_rows = dims.max_tiles * bm
     out_types = [
