@@ -86,13 +86,30 @@ def traced_gpu_events(f, *args, steps: int):
     return sorted(events)
 
 
+def concurrent_kernels(events):
+    """{(earlier kernel, later kernel): ns} of time two GPU events ran at once, from
+    `traced_gpu_events`' sorted (start ns, end ns, name) list. One stream runs its kernels
+    one after another, so any overlap is two streams running side by side (an XLA kernel
+    beside a Pallas kernel that assumes the whole GPU, say)."""
+    overlaps = collections.Counter()
+    running = []  # (end, name) of the events started so far that may still run
+    for start, end, name in events:
+        running = [(e, n) for e, n in running if e > start]
+        for other_end, other in running:
+            overlaps[(_kernel_key(other), _kernel_key(name))] += min(end, other_end) - start
+        running.append((end, name))
+    return overlaps
+
+
 def idle_between_kernels(f, *args, steps: int = 5, top: int = 10):
     """Where a training loop's GPU waits between kernels: `steps` calls dispatched back to
     back under `jax.profiler.trace`, every kernel and copy of the device's streams, their
     union (busy), the span from the first start to the last end, and the idle time in
     between, each per step; plus the `top` idle gaps summed by (kernel before, kernel after),
-    in microseconds per step. A gap is time no stream runs anything: launch latency, host
-    work the GPU waits for, or a kernel's ramp that the previous one's tail does not cover.
+    in microseconds per step, and the `top` pairs of kernels that ran at the same time on
+    different streams (`concurrent_kernels`), in microseconds of overlap per step. A gap is
+    time no stream runs anything: launch latency, host work the GPU waits for, or a kernel's
+    ramp that the previous one's tail does not cover.
     (Whether XLA's command buffers capture the kernels does not show in the compiled HLO
     text; compare runs under `XLA_FLAGS=--xla_gpu_enable_command_buffer=...` instead.)"""
     jax.block_until_ready(f(*args))
@@ -116,7 +133,9 @@ def idle_between_kernels(f, *args, steps: int = 5, top: int = 10):
     return dict(
         span_ms=per_step_ms(span), busy_ms=per_step_ms(busy), idle_ms=per_step_ms(span - busy),
         events_per_step=len(events) / steps,
-        top_gaps_us=[(a, b, 1e3 * per_step_ms(ns)) for (a, b), ns in gaps.most_common(top)])
+        top_gaps_us=[(a, b, 1e3 * per_step_ms(ns)) for (a, b), ns in gaps.most_common(top)],
+        concurrent_us=[(a, b, 1e3 * per_step_ms(ns))
+                       for (a, b), ns in concurrent_kernels(events).most_common(top)])
 
 
 def make_step(shape, routing, backend, config, skew: float = 0.0, gpt_oss: bool = False,
@@ -339,7 +358,9 @@ def main():
                     f"span {g['span_ms']:.3f} ms/step, busy {g['busy_ms']:.3f}, idle "
                     f"{g['idle_ms']:.3f}, {g['events_per_step']:.0f} events/step; "
                     "largest (us/step): " +
-                    "; ".join(f"{a} -> {b} {us:.1f}" for a, b, us in g["top_gaps_us"]))))
+                    "; ".join(f"{a} -> {b} {us:.1f}" for a, b, us in g["top_gaps_us"]) +
+                    "; running side by side (us/step): " + ("; ".join(
+                        f"{a} | {b} {us:.1f}" for a, b, us in g["concurrent_us"]) or "none"))))
             rows.append(row)
             with open(os.path.join(args.out, "step.json"), "w") as f:
                 json.dump(rows, f, indent=1)
