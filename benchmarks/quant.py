@@ -193,6 +193,8 @@ def run_case(name, shape, routing, out_dtype, log, interpret=False):
             log(f"  csr {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
             continue
         log(f"  csr {cfg}: {t * 1e3:.1f} us")
+        if cfg == CONFIGS[0]:
+            res["default_us"] = t * 1e3
         if t < best[0]:
             best = (t, cfg)
     res["csr_us"] = best[0] * 1e3
@@ -206,13 +208,15 @@ def run_case(name, shape, routing, out_dtype, log, interpret=False):
     res["copy_us"] = t_copy * 1e3
     res["copy_GBs"] = 2 * P * d * 2 / (t_copy * 1e-3) / 1e9
     res["csr_vs_copy"] = moved / (res["csr_us"] * 1e-6) / 1e9 / res["copy_GBs"]
-    # The op's kernel: the CSR kernel (at its best config of CONFIGS).
-    res["kernel_us"] = res["csr_us"]
+    # The op's kernel: the CSR kernel at the op's default config (CONFIGS[0]); `csr_*` is
+    # the best of CONFIGS, which the op runs only when it is the default.
+    res["kernel_us"] = res.get("default_us", float("nan"))
     res["kernel_GBs"] = moved / (res["kernel_us"] * 1e-6) / 1e9
     res["kernel_vs_copy"] = res["kernel_GBs"] / res["copy_GBs"]
     log("  " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}))
     log(f"  RATIOS {name} {routing} {out_dtype.name}: csr/copy {res['csr_vs_copy']:.2f} "
-        f"(csr {res['csr_us']:.1f} us, copy of P*d bf16 {t_copy * 1e3:.1f} us)")
+        f"(best csr {res['csr_us']:.1f} us, default {res['kernel_us']:.1f} us = "
+        f"{res['kernel_vs_copy']:.2f} of copy; copy of P*d bf16 {t_copy * 1e3:.1f} us)")
     return res
 
 
@@ -221,12 +225,14 @@ TABLE_COLS = [
     ("out", lambda r: r["out_dtype"].replace("float8_", "")),
     ("P", lambda r: str(r["P"])),
     ("ok", lambda r: "yes" if r["correct"] else "NO"),
+    ("CSR us (default config)", lambda r: f"{r['kernel_us']:.1f}"),
     ("CSR us (best config)", lambda r: f"{r['csr_us']:.1f}"),
     ("copy us", lambda r: f"{r['copy_us']:.1f}"),
     ("op us (with metadata)", lambda r: f"{r['op_us']:.0f}"),
     ("MB moved", lambda r: f"{r['bytes_moved'] / 1e6:.0f}"),
     ("copy GB/s", lambda r: f"{r['copy_GBs']:.0f}"),
-    ("CSR/copy", lambda r: f"**{r['csr_vs_copy']:.2f}**"),
+    ("default/copy", lambda r: f"**{r['kernel_vs_copy']:.2f}**"),
+    ("best/copy", lambda r: f"{r['csr_vs_copy']:.2f}"),
     ("xla us", lambda r: f"{r['xla_us']:.0f}"),
 ]
 
@@ -242,8 +248,9 @@ def markdown(results, cmd, device):
     lines = markdown_report(
         f"MoE SmoothQuant kernel on {device}", "GPU kernel time (CUPTI), median of 20 calls.",
         cmd,
-        "`CSR/copy` = (bytes the op must move: X once, Q, s, scales / kernel time) / (a "
-        "device copy's bytes/s); target >= 0.8. `op us` = `moe_smoothquant(backend='mosaic')` "
+        "`default/copy` = (bytes the op must move: X once, Q, s, scales / the op's CSR "
+        "kernel time, default config) / (a device copy's bytes/s), target >= 0.8; `best/copy` "
+        "the same for the fastest of the script's configs (`best config`). `op us` = `moe_smoothquant(backend='mosaic')` "
         "(the CSR kernel and its per-plan metadata). `ok` = bitwise equal to the XLA "
         "reference on every row and to numpy on a sample, padding rows zero, no poison left.",
         TABLE_COLS, results, failed_row,
