@@ -34,3 +34,21 @@ ncu_up alone_pingpong python3 benchmarks/timeline.py --run-only --out /tmp/tr --
 python3 benchmarks/ncu_l2.py $OUT/raw_alone_splitm.csv.gz $OUT/raw_alone_pingpong.csv.gz \
   --names splitM-alone,pingpong-alone | tee $OUT/l2_alone.txt
 fi
+if [ "$part" = C ]; then
+# Issue 13: the SmoothQuant kernel on its new default (vec = 4) at 7B (0.74-0.76 of copy,
+# never sampled since session 27's TILED rows: that run's 7B profile segfaulted) and 30B
+# (0.81-0.83). Registers per thread and the occupancy limit first: session 27's 30B kernel
+# (vec 8) had 96 registers, 5 CTAs per SM (31% occupancy), its stalls long-scoreboard on
+# the scale row; if vec 4 lowered the registers to raise the CTAs per SM, that is why it
+# won, and a register cap (ptxas) or fewer live row registers is the lever at 7B.
+NCU="ncu --clock-control none --section WarpStateStats --section SourceCounters --section LaunchStats --section Occupancy"
+for q in "q7 1" "q30 3"; do set -- $q
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 $NCU --kernel-name regex:smoothquant \
+    --launch-skip $2 --launch-count 1 -o /tmp/$1 python3 benchmarks/history/session26/quant_run.py \
+    > $OUT/ncu_$1.log 2>&1
+  ncu -i /tmp/$1.ncu-rep --page source --csv --print-source sass 2>/dev/null | gzip > $OUT/$1_source.csv.gz
+  ncu -i /tmp/$1.ncu-rep --page details > $OUT/$1_details.txt 2>&1
+  echo "=== $1"; python3 benchmarks/ncu_source.py <(gunzip -c $OUT/$1_source.csv.gz) | sed -n 2,30p
+  grep -E "Registers Per|Achieved Occ|Theoretical Occ|Duration|Block Limit" $OUT/$1_details.txt
+done 2>&1 | tee $OUT/quant_ncu.txt | tail -80
+fi
