@@ -52,3 +52,18 @@ for q in "q7 1" "q30 3"; do set -- $q
   grep -E "Registers Per|Achieved Occ|Theoretical Occ|Duration|Block Limit" $OUT/$1_details.txt
 done 2>&1 | tee $OUT/quant_ncu.txt | tail -80
 fi
+if [ "$part" = D ]; then
+# Issue 15, T = 1 (2.0x the weight-read bound; target 1.3x): the megakernel's ring depth,
+# task widths, split K and row loader were swept only on the H100 (session 12; split K on
+# the H200 in session 26, no clear gain). The H200 changed the T = 4-8 verdict before
+# (session 26), so sweep them here, twice in opposite orders (small-T noise is ~10%).
+V=kernels,static,static_s4,static_s6,static_u128,static_bn256,static_split4,static_tma
+R=$(echo $V | tr ',' '\n' | tac | paste -sd,)
+for run in 1 2; do
+  [ $run = 1 ] && vs=$V || vs=$R
+  timeout 270 python3 benchmarks/decode.py --out /tmp/dec$run --tokens 1,8 --variants $vs \
+    > $OUT/decode_sweep$run.log 2>&1
+  cp /tmp/dec$run/decode_RESULTS.md $OUT/decode_sweep$run.md 2>/dev/null
+  grep "^|" $OUT/decode_sweep$run.md | sed -n 1,4p
+done
+fi
