@@ -84,6 +84,9 @@ MEGA_VARIANTS = {
     "static_split2": dict(up_split_k=2),
     "static_split4": dict(up_split_k=4),
     "dynamic_split4": dict(scheduler="dynamic", up_split_k=4),
+    # Wider up boxes (256-byte pieces of W1's rows) with as many up tasks at T = 1 as U = 64
+    # (session 32: does the strip order of the up tasks' W1 reads cost the per-SM rate?).
+    "static_u128_split2": dict(up_block_n=128, num_stages=3, up_split_k=2),
 }
 VARIANTS = ("kernels", "kernels_inf", "auto", *MEGA_VARIANTS)
 DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused", "static_ahead", "dynamic_ahead")
