@@ -53,6 +53,7 @@ def main():
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--only", default="", help="comma-separated cases (default: all)")
     args = ap.parse_args()
     log = open_log(args.out, "decode_phases_log.txt")
     bw = hbm_gbs(args.iters)
@@ -76,7 +77,8 @@ def main():
                     / jnp.linalg.norm(ref.astype(jnp.float32)))
         log(f"== T={T}: {len(touched)} experts, bound {len(touched) * BYTES_PER_EXPERT / bw / 1e3:.1f} "
             f"us, all-kinds err vs xla {err:.1e}")
-        assert err < 1e-2, err
+        diag = any(os.environ.get(v) == "1" for v in ("PM_DIAG_NO_GATHER", "PM_DIAG_NO_MMA"))
+        assert diag or err < 1e-2, err  # decode_diag.patch's switches compute garbage
         a_slab, y_slab = full.a_slab, full.y_slab
 
         def fn(kinds, config):  # (jitted f, its arguments): nothing big closed over
@@ -97,6 +99,8 @@ def main():
         w1_touched = w1[touched].reshape(-1, 2 * N)
         cases["probe_up"] = (jax.jit(lambda w: stream_up_phase(
             w, d=D, n=N, u=64, split=1, stages=5, order="strips")), (w1_touched,))
+        if args.only:
+            cases = {k: v for k, v in cases.items() if k in args.only.split(",")}
         times = {name: [] for name in cases}
         names = list(cases)
         for r in range(args.rounds):
