@@ -136,9 +136,15 @@ def test_decode_meta_targets_and_slab_rows_by_brute_force(plan_kind):
         for i in range(r):
             assert s + i not in slab_of_row
             slab_of_row[s + i] = t * bm + i
+        # Real rows name their tokens; padding rows -1 - (the last real row's token), which
+        # the cp.async gather zero-fills and the TMA gather reads as that token.
+        ids = np.asarray(meta.row_ids[t])
+        np.testing.assert_array_equal(ids[:r], tok[s:s + r])
+        np.testing.assert_array_equal(ids[r:], -1 - tok[s + r - 1])
         blocks = set(tok[s:s + r] // bt)
         lo, count = int(meta.block_lo[t]), int(meta.block_count[t])
         assert blocks <= set(range(lo, lo + count))  # the notify range covers the tile's tokens
+        assert (lo, lo + count - 1) == (min(blocks), max(blocks))  # and no more (padding)
         covered[lo:lo + count] += 1
     assert len(slab_of_row) == int(plan.num_rows)
     assert np.all(np.asarray(meta.num_rows[real:]) == 0)

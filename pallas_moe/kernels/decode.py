@@ -305,8 +305,11 @@ class DecodeMeta:
     Attributes (M = max tiles, B = token blocks, P = plan capacity):
       counts: i32[1] number of real (non-empty) tiles; they come first.
       expert, row_start, num_rows: i32[M] expert, first grouped row and rows of each tile.
-      row_ids: i32[M, block_m] source token of each tile row (past the tile's rows: its
-        last real row, so every gather is in bounds).
+      row_ids: i32[M, block_m] source token of each tile row; past the tile's rows
+        `-1 - t`, with t the token of its last real row (0 for empty tiles): the cp.async
+        gather zero-fills those rows without reading, the TMA gather copies row t (every
+        copy in bounds). Why: at small T a tile is mostly padding, and padding rows that
+        all read one token made every SM's gather hit the same L2 lines (session 32).
       block_lo, block_count: i32[M] the token blocks a tile's down tasks notify:
         [block_lo, block_lo + block_count) covers every block holding a token of the tile
         (0 blocks for empty tiles).
@@ -345,10 +348,11 @@ def decode_meta(plan, config: DecodeConfig, d: int, aggregation: str = "fp32") -
     local = jnp.arange(bm, dtype=jnp.int32)[None, :]
     rows = row_start[:, None] + jnp.minimum(local, jnp.maximum(num_rows - 1, 0)[:, None])
     rows = jnp.clip(rows, 0, capacity - 1)
-    row_ids = jnp.where(real[:, None], plan.token_ids[rows], 0).astype(jnp.int32)  # [M, bm]
+    tokens = jnp.where(real[:, None], plan.token_ids[rows], 0).astype(jnp.int32)  # [M, bm]
+    row_ids = jnp.where(local < num_rows[:, None], tokens, -1 - tokens)
     # Token blocks of each tile: min and max token (robust to any row order in a group).
-    lo = jnp.min(row_ids, axis=1) // bt
-    hi = jnp.max(row_ids, axis=1) // bt
+    lo = jnp.min(tokens, axis=1) // bt
+    hi = jnp.max(tokens, axis=1) // bt
     block_lo = jnp.where(real, lo, 0).astype(jnp.int32)
     block_count = jnp.where(real, hi - lo + 1, 0).astype(jnp.int32)
     diff = jnp.zeros((num_blocks + 1,), jnp.int32)
@@ -834,7 +838,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     if cp_async:
                         with jax.named_scope("gather"):
                             _common.cp_async_gather_rows(x_ref.at[:, pl.ds(k0, BLOCK_K)], ids_smem,
-                                                         [a_mma.at[slot]], num_rows=bm)
+                                                         [a_mma.at[slot]], num_rows=bm,
+                                                         zero_negative=True)
 
                         # Step k - (stages - 2), once its rows landed (`_common.cp_async_publish`).
                         with jax.named_scope("publish"):
@@ -846,6 +851,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                             _common.gather_rows(
                                 x_ref, ids_smem, [a_copy.at[slot]], bar, col0=k0, width=BLOCK_K,
                                 first_row=w * rows_per_warp, num_rows=rows_per_warp, unroll=4,
+                                negative_repeats=True,
                             )
 
                         plgpu.warp_map(per_warp)
