@@ -355,10 +355,11 @@ def decode_meta(plan, config: DecodeConfig, d: int, aggregation: str = "fp32") -
     hi = jnp.max(tokens, axis=1) // bt
     block_lo = jnp.where(real, lo, 0).astype(jnp.int32)
     block_count = jnp.where(real, hi - lo + 1, 0).astype(jnp.int32)
-    diff = jnp.zeros((num_blocks + 1,), jnp.int32)
-    diff = diff.at[block_lo].add(real.astype(jnp.int32))
-    diff = diff.at[block_lo + block_count].add(-real.astype(jnp.int32))
-    block_target = (jnp.cumsum(diff)[:num_blocks] * down_blocks).astype(jnp.int32)
+    # Tiles covering each block, as one compare-and-sum ([M, B] is small at decode sizes)
+    # rather than a scatter-add of range ends and a cumsum: two fewer kernels per call.
+    block = jnp.arange(num_blocks, dtype=jnp.int32)[None, :]
+    covers = (block_lo[:, None] <= block) & (block < (block_lo + block_count)[:, None])
+    block_target = jnp.sum(covers, axis=0, dtype=jnp.int32) * down_blocks  # empty: count 0
     # Y-slab row of each grouped row: tile index * bm + position in the tile.
     group_sizes = plan.group_sizes.astype(jnp.int32)
     tiles_per_expert = (group_sizes + bm - 1) // bm
