@@ -87,6 +87,9 @@ MEGA_VARIANTS = {
     # Wider up boxes (256-byte pieces of W1's rows) with as many up tasks at T = 1 as U = 64
     # (session 32: does the strip order of the up tasks' W1 reads cost the per-SM rate?).
     "static_u128_split2": dict(up_block_n=128, num_stages=3, up_split_k=2),
+    # An up task's first weight tiles before its row ids land (session 32).
+    "static_early": dict(early_weights=True),
+    "static_early_ahead": dict(early_weights=True, lookahead_steps=16),
 }
 VARIANTS = ("kernels", "kernels_inf", "auto", *MEGA_VARIANTS)
 DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused", "static_ahead", "dynamic_ahead")

@@ -34,6 +34,9 @@ VARIANTS = {
     "static_split4": dict(up_split_k=4),
     "dynamic_split4": dict(scheduler="dynamic", up_split_k=4),
     "unfused_split2": dict(fused=False, up_split_k=2),
+    # An up task's first weight tiles before its row ids (session 32).
+    "static_early": dict(early_weights=True),
+    "dynamic_early": dict(scheduler="dynamic", early_weights=True),
 }
 
 
@@ -92,7 +95,9 @@ def _run(variant, x, plan, write_h=False):
     + [(t, "dynamic_ahead") for t in (1, 128)]
     + [(t, "static_split4") for t in (1, 8, 128)]
     + [(t, "dynamic_split4") for t in (1, 64)]
-    + [(8, "unfused_split2")],
+    + [(8, "unfused_split2")]
+    + [(t, "static_early") for t in (1, 8, 128)]
+    + [(t, "dynamic_early") for t in (1, 64)],
 )
 def test_matches_xla(num_tokens, variant):
     x, plan = _case(num_tokens, seed=0)
@@ -128,8 +133,17 @@ def test_h_matches_the_kernel_path(variant):
     assert _rel_err(h[:rows], h_ref[:rows]) < 1e-2
 
 
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_early_weights_is_bitwise_the_default(num_tokens):
+    """The same loads in another order: the same output, bit for bit."""
+    x, plan = _case(num_tokens, seed=4)
+    want, _ = _run("static", x, plan)
+    got, _ = _run("static_early", x, plan)
+    assert bool(jnp.array_equal(got, want))
+
+
 @pytest.mark.parametrize("variant", ["static", "dynamic", "static_ahead", "dynamic_ahead",
-                                     "static_split4", "dynamic_split4"])
+                                     "static_split4", "dynamic_split4", "static_early"])
 def test_hundred_runs_no_hang_bitwise_equal(variant):
     x, plan = _case(64, seed=3)
     first, _ = _run(variant, x, plan)

@@ -287,6 +287,25 @@ def test_whole_kernel_split_k(overrides, d):
     assert fetched == (tasks + config.num_sms if config.scheduler == "dynamic" else 0)
 
 
+@pytest.mark.parametrize("overrides, d", [
+    (dict(num_stages=3), 384),
+    # CI time: a slow extra (one K step per partial task: all of it goes out early).
+    pytest.param(dict(up_split_k=2), 128, marks=pytest.mark.slow),
+], ids=["whole", "split_k2"])
+def test_whole_kernel_early_weights_is_bitwise_the_default(overrides, d):
+    """`early_weights`: an up task's first weight tiles go out before its row ids land;
+    the same data, so the output and H equal the default kernel's bit for bit (and the
+    reference, and every counter its target, in `_run_whole`). At d = 384 an up task has 6
+    K steps: 3 issued early, 3 in the loop."""
+    x, plan, w1, w2 = _case(7, num_tokens=9, d=d, num_experts=4, k=2)
+    config = dataclasses.replace(BASE, **overrides)
+    want, _, _ = _run_whole(x, plan, w1, w2, config, write_h=True)
+    got, _, _ = _run_whole(x, plan, w1, w2, dataclasses.replace(config, early_weights=True),
+                           write_h=True)
+    np.testing.assert_array_equal(np.asarray(got.out), np.asarray(want.out))
+    np.testing.assert_array_equal(np.asarray(got.h), np.asarray(want.h))
+
+
 @pytest.mark.slow  # 9 s of CI each; both also run on the H100 (static_ahead, dynamic_ahead)
 @pytest.mark.parametrize("scheduler, num_sms", [("static", 1), ("dynamic", 2)])
 def test_whole_kernel_lookahead_claims_each_task_once(scheduler, num_sms):
@@ -466,6 +485,8 @@ def test_bad_inputs_raise_clear_errors():
         DecodeConfig(token_block=0)
     with pytest.raises(ValueError, match="config.lookahead_steps=-1"):
         DecodeConfig(lookahead_steps=-1)
+    with pytest.raises(ValueError, match="config.early_weights must be a bool"):
+        DecodeConfig(early_weights=1)
     with pytest.raises(ValueError, match="static scheduler's cross-CTA waits"):
         decode_tasks(x, plan, w1, w2, config=dataclasses.replace(BASE, num_sms=2), interpret=True)
     with pytest.raises(ValueError, match="need a_slab"):
@@ -521,10 +542,13 @@ def _abstract_plan(t, e, k):
         # Split K of the up tasks (session 25, not yet run on a GPU).
         (1, dict(up_split_k=4), True),
         (8, dict(up_split_k=2, scheduler="dynamic", fused=False), False),
+        # Weight tiles before the row ids (session 32, not yet run on a GPU).
+        (1, dict(early_weights=True), True),
+        (8, dict(early_weights=True, up_split_k=2, scheduler="dynamic"), False),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6",
          "setmaxnreg", "T1-static-lookahead16", "T8-dynamic-lookahead32", "T1-split4",
-         "T8-dynamic-unfused-split2"],
+         "T8-dynamic-unfused-split2", "T1-early-weights", "T8-dynamic-split2-early-weights"],
 )
 def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
     from tests.cuda_target import h100_target

@@ -131,6 +131,13 @@ class DecodeConfig:
         an H200 (session 26) S = 4 at T = 1 ran 1.065x, 0.93x and 0.94x the speed of whole
         tasks in three runs (no clear gain) and slower from T = 2 on, so the defaults keep
         S = 1.
+      early_weights: True: the producer issues an up task's first `min(num_stages, K
+        steps)` weight tiles before it waits for the task's row ids (a TMA round trip), and
+        gathers their rows once the ids landed; False (default): it waits for the ids
+        first, and each step issues its weights then its rows. Why: at T = 1 each CTA runs
+        one up task, so that wait sits on the critical path of every CTA before its first
+        load (session 32). Same data, so bitwise the same results; opt-in until a GPU
+        measures it.
     """
 
     scheduler: str = "static"
@@ -148,6 +155,7 @@ class DecodeConfig:
     rebalance_registers: bool = False
     approx_math: bool = True
     up_split_k: int = 1
+    early_weights: bool = False
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -184,7 +192,7 @@ class DecodeConfig:
                 f"config.up_split_k={self.up_split_k} and config.lookahead_steps="
                 f"{self.lookahead_steps}: the lookahead only prefetches whole up tasks; use one."
             )
-        for name in ("prefetch_l2", "rebalance_registers", "approx_math"):
+        for name in ("prefetch_l2", "rebalance_registers", "approx_math", "early_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}.")
 
@@ -802,21 +810,19 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 for k in range(stages, own_ahead):
                     for box in up_boxes(k):
                         plgpu.async_prefetch(box, predicate=ahead[-1])
-                # Every producer lane is done reading the previous tile's ids (generic
-                # proxy) before the TMA (async proxy) overwrites them.
-                with jax.named_scope("ids"):
-                    plgpu.commit_smem()
-                    plgpu.copy_gmem_to_smem(ids_ref.at[tile], ids_smem, ids_bar)
-                    plgpu.barrier_wait(ids_bar)
-
                 def full_of(k):  # the barrier the task's step k completes on
                     return full_up.at[c, (g0 + k) % stages]
 
-                def step(k, carry):
+                def k_offset(k):  # first K row of the task's step k
+                    # (Without split K, no `0 + k`: the kernel stays the GPU-tested one.)
+                    return ((k_first + k) if split > 1 else k) * BLOCK_K
+
+                def issue_weights(k):
+                    """Waits for step k's slot, then issues its gate and up weight tiles;
+                    returns (slot, first K row, the slot's `full` barrier)."""
                     g = g0 + k
                     slot = g % stages
-                    # (Without split K, no `0 + k`: the kernel stays the GPU-tested one.)
-                    k0 = ((k_first + k) if split > 1 else k) * BLOCK_K
+                    k0 = k_offset(k)
 
                     @pl.when(g >= stages)
                     def _():
@@ -831,6 +837,35 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         plgpu.copy_gmem_to_smem(  # [64, U] the matching up columns
                             w_e.at[pl.ds(k0, BLOCK_K), pl.ds(n + cb * u_cols, u_cols)],
                             wu_smem(slot), bar)
+                    return slot, k0, bar
+
+                # Every producer lane is done reading the previous tile's ids (generic
+                # proxy) before the TMA (async proxy) overwrites them.
+                early = min(stages, num_k_task) if config.early_weights else 0
+                with jax.named_scope("ids"):
+                    plgpu.commit_smem()
+                    plgpu.copy_gmem_to_smem(ids_ref.at[tile], ids_smem, ids_bar)
+                    if not early:
+                        plgpu.barrier_wait(ids_bar)
+                if early:
+                    # `early_weights`: the first steps' weights do not need the ids, so they
+                    # go out before the wait (each still waits until its slot is free).
+                    for k in range(early):
+                        issue_weights(k)
+                    with jax.named_scope("ids"):
+                        plgpu.barrier_wait(ids_bar)
+
+                def step(k, carry):
+                    if early:
+                        @pl.when(k >= early)
+                        def _():
+                            issue_weights(k)
+
+                        slot = (g0 + k) % stages
+                        k0 = k_offset(k)
+                        bar = full_up.at[c, slot]
+                    else:
+                        slot, k0, bar = issue_weights(k)
                     prefetch_ahead(ahead, k, num_k_task)
                     if 0 < own_ahead < num_k_up:
                         own = k + own_ahead
