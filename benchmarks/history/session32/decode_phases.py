@@ -44,6 +44,7 @@ UP_VARIANTS = {
     "up_s6": dict(num_stages=6),
     "up_s3": dict(num_stages=3),
     "up_split2": dict(up_split_k=2),
+    "up_early": dict(early_weights=True),  # (added after call 2)
 }
 
 
