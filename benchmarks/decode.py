@@ -90,6 +90,10 @@ MEGA_VARIANTS = {
     # An up task's first weight tiles before its row ids land (session 32).
     "static_early": dict(early_weights=True),
     "static_early_ahead": dict(early_weights=True, lookahead_steps=16),
+    # The lookahead into the CTA's next task only (no up task's own steps ahead).
+    "static_next16": dict(lookahead_steps=16, lookahead_within_task=False),
+    "static_early_next16": dict(early_weights=True, lookahead_steps=16,
+                                lookahead_within_task=False),
 }
 VARIANTS = ("kernels", "kernels_inf", "auto", *MEGA_VARIANTS)
 DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused", "static_ahead", "dynamic_ahead")

@@ -37,6 +37,8 @@ VARIANTS = {
     # An up task's first weight tiles before its row ids (session 32).
     "static_early": dict(early_weights=True),
     "dynamic_early": dict(scheduler="dynamic", early_weights=True),
+    # The lookahead into the next task only, with the early weights (session 32).
+    "static_next": dict(lookahead_steps=16, lookahead_within_task=False, early_weights=True),
 }
 
 
@@ -97,7 +99,8 @@ def _run(variant, x, plan, write_h=False):
     + [(t, "dynamic_split4") for t in (1, 64)]
     + [(8, "unfused_split2")]
     + [(t, "static_early") for t in (1, 8, 128)]
-    + [(t, "dynamic_early") for t in (1, 64)],
+    + [(t, "dynamic_early") for t in (1, 64)]
+    + [(t, "static_next") for t in (1, 8, 128)],
 )
 def test_matches_xla(num_tokens, variant):
     x, plan = _case(num_tokens, seed=0)
@@ -143,7 +146,8 @@ def test_early_weights_is_bitwise_the_default(num_tokens):
 
 
 @pytest.mark.parametrize("variant", ["static", "dynamic", "static_ahead", "dynamic_ahead",
-                                     "static_split4", "dynamic_split4", "static_early"])
+                                     "static_split4", "dynamic_split4", "static_early",
+                                     "static_next"])
 def test_hundred_runs_no_hang_bitwise_equal(variant):
     x, plan = _case(64, seed=3)
     first, _ = _run(variant, x, plan)

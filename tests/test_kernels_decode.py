@@ -487,6 +487,8 @@ def test_bad_inputs_raise_clear_errors():
         DecodeConfig(lookahead_steps=-1)
     with pytest.raises(ValueError, match="config.early_weights must be a bool"):
         DecodeConfig(early_weights=1)
+    with pytest.raises(ValueError, match="config.lookahead_within_task=False only"):
+        DecodeConfig(lookahead_within_task=False)
     with pytest.raises(ValueError, match="static scheduler's cross-CTA waits"):
         decode_tasks(x, plan, w1, w2, config=dataclasses.replace(BASE, num_sms=2), interpret=True)
     with pytest.raises(ValueError, match="need a_slab"):
@@ -545,10 +547,13 @@ def _abstract_plan(t, e, k):
         # Weight tiles before the row ids (session 32, not yet run on a GPU).
         (1, dict(early_weights=True), True),
         (8, dict(early_weights=True, up_split_k=2, scheduler="dynamic"), False),
+        # The lookahead into the next task only (session 32, not yet run on a GPU).
+        (1, dict(lookahead_steps=16, lookahead_within_task=False, early_weights=True), False),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6",
          "setmaxnreg", "T1-static-lookahead16", "T8-dynamic-lookahead32", "T1-split4",
-         "T8-dynamic-unfused-split2", "T1-early-weights", "T8-dynamic-split2-early-weights"],
+         "T8-dynamic-unfused-split2", "T1-early-weights", "T8-dynamic-split2-early-weights",
+         "T1-next-task-lookahead-early"],
 )
 def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
     from tests.cuda_target import h100_target

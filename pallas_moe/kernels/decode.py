@@ -112,6 +112,12 @@ class DecodeConfig:
         then a down task start loading their down task's 192 KB of W2 only when the up task
         ends (`docs/decode.md`, "Where T = 1 loses"). Measured on the H100 (session 7):
         1.1-1.6x slower at every T with D = 16 (the benchmark's `*_ahead` variants), so 0.
+        (Those runs had the padding-row gather hot spot, removed in session 32.)
+      lookahead_within_task: with `lookahead_steps`, whether up tasks also prefetch their
+        own steps D ahead (True, default) or only the next task's first steps (False: at
+        T = 1 the 92 CTAs that run an up then a down task then request their down task's
+        W2 during their up task's last steps, without 24 MB of W1 requested ahead of the
+        ring; session 32, opt-in until a GPU measures it).
       rebalance_registers: move registers from the producer warpgroup to the consumers
         (`_common.role_registers`, setmaxnreg). Off by default: unlike the other
         kernels' producers, this one also schedules tasks and waits on events, and whether
@@ -156,6 +162,7 @@ class DecodeConfig:
     approx_math: bool = True
     up_split_k: int = 1
     early_weights: bool = False
+    lookahead_within_task: bool = True
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -187,12 +194,18 @@ class DecodeConfig:
             )
         if not isinstance(self.up_split_k, int) or self.up_split_k < 1:
             raise ValueError(f"config.up_split_k={self.up_split_k!r} must be a positive int.")
+        if self.lookahead_within_task is False and not self.lookahead_steps:
+            raise ValueError(
+                "config.lookahead_within_task=False only selects what the lookahead prefetches; "
+                "set config.lookahead_steps > 0 with it."
+            )
         if self.up_split_k > 1 and self.lookahead_steps:
             raise ValueError(
                 f"config.up_split_k={self.up_split_k} and config.lookahead_steps="
                 f"{self.lookahead_steps}: the lookahead only prefetches whole up tasks; use one."
             )
-        for name in ("prefetch_l2", "rebalance_registers", "approx_math", "early_weights"):
+        for name in ("prefetch_l2", "rebalance_registers", "approx_math", "early_weights",
+                     "lookahead_within_task"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}.")
 
@@ -806,7 +819,8 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 # Lookahead within the task: step k also prefetches its own step k + D into
                 # L2 (an up task is 32 K steps at d = 2048; the ring holds `stages`), and the
                 # CTA's first task prefetches its first D steps now (no task before it did).
-                own_ahead = min(config.lookahead_steps, num_k_up) if ahead is not None else 0
+                own_ahead = (min(config.lookahead_steps, num_k_up)
+                             if ahead is not None and config.lookahead_within_task else 0)
                 for k in range(stages, own_ahead):
                     for box in up_boxes(k):
                         plgpu.async_prefetch(box, predicate=ahead[-1])
