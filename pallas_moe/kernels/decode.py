@@ -824,6 +824,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 for k in range(stages, own_ahead):
                     for box in up_boxes(k):
                         plgpu.async_prefetch(box, predicate=ahead[-1])
+
                 def full_of(k):  # the barrier the task's step k completes on
                     return full_up.at[c, (g0 + k) % stages]
 

@@ -1,5 +1,5 @@
 # Planned for the next H200 session (session 32 spent its device time). `bash
-# next_call_h200.sh A|B|C|D`; each part <= 10 min and <= 8 files, logs teed under $OUT.
+# next_call_h200.sh A|B|C|D|E`; each part <= 10 min and <= 8 files, logs teed under $OUT.
 # Issue 15 first: session 32 removed the padding-row hot spot of the megakernel's gather
 # (T = 1: 48 -> 31 us of MoE kernels, 1.40x the weight-read bound; target 1.3x), so every
 # earlier T = 1 verdict (split K, lookahead, ring depth) is open again, and the op's batch
@@ -9,11 +9,15 @@
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 part=${1:-A}
 if [ "$part" = A ]; then
-# The megakernel's GPU tests in two halves (the new `*_early` variants included; the
-# session-32 build passed the quick subset of 12).
-timeout 280 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu_decode.py -k "matches_xla" \
+# The megakernel's GPU tests, first half: every variant against xla (36 cases, ~7 s each;
+# the new `*_early` and `static_next` variants included; the session-32 build passed the
+# quick subset of 12). Part E is the second half.
+timeout 570 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu_decode.py -k "matches_xla" \
   > $OUT/gpu_decode_1.log 2>&1; tail -3 $OUT/gpu_decode_1.log
-timeout 300 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu_decode.py -k "not matches_xla" \
+fi
+if [ "$part" = E ]; then
+# Second half: edge cases, H, the early weights bitwise, 100 runs per variant, the op.
+timeout 570 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu_decode.py -k "not matches_xla" \
   > $OUT/gpu_decode_2.log 2>&1; tail -3 $OUT/gpu_decode_2.log
 fi
 if [ "$part" = B ]; then
