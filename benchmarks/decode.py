@@ -74,6 +74,7 @@ MEGA_VARIANTS = {
     "static_s4": dict(num_stages=4),  # the default until session 12
     "static_s5": dict(num_stages=5),
     "static_s6": dict(num_stages=6),
+    "static_s7": dict(num_stages=7),  # fits without H (inference) only
     # The one-TMA-per-row gather (no cp.async group waits in the producer; session 12).
     "static_tma": dict(gather="tma"),
     # The full-precision exp in the up tasks' SwiGLU (the default is ex2.approx, session 12).
