@@ -288,16 +288,16 @@ def test_whole_kernel_split_k(overrides, d):
 
 
 @pytest.mark.parametrize("overrides, d", [
-    (dict(num_stages=3), 384),
+    (dict(num_stages=3), 256),
     # CI time: a slow extra (one K step per partial task: all of it goes out early).
     pytest.param(dict(up_split_k=2), 128, marks=pytest.mark.slow),
 ], ids=["whole", "split_k2"])
 def test_whole_kernel_early_weights_is_bitwise_the_default(overrides, d):
     """`early_weights`: an up task's first weight tiles go out before its row ids land;
     the same data, so the output and H equal the default kernel's bit for bit (and the
-    reference, and every counter its target, in `_run_whole`). At d = 384 an up task has 6
-    K steps: 3 issued early, 3 in the loop."""
-    x, plan, w1, w2 = _case(7, num_tokens=9, d=d, num_experts=4, k=2)
+    reference, and every counter its target, in `_run_whole`). At d = 256 an up task has 4
+    K steps: 3 issued early, 1 in the loop."""
+    x, plan, w1, w2 = _case(7, num_tokens=4, d=d, num_experts=2, k=1)  # 2 tiles (CI time)
     config = dataclasses.replace(BASE, **overrides)
     want, _, _ = _run_whole(x, plan, w1, w2, config, write_h=True)
     got, _, _ = _run_whole(x, plan, w1, w2, dataclasses.replace(config, early_weights=True),
