@@ -832,19 +832,21 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     # (Without split K, no `0 + k`: the kernel stays the GPU-tested one.)
                     return ((k_first + k) if split > 1 else k) * BLOCK_K
 
-                def issue_weights(k):
-                    """Waits for step k's slot, then issues its gate and up weight tiles;
-                    returns (slot, first K row, the slot's `full` barrier)."""
+                def step_refs(k):  # (ring step, slot, first K row, the slot's `full` barrier)
                     g = g0 + k
                     slot = g % stages
-                    k0 = k_offset(k)
+                    return g, slot, k_offset(k), full_up.at[c, slot]
+
+                def issue_weights(k):
+                    """Waits for step k's slot, then issues its gate and up weight tiles;
+                    returns `step_refs(k)`."""
+                    g, slot, k0, bar = refs = step_refs(k)
 
                     @pl.when(g >= stages)
                     def _():
                         with jax.named_scope("empty_wait"):
                             plgpu.barrier_wait(empty.at[slot])
 
-                    bar = full_up.at[c, slot]
                     with jax.named_scope("weights"):
                         plgpu.copy_gmem_to_smem(  # [64, U] gate columns of W1[e]
                             w_e.at[pl.ds(k0, BLOCK_K), pl.ds(cb * u_cols, u_cols)], wg_smem(slot),
@@ -852,7 +854,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         plgpu.copy_gmem_to_smem(  # [64, U] the matching up columns
                             w_e.at[pl.ds(k0, BLOCK_K), pl.ds(n + cb * u_cols, u_cols)],
                             wu_smem(slot), bar)
-                    return slot, k0, bar
+                    return refs
 
                 # Every producer lane is done reading the previous tile's ids (generic
                 # proxy) before the TMA (async proxy) overwrites them.
@@ -876,11 +878,9 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         def _():
                             issue_weights(k)
 
-                        slot = (g0 + k) % stages
-                        k0 = k_offset(k)
-                        bar = full_up.at[c, slot]
+                        _, slot, k0, bar = step_refs(k)
                     else:
-                        slot, k0, bar = issue_weights(k)
+                        _, slot, k0, bar = issue_weights(k)
                     prefetch_ahead(ahead, k, num_k_task)
                     if 0 < own_ahead < num_k_up:
                         own = k + own_ahead
