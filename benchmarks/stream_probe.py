@@ -142,6 +142,13 @@ def stream_up_phase(w: jax.Array, *, d: int, n: int, u: int, split: int, stages:
     )(w)
 
 
+def rate_row(ms: float, nbytes: int, num_ctas: int, copy_tbs: float, **fields) -> dict:
+    """`fields` plus the time and rates of streaming `nbytes` in `ms` on `num_ctas` CTAs."""
+    tbs = nbytes / (ms * 1e-3) / 1e12
+    return dict(**fields, us=round(ms * 1e3, 1), tb_s=round(tbs, 3),
+                gb_s_per_sm=round(tbs * 1e3 / num_ctas, 1), of_copy=round(tbs / copy_tbs, 3))
+
+
 def up_phase_table(args, log, timer, copy_tbs) -> list[dict]:
     """Times `stream_up_phase` for every `U:S:stages` of `--up-phase`, strips then rows."""
     d, n, experts = (256, 128, 2) if args.interpret else (2048, 768, 8)
@@ -156,10 +163,8 @@ def up_phase_table(args, log, timer, copy_tbs) -> list[dict]:
                 v, d=d, n=n, u=u, split=s, stages=st, order=o, interpret=args.interpret))
             ms = timer(f, w)
             ctas = experts * (n // u) * split
-            tbs = nbytes / (ms * 1e-3) / 1e12
-            row = dict(u=u, split=split, stages=stages, order=order, ctas=ctas,
-                       us=round(ms * 1e3, 1), tb_s=round(tbs, 3),
-                       gb_s_per_sm=round(tbs * 1e3 / ctas, 1), of_copy=round(tbs / copy_tbs, 3))
+            row = rate_row(ms, nbytes, ctas, copy_tbs, u=u, split=split, stages=stages,
+                           order=order, ctas=ctas)
             log(json.dumps(row))
             rows.append(row)
     log("\n| U | S | stages | order | CTAs | us | TB/s | GB/s per SM | of copy |\n"
@@ -206,11 +211,8 @@ def main():
             f = jax.jit(lambda v, b=(bk, bn), s=stages: stream(
                 v, box=b, stages=s, num_ctas=num_ctas, interpret=args.interpret))
             ms = timer(f, w)
-            tbs = nbytes / (ms * 1e-3) / 1e12
-            row = dict(box=f"{bk}x{bn}", box_kb=bk * bn * 2 / 1024, stages=stages,
-                       us=round(ms * 1e3, 1), tb_s=round(tbs, 3),
-                       gb_s_per_sm=round(tbs * 1e3 / num_ctas, 1),
-                       of_copy=round(tbs / copy_tbs, 3))
+            row = rate_row(ms, nbytes, num_ctas, copy_tbs, box=f"{bk}x{bn}",
+                           box_kb=bk * bn * 2 / 1024, stages=stages)
             log(json.dumps(row))
             results.append(row)
             table.append(f"| {row['box']} | {row['box_kb']:.0f} | {stages} | "
