@@ -224,8 +224,12 @@ DECODE_MAX_TOKENS = 1
 # The same choice on an H200 (session 26, same widths, MoE kernels' GPU time, two runs on
 # two machines): megakernel against kernel path 43.1-48.9 vs 56.4-68.3 us at T = 1, level
 # at T = 2 (71.8 vs 71.6, 66.2 vs 67.1), faster at T = 4 (102.4 vs 118.1, 102.5 vs 123.8)
-# and T = 8 (162.5 vs 179.6, 166.8 vs 177.3), then within 4% (T = 16-64, one run).
-H200_DECODE_MAX_TOKENS = 8
+# and T = 8 (162.5 vs 179.6, 166.8 vs 177.3), then within 4% (T = 16-64, one run). Since
+# session 32 zero-fills a tile's padding rows (no L2 hot spot in the gather), session 33's
+# table (call 3, whole jitted call with routing, GPU us) has the megakernel ahead up to
+# T = 32: 49.7 vs 83.6 (T = 1), 177.5 vs 201.5 (8), 245.1 vs 262.4 (16), 333.4 vs 348.9
+# (32), then 359.3 vs 368.0 (64: 2%, and 0.99x in session 31) and 0.99x at T = 128.
+H200_DECODE_MAX_TOKENS = 32
 
 
 def decode_max_tokens(device_kind: str | None = None) -> int:
