@@ -19,7 +19,7 @@ if [ "$part" = B ]; then
 # the 7b-n512 step?) with ncu's kernel replay instead of the application replay that
 # segfaulted the program in session 33 (call 5).
 S=benchmarks/history/session31
-M=gpu__time_duration.sum,l1tex__m_xbar2l1tex_read_sectors_mem_global_op_tma_ld.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_op_read_hit_rate.pct,lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,dram__bytes_write.sum
+M=gpu__time_duration.sum,l1tex__m_xbar2l1tex_read_sectors_mem_global_op_tma_ld.sum,l1tex__m_xbar2l1tex_read_sectors_mem_lg_op_ld.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_op_read_hit_rate.pct,lts__lts2xbar_cycles_active.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,dram__bytes_write.sum  # ncu_l2.py's METRICS
 for v in "splitm 7b-n512" "pingpong 7b-n512 pingpong-up"; do set -- $v; name=$1; shift
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 250 ncu --replay-mode kernel --cache-control none \
     --clock-control none --metrics $M --kernel-name regex:moe_up_proj --launch-skip 2 \
