@@ -287,10 +287,15 @@ def test_whole_kernel_split_k(overrides, d):
     assert fetched == (tasks + config.num_sms if config.scheduler == "dynamic" else 0)
 
 
+# CI time (15 s): opt-in extras, like the lookahead's below. `early_weights` measured
+# slower than the default on an H200 (session 33) and stays opt-in; its CUDA lowering is
+# in CI (`test_lowers_for_cuda_at_qwen3_widths`) and its bitwise equality with the default
+# on the GPU (`test_gpu_decode.py::test_early_weights_is_bitwise_the_default`, passed on
+# an H200 in session 33).
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, d", [
     (dict(num_stages=3), 256),
-    # CI time: a slow extra (one K step per partial task: all of it goes out early).
-    pytest.param(dict(up_split_k=2), 128, marks=pytest.mark.slow),
+    (dict(up_split_k=2), 128),  # one K step per partial task: all of it goes out early
 ], ids=["whole", "split_k2"])
 def test_whole_kernel_early_weights_is_bitwise_the_default(overrides, d):
     """`early_weights`: an up task's first weight tiles go out before its row ids land;
