@@ -35,18 +35,6 @@ from benchmarks.decode import D, E, K, N, profile_ms  # noqa: E402
 from benchmarks.logs import open_log  # noqa: E402
 from pallas_moe.kernels.decode import DecodeConfig, decode_meta, decode_tasks, moe_decode  # noqa: E402
 
-MEGAKERNEL = "moe_decode"
-
-
-def kernel_us(f, args, iters):
-    """Median of the megakernel's own CUPTI time over `iters` calls, and one call's list."""
-    from jax.experimental import profiler
-    jax.block_until_ready(f(*args))
-    _, per_call = profiler.measure(f, aggregate=False, iterations=max(iters, 2))(*args)
-    mega = [sum(ms for name, ms in call if MEGAKERNEL in name) for call in per_call]
-    return statistics.median(mega) * 1e3, per_call[0]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -91,7 +79,8 @@ def main():
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 f, fargs = cases[name]
-                us, kernels = kernel_us(f, fargs, args.iters)
+                _, moe_ms, kernels = profile_ms(f, *fargs, iters=args.iters)
+                us = moe_ms * 1e3  # the megakernel: the programs' only MoE kernel
                 times[name].append(us)
                 if r == 0:
                     log(f"  T={T} {name}: megakernel {us:.1f} us; program: " + ", ".join(
