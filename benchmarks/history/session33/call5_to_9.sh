@@ -15,3 +15,6 @@ timeout 320 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu_decode.py -k 
   not smallest_batches and not 1-static and not 8-static and not 32-static and not 64-static \
   and not 1-dynamic and not 8-unfused" > $OUT/gpu_decode_1.log 2>&1
 timeout 120 python3 -m pytest -p no:xdist -q -m gpu "tests/test_gpu_decode.py::test_matches_xla[128-static]"
+# Call 9 (issue 15, the session's last 312 s): decode_context.py at T = 1, cut by its
+# timeout after round 0's first four programs (the fifth, `op`, and rounds 1-2 not run).
+timeout 150 python3 benchmarks/history/session33/decode_context.py --out $OUT --tokens 1 --iters 40
