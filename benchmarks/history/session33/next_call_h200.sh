@@ -11,6 +11,9 @@ if [ "$part" = A ]; then
 # and the lever is fusing the metadata into the megakernel's first phase; if
 # `after_big_xla` does, it is L2 residency of the weights between calls (then the bound
 # itself, HBM-only, is what the 28.3 us loop was beating, and the op's 31.4 is honest).
+# Session 33's call 9 ran one round at T = 1 before its timeout: alone 28.3, after small
+# XLA 28.8, after the 128-MB pass 29.6, metadata inside 30.5; this call completes it
+# (three rounds, the whole op, and T = 8).
 timeout 300 python3 benchmarks/history/session33/decode_context.py --out $OUT --tokens 1,8 \
   2>&1 | grep -v cuda_event | tail -16
 fi
