@@ -19,9 +19,9 @@ settings.load_profile("ci")
 # The suite's CPU programs are compiled once and run on small shapes (interpret-mode
 # kernels, references), so compiling them unoptimized pays: the whole suite on a 2-core
 # machine took 986 s (clean compile cache) against 1267 s at XLA's default level (a cache
-# left from earlier runs; session 33, 686 passed both ways). It changes how XLA compiles, not what a program computes
-# (every bitwise test passes at both levels). On a GPU machine the flag would also lower
-# the GPU backend's level, so it is left alone there.
+# left from earlier runs; session 33, 686 passed both ways). It changes how XLA compiles,
+# not what a program computes (every bitwise test passes at both levels). On a GPU machine
+# the flag would also lower the GPU backend's level, so it is left alone there.
 CPU_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
