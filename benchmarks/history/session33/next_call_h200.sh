@@ -1,4 +1,4 @@
-# Planned for the next H200 session. `bash next_call_h200.sh A|B`; each part <= 10 min and
+# Planned for the next H200 session. `bash next_call_h200.sh A|B|C`; each part <= 10 min and
 # <= 8 files, logs under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 part=${1:-A}
@@ -31,5 +31,24 @@ for v in "splitm 7b-n512" "pingpong 7b-n512 pingpong-up"; do set -- $v; name=$1;
 done
 python3 benchmarks/ncu_l2.py $OUT/raw_splitm.csv.gz $OUT/raw_pingpong.csv.gz \
   --names splitM-in-step,pingpong-in-step | tee $OUT/l2_step.txt
+fi
+if [ "$part" = C ]; then
+# Issue 13 at 7B (0.74-0.76 of copy, target 0.8): `SmoothQuantConfig(x_per_row=True)`
+# holds the token's X row in bf16 (6 registers per thread at d = 1536 instead of 12 f32).
+# (1) Its GPU test (every row against numpy, int8 and e4m3); (2) ncu's register count and
+# occupancy for both configs (if ptxas hoisted the conversion back out of the row loop,
+# the counts are equal and the option is moot); (3) benchmarks/quant.py at 7B and 30B
+# (every CONFIGS entry, x_per_row last). Predicted: 7B 48-50 registers, 10 CTAs per SM,
+# 1.03-1.08x; 30B 80 registers, 6 CTAs, 1.05-1.10x.
+timeout 150 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant.py \
+  -k "test_mosaic_kernel_matches_numpy_on_gpu and (x_per_row or default)" 2>&1 | tail -2
+for c in default x_per_row; do
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 ncu --clock-control none --section LaunchStats \
+    --section Occupancy --kernel-name regex:smoothquant --launch-skip 1 --launch-count 3 \
+    python3 benchmarks/history/session33/quant_run.py $c > $OUT/ncu_quant_$c.txt 2>&1
+  echo "== $c"; grep -E "smoothquant|Registers Per|Block Limit Registers|Achieved Occ" $OUT/ncu_quant_$c.txt
+done
+timeout 280 python3 benchmarks/quant.py --out /tmp/q --shapes 7b,30b --token-rounding '' \
+  > $OUT/quant.log 2>&1; cp /tmp/q/*RESULTS*.md $OUT/ 2>/dev/null; grep "^|" /tmp/q/*RESULTS*.md | head -30
 fi
 # Issue 17 whenever `nvidia-h200-x2` is lent: benchmarks/history/session30/next_calls_h200x2.sh A..F.
