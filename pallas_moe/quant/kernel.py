@@ -350,8 +350,9 @@ def smoothquant_kernel(
 
         def smoothed_rows(xt, start, stop):
             """Rows [start, stop) of one token from its [1, d] X row (`row_layout`)."""
-            # Once per token (default), or per row from the held bf16/fp16 row (x_per_row).
-            xf = None if config.x_per_row else xt.astype(jnp.float32)
+            # The token's row as held across its rows: f32, converted once (default), or in
+            # x's dtype, converted per row (x_per_row; astype to f32 of f32 is no op).
+            held = xt if config.x_per_row else xt.astype(jnp.float32)
             last = stop - 1
             ahead = config.scale_rows_ahead
             reduced = row_layout.reduce(1)  # [1]: the row's max, scale, reciprocal
@@ -375,7 +376,7 @@ def smoothquant_kernel(
                 *smooth, next_expert, out_row = carry
                 smooth = (*smooth, smooth_row(next_expert))  # entries j .. j + ahead
                 later = (expert(j + ahead + 1), rows_ref[jnp.minimum(j + 1, last)])
-                y = (xt.astype(jnp.float32) if xf is None else xf) * smooth[0]  # [1, d]
+                y = held.astype(jnp.float32) * smooth[0]  # [1, d]
                 amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
                 scale, inv = row_scale(amax, out_dtype, rcp)
                 inv = plgpu.layout_cast(jax.lax.broadcast_in_dim(inv, y.shape, (0,)), row_layout)
