@@ -146,10 +146,23 @@ def hbm_gbs(iters):
     return 2 * v.size * 2 / (total * 1e-3) / 1e9
 
 
-def run_tokens(T, variants, overrides, w1, w2, bw, iters, log):
+def make_weights():
+    """The layer's bf16 weights (seed 0): (w_gate_up [E, d, 2n], w_down [E, n, d])."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    w1 = (jax.random.normal(k1, (E, D, 2 * N), jnp.float32) * D**-0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(k2, (E, N, D), jnp.float32) * N**-0.5).astype(jnp.bfloat16)
+    return w1, w2
+
+
+def make_tokens(T):
+    """A batch of T tokens (seed T): (x bf16 [T, d], router logits f32 [T, E])."""
     kx, kl = jax.random.split(jax.random.key(T))
     x = jax.random.normal(kx, (T, D), jnp.float32).astype(jnp.bfloat16)
-    logits = jax.random.normal(kl, (T, E), jnp.float32)
+    return x, jax.random.normal(kl, (T, E), jnp.float32)
+
+
+def run_tokens(T, variants, overrides, w1, w2, bw, iters, log):
+    x, logits = make_tokens(T)
     route = jax.jit(lambda l: pm.routing.topk_plan(l, K))
     plan = route(logits)
     touched = int(jnp.sum(plan.group_sizes > 0))
@@ -287,9 +300,7 @@ def main():
     log = open_log(args.out, "decode_log.txt")
     cmd = "PYTHONPATH=. python3 " + " ".join(sys.argv)
     log(f"cmd: {cmd}")
-    k1, k2 = jax.random.split(jax.random.key(0))
-    w1 = (jax.random.normal(k1, (E, D, 2 * N), jnp.float32) * D**-0.5).astype(jnp.bfloat16)
-    w2 = (jax.random.normal(k2, (E, N, D), jnp.float32) * N**-0.5).astype(jnp.bfloat16)
+    w1, w2 = make_weights()
     bw = hbm_gbs(args.iters)
     log(f"HBM bandwidth (device copy): {bw:.0f} GB/s")
     results = []

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))))
 import pallas_moe as pm  # noqa: E402
-from benchmarks.decode import BYTES_PER_EXPERT, D, E, K, N, hbm_gbs, profile_ms  # noqa: E402
+from benchmarks.decode import (  # noqa: E402
+    BYTES_PER_EXPERT, D, K, N, hbm_gbs, make_tokens, make_weights, profile_ms)
 from benchmarks.logs import open_log  # noqa: E402
 from benchmarks.stream_probe import stream_up_phase  # noqa: E402
 from pallas_moe.kernels.decode import DecodeConfig, decode_meta, decode_tasks  # noqa: E402
@@ -59,16 +60,12 @@ def main():
     log = open_log(args.out, "decode_phases_log.txt")
     bw = hbm_gbs(args.iters)
     log(f"device: {jax.devices()[0].device_kind}; copy {bw:.0f} GB/s")
-    kw, k2 = jax.random.split(jax.random.key(0))
-    w1 = (jax.random.normal(kw, (E, D, 2 * N), jnp.float32) * D ** -0.5).astype(jnp.bfloat16)
-    w2 = (jax.random.normal(k2, (E, N, D), jnp.float32) * N ** -0.5).astype(jnp.bfloat16)
+    w1, w2 = make_weights()  # decode.py's inputs
     base = DecodeConfig.for_shape(D, N)
     table = []
     for T in (int(t) for t in args.tokens.split(",")):
-        kx, kl = jax.random.split(jax.random.key(T))
-        x = jax.random.normal(kx, (T, D), jnp.float32).astype(jnp.bfloat16)
-        plan = jax.jit(lambda l: pm.routing.topk_plan(l, K))(
-            jax.random.normal(kl, (T, E), jnp.float32))
+        x, logits = make_tokens(T)
+        plan = jax.jit(lambda l: pm.routing.topk_plan(l, K))(logits)
         touched = np.flatnonzero(np.asarray(plan.group_sizes) > 0)
         meta = jax.jit(lambda p: decode_meta(p, base, D))(plan)
         ref = jax.jit(lambda x, p: pm.moe_ffn(x, p, w1, w2, backend="xla"))(x, plan)

@@ -31,9 +31,10 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))))
 import pallas_moe as pm  # noqa: E402
-from benchmarks.decode import D, E, K, N, profile_ms  # noqa: E402
+from benchmarks.decode import D, K, N, make_tokens, make_weights, profile_ms  # noqa: E402
 from benchmarks.logs import open_log  # noqa: E402
 from pallas_moe.kernels.decode import DecodeConfig, decode_meta, decode_tasks, moe_decode  # noqa: E402
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -44,16 +45,12 @@ def main():
     args = ap.parse_args()
     log = open_log(args.out, "decode_context_log.txt")
     log(f"device: {jax.devices()[0].device_kind}")
-    kw, k2 = jax.random.split(jax.random.key(0))
-    w1 = (jax.random.normal(kw, (E, D, 2 * N), jnp.float32) * D ** -0.5).astype(jnp.bfloat16)
-    w2 = (jax.random.normal(k2, (E, N, D), jnp.float32) * N ** -0.5).astype(jnp.bfloat16)
+    w1, w2 = make_weights()  # decode.py's inputs
     config = DecodeConfig.for_shape(D, N)
     big = jnp.zeros((64 << 20,), jnp.bfloat16)  # 128 MB
     table = []
     for T in (int(t) for t in args.tokens.split(",")):
-        kx, kl = jax.random.split(jax.random.key(T))
-        x = jax.random.normal(kx, (T, D), jnp.float32).astype(jnp.bfloat16)
-        logits = jax.random.normal(kl, (T, E), jnp.float32)
+        x, logits = make_tokens(T)
         plan = jax.jit(lambda l: pm.routing.topk_plan(l, K))(logits)
         meta = jax.jit(lambda p: decode_meta(p, config, D))(plan)
 
