@@ -549,10 +549,10 @@ def _abstract_plan(t, e, k):
         # Split K of the up tasks (session 25, not yet run on a GPU).
         (1, dict(up_split_k=4), True),
         (8, dict(up_split_k=2, scheduler="dynamic", fused=False), False),
-        # Weight tiles before the row ids (session 32, not yet run on a GPU).
+        # Weight tiles before the row ids (session 32; GPU-tested in session 33).
         (1, dict(early_weights=True), True),
         (8, dict(early_weights=True, up_split_k=2, scheduler="dynamic"), False),
-        # The lookahead into the next task only (session 32, not yet run on a GPU).
+        # The lookahead into the next task only (session 32; GPU-tested in session 33).
         (1, dict(lookahead_steps=16, lookahead_within_task=False, early_weights=True), False),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6",

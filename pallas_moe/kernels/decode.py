@@ -117,7 +117,8 @@ class DecodeConfig:
         own steps D ahead (True, default) or only the next task's first steps (False: at
         T = 1 the 92 CTAs that run an up then a down task then request their down task's
         W2 during their up task's last steps, without 24 MB of W1 requested ahead of the
-        ring; session 32, opt-in until a GPU measures it).
+        ring; session 32). Measured on an H200 (session 33, MoE kernels at T = 1): 34.0-34.3
+        us against the default's 30.9-31.1, and 1.2x slower at T = 8, so opt-in.
       rebalance_registers: move registers from the producer warpgroup to the consumers
         (`_common.role_registers`, setmaxnreg). Off by default: unlike the other
         kernels' producers, this one also schedules tasks and waits on events, and whether
@@ -142,8 +143,9 @@ class DecodeConfig:
         gathers their rows once the ids landed; False (default): it waits for the ids
         first, and each step issues its weights then its rows. Why: at T = 1 each CTA runs
         one up task, so that wait sits on the critical path of every CTA before its first
-        load (session 32). Same data, so bitwise the same results; opt-in until a GPU
-        measures it.
+        load (session 32). Same data, so bitwise the same results. Measured on an H200
+        (session 33, MoE kernels at T = 1): 32.6-34.0 us against the default's 30.9-31.1,
+        level at T = 8, so opt-in.
     """
 
     scheduler: str = "static"
