@@ -34,7 +34,9 @@ one-GPU cost of chunking the down-proj is `benchmarks/chunked_down_proj.py`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import statistics
@@ -49,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_moe as pm
+from benchmarks.step import traced_gpu_events_by_device
 from pallas_moe.nn.overlap_check import ep_overlap_report
 from pallas_moe.ops.moe_ffn import BACKENDS
 
@@ -119,6 +122,100 @@ def place(params, x, mesh, ep_axis):
     return params, jax.device_put(x, NamedSharding(mesh, P(mesh.axis_names)))
 
 
+@contextlib.contextmanager
+def gpu_turn(lock_path: str | None):
+    """Holds an exclusive file lock while the GPUs run: several ep.py processes started
+    side by side (`--gpu-lock` on the same path) compile at once on the CPU but run and
+    time their programs one at a time. No lock without a path."""
+    if not lock_path:
+        yield
+        return
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# Substrings (lower case) of the GPU kernel and copy names of collectives: NCCL's kernels,
+# XLA's own collective kernels and peer-to-peer copies.
+COLLECTIVE_MARKERS = (
+    "nccl", "all_to_all", "alltoall", "all-to-all", "allgather", "all_gather", "all-gather",
+    "allreduce", "all_reduce", "all-reduce", "reducescatter", "reduce_scatter", "sendrecv",
+    "ragged", "p2p", "ptop", "peer",
+)
+
+
+def is_collective_event(name: str) -> bool:
+    lowered = name.lower()
+    return any(marker in lowered for marker in COLLECTIVE_MARKERS)
+
+
+def hidden_collective_time(events) -> list[tuple[int, int, str, int]]:
+    """[(start ns, duration ns, name, hidden ns)] for each collective event of one device's
+    sorted (start ns, end ns, name) trace (`is_collective_event`): `hidden` is the part of
+    its duration during which some non-collective event (a kernel of the layer, on another
+    stream) ran. A collective nothing runs beside is exposed: the layer waits for it."""
+    compute = []  # merged [start, end] of the non-collective events
+    for start, end, name in events:
+        if is_collective_event(name):
+            continue
+        if compute and start <= compute[-1][1]:
+            compute[-1][1] = max(compute[-1][1], end)
+        else:
+            compute.append([start, end])
+    out = []
+    for start, end, name in events:
+        if not is_collective_event(name):
+            continue
+        hidden = sum(max(0, min(end, c_end) - max(start, c_start)) for c_start, c_end in compute)
+        out.append((start, end - start, name, hidden))
+    return out
+
+
+def collective_overlap(fn, *args, steps: int) -> dict:
+    """Per device, from `steps` traced calls of `fn`: collective GPU time per call, the part
+    of it hidden behind the layer's kernels, and the collectives of the middle call in order
+    (key, duration us, hidden us)."""
+    report = {}
+    for device, events in traced_gpu_events_by_device(fn, *args, steps=steps).items():
+        collectives = hidden_collective_time(events)
+        total = sum(c[1] for c in collectives)
+        hidden = sum(c[3] for c in collectives)
+        per_call = len(collectives) // steps if steps else 0
+        middle = collectives[per_call * (steps // 2): per_call * (steps // 2 + 1)]
+        report[device] = {
+            "collective_us": total / steps / 1e3, "hidden_us": hidden / steps / 1e3,
+            "hidden_fraction": hidden / total if total else None,
+            "collectives": [(name.split("(")[0][:60], dur / 1e3, hid / 1e3) for _, dur, name, hid in middle],
+            "kernel_names": sorted({name.split("(")[0][:60] for _, _, name in events}),
+        }
+    return report
+
+
+def link_bandwidth_gbs(ep_size: int, megabytes: int = 512, iters: int = 10) -> float:
+    """GB/s each GPU sends while every GPU of the EP group sends `megabytes` to the next one
+    at the same time (`ppermute` in a ring: each link busy both ways, as in an all-to-all)."""
+    mesh = make_mesh(ep_size)
+    x = jax.device_put(jnp.ones((ep_size, megabytes * 2**19), jnp.bfloat16), NamedSharding(mesh, P("expert")))
+    ring = [(i, (i + 1) % ep_size) for i in range(ep_size)]
+    send = jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, "expert", ring), mesh=mesh,
+                                 in_specs=P("expert"), out_specs=P("expert")))
+    return megabytes * 2**20 / time_fn(send, x, iters=iters) / 1e9
+
+
+def link_bytes_per_gpu(shape: Shape, ep_size: int, dispatch: str) -> float:
+    """Bytes one GPU sends over the links in a forward+backward step, at uniform routing:
+    four collectives (dispatch, combine, and their transposes in the backward). Ragged:
+    (G-1)/G of its T_l*K routed bf16 rows each; all_gather: its T_l bf16 rows to G-1 GPUs
+    (all-gather of x, reduce-scatter of y)."""
+    g = ep_size
+    tokens_local = shape.T // g
+    rows = (g - 1) / g * tokens_local * shape.K if dispatch != "all_gather" else (g - 1) * tokens_local
+    return 4 * rows * shape.d * 2
+
+
 def time_fn(fn, *args, iters: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
@@ -173,8 +270,10 @@ def check(shape: Shape, ep_size: int, dispatch: str, overlap: str, routing: str,
             skew_router(layer, shape)
         params, forward, grad = step_fns(layer)
         params, xs = place(params, x, None if ep is None else ep.mesh, "expert")
-        (loss, (g_params, g_x)) = grad(params, xs)
-        results[name] = (forward(params, xs), loss, g_params, g_x)
+        grad, forward = (f.lower(params, xs).compile() for f in (grad, forward))
+        with gpu_turn(args.gpu_lock):
+            (loss, (g_params, g_x)) = grad(params, xs)
+            results[name] = jax.block_until_ready((forward(params, xs), loss, g_params, g_x))
         if ep is None:
             _single_cache[key] = results[name]
     (y0, l0, gp0, gx0), (y1, l1, gp1, gx1) = results["single"], results["ep"]
@@ -202,16 +301,26 @@ def bench(shape: Shape, ep_size: int, dispatch: str | None, overlap: str, args, 
     params, x = place(params, tokens(shape, args.skew), None if ep is None else ep.mesh, "expert")
     row = {"scaling": scaling, "T": shape.T, "ep": ep_size, "dispatch": dispatch or "-",
            "overlap": overlap if dispatch else "-"}
+    # Compiled once, before taking the GPUs (`gpu_turn`): the schedule report and the
+    # timings use the same executables.
+    forward, grad = (f.lower(params, x).compile() for f in (forward, grad))
     if ep is not None:
         # Where the compiled forward puts the overlaps (async start/done on GPU).
-        report = ep_overlap_report(forward.lower(params, x).compile().as_text())
+        report = ep_overlap_report(forward.as_text())
         shared = report.get("shared", {})
         row["shared_in_dispatch"] = shared.get("between_start_and_done")
         row["combine_before_next_down"] = [c.get("combine_starts_first") for c in report["chunks"]]
         row["schedule"] = report
-    t_fwd = time_fn(forward, params, x, iters=args.iters)
-    t_fb = time_fn(grad, params, x, iters=args.iters)
+    with gpu_turn(args.gpu_lock):
+        t_fwd = time_fn(forward, params, x, iters=args.iters)
+        t_fb = time_fn(grad, params, x, iters=args.iters)
+        if ep is not None and args.trace_steps:
+            # What the GPUs did: collective time per forward and how much of it the
+            # layer's kernels hid (the combine behind the next chunk's down-proj).
+            row["forward_trace"] = collective_overlap(forward, params, x, steps=args.trace_steps)
     flops = shape.flops_fwd
+    if ep is not None:
+        row["link_gb_per_gpu"] = link_bytes_per_gpu(shape, ep_size, dispatch) / 1e9
     row.update({
         "fwd_ms": 1e3 * t_fwd, "fwd_bwd_ms": 1e3 * t_fb,
         # Model FLOPs per device (docs/math.md: 6PTnd forward, 18PTnd forward+backward).
@@ -246,6 +355,10 @@ def main(argv=None) -> int:
                         help="routings of the correctness checks (to split the run over calls)")
     parser.add_argument("--scaling", default="strong,weak",
                         help="timing runs to do: strong, weak or both (to split the run over calls)")
+    parser.add_argument("--trace-steps", type=int, default=3, dest="trace_steps",
+                        help="forward calls traced per EP config for the collectives' hidden time (0: none)")
+    parser.add_argument("--gpu-lock", default=None, dest="gpu_lock",
+                        help="lock file: processes started side by side compile at once, run one at a time")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--out", default=None, help="markdown table path (default benchmarks/results/ep_<device>.md)")
@@ -292,7 +405,12 @@ def main(argv=None) -> int:
             print("check", json.dumps(result), flush=True)
 
     rows = []
+    link_gbs = {}
     if not args.skip_bench:
+        with gpu_turn(args.gpu_lock):
+            for e in ep_sizes:
+                link_gbs[e] = link_bandwidth_gbs(e)
+                print("link", json.dumps({"ep": e, "gb_per_s_per_gpu": link_gbs[e]}), flush=True)
         strong = Shape.parse(args.shape)
         configs = []
         if "strong" in scalings:
@@ -313,7 +431,12 @@ def main(argv=None) -> int:
                        "overlap": overlap, "error": f"{type(err).__name__}: {err}"[:300]}
                 failed = True
             rows.append(row)
-            print("bench", json.dumps({k: v for k, v in row.items() if k != "schedule"}), flush=True)
+            print("bench", json.dumps({k: v for k, v in row.items() if k not in ("schedule", "forward_trace")}),
+                  flush=True)
+            for device, t in row.get("forward_trace", {}).items():
+                print("trace", json.dumps({"T": row["T"], "ep": row["ep"], "dispatch": row["dispatch"],
+                                           "overlap": row["overlap"], "device": device,
+                                           **{k: v for k, v in t.items() if k != "kernel_names"}}), flush=True)
 
     strong = Shape.parse(args.shape)
     lines = [
@@ -326,17 +449,30 @@ def main(argv=None) -> int:
         f"{args.num_chunks} chunks. Schedule columns: from the compiled forward (None: collectives not async).",
         "",
         "| scaling | T | EP | dispatch | overlap | forward ms | fwd+bwd ms | fwd+bwd TFLOP/s per GPU "
-        "| shared MLP inside dispatch | combine c before down-proj c+1 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shared MLP inside dispatch | combine c before down-proj c+1 | forward collectives us (hidden) "
+        "| link GB per GPU per step | link ms at measured GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if link_gbs:
+        lines[2] += (" Links: " + ", ".join(f"EP={e} {v:.0f} GB/s per GPU" for e, v in link_gbs.items())
+                     + " (ring ppermute of 512 MB, every GPU sending); link GB: nominal bytes at uniform routing"
+                     " (`link_bytes_per_gpu`).")
     for row in rows:
         head = f"| {row['scaling']} | {row['T']} | {row['ep']} | {row['dispatch']} | {row['overlap']} |"
         if "error" in row:
-            lines.append(f"{head} error | {row['error']} | | | |")
+            lines.append(f"{head} error | {row['error']} | | | | | | |")
         else:
+            traces = list(row.get("forward_trace", {}).values())
+            comm = ""
+            if traces:  # mean over the GPUs
+                total = sum(t["collective_us"] for t in traces) / len(traces)
+                hidden = sum(t["hidden_us"] for t in traces) / len(traces)
+                comm = f"{total:.0f} ({100 * hidden / total:.0f}%)" if total else "0"
             lines.append(
                 f"{head} {row['fwd_ms']:.2f} | {row['fwd_bwd_ms']:.2f} | {row['fwd_bwd_tflops_per_gpu']:.0f} | "
-                f"{row.get('shared_in_dispatch', '')} | {row.get('combine_before_next_down', '')} |"
+                f"{row.get('shared_in_dispatch', '')} | {row.get('combine_before_next_down', '')} | {comm} | "
+                + (f"{row['link_gb_per_gpu']:.2f} | {1e3 * row['link_gb_per_gpu'] / link_gbs[row['ep']]:.2f} |"
+                   if "link_gb_per_gpu" in row and link_gbs.get(row["ep"]) else " | |")
             )
     if checks:
         lines += ["", f"Correctness at {args.check_shape} (T,d,n,E,K), relative error vs one device:", ""]

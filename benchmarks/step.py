@@ -67,9 +67,10 @@ def kernel_breakdown(f, *args):
     return [(k, per[k], count[k]) for k, _ in per.most_common()]
 
 
-def traced_gpu_events(f, *args, steps: int):
-    """[(start ns, end ns, name)] of every kernel and copy on the GPU's streams while `steps`
-    calls of f run back to back under `jax.profiler.trace`, sorted by start."""
+def traced_gpu_events_by_device(f, *args, steps: int) -> dict[str, list]:
+    """{device plane name ("/device:GPU:0", ...): [(start ns, end ns, name)]} of every kernel
+    and copy on each GPU's streams while `steps` calls of f run back to back under
+    `jax.profiler.trace`, each list sorted by start."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             outs = [f(*args) for _ in range(steps)]
@@ -77,13 +78,22 @@ def traced_gpu_events(f, *args, steps: int):
         del outs
         (pb,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
         data = jax.profiler.ProfileData.from_file(pb)
-        events = []
+        events = {}
         for plane in data.planes:
             if plane.name.startswith("/device:GPU"):
                 for line in plane.lines:
                     if line.name.startswith("Stream"):
-                        events += [(e.start_ns, e.end_ns, e.name) for e in line.events]
-    return sorted(events)
+                        events.setdefault(plane.name, []).extend(
+                            (e.start_ns, e.end_ns, e.name) for e in line.events)
+    return {device: sorted(evs) for device, evs in sorted(events.items())}
+
+
+def traced_gpu_events(f, *args, steps: int):
+    """[(start ns, end ns, name)] of every kernel and copy on the GPU's streams while `steps`
+    calls of f run back to back under `jax.profiler.trace`, sorted by start (every GPU's
+    events in one list: meant for one-GPU programs)."""
+    by_device = traced_gpu_events_by_device(f, *args, steps=steps)
+    return sorted(e for evs in by_device.values() for e in evs)
 
 
 def concurrent_kernels(events):
