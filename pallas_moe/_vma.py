@@ -30,3 +30,27 @@ def vary_together(*arrays: jax.Array) -> tuple[jax.Array, ...]:
     """Every array cast to the union of their varying axes."""
     axes = frozenset().union(*(varying_axes(a) for a in arrays))
     return tuple(vary(a, axes) for a in arrays)
+
+
+def pallas_call(kernel, *, out_shape, **kwargs):
+    """`pl.pallas_call` that also runs inside `jax.shard_map(check_vma=True)`.
+
+    There, a pallas_call's output types must say which mesh axes they vary over, and its
+    inputs must agree. The returned function casts its inputs to the union of their
+    varying axes (`vary_together`) and gives every `out_shape` entry that union; outside
+    shard_map, or with `check_vma=False`, the union is empty and this is `pl.pallas_call`.
+    """
+    from jax.experimental import pallas as pl  # Pallas is imported only when used.
+
+    def call(*args):
+        args = vary_together(*args)
+        axes = frozenset().union(*(varying_axes(a) for a in args))
+        mat = jax.typeof(args[0]).manual_axis_type.update(varying=axes) if args else None
+
+        def typed(s):
+            return jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat)
+
+        shapes = jax.tree.map(typed, out_shape, is_leaf=lambda s: isinstance(s, jax.ShapeDtypeStruct))
+        return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*args)
+
+    return call

@@ -258,6 +258,64 @@ def eager_check():
     return [{"check": "valid_3way_eager", "ok": bool(y.shape == (12, D))}]
 
 
+def gpu_routing_vma_checks():
+    """The routing's Pallas kernels inside `shard_map(check_vma=True)`, traced (no lowering).
+
+    On a GPU the router softmax is a Pallas kernel (`routing.formulas._on_gpu`), and a
+    pallas_call's outputs must carry their varying mesh axes under check_vma: on two
+    H200s the EP layer with check_vma=True failed at trace time until the routing kernels
+    typed them (`pallas_moe._vma.pallas_call`). Here `_on_gpu` is patched so that the
+    EP layer's grad traces the GPU path, and each routing kernel is traced in a
+    shard_map of its own. Tracing is where the vma check runs.
+    """
+    from jax.sharding import PartitionSpec as Spec
+
+    from pallas_moe.routing import formulas
+    from pallas_moe.routing import kernels as routing_kernels
+    from pallas_moe.routing.token_rounding import token_rounding_plan
+    from pallas_moe.routing.topk import topk_pairs
+
+    out = []
+    mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+    logits = jax.random.normal(jax.random.key(3), (2 * 64, E), jnp.float32)
+
+    def traced(name, body, out_specs):
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=Spec("expert"), out_specs=out_specs, check_vma=True))
+        try:
+            fn.trace(logits)
+            out.append({"check": name, "ok": True})
+        except Exception as err:  # noqa: BLE001 - the record says what failed
+            out.append({"check": name, "ok": False, "error": f"{type(err).__name__}: {err}"[:400]})
+
+    traced("vma_softmax_kernel", lambda l: routing_kernels.softmax_rows(l), Spec("expert"))
+    traced("vma_topk_kernels", lambda l: topk_pairs(l, K, impl="kernel").rows, Spec("expert"))
+    traced("vma_token_rounding_kernels",
+           lambda l: token_rounding_plan(l, K, tile=TILE, impl="kernel").token_ids, Spec("expert"))
+
+    ep_mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "expert"))
+    on_gpu = formulas._on_gpu
+    formulas._on_gpu = lambda: True
+    try:
+        for routing in ("topk", "token_rounding"):
+            ep = pm.nn.ExpertParallel(ep_mesh, dispatch="all_gather", check_vma=True)
+            layer = build(routing, False, ep)
+            graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+            def loss(params, x):
+                y, aux = nnx.merge(graphdef, params, rest)(x)
+                return jnp.mean(jnp.square(y.astype(jnp.float32))) + aux["loss"]
+
+            name = f"vma_ep_gpu_routing_{routing}"
+            try:
+                jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, inputs(False))
+                out.append({"check": name, "ok": True})
+            except Exception as err:  # noqa: BLE001 - the record says what failed
+                out.append({"check": name, "ok": False, "error": f"{type(err).__name__}: {err}"[:400]})
+    finally:
+        formulas._on_gpu = on_gpu
+    return out
+
+
 def scan_and_capacity_checks():
     """EP inside `nnx.scan` over a stack of layers; the ragged receive-capacity drop path."""
     checks = []
@@ -422,10 +480,10 @@ def main(argv=None):
              "schedule": [], "full": list(full_cases())}[args.cases]
     checks = {
         "fast": error_checks, "fast_extra": eager_check, "chunked": lambda: [],
-        "layouts": scan_and_capacity_checks, "schedule": lambda: schedule_checks() + signal_primitives_check(),
+        "layouts": lambda: scan_and_capacity_checks() + gpu_routing_vma_checks(), "schedule": lambda: schedule_checks() + signal_primitives_check(),
     }.get(args.cases)
     checks = checks() if checks else (
-        error_checks() + eager_check() + scan_and_capacity_checks() + schedule_checks()
+        error_checks() + eager_check() + scan_and_capacity_checks() + gpu_routing_vma_checks() + schedule_checks()
         + signal_primitives_check()
     )
     failed = 0

@@ -89,10 +89,15 @@ def test_ep_overlap_schedule():
 
 
 def test_ep_layouts():
-    """EP layers inside `nnx.scan`, the ragged receive-capacity drop, explicit-sharding meshes."""
+    """EP layers inside `nnx.scan`, the ragged receive-capacity drop, explicit-sharding meshes;
+    the routing's GPU kernels under `check_vma=True` (traced)."""
     proc, results = _run_ep_check("layouts")
-    _check(proc, results, 4)
-    assert {r["check"] for r in results} == {"scan_ep", "capacity_drop", "capacity_ample", "explicit_mesh"}
+    _check(proc, results, 9)
+    assert {r["check"] for r in results} == {
+        "scan_ep", "capacity_drop", "capacity_ample", "explicit_mesh",
+        "vma_softmax_kernel", "vma_topk_kernels", "vma_token_rounding_kernels",
+        "vma_ep_gpu_routing_topk", "vma_ep_gpu_routing_token_rounding",
+    }
 
 
 @pytest.mark.slow  # CI time: twins of default cases (see ep_check.FAST_EXTRA and eager_check)

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_moe._vma import pallas_call
 from pallas_moe.routing.topk import total_order_key
 
 _INT32_MIN = -(2**31)
@@ -179,7 +180,7 @@ def topk_blocks(
         jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32),
         jax.ShapeDtypeStruct((num_blocks, num_experts), jnp.int32),
     )
-    experts, local_rank, counts = pl.pallas_call(
+    experts, local_rank, counts = pallas_call(
         kernel, out_shape=out_shape, grid=(num_blocks,), compiler_params=_params(num_warps),
         interpret=interpret, name="moe_topk_blocks",
     )(scores.astype(jnp.float32))
@@ -249,7 +250,7 @@ def _place_fwd(experts, local_rank, weights, span_base, block_counts, block_t, i
         span_blocks=PLACE_SPAN_BLOCKS,
     )
     p = num_tokens * k
-    token_ids, scores, rows = pl.pallas_call(
+    token_ids, scores, rows = pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((p,), jnp.int32),
@@ -323,7 +324,7 @@ def softmax_rows(x: jax.Array, *, interpret: bool = False) -> jax.Array:
         _softmax_kernel, num_rows=num_rows, width=width, w_pad=next_pow2(width), block_r=block_r,
         interpret=interpret,
     )
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.float32),
         grid=(pl.cdiv(num_rows, block_r),),
@@ -434,7 +435,7 @@ def select_largest(
         _select_kernel, length=length, l_pad=next_pow2(length), max_count=max_count,
         m_pad=next_pow2(max_count), num_lists=num_lists,
     )
-    out = pl.pallas_call(
+    out = pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_lists * max_count,), jnp.int32),
         grid=(num_lists,),
@@ -617,7 +618,7 @@ def _place_rounded_fwd(experts, rows, weights, pair_tokens, counts, target, drop
     flat_added = added.reshape(-1).astype(jnp.int32)
     if max_change == 0:  # the lists are empty: keep a one-entry ref to index
         flat_dropped = flat_added = jnp.full((1,), num_tokens, jnp.int32)
-    token_ids, scores, is_tc, by_token, tc_row = pl.pallas_call(
+    token_ids, scores, is_tc, by_token, tc_row = pallas_call(
         functools.partial(
             _place_kept_kernel, k=k, k_pad=next_pow2(k), num_tokens=num_tokens,
             block_t=block_t, max_change=max_change, capacity=capacity,
@@ -634,7 +635,7 @@ def _place_rounded_fwd(experts, rows, weights, pair_tokens, counts, target, drop
     if max_change == 0:
         added_row = jnp.zeros((num_experts, 0), jnp.int32)
     else:
-        token_ids, scores, by_token, added_row = pl.pallas_call(
+        token_ids, scores, by_token, added_row = pallas_call(
             functools.partial(
                 _place_added_kernel, k=k, k_pad=next_pow2(k), num_tokens=num_tokens,
                 num_experts=num_experts, max_change=max_change, m_pad=next_pow2(max_change),
