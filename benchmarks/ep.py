@@ -205,6 +205,36 @@ def link_bandwidth_gbs(ep_size: int, megabytes: int = 512, iters: int = 10) -> f
     return megabytes * 2**20 / time_fn(send, x, iters=iters) / 1e9
 
 
+def exchange_time_ms(ep_size: int, rows: int, d: int, iters: int = 10) -> dict:
+    """The ragged dispatch's collective alone: every GPU sends (G-1)/G of its `rows` bf16
+    rows of width d to the others (`jax.lax.ragged_all_to_all`, uniform split, receive
+    buffer `rows`), and, for reference, `jax.lax.all_to_all` of the same [rows, d] array.
+    Which implementation XLA uses is set by XLA_FLAGS (one process per setting)."""
+    mesh = make_mesh(ep_size)
+    g = ep_size
+    per = rows // g
+    x = jax.device_put(jnp.ones((g * rows, d), jnp.bfloat16), NamedSharding(mesh, P("expert")))
+
+    def ragged(a):
+        offsets = jnp.arange(g, dtype=jnp.int32) * per
+        sizes = jnp.full((g,), per, jnp.int32)
+        me = jax.lax.axis_index("expert")
+        return jax.lax.ragged_all_to_all(a, jnp.zeros_like(a), offsets, sizes,
+                                         jnp.full((g,), me * per, jnp.int32), sizes, axis_name="expert")
+
+    def dense(a):
+        return jax.lax.all_to_all(a, "expert", 0, 0, tiled=True)
+
+    out = {"ep": g, "rows": rows, "d": d, "bytes_sent_per_gpu": (g - 1) * per * d * 2}
+    for name, body in (("ragged_all_to_all", ragged), ("all_to_all", dense)):
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+        try:
+            out[f"{name}_ms"] = 1e3 * time_fn(fn, x, iters=iters)
+        except Exception as err:  # report and go on
+            out[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
+    return out
+
+
 def link_bytes_per_gpu(shape: Shape, ep_size: int, dispatch: str) -> float:
     """Bytes one GPU sends over the links in a forward+backward step, at uniform routing:
     four collectives (dispatch, combine, and their transposes in the backward). Ragged:
@@ -359,6 +389,8 @@ def main(argv=None) -> int:
                         help="forward calls traced per EP config for the collectives' hidden time (0: none)")
     parser.add_argument("--gpu-lock", default=None, dest="gpu_lock",
                         help="lock file: processes started side by side compile at once, run one at a time")
+    parser.add_argument("--exchange-rows", default="", dest="exchange_rows",
+                        help="comma-separated row counts: time the ragged collective alone at d of --shape, then exit")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--out", default=None, help="markdown table path (default benchmarks/results/ep_<device>.md)")
@@ -378,6 +410,13 @@ def main(argv=None) -> int:
     if max(ep_sizes) > len(jax.devices()):
         print(f"need {max(ep_sizes)} devices, have {len(jax.devices())}", file=sys.stderr)
         return 2
+
+    if args.exchange_rows:
+        with gpu_turn(args.gpu_lock):
+            for rows, e in ((int(v), e) for v in args.exchange_rows.split(",") for e in ep_sizes):
+                print("exchange", json.dumps({"xla_flags": os.environ.get("XLA_FLAGS", ""),
+                                              **exchange_time_ms(e, rows, Shape.parse(args.shape).d)}), flush=True)
+        return 0
 
     failed = False
     checks = []

@@ -258,18 +258,22 @@ def eager_check():
     return [{"check": "valid_3way_eager", "ok": bool(y.shape == (12, D))}]
 
 
-def gpu_routing_vma_checks():
-    """The routing's Pallas kernels inside `shard_map(check_vma=True)`, traced (no lowering).
+def gpu_path_vma_checks():
+    """The GPU-only code inside `shard_map(check_vma=True)`, traced (no lowering): the
+    routing's Pallas kernels and the ragged dispatch's exchange with the real collective.
 
     On a GPU the router softmax is a Pallas kernel (`routing.formulas._on_gpu`), and a
     pallas_call's outputs must carry their varying mesh axes under check_vma: on two
     H200s the EP layer with check_vma=True failed at trace time until the routing kernels
-    typed them (`pallas_moe._vma.pallas_call`). Here `_on_gpu` is patched so that the
+    typed them (`pallas_moe._vma.pallas_call`); the ragged dispatch then failed in its
+    exchange's VJP (`jax.lax.ragged_all_to_all` types its result by the receive buffer,
+    which was an invariant zero buffer in the backward). Here `_on_gpu` is patched so that the
     EP layer's grad traces the GPU path, and each routing kernel is traced in a
     shard_map of its own. Tracing is where the vma check runs.
     """
     from jax.sharding import PartitionSpec as Spec
 
+    from pallas_moe.nn.expert_parallel import ragged_exchange
     from pallas_moe.routing import formulas
     from pallas_moe.routing import kernels as routing_kernels
     from pallas_moe.routing.token_rounding import token_rounding_plan
@@ -291,6 +295,24 @@ def gpu_routing_vma_checks():
     traced("vma_topk_kernels", lambda l: topk_pairs(l, K, impl="kernel").rows, Spec("expert"))
     traced("vma_token_rounding_kernels",
            lambda l: token_rounding_plan(l, K, tile=TILE, impl="kernel").token_ids, Spec("expert"))
+
+    # The ragged dispatch's exchange with the real collective (GPU/TPU only at run time,
+    # traced here): its VJP must give the operand's cotangent the operand's varying type.
+    def exchange_loss(x):
+        def body(a):
+            sizes = jnp.full((2, 2), 4, jnp.int32)
+            starts = jnp.tile(jnp.arange(2, dtype=jnp.int32) * 4, (2, 1))
+            y = ragged_exchange(a, jnp.zeros((8, D), a.dtype), starts, starts.T, sizes, axis_name="expert",
+                                collective=jax.lax.ragged_all_to_all)
+            return jax.lax.psum(jnp.sum(jnp.square(y.astype(jnp.float32))), "expert")
+
+        return jax.shard_map(body, mesh=mesh, in_specs=Spec("expert"), out_specs=Spec(), check_vma=True)(x)
+
+    try:
+        jax.jit(jax.grad(exchange_loss)).trace(jnp.ones((16, D), jnp.bfloat16))
+        out.append({"check": "vma_ragged_exchange_grad", "ok": True})
+    except Exception as err:  # noqa: BLE001 - the record says what failed
+        out.append({"check": "vma_ragged_exchange_grad", "ok": False, "error": f"{type(err).__name__}: {err}"[:400]})
 
     ep_mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "expert"))
     on_gpu = formulas._on_gpu
@@ -480,10 +502,10 @@ def main(argv=None):
              "schedule": [], "full": list(full_cases())}[args.cases]
     checks = {
         "fast": error_checks, "fast_extra": eager_check, "chunked": lambda: [],
-        "layouts": lambda: scan_and_capacity_checks() + gpu_routing_vma_checks(), "schedule": lambda: schedule_checks() + signal_primitives_check(),
+        "layouts": lambda: scan_and_capacity_checks() + gpu_path_vma_checks(), "schedule": lambda: schedule_checks() + signal_primitives_check(),
     }.get(args.cases)
     checks = checks() if checks else (
-        error_checks() + eager_check() + scan_and_capacity_checks() + gpu_routing_vma_checks() + schedule_checks()
+        error_checks() + eager_check() + scan_and_capacity_checks() + gpu_path_vma_checks() + schedule_checks()
         + signal_primitives_check()
     )
     failed = 0

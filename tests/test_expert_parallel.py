@@ -90,12 +90,13 @@ def test_ep_overlap_schedule():
 
 def test_ep_layouts():
     """EP layers inside `nnx.scan`, the ragged receive-capacity drop, explicit-sharding meshes;
-    the routing's GPU kernels under `check_vma=True` (traced)."""
+    the GPU-only code (routing kernels, the real ragged collective's VJP) under
+    `check_vma=True`, traced."""
     proc, results = _run_ep_check("layouts")
-    _check(proc, results, 9)
+    _check(proc, results, 10)
     assert {r["check"] for r in results} == {
         "scan_ep", "capacity_drop", "capacity_ample", "explicit_mesh",
-        "vma_softmax_kernel", "vma_topk_kernels", "vma_token_rounding_kernels",
+        "vma_softmax_kernel", "vma_topk_kernels", "vma_token_rounding_kernels", "vma_ragged_exchange_grad",
         "vma_ep_gpu_routing_topk", "vma_ep_gpu_routing_token_rounding",
     }
 

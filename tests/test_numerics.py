@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from tests.cuda_target import h100_target
 import pallas_moe as pm
-from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
+from pallas_moe.kernels.aggregate import AggregateConfig, aggregate, token_blocks
 from pallas_moe.numerics import AGGREGATIONS, Numerics, round_bf16
 from pallas_moe.ops.xla import aggregate_rows
 from pallas_moe.routing import plan_from_assignment, token_rounding_plan, topk_plan
@@ -111,6 +111,42 @@ def random_rows(plan, d, seed=11):
     k1, k2 = jax.random.split(jax.random.key(seed))
     scale = jnp.exp2(jax.random.randint(k2, (plan.capacity, 1), -6, 6).astype(jnp.float32))
     return (jax.random.normal(k1, (plan.capacity, d)) * scale).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16_per_expert"])
+def test_aggregation_past_the_grid_limit_walks_more_tokens_per_cta(mode, monkeypatch):
+    """Above MAX_GRID_Y token blocks (the CUDA grid's y limit, 65535) each CTA walks more
+    tokens than configured, in a loop: the same bits. The limit is lowered here so that
+    interpret mode reaches that path at a small plan (19 tokens, 3 CTAs of 7)."""
+    import importlib
+
+    aggregate_module = importlib.import_module("pallas_moe.kernels.aggregate")  # the module, not the function
+    plan = PLANS["topk"]()
+    y = random_rows(plan, 256)
+    want = aggregate_np(y, plan, mode)
+    monkeypatch.setattr(aggregate_module, "MAX_GRID_Y", 3)
+    got = aggregate(
+        y, plan.rows_by_token, plan.token_row_offsets, plan.scores, aggregation=mode,
+        out_dtype=jnp.bfloat16, config=AggregateConfig(block_t=1, block_d=256, vec=2), interpret=True,
+    )
+    assert_bitwise(got, want, jnp.bfloat16)
+
+
+def test_aggregation_of_262144_tokens_lowers_for_cuda():
+    """An expert-parallel receiver's 262144 rows (T = 32768, K = 8 on two GPUs) at the
+    default block_t = 4 need 65536 CTAs on the grid's y dimension, one past its limit: the
+    kernel walks 5 tokens per CTA instead, and lowers for Hopper."""
+    tokens, d = 262144, 4096
+    y = jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16)
+    offsets = jax.ShapeDtypeStruct((tokens + 1,), jnp.int32)
+    rows = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    scores = jax.ShapeDtypeStruct((tokens,), jnp.float32)
+    with h100_target():
+        text = jax.jit(functools.partial(aggregate, aggregation="fp32")).trace(
+            y, rows, offsets, scores).lower(lowering_platforms=("cuda",)).as_text()
+    assert "moe_aggregate" in text
+    assert token_blocks(tokens, AggregateConfig().block_t) == (5, 52429)
+    assert token_blocks(tokens - 4, AggregateConfig().block_t) == (4, 65535)  # the last that fits
 
 
 @pytest.mark.parametrize("plan_name", sorted(PLANS))

@@ -32,6 +32,11 @@ from pallas_moe.kernels import _common
 from pallas_moe.numerics import AGGREGATIONS, multiplied_scores
 
 _WG = 128  # threads in a warpgroup
+# Mosaic GPU launches the grid reversed, so the token blocks land on the CUDA grid's y
+# dimension, which holds at most 65535 blocks. Above 65535 * block_t tokens each CTA walks
+# more tokens (on two H200s, an expert-parallel receiver's 262144 rows failed to launch
+# with CUDA_ERROR_INVALID_VALUE at block_t = 4).
+MAX_GRID_Y = 65535
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +44,8 @@ class AggregateConfig:
     """Block sizes of the aggregation kernel.
 
     Attributes:
-      block_t: tokens per CTA (walked one after another).
+      block_t: tokens per CTA (walked one after another); more where the token count
+        would need over `MAX_GRID_Y` CTAs.
       block_d: columns per CTA; a multiple of 128 * vec that divides d.
       vec: elements each thread loads per row (8 -> 16-byte bf16 loads).
     """
@@ -47,6 +53,13 @@ class AggregateConfig:
     block_t: int = 4
     block_d: int = 1024
     vec: int = 8
+
+
+def token_blocks(num_tokens: int, block_t: int) -> tuple[int, int]:
+    """(tokens per CTA, CTAs along the tokens): `block_t`, or more where `num_tokens` would
+    need over `MAX_GRID_Y` CTAs."""
+    block_t = max(block_t, pl.cdiv(num_tokens, MAX_GRID_Y))
+    return block_t, pl.cdiv(num_tokens, block_t)
 
 
 def aggregate(
@@ -110,7 +123,7 @@ def aggregate(
         "config.block_d", bd, _WG * vec, f"each of the {_WG} threads loads vec={vec} elements"
     )
     _common.require_multiple("d (y.shape[1])", d, bd, f"a CTA sums block_d={bd} columns")
-    grid_t = pl.cdiv(num_tokens, bt)
+    bt, grid_t = token_blocks(num_tokens, bt)
     layout = plgpu.Layout.WG_STRIDED((bd,), vec_size=vec)
     weighted = scores is not None
 
@@ -123,7 +136,7 @@ def aggregate(
         ti = jax.lax.axis_index("t")
         c0 = jax.lax.axis_index("d") * bd
 
-        for i in range(bt):
+        def one_token(i):
             t = ti * bt + i
 
             @pl.when(t < num_tokens)
@@ -142,6 +155,12 @@ def aggregate(
                 acc0 = plgpu.layout_cast(jnp.zeros((bd,), jnp.float32), layout)
                 acc = jax.lax.fori_loop(off_ref[t], off_ref[t + 1], add_row, acc0)
                 o_ref[t, pl.ds(c0, bd)] = acc.astype(out_dtype)
+
+        if bt == config.block_t:
+            for i in range(bt):  # unrolled: the configured block
+                one_token(i)
+        else:  # more tokens per CTA than configured (MAX_GRID_Y): a loop, not bt copies
+            jax.lax.fori_loop(0, bt, lambda i, carry: (one_token(i), carry)[1], 0)
 
     kernel = plgpu.kernel(
         body,

@@ -86,7 +86,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_moe import _checks
-from pallas_moe._vma import vary, vary_together
+from pallas_moe._vma import vary, vary_together, varying_axes
 from pallas_moe.nn import functional as F
 from pallas_moe.numerics import Numerics
 from pallas_moe.ops.activation import SwiGLU
@@ -644,10 +644,15 @@ def _exchange_bwd(axis_name, collective, residuals, grad):
     operand_shape, in_offsets, out_offsets, sizes = residuals
     me = jax.lax.axis_index(axis_name)
     # Reverse roles: send back the rows each sender wrote here, to where they came from.
+    # The receive buffer varies like the cotangent (check_vma): `ragged_all_to_all` types
+    # its result by that buffer, and the operand's cotangent must have the operand's type
+    # (the emulated collective's all_gathers vary by themselves, the real one does not).
+    axes = varying_axes(grad)
     grad_operand = collective(
-        grad, jnp.zeros(operand_shape, grad.dtype), out_offsets[:, me], sizes[:, me],
+        grad, vary(jnp.zeros(operand_shape, grad.dtype), axes), out_offsets[:, me], sizes[:, me],
         in_offsets[:, me], sizes[me], axis_name=axis_name,
     )
+    grad_operand = vary(grad_operand, axes)
     # Rows of `output` that were overwritten get no cotangent (difference array, then cumsum).
     rows = grad.shape[0]
     starts, stops = out_offsets[:, me], out_offsets[:, me] + sizes[:, me]
