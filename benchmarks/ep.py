@@ -391,6 +391,8 @@ def main(argv=None) -> int:
                         help="lock file: processes started side by side compile at once, run one at a time")
     parser.add_argument("--exchange-rows", default="", dest="exchange_rows",
                         help="comma-separated row counts: time the ragged collective alone at d of --shape, then exit")
+    parser.add_argument("--xla-default-ragged", action="store_true", dest="xla_default_ragged",
+                        help="keep XLA's default GPU ragged_all_to_all (else pm.nn.use_fast_ragged_all_to_all())")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--out", default=None, help="markdown table path (default benchmarks/results/ep_<device>.md)")
@@ -405,6 +407,8 @@ def main(argv=None) -> int:
                                   ("--scaling", scalings, ("strong", "weak"))):
         if not values or any(v not in allowed for v in values):
             parser.error(f"{name} takes a comma-separated subset of {allowed}, got {values}")
+    if "ragged_all_to_all" in dispatches and not (args.xla_default_ragged or args.exchange_rows):
+        pm.nn.use_fast_ragged_all_to_all()  # before the backend starts (jax.devices() below)
     device = jax.devices()[0]
     print(f"devices: {len(jax.devices())} x {device.device_kind}; backend={args.backend}", flush=True)
     if max(ep_sizes) > len(jax.devices()):
@@ -492,6 +496,7 @@ def main(argv=None) -> int:
         "| link GB per GPU per step | link ms at measured GB/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    lines[2] += f" XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}."
     if link_gbs:
         lines[2] += (" Links: " + ", ".join(f"EP={e} {v:.0f} GB/s per GPU" for e, v in link_gbs.items())
                      + " (ring ppermute of 512 MB, every GPU sending); link GB: nominal bytes at uniform routing"

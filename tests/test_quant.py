@@ -261,25 +261,6 @@ def test_scale_rows_ahead_same_bits(ahead):
     assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), INT8))
 
 
-def test_x_per_row_same_bits():
-    """`SmoothQuantConfig.x_per_row`: the token's X row held in bf16 and converted for each
-    of its rows gives the numpy formula's bits: tokens with 0..3 rows, several tokens per
-    CTA, padding CTAs."""
-    num_tokens, d, num_experts = 13, 256, 4
-    ks = jax.random.split(jax.random.key(10), 3)
-    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, extra=5)
-    assert np.asarray(plan.rows_per_token).max() >= 3
-    x = special_x(ks[1], num_tokens, d)
-    smooth = smooth_scales(ks[2], num_experts, d)
-    for out_dtype in (INT8, E4M3):
-        q, s = pm.quant.moe_smoothquant(
-            x, smooth, plan, out_dtype=out_dtype, backend="interpret",
-            config=SmoothQuantConfig(block_t=2, block_pad=8, x_per_row=True))
-        assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), out_dtype))
-    with pytest.raises(ValueError, match="config.x_per_row must be a bool, got 1"):
-        SmoothQuantConfig(x_per_row=1)
-
-
 def test_scale_rows_ahead_must_be_non_negative():
     with pytest.raises(ValueError, match="scale_rows_ahead=-1 must be >= 0"):
         SmoothQuantConfig(scale_rows_ahead=-1)
@@ -388,14 +369,12 @@ def test_lowers_for_cuda_at_production_widths(d, out_dtype):
 @pytest.mark.parametrize("d", [1536, 4096])
 def test_scale_rows_ahead_and_cvt_rounding_lower_for_cuda(d):
     """Scale rows 2 ahead and int8 rounded by the conversion instruction (the defaults are
-    0 rows and an f32 add), and X held in bf16 across a token's rows (`x_per_row`), at the
-    7B and 30B widths; a bad rounding name is refused."""
+    0 rows and an f32 add), at the 7B and 30B widths; a bad rounding name is refused."""
     from tests.cuda_target import h100_target
 
     with h100_target():
         _lower_smoothquant(32768, 128, 8, d, INT8,
                            SmoothQuantConfig(scale_rows_ahead=2, int8_rounding="cvt"))
-        _lower_smoothquant(32768, 128, 8, d, INT8, SmoothQuantConfig(x_per_row=True))
     with pytest.raises(ValueError, match='int8_rounding must be "cvt" or "fadd", got .rne.'):
         SmoothQuantConfig(int8_rounding="rne")
 
@@ -555,8 +534,8 @@ def test_kernel_without_smooth_scales_on_gpu():
     SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"),
     SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2),
     SmoothQuantConfig(scale_rows_ahead=1), SmoothQuantConfig(block_t=2),
-    SmoothQuantConfig(vec=8), SmoothQuantConfig(x_per_row=True)],
-    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "vec8", "x_per_row"])
+    SmoothQuantConfig(vec=8)],
+    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "vec8"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
     # Token rounding (padding rows) at a production width; every row, bit for bit. The

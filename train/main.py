@@ -101,6 +101,11 @@ def main(argv=None) -> int:
     if args.resume and args.overwrite:
         print("error: --resume and --overwrite exclude each other.", file=sys.stderr)
         return 2
+    if cfg.expert_parallel > 1 and cfg.dispatch == "ragged_all_to_all":
+        # Before JAX starts its GPU backend: XLA's default GPU collective is 30-100x slower.
+        from pallas_moe.nn.expert_parallel import use_fast_ragged_all_to_all
+
+        use_fast_ragged_all_to_all()
     if args.coordinator:
         if args.num_processes is None or args.process_id is None:
             print("error: --coordinator needs --num-processes and --process-id", file=sys.stderr)

@@ -54,13 +54,13 @@ See `pallas_moe.nn.families` for each family's names and layouts.
 
 from pallas_moe.nn import convert, families, overlap_check
 from pallas_moe.nn.expert_parallel import (
-    DISPATCHES, OVERLAPS, ExpertParallel, expert_parallel_moe, ragged_exchange,
+    DISPATCHES, OVERLAPS, ExpertParallel, expert_parallel_moe, ragged_exchange, use_fast_ragged_all_to_all,
 )
 from pallas_moe.nn.functional import RouterConfig
 from pallas_moe.nn.moe import MoE, SelectionBias
 
 __all__ = [
     "MoE", "SelectionBias", "ExpertParallel", "expert_parallel_moe", "DISPATCHES", "OVERLAPS",
-    "ragged_exchange",
+    "ragged_exchange", "use_fast_ragged_all_to_all",
     "RouterConfig", "convert", "families", "overlap_check",
 ]

@@ -80,6 +80,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +98,38 @@ from pallas_moe.ops.xla import aggregate_rows
 from pallas_moe.routing.plan import plan_from_assignment
 from pallas_moe.routing.token_rounding import rounded_counts
 from pallas_moe.routing.topk import check_router_inputs, router_probabilities, topk_assignment
+
+# XLA's default GPU `ragged_all_to_all` is a one-shot kernel that moved about 5 GB/s per GPU
+# on two H200s (each GPU sending 134 MB: 49.9 ms; 537 MB: 197 ms), where a dense
+# `all_to_all` of the same arrays took 0.82 / 1.99 ms. Its decomposer (this flag) took
+# 1.79 / 5.43 ms (benchmarks/RESULTS.md, session 34). XLA reads its flags once, when the
+# GPU backend starts.
+RAGGED_ALL_TO_ALL_GPU_FLAG = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
+
+
+def use_fast_ragged_all_to_all() -> None:
+    """Adds `RAGGED_ALL_TO_ALL_GPU_FLAG` to the XLA_FLAGS environment variable (once).
+
+    Call it before JAX starts its GPU backend (before the first `jax.devices()` or
+    computation): `dispatch="ragged_all_to_all"` on GPUs is 30-100x slower without it.
+    `python -m train.main` and `benchmarks/ep.py` call it for the ragged dispatch.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "ragged_all_to_all_decomposer" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {RAGGED_ALL_TO_ALL_GPU_FLAG}".strip()
+
+
+def warn_if_slow_ragged_all_to_all(platform: str) -> None:
+    """Warns when the ragged dispatch would run XLA's slow default GPU collective."""
+    if platform == "gpu" and "ragged_all_to_all_decomposer" not in os.environ.get("XLA_FLAGS", ""):
+        warnings.warn(
+            "dispatch='ragged_all_to_all' on GPUs: XLA's default ragged_all_to_all moved about "
+            "5 GB/s per GPU on H200s (30-100x slower than its decomposer). Set XLA_FLAGS="
+            f"{RAGGED_ALL_TO_ALL_GPU_FLAG} before JAX starts (pm.nn.use_fast_ragged_all_to_all()), "
+            "or use dispatch='all_gather' (fewer bytes whenever top_k >= the EP size).",
+            stacklevel=3,
+        )
+
 
 DISPATCHES = ("all_gather", "ragged_all_to_all", "emulated_ragged_all_to_all")
 OVERLAPS = ("none", "chunked")
@@ -210,6 +244,7 @@ class ExpertParallel:
                     "ragged_all_to_all. Use dispatch='all_gather' (or "
                     "'emulated_ragged_all_to_all' to test the ragged path) on CPU."
                 )
+            warn_if_slow_ragged_all_to_all(platform)
 
     @property
     def size(self) -> int:

@@ -62,13 +62,6 @@ class SmoothQuantConfig:
         come with the previous row. Measured on an H200 (session 27, TILED rows, same
         bits): 0 against 1 row ahead 1.07-1.09x at d = 2048 and 4096, level at 1536 (the
         held row's registers cost CTAs per SM); 2 or 3 ahead were 0.63-0.81x (session 26).
-      x_per_row: with smooth scales, hold the token's X row in x's dtype and convert it
-        to f32 for each of its rows (False, default: converted once per token, kept as f32
-        across the token's rows). The same bits (the conversion is exact); half the
-        registers of the held row (at d = 1536 and vec 4: 6 instead of 12 per thread), for
-        the 7B kernel's register-limited occupancy (session 33, ncu on an H200: 56
-        registers per thread, 9 CTAs per SM, 44% of issue gaps waiting on global loads).
-        Not yet measured on a GPU.
       int8_rounding: how compiled kernels round int8 values (`_saturating_quantize`; the
         same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
         full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
@@ -79,12 +72,9 @@ class SmoothQuantConfig:
     block_pad: int = 64
     vec: int | None = None
     scale_rows_ahead: int = 0
-    x_per_row: bool = False
     int8_rounding: str = "fadd"
 
     def __post_init__(self):
-        if not isinstance(self.x_per_row, bool):
-            raise ValueError(f"config.x_per_row must be a bool, got {self.x_per_row!r}.")
         if self.int8_rounding not in ("cvt", "fadd"):
             raise ValueError(
                 f'config.int8_rounding must be "cvt" or "fadd", got {self.int8_rounding!r}.'
@@ -350,9 +340,10 @@ def smoothquant_kernel(
 
         def smoothed_rows(xt, start, stop):
             """Rows [start, stop) of one token from its [1, d] X row (`row_layout`)."""
-            # The token's row as held across its rows: f32, converted once (default), or in
-            # x's dtype, converted per row (x_per_row; astype to f32 of f32 is no op).
-            held = xt if config.x_per_row else xt.astype(jnp.float32)
+            # The token's row, converted to f32 once and held across its rows. (Held in x's
+            # dtype and converted per row instead, ptxas kept the same 56 registers per thread
+            # at 7B: session 34, ncu on an H200; that option was removed.)
+            held = xt.astype(jnp.float32)
             last = stop - 1
             ahead = config.scale_rows_ahead
             reduced = row_layout.reduce(1)  # [1]: the row's max, scale, reciprocal
