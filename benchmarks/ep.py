@@ -359,6 +359,61 @@ def bench(shape: Shape, ep_size: int, dispatch: str | None, overlap: str, args, 
     return row
 
 
+def report(rows: list[dict], checks: list[dict], args, devices: str, link_gbs: dict) -> str:
+    """The markdown tables of the timing rows and the checks (`devices`: "2 x NVIDIA H200")."""
+    strong = Shape.parse(args.shape)
+    lines = [
+        f"# EP layer benchmark: {devices}, backend={args.backend}, "
+        f"routing={args.routing}{' (skewed)' if args.skew else ''}",
+        "",
+        f"d={strong.d}, n={strong.n}, E={strong.E}, K={strong.K}, {args.shared_experts} shared expert(s); "
+        f"bf16 compute, params {args.param_dtype.name}; wall time, median of {args.iters}. Strong scaling: "
+        f"global T={strong.T}; weak scaling: T={args.weak_tokens} per GPU. Chunked overlap: "
+        f"{args.num_chunks} chunks. Schedule columns: from the compiled forward (None: collectives not async).",
+        "",
+        "| scaling | T | EP | dispatch | overlap | forward ms | fwd+bwd ms | fwd+bwd TFLOP/s per GPU "
+        "| shared MLP inside dispatch | combine c before down-proj c+1 | forward collectives us (hidden) "
+        "| link GB per GPU per step | link ms at measured GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines[2] += f" XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}."
+    if link_gbs:
+        lines[2] += (" Links: " + ", ".join(f"EP={e} {v:.0f} GB/s per GPU" for e, v in link_gbs.items())
+                     + " (ring ppermute of 512 MB, every GPU sending); link GB: nominal bytes at uniform routing"
+                     " (`link_bytes_per_gpu`).")
+    for row in rows:
+        head = f"| {row['scaling']} | {row['T']} | {row['ep']} | {row['dispatch']} | {row['overlap']} |"
+        if "error" in row:
+            lines.append(f"{head} error | {row['error']} | | | | | | |")
+        else:
+            traces = list(row.get("forward_trace", {}).values())
+            comm = ""
+            if traces:  # mean over the GPUs
+                total = sum(t["collective_us"] for t in traces) / len(traces)
+                hidden = sum(t["hidden_us"] for t in traces) / len(traces)
+                comm = f"{total:.0f} ({100 * hidden / total:.0f}%)" if total else "0"
+            lines.append(
+                f"{head} {row['fwd_ms']:.2f} | {row['fwd_bwd_ms']:.2f} | {row['fwd_bwd_tflops_per_gpu']:.0f} | "
+                f"{row.get('shared_in_dispatch', '')} | {row.get('combine_before_next_down', '')} | {comm} | "
+                + (f"{row['link_gb_per_gpu']:.2f} | {1e3 * row['link_gb_per_gpu'] / link_gbs[row['ep']]:.2f} |"
+                   if "link_gb_per_gpu" in row and link_gbs.get(row["ep"]) else " | |")
+            )
+    if checks:
+        lines += ["", f"Correctness at {args.check_shape} (T,d,n,E,K), relative error vs one device:", ""]
+        for c in checks:
+            name = (f"EP={c['ep']} {c['dispatch']} overlap={c['overlap']} {c['routing']}"
+                    f"{' skewed' if c['skew'] else ''} backend={c['backend']}{' check_vma' if c['check_vma'] else ''}")
+            if "error" in c:
+                lines.append(f"- {name}: error {c['error']} -> FAIL")
+                continue
+            worst_grad = max(c["dparams_rel_err"].values())
+            lines.append(
+                f"- {name}: y {c['y_rel_err']:.1e}, dx {c['dx_rel_err']:.1e}, "
+                f"worst dparam {worst_grad:.1e} -> {'ok' if c['ok'] else 'FAIL'}"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="mosaic", choices=BACKENDS)
@@ -476,62 +531,12 @@ def main(argv=None) -> int:
             rows.append(row)
             print("bench", json.dumps({k: v for k, v in row.items() if k not in ("schedule", "forward_trace")}),
                   flush=True)
-            for device, t in row.get("forward_trace", {}).items():
+            for gpu, t in row.get("forward_trace", {}).items():
                 print("trace", json.dumps({"T": row["T"], "ep": row["ep"], "dispatch": row["dispatch"],
-                                           "overlap": row["overlap"], "device": device,
+                                           "overlap": row["overlap"], "device": gpu,
                                            **{k: v for k, v in t.items() if k != "kernel_names"}}), flush=True)
 
-    strong = Shape.parse(args.shape)
-    lines = [
-        f"# EP layer benchmark: {len(jax.devices())} x {device.device_kind}, backend={args.backend}, "
-        f"routing={args.routing}{' (skewed)' if args.skew else ''}",
-        "",
-        f"d={strong.d}, n={strong.n}, E={strong.E}, K={strong.K}, {args.shared_experts} shared expert(s); "
-        f"bf16 compute, params {args.param_dtype.name}; wall time, median of {args.iters}. Strong scaling: "
-        f"global T={strong.T}; weak scaling: T={args.weak_tokens} per GPU. Chunked overlap: "
-        f"{args.num_chunks} chunks. Schedule columns: from the compiled forward (None: collectives not async).",
-        "",
-        "| scaling | T | EP | dispatch | overlap | forward ms | fwd+bwd ms | fwd+bwd TFLOP/s per GPU "
-        "| shared MLP inside dispatch | combine c before down-proj c+1 | forward collectives us (hidden) "
-        "| link GB per GPU per step | link ms at measured GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    lines[2] += f" XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}."
-    if link_gbs:
-        lines[2] += (" Links: " + ", ".join(f"EP={e} {v:.0f} GB/s per GPU" for e, v in link_gbs.items())
-                     + " (ring ppermute of 512 MB, every GPU sending); link GB: nominal bytes at uniform routing"
-                     " (`link_bytes_per_gpu`).")
-    for row in rows:
-        head = f"| {row['scaling']} | {row['T']} | {row['ep']} | {row['dispatch']} | {row['overlap']} |"
-        if "error" in row:
-            lines.append(f"{head} error | {row['error']} | | | | | | |")
-        else:
-            traces = list(row.get("forward_trace", {}).values())
-            comm = ""
-            if traces:  # mean over the GPUs
-                total = sum(t["collective_us"] for t in traces) / len(traces)
-                hidden = sum(t["hidden_us"] for t in traces) / len(traces)
-                comm = f"{total:.0f} ({100 * hidden / total:.0f}%)" if total else "0"
-            lines.append(
-                f"{head} {row['fwd_ms']:.2f} | {row['fwd_bwd_ms']:.2f} | {row['fwd_bwd_tflops_per_gpu']:.0f} | "
-                f"{row.get('shared_in_dispatch', '')} | {row.get('combine_before_next_down', '')} | {comm} | "
-                + (f"{row['link_gb_per_gpu']:.2f} | {1e3 * row['link_gb_per_gpu'] / link_gbs[row['ep']]:.2f} |"
-                   if "link_gb_per_gpu" in row and link_gbs.get(row["ep"]) else " | |")
-            )
-    if checks:
-        lines += ["", f"Correctness at {args.check_shape} (T,d,n,E,K), relative error vs one device:", ""]
-        for c in checks:
-            name = (f"EP={c['ep']} {c['dispatch']} overlap={c['overlap']} {c['routing']}"
-                    f"{' skewed' if c['skew'] else ''} backend={c['backend']}{' check_vma' if c['check_vma'] else ''}")
-            if "error" in c:
-                lines.append(f"- {name}: error {c['error']} -> FAIL")
-                continue
-            worst_grad = max(c["dparams_rel_err"].values())
-            lines.append(
-                f"- {name}: y {c['y_rel_err']:.1e}, dx {c['dx_rel_err']:.1e}, "
-                f"worst dparam {worst_grad:.1e} -> {'ok' if c['ok'] else 'FAIL'}"
-            )
-    table = "\n".join(lines) + "\n"
+    table = report(rows, checks, args, f"{len(jax.devices())} x {device.device_kind}", link_gbs)
     print(table)
     out = args.out or os.path.join(
         "benchmarks", "results", f"ep_{device.device_kind.replace(' ', '_')}_{args.backend}.md"

@@ -50,3 +50,42 @@ def test_hidden_time_is_the_collectives_overlap_with_the_union_of_other_kernels(
         (150, 110, "ncclDevKernel_SendRecv", 50),
         (300, 10, "ncclKernel_AllReduce", 0),
     ]
+
+
+def test_ep_report_tables_a_traced_row_an_error_and_a_check():
+    """`benchmarks/ep.py`'s markdown report with the rows a GPU run gives (call 2 of session
+    34 wrote its tables only after this was fixed: a loop variable had shadowed the device)."""
+    import argparse
+
+    import jax.numpy as jnp
+
+    from benchmarks.ep import report
+
+    args = argparse.Namespace(shape="32768,4096,512,128,8", backend="mosaic", routing="topk", skew=False,
+                              shared_experts=1, param_dtype=jnp.dtype(jnp.bfloat16), iters=10,
+                              weak_tokens=4096, num_chunks=2, check_shape="4096,1024,256,16,4")
+    trace = {"collective_us": 1259.0, "hidden_us": 507.0, "hidden_fraction": 0.4, "collectives": []}
+    rows = [
+        {"scaling": "strong", "T": 32768, "ep": 1, "dispatch": "-", "overlap": "-", "fwd_ms": 7.76,
+         "fwd_bwd_ms": 27.14, "fwd_bwd_tflops_per_gpu": 364.0},
+        {"scaling": "strong", "T": 32768, "ep": 2, "dispatch": "all_gather", "overlap": "none", "fwd_ms": 5.34,
+         "fwd_bwd_ms": 16.54, "fwd_bwd_tflops_per_gpu": 299.0, "shared_in_dispatch": True,
+         "combine_before_next_down": [], "link_gb_per_gpu": 1.07,
+         "forward_trace": {"/device:GPU:0": trace, "/device:GPU:1": dict(trace, hidden_us=509.0)}},
+        {"scaling": "strong", "T": 32768, "ep": 2, "dispatch": "ragged_all_to_all", "overlap": "none",
+         "error": "JaxRuntimeError: launch failed"},
+    ]
+    checks = [{"ep": 2, "dispatch": "all_gather", "overlap": "none", "routing": "topk", "skew": True,
+               "backend": "mosaic", "check_vma": False, "y_rel_err": 7.7e-4, "dx_rel_err": 3.6e-3,
+               "dparams_rel_err": {"w_down": 4.7e-3}, "ok": True}]
+    text = report(rows, checks, args, "2 x NVIDIA H200", {2: 284.7})
+    lines = text.splitlines()
+    assert lines[0] == "# EP layer benchmark: 2 x NVIDIA H200, backend=mosaic, routing=topk"
+    assert "EP=2 285 GB/s per GPU" in lines[2]
+    table = [line for line in lines if line.startswith("| strong")]
+    assert table[0].startswith("| strong | 32768 | 1 | - | - | 7.76 | 27.14 | 364 |")
+    assert "| 1259 (40%) | 1.07 | 3.76 |" in table[1]  # mean of the GPUs' hidden time; 1.07 GB / 285 GB/s
+    assert "error | JaxRuntimeError: launch failed" in table[2]
+    assert lines[-1] == ("- EP=2 all_gather overlap=none topk skewed backend=mosaic: y 7.7e-04, dx 3.6e-03, "
+                         "worst dparam 4.7e-03 -> ok")
+    assert all(line.count("|") == table[0].count("|") for line in table)
