@@ -185,11 +185,17 @@ def collective_overlap(fn, *args, steps: int) -> dict:
         hidden = sum(c[3] for c in collectives)
         per_call = len(collectives) // steps if steps else 0
         middle = collectives[per_call * (steps // 2): per_call * (steps // 2 + 1)]
+        # Every GPU event from the middle call's first collective to its last one's end
+        # (start us from there, duration us, name): what ran beside each collective.
+        window = (middle[0][0], max(c[0] + c[1] for c in middle)) if middle else (0, -1)
+        timeline = [((s - window[0]) / 1e3, (e - s) / 1e3, name.split("(")[0][:60])
+                    for s, e, name in events if window[0] <= s <= window[1]][:400]
         report[device] = {
             "collective_us": total / steps / 1e3, "hidden_us": hidden / steps / 1e3,
             "hidden_fraction": hidden / total if total else None,
             "collectives": [(name.split("(")[0][:60], dur / 1e3, hid / 1e3) for _, dur, name, hid in middle],
             "kernel_names": sorted({name.split("(")[0][:60] for _, _, name in events}),
+            "timeline": timeline,
         }
     return report
 
@@ -534,7 +540,8 @@ def main(argv=None) -> int:
             for gpu, t in row.get("forward_trace", {}).items():
                 print("trace", json.dumps({"T": row["T"], "ep": row["ep"], "dispatch": row["dispatch"],
                                            "overlap": row["overlap"], "device": gpu,
-                                           **{k: v for k, v in t.items() if k != "kernel_names"}}), flush=True)
+                                           **{k: v for k, v in t.items() if k not in ("kernel_names", "timeline")}}),
+                      flush=True)
 
     table = report(rows, checks, args, f"{len(jax.devices())} x {device.device_kind}", link_gbs)
     print(table)

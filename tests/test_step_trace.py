@@ -89,3 +89,24 @@ def test_ep_report_tables_a_traced_row_an_error_and_a_check():
     assert lines[-1] == ("- EP=2 all_gather overlap=none topk skewed backend=mosaic: y 7.7e-04, dx 3.6e-03, "
                          "worst dparam 4.7e-03 -> ok")
     assert all(line.count("|") == table[0].count("|") for line in table)
+
+
+def test_collective_overlap_reports_per_call_time_and_the_middle_calls_timeline(monkeypatch):
+    """`benchmarks/ep.py`'s `collective_overlap` on two traced calls of a hand-made trace:
+    per-call collective and hidden time, the second call's collectives, and its timeline
+    (every event from its first collective's start to its last one's end)."""
+    import benchmarks.ep as ep
+
+    def one_call(t0):
+        return [(t0, t0 + 1000, "ncclDevKernel_AllGather(args)"), (t0 + 200, t0 + 700, "moe_up_proj"),
+                (t0 + 1000, t0 + 3000, "moe_down_proj"), (t0 + 2000, t0 + 4000, "ncclDevKernel_ReduceScatter")]
+
+    events = sorted(one_call(0) + one_call(10_000))
+    monkeypatch.setattr(ep, "traced_gpu_events_by_device", lambda fn, *a, steps: {"/device:GPU:0": events})
+    report = ep.collective_overlap(None, steps=2)["/device:GPU:0"]
+    assert report["collective_us"] == 3.0 and report["hidden_us"] == 1.5  # 0.5 + 1.0 us per call
+    assert report["hidden_fraction"] == 0.5
+    assert report["collectives"] == [("ncclDevKernel_AllGather", 1.0, 0.5), ("ncclDevKernel_ReduceScatter", 2.0, 1.0)]
+    assert [name for _, _, name in report["timeline"]] == [
+        "ncclDevKernel_AllGather", "moe_up_proj", "moe_down_proj", "ncclDevKernel_ReduceScatter"]
+    assert report["timeline"][2] == (1.0, 2.0, "moe_down_proj")
