@@ -175,7 +175,7 @@ FAST_EXTRA = [
 
 FAST_CHUNKED = [
     # The chunked overlap (top-K and token rounding; one under the vma type check).
-    ("topk", "emulated_ragged_all_to_all", 4, True, {}, CHUNKED),
+    ("topk", "emulated_ragged_all_to_all", 4, True, {}, {**CHUNKED, "comm_sms": 8}),  # comm_sms: xla ignores it
     ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"},
      {**CHUNKED, "num_chunks": 4, "check_vma": True}),
     # gpt-oss's expert biases and clamped SwiGLU through the chunked overlap.

@@ -159,6 +159,11 @@ def test_bad_overlap():
         pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", num_chunks="many")
     auto = pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="chunked", num_chunks="auto")
     assert auto.num_chunks == "auto"
+    with pytest.raises(ValueError, match="comm_sms=8 applies to overlap='chunked'.*got overlap='none'"):
+        pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", comm_sms=8)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="comm_sms must be an int >= 0"):
+            pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="chunked", comm_sms=bad)
 
 
 def test_check_vma_with_kernels_is_a_clear_error():

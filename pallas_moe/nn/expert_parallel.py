@@ -167,6 +167,11 @@ class ExpertParallel:
         chunk per 70 GFLOP, so each extra chunk's fixed cost stays under 5% of the
         down-proj. The chunks are cut by work, in whole waves of the persistent down-proj
         kernel (`RowChunking`), not by the receive buffer's rows.
+      comm_sms: "chunked" only: SMs each chunk's persistent down-proj leaves free (its grid
+        is the device's SMs less these; kernel backends, ignored by "xla"), so that the
+        previous chunk's combine kernels can run beside it. On two H200s (session 34) the
+        combine of chunk 0 ran beside nothing with every SM taken (0% of it hidden); that
+        freeing SMs fixes it is a hypothesis, not yet measured. 0 (default): every SM.
       check_vma: `jax.shard_map`'s varying-manual-axes type check of the per-shard body.
         Off by default (values are the same either way). It works with backend="xla" (the
         scans cast their carries with `jax.lax.pcast`); the Pallas kernels cannot run under
@@ -180,6 +185,7 @@ class ExpertParallel:
     capacity_factor: float | None = None
     overlap: str = "none"
     num_chunks: int | str = 2
+    comm_sms: int = 0
     check_vma: bool = False
 
     def __post_init__(self):
@@ -228,6 +234,13 @@ class ExpertParallel:
             raise ValueError(f"num_chunks must be a positive int or 'auto', got {self.num_chunks!r}.")
         if self.num_chunks != "auto":
             _checks.check_positive_int("num_chunks", self.num_chunks)
+        if not isinstance(self.comm_sms, int) or isinstance(self.comm_sms, bool) or self.comm_sms < 0:
+            raise ValueError(f"comm_sms must be an int >= 0, got {self.comm_sms!r}.")
+        if self.comm_sms and self.overlap != "chunked":
+            raise ValueError(
+                f"comm_sms={self.comm_sms} applies to overlap='chunked' (SMs left free beside "
+                f"the chunked down-proj), got overlap={self.overlap!r}."
+            )
         if not isinstance(self.check_vma, bool):
             raise TypeError(f"check_vma must be a bool, got {type(self.check_vma).__name__}.")
         if self.overlap == "chunked" and self.dispatch == "all_gather":
@@ -591,7 +604,7 @@ def _chunked_experts_and_combine(
     me = jax.lax.axis_index(ep.axis)
     resolved = resolve_backend(backend, x_recv, w_down_l)
     asked = auto_num_chunks(expected_rows, d, n) if ep.num_chunks == "auto" else ep.num_chunks
-    chunking = RowChunking.for_shape(resolved, d, n, receive_rows, asked)
+    chunking = RowChunking.for_shape(resolved, d, n, receive_rows, asked, free_sms=ep.comm_sms)
     num_chunks, chunk_rows = chunking.num_chunks, chunking.rows
     # A source sends its rows for dst expert-major and truncated to `allowed`.
     kept = jnp.clip(allowed[:, :, None] - _exclusive_cumsum(all_counts, 2), 0, all_counts)  # [s, d, e]
@@ -599,7 +612,7 @@ def _chunked_experts_and_combine(
     row_bounds = jax.vmap(chunking.bounds)(jnp.sum(kept, axis=0))  # [G(dst), C+1]
     y = chunked_row_ffn(
         x_recv, plan_recv, w_gate_up_l, w_down_l, num_chunks=asked, backend=resolved,
-        row_bounds=row_bounds[me], **row_options,
+        row_bounds=row_bounds[me], free_sms=ep.comm_sms, **row_options,
     )  # [C, S, d]: chunk c holds grouped rows [row_bounds[me, c], row_bounds[me, c+1])
     counts = _chunk_send_counts(kept, row_bounds)  # [C, d, s]
     before = _exclusive_cumsum(counts, 0)  # [C, d, s] rows returned in earlier chunks

@@ -26,15 +26,21 @@ B)
   # The xla check_vma case session 34 did not rerun after its fix (ragged, chunked, token
   # rounding), the kernel path's token rounding under the decomposer flag, and the strong
   # ragged chunked forward's timeline (what runs beside each collective: ep.py's trace now
-  # keeps it) to explain why the chunked combine hid 0-18%.
+  # keeps it) to explain why the chunked combine hid 0-18%, with the down-proj on every SM
+  # and with 16 and 32 SMs left to the combine (ExpertParallel.comm_sms; hypothesis: the
+  # persistent down-proj fills every SM, so NCCL's kernels wait for it). Predicted: with
+  # free SMs chunk 0's combine is >= 50% hidden and the chunked step beats "none" (52.4 ms).
   EP="python3 benchmarks/ep.py --ep 2 --gpu-lock /tmp/ep.lock --dispatch ragged_all_to_all"
   timeout 400 $EP --backend xla --skip-bench --overlap chunked --check-routings token_rounding --out /tmp/ep/x.md > /tmp/ep/x.log 2>&1 &
   timeout 400 $EP --backend mosaic --skip-bench --check-routings token_rounding --out /tmp/ep/m.md > /tmp/ep/m.log 2>&1 &
-  timeout 500 $EP --backend mosaic --skip-check --scaling strong --overlap chunked --iters 5 --out /tmp/ep/s.md > /tmp/ep/s.log 2>&1 &
+  for sms in 0 16 32; do
+    timeout 500 $EP --backend mosaic --skip-check --scaling strong --overlap chunked --comm-sms $sms --iters 5 \
+      --out /tmp/ep/s$sms.md > /tmp/ep/s$sms.log 2>&1 &
+  done
   wait
   grep -h "^check" /tmp/ep/[xm].log | cut -c1-300 | tee $OUT/checks.log
-  grep -h "^bench\|^trace" /tmp/ep/s.log | cut -c1-300
-  cp /tmp/ep/s.json $OUT/ 2>/dev/null; tar czf $OUT/logs.tar.gz /tmp/ep/*.log ;;
+  grep -h "^bench\|^trace" /tmp/ep/s*.log | cut -c1-300
+  tar czf $OUT/logs.tar.gz /tmp/ep/*.log /tmp/ep/*.json ;;
 X)
   # Several GPUs beyond two: every check and both scalings at EP = 2 and 4 (and 8 on -x8),
   # processes side by side as in session 34's calls 1-2. Split further if it times out.
