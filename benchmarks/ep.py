@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_moe as pm
-from benchmarks.step import traced_gpu_events_by_device
+from benchmarks.step import kernel_key, traced_gpu_events_by_device
 from pallas_moe.nn.overlap_check import ep_overlap_report
 from pallas_moe.ops.moe_ffn import BACKENDS
 
@@ -188,13 +188,13 @@ def collective_overlap(fn, *args, steps: int) -> dict:
         # Every GPU event from the middle call's first collective to its last one's end
         # (start us from there, duration us, name): what ran beside each collective.
         window = (middle[0][0], max(c[0] + c[1] for c in middle)) if middle else (0, -1)
-        timeline = [((s - window[0]) / 1e3, (e - s) / 1e3, name.split("(")[0][:60])
+        timeline = [((s - window[0]) / 1e3, (e - s) / 1e3, kernel_key(name))
                     for s, e, name in events if window[0] <= s <= window[1]][:400]
         report[device] = {
             "collective_us": total / steps / 1e3, "hidden_us": hidden / steps / 1e3,
             "hidden_fraction": hidden / total if total else None,
-            "collectives": [(name.split("(")[0][:60], dur / 1e3, hid / 1e3) for _, dur, name, hid in middle],
-            "kernel_names": sorted({name.split("(")[0][:60] for _, _, name in events}),
+            "collectives": [(kernel_key(name), dur / 1e3, hid / 1e3) for _, dur, name, hid in middle],
+            "kernel_names": sorted({kernel_key(name) for _, _, name in events}),
             "timeline": timeline,
         }
     return report
@@ -480,10 +480,11 @@ def main(argv=None) -> int:
         return 2
 
     if args.exchange_rows:
+        d = Shape.parse(args.shape).d
         with gpu_turn(args.gpu_lock):
             for rows, e in ((int(v), e) for v in args.exchange_rows.split(",") for e in ep_sizes):
                 print("exchange", json.dumps({"xla_flags": os.environ.get("XLA_FLAGS", ""),
-                                              **exchange_time_ms(e, rows, Shape.parse(args.shape).d)}), flush=True)
+                                              **exchange_time_ms(e, rows, d)}), flush=True)
         return 0
 
     failed = False

@@ -49,7 +49,7 @@ from pallas_moe.nn.functional import router_logits
 ITERS = 5
 
 
-def _kernel_key(kernel_name: str) -> str:
+def kernel_key(kernel_name: str) -> str:
     """A kernel's name without its argument list, at most 60 characters."""
     return kernel_name.split("(")[0][:60]
 
@@ -61,7 +61,7 @@ def kernel_breakdown(f, *args):
     per = collections.Counter()
     count = collections.Counter()
     for name, ms in timings:
-        key = _kernel_key(name)
+        key = kernel_key(name)
         per[key] += ms
         count[key] += 1
     return [(k, per[k], count[k]) for k, _ in per.most_common()]
@@ -106,7 +106,7 @@ def concurrent_kernels(events):
     for start, end, name in events:
         running = [(e, n) for e, n in running if e > start]
         for other_end, other in running:
-            overlaps[(_kernel_key(other), _kernel_key(name))] += min(end, other_end) - start
+            overlaps[(kernel_key(other), kernel_key(name))] += min(end, other_end) - start
         running.append((end, name))
     return overlaps
 
@@ -132,7 +132,7 @@ def idle_between_kernels(f, *args, steps: int = 5, top: int = 10):
     busy_start = start
     for s, e, name in events[1:]:
         if s > end:  # nothing runs on any stream between `end` and `s`
-            gaps[(_kernel_key(prev), _kernel_key(name))] += s - end
+            gaps[(kernel_key(prev), kernel_key(name))] += s - end
             busy += end - busy_start
             busy_start = s
         if e > end:

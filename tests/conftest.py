@@ -31,9 +31,9 @@ def _cpu_compile_flags():
     already set the level."""
     if os.path.exists("/dev/nvidiactl"):
         return
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {CPU_XLA_FLAGS}".strip()
+    from pallas_moe._xla_flags import add_xla_flag
+
+    add_xla_flag(CPU_XLA_FLAGS)
 
 
 def pytest_configure(config):

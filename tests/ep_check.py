@@ -283,18 +283,22 @@ def gpu_path_vma_checks():
     mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
     logits = jax.random.normal(jax.random.key(3), (2 * 64, E), jnp.float32)
 
-    def traced(name, body, out_specs):
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=Spec("expert"), out_specs=out_specs, check_vma=True))
+    def record(name, trace):
+        """Runs `trace()` (a `.trace(...)` call) and records whether it passed the check."""
         try:
-            fn.trace(logits)
+            trace()
             out.append({"check": name, "ok": True})
         except Exception as err:  # noqa: BLE001 - the record says what failed
             out.append({"check": name, "ok": False, "error": f"{type(err).__name__}: {err}"[:400]})
 
-    traced("vma_softmax_kernel", lambda l: routing_kernels.softmax_rows(l), Spec("expert"))
-    traced("vma_topk_kernels", lambda l: topk_pairs(l, K, impl="kernel").rows, Spec("expert"))
-    traced("vma_token_rounding_kernels",
-           lambda l: token_rounding_plan(l, K, tile=TILE, impl="kernel").token_ids, Spec("expert"))
+    def in_shard_map(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=Spec("expert"), out_specs=Spec("expert"),
+                                     check_vma=True))
+
+    record("vma_softmax_kernel", lambda: in_shard_map(routing_kernels.softmax_rows).trace(logits))
+    record("vma_topk_kernels", lambda: in_shard_map(lambda l: topk_pairs(l, K, impl="kernel").rows).trace(logits))
+    record("vma_token_rounding_kernels", lambda: in_shard_map(
+        lambda l: token_rounding_plan(l, K, tile=TILE, impl="kernel").token_ids).trace(logits))
 
     # The ragged dispatch's exchange with the real collective (GPU/TPU only at run time,
     # traced here): its VJP must give the operand's cotangent the operand's varying type.
@@ -308,11 +312,7 @@ def gpu_path_vma_checks():
 
         return jax.shard_map(body, mesh=mesh, in_specs=Spec("expert"), out_specs=Spec(), check_vma=True)(x)
 
-    try:
-        jax.jit(jax.grad(exchange_loss)).trace(jnp.ones((16, D), jnp.bfloat16))
-        out.append({"check": "vma_ragged_exchange_grad", "ok": True})
-    except Exception as err:  # noqa: BLE001 - the record says what failed
-        out.append({"check": "vma_ragged_exchange_grad", "ok": False, "error": f"{type(err).__name__}: {err}"[:400]})
+    record("vma_ragged_exchange_grad", lambda: jax.jit(jax.grad(exchange_loss)).trace(jnp.ones((16, D), jnp.bfloat16)))
 
     ep_mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "expert"))
     on_gpu = formulas._on_gpu
@@ -327,12 +327,8 @@ def gpu_path_vma_checks():
                 y, aux = nnx.merge(graphdef, params, rest)(x)
                 return jnp.mean(jnp.square(y.astype(jnp.float32))) + aux["loss"]
 
-            name = f"vma_ep_gpu_routing_{routing}"
-            try:
-                jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, inputs(False))
-                out.append({"check": name, "ok": True})
-            except Exception as err:  # noqa: BLE001 - the record says what failed
-                out.append({"check": name, "ok": False, "error": f"{type(err).__name__}: {err}"[:400]})
+            record(f"vma_ep_gpu_routing_{routing}",
+                   lambda: jax.jit(jax.grad(loss, argnums=(0, 1))).trace(params, inputs(False)))
     finally:
         formulas._on_gpu = on_gpu
     return out

@@ -206,3 +206,8 @@ def test_fast_ragged_all_to_all_flag_is_added_once_and_its_absence_warns_on_gpus
         ep_module.warn_if_slow_ragged_all_to_all("gpu")  # the flag is set: no warning
         monkeypatch.delenv("XLA_FLAGS")
         ep_module.warn_if_slow_ragged_all_to_all("tpu")  # TPUs have their own collective
+        # A caller's own setting of the flag wins, and counts as a choice (no warning).
+        monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=false")
+        pm.nn.use_fast_ragged_all_to_all()
+        assert os.environ["XLA_FLAGS"] == "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=false"
+        ep_module.warn_if_slow_ragged_all_to_all("gpu")

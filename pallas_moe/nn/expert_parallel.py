@@ -80,7 +80,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import warnings
 
 import jax
@@ -89,6 +88,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_moe import _checks
 from pallas_moe._vma import vary, vary_together, varying_axes
+from pallas_moe._xla_flags import add_xla_flag, has_xla_flag
 from pallas_moe.nn import functional as F
 from pallas_moe.numerics import Numerics
 from pallas_moe.ops.activation import SwiGLU
@@ -108,20 +108,20 @@ RAGGED_ALL_TO_ALL_GPU_FLAG = "--xla_gpu_unsupported_enable_ragged_all_to_all_dec
 
 
 def use_fast_ragged_all_to_all() -> None:
-    """Adds `RAGGED_ALL_TO_ALL_GPU_FLAG` to the XLA_FLAGS environment variable (once).
+    """Adds `RAGGED_ALL_TO_ALL_GPU_FLAG` to the XLA_FLAGS environment variable, unless it
+    sets that flag already (`pallas_moe._xla_flags.add_xla_flag`).
 
     Call it before JAX starts its GPU backend (before the first `jax.devices()` or
     computation): `dispatch="ragged_all_to_all"` on GPUs is 30-100x slower without it.
     `python -m train.main` and `benchmarks/ep.py` call it for the ragged dispatch.
     """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "ragged_all_to_all_decomposer" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {RAGGED_ALL_TO_ALL_GPU_FLAG}".strip()
+    add_xla_flag(RAGGED_ALL_TO_ALL_GPU_FLAG)
 
 
 def warn_if_slow_ragged_all_to_all(platform: str) -> None:
-    """Warns when the ragged dispatch would run XLA's slow default GPU collective."""
-    if platform == "gpu" and "ragged_all_to_all_decomposer" not in os.environ.get("XLA_FLAGS", ""):
+    """Warns when the ragged dispatch would run XLA's slow default GPU collective (XLA_FLAGS
+    does not choose the decomposer, on or off)."""
+    if platform == "gpu" and not has_xla_flag("xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"):
         warnings.warn(
             "dispatch='ragged_all_to_all' on GPUs: XLA's default ragged_all_to_all moved about "
             "5 GB/s per GPU on H200s (30-100x slower than its decomposer). Set XLA_FLAGS="
