@@ -39,7 +39,7 @@ from jax.experimental.mosaic.gpu import profiler
 import pallas_moe as pm
 from benchmarks.logs import open_log
 from benchmarks.forward import (
-    PINGPONG_UP, SHAPES, cooperative_up_cfg, gpu_time_ms, pipelined_ms, wall_time_ms,
+    SHAPES, cooperative_up_cfg, pingpong_up, gpu_time_ms, pipelined_ms, wall_time_ms,
 )
 from benchmarks.layer import dense_bound_fns
 from pallas_moe.kernels import KernelConfig
@@ -253,7 +253,7 @@ CONFIG_FLAGS = {
     # The ping-pong up-proj (64-row items) at any width, e.g. against the split-M kernel
     # that session 30 made the H200's default at d <= 1536 from n = 512 on.
     "pingpong-up": lambda c, n: _replace_up(
-        c, dataclasses.replace(PINGPONG_UP, pingpong_ctas=default_num_sms())),
+        c, dataclasses.replace(pingpong_up(), pingpong_ctas=default_num_sms())),
     # The cooperative up-proj (one CTA per tile), the default before session 24 at d > 1536.
     "cooperative-up": lambda c, n: _replace_up(c, cooperative_up_cfg(n)),
     # Both weight gradients as persistent CTAs (session 23), 3 stages (what fits beside

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from jax._src import xla_bridge  # backends_are_initialized has no public equivalent
+
 
 def _name(flag: str) -> str:
     """"--xla_foo=1" -> "xla_foo"."""
@@ -25,3 +27,8 @@ def add_xla_flag(flag: str) -> None:
     It takes effect only if JAX has not created its backend yet."""
     if not has_xla_flag(_name(flag)):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
+def backends_started() -> bool:
+    """Whether JAX has created its backends, after which XLA no longer reads XLA_FLAGS."""
+    return xla_bridge.backends_are_initialized()

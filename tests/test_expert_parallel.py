@@ -190,12 +190,18 @@ def test_expert_parallel_type_checked():
 def test_fast_ragged_all_to_all_flag_is_added_once_and_its_absence_warns_on_gpus(monkeypatch):
     """XLA's default GPU ragged_all_to_all moved ~5 GB/s per GPU on two H200s (session 34):
     the ragged dispatch warns on a GPU mesh unless XLA_FLAGS picks the decomposer, and
-    `use_fast_ragged_all_to_all` adds that flag, keeping the caller's others, once."""
+    `use_fast_ragged_all_to_all` adds that flag, keeping the caller's others, once; after
+    the backends have started it raises instead (XLA would ignore the flag)."""
     from pallas_moe.nn import expert_parallel as ep_module
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
     with pytest.warns(UserWarning, match="ragged_all_to_all_decomposer=true"):
         ep_module.warn_if_slow_ragged_all_to_all("gpu")
+    # This process's backends have started: XLA would ignore the flag, so it raises.
+    with pytest.raises(RuntimeError, match="after JAX started its backends"):
+        pm.nn.use_fast_ragged_all_to_all()
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+    monkeypatch.setattr(ep_module, "backends_started", lambda: False)
     pm.nn.use_fast_ragged_all_to_all()
     pm.nn.use_fast_ragged_all_to_all()
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x " + ep_module.RAGGED_ALL_TO_ALL_GPU_FLAG

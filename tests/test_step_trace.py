@@ -110,3 +110,24 @@ def test_collective_overlap_reports_per_call_time_and_the_middle_calls_timeline(
     assert [name for _, _, name in report["timeline"]] == [
         "ncclDevKernel_AllGather", "moe_up_proj", "moe_down_proj", "ncclDevKernel_ReduceScatter"]
     assert report["timeline"][2] == (1.0, 2.0, "moe_down_proj")
+
+
+def test_importing_the_programs_that_set_xla_flags_does_not_start_jax():
+    """benchmarks/ep.py and train.main add XLA flags after their imports (the ragged
+    collective's decomposer); XLA reads XLA_FLAGS once, when JAX starts its backends. In
+    session 35 a module-level device query in benchmarks/forward.py (imported through
+    benchmarks/step.py) started them first, and ep.py's ragged runs got XLA's slow default
+    collective (400 ms instead of ~5 ms per forward on two H200s). A fresh interpreter
+    imports each program and checks that no backend has started."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, jax\n"
+        "from jax._src import xla_bridge\n"
+        "for m in ('benchmarks.ep', 'train.main'):\n"
+        "    importlib.import_module(m)\n"
+        "    assert not xla_bridge.backends_are_initialized(), m\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

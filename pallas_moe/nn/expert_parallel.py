@@ -88,7 +88,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_moe import _checks
 from pallas_moe._vma import vary, vary_together, varying_axes
-from pallas_moe._xla_flags import add_xla_flag, has_xla_flag
+from pallas_moe._xla_flags import add_xla_flag, backends_started, has_xla_flag
 from pallas_moe.nn import functional as F
 from pallas_moe.numerics import Numerics
 from pallas_moe.ops.activation import SwiGLU
@@ -114,7 +114,20 @@ def use_fast_ragged_all_to_all() -> None:
     Call it before JAX starts its GPU backend (before the first `jax.devices()` or
     computation): `dispatch="ragged_all_to_all"` on GPUs is 30-100x slower without it.
     `python -m train.main` and `benchmarks/ep.py` call it for the ragged dispatch.
+
+    Raises RuntimeError if XLA_FLAGS lacks the flag and JAX has already started a backend:
+    XLA would ignore it (session 35 lost a benchmark run to exactly that, a module import
+    having started the backend first). Set it in the environment instead, or call this
+    before anything touches `jax.devices()`.
     """
+    name = RAGGED_ALL_TO_ALL_GPU_FLAG.lstrip("-").split("=", 1)[0]
+    if not has_xla_flag(name) and backends_started():
+        raise RuntimeError(
+            "use_fast_ragged_all_to_all() was called after JAX started its backends, so XLA "
+            f"would ignore {RAGGED_ALL_TO_ALL_GPU_FLAG}. Call it before the first jax.devices() "
+            "or computation (at the top of the program), or put the flag in XLA_FLAGS before "
+            "starting Python."
+        )
     add_xla_flag(RAGGED_ALL_TO_ALL_GPU_FLAG)
 
 
