@@ -41,6 +41,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import jax
@@ -122,19 +123,37 @@ def place(params, x, mesh, ep_axis):
     return params, jax.device_put(x, NamedSharding(mesh, P(mesh.axis_names)))
 
 
+def _exit_hung_turn(limit_s: float) -> None:
+    print(f"error: a GPU turn ran past --turn-limit {limit_s:.0f} s; exiting so that the GPU lock "
+          "is freed (a collective whose other ranks failed, e.g. out of memory, waits forever)",
+          file=sys.stderr, flush=True)
+    os._exit(3)
+
+
 @contextlib.contextmanager
-def gpu_turn(lock_path: str | None):
+def gpu_turn(lock_path: str | None, limit_s: float | None = None, on_timeout=_exit_hung_turn):
     """Holds an exclusive file lock while the GPUs run: several ep.py processes started
     side by side (`--gpu-lock` on the same path) compile at once on the CPU but run and
-    time their programs one at a time. No lock without a path."""
+    time their programs one at a time. No lock without a path.
+
+    `limit_s`: a watchdog thread calls `on_timeout(limit_s)` (default: exit the process)
+    if the turn lasts longer. In session 35 one device of an EP = 2 program ran out of
+    memory, the other waited in the collective's rendezvous forever, and the process held
+    the lock until every other process's time ran out."""
     if not lock_path:
         yield
         return
     with open(lock_path, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
+        watchdog = threading.Timer(limit_s, on_timeout, (limit_s,)) if limit_s else None
+        if watchdog:
+            watchdog.daemon = True
+            watchdog.start()
         try:
             yield
         finally:
+            if watchdog:
+                watchdog.cancel()
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
@@ -308,7 +327,7 @@ def check(shape: Shape, ep_size: int, dispatch: str, overlap: str, routing: str,
         params, forward, grad = step_fns(layer)
         params, xs = place(params, x, None if ep is None else ep.mesh, "expert")
         grad, forward = (f.lower(params, xs).compile() for f in (grad, forward))
-        with gpu_turn(args.gpu_lock):
+        with gpu_turn(args.gpu_lock, args.turn_limit):
             (loss, (g_params, g_x)) = grad(params, xs)
             results[name] = jax.block_until_ready((forward(params, xs), loss, g_params, g_x))
         if ep is None:
@@ -348,7 +367,7 @@ def bench(shape: Shape, ep_size: int, dispatch: str | None, overlap: str, args, 
         row["shared_in_dispatch"] = shared.get("between_start_and_done")
         row["combine_before_next_down"] = [c.get("combine_starts_first") for c in report["chunks"]]
         row["schedule"] = report
-    with gpu_turn(args.gpu_lock):
+    with gpu_turn(args.gpu_lock, args.turn_limit):
         t_fwd = time_fn(forward, params, x, iters=args.iters)
         t_fb = time_fn(grad, params, x, iters=args.iters)
         if ep is not None and args.trace_steps:
@@ -453,6 +472,8 @@ def main(argv=None) -> int:
                         help="forward calls traced per EP config for the collectives' hidden time (0: none)")
     parser.add_argument("--gpu-lock", default=None, dest="gpu_lock",
                         help="lock file: processes started side by side compile at once, run one at a time")
+    parser.add_argument("--turn-limit", type=float, default=300.0, dest="turn_limit",
+                        help="seconds one GPU turn may take under --gpu-lock before the process exits")
     parser.add_argument("--exchange-rows", default="", dest="exchange_rows",
                         help="comma-separated row counts: time the ragged collective alone at d of --shape, then exit")
     parser.add_argument("--xla-default-ragged", action="store_true", dest="xla_default_ragged",
@@ -481,7 +502,7 @@ def main(argv=None) -> int:
 
     if args.exchange_rows:
         d = Shape.parse(args.shape).d
-        with gpu_turn(args.gpu_lock):
+        with gpu_turn(args.gpu_lock, args.turn_limit):
             for rows, e in ((int(v), e) for v in args.exchange_rows.split(",") for e in ep_sizes):
                 print("exchange", json.dumps({"xla_flags": os.environ.get("XLA_FLAGS", ""),
                                               **exchange_time_ms(e, rows, d)}), flush=True)
@@ -515,7 +536,7 @@ def main(argv=None) -> int:
     rows = []
     link_gbs = {}
     if not args.skip_bench:
-        with gpu_turn(args.gpu_lock):
+        with gpu_turn(args.gpu_lock, args.turn_limit):
             for e in ep_sizes:
                 link_gbs[e] = link_bandwidth_gbs(e)
                 print("link", json.dumps({"ep": e, "gb_per_s_per_gpu": link_gbs[e]}), flush=True)

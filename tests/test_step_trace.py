@@ -131,3 +131,22 @@ def test_importing_the_programs_that_set_xla_flags_does_not_start_jax():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_gpu_turn_past_its_limit_calls_the_watchdog_and_a_quick_one_does_not(tmp_path):
+    """ep.py's processes take the GPUs one at a time under a file lock; a turn that hangs
+    (a collective whose other rank failed) must not hold the lock forever."""
+    import threading
+    import time
+
+    from benchmarks.ep import gpu_turn
+
+    fired = threading.Event()
+    lock = str(tmp_path / "lock")
+    with gpu_turn(lock, limit_s=0.05, on_timeout=lambda limit: fired.set()):
+        assert fired.wait(5.0)
+    fired.clear()
+    with gpu_turn(lock, limit_s=0.5, on_timeout=lambda limit: fired.set()):
+        pass
+    time.sleep(0.7)
+    assert not fired.is_set()
