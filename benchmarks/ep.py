@@ -9,7 +9,7 @@
 
 1. Correctness (`--check-shape`): the same `pm.nn.MoE` (same init) on one device and with
    `ExpertParallel(mesh, dispatch=..., overlap=...)` on EP GPUs, for every EP size, both
-   dispatches, "none" and "chunked" overlap (ragged dispatches), top-K and token
+   dispatches, "none" and "chunked" overlap (rows or tokens in chunks), top-K and token
    rounding, random and skewed routing: outputs and the gradients of every parameter and
    of x must agree (relative Frobenius error below `--tol`; bf16 summation order differs).
    Then the same with `check_vma=True` on the xla backend: the Pallas kernels cannot run
@@ -22,10 +22,12 @@
    median of `--iters` after warm-up. Tokens are split over the EP GPUs; expert weights
    live split over the expert axis.
 3. Overlap: "none" vs "chunked" (`--num-chunks`) rows of the timing tables, and, for each
-   ragged config, where the compiled forward schedules the overlaps
+   EP config, where the compiled forward schedules the overlaps
    (`pallas_moe.nn.overlap_check.ep_overlap_report`): whether the shared MLP sits between
    the dispatch's async start and done, and whether each chunk's combine starts before
-   the next chunk's down-proj (the layer has one shared expert here).
+   the next chunk's down-proj (the layer has one shared expert here); `--dump-hlo DIR`
+   keeps each compiled forward. Each traced forward reports the collectives' GPU time and
+   the part of it that ran beside the layer's kernels.
 
 Prints tables and writes them (markdown) and the raw rows (JSON) next to `--out`. The
 one-GPU cost of chunking the down-proj is `benchmarks/chunked_down_proj.py`.
@@ -298,13 +300,13 @@ def make_ep(ep_size: int, dispatch: str, args, overlap: str = "none", check_vma:
     return pm.nn.ExpertParallel(
         make_mesh(ep_size), dispatch=dispatch, capacity_factor=capacity, overlap=overlap,
         num_chunks=args.num_chunks, check_vma=check_vma,
-        comm_sms=args.comm_sms if overlap == "chunked" else 0,
+        comm_sms=args.comm_sms if overlap == "chunked" and dispatch != "all_gather" else 0,
     )
 
 
 def modes(dispatches, overlaps):
-    """(dispatch, overlap) pairs: "chunked" only with the ragged dispatches."""
-    return [(d, o) for d in dispatches for o in overlaps if o == "none" or d != "all_gather"]
+    """(dispatch, overlap) pairs: every dispatch with every overlap."""
+    return [(d, o) for d in dispatches for o in overlaps]
 
 
 _single_cache: dict = {}
@@ -362,7 +364,13 @@ def bench(shape: Shape, ep_size: int, dispatch: str | None, overlap: str, args, 
     forward, grad = (f.lower(params, x).compile() for f in (forward, grad))
     if ep is not None:
         # Where the compiled forward puts the overlaps (async start/done on GPU).
-        report = ep_overlap_report(forward.as_text())
+        hlo = forward.as_text()
+        report = ep_overlap_report(hlo)
+        if args.dump_hlo:  # the GPU schedule, to read on a machine without GPUs
+            os.makedirs(args.dump_hlo, exist_ok=True)
+            name = f"{scaling}_T{shape.T}_ep{ep_size}_{dispatch}_{overlap}.hlo.txt"
+            with open(os.path.join(args.dump_hlo, name), "w") as f:
+                f.write(hlo)
         shared = report.get("shared", {})
         row["shared_in_dispatch"] = shared.get("between_start_and_done")
         row["combine_before_next_down"] = [c.get("combine_starts_first") for c in report["chunks"]]
@@ -472,6 +480,8 @@ def main(argv=None) -> int:
                         help="forward calls traced per EP config for the collectives' hidden time (0: none)")
     parser.add_argument("--gpu-lock", default=None, dest="gpu_lock",
                         help="lock file: processes started side by side compile at once, run one at a time")
+    parser.add_argument("--dump-hlo", default="", dest="dump_hlo",
+                        help="directory for each EP config's compiled forward (HLO text)")
     parser.add_argument("--turn-limit", type=float, default=300.0, dest="turn_limit",
                         help="seconds one GPU turn may take under --gpu-lock before the process exits")
     parser.add_argument("--exchange-rows", default="", dest="exchange_rows",

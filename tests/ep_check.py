@@ -102,9 +102,13 @@ def max_rel(a, b):
 
 
 def chunks_used(ep, routing, extra):
-    """Chunks the chunked overlap cuts a shard's received rows into (xla backend)."""
+    """Chunks the chunked overlap cuts a shard's received rows (ragged dispatches, xla
+    backend) or tokens (all-gather dispatch) into."""
+    from pallas_moe.nn.expert_parallel import token_chunks
     from pallas_moe.ops.row_chunks import XLA_CHUNK_ALIGN, chunk_layout
 
+    if ep.dispatch == "all_gather":
+        return len(token_chunks(T // ep.num_token_shards, ep.num_chunks))
     cfg = build(routing, False, **extra).config
     rows = ep.receive_capacity(cfg, T // ep.num_token_shards)
     return chunk_layout(rows, ep.num_chunks, XLA_CHUNK_ALIGN)[1]
@@ -181,6 +185,9 @@ FAST_CHUNKED = [
     # gpt-oss's expert biases and clamped SwiGLU through the chunked overlap.
     ("token_rounding", "emulated_ragged_all_to_all", 2, False, {"preset": "biases_clamped", "tile": 16},
      CHUNKED),
+    # The all-gather dispatch in token chunks: token rounding (rows added and dropped,
+    # the capacity bound per chunk), skewed, under the vma type check; comm_sms: xla ignores it.
+    ("token_rounding", "all_gather", 4, True, {"tile": 16}, {**CHUNKED, "check_vma": True, "comm_sms": 8}),
 ]
 
 
@@ -191,7 +198,7 @@ def full_cases():
         yield routing, dispatch, ep_size, skew, {}
         if routing == "token_rounding":
             yield routing, dispatch, ep_size, skew, {"tile": 16}
-        if dispatch != "all_gather":
+        if ep_size > 1:
             yield routing, dispatch, ep_size, skew, {}, CHUNKED
             if ep_size == 4:
                 yield routing, dispatch, ep_size, skew, {}, {**CHUNKED, "check_vma": True}
@@ -424,6 +431,12 @@ def schedule_checks():
     checks.append({
         "check": "schedule_all_gather", "report": rep,
         "ok": rep["shared"]["independent"] and rep["num_chunks"] == 0,
+    })
+    rep = report_of(pm.nn.ExpertParallel(mesh, dispatch="all_gather", **CHUNKED))
+    checks.append({
+        "check": "schedule_all_gather_chunked", "report": rep,
+        "ok": rep["shared"]["independent"] and rep["num_chunks"] == 3 and len(rep["chunks"]) == 2
+        and all(c["independent"] for c in rep["chunks"]),
     })
 
     # Negative controls: the same scopes, with the overlap made impossible.

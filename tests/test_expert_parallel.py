@@ -63,17 +63,19 @@ def test_ep_matches_single_device():
 
 def test_ep_chunked_overlap_matches_single_device():
     """overlap="chunked" equals the single-device layer for top-K and token rounding, with
-    the rows really cut into several chunks, expert biases and the clamped SwiGLU included;
-    the vma type check passes on the ragged dispatch (a process of its own, so pytest-xdist
-    runs it beside `test_ep_matches_single_device`)."""
+    the rows (ragged dispatch) or tokens (all-gather dispatch) really cut into several
+    chunks, expert biases and the clamped SwiGLU included; the vma type check passes on
+    both dispatches (a process of its own, so pytest-xdist runs it beside
+    `test_ep_matches_single_device`)."""
     proc, results = _run_ep_check("chunked")
-    _check(proc, results, 3)
+    _check(proc, results, 4)
     assert all(r.get("overlap") == "chunked" for r in results)
     assert {r["routing"] for r in results} == {"topk", "token_rounding"}
     assert all(r["chunks"] >= 3 for r in results)
     assert {r["ep"] for r in results} == {2, 4, 8}
     assert any(r.get("preset") == "biases_clamped" for r in results)
-    assert {r["dispatch"] for r in results if r.get("check_vma")} == {"emulated_ragged_all_to_all"}
+    assert {r["dispatch"] for r in results} == {"emulated_ragged_all_to_all", "all_gather"}
+    assert {r["dispatch"] for r in results if r.get("check_vma")} == {"emulated_ragged_all_to_all", "all_gather"}
 
 
 def test_ep_overlap_schedule():
@@ -81,9 +83,10 @@ def test_ep_overlap_schedule():
     collectives and chunk c's combine of chunk c+1's down-proj; hand-built programs
     without the overlap fail the same checks."""
     proc, results = _run_ep_check("schedule")
-    _check(proc, results, 5)
+    _check(proc, results, 6)
     assert {r["check"] for r in results} == {
-        "schedule_chunked", "schedule_all_gather", "negative_shared", "negative_chunks",
+        "schedule_chunked", "schedule_all_gather", "schedule_all_gather_chunked",
+        "negative_shared", "negative_chunks",
         "signal_primitives_lower",  # what overlap="signal" would need lowers for Hopper
     }
 
@@ -149,8 +152,9 @@ def test_bad_overlap():
         pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="async")
     with pytest.raises(ValueError, match=rf"overlap='signal'.*not available in JAX {re.escape(jax.__version__)}.*docs/ep_overlap.md.*overlap='chunked'"):
         pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="signal")
-    with pytest.raises(ValueError, match="overlap='chunked' needs a ragged dispatch"):
-        pm.nn.ExpertParallel(_mesh(), dispatch="all_gather", overlap="chunked")
+    chunked = pm.nn.ExpertParallel(_mesh(), dispatch="all_gather", overlap="chunked", num_chunks="auto")
+    assert (chunked.overlap, chunked.num_chunks) == ("chunked", "auto")
+    assert pm.nn.ExpertParallel(_mesh(), dispatch="all_gather", overlap="chunked", comm_sms=8).comm_sms == 8
     with pytest.raises(ValueError, match="num_chunks must be positive"):
         pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="chunked", num_chunks=0)
     with pytest.raises(TypeError, match="num_chunks must be a Python int"):
@@ -217,3 +221,33 @@ def test_fast_ragged_all_to_all_flag_is_added_once_and_its_absence_warns_on_gpus
         pm.nn.use_fast_ragged_all_to_all()
         assert os.environ["XLA_FLAGS"] == "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=false"
         ep_module.warn_if_slow_ragged_all_to_all("gpu")
+
+
+def test_all_gather_comm_sms_leaves_sms_to_every_expert_kernel_and_keeps_the_bits(monkeypatch):
+    """The all-gather dispatch's chunked overlap with `comm_sms`: the chunk's expert FFN gets
+    kernel configs on the device's SMs less `comm_sms`, forward and backward (interpret
+    mode: the forward; xla: none), with the same bits as on every SM; out of range is an
+    error that names comm_sms."""
+    from pallas_moe.kernels import BackwardConfig, ForwardConfig
+    import importlib
+
+    moe_forward_module = importlib.import_module("pallas_moe.kernels.moe_forward")
+    from pallas_moe.nn import expert_parallel as ep_module
+    from tests.test_row_chunks import _kernel_inputs
+
+    x, plan, w1, w2 = _kernel_inputs(d=256)
+    assert ep_module.kernels_leaving_sms("xla", x, w2, 8) is None
+    cfg = ep_module.kernels_leaving_sms("interpret", x, w2, 1)
+    assert cfg.forward == ForwardConfig.for_shape(256, 64, num_sms=3) and cfg.backward is None
+    freed = jax.jit(lambda x, w1, w2: pm.moe_ffn(x, plan, w1, w2, backend="interpret", config=cfg))(x, w1, w2)
+    every = jax.jit(lambda x, w1, w2: pm.moe_ffn(x, plan, w1, w2, backend="interpret"))(x, w1, w2)
+    np.testing.assert_array_equal(np.asarray(freed, np.float32), np.asarray(every, np.float32))
+    with pytest.raises(ValueError, match=r"comm_sms=4 must be in \[0, 4\)"):
+        ep_module.kernels_leaving_sms("interpret", x, w2, 4)
+    # A GPU's kernels (132 SMs): both passes on 120.
+    monkeypatch.setattr(ep_module, "resolve_backend", lambda backend, *args: "mosaic")
+    monkeypatch.setattr(moe_forward_module, "default_num_sms", lambda: 132)
+    cfg = ep_module.kernels_leaving_sms("mosaic", x, w2, 12)
+    assert cfg.forward == ForwardConfig.for_shape(256, 64, num_sms=120)
+    assert cfg.backward == BackwardConfig.for_shape(256, 64, num_sms=120)
+    assert cfg.forward != ForwardConfig.for_shape(256, 64, num_sms=132)

@@ -50,11 +50,13 @@ Overlap (single-batch overlap; docs/ep_overlap.md):
 * Shared experts: the shared MLP runs on each shard's tokens inside the same `shard_map`
   body as the dispatch and depends on nothing it receives, so XLA runs it while the
   dispatch collective is in flight.
-* `overlap="chunked"` (ragged dispatches): the received rows, grouped by local expert, go
+* `overlap="chunked"`, ragged dispatches: the received rows, grouped by local expert, go
   through the down-proj in chunks cut at its row tiles, by work
   (`pallas_moe.ops.row_chunks`); each chunk's combine is its own ragged exchange, free to
-  run while the next chunk's down-proj computes. Equal to `overlap="none"` in outputs and
-  gradients.
+  run while the next chunk's down-proj computes. All-gather dispatch: the shard's tokens
+  go in chunks, each with its own all-gather, local experts and reduce-scatter, so a
+  chunk's reduce-scatter is free to run while the next chunk's experts compute. Equal to
+  `overlap="none"` in outputs and gradients.
 * `overlap="signal"` (a down-proj kernel that signals per `block_m` rows and sends finished
   blocks to their sources) is not built; the doc says what JAX 0.11.2's Mosaic GPU offers
   for it (remote refs, remote semaphores) and why.
@@ -77,6 +79,7 @@ rows, so it is not bitwise across EP sizes in general.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -93,7 +96,7 @@ from pallas_moe.nn import functional as F
 from pallas_moe.numerics import Numerics
 from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.ops.moe_ffn import moe_ffn, resolve_backend
-from pallas_moe.ops.row_chunks import RowChunking, auto_num_chunks, chunked_row_ffn
+from pallas_moe.ops.row_chunks import RowChunking, auto_num_chunks, chunked_row_ffn, down_proj_scope, sms_left
 from pallas_moe.ops.xla import aggregate_rows
 from pallas_moe.routing.plan import plan_from_assignment
 from pallas_moe.routing.token_rounding import rounded_counts
@@ -168,23 +171,29 @@ class ExpertParallel:
         include `axis`. Default: every axis of the mesh, in mesh order.
       capacity_factor: ragged dispatch only; receive buffer of `capacity_factor * T_l * K`
         rows per shard (None: the exact worst case, never drops).
-      overlap: how the down-proj meets the combine (ragged dispatches only). "none": the
-        whole down-proj, then one combine. "chunked": the received rows, grouped by local
-        expert, are cut into `num_chunks` chunks at row tiles; each chunk's down-proj
-        is followed by its own ragged combine, which XLA can run while the next chunk's
-        down-proj computes. Outputs and gradients equal "none". ("signal", a down-proj
+      overlap: how the experts' compute meets the combine. "none": all the experts, then
+        one combine. "chunked", ragged dispatches: the received rows, grouped by local
+        expert, are cut into `num_chunks` chunks at row tiles; each chunk's down-proj is
+        followed by its own ragged combine, which XLA can run while the next chunk's
+        down-proj computes. "chunked", all_gather dispatch: the shard's tokens are cut
+        into `num_chunks` chunks, each all-gathered, run through the local experts and
+        reduce-scattered on its own, so XLA can run chunk c's reduce-scatter while chunk
+        c+1's experts compute. Outputs and gradients equal "none". ("signal", a down-proj
         kernel that sends finished blocks itself, is not built: see the module docstring.)
       num_chunks: chunks of the "chunked" overlap (at most; fewer when there are fewer
-        `block_m` row blocks), or "auto": `pallas_moe.ops.row_chunks.auto_num_chunks` picks
-        it from the down-proj work a shard receives on average (`T_l * K` rows), one more
-        chunk per 70 GFLOP, so each extra chunk's fixed cost stays under 5% of the
-        down-proj. The chunks are cut by work, in whole waves of the persistent down-proj
-        kernel (`RowChunking`), not by the receive buffer's rows.
-      comm_sms: "chunked" only: SMs each chunk's persistent down-proj leaves free (its grid
-        is the device's SMs less these; kernel backends, ignored by "xla"), so that the
-        previous chunk's combine kernels can run beside it. On two H200s (session 34) the
-        combine of chunk 0 ran beside nothing with every SM taken (0% of it hidden); that
-        freeing SMs fixes it is a hypothesis, not yet measured. 0 (default): every SM.
+        `block_m` row blocks, or tokens), or "auto": `pallas_moe.ops.row_chunks.auto_num_chunks`
+        picks it from the down-proj work a shard holds on average (`T_l * K` rows), one
+        more chunk per 70 GFLOP, so each extra chunk's fixed cost stays under 5% of the
+        down-proj. The ragged dispatches cut by work, in whole waves of the persistent
+        down-proj kernel (`RowChunking`), not by the receive buffer's rows.
+      comm_sms: "chunked" only: SMs the chunks' persistent kernels leave free (their grids
+        are the device's SMs less these; kernel backends, ignored by "xla"), so that the
+        previous chunk's collective kernels can run beside them. Ragged dispatches: the
+        chunked down-proj. All-gather dispatch: every persistent kernel of the chunk's
+        expert FFN, forward and backward (interpret mode: the forward's). Measured on
+        H200s, ragged (session 35): no effect (32 free SMs: 71.8 ms against 71.8 at 0),
+        because XLA runs the decomposed ragged all-to-all synchronously on the compute
+        stream; the all-gather dispatch's collectives are async. 0 (default).
       check_vma: `jax.shard_map`'s varying-manual-axes type check of the per-shard body.
         Off by default (values are the same either way). It works with backend="xla" (the
         scans cast their carries with `jax.lax.pcast`); the Pallas kernels cannot run under
@@ -256,12 +265,6 @@ class ExpertParallel:
             )
         if not isinstance(self.check_vma, bool):
             raise TypeError(f"check_vma must be a bool, got {type(self.check_vma).__name__}.")
-        if self.overlap == "chunked" and self.dispatch == "all_gather":
-            raise ValueError(
-                "overlap='chunked' needs a ragged dispatch ('ragged_all_to_all' or "
-                "'emulated_ragged_all_to_all'): the all_gather dispatch combines with one "
-                "reduce-scatter over tokens, not per row."
-            )
         if self.dispatch == "ragged_all_to_all":
             platform = self.mesh.devices.flat[0].platform
             if platform == "cpu":
@@ -442,7 +445,7 @@ def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backen
     sums = F.router_sums(logits, F.assignment_counts(selected, tc_selected))
     ffn = functools.partial(moe_ffn, backend=backend, **ffn_options)
     if ep.dispatch == "all_gather":
-        y_l = _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn)
+        y_l = _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn, backend)
         sums["capacity_dropped_rows"] = jnp.zeros((), jnp.int32)
     else:
         collective = (
@@ -464,31 +467,77 @@ def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backen
     return y_l, aux
 
 
-def _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn):
+def kernels_leaving_sms(backend: str, x, w_down, free_sms: int):
+    """The `moe_ffn` kernel config whose persistent kernels run on the device's SMs less
+    `free_sms` (`row_chunks.sms_left`; x [T, d] and w_down [E, n, d] fix the shapes), or
+    None for the xla backend (no kernels). Interpret mode keeps its backward defaults (its
+    dH must not be persistent under `jit`: `moe_backward.backward_config`)."""
+    resolved = resolve_backend(backend, x, w_down)
+    if resolved == "xla":
+        return None
+    from pallas_moe.kernels import BackwardConfig, ForwardConfig, KernelConfig
+
+    d, n, num_sms = x.shape[1], w_down.shape[1], sms_left(resolved, free_sms, "comm_sms")
+    backward = None if resolved == "interpret" else BackwardConfig.for_shape(d, n, num_sms=num_sms)
+    return KernelConfig(forward=ForwardConfig.for_shape(d, n, num_sms=num_sms), backward=backward)
+
+
+def token_chunks(tokens_l: int, num_chunks: int) -> list[tuple[int, int]]:
+    """[(start, stop)] cutting a shard's `tokens_l` tokens into at most `num_chunks`
+    contiguous chunks of near-equal size (the all-gather dispatch's chunked overlap)."""
+    size = -(-tokens_l // max(1, min(num_chunks, tokens_l)))
+    return [(start, min(start + size, tokens_l)) for start in range(0, tokens_l, size)]
+
+
+def _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn, backend):
     """All-gather tokens over the expert axis, run local experts (`ffn`: `moe_ffn` with its
-    options bound), reduce-scatter. -> [T_l, d]."""
+    options bound; `backend` as given to it), reduce-scatter. -> [T_l, d].
+
+    With `overlap="chunked"` the shard's tokens go in chunks (`token_chunks`): chunk c's
+    all-gather, local experts and reduce-scatter depend on no other chunk, so XLA can run
+    chunk c's reduce-scatter (and chunk c+1's all-gather) while chunk c+1's experts compute.
+    Each chunk's plan holds the same rows as the unchunked plan's for those tokens (a
+    token's rows never span chunks; the static capacity bound holds per chunk, since token
+    rounding adds fewer than `tile` rows per expert over all chunks together), so outputs
+    equal "none"'s; weight gradients are sums of per-chunk partials (fp32 order).
+    """
     num_shards = ep.size
     local_experts = cfg.num_experts // num_shards
     tokens_l = x_l.shape[0]
 
     def columns_of_this_shard(a):
-        # [T_l, E] of every shard -> [G*T_l, E_l]: all the group's tokens, this shard's experts.
+        # [T_l, E] of every shard -> [G, T_l, E_l]: all the group's tokens, this shard's experts.
         a = a.reshape(tokens_l, num_shards, local_experts).transpose(1, 0, 2)  # [G(dst), T_l, E_l]
-        a = jax.lax.all_to_all(a, ep.axis, 0, 0, tiled=True)  # [G(src), T_l, E_l]
-        return a.reshape(num_shards * tokens_l, local_experts)
+        return jax.lax.all_to_all(a, ep.axis, 0, 0, tiled=True)  # [G(src), T_l, E_l]
 
     # One int32 exchange carries both masks: bit 0 = routed, bit 1 = kept top-K row.
     code = selected.astype(jnp.int32) + 2 * (selected & tc_selected).astype(jnp.int32)  # [T_l, E]
-    code_g = columns_of_this_shard(code)  # [G*T_l, E_l]
-    weights_g = columns_of_this_shard(weights)  # f32[G*T_l, E_l]
-    with jax.named_scope(DISPATCH_SCOPE):
-        x_g = jax.lax.all_gather(x_l, ep.axis, axis=0, tiled=True)  # [G*T_l, d]
-    plan = plan_from_assignment(
-        (code_g & 1) > 0, weights_g, (code_g & 2) > 0,
-        capacity=cfg.capacity(num_shards * tokens_l, local_experts),
-    )
-    y_g = ffn(x_g, plan, w_gate_up_l, w_down_l)  # [G*T_l, d], local experts only
-    return jax.lax.psum_scatter(y_g, ep.axis, scatter_dimension=0, tiled=True)  # [T_l, d]
+    code_g = columns_of_this_shard(code)  # [G, T_l, E_l]
+    weights_g = columns_of_this_shard(weights)  # f32[G, T_l, E_l]
+    if ep.overlap == "chunked":
+        asked = (auto_num_chunks(tokens_l * cfg.top_k, x_l.shape[1], w_down_l.shape[1])
+                 if ep.num_chunks == "auto" else ep.num_chunks)
+        chunks = token_chunks(tokens_l, asked)
+        if ep.comm_sms:
+            ffn = functools.partial(ffn, config=kernels_leaving_sms(backend, x_l, w_down_l, ep.comm_sms))
+    else:
+        chunks = [(0, tokens_l)]
+    y_chunks = []
+    for c, (start, stop) in enumerate(chunks):
+        rows = num_shards * (stop - start)
+        chunk_code = code_g[:, start:stop].reshape(rows, local_experts)  # [G*T_c, E_l]
+        chunk_weights = weights_g[:, start:stop].reshape(rows, local_experts)
+        with jax.named_scope(DISPATCH_SCOPE):
+            x_g = jax.lax.all_gather(x_l[start:stop], ep.axis, axis=0, tiled=True)  # [G*T_c, d]
+        plan = plan_from_assignment(
+            (chunk_code & 1) > 0, chunk_weights, (chunk_code & 2) > 0,
+            capacity=cfg.capacity(rows, local_experts),
+        )
+        with jax.named_scope(down_proj_scope(c)) if len(chunks) > 1 else contextlib.nullcontext():
+            y_g = ffn(x_g, plan, w_gate_up_l, w_down_l)  # [G*T_c, d], local experts only
+        with jax.named_scope(combine_scope(c)) if len(chunks) > 1 else contextlib.nullcontext():
+            y_chunks.append(jax.lax.psum_scatter(y_g, ep.axis, scatter_dimension=0, tiled=True))  # [T_c, d]
+    return y_chunks[0] if len(y_chunks) == 1 else jnp.concatenate(y_chunks, axis=0)  # [T_l, d]
 
 
 def _exclusive_cumsum(a, axis):

@@ -90,6 +90,21 @@ AUTO_FLOPS_PER_EXTRA_CHUNK = 70e9
 AUTO_MAX_CHUNKS = 4
 
 
+def sms_left(backend: str, free_sms: int, name: str = "free_sms") -> int:
+    """SMs a persistent kernel of `backend` ("mosaic" or "interpret", resolved) gets when it
+    leaves `free_sms` of the device's to other kernels (interpret mode models a 4-SM device).
+    `name`: the caller's argument, for the error."""
+    from pallas_moe.kernels.moe_forward import default_num_sms
+
+    num_sms = 4 if backend == "interpret" else default_num_sms()
+    if not 0 <= free_sms < num_sms:
+        raise ValueError(
+            f"{name}={free_sms} must be in [0, {num_sms}): the kernels need an SM of the "
+            f"{num_sms} their backend ({backend!r}) runs on."
+        )
+    return num_sms - free_sms
+
+
 def auto_num_chunks(rows: int, d: int, n: int) -> int:
     """Chunks for a down-proj of about `rows` grouped rows of width `n` -> `d`: one, plus one
     per `AUTO_FLOPS_PER_EXTRA_CHUNK` of its `2 * rows * n * d` FLOPs, at most
@@ -133,15 +148,9 @@ class RowChunking:
         if backend == "xla":
             block_m, items_per_tile, wave = XLA_CHUNK_ALIGN, 1, 1
         else:
-            from pallas_moe.kernels.moe_forward import ForwardConfig, default_num_sms
+            from pallas_moe.kernels.moe_forward import ForwardConfig
 
-            num_sms = 4 if backend == "interpret" else default_num_sms()
-            if not 0 <= free_sms < num_sms:
-                raise ValueError(
-                    f"free_sms={free_sms} must be in [0, {num_sms}): the down-proj needs an SM "
-                    f"of the {num_sms} its backend ({backend!r}) runs on."
-                )
-            down = ForwardConfig.for_shape(d, n, num_sms=num_sms - free_sms).down
+            down = ForwardConfig.for_shape(d, n, num_sms=sms_left(backend, free_sms)).down
             block_m, items_per_tile, wave = down.block_m, d // down.block_n, down.num_sms
         rows, count = chunk_layout(capacity, num_chunks, block_m)
         if count > 1:  # a bound may move up to a wave of tiles and a block from the equal split
