@@ -300,7 +300,7 @@ def make_ep(ep_size: int, dispatch: str, args, overlap: str = "none", check_vma:
     return pm.nn.ExpertParallel(
         make_mesh(ep_size), dispatch=dispatch, capacity_factor=capacity, overlap=overlap,
         num_chunks=args.num_chunks, check_vma=check_vma,
-        comm_sms=args.comm_sms if overlap == "chunked" and dispatch != "all_gather" else 0,
+        comm_sms=args.comm_sms if overlap == "chunked" else 0,
     )
 
 
