@@ -74,8 +74,9 @@ class Config:
     devices: int = 1  # devices of the (data, expert) mesh; 0 = every device of every process
     expert_parallel: int = 1  # size of the mesh's expert axis (experts split over it)
     dispatch: str = "all_gather"  # pm.nn.ExpertParallel dispatch
-    overlap: str = "none"  # pm.nn.ExpertParallel overlap: "none" or "chunked" (ragged dispatch)
+    overlap: str = "none"  # pm.nn.ExpertParallel overlap: "none" or "chunked"
     num_chunks: int = 2  # chunks of overlap="chunked"
+    comm_sms: int = 0  # overlap="chunked": SMs the chunks' kernels leave to the collectives
     # Bookkeeping.
     seed: int = 0
     log_every: int = 10
@@ -227,7 +228,7 @@ def validate(c: Config) -> Config:
         _non_negative(c, field)  # finite too: grad_clip=nan would silently turn clipping off
     for field in ("expert_parallel", "num_chunks"):
         _positive_int(c, field)
-    for field in ("warmup_steps", "max_train_bytes", "seed", "checkpoint_every", "devices"):
+    for field in ("warmup_steps", "max_train_bytes", "seed", "checkpoint_every", "devices", "comm_sms"):
         _non_negative(c, field)
         if not isinstance(getattr(c, field), int):
             raise ConfigError(f"{field} must be an int, got {getattr(c, field)!r}.")
@@ -242,8 +243,8 @@ def validate(c: Config) -> Config:
         raise ConfigError(
             f"expert_parallel={c.expert_parallel} must divide num_experts={c.num_experts}."
         )
-    if c.overlap == "chunked" and c.dispatch == "all_gather":
-        raise ConfigError("overlap='chunked' needs a ragged dispatch, not dispatch='all_gather'.")
+    if c.comm_sms and c.overlap != "chunked":
+        raise ConfigError(f"comm_sms={c.comm_sms} applies to overlap='chunked', got overlap={c.overlap!r}.")
     if c.vocab_size != 256:
         raise ConfigError(f"vocab_size must be 256 (byte-level tokens), got {c.vocab_size}.")
     if c.d_model % c.num_heads:

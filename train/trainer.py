@@ -49,7 +49,8 @@ def build_model(cfg: Config, seed: int | None = None, mesh=None) -> MoETransform
         import pallas_moe as pm
 
         ep = pm.nn.ExpertParallel(
-            mesh, axis="expert", dispatch=cfg.dispatch, overlap=cfg.overlap, num_chunks=cfg.num_chunks
+            mesh, axis="expert", dispatch=cfg.dispatch, overlap=cfg.overlap, num_chunks=cfg.num_chunks,
+            comm_sms=cfg.comm_sms,
         )
     return MoETransformer(cfg, rngs=nnx.Rngs(cfg.seed if seed is None else seed), expert_parallel=ep)
 
