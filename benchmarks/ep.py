@@ -520,6 +520,23 @@ def main(argv=None) -> int:
 
     failed = False
     checks = []
+    rows = []
+    link_gbs = {}
+    out = args.out or os.path.join(
+        "benchmarks", "results", f"ep_{device.device_kind.replace(' ', '_')}_{args.backend}.md"
+    )
+
+    def save() -> str:
+        # After every check and row, so that a process that is killed (a hung collective's
+        # --turn-limit, a timeout) keeps the tables of what it finished.
+        table = report(rows, checks, args, f"{len(jax.devices())} x {device.device_kind}", link_gbs)
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            f.write(table)
+        with open(os.path.splitext(out)[0] + ".json", "w") as f:
+            json.dump({"checks": checks, "rows": rows}, f, indent=1, default=str)
+        return table
+
     if not args.skip_check:
         shape = Shape.parse(args.check_shape)
         runs = [
@@ -542,9 +559,8 @@ def main(argv=None) -> int:
             checks.append(result)
             failed |= not result["ok"]
             print("check", json.dumps(result), flush=True)
+            save()
 
-    rows = []
-    link_gbs = {}
     if not args.skip_bench:
         with gpu_turn(args.gpu_lock, args.turn_limit):
             for e in ep_sizes:
@@ -570,6 +586,7 @@ def main(argv=None) -> int:
                        "overlap": overlap, "error": f"{type(err).__name__}: {err}"[:300]}
                 failed = True
             rows.append(row)
+            save()
             print("bench", json.dumps({k: v for k, v in row.items() if k not in ("schedule", "forward_trace")}),
                   flush=True)
             for gpu, t in row.get("forward_trace", {}).items():
@@ -578,16 +595,7 @@ def main(argv=None) -> int:
                                            **{k: v for k, v in t.items() if k not in ("kernel_names", "timeline")}}),
                       flush=True)
 
-    table = report(rows, checks, args, f"{len(jax.devices())} x {device.device_kind}", link_gbs)
-    print(table)
-    out = args.out or os.path.join(
-        "benchmarks", "results", f"ep_{device.device_kind.replace(' ', '_')}_{args.backend}.md"
-    )
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        f.write(table)
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        json.dump({"checks": checks, "rows": rows}, f, indent=1, default=str)
+    print(save())
     return 1 if failed else 0
 
 

@@ -150,3 +150,35 @@ def test_a_gpu_turn_past_its_limit_calls_the_watchdog_and_a_quick_one_does_not(t
         pass
     time.sleep(0.7)
     assert not fired.is_set()
+
+
+def test_ep_main_saves_its_tables_after_every_row(tmp_path, monkeypatch):
+    """A process killed mid-run (a hung collective's --turn-limit, a timeout) keeps the
+    tables of the rows it finished: session 35's call 3 lost a process's rows that way."""
+    import json
+
+    import pytest
+
+    import benchmarks.ep as ep
+
+    class Killed(BaseException):
+        pass
+
+    calls = []
+
+    def fake_bench(shape, ep_size, dispatch, overlap, args, scaling):
+        calls.append((scaling, ep_size, dispatch, overlap))
+        if len(calls) == 2:
+            raise Killed
+        return {"scaling": scaling, "T": shape.T, "ep": ep_size, "dispatch": dispatch or "-",
+                "overlap": overlap, "fwd_ms": 1.0, "fwd_bwd_ms": 3.0, "fwd_bwd_tflops_per_gpu": 1.0}
+
+    monkeypatch.setattr(ep, "bench", fake_bench)
+    monkeypatch.setattr(ep, "link_bandwidth_gbs", lambda ep_size: 100.0)
+    out = tmp_path / "ep.md"
+    with pytest.raises(Killed):
+        ep.main(["--ep", "1", "--skip-check", "--scaling", "strong", "--dispatch", "all_gather",
+                 "--backend", "xla", "--out", str(out)])
+    saved = json.loads((tmp_path / "ep.json").read_text())
+    assert [r["ep"] for r in saved["rows"]] == [1] and len(calls) == 2
+    assert "| strong | 32768 | 1 | - | none | 1.00 | 3.00 |" in out.read_text()
