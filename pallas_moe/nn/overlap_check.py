@@ -5,7 +5,8 @@ Two overlaps are arranged by `pallas_moe.nn.expert_parallel`:
 1. the shared MLP (named scope `shared_experts`) runs while the dispatch collective
    (`ep_dispatch`) is in flight;
 2. with `overlap="chunked"`, chunk c's combine collective (`ep_combine_chunk{c}`) runs
-   while chunk c+1's down-proj (`down_proj_chunk{c+1}`) computes.
+   while chunk c+1's down-proj (`down_proj_chunk{c+1}`; with the all-gather dispatch, the
+   chunk's whole expert FFN) computes.
 
 What the compiled module fixes, on every backend, is its dataflow graph: an overlap is
 possible exactly when neither side depends on the other. `ep_overlap_report` checks that
