@@ -251,3 +251,28 @@ def test_all_gather_comm_sms_leaves_sms_to_every_expert_kernel_and_keeps_the_bit
     assert cfg.forward == ForwardConfig.for_shape(256, 64, num_sms=120)
     assert cfg.backward == BackwardConfig.for_shape(256, 64, num_sms=120)
     assert cfg.forward != ForwardConfig.for_shape(256, 64, num_sms=132)
+
+
+def test_interpret_backend_over_several_devices_is_a_clear_error():
+    """Mosaic GPU's interpreter under shard_map on several CPU devices hangs or fails an
+    interpreter assertion (session 35, even with overlap="none"): refused up front. One
+    device still runs (test_check_vma_with_kernels_is_a_clear_error's mesh)."""
+    script = (
+        "import jax, numpy as np\n"
+        "from flax import nnx\n"
+        "from jax.sharding import Mesh\n"
+        "import pallas_moe as pm\n"
+        "mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ('data', 'expert'))\n"
+        "ep = pm.nn.ExpertParallel(mesh, dispatch='all_gather')\n"
+        "layer = pm.nn.MoE(128, 64, 4, 2, backend='interpret', dtype=jax.numpy.bfloat16,\n"
+        "                  rngs=nnx.Rngs(0), expert_parallel=ep)\n"
+        "try:\n"
+        "    layer(jax.numpy.ones((64, 128), jax.numpy.bfloat16))\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": "."}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=Path(__file__).resolve().parents[1])
+    assert "refused: backend='interpret' cannot run expert parallelism over several devices" in done.stdout, (
+        done.stdout[-2000:] + done.stderr[-2000:])

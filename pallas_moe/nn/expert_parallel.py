@@ -198,6 +198,10 @@ class ExpertParallel:
         Off by default (values are the same either way). It works with backend="xla" (the
         scans cast their carries with `jax.lax.pcast`); the Pallas kernels cannot run under
         it in JAX 0.11.2 (`plgpu.kernel` rejects varying inputs), which raises.
+
+    `backend="interpret"` (the kernels in Mosaic GPU's interpreter) runs on a one-device
+    mesh only; over several devices it raises (the interpreter's per-device state does not
+    survive shard_map's concurrent devices). Test EP on CPU with `backend="xla"`.
     """
 
     mesh: jax.sharding.Mesh
@@ -378,6 +382,13 @@ def expert_parallel_moe(
                 f"{type(shared).__name__} of length {len(shared) if isinstance(shared, tuple) else '?'}."
             )
         extras["shared"] = shared
+    if resolve_backend(backend, x, w_down) == "interpret" and ep.mesh.devices.size > 1:
+        raise ValueError(
+            "backend='interpret' cannot run expert parallelism over several devices: Mosaic "
+            "GPU's interpreter keeps per-device state that shard_map's concurrent devices "
+            "corrupt (on 2 CPU devices the layer hung or failed an interpreter assertion, "
+            "session 35). Test EP on CPU with backend='xla'; the kernels run under EP on GPUs."
+        )
     if ep.check_vma and resolve_backend(backend, x, w_down) != "xla":
         raise ValueError(
             f"ExpertParallel(check_vma=True) runs only with backend='xla' (got {backend!r}): "
