@@ -17,16 +17,27 @@ def _name(flag: str) -> str:
     return flag.lstrip("-").split("=", 1)[0]
 
 
-def has_xla_flag(name: str) -> bool:
-    """Whether XLA_FLAGS sets the flag `name` ("xla_foo", no dashes), to any value."""
-    return any(_name(flag) == name for flag in os.environ.get("XLA_FLAGS", "").split())
+def has_xla_flag(flag: str) -> bool:
+    """Whether XLA_FLAGS sets `flag` ("xla_foo" or "--xla_foo=value": the name counts) to
+    any value."""
+    return any(_name(f) == _name(flag) for f in os.environ.get("XLA_FLAGS", "").split())
 
 
 def add_xla_flag(flag: str) -> None:
     """Appends `flag` ("--xla_foo=value") to XLA_FLAGS unless that flag is set already.
-    It takes effect only if JAX has not created its backend yet."""
-    if not has_xla_flag(_name(flag)):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+    Raises RuntimeError if it would have to be added after JAX created its backends: XLA
+    would ignore it (session 35 lost a benchmark run to that: a module import had started
+    the backends before the flag was set, and the report printed the flag all the same)."""
+    if has_xla_flag(flag):
+        return
+    if backends_started():
+        raise RuntimeError(
+            f"{flag} was added to XLA_FLAGS after JAX started its backends, so XLA would "
+            "ignore it. Add it before the first jax.devices() or computation (at the top of "
+            "the program), or put it in XLA_FLAGS before starting Python."
+        )
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 
 def backends_started() -> bool:

@@ -205,7 +205,9 @@ def test_fast_ragged_all_to_all_flag_is_added_once_and_its_absence_warns_on_gpus
     with pytest.raises(RuntimeError, match="after JAX started its backends"):
         pm.nn.use_fast_ragged_all_to_all()
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
-    monkeypatch.setattr(ep_module, "backends_started", lambda: False)
+    from pallas_moe import _xla_flags
+
+    monkeypatch.setattr(_xla_flags, "backends_started", lambda: False)
     pm.nn.use_fast_ragged_all_to_all()
     pm.nn.use_fast_ragged_all_to_all()
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x " + ep_module.RAGGED_ALL_TO_ALL_GPU_FLAG

@@ -91,7 +91,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_moe import _checks
 from pallas_moe._vma import vary, vary_together, varying_axes
-from pallas_moe._xla_flags import add_xla_flag, backends_started, has_xla_flag
+from pallas_moe._xla_flags import add_xla_flag, has_xla_flag
 from pallas_moe.nn import functional as F
 from pallas_moe.numerics import Numerics
 from pallas_moe.ops.activation import SwiGLU
@@ -118,26 +118,17 @@ def use_fast_ragged_all_to_all() -> None:
     computation): `dispatch="ragged_all_to_all"` on GPUs is 30-100x slower without it.
     `python -m train.main` and `benchmarks/ep.py` call it for the ragged dispatch.
 
-    Raises RuntimeError if XLA_FLAGS lacks the flag and JAX has already started a backend:
-    XLA would ignore it (session 35 lost a benchmark run to exactly that, a module import
-    having started the backend first). Set it in the environment instead, or call this
-    before anything touches `jax.devices()`.
+    Raises RuntimeError if XLA_FLAGS lacks the flag and JAX has already started its
+    backends (XLA would ignore it; `add_xla_flag`). Set it in the environment instead, or
+    call this before anything touches `jax.devices()`.
     """
-    name = RAGGED_ALL_TO_ALL_GPU_FLAG.lstrip("-").split("=", 1)[0]
-    if not has_xla_flag(name) and backends_started():
-        raise RuntimeError(
-            "use_fast_ragged_all_to_all() was called after JAX started its backends, so XLA "
-            f"would ignore {RAGGED_ALL_TO_ALL_GPU_FLAG}. Call it before the first jax.devices() "
-            "or computation (at the top of the program), or put the flag in XLA_FLAGS before "
-            "starting Python."
-        )
     add_xla_flag(RAGGED_ALL_TO_ALL_GPU_FLAG)
 
 
 def warn_if_slow_ragged_all_to_all(platform: str) -> None:
     """Warns when the ragged dispatch would run XLA's slow default GPU collective (XLA_FLAGS
     does not choose the decomposer, on or off)."""
-    if platform == "gpu" and not has_xla_flag("xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"):
+    if platform == "gpu" and not has_xla_flag(RAGGED_ALL_TO_ALL_GPU_FLAG):
         warnings.warn(
             "dispatch='ragged_all_to_all' on GPUs: XLA's default ragged_all_to_all moved about "
             "5 GB/s per GPU on H200s (30-100x slower than its decomposer). Set XLA_FLAGS="
