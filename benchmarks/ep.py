@@ -403,7 +403,7 @@ def report(rows: list[dict], checks: list[dict], args, devices: str, link_gbs: d
         f"d={strong.d}, n={strong.n}, E={strong.E}, K={strong.K}, {args.shared_experts} shared expert(s); "
         f"bf16 compute, params {args.param_dtype.name}; wall time, median of {args.iters}. Strong scaling: "
         f"global T={strong.T}; weak scaling: T={args.weak_tokens} per GPU. Chunked overlap: "
-        f"{args.num_chunks} chunks, {args.comm_sms} SMs left to the combine. Schedule columns: from the compiled forward (None: collectives not async).",
+        f"{args.num_chunks} chunks, {args.comm_sms} SMs left to the collectives. Schedule columns: from the compiled forward (None: collectives not async).",
         "",
         "| scaling | T | EP | dispatch | overlap | forward ms | fwd+bwd ms | fwd+bwd TFLOP/s per GPU "
         "| shared MLP inside dispatch | combine c before down-proj c+1 | forward collectives us (hidden) "
@@ -457,11 +457,11 @@ def main(argv=None) -> int:
     parser.add_argument("--check-shape", default="4096,1024,256,16,4", help="T,d,n,E,K of the correctness check")
     parser.add_argument("--ep", default="2", help="comma-separated EP sizes besides EP=1")
     parser.add_argument("--dispatch", default="all_gather,ragged_all_to_all")
-    parser.add_argument("--overlap", default="none,chunked", help="overlaps to run (chunked: ragged dispatches)")
+    parser.add_argument("--overlap", default="none,chunked", help="overlaps to run (none, chunked)")
     parser.add_argument("--num-chunks", type=lambda v: v if v == "auto" else int(v), default=2,
                         dest="num_chunks", help='chunks of the chunked overlap, or "auto"')
     parser.add_argument("--comm-sms", type=int, default=0, dest="comm_sms",
-                        help="chunked overlap: SMs the down-proj leaves to the combine (ExpertParallel.comm_sms)")
+                        help="chunked overlap: SMs the chunks' kernels leave to the collectives (ExpertParallel.comm_sms)")
     parser.add_argument("--routing", default="topk", choices=("topk", "token_rounding"), help="routing of the timing runs")
     parser.add_argument("--tile", type=int, default=128)
     parser.add_argument("--shared-experts", type=int, default=1, dest="shared_experts",
