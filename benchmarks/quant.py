@@ -16,7 +16,8 @@ per-plan metadata included; 7B: also with `fuse_requant=True`), and the per-toke
 error of the fp8 output against the bf16 kernels' output (mean and 99th percentile).
 `--more` adds the other gather completion, the SmoothQuant recipe (per-row X quantization in
 grouped order), the quantization passes' rows per CTA and a promotion sweep
-(`PROMOTE_SWEEP`). Writes fp8_results.json, fp8_log.txt and fp8_RESULTS.md (tables also
+(`PROMOTE_SWEEP`). `--up-sweep` times the fp8 up-proj at the blocks of `FP8_UP_SWEEP`
+against the default in the same run (each output bitwise the default's on its rows). Writes fp8_results.json, fp8_log.txt and fp8_RESULTS.md (tables also
 printed last).
 
 For each shape (T, d, E, K), routing (top-K over random logits; token rounding on one shape,
@@ -284,6 +285,14 @@ GEMM_CHECK_ROWS = 256
 PROMOTE_SWEEP = (0, 1, 2, 4)
 # SmoothQuant configs timed for both quantization passes of the fp8 forward (--more).
 QUANT_SWEEP = (SmoothQuantConfig(), SmoothQuantConfig(block_t=4), SmoothQuantConfig(block_t=16))
+# fp8 up-proj blocks timed against `Fp8ForwardConfig.for_shape`'s with --up-sweep (overrides
+# of its `up` config). 128 columns with 4 stages fits the SMEM only with one output slab
+# staged at a time (229 KB of 227 otherwise).
+FP8_UP_SWEEP = (
+    dict(num_stages=4, out_slabs=1), dict(num_stages=3, out_slabs=1),
+    dict(block_n=64, num_stages=4), dict(block_n=64, num_stages=5),
+    dict(block_n=64, num_stages=6), dict(gather="tma"),
+)
 
 
 def gemm_rel_err(out, a, src_rows, row_scales, w, col_scales, group_sizes, *, gated):
@@ -321,7 +330,7 @@ def gemm_rel_err(out, a, src_rows, row_scales, w, col_scales, group_sizes, *, ga
     return float(np.sqrt(sum(float(d) for d, _ in sq) / sum(float(r) for _, r in sq)))
 
 
-def run_fp8_case(name, shape, log, interpret=False, more=False):
+def run_fp8_case(name, shape, log, interpret=False, more=False, up_sweep=False):
     from benchmarks.forward import poison_then as poison_nan_then
     from pallas_moe.kernels import _common
     from pallas_moe.kernels.down_proj import down_proj
@@ -482,7 +491,48 @@ def run_fp8_case(name, shape, log, interpret=False, more=False):
     log("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}))
     if more:
         run_fp8_more(res, log, locals())
+    if up_sweep:
+        run_fp8_up_sweep(res, log, locals())
     return res
+
+
+def run_fp8_up_sweep(res, log, case):
+    """--up-sweep: the fp8 up-proj at each `FP8_UP_SWEEP` override of the default blocks,
+    timed beside the default (timed again first and last: the same-run spread), each output
+    compared bit for bit with the default's on the plan's rows (poisoned buffers)."""
+    from benchmarks.forward import poison_then as poison_nan_then
+    from pallas_moe.kernels.grouped_gemm import grouped_matmul
+
+    cfg, kw, timed, P = case["cfg"], case["kw"], case["timed"], case["P"]
+    up8_args, a8, num_rows, n = case["up8_args"], case["a8"], int(case["plan"].num_rows), case["n"]
+    want = np.asarray(a8[:num_rows]).view(np.uint16)
+
+    def up_at(config):
+        return jax.jit(lambda q, g, w, s, c, m, t: grouped_matmul(
+            q, g, w, transpose_w=True, config=config, meta=m, capacity=P, row_scales=s,
+            col_scales=c, gated=True, token_ids=t, **kw))
+
+    rows = [dict(config="default", us=timed(up_at(cfg.up), *up8_args) * 1e3)]
+    for over in FP8_UP_SWEEP:
+        row = dict(config=",".join(f"{k}={v}" for k, v in over.items()))
+        try:
+            f = up_at(dataclasses.replace(cfg.up, **over))
+            got = poison_nan_then(f, *up8_args, nbytes=P * n * 2)
+            row["bitwise_default"] = bool(np.array_equal(
+                np.asarray(got[:num_rows]).view(np.uint16), want))
+            row["us"] = timed(f, *up8_args) * 1e3
+        except Exception as e:  # noqa: BLE001 - report and go on (e.g. SMEM overflow)
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        log("  up sweep " + json.dumps(row))
+    rows.append(dict(config="default (again)", us=timed(up_at(cfg.up), *up8_args) * 1e3))
+    base = min(rows[0]["us"], rows[-1]["us"])
+    for row in rows:
+        if "us" in row:
+            row["speedup_vs_default"] = base / row["us"]
+            row["bf16_up_over_this"] = res["bf16_up_us"] / row["us"]
+    res["up_sweep"] = rows
+    log("  up sweep: " + json.dumps(rows))
 
 
 def run_fp8_more(res, log, case):
@@ -636,6 +686,18 @@ def fp8_markdown(results, cmd, device):
         lines += ["", "SmoothQuant rows per CTA, us (X: the per-row recipe; the table's `A quant` uses block_t=16):", "",
                   "| shape | config | X quant us | A quant us |", "|---|---|---|---|"]
         lines += [f"| {name} | {k} | {v['x_us']:.0f} | {v['a_us']:.0f} |" for name, k, v in quant_rows]
+    up_rows = [(r, w) for r in results for w in r.get("up_sweep", [])]
+    if up_rows:
+        lines += ["", "fp8 up-proj blocks (--up-sweep; overrides of `Fp8ForwardConfig.for_shape`'s "
+                  "`up`; the default timed first and last, ratios against the faster of the two; "
+                  "`bitwise` = output equal to the default's on the plan's rows):", "",
+                  "| shape | config | us | vs default | bf16 up / this | bitwise |",
+                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"| {r['name']} | {w['config']} | " + (
+                f"{w['us']:.0f} | {w['speedup_vs_default']:.3f} | {w['bf16_up_over_this']:.3f} | "
+                f"{w.get('bitwise_default', '')} |" if "us" in w else f"failed: {w['error']} | | | |")
+            for r, w in up_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -647,7 +709,7 @@ def main_fp8(args):
     for name in shapes.split(","):
         try:
             results.append(run_fp8_case(name, FP8_SHAPES[name], log, interpret=args.interpret,
-                                        more=args.more))
+                                        more=args.more, up_sweep=args.up_sweep))
         except Exception as e:  # noqa: BLE001 - report and go on
             log(f"fp8 {name}: FAILED {type(e).__name__}: {e}")
             log(traceback.format_exc()[-3000:])
@@ -672,6 +734,8 @@ def main():
     p.add_argument("--more", action="store_true",
                    help="--fp8: also the other gather completion, the per-row SmoothQuant "
                         "recipe, the quantization passes' rows per CTA and the promotion sweep")
+    p.add_argument("--up-sweep", action="store_true", dest="up_sweep",
+                   help="--fp8: also the fp8 up-proj at the blocks of FP8_UP_SWEEP")
     p.add_argument("--interpret", action="store_true",
                    help="CPU smoke test of this script: kernels in interpret mode, no timings "
                         "(use with --shapes tiny)")

@@ -808,6 +808,32 @@ def aggregation_interval_ok(out, y, plan):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("d, n", [(1536, 256), (4096, 512)], ids=["7b", "30b"])
+def test_fp8_up_out_slabs_on_gpu(d, n):
+    """The gathered fp8 up-proj with one output slab staged at a time (3 and 4 stages) bit
+    for bit the default's output, on poisoned outputs at the production blocks; the
+    default is checked against the model of the H100's fp8 sums by
+    test_fp8_grouped_matmul_on_gpu."""
+    logits = jax.random.normal(jax.random.key(63), (4096, 32))
+    plan = token_rounding_plan(logits, 4, tile=128)
+    q, w, rs, cs = fp8_operands(jax.random.key(64), 4096, d, 2 * n, 32)
+    up = pm.quant.Fp8ForwardConfig.for_shape(d, n).up
+    rows = int(plan.num_rows)
+    outs = []
+    for config in (up, dataclasses.replace(up, out_slabs=1),
+                   dataclasses.replace(up, num_stages=4, out_slabs=1)):
+        junk = jnp.full((plan.capacity * n * 2,), 0xFF, jnp.uint8).block_until_ready()
+        del junk
+        got = jax.jit(functools.partial(grouped_matmul, transpose_w=True, config=config, gated=True))(
+            q, plan.group_sizes, w, row_scales=rs, col_scales=cs, token_ids=plan.token_ids)
+        outs.append(np.asarray(got[:rows]).view(np.uint16))
+    assert np.all(np.isfinite(outs[0].view(ml_dtypes.bfloat16).astype(np.float32)))
+    for other in outs[1:]:
+        np.testing.assert_array_equal(other, outs[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("smoothing", [False, True], ids=["per_token", "smoothquant"])
 @pytest.mark.parametrize("routing", ["topk", "token_rounding"])
 def test_fp8_forward_on_gpu(routing, smoothing):
@@ -968,6 +994,76 @@ def test_fp8_gathered_no_races():
     want = fp8_grouped_matmul_reference(q[ids], plan.group_sizes, w, rs[ids], cs, gated=True)
     np.testing.assert_allclose(np.asarray(got[:rows], np.float32),
                                np.asarray(want[:rows], np.float32), rtol=2**-7)
+
+
+@pytest.mark.parametrize("gathered, out_dtype", [
+    pytest.param(True, jnp.bfloat16, id="gated-gathered-bf16"),
+    pytest.param(False, jnp.float32, id="plain-f32"),
+])
+def test_fp8_out_slabs_equal_the_whole_tile(gathered, out_dtype):
+    # `out_slabs=1` stages one 128-byte slab of the output tile at a time (bf16: 2 rounds
+    # per 128-column item, f32: 4), waiting for each slab's store before writing the next.
+    # One persistent CTA walks every item (the first round's wait covers the previous
+    # item's last store), with the race detector on: the same bits as the whole tile.
+    plan = assignment_plan(jax.random.key(74), 24, 5, p=0.5, empty=(1,))
+    n_out = 128
+    q, w, rs, cs = gathered_operands(jax.random.key(75), 24, 256, 2 * n_out if gathered else n_out, 5)
+    base = dataclasses.replace(SPLIT_M, block_n=128, num_stages=3, num_sms=1, fp8_promote_every=0)
+    kw = dict(transpose_w=True, col_scales=cs, gated=gathered, out_dtype=out_dtype)
+    ids = plan.token_ids  # gathered in the kernel, or beforehand
+    kw.update(row_scales=rs, token_ids=ids) if gathered else kw.update(row_scales=rs[ids])
+    a = q if gathered else q[ids]
+    outs = []
+    for out_slabs, interpret in ((0, True), (1, plgpu.InterpretGPUParams(detect_races=True))):
+        config = dataclasses.replace(base, out_slabs=out_slabs)
+        outs.append(grouped_matmul(a, plan.group_sizes, w, config=config, interpret=interpret, **kw))
+    assert not races_found()
+    rows = int(plan.num_rows)
+    assert_untouched(outs[1], rows)
+    view = np.uint16 if out_dtype == jnp.bfloat16 else np.uint32
+    np.testing.assert_array_equal(np.asarray(outs[1][:rows]).view(view),
+                                  np.asarray(outs[0][:rows]).view(view))
+
+
+@pytest.mark.parametrize("config, kwargs, match", [
+    (dict(block_n=128, out_slabs=3), {}, r"config.out_slabs=3 must be 0 .* or divide the block's 2"),
+    (dict(block_n=64, out_slabs=-1), {}, r"config.out_slabs=-1 must be 0"),
+    (dict(block_n=128, out_slabs=1), dict(requant=True), "requant_smooth stores Q untiled: use out_slabs=0"),
+])
+def test_fp8_out_slabs_bad_values_raise(config, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cfg = GroupedMatmulConfig(block_k=128, num_stages=3, num_sms=2, fp8_promote_every=0, **config)
+        a, w = jnp.zeros((16, 128), E4M3), jnp.zeros((2, 256, 128), E4M3)
+        grouped_matmul(a, jnp.array([10, 6], jnp.int32), w, transpose_w=True, config=cfg,
+                       interpret=True, row_scales=jnp.ones((16,), jnp.float32),
+                       col_scales=jnp.ones((2, 256), jnp.float32), gated=True,
+                       requant_smooth=jnp.ones((2, 128), jnp.float32) if kwargs else None)
+
+
+@pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (24576, 1536, 256, 128, 8)],
+                         ids=["30b", "7b"])
+def test_fp8_up_four_stages_with_one_staged_slab_lowers_for_cuda(shape):
+    """128 columns with 4 stages fits the SMEM only with one output slab staged at a time
+    (the gathered up-proj: 229 KB of 227 with the whole tile, which Mosaic refuses)."""
+    from tests.cuda_target import h100_target
+
+    num_tokens, d, n, num_experts, k = shape
+    sds = jax.ShapeDtypeStruct
+    up = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=132).up
+    plan = jax.eval_shape(lambda l: topk_plan(l, k), sds((num_tokens, num_experts), jnp.float32))
+
+    def lower(config):
+        f = functools.partial(grouped_matmul, transpose_w=True, config=config, gated=True)
+        with h100_target():
+            jax.jit(f).trace(
+                sds((num_tokens, d), E4M3), plan.group_sizes, sds((num_experts, 2 * n, d), E4M3),
+                row_scales=sds((num_tokens,), jnp.float32),
+                col_scales=sds((num_experts, 2 * n), jnp.float32), token_ids=plan.token_ids,
+            ).lower(lowering_platforms=("cuda",))
+
+    lower(dataclasses.replace(up, num_stages=4, out_slabs=1))
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        lower(dataclasses.replace(up, num_stages=4))
 
 
 @pytest.mark.parametrize(

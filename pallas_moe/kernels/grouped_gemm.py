@@ -136,6 +136,11 @@ class GroupedMatmulConfig:
       approx_math: compiled kernels only: the `gated` (fp8 up-proj) epilogue's SwiGLU takes
         its exp from the hardware's `ex2.approx` (True, default, as `UpProjConfig`) or the
         full-precision `exp`; the other epilogues have no transcendental math.
+      out_slabs: 128-byte output column slabs (64 bf16 columns) each consumer stages in SMEM
+        at a time; 0 (default) = the whole block_n. Fewer free SMEM for a pipeline stage
+        (the gated fp8 up-proj at block_n=128 fits 4 stages only with 1: 229 KB otherwise)
+        at the cost of waiting, before each slab after the first, until the previous slab's
+        store has read SMEM. Must divide block_n's slab count; not with `requant_smooth`.
     """
 
     block_m: int = 128
@@ -148,6 +153,7 @@ class GroupedMatmulConfig:
     gather_completion: str = "wait_group"
     pingpong: bool = False
     approx_math: bool = True
+    out_slabs: int = 0
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -162,6 +168,12 @@ class GroupedMatmulConfig:
         )
         if self.num_sms < 1:
             raise ValueError(f"config.num_sms={self.num_sms} must be >= 1.")
+        slabs = self.block_n // 64  # of bf16 outputs; f32 outputs have twice as many
+        if self.out_slabs < 0 or (self.out_slabs and slabs % self.out_slabs):
+            raise ValueError(
+                f"config.out_slabs={self.out_slabs} must be 0 (the whole block) or divide the "
+                f"block's {slabs} output slabs of 64 bf16 columns (block_n={self.block_n})."
+            )
         if self.fp8_promote_every < 0:
             raise ValueError(
                 f"config.fp8_promote_every={self.fp8_promote_every} must be >= 0 (0 = never)."
@@ -396,6 +408,11 @@ def grouped_matmul(
                              "with e4m3 inputs.")
         _common.require_shape("requant_smooth", requant_smooth, (num_experts, n_dim))
         _common.require_dtype("requant_smooth", requant_smooth, jnp.float32)
+        if config.out_slabs:
+            raise ValueError(
+                f"config.out_slabs={config.out_slabs} stages the output tile's slabs; "
+                "requant_smooth stores Q untiled: use out_slabs=0."
+            )
         if not fused_requant_fits(config, n_dim):
             raise ValueError(
                 f"requant_smooth needs whole rows of A in one CTA: config.block_m=128, "
@@ -478,6 +495,9 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     dtype = in_dtype
     tf = _common.mma_transforms(dtype)
     num_b = 2 if gated else 1  # weight tiles per K step (gate and up)
+    # Output columns each consumer stages in SMEM per store round (`config.out_slabs`).
+    slab_cols = _common.SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize
+    staged_cols = config.out_slabs * slab_cols if config.out_slabs else bn
     promote_every = config.fp8_promote_every if promotes(config, in_dtype) else 0
     # int8 wgmma sums exactly in s32 (no promotion needed); e4m3 and bf16 in f32.
     acc_dtype = jnp.int32 if in_dtype == INT8 else jnp.float32
@@ -796,15 +816,20 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                         if has_bias:
                             plgpu.barrier_wait(bias_bars.at[c])
                             y = y + _common.bias_columns(bias_smem.at[c], mb)
-                    with jax.named_scope("previous_store"):
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's store
-                    with jax.named_scope("epilogue_store"):
-                        _common.write_row_tile(o_mma.at[c], y.astype(out_dtype))
-                        plgpu.commit_smem()
-                        _common.store_row_tile(
-                            o_copy.at[c], out_ref.at[:, pl.ds(ni * bn, bn)], dst0 - out_row0,
-                            count, mb, src_row0=src0,
-                        )
+                    y = y.astype(out_dtype)
+                    for r in range(bn // staged_cols):  # one round unless `out_slabs`
+                        with jax.named_scope("previous_store"):
+                            # the previous round's (or item's) store has read the SMEM
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        with jax.named_scope("epilogue_store"):
+                            cols = slice(r * staged_cols, (r + 1) * staged_cols)
+                            _common.write_row_tile(o_mma.at[c], y[:, cols])
+                            plgpu.commit_smem()
+                            _common.store_row_tile(
+                                o_copy.at[c],
+                                out_ref.at[:, pl.ds(ni * bn + r * staged_cols, staged_cols)],
+                                dst0 - out_row0, count, mb, src_row0=src0,
+                            )
                     return carry
 
                 num_mine = my_items if split_m else (my_items - c + 1) // 2
@@ -819,9 +844,9 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     )
     if requant:  # per consumer: Q of every column block, untiled (`store_rows`)
         o_scratch, o_views = plgpu.SMEM((2, blocks_per_item, mb, bn), E4M3), None
-    else:  # per consumer: the output tile, swizzled 128-byte slabs
+    else:  # per consumer: the output tile (or `out_slabs` of its slabs), swizzled 128-byte slabs
         o_scratch, o_views = _common.row_tile_buffers(
-            (2, mb, bn), out_dtype, interpret_mode is not None
+            (2, mb, staged_cols), out_dtype, interpret_mode is not None
         )
     scratch = [
         a_scratch,
