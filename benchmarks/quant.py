@@ -286,13 +286,11 @@ PROMOTE_SWEEP = (0, 1, 2, 4)
 # SmoothQuant configs timed for both quantization passes of the fp8 forward (--more).
 QUANT_SWEEP = (SmoothQuantConfig(), SmoothQuantConfig(block_t=4), SmoothQuantConfig(block_t=16))
 # fp8 up-proj blocks timed against `Fp8ForwardConfig.for_shape`'s with --up-sweep (overrides
-# of its `up` config). 128 columns with 4 stages fits the SMEM only with one output slab
-# staged at a time (229 KB of 227 otherwise).
-FP8_UP_SWEEP = (
-    dict(num_stages=4, out_slabs=1), dict(num_stages=3, out_slabs=1),
-    dict(block_n=64, num_stages=4), dict(block_n=64, num_stages=5),
-    dict(block_n=64, num_stages=6), dict(gather="tma"),
-)
+# of its `up` config: 128 columns, 4 stages, one output slab staged at a time; the whole
+# tile fits only beside 3 stages, the default until session 36).
+# Session 36 also timed 64 columns at 4-6 stages (0.88-0.90x: A's rows re-gathered per
+# column block) and gather="tma" (0.70x) at 30B.
+FP8_UP_SWEEP = (dict(num_stages=3, out_slabs=0), dict(num_stages=3, out_slabs=1))
 
 
 def gemm_rel_err(out, a, src_rows, row_scales, w, col_scales, group_sizes, *, gated):
@@ -463,7 +461,7 @@ def run_fp8_case(name, shape, log, interpret=False, more=False, up_sweep=False):
     res["fp8_up_requant_us"] = float("nan")
     if fuses:
         up8_requant = jax.jit(lambda q, g, w, s, c, m, t, sm: grouped_matmul(
-            q, g, w, transpose_w=True, config=cfg.up, meta=m, capacity=P, row_scales=s,
+            q, g, w, transpose_w=True, config=cfg.fused_up(), meta=m, capacity=P, row_scales=s,
             col_scales=c, gated=True, token_ids=t, requant_smooth=sm, **kw))
         res["fp8_up_requant_us"] = timed(up8_requant, *up8_args, ones_down) * 1e3
     res["up_speedup"] = res["bf16_up_us"] / res["fp8_up_us"]

@@ -810,18 +810,19 @@ def aggregation_interval_ok(out, y, plan):
 @pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("d, n", [(1536, 256), (4096, 512)], ids=["7b", "30b"])
 def test_fp8_up_out_slabs_on_gpu(d, n):
-    """The gathered fp8 up-proj with one output slab staged at a time (3 and 4 stages) bit
-    for bit the default's output, on poisoned outputs at the production blocks; the
-    default is checked against the model of the H100's fp8 sums by
-    test_fp8_grouped_matmul_on_gpu."""
+    """The default gathered fp8 up-proj (4 stages, one output slab staged at a time) bit for
+    bit the whole-tile epilogue's output (3 stages, as before session 36; and 3 stages with
+    one slab), on poisoned outputs at the production blocks; the values are checked against
+    the model of the H100's fp8 sums by test_fp8_grouped_matmul_on_gpu."""
     logits = jax.random.normal(jax.random.key(63), (4096, 32))
     plan = token_rounding_plan(logits, 4, tile=128)
     q, w, rs, cs = fp8_operands(jax.random.key(64), 4096, d, 2 * n, 32)
     up = pm.quant.Fp8ForwardConfig.for_shape(d, n).up
     rows = int(plan.num_rows)
     outs = []
-    for config in (up, dataclasses.replace(up, out_slabs=1),
-                   dataclasses.replace(up, num_stages=4, out_slabs=1)):
+    assert (up.num_stages, up.out_slabs) == (4, 1)
+    for config in (up, dataclasses.replace(up, num_stages=3, out_slabs=0),
+                   dataclasses.replace(up, num_stages=3)):
         junk = jnp.full((plan.capacity * n * 2,), 0xFF, jnp.uint8).block_until_ready()
         del junk
         got = jax.jit(functools.partial(grouped_matmul, transpose_w=True, config=config, gated=True))(
@@ -1043,8 +1044,8 @@ def test_fp8_out_slabs_bad_values_raise(config, kwargs, match):
 @pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (24576, 1536, 256, 128, 8)],
                          ids=["30b", "7b"])
 def test_fp8_up_four_stages_with_one_staged_slab_lowers_for_cuda(shape):
-    """128 columns with 4 stages fits the SMEM only with one output slab staged at a time
-    (the gathered up-proj: 229 KB of 227 with the whole tile, which Mosaic refuses)."""
+    """The default gathered up-proj: 128 columns with 4 stages fits the SMEM only with one
+    output slab staged at a time (229 KB of 227 with the whole tile, which Mosaic refuses)."""
     from tests.cuda_target import h100_target
 
     num_tokens, d, n, num_experts, k = shape
@@ -1061,9 +1062,10 @@ def test_fp8_up_four_stages_with_one_staged_slab_lowers_for_cuda(shape):
                 col_scales=sds((num_experts, 2 * n), jnp.float32), token_ids=plan.token_ids,
             ).lower(lowering_platforms=("cuda",))
 
-    lower(dataclasses.replace(up, num_stages=4, out_slabs=1))
+    assert (up.num_stages, up.out_slabs) == (4, 1)  # the default since session 36
+    lower(up)
     with pytest.raises(ValueError, match="exceeds available shared memory"):
-        lower(dataclasses.replace(up, num_stages=4))
+        lower(dataclasses.replace(up, out_slabs=0))
 
 
 @pytest.mark.parametrize(

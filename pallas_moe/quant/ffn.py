@@ -174,7 +174,8 @@ class Fp8ForwardConfig:
         the plain fp8 up-proj and the separate pass, and the forward 2472 us fused. Its
         epilogue has since been restructured (earlier column blocks of A parked in SMEM, not
         registers; the scale stores per warp; not yet measured): the benchmark times the
-        forward both ways (`fp8 fwd fused us`).
+        forward both ways (`fp8 fwd fused us`). The fused up-proj runs `up` with at most 3
+        stages and no output slab staging (`out_slabs=0`): its SMEM holds A and Q instead.
     """
 
     up: "GroupedMatmulConfig"
@@ -183,6 +184,12 @@ class Fp8ForwardConfig:
     aggregate: "AggregateConfig"
     requant: "RowBlockQuantConfig | None" = None
     fuse_requant: bool = False
+
+    def fused_up(self) -> "GroupedMatmulConfig":
+        """`up` as the fused re-quantization runs it: its epilogue parks A's earlier column
+        blocks and Q in SMEM where the plain epilogue stages its output slabs, so at most 3
+        stages fit (208 KB) and no slab staging (`out_slabs=0`)."""
+        return dataclasses.replace(self.up, num_stages=min(self.up.num_stages, 3), out_slabs=0)
 
     def __post_init__(self):
         if self.requant is None:
@@ -206,7 +213,8 @@ class Fp8ForwardConfig:
         `kernels/grouped_gemm.py`). Promotion holds a second accumulator set, so it takes
         narrower column blocks. SMEM per CTA, promoted: up 6 stages x (A 16 KB + gate and up
         tiles 2 x 8 KB) + 16 KB output = 208 KB; down 128 columns, 5 x 32 KB + 32 KB = 192 KB.
-        Not promoted: up 128 columns, 3 x 48 KB + 32 KB = 176 KB; down 256 columns,
+        Not promoted: up 128 columns, 4 x 48 KB + 16 KB (one output slab per consumer at a
+        time, `out_slabs=1`) = 208 KB; down 256 columns,
         3 x 48 KB + 64 KB = 208 KB (128 columns, 4 stages, when 256 does not divide d), or
         from n = 512 on the 128-row ping-pong schedule, 5 x 32 KB + 64 KB = 224 KB.
         """
@@ -230,7 +238,11 @@ class Fp8ForwardConfig:
             up = gemm(block_n=64, num_stages=6)
             down = gemm(block_n=128, num_stages=5)
         else:
-            up = gemm(block_n=128, num_stages=3)
+            # 4 stages of 48 KB fit only beside one staged 64-column output slab per consumer
+            # (the whole 128-column tile: 229 KB of 227). Measured on an H200 (session 36,
+            # `benchmarks/quant.py --fp8 --up-sweep`, same run, bitwise equal): 30B 1746 us
+            # against 1802-1805 with 3 stages (1.03x; the slab staging alone 1800: free).
+            up = gemm(block_n=128, num_stages=4, out_slabs=1)
             if n >= 512:
                 # Measured on the H100 (session 9, same run, bitwise equal): with K = n of at
                 # least 4 blocks of 128, the consumers alternating 128-row items (ping-pong,
@@ -411,7 +423,8 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
     up_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.up.block_m)
     # The fused requantization quantizes A to e4m3 only.
     fused = config.fuse_requant and fused_requant_fits(config.up, n) and qdtype == E4M3
-    up = dict(transpose_w=True, config=config.up, interpret=interpret, meta=up_meta,
+    up_config = config.fused_up() if fused else config.up
+    up = dict(transpose_w=True, config=up_config, interpret=interpret, meta=up_meta,
               capacity=capacity, col_scales=experts.gate_up_scales, gated=True,
               names=("q", "experts.w_gate_up"), kernel_name=f"{prefix}_up_proj",
               # The fused epilogue multiplies by a scale row; the separate pass below
