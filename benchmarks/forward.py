@@ -345,6 +345,16 @@ def variant_down_cfgs(d, n):
     return out
 
 
+def staged_down_cfgs(d, n):
+    """The default down-proj against one output slab staged at a time (`out_slabs=1`), with
+    the stage that frees (the 128-row ping-pong: 6 stages of 32 KB beside 2 x 16 KB of
+    staged slabs instead of 5 beside the whole 2 x 32-KB tiles; session 36 gave the fp8
+    up-proj 1.03x at 30B this way)."""
+    base = ForwardConfig.for_shape(d, n).down
+    rep = dataclasses.replace
+    return [base, rep(base, out_slabs=1), rep(base, out_slabs=1, num_stages=base.num_stages + 1)]
+
+
 def default_up_cfgs(d, n):
     """The forward's default plus the competing designs (see benchmarks/history/)."""
     cands = [
@@ -500,7 +510,7 @@ def main():
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
     p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "slabs", "approx", "pingpong", "none"])
-    p.add_argument("--down-sweep", default="default", choices=["default", "variants", "none"])
+    p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     args = p.parse_args()
     log = open_log(args.out, "forward_log.txt")
@@ -516,7 +526,7 @@ def main():
                            "approx": approx_up_cfgs, "pingpong": pingpong_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
-                             "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
+                             "slabs": staged_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
                 results.append(run_shape(name, SHAPES[name], skew, up_cfgs, down_cfgs, log,
                                          baselines=not args.no_baselines))
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape

@@ -5,6 +5,9 @@ fails the comparison and rows a kernel must not touch are checked to still be Na
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import numpy as np
 import pytest
 
@@ -79,6 +82,23 @@ def test_ragged_with_empty_experts_and_padding(spec, config):
     # each 128-row tile); groups start and end anywhere inside the aligned blocks.
     plan = token_rounding_plan(jax.random.normal(jax.random.key(32), (75, 5)), 2, tile=8)
     spec(plan, 128, 128, 5, config, jax.random.key(33))
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(GroupedMatmulConfig(block_m=128, block_n=128, num_stages=3, num_sms=1,
+                                     pingpong=True), id="ping_pong_128"),
+    pytest.param(GroupedMatmulConfig(block_m=128, block_n=256, num_stages=2, num_sms=1),
+                 id="split_m_256"),
+])
+@pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
+def test_one_staged_output_slab_at_a_time_no_races(spec, config):
+    # `out_slabs=1`: each consumer writes and stores one 64-column slab of its tile at a
+    # time, waiting for the previous slab's store (2 or 4 rounds per item; one CTA walks
+    # every item, so the first round's wait covers the previous item's last store).
+    plan = assignment_plan(jax.random.key(34), 40, 3, p=0.5, empty=(2,))
+    spec(plan, 128, 256, 3, dataclasses.replace(config, out_slabs=1), jax.random.key(35),
+         interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
 
 
 def test_groups_crossing_aligned_blocks_one_expert_holding_all():
@@ -217,3 +237,38 @@ def test_default_schedules_lower_for_cuda(d, n, bias):
                      sds((E, d), bf16) if bias else None).lower(lowering_platforms=("cuda",))
         dx_f.trace(sds((P, 2 * n), bf16), sds((E,), i32),
                    sds((E, d, 2 * n), bf16)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("d, n", [(1536, 256), (4096, 512)], ids=["7b", "30b"])
+def test_one_staged_slab_frees_a_stage_at_production_widths(d, n):
+    """The `out_slabs` configs the benchmarks sweep (`forward.py --down-sweep slabs`,
+    `backward.py --sweep slabs`): one more stage than the default fits in SMEM only with
+    fewer output slabs staged at a time (Mosaic refuses the same stages beside the whole
+    tile)."""
+    from benchmarks.backward import configs_for
+    from benchmarks.forward import staged_down_cfgs
+    from tests.cuda_target import h100_target
+
+    E, P = 16, 4096 * 8
+    sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    down_cfgs = staged_down_cfgs(d, n)
+    dx_cfgs = configs_for(d, n, "slabs")[-1]
+    assert len(down_cfgs) == 3 and len(dx_cfgs) == (3 if n <= 256 else 4)
+    operands = dict(
+        down=(sds((P, n), bf16), sds((E,), i32), sds((E, n, d), bf16)),
+        dx=(sds((P, 2 * n), bf16), sds((E,), i32), sds((E, d, 2 * n), bf16)),
+    )
+
+    def lower(kind, config):
+        f = (functools.partial(down_proj, config=config) if kind == "down"
+             else functools.partial(dx_rows, capacity=P, config=config))
+        with h100_target():
+            jax.jit(f).trace(*operands[kind]).lower(lowering_platforms=("cuda",))
+
+    for kind, cfgs in (("down", down_cfgs), ("dx", dx_cfgs)):
+        default, deeper = cfgs[0], cfgs[2]
+        assert deeper.num_stages == default.num_stages + 1 and deeper.out_slabs == 1
+        for config in cfgs:
+            lower(kind, config)
+        with pytest.raises(ValueError, match="exceeds available shared memory"):
+            lower(kind, dataclasses.replace(deeper, out_slabs=0))
