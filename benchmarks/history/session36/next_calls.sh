@@ -21,7 +21,7 @@ S)
   echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; grep -i "down\b.*us\|down_sweep\|FAIL" $OUT/forward.log | tail -12
   timeout 280 python3 benchmarks/backward.py --shapes 7b,30b --sweep slabs --out /tmp/bw > $OUT/backward.log 2>&1
   echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; grep "dX~\|FAIL" $OUT/backward.log | cut -c1-100,250-400 | tail -12
-  cp /tmp/fw/*RESULTS*.md /tmp/bw/*RESULTS*.md $OUT/ 2>/dev/null ;;
+  cp /tmp/fw/forward_RESULTS.md $OUT/ 2>/dev/null; cp /tmp/bw/results.json $OUT/backward_results.json 2>/dev/null ;;
 E)
   # Session 36 call 1 ran none / chunked (comm_sms 0, 16, 32) in five processes side by
   # side (compiles overlapping the timed turns): the trace showed the chunked mode hiding
