@@ -300,7 +300,6 @@ def make_ep(ep_size: int, dispatch: str, args, overlap: str = "none", check_vma:
     return pm.nn.ExpertParallel(
         make_mesh(ep_size), dispatch=dispatch, capacity_factor=capacity, overlap=overlap,
         num_chunks=args.num_chunks, check_vma=check_vma,
-        comm_sms=args.comm_sms if overlap == "chunked" else 0,
     )
 
 
@@ -403,7 +402,7 @@ def report(rows: list[dict], checks: list[dict], args, devices: str, link_gbs: d
         f"d={strong.d}, n={strong.n}, E={strong.E}, K={strong.K}, {args.shared_experts} shared expert(s); "
         f"bf16 compute, params {args.param_dtype.name}; wall time, median of {args.iters}. Strong scaling: "
         f"global T={strong.T}; weak scaling: T={args.weak_tokens} per GPU. Chunked overlap: "
-        f"{args.num_chunks} chunks, {args.comm_sms} SMs left to the collectives. Schedule columns: from the compiled forward (None: collectives not async).",
+        f"{args.num_chunks} chunks. Schedule columns: from the compiled forward (None: collectives not async).",
         "",
         "| scaling | T | EP | dispatch | overlap | forward ms | fwd+bwd ms | fwd+bwd TFLOP/s per GPU "
         "| shared MLP inside dispatch | combine c before down-proj c+1 | forward collectives us (hidden) "
@@ -460,8 +459,6 @@ def main(argv=None) -> int:
     parser.add_argument("--overlap", default="none,chunked", help="overlaps to run (none, chunked)")
     parser.add_argument("--num-chunks", type=lambda v: v if v == "auto" else int(v), default=2,
                         dest="num_chunks", help='chunks of the chunked overlap, or "auto"')
-    parser.add_argument("--comm-sms", type=int, default=0, dest="comm_sms",
-                        help="chunked overlap: SMs the chunks' kernels leave to the collectives (ExpertParallel.comm_sms)")
     parser.add_argument("--routing", default="topk", choices=("topk", "token_rounding"), help="routing of the timing runs")
     parser.add_argument("--tile", type=int, default=128)
     parser.add_argument("--shared-experts", type=int, default=1, dest="shared_experts",

@@ -179,15 +179,15 @@ FAST_EXTRA = [
 
 FAST_CHUNKED = [
     # The chunked overlap (top-K and token rounding; one under the vma type check).
-    ("topk", "emulated_ragged_all_to_all", 4, True, {}, {**CHUNKED, "comm_sms": 8}),  # comm_sms: xla ignores it
+    ("topk", "emulated_ragged_all_to_all", 4, True, {}, CHUNKED),
     ("token_rounding", "emulated_ragged_all_to_all", 8, True, {"tile": 16, "rounding": "up"},
      {**CHUNKED, "num_chunks": 4, "check_vma": True}),
     # gpt-oss's expert biases and clamped SwiGLU through the chunked overlap.
     ("token_rounding", "emulated_ragged_all_to_all", 2, False, {"preset": "biases_clamped", "tile": 16},
      CHUNKED),
     # The all-gather dispatch in token chunks: token rounding (rows added and dropped,
-    # the capacity bound per chunk), skewed, under the vma type check; comm_sms: xla ignores it.
-    ("token_rounding", "all_gather", 4, True, {"tile": 16}, {**CHUNKED, "check_vma": True, "comm_sms": 8}),
+    # the capacity bound per chunk), skewed, under the vma type check.
+    ("token_rounding", "all_gather", 4, True, {"tile": 16}, {**CHUNKED, "check_vma": True}),
 ]
 
 

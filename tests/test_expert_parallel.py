@@ -154,7 +154,6 @@ def test_bad_overlap():
         pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="signal")
     chunked = pm.nn.ExpertParallel(_mesh(), dispatch="all_gather", overlap="chunked", num_chunks="auto")
     assert (chunked.overlap, chunked.num_chunks) == ("chunked", "auto")
-    assert pm.nn.ExpertParallel(_mesh(), dispatch="all_gather", overlap="chunked", comm_sms=8).comm_sms == 8
     with pytest.raises(ValueError, match="num_chunks must be positive"):
         pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="chunked", num_chunks=0)
     with pytest.raises(TypeError, match="num_chunks must be a Python int"):
@@ -163,11 +162,6 @@ def test_bad_overlap():
         pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", num_chunks="many")
     auto = pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="chunked", num_chunks="auto")
     assert auto.num_chunks == "auto"
-    with pytest.raises(ValueError, match="comm_sms=8 applies to overlap='chunked'.*got overlap='none'"):
-        pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", comm_sms=8)
-    for bad in (-1, 2.0, True):
-        with pytest.raises(ValueError, match="comm_sms must be an int >= 0"):
-            pm.nn.ExpertParallel(_mesh(), dispatch="emulated_ragged_all_to_all", overlap="chunked", comm_sms=bad)
 
 
 def test_check_vma_with_kernels_is_a_clear_error():
@@ -223,36 +217,6 @@ def test_fast_ragged_all_to_all_flag_is_added_once_and_its_absence_warns_on_gpus
         pm.nn.use_fast_ragged_all_to_all()
         assert os.environ["XLA_FLAGS"] == "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=false"
         ep_module.warn_if_slow_ragged_all_to_all("gpu")
-
-
-def test_all_gather_comm_sms_leaves_sms_to_every_expert_kernel_and_keeps_the_bits(monkeypatch):
-    """The all-gather dispatch's chunked overlap with `comm_sms`: the chunk's expert FFN gets
-    kernel configs on the device's SMs less `comm_sms`, forward and backward (interpret
-    mode: the forward; xla: none), with the same bits as on every SM; out of range is an
-    error that names comm_sms."""
-    from pallas_moe.kernels import BackwardConfig, ForwardConfig
-    import importlib
-
-    moe_forward_module = importlib.import_module("pallas_moe.kernels.moe_forward")
-    from pallas_moe.nn import expert_parallel as ep_module
-    from tests.test_row_chunks import _kernel_inputs
-
-    x, plan, w1, w2 = _kernel_inputs(d=256)
-    assert ep_module.kernels_leaving_sms("xla", x, w2, 8) is None
-    cfg = ep_module.kernels_leaving_sms("interpret", x, w2, 1)
-    assert cfg.forward == ForwardConfig.for_shape(256, 64, num_sms=3) and cfg.backward is None
-    freed = jax.jit(lambda x, w1, w2: pm.moe_ffn(x, plan, w1, w2, backend="interpret", config=cfg))(x, w1, w2)
-    every = jax.jit(lambda x, w1, w2: pm.moe_ffn(x, plan, w1, w2, backend="interpret"))(x, w1, w2)
-    np.testing.assert_array_equal(np.asarray(freed, np.float32), np.asarray(every, np.float32))
-    with pytest.raises(ValueError, match=r"comm_sms=4 must be in \[0, 4\)"):
-        ep_module.kernels_leaving_sms("interpret", x, w2, 4)
-    # A GPU's kernels (132 SMs): both passes on 120.
-    monkeypatch.setattr(ep_module, "resolve_backend", lambda backend, *args: "mosaic")
-    monkeypatch.setattr(moe_forward_module, "default_num_sms", lambda: 132)
-    cfg = ep_module.kernels_leaving_sms("mosaic", x, w2, 12)
-    assert cfg.forward == ForwardConfig.for_shape(256, 64, num_sms=120)
-    assert cfg.backward == BackwardConfig.for_shape(256, 64, num_sms=120)
-    assert cfg.forward != ForwardConfig.for_shape(256, 64, num_sms=132)
 
 
 def test_interpret_backend_over_several_devices_is_a_clear_error():

@@ -143,30 +143,6 @@ def test_chunked_rows_kernels_interpret():
     np.testing.assert_allclose(got, reference_rows(x.astype(jnp.float32), plan, w1, w2), rtol=5e-2, atol=5e-2)
 
 
-def test_free_sms_shrink_the_down_proj_wave_and_keep_the_bits():
-    """`free_sms`: each chunk's persistent down-proj runs on the SMs less these (interpret
-    mode models 4), so the chunk bounds move by the smaller wave; the rows are the same bits
-    as with every SM. Out-of-range and non-int values are refused."""
-    x, plan, w1, w2 = _kernel_inputs(d=256)
-
-    def rows(free_sms):
-        chunking = RowChunking.for_shape("interpret", 256, 64, plan.capacity, 2, free_sms=free_sms)
-        y = jax.jit(lambda x, w1, w2: chunked_row_ffn(
-            x, plan, w1, w2, num_chunks=2, backend="interpret", free_sms=free_sms))(x, w1, w2)
-        bounds = chunking.bounds(plan.group_sizes)
-        return chunking, bounds, np.asarray(grouped_rows(y, bounds, int(plan.num_rows)))
-
-    every, bounds_every, want = rows(0)
-    freed, bounds_freed, got = rows(1)
-    assert (every.wave, freed.wave) == (4, 3)
-    assert int(bounds_every[1]) == 128 and int(bounds_freed[1]) != 128  # the wave moves the cut
-    np.testing.assert_array_equal(got, want)
-    with pytest.raises(ValueError, match=r"free_sms=4 must be in \[0, 4\)"):
-        chunked_row_ffn(x, plan, w1, w2, num_chunks=2, backend="interpret", free_sms=4)
-    with pytest.raises(TypeError, match="free_sms must be an int, got bool"):
-        chunked_row_ffn(x, plan, w1, w2, num_chunks=2, backend="interpret", free_sms=True)
-
-
 def test_chunked_rows_kernels_lower_for_cuda():
     """The mosaic path (forward and backward) lowers for Hopper with 128-row chunks."""
     x, plan, w1, w2 = _kernel_inputs(num_tokens=1000, d=128, n=128, num_experts=4, capacity=1024)
@@ -182,8 +158,6 @@ def test_chunked_rows_kernels_lower_for_cuda():
 
     kernel_calls = lambda text: text.count("stablehlo.custom_call @mosaic_gpu_v2")
     assert kernel_calls(lower(forward)) == 1 + 4  # one up-proj, one down-proj per chunk
-    freed = lambda x, w1, w2: chunked_row_ffn(x, plan, w1, w2, num_chunks=4, backend="mosaic", free_sms=20)
-    assert kernel_calls(lower(freed)) == 1 + 4  # the down-proj on 112 of an H100's 132 SMs
     loss = lambda *args: jnp.sum(forward(*args).astype(jnp.float32))
     assert kernel_calls(lower(jax.grad(loss, argnums=(0, 1, 2)))) > 1  # up-proj + backward kernels
 

@@ -63,7 +63,7 @@ def test_ep_report_tables_a_traced_row_an_error_and_a_check():
 
     args = argparse.Namespace(shape="32768,4096,512,128,8", backend="mosaic", routing="topk", skew=False,
                               shared_experts=1, param_dtype=jnp.dtype(jnp.bfloat16), iters=10,
-                              weak_tokens=4096, num_chunks=2, comm_sms=0, check_shape="4096,1024,256,16,4")
+                              weak_tokens=4096, num_chunks=2, check_shape="4096,1024,256,16,4")
     trace = {"collective_us": 1259.0, "hidden_us": 507.0, "hidden_fraction": 0.4, "collectives": []}
     rows = [
         {"scaling": "strong", "T": 32768, "ep": 1, "dispatch": "-", "overlap": "-", "fwd_ms": 7.76,

@@ -167,6 +167,18 @@ def test_resume_rejects_changed_model(tmp_path, split):
         train(with_overrides(cfg, d_expert=64), resume=True, progress=False, plot=False, data_split=split)
 
 
+def test_resume_accepts_retired_fields_at_their_retired_value():
+    """A checkpoint written before a config field was removed (session 36: comm_sms) saved
+    that field: it resumes at the value that trains as the code does now, and only there."""
+    from train.trainer import RETIRED_FIELDS, config_changes
+
+    cfg = get_config("tiny")
+    saved = {**cfg.to_dict(), "comm_sms": 0}
+    assert RETIRED_FIELDS == {"comm_sms": 0} and config_changes(saved, cfg) == set()
+    assert config_changes({**saved, "comm_sms": 8}, cfg) == {"comm_sms"}
+    assert config_changes({**saved, "d_expert": 64, "steps": 7}, cfg) == {"d_expert"}
+
+
 def test_cli_prints_outputs(tmp_path, capsys):
     from train.main import main
 

@@ -76,7 +76,6 @@ class Config:
     dispatch: str = "all_gather"  # pm.nn.ExpertParallel dispatch
     overlap: str = "none"  # pm.nn.ExpertParallel overlap: "none" or "chunked"
     num_chunks: int = 2  # chunks of overlap="chunked"
-    comm_sms: int = 0  # overlap="chunked": SMs the chunks' kernels leave to the collectives
     # Bookkeeping.
     seed: int = 0
     log_every: int = 10
@@ -228,7 +227,7 @@ def validate(c: Config) -> Config:
         _non_negative(c, field)  # finite too: grad_clip=nan would silently turn clipping off
     for field in ("expert_parallel", "num_chunks"):
         _positive_int(c, field)
-    for field in ("warmup_steps", "max_train_bytes", "seed", "checkpoint_every", "devices", "comm_sms"):
+    for field in ("warmup_steps", "max_train_bytes", "seed", "checkpoint_every", "devices"):
         _non_negative(c, field)
         if not isinstance(getattr(c, field), int):
             raise ConfigError(f"{field} must be an int, got {getattr(c, field)!r}.")
@@ -243,8 +242,6 @@ def validate(c: Config) -> Config:
         raise ConfigError(
             f"expert_parallel={c.expert_parallel} must divide num_experts={c.num_experts}."
         )
-    if c.comm_sms and c.overlap != "chunked":
-        raise ConfigError(f"comm_sms={c.comm_sms} applies to overlap='chunked', got overlap={c.overlap!r}.")
     if c.vocab_size != 256:
         raise ConfigError(f"vocab_size must be 256 (byte-level tokens), got {c.vocab_size}.")
     if c.d_model % c.num_heads:

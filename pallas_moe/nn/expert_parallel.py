@@ -96,7 +96,7 @@ from pallas_moe.nn import functional as F
 from pallas_moe.numerics import Numerics
 from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.ops.moe_ffn import moe_ffn, resolve_backend
-from pallas_moe.ops.row_chunks import RowChunking, auto_num_chunks, chunked_row_ffn, down_proj_scope, sms_left
+from pallas_moe.ops.row_chunks import RowChunking, auto_num_chunks, chunked_row_ffn, down_proj_scope
 from pallas_moe.ops.xla import aggregate_rows
 from pallas_moe.routing.plan import plan_from_assignment
 from pallas_moe.routing.token_rounding import rounded_counts
@@ -177,14 +177,6 @@ class ExpertParallel:
         more chunk per 70 GFLOP, so each extra chunk's fixed cost stays under 5% of the
         down-proj. The ragged dispatches cut by work, in whole waves of the persistent
         down-proj kernel (`RowChunking`), not by the receive buffer's rows.
-      comm_sms: "chunked" only: SMs the chunks' persistent kernels leave free (their grids
-        are the device's SMs less these; kernel backends, ignored by "xla"), so that the
-        previous chunk's collective kernels can run beside them. Ragged dispatches: the
-        chunked down-proj. All-gather dispatch: every persistent kernel of the chunk's
-        expert FFN, forward and backward (interpret mode: the forward's). Measured on
-        H200s, ragged (session 35): no effect (32 free SMs: 71.8 ms against 71.8 at 0),
-        because XLA runs the decomposed ragged all-to-all synchronously on the compute
-        stream; the all-gather dispatch's collectives are async. 0 (default).
       check_vma: `jax.shard_map`'s varying-manual-axes type check of the per-shard body.
         Off by default (values are the same either way). It works with backend="xla" (the
         scans cast their carries with `jax.lax.pcast`); the Pallas kernels cannot run under
@@ -202,7 +194,6 @@ class ExpertParallel:
     capacity_factor: float | None = None
     overlap: str = "none"
     num_chunks: int | str = 2
-    comm_sms: int = 0
     check_vma: bool = False
 
     def __post_init__(self):
@@ -251,13 +242,6 @@ class ExpertParallel:
             raise ValueError(f"num_chunks must be a positive int or 'auto', got {self.num_chunks!r}.")
         if self.num_chunks != "auto":
             _checks.check_positive_int("num_chunks", self.num_chunks)
-        if not isinstance(self.comm_sms, int) or isinstance(self.comm_sms, bool) or self.comm_sms < 0:
-            raise ValueError(f"comm_sms must be an int >= 0, got {self.comm_sms!r}.")
-        if self.comm_sms and self.overlap != "chunked":
-            raise ValueError(
-                f"comm_sms={self.comm_sms} applies to overlap='chunked' (SMs left free beside "
-                f"the chunked down-proj), got overlap={self.overlap!r}."
-            )
         if not isinstance(self.check_vma, bool):
             raise TypeError(f"check_vma must be a bool, got {type(self.check_vma).__name__}.")
         if self.dispatch == "ragged_all_to_all":
@@ -447,7 +431,7 @@ def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backen
     sums = F.router_sums(logits, F.assignment_counts(selected, tc_selected))
     ffn = functools.partial(moe_ffn, backend=backend, **ffn_options)
     if ep.dispatch == "all_gather":
-        y_l = _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn, backend)
+        y_l = _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn)
         sums["capacity_dropped_rows"] = jnp.zeros((), jnp.int32)
     else:
         collective = (
@@ -469,21 +453,6 @@ def _shard_moe(x_l, router, w_gate_up_l, w_down_l, cfg, ep, *, bias, key, backen
     return y_l, aux
 
 
-def kernels_leaving_sms(backend: str, x, w_down, free_sms: int):
-    """The `moe_ffn` kernel config whose persistent kernels run on the device's SMs less
-    `free_sms` (`row_chunks.sms_left`; x [T, d] and w_down [E, n, d] fix the shapes), or
-    None for the xla backend (no kernels). Interpret mode keeps its backward defaults (its
-    dH must not be persistent under `jit`: `moe_backward.backward_config`)."""
-    resolved = resolve_backend(backend, x, w_down)
-    if resolved == "xla":
-        return None
-    from pallas_moe.kernels import BackwardConfig, ForwardConfig, KernelConfig
-
-    d, n, num_sms = x.shape[1], w_down.shape[1], sms_left(resolved, free_sms, "comm_sms")
-    backward = None if resolved == "interpret" else BackwardConfig.for_shape(d, n, num_sms=num_sms)
-    return KernelConfig(forward=ForwardConfig.for_shape(d, n, num_sms=num_sms), backward=backward)
-
-
 def token_chunks(tokens_l: int, num_chunks: int) -> list[tuple[int, int]]:
     """[(start, stop)] cutting a shard's `tokens_l` tokens into at most `num_chunks`
     contiguous chunks of near-equal size (the all-gather dispatch's chunked overlap)."""
@@ -491,9 +460,9 @@ def token_chunks(tokens_l: int, num_chunks: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, tokens_l)) for start in range(0, tokens_l, size)]
 
 
-def _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn, backend):
+def _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_down_l, cfg, ep, ffn):
     """All-gather tokens over the expert axis, run local experts (`ffn`: `moe_ffn` with its
-    options bound; `backend` as given to it), reduce-scatter. -> [T_l, d].
+    options bound), reduce-scatter. -> [T_l, d].
 
     With `overlap="chunked"` the shard's tokens go in chunks (`token_chunks`): chunk c's
     all-gather, local experts and reduce-scatter depend on no other chunk, so XLA can run
@@ -520,8 +489,6 @@ def _all_gather_dispatch(x_l, selected, weights, tc_selected, w_gate_up_l, w_dow
         asked = (auto_num_chunks(tokens_l * cfg.top_k, x_l.shape[1], w_down_l.shape[1])
                  if ep.num_chunks == "auto" else ep.num_chunks)
         chunks = token_chunks(tokens_l, asked)
-        if ep.comm_sms:
-            ffn = functools.partial(ffn, config=kernels_leaving_sms(backend, x_l, w_down_l, ep.comm_sms))
     else:
         chunks = [(0, tokens_l)]
     y_chunks = []
@@ -668,7 +635,7 @@ def _chunked_experts_and_combine(
     me = jax.lax.axis_index(ep.axis)
     resolved = resolve_backend(backend, x_recv, w_down_l)
     asked = auto_num_chunks(expected_rows, d, n) if ep.num_chunks == "auto" else ep.num_chunks
-    chunking = RowChunking.for_shape(resolved, d, n, receive_rows, asked, free_sms=ep.comm_sms)
+    chunking = RowChunking.for_shape(resolved, d, n, receive_rows, asked)
     num_chunks, chunk_rows = chunking.num_chunks, chunking.rows
     # A source sends its rows for dst expert-major and truncated to `allowed`.
     kept = jnp.clip(allowed[:, :, None] - _exclusive_cumsum(all_counts, 2), 0, all_counts)  # [s, d, e]
@@ -676,7 +643,7 @@ def _chunked_experts_and_combine(
     row_bounds = jax.vmap(chunking.bounds)(jnp.sum(kept, axis=0))  # [G(dst), C+1]
     y = chunked_row_ffn(
         x_recv, plan_recv, w_gate_up_l, w_down_l, num_chunks=asked, backend=resolved,
-        row_bounds=row_bounds[me], free_sms=ep.comm_sms, **row_options,
+        row_bounds=row_bounds[me], **row_options,
     )  # [C, S, d]: chunk c holds grouped rows [row_bounds[me, c], row_bounds[me, c+1])
     counts = _chunk_send_counts(kept, row_bounds)  # [C, d, s]
     before = _exclusive_cumsum(counts, 0)  # [C, d, s] rows returned in earlier chunks

@@ -90,21 +90,6 @@ AUTO_FLOPS_PER_EXTRA_CHUNK = 70e9
 AUTO_MAX_CHUNKS = 4
 
 
-def sms_left(backend: str, free_sms: int, name: str = "free_sms") -> int:
-    """SMs a persistent kernel of `backend` ("mosaic" or "interpret", resolved) gets when it
-    leaves `free_sms` of the device's to other kernels (interpret mode models a 4-SM device).
-    `name`: the caller's argument, for the error."""
-    from pallas_moe.kernels.moe_forward import default_num_sms
-
-    num_sms = 4 if backend == "interpret" else default_num_sms()
-    if not 0 <= free_sms < num_sms:
-        raise ValueError(
-            f"{name}={free_sms} must be in [0, {num_sms}): the kernels need an SM of the "
-            f"{num_sms} their backend ({backend!r}) runs on."
-        )
-    return num_sms - free_sms
-
-
 def auto_num_chunks(rows: int, d: int, n: int) -> int:
     """Chunks for a down-proj of about `rows` grouped rows of width `n` -> `d`: one, plus one
     per `AUTO_FLOPS_PER_EXTRA_CHUNK` of its `2 * rows * n * d` FLOPs, at most
@@ -127,8 +112,7 @@ class RowChunking:
         (`chunk_layout`) plus room to move each bound by a wave of tiles.
       block_m: the down-proj's row tile (8 on xla); chunk bounds are tile boundaries.
       items_per_tile: the down-proj's work items per row tile (its column blocks; 1 on xla).
-      wave: work items one wave of the persistent kernel runs (its CTAs; 1 on xla): the
-        device's SMs less the `free_sms` left to other kernels.
+      wave: work items one wave of the persistent kernel runs (its CTAs; 1 on xla).
     """
 
     capacity: int
@@ -139,18 +123,15 @@ class RowChunking:
     wave: int
 
     @classmethod
-    def for_shape(cls, backend: str, d: int, n: int, capacity: int, num_chunks: int,
-                  free_sms: int = 0) -> "RowChunking":
+    def for_shape(cls, backend: str, d: int, n: int, capacity: int, num_chunks: int) -> "RowChunking":
         """The chunking of a plan of `capacity` rows for the down-proj `[n] -> [d]` that
-        `backend` ("xla", "mosaic" or "interpret", resolved) runs, in at most `num_chunks`.
-        `free_sms`: SMs the persistent down-proj leaves to other kernels (kernel backends;
-        interpret mode models a 4-SM device)."""
+        `backend` ("xla", "mosaic" or "interpret", resolved) runs, in at most `num_chunks`."""
         if backend == "xla":
             block_m, items_per_tile, wave = XLA_CHUNK_ALIGN, 1, 1
         else:
             from pallas_moe.kernels.moe_forward import ForwardConfig
 
-            down = ForwardConfig.for_shape(d, n, num_sms=sms_left(backend, free_sms)).down
+            down = ForwardConfig.for_shape(d, n, num_sms=4 if backend == "interpret" else None).down
             block_m, items_per_tile, wave = down.block_m, d // down.block_n, down.num_sms
         rows, count = chunk_layout(capacity, num_chunks, block_m)
         if count > 1:  # a bound may move up to a wave of tiles and a block from the equal split
@@ -245,8 +226,6 @@ def _forward_kernels(x, plan, w_gate_up, w_down, biases, row_bounds, chunking, i
 
     d, n = w_down.shape[2], w_down.shape[1]
     config = ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
-    # The chunks' down-proj runs on `chunking.wave` CTAs (the SMs less `free_sms`).
-    config = dataclasses.replace(config, down=ForwardConfig.for_shape(d, n, num_sms=chunking.wave).down)
     bm = config.down.block_m
     b_gate_up, b_down = biases
     h, a = up_proj(
@@ -332,7 +311,6 @@ def chunked_row_ffn(
     b_down: jax.Array | None = None,
     activation: SwiGLU = SwiGLU(),
     row_bounds: jax.Array | None = None,
-    free_sms: int = 0,
 ) -> jax.Array:
     """Unweighted per-row expert outputs, in chunks of grouped rows cut at row tiles.
 
@@ -348,9 +326,6 @@ def chunked_row_ffn(
       activation: the `SwiGLU` spec (as `moe_ffn`).
       row_bounds: optional i32[C+1], `RowChunking.bounds(plan.group_sizes)` when a caller
         has it already (the EP layer computes every shard's); computed here if None.
-      free_sms: static; SMs each chunk's persistent down-proj leaves free (its grid is the
-        device's SMs less these), so that kernels on other streams, such as the previous
-        chunk's combine, can run beside it. 0: every SM. Ignored by `xla`. The same outputs.
 
     Returns:
       [C, S, d] in x.dtype (S = `RowChunking.rows`): `out[c, j] = Y[row_bounds[c] + j]` for
@@ -362,11 +337,7 @@ def chunked_row_ffn(
     activation = check_activation(activation)
     backend = resolve_backend(backend, x, w_down)
     num_chunks = check_positive_int("num_chunks", num_chunks)
-    if not isinstance(free_sms, int) or isinstance(free_sms, bool):
-        raise TypeError(f"free_sms must be an int, got {type(free_sms).__name__}.")
-    chunking = RowChunking.for_shape(
-        backend, x.shape[1], w_down.shape[1], plan.capacity, num_chunks, free_sms=free_sms
-    )
+    chunking = RowChunking.for_shape(backend, x.shape[1], w_down.shape[1], plan.capacity, num_chunks)
     if row_bounds is None:
         row_bounds = chunking.bounds(plan.group_sizes)
     elif row_bounds.shape != (chunking.num_chunks + 1,) or row_bounds.dtype != jnp.int32:
