@@ -388,6 +388,23 @@ def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape, promote_every):
             jax.jit(fused).trace(x, plan, per_token).lower(lowering_platforms=("cuda",))
 
 
+def lower_gathered_up(config, shape, dtype=E4M3) -> str:
+    """The gated 8-bit up-proj gathering `dtype` token rows (cp.async or TMA) lowered for
+    cuda at `shape` = (T, d, n, E, K) under top-K routing; returns the module's text."""
+    from tests.cuda_target import h100_target
+
+    num_tokens, d, n, num_experts, k = shape
+    sds = jax.ShapeDtypeStruct
+    plan = jax.eval_shape(lambda l: topk_plan(l, k), sds((num_tokens, num_experts), jnp.float32))
+    f = functools.partial(grouped_matmul, transpose_w=True, config=config, gated=True)
+    with h100_target():
+        return jax.jit(f).trace(
+            sds((num_tokens, d), dtype), plan.group_sizes, sds((num_experts, 2 * n, d), dtype),
+            row_scales=sds((num_tokens,), jnp.float32),
+            col_scales=sds((num_experts, 2 * n), jnp.float32), token_ids=plan.token_ids,
+        ).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize(
     "gather, completion, approx_math",
     [("cp_async", "wait_group", True), ("tma", "wait_group", True), ("cp_async", "mbarrier", False)],
@@ -395,24 +412,13 @@ def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape, promote_every):
 def test_fp8_gathered_loaders_lower_for_cuda(gather, completion, approx_math):
     """The gathered up-proj's loaders at the 30B shape's blocks; its SwiGLU's exp is
     `ex2.approx` exactly when `approx_math` (the default, like the bf16 up-proj's)."""
-    from tests.cuda_target import h100_target
-
-    num_tokens, d, n, num_experts, k = 32768, 4096, 512, 128, 8
-    sds = jax.ShapeDtypeStruct
-    cfg = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=132)
+    shape = (32768, 4096, 512, 128, 8)
+    cfg = pm.quant.Fp8ForwardConfig.for_shape(*shape[1:3], num_sms=132)
     assert cfg.up.approx_math
     config = dataclasses.replace(
         cfg.up, gather=gather, gather_completion=completion, approx_math=approx_math
     )
-    plan = jax.eval_shape(lambda l: topk_plan(l, k), sds((num_tokens, num_experts), jnp.float32))
-    f = functools.partial(grouped_matmul, transpose_w=True, config=config, gated=True)
-    with h100_target():
-        text = jax.jit(f).trace(
-            sds((num_tokens, d), E4M3), plan.group_sizes, sds((num_experts, 2 * n, d), E4M3),
-            row_scales=sds((num_tokens,), jnp.float32),
-            col_scales=sds((num_experts, 2 * n), jnp.float32), token_ids=plan.token_ids,
-        ).lower(lowering_platforms=("cuda",)).as_text()
-    assert ("ex2.approx" in text) == approx_math
+    assert ("ex2.approx" in lower_gathered_up(config, shape)) == approx_math
 
 
 # ---- the H100's fp8 accumulation (tests/fp8_wgmma_model.py) and what promotion does to it
@@ -1046,26 +1052,11 @@ def test_fp8_out_slabs_bad_values_raise(config, kwargs, match):
 def test_fp8_up_four_stages_with_one_staged_slab_lowers_for_cuda(shape):
     """The default gathered up-proj: 128 columns with 4 stages fits the SMEM only with one
     output slab staged at a time (229 KB of 227 with the whole tile, which Mosaic refuses)."""
-    from tests.cuda_target import h100_target
-
-    num_tokens, d, n, num_experts, k = shape
-    sds = jax.ShapeDtypeStruct
-    up = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=132).up
-    plan = jax.eval_shape(lambda l: topk_plan(l, k), sds((num_tokens, num_experts), jnp.float32))
-
-    def lower(config):
-        f = functools.partial(grouped_matmul, transpose_w=True, config=config, gated=True)
-        with h100_target():
-            jax.jit(f).trace(
-                sds((num_tokens, d), E4M3), plan.group_sizes, sds((num_experts, 2 * n, d), E4M3),
-                row_scales=sds((num_tokens,), jnp.float32),
-                col_scales=sds((num_experts, 2 * n), jnp.float32), token_ids=plan.token_ids,
-            ).lower(lowering_platforms=("cuda",))
-
+    up = pm.quant.Fp8ForwardConfig.for_shape(*shape[1:3], num_sms=132).up
     assert (up.num_stages, up.out_slabs) == (4, 1)  # the default since session 36
-    lower(up)
+    lower_gathered_up(up, shape)
     with pytest.raises(ValueError, match="exceeds available shared memory"):
-        lower(dataclasses.replace(up, out_slabs=0))
+        lower_gathered_up(dataclasses.replace(up, out_slabs=0), shape)
 
 
 @pytest.mark.parametrize(

@@ -118,19 +118,15 @@ def test_int8_lowers_for_cuda_at_production_blocks(shape):
     """The gated up-proj (gathering the tokens' int8 rows, cp.async) and the down-proj at the
     fp8 forward's default block sizes, with int8 operands."""
     from tests.cuda_target import h100_target
+    from tests.test_quant_fp8 import lower_gathered_up
 
     num_tokens, d, n, num_experts, k = shape
     sds = jax.ShapeDtypeStruct
     cfg = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=132)
+    lower_gathered_up(cfg.up, shape, INT8)
     plan = jax.eval_shape(lambda l: topk_plan(l, k), sds((num_tokens, num_experts), jnp.float32))
-    up = functools.partial(grouped_matmul, transpose_w=True, config=cfg.up, gated=True)
     down = functools.partial(grouped_matmul, transpose_w=True, config=cfg.down)
     with h100_target():
-        jax.jit(up).trace(
-            sds((num_tokens, d), INT8), plan.group_sizes, sds((num_experts, 2 * n, d), INT8),
-            row_scales=sds((num_tokens,), jnp.float32),
-            col_scales=sds((num_experts, 2 * n), jnp.float32), token_ids=plan.token_ids,
-        ).lower(lowering_platforms=("cuda",))
         jax.jit(down).trace(
             sds((plan.capacity, n), INT8), plan.group_sizes, sds((num_experts, d, n), INT8),
             row_scales=sds((plan.capacity,), jnp.float32),
