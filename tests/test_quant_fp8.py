@@ -1035,6 +1035,8 @@ def test_fp8_out_slabs_equal_the_whole_tile(gathered, out_dtype):
 @pytest.mark.parametrize("config, kwargs, match", [
     (dict(block_n=128, out_slabs=3), {}, r"config.out_slabs=3 must be 0 .* or divide the block's 2"),
     (dict(block_n=64, out_slabs=-1), {}, r"config.out_slabs=-1 must be 0"),
+    (dict(block_n=128, out_slabs=1.0), {}, r"config.out_slabs=1.0 must be 0"),
+    (dict(block_n=128, out_slabs=True), {}, r"config.out_slabs=True must be 0"),
     (dict(block_n=128, out_slabs=1), dict(requant=True), "requant_smooth stores Q untiled: use out_slabs=0"),
 ])
 def test_fp8_out_slabs_bad_values_raise(config, kwargs, match):

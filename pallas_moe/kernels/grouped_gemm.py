@@ -169,7 +169,8 @@ class GroupedMatmulConfig:
         if self.num_sms < 1:
             raise ValueError(f"config.num_sms={self.num_sms} must be >= 1.")
         slabs = self.block_n // 64  # of bf16 outputs; f32 outputs have twice as many
-        if self.out_slabs < 0 or (self.out_slabs and slabs % self.out_slabs):
+        if (not isinstance(self.out_slabs, int) or isinstance(self.out_slabs, bool)
+                or self.out_slabs < 0 or (self.out_slabs and slabs % self.out_slabs)):
             raise ValueError(
                 f"config.out_slabs={self.out_slabs} must be 0 (the whole block) or divide the "
                 f"block's {slabs} output slabs of 64 bf16 columns (block_n={self.block_n})."

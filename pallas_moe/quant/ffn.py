@@ -240,8 +240,9 @@ class Fp8ForwardConfig:
         else:
             # 4 stages of 48 KB fit only beside one staged 64-column output slab per consumer
             # (the whole 128-column tile: 229 KB of 227). Measured on an H200 (session 36,
-            # `benchmarks/quant.py --fp8 --up-sweep`, same run, bitwise equal): 30B 1746 us
-            # against 1802-1805 with 3 stages (1.03x; the slab staging alone 1800: free).
+            # `benchmarks/quant.py --fp8 --up-sweep`, same runs, bitwise equal): 30B 1746 us
+            # against 1802-1805 with 3 stages, and 1772-1776 against 1826 (1.03x; the slab
+            # staging alone: level); 7B 312-321 against 324 (1.01-1.04x).
             up = gemm(block_n=128, num_stages=4, out_slabs=1)
             if n >= 512:
                 # Measured on the H100 (session 9, same run, bitwise equal): with K = n of at
