@@ -328,6 +328,16 @@ def gemm_rel_err(out, a, src_rows, row_scales, w, col_scales, group_sizes, *, ga
     return float(np.sqrt(sum(float(d) for d, _ in sq) / sum(float(r) for _, r in sq)))
 
 
+def gathered_up8(config, capacity, interpret=False):
+    """The gated fp8 up-proj gathering the per-token quantized rows, jitted:
+    f(q, group_sizes, w, row_scales, col_scales, meta, token_ids) -> A [P, n]."""
+    from pallas_moe.kernels.grouped_gemm import grouped_matmul
+
+    return jax.jit(lambda q, g, w, s, c, m, t: grouped_matmul(
+        q, g, w, transpose_w=True, config=config, meta=m, capacity=capacity, row_scales=s,
+        col_scales=c, gated=True, token_ids=t, interpret=interpret))
+
+
 def run_fp8_case(name, shape, log, interpret=False, more=False, up_sweep=False):
     from benchmarks.forward import poison_then as poison_nan_then
     from pallas_moe.kernels import _common
@@ -395,9 +405,7 @@ def run_fp8_case(name, shape, log, interpret=False, more=False, up_sweep=False):
     qt = jax.jit(lambda x: quantize_tokens_kernel(x, config=cfg.quant, **kw))
     qxt, sxt = qt(x)
     fp8_meta = jax.jit(lambda g: _common.aligned_tile_meta(g, P, cfg.up.block_m))(plan.group_sizes)
-    up8 = jax.jit(lambda q, g, w, s, c, m, t: grouped_matmul(
-        q, g, w, transpose_w=True, config=cfg.up, meta=m, capacity=P, row_scales=s,
-        col_scales=c, gated=True, token_ids=t, **kw))
+    up8 = gathered_up8(cfg.up, P, **kw)
     up8_args = (qxt, plan.group_sizes, experts.w_gate_up, sxt, experts.gate_up_scales, fp8_meta,
                 plan.token_ids)
     a8 = up8(*up8_args)
@@ -499,22 +507,16 @@ def run_fp8_up_sweep(res, log, case):
     timed beside the default (timed again first and last: the same-run spread), each output
     compared bit for bit with the default's on the plan's rows (poisoned buffers)."""
     from benchmarks.forward import poison_then as poison_nan_then
-    from pallas_moe.kernels.grouped_gemm import grouped_matmul
 
     cfg, kw, timed, P = case["cfg"], case["kw"], case["timed"], case["P"]
     up8_args, a8, num_rows, n = case["up8_args"], case["a8"], int(case["plan"].num_rows), case["n"]
     want = np.asarray(a8[:num_rows]).view(np.uint16)
 
-    def up_at(config):
-        return jax.jit(lambda q, g, w, s, c, m, t: grouped_matmul(
-            q, g, w, transpose_w=True, config=config, meta=m, capacity=P, row_scales=s,
-            col_scales=c, gated=True, token_ids=t, **kw))
-
-    rows = [dict(config="default", us=timed(up_at(cfg.up), *up8_args) * 1e3)]
+    rows = [dict(config="default", us=timed(gathered_up8(cfg.up, P, **kw), *up8_args) * 1e3)]
     for over in FP8_UP_SWEEP:
         row = dict(config=",".join(f"{k}={v}" for k, v in over.items()))
         try:
-            f = up_at(dataclasses.replace(cfg.up, **over))
+            f = gathered_up8(dataclasses.replace(cfg.up, **over), P, **kw)
             got = poison_nan_then(f, *up8_args, nbytes=P * n * 2)
             row["bitwise_default"] = bool(np.array_equal(
                 np.asarray(got[:num_rows]).view(np.uint16), want))
@@ -523,7 +525,7 @@ def run_fp8_up_sweep(res, log, case):
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
         log("  up sweep " + json.dumps(row))
-    rows.append(dict(config="default (again)", us=timed(up_at(cfg.up), *up8_args) * 1e3))
+    rows.append(dict(config="default (again)", us=timed(gathered_up8(cfg.up, P, **kw), *up8_args) * 1e3))
     base = min(rows[0]["us"], rows[-1]["us"])
     for row in rows:
         if "us" in row:
@@ -547,9 +549,7 @@ def run_fp8_more(res, log, case):
     ones_up, ones_down, qa_args, a8 = c["ones_up"], c["ones_down"], c["qa_args"], c["a8"]
     down_rows, backend, num_sms, vs_ref = c["down_rows"], c["backend"], c["num_sms"], c["vs_ref"]
     o16, fp8_meta, q2, s2 = c["o16"], c["fp8_meta"], c["q2"], c["s2"]
-    up8_lagged = jax.jit(lambda q, g, w, s, cc, m, t: grouped_matmul(
-        q, g, w, transpose_w=True, config=dataclasses.replace(cfg.up, gather_completion="wait_group"),
-        meta=m, capacity=P, row_scales=s, col_scales=cc, gated=True, token_ids=t, **kw))
+    up8_lagged = gathered_up8(dataclasses.replace(cfg.up, gather_completion="wait_group"), P, **kw)
     res["fp8_up_wait_group_us"] = timed(up8_lagged, *up8_args) * 1e3
     up_rows = -(-P // cfg.up.block_m) * cfg.up.block_m
     qx = jax.jit(lambda x, s, off, r, e, nr: smoothquant_kernel(
@@ -586,9 +586,7 @@ def run_fp8_more(res, log, case):
         pc = Fp8ForwardConfig.for_shape(d, n, num_sms=num_sms, promote_every=every)
         row = dict(promote_every=every, up_block_n=pc.up.block_n, down_block_n=pc.down.block_n)
         try:
-            up = jax.jit(lambda q, g, w, s, cc, m, t, pc=pc: grouped_matmul(
-                q, g, w, transpose_w=True, config=pc.up, meta=m, capacity=P, row_scales=s,
-                col_scales=cc, gated=True, token_ids=t, **kw))
+            up = gathered_up8(pc.up, P, **kw)
             dn = jax.jit(lambda q, g, w, s, cc, pc=pc: grouped_matmul(
                 q, g, w, transpose_w=True, config=pc.down, capacity=P, row_scales=s,
                 col_scales=cc, **kw))
