@@ -16,8 +16,9 @@ per-plan metadata included; 7B: also with `fuse_requant=True`), and the per-toke
 error of the fp8 output against the bf16 kernels' output (mean and 99th percentile).
 `--more` adds the other gather completion, the SmoothQuant recipe (per-row X quantization in
 grouped order), the quantization passes' rows per CTA and a promotion sweep
-(`PROMOTE_SWEEP`). `--up-sweep` times the fp8 up-proj at the blocks of `FP8_UP_SWEEP`
-against the default in the same run (each output bitwise the default's on its rows). Writes fp8_results.json, fp8_log.txt and fp8_RESULTS.md (tables also
+(`PROMOTE_SWEEP`). `--up-sweep` / `--down-sweep` time the fp8 up-proj / down-proj at the blocks of
+`FP8_SWEEPS` against the default in the same run (each output bitwise the default's on its
+rows). Writes fp8_results.json, fp8_log.txt and fp8_RESULTS.md (tables also
 printed last).
 
 For each shape (T, d, E, K), routing (top-K over random logits; token rounding on one shape,
@@ -285,12 +286,18 @@ GEMM_CHECK_ROWS = 256
 PROMOTE_SWEEP = (0, 1, 2, 4)
 # SmoothQuant configs timed for both quantization passes of the fp8 forward (--more).
 QUANT_SWEEP = (SmoothQuantConfig(), SmoothQuantConfig(block_t=4), SmoothQuantConfig(block_t=16))
-# fp8 up-proj blocks timed against `Fp8ForwardConfig.for_shape`'s with --up-sweep (overrides
-# of its `up` config: 128 columns, 4 stages, one output slab staged at a time; the whole
-# tile fits only beside 3 stages, the default until session 36).
-# Session 36 also timed 64 columns at 4-6 stages (0.88-0.90x: A's rows re-gathered per
-# column block) and gather="tma" (0.70x) at 30B.
-FP8_UP_SWEEP = (dict(num_stages=3, out_slabs=0), dict(num_stages=3, out_slabs=1))
+# fp8 GEMM blocks timed against `Fp8ForwardConfig.for_shape`'s with --up-sweep / --down-sweep
+# (overrides of its `up` or `down` config).
+# up: 128 columns, 4 stages, one output slab staged at a time; the whole tile fits only beside
+# 3 stages, the default until session 36. Session 36 also timed 64 columns at 4-6 stages
+# (0.88-0.90x: A's rows re-gathered per column block) and gather="tma" (0.70x) at 30B.
+# down: 30B (n >= 512) the 128-row ping-pong with 5 stages of 32 KB beside 2 x 32 KB of
+# output tiles, 7B split M with 3 stages of 48 KB beside 2 x 32 KB. One staged slab per
+# consumer (16 / 8 KB) frees a 6th / 4th stage, as it freed the up-proj's 4th.
+FP8_SWEEPS = {
+    "up": (dict(num_stages=3, out_slabs=0), dict(num_stages=3, out_slabs=1)),
+    "down": (dict(out_slabs=1), dict(out_slabs=1, stages_plus=1)),
+}
 
 
 def gemm_rel_err(out, a, src_rows, row_scales, w, col_scales, group_sizes, *, gated):
@@ -338,7 +345,17 @@ def gathered_up8(config, capacity, interpret=False):
         col_scales=c, gated=True, token_ids=t, interpret=interpret))
 
 
-def run_fp8_case(name, shape, log, interpret=False, more=False, up_sweep=False):
+def down8(config, capacity, interpret=False):
+    """The fp8 down-proj on A's re-quantized grouped rows, jitted:
+    f(q, group_sizes, w, row_scales, col_scales) -> Y [P, d] bf16."""
+    from pallas_moe.kernels.grouped_gemm import grouped_matmul
+
+    return jax.jit(lambda q, g, w, s, c: grouped_matmul(
+        q, g, w, transpose_w=True, config=config, capacity=capacity, row_scales=s,
+        col_scales=c, interpret=interpret))
+
+
+def run_fp8_case(name, shape, log, interpret=False, more=False, sweeps=()):
     from benchmarks.forward import poison_then as poison_nan_then
     from pallas_moe.kernels import _common
     from pallas_moe.kernels.down_proj import down_proj
@@ -436,8 +453,7 @@ def run_fp8_case(name, shape, log, interpret=False, more=False, up_sweep=False):
         np.array_equal(np.asarray(q2s).view(np.uint8), np.asarray(q2s_csr).view(np.uint8))
         and np.array_equal(np.asarray(s2s).view(np.uint32), np.asarray(s2s_csr).view(np.uint32)))
     del q2s, s2s, q2s_csr, s2s_csr, q2_csr, s2_csr
-    dn8 = jax.jit(lambda q, g, w, s, c: grouped_matmul(
-        q, g, w, transpose_w=True, config=cfg.down, capacity=P, row_scales=s, col_scales=c, **kw))
+    dn8 = down8(cfg.down, P, **kw)
     dn8_args = (q2, plan.group_sizes, experts.w_down, s2, experts.down_scales)
     y8 = dn8(*dn8_args)
     res["eps_a"] = gemm_rel_err(a8, qxt, plan.token_ids, sxt, experts.w_gate_up,
@@ -497,42 +513,56 @@ def run_fp8_case(name, shape, log, interpret=False, more=False, up_sweep=False):
     log("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()}))
     if more:
         run_fp8_more(res, log, locals())
-    if up_sweep:
-        run_fp8_up_sweep(res, log, locals())
+    for which in sweeps:
+        run_fp8_gemm_sweep(res, log, locals(), which)
     return res
 
 
-def run_fp8_up_sweep(res, log, case):
-    """--up-sweep: the fp8 up-proj at each `FP8_UP_SWEEP` override of the default blocks,
-    timed beside the default (timed again first and last: the same-run spread), each output
-    compared bit for bit with the default's on the plan's rows (poisoned buffers)."""
+def run_fp8_gemm_sweep(res, log, case, which):
+    """--up-sweep / --down-sweep: one fp8 GEMM of the forward (`which`: "up", the gated
+    up-proj gathering the per-token rows; "down", the down-proj on A's re-quantized rows) at
+    each override of `FP8_SWEEPS[which]` on the default blocks, timed beside the default
+    (timed again first and last: the same-run spread), each output compared bit for bit with
+    the default's on the plan's rows (poisoned buffers)."""
     from benchmarks.forward import poison_then as poison_nan_then
 
     cfg, kw, timed, P = case["cfg"], case["kw"], case["timed"], case["P"]
-    up8_args, a8, num_rows, n = case["up8_args"], case["a8"], int(case["plan"].num_rows), case["n"]
-    want = np.asarray(a8[:num_rows]).view(np.uint16)
+    num_rows = int(case["plan"].num_rows)
+    if which == "up":
+        default, args, want, width = cfg.up, case["up8_args"], case["a8"], case["n"]
 
-    rows = [dict(config="default", us=timed(gathered_up8(cfg.up, P, **kw), *up8_args) * 1e3)]
-    for over in FP8_UP_SWEEP:
+        def build(config):
+            return gathered_up8(config, P, **kw)
+    else:
+        default, args, want, width = cfg.down, case["dn8_args"], case["y8"], case["d"]
+
+        def build(config):
+            return down8(config, P, **kw)
+    want = np.asarray(want[:num_rows]).view(np.uint16)
+
+    rows = [dict(config="default", us=timed(build(default), *args) * 1e3)]
+    for over in FP8_SWEEPS[which]:
         row = dict(config=",".join(f"{k}={v}" for k, v in over.items()))
+        over = dict(over)  # stages_plus: that many stages more than the default's
+        over["num_stages"] = over.get("num_stages", default.num_stages) + over.pop("stages_plus", 0)
         try:
-            f = gathered_up8(dataclasses.replace(cfg.up, **over), P, **kw)
-            got = poison_nan_then(f, *up8_args, nbytes=P * n * 2)
+            f = build(dataclasses.replace(default, **over))
+            got = poison_nan_then(f, *args, nbytes=P * width * 2)
             row["bitwise_default"] = bool(np.array_equal(
                 np.asarray(got[:num_rows]).view(np.uint16), want))
-            row["us"] = timed(f, *up8_args) * 1e3
+            row["us"] = timed(f, *args) * 1e3
         except Exception as e:  # noqa: BLE001 - report and go on (e.g. SMEM overflow)
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
-        log("  up sweep " + json.dumps(row))
-    rows.append(dict(config="default (again)", us=timed(gathered_up8(cfg.up, P, **kw), *up8_args) * 1e3))
+        log(f"  {which} sweep " + json.dumps(row))
+    rows.append(dict(config="default (again)", us=timed(build(default), *args) * 1e3))
     base = min(rows[0]["us"], rows[-1]["us"])
     for row in rows:
         if "us" in row:
             row["speedup_vs_default"] = base / row["us"]
-            row["bf16_up_over_this"] = res["bf16_up_us"] / row["us"]
-    res["up_sweep"] = rows
-    log("  up sweep: " + json.dumps(rows))
+            row["bf16_over_this"] = res[f"bf16_{which}_us"] / row["us"]
+    res[f"{which}_sweep"] = rows
+    log(f"  {which} sweep: " + json.dumps(rows))
 
 
 def run_fp8_more(res, log, case):
@@ -682,18 +712,20 @@ def fp8_markdown(results, cmd, device):
         lines += ["", "SmoothQuant rows per CTA, us (X: the per-row recipe; the table's `A quant` uses block_t=16):", "",
                   "| shape | config | X quant us | A quant us |", "|---|---|---|---|"]
         lines += [f"| {name} | {k} | {v['x_us']:.0f} | {v['a_us']:.0f} |" for name, k, v in quant_rows]
-    up_rows = [(r, w) for r in results for w in r.get("up_sweep", [])]
-    if up_rows:
-        lines += ["", "fp8 up-proj blocks (--up-sweep; overrides of `Fp8ForwardConfig.for_shape`'s "
-                  "`up`; the default timed first and last, ratios against the faster of the two; "
+    for which, name in (("up", "up-proj"), ("down", "down-proj")):
+        rows = [(r, w) for r in results for w in r.get(f"{which}_sweep", [])]
+        if not rows:
+            continue
+        lines += ["", f"fp8 {name} blocks (--{which}-sweep; overrides of `Fp8ForwardConfig.for_shape`'s "
+                  f"`{which}`; the default timed first and last, ratios against the faster of the two; "
                   "`bitwise` = output equal to the default's on the plan's rows):", "",
-                  "| shape | config | us | vs default | bf16 up / this | bitwise |",
+                  f"| shape | config | us | vs default | bf16 {which} / this | bitwise |",
                   "|---|---|---|---|---|---|"]
         lines += [
             f"| {r['name']} | {w['config']} | " + (
-                f"{w['us']:.0f} | {w['speedup_vs_default']:.3f} | {w['bf16_up_over_this']:.3f} | "
+                f"{w['us']:.0f} | {w['speedup_vs_default']:.3f} | {w['bf16_over_this']:.3f} | "
                 f"{w.get('bitwise_default', '')} |" if "us" in w else f"failed: {w['error']} | | | |")
-            for r, w in up_rows]
+            for r, w in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -705,7 +737,8 @@ def main_fp8(args):
     for name in shapes.split(","):
         try:
             results.append(run_fp8_case(name, FP8_SHAPES[name], log, interpret=args.interpret,
-                                        more=args.more, up_sweep=args.up_sweep))
+                                        more=args.more,
+                                        sweeps=[w for w in ("up", "down") if getattr(args, f"{w}_sweep")]))
         except Exception as e:  # noqa: BLE001 - report and go on
             log(f"fp8 {name}: FAILED {type(e).__name__}: {e}")
             log(traceback.format_exc()[-3000:])
@@ -731,7 +764,9 @@ def main():
                    help="--fp8: also the other gather completion, the per-row SmoothQuant "
                         "recipe, the quantization passes' rows per CTA and the promotion sweep")
     p.add_argument("--up-sweep", action="store_true", dest="up_sweep",
-                   help="--fp8: also the fp8 up-proj at the blocks of FP8_UP_SWEEP")
+                   help="--fp8: also the fp8 up-proj at the blocks of FP8_SWEEPS['up']")
+    p.add_argument("--down-sweep", action="store_true", dest="down_sweep",
+                   help="--fp8: also the fp8 down-proj at the blocks of FP8_SWEEPS['down']")
     p.add_argument("--interpret", action="store_true",
                    help="CPU smoke test of this script: kernels in interpret mode, no timings "
                         "(use with --shapes tiny)")
