@@ -34,6 +34,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from benchmarks.forward import H100_KIND, unique_configs
 from benchmarks.logs import open_log
 
 from pallas_moe.kernels import _common
@@ -243,11 +244,15 @@ def configs_for(d, n, sweep: str):
         # Session 36: dX~ with one (or two) output slabs staged at a time (`out_slabs`) and
         # the stage that frees: the 128-row ping-pong 6 stages instead of 5, split-M
         # 256-column items 4 instead of 3 (the fp8 up-proj gained 1.03x at 30B this way).
+        # Since session 37 an H200's ping-pong dX~ is the one slab with 6 stages; the
+        # H100's config (the whole tile) is the previous default.
         rep = dataclasses.replace
-        more = rep(base.dx, num_stages=base.dx.num_stages + 1)
-        dx += [rep(base.dx, out_slabs=1), rep(more, out_slabs=1)]
-        if not base.dx.pingpong and base.dx.block_n // 64 % 2 == 0:
+        whole = BackwardConfig.for_shape(d, n, device_kind=H100_KIND).dx
+        more = rep(whole, num_stages=whole.num_stages + 1)
+        dx += [whole, rep(whole, out_slabs=1), rep(more, out_slabs=1)]
+        if not whole.pingpong and whole.block_n // 64 % 2 == 0:
             dx.append(rep(more, out_slabs=2))
+        dx = unique_configs(dx)
     if sweep == "full":
         dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
                DHConfig(block_n=64, num_stages=4, num_consumers=2)]

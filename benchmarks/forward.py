@@ -44,6 +44,9 @@ from pallas_moe.kernels.moe_forward import ForwardConfig, aggregate_width, moe_f
 from pallas_moe.kernels.up_proj import UpProjConfig, _cta_cols, up_proj
 from pallas_moe.routing.topk import topk_plan
 
+# The card whose defaults a sweep names as the previous ones where an H200's now differ.
+H100_KIND = "NVIDIA H100 80GB HBM3"
+
 SHAPES = {
     "7b": (24576, 1536, 256, 128, 8),
     "7b-n512": (24576, 1536, 512, 64, 4),
@@ -346,13 +349,21 @@ def variant_down_cfgs(d, n):
 
 
 def staged_down_cfgs(d, n):
-    """The default down-proj against one output slab staged at a time (`out_slabs=1`), with
+    """The default down-proj, the H100's (the whole output tile staged: the H200's default
+    until session 37), one output slab staged at a time (`out_slabs=1`), and one slab with
     the stage that frees (the 128-row ping-pong: 6 stages of 32 KB beside 2 x 16 KB of
     staged slabs instead of 5 beside the whole 2 x 32-KB tiles; session 36 gave the fp8
-    up-proj 1.03x at 30B this way)."""
+    up-proj 1.03x at 30B this way); each config once, in that order."""
     base = ForwardConfig.for_shape(d, n).down
+    whole = ForwardConfig.for_shape(d, n, device_kind=H100_KIND).down
     rep = dataclasses.replace
-    return [base, rep(base, out_slabs=1), rep(base, out_slabs=1, num_stages=base.num_stages + 1)]
+    return unique_configs([base, whole, rep(whole, out_slabs=1),
+                           rep(whole, out_slabs=1, num_stages=whole.num_stages + 1)])
+
+
+def unique_configs(configs):
+    """`configs` without repeats, in their first order."""
+    return list(dict.fromkeys(configs))
 
 
 def default_up_cfgs(d, n):

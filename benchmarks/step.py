@@ -43,7 +43,7 @@ from benchmarks.forward import (
 )
 from benchmarks.layer import dense_bound_fns
 from pallas_moe.kernels import KernelConfig
-from pallas_moe.kernels.moe_forward import default_num_sms, split_m_up_config
+from pallas_moe.kernels.moe_forward import PINGPONG_DOWN, default_num_sms, split_m_up_config
 from pallas_moe.nn.functional import router_logits
 
 ITERS = 5
@@ -218,8 +218,8 @@ def rel_err(a, b):
 
 def _replace(config: KernelConfig, kernel: str, **fields) -> KernelConfig:
     """`config` with the fields of one kernel's config replaced (kernel: the forward's "up" or
-    a field of `BackwardConfig`: "dh", "dw_down", "dw_gate_up", "dx")."""
-    part = "forward" if kernel == "up" else "backward"
+    "down", or a field of `BackwardConfig`: "dh", "dw_down", "dw_gate_up", "dx")."""
+    part = "forward" if kernel in ("up", "down") else "backward"
     sub = getattr(config, part)
     sub = dataclasses.replace(sub, **{kernel: dataclasses.replace(getattr(sub, kernel), **fields)})
     return dataclasses.replace(config, **{part: sub})
@@ -230,6 +230,15 @@ def _replace_up(config: KernelConfig, up) -> KernelConfig:
     up = dataclasses.replace(up, gather=config.forward.up.gather,
                              approx_math=config.forward.up.approx_math)
     return dataclasses.replace(config, forward=dataclasses.replace(config.forward, up=up))
+
+
+def _whole_tile(config: KernelConfig, kernel: str) -> KernelConfig:
+    """`config` with the ping-pong `kernel` ("down" or "dx") staging its whole output tile
+    beside `PINGPONG_DOWN`'s stages (unchanged if that kernel is not the ping-pong)."""
+    sub = getattr(config.forward if kernel == "down" else config.backward, kernel)
+    if not sub.pingpong:
+        return config
+    return _replace(config, kernel, out_slabs=0, num_stages=PINGPONG_DOWN.num_stages)
 
 
 # Variant flags (`--variants routing/gather/.../flag`): an A/B change of the default config,
@@ -267,6 +276,9 @@ CONFIG_FLAGS = {
     "persistent-wg4": lambda c, n: _replace(
         _replace(c, "dw_gate_up", persistent_ctas=default_num_sms(), output_chunks=1),
         "dw_down", persistent_ctas=default_num_sms(), output_chunks=1),
+    # The ping-pong down-proj and dX~ with the whole output tile staged (5 stages): the
+    # H100's, and the H200's before session 37 (one slab staged; dX~ with 6 stages).
+    "whole-tile-down": lambda c, n: _whole_tile(_whole_tile(c, "down"), "dx"),
     # One CTA per weight-gradient item (the default before session 25 on an H200; still
     # the H100's).
     "one-cta-wg": lambda c, n: _replace(

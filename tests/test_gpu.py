@@ -417,6 +417,58 @@ def test_backward_with_empty_experts_on_gpu():
         assert bool(jnp.array_equal(g, a)), "bitwise repeat"
 
 
+@pytest.mark.parametrize("shape", [(4096, 1536, 256, 32, 8), (3000, 4096, 512, 16, 4)], ids=["7b", "30b"])
+def test_staged_output_slabs_equal_the_whole_tile_on_gpu(shape):
+    """The H200's ping-pong down-proj and dX~ (each consumer stages its output one 64-column
+    slab at a time; dX~ with the 6th stage that frees, since session 37) bit for bit the
+    whole-tile configs (the H100's defaults, the H200's before), on poisoned outputs at the
+    production blocks, skewed routing with an empty expert, and against per-expert dots."""
+    import functools
+
+    from pallas_moe.kernels.down_proj import down_proj
+    from pallas_moe.kernels.dx import dx_rows
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+
+    T, d, n, E, K = shape
+    ks = jax.random.split(jax.random.key(d + 37), 5)
+    logits = jax.random.normal(ks[0], (T, E)).at[:, 0].add(2.0).at[:, 3].set(-1e4)
+    plan = pm.routing.topk_plan(logits, K)
+    assert int(plan.group_sizes[3]) == 0
+    a = jax.random.normal(ks[1], (plan.capacity, n), jnp.bfloat16)
+    dh = jax.random.normal(ks[2], (plan.capacity, 2 * n), jnp.bfloat16)
+    w1 = (jax.random.normal(ks[3], (E, d, 2 * n)) * (2 * n) ** -0.5).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(ks[4], (E, n, d)) * n**-0.5).astype(jnp.bfloat16)
+    rows = int(plan.num_rows)
+    kinds = {"H200": "NVIDIA H200", "whole tile": "NVIDIA H100 80GB HBM3"}
+    downs = {k: ForwardConfig.for_shape(d, n, device_kind=v).down for k, v in kinds.items()}
+    dxs = {k: BackwardConfig.for_shape(d, n, device_kind=v).dx for k, v in kinds.items()}
+    assert downs["H200"].out_slabs == 1 and downs["whole tile"].out_slabs == 0
+    if dxs["H200"].pingpong:
+        assert (dxs["H200"].num_stages, dxs["H200"].out_slabs) == (6, 1)
+    starts = [0, *jnp.cumsum(plan.group_sizes).tolist()]
+
+    def per_expert(lhs, w):  # lhs [P, k] @ w[e] [k, d] per expert's rows, f32 accumulate
+        return jnp.concatenate([
+            jnp.dot(lhs[starts[e]:starts[e + 1]], w[e], preferred_element_type=jnp.float32)
+            for e in range(E)]).astype(jnp.bfloat16)
+
+    for name, configs, run, ref in (
+        ("down", downs, lambda c: functools.partial(down_proj, config=c), per_expert(a, w2)),
+        ("dx", dxs, lambda c: functools.partial(dx_rows, capacity=plan.capacity, config=c),
+         per_expert(dh, jnp.swapaxes(w1, 1, 2))),
+    ):
+        lhs = a if name == "down" else dh
+        w = w2 if name == "down" else w1
+        outs = {}
+        for key, config in configs.items():
+            _poison(plan.capacity * d * 2)
+            outs[key] = np.asarray(jax.jit(run(config))(lhs, plan.group_sizes, w)[:rows])
+        assert np.all(np.isfinite(outs["H200"].astype(np.float32))), name
+        np.testing.assert_array_equal(outs["H200"].view(np.uint16), outs["whole tile"].view(np.uint16))
+        assert rel_err(outs["H200"], ref[:rows]) < 1e-2, name
+
+
 @pytest.mark.parametrize("skew", [False, True])
 def test_chunked_row_ffn_equals_moe_ffn_bitwise(skew):
     """The chunked EP overlap's expert FFN (`chunked_row_ffn`: one up-proj, one down-proj call

@@ -28,6 +28,7 @@ from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_forward import (
     PINGPONG_DOWN, ForwardConfig, aggregate_width, default_device_kind, default_num_sms,
+    pingpong_down_config,
 )
 from pallas_moe.kernels.schedules import PlanSchedules, require_block
 from pallas_moe.kernels.weight_grad import (
@@ -139,7 +140,7 @@ class BackwardConfig:
             dh=dh,
             dw_down=dw_down,
             dw_gate_up=dw_gate_up,
-            dx=_dx_config(d, n, num_sms),
+            dx=_dx_config(d, n, num_sms, device_kind),
             aggregate=ForwardConfig.for_shape(d, n).aggregate,
         )
         return dataclasses.replace(cfg, **overrides)
@@ -154,14 +155,20 @@ def _persistent_weight_grad(config: WeightGradConfig, gathered: str,
     return persistent if fits else config
 
 
-def _dx_config(d: int, n: int, num_sms: int | None) -> GroupedMatmulConfig:
+def _dx_config(d: int, n: int, num_sms: int | None, device_kind: str) -> GroupedMatmulConfig:
     """dX~ (K = 2n): 128-row items. Measured on the H100 (session 9, same run, bitwise
     equal): with a short K loop (2n <= 512, 8 steps) the ping-pong schedule wins (533 vs
     553 us at 7B), with a long one the widest split-M column block does (3377 us against
-    3767 for ping-pong at 30B, 2n = 1024: 256-column items read each dH tile half as often)."""
+    3767 for ping-pong at 30B, 2n = 1024: 256-column items read each dH tile half as often).
+    On an H200 the ping-pong stages one output slab at a time, which frees SMEM for a 6th
+    stage (session 37, `benchmarks/backward.py --sweep slabs`, same run, bitwise equal): 7B
+    500.2 -> 488.9 us with the slab alone, 483.0 with the 6th stage (1.036x). The split-M
+    items keep the whole tile: at 30B one slab was 0.89x (3138.5 -> 3519.9 us; with the 4th
+    stage it frees 3248.7)."""
     num_sms = default_num_sms() if num_sms is None else num_sms
     if 2 * n <= 512 and d % PINGPONG_DOWN.block_n == 0:
-        return dataclasses.replace(PINGPONG_DOWN, num_sms=num_sms)
+        stages = PINGPONG_DOWN.num_stages + 1 if "H200" in device_kind else None
+        return pingpong_down_config(num_sms, device_kind, num_stages=stages)
     bn = _largest_block(d, (256, 192, 128, 64))
     return GroupedMatmulConfig(
         block_m=128, block_n=bn, num_stages=3 if bn > 128 else 4, num_sms=num_sms,

@@ -150,7 +150,7 @@ class ForwardConfig:
         # other's wgmmas pays. 4 stages hold only one item's steps and serialize the two
         # consumers (463 us at 7B).
         if d % PINGPONG_DOWN.block_n == 0:
-            down = dataclasses.replace(PINGPONG_DOWN, num_sms=num_sms)
+            down = pingpong_down_config(num_sms, device_kind)
         elif n >= 512 and d % 256 == 0:
             down = GroupedMatmulConfig(block_m=128, block_n=256, num_stages=3, num_sms=num_sms)
         else:
@@ -177,6 +177,25 @@ def split_m_up_config(num_sms: int) -> UpProjConfig:
 
 
 PINGPONG_DOWN = GroupedMatmulConfig(block_m=128, block_n=128, num_stages=5, pingpong=True)
+
+
+def pingpong_down_config(num_sms: int, device_kind: str, *, num_stages: int | None = None
+                         ) -> GroupedMatmulConfig:
+    """`PINGPONG_DOWN` on `num_sms` CTAs as the card `device_kind` runs it (`num_stages`:
+    instead of its 5).
+
+    On an H200 each consumer stages its output tile one 64-column slab at a time
+    (`out_slabs=1`). Measured there (session 37, `benchmarks/forward.py --down-sweep slabs`,
+    same run, bitwise equal): the down-proj 7B 282.9 -> 278.3 us (1.017x), 30B 1718.9 ->
+    1685.6 (1.020x) at the same 5 stages; the 6th stage the 16 KB it frees would hold was
+    slower (287.3, 1728.7: the K loop is only n / 64 = 4-8 steps). The H100 keeps the whole
+    tile (not measured there)."""
+    config = dataclasses.replace(PINGPONG_DOWN, num_sms=num_sms)
+    if num_stages is not None:
+        config = dataclasses.replace(config, num_stages=num_stages)
+    if "H200" in device_kind:
+        config = dataclasses.replace(config, out_slabs=1)
+    return config
 
 
 def _default_gpu():
