@@ -768,13 +768,14 @@ def test_fp8_grouped_matmul_on_gpu(gated, promote_every):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
 def test_fp8_pingpong_down_on_gpu():
-    """The 30B-width default down-proj (n >= 512: 128-row ping-pong, unpromoted) against the
-    model of the H100's fp8 sums, and bit for bit the split-M schedule's output (each output
-    element is one consumer's same K loop either way); outputs poisoned first."""
+    """The 30B-width default down-proj (n >= 512: 128-row ping-pong, unpromoted, one output
+    slab staged at a time since session 37) against the model of the H100's fp8 sums, and
+    bit for bit the split-M schedule's output with the whole tile staged (each output element
+    is one consumer's same K loop either way); outputs poisoned first."""
     plan, (a, w, rs, cs) = gpu_test_operands(False)
     pingpong = pm.quant.Fp8ForwardConfig.for_shape(1536, 512).down
-    assert pingpong.pingpong and pingpong.fp8_promote_every == 0
-    split_m = dataclasses.replace(pingpong, pingpong=False, block_n=256, num_stages=3)
+    assert pingpong.pingpong and pingpong.fp8_promote_every == 0 and pingpong.out_slabs == 1
+    split_m = dataclasses.replace(pingpong, pingpong=False, block_n=256, num_stages=3, out_slabs=0)
     outs = []
     for config in (pingpong, split_m):
         junk = jnp.full((plan.capacity * w.shape[1] * 2,), 0xFF, jnp.uint8).block_until_ready()

@@ -216,7 +216,8 @@ class Fp8ForwardConfig:
         Not promoted: up 128 columns, 4 x 48 KB + 16 KB (one output slab per consumer at a
         time, `out_slabs=1`) = 208 KB; down 256 columns,
         3 x 48 KB + 64 KB = 208 KB (128 columns, 4 stages, when 256 does not divide d), or
-        from n = 512 on the 128-row ping-pong schedule, 5 x 32 KB + 64 KB = 224 KB.
+        from n = 512 on the 128-row ping-pong schedule, 5 x 32 KB + 2 x 16 KB (one output
+        slab per consumer) = 192 KB.
         """
         from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
         from pallas_moe.kernels.moe_forward import ForwardConfig, default_num_sms
@@ -250,7 +251,12 @@ class Fp8ForwardConfig:
                 # 5 x 32 KB + 64 KB) beat split-M 256-column items, 1177.6 vs 1341.5 us at
                 # 30B; at 7B (n = 256, 2 K blocks per item) split M stays ahead (267.6 vs
                 # 290.8 us).
-                down = gemm(block_n=128, num_stages=5, pingpong=True)
+                # One output slab staged at a time (as the up-proj; its freed 16 KB would
+                # hold a 6th stage, measured slower): on an H200 (session 37,
+                # `benchmarks/quant.py --fp8 --down-sweep`, two runs, bitwise equal) 30B
+                # 1139.4 -> 1123.9 us and 1158-1159 -> 1144 (1.011-1.012x); 6 stages
+                # 0.99x in both.
+                down = gemm(block_n=128, num_stages=5, pingpong=True, out_slabs=1)
             elif d % 256 == 0:
                 down = gemm(block_n=256, num_stages=3)
             else:
