@@ -252,6 +252,12 @@ def configs_for(d, n, sweep: str):
         dx += [whole, rep(whole, out_slabs=1), rep(more, out_slabs=1)]
         if not whole.pingpong and whole.block_n // 64 % 2 == 0:
             dx.append(rep(more, out_slabs=2))
+        # A ring of staged slabs in the whole tile's SMEM (`out_buffers`): each slab's
+        # store issued as soon as it is written, the next written while it reads.
+        slabs = whole.block_n // 64
+        dx.append(rep(whole, out_slabs=1, out_buffers=slabs))
+        if slabs == 4:  # split M's 256 columns: also two rounds of two slabs
+            dx.append(rep(whole, out_slabs=2, out_buffers=2))
         dx = unique_configs(dx)
     if sweep == "full":
         dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),

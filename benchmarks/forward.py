@@ -353,12 +353,15 @@ def staged_down_cfgs(d, n):
     until session 37), one output slab staged at a time (`out_slabs=1`), and one slab with
     the stage that frees (the 128-row ping-pong: 6 stages of 32 KB beside 2 x 16 KB of
     staged slabs instead of 5 beside the whole 2 x 32-KB tiles; session 36 gave the fp8
-    up-proj 1.03x at 30B this way); each config once, in that order."""
+    up-proj 1.03x at 30B this way), and one slab at a time in a ring of two (`out_buffers=2`:
+    the whole tile's SMEM, each slab's store issued as soon as it is written, the next slab
+    written while it reads); each config once, in that order."""
     base = ForwardConfig.for_shape(d, n).down
     whole = ForwardConfig.for_shape(d, n, device_kind=H100_KIND).down
     rep = dataclasses.replace
     return unique_configs([base, whole, rep(whole, out_slabs=1),
-                           rep(whole, out_slabs=1, num_stages=whole.num_stages + 1)])
+                           rep(whole, out_slabs=1, num_stages=whole.num_stages + 1),
+                           rep(whole, out_slabs=1, out_buffers=2)])
 
 
 def unique_configs(configs):

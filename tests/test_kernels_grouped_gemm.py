@@ -101,6 +101,48 @@ def test_one_staged_output_slab_at_a_time_no_races(spec, config):
     assert not races_found()
 
 
+# A ring of two staged slabs (`out_buffers=2`): the 128-row ping-pong's two rounds per item
+# write both slots without waiting in between; split M's four rounds reuse each slot once
+# per item, after a wait that lets only the other slot's store stay in flight (its second
+# consumer has no rows in some items: that branch waits for everything).
+RING_CONFIGS = pytest.mark.parametrize("config", [
+    pytest.param(GroupedMatmulConfig(block_m=128, block_n=128, num_stages=3, num_sms=1,
+                                     pingpong=True, out_slabs=1, out_buffers=2),
+                 id="ping_pong_128"),
+    pytest.param(GroupedMatmulConfig(block_m=128, block_n=256, num_stages=2, num_sms=1,
+                                     out_slabs=1, out_buffers=2), id="split_m_256"),
+])
+
+
+@RING_CONFIGS
+@pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
+def test_a_ring_of_staged_output_slabs_no_races(spec, config):
+    plan = assignment_plan(jax.random.key(36), 40, 3, p=0.5, empty=(2,))
+    spec(plan, 128, 256, 3, config, jax.random.key(37),
+         interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+
+
+def test_the_race_detector_sees_a_ring_slot_reused_before_its_store_read_it(monkeypatch):
+    """The ring's wait is what keeps split M's third and fourth rounds off the slots the
+    first two rounds' stores still read: without it (waits that would leave one store in
+    flight dropped) the race detector reports the overwrite."""
+    wait = plgpu.wait_smem_to_gmem
+
+    def dropping_partial_waits(n, wait_read_only=False):
+        if n == 0:
+            wait(n, wait_read_only=wait_read_only)
+
+    monkeypatch.setattr(plgpu, "wait_smem_to_gmem", dropping_partial_waits)
+    # 44 tokens: a kernel shape no other test traces (a cached trace would keep the waits)
+    plan = assignment_plan(jax.random.key(38), 44, 3, p=0.5, empty=(2,))
+    config = GroupedMatmulConfig(block_m=128, block_n=256, num_stages=2, num_sms=1,
+                                 out_slabs=1, out_buffers=2)
+    run_down(plan, 128, 256, 3, config, jax.random.key(37),
+             interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert races_found()
+
+
 def test_groups_crossing_aligned_blocks_one_expert_holding_all():
     plan = assignment_plan(jax.random.key(24), 70, 3, only=1)
     run_down(plan, 64, 64, 3, SPLIT_M, jax.random.key(25))
@@ -250,9 +292,10 @@ def test_default_schedules_lower_for_cuda(d, n, bias, device_kind):
 @pytest.mark.parametrize("d, n", [(1536, 256), (4096, 512)], ids=["7b", "30b"])
 def test_one_staged_slab_frees_a_stage_at_production_widths(d, n):
     """The `out_slabs` configs the benchmarks sweep (`forward.py --down-sweep slabs`,
-    `backward.py --sweep slabs`): one more stage than the default fits in SMEM only with
-    fewer output slabs staged at a time (Mosaic refuses the same stages beside the whole
-    tile)."""
+    `backward.py --sweep slabs`) lower for cuda: one more stage than the whole-tile default
+    fits in SMEM only with fewer output slabs staged at a time (Mosaic refuses the same
+    stages beside the whole tile), and a ring of staged slabs (`out_buffers`) as large as
+    the whole tile fits beside the whole tile's stages."""
     from benchmarks.backward import configs_for
     from benchmarks.forward import staged_down_cfgs
     from tests.cuda_target import h100_target
@@ -261,7 +304,8 @@ def test_one_staged_slab_frees_a_stage_at_production_widths(d, n):
     sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     down_cfgs = staged_down_cfgs(d, n)
     dx_cfgs = configs_for(d, n, "slabs")[-1]
-    assert len(down_cfgs) == 3 and len(dx_cfgs) == (3 if n <= 256 else 4)
+    assert len(down_cfgs) == 4 and len(dx_cfgs) == (4 if n <= 256 else 6)
+    assert any(c.out_buffers == c.block_n // 64 for c in down_cfgs + dx_cfgs)
     operands = dict(
         down=(sds((P, n), bf16), sds((E,), i32), sds((E, n, d), bf16)),
         dx=(sds((P, 2 * n), bf16), sds((E,), i32), sds((E, d, 2 * n), bf16)),
@@ -274,7 +318,8 @@ def test_one_staged_slab_frees_a_stage_at_production_widths(d, n):
             jax.jit(f).trace(*operands[kind]).lower(lowering_platforms=("cuda",))
 
     for kind, cfgs in (("down", down_cfgs), ("dx", dx_cfgs)):
-        default, deeper = cfgs[0], cfgs[2]
+        default, deeper = cfgs[0], cfgs[2]  # on a CPU host the whole tile is the default
+        assert default.out_slabs == 0
         assert deeper.num_stages == default.num_stages + 1 and deeper.out_slabs == 1
         for config in cfgs:
             lower(kind, config)

@@ -1039,6 +1039,11 @@ def test_fp8_out_slabs_equal_the_whole_tile(gathered, out_dtype):
     (dict(block_n=128, out_slabs=1.0), {}, r"config.out_slabs=1.0 must be 0"),
     (dict(block_n=128, out_slabs=True), {}, r"config.out_slabs=True must be 0"),
     (dict(block_n=128, out_slabs=1), dict(requant=True), "requant_smooth stores Q untiled: use out_slabs=0"),
+    (dict(block_n=128, out_buffers=2), {}, r"config.out_buffers=2 must be an int from 1 to the 1 "),
+    (dict(block_n=128, out_slabs=1, out_buffers=3), {}, r"config.out_buffers=3 must be an int from 1 to the 2 "),
+    (dict(block_n=128, out_slabs=1, out_buffers=0), {}, r"config.out_buffers=0 must be"),
+    (dict(block_n=128, out_slabs=1, out_buffers=2.0), {}, r"config.out_buffers=2.0 must be"),
+    (dict(block_n=128, out_slabs=1, out_buffers=True), {}, r"config.out_buffers=True must be"),
 ])
 def test_fp8_out_slabs_bad_values_raise(config, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -1060,6 +1065,10 @@ def test_fp8_up_four_stages_with_one_staged_slab_lowers_for_cuda(shape):
     lower_gathered_up(up, shape)
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_gathered_up(dataclasses.replace(up, out_slabs=0), shape)
+    # Nor does a ring of two staged slabs (`out_buffers=2`) beside the 4 stages: the gathered
+    # mode's token-id buffers make it 229 KB (234592 bytes of 232448).
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        lower_gathered_up(dataclasses.replace(up, out_buffers=2), shape)
 
 
 @pytest.mark.parametrize(

@@ -141,6 +141,13 @@ class GroupedMatmulConfig:
         (the gated fp8 up-proj at block_n=128 fits 4 stages only with 1: 229 KB otherwise)
         at the cost of waiting, before each slab after the first, until the previous slab's
         store has read SMEM. Must divide block_n's slab count; not with `requant_smooth`.
+      out_buffers: with `out_slabs`: staged rounds each consumer keeps in SMEM (a ring of
+        `out_buffers` x `out_slabs` slabs), so a round's SMEM writes overlap the TMA stores
+        of the rounds before it instead of waiting for the previous one to have read SMEM.
+        1 (default) = one round at a time; at most the rounds per item (block_n's slabs /
+        out_slabs); `out_slabs * out_buffers` slabs per consumer take the SMEM of the whole
+        tile at the most. A consumer still waits, at each item's first round, for all its
+        earlier stores to have read SMEM.
     """
 
     block_m: int = 128
@@ -154,6 +161,7 @@ class GroupedMatmulConfig:
     pingpong: bool = False
     approx_math: bool = True
     out_slabs: int = 0
+    out_buffers: int = 1
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -174,6 +182,14 @@ class GroupedMatmulConfig:
             raise ValueError(
                 f"config.out_slabs={self.out_slabs} must be 0 (the whole block) or divide the "
                 f"block's {slabs} output slabs of 64 bf16 columns (block_n={self.block_n})."
+            )
+        rounds = slabs // self.out_slabs if self.out_slabs else 1
+        if (not isinstance(self.out_buffers, int) or isinstance(self.out_buffers, bool)
+                or not 1 <= self.out_buffers <= rounds):
+            raise ValueError(
+                f"config.out_buffers={self.out_buffers} must be an int from 1 to the {rounds} "
+                f"staged round(s) of an item (block_n={self.block_n}, out_slabs="
+                f"{self.out_slabs}; more than 1 needs out_slabs)."
             )
         if self.fp8_promote_every < 0:
             raise ValueError(
@@ -499,6 +515,27 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     # Output columns each consumer stages in SMEM per store round (`config.out_slabs`).
     slab_cols = _common.SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize
     staged_cols = config.out_slabs * slab_cols if config.out_slabs else bn
+    rounds = bn // staged_cols  # store rounds per item (>= out_buffers: the config checks
+    out_buffers = config.out_buffers  # bf16's slabs; f32 outputs have twice as many)
+
+    def wait_for_round_buffer(r: int, count):
+        """Before round r of an item writes its ring slot: that slot's previous store has
+        read SMEM. The first round (every round with one slot) waits for every earlier
+        store (the previous item's end lies a whole K loop back); rounds r < out_buffers
+        then own fresh slots; later ones wait for the round out_buffers back, i.e. let the
+        out_buffers - 1 rounds since then (one or more stores each when the item has rows,
+        none when it has none) stay in flight."""
+        if r == 0 or out_buffers == 1:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        elif r >= out_buffers:
+            @pl.when(count > 0)
+            def _():
+                plgpu.wait_smem_to_gmem(out_buffers - 1, wait_read_only=True)
+
+            @pl.when(count <= 0)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
     promote_every = config.fp8_promote_every if promotes(config, in_dtype) else 0
     # int8 wgmma sums exactly in s32 (no promotion needed); e4m3 and bf16 in f32.
     acc_dtype = jnp.int32 if in_dtype == INT8 else jnp.float32
@@ -818,16 +855,16 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                             plgpu.barrier_wait(bias_bars.at[c])
                             y = y + _common.bias_columns(bias_smem.at[c], mb)
                     y = y.astype(out_dtype)
-                    for r in range(bn // staged_cols):  # one round unless `out_slabs`
+                    for r in range(rounds):  # one round unless `out_slabs`
+                        buf = r % out_buffers  # the staged ring's slot of this round
                         with jax.named_scope("previous_store"):
-                            # the previous round's (or item's) store has read the SMEM
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            wait_for_round_buffer(r, count)
                         with jax.named_scope("epilogue_store"):
                             cols = slice(r * staged_cols, (r + 1) * staged_cols)
-                            _common.write_row_tile(o_mma.at[c], y[:, cols])
+                            _common.write_row_tile(o_mma.at[c, buf], y[:, cols])
                             plgpu.commit_smem()
                             _common.store_row_tile(
-                                o_copy.at[c],
+                                o_copy.at[c, buf],
                                 out_ref.at[:, pl.ds(ni * bn + r * staged_cols, staged_cols)],
                                 dst0 - out_row0, count, mb, src_row0=src0,
                             )
@@ -847,7 +884,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         o_scratch, o_views = plgpu.SMEM((2, blocks_per_item, mb, bn), E4M3), None
     else:  # per consumer: the output tile (or `out_slabs` of its slabs), swizzled 128-byte slabs
         o_scratch, o_views = _common.row_tile_buffers(
-            (2, mb, staged_cols), out_dtype, interpret_mode is not None
+            (2, out_buffers, mb, staged_cols), out_dtype, interpret_mode is not None
         )
     scratch = [
         a_scratch,

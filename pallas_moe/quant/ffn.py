@@ -189,7 +189,8 @@ class Fp8ForwardConfig:
         """`up` as the fused re-quantization runs it: its epilogue parks A's earlier column
         blocks and Q in SMEM where the plain epilogue stages its output slabs, so at most 3
         stages fit (208 KB) and no slab staging (`out_slabs=0`)."""
-        return dataclasses.replace(self.up, num_stages=min(self.up.num_stages, 3), out_slabs=0)
+        return dataclasses.replace(self.up, num_stages=min(self.up.num_stages, 3), out_slabs=0,
+                                   out_buffers=1)
 
     def __post_init__(self):
         if self.requant is None:
