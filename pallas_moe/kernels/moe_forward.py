@@ -186,10 +186,11 @@ def pingpong_down_config(num_sms: int, device_kind: str, *, num_stages: int | No
 
     On an H200 each consumer stages its output tile one 64-column slab at a time
     (`out_slabs=1`). Measured there (session 37, `benchmarks/forward.py --down-sweep slabs`,
-    same run, bitwise equal): the down-proj 7B 282.9 -> 278.3 us (1.017x), 30B 1718.9 ->
-    1685.6 (1.020x) at the same 5 stages; the 6th stage the 16 KB it frees would hold was
-    slower (287.3, 1728.7: the K loop is only n / 64 = 4-8 steps). The H100 keeps the whole
-    tile (not measured there)."""
+    same runs, bitwise equal, two machines): the down-proj 7B 282.9 -> 278.3 and 287.4 ->
+    283.4 us (1.014-1.017x), 30B 1718.9 -> 1685.6 and 1741.0 -> 1720.2 (1.012-1.020x), the
+    Qwen3-30B-A3B widths 685.8 -> 661.3 (1.037x) at the same 5 stages; the 6th stage the
+    16 KB it frees would hold was slower there (0.97-0.99x: the K loop is only n / 64 =
+    4-12 steps). The H100 keeps the whole tile (not measured there)."""
     config = dataclasses.replace(PINGPONG_DOWN, num_sms=num_sms)
     if num_stages is not None:
         config = dataclasses.replace(config, num_stages=num_stages)
