@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.forward import H100_KIND, unique_configs
+from benchmarks.forward import sweep as forward_sweep
 from benchmarks.logs import open_log
 
 from pallas_moe.kernels import _common
@@ -60,6 +61,7 @@ SHAPES = {
 ITERS = 20
 TOL = 2e-2  # relative Frobenius error, bf16 outputs
 SMOKE = False  # set by --smoke: interpret mode, wall-clock timing
+ROUNDS = 1  # set by --rounds: sweeps timed round-robin, with paired speed-ups
 
 
 def gpu_time_ms(f, *args, iters=ITERS):
@@ -167,26 +169,10 @@ def dense_bound_ms(shape):
 
 
 def sweep(name, configs, build, args, check, flops, log):
-    """Times `build(cfg)(*args)` per config (after checking it with `check(out)`); best first."""
-    best = (float("inf"), None)
-    rows = []
-    for cfg in configs:
-        try:
-            f = jax.jit(build(cfg))
-            err = check(f(*args))
-            if not err < TOL:
-                log(f"  {name} {cfg}: WRONG (err {err:.2e}), not timed")
-                rows.append(dict(config=str(cfg), err=err))
-                continue
-            t = gpu_time_ms(f, *args)
-        except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
-            log(f"  {name} {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
-            continue
-        log(f"  {name} {cfg}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s, err {err:.1e}")
-        rows.append(dict(config=str(cfg), us=t * 1e3, err=err))
-        if t < best[0]:
-            best = (t, cfg)
-    return best, rows
+    """`benchmarks.forward.sweep` on fixed `args`: `build(cfg)` is the function to jit,
+    `check(out)` its error; `--rounds` times the configs round-robin."""
+    return forward_sweep(name, configs, lambda cfg: (jax.jit(build(cfg)), args),
+                         lambda f, a: check(f(*a)), flops, log, ROUNDS, gpu_time_ms, TOL)
 
 
 def configs_for(d, n, sweep: str):
@@ -422,15 +408,19 @@ def table(results):
 
 
 def main():
-    global SMOKE
+    global SMOKE, ROUNDS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
     ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "early_h", "approx", "pingpong", "slabs", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each sweep's configs round-robin this many rounds (the median, "
+                         "and paired speed-ups over the sweep's first config)")
     args = ap.parse_args()
     SMOKE = args.smoke
+    ROUNDS = args.rounds
     shapes = ["smoke"] if SMOKE else args.shapes.split(",")
     log = open_log(args.out, "log.txt")
     log(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")

@@ -73,6 +73,56 @@ def gpu_time_ms(f, *args, iters=ITERS):
     return statistics.median(times)
 
 
+def interleaved_times_ms(calls, rounds, time_ms=None):
+    """Times each `(f, args)` of `calls` round-robin, `rounds` times over, with `time_ms(f,
+    *args)` (default `gpu_time_ms`), so that a drift of the card's clocks between configs
+    (sessions 37-38 saw the same config 7% apart in two runs on one machine) lands on all of
+    them alike. Returns, per call, `(median ms over the rounds, median over the rounds of
+    calls[0]'s time / this call's time in the same round, (max - min) / median of its own
+    rounds)`: the middle one is the paired speed-up over the first call."""
+    time_ms = time_ms or gpu_time_ms
+    per = [[] for _ in calls]
+    for _ in range(rounds):
+        for times, (f, args) in zip(per, calls):
+            times.append(time_ms(f, *args))
+    return [(statistics.median(t), statistics.median(a / b for a, b in zip(per[0], t)),
+             (max(t) - min(t)) / statistics.median(t)) for t in per]
+
+
+def sweep(name, configs, build, check, flops, log, rounds=1, time_ms=None, tol=2e-2):
+    """Checks each config's call, `f, args = build(cfg)`, with `check(f, args)` (a relative
+    error against the reference, on poisoned outputs), then times the correct ones
+    round-robin over `rounds` rounds (`interleaved_times_ms`; the first config is the
+    baseline of the paired speed-ups). Returns `((best ms, best config), rows)`; a config
+    that fails to build or lower is logged and skipped, a wrong one is logged, never timed."""
+    calls, rows = [], []
+    for cfg in configs:
+        try:
+            f, args = build(cfg)
+            err = check(f, args)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
+            log(f"  {name} {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        if not err < tol:
+            log(f"  {name} {cfg}: WRONG (err {err:.2e}), not timed")
+            rows.append(dict(config=str(cfg), err=err))
+            continue
+        calls.append((cfg, f, args, err))
+    best = (float("inf"), None)
+    if not calls:
+        return best, rows
+    timings = interleaved_times_ms([(f, args) for _, f, args, _ in calls], rounds, time_ms)
+    for (cfg, _, _, err), (t, speedup, spread) in zip(calls, timings):
+        paired = (f", x{speedup:.3f} of the first over {rounds} rounds (spread {spread:.1%})"
+                  if rounds > 1 else "")
+        log(f"  {name} {cfg}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s, err {err:.1e}{paired}")
+        rows.append(dict(config=str(cfg), us=t * 1e3, err=err, speedup_vs_first=speedup,
+                         spread=spread))
+        if t < best[0]:
+            best = (t, cfg)
+    return best, rows
+
+
 def wall_time_ms(f, *args, iters=ITERS):
     """Median over `iters` calls of the wall milliseconds of one call of f, blocking on the
     result (launch gaps and host work included), after a warm-up call."""
@@ -197,7 +247,7 @@ def ragged_dot_best_ms(xg, w1, group_sizes, log):
     return best
 
 
-def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True):
+def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True, rounds=1):
     T, d, n, E, K = shape
     # The dense bound first, before the shape's own arrays exist: at 30b-n256 (P = 524,288
     # rows) its 4-GiB operands no longer fitted next to them on an H200 (session 29).
@@ -243,42 +293,27 @@ def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True):
     # session 29's run ran out of memory in the copy baseline with them still alive.
     del h, a, y, out, h2
 
-    # ---- timings
-    best_up = (float("inf"), None)
-    for cfg in up_cfgs(d, n):
-        try:
-            meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(plan.group_sizes, plan.token_ids)
-            f = jax.jit(lambda x, t, g, w, m, cfg=cfg: up_proj(x, t, g, w, config=cfg, meta=m))
-            t = gpu_time_ms(f, x, plan.token_ids, plan.group_sizes, w1, meta)
-            if cfg != base.up:
-                hh, aa = poison_then(f, x, plan.token_ids, plan.group_sizes, w1, meta, nbytes=P * 3 * n * 2)
-                e = max(rel_err(hh, h_ref, rows), rel_err(aa, a_ref, rows))
-                if not e < 2e-2:
-                    log(f"  up {cfg}: WRONG (err {e:.2e}), not timed")
-                    continue
-        except Exception as e:  # noqa: BLE001
-            log(f"  up {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
-            continue
-        log(f"  up {cfg}: {t * 1e3:.1f} us, {flops_up / t / 1e9:.0f} TFLOP/s")
-        if t < best_up[0]:
-            best_up = (t, cfg)
-    best_dn = (float("inf"), None)
-    for cfg in down_cfgs(d, n):
-        try:
-            meta = jax.jit(lambda g, cfg=cfg: _common.aligned_tile_meta(g, P, cfg.block_m))(plan.group_sizes)
-            f = jax.jit(lambda a, g, w, m, cfg=cfg: down_proj(a, g, w, config=cfg, meta=m))
-            t = gpu_time_ms(f, a_ref, plan.group_sizes, w2, meta)
-            if cfg != base.down:
-                e = rel_err(f(a_ref, plan.group_sizes, w2, meta), y_ref, rows)
-                if not e < 2e-2:
-                    log(f"  down {cfg}: WRONG (err {e:.2e}), not timed")
-                    continue
-        except Exception as e:  # noqa: BLE001
-            log(f"  down {cfg}: failed: {type(e).__name__}: {str(e)[:300]}")
-            continue
-        log(f"  down {cfg}: {t * 1e3:.1f} us, {flops_down / t / 1e9:.0f} TFLOP/s")
-        if t < best_dn[0]:
-            best_dn = (t, cfg)
+    # ---- timings: each sweep checks its configs first, then times them round-robin
+    def build_up(cfg):
+        meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(plan.group_sizes, plan.token_ids)
+        f = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=cfg, meta=m))
+        return f, (x, plan.token_ids, plan.group_sizes, w1, meta)
+
+    def check_up(f, args):
+        hh, aa = poison_then(f, *args, nbytes=P * 3 * n * 2)
+        return max(rel_err(hh, h_ref, rows), rel_err(aa, a_ref, rows))
+
+    def build_down(cfg):
+        meta = jax.jit(lambda g: _common.aligned_tile_meta(g, P, cfg.block_m))(plan.group_sizes)
+        f = jax.jit(lambda a, g, w, m: down_proj(a, g, w, config=cfg, meta=m))
+        return f, (a_ref, plan.group_sizes, w2, meta)
+
+    def check_down(f, args):
+        return rel_err(poison_then(f, *args, nbytes=P * d * 2), y_ref, rows)
+
+    best_up, res["up_sweep"] = sweep("up", up_cfgs(d, n), build_up, check_up, flops_up, log, rounds)
+    best_dn, res["down_sweep"] = sweep("down", down_cfgs(d, n), build_down, check_down, flops_down,
+                                       log, rounds)
     res["up_us"] = best_up[0] * 1e3
     res["up_cfg"] = str(best_up[1])
     res["down_us"] = best_dn[0] * 1e3
@@ -526,6 +561,9 @@ def main():
     p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "slabs", "approx", "pingpong", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time each sweep's configs round-robin this many rounds (the median, "
+                        "and paired speed-ups over the sweep's first config)")
     args = p.parse_args()
     log = open_log(args.out, "forward_log.txt")
     device = jax.devices()[0].device_kind
@@ -542,7 +580,7 @@ def main():
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "slabs": staged_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
                 results.append(run_shape(name, SHAPES[name], skew, up_cfgs, down_cfgs, log,
-                                         baselines=not args.no_baselines))
+                                         baselines=not args.no_baselines, rounds=args.rounds))
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape
                 log(f"{name} skew={skew}: FAILED {type(e).__name__}: {e}")
                 log(traceback.format_exc()[-3000:])

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 
 import pallas_moe as pm
 from benchmarks.logs import markdown_report, open_log
-from benchmarks.forward import gpu_time_ms
+from benchmarks.forward import gpu_time_ms, interleaved_times_ms
 from pallas_moe.quant import SmoothQuantConfig, smoothquant_kernel
 from pallas_moe.routing import token_rounding_plan, topk_plan
 
@@ -360,7 +360,7 @@ def down8(config, capacity, interpret=False):
         col_scales=c, interpret=interpret))
 
 
-def run_fp8_case(name, shape, log, interpret=False, more=False, sweeps=()):
+def run_fp8_case(name, shape, log, interpret=False, more=False, sweeps=(), rounds=1):
     from benchmarks.forward import poison_then as poison_nan_then
     from pallas_moe.kernels import _common
     from pallas_moe.kernels.down_proj import down_proj
@@ -510,6 +510,12 @@ def run_fp8_case(name, shape, log, interpret=False, more=False, sweeps=()):
     res["bf16_fwd_us"] = timed(bf16_fwd, x, plan, w1, w2) * 1e3
     res["fp8_fwd_us"] = timed(fp8_fwd, x, plan, experts) * 1e3
     res["fwd_speedup"] = res["bf16_fwd_us"] / res["fp8_fwd_us"]
+    if rounds > 1:  # the ratio with the card's drift paired out (--rounds)
+        (bf16_t, _, bf16_spread), (fp8_t, paired, fp8_spread) = interleaved_times_ms(
+            [(bf16_fwd, (x, plan, w1, w2)), (fp8_fwd, (x, plan, experts))], rounds, timed)
+        res.update(fwd_rounds=rounds, bf16_fwd_rounds_us=bf16_t * 1e3, fp8_fwd_rounds_us=fp8_t * 1e3,
+                   fwd_speedup_paired=paired, bf16_fwd_spread=bf16_spread,
+                   fp8_fwd_spread=fp8_spread)
     res["fp8_fwd_fused_us"] = timed(fp8_fwd_fused, x, plan, experts) * 1e3 if fuses else float("nan")
     # What the fp8 forward spends outside its four timed kernels (aggregation, plan metadata).
     res["fp8_fwd_rest_us"] = res["fp8_fwd_us"] - (
@@ -663,6 +669,9 @@ FP8_TABLE_COLS = [
     ("bf16 fwd us", lambda r: f"{r['bf16_fwd_us']:.0f}"),
     ("fp8 fwd us", lambda r: f"{r['fp8_fwd_us']:.0f}"),
     ("fwd speedup (>= 1.5)", lambda r: f"**{r['fwd_speedup']:.2f}**"),
+    ("paired fwd speedup (rounds, spread bf16 / fp8)", lambda r: (
+        f"**{r['fwd_speedup_paired']:.3f}** ({r['fwd_rounds']}, {r['bf16_fwd_spread']:.1%} / "
+        f"{r['fp8_fwd_spread']:.1%})" if "fwd_speedup_paired" in r else "-")),
     ("fp8 fwd fused us", lambda r: f"{r['fp8_fwd_fused_us']:.0f}"),
     ("fwd rest us", lambda r: f"{r['fp8_fwd_rest_us']:.0f}"),
     ("rel err mean", lambda r: f"{r['rel_err_mean']:.4f}"),
@@ -745,7 +754,8 @@ def main_fp8(args):
         try:
             results.append(run_fp8_case(name, FP8_SHAPES[name], log, interpret=args.interpret,
                                         more=args.more,
-                                        sweeps=[w for w in ("up", "down") if getattr(args, f"{w}_sweep")]))
+                                        sweeps=[w for w in ("up", "down") if getattr(args, f"{w}_sweep")],
+                                        rounds=args.rounds))
         except Exception as e:  # noqa: BLE001 - report and go on
             log(f"fp8 {name}: FAILED {type(e).__name__}: {e}")
             log(traceback.format_exc()[-3000:])
@@ -774,6 +784,9 @@ def main():
                    help="--fp8: also the fp8 up-proj at the blocks of FP8_SWEEPS['up']")
     p.add_argument("--down-sweep", action="store_true", dest="down_sweep",
                    help="--fp8: also the fp8 down-proj at the blocks of FP8_SWEEPS['down']")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--fp8: also time the bf16 and fp8 forwards round-robin this many "
+                        "rounds (the paired speed-up, `fwd_speedup_paired`)")
     p.add_argument("--interpret", action="store_true",
                    help="CPU smoke test of this script: kernels in interpret mode, no timings "
                         "(use with --shapes tiny)")

@@ -1,0 +1,70 @@
+"""The benchmarks' round-robin timing (`benchmarks.forward.interleaved_times_ms`, `sweep`):
+paired speed-ups over the first config, the order the calls run in, and that a wrong or
+failing config is never timed. A fake clock stands in for CUPTI, so these run on CPU."""
+
+import pytest
+
+from benchmarks.forward import interleaved_times_ms, sweep
+
+
+def fake_clock(times_by_name, drift):
+    """time_ms(f, *args) -> the call's base time times the round's drift factor; records the
+    order of the calls."""
+    order = []
+
+    def time_ms(f, *args):
+        order.append(f.__name__)
+        round_ = sum(1 for name in order if name == f.__name__) - 1
+        return times_by_name[f.__name__] * drift[round_]
+
+    return time_ms, order
+
+
+def make(name):
+    def f(*args):
+        return args
+    f.__name__ = name
+    return f
+
+
+def test_interleaved_pairs_out_a_drift_of_the_clock():
+    # A drift of 1.3x between rounds: paired ratios stay exact, each call's spread shows it.
+    time_ms, order = fake_clock({"a": 2.0, "b": 1.6}, drift=[1.0, 1.3, 1.1])
+    (ta, ra, sa), (tb, rb, sb) = interleaved_times_ms([(make("a"), ()), (make("b"), ())], 3,
+                                                      time_ms)
+    assert order == ["a", "b", "a", "b", "a", "b"]  # round-robin, not one config then the next
+    assert ta == pytest.approx(2.2) and tb == pytest.approx(1.76)  # medians over the rounds
+    assert ra == pytest.approx(1.0) and rb == pytest.approx(1.25)  # 2.0 / 1.6 in every round
+    assert sa == pytest.approx(0.3 / 1.1) and sb == pytest.approx(0.3 / 1.1)
+
+
+def test_sweep_checks_first_and_never_times_a_wrong_or_failing_config():
+    time_ms, order = fake_clock({"good": 3.0, "better": 2.0, "wrong": 1.0},
+                                drift=[1.0, 1.0])
+    logs = []
+
+    def build(cfg):
+        if cfg == "broken":
+            raise ValueError("does not fit in SMEM")
+        return make(cfg), ()
+
+    def check(f, args):
+        return 0.5 if f.__name__ == "wrong" else 1e-3
+
+    (best_t, best_cfg), rows = sweep("up", ["good", "wrong", "broken", "better"], build, check,
+                                     flops=6e9, log=logs.append, rounds=2, time_ms=time_ms)
+    assert (best_t, best_cfg) == (2.0, "better")
+    assert "wrong" not in order and "broken" not in order
+    assert [r["config"] for r in rows] == ["wrong", "good", "better"]
+    assert rows[0]["err"] == 0.5 and "us" not in rows[0]
+    assert rows[2]["speedup_vs_first"] == pytest.approx(1.5)  # over "good", the first timed
+    assert any("WRONG" in line for line in logs)
+    assert any("failed: ValueError: does not fit" in line for line in logs)
+    assert any("x1.500 of the first over 2 rounds" in line for line in logs)
+
+
+def test_sweep_with_nothing_correct_returns_no_best():
+    best, rows = sweep("down", ["wrong"], lambda cfg: (make(cfg), ()), lambda f, a: float("nan"),
+                       flops=1.0, log=lambda line: None, time_ms=lambda f, *a: 1.0)
+    assert best == (float("inf"), None)
+    assert rows[0]["config"] == "wrong"  # a NaN error is not below the tolerance
