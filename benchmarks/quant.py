@@ -533,8 +533,9 @@ def run_fp8_gemm_sweep(res, log, case, which):
     """--up-sweep / --down-sweep: one fp8 GEMM of the forward (`which`: "up", the gated
     up-proj gathering the per-token rows; "down", the down-proj on A's re-quantized rows) at
     each override of `FP8_SWEEPS[which]` on the default blocks, timed beside the default
-    (timed again first and last: the same-run spread), each output compared bit for bit with
-    the default's on the plan's rows (poisoned buffers)."""
+    (with --rounds, round-robin with paired speed-ups; otherwise the default is timed first
+    and last: the same-run spread), each output compared bit for bit with the default's on
+    the plan's rows (poisoned buffers)."""
     from benchmarks.forward import poison_then as poison_nan_then
 
     cfg, kw, timed, P = case["cfg"], case["kw"], case["timed"], case["P"]
@@ -551,28 +552,40 @@ def run_fp8_gemm_sweep(res, log, case, which):
             return down8(config, P, **kw)
     want = np.asarray(want[:num_rows]).view(np.uint16)
 
-    rows = [dict(config="default", us=timed(build(default), *args) * 1e3)]
+    rounds = case["rounds"]
+    rows, calls = [dict(config="default")], [build(default)]
     for over in FP8_SWEEPS[which]:
         row = dict(config=",".join(f"{k}={v}" for k, v in over.items()))
         over = dict(over)  # stages_plus: that many stages more than the default's
         over["num_stages"] = over.get("num_stages", default.num_stages) + over.pop("stages_plus", 0)
         if dataclasses.replace(default, **over) == default:
-            continue  # the default itself at this shape (timed first and last)
+            continue  # the default itself at this shape
         try:
             f = build(dataclasses.replace(default, **over))
             got = poison_nan_then(f, *args, nbytes=P * width * 2)
             row["bitwise_default"] = bool(np.array_equal(
                 np.asarray(got[:num_rows]).view(np.uint16), want))
-            row["us"] = timed(f, *args) * 1e3
+            if rounds <= 1:
+                row["us"] = timed(f, *args) * 1e3
+            calls.append(f)
         except Exception as e:  # noqa: BLE001 - report and go on (e.g. SMEM overflow)
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
         log(f"  {which} sweep " + json.dumps(row))
-    rows.append(dict(config="default (again)", us=timed(build(default), *args) * 1e3))
-    base = min(rows[0]["us"], rows[-1]["us"])
+    timed_rows = [r for r in rows if "error" not in r]
+    if rounds > 1:  # round-robin: paired speed-ups over the default in each round
+        for row, (t, paired, spread) in zip(
+                timed_rows, interleaved_times_ms([(f, args) for f in calls], rounds, timed)):
+            row.update(us=t * 1e3, speedup_vs_default=paired, spread=spread)
+    else:  # the default timed first and last: the same-run spread
+        rows[0]["us"] = timed(calls[0], *args) * 1e3
+        rows.append(dict(config="default (again)", us=timed(calls[0], *args) * 1e3))
+        base = min(rows[0]["us"], rows[-1]["us"])
+        for row in rows:
+            if "us" in row:
+                row["speedup_vs_default"] = base / row["us"]
     for row in rows:
         if "us" in row:
-            row["speedup_vs_default"] = base / row["us"]
             row["bf16_over_this"] = res[f"bf16_{which}_us"] / row["us"]
     res[f"{which}_sweep"] = rows
     log(f"  {which} sweep: " + json.dumps(rows))
@@ -733,7 +746,9 @@ def fp8_markdown(results, cmd, device):
         if not rows:
             continue
         lines += ["", f"fp8 {name} blocks (--{which}-sweep; overrides of `Fp8ForwardConfig.for_shape`'s "
-                  f"`{which}`; the default timed first and last, ratios against the faster of the two; "
+                  f"`{which}`; with --rounds, timed round-robin and the ratios paired with the "
+                  "default in each round; otherwise the default timed first and last, ratios "
+                  "against the faster of the two; "
                   "`bitwise` = output equal to the default's on the plan's rows):", "",
                   f"| shape | config | us | vs default | bf16 {which} / this | bitwise |",
                   "|---|---|---|---|---|---|"]
