@@ -39,7 +39,8 @@ from jax.experimental.mosaic.gpu import profiler
 import pallas_moe as pm
 from benchmarks.logs import open_log
 from benchmarks.forward import (
-    SHAPES, cooperative_up_cfg, pingpong_up, gpu_time_ms, pipelined_ms, wall_time_ms,
+    SHAPES, cooperative_up_cfg, pingpong_up, gpu_time_ms, interleaved_times_ms, pipelined_ms,
+    wall_time_ms,
 )
 from benchmarks.layer import dense_bound_fns
 from pallas_moe.kernels import KernelConfig
@@ -308,6 +309,10 @@ def main():
                          "False; the default is ex2.approx)")
     ap.add_argument("--gpt-oss", action="store_true",
                     help="expert biases on both projections and the clamped SwiGLU")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="then time the dense bound and every variant round-robin this many "
+                         "rounds: `paired_vs_bound` = the median over the rounds of the bound's "
+                         "time / the step's in the same round")
     ap.add_argument("--gaps", action="store_true",
                     help="also trace 5 back-to-back steps and report the GPU's idle time "
                          "between kernels and its largest gaps (`idle_between_kernels`)")
@@ -322,6 +327,8 @@ def main():
         cots = {"loss": cot, "vjp": cot.astype(jnp.bfloat16)}  # converted outside the step
         _, bound_all, xe, dcot = dense_bound_fns(shape)
         bound_ms = gpu_time_ms(bound_all, xe, w1, w2, dcot, iters=ITERS)
+        # --rounds: the bound first, then each variant that ran (row, step, inputs)
+        paired = [(None, bound_all, (xe, w1, w2, dcot))] if args.rounds > 1 else []
         del xe, dcot
         log(f"== {name} {shape} skew {args.skew}: dense fwd+bwd bound {bound_ms:.3f} ms")
         reference = {}
@@ -366,6 +373,8 @@ def main():
                 row["kernels"] = kernel_breakdown(step, *inputs)
                 if args.gaps:  # traced after every variant's CUPTI timings (see below)
                     traced.append((row, step, inputs))
+                if paired:
+                    paired.append((row, step, inputs))
             except Exception as e:  # noqa: BLE001 - report and go on
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             log("  " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v)
@@ -378,6 +387,16 @@ def main():
             rows.append(row)
             with open(os.path.join(args.out, "step.json"), "w") as f:
                 json.dump(rows, f, indent=1)
+        if len(paired) > 1:  # the card's drift between variants paired out
+            timings = interleaved_times_ms([(f, a) for _, f, a in paired], args.rounds,
+                                           lambda f, *a: gpu_time_ms(f, *a, iters=ITERS))
+            for (row, _, _), (t, vs_bound, spread) in zip(paired[1:], timings[1:]):
+                row.update(rounds=args.rounds, paired_gpu_ms=t, paired_vs_bound=vs_bound,
+                           paired_spread=spread)
+                log(f"  paired over {args.rounds} rounds: {row['routing']}/{row['gather']}/"
+                    f"{row['harness']} {t:.3f} ms, {vs_bound:.3f} of the bound "
+                    f"({timings[0][0]:.3f} ms), spread {spread:.1%}")
+        paired.clear()
         # The profiler traces run last: after a `jax.profiler.trace`, the next CUPTI
         # measurement in the process aborted once ("activity records were dropped").
         for row, step, inputs in traced:
@@ -409,6 +428,13 @@ def main():
                          f"{r['router_dtype']} | {r['gpu_ms']:.3f} | "
                          f"{r['wall_ms']:.3f} | {r['pipelined_ms']:.3f} | {r['bound_ms']:.3f} | "
                          f"{r['vs_bound']:.2f} |")
+    if any("paired_gpu_ms" in r for r in rows):
+        lines += ["", "Round-robin (`--rounds`): each step and the bound timed once per round.", "",
+                  "| shape | routing | gather | harness | rounds | step GPU ms (median) | bound/step, paired | spread |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['routing']} | {r['gather']} | {r['harness']} | {r['rounds']} | "
+                  f"{r['paired_gpu_ms']:.3f} | {r['paired_vs_bound']:.3f} | {r['paired_spread']:.1%} |"
+                  for r in rows if "paired_gpu_ms" in r]
     table = "\n".join(lines)
     with open(os.path.join(args.out, "step.md"), "w") as f:
         f.write(table + "\n")

@@ -68,3 +68,49 @@ def test_sweep_with_nothing_correct_returns_no_best():
                        flops=1.0, log=lambda line: None, time_ms=lambda f, *a: 1.0)
     assert best == (float("inf"), None)
     assert rows[0]["config"] == "wrong"  # a NaN error is not below the tolerance
+
+
+def test_step_rounds_report_the_paired_bound_ratio(tmp_path, monkeypatch):
+    """`benchmarks/step.py --rounds`: the dense bound and every variant that ran are timed
+    round-robin, and each row gets `paired_vs_bound`, the bound's time over the step's in the
+    same round. The GPU parts (CUPTI, the Mosaic step) are fakes; the plumbing is real."""
+    import json
+
+    import jax.numpy as jnp
+
+    import benchmarks.step as step_bench
+
+    shape = (16, 128, 128, 4, 2)
+    clock = {"bound": 2.0, "topk": 4.0, "token_rounding": 5.0}
+    # the bound's and the two variants' single timings, then two rounds of all three
+    drift = iter([1.0, 1.0, 1.0] + [1.0, 1.0, 1.0] + [1.2, 1.2, 1.2])
+
+    def fake_gpu_time_ms(f, *args, iters=None):
+        return clock[f.__name__] * next(drift)
+
+    def fake_step(name):
+        def f(*args):
+            return jnp.float32(0), (jnp.ones(2),)
+        f.__name__ = name
+        return f
+
+    bound = fake_step("bound")
+    monkeypatch.setitem(step_bench.SHAPES, "fake", shape)
+    monkeypatch.setattr(step_bench, "gpu_time_ms", fake_gpu_time_ms)
+    monkeypatch.setattr(step_bench, "wall_time_ms", lambda f, *a, iters=None: 1.0)
+    monkeypatch.setattr(step_bench, "pipelined_ms", lambda f, *a: 1.0)
+    monkeypatch.setattr(step_bench, "kernel_breakdown", lambda f, *a: [])
+    monkeypatch.setattr(step_bench, "dense_bound_fns", lambda s: (None, bound, 0, 0))
+    monkeypatch.setattr(step_bench, "step_inputs",
+                        lambda s, seed: (0, 0, 0, 0, jnp.zeros(2, jnp.float32)))
+    monkeypatch.setattr(step_bench, "make_step",
+                        lambda s, routing, backend, config, **kw: fake_step(routing))
+    monkeypatch.setattr("sys.argv", ["step.py", "--shapes", "fake", "--rounds", "2", "--out",
+                                     str(tmp_path), "--variants",
+                                     "topk/cp_async,token_rounding/cp_async"])
+    step_bench.main()
+    rows = json.loads((tmp_path / "step.json").read_text())
+    assert [r["paired_vs_bound"] for r in rows] == pytest.approx([0.5, 0.4])
+    assert [r["paired_gpu_ms"] for r in rows] == pytest.approx([4.4, 5.5])  # medians of 2 rounds
+    assert rows[0]["paired_spread"] == pytest.approx(0.8 / 4.4)
+    assert "bound/step, paired" in (tmp_path / "step.md").read_text()
