@@ -554,6 +554,8 @@ def run_fp8_gemm_sweep(res, log, case, which):
 
     rounds = case["rounds"]
     rows, calls = [dict(config="default")], [build(default)]
+    if rounds <= 1:  # the default timed first and last: the same-run spread
+        rows[0]["us"] = timed(calls[0], *args) * 1e3
     for over in FP8_SWEEPS[which]:
         row = dict(config=",".join(f"{k}={v}" for k, v in over.items()))
         over = dict(over)  # stages_plus: that many stages more than the default's
@@ -572,13 +574,12 @@ def run_fp8_gemm_sweep(res, log, case, which):
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
         log(f"  {which} sweep " + json.dumps(row))
-    timed_rows = [r for r in rows if "error" not in r]
     if rounds > 1:  # round-robin: paired speed-ups over the default in each round
+        timed_rows = [r for r in rows if "error" not in r]  # one per call, in order
         for row, (t, paired, spread) in zip(
                 timed_rows, interleaved_times_ms([(f, args) for f in calls], rounds, timed)):
             row.update(us=t * 1e3, speedup_vs_default=paired, spread=spread)
-    else:  # the default timed first and last: the same-run spread
-        rows[0]["us"] = timed(calls[0], *args) * 1e3
+    else:
         rows.append(dict(config="default (again)", us=timed(calls[0], *args) * 1e3))
         base = min(rows[0]["us"], rows[-1]["us"])
         for row in rows:

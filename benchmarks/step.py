@@ -327,7 +327,8 @@ def main():
         cots = {"loss": cot, "vjp": cot.astype(jnp.bfloat16)}  # converted outside the step
         _, bound_all, xe, dcot = dense_bound_fns(shape)
         bound_ms = gpu_time_ms(bound_all, xe, w1, w2, dcot, iters=ITERS)
-        # --rounds: the bound first, then each variant that ran (row, step, inputs)
+        # --rounds: the bound first, then each variant that ran (row, step, inputs); this keeps
+        # the bound's operands alive to the shape's end
         paired = [(None, bound_all, (xe, w1, w2, dcot))] if args.rounds > 1 else []
         del xe, dcot
         log(f"== {name} {shape} skew {args.skew}: dense fwd+bwd bound {bound_ms:.3f} ms")
@@ -373,7 +374,7 @@ def main():
                 row["kernels"] = kernel_breakdown(step, *inputs)
                 if args.gaps:  # traced after every variant's CUPTI timings (see below)
                     traced.append((row, step, inputs))
-                if paired:
+                if args.rounds > 1:
                     paired.append((row, step, inputs))
             except Exception as e:  # noqa: BLE001 - report and go on
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
