@@ -245,6 +245,21 @@ def configs_for(d, n, sweep: str):
         if slabs == 4:  # split M's 256 columns: also two rounds of two slabs
             dx.append(rep(whole, out_slabs=2, out_buffers=2))
         dx = unique_configs(dx)
+    if sweep == "retune":
+        # Session 39, on today's kernels (persistent dH with swizzled slabs, the H200's
+        # persistent weight gradients, session 27's precomputed cp.async addresses): dH's
+        # hardware-tracked cp.async stages ("mbarrier": every stage in flight), last timed on
+        # the H100 in session 4 against the one-CTA-per-tile dH (0.96x at 7B, 1.03x at 30B;
+        # the H200's up-proj gained 1.07x from it in session 22), with 5 and 4 stages; dW2
+        # (0.72 of its dense bound at 7B) with one stage fewer, the lagged publish, and one CTA
+        # per item (5 stages do not fit beside the persistent kernel's output buffer).
+        rep = dataclasses.replace
+        dh += [rep(base.dh, gather_completion="mbarrier"),
+               rep(base.dh, gather_completion="mbarrier", num_stages=base.dh.num_stages - 1),
+               rep(base.dh, num_stages=base.dh.num_stages - 1)]
+        dw2 += [rep(base.dw_down, num_stages=base.dw_down.num_stages - 1),
+                rep(base.dw_down, gather_completion="wait_group"),
+                rep(base.dw_down, persistent_ctas=0, output_chunks=0)]
     if sweep == "full":
         dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
                DHConfig(block_n=64, num_stages=4, num_consumers=2)]
@@ -413,7 +428,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "early_h", "approx", "pingpong", "slabs", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "early_h", "approx", "pingpong", "slabs", "retune", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each sweep's configs round-robin this many rounds (the median, "
