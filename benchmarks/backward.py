@@ -4,7 +4,8 @@
     PYTHONPATH=. python3 benchmarks/backward.py --smoke      # CPU: interpret mode, tiny shape
 
 For each shape (routing = real top-K over random router logits; `7b-skew`/`30b-skew` add +1.5
-to the logits of a quarter of the experts) it:
+to the logits of a quarter of the experts; `7b-router`/`30b-router` route as `step.py` does,
+through a bf16 router layer over x) it:
   1. checks every backward kernel against XLA on fresh random data: the dH kernel (dH, A',
      dS), both weight-gradient kernels and the dX~ kernel against per-kernel references
      computed from the same jnp math as `moe_ffn_backward`, and the whole `moe_backward`
@@ -45,6 +46,7 @@ from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
 from pallas_moe.kernels.moe_forward import aggregate_width
 from pallas_moe.kernels.weight_grad import WeightGradConfig, k_block_meta, weight_grad
+from pallas_moe.nn.functional import router_logits
 from pallas_moe.ops.minimal_backward import dswiglu, moe_ffn_backward
 from pallas_moe.ops.xla import scan_row_tiles
 from pallas_moe.routing.topk import topk_plan
@@ -56,6 +58,11 @@ SHAPES = {
     "7b-n1024": (24576, 1536, 1024, 32, 2),
     "7b-skew": (24576, 1536, 256, 128, 8),  # a quarter of the experts strongly preferred
     "30b-skew": (32768, 4096, 512, 128, 8),
+    # Routed as `step.py` routes (a bf16 router layer over the same x), whose groups spread
+    # wider than i.i.d. logits give (7B: 1301-1865 rows against 1419-1671): the step's
+    # weight gradients run ~1.2x their time here (session 39), is the plan the cause?
+    "7b-router": (24576, 1536, 256, 128, 8),
+    "30b-router": (32768, 4096, 512, 128, 8),
     "smoke": (40, 128, 128, 4, 2),
 }
 ITERS = 20
@@ -93,13 +100,19 @@ def rel_err(got, want, rows=None):
     return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
 
 
-def make_case(shape, seed, skew=False):
+def make_case(shape, seed, skew=False, router=False):
+    """Fresh (x, w1, w2, plan, grad_out). The plan is top-K over i.i.d. normal logits, or
+    (`router`) over `step.py`'s logits: a bf16 router layer `x @ W_r`, W_r ~ N(0, 1/d)."""
     T, d, n, E, K = shape
     ks = jax.random.split(jax.random.key(seed), 5)
     x = jax.random.normal(ks[0], (T, d), jnp.float32).astype(jnp.bfloat16)
     w1 = (jax.random.normal(ks[1], (E, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
     w2 = (jax.random.normal(ks[2], (E, n, d), jnp.float32) / np.sqrt(n)).astype(jnp.bfloat16)
-    logits = jax.random.normal(ks[3], (T, E), jnp.float32)
+    if router:
+        w_router = jax.random.normal(ks[3], (d, E), jnp.float32) * d**-0.5
+        logits = jax.jit(lambda a, w: router_logits(a, w, dtype="bfloat16"))(x, w_router)
+    else:
+        logits = jax.random.normal(ks[3], (T, E), jnp.float32)
     if skew:  # +1.5 on a quarter of the experts: group sizes spread ~20x (as forward.py)
         logits = logits + jnp.where(jnp.arange(E) < E // 4, 1.5, 0.0)
     grad_out = jax.random.normal(ks[4], (T, d), jnp.float32).astype(jnp.bfloat16)
@@ -285,7 +298,8 @@ def configs_for(d, n, sweep: str):
 
 def run_shape(name, shape, log, sweep_kind: str):
     T, d, n, E, K = shape
-    x, w1, w2, plan, go = make_case(shape, seed=len(name) * 7 + 1, skew=name.endswith("skew"))
+    x, w1, w2, plan, go = make_case(shape, seed=len(name) * 7 + 1, skew=name.endswith("skew"),
+                                   router=name.endswith("router"))
     P = plan.capacity
     rows = int(plan.num_rows)
     gs = np.asarray(plan.group_sizes)
