@@ -114,3 +114,40 @@ def test_step_rounds_report_the_paired_bound_ratio(tmp_path, monkeypatch):
     assert [r["paired_gpu_ms"] for r in rows] == pytest.approx([4.4, 5.5])  # medians of 2 rounds
     assert rows[0]["paired_spread"] == pytest.approx(0.8 / 4.4)
     assert "bound/step, paired" in (tmp_path / "step.md").read_text()
+
+
+def test_kernels_after_flush_drops_exactly_the_flush():
+    """`backward.py --flush-l2`: the flush kernel is found by its fusion name less XLA's
+    numeric suffix, wherever it ran; the call's own kernels are all counted; a run without
+    the flush or with two matches is an error, not a figure."""
+    from benchmarks.backward import kernels_after_flush
+
+    run = [("loop_sine_fusion_3", 60.0), ("moe_dh_mosaic_gpu_kernel(...)", 0.4),
+           ("loop_multiply_fusion", 0.01)]
+    assert kernels_after_flush(run, "loop_sine_fusion") == pytest.approx(0.41)
+    assert kernels_after_flush(run[1:2] + run[:1], "loop_sine_fusion_1") == pytest.approx(0.4)
+    with pytest.raises(RuntimeError, match="expected one L2 flush kernel"):
+        kernels_after_flush(run[1:], "loop_sine_fusion")
+    with pytest.raises(RuntimeError, match="expected one L2 flush kernel"):
+        kernels_after_flush(run + [("loop_sine_fusion_4", 60.0)], "loop_sine_fusion")
+
+
+def test_flushed_call_returns_the_call_and_orders_the_flush_first():
+    """The flushed program computes f's outputs unchanged, and in its HLO f's inputs pass
+    through the optimization barrier that also carries the flush's result."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.backward import flushed_call
+
+    f = jax.jit(lambda a, b: (a @ b, jnp.sum(a)))
+    a = jnp.arange(12.0).reshape(3, 4)
+    b = jnp.ones((4, 2))
+    buf = jnp.zeros((1024,), jnp.float32)
+    flushed, out = flushed_call(f)(buf, a, b)
+    for got, want in zip(out, f(a, b)):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(flushed, jnp.sin(buf))
+    hlo = flushed_call(f).lower(buf, a, b).as_text()
+    assert "optimization_barrier" in hlo and "sine" in hlo
