@@ -25,7 +25,6 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.forward import H100_KIND, unique_configs
+from benchmarks.forward import gpu_time_ms as forward_gpu_time_ms
 from benchmarks.forward import sweep as forward_sweep
 from benchmarks.logs import open_log
 
@@ -74,60 +74,14 @@ FLUSH_MB = 0  # set by --flush-l2: every timed call runs after an XLA pass over 
 
 
 def gpu_time_ms(f, *args, iters=ITERS):
-    """Median over `iters` calls of the summed GPU kernel time of one call of f (CUPTI).
-
-    With `--flush-l2 MB` each timed call of f runs right after one XLA kernel that reads and
-    writes a buffer of MB megabytes (`flushed_call`), so f finds in the L2 what a step's
-    preceding kernels leave there, not the tail of its own previous call; only f's kernels
-    are counted (`kernels_after_flush`)."""
-    jax.block_until_ready(f(*args))  # compile + warm up
+    """`benchmarks.forward.gpu_time_ms` (CUPTI), after `--flush-l2` MB if set; wall-clock
+    time of one call in interpret mode (`--smoke`)."""
     if SMOKE:
+        jax.block_until_ready(f(*args))  # compile + warm up
         t = time.perf_counter()
         jax.block_until_ready(f(*args))
         return (time.perf_counter() - t) * 1e3
-    from jax.experimental.mosaic.gpu import profiler
-
-    if not FLUSH_MB:
-        _, times = profiler.measure(f, iterations=iters)(*args)
-        return statistics.median(times)
-    buf = jnp.ones((FLUSH_MB << 18,), jnp.float32)  # MB * 2**20 bytes
-    _, flush_kernels = profiler.measure(jax.jit(flush_pass), aggregate=False)(buf)
-    if len(flush_kernels) != 1:
-        raise RuntimeError(f"the L2 flush should be one kernel, got {flush_kernels}")
-    g = flushed_call(f)
-    jax.block_until_ready(g(buf, *args))
-    _, runs = profiler.measure(g, aggregate=False, iterations=iters)(buf, *args)
-    runs = runs if iters > 1 else [runs]
-    return statistics.median(kernels_after_flush(run, flush_kernels[0][0]) for run in runs)
-
-
-def flush_pass(buf):
-    """The L2 flush: one XLA elementwise kernel reading and writing `buf`. A sine, so that
-    its fusion's name ("loop_sine_fusion...") is one no backward kernel shares."""
-    return jnp.sin(buf)
-
-
-def flushed_call(f):
-    """jit of `(buf, *args) -> (flush_pass(buf), f(*args))` with f's inputs tied to the flush
-    (`optimization_barrier`), so that every kernel of f that reads them runs after it."""
-    @jax.jit
-    def g(buf, *args):
-        flushed, args = jax.lax.optimization_barrier((flush_pass(buf), args))
-        return flushed, f(*args)
-
-    return g
-
-
-def kernels_after_flush(run, flush_name: str) -> float:
-    """The summed ms of one flushed call's kernels `[(name, ms)]` without the flush, found by
-    its fusion name less XLA's numeric suffix (`loop_sine_fusion_2` is `loop_sine_fusion`).
-    Exactly one kernel must match: none or several is an error, never a figure that
-    silently counts the flush or drops one of f's kernels."""
-    base = lambda name: re.sub(r"_\d+$", "", name.split("(")[0])  # noqa: E731
-    matches = [i for i, (name, _) in enumerate(run) if base(name) == base(flush_name)]
-    if len(matches) != 1:
-        raise RuntimeError(f"expected one L2 flush kernel {flush_name!r} in {run}")
-    return sum(ms for i, (_, ms) in enumerate(run) if i != matches[0])
+    return forward_gpu_time_ms(f, *args, iters=iters, flush_mb=FLUSH_MB)
 
 
 def poison_then(f, *args, nbytes):

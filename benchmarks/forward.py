@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -64,13 +65,59 @@ SHAPES = {
     "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),  # issue 15's widths at a training batch
 }
 ITERS = 20
+FLUSH_MB = 0  # set by --flush-l2: every timed call runs after an XLA pass over this many MB
 
 
-def gpu_time_ms(f, *args, iters=ITERS):
-    """Median over `iters` calls of the summed GPU kernel time of one call of f (CUPTI)."""
+def gpu_time_ms(f, *args, iters=ITERS, flush_mb=None):
+    """Median over `iters` calls of the summed GPU kernel time of one call of f (CUPTI).
+
+    `flush_mb` (default `FLUSH_MB`, set by `--flush-l2`): each timed call of f runs right
+    after one XLA kernel that reads and writes a buffer of that many megabytes
+    (`flushed_call`), so f finds in the L2 what a step's preceding kernels leave there, not
+    the tail of its own previous call; only f's kernels are counted (`kernels_after_flush`)."""
+    flush_mb = FLUSH_MB if flush_mb is None else flush_mb
     jax.block_until_ready(f(*args))  # compile + warm up
-    _, times = profiler.measure(f, iterations=iters)(*args)
-    return statistics.median(times)
+    if not flush_mb:
+        _, times = profiler.measure(f, iterations=iters)(*args)
+        return statistics.median(times)
+    buf = jnp.ones((flush_mb << 18,), jnp.float32)  # MB * 2**20 bytes
+    _, flush_kernels = profiler.measure(jax.jit(flush_pass), aggregate=False)(buf)
+    if len(flush_kernels) != 1:
+        raise RuntimeError(f"the L2 flush should be one kernel, got {flush_kernels}")
+    g = flushed_call(f)
+    jax.block_until_ready(g(buf, *args))
+    _, runs = profiler.measure(g, aggregate=False, iterations=iters)(buf, *args)
+    runs = runs if iters > 1 else [runs]
+    return statistics.median(kernels_after_flush(run, flush_kernels[0][0]) for run in runs)
+
+
+def flush_pass(buf):
+    """The L2 flush: one XLA elementwise kernel reading and writing `buf`. A sine, so that
+    its fusion's name ("loop_sine_fusion...") is one no backward kernel shares."""
+    return jnp.sin(buf)
+
+
+def flushed_call(f):
+    """jit of `(buf, *args) -> (flush_pass(buf), f(*args))` with f's inputs tied to the flush
+    (`optimization_barrier`), so that every kernel of f that reads them runs after it."""
+    @jax.jit
+    def g(buf, *args):
+        flushed, args = jax.lax.optimization_barrier((flush_pass(buf), args))
+        return flushed, f(*args)
+
+    return g
+
+
+def kernels_after_flush(run, flush_name: str) -> float:
+    """The summed ms of one flushed call's kernels `[(name, ms)]` without the flush, found by
+    its fusion name less XLA's numeric suffix (`loop_sine_fusion_2` is `loop_sine_fusion`).
+    Exactly one kernel must match: none or several is an error, never a figure that
+    silently counts the flush or drops one of f's kernels."""
+    base = lambda name: re.sub(r"_\d+$", "", name.split("(")[0])  # noqa: E731
+    matches = [i for i, (name, _) in enumerate(run) if base(name) == base(flush_name)]
+    if len(matches) != 1:
+        raise RuntimeError(f"expected one L2 flush kernel {flush_name!r} in {run}")
+    return sum(ms for i, (_, ms) in enumerate(run) if i != matches[0])
 
 
 def interleaved_times_ms(calls, rounds, time_ms=None):
@@ -554,6 +601,7 @@ def markdown(results, cmd, device):
 
 
 def main():
+    global FLUSH_MB
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
@@ -564,7 +612,11 @@ def main():
     p.add_argument("--rounds", type=int, default=1,
                    help="time each sweep's configs round-robin this many rounds (the median, "
                         "and paired speed-ups over the sweep's first config)")
+    p.add_argument("--flush-l2", type=int, default=0, metavar="MB",
+                   help="time every call right after an XLA pass over this many MB (e.g. 256; "
+                        "the H200's L2 holds 50), counting only the call's own kernels")
     args = p.parse_args()
+    FLUSH_MB = args.flush_l2
     log = open_log(args.out, "forward_log.txt")
     device = jax.devices()[0].device_kind
     results = []

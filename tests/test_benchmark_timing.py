@@ -117,10 +117,10 @@ def test_step_rounds_report_the_paired_bound_ratio(tmp_path, monkeypatch):
 
 
 def test_kernels_after_flush_drops_exactly_the_flush():
-    """`backward.py --flush-l2`: the flush kernel is found by its fusion name less XLA's
+    """`--flush-l2` (forward.py, backward.py): the flush kernel is found by its fusion name less XLA's
     numeric suffix, wherever it ran; the call's own kernels are all counted; a run without
     the flush or with two matches is an error, not a figure."""
-    from benchmarks.backward import kernels_after_flush
+    from benchmarks.forward import kernels_after_flush
 
     run = [("loop_sine_fusion_3", 60.0), ("moe_dh_mosaic_gpu_kernel(...)", 0.4),
            ("loop_multiply_fusion", 0.01)]
@@ -139,7 +139,7 @@ def test_flushed_call_returns_the_call_and_orders_the_flush_first():
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.backward import flushed_call
+    from benchmarks.forward import flushed_call
 
     f = jax.jit(lambda a, b: (a @ b, jnp.sum(a)))
     a = jnp.arange(12.0).reshape(3, 4)
@@ -151,3 +151,29 @@ def test_flushed_call_returns_the_call_and_orders_the_flush_first():
     np.testing.assert_array_equal(flushed, jnp.sin(buf))
     hlo = flushed_call(f).lower(buf, a, b).as_text()
     assert "optimization_barrier" in hlo and "sine" in hlo
+
+
+def test_gpu_time_ms_with_a_flush_counts_only_the_calls_kernels(monkeypatch):
+    """`gpu_time_ms(..., flush_mb=...)` end to end with a fake CUPTI: the flush is timed
+    alone once (one kernel), then every timed run's kernels less that one, medianed."""
+    import jax.numpy as jnp
+
+    import benchmarks.forward as fw
+
+    class FakeProfiler:
+        @staticmethod
+        def measure(f, aggregate=True, iterations=1):
+            def run(*args):
+                out = f(*args)
+                if len(args) == 1:  # the flush alone
+                    return out, [("loop_sine_fusion", 0.05)]
+                runs = [[("loop_sine_fusion_2", 0.05), ("moe_dh", t), ("small", 0.01)]
+                        for t in (0.3, 0.5, 0.4)][:iterations]
+                return out, runs if iterations > 1 else runs[0]
+            return run
+
+    monkeypatch.setattr(fw, "profiler", FakeProfiler)
+    f = lambda a, b: a + b  # noqa: E731
+    x = jnp.ones((4,))
+    assert fw.gpu_time_ms(f, x, x, iters=3, flush_mb=1) == pytest.approx(0.41)
+    assert fw.gpu_time_ms(f, x, x, iters=1, flush_mb=1) == pytest.approx(0.31)

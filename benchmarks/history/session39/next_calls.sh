@@ -20,6 +20,12 @@ L)
       --out /tmp/bw$flush > $OUT/backward_flush$flush.log 2>&1
     echo "flush $flush rc=$? at $(( $(date +%s) - T0 )) s"
     grep "  dH \|  dW2 \|  dW1 \|  dX~ " $OUT/backward_flush$flush.log | sed 's/Config(.*)://'
+  done
+  for flush in 0 256; do  # the up-proj (1.07x in the step) and the down-proj, the same way
+    timeout 120 python3 benchmarks/forward.py --shapes 7b --skew '' --up-sweep none \
+      --down-sweep none --no-baselines --flush-l2 $flush --out /tmp/fw$flush \
+      > $OUT/forward_flush$flush.log 2>&1
+    echo "forward flush $flush rc=$? at $(( $(date +%s) - T0 )) s"; grep "^| 7b" $OUT/forward_flush$flush.log
   done ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
