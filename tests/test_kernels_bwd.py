@@ -641,6 +641,79 @@ def test_dh_persistent_matches_one_cta_per_tile_no_races(num_tokens, d, stages, 
     assert_close(got[2], ref_ds, 1e-4, "d_scores")
 
 
+@pytest.mark.parametrize(
+    "num_tokens, d, n, block_n, num_ctas, detect_races",
+    [(100, 448, 128, 64, 1, True), (70, 192, 512, 128, 2, False),
+     pytest.param(90, 128, 256, 64, 3, True, marks=pytest.mark.slow)],
+    ids=["one_cta_7_k_steps_races", "two_column_blocks_two_chunks", "three_ctas_races"],
+)
+def test_dh_pingpong_equals_the_cooperative_kernel(num_tokens, d, n, block_n, num_ctas,
+                                                   detect_races):
+    """The ping-pong persistent dH (`DHConfig.pingpong`: each consumer takes whole items in
+    turn, its epilogue one 64-column chunk at a time through its own slabs) writes the bits
+    of the cooperative persistent kernel: dH, A' and the dS partials, with an empty expert,
+    one CTA walking every item (7 K steps over 4 slots, both consumers' items interleaved
+    in the ring), two column blocks of two chunks each (n = 512, block_n = 128), and 3 CTAs;
+    the race detector on. Also against the reference."""
+    x, h, plan, w1, w2, grad_out = make_problem(8, num_tokens, d, n, 3, 2, empty=(1,))
+    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    coop = DHConfig(block_n=block_n, num_stages=4, num_consumers=2, persistent_ctas=num_ctas,
+                    epilogue_layout="swizzled", h_loader="cp_async")
+    want = dh_kernel(*args, config=coop, interpret=True)
+    got = dh_kernel(*args, config=dataclasses.replace(coop, pingpong=True),
+                    interpret=interp(detect_races=True) if detect_races else True)
+    if detect_races:
+        assert not races_found()
+    rows = int(plan.num_rows)
+    for g, w in zip(got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if g.ndim == 2:
+            g, w = g[:rows], w[:rows]
+        assert np.all(np.isfinite(g)) and np.array_equal(g, w)
+    ref_dh, ref_ap, ref_ds = dh_reference(grad_out, h, plan, w2)
+    assert_close(got[0][:rows], ref_dh[:rows], 1e-2, "dh")
+    assert_close(got[1][:rows], ref_ap[:rows], 1e-2, "a_scaled")
+    assert_close(got[2], ref_ds, 1e-4, "d_scores")
+
+
+def test_dh_pingpong_config_errors():
+    """The ping-pong schedule belongs to the persistent kernel with swizzled slabs and two
+    consumers, and its SMEM is checked before lowering."""
+    x, h, plan, w1, w2, grad_out = make_problem(8, 20, 128, 128, 2, 2)
+    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    ok = DHConfig(block_n=64, num_stages=4, num_consumers=2, persistent_ctas=2,
+                  epilogue_layout="swizzled", h_loader="cp_async", pingpong=True)
+    for bad in (dict(persistent_ctas=0, epilogue_layout="untiled", h_loader="tma"),
+                dict(epilogue_layout="untiled", h_loader="tma"),
+                dict(num_consumers=1, block_n=128)):
+        with pytest.raises(ValueError, match="config.pingpong=True is the persistent"):
+            dh_kernel(*args, config=dataclasses.replace(ok, **bad), interpret=True)
+    x, h, plan, w1, w2, grad_out = make_problem(8, 20, 128, 256, 2, 2)
+    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    with pytest.raises(ValueError, match="lower config.num_stages"):
+        dh_kernel(*args, config=dataclasses.replace(ok, block_n=128, num_stages=5),
+                  interpret=True)
+
+
+@pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8)],
+                         ids=["7b", "30b"])
+def test_dh_pingpong_lowers_for_cuda(shape):
+    """The ping-pong dH at the 7B and 30B production blocks (block_n = 128, 4 stages, the
+    cp.async gather and H loader, both cp.async completions) lowers for cuda, which checks
+    its exact SMEM."""
+    t, d, n, e, k = shape
+    sds = jax.ShapeDtypeStruct
+    p = t * k
+    for completion in ("wait_group", "mbarrier"):
+        cfg = DHConfig(block_n=128, num_stages=4, num_consumers=2, pad_rows_to=64,
+                       gather="cp_async", gather_completion=completion, persistent_ctas=132,
+                       epilogue_layout="swizzled", h_loader="cp_async", pingpong=True)
+        f = functools.partial(dh_kernel, config=cfg)
+        jax.jit(f).trace(sds((t, d), BF16), sds((p, 2 * n), BF16), sds((p,), jnp.int32),
+                         sds((e,), jnp.int32), sds((p,), jnp.float32),
+                         sds((e, n, d), BF16)).lower(lowering_platforms=("cuda",))
+
+
 def test_dh_persistent_config_errors():
     """The persistent kernel loads H after the K loop and needs consumers and a free slot."""
     import dataclasses
