@@ -1,9 +1,29 @@
 # Session 39. `bash benchmarks/history/session39/next_calls.sh PART` from the repo root; each
-# part <= 10 min, logs under $OUT. For session 40 (one H200): L first, then
+# part <= 10 min, logs under $OUT. For session 40 (one H200): P, then L, then
 # `history/session37/next_calls.sh H` with `--rounds 5` whenever an H100 is lent.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
-case "${1:-L}" in
+case "${1:-P}" in
+P)
+  # Issue 9: the ping-pong dH (`DHConfig.pingpong`, built in session 39, interpret-mode
+  # bitwise against the cooperative kernel with the race detector, cuda lowering at 7B/30B;
+  # never run on a GPU). Today's dH: per 7B item a ~9.7-us K loop, then a ~4.2-us epilogue
+  # while the tensor cores idle (17.2 us per item in all; dH 417 us = 0.51 of its bound).
+  # Prediction: the epilogue (4 chunks, each H load -> dSwiGLU -> stores, ~8-10 us for a
+  # whole item) runs beside the other consumer's K loop: 7B dH 260-300 us (1.4-1.6x), 30B
+  # 1700-1900 us (1.25-1.4x), the 7B step 2.95-3.0 ms. Refuted if slower than today: then
+  # the epilogue spills beside two live accumulators (session 14's ping-pong, 1.85x slower);
+  # ncu's local-memory metrics / `ptxas -v` on that build next.
+  timeout 220 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
+    -k test_dh_pingpong_equals_the_cooperative_kernel_on_gpu 2>&1 | tail -3
+  echo "gpu tests at $(( $(date +%s) - T0 )) s"
+  timeout 240 python3 benchmarks/backward.py --shapes 7b,30b --sweep pingpong_dh --rounds 5 \
+    --out /tmp/bw > $OUT/backward.log 2>&1
+  echo "backward rc=$? at $(( $(date +%s) - T0 )) s"
+  grep "  dH " $OUT/backward.log | sed 's/DHConfig(.*pingpong=/pingpong=/' | cut -c1-200
+  timeout 120 python3 benchmarks/step.py --out /tmp/st --shapes 7b --rounds 5 \
+    --variants topk/cp_async,topk/cp_async/pingpong-dh > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|\|paired over" $OUT/step.log | tail -6 ;;
 L)
   # Issue 9: inside the 7B step the weight gradients take ~1.2x their isolated time (dW1
   # 0.62-0.64 ms against 0.53-0.55, dW2 0.35-0.36 against 0.29-0.30), dH 1.14x, the up-proj
