@@ -1021,8 +1021,9 @@ def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, in
     loads the chunk's H gate and up columns into two of them (cp.async, rows past the tile
     zero-filled; the TMA ladder in interpret mode), overwrites them with dH and writes A'
     into the third, and TMA-stores the three row-exactly; after a block's last chunk it
-    copies the block's dS partial out. While it does, the other consumer's K loop keeps the
-    tensor cores busy.
+    copies the block's dS partial out. The first chunk's H is issued before the item's K
+    loop, so its latency hides under it. While a consumer runs its epilogue, the other
+    consumer's K loop keeps the tensor cores busy.
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = 2  # consumer warpgroups, each taking every other item
@@ -1140,9 +1141,31 @@ def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, in
                     j = c + cons * jj
                     mi, ni = item(j)
                     row0, num_rows = start_ref[mi], rows_ref[mi]
-                    # The previous item's dS copies have read ds_smem, its stores the slabs.
+
+                    def issue_h(col):  # the chunk's H gate and up columns -> its slabs
+                        srcs = (h_ref.at[:, pl.ds(col, slab)], h_ref.at[:, pl.ds(n + col, slab)])
+                        for src, t in zip(srcs, (0, 1)):
+                            if h_cp_async:  # zero-filled past the tile's rows
+                                _common.cp_async_load_rows(src.at[pl.ds(row0, bm)],
+                                                           [o_mma.at[c, t, 0]],
+                                                           rows_ref.at[pl.ds(mi, 1)])
+                            else:
+                                load_row_tile(src, o_copy.at[c, t], row0, num_rows, bm,
+                                              h_bars, True, bar0)
+
+                    def await_h(col):
+                        if h_cp_async:
+                            _common.cp_async_stage_done(0)
+                            plgpu.commit_smem()  # every thread's rows, to all of them
+                        else:
+                            load_row_tile(h_ref.at[:, pl.ds(col, slab)], o_copy.at[c, 0], row0,
+                                          num_rows, bm, h_bars, False, bar0)
+
+                    # The previous item's stores have read the slabs (and its dS copy
+                    # ds_smem): the first chunk's H loads while the K loop runs.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     plgpu.copy_gmem_to_smem(s_ref.at[mi], s_smem.at[c], s_bar.at[c])
+                    issue_h(ni * cols)
 
                     def wait(g, slot):  # this consumer's full barrier of the slot
                         plgpu.barrier_wait(full.at[c * stages + slot])
@@ -1173,23 +1196,10 @@ def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, in
                         for q in range(bn // slab):
                             col = ni * cols + b * bn + q * slab  # the chunk's gate column
                             with jax.named_scope("h_load"):
-                                # The chunk's slabs: free once the last stores read them.
-                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                                srcs = (h_ref.at[:, pl.ds(col, slab)],
-                                        h_ref.at[:, pl.ds(n + col, slab)])
-                                if h_cp_async:  # zero-filled past the tile's rows
-                                    for src, tile in zip(srcs, (gate_t, up_t)):
-                                        _common.cp_async_load_rows(
-                                            src.at[pl.ds(row0, bm)], [tile.at[0]],
-                                            rows_ref.at[pl.ds(mi, 1)])
-                                    _common.cp_async_stage_done(0)
-                                    plgpu.commit_smem()  # every thread's rows, to all
-                                else:
-                                    for src, t in zip(srcs, (0, 1)):
-                                        load_row_tile(src, o_copy.at[c, t], row0, num_rows,
-                                                      bm, h_bars, True, bar0)
-                                    load_row_tile(srcs[0], o_copy.at[c, 0], row0, num_rows,
-                                                  bm, h_bars, False, bar0)
+                                if b or q:  # the slabs: free once the last stores read them
+                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                                    issue_h(col)
+                                await_h(col)
                             with jax.named_scope("dswiglu"):
                                 g = _common.read_row_tile(gate_t).astype(jnp.float32)
                                 u = _common.read_row_tile(up_t).astype(jnp.float32)
