@@ -98,6 +98,16 @@ def assert_untouched(got, start, stop=None):
 # ----------------------------------------------------------------------------- references
 
 
+def assert_dh_outputs_equal(got, want, rows: int):
+    """dh_kernel outputs (dH, A', dS) bitwise equal and finite: dH and A' on their first
+    `rows` (the written) rows, dS everywhere."""
+    for g, w in zip(got, want, strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if g.ndim == 2:
+            g, w = g[:rows], w[:rows]
+        assert np.all(np.isfinite(g)) and np.array_equal(g, w)
+
+
 def dh_reference(grad_out, h, plan, w_down, activation=None):
     """(dh bf16 [P, 2n], a_scaled bf16 [P, n], d_scores f32 [P]) on the real rows; fp32 math.
 
@@ -631,11 +641,7 @@ def test_dh_persistent_matches_one_cta_per_tile_no_races(num_tokens, d, stages, 
     got = dh_kernel(*args, config=persistent, interpret=interp(detect_races=True))
     assert not races_found()
     rows = int(plan.num_rows)
-    for g, w in zip(got, want):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        if g.ndim == 2:
-            g, w = g[:rows], w[:rows]
-        assert np.array_equal(g, w)
+    assert_dh_outputs_equal(got, want, rows)
     ref_dh, _, ref_ds = dh_reference(grad_out, h, plan, w2)
     assert_close(got[0][:rows], ref_dh[:rows], 1e-2, "dh")
     assert_close(got[2], ref_ds, 1e-4, "d_scores")
@@ -665,11 +671,7 @@ def test_dh_pingpong_equals_the_cooperative_kernel(num_tokens, d, n, block_n, nu
     if detect_races:
         assert not races_found()
     rows = int(plan.num_rows)
-    for g, w in zip(got, want):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        if g.ndim == 2:
-            g, w = g[:rows], w[:rows]
-        assert np.all(np.isfinite(g)) and np.array_equal(g, w)
+    assert_dh_outputs_equal(got, want, rows)
     ref_dh, ref_ap, ref_ds = dh_reference(grad_out, h, plan, w2)
     assert_close(got[0][:rows], ref_dh[:rows], 1e-2, "dh")
     assert_close(got[1][:rows], ref_ap[:rows], 1e-2, "a_scaled")

@@ -898,6 +898,29 @@ def cp_async_publish_rest(num_k, full, landed, stages: int) -> None:
         cp_async_publish_tail_dynamic(num_k, stages - 2, full, stages)
 
 
+def pingpong_full_barrier(full, step, num_k: int, stages: int, consumers: int = 2):
+    """The `full` barrier of global step `step` in a ping-pong ring whose consumers take
+    every `consumers`-th item of `num_k` steps in turn: consumer c waits only on its own set
+    `full[c * stages : (c + 1) * stages]` (each consumer waits on every phase of its own
+    barriers, which is how Pallas tracks phases)."""
+    return full.at[((step // num_k) % consumers) * stages + step % stages]
+
+
+def pingpong_producer_drain(total, full_of, empty, landed, stages: int, cp_async: bool):
+    """A persistent producer's end, after issuing `total` (traced) steps: publish the steps
+    the lagged cp.async publish still holds, then observe the last release of every slot
+    used in the last `stages` steps, so that no barrier phase is left unconsumed."""
+    if cp_async:
+        @pl.when(total > 0)
+        def _():
+            cp_async_publish_rest(total, full_of, landed, stages)
+
+    for slot in range(stages):
+        @pl.when(total > slot)
+        def _(slot=slot):
+            plgpu.barrier_wait(empty.at[slot])
+
+
 def consumer_k_loop(num_k, stages: int, wait, mma, empty, *, mmas_per_step: int,
                     step_of=None, release_if=None, after_mma=None) -> None:
     """A consumer warpgroup's K loop over a `stages`-slot ring (the one the kernels share).

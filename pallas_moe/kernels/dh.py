@@ -979,19 +979,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the epilogue's tiles
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
-    return plgpu.kernel(
-        body,
-        kernel_name="moe_dh",
-        out_type=out_types,
-        scratch_types=scratch,
-        grid=(num_ctas,),
-        grid_names=("cta",),
-        num_threads=cons + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                             approx_math=config.approx_math),
-        interpret=interpret_mode,
-    )
+    return _persistent_call(body, scratch, num_ctas, cons, out_types, config, interpret_mode)
 
 
 
@@ -1069,7 +1057,7 @@ def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, in
             return w % real, w // real
 
         def full_of(step):  # the full barrier of global step `step`: its item's consumer's
-            return full.at[((step // num_k) % cons) * stages + step % stages]
+            return _common.pingpong_full_barrier(full, step, num_k, stages, cons)
 
         def load_ids(j):  # item j's source token ids -> ids_smem[j % 2]
             mi, _ = item(j)
@@ -1117,17 +1105,8 @@ def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, in
                 return carry
 
             jax.lax.fori_loop(0, my_items, per_item, None)
-            total = my_items * num_k  # steps issued
-            if cp_async:
-                @pl.when(total > 0)
-                def _():
-                    _common.cp_async_publish_rest(total, full_of, a_landed, stages)
-            # Observe the last releases (one per slot used in the last `stages` steps), so
-            # no barrier phase is left unconsumed.
-            for slot in range(stages):
-                @pl.when(total > slot)
-                def _(slot=slot):
-                    plgpu.barrier_wait(empty.at[slot])
+            _common.pingpong_producer_drain(my_items * num_k, full_of, empty, a_landed,
+                                            stages, cp_async)
 
         for c in range(cons):
             @pl.when(wg == c)
@@ -1245,6 +1224,13 @@ def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, in
         plgpu.Barrier(num_arrivals=2, num_barriers=cons * num_ladder),
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
+    return _persistent_call(body, scratch, num_ctas, cons, out_types, config, interpret_mode)
+
+
+def _persistent_call(body, scratch, num_ctas: int, consumers: int, out_types, config: DHConfig,
+                     interpret_mode):
+    """`plgpu.kernel` of a persistent dH body: `num_ctas` CTAs of `consumers` consumer
+    warpgroups and one producer, Lane semantics."""
     return plgpu.kernel(
         body,
         kernel_name="moe_dh",
@@ -1252,7 +1238,7 @@ def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, in
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("cta",),
-        num_threads=cons + 1,
+        num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                              approx_math=config.approx_math),

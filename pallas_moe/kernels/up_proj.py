@@ -640,7 +640,7 @@ def _pingpong_kernel(
         def full_of(step):  # the full barrier of global step `step`: its item's consumer's
             if split:  # (split-M: both consumers')
                 return full.at[step % stages]
-            return full.at[((step // num_k) % cons) * stages + step % stages]
+            return _common.pingpong_full_barrier(full, step, num_k, stages, cons)
 
         def load_ids(j):  # item j's source token ids -> ids_smem[j % 2]
             mi, _ = item(j)
@@ -735,16 +735,8 @@ def _pingpong_kernel(
             jax.lax.fori_loop(0, my_items, per_item, None)
             total = my_items * num_k  # steps issued
             with jax.named_scope("drain"):
-                if cp_async:
-                    @pl.when(total > 0)
-                    def _():
-                        _common.cp_async_publish_rest(total, full_of, a_landed, stages)
-                # Observe the last releases (one per slot used in the last `stages` steps),
-                # so no barrier phase is left unconsumed.
-                for slot in range(stages):
-                    @pl.when(total > slot)
-                    def _(slot=slot):
-                        plgpu.barrier_wait(empty.at[slot])
+                _common.pingpong_producer_drain(total, full_of, empty, a_landed, stages,
+                                                cp_async)
 
         for c in range(cons):
             @pl.when(wg == c)
