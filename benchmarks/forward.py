@@ -80,15 +80,23 @@ def gpu_time_ms(f, *args, iters=ITERS, flush_mb=None):
     if not flush_mb:
         _, times = profiler.measure(f, iterations=iters)(*args)
         return statistics.median(times)
-    buf = jnp.ones((flush_mb << 18,), jnp.float32)  # MB * 2**20 bytes
-    _, flush_kernels = profiler.measure(jax.jit(flush_pass), aggregate=False)(buf)
-    if len(flush_kernels) != 1:
-        raise RuntimeError(f"the L2 flush should be one kernel, got {flush_kernels}")
+    buf, flush_name = flush_buffer(flush_mb)
     g = flushed_call(f)
     jax.block_until_ready(g(buf, *args))
     _, runs = profiler.measure(g, aggregate=False, iterations=iters)(buf, *args)
     runs = runs if iters > 1 else [runs]
-    return statistics.median(kernels_after_flush(run, flush_kernels[0][0]) for run in runs)
+    return statistics.median(kernels_after_flush(run, flush_name) for run in runs)
+
+
+@functools.lru_cache(maxsize=1)
+def flush_buffer(flush_mb: int):
+    """(the f32 buffer of `flush_mb` MB, the name of `flush_pass`'s one kernel over it), made
+    and measured once per size, not once per timed call."""
+    buf = jnp.ones((flush_mb << 18,), jnp.float32)  # MB * 2**20 bytes
+    _, flush_kernels = profiler.measure(jax.jit(flush_pass), aggregate=False)(buf)
+    if len(flush_kernels) != 1:
+        raise RuntimeError(f"the L2 flush should be one kernel, got {flush_kernels}")
+    return buf, flush_kernels[0][0]
 
 
 def flush_pass(buf):
@@ -97,9 +105,11 @@ def flush_pass(buf):
     return jnp.sin(buf)
 
 
+@functools.lru_cache(maxsize=64)
 def flushed_call(f):
     """jit of `(buf, *args) -> (flush_pass(buf), f(*args))` with f's inputs tied to the flush
-    (`optimization_barrier`), so that every kernel of f that reads them runs after it."""
+    (`optimization_barrier`), so that every kernel of f that reads them runs after it. One
+    per f, so a sweep's rounds reuse its compiled program instead of compiling it again."""
     @jax.jit
     def g(buf, *args):
         flushed, args = jax.lax.optimization_barrier((flush_pass(buf), args))

@@ -239,6 +239,11 @@ class TileMeta:
     def num_tiles(self) -> int:
         return self.expert.shape[0]
 
+    def real_tiles(self) -> jax.Array:
+        """i32[1]: the tiles with rows, a prefix of the schedule (`tile_schedule`); the
+        persistent ping-pong kernels walk only those."""
+        return jnp.sum(self.num_rows > 0, dtype=jnp.int32).reshape(1)
+
 
 def tile_meta(
     group_sizes: jax.Array, token_ids: jax.Array, block_m: int, *, with_row_ids: bool = True

@@ -490,8 +490,8 @@ def dh_kernel(
     )
     interpret_mode = _common.interpret_params(interpret)
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, s_tiles, grad_out, w_down, h)
-    if config.pingpong:  # the tiles with rows: a prefix of the schedule (`tile_schedule`)
-        args = (jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1), *args)
+    if config.pingpong:  # walks the tiles with rows only
+        args = (meta.real_tiles(), *args)
         build = _dh_pingpong
     else:
         build = _dh_persistent if config.persistent_ctas else _dh_warp_specialized
@@ -980,7 +980,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
     return _persistent_call(body, scratch, num_ctas, cons, out_types, config, interpret_mode)
-
 
 
 def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, interpret_mode,

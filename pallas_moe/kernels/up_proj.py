@@ -316,7 +316,7 @@ def up_proj(
     if config.pingpong_ctas:
         # Real tiles come first in a TileMeta (empty ones only past the end), so the
         # kernel walks the first `real_tiles * grid_n` items.
-        real_tiles = jnp.sum(meta.num_rows > 0, dtype=jnp.int32).reshape(1)
+        real_tiles = meta.real_tiles()
         outs = _pingpong_kernel(*kernel_args, interleaved=bool(gate_up_blocks))(
             real_tiles, *args)
     else:
