@@ -95,6 +95,10 @@ MEGA_VARIANTS = {
     "static_next16": dict(lookahead_steps=16, lookahead_within_task=False),
     "static_early_next16": dict(early_weights=True, lookahead_steps=16,
                                 lookahead_within_task=False),
+    # The per-plan metadata from one Pallas program instead of six small XLA kernels
+    # (session 40, `pallas_moe/kernels/decode_meta.py`).
+    "static_meta": dict(meta_impl="kernel"),
+    "dynamic_meta": dict(scheduler="dynamic", meta_impl="kernel"),
 }
 VARIANTS = ("kernels", "kernels_inf", "auto", *MEGA_VARIANTS)
 DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused", "static_ahead", "dynamic_ahead")

@@ -39,6 +39,9 @@ VARIANTS = {
     "dynamic_early": dict(scheduler="dynamic", early_weights=True),
     # The lookahead into the next task only, with the early weights (session 32).
     "static_next": dict(lookahead_steps=16, lookahead_within_task=False, early_weights=True),
+    # The per-plan metadata from one Pallas program instead of jnp (`decode_meta.py`).
+    "static_meta": dict(meta_impl="kernel"),
+    "dynamic_meta": dict(scheduler="dynamic", meta_impl="kernel"),
 }
 
 
@@ -100,7 +103,9 @@ def _run(variant, x, plan, write_h=False):
     + [(8, "unfused_split2")]
     + [(t, "static_early") for t in (1, 8, 128)]
     + [(t, "dynamic_early") for t in (1, 64)]
-    + [(t, "static_next") for t in (1, 8, 128)],
+    + [(t, "static_next") for t in (1, 8, 128)]
+    + [(t, "static_meta") for t in (1, 8, 32, 128, 1024)]
+    + [(t, "dynamic_meta") for t in (1, 64)],
 )
 def test_matches_xla(num_tokens, variant):
     x, plan = _case(num_tokens, seed=0)
@@ -120,6 +125,26 @@ def test_routing_edge_cases(routing, variant):
     w1, w2 = _weights()
     out, _ = _run(variant, x, plan)
     assert _rel_err(out, _reference_fn()(x, plan, w1, w2)) < 1e-2
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 8, 32, 33, 128, 1024, 4096])
+@pytest.mark.parametrize("routing", ["random", "skewed", "empty_experts", "one_expert_all_tokens"])
+def test_decode_meta_kernel_is_bitwise_the_reference(num_tokens, routing):
+    """The compiled metadata kernel (`decode_meta.py`, Triton) against the jnp reference,
+    every array bit for bit, on outputs poisoned first."""
+    from pallas_moe.kernels.decode_meta import decode_meta
+
+    _, plan = _case(num_tokens, seed=6, routing=routing)
+    config = DecodeConfig.for_shape(D, N)
+    for aggregation in ("fp32", "bf16_scores"):
+        want = jax.jit(lambda p: decode_meta(p, config, D, aggregation, impl="jnp"))(plan)
+        _poison(4 * (plan.capacity * 80 + 128 * 64 * 8))
+        got = jax.jit(lambda p: decode_meta(p, config, D, aggregation, impl="kernel"))(plan)
+        for name in ("counts", "expert", "row_start", "num_rows", "row_ids", "block_lo",
+                     "block_count", "block_target", "offsets", "agg_row", "agg_score"):
+            g, w = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+            assert g.shape == w.shape and g.dtype == w.dtype, name
+            assert np.array_equal(g.view(np.int32), w.view(np.int32)), (name, aggregation)
 
 
 @pytest.mark.parametrize("variant", ["static", "static_split4"])
@@ -147,7 +172,7 @@ def test_early_weights_is_bitwise_the_default(num_tokens):
 
 @pytest.mark.parametrize("variant", ["static", "dynamic", "static_ahead", "dynamic_ahead",
                                      "static_split4", "dynamic_split4", "static_early",
-                                     "static_next"])
+                                     "static_next", "static_meta"])
 def test_hundred_runs_no_hang_bitwise_equal(variant):
     x, plan = _case(64, seed=3)
     first, _ = _run(variant, x, plan)

@@ -155,6 +155,70 @@ def test_decode_meta_targets_and_slab_rows_by_brute_force(plan_kind):
         assert float(meta.agg_score[j]) == float(plan.scores[by_token[j]])
 
 
+def _assert_meta_bitwise_equal(got, want):
+    for field in dataclasses.fields(want):
+        g, w = np.asarray(getattr(got, field.name)), np.asarray(getattr(want, field.name))
+        assert g.shape == w.shape and g.dtype == w.dtype, (field.name, g.shape, w.shape)
+        np.testing.assert_array_equal(g.view(np.int32), w.view(np.int32), err_msg=field.name)
+
+
+@pytest.mark.parametrize(
+    "plan_kind, aggregation",
+    [
+        ("qwen3_T1", "fp32"),  # E = 128, K = 8: 8 one-row tiles among 128 experts
+        ("topk", "fp32"),
+        ("token_rounding", "bf16_scores"),  # padding rows past the real ones; rounded weights
+        ("one_expert", "fp32"),  # three tiles of one expert
+        ("chunks", "bf16_per_expert"),  # 2 tile chunks of 32, 10 CSR chunks of 128
+        ("empty", "fp32"),  # no row at all: no real tile, every block target 0
+    ],
+)
+def test_decode_meta_kernel_is_bitwise_the_reference(plan_kind, aggregation):
+    """The metadata kernel (`decode_meta.py`, one Pallas program, run interpreted) gives
+    every array of the jnp reference bit for bit; the reference is checked by brute force
+    above."""
+    key = jax.random.key(21)
+    config, d = dataclasses.replace(BASE, token_block=5), 256
+    if plan_kind == "qwen3_T1":
+        plan, config, d = topk_plan(jax.random.normal(key, (1, 128)), 8), BASE, 2048
+    elif plan_kind == "topk":
+        plan = topk_plan(jax.random.normal(key, (37, 6)), 3)
+    elif plan_kind == "token_rounding":
+        plan = token_rounding_plan(jax.random.normal(key, (37, 6)), 2, tile=8)
+    elif plan_kind == "one_expert":
+        plan = assignment_plan(key, 150, 3, only=2)
+    elif plan_kind == "chunks":
+        plan = topk_plan(jax.random.normal(key, (300, 16)), 4)
+        assert max_decode_tiles(plan.capacity, 16, 64) > 32 and plan.capacity > 128
+    else:
+        plan = assignment_plan(key, 9, 4, empty=range(4), extra=5)
+        assert int(plan.num_rows) == 0
+    want = decode_meta(plan, config, d, aggregation, impl="jnp")
+    got = decode_meta(plan, config, d, aggregation, impl="interpret")
+    _assert_meta_bitwise_equal(got, want)
+    assert int(got.counts[0]) == int(np.sum(-(-np.asarray(plan.group_sizes) // 64)))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 32, 1024, 4096])
+def test_decode_meta_kernel_lowers_for_cuda(num_tokens):
+    """The metadata kernel's Triton lowering at the Qwen3 widths (E = 128, K = 8)."""
+    from tests.cuda_target import h100_target
+
+    config = DecodeConfig.for_shape(2048, 768, num_sms=132, meta_impl="kernel")
+    f = jax.jit(lambda p: decode_meta(p, config, 2048))
+    with h100_target():
+        text = f.trace(_abstract_plan(num_tokens, 128, 8)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "moe_tile_meta" in text
+
+
+def test_decode_meta_impl_errors():
+    with pytest.raises(ValueError, match="config.meta_impl must be 'jnp' or 'kernel'"):
+        DecodeConfig(meta_impl="interpret")
+    plan = topk_plan(jnp.zeros((4, 4)), 2)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        decode_meta(plan, BASE, 128, impl="triton")
+
+
 # --------------------------------------------------------------------- task functions alone
 
 
@@ -554,11 +618,13 @@ def _abstract_plan(t, e, k):
         (8, dict(early_weights=True, up_split_k=2, scheduler="dynamic"), False),
         # The lookahead into the next task only (session 32; GPU-tested in session 33).
         (1, dict(lookahead_steps=16, lookahead_within_task=False, early_weights=True), False),
+        # The metadata from one Pallas program (session 40, not yet run on a GPU).
+        (32, dict(meta_impl="kernel"), True),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6",
          "setmaxnreg", "T1-static-lookahead16", "T8-dynamic-lookahead32", "T1-split4",
          "T8-dynamic-unfused-split2", "T1-early-weights", "T8-dynamic-split2-early-weights",
-         "T1-next-task-lookahead-early"],
+         "T1-next-task-lookahead-early", "T32-meta-kernel"],
 )
 def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
     from tests.cuda_target import h100_target

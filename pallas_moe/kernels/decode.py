@@ -61,9 +61,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels._events import INTERPRET_ROWS, Events
-from pallas_moe.numerics import AGGREGATIONS, multiplied_scores
+from pallas_moe.kernels.decode_meta import (  # noqa: F401  (re-exported)
+    META_IMPLS, DecodeMeta, decode_meta, decode_meta_reference, max_decode_tiles,
+)
+from pallas_moe.numerics import AGGREGATIONS
 from pallas_moe.ops.activation import SwiGLU
-from pallas_moe.routing.plan import tile_schedule
 
 SCHEDULERS = ("static", "dynamic")
 TASK_KINDS = ("up", "down", "aggregate")
@@ -146,6 +148,11 @@ class DecodeConfig:
         load (session 32). Same data, so bitwise the same results. Measured on an H200
         (session 33, MoE kernels at T = 1): 32.6-34.0 us against the default's 30.9-31.1,
         level at T = 8, so opt-in.
+      meta_impl: how the per-plan metadata is computed (`decode_meta.py`): "jnp" (the
+        reference: six small XLA kernels at T = 1, ~7 us of GPU time on an H200) or
+        "kernel" (the same arrays, bit for bit, from one Pallas program; in interpret mode
+        it runs interpreted). "jnp" stays the default until a GPU run has measured the
+        kernel (benchmark variant `static_meta`).
     """
 
     scheduler: str = "static"
@@ -165,6 +172,7 @@ class DecodeConfig:
     up_split_k: int = 1
     early_weights: bool = False
     lookahead_within_task: bool = True
+    meta_impl: str = "jnp"
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -206,6 +214,8 @@ class DecodeConfig:
                 f"config.up_split_k={self.up_split_k} and config.lookahead_steps="
                 f"{self.lookahead_steps}: the lookahead only prefetches whole up tasks; use one."
             )
+        if self.meta_impl not in ("jnp", "kernel"):
+            raise ValueError(f"config.meta_impl must be 'jnp' or 'kernel', got {self.meta_impl!r}.")
         for name in ("prefetch_l2", "rebalance_registers", "approx_math", "early_weights",
                      "lookahead_within_task"):
             if not isinstance(getattr(self, name), bool):
@@ -305,108 +315,6 @@ def lookahead_step(k, q, current_steps: int, ahead: int, per: int):
     """The next task's K step prefetched as share q of current step k (see `lookahead_share`);
     negative: none. Works on Python and traced ints."""
     return ahead - (current_steps - k) * per + q
-
-
-def max_decode_tiles(capacity: int, num_experts: int, block_m: int) -> int:
-    """Bound on the row tiles of a plan: each non-empty tile holds >= 1 row, and
-    `sum_e ceil(g_e / block_m) <= capacity // block_m + E`."""
-    return max(1, min(capacity, capacity // block_m + num_experts))
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "counts", "expert", "row_start", "num_rows", "row_ids", "block_lo", "block_count",
-        "block_target", "offsets", "agg_row", "agg_score",
-    ],
-    meta_fields=[],
-)
-@dataclasses.dataclass(frozen=True)
-class DecodeMeta:
-    """What the kernel reads per plan (plain jnp, computed once per call from the plan).
-
-    Attributes (M = max tiles, B = token blocks, P = plan capacity):
-      counts: i32[1] number of real (non-empty) tiles; they come first.
-      expert, row_start, num_rows: i32[M] expert, first grouped row and rows of each tile.
-      row_ids: i32[M, block_m] source token of each tile row; past the tile's rows
-        `-1 - t`, with t the token of its last real row (0 for empty tiles): the cp.async
-        gather zero-fills those rows without reading, the TMA gather copies row t (every
-        copy in bounds). Why: at small T a tile is mostly padding, and padding rows that
-        all read one token made every SM's gather hit the same L2 lines (session 32).
-      block_lo, block_count: i32[M] the token blocks a tile's down tasks notify:
-        [block_lo, block_lo + block_count) covers every block holding a token of the tile
-        (0 blocks for empty tiles).
-      block_target: i32[B] the value tok_done[b] reaches: down blocks per tile times the
-        number of tiles whose range covers b.
-      offsets: i32[T + 1] the plan's CSR offsets (rows of token t: [offsets[t], offsets[t+1])).
-      agg_row: i32[P] Y-slab row of each CSR position (`tile * block_m + row in tile`).
-      agg_score: f32[P] router weight of each CSR position, rounded for the aggregation mode.
-    """
-
-    counts: jax.Array
-    expert: jax.Array
-    row_start: jax.Array
-    num_rows: jax.Array
-    row_ids: jax.Array
-    block_lo: jax.Array
-    block_count: jax.Array
-    block_target: jax.Array
-    offsets: jax.Array
-    agg_row: jax.Array
-    agg_score: jax.Array
-
-
-def decode_meta(plan, config: DecodeConfig, d: int, aggregation: str = "fp32") -> DecodeMeta:
-    """The per-plan metadata of the kernel (jnp; a handful of small fused XLA ops)."""
-    bm, bt = config.block_m, config.token_block
-    capacity, num_experts, num_tokens = plan.capacity, plan.num_experts, plan.num_tokens
-    max_tiles = max_decode_tiles(capacity, num_experts, bm)
-    num_blocks = -(-num_tokens // bt)
-    down_blocks = d // config.down_block_n
-    sched = tile_schedule(plan.group_sizes, capacity, bm)
-    num_rows = (sched.row_end - sched.row_start)[:max_tiles].astype(jnp.int32)
-    row_start = sched.row_start[:max_tiles].astype(jnp.int32)
-    expert = sched.expert[:max_tiles].astype(jnp.int32)
-    real = num_rows > 0
-    local = jnp.arange(bm, dtype=jnp.int32)[None, :]
-    rows = row_start[:, None] + jnp.minimum(local, jnp.maximum(num_rows - 1, 0)[:, None])
-    rows = jnp.clip(rows, 0, capacity - 1)
-    tokens = jnp.where(real[:, None], plan.token_ids[rows], 0).astype(jnp.int32)  # [M, bm]
-    row_ids = jnp.where(local < num_rows[:, None], tokens, -1 - tokens)
-    # Token blocks of each tile: min and max token (robust to any row order in a group).
-    lo = jnp.min(tokens, axis=1) // bt
-    hi = jnp.max(tokens, axis=1) // bt
-    block_lo = jnp.where(real, lo, 0).astype(jnp.int32)
-    block_count = jnp.where(real, hi - lo + 1, 0).astype(jnp.int32)
-    # Tiles covering each block, as one compare-and-sum ([M, B] is small at decode sizes)
-    # rather than a scatter-add of range ends and a cumsum: two fewer kernels per call.
-    block = jnp.arange(num_blocks, dtype=jnp.int32)[None, :]
-    covers = (block_lo[:, None] <= block) & (block < (block_lo + block_count)[:, None])
-    block_target = jnp.sum(covers, axis=0, dtype=jnp.int32) * down_blocks  # empty: count 0
-    # Y-slab row of each grouped row: tile index * bm + position in the tile.
-    group_sizes = plan.group_sizes.astype(jnp.int32)
-    tiles_per_expert = (group_sizes + bm - 1) // bm
-    first_tile = jnp.cumsum(tiles_per_expert) - tiles_per_expert  # [E]
-    group_start = jnp.cumsum(group_sizes) - group_sizes
-    row_expert = jnp.minimum(plan.expert_ids, num_experts - 1)  # [P]; padding rows unused
-    in_group = jnp.arange(capacity, dtype=jnp.int32) - group_start[row_expert]
-    slab_row = (first_tile[row_expert] + in_group // bm) * bm + in_group % bm
-    slab_row = jnp.clip(slab_row, 0, max_tiles * bm - 1).astype(jnp.int32)
-    by_token = plan.rows_by_token.astype(jnp.int32)
-    scores = multiplied_scores(plan.scores, aggregation).astype(jnp.float32)
-    return DecodeMeta(
-        counts=jnp.sum(real, dtype=jnp.int32).reshape(1),
-        expert=expert,
-        row_start=row_start,
-        num_rows=num_rows,
-        row_ids=row_ids,
-        block_lo=block_lo,
-        block_count=block_count,
-        block_target=block_target,
-        offsets=plan.token_row_offsets.astype(jnp.int32),
-        agg_row=slab_row[by_token],
-        agg_score=scores[by_token],
-    )
 
 
 @functools.partial(
@@ -615,7 +523,9 @@ def decode_tasks(
         split=config.up_split_k,
     )
     if meta is None:
-        meta = decode_meta(plan, config, d, aggregation)
+        # Interpreted, the metadata kernel runs interpreted too.
+        impl = "interpret" if interpret_mode is not None and config.meta_impl == "kernel" else None
+        meta = decode_meta(plan, config, d, aggregation, impl=impl)
     elif not isinstance(meta, DecodeMeta):
         raise TypeError(f"meta must be a DecodeMeta or None, got {type(meta).__name__}.")
     else:
