@@ -101,6 +101,10 @@ MEGA_VARIANTS = {
     "dynamic_meta": dict(scheduler="dynamic", meta_impl="kernel"),
 }
 VARIANTS = ("kernels", "kernels_inf", "auto", *MEGA_VARIANTS)
+# Any variant + this suffix routes its batch with the one-program small-batch kernel
+# (`pallas_moe.routing.kernels.small_batch_routing`, T <= 32; session 40), e.g.
+# `static_meta+small`: routing and metadata in two Pallas programs instead of ~14 kernels.
+SMALL = "+small"
 DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused", "static_ahead", "dynamic_ahead")
 # CUPTI kernel names of the MoE kernels (everything else is routing or metadata).
 MOE_KERNELS = ("moe_decode", "moe_up_proj", "moe_down_proj", "moe_aggregate")
@@ -165,6 +169,13 @@ def make_tokens(T):
     return x, jax.random.normal(kl, (T, E), jnp.float32)
 
 
+def small_routing(on: bool):
+    """The context a variant's call is traced in: small-batch routing on or off."""
+    from pallas_moe.routing import kernels
+
+    return kernels.small_batch_routing(kernels.SMALL_BATCH_TOKENS if on else 0)
+
+
 def run_tokens(T, variants, overrides, w1, w2, bw, iters, log):
     x, logits = make_tokens(T)
     route = jax.jit(lambda l: pm.routing.topk_plan(l, K))
@@ -173,17 +184,27 @@ def run_tokens(T, variants, overrides, w1, w2, bw, iters, log):
     res = dict(T=T, experts=touched, bound_us=touched * BYTES_PER_EXPERT / (bw * 1e9) * 1e6)
     res["routing_us"] = profile_ms(route, logits, iters=iters)[0] * 1e3
     res["routing_wall_us"] = wall_time_ms(route, logits, iters=iters) * 1e3
+    if any(v.endswith(SMALL) for v in variants):
+        route_small = jax.jit(lambda l: pm.routing.topk_plan(l, K))
+        with small_routing(True):
+            small_plan = route_small(logits)  # traced here
+        same = all(bool(jnp.array_equal(getattr(small_plan, f), getattr(plan, f)))
+                   for f in ("token_ids", "scores", "group_sizes", "rows_by_token"))
+        res["routing_small_us"] = profile_ms(route_small, logits, iters=iters)[0] * 1e3
+        log(f"  small-batch routing: {res['routing_small_us']:.1f} us GPU, plan bitwise the "
+            f"default's: {same}")
     ref = jax.jit(lambda x, p, w1, w2: pm.moe_ffn(x, p, w1, w2, backend="xla"))(x, plan, w1, w2)
     log(f"== T={T}: {touched} experts touched, bound {res['bound_us']:.1f} us, "
         f"routing {res['routing_us']:.1f} us GPU / {res['routing_wall_us']:.1f} us wall")
     outs = {}
     for v in variants:
         try:
-            ffn = make_ffn(v, overrides)
+            ffn = make_ffn(v.removesuffix(SMALL), overrides)
             f = jax.jit(lambda l, x, w1, w2, ffn=ffn: ffn(x, pm.routing.topk_plan(l, K), w1, w2))
             poison(T * K * (3 * N + 2 * D) * 2 + (E + T * K // 64) * 64 * (N + D) * 2)
             t0 = time.perf_counter()
-            out = jax.block_until_ready(f(logits, x, w1, w2))
+            with small_routing(v.endswith(SMALL)):  # traced (and compiled) here
+                out = jax.block_until_ready(f(logits, x, w1, w2))
             res[f"{v}_first_call_s"] = time.perf_counter() - t0  # mostly compilation
             err = rel_err(out, ref)
             outs[v] = out
@@ -288,7 +309,8 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument(
-        "--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, from {VARIANTS}"
+        "--variants", default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated, from {VARIANTS}, each optionally with the suffix {SMALL!r}"
     )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument(
@@ -297,7 +319,7 @@ def main():
     )
     args = p.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    unknown = set(variants) - set(VARIANTS)
+    unknown = {v for v in variants if v.removesuffix(SMALL) not in VARIANTS}
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
     overrides = json.loads(args.config)

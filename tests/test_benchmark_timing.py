@@ -198,3 +198,41 @@ def test_step_variant_flags_build_configs(d, n):
     assert pp.backward.dh == dataclasses.replace(base.backward.dh, pingpong=True, num_stages=4)
     assert pp.forward == base.forward
     assert dataclasses.replace(pp.backward, dh=base.backward.dh) == base.backward
+
+
+def test_decode_benchmark_small_routing_variants_trace_in_their_context(monkeypatch):
+    """`benchmarks/decode.py`'s `+small` variants: each call is traced with small-batch
+    routing on (the others with it off), checked against the xla backend before it is
+    timed, and reported; CUPTI and the megakernel are faked so the plumbing runs on CPU."""
+    import jax
+
+    from benchmarks import decode
+    from pallas_moe.routing import kernels
+
+    seen = []
+
+    def fake_make_ffn(variant, overrides):
+        assert variant in ("static", "static_meta")  # the suffix is stripped
+
+        def ffn(x, plan, w1, w2):
+            seen.append((variant, kernels.small_batch_limit()))  # read while tracing
+            return decode.pm.moe_ffn(x, plan, w1, w2, backend="xla")
+        return ffn
+
+    monkeypatch.setattr(decode, "make_ffn", fake_make_ffn)
+    monkeypatch.setattr(decode, "profile_ms", lambda f, *a, iters: (0.05, 0.03, [("k", 0.05)]))
+    monkeypatch.setattr(decode, "wall_time_ms", lambda f, *a, iters: 0.1)
+    monkeypatch.setattr(decode, "D", 128)
+    monkeypatch.setattr(decode, "N", 64)
+    monkeypatch.setattr(decode, "E", 8)
+    monkeypatch.setattr(decode, "K", 2)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    w1 = (jax.random.normal(k1, (8, 128, 128)) * 0.1).astype(jax.numpy.bfloat16)
+    w2 = (jax.random.normal(k2, (8, 64, 128)) * 0.1).astype(jax.numpy.bfloat16)
+    logs = []
+    res = decode.run_tokens(3, ["static", "static_meta+small"], {}, w1, w2, 3000.0, 2, logs.append)
+    assert seen == [("static", 0), ("static_meta", kernels.SMALL_BATCH_TOKENS)]
+    assert kernels.small_batch_limit() == 0  # restored
+    assert res["static_err"] < 1e-2 and res["static_meta+small_us"] == pytest.approx(50.0)
+    assert "routing_small_us" in res
+    assert any("plan bitwise the default's: True" in line for line in logs)

@@ -243,6 +243,38 @@ def test_routing_kernel_equals_reference(shape, score):
     assert float(jnp.max(jnp.abs(got.scores - ref.scores))) <= 1e-6
 
 
+@pytest.mark.parametrize("shape", [(1, 128, 8), (7, 8, 8), (32, 128, 8), (32, 256, 16), (5, 60, 4)])
+@pytest.mark.parametrize("score", ["softmax_topk", "sigmoid", "topk_softmax"])
+def test_small_batch_routing_kernel_equals_reference(shape, score):
+    """`routing.kernels.topk_small` (one program, session 40; opt-in through
+    `small_batch_routing`) compiled: the dense plan, every field and the gradient to the
+    logits bitwise."""
+    from pallas_moe.routing import kernels
+
+    T, E, K = shape
+    logits = jax.random.normal(jax.random.key(T * E + K + 1), (T, E))
+    logits = logits.at[: T // 3].set(jnp.round(logits[: T // 3] * 2) / 2)  # ties
+    bias = jax.random.normal(jax.random.key(1), (E,)) * 0.1 if score == "sigmoid" else None
+    cot = jax.random.normal(jax.random.key(2), (T * K,))
+
+    def plan_and_grad(impl):
+        def f(l):
+            plan = pm.routing.topk_plan(l, K, score=score, bias=bias, renormalize=score == "sigmoid",
+                                        impl=impl)
+            return jnp.sum(plan.scores * cot), plan
+        return jax.jit(jax.value_and_grad(f, has_aux=True))
+
+    (_, ref), ref_grad = plan_and_grad("dense")(logits)
+    with kernels.small_batch_routing():
+        fn = plan_and_grad("kernel")
+        assert "moe_topk_small" in str(jax.make_jaxpr(fn)(logits))
+        (_, got), grad = fn(logits)
+    for field in ("token_ids", "scores", "group_sizes", "rows_by_token", "token_row_offsets",
+                  "is_token_choice"):
+        assert bool(jnp.array_equal(getattr(got, field), getattr(ref, field))), field
+    assert bool(jnp.array_equal(grad, ref_grad)), "gradient to the logits"
+
+
 @pytest.mark.parametrize("shape", [(32768, 128, 8), (16384, 512, 10), (1000, 60, 4)])
 @pytest.mark.parametrize("rounding, score", [
     ("nearest", "softmax_topk"), ("up", "sigmoid"), ("down", "topk_softmax"),

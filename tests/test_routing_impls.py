@@ -28,13 +28,18 @@ SHAPES = [(1, 1, 1), (7, 5, 2), (9, 8, 8), (33, 12, 3), (40, 64, 6), (13, 130, 4
 
 @functools.partial(jax.jit, static_argnames=("k", "impl", "score", "renormalize", "groups"))
 def plan_and_grad(logits, bias, weights, *, k, impl, score, renormalize, groups):
+    """impl "interpret_small": the kernels interpreted, small batches in one program
+    (`kernels.small_batch_routing`)."""
     num_groups, topk_groups = groups if groups else (None, None)
+    small = impl == "interpret_small"
 
     def f(logits):
-        plan = pm.routing.topk_plan(
-            logits, k, score=score, renormalize=renormalize, bias=bias, impl=impl,
-            num_groups=num_groups, topk_groups=topk_groups, check_finite=False,
-        )
+        with kernels.small_batch_routing(kernels.SMALL_BATCH_TOKENS if small else 0):
+            plan = pm.routing.topk_plan(
+                logits, k, score=score, renormalize=renormalize, bias=bias,
+                impl="interpret" if small else impl, num_groups=num_groups,
+                topk_groups=topk_groups, check_finite=False,
+            )
         return jnp.sum(plan.scores * weights), plan
 
     (_, plan), grad = jax.value_and_grad(f, has_aux=True)(logits)
@@ -71,7 +76,7 @@ def case(draw):
 
 
 @settings(max_examples=40, deadline=None)
-@given(case(), st.sampled_from(["sort", "interpret"]))
+@given(case(), st.sampled_from(["sort", "interpret", "interpret_small"]))
 def test_fast_impls_equal_dense(c, impl):
     logits, bias, k, score, renormalize, groups = c
     weights = jnp.arange(logits.shape[0] * k, dtype=jnp.float32) % 7 - 3.0
@@ -126,13 +131,17 @@ def test_topk_blocks_outputs():
     assert counts.shape == (5, E)
 
 
-@pytest.mark.parametrize("shape", [(32768, 128, 8), (16384, 512, 10), (64, 60, 4), (24576, 256, 16)])
+@pytest.mark.parametrize("shape", [(32768, 128, 8), (16384, 512, 10), (64, 60, 4), (24576, 256, 16),
+                                   (1, 128, 8), (32, 256, 16)])
 def test_routing_kernels_lower_for_cuda(shape):
-    """The Triton lowering at production sizes (an abstract H100 stands in for the device)."""
+    """The Triton lowering at production sizes (an abstract H100 stands in for the device);
+    the small batches through `topk_small` (`kernels.small_batch_routing`)."""
     T, E, K = shape
     f = jax.jit(lambda l: pm.routing.topk_plan(l, K, impl="kernel"))
-    with h100_target():
-        f.trace(jax.ShapeDtypeStruct((T, E), jnp.float32)).lower(lowering_platforms=("cuda",))
+    with h100_target(), kernels.small_batch_routing():
+        text = f.trace(jax.ShapeDtypeStruct((T, E), jnp.float32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert ("moe_topk_small" in text) == (T <= kernels.SMALL_BATCH_TOKENS)
 
 
 def test_impl_argument_errors():
@@ -158,3 +167,34 @@ def test_kernel_plan_across_place_spans(shape):
     got, got_grad = plan_and_grad(logits, None, weights, impl="interpret", **kw)
     assert T > kernels.block_tokens(E) * kernels.PLACE_SPAN_BLOCKS
     assert_same_plan(got, want, got_grad, want_grad)
+
+
+@pytest.mark.parametrize("num_tokens", [32, 33])
+def test_small_batches_route_in_one_program(num_tokens):
+    """Up to `kernels.SMALL_BATCH_TOKENS` tokens the kernel path is one program
+    (`topk_small`), past it the block path; both give the dense plan at the boundary
+    (Qwen3's E = 128, K = 8, with tied rows and a skew)."""
+    logits = jax.random.normal(jax.random.key(num_tokens), (num_tokens, 128))
+    logits = jnp.round(logits * 2) / 2  # ties between experts
+    logits = logits.at[:4].set(logits[0]).at[:, :8].add(1.0)
+    weights = jnp.arange(num_tokens * 8, dtype=jnp.float32) % 5 - 2.0
+    kw = dict(k=8, score="softmax_topk", renormalize=True, groups=None)
+    want, want_grad = plan_and_grad(logits, None, weights, impl="dense", **kw)
+    got, got_grad = plan_and_grad(logits, None, weights, impl="interpret_small", **kw)
+    assert_same_plan(got, want, got_grad, want_grad)
+    with kernels.small_batch_routing():
+        names = str(jax.make_jaxpr(lambda l: pm.routing.topk_plan(l, 8, impl="interpret"))(logits))
+    small = num_tokens <= kernels.SMALL_BATCH_TOKENS
+    # Off by default (until a GPU run measured it): the block path.
+    default = str(jax.make_jaxpr(lambda l: pm.routing.topk_plan(l, 8, impl="interpret"))(logits))
+    assert "moe_topk_small" not in default and "moe_topk_blocks" in default
+    assert ("moe_topk_small" in names) == small
+    assert ("moe_topk_blocks" in names) == (not small) and ("moe_place_pairs" in names) == (not small)
+
+
+def test_topk_small_rejects_large_batches():
+    with pytest.raises(ValueError, match="at most 32 tokens"):
+        kernels.topk_small(jnp.zeros((33, 8)), 2, interpret=True)
+    with pytest.raises(ValueError, match="max_tokens must be an int in \\[0, 32\\]"):
+        with kernels.small_batch_routing(33):
+            pass

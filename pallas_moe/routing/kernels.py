@@ -39,6 +39,7 @@ Interpret mode (`interpret=True`) runs the same kernel body on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -74,6 +75,20 @@ def block_warps(num_experts: int) -> int:
     return max(1, min(8, block_tokens(num_experts) * next_pow2(num_experts) // 256))
 
 
+def _chosen_experts(key, col_b, col_ok, k: int):
+    """bool[rows, ep]: each row's K experts by `key` (i32[rows, ep]), in K rounds of
+    "largest key, lowest index among equals" (`jax.lax.top_k`'s choice). `col_b` holds
+    the column indices, `col_ok` (bool[ep]) the real experts."""
+    e_pad = key.shape[1]
+    available = jnp.broadcast_to(col_ok[None, :], key.shape)
+    for _ in range(k):
+        best = jnp.max(jnp.where(available, key, _INT32_MIN), axis=1)  # [rows]
+        cand = available & (key == best[:, None])
+        idx = jnp.min(jnp.where(cand, col_b, e_pad), axis=1)  # [rows]
+        available = available & (col_b != idx[:, None])
+    return jnp.logical_not(available) & col_ok[None, :]
+
+
 def _topk_block_kernel(
     scores_ref, experts_ref, local_rank_ref, counts_ref, *,
     k: int, num_tokens: int, num_experts: int, block_t: int, e_pad: int,
@@ -91,13 +106,7 @@ def _topk_block_kernel(
     )  # f32[bt, ep]
     key = total_order_key(scores)  # i32[bt, ep]
     col_b = jnp.broadcast_to(cols[None, :], (block_t, e_pad))
-    available = jnp.broadcast_to(col_ok[None, :], (block_t, e_pad))
-    for _ in range(k):  # K rounds of "largest key, lowest index among equals"
-        best = jnp.max(jnp.where(available, key, _INT32_MIN), axis=1)  # [bt]
-        cand = available & (key == best[:, None])
-        idx = jnp.min(jnp.where(cand, col_b, e_pad), axis=1)  # [bt]
-        available = available & (col_b != idx[:, None])
-    chosen = jnp.logical_not(available) & col_ok[None, :] & row_ok[:, None]  # [bt, ep]
+    chosen = _chosen_experts(key, col_b, col_ok, k) & row_ok[:, None]  # [bt, ep]
     chosen_i = chosen.astype(jnp.int32)
     # Pairs of the same expert from earlier tokens of this block (exclusive prefix over t).
     local_rank = jnp.cumsum(chosen_i, axis=0) - chosen_i  # [bt, ep]
@@ -185,6 +194,105 @@ def topk_blocks(
         interpret=interpret, name="moe_topk_blocks",
     )(scores.astype(jnp.float32))
     return experts.reshape(num_tokens, k), local_rank.reshape(num_tokens, k), counts
+
+
+# `topk_small` routes a batch of at most this many tokens in one program: at decode sizes
+# each of the block path's kernels (top-K blocks, three XLA prefix sums, placement) is
+# mostly launch (~1-2 us each on an H200, session 33's T = 1 profile).
+SMALL_BATCH_TOKENS = 32
+# The largest batch `topk_plan`'s kernel path routes with `topk_small`: 0 (off) until a GPU
+# run has compiled and timed it against the block path (built in session 40 on CPU,
+# bitwise the same plans in interpret mode). `small_batch_routing` sets it for a trace.
+_small_batch_limit = 0
+
+
+def small_batch_limit() -> int:
+    """Batches of at most this many tokens take `topk_small` (0: none)."""
+    return _small_batch_limit
+
+
+@contextlib.contextmanager
+def small_batch_routing(max_tokens: int = SMALL_BATCH_TOKENS):
+    """Within the block, `topk_plan`'s kernel path routes batches of at most `max_tokens`
+    tokens with `topk_small` (read when a function is traced: trace inside the block)."""
+    global _small_batch_limit
+    if not isinstance(max_tokens, int) or not 0 <= max_tokens <= SMALL_BATCH_TOKENS:
+        raise ValueError(f"max_tokens must be an int in [0, {SMALL_BATCH_TOKENS}], got {max_tokens!r}.")
+    previous, _small_batch_limit = _small_batch_limit, max_tokens
+    try:
+        yield
+    finally:
+        _small_batch_limit = previous
+
+
+def _topk_small_kernel(scores_ref, experts_ref, rows_ref, sizes_ref, *,
+                       k: int, num_tokens: int, num_experts: int, t_pad: int, e_pad: int):
+    """The whole batch in one program: top-K, the expert histogram, its prefix sum, and
+    each pair's grouped row (expert start plus the pairs of the same expert from earlier
+    tokens)."""
+    rows = jnp.arange(t_pad, dtype=jnp.int32)  # [Tp]
+    cols = jnp.arange(e_pad, dtype=jnp.int32)  # [Ep]
+    row_ok = rows < num_tokens
+    col_ok = cols < num_experts
+    scores = plt.load(
+        scores_ref.at[pl.ds(0, t_pad), pl.ds(0, e_pad)],
+        mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+    )  # f32[Tp, Ep]
+    col_b = jnp.broadcast_to(cols[None, :], (t_pad, e_pad))
+    chosen = _chosen_experts(total_order_key(scores), col_b, col_ok, k) & row_ok[:, None]
+    chosen_i = chosen.astype(jnp.int32)
+    sizes = jnp.sum(chosen_i, axis=0)  # [Ep] pairs per expert
+    starts = jnp.cumsum(sizes) - sizes  # [Ep] first grouped row of each expert
+    grouped = starts[None, :] + jnp.cumsum(chosen_i, axis=0) - chosen_i  # [Tp, Ep]
+    slot = jnp.cumsum(chosen_i, axis=1) - chosen_i  # position among the token's K, ascending
+    # Masked lanes point one past the end (see `_topk_block_kernel`).
+    flat = jnp.where(chosen, rows[:, None] * k + slot, num_tokens * k)
+    plt.store(experts_ref.at[flat], col_b, mask=chosen)
+    plt.store(rows_ref.at[flat], grouped, mask=chosen)
+    plt.store(sizes_ref.at[pl.ds(0, e_pad)], sizes, mask=col_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret"))
+def topk_small(scores: jax.Array, k: int, *, interpret: bool = False):
+    """Top-K of a small batch and each pair's grouped row, in one program.
+
+    The same selection as `topk_blocks` (IEEE total order, ties to the lower expert) and
+    the same rows as `place_pairs` (grouped by expert, by token within an expert), for
+    `T <= SMALL_BATCH_TOKENS`, where the block path's five kernels cost more than they do.
+
+    Args:
+      scores: f32[T, E] selection scores.
+      k: experts per token, 1 <= k <= E.
+      interpret: run the kernel in Pallas interpret mode (CPU).
+
+    Returns:
+      experts i32[T, K] (each token's experts, ascending), rows i32[T, K] (each pair's
+      grouped row), group_sizes i32[E].
+    """
+    num_tokens, num_experts = scores.shape
+    if num_tokens > SMALL_BATCH_TOKENS:
+        raise ValueError(
+            f"topk_small routes at most {SMALL_BATCH_TOKENS} tokens in one program, got "
+            f"scores with {num_tokens} rows; use topk_blocks and place_pairs."
+        )
+    t_pad, e_pad = next_pow2(num_tokens), next_pow2(num_experts)
+    kernel = functools.partial(
+        _topk_small_kernel, k=k, num_tokens=num_tokens, num_experts=num_experts,
+        t_pad=t_pad, e_pad=e_pad,
+    )
+    experts, rows, sizes = pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32),
+            jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32),
+            jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+        ),
+        grid=(1,),
+        compiler_params=_params(max(1, min(8, t_pad * e_pad // 256))),
+        interpret=interpret,
+        name="moe_topk_small",
+    )(scores.astype(jnp.float32))
+    return experts.reshape(num_tokens, k), rows.reshape(num_tokens, k), sizes
 
 
 PLACE_SPAN_BLOCKS = 8  # top-K blocks per span of `place_pairs`' bases

@@ -309,6 +309,13 @@ def topk_pairs(
     from pallas_moe.routing import kernels  # Pallas is imported only when used.
 
     interpret = impl == "interpret"
+    if logits.shape[0] <= kernels.small_batch_limit():  # decode sizes: one program
+        experts, rows, group_sizes = kernels.topk_small(
+            jax.lax.stop_gradient(sel), k, interpret=interpret
+        )
+        weights = topk_reference_weights(logits, probs, sel, experts, score, renormalize)
+        token_ids, scores = _scatter_token_rows(rows, weights)
+        return TopKPairs(experts, weights, rows, group_sizes, token_ids, scores)
     block_t = kernels.block_tokens(num_experts)
     experts, local_rank, block_counts = kernels.topk_blocks(  # selection: no gradient
         jax.lax.stop_gradient(sel), k, interpret=interpret, block_t=block_t
