@@ -79,6 +79,36 @@ def dense_bound_fns(shape):
     return jax.jit(fwd), jax.jit(fwd_bwd), xe, cot
 
 
+def gemm_bound_fn(shape):
+    """The layer's six GEMMs alone as balanced batched matmuls: `(f, operands)`.
+
+    `f` runs the forward's `H = X W1`, `Y = A W2` and the backward's `dA = dY W2^T`,
+    `dW2 = A^T dY`, `dX = dH W1^T`, `dW1 = X^T dH` on bf16 operands with P/E rows per
+    expert: `18 P n d` FLOPs and nothing else (no SwiGLU, no f32 cotangent, no layout
+    copies), the batched-matmul bound as SonicMoE states it. `dense_bound_fns`' fwd_bwd is
+    a dense XLA layer with the same FLOPs, elementwise work included, so it takes longer.
+    """
+    num_tokens, d, n, num_experts, k = shape
+    rows = num_tokens * k // num_experts
+    ks = jax.random.split(jax.random.key(9), 4)
+    xe = jax.random.normal(ks[0], (num_experts, rows, d), jnp.bfloat16)
+    a = jax.random.normal(ks[1], (num_experts, rows, n), jnp.bfloat16)
+    dy = jax.random.normal(ks[2], (num_experts, rows, d), jnp.bfloat16)
+    dh = jax.random.normal(ks[3], (num_experts, rows, 2 * n), jnp.bfloat16)
+
+    def gemms(xe, a, dy, dh, w1, w2):
+        return (
+            jnp.einsum("emd,edf->emf", xe, w1),  # H [E, rows, 2n]
+            jnp.einsum("emn,end->emd", a, w2),  # Y [E, rows, d]
+            jnp.einsum("emd,end->emn", dy, w2),  # dA [E, rows, n]
+            jnp.einsum("emn,emd->end", a, dy),  # dW2 [E, n, d]
+            jnp.einsum("emf,edf->emd", dh, w1),  # dX [E, rows, d]
+            jnp.einsum("emd,emf->edf", xe, dh),  # dW1 [E, d, 2n]
+        )
+
+    return jax.jit(gemms), (xe, a, dy, dh)
+
+
 def relative_error(a, b) -> float:
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))

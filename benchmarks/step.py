@@ -14,8 +14,10 @@ For each shape and variant (routing x row loader) it reports GPU kernel time (CU
 of every kernel one step launches), wall time of one jitted step (median), which also
 counts launch gaps and host work, and the pipelined time per step (10 steps dispatched
 back to back, one block at the end: a training loop's view, without one call's dispatch
-latency), plus the same-run dense bound (the MoE FLOPs as balanced
-batched matmuls, forward and backward), and breaks the step down kernel by kernel. Before
+latency), plus two same-run bounds: the dense bound (a dense XLA layer with the MoE
+FLOPs as balanced batched matmuls, forward and backward, its SwiGLU and f32 cotangent
+included; `bound/step`) and its six GEMMs alone (`GEMMs/step`: the batched-matmul bound as
+SonicMoE states it, `layer.gemm_bound_fn`), and breaks the step down kernel by kernel. Before
 timing, every variant's loss and gradients are compared on the device with the first
 variant of the same routing (and with the `xla` backend for the shapes in --xla-check).
 Writes step.json, step_log.txt and step.md into --out. `--gpt-oss`: the layer also has
@@ -42,7 +44,7 @@ from benchmarks.forward import (
     SHAPES, cooperative_up_cfg, pingpong_up, gpu_time_ms, interleaved_times_ms, pipelined_ms,
     wall_time_ms,
 )
-from benchmarks.layer import dense_bound_fns
+from benchmarks.layer import dense_bound_fns, gemm_bound_fn
 from pallas_moe.kernels import KernelConfig
 from pallas_moe.kernels.moe_forward import PINGPONG_DOWN, default_num_sms, split_m_up_config
 from pallas_moe.nn.functional import router_logits
@@ -336,7 +338,11 @@ def main():
         # the bound's operands alive to the shape's end
         paired = [(None, bound_all, (xe, w1, w2, dcot))] if args.rounds > 1 else []
         del xe, dcot
-        log(f"== {name} {shape} skew {args.skew}: dense fwd+bwd bound {bound_ms:.3f} ms")
+        gemms, gemm_operands = gemm_bound_fn(shape)
+        gemm_bound_ms = gpu_time_ms(gemms, *gemm_operands, w1, w2, iters=ITERS)
+        del gemm_operands
+        log(f"== {name} {shape} skew {args.skew}: dense fwd+bwd bound {bound_ms:.3f} ms, "
+            f"its six GEMMs alone {gemm_bound_ms:.3f} ms")
         reference = {}
         traced = []  # (row, step, inputs) of each variant, for --gaps
         for variant in args.variants.split(","):
@@ -355,7 +361,7 @@ def main():
             row = dict(shape=name, routing=routing, gather=" ".join([gather, *flags]),
                        harness=harness,
                        router_dtype=args.router_dtype, approx_math=not args.exact_math,
-                       bound_ms=bound_ms, gpt_oss=args.gpt_oss)
+                       bound_ms=bound_ms, gemm_bound_ms=gemm_bound_ms, gpt_oss=args.gpt_oss)
             try:
                 val, grads = step(*inputs)
                 finite = all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
@@ -376,6 +382,7 @@ def main():
                 row["wall_ms"] = wall_time_ms(step, *inputs, iters=20)
                 row["pipelined_ms"] = pipelined_ms(step, *inputs)
                 row["vs_bound"] = bound_ms / row["gpu_ms"]
+                row["vs_gemm_bound"] = gemm_bound_ms / row["gpu_ms"]
                 row["kernels"] = kernel_breakdown(step, *inputs)
                 if args.gaps:  # traced after every variant's CUPTI timings (see below)
                     traced.append((row, step, inputs))
@@ -424,7 +431,8 @@ def main():
         reference.clear()
 
     lines = ["| shape | routing | gather | harness | router | step GPU ms | step wall ms "
-             "| pipelined ms/step | bound ms | bound/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| pipelined ms/step | bound ms | bound/step | GEMMs alone ms | GEMMs/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['routing']} | {r['gather']} | {r['harness']} | "
@@ -433,7 +441,7 @@ def main():
             lines.append(f"| {r['shape']} | {r['routing']} | {r['gather']} | {r['harness']} | "
                          f"{r['router_dtype']} | {r['gpu_ms']:.3f} | "
                          f"{r['wall_ms']:.3f} | {r['pipelined_ms']:.3f} | {r['bound_ms']:.3f} | "
-                         f"{r['vs_bound']:.2f} |")
+                         f"{r['vs_bound']:.2f} | {r['gemm_bound_ms']:.3f} | {r['vs_gemm_bound']:.2f} |")
     if any("paired_gpu_ms" in r for r in rows):
         lines += ["", "Round-robin (`--rounds`): each step and the bound timed once per round.", "",
                   "| shape | routing | gather | harness | rounds | step GPU ms (median) | bound/step, paired | spread |",

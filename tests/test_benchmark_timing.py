@@ -81,9 +81,10 @@ def test_step_rounds_report_the_paired_bound_ratio(tmp_path, monkeypatch):
     import benchmarks.step as step_bench
 
     shape = (16, 128, 128, 4, 2)
-    clock = {"bound": 2.0, "topk": 4.0, "token_rounding": 5.0}
-    # the bound's and the two variants' single timings, then two rounds of all three
-    drift = iter([1.0, 1.0, 1.0] + [1.0, 1.0, 1.0] + [1.2, 1.2, 1.2])
+    clock = {"bound": 2.0, "gemms": 1.5, "topk": 4.0, "token_rounding": 5.0}
+    # the bound's, the GEMMs' and the two variants' single timings, then two rounds of the
+    # bound and the variants
+    drift = iter([1.0, 1.0, 1.0, 1.0] + [1.0, 1.0, 1.0] + [1.2, 1.2, 1.2])
 
     def fake_gpu_time_ms(f, *args, iters=None):
         return clock[f.__name__] * next(drift)
@@ -101,6 +102,7 @@ def test_step_rounds_report_the_paired_bound_ratio(tmp_path, monkeypatch):
     monkeypatch.setattr(step_bench, "pipelined_ms", lambda f, *a: 1.0)
     monkeypatch.setattr(step_bench, "kernel_breakdown", lambda f, *a: [])
     monkeypatch.setattr(step_bench, "dense_bound_fns", lambda s: (None, bound, 0, 0))
+    monkeypatch.setattr(step_bench, "gemm_bound_fn", lambda s: (fake_step("gemms"), (0, 0, 0, 0)))
     monkeypatch.setattr(step_bench, "step_inputs",
                         lambda s, seed: (0, 0, 0, 0, jnp.zeros(2, jnp.float32)))
     monkeypatch.setattr(step_bench, "make_step",
@@ -111,9 +113,34 @@ def test_step_rounds_report_the_paired_bound_ratio(tmp_path, monkeypatch):
     step_bench.main()
     rows = json.loads((tmp_path / "step.json").read_text())
     assert [r["paired_vs_bound"] for r in rows] == pytest.approx([0.5, 0.4])
+    assert [r["vs_gemm_bound"] for r in rows] == pytest.approx([1.5 / 4.0, 1.5 / 5.0])
     assert [r["paired_gpu_ms"] for r in rows] == pytest.approx([4.4, 5.5])  # medians of 2 rounds
     assert rows[0]["paired_spread"] == pytest.approx(0.8 / 4.4)
     assert "bound/step, paired" in (tmp_path / "step.md").read_text()
+
+
+def test_gemm_bound_is_the_layers_flops_and_its_gemms():
+    """`benchmarks.layer.gemm_bound_fn`: six batched matmuls of 18 P n d FLOPs in all (XLA's
+    cost analysis), whose outputs are the layer's GEMM results on its operands."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.layer import gemm_bound_fn
+
+    shape = (64, 128, 64, 4, 2)  # T, d, n, E, K: 32 rows per expert
+    t, d, n, e, k = shape
+    f, (xe, a, dy, dh) = gemm_bound_fn(shape)
+    w1 = jax.random.normal(jax.random.key(1), (e, d, 2 * n), jnp.bfloat16)
+    w2 = jax.random.normal(jax.random.key(2), (e, n, d), jnp.bfloat16)
+    cost = f.lower(xe, a, dy, dh, w1, w2).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    assert cost["flops"] == pytest.approx(18 * t * k * n * d, rel=0.01)
+    h, y, da, dw2, dx, dw1 = f(xe, a, dy, dh, w1, w2)
+    f32 = lambda v: np.asarray(v, np.float32)
+    np.testing.assert_allclose(f32(dw1[1]), f32(xe[1]).T @ f32(dh[1]), rtol=2e-2, atol=0.5)
+    np.testing.assert_allclose(f32(da[2]), f32(dy[2]) @ f32(w2[2]).T, rtol=2e-2, atol=0.5)
+    assert h.shape == (e, 32, 2 * n) and dw2.shape == (e, n, d) and dx.shape == (e, 32, d)
 
 
 def test_kernels_after_flush_drops_exactly_the_flush():
