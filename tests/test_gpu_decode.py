@@ -127,7 +127,7 @@ def test_routing_edge_cases(routing, variant):
     assert _rel_err(out, _reference_fn()(x, plan, w1, w2)) < 1e-2
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 8, 32, 33, 128, 1024, 4096])
+@pytest.mark.parametrize("num_tokens", [1, 8, 32, 128, 1024, 4096])
 @pytest.mark.parametrize("routing", ["random", "skewed", "empty_experts", "one_expert_all_tokens"])
 def test_decode_meta_kernel_is_bitwise_the_reference(num_tokens, routing):
     """The compiled metadata kernel (`decode_meta.py`, Triton) against the jnp reference,

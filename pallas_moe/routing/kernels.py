@@ -13,6 +13,11 @@ block (how many earlier tokens of the block chose that expert), and each block's
 histogram. A prefix sum over spans of blocks (`span_bases`) and `place_pairs`, which adds
 the counts of the span's earlier blocks, then place every pair in the grouped order.
 
+`topk_small(scores, k)` does all of that for a batch of at most `SMALL_BATCH_TOKENS` tokens
+in one program (selection, histogram, its prefix sum, every pair's grouped row), where the
+block path's kernels are mostly launch; `topk_plan` takes it inside `small_batch_routing()`
+(opt-in until measured on a GPU).
+
 `select_largest(keys, count, prefer_high)` is token rounding's per-expert selection: per
 row (an expert's list of keys), the indices of its `count` largest keys in ascending order,
 by a bitwise radix select over the row held in registers (`token_rounding.py` runs it on the
