@@ -230,11 +230,11 @@ def small_batch_routing(max_tokens: int = SMALL_BATCH_TOKENS):
         _small_batch_limit = previous
 
 
-def _topk_small_kernel(scores_ref, experts_ref, rows_ref, sizes_ref, *,
+def _topk_small_kernel(scores_ref, experts_ref, rows_ref, sizes_ref, token_ids_ref, *,
                        k: int, num_tokens: int, num_experts: int, t_pad: int, e_pad: int):
-    """The whole batch in one program: top-K, the expert histogram, its prefix sum, and
-    each pair's grouped row (expert start plus the pairs of the same expert from earlier
-    tokens)."""
+    """The whole batch in one program: top-K, the expert histogram, its prefix sum, each
+    pair's grouped row (expert start plus the pairs of the same expert from earlier
+    tokens), and each grouped row's token."""
     rows = jnp.arange(t_pad, dtype=jnp.int32)  # [Tp]
     cols = jnp.arange(e_pad, dtype=jnp.int32)  # [Ep]
     row_ok = rows < num_tokens
@@ -255,6 +255,8 @@ def _topk_small_kernel(scores_ref, experts_ref, rows_ref, sizes_ref, *,
     plt.store(experts_ref.at[flat], col_b, mask=chosen)
     plt.store(rows_ref.at[flat], grouped, mask=chosen)
     plt.store(sizes_ref.at[pl.ds(0, e_pad)], sizes, mask=col_ok)
+    plt.store(token_ids_ref.at[jnp.where(chosen, grouped, num_tokens * k)],
+              jnp.broadcast_to(rows[:, None], grouped.shape), mask=chosen)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret"))
@@ -272,7 +274,7 @@ def topk_small(scores: jax.Array, k: int, *, interpret: bool = False):
 
     Returns:
       experts i32[T, K] (each token's experts, ascending), rows i32[T, K] (each pair's
-      grouped row), group_sizes i32[E].
+      grouped row), group_sizes i32[E], token_ids i32[T*K] (each grouped row's token).
     """
     num_tokens, num_experts = scores.shape
     if num_tokens > SMALL_BATCH_TOKENS:
@@ -285,19 +287,20 @@ def topk_small(scores: jax.Array, k: int, *, interpret: bool = False):
         _topk_small_kernel, k=k, num_tokens=num_tokens, num_experts=num_experts,
         t_pad=t_pad, e_pad=e_pad,
     )
-    experts, rows, sizes = pallas_call(
+    experts, rows, sizes, token_ids = pallas_call(
         kernel,
         out_shape=(
             jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32),
             jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32),
             jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+            jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32),
         ),
         grid=(1,),
         compiler_params=_params(max(1, min(8, t_pad * e_pad // 256))),
         interpret=interpret,
         name="moe_topk_small",
     )(scores.astype(jnp.float32))
-    return experts.reshape(num_tokens, k), rows.reshape(num_tokens, k), sizes
+    return experts.reshape(num_tokens, k), rows.reshape(num_tokens, k), sizes, token_ids
 
 
 PLACE_SPAN_BLOCKS = 8  # top-K blocks per span of `place_pairs`' bases

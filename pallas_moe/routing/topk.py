@@ -310,12 +310,12 @@ def topk_pairs(
 
     interpret = impl == "interpret"
     if logits.shape[0] <= kernels.small_batch_limit():  # decode sizes: one program
-        experts, rows, group_sizes = kernels.topk_small(
+        experts, rows, group_sizes, token_ids = kernels.topk_small(
             jax.lax.stop_gradient(sel), k, interpret=interpret
         )
         weights = topk_reference_weights(logits, probs, sel, experts, score, renormalize)
-        token_ids, scores = _scatter_token_rows(rows, weights)
-        return TopKPairs(experts, weights, rows, group_sizes, token_ids, scores)
+        return TopKPairs(experts, weights, rows, group_sizes, token_ids,
+                         _scatter_scores(rows, weights))
     block_t = kernels.block_tokens(num_experts)
     experts, local_rank, block_counts = kernels.topk_blocks(  # selection: no gradient
         jax.lax.stop_gradient(sel), k, interpret=interpret, block_t=block_t
@@ -391,15 +391,20 @@ def _scatter_token_rows(rows: jax.Array, weights: jax.Array) -> tuple[jax.Array,
     """
     num_tokens, k = rows.shape
     flat_rows = rows.reshape(-1)
-    capacity = flat_rows.shape[0]
     token_of_pair = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), k)  # [T*K]
-    token_ids = jnp.zeros((capacity,), jnp.int32).at[flat_rows].set(
+    token_ids = jnp.zeros((flat_rows.shape[0],), jnp.int32).at[flat_rows].set(
         token_of_pair, unique_indices=True
     )
-    scores = jnp.zeros((capacity,), jnp.float32).at[flat_rows].set(
+    return token_ids, _scatter_scores(rows, weights)
+
+
+def _scatter_scores(rows: jax.Array, weights: jax.Array) -> jax.Array:
+    """f32[T*K] each pair's weight (f32[T, K]) at its grouped row (i32[T, K], a permutation
+    of `[0, T*K)`); differentiable (the transpose is a gather)."""
+    flat_rows = rows.reshape(-1)
+    return jnp.zeros((flat_rows.shape[0],), jnp.float32).at[flat_rows].set(
         weights.reshape(-1).astype(jnp.float32), unique_indices=True
     )
-    return token_ids, scores
 
 
 def _topk_plan(token_ids, scores, rows, group_sizes) -> DispatchPlan:
