@@ -246,7 +246,7 @@ def _meta_kernel(
         pos_ok = pos < capacity
         at = jnp.where(pos_ok, pos, capacity)
         row = plt.load(rows_by_token_ref.at[jnp.where(pos_ok, pos, 0)], mask=pos_ok, other=0)
-        row = jnp.clip(row, 0, capacity - 1)  # as the reference's gathers clamp
+        row = jnp.clip(row, 0, capacity - 1)  # in [0, P) in a valid plan; keeps loads in bounds
         # The row's expert (`DispatchPlan.expert_ids`), padding rows the last expert's.
         expert = jnp.sum(
             (expert_ok[None, :] & (group_ends[None, :] <= row[:, None])).astype(i32), axis=1
