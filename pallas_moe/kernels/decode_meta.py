@@ -262,14 +262,11 @@ def _meta_kernel(
     jax.lax.fori_loop(0, -(-capacity // row_chunk), row_step, jnp.int32(0))
 
 
-def _next_pow2(v: int) -> int:
-    return 1 << max(v - 1, 0).bit_length()
-
-
 def _decode_meta_kernel(plan, config, d: int, aggregation: str, *, interpret: bool) -> DecodeMeta:
     from jax.experimental.pallas import triton as plt
 
     from pallas_moe._vma import pallas_call
+    from pallas_moe.routing.kernels import next_pow2
 
     bm = config.block_m
     capacity, num_experts, num_tokens = plan.capacity, plan.num_experts, plan.num_tokens
@@ -278,9 +275,9 @@ def _decode_meta_kernel(plan, config, d: int, aggregation: str, *, interpret: bo
     kernel = functools.partial(
         _meta_kernel, num_experts=num_experts, capacity=capacity, max_tiles=max_tiles,
         num_blocks=num_blocks, block_m=bm, token_block=config.token_block,
-        down_blocks=d // config.down_block_n, e_pad=_next_pow2(num_experts),
-        b_pad=_next_pow2(num_blocks), tile_chunk=min(TILE_CHUNK, _next_pow2(max_tiles)),
-        row_chunk=min(ROW_CHUNK, _next_pow2(capacity)),
+        down_blocks=d // config.down_block_n, e_pad=next_pow2(num_experts),
+        b_pad=next_pow2(num_blocks), tile_chunk=min(TILE_CHUNK, next_pow2(max_tiles)),
+        row_chunk=min(ROW_CHUNK, next_pow2(capacity)),
     )
     i32 = jnp.int32
     tiles = jax.ShapeDtypeStruct((max_tiles,), i32)
