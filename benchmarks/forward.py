@@ -41,7 +41,9 @@ from pallas_moe.kernels import _common
 from pallas_moe.kernels.aggregate import aggregate
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
-from pallas_moe.kernels.moe_forward import ForwardConfig, aggregate_width, moe_forward
+from pallas_moe.kernels.moe_forward import (
+    ForwardConfig, aggregate_width, moe_forward, split_m_up_config,
+)
 from pallas_moe.kernels.up_proj import UpProjConfig, _cta_cols, up_proj
 from pallas_moe.routing.topk import topk_plan
 
@@ -425,8 +427,7 @@ def variant_up_cfgs(d, n):
     if n % 256 == 0:
         out.append(UpProjConfig(block_n=128, num_stages=3, num_consumers=2, no_auto_barriers=True))
         out.append(UpProjConfig(block_n=128, num_stages=3, num_consumers=2, row_unroll=16))
-        out.append(UpProjConfig(block_n=128, num_stages=3, num_consumers=2, num_producers=2,
-                                row_unroll=8))
+    # (Two producer warpgroups, 3x slower on the H100 in session 2, were removed in session 41.)
     return out
 
 
@@ -466,8 +467,8 @@ def default_up_cfgs(d, n):
     cands = [
         ForwardConfig.for_shape(d, n).up,
         UpProjConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2),  # split N
-        UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2),  # split M
-        UpProjConfig(block_m=128, block_n=128, num_stages=3, num_consumers=2),
+        split_m_up_config(132),  # split M: persistent 128-row items
+        dataclasses.replace(split_m_up_config(132), num_stages=3),
         UpProjConfig(block_m=64, block_n=128, num_stages=4, num_consumers=1),
     ]
     return _fitting_up_cfgs(cands, n)
@@ -485,29 +486,23 @@ def _fitting_up_cfgs(cands, n):
 def gather_up_cfgs(d, n):
     """The TMA row gather against the cp.async gather (the default), several tile shapes."""
     cands = [ForwardConfig.for_shape(d, n, gather="tma").up]
-    for bm, bn, stages, cons in [(64, 128, 3, 2), (128, 128, 4, 2), (64, 64, 5, 2),
-                                 (64, 64, 4, 2), (64, 128, 4, 1)]:
+    for bm, bn, stages, cons in [(64, 128, 3, 2), (64, 64, 5, 2), (64, 64, 4, 2),
+                                 (64, 128, 4, 1)]:
         cands.append(UpProjConfig(block_m=bm, block_n=bn, num_stages=stages,
                                   num_consumers=cons, gather="cp_async"))
+    cands.append(dataclasses.replace(split_m_up_config(132), gather="cp_async"))  # split M
     return _fitting_up_cfgs(cands, n)
 
 
 def registers_up_cfgs(d, n):
     """The default (consumers take the producer's registers) against the even register split
-    of the previous version, and the split-M tiles the extra registers may now allow."""
+    of the previous version, and the (persistent) split-M tiles the extra registers allow."""
     base = ForwardConfig.for_shape(d, n).up
     cands = [base, dataclasses.replace(base, rebalance_registers=False)]
-    for bm, bn, stages in [(128, 128, 4), (128, 128, 3)]:
-        cands.append(UpProjConfig(block_m=bm, block_n=bn, num_stages=stages, num_consumers=2,
-                                  gather=base.gather))
+    for stages in (4, 3):
+        cands.append(dataclasses.replace(split_m_up_config(132), num_stages=stages,
+                                         gather=base.gather))
     return _fitting_up_cfgs(cands, n)
-
-
-def slabs_up_cfgs(d, n):
-    """Session 6: the SwiGLU epilogue one 64-column slab at a time (the default) against the
-    whole block at once (the previous version)."""
-    base = ForwardConfig.for_shape(d, n).up
-    return _fitting_up_cfgs([base, dataclasses.replace(base, epilogue_slabs=False)], n)
 
 
 def approx_up_cfgs(d, n):
@@ -616,7 +611,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "slabs", "approx", "pingpong", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
@@ -636,7 +631,7 @@ def main():
             try:
                 up_cfgs = {"variants": variant_up_cfgs, "default": default_up_cfgs,
                            "gather": gather_up_cfgs, "registers": registers_up_cfgs,
-                           "completion": completion_up_cfgs, "slabs": slabs_up_cfgs,
+                           "completion": completion_up_cfgs,
                            "approx": approx_up_cfgs, "pingpong": pingpong_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,

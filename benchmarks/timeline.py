@@ -576,9 +576,8 @@ def main():
 
                 w_up = interleave_gate_up(w1, blocks) if blocks else w1
                 fargs = (x, plan.token_ids, plan.group_sizes, w_up)
-                wgs = cfg.num_consumers + cfg.num_producers
-                roles.update({cfg.num_consumers + p: f"producer{p}"
-                              for p in range(cfg.num_producers)})
+                wgs = cfg.num_consumers + 1
+                roles[cfg.num_consumers] = "producer0"
                 # The ping-pong kernel's CTAs walk ~47 items at 7B: record the first ones.
                 regions = (args.regions or 48) if cfg.pingpong_ctas else 8
             elif base == "decode":

@@ -131,9 +131,10 @@ def test_pingpong_up_proj_completion_follows_the_device(kind, completion):
                sds((t, d), jnp.bfloat16), sds((t * k,), jnp.int32), sds((e,), jnp.int32),
                sds((e, d, 2 * n), jnp.bfloat16))
         # One [64, 256] weight box per K step from interleaved W1 columns, one N = 256 wgmma,
-        # in the ping-pong kernel and with split-M tiles (4 stages of 48 KB).
+        # in the ping-pong kernel and with persistent split-M items (4 stages of 48 KB).
         split_m = UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
-                               gather="cp_async", fused_gate_up=True)
+                               gather="cp_async", fused_gate_up=True, pingpong_ctas=132,
+                               epilogue_tiles=1)
         for fused in (dataclasses.replace(up, fused_gate_up=True), split_m):
             _lower(lambda x, tok, g, w, c=fused: up_proj(x, tok, g, w, config=c,
                                                          gate_up_blocks=128),

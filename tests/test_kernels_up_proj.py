@@ -23,8 +23,10 @@ from tests.test_kernels_common import (
 WS1 = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=1)
 # The warp-specialized kernel the forward uses on H100 (2 consumers share each A stage).
 WS = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
-# Warp-specialized, consumers split 128-row tiles and share the weight tiles.
-WS_SPLIT_M = UpProjConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2)
+# Persistent split-M: two CTAs walk 128-row items, both consumers take every item (64 rows
+# each) and share its weight tiles.
+WS_SPLIT_M = UpProjConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2,
+                          pingpong_ctas=2)
 
 
 def run_and_check(x, plan, w1, config, interpret=True):
@@ -98,9 +100,8 @@ def test_inference_writes_only_a():
     close(a, a_ref, int(plan.num_rows))
 
 
-@pytest.mark.parametrize(
-    "config", [WS1, WS, WS_SPLIT_M], ids=["one_consumer", "two_consumers", "split_m"]
-)
+# Split-M's race test: test_persistent_split_m_equals_cooperative_no_races.
+@pytest.mark.parametrize("config", [WS1, WS], ids=["one_consumer", "two_consumers"])
 def test_no_races(config):
     ks = jax.random.split(jax.random.key(15), 3)
     x = random_x(ks[0], 20, 256)  # 4 K steps > 2 stages: slots are refilled
@@ -322,10 +323,9 @@ def test_interleave_gate_up_layout():
 
 @pytest.mark.parametrize(
     "config, blocks, match",
-    [(PINGPONG, 128, "gate_up_blocks=128 .* needs the ping-pong"),
-     (WS, 64, "gate_up_blocks=64 .* needs the ping-pong"),
-     (dataclasses.replace(WS_SPLIT_M, fused_gate_up=True), 0,
-      "split-M tiles reads W1 in one box .* gate_up_blocks=64")],
+    [(PINGPONG, 128, "gate_up_blocks=128 .* needs the persistent kernel .* "
+      "gate_up_blocks == config.block_n=64"),
+     (WS, 64, "gate_up_blocks=64 .* needs the persistent kernel")],
 )
 def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
     x = jnp.zeros((16, 64), jnp.bfloat16)
@@ -338,9 +338,12 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
 @pytest.mark.parametrize(
     "config, match",
     [
-        (dataclasses.replace(PINGPONG, num_consumers=1), "needs num_consumers=2, block_m=64"),
-        (dataclasses.replace(PINGPONG, block_m=192), "needs num_consumers=2, block_m=64 "
+        (dataclasses.replace(PINGPONG, num_consumers=1), "needs num_consumers=2 and block_m=64"),
+        (dataclasses.replace(PINGPONG, block_m=192), "needs num_consumers=2 and block_m=64 "
          "\\(ping-pong\\) or 128 \\(split-M\\)"),
+        # One CTA per tile is 64-row tiles only: split-M items are the persistent kernel's.
+        (UpProjConfig(block_m=128, block_n=64, num_consumers=2),
+         "block_m=128 needs the persistent kernel.*set pingpong_ctas > 0"),
         (dataclasses.replace(PINGPONG, pingpong_ctas=-1), "pingpong_ctas=-1 must be >= 0"),
         (dataclasses.replace(PINGPONG, epilogue_tiles=-2), "epilogue_tiles=-2 must be >= 0"),
         (UpProjConfig(block_n=64, num_consumers=2, epilogue_tiles=1),
@@ -350,7 +353,7 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
         (dataclasses.replace(PINGPONG, gather="cp_async", num_stages=3, prefetch_steps=-1),
          "prefetch_steps=-1 must be >= 0"),
         (UpProjConfig(block_n=64, num_consumers=2, fused_gate_up=True),
-         "fused_gate_up=True needs the ping-pong kernel .* or split-M tiles"),
+         "fused_gate_up=True needs the persistent kernel"),
         (dataclasses.replace(PINGPONG, block_n=256, fused_gate_up=True),
          "needs 2 \\* block_n <= 256 .* got block_n=256"),
         (dataclasses.replace(WS_SPLIT_M, block_n=256, fused_gate_up=True),

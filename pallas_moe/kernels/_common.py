@@ -73,15 +73,15 @@ def require_wgmma_blocks(config, block_n_why: str, block_ks: tuple[int, ...] = (
 PRODUCER_REGISTERS = 40  # per thread of a producer warpgroup after `role_registers`
 
 
-def consumer_registers(num_consumers: int, num_producers: int = 1) -> int:
-    """Registers per consumer thread once every producer warpgroup drops to
+def consumer_registers(num_consumers: int) -> int:
+    """Registers per consumer thread once the producer warpgroup drops to
     `PRODUCER_REGISTERS`: the 64K-register file split evenly (multiple of 8, at most 240)."""
-    free = 65536 // 128 - PRODUCER_REGISTERS * num_producers
+    free = 65536 // 128 - PRODUCER_REGISTERS
     return min(free // num_consumers // 8 * 8, 240)
 
 
-def role_registers(role: str, num_consumers: int, num_producers: int = 1) -> None:
-    """Moves registers from the producer warpgroups to the consumers (setmaxnreg). Call it
+def role_registers(role: str, num_consumers: int) -> None:
+    """Moves registers from the producer warpgroup to the consumers (setmaxnreg). Call it
     first thing in each role's branch, from every warpgroup (a consumer's raise waits until
     the producers' registers are free, so a producer must lower even when it has no work).
 
@@ -100,14 +100,12 @@ def role_registers(role: str, num_consumers: int, num_producers: int = 1) -> Non
 
     Args:
       role: "producer" (down to `PRODUCER_REGISTERS`) or "consumer" (up to
-        `consumer_registers(num_consumers, num_producers)`).
+        `consumer_registers(num_consumers)`).
     """
     if role == "producer":
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
     elif role == "consumer":
-        plgpu.set_max_registers(
-            consumer_registers(num_consumers, num_producers), action="increase"
-        )
+        plgpu.set_max_registers(consumer_registers(num_consumers), action="increase")
     else:
         raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}.")
 

@@ -61,7 +61,8 @@ class UpProjConfig:
     """Block sizes of the up-proj kernel.
 
     Attributes:
-      block_m: rows per tile (a multiple of 64: one wgmma M=64 per 64 rows).
+      block_m: rows per tile: 64, or 128 for the persistent kernel's split-M items
+        (`pingpong_ctas`).
       block_n: gate (and up) columns per CTA; the CTA computes 2*block_n columns of H.
         Must divide n and be a multiple of 64.
       block_k: contraction step; must divide d and be 64 (one 128-byte swizzle row of bf16).
@@ -72,10 +73,6 @@ class UpProjConfig:
         columns and every gathered row is loaded `n / (C * block_n)` times.
       no_auto_barriers: `plgpu.CompilerParams.unsafe_no_auto_barriers`.
       row_unroll: unroll factor of each producer warp's row-copy loop.
-      (With num_consumers == block_m / 64 > 1 the consumers instead split the rows, 64 each,
-        and share the weight tiles: half the L2 weight traffic per FLOP, twice the copies.)
-      num_producers: producer warpgroups of the warp-specialized kernel (their 4 warps each
-        issue `block_m / (4 * num_producers)` row copies per stage).
       gather: how the warp-specialized producer gathers X rows: "tma" (one `[1, 64]` TMA
         copy per row chunk; the only loader interpret mode can run) or "cp_async" (all 128
         producer threads issue 16-byte cp.async loads, `_common.cp_async_gather_rows`;
@@ -86,9 +83,6 @@ class UpProjConfig:
       rebalance_registers: warp-specialized kernel only: the producers drop to 40
         registers per thread and the consumers take the rest (`_common.role_registers`);
         False keeps the even split (168 each with 2 consumers; the consumers then spill).
-      epilogue_slabs: warp-specialized kernel only: True = the SwiGLU epilogue runs one
-        64-column slab at a time, so only a slab's temporaries are live next to the two
-        accumulators; False = the whole block at once (the previous version).
       approx_math: compiled kernels only: True (default) = the SwiGLU's sigmoid takes its
         exp from the hardware's `ex2.approx` (`plgpu.CompilerParams.approx_math`); False =
         the full-precision libdevice `exp`. Measured on the H100 (session 8): 701.6 ->
@@ -127,7 +121,7 @@ class UpProjConfig:
         order per column, so bitwise the same outputs. The ping-pong kernel takes W1 in
         either layout (the halves layout costs 16 eight-row TMA boxes per step, measured
         0.63x on an H200; interleaved W1, `up_proj(gate_up_blocks=block_n)`, one box:
-        1.025x); split-M tiles (num_consumers == block_m / 64 > 1) need interleaved W1.
+        1.025x); so do its split-M items. Persistent kernel only.
     """
 
     block_m: int = 64
@@ -137,13 +131,11 @@ class UpProjConfig:
     num_consumers: int = 1
     no_auto_barriers: bool = False
     row_unroll: int = 4
-    num_producers: int = 1
     gather: str = "tma"
     rebalance_registers: bool = True
     # Measured on the H100 (session 4, same run): the lagged publish 768 / 4386 us against
     # 800 / 4612 us with hardware-tracked stages at 7B / 30B.
     gather_completion: str = "wait_group"
-    epilogue_slabs: bool = True
     approx_math: bool = True
     pingpong_ctas: int = 0
     epilogue_tiles: int = 0
@@ -176,13 +168,7 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
         "n (w_gate_up.shape[2] // 2)", n, cols,
         f"a CTA computes {cols} gate columns and the matching up columns",
     )
-    if config.num_producers not in (1, 2):
-        raise ValueError(f"config.num_producers={config.num_producers} must be 1 or 2.")
     _common.require_gather_mode(config)
-    if config.gather == "cp_async" and config.num_producers != 1:
-        raise ValueError(
-            f"config.gather='cp_async' needs num_producers == 1, got {config.num_producers}."
-        )
     return d, n
 
 
@@ -206,10 +192,18 @@ def _check_pingpong(config: UpProjConfig) -> None:
             f"block_n={config.block_n}."
         )
     if not config.pingpong_ctas:
-        if config.fused_gate_up and not _split_m(config):
+        # One CTA per tile: 64-row tiles whose consumers split the columns. (Its split-M
+        # form, 128-row tiles shared by two consumers, was removed in session 41: the
+        # persistent split-M kernel replaced it, 1.10-1.27x faster on an H200, session 24.)
+        if config.block_m != 64:
             raise ValueError(
-                "config.fused_gate_up=True needs the ping-pong kernel (pingpong_ctas > 0) or "
-                "split-M tiles (num_consumers == block_m / 64 > 1), or leave it False."
+                f"config.block_m={config.block_m} needs the persistent kernel: one CTA per tile "
+                "takes block_m=64; set pingpong_ctas > 0 for 128-row split-M items."
+            )
+        if config.fused_gate_up:
+            raise ValueError(
+                "config.fused_gate_up=True needs the persistent kernel (pingpong_ctas > 0), or "
+                "leave it False."
             )
         if config.epilogue_tiles:
             raise ValueError(
@@ -217,13 +211,11 @@ def _check_pingpong(config: UpProjConfig) -> None:
                 "set pingpong_ctas > 0 too, or leave it 0."
             )
         return
-    if config.num_consumers != 2 or config.block_m not in (64, 128) \
-            or config.num_producers != 1:
+    if config.num_consumers != 2 or config.block_m not in (64, 128):
         raise ValueError(
-            "config.pingpong_ctas > 0 (the persistent kernel) needs num_consumers=2, block_m=64 "
-            "(ping-pong) or 128 (split-M), and num_producers=1, got "
-            f"num_consumers={config.num_consumers}, block_m={config.block_m}, "
-            f"num_producers={config.num_producers}."
+            "config.pingpong_ctas > 0 (the persistent kernel) needs num_consumers=2 and "
+            "block_m=64 (ping-pong) or 128 (split-M), got "
+            f"num_consumers={config.num_consumers}, block_m={config.block_m}."
         )
 
 
@@ -299,17 +291,10 @@ def up_proj(
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, x, w_gate_up)
     if has_bias:
         args += (bias,)
-    if gate_up_blocks and (not (config.pingpong_ctas or _split_m(config))
-                           or gate_up_blocks != bn):
+    if gate_up_blocks and (not config.pingpong_ctas or gate_up_blocks != bn):
         raise ValueError(
-            f"gate_up_blocks={gate_up_blocks} (interleaved W1 columns) needs the ping-pong "
-            "kernel (config.pingpong_ctas > 0) or split-M tiles (num_consumers == block_m / "
-            f"64 > 1), and gate_up_blocks == config.block_n={bn}."
-        )
-    if config.fused_gate_up and not config.pingpong_ctas and not gate_up_blocks:
-        raise ValueError(
-            "config.fused_gate_up=True with split-M tiles reads W1 in one box per K step: "
-            f"pass W1 interleaved (`interleave_gate_up(w, {bn})`) with gate_up_blocks={bn}."
+            f"gate_up_blocks={gate_up_blocks} (interleaved W1 columns) needs the persistent "
+            f"kernel (config.pingpong_ctas > 0) and gate_up_blocks == config.block_n={bn}."
         )
     kernel_args = (config, d, n, meta.num_tiles, out_types, inference, interpret_mode, params,
                    has_bias, activation)
@@ -320,7 +305,7 @@ def up_proj(
         outs = _pingpong_kernel(*kernel_args, interleaved=bool(gate_up_blocks))(
             real_tiles, *args)
     else:
-        outs = _warp_specialized_kernel(*kernel_args, interleaved=bool(gate_up_blocks))(*args)
+        outs = _warp_specialized_kernel(*kernel_args)(*args)
     if inference:
         return None, outs[0]
     return outs[0], outs[1]
@@ -329,7 +314,6 @@ def up_proj(
 def _warp_specialized_kernel(
     config: UpProjConfig, d: int, n: int, num_tiles: int, out_types, inference: bool,
     interpret_mode, params, has_bias: bool = False, activation: SwiGLU = SwiGLU(),
-    interleaved: bool = False,
 ):
     """The up-proj as one producer warpgroup + `config.num_consumers` consumer warpgroups.
 
@@ -345,23 +329,16 @@ def _warp_specialized_kernel(
     64-column slabs (`_common.row_tile_types`) that TMA stores row-exactly. With an expert
     bias each consumer first TMA-loads its own gate and up bias columns into SMEM of its
     own (outside the reused pipeline bytes).
-    With `config.fused_gate_up` (split-M tiles and interleaved W1 columns only) a K step's
-    gate and up columns are one [block_k, 2 * block_n] TMA box and each consumer issues one
-    wgmma of N = 2 * block_n into one accumulator (gate columns first).
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
-    split_m = _split_m(config)
-    fused = config.fused_gate_up
     cols = _cta_cols(config)  # gate columns per CTA
-    mb = bm // cons if split_m else bm  # rows per consumer
     num_k = d // bk
     grid_n = n // cols
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
     num_out = 1 if inference else 3
-    prods = config.num_producers
-    rows_per_warp = bm // (4 * prods)
+    rows_per_warp = bm // 4
     interpret = interpret_mode is not None
     # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
     cp_async = config.gather == "cp_async" and not interpret
@@ -373,8 +350,7 @@ def _warp_specialized_kernel(
         # extra: the bias columns and their barrier (with biases), then the per-slot
         # cp.async mbarriers (hardware-tracked stages).
         bias_scratch, a_landed = (extra[:2], extra[2:]) if has_bias else ((), extra)
-        a_copy, a_mma, b_bufs, ((o_copy, o_mma),) = views(bufs)
-        bg_smem, bu_smem = (None, None) if fused else b_bufs  # [stages, bk, C*bn] each
+        a_copy, a_mma, (bg_smem, bu_smem), ((o_copy, o_mma),) = views(bufs)  # [stages, bk, C*bn]
         if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
             _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
@@ -382,72 +358,63 @@ def _warp_specialized_kernel(
         mi = jax.lax.axis_index("m")
         num_rows = rows_ref[mi]
 
-        for p in range(prods):
-            @pl.when((num_rows > 0) & (wg == cons + p))
-            def _producer(p=p):
-                if config.rebalance_registers:
-                    _common.role_registers("producer", cons, prods)
-                expert = expert_ref[mi]
-                with jax.named_scope("ids"):
-                    if p == 0:
-                        plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
-                    plgpu.barrier_wait(ids_bar)
-                w_e = w_ref.at[expert]  # [d, 2n]
+        @pl.when((num_rows > 0) & (wg == cons))
+        def _producer():
+            if config.rebalance_registers:
+                _common.role_registers("producer", cons)
+            expert = expert_ref[mi]
+            with jax.named_scope("ids"):
+                plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem, ids_bar)
+                plgpu.barrier_wait(ids_bar)
+            w_e = w_ref.at[expert]  # [d, 2n]
 
-                def step(ki, carry):
-                    slot = ki % stages
-                    k0 = ki * bk
+            def step(ki, carry):
+                slot = ki % stages
+                k0 = ki * bk
 
-                    @pl.when(ki >= stages)
-                    def _():
-                        plgpu.barrier_wait(empty.at[slot])
+                @pl.when(ki >= stages)
+                def _():
+                    plgpu.barrier_wait(empty.at[slot])
 
-                    def per_warp(w):
-                        _common.gather_rows(  # [1, bk] of X[tok] per row
-                            x_ref, ids_smem, [a_copy.at[slot]], full.at[slot],
-                            col0=k0, width=bk, first_row=(p * 4 + w) * rows_per_warp,
-                            num_rows=rows_per_warp, unroll=config.row_unroll,
-                        )
+                def per_warp(w):
+                    _common.gather_rows(  # [1, bk] of X[tok] per row
+                        x_ref, ids_smem, [a_copy.at[slot]], full.at[slot],
+                        col0=k0, width=bk, first_row=w * rows_per_warp,
+                        num_rows=rows_per_warp, unroll=config.row_unroll,
+                    )
 
-                    if p == 0:  # [bk, C*bn] gate and up columns, or one [bk, 2 bn] (fused)
-                        _copy_gate_up_weights(
-                            w_e, k0, bk, ni, cols, n, [b.at[slot] for b in b_bufs],
-                            full.at[slot], interleaved=interleaved,
-                        )
-                    if cp_async:
-                        _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one cp.async group
-                            x_ref.at[:, pl.ds(k0, bk)], ids_smem, [a_mma.at[slot]], num_rows=bm
-                        )
-                        _common.cp_async_publish(ki, full, a_landed, stages)
-                    else:
-                        plgpu.warp_map(per_warp)
-                    return carry
+                _copy_gate_up_weights(  # [bk, C*bn] gate and up columns
+                    w_e, k0, bk, ni, cols, n, [bg_smem.at[slot], bu_smem.at[slot]],
+                    full.at[slot], interleaved=False,
+                )
+                if cp_async:
+                    _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one cp.async group
+                        x_ref.at[:, pl.ds(k0, bk)], ids_smem, [a_mma.at[slot]], num_rows=bm
+                    )
+                    _common.cp_async_publish(ki, full, a_landed, stages)
+                else:
+                    plgpu.warp_map(per_warp)
+                return carry
 
-                with jax.named_scope("loads"):
-                    jax.lax.fori_loop(0, num_k, step, None)
-                with jax.named_scope("drain"):
-                    if cp_async:
-                        _common.cp_async_publish_rest(num_k, full, a_landed, stages)
-                    # Observe the consumers' remaining releases (steps num_k-stages ..
-                    # num_k-2), so every barrier phase is consumed before exit (interpret
-                    # mode checks this).
-                    for g in range(max(num_k - stages, 0), num_k - 1):
-                        plgpu.barrier_wait(empty.at[g % stages])
+            with jax.named_scope("loads"):
+                jax.lax.fori_loop(0, num_k, step, None)
+            with jax.named_scope("drain"):
+                if cp_async:
+                    _common.cp_async_publish_rest(num_k, full, a_landed, stages)
+                # Observe the consumers' remaining releases (steps num_k-stages ..
+                # num_k-2), so every barrier phase is consumed before exit (interpret
+                # mode checks this).
+                for g in range(max(num_k - stages, 0), num_k - 1):
+                    plgpu.barrier_wait(empty.at[g % stages])
 
         for c in range(cons):
             @pl.when((num_rows > 0) & (wg == c))
             def _consumer(c=c):
                 if config.rebalance_registers:
-                    _common.role_registers("consumer", cons, prods)
+                    _common.role_registers("consumer", cons)
                 row0 = start_ref[mi]
-                csl = pl.ds(0, bn) if split_m else pl.ds(c * bn, bn)
-                a_rows = pl.ds(c * mb, mb) if split_m else slice(None)
-                if split_m:  # this consumer's rows of the tile: [c*mb, c*mb + mb)
-                    count = jnp.clip(num_rows - c * mb, 0, mb)
-                    dst0 = row0 + c * mb
-                else:
-                    count, dst0 = num_rows, row0
-                col = ni * cols + (0 if split_m else c * bn)  # first gate column of c
+                csl = pl.ds(c * bn, bn)  # this consumer's columns of the weight tiles
+                col = ni * cols + c * bn  # its first gate column
                 if has_bias:  # this consumer's bias columns land while the K loop runs
                     bias_smem, bias_bars = bias_scratch
                     _start_bias_load(
@@ -461,20 +428,15 @@ def _warp_specialized_kernel(
                 def mma_scope(*accs):
                     _gate_up_k_loop(
                         accs, num_k, stages, 0, wait, empty,
-                        lambda slot: a_mma.at[slot, a_rows],  # [mb, bk]
-                        # [bk, 2 bn] gate | up (split-M: every consumer's), or its columns
-                        # of the [bk, C bn] gate and up tiles
-                        lambda slot: ((b_bufs[0].at[slot],) if fused else
-                                      (bg_smem.at[slot, :, csl], bu_smem.at[slot, :, csl])),
+                        lambda slot: a_mma.at[slot, slice(None)],  # [bm, bk], shared
+                        # this consumer's columns of the [bk, C bn] gate and up tiles
+                        lambda slot: (bg_smem.at[slot, :, csl], bu_smem.at[slot, :, csl]),
                     )
-                    if fused:
-                        return accs[0][:, :bn], accs[0][:, bn:]
                     return accs[0][...], accs[1][...]
 
                 with jax.named_scope("k_loop"):
-                    acc_shapes = [(mb, 2 * bn)] if fused else [(mb, bn)] * 2
                     g, u = pl.run_scoped(
-                        mma_scope, *(plgpu.ACC(shape, jnp.float32) for shape in acc_shapes)
+                        mma_scope, *(plgpu.ACC((bm, bn), jnp.float32) for _ in range(2))
                     )
                 # Every consumer is done reading the pipeline buffers before any of them
                 # overwrites them with its epilogue tile.
@@ -482,42 +444,38 @@ def _warp_specialized_kernel(
                     plgpu.barrier_arrive(epi_bar)
                     plgpu.barrier_wait(epi_bar)
                 if has_bias:
-                    biases = _bias_columns(bias_smem.at[c], bias_bars.at[c], mb)
+                    biases = _bias_columns(bias_smem.at[c], bias_bars.at[c], bm)
                 else:
                     biases = (None, None)
                 dsts = [a_out.at[:, pl.ds(col, bn)]]
                 if h_out is not None:
                     dsts += [h_out.at[:, pl.ds(col, bn)], h_out.at[:, pl.ds(n + col, bn)]]
-                # One 64-column slab at a time (`epilogue_slabs`): only a slab's temporaries
-                # are live next to the two accumulators.
-                w = o_mma.shape[-1]  # columns of one slab
-                slab = w if config.epilogue_slabs else bn
+                # One 64-column slab at a time: only a slab's temporaries are live next to
+                # the two accumulators (the whole block at once spilled; session 5).
+                slab = o_mma.shape[-1]  # columns of one slab
                 with jax.named_scope("epilogue_math"):
                     for h0 in range(0, bn, slab):
                         cut = slice(h0, h0 + slab)
-                        act, hg, hu = _common.swiglu_epilogue(  # [mb, slab] each
+                        act, hg, hu = _common.swiglu_epilogue(  # [bm, slab] each
                             g[:, cut], u[:, cut], dtype, activation,
                             *(None if b is None else b[:, cut] for b in biases),
                         )
                         for t, tile in enumerate((act, hg, hu)[:num_out]):
-                            _common.write_row_tile(o_mma.at[c, t], tile, first_slab=h0 // w)
+                            _common.write_row_tile(o_mma.at[c, t], tile, first_slab=h0 // slab)
                     plgpu.commit_smem()
                 with jax.named_scope("epilogue_store"):
                     for t, dst in enumerate(dsts):
-                        _common.store_row_tile(o_copy.at[c, t], dst, dst0, count, mb)
+                        _common.store_row_tile(o_copy.at[c, t], dst, row0, num_rows, bm)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    # Gate and up weight stages [bk, C bn] each, or one [bk, 2 bn] (fused).
-    b_types = [plgpu.SMEM((stages, bk, 2 * cols), dtype, transforms=tf)] if fused \
-        else [plgpu.SMEM((stages, bk, cols), dtype, transforms=tf)] * 2
     bufs, views = _common.gathered_pipeline_smem(
         (stages, bm, bk), dtype,
-        others=b_types,
+        others=[plgpu.SMEM((stages, bk, cols), dtype, transforms=tf)] * 2,  # gate, up
         # Per consumer: A, H gate, H up, as swizzled 64-column slabs (`row_tile_types`):
         # measured on the H100 (session 5, same run) 710 vs 764 us at 7B and 4345 vs 4512 us
         # at 30B against untiled rows, whose stores from the accumulator layout conflict.
         epilogue=[],
-        row_tiles=[(cons, num_out, mb, bn)],
+        row_tiles=[(cons, num_out, bm, bn)],
         interpret=interpret,
     )
     scratch = [
@@ -526,7 +484,7 @@ def _warp_specialized_kernel(
         # full[slot]: the weight copies, plus what the row loader adds.
         plgpu.Barrier(
             num_arrivals=_common.gather_full_arrivals(config, bm, interpret)
-            + _gate_up_weight_copies(fused, interleaved, bk),
+            + _gate_up_weight_copies(False, False, bk),
             num_barriers=stages,
         ),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),
@@ -542,7 +500,7 @@ def _warp_specialized_kernel(
         scratch_types=scratch,
         grid=(grid_n, num_tiles),
         grid_names=("n", "m"),
-        num_threads=cons + prods,
+        num_threads=cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(**params),
         interpret=interpret_mode,
@@ -580,9 +538,10 @@ def _pingpong_kernel(
     Split-M (`block_m = 128`, `_split_m`): the same persistent walk over 128-row items, but
     both consumers take every item, consumer c multiplying rows [64 c, 64 c + 64) of each
     gathered stage by the stage's gate and up weight tiles (or, fused, its one [block_k,
-    2 block_n] tile), as the cooperative split-M kernel's consumers do; so each weight tile
-    serves 128 rows, and the producer streams the next item's stages while both consumers
-    run their epilogues (the cooperative kernel drains and refills its ring once per CTA).
+    2 block_n] tile); so each weight tile serves 128 rows, and the producer streams the
+    next item's stages while both consumers run their epilogues. (A one-CTA-per-tile form
+    of these tiles, which drained and refilled its ring per tile, was 1.10-1.27x slower on
+    an H200 and was removed in session 41.)
     One `full` barrier per slot, which both consumers wait on, and `empty` takes both
     consumers' releases.
     """
@@ -949,13 +908,14 @@ def _bias_columns(bias_smem, barrier, rows: int):
 
 
 def _split_m(config: UpProjConfig) -> bool:
-    """Consumers split the tile's rows (64 each) and share the weight tiles, instead of
-    splitting the columns and sharing the gathered rows."""
-    return config.num_consumers > 1 and config.block_m == 64 * config.num_consumers
+    """The persistent kernel's consumers split each 128-row item's rows (64 each) and share
+    the weight tiles, instead of taking alternate 64-row items."""
+    return config.pingpong_ctas > 0 and config.block_m == 128
 
 
 def _cta_cols(config: UpProjConfig) -> int:
-    """Gate columns (and as many up columns) one CTA computes."""
-    if _split_m(config) or config.pingpong_ctas:  # ping-pong: an item's gate columns
+    """Gate columns (and as many up columns) one CTA computes at a time: an item's in the
+    persistent kernel, every consumer's `block_n` in the one-CTA-per-tile kernel."""
+    if config.pingpong_ctas:
         return config.block_n
     return config.block_n * config.num_consumers
