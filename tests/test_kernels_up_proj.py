@@ -25,7 +25,7 @@ WS1 = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=1)
 WS = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
 # Persistent split-M: two CTAs walk 128-row items, both consumers take every item (64 rows
 # each) and share its weight tiles.
-WS_SPLIT_M = UpProjConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2,
+SPLIT_M = UpProjConfig(block_m=128, block_n=64, num_stages=2, num_consumers=2,
                           pingpong_ctas=2)
 
 
@@ -60,7 +60,7 @@ def test_split_m_tiles_ending_in_either_half():
     x = random_x(ks[0], 150, 128)
     w1, _ = random_weights(ks[1], 2, 128, 64)
     plan = assignment_plan(ks[2], 150, 2, p=0.6)
-    run_and_check(x, plan, w1, WS_SPLIT_M)
+    run_and_check(x, plan, w1, SPLIT_M)
 
 
 def test_one_expert_holds_all_tokens_multi_tile():
@@ -293,7 +293,7 @@ def test_interleaved_weights_equal_halves(kernel, fused):
     args = (x, plan.token_ids, plan.group_sizes)
     coop = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
     want_h, want_a = up_proj(*args, w1, config=coop, bias=bias, interpret=True)
-    config = dataclasses.replace(PINGPONG if kernel == "pingpong" else WS_SPLIT_M,
+    config = dataclasses.replace(PINGPONG if kernel == "pingpong" else SPLIT_M,
                                  fused_gate_up=fused)
     h, a = up_proj(*args, interleave_gate_up(w1, 64), config=config, bias=bias,
                    gate_up_blocks=64, interpret=plgpu.InterpretGPUParams(detect_races=True))
@@ -356,7 +356,7 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
          "fused_gate_up=True needs the persistent kernel"),
         (dataclasses.replace(PINGPONG, block_n=256, fused_gate_up=True),
          "needs 2 \\* block_n <= 256 .* got block_n=256"),
-        (dataclasses.replace(WS_SPLIT_M, block_n=256, fused_gate_up=True),
+        (dataclasses.replace(SPLIT_M, block_n=256, fused_gate_up=True),
          "needs 2 \\* block_n <= 256 .* got block_n=256"),
         (dataclasses.replace(PINGPONG, block_n=128, num_stages=6),
          "needs \\d+ B of SMEM .* lower config.num_stages or config.epilogue_tiles"),

@@ -484,7 +484,7 @@ def _warp_specialized_kernel(
         # full[slot]: the weight copies, plus what the row loader adds.
         plgpu.Barrier(
             num_arrivals=_common.gather_full_arrivals(config, bm, interpret)
-            + _gate_up_weight_copies(False, False, bk),
+            + _gate_up_weight_copies(fused=False, interleaved=False, bk=bk),
             num_barriers=stages,
         ),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),
