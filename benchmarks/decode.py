@@ -96,15 +96,28 @@ MEGA_VARIANTS = {
     "static_early_next16": dict(early_weights=True, lookahead_steps=16,
                                 lookahead_within_task=False),
     # The per-plan metadata from one Pallas program instead of six small XLA kernels
-    # (session 40, `pallas_moe/kernels/decode_meta.py`).
+    # (session 40, `pallas_moe/kernels/decode_meta.py`) at every T, or never (the default,
+    # "auto", takes it up to `decode_meta.META_KERNEL_MAX_TOKENS` tokens).
     "static_meta": dict(meta_impl="kernel"),
     "dynamic_meta": dict(scheduler="dynamic", meta_impl="kernel"),
+    "static_jnp": dict(meta_impl="jnp"),
 }
 VARIANTS = ("kernels", "kernels_inf", "auto", *MEGA_VARIANTS)
-# Any variant + this suffix routes its batch with the one-program small-batch kernel
-# (`pallas_moe.routing.kernels.small_batch_routing`, T <= 32; session 40), e.g.
-# `static_meta+small`: routing and metadata in two Pallas programs instead of ~14 kernels.
-SMALL = "+small"
+# A variant without a suffix routes as the library does by default (the one-program
+# small-batch kernel up to `routing.kernels.SMALL_BATCH_DEFAULT` tokens). The suffix
+# `+small` routes every batch of up to 32 tokens with it (`small_batch_routing`), e.g.
+# `static_meta+small`: routing and metadata in two Pallas programs instead of ~14 kernels;
+# `+blocks` never does (the block path of top-K, prefix sums and placement).
+SMALL, BLOCKS = "+small", "+blocks"
+SUFFIXES = (SMALL, BLOCKS)
+
+
+def split_variant(variant: str) -> tuple[str, str]:
+    """"static_meta+small" -> ("static_meta", "+small"); no suffix -> (variant, "")."""
+    for suffix in SUFFIXES:
+        if variant.endswith(suffix):
+            return variant.removesuffix(suffix), suffix
+    return variant, ""
 DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused", "static_ahead", "dynamic_ahead")
 # CUPTI kernel names of the MoE kernels (everything else is routing or metadata).
 MOE_KERNELS = ("moe_decode", "moe_up_proj", "moe_down_proj", "moe_aggregate")
@@ -169,24 +182,32 @@ def make_tokens(T):
     return x, jax.random.normal(kl, (T, E), jnp.float32)
 
 
-def small_routing(on: bool):
-    """The context a variant's call is traced in: small-batch routing on or off."""
+def small_routing(suffix: str):
+    """The context a variant's call is traced in: the small-batch routing limit its suffix
+    asks for (`+small`: 32 tokens, `+blocks`: none), or the library's default."""
+    import contextlib
+
     from pallas_moe.routing import kernels
 
-    return kernels.small_batch_routing(kernels.SMALL_BATCH_TOKENS if on else 0)
+    if suffix == SMALL:
+        return kernels.small_batch_routing(kernels.SMALL_BATCH_TOKENS)
+    if suffix == BLOCKS:
+        return kernels.small_batch_routing(0)
+    return contextlib.nullcontext()
 
 
 def run_tokens(T, variants, overrides, w1, w2, bw, iters, log):
     x, logits = make_tokens(T)
     route = jax.jit(lambda l: pm.routing.topk_plan(l, K))
-    plan = route(logits)
+    with small_routing(BLOCKS):  # the block path: the plan every variant is checked against
+        plan = route(logits)  # traced here
     touched = int(jnp.sum(plan.group_sizes > 0))
     res = dict(T=T, experts=touched, bound_us=touched * BYTES_PER_EXPERT / (bw * 1e9) * 1e6)
     res["routing_us"] = profile_ms(route, logits, iters=iters)[0] * 1e3
     res["routing_wall_us"] = wall_time_ms(route, logits, iters=iters) * 1e3
     if any(v.endswith(SMALL) for v in variants):
         route_small = jax.jit(lambda l: pm.routing.topk_plan(l, K))
-        with small_routing(True):
+        with small_routing(SMALL):
             small_plan = route_small(logits)  # traced here
         same = all(bool(jnp.array_equal(getattr(small_plan, f), getattr(plan, f)))
                    for f in ("token_ids", "scores", "group_sizes", "rows_by_token"))
@@ -199,11 +220,12 @@ def run_tokens(T, variants, overrides, w1, w2, bw, iters, log):
     outs = {}
     for v in variants:
         try:
-            ffn = make_ffn(v.removesuffix(SMALL), overrides)
+            name, suffix = split_variant(v)
+            ffn = make_ffn(name, overrides)
             f = jax.jit(lambda l, x, w1, w2, ffn=ffn: ffn(x, pm.routing.topk_plan(l, K), w1, w2))
             poison(T * K * (3 * N + 2 * D) * 2 + (E + T * K // 64) * 64 * (N + D) * 2)
             t0 = time.perf_counter()
-            with small_routing(v.endswith(SMALL)):  # traced (and compiled) here
+            with small_routing(suffix):  # traced (and compiled) here
                 out = jax.block_until_ready(f(logits, x, w1, w2))
             res[f"{v}_first_call_s"] = time.perf_counter() - t0  # mostly compilation
             err = rel_err(out, ref)
@@ -310,7 +332,7 @@ def main():
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument(
         "--variants", default=",".join(DEFAULT_VARIANTS),
-        help=f"comma-separated, from {VARIANTS}, each optionally with the suffix {SMALL!r}"
+        help=f"comma-separated, from {VARIANTS}, each optionally with a suffix from {SUFFIXES}"
     )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument(
@@ -319,7 +341,7 @@ def main():
     )
     args = p.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    unknown = {v for v in variants if v.removesuffix(SMALL) not in VARIANTS}
+    unknown = {v for v in variants if split_variant(v)[0] not in VARIANTS}
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
     overrides = json.loads(args.config)

@@ -228,9 +228,10 @@ def test_step_variant_flags_build_configs(d, n):
 
 
 def test_decode_benchmark_small_routing_variants_trace_in_their_context(monkeypatch):
-    """`benchmarks/decode.py`'s `+small` variants: each call is traced with small-batch
-    routing on (the others with it off), checked against the xla backend before it is
-    timed, and reported; CUPTI and the megakernel are faked so the plumbing runs on CPU."""
+    """`benchmarks/decode.py`'s routing suffixes: each call is traced with the small-batch
+    routing limit its suffix asks for (`+small` 32 tokens, `+blocks` none, no suffix the
+    library's default), checked against the xla backend before it is timed, and reported;
+    CUPTI and the megakernel are faked so the plumbing runs on CPU."""
     import jax
 
     from benchmarks import decode
@@ -239,7 +240,7 @@ def test_decode_benchmark_small_routing_variants_trace_in_their_context(monkeypa
     seen = []
 
     def fake_make_ffn(variant, overrides):
-        assert variant in ("static", "static_meta")  # the suffix is stripped
+        assert variant in ("static", "static_meta", "static_jnp")  # the suffix is stripped
 
         def ffn(x, plan, w1, w2):
             seen.append((variant, kernels.small_batch_limit()))  # read while tracing
@@ -257,9 +258,12 @@ def test_decode_benchmark_small_routing_variants_trace_in_their_context(monkeypa
     w1 = (jax.random.normal(k1, (8, 128, 128)) * 0.1).astype(jax.numpy.bfloat16)
     w2 = (jax.random.normal(k2, (8, 64, 128)) * 0.1).astype(jax.numpy.bfloat16)
     logs = []
-    res = decode.run_tokens(3, ["static", "static_meta+small"], {}, w1, w2, 3000.0, 2, logs.append)
-    assert seen == [("static", 0), ("static_meta", kernels.SMALL_BATCH_TOKENS)]
-    assert kernels.small_batch_limit() == 0  # restored
+    res = decode.run_tokens(3, ["static", "static_meta+small", "static_jnp+blocks"], {}, w1, w2,
+                            3000.0, 2, logs.append)
+    assert seen == [("static", kernels.SMALL_BATCH_DEFAULT),
+                    ("static_meta", kernels.SMALL_BATCH_TOKENS), ("static_jnp", 0)]
+    assert kernels.small_batch_limit() == kernels.SMALL_BATCH_DEFAULT  # restored
     assert res["static_err"] < 1e-2 and res["static_meta+small_us"] == pytest.approx(50.0)
+    assert res["static_jnp+blocks_err"] < 1e-2
     assert "routing_small_us" in res
     assert any("plan bitwise the default's: True" in line for line in logs)

@@ -239,8 +239,8 @@ def test_routing_kernel_equals_reference(shape, score):
 @pytest.mark.parametrize("shape", [(1, 128, 8), (7, 8, 8), (32, 128, 8), (32, 256, 16), (5, 60, 4)])
 @pytest.mark.parametrize("score", ["softmax_topk", "sigmoid", "topk_softmax"])
 def test_small_batch_routing_kernel_equals_reference(shape, score):
-    """`routing.kernels.topk_small` (one program, session 40; opt-in through
-    `small_batch_routing`) compiled: the dense plan, every field and the gradient to the
+    """`routing.kernels.topk_small` (one program, session 40; the default up to
+    `SMALL_BATCH_DEFAULT` tokens, up to 32 through `small_batch_routing`) compiled: the dense plan, every field and the gradient to the
     logits bitwise."""
     from pallas_moe.routing import kernels
 

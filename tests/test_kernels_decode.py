@@ -211,8 +211,24 @@ def test_decode_meta_kernel_lowers_for_cuda(num_tokens):
     assert "moe_tile_meta" in text
 
 
+@pytest.mark.parametrize("num_tokens", [1, 4, 5, 64])
+def test_auto_meta_impl_runs_the_kernel_at_decode_sizes(num_tokens):
+    """The default `meta_impl="auto"`: the metadata kernel up to `META_KERNEL_MAX_TOKENS`
+    tokens (it won at T = 1 and lost at T = 8 on an H200), the jnp reference above."""
+    from pallas_moe.kernels.decode_meta import META_KERNEL_MAX_TOKENS, resolve_meta_impl
+
+    config = DecodeConfig.for_shape(2048, 768, num_sms=132)
+    assert config.meta_impl == "auto" and META_KERNEL_MAX_TOKENS == 4
+    kernel = num_tokens <= META_KERNEL_MAX_TOKENS
+    assert resolve_meta_impl("auto", num_tokens) == ("kernel" if kernel else "jnp")
+    assert resolve_meta_impl("jnp", 1) == "jnp" and resolve_meta_impl("kernel", 64) == "kernel"
+    text = str(jax.make_jaxpr(lambda p: decode_meta(p, config, 2048))(
+        _abstract_plan(num_tokens, 128, 8)))
+    assert ("moe_tile_meta" in text) == kernel
+
+
 def test_decode_meta_impl_errors():
-    with pytest.raises(ValueError, match="config.meta_impl must be 'jnp' or 'kernel'"):
+    with pytest.raises(ValueError, match="config.meta_impl must be 'auto', 'jnp' or 'kernel'"):
         DecodeConfig(meta_impl="interpret")
     plan = topk_plan(jnp.zeros((4, 4)), 2)
     with pytest.raises(ValueError, match="impl must be one of"):

@@ -185,11 +185,35 @@ def test_small_batches_route_in_one_program(num_tokens):
     with kernels.small_batch_routing():
         names = str(jax.make_jaxpr(lambda l: pm.routing.topk_plan(l, 8, impl="interpret"))(logits))
     small = num_tokens <= kernels.SMALL_BATCH_TOKENS
-    # Off by default (until a GPU run measured it): the block path.
+    # By default only up to `SMALL_BATCH_DEFAULT` (8) tokens: the block path here.
     default = str(jax.make_jaxpr(lambda l: pm.routing.topk_plan(l, 8, impl="interpret"))(logits))
     assert "moe_topk_small" not in default and "moe_topk_blocks" in default
     assert ("moe_topk_small" in names) == small
     assert ("moe_topk_blocks" in names) == (not small) and ("moe_place_pairs" in names) == (not small)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 9])
+def test_small_batches_take_one_program_by_default(num_tokens):
+    """Outside `small_batch_routing`, batches of at most `SMALL_BATCH_DEFAULT` tokens (where
+    it measured faster on an H200) take `topk_small`, larger ones the block path; the plan
+    and its gradient are the dense reference's either way."""
+    assert kernels.small_batch_limit() == kernels.SMALL_BATCH_DEFAULT == 8
+    logits = jax.random.normal(jax.random.key(num_tokens), (num_tokens, 128)).at[:, :4].add(1.0)
+    names = str(jax.make_jaxpr(lambda l: pm.routing.topk_plan(l, 8, impl="interpret"))(logits))
+    small = num_tokens <= kernels.SMALL_BATCH_DEFAULT
+    assert ("moe_topk_small" in names) == small and ("moe_topk_blocks" in names) == (not small)
+
+    def loss(logits):
+        plan = pm.routing.topk_plan(logits, 8, impl="interpret")
+        return jnp.sum(plan.scores * jnp.arange(plan.scores.shape[0])), plan
+
+    def want_loss(logits):
+        plan = pm.routing.topk_plan(logits, 8, impl="dense")
+        return jnp.sum(plan.scores * jnp.arange(plan.scores.shape[0])), plan
+
+    (_, got), got_grad = jax.value_and_grad(loss, has_aux=True)(logits)
+    (_, want), want_grad = jax.value_and_grad(want_loss, has_aux=True)(logits)
+    assert_same_plan(got, want, got_grad, want_grad)
 
 
 def test_topk_small_rejects_large_batches():

@@ -63,6 +63,7 @@ from pallas_moe.kernels import _common
 from pallas_moe.kernels._events import INTERPRET_ROWS, Events
 from pallas_moe.kernels.decode_meta import (  # noqa: F401  (re-exported)
     META_IMPLS, DecodeMeta, decode_meta, decode_meta_reference, max_decode_tiles,
+    resolve_meta_impl,
 )
 from pallas_moe.numerics import AGGREGATIONS
 from pallas_moe.ops.activation import SwiGLU
@@ -149,10 +150,11 @@ class DecodeConfig:
         (session 33, MoE kernels at T = 1): 32.6-34.0 us against the default's 30.9-31.1,
         level at T = 8, so opt-in.
       meta_impl: how the per-plan metadata is computed (`decode_meta.py`): "jnp" (the
-        reference: six small XLA kernels at T = 1, ~7 us of GPU time on an H200) or
+        reference: six small XLA kernels at T = 1, ~7 us of GPU time on an H200),
         "kernel" (the same arrays, bit for bit, from one Pallas program; in interpret mode
-        it runs interpreted). "jnp" stays the default until a GPU run has measured the
-        kernel (benchmark variant `static_meta`).
+        it runs interpreted) or "auto" (default): "kernel" for batches of at most
+        `decode_meta.META_KERNEL_MAX_TOKENS` tokens, "jnp" above (on an H200 the kernel
+        took the call from 50.8 to 42.0 us at T = 1 and lost from T = 8 on, session 41).
     """
 
     scheduler: str = "static"
@@ -172,7 +174,7 @@ class DecodeConfig:
     up_split_k: int = 1
     early_weights: bool = False
     lookahead_within_task: bool = True
-    meta_impl: str = "jnp"
+    meta_impl: str = "auto"
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -214,8 +216,10 @@ class DecodeConfig:
                 f"config.up_split_k={self.up_split_k} and config.lookahead_steps="
                 f"{self.lookahead_steps}: the lookahead only prefetches whole up tasks; use one."
             )
-        if self.meta_impl not in ("jnp", "kernel"):
-            raise ValueError(f"config.meta_impl must be 'jnp' or 'kernel', got {self.meta_impl!r}.")
+        if self.meta_impl not in ("auto", "jnp", "kernel"):
+            raise ValueError(
+                f"config.meta_impl must be 'auto', 'jnp' or 'kernel', got {self.meta_impl!r}."
+            )
         for name in ("prefetch_l2", "rebalance_registers", "approx_math", "early_weights",
                      "lookahead_within_task"):
             if not isinstance(getattr(self, name), bool):
@@ -523,8 +527,9 @@ def decode_tasks(
         split=config.up_split_k,
     )
     if meta is None:
-        # Interpreted, the metadata kernel runs interpreted too.
-        impl = "interpret" if interpret_mode is not None and config.meta_impl == "kernel" else None
+        impl = resolve_meta_impl(config.meta_impl, num_tokens)
+        if interpret_mode is not None and impl == "kernel":  # interpreted, it runs interpreted
+            impl = "interpret"
         meta = decode_meta(plan, config, d, aggregation, impl=impl)
     elif not isinstance(meta, DecodeMeta):
         raise TypeError(f"meta must be a DecodeMeta or None, got {type(meta).__name__}.")

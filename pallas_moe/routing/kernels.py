@@ -15,8 +15,9 @@ the counts of the span's earlier blocks, then place every pair in the grouped or
 
 `topk_small(scores, k)` does all of that for a batch of at most `SMALL_BATCH_TOKENS` tokens
 in one program (selection, histogram, its prefix sum, every pair's grouped row), where the
-block path's kernels are mostly launch; `topk_plan` takes it inside `small_batch_routing()`
-(opt-in until measured on a GPU).
+block path's kernels are mostly launch; `topk_plan` takes it for batches of at most
+`small_batch_limit()` tokens (`SMALL_BATCH_DEFAULT`, where it measured faster on an H200;
+`small_batch_routing()` sets another limit).
 
 `select_largest(keys, count, prefer_high)` is token rounding's per-expert selection: per
 row (an expert's list of keys), the indices of its `count` largest keys in ascending order,
@@ -205,21 +206,26 @@ def topk_blocks(
 # each of the block path's kernels (top-K blocks, three XLA prefix sums, placement) is
 # mostly launch (~1-2 us each on an H200, session 33's T = 1 profile).
 SMALL_BATCH_TOKENS = 32
-# The largest batch `topk_plan`'s kernel path routes with `topk_small`: 0 (off) until a GPU
-# run has compiled and timed it against the block path (built in session 40 on CPU,
-# bitwise the same plans in interpret mode). `small_batch_routing` sets it for a trace.
-_small_batch_limit = 0
+# The largest batch `topk_plan`'s kernel path routes with `topk_small` by default. Measured
+# on an H200 (session 41, Qwen3-30B-A3B router, E = 128, K = 8, routing alone, GPU time):
+# 6.7 against the block path's 8.5 us at T = 1, 7.5 against 9.3 at T = 8, but 10.9 against
+# 10.2 at T = 32 (one program's serial [T, E] work grows with T). `small_batch_routing`
+# sets another limit for a trace.
+SMALL_BATCH_DEFAULT = 8
+_small_batch_limit = SMALL_BATCH_DEFAULT
 
 
 def small_batch_limit() -> int:
-    """Batches of at most this many tokens take `topk_small` (0: none)."""
+    """Batches of at most this many tokens take `topk_small` (0: none; by default
+    `SMALL_BATCH_DEFAULT`)."""
     return _small_batch_limit
 
 
 @contextlib.contextmanager
 def small_batch_routing(max_tokens: int = SMALL_BATCH_TOKENS):
     """Within the block, `topk_plan`'s kernel path routes batches of at most `max_tokens`
-    tokens with `topk_small` (read when a function is traced: trace inside the block)."""
+    tokens with `topk_small` (read when a function is traced: trace inside the block); 0
+    turns it off. Outside any block the limit is `SMALL_BATCH_DEFAULT`."""
     global _small_batch_limit
     if not isinstance(max_tokens, int) or not 0 <= max_tokens <= SMALL_BATCH_TOKENS:
         raise ValueError(f"max_tokens must be an int in [0, {SMALL_BATCH_TOKENS}], got {max_tokens!r}.")
