@@ -273,15 +273,6 @@ def configs_for(d, n, sweep: str):
         dw2 += [rep(base.dw_down, num_stages=base.dw_down.num_stages - 1),
                 rep(base.dw_down, gather_completion="wait_group"),
                 rep(base.dw_down, persistent_ctas=0, output_chunks=0)]
-    if sweep == "pingpong_dh":
-        # Session 39: dH on the ping-pong schedule (`DHConfig.pingpong`: one consumer's
-        # epilogue beside the other's K loop; 4 stages, its epilogue slabs outside the ring),
-        # against the cooperative persistent default, with either cp.async completion.
-        rep = dataclasses.replace
-        if base.dh.persistent_ctas and base.dh.num_consumers == 2:
-            pp = rep(base.dh, pingpong=True, num_stages=4)
-            dh += [pp, rep(pp, gather_completion="mbarrier" if pp.gather_completion
-                           == "wait_group" else "wait_group")]
     if sweep == "full":
         dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
                DHConfig(block_n=64, num_stages=4, num_consumers=2)]
@@ -451,7 +442,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "early_h", "approx", "pingpong", "slabs", "retune", "pingpong_dh", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "early_h", "approx", "pingpong", "slabs", "retune", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each sweep's configs round-robin this many rounds (the median, "

@@ -282,11 +282,6 @@ CONFIG_FLAGS = {
     # The ping-pong down-proj and dX~ with the whole output tile staged (5 stages): the
     # H100's, and the H200's before session 37 (one slab staged; dX~ with 6 stages).
     "whole-tile-down": lambda c, n: _whole_tile(_whole_tile(c, "down"), "dx"),
-    # dH on the ping-pong schedule (session 39, `DHConfig.pingpong`, 4 stages): where the
-    # default dH is the persistent kernel with two consumers and swizzled slabs.
-    "pingpong-dh": lambda c, n: _replace(c, "dh", pingpong=True, num_stages=4)
-    if c.backward.dh.persistent_ctas and c.backward.dh.num_consumers == 2
-    and c.backward.dh.epilogue_layout == "swizzled" else c,
     # One CTA per weight-gradient item (the default before session 25 on an H200; still
     # the H100's).
     "one-cta-wg": lambda c, n: _replace(

@@ -584,26 +584,6 @@ def test_dh_persistent_equals_one_cta_per_tile(shape, num_ctas, completion):
     )
 
 
-@pytest.mark.parametrize("completion", ["wait_group", "mbarrier"])
-@PERSISTENT_SHAPES
-def test_dh_pingpong_equals_the_cooperative_kernel_on_gpu(shape, num_ctas, completion):
-    """The ping-pong dH (`DHConfig.pingpong`, 4 stages, cp.async gather and H loader, either
-    way of publishing a stage) writes the bits of today's cooperative persistent default:
-    skewed routing with an empty expert, poisoned outputs, fresh random data, 7 CTAs at the
-    Qwen3 widths (3 column blocks of 256 per row tile, so each consumer walks many items)."""
-    import dataclasses
-
-    from pallas_moe.kernels.moe_backward import BackwardConfig
-
-    T, d, n, E, K = shape
-    base = dataclasses.replace(BackwardConfig.for_shape(d, n).dh, gather_completion=completion,
-                               persistent_ctas=num_ctas)
-    _assert_dh_configs_write_the_same_bits(
-        shape, T + d + n + 2,
-        (base, dataclasses.replace(base, pingpong=True, num_stages=4)), empty_expert=3,
-    )
-
-
 @pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])
 @pytest.mark.parametrize(
     "shape, num_ctas",

@@ -119,14 +119,6 @@ class DHConfig:
         -stored in whole boxes; the accumulator layout's reads and writes hit one bank 8 times
         (a warp touches 8 rows of 256 bytes). "swizzled": 128-byte-swizzled 64-column slabs
         (`_common.row_tile_types`), free of bank conflicts, stored per slab.
-      pingpong: persistent kernel with `epilogue_layout="swizzled"` and two consumers only
-        (`_dh_pingpong`): each consumer takes whole items (64 rows times `2 * block_n`
-        columns, two accumulators) in turn, so one consumer's epilogue runs beside the
-        other's K loop instead of both idling the tensor cores; its epilogue walks the
-        item's 64-column slabs through its own SMEM (H loaded, dH and A' stored, one slab
-        at a time), so it needs no W2 slot and `num_stages` can be 4 at 7B and 30B widths.
-        Same dH, A' and dS bits as the cooperative persistent kernel. Opt-in (session 39,
-        not yet timed on a GPU).
       h_loader: persistent kernel with `epilogue_layout="swizzled"` only: how H reaches its
         slabs. "tma": a row-exact ladder of TMA boxes per slab (`load_row_tile`); "cp_async":
         the consumer's own 128 threads issue 16-byte cp.async loads straight into the
@@ -151,7 +143,6 @@ class DHConfig:
     persistent_ctas: int = 0
     epilogue_layout: str = "untiled"
     h_loader: str = "tma"
-    pingpong: bool = False
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -214,14 +205,6 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         raise ValueError(
             f"config.epilogue_cols={config.epilogue_cols} must be 0 or a multiple of 64 with "
             "epilogue_layout='swizzled': the epilogue tiles are 64-column slabs."
-        )
-    if config.pingpong and not (config.persistent_ctas and swizzled
-                                and config.num_consumers == 2 and config.block_m == 64):
-        raise ValueError(
-            "config.pingpong=True is the persistent kernel's ping-pong schedule: it needs "
-            f"persistent_ctas > 0 (got {config.persistent_ctas}), epilogue_layout='swizzled' "
-            f"(got {config.epilogue_layout!r}), num_consumers=2 (got {config.num_consumers}) "
-            f"and block_m=64 (got {config.block_m})."
         )
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
     cols = bn * config.num_consumers
@@ -490,11 +473,7 @@ def dh_kernel(
     )
     interpret_mode = _common.interpret_params(interpret)
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, s_tiles, grad_out, w_down, h)
-    if config.pingpong:  # walks the tiles with rows only
-        args = (meta.real_tiles(), *args)
-        build = _dh_pingpong
-    else:
-        build = _dh_persistent if config.persistent_ctas else _dh_warp_specialized
+    build = _dh_persistent if config.persistent_ctas else _dh_warp_specialized
     kernel = build(config, d, n, num_tiles, out_types, interpret_mode, activation)
     dh, a_scaled, ds_part = kernel(*args)
     return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
@@ -977,250 +956,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                       num_barriers=cons * num_ladder),
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the item's K loop
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the epilogue's tiles
-        *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
-    ]
-    return _persistent_call(body, scratch, num_ctas, cons, out_types, config, interpret_mode)
-
-
-def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, interpret_mode,
-                 activation: SwiGLU = SwiGLU()):
-    """The persistent dH kernel on a ping-pong schedule (`DHConfig.pingpong`).
-
-    Work item w = (row tile w % R, column block w // R) of the R tiles with rows (a prefix of
-    the schedule), as `_dh_persistent` walks them; CTA i takes items i, i + num_ctas, ...,
-    and its j-th item goes to consumer j % 2, which computes all `2 * block_n` columns of it
-    with two [64, block_n] accumulators: accumulator b gets exactly the wgmmas the
-    cooperative kernel's consumer b issues (same A stage, same W2 rows, same order), and the
-    epilogue runs `dswiglu_epilogue` on the same 64-column chunks and sums dS over each
-    block's chunks in the same order, so dH, A' and the dS partials are bitwise the
-    cooperative kernel's.
-
-    Pipeline: one ring of `num_stages` slots (gathered dO rows [64, 64] and the W2 tile
-    [2 block_n, 64]), filled by the producer step after step across its items (global step
-    g = j * num_k + ki in slot g % stages), as the ping-pong up-proj's: step g arrives on
-    the `full` barrier of its item's consumer (`full[c * stages + slot]`), and whichever
-    consumer used a slot releases it on `empty[slot]`. The producer stages the next item's
-    token ids (double-buffered) while it loads this one; each consumer TMA-loads its own
-    item's scores when the item starts.
-
-    Epilogue: each consumer owns three 128-byte-swizzled [64, 64] slabs outside the ring. Per
-    64-column chunk of its item it waits for its previous stores to have read the slabs,
-    loads the chunk's H gate and up columns into two of them (cp.async, rows past the tile
-    zero-filled; the TMA ladder in interpret mode), overwrites them with dH and writes A'
-    into the third, and TMA-stores the three row-exactly; after a block's last chunk it
-    copies the block's dS partial out. The first chunk's H is issued before the item's K
-    loop, so its latency hides under it. While a consumer runs its epilogue, the other
-    consumer's K loop keeps the tensor cores busy.
-    """
-    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
-    cons = 2  # consumer warpgroups, each taking every other item
-    blocks = config.num_consumers  # accumulators per item (the cooperative consumers' share)
-    cols = blocks * bn
-    slab = 64
-    num_k = d // bk
-    grid_n = n // cols
-    num_ctas = min(config.persistent_ctas, num_tiles * grid_n)
-    dtype = jnp.bfloat16
-    num_ladder = ladder_len(bm)
-    interpret = interpret_mode is not None
-    cp_async = config.gather == "cp_async" and not interpret
-    stage_bars = _common.uses_stage_mbarriers(config, interpret)
-    h_cp_async = config.h_loader == "cp_async" and not interpret
-    smem = stages * (bm + cols) * bk * 2 + cons * 3 * bm * slab * 2
-    if smem > _common.SMEM_BUDGET:  # the margin: ids, scores, dS, barriers
-        raise ValueError(
-            f"the ping-pong dH needs {smem} B of SMEM for {stages} stages of [{bm}, {bk}] rows "
-            f"+ [{cols}, {bk}] weights and {cons} x 3 epilogue slabs of [{bm}, {slab}], over "
-            f"the {_common.SMEM_BUDGET} B available: lower config.num_stages."
-        )
-    tf = _common.mma_transforms(dtype)
-    a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
-    o_scratch, o_views = _common.row_tile_buffers((cons, 3, bm, slab), dtype, interpret)
-    layout = plgpu.Layout.WGMMA
-
-    def body(real_ref, expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
-             dh_out, ap_out, ds_out, a_bufs, w_bufs, o_bufs, ids_smem, s_smem, ds_smem, full,
-             empty, ids_bar, s_bar, h_bars, *a_landed):
-        a_copy, a_mma = a_views(a_bufs)
-        o_copy, o_mma = o_views(o_bufs)  # [cons, 3 (H gate -> dH, H up -> dH, A'), 1, bm, 64]
-        if stage_bars:
-            _common.cp_async_stage_barriers_init(a_landed[0])
-        wg = jax.lax.axis_index("wg")
-        cta = jax.lax.axis_index("cta")
-        real = real_ref[0]
-        num_items = real * grid_n
-        my_items = jnp.maximum(num_items - cta + num_ctas - 1, 0) // num_ctas
-
-        def item(j):  # (row tile, column block) of this CTA's j-th item
-            w = cta + j * num_ctas
-            return w % real, w // real
-
-        def full_of(step):  # the full barrier of global step `step`: its item's consumer's
-            return _common.pingpong_full_barrier(full, step, num_k, stages, cons)
-
-        def load_ids(j):  # item j's source token ids -> ids_smem[j % 2]
-            mi, _ = item(j)
-            plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem.at[j % 2], ids_bar.at[j % 2])
-
-        @pl.when(wg == cons)
-        def _producer():
-            if config.rebalance_registers:
-                _common.role_registers("producer", cons)
-
-            @pl.when(my_items > 0)
-            def _():
-                load_ids(0)
-
-            def per_item(j, carry):
-                mi, ni = item(j)
-                plgpu.barrier_wait(ids_bar.at[j % 2])
-                # Every producer thread is done reading item j - 1's ids before the next
-                # item's land in their buffer.
-                plgpu.commit_smem()
-
-                @pl.when(j + 1 < my_items)
-                def _():
-                    load_ids(j + 1)
-
-                ids = ids_smem.at[j % 2]
-                w_e = w_ref.at[expert_ref[mi]]  # [n, d]
-
-                def step(ki, carry):
-                    g = j * num_k + ki
-                    slot = g % stages
-
-                    @pl.when(g >= stages)  # the slot's previous use was released
-                    def _():
-                        plgpu.barrier_wait(empty.at[slot])
-
-                    _issue_k_step(do_ref, ids, w_e, ni * cols, cols, ki * bk, bk,
-                                  a_copy.at[slot], a_mma.at[slot], w_bufs.at[slot],
-                                  full_of(g), cp_async)
-                    if cp_async:
-                        _common.cp_async_publish(g, full_of, a_landed, stages)
-                    return carry
-
-                jax.lax.fori_loop(0, num_k, step, None)
-                return carry
-
-            jax.lax.fori_loop(0, my_items, per_item, None)
-            _common.pingpong_producer_drain(my_items * num_k, full_of, empty, a_landed,
-                                            stages, cp_async)
-
-        for c in range(cons):
-            @pl.when(wg == c)
-            def _consumer(c=c):
-                if config.rebalance_registers:
-                    _common.role_registers("consumer", cons)
-                gate_t, up_t, ap_t = (o_mma.at[c, t] for t in range(3))  # [1, bm, 64] each
-                bar0 = c * num_ladder
-
-                def per_item(jj, carry):
-                    j = c + cons * jj
-                    mi, ni = item(j)
-                    row0, num_rows = start_ref[mi], rows_ref[mi]
-
-                    def issue_h(col):  # the chunk's H gate and up columns -> its slabs
-                        srcs = (h_ref.at[:, pl.ds(col, slab)], h_ref.at[:, pl.ds(n + col, slab)])
-                        for src, t in zip(srcs, (0, 1)):
-                            if h_cp_async:  # zero-filled past the tile's rows
-                                _common.cp_async_load_rows(src.at[pl.ds(row0, bm)],
-                                                           [o_mma.at[c, t, 0]],
-                                                           rows_ref.at[pl.ds(mi, 1)])
-                            else:
-                                load_row_tile(src, o_copy.at[c, t], row0, num_rows, bm,
-                                              h_bars, True, bar0)
-
-                    def await_h(col):
-                        if h_cp_async:
-                            _common.cp_async_stage_done(0)
-                            plgpu.commit_smem()  # every thread's rows, to all of them
-                        else:
-                            load_row_tile(h_ref.at[:, pl.ds(col, slab)], o_copy.at[c, 0], row0,
-                                          num_rows, bm, h_bars, False, bar0)
-
-                    # The previous item's stores have read the slabs (and its dS copy
-                    # ds_smem): the first chunk's H loads while the K loop runs.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    plgpu.copy_gmem_to_smem(s_ref.at[mi], s_smem.at[c], s_bar.at[c])
-                    issue_h(ni * cols)
-
-                    def wait(g, slot):  # this consumer's full barrier of the slot
-                        plgpu.barrier_wait(full.at[c * stages + slot])
-                        _common.cp_async_consumer_wait(g, a_landed, stages)
-
-                    def mma_scope(*accs):
-                        def mma(slot):
-                            for b, acc in enumerate(accs):  # block b: W2 rows [b bn, (b+1) bn)
-                                w_t = w_bufs.at[slot, pl.ds(b * bn, bn)]  # [bn, bk]
-                                plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
-
-                        _common.consumer_k_loop(num_k, stages, wait, mma, empty,
-                                                mmas_per_step=blocks,
-                                                step_of=lambda ki: j * num_k + ki)
-                        # The last step's slot (the other consumer's item is next).
-                        plgpu.barrier_arrive(empty.at[(j * num_k + num_k - 1) % stages])
-                        return tuple(acc[...] for acc in accs)
-
-                    with jax.named_scope("k_loop"):
-                        das = pl.run_scoped(
-                            mma_scope, *(plgpu.ACC((bm, bn), jnp.float32) for _ in range(blocks))
-                        )
-                    plgpu.barrier_wait(s_bar.at[c])
-                    s = plgpu.load(s_smem.at[c], layout=layout.reduce(1))  # [bm] f32
-                    s = jax.lax.broadcast_in_dim(s, (bm, slab), [0])
-                    for b, da in enumerate(das):
-                        ds = None
-                        for q in range(bn // slab):
-                            col = ni * cols + b * bn + q * slab  # the chunk's gate column
-                            with jax.named_scope("h_load"):
-                                if b or q:  # the slabs: free once the last stores read them
-                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                                    issue_h(col)
-                                await_h(col)
-                            with jax.named_scope("dswiglu"):
-                                g = _common.read_row_tile(gate_t).astype(jnp.float32)
-                                u = _common.read_row_tile(up_t).astype(jnp.float32)
-                                d_gate, d_up, a_scaled, ds_q = dswiglu_epilogue(
-                                    da[:, q * slab:(q + 1) * slab], g, u, s, activation)
-                                ds = ds_q if ds is None else ds + ds_q
-                                _common.write_row_tile(gate_t, d_gate.astype(dtype))
-                                _common.write_row_tile(up_t, d_up.astype(dtype))
-                                _common.write_row_tile(ap_t, a_scaled.astype(dtype))
-                                if q == bn // slab - 1:
-                                    ds_smem.at[c][...] = ds
-                                plgpu.commit_smem()
-                            with jax.named_scope("store"):
-                                for t, dst in ((0, dh_out.at[:, pl.ds(col, slab)]),
-                                               (1, dh_out.at[:, pl.ds(n + col, slab)]),
-                                               (2, ap_out.at[:, pl.ds(col, slab)])):
-                                    _common.store_row_tile(o_copy.at[c, t], dst, row0,
-                                                           num_rows, bm)
-                                if q == bn // slab - 1:  # the block's dS partial
-                                    plgpu.copy_smem_to_gmem(ds_smem.at[c],
-                                                            ds_out.at[mi, ni * blocks + b])
-                    return carry
-
-                mine = (my_items - c + cons - 1) // cons
-                jax.lax.fori_loop(0, mine, per_item, None)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    scratch = [
-        a_scratch,  # gathered dO stages [stages, bm, bk]
-        plgpu.SMEM((stages, cols, bk), dtype, transforms=tf),  # W2 stages
-        o_scratch,  # per consumer: H gate / H up (-> dH) and A' slabs
-        plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
-        plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: its item's scores
-        plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: a block's dS partial
-        plgpu.Barrier(  # full, one set per consumer: the W2 copy plus the row loader's
-            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 1,
-            num_barriers=cons * stages,
-        ),
-        plgpu.Barrier(num_barriers=stages),  # empty: the slot's consumer
-        plgpu.Barrier(num_barriers=2),  # ids
-        plgpu.Barrier(num_barriers=cons),  # scores, per consumer
-        # H boxes (the TMA ladder): per ladder box, the chunk's gate and up slabs
-        plgpu.Barrier(num_arrivals=2, num_barriers=cons * num_ladder),
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
     return _persistent_call(body, scratch, num_ctas, cons, out_types, config, interpret_mode)
