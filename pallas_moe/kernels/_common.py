@@ -925,15 +925,14 @@ def pingpong_producer_drain(total, full_of, empty, landed, stages: int, cp_async
 
 
 def consumer_k_loop(num_k, stages: int, wait, mma, empty, *, mmas_per_step: int,
-                    step_of=None, release_if=None, after_mma=None) -> None:
+                    step_of=None) -> None:
     """A consumer warpgroup's K loop over a `stages`-slot ring (the one the kernels share).
 
     Step ki is the pipeline's global step g = `step_of(ki)` (g = ki without `step_of`; a
     persistent kernel's steps run on across its items) in slot g % stages: `wait(g, slot)`
     waits until it landed, `mma(slot)` issues `mmas_per_step` wgmmas reading it, and once
     step g - 1's wgmmas are done (`wgmma_wait(mmas_per_step)`) its slot is released on
-    `empty` (only where `release_if(ki)` holds, if given; `after_mma(ki)` runs between the
-    wait and the release).
+    `empty`.
     Returns with every wgmma finished and the last step's slot still held: the caller
     releases it (or the producer observes it)."""
 
@@ -943,10 +942,8 @@ def consumer_k_loop(num_k, stages: int, wait, mma, empty, *, mmas_per_step: int,
         wait(g, slot)
         mma(slot)
         plgpu.wgmma_wait(mmas_per_step)  # step g - 1 is done: release its slot
-        if after_mma is not None:
-            after_mma(ki)
 
-        @pl.when((ki >= 1) if release_if is None else release_if(ki))
+        @pl.when(ki >= 1)
         def _():
             plgpu.barrier_arrive(empty.at[(g - 1) % stages])
 

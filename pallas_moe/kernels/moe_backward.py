@@ -79,8 +79,9 @@ class BackwardConfig:
         _common.require_multiple("n", n, 64, "the kernels tile the expert width by 64")
         k = 64  # contraction rows per step of the varlen-K kernels (one 8-row-tiled block)
         # dH: two consumer warpgroups of 128 (or 64) columns share each gathered dO stage;
-        # A', dS and H reuse the pipeline's SMEM, which leaves room for 5 stages at 128
-        # (measured on the H100: 5 stages 729 us, 4 760, 3 with H prefetched 901 at 7B).
+        # A' and H reuse the pipeline's SMEM, which leaves room for 5 stages at 128
+        # (measured on the H100 with the one-CTA-per-tile kernel, removed in session 42:
+        # 5 stages 729 us, 4 760, 3 with H prefetched 901 at 7B).
         if n % 256 == 0:
             dh = DHConfig(block_n=128, num_stages=5, num_consumers=2, pad_rows_to=k)
         elif n % 128 == 0:
@@ -90,7 +91,9 @@ class BackwardConfig:
         # Persistent CTAs (one per SM) walk the tiles, the producer loading the next tile's
         # ids, scores and first K steps while the consumers run the epilogue, whose tiles
         # are 128-byte-swizzled slabs (no bank conflicts) that the consumers fill with their
-        # own cp.async loads of H. Measured (bitwise the same outputs every time): session
+        # own cp.async loads of H (the only dH kernel since session 42, which removed the
+        # one-CTA-per-tile kernel and the untiled epilogue tiles measured here). Measured
+        # (bitwise the same outputs every time): session
         # 14 on the H100, persistent with untiled tiles 7B 582.0 -> 556.5-558.1 us against
         # one CTA per tile with `early_h`, level at 30B (so d >= 4096 kept one CTA per tile,
         # loading H during its last K steps with hardware-tracked stages). Session 21, the
@@ -102,7 +105,7 @@ class BackwardConfig:
         # by TMA boxes were 0.92-0.95x (session 19's finding, reproduced).
         dh = dataclasses.replace(
             dh, gather_completion="wait_group",
-            persistent_ctas=num_sms, epilogue_layout="swizzled", h_loader="cp_async",
+            persistent_ctas=num_sms, h_loader="cp_async",
         )
         # Weight gradients: measured on the H100 (benchmarks/RESULTS.md, 7B sweep), a CTA
         # tile of 256 x 128 with 2 consumers beats 128 x 128 by ~20%; the output tile reuses
@@ -179,18 +182,19 @@ def backward_config(
     config: BackwardConfig | None, d: int, n: int, interpret
 ) -> BackwardConfig:
     """`config`, or the `for_shape(d, n)` defaults. In interpret mode: 4 persistent CTAs
-    (every simulated CTA costs time), and dH one CTA per tile, because the persistent dH
-    kernel under `jit` can deadlock the interpreter on a 2-core machine (its simulated
-    warpgroups block in callbacks that hold XLA's few CPU threads, session 14; the kernel
-    itself is tested in interpret mode without `jit`, and on the H100)."""
+    (every simulated CTA costs time), and one for dH: the persistent dH kernel under `jit`
+    can stall the interpreter on a 2-core machine (its simulated warpgroups block in
+    callbacks that hold XLA's few CPU threads; session 14). Session 42, which removed the
+    one-CTA-per-tile dH that interpret mode ran until then, measured on a 2-core machine:
+    an eager `moe_backward` and then a jitted one in the same process stalled twice in two
+    runs with 4 dH CTAs, and finished twice in two runs with one (as one CTA per tile had).
+    The kernel itself is tested in interpret mode without `jit`, with 1 to 3 CTAs."""
     if config is not None:
         return config
     config = BackwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
-    if interpret and config.dh.persistent_ctas:
+    if interpret:
         config = dataclasses.replace(
-            config, dh=dataclasses.replace(config.dh, persistent_ctas=0, early_h=True,
-                                           epilogue_layout="untiled", h_loader="tma")
-        )
+            config, dh=dataclasses.replace(config.dh, persistent_ctas=1))
     return config
 
 
