@@ -41,7 +41,7 @@ from benchmarks.forward import sweep as forward_sweep
 from benchmarks.logs import open_log
 
 from pallas_moe.kernels import _common
-from pallas_moe.kernels.dh import DHConfig, dh_kernel
+from pallas_moe.kernels.dh import dh_kernel
 from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
@@ -200,9 +200,10 @@ def configs_for(d, n, sweep: str):
     dx = [base.dx]
     if sweep == "previous":
         # Session 3: one more stage (the epilogue reuses the pipeline's SMEM) and, for the
-        # weight gradients, expert-major grids; the previous version had neither.
+        # weight gradients, expert-major grids; the previous version had neither. (dH's
+        # 3 stages with H prefetched into its own SMEM went with `prefetch_h` in session 42.)
         rep = dataclasses.replace
-        dh += [rep(base.dh, num_stages=4), rep(base.dh, num_stages=3, prefetch_h=True)]
+        dh += [rep(base.dh, num_stages=4)]
         for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
             lst += [rep(cfg, num_stages=3), rep(cfg, num_stages=3, expert_major=False)]
     if sweep == "completion":
@@ -214,21 +215,11 @@ def configs_for(d, n, sweep: str):
         dw1.append(rep(base.dw_gate_up, gather_completion="wait_group"))
     if sweep == "epilogue":
         # Session 6: the dSwiGLU epilogue in column chunks (64 by default) against the
-        # previous version's whole block at once (epilogue_cols=0), and narrower chunks.
+        # previous version's whole block at once (epilogue_cols=0).
         # (128-row tiles measured slower: 1750 / 5423 us at 7B / 30B, RESULTS.md.)
-        # Narrower chunks than a 64-column slab need the untiled tiles (session 21's default
-        # tiles are swizzled slabs).
-        rep = dataclasses.replace
-        untiled = rep(base.dh, epilogue_layout="untiled", h_loader="tma")
-        dh += [rep(base.dh, epilogue_cols=0), rep(untiled, epilogue_cols=32),
-               rep(untiled, epilogue_cols=16)]
-    if sweep == "early_h":
-        # Session 7: the consumers load H into the pipeline's bytes once the K steps whose
-        # slots those bytes overlay are done (`early_h`), against after the K loop.
-        # (A one-CTA-per-tile option since session 14's persistent default.)
-        one_cta = dataclasses.replace(base.dh, persistent_ctas=0, epilogue_layout="untiled",
-                                      h_loader="tma")
-        dh += [one_cta, dataclasses.replace(one_cta, early_h=not one_cta.early_h)]
+        # Chunks narrower than a 64-column slab needed the untiled tiles, removed in session
+        # 42 with session 7's `early_h` sweep (one CTA per tile).
+        dh.append(dataclasses.replace(base.dh, epilogue_cols=0))
     if sweep == "approx":
         # Session 8: the dSwiGLU epilogue's exp as ex2.approx (`approx_math`, the default
         # since session 12) against the full-precision exp.
@@ -274,8 +265,8 @@ def configs_for(d, n, sweep: str):
                 rep(base.dw_down, gather_completion="wait_group"),
                 rep(base.dw_down, persistent_ctas=0, output_chunks=0)]
     if sweep == "full":
-        dh += [DHConfig(block_n=128, num_stages=4, num_consumers=1),
-               DHConfig(block_n=64, num_stages=4, num_consumers=2)]
+        dh += [dataclasses.replace(base.dh, block_n=128, num_stages=4, num_consumers=1),
+               dataclasses.replace(base.dh, block_n=64, num_stages=4, num_consumers=2)]
         dw2 += [W(block_m=128, block_n=128, num_stages=3, num_consumers=2),
                 W(block_m=64, block_n=256 if d % 256 == 0 else 128, num_stages=3,
                   num_consumers=2),
@@ -442,7 +433,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "early_h", "approx", "pingpong", "slabs", "retune", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each sweep's configs round-robin this many rounds (the median, "

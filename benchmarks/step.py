@@ -247,13 +247,9 @@ def _whole_tile(config: KernelConfig, kernel: str) -> KernelConfig:
 # Variant flags (`--variants routing/gather/.../flag`): an A/B change of the default config,
 # a function of (config, n).
 CONFIG_FLAGS = {
-    # The persistent dH's epilogue before session 21 (untiled tiles, H loaded by TMA).
-    "untiled-dh": lambda c, n: _replace(c, "dh", epilogue_layout="untiled", h_loader="tma")
-    if c.backward.dh.persistent_ctas else c,
-    # The persistent dH at d >= 4096 too (one CTA per tile there before session 21).
-    "persistent-dh": lambda c, n: c if c.backward.dh.persistent_ctas else _replace(
-        c, "dh", persistent_ctas=default_num_sms(), early_h=False,
-        gather_completion="wait_group", epilogue_layout="swizzled", h_loader="cp_async"),
+    # (Session 42 removed "untiled-dh", the persistent dH's epilogue before session 21, and
+    # "persistent-dh", for d >= 4096 where dH ran one CTA per tile before session 21, with
+    # those dH variants: one kernel per op.)
     # The up-proj's gathered stages published by the producer's lagged wait (the H100's
     # default; session 22 made mbarriers the H200's for the ping-pong kernel).
     "lagged-up": lambda c, n: _replace(c, "up", gather_completion="wait_group"),

@@ -13,10 +13,9 @@ H), `up_pingpong` / `up_coop` (the persistent ping-pong kernel,
 `_nostore` / `_nomath` / `_noepilogue` / `_halfweights` / `_nomma` / `_nofeed` / `_storel2` /
 `_nowait` / `_lsuload` / `_lsuwrite` (`ablated`: timing only, wrong outputs), `_evictfirst`
 (`stores_evict_first`) or `_packedbf16` (`packed_bf16_conversions`, the same bits); for
-`dh`, `_untiled` / `_swizzled` /
-`_hcpasync` (its epilogue tiles untiled with H loaded by TMA, the session-21 default's
-predecessor; swizzled with H loaded by TMA; swizzled with H loaded by cp.async, the
-default: `DHConfig.epilogue_layout`, `h_loader`). Variants combine with `+`, e.g.
+`dh`, `_swizzled` / `_hcpasync` (its swizzled epilogue slabs with H loaded by TMA boxes;
+with H loaded by cp.async, the default: `DHConfig.h_loader`; `_untiled`, the untiled tiles
+before session 21, went with them in session 42). Variants combine with `+`, e.g.
 `up_pingpong+noepilogue+halfweights`; `up_pingpong+fused` sets `UpProjConfig.fused_gate_up`,
 `+interleaved` passes W1 with gate and up interleaved per block_n (`gate_up_blocks`),
 and a `field=value` token sets any field of the kernel's config (`up_pingpong+num_stages=4`).
@@ -528,7 +527,7 @@ def main():
             overrides = dict(v.split("=", 1) for v in variants if "=" in v)
             variants -= {v for v in variants if "=" in v}
             up_only = {"inference", "pingpong", "coop", "fused", "interleaved"}
-            dh_only = {"untiled", "swizzled", "hcpasync"}  # DHConfig.epilogue_layout / h_loader
+            dh_only = {"swizzled", "hcpasync"}  # DHConfig.h_loader
             if base not in KERNELS \
                     or variants - {"evictfirst", "packedbf16", *up_only, *dh_only,
                                    *ABLATIONS} \
@@ -553,10 +552,9 @@ def main():
                 cfg = cooperative_up_cfg(n)
             if "fused" in variants:  # one N = 2 * block_n wgmma per K step
                 cfg = dataclasses.replace(cfg, fused_gate_up=True)
-            if variants & dh_only:  # the persistent dH's epilogue tiles and H loader
+            if variants & dh_only:  # the dH's H loader
                 cfg = dataclasses.replace(
-                    cfg, epilogue_layout="untiled" if "untiled" in variants else "swizzled",
-                    h_loader="cp_async" if "hcpasync" in variants else "tma")
+                    cfg, h_loader="cp_async" if "hcpasync" in variants else "tma")
             if overrides:
                 cfg = dataclasses.replace(cfg, **{
                     k: type(getattr(cfg, k))(v) if not isinstance(getattr(cfg, k), bool)
@@ -601,7 +599,7 @@ def main():
                 wgs = cfg.num_consumers + 1
                 roles[cfg.num_consumers] = "producer"
                 tiles = meta.num_tiles
-                ctas = cfg.persistent_ctas or tiles
+                ctas = cfg.persistent_ctas
                 regions = 8 * (-(-tiles // ctas)) + 8
             else:  # the persistent grouped-GEMM engine: down-proj or dX~
                 pad = -(-plan.capacity // 128) * 128
