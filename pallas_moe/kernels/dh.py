@@ -77,8 +77,8 @@ class DHConfig:
         2*block_n columns of dH and block_n of A' per item.
       block_k: contraction step over d; must be 64 (one 128-byte swizzle row of bf16).
       num_stages: SMEM pipeline depth. The epilogue tiles overlay the last W2 slots and at
-        least one slot must stay free (`_persistent_layout`): e.g. >= 4 at block_n=64 with 2
-        consumers, >= 4 at block_n=128 with one.
+        least one slot must stay free (`_persistent_layout`): >= 4 at block_m=64, where the
+        tiles overlay 3 slots whatever block_n and num_consumers.
       pad_rows_to: dH and A' get `P` rounded up to a multiple of this (the dX and weight-
         gradient kernels load whole aligned row blocks); padding rows are not written.
       num_consumers: C >= 1 consumer warpgroups beside the producer warpgroup (which issues
