@@ -249,6 +249,14 @@ def configs_for(d, n, sweep: str):
         if slabs == 4:  # split M's 256 columns: also two rounds of two slabs
             dx.append(rep(whole, out_slabs=2, out_buffers=2))
         dx = unique_configs(dx)
+    if sweep == "cards":
+        # Session 43: the other card's defaults on this card (on the H100 the H200's persistent
+        # weight gradients, 4 stages beside one output buffer per consumer, and its one-slab
+        # dX~; on the H200 the H100's).
+        other = BackwardConfig.for_shape(
+            d, n, device_kind=H100_KIND if "H200" in jax.devices()[0].device_kind else "NVIDIA H200")
+        dh, dw2, dw1, dx = (unique_configs(lst + [c]) for lst, c in (
+            (dh, other.dh), (dw2, other.dw_down), (dw1, other.dw_gate_up), (dx, other.dx)))
     if sweep == "retune":
         # Session 39, on today's kernels (persistent dH with swizzled slabs, the H200's
         # persistent weight gradients, session 27's precomputed cp.async addresses): dH's
@@ -433,7 +441,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each sweep's configs round-robin this many rounds (the median, "
