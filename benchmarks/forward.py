@@ -549,6 +549,15 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def cards_up_cfgs(d, n):
+    """Session 43: this card's default up-proj against the other card's (on the H100 the
+    H200's persistent split-M items where it takes them; on the H200 the H100's)."""
+    here = jax.devices()[0].device_kind
+    other = H100_KIND if "H200" in here else "NVIDIA H200"
+    return _fitting_up_cfgs([ForwardConfig.for_shape(d, n).up,
+                             ForwardConfig.for_shape(d, n, device_kind=other).up], n)
+
+
 def pingpong_up_cfgs(d, n):
     """Session 20: the ping-pong up-proj (`UpProjConfig.pingpong_ctas`, the default for
     d <= 1536) against the cooperative kernel (the previous default, and still the default
@@ -611,7 +620,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
@@ -633,6 +642,7 @@ def main():
                            "gather": gather_up_cfgs, "registers": registers_up_cfgs,
                            "completion": completion_up_cfgs,
                            "approx": approx_up_cfgs, "pingpong": pingpong_up_cfgs,
+                           "cards": cards_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "slabs": staged_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

@@ -58,6 +58,15 @@ H)
     --out $OUT/bw > $OUT/backward.log 2>&1
   echo "backward rc=$? at $(( $(date +%s) - T0 )) s"
   grep "  dH \|  dW2 \|  dW1 \|  dX~ \|^==" $OUT/backward.log | cut -c1-330 ;;
+H30)
+  # H100 only, the short form of H (~4 min): each card's default at 30B, paired.
+  timeout 130 python3 benchmarks/forward.py --shapes 30b --skew '' --up-sweep cards \
+    --down-sweep none --no-baselines --rounds 3 --out $OUT/fw > $OUT/forward.log 2>&1
+  echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; grep "^  up \|^==" $OUT/forward.log | cut -c1-330
+  timeout 120 python3 benchmarks/backward.py --shapes 30b --sweep cards --rounds 3 \
+    --out $OUT/bw > $OUT/backward.log 2>&1
+  echo "backward rc=$? at $(( $(date +%s) - T0 )) s"
+  grep "  dH \|  dW2 \|  dW1 \|  dX~ \|^==" $OUT/backward.log | cut -c1-330 ;;
 Q)
   # Issue 13 on the H100 (every fp8 / quant figure since session 7 is an H200's): the fp8
   # forward at 30B against bf16 (target 1.5x; H200 1.39-1.45x), the fp8 up-proj (1.6x; H200
