@@ -238,7 +238,13 @@ def test_decode_meta_impl_errors():
 # --------------------------------------------------------------------- task functions alone
 
 
-@pytest.mark.parametrize("split, num_tokens", [(1, 40), (2, 20)], ids=["whole", "split_k2"])
+@pytest.mark.parametrize("split, num_tokens", [
+    pytest.param(1, 40, id="whole"),
+    # CI time: split K is an opt-in (`DecodeConfig.up_split_k`); its tasks lower in CI in
+    # test_lowers_for_cuda_at_qwen3_widths[T1-split4], and run in the slow extras here and
+    # in test_whole_kernel_split_k.
+    pytest.param(2, 20, id="split_k2", marks=pytest.mark.slow),
+])
 def test_up_tasks_alone_match_reference_with_h(split, num_tokens):
     """The up tasks alone, one CTA, the race detector watching. With split K
     (`up_split_k=2`) the partial and reduce tasks: the consumers hand the partial sums over
@@ -287,7 +293,10 @@ def test_down_tasks_alone_match_reference():
         ("fp32", 128, 4, 0.5),  # 1..4 rows per token: the one-row loop
         ("bf16_per_expert", 128, 4, 0.5),
         ("bf16_scores", 128, 4, 0.5),
-        ("fp32", 384, 16, 0.6),  # 3 column chunks, groups of 5 rows plus leftovers
+        # CI time: the grouped path's values (3 column chunks, groups of 5 rows plus
+        # leftovers) are a slow extra; the d = 128 cases above run the task and its one-row
+        # loop, and the group loop lowers in test_lowers_for_cuda_at_qwen3_widths (d = 2048).
+        pytest.param("fp32", 384, 16, 0.6, marks=pytest.mark.slow),
         pytest.param("bf16_per_expert", 384, 16, 0.6, marks=pytest.mark.slow),
     ],
 )
@@ -348,9 +357,12 @@ def test_whole_kernel_dynamic_queue_hands_out_every_task_once():
 
 
 @pytest.mark.parametrize("overrides, d", [
-    (dict(up_split_k=4), 256),
-    # CI time: [static-S4] runs the same tasks; the unfused stage counter with split K and
-    # the dynamic queue (every partial and reduce task fetched once) are slow extras.
+    # CI time: split K is an opt-in (`DecodeConfig.up_split_k`), so all three cases are slow
+    # extras: its kernel lowers in CI in test_lowers_for_cuda_at_qwen3_widths[T1-split4] (and
+    # dynamic in [T8-dynamic-split2-early-weights]). [static-S4] checks the partial and
+    # reduce tasks; the other two the unfused stage counter with split K and the dynamic
+    # queue (every partial and reduce task fetched once).
+    pytest.param(dict(up_split_k=4), 256, marks=pytest.mark.slow),
     pytest.param(dict(up_split_k=2, fused=False), 128, marks=pytest.mark.slow),
     pytest.param(dict(up_split_k=2, scheduler="dynamic", num_sms=3), 128, marks=pytest.mark.slow),
 ], ids=["static-S4", "unfused-S2", "dynamic-S2"])
@@ -614,28 +626,41 @@ def _abstract_plan(t, e, k):
 
 @pytest.mark.parametrize(
     "num_tokens, overrides, write_h",
+    # CI time (~4 s a case): CI lowers what the defaults run (T1-static: the static
+    # scheduler, fused, the cp.async loader, and at T = 1 the metadata kernel of
+    # meta_impl="auto"), the dynamic scheduler, the unfused control, the TMA loader, and each
+    # opt-in knob once: the lookahead (T8-dynamic-lookahead32, with the dynamic claim
+    # ahead; T1-next-task-lookahead-early, the next task only), split K (T1-split4 static,
+    # T8-dynamic-split2-early-weights dynamic) and early_weights (the latter two). Slow
+    # extras: cases that only lower a knob another case lowers (T1-static-lookahead16,
+    # T8-dynamic-unfused-split2, T1-early-weights; T32-meta-kernel: the metadata kernel
+    # lowers in T1-static and in test_decode_meta_kernel_lowers_for_cuda[32]), setmaxnreg
+    # (off by default; `_common.role_registers` lowers in the forward kernels' tests), and
+    # u128 and s6 (opt-in sizes: by `_smem_bytes`, T1-static with H, 205 KB, holds more
+    # SMEM than either, 189 and 197 KB).
     [
         (1, dict(), True),
         (64, dict(scheduler="dynamic"), True),
         (1024, dict(fused=False), True),
         (128, dict(gather="tma", scheduler="dynamic", fused=False), True),
         # The largest SMEM footprints the budget check lets through must fit the H100.
-        (8, dict(up_block_n=128, num_stages=3), False),
-        (8, dict(num_stages=6), False),
-        (64, dict(rebalance_registers=True), True),
+        pytest.param(8, dict(up_block_n=128, num_stages=3), False, marks=pytest.mark.slow),
+        pytest.param(8, dict(num_stages=6), False, marks=pytest.mark.slow),
+        pytest.param(64, dict(rebalance_registers=True), True, marks=pytest.mark.slow),
         # The L2 lookahead (prefetches and the dynamic scheduler's claim a task ahead).
-        (1, dict(lookahead_steps=16), False),
+        pytest.param(1, dict(lookahead_steps=16), False, marks=pytest.mark.slow),
         (8, dict(scheduler="dynamic", lookahead_steps=32), False),
         # Split K of the up tasks (session 25, not yet run on a GPU).
         (1, dict(up_split_k=4), True),
-        (8, dict(up_split_k=2, scheduler="dynamic", fused=False), False),
+        pytest.param(8, dict(up_split_k=2, scheduler="dynamic", fused=False), False,
+                     marks=pytest.mark.slow),
         # Weight tiles before the row ids (session 32; GPU-tested in session 33).
-        (1, dict(early_weights=True), True),
+        pytest.param(1, dict(early_weights=True), True, marks=pytest.mark.slow),
         (8, dict(early_weights=True, up_split_k=2, scheduler="dynamic"), False),
         # The lookahead into the next task only (session 32; GPU-tested in session 33).
         (1, dict(lookahead_steps=16, lookahead_within_task=False, early_weights=True), False),
         # The metadata from one Pallas program (session 40, not yet run on a GPU).
-        (32, dict(meta_impl="kernel"), True),
+        pytest.param(32, dict(meta_impl="kernel"), True, marks=pytest.mark.slow),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6",
          "setmaxnreg", "T1-static-lookahead16", "T8-dynamic-lookahead32", "T1-split4",

@@ -81,9 +81,18 @@ def run_fp8(plan, k_dim, n_out, num_experts, config, key, *, gated, interpret=Tr
     assert_untouched(got, rows)
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M, PING_PONG_128],
-                         ids=["ping_pong", "split_m", "ping_pong_128"])
+@pytest.mark.parametrize("config, gated", [
+    pytest.param(PING_PONG, False, id="ping_pong-plain", marks=pytest.mark.slow),
+    pytest.param(PING_PONG, True, id="ping_pong-gated"),
+    pytest.param(SPLIT_M, False, id="split_m-plain", marks=pytest.mark.slow),
+    pytest.param(SPLIT_M, True, id="split_m-gated"),
+    pytest.param(PING_PONG_128, False, id="ping_pong_128-plain"),
+    pytest.param(PING_PONG_128, True, id="ping_pong_128-gated", marks=pytest.mark.slow),
+    # CI time: each schedule runs once in CI, each gating too: [ping_pong-gated] (promoted),
+    # [split_m-gated] (the up-proj's schedule, promoted) and [ping_pong_128-plain] (the 30B
+    # down-proj's schedule, unpromoted, with the plain cases' float64 check); the other
+    # gating of each is a slow extra (the epilogue is gated or not the same way in each).
+])
 def test_fp8_ragged_groups_empty_experts_and_padding(config, gated):
     # Token rounding: groups start and end inside aligned blocks, padding rows at the end;
     # an empty expert (column 3's logits pushed down).
@@ -101,10 +110,12 @@ def test_fp8_no_races():
 
 
 @pytest.mark.parametrize("config, gated", [
-    pytest.param(PING_PONG, False, id="ping_pong-plain"),
+    pytest.param(PING_PONG, False, id="ping_pong-plain", marks=pytest.mark.slow),
     pytest.param(SPLIT_M, True, id="split_m-gated"),
     # CI time: the K loop's promotion is one code path over the kernel's accumulators (one,
-    # or two when gated); the two cases above run it on each config and each gating.
+    # or two when gated); [split_m-gated] runs it (every 0, 1, 2, 4) over two. The
+    # ping-pong schedule promotes in CI in test_fp8_ragged_groups_empty_experts_and_padding
+    # [ping_pong-gated] (every K block); the other cases are slow extras.
     pytest.param(PING_PONG, True, id="ping_pong-gated", marks=pytest.mark.slow),
     pytest.param(SPLIT_M, False, id="split_m-plain", marks=pytest.mark.slow),
 ])
@@ -356,10 +367,14 @@ def dataclasses_replace(obj, **changes):
     return dataclasses.replace(obj, **changes)
 
 
-@pytest.mark.parametrize("promote_every", [1, 0], ids=["promoted", "unpromoted"])
-@pytest.mark.parametrize(
-    "shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8)], ids=["7b", "30b"]
-)
+@pytest.mark.parametrize("shape, promote_every", [
+    # CI time: promotion's configs lower at 30B ([30b-promoted]), the 7B shape unpromoted
+    # (the default, with the fused requant) in [7b-unpromoted].
+    pytest.param((24576, 1536, 256, 128, 8), 1, id="7b-promoted", marks=pytest.mark.slow),
+    pytest.param((24576, 1536, 256, 128, 8), 0, id="7b-unpromoted"),
+    pytest.param((32768, 4096, 512, 128, 8), 1, id="30b-promoted"),
+    pytest.param((32768, 4096, 512, 128, 8), 0, id="30b-unpromoted"),
+])
 def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape, promote_every):
     """The whole fp8 forward (both SmoothQuant passes, both fp8 GEMMs at their default block
     sizes, with and without promotion, the aggregation) lowers for an H100."""
@@ -1005,7 +1020,11 @@ def test_fp8_gathered_no_races():
 
 
 @pytest.mark.parametrize("gathered, out_dtype", [
-    pytest.param(True, jnp.bfloat16, id="gated-gathered-bf16"),
+    # CI time (~30 s): [plain-f32] stages slabs over the same epilogue. No gated out_slabs
+    # case runs in CI: the gated epilogue runs (whole tile) in test_fp8_no_races and
+    # test_fp8_gathered_equals_the_materialized_gather[gated-promoted], and with one staged
+    # slab lowers in test_fp8_up_four_stages_with_one_staged_slab_lowers_for_cuda.
+    pytest.param(True, jnp.bfloat16, id="gated-gathered-bf16", marks=pytest.mark.slow),
     pytest.param(False, jnp.float32, id="plain-f32"),
 ])
 def test_fp8_out_slabs_equal_the_whole_tile(gathered, out_dtype):
