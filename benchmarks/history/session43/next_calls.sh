@@ -2,6 +2,11 @@
 # from the repo root; each part < 10 min, logs under $OUT.
 # Issue 9's step targets, issue 16's kernel targets, issue 15's T = 1024 target and SonicMoE's
 # figures are all H100 ones; every figure since session 22 came from an H200.
+# Session 43 ran A only (call 1; its forward was cut at 30B). Next session, in this order:
+#   on an H100: H (~7 min; or H30, ~4 min), then B (backward ratios and the decode table with
+#   T = 1024 on the H100), then Q (issue 13 on the H100);
+#   on any card: C (dH's GPU tests after session 42's removal, and the decode GPU tests);
+#   on an H200: session 42's D (the decode defaults at T = 1, 2, 4, 8, 16).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
