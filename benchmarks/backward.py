@@ -35,7 +35,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from benchmarks.forward import H100_KIND, unique_configs
+from benchmarks.forward import H100_KIND, other_card_kind, unique_configs
 from benchmarks.forward import gpu_time_ms as forward_gpu_time_ms
 from benchmarks.forward import sweep as forward_sweep
 from benchmarks.logs import open_log
@@ -253,8 +253,7 @@ def configs_for(d, n, sweep: str):
         # Session 43: the other card's defaults on this card (on the H100 the H200's persistent
         # weight gradients, 4 stages beside one output buffer per consumer, and its one-slab
         # dX~; on the H200 the H100's).
-        other = BackwardConfig.for_shape(
-            d, n, device_kind=H100_KIND if "H200" in jax.devices()[0].device_kind else "NVIDIA H200")
+        other = BackwardConfig.for_shape(d, n, device_kind=other_card_kind())
         dh, dw2, dw1, dx = (unique_configs(lst + [c]) for lst, c in (
             (dh, other.dh), (dw2, other.dw_down), (dw1, other.dw_gate_up), (dx, other.dx)))
     if sweep == "retune":

@@ -549,13 +549,17 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def other_card_kind() -> str:
+    """The card whose defaults the `cards` sweeps time on this one: the H100's on an H200,
+    else the H200's."""
+    return H100_KIND if "H200" in jax.devices()[0].device_kind else "NVIDIA H200"
+
+
 def cards_up_cfgs(d, n):
     """Session 43: this card's default up-proj against the other card's (on the H100 the
     H200's persistent split-M items where it takes them; on the H200 the H100's)."""
-    here = jax.devices()[0].device_kind
-    other = H100_KIND if "H200" in here else "NVIDIA H200"
     return _fitting_up_cfgs([ForwardConfig.for_shape(d, n).up,
-                             ForwardConfig.for_shape(d, n, device_kind=other).up], n)
+                             ForwardConfig.for_shape(d, n, device_kind=other_card_kind()).up], n)
 
 
 def pingpong_up_cfgs(d, n):
