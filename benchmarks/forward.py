@@ -463,9 +463,12 @@ def unique_configs(configs):
 
 
 def default_up_cfgs(d, n):
-    """The forward's default plus the competing designs (see benchmarks/history/)."""
+    """The forward's default, the other card's default (session 44's sweep on an H100 lacked
+    it: its split-M entries load rows by TMA, the H200's default by cp.async) and the
+    competing designs (see benchmarks/history/)."""
     cands = [
         ForwardConfig.for_shape(d, n).up,
+        ForwardConfig.for_shape(d, n, device_kind=other_card_kind()).up,
         UpProjConfig(block_m=64, block_n=128, num_stages=3, num_consumers=2),  # split N
         split_m_up_config(132),  # split M: persistent 128-row items
         dataclasses.replace(split_m_up_config(132), num_stages=3),

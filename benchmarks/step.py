@@ -271,7 +271,7 @@ CONFIG_FLAGS = {
                  output_chunks=0),
         "dw_down", persistent_ctas=default_num_sms(), num_stages=3, output_chunks=0),
     # Persistent with 4 stages beside one output buffer per consumer (session 24; the H200's
-    # default since session 25).
+    # default since session 25, every card's since session 44).
     "persistent-wg4": lambda c, n: _replace(
         _replace(c, "dw_gate_up", persistent_ctas=default_num_sms(), output_chunks=1),
         "dw_down", persistent_ctas=default_num_sms(), output_chunks=1),

@@ -518,19 +518,18 @@ def test_weight_grad_config_errors():
                                    (16384, 2048, 768, 128, 8), (8192, 2880, 1408, 32, 4),
                                    (8192, 7168, 2048, 16, 2), (8192, 2880, 2880, 32, 4)],
                          ids=["7b", "30b", "qwen3", "w2880", "w7168", "gpt_oss_20b"])
-def test_h200_persistent_weight_grads_lower_for_cuda(shape, gathered):
-    """An H200's default weight gradients (`BackwardConfig.for_shape`) are persistent CTAs
-    with 4 stages beside one output buffer per consumer (`output_chunks=1`), and they fit a
-    CTA's SMEM (Mosaic checks the exact bytes when it lowers) at the 7B, 30B, Qwen3, d = 2880
-    (192-wide gathered tiles: three chunks take turns in one buffer), d = 7168 and gpt-oss-20b
-    (d = n = 2880: dW2 with one consumer) widths. Other cards keep one CTA per item."""
+def test_persistent_weight_grads_lower_for_cuda(shape, gathered):
+    """Every card's default weight gradients (`BackwardConfig.for_shape`; the H100's since
+    session 44, the H200's since session 25) are persistent CTAs with 4 stages beside one
+    output buffer per consumer (`output_chunks=1`), and they fit a CTA's SMEM (Mosaic checks
+    the exact bytes when it lowers) at the 7B, 30B, Qwen3, d = 2880 (192-wide gathered
+    tiles: three chunks take turns in one buffer), d = 7168 and gpt-oss-20b (d = n = 2880:
+    dW2 with one consumer) widths."""
     t, d, n, e, k = shape
-    h200 = BackwardConfig.for_shape(d, n, device_kind="NVIDIA H200", num_sms=132)
-    config = h200.dw_gate_up if gathered == "lhs" else h200.dw_down
-    assert (config.persistent_ctas, config.num_stages, config.output_chunks) == (132, 4, 1)
-    for kind in ("NVIDIA H100 80GB HBM3", ""):
-        other = BackwardConfig.for_shape(d, n, device_kind=kind)
-        assert other.dw_gate_up.persistent_ctas == other.dw_down.persistent_ctas == 0, kind
+    for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ""):
+        cfg = BackwardConfig.for_shape(d, n, device_kind=kind, num_sms=132)
+        config = cfg.dw_gate_up if gathered == "lhs" else cfg.dw_down
+        assert (config.persistent_ctas, config.num_stages, config.output_chunks) == (132, 4, 1), kind
     p = t * k
     sds = jax.ShapeDtypeStruct
     lhs, rhs = ((sds((t, d), BF16), sds((p, 2 * n), BF16)) if gathered == "lhs"

@@ -63,7 +63,7 @@ class BackwardConfig:
         """Default block sizes dividing the model width `d` and expert width `n`.
 
         Both must be multiples of 64 (`ValueError` naming the argument otherwise). `num_sms`:
-        CTAs of the persistent dH, dX~ and (on an H200) weight-gradient kernels (default:
+        CTAs of the persistent dH, dX~ and weight-gradient kernels (default:
         the device's SM count). `gather`: the row loader of dH and both weight gradients,
         "cp_async" (default) or "tma" (see `DHConfig.gather`). `device_kind`: the GPU the
         defaults are tuned for (default: the default device's `device_kind`); an H200 gets
@@ -109,9 +109,9 @@ class BackwardConfig:
         )
         # Weight gradients: measured on the H100 (benchmarks/RESULTS.md, 7B sweep), a CTA
         # tile of 256 x 128 with 2 consumers beats 128 x 128 by ~20%; the output tile reuses
-        # the pipeline's SMEM, which leaves room for 4 stages of 48 KB. One CTA per tile:
-        # persistent CTAs (3 stages beside their own output tiles) measured level at 7B and
-        # 30B on an H200 (session 23), 1.04-1.07x only at ~1000 rows per expert.
+        # the pipeline's SMEM, which leaves room for 4 stages of 48 KB. (Session 23's
+        # persistent CTAs, 3 stages beside whole output tiles, measured level at 7B and 30B
+        # on an H200, 1.04-1.07x only at ~1000 rows per expert; the 4-stage form below won.)
         # dW2 = A'^T dO[tok]: consumers split n (A' columns), the gathered dO chunks span d.
         bm2 = 128 if n % 256 == 0 else 64
         dw_down = WeightGradConfig(
@@ -125,16 +125,17 @@ class BackwardConfig:
             block_m=bm1, block_n=128 if wide else 64, block_k=k, num_stages=4,
             num_consumers=2,
         )
-        if "H200" in device_kind:
-            # Persistent CTAs with 4 stages beside one output buffer per consumer. Measured
-            # on an H200 (session 25, same run, bitwise equal, against one CTA per item):
-            # 7B dW1 573.0 -> 567.4 us (1.010x), dW2 309.7 -> 303.8 (1.019x); 30B dW1
-            # 4184.9 -> 4018.9 (1.041x), dW2 2299.3 -> 2084.3 (1.103x). Not yet measured on
-            # an H100, which keeps one CTA per item.
-            dw_down, dw_gate_up = (
-                _persistent_weight_grad(c, gathered, num_sms)
-                for c, gathered in ((dw_down, "rhs"), (dw_gate_up, "lhs"))
-            )
+        # Persistent CTAs with 4 stages beside one output buffer per consumer, where they fit
+        # (bitwise the same outputs as one CTA per item). Measured on an H200 (session 25,
+        # same run): 7B dW1 573.0 -> 567.4 us (1.010x), dW2 309.7 -> 303.8 (1.019x); 30B dW1
+        # 4184.9 -> 4018.9 (1.041x), dW2 2299.3 -> 2084.3 (1.103x). On the H100 (session 44,
+        # `benchmarks/backward.py --sweep cards`, paired over 3 rounds): 7B dW1 575.4 ->
+        # 542.9 us (1.060x), dW2 326.7 -> 309.6 (1.056x), spreads <= 0.3%; 30B dW1 level
+        # (3876.6 vs 3881.4), dW2 2136.4 -> 2066.9 (1.034x), both with spreads of 4-10%.
+        dw_down, dw_gate_up = (
+            _persistent_weight_grad(c, gathered, num_sms)
+            for c, gathered in ((dw_down, "rhs"), (dw_gate_up, "lhs"))
+        )
         if gather == "cp_async":  # needs >= 3 stages; the defaults above all have them
             dh, dw_down, dw_gate_up = (
                 dataclasses.replace(c, gather=gather) for c in (dh, dw_down, dw_gate_up)
@@ -188,13 +189,20 @@ def backward_config(
     one-CTA-per-tile dH that interpret mode ran until then, measured on a 2-core machine:
     an eager `moe_backward` and then a jitted one in the same process stalled twice in two
     runs with 4 dH CTAs, and finished twice in two runs with one (as one CTA per tile had).
-    The kernel itself is tested in interpret mode without `jit`, with 1 to 3 CTAs."""
+    The kernel itself is tested in interpret mode without `jit`, with 1 to 3 CTAs. The same
+    holds for the persistent weight gradients (every card's default since session 44): on a
+    2-core machine the jitted backward tests stalled with them (both pytest workers idle for
+    minutes), so interpret mode runs the weight gradients one CTA per item, bitwise the
+    same outputs (`tests/test_kernels_bwd.py` tests the persistent form in interpret mode)."""
     if config is not None:
         return config
     config = BackwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
     if interpret:
+        one_cta_per_item = dict(persistent_ctas=0, output_chunks=0)
         config = dataclasses.replace(
-            config, dh=dataclasses.replace(config.dh, persistent_ctas=1))
+            config, dh=dataclasses.replace(config.dh, persistent_ctas=1),
+            dw_down=dataclasses.replace(config.dw_down, **one_cta_per_item),
+            dw_gate_up=dataclasses.replace(config.dw_gate_up, **one_cta_per_item))
     return config
 
 

@@ -239,8 +239,12 @@ def aggregate_width(d: int) -> int:
 # for batches of at most this many tokens. Measured on the H100 (session 12, Qwen3-30B-A3B
 # widths, one run, MoE kernels' GPU time): megakernel against kernel path 50.9 vs 59.5 us at
 # T = 1, but 76.6 vs 69.6 at T = 2, 118.0 vs 111.2 at T = 4, 209.8 vs 200.4 at T = 8
-# (`benchmarks/RESULTS.md`, session 12).
-DECODE_MAX_TOKENS = 1
+# (`benchmarks/RESULTS.md`, session 12). Session 44 (the H100 again, after sessions 32-42's
+# zero-filled padding rows, metadata kernel and one-program routing; whole jitted call with
+# routing, GPU us, one run): the default megakernel against the kernel path 47.6 vs 80.9 at
+# T = 1, 85.3 vs 91.2 at T = 2 (1.07x; dynamic 84.0), level at T = 4 (132.3 vs 132.1), then
+# 0.94x at T = 8, 16 and 64 (232.0 vs 217.9, 318.7 vs 300.7, 472.8 vs 442.3).
+DECODE_MAX_TOKENS = 2
 # The same choice on an H200 (session 26, same widths, MoE kernels' GPU time, two runs on
 # two machines): megakernel against kernel path 43.1-48.9 vs 56.4-68.3 us at T = 1, level
 # at T = 2 (71.8 vs 71.6, 66.2 vs 67.1), faster at T = 4 (102.4 vs 118.1, 102.5 vs 123.8)

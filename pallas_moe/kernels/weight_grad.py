@@ -42,9 +42,10 @@ hold ~1000 rows. Ablations at 7B: the group-edge masking costs ~14 us of dW1's ~
 stores ~35; storing the output straight from registers (4 stages) was slower.
 `WeightGradConfig.output_chunks=1` (session 24) keeps 4 stages beside one output buffer per
 consumer, whose chunks take turns in it: on an H200 (session 25, same run, bitwise equal)
-7B dW1 1.010x and dW2 1.019x, 30B 1.041x and 1.103x against one CTA per item, so it is the
-H200's default (`BackwardConfig.for_shape`); the H100, not yet measured, keeps one CTA per
-item.
+7B dW1 1.010x and dW2 1.019x, 30B 1.041x and 1.103x against one CTA per item; on the H100
+(session 44, paired over 3 rounds) 7B dW1 1.060x and dW2 1.056x, 30B level and 1.034x (noisy).
+It is every card's default (`BackwardConfig.for_shape`) where its stages fit beside the
+buffers; one CTA per item is the default elsewhere.
 """
 
 from __future__ import annotations

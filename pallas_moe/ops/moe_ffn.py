@@ -155,7 +155,7 @@ def moe_ffn(
         interpret mode on CPU), or "auto" ("mosaic" where it applies, else "xla").
       config: a `pallas_moe.kernels.KernelConfig` with the kernels' block sizes and row
         loader (None: `for_shape` defaults, and for the smallest batches without expert
-        biases the decode megakernel forward, which measured faster there: T = 1 on an
+        biases the decode megakernel forward, which measured faster there: T <= 2 on an
         H100, T <= 32 on an H200; see `kernels.moe_forward.decode_max_tokens`). Used by the
         kernel backends; with an explicit `backend="xla"` it is an error, with "auto" it
         is ignored where "xla" is chosen.
