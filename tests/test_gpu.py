@@ -605,9 +605,10 @@ def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas, complet
     stages, and the default: 4 beside one output buffer per consumer, `output_chunks=1`;
     cp.async gather with either way of publishing a stage) write the bits of the
     one-CTA-per-item kernel (the default where the persistent form does not fit) and match
-    the jnp reference: skewed routing with an empty expert, NaN in the contiguous operand's padding rows, poisoned
-    outputs, fresh random data; 7 CTAs make every CTA walk many items of different K-block
-    counts; at d = 2880 a dW1 tile is three 64-row chunks taking turns in one buffer."""
+    the jnp reference: skewed routing with an empty expert, NaN in the contiguous operand's
+    padding rows, poisoned outputs, fresh random data; 7 CTAs make every CTA walk many items
+    of different K-block counts; at d = 2880 a dW1 tile is three 64-row chunks taking turns
+    in one buffer."""
     import dataclasses
 
     from pallas_moe.kernels.moe_backward import BackwardConfig

@@ -529,7 +529,8 @@ def test_persistent_weight_grads_lower_for_cuda(shape, gathered):
     for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ""):
         cfg = BackwardConfig.for_shape(d, n, device_kind=kind, num_sms=132)
         config = cfg.dw_gate_up if gathered == "lhs" else cfg.dw_down
-        assert (config.persistent_ctas, config.num_stages, config.output_chunks) == (132, 4, 1), kind
+        got = (config.persistent_ctas, config.num_stages, config.output_chunks)
+        assert got == (132, 4, 1), kind
     p = t * k
     sds = jax.ShapeDtypeStruct
     lhs, rhs = ((sds((t, d), BF16), sds((p, 2 * n), BF16)) if gathered == "lhs"
