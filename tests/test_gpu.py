@@ -39,8 +39,8 @@ def test_mosaic_matches_xla(router, seed, approx_math):
 
 
 def test_mosaic_matches_xla_at_d_2048():
-    """The defaults above the ping-pong up-proj's widths (on an H200 the persistent split-M
-    up-proj, 128-row items, beside dH's 64-row tiles; on an H100 the cooperative kernel)."""
+    """The defaults above the ping-pong up-proj's widths (the persistent split-M up-proj,
+    128-row items, beside dH's 64-row tiles)."""
     _check_mosaic_matches_xla("topk", 3, None, (4096, 2048, 768, 16))
 
 

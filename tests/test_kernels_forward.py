@@ -152,8 +152,9 @@ def test_pingpong_up_proj_completion_follows_the_device(kind, completion):
     # CI time (~4.5 s a True case, ~0 a False one): the True cases lower the same config
     # (`split_m_up_config`) at their widths; CI keeps one per branch of the choice, each at
     # its threshold: d > PINGPONG_UP_MAX_D at d = SPLIT_M_UP_MAX_D (4096, 512), and n >=
-    # SPLIT_M_UP_MIN_N at the ping-pong's widths (1536, 512). The other True cases are slow
-    # extras; the False cases (no lowering) all stay.
+    # SPLIT_M_UP_MIN_N at the ping-pong's widths (1536, 512), and the H100's choice at
+    # (4096, 512). The other True cases are slow extras; the False cases (no lowering) all
+    # stay.
     pytest.param("NVIDIA H200", 2048, 768, True, marks=pytest.mark.slow),
     ("NVIDIA H200", 4096, 512, True),
     pytest.param("NVIDIA H200", 2880, 1408, True, marks=pytest.mark.slow),
@@ -161,13 +162,16 @@ def test_pingpong_up_proj_completion_follows_the_device(kind, completion):
     ("NVIDIA H200", 1536, 512, True),
     pytest.param("NVIDIA H200", 1536, 1024, True, marks=pytest.mark.slow),
     ("NVIDIA H200", 1536, 256, False), ("NVIDIA H100 80GB HBM3", 1536, 1024, False),
-    ("NVIDIA H100 80GB HBM3", 4096, 512, False), ("", 2048, 768, False)])
+    ("NVIDIA H100 80GB HBM3", 4096, 512, True),
+    pytest.param("", 2048, 768, True, marks=pytest.mark.slow),
+    ("NVIDIA H100 80GB HBM3", 1536, 256, False), ("", 7168, 2048, False)])
 def test_split_m_up_proj_follows_the_device_and_width(kind, d, n, split_m):
-    """Above the ping-pong's widths an H200 runs the persistent split-M up-proj (measured
-    there at d = 2048, 2880 and 4096) up to SPLIT_M_UP_MAX_D, and at the ping-pong's widths
-    too once experts are wide (n >= SPLIT_M_UP_MIN_N, measured at d = 1536, n = 512 and 1024);
-    the H100 (not measured) and wider models keep their kernels. The H200's form lowers for
-    cuda at its widths."""
+    """Above the ping-pong's widths every card runs the persistent split-M up-proj up to
+    SPLIT_M_UP_MAX_D (measured on an H200 at d = 2048, 2880 and 4096, on the H100 at 4096),
+    and an H200 at the ping-pong's widths too once experts are wide (n >= SPLIT_M_UP_MIN_N,
+    measured there at d = 1536, n = 512 and 1024; the H100 keeps the ping-pong, not
+    measured); wider models keep the cooperative kernel. The form lowers for cuda at its
+    widths."""
     up = ForwardConfig.for_shape(d, n, device_kind=kind).up
     assert (up.block_m == 128 and up.pingpong_ctas > 0) == split_m, up
     if split_m:

@@ -41,8 +41,9 @@ def _largest_block(dim: int, candidates: tuple[int, ...]) -> int | None:
 # The widest d (the up-proj's K) at which the ping-pong up-proj is the default (see
 # `ForwardConfig.for_shape`).
 PINGPONG_UP_MAX_D = 1536
-# The widest d at which an H200 runs the persistent split-M up-proj above PINGPONG_UP_MAX_D
-# (measured at d = 2048, 2880 and 4096; see `ForwardConfig.for_shape`).
+# The widest d at which the persistent split-M up-proj runs above PINGPONG_UP_MAX_D
+# (measured on an H200 at d = 2048, 2880 and 4096, on the H100 at 4096; see
+# `ForwardConfig.for_shape`).
 SPLIT_M_UP_MAX_D = 4096
 # The narrowest expert width n at which an H200 runs the split-M up-proj at d <=
 # PINGPONG_UP_MAX_D too (measured at n = 512 and 1024; see `ForwardConfig.for_shape`).
@@ -97,8 +98,8 @@ class ForwardConfig:
         # up-proj with two consumers sharing each gathered stage is fastest, and the
         # persistent down-proj (132 CTAs) beats one CTA per tile.
         h200 = "H200" in device_kind
-        split_m = h200 and n % 128 == 0 and d <= SPLIT_M_UP_MAX_D and (
-            d > PINGPONG_UP_MAX_D or n >= SPLIT_M_UP_MIN_N)
+        split_m = n % 128 == 0 and d <= SPLIT_M_UP_MAX_D and (
+            d > PINGPONG_UP_MAX_D or (h200 and n >= SPLIT_M_UP_MIN_N))
         if split_m:
             # Measured on an H200 (session 24, same runs, bitwise equal): persistent CTAs
             # walking 128-row items, both consumers taking every item with 64 rows each
@@ -107,8 +108,14 @@ class ForwardConfig:
             # cooperative kernel below: 30B 3899.0 -> 3528.3 us (1.105x), the Qwen3 widths
             # (d = 2048, n = 768) 1634.4 -> 1468.0 (1.113x), d = 2880 (n = 1408, where the
             # cooperative kernel has one consumer) 1144.1 -> 902.1 (1.268x). Level at 7B
-            # (569.4 vs the ping-pong's 569.3), so the ping-pong stays there. Not yet
-            # measured on an H100, which keeps the cooperative kernel (and the ping-pong).
+            # (569.4 vs the ping-pong's 569.3), so the ping-pong stays there. On the H100
+            # (session 45, same run, 3 rounds, spread 3.0%, equal error against the
+            # reference) at 30B: 4161.1 -> 3622.9 us (1.159x) against its cooperative
+            # kernel, and the whole 30B training step 22.009 -> 20.682 ms (1.064x, paired,
+            # spreads 6.7% / 4.5%); 7B's step level (3.579 / 3.571 ms, a ping-pong width).
+            # So the H100 runs it above PINGPONG_UP_MAX_D as well (d = 2048 and 2880 not
+            # yet measured on an H100; the H200 gained 1.11x and 1.27x there); its wide-n
+            # rule below PINGPONG_UP_MAX_D stays the H200's (not measured on an H100).
             # Below PINGPONG_UP_MAX_D, from n = SPLIT_M_UP_MIN_N on (session 30, same run):
             # at d = 1536 the ping-pong's 64-row items fall behind with wide experts
             # (7b-n512 587.3 us, 7b-n1024 637.1; 7B itself 521.7) and split-M does not
@@ -169,7 +176,8 @@ class ForwardConfig:
 # The ping-pong grouped GEMM the down-proj (and dX~ with a short K loop) runs by default.
 def split_m_up_config(num_sms: int) -> UpProjConfig:
     """The persistent split-M up-proj (`UpProjConfig.pingpong_ctas` with block_m = 128) as
-    an H200 runs it above `PINGPONG_UP_MAX_D`, and below it from `SPLIT_M_UP_MIN_N` on:
+    every card runs it above `PINGPONG_UP_MAX_D`, and an H200 below it from
+    `SPLIT_M_UP_MIN_N` on:
     `num_sms` CTAs, 4 stages on mbarriers, one-tile epilogue buffers, W1's halves (two
     N = 128 wgmmas per consumer and step)."""
     return UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
