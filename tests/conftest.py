@@ -36,31 +36,23 @@ def _cpu_compile_flags():
     add_xla_flag(CPU_XLA_FLAGS)
 
 
-# Threads in XLA:CPU's intra-op pool ("XLAEigen"). XLA sizes it from PJRT_NPROC (else NPROC,
-# else the cores this process may run on) once, when JAX creates the CPU client. Mosaic GPU
-# interpret mode runs each simulated warpgroup (and warp) as its own XLA program on a Python
-# thread, and those programs block inside host callbacks (barrier waits; the launching
-# program waits for its warpgroups), while XLA's executor may move any part of any program
-# onto this one shared pool. On CI's 2 cores (2 threads), two blocked callbacks that landed
-# on the pool leave no thread for the warpgroup they wait on, and the worker stalls with no
-# CPU use (session 44's CI stall; with a 1-thread pool, `NPROC=1`, the jitted interpret
-# backward stalls every time). No interpret kernel here keeps more than ~16 programs blocked
-# at once (the launcher, at most 3 warpgroups, 4 warps under each), so 32 threads always
-# leave one free; idle threads cost nothing measurable (the 50 tests of test_kernels_bwd and
-# test_moe_ffn_kernels: 272 s at the default, 282 s at 32, one run each).
-CPU_POOL_THREADS = "32"
-
-
 def _cpu_thread_pool():
-    """Sets PJRT_NPROC to `CPU_POOL_THREADS` (read when JAX creates its CPU client, ahead of
-    NPROC; subprocesses inherit it) unless the caller set it."""
+    """Sets PJRT_NPROC (XLA's CPU thread pool size, read when JAX creates its CPU client,
+    ahead of NPROC; subprocesses inherit it) to `INTERPRET_MIN_CPU_THREADS` unless the
+    caller set it. Mosaic GPU interpret mode's simulated warpgroups block in host callbacks
+    on that pool (`pallas_moe.kernels._common.interpret_params`); on CI's 2 cores (2
+    threads) a jitted interpret backward stalled with no CPU use (session 44's CI; with a
+    1-thread pool, `NPROC=1`, it stalls every time, and with PJRT_NPROC=32 it passes). Idle
+    threads cost nothing measurable: the 50 tests of test_kernels_bwd and
+    test_moe_ffn_kernels took 272 s at the default and 282 s at 32, one run each."""
     if "PJRT_NPROC" in os.environ:
         return
     from pallas_moe._xla_flags import backends_started
+    from pallas_moe.kernels._common import INTERPRET_MIN_CPU_THREADS
 
     if backends_started():
         raise RuntimeError("PJRT_NPROC must be set before JAX creates its CPU client.")
-    os.environ["PJRT_NPROC"] = CPU_POOL_THREADS
+    os.environ["PJRT_NPROC"] = str(INTERPRET_MIN_CPU_THREADS)
 
 
 def pytest_configure(config):

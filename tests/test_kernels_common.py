@@ -8,6 +8,8 @@ touch (padding rows) are checked to still be NaN.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -360,3 +362,36 @@ def test_identical_kernels_share_one_hash_and_compilation(monkeypatch):
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", "/tmp/unused")
     dumped = kernel_hashes()
     assert len(set(dumped)) == len(dumped)
+
+
+@pytest.mark.parametrize("env, threads", [
+    ({"PJRT_NPROC": "2"}, 2), ({"PJRT_NPROC": "32"}, 32),
+    ({"NPROC": "4"}, 4), ({"PJRT_NPROC": "64", "NPROC": "1"}, 64)])
+def test_interpret_mode_warns_on_a_cpu_pool_that_can_deadlock(monkeypatch, env, threads):
+    """Interpret mode names the XLA CPU pool size it will run on (PJRT_NPROC, else NPROC,
+    else the usable cores) and warns when it is under `INTERPRET_MIN_CPU_THREADS`, where
+    its blocked callbacks can take every pool thread and hang a jitted kernel; compiled mode
+    (`interpret=False`) never warns."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_moe.kernels._common import (
+        INTERPRET_MIN_CPU_THREADS, interpret_params, xla_cpu_pool_threads)
+
+    for var in ("PJRT_NPROC", "NPROC"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert xla_cpu_pool_threads() == threads
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert interpret_params(False) is None
+        assert interpret_params(True, detect_races=True) == params
+        assert interpret_params(params) is params
+    deadlock = [w for w in caught if "can deadlock" in str(w.message)]
+    if threads < INTERPRET_MIN_CPU_THREADS:
+        assert len(deadlock) == 2 and all(w.category is RuntimeWarning for w in deadlock)
+        assert f"pool of {threads} threads" in str(deadlock[0].message)
+        assert f"PJRT_NPROC={INTERPRET_MIN_CPU_THREADS}" in str(deadlock[0].message)
+    else:
+        assert not deadlock

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +36,47 @@ def mma_transforms(dtype) -> tuple:
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
 
 
+# The XLA CPU thread pool interpret mode needs so that its blocked callbacks cannot take
+# every thread (`interpret_params`): no kernel here keeps more than ~16 simulated programs
+# blocked at once (the launching program, at most 3 warpgroups, 4 warps under each).
+INTERPRET_MIN_CPU_THREADS = 32
+
+
+def xla_cpu_pool_threads() -> int:
+    """The size XLA gives its CPU intra-op thread pool when JAX creates the CPU client:
+    PJRT_NPROC, else NPROC, else the cores this process may run on."""
+    for var in ("PJRT_NPROC", "NPROC"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def interpret_params(interpret: bool | plgpu.InterpretGPUParams, detect_races: bool = False):
-    """Maps the public `interpret` flag to what `plgpu.kernel` takes."""
+    """Maps the public `interpret` flag to what `plgpu.kernel` takes.
+
+    Warns (RuntimeWarning) when interpret mode would run on an XLA CPU thread pool smaller
+    than `INTERPRET_MIN_CPU_THREADS`. Mosaic GPU's interpreter runs every simulated
+    warpgroup (and warp) as its own XLA program, and those programs block inside host
+    callbacks (barrier waits; the launching program waits for its warpgroups), while XLA
+    may move any part of any program onto its one shared CPU pool (one thread per core by
+    default). When blocked callbacks hold every pool thread, the warpgroup they wait for
+    never runs: a jitted kernel hangs with no CPU use (seen on 2-core machines; with a
+    1-thread pool the jitted interpret backward hangs every time)."""
+    if not (isinstance(interpret, plgpu.InterpretGPUParams) or interpret):
+        return None
+    threads = xla_cpu_pool_threads()
+    if threads < INTERPRET_MIN_CPU_THREADS:
+        warnings.warn(
+            f"Mosaic GPU interpret mode on an XLA CPU thread pool of {threads} threads can "
+            "deadlock under jit (simulated warpgroups block in host callbacks on that pool). "
+            f"Set PJRT_NPROC={INTERPRET_MIN_CPU_THREADS} in the environment before JAX "
+            "creates its CPU backend.", RuntimeWarning, stacklevel=3)
     if isinstance(interpret, plgpu.InterpretGPUParams):
         return interpret
-    if interpret:
-        return plgpu.InterpretGPUParams(detect_races=detect_races)
-    return None
+    return plgpu.InterpretGPUParams(detect_races=detect_races)
 
 
 def require_multiple(arg: str, value: int, multiple: int, why: str) -> None:

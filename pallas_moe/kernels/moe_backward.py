@@ -193,7 +193,10 @@ def backward_config(
     holds for the persistent weight gradients (every card's default since session 44): on a
     2-core machine the jitted backward tests stalled with them (both pytest workers idle for
     minutes), so interpret mode runs the weight gradients one CTA per item, bitwise the
-    same outputs (`tests/test_kernels_bwd.py` tests the persistent form in interpret mode)."""
+    same outputs (`tests/test_kernels_bwd.py` tests the persistent form in interpret mode).
+    Session 45 found the cause: the interpreter's blocked callbacks can take every thread of
+    XLA's CPU pool; `_common.interpret_params` warns below `INTERPRET_MIN_CPU_THREADS`
+    threads, which the test suite sets (`PJRT_NPROC`)."""
     if config is not None:
         return config
     config = BackwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
