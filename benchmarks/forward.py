@@ -528,8 +528,9 @@ def completion_up_cfgs(d, n):
 
 
 def cooperative_up_cfg(n):
-    """`ForwardConfig.for_shape`'s up-proj before the ping-pong kernel (session 19), the
-    default still at d > 1536: one CTA per tile."""
+    """`ForwardConfig.for_shape`'s up-proj before the ping-pong kernel (session 19), and
+    above d = 1536 until the split-M kernel (session 24 on an H200, session 45 on the H100;
+    still the default above d = 4096): one CTA per tile."""
     if n % 256 == 0:
         return UpProjConfig(block_n=128, num_stages=3, num_consumers=2, gather="cp_async")
     if n % 128 == 0:
@@ -560,9 +561,12 @@ def other_card_kind() -> str:
 
 def cards_up_cfgs(d, n):
     """Session 43: this card's default up-proj against the other card's (on the H100 the
-    H200's persistent split-M items where it takes them; on the H200 the H100's)."""
+    H200's persistent split-M items where it takes them; on the H200 the H100's), and the
+    cooperative kernel (the H100's default above d = 1536 until session 45, where both
+    cards now take the split-M kernel)."""
     return _fitting_up_cfgs([ForwardConfig.for_shape(d, n).up,
-                             ForwardConfig.for_shape(d, n, device_kind=other_card_kind()).up], n)
+                             ForwardConfig.for_shape(d, n, device_kind=other_card_kind()).up,
+                             cooperative_up_cfg(n)], n)
 
 
 def pingpong_up_cfgs(d, n):
