@@ -61,8 +61,8 @@ def test_interpret_backend_forward_and_gradients_match_xla(router):
 # the GPU by test_gpu's test_mosaic_matches_xla_at_d_2048; this is the interpret-mode extra.
 @pytest.mark.slow
 def test_interpret_backend_with_the_persistent_split_m_up_proj_matches_xla():
-    """The op with the H200's up-proj above d = 1536 (persistent split-M, 128-row items:
-    `ForwardConfig.for_shape`), whose 128-row tiles differ from dH's 64 (two row-tile
+    """The op with the up-proj every card runs above d = 1536 (persistent split-M, 128-row
+    items: `ForwardConfig.for_shape`), whose 128-row tiles differ from dH's 64 (two row-tile
     schedules per plan): forward and every gradient against the xla backend, on the inputs
     of test_interpret_backend_forward_and_gradients_match_xla (ragged, skewed groups). The
     kernel's row patterns (items over 64 and 128 rows): test_kernels_up_proj's persistent
