@@ -31,7 +31,8 @@ slots.
   with block_m = 64*C, split the rows and share the weight tiles. Measured on the H100:
   benchmarks/RESULTS.md.
 - persistent (`config.pingpong_ctas`, `_pingpong_kernel`), the default for d <= 4096
-  (`ForwardConfig.for_shape`): at d <= 1536 a ping-pong, whose two consumers take
+  (`ForwardConfig.for_shape`): at d <= 1536 a ping-pong (an H200 takes split-M there from
+  n = 512 on), whose two consumers take
   alternate (64-row tile, `block_n` columns) items, each gathering its own rows, so one
   consumer's SwiGLU epilogue and stores run while the other's wgmmas keep the tensor cores
   busy; above, split-M 128-row items both consumers take, 64 rows each, so each weight
