@@ -182,31 +182,21 @@ def _dx_config(d: int, n: int, num_sms: int | None, device_kind: str) -> Grouped
 def backward_config(
     config: BackwardConfig | None, d: int, n: int, interpret
 ) -> BackwardConfig:
-    """`config`, or the `for_shape(d, n)` defaults. In interpret mode: 4 persistent CTAs
-    (every simulated CTA costs time), and one for dH: the persistent dH kernel under `jit`
-    can stall the interpreter on a 2-core machine (its simulated warpgroups block in
-    callbacks that hold XLA's few CPU threads; session 14). Session 42, which removed the
-    one-CTA-per-tile dH that interpret mode ran until then, measured on a 2-core machine:
-    an eager `moe_backward` and then a jitted one in the same process stalled twice in two
-    runs with 4 dH CTAs, and finished twice in two runs with one (as one CTA per tile had).
-    The kernel itself is tested in interpret mode without `jit`, with 1 to 3 CTAs. The same
-    holds for the persistent weight gradients (every card's default since session 44): on a
-    2-core machine the jitted backward tests stalled with them (both pytest workers idle for
-    minutes), so interpret mode runs the weight gradients one CTA per item, bitwise the
-    same outputs (`tests/test_kernels_bwd.py` tests the persistent form in interpret mode).
-    Session 45 found the cause: the interpreter's blocked callbacks can take every thread of
-    XLA's CPU pool; `_common.interpret_params` warns below `INTERPRET_MIN_CPU_THREADS`
-    threads, which the test suite sets (`PJRT_NPROC`)."""
+    """`config`, or the `for_shape(d, n)` defaults (in interpret mode with 4 persistent CTAs:
+    every simulated CTA costs time), so interpret mode runs the compiled defaults' kernels
+    (persistent dH and weight gradients) with only the loaders interpret mode can run.
+
+    Until session 45 interpret mode ran dH on one CTA and the weight gradients one CTA per
+    item inside the jitted backward: with the persistent forms the jitted interpret tests
+    stalled on a 2-core machine (sessions 14, 42 and 44). Session 45 found the cause, the
+    interpreter's blocked callbacks taking every thread of XLA's CPU pool (see
+    `_common.interpret_params`, which warns below `INTERPRET_MIN_CPU_THREADS`; the test
+    suite sets PJRT_NPROC). With that pool `pytest -n 2 tests/test_kernels_bwd.py
+    tests/test_moe_ffn_kernels.py` passed with the persistent forms in 263.7 s against
+    268.4 s with the overrides (fresh compile caches, one run each), so they went."""
     if config is not None:
         return config
-    config = BackwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
-    if interpret:
-        one_cta_per_item = dict(persistent_ctas=0, output_chunks=0)
-        config = dataclasses.replace(
-            config, dh=dataclasses.replace(config.dh, persistent_ctas=1),
-            dw_down=dataclasses.replace(config.dw_down, **one_cta_per_item),
-            dw_gate_up=dataclasses.replace(config.dw_gate_up, **one_cta_per_item))
-    return config
+    return BackwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
 
 
 def moe_backward(
