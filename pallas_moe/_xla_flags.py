@@ -3,6 +3,8 @@
 `add_xla_flag` appends a flag unless the caller already set that flag (to any value): a
 caller's own choice wins. Used for the GPU ragged collective's implementation
 (`pallas_moe.nn.use_fast_ragged_all_to_all`) and the test suite's CPU compile level.
+`xla_cpu_pool_threads` reads the other setting XLA takes from the environment at that
+moment, its CPU thread pool's size (interpret mode needs a large one).
 """
 
 from __future__ import annotations
@@ -43,3 +45,15 @@ def add_xla_flag(flag: str) -> None:
 def backends_started() -> bool:
     """Whether JAX has created its backends, after which XLA no longer reads XLA_FLAGS."""
     return xla_bridge.backends_are_initialized()
+
+
+def xla_cpu_pool_threads() -> int:
+    """The size XLA gives its CPU intra-op thread pool when JAX creates the CPU client:
+    PJRT_NPROC, else NPROC, else the cores this process may run on."""
+    for var in ("PJRT_NPROC", "NPROC"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -374,8 +374,8 @@ def test_interpret_mode_warns_on_a_cpu_pool_that_can_deadlock(monkeypatch, env, 
     (`interpret=False`) never warns."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_moe.kernels._common import (
-        INTERPRET_MIN_CPU_THREADS, interpret_params, xla_cpu_pool_threads)
+    from pallas_moe._xla_flags import xla_cpu_pool_threads
+    from pallas_moe.kernels._common import INTERPRET_MIN_CPU_THREADS, interpret_params
 
     for var in ("PJRT_NPROC", "NPROC"):
         monkeypatch.delenv(var, raising=False)

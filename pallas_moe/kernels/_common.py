@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import warnings
 
 import jax
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_moe._xla_flags import xla_cpu_pool_threads
 from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.routing.plan import TileSchedule, count_at_most, tile_schedule
 
@@ -40,18 +40,6 @@ def mma_transforms(dtype) -> tuple:
 # every thread (`interpret_params`): no kernel here keeps more than ~16 simulated programs
 # blocked at once (the launching program, at most 3 warpgroups, 4 warps under each).
 INTERPRET_MIN_CPU_THREADS = 32
-
-
-def xla_cpu_pool_threads() -> int:
-    """The size XLA gives its CPU intra-op thread pool when JAX creates the CPU client:
-    PJRT_NPROC, else NPROC, else the cores this process may run on."""
-    for var in ("PJRT_NPROC", "NPROC"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def interpret_params(interpret: bool | plgpu.InterpretGPUParams, detect_races: bool = False):

@@ -26,17 +26,17 @@ Two kernel structures, both warp-specialized: a producer warpgroup issues the co
 C consumer warpgroups (`config.num_consumers`) run the wgmmas, through `num_stages` SMEM
 slots.
 - cooperative, one CTA per (row tile, column block) (`_warp_specialized_kernel`, the default
-  for d > 4096, and on the H100 for 1536 < d <= 4096 until session 45): the consumers either share each gathered stage and split the
-  columns (C*block_n gate columns per CTA, so a row is gathered n / (C*block_n) times) or,
-  with block_m = 64*C, split the rows and share the weight tiles. Measured on the H100:
-  benchmarks/RESULTS.md.
+  for d > 4096, and on the H100 for 1536 < d <= 4096 until session 45): the consumers
+  either share each gathered stage and split the columns (C*block_n gate columns per CTA,
+  so a row is gathered n / (C*block_n) times) or, with block_m = 64*C, split the rows and
+  share the weight tiles. Measured on the H100: benchmarks/RESULTS.md.
 - persistent (`config.pingpong_ctas`, `_pingpong_kernel`), the default for d <= 4096
-  (`ForwardConfig.for_shape`): at d <= 1536 a ping-pong (an H200 takes split-M there from
-  n = 512 on), whose two consumers take
-  alternate (64-row tile, `block_n` columns) items, each gathering its own rows, so one
-  consumer's SwiGLU epilogue and stores run while the other's wgmmas keep the tensor cores
-  busy; above, split-M 128-row items both consumers take, 64 rows each, so each weight
-  tile feeds 128 rows. Same bits as the cooperative kernel.
+  (`ForwardConfig.for_shape`). At d <= 1536 a ping-pong (an H200 takes split-M there from
+  n = 512 on): the two consumers take alternate (64-row tile, `block_n` columns) items,
+  each gathering its own rows, so one consumer's SwiGLU epilogue and stores run while the
+  other's wgmmas keep the tensor cores busy. Above, split-M: both consumers take every
+  128-row item, 64 rows each, so each weight tile feeds 128 rows. Same bits as the
+  cooperative kernel.
 (Session 22 removed a third, one-warpgroup kernel, in which the single warpgroup issued every
 row copy and every wgmma: 3-4x slower, and no default used it.)
 
