@@ -132,7 +132,8 @@ def dh_kernel_order_reference(grad_out, h, plan, w_down, config: DHConfig, activ
     """dh_kernel's outputs (dh bf16 [P_pad, 2n], a_scaled bf16 [P_pad, n], d_scores f32 [P])
     computed in interpret mode's order, to compare bitwise: per (row tile, column block) of
     `config.block_n` columns, dA' accumulates `np.matmul` of the gathered bf16 dO rows
-    [block_m, 64] and the W2 tile [64, block_n] in f32 one 64-wide K step at a time (as
+    [block_m, 64] (split-M: each consumer's [64, 64]) and the W2 tile [64, block_n] in f32
+    one 64-wide K step at a time (as
     interpret mode runs each wgmma: `acc + np.matmul(a, b, dtype=f32)`), then the kernel's
     own `dswiglu_epilogue` runs on the same [block_m, epilogue_cols] chunks, the dS partials
     of the chunks added in order and reduced by the kernel's `reduce_row_partials`. Rows
@@ -141,6 +142,10 @@ def dh_kernel_order_reference(grad_out, h, plan, w_down, config: DHConfig, activ
     from pallas_moe.kernels.dh import dswiglu_epilogue, reduce_row_partials, tile_scores
 
     activation = pm.ops.activation.SwiGLU() if activation is None else activation
+    # Compiled, as the interpreted kernel compiles it: XLA's fused elementwise code rounds
+    # a few elements of d gate differently from op-by-op execution (1 bf16 ulp, seen with
+    # the split-M kernel's chunks).
+    jitted_epilogue = jax.jit(functools.partial(dswiglu_epilogue, activation=activation))
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     ep = config.epilogue_cols or bn
     num_experts, n, d = w_down.shape
@@ -160,22 +165,33 @@ def dh_kernel_order_reference(grad_out, h, plan, w_down, config: DHConfig, activ
             continue
         e, r0 = int(expert[t]), int(start[t])
         do_rows = do[row_ids[t]]  # [bm, d] bf16, gathered as the kernel gathers them
+        # one consumer's rows (of a wgmma and of the epilogue): 64 split-M, else the tile's
+        mma_rows = bm // 2 if config.split_m else bm
         s = jax.lax.broadcast_in_dim(jnp.asarray(s_tiles[t]), (bm, ep), [0])
+
+        def epilogue(da, gate, up, s):  # the kernel's, on each consumer's rows
+            outs = [jitted_epilogue(jnp.asarray(da[m0:m0 + mma_rows]),
+                                    jnp.asarray(gate[m0:m0 + mma_rows]).astype(jnp.float32),
+                                    jnp.asarray(up[m0:m0 + mma_rows]).astype(jnp.float32),
+                                    s[m0:m0 + mma_rows])
+                    for m0 in range(0, bm, mma_rows)]
+            return [jnp.concatenate(parts) for parts in zip(*outs)]
+
         for j in range(n // bn):
             c0 = j * bn
             da = np.zeros((bm, bn), np.float32)
             for k0 in range(0, d, bk):
-                da = da + np.matmul(do_rows[:, k0:k0 + bk], w[e, c0:c0 + bn, k0:k0 + bk].T,
-                                    dtype=np.float32)
+                for m0 in range(0, bm, mma_rows):
+                    da[m0:m0 + mma_rows] = da[m0:m0 + mma_rows] + np.matmul(
+                        do_rows[m0:m0 + mma_rows, k0:k0 + bk], w[e, c0:c0 + bn, k0:k0 + bk].T,
+                        dtype=np.float32)
             gate, up = (np.zeros((bm, bn), hh.dtype) for _ in range(2))
             gate[:rows] = hh[r0:r0 + rows, c0:c0 + bn]
             up[:rows] = hh[r0:r0 + rows, n + c0:n + c0 + bn]
             ds = None
             for q in range(bn // ep):
                 cs = slice(q * ep, (q + 1) * ep)
-                d_gate, d_up, a_s, ds_q = dswiglu_epilogue(
-                    jnp.asarray(da[:, cs]), jnp.asarray(gate[:, cs]).astype(jnp.float32),
-                    jnp.asarray(up[:, cs]).astype(jnp.float32), s, activation)
+                d_gate, d_up, a_s, ds_q = epilogue(da[:, cs], gate[:, cs], up[:, cs], s)
                 ds = ds_q if ds is None else ds + ds_q
                 out_rows = slice(r0, r0 + rows)
                 dh[out_rows, c0 + q * ep:c0 + (q + 1) * ep] = np.asarray(d_gate.astype(BF16))[:rows]
@@ -654,6 +670,27 @@ def test_lowers_for_cuda_large(shape):
 
 
 @pytest.mark.parametrize(
+    "shape, h_loader",
+    [((32768, 4096, 512, 128, 8), "cp_async"),
+     # CI time: the other width and H loader are opt-in extras
+     pytest.param((32768, 4096, 512, 128, 8), "tma", marks=pytest.mark.slow),
+     pytest.param((24576, 1536, 256, 128, 8), "cp_async", marks=pytest.mark.slow),
+     pytest.param((24576, 1536, 256, 128, 8), "tma", marks=pytest.mark.slow)],
+    ids=["30b", "30b_tma_h", "7b", "7b_tma_h"],
+)
+def test_dh_split_m_lowers_for_cuda(shape, h_loader):
+    """dH's split-M items at production block sizes (128-row tiles, 256 columns, 4 stages,
+    the cp.async dO gather) lower for cuda, with either H loader."""
+    T, d, n, E, K = shape
+    x, h, plan, w1, w2, grad_out = _abstract_args(T, d, n, E, K)
+    config = dataclasses.replace(BackwardConfig.for_shape(d, n, num_sms=132).dh,
+                                 block_n=256, num_stages=4, h_loader=h_loader, **SPLIT_M)
+    f = jax.jit(functools.partial(dh_kernel, config=config))
+    f.trace(grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2).lower(
+        lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize(
     "num_tokens, d, stages, num_ctas, block_n, consumers",
     [(100, 448, 5, 1, 64, 2), (60, 64, 4, 2, 64, 2), (70, 192, 5, 2, 128, 2),
      # CI time: the same item walk as two CTAs (item = cta + j * num_ctas), and one
@@ -678,6 +715,31 @@ def test_dh_kernel_no_races(num_tokens, d, stages, num_ctas, block_n, consumers)
     config = DHConfig(block_n=block_n, num_stages=stages, num_consumers=consumers,
                       persistent_ctas=num_ctas, h_loader="cp_async")
     got = dh_kernel(*args, config=config, interpret=interp(detect_races=True))
+    assert not races_found()
+    check_dh(got, grad_out, h, plan, w2, config)
+
+
+SPLIT_M = dict(block_m=128, num_consumers=2, epilogue_cols=64, split_m=True)
+
+
+@pytest.mark.parametrize("buffers", [2, 1])
+def test_dh_split_m_no_races(buffers):
+    """Split-M items (`DHConfig.split_m`): 128-row tiles whose two consumers share each
+    [256, 64] W2 tile, 64 rows each, and run the streaming epilogue (4 chunks of 64 columns),
+    bitwise against the kernel-order reference and close to the f32 one. Skewed routing with
+    an empty expert: a tile of 98 rows (the second consumer has 34) and tiles of 47 and 55
+    (the second consumer has none: it still runs the K loop, loads nothing and stores
+    nothing). H double-buffered, with the race detector: 5 K steps over 4 slots, 3 of them
+    overlaid by the epilogue, 2 column blocks walked by 2 CTAs. Single-buffered (each
+    chunk's H loads once the previous chunk's stores read the buffer): 2 K steps, one
+    column block, one CTA (CI time)."""
+    d, n, ctas = (320, 512, 2) if buffers == 2 else (128, 256, 1)
+    x, h, plan, w1, w2, grad_out = make_problem(8, 100, d, n, 4, 2, skew=2.0, empty=(1,))
+    assert list(np.asarray(plan.group_sizes)) == [98, 0, 47, 55]
+    config = DHConfig(block_n=256, num_stages=4, persistent_ctas=ctas, h_loader="cp_async",
+                      epilogue_buffers=buffers, **SPLIT_M)
+    got = dh_kernel(grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2,
+                    config=config, interpret=interp(detect_races=buffers == 2))
     assert not races_found()
     check_dh(got, grad_out, h, plan, w2, config)
 
@@ -720,6 +782,19 @@ def test_dh_config_errors():
                         "epilogue_cols=128 must be 0 or a multiple of 64 dividing block_n=64")]:
         with pytest.raises(ValueError, match=match):
             dh_kernel(*args, config=dataclasses.replace(base, **bad), interpret=True)
+    split = dataclasses.replace(base, block_n=128, **SPLIT_M)  # n = 128: one column block
+    for bad, match in [(dict(block_m=64), "split_m=True .* needs block_m=128"),
+                       (dict(num_consumers=1), "num_consumers=2 .* got .*num_consumers=1"),
+                       (dict(epilogue_cols=0), "epilogue_cols=64, got .*epilogue_cols=0"),
+                       (dict(block_n=256), "n \\(w_down.shape\\[1\\]\\)=128 must be a "
+                        "multiple of 256 \\(a split-M item computes block_n = 256"),
+                       (dict(num_stages=6), "num_stages=6 is too few .* num_stages >= 7"),
+                       (dict(num_stages=7), "needs 229376 B of SMEM for 7 stages"),
+                       (dict(epilogue_buffers=3), "epilogue_buffers=3 must be 1 or 2"),
+                       (dict(epilogue_buffers=1, num_stages=3),
+                        "num_stages=3 is too few .* num_stages >= 4")]:
+        with pytest.raises(ValueError, match=match):
+            dh_kernel(*args, config=dataclasses.replace(split, **bad), interpret=True)
     for removed in (dict(prefetch_h=True), dict(early_h=True),
                     dict(epilogue_layout="untiled"), dict(epilogue_layout="swizzled")):
         with pytest.raises(TypeError, match=next(iter(removed))):
