@@ -30,5 +30,5 @@ if grep -q " passed" $OUT/gpu_split.log && ! grep -q "failed" $OUT/gpu_split.log
     --out $OUT/bw > $OUT/backward.log 2>&1
   echo "backward rc=$? at $(( $(date +%s) - T0 )) s"
   grep "dH\|^|" $OUT/backward.log | cut -c1-220 | tail -24
-  fi
+fi
 echo "done in $(( $(date +%s) - T0 )) s"
