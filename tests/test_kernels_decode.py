@@ -292,7 +292,9 @@ def test_down_tasks_alone_match_reference():
     [
         ("fp32", 128, 4, 0.5),  # 1..4 rows per token: the one-row loop
         ("bf16_per_expert", 128, 4, 0.5),
-        ("bf16_scores", 128, 4, 0.5),
+        # CI time: the task only branches on aggregation != "fp32" ([bf16_per_expert]); the
+        # scores' rounding is decode_meta's, bitwise-checked in its own test.
+        pytest.param("bf16_scores", 128, 4, 0.5, marks=pytest.mark.slow),
         # CI time: the grouped path's values (3 column chunks, groups of 5 rows plus
         # leftovers) are a slow extra; the d = 128 cases above run the task and its one-row
         # loop, and the group loop lowers in test_lowers_for_cuda_at_qwen3_widths (d = 2048).

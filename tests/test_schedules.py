@@ -112,7 +112,7 @@ def schedule_case(draw):
     return num_experts, capacity, block, sizes.astype(np.int32)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)  # the profile's examples (30 in CI; HYPOTHESIS_MAX_EXAMPLES for more)
 @given(schedule_case())
 def test_schedules_equal_the_search_and_sort_formulas(case):
     num_experts, capacity, block, sizes = case
