@@ -737,11 +737,12 @@ def test_dh_split_m_no_races(buffers):
     bitwise against the kernel-order reference and close to the f32 one. Skewed routing with
     an empty expert: a tile of 98 rows (the second consumer has 34) and tiles of 47 and 55
     (the second consumer has none: it still runs the K loop, loads nothing and stores
-    nothing). H double-buffered, with the race detector: 5 K steps over 4 slots, 3 of them
-    overlaid by the epilogue, 2 column blocks walked by 2 CTAs. Single-buffered (each
-    chunk's H loads once the previous chunk's stores read the buffer): 2 K steps, one
-    column block, one CTA (CI time)."""
-    d, n, ctas = (320, 512, 2) if buffers == 2 else (128, 256, 1)
+    nothing). H double-buffered, with the race detector: 3 K steps over 4 slots, 3 of them
+    overlaid by the epilogue (the producer waits for the previous item's epilogue before
+    its second step), 2 column blocks walked by 2 CTAs. Single-buffered (each chunk's H
+    loads once the previous chunk's stores read the buffer): 2 K steps, one column block,
+    one CTA (CI time)."""
+    d, n, ctas = (192, 512, 2) if buffers == 2 else (128, 256, 1)
     x, h, plan, w1, w2, grad_out = make_problem(8, 100, d, n, 4, 2, skew=2.0, empty=(1,))
     assert list(np.asarray(plan.group_sizes)) == [98, 0, 47, 55]
     config = DHConfig(block_n=256, num_stages=4, persistent_ctas=ctas, h_loader="cp_async",
