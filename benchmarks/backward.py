@@ -41,7 +41,7 @@ from benchmarks.forward import sweep as forward_sweep
 from benchmarks.logs import open_log
 
 from pallas_moe.kernels import _common
-from pallas_moe.kernels.dh import dh_kernel
+from pallas_moe.kernels.dh import dh_kernel, split_m_config
 from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
@@ -278,10 +278,11 @@ def configs_for(d, n, sweep: str):
         # at 128). The streaming epilogue double-buffered (the next chunk's H loading) or
         # single-buffered (which frees W2 slots: 128 columns fit 6 stages).
         rep = dataclasses.replace
-        split = rep(base.dh, block_m=128, block_n=256, num_stages=4, num_consumers=2,
-                    epilogue_cols=64, split_m=True)
-        dh += [split, rep(split, gather_completion="mbarrier"), rep(split, epilogue_buffers=1),
-               rep(split, block_n=128, num_stages=6, epilogue_buffers=1)]
+        split = split_m_config(base.dh, n)
+        dh += [split, rep(split, gather_completion="mbarrier")]
+        if split.block_n == 256:
+            dh += [rep(split, epilogue_buffers=1),  # and 128 columns, as n % 256 != 0 gets
+                   rep(split, block_n=128, num_stages=6, epilogue_buffers=1)]
     if sweep == "full":
         dh += [dataclasses.replace(base.dh, block_n=128, num_stages=4, num_consumers=1),
                dataclasses.replace(base.dh, block_n=64, num_stages=4, num_consumers=2)]

@@ -620,12 +620,13 @@ def test_dh_split_m_writes_the_defaults_bits(shape):
     rows), poisoned outputs, fresh random data."""
     import dataclasses
 
+    from pallas_moe.kernels.dh import split_m_config
     from pallas_moe.kernels.moe_backward import BackwardConfig
 
     T, d, n, E, K = shape
     base = BackwardConfig.for_shape(d, n).dh
-    split = dataclasses.replace(base, block_m=128, block_n=256, num_stages=4, num_consumers=2,
-                                epilogue_cols=64, split_m=True)
+    split = split_m_config(base, n)
+    assert (split.block_n, split.epilogue_buffers) == (256, 2), split
     configs = (base, split, dataclasses.replace(split, persistent_ctas=7),
                dataclasses.replace(split, gather_completion="mbarrier"),
                dataclasses.replace(split, h_loader="tma"))

@@ -38,7 +38,8 @@ def test_unweighted_sum_serves_dx():
     check(plan, 256, jax.random.key(43), weighted=False, dtype=jnp.float32)
 
 
-# CI time (an opt-in extra): test_numerics' aggregation test runs the kernel bitwise on token-rounding K=1 plans
+# CI time (an opt-in extra): test_numerics' aggregation test runs the kernel bitwise on token-
+# rounding K=1 plans
 @pytest.mark.slow
 def test_token_rounding_plan_and_k1():
     plan = token_rounding_plan(jax.random.normal(jax.random.key(44), (40, 4)), 2, tile=8)

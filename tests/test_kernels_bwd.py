@@ -20,7 +20,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_moe as pm
-from pallas_moe.kernels.dh import DHConfig, dh_kernel
+from pallas_moe.kernels.dh import DHConfig, dh_kernel, split_m_config
 from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
@@ -388,8 +388,8 @@ def test_dh_kernel_order_reference_can_fail():
             assert_dh_outputs_equal(got, want, rows)
 
 
-# CI time (an opt-in extra): the clamped dH runs through moe_backward against XLA (test_moe_ffn_kernels'
-# biases-and-clamped test), dH's races in test_dh_kernel_no_races
+# CI time (an opt-in extra): the clamped dH runs through moe_backward against XLA
+# (test_moe_ffn_kernels' biases-and-clamped test), dH's races in test_dh_kernel_no_races
 @pytest.mark.slow
 def test_dh_kernel_clamped_swiglu_no_races():
     """gpt-oss's clamped SwiGLU in the dH epilogue: zero gradient where a clamp is active,
@@ -690,8 +690,9 @@ def test_dh_split_m_lowers_for_cuda(shape, h_loader):
     the cp.async dO gather) lower for cuda, with either H loader."""
     T, d, n, E, K = shape
     x, h, plan, w1, w2, grad_out = _abstract_args(T, d, n, E, K)
-    config = dataclasses.replace(BackwardConfig.for_shape(d, n, num_sms=132).dh,
-                                 block_n=256, num_stages=4, h_loader=h_loader, **SPLIT_M)
+    config = dataclasses.replace(
+        split_m_config(BackwardConfig.for_shape(d, n, num_sms=132).dh, n), h_loader=h_loader)
+    assert (config.block_n, config.num_stages, config.epilogue_buffers) == (256, 4, 2)
     f = jax.jit(functools.partial(dh_kernel, config=config))
     f.trace(grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2).lower(
         lowering_platforms=("cuda",))
@@ -753,8 +754,25 @@ def test_dh_split_m_no_races(buffers):
     check_dh(got, grad_out, h, plan, w2, config)
 
 
-# CI time (an opt-in extra): test_dh_kernel_no_races runs 1 and 2 CTAs, each bitwise its kernel-order reference (which
-# no CTA count changes); epilogue_cols=0 is no default
+@pytest.mark.parametrize("n, block_n, buffers", [(256, 256, 2), (768, 256, 2), (1408, 128, 1)])
+def test_split_m_config_is_valid_at_real_widths(n, block_n, buffers):
+    """`split_m_config` gives a config the kernel accepts (slots free beside the overlaid
+    epilogue, SMEM within budget) at 7B's, Qwen3's and the 1408-wide experts' n, and names
+    `n` where no split-M item fits."""
+    base = BackwardConfig.for_shape(1536, n).dh
+    config = split_m_config(base, n)
+    assert (config.block_n, config.epilogue_buffers, config.persistent_ctas) == (
+        block_n, buffers, base.persistent_ctas)
+    args = _abstract_args(64, 128, n, 4, 2)
+    grad_out, h, plan, w2 = args[5], args[1], args[2], args[4]
+    jax.eval_shape(functools.partial(dh_kernel, config=config), grad_out, h, plan.token_ids,
+                   plan.group_sizes, plan.scores, w2)
+    with pytest.raises(ValueError, match="n=2880 must be a multiple of 128"):
+        split_m_config(base, 2880)
+
+
+# CI time (an opt-in extra): test_dh_kernel_no_races runs 1 and 2 CTAs, each bitwise its
+# kernel-order reference (which no CTA count changes); epilogue_cols=0 is no default.
 @pytest.mark.slow
 def test_dh_kernel_same_bits_for_every_cta_count_and_epilogue_chunk():
     """Configs that must write the same bits do: one CTA walking all 2 x 6 items and 3 CTAs

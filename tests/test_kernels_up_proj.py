@@ -52,8 +52,8 @@ def test_ragged_groups_with_empty_expert(config):
     run_and_check(x, plan, w1, config)
 
 
-# CI time (an opt-in extra): test_persistent_split_m_equals_cooperative_no_races[halves] has items ending in
-# either half, raced and bitwise the cooperative kernel
+# CI time (an opt-in extra): test_persistent_split_m_equals_cooperative_no_races[halves] has items
+# ending in either half, raced and bitwise the cooperative kernel
 @pytest.mark.slow
 def test_split_m_tiles_ending_in_either_half():
     # 150 rows over 2 experts with 128-row tiles: tiles end in the first and second 64-row
@@ -81,8 +81,8 @@ def test_single_expert_topk1():
     run_and_check(x, plan, w1, WS1)
 
 
-# CI time (an opt-in extra): padding rows are in the bias and ragged tests (extra rows), a token-rounding plan
-# through the up-proj in test_numerics' mode-sum test
+# CI time (an opt-in extra): padding rows are in the bias and ragged tests (extra rows), a token-
+# rounding plan through the up-proj in test_numerics' mode-sum test
 @pytest.mark.slow
 def test_token_rounding_plan_with_padding_rows():
     ks = jax.random.split(jax.random.key(13), 4)
@@ -93,8 +93,8 @@ def test_token_rounding_plan_with_padding_rows():
     run_and_check(x, plan, w1, UpProjConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2))
 
 
-# CI time (an opt-in extra): test_moe_ffn_kernels' undifferentiated-call test runs the inference up-proj through the
-# op, bitwise the training output
+# CI time (an opt-in extra): test_moe_ffn_kernels' undifferentiated-call test runs the inference up-
+# proj through the op, bitwise the training output
 @pytest.mark.slow
 def test_inference_writes_only_a():
     ks = jax.random.split(jax.random.key(14), 3)
@@ -189,8 +189,8 @@ def test_bias_of_the_wrong_shape_raises():
                 bias=jnp.zeros((2, 64), jnp.bfloat16), config=WS1, interpret=True)
 
 
-# CI time (an opt-in extra): test_pingpong_equals_cooperative_no_races[one_tile_buffer_idle_ctas] raced two slabs
-# per tile (block_n=128)
+# CI time (an opt-in extra): test_pingpong_equals_cooperative_no_races[one_tile_buffer_idle_ctas]
+# raced two slabs per tile (block_n=128)
 @pytest.mark.slow
 def test_two_swizzled_slabs_per_consumer_no_races():
     """block_n=128: each consumer's A and H tiles span two swizzled 64-column slabs

@@ -233,7 +233,8 @@ def test_expert_biases_with_a_plan_that_dropped_every_row():
         assert not np.any(np.asarray(g, np.float32)), "an empty plan must give exactly zero gradients"
 
 
-# CI time (an opt-in extra): each bias alone on the kernels is in the biases-and-clamped test, none everywhere else
+# CI time (an opt-in extra): each bias alone on the kernels is in the biases-and-clamped test, none
+# everywhere else
 @pytest.mark.slow
 def test_only_one_expert_bias_on_the_kernels():
     """b_gate_up alone and b_down alone: the missing bias gets no cotangent, the other one

@@ -162,8 +162,9 @@ def test_chunked_rows_kernels_lower_for_cuda():
     assert kernel_calls(lower(jax.grad(loss, argnums=(0, 1, 2)))) > 1  # up-proj + backward kernels
 
 
-# CI time (an opt-in extra): its parts are each tested in CI: the chunked kernels (test_chunked_rows_kernels_interpret), expert
-# biases and the clamped SwiGLU on the kernels (test_moe_ffn_kernels), biased chunks (the EP check)
+# CI time (an opt-in extra): its parts are each tested in CI: the chunked kernels
+# (test_chunked_rows_kernels_interpret), expert biases and the clamped SwiGLU on the kernels
+# (test_moe_ffn_kernels), biased chunks (the EP check)
 @pytest.mark.slow
 def test_chunked_rows_with_expert_biases_and_clamped_swiglu_kernels_match_xla():
     """The chunked overlap's expert FFN with gpt-oss's options: interpret kernels vs xla,

@@ -216,6 +216,19 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
     return d, n, num_experts
 
 
+def split_m_config(config: DHConfig, n: int) -> DHConfig:
+    """`config` (e.g. `BackwardConfig.for_shape(d, n).dh`: its loaders, CTAs and exp kept)
+    with split-M items at expert width `n` (a multiple of 128): 256 columns, 4 stages and
+    the double-buffered streaming epilogue where n allows (3 of the 4 W2 slots overlaid),
+    else 128 columns, 6 stages and one chunk buffer (what fits beside 6 stages)."""
+    _common.require_multiple("n", n, 128, "split-M items cover 128 or 256 columns of dA'")
+    wide = n % 256 == 0
+    return dataclasses.replace(
+        config, block_m=128, block_n=256 if wide else 128, num_stages=4 if wide else 6,
+        num_consumers=2, epilogue_cols=64, split_m=True, epilogue_buffers=2 if wide else 1,
+    )
+
+
 def _item_cols(config: DHConfig) -> int:
     """Columns of dA' one item covers: the consumers' `block_n` each, or split-M the
     `block_n` both consumers share."""

@@ -5,11 +5,19 @@
 # In this order:
 #   S (any card, first): dH's split-M items (session 46, opt-in): ptxas's registers and
 #   spills, the GPU bitwise test at 7B and 30B widths, then the backward sweep at 7B and 30B;
+#   then P (the whole step at 7B and 30B with split-M dH, `step.py ... split-m-dh`, paired);
 #   adopt split-M in `BackwardConfig.for_shape` where it wins by more than its spread;
 #   then session 45's plan: U on an H100 (the split-M up-proj at the widths session 45 adopted
 #   it for by analogy, and the forward's bound ratios), G (dH's 30B-width bitwise test, the
 #   quant GPU tests), R (the decode GPU tests), F (the fp8 GPU tests).
 PART=${1:-S}
+if [ "$PART" = P ]; then  # after S: the whole step with split-M dH, paired
+  export PYTHONPATH=. PYTHONUNBUFFERED=1
+  timeout 560 python3 benchmarks/step.py --shapes 7b,30b --rounds 3 \
+    --variants topk/cp_async,topk/cp_async/split-m-dh --out $OUT/step > $OUT/step.log 2>&1
+  echo "step rc=$?"; grep "^|" $OUT/step.log | cut -c1-220 | tail -8
+  exit 0
+fi
 if [ "$PART" != S ]; then  # session 45's parts (U, G, F, R, auto), unchanged
   exec bash "$(dirname "$0")/../session45/next_calls.sh" "$PART"
 fi
