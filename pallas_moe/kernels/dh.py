@@ -84,13 +84,15 @@ class DHConfig:
       block_k: contraction step over d; must be 64 (one 128-byte swizzle row of bf16).
       num_stages: SMEM pipeline depth. The epilogue tiles overlay the last W2 slots and at
         least one slot must stay free (`_persistent_layout`): >= 4 at block_m=64, where the
-        tiles overlay 3 slots whatever block_n and num_consumers.
+        tiles overlay 3 slots whatever block_n and num_consumers; split-M >= 4 at 256
+        columns with 2 epilogue buffers, >= 7 at 128 (or >= 4 with one buffer). The stages
+        must also fit the SMEM budget (ValueError naming the bytes otherwise).
       pad_rows_to: dH and A' get `P` rounded up to a multiple of this (the dX and weight-
         gradient kernels load whole aligned row blocks); padding rows are not written.
       num_consumers: C >= 1 consumer warpgroups beside the producer warpgroup (which issues
         the gathered row copies from its 4 warps); they share each gathered stage, each
         computing its own `block_n` columns (an item covers C * block_n columns, which must
-        divide n).
+        divide n), or split-M (`split_m`) its own 64 rows of the item's `block_n` columns.
       gather: how the producer gathers rows: "tma" (one `[1, 64]` TMA copy per row chunk;
         the loader interpret mode runs) or "cp_async" (16-byte cp.async loads from all 128
         producer threads, `_common.cp_async_gather_rows`; compiled kernels only, needs
