@@ -41,7 +41,7 @@ from benchmarks.forward import sweep as forward_sweep
 from benchmarks.logs import open_log
 
 from pallas_moe.kernels import _common
-from pallas_moe.kernels.dh import dh_kernel, split_m_config
+from pallas_moe.kernels.dh import dh_kernel, item_cols, split_m_config
 from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
@@ -280,9 +280,8 @@ def configs_for(d, n, sweep: str):
         rep = dataclasses.replace
         split = split_m_config(base.dh, n)
         dh += [split, rep(split, gather_completion="mbarrier")]
-        if split.block_n == 256:
-            dh += [rep(split, epilogue_buffers=1),  # and 128 columns, as n % 256 != 0 gets
-                   rep(split, block_n=128, num_stages=6, epilogue_buffers=1)]
+        if split.block_n == 256:  # also one buffer, and the 128 columns n % 256 != 0 gets
+            dh += [rep(split, epilogue_buffers=1), split_m_config(base.dh, n, block_n=128)]
     if sweep == "full":
         dh += [dataclasses.replace(base.dh, block_n=128, num_stages=4, num_consumers=1),
                dataclasses.replace(base.dh, block_n=64, num_stages=4, num_consumers=2)]
@@ -299,7 +298,7 @@ def configs_for(d, n, sweep: str):
                GroupedMatmulConfig(block_m=128, block_n=128, num_stages=4)]
     ok = lambda c, *dims: all(dim % m == 0 for dim, m in dims)
     cons = lambda c: c.num_consumers
-    dh = [c for c in dh if ok(c, (n, c.block_n * (1 if c.split_m else cons(c))))]
+    dh = [c for c in dh if ok(c, (n, item_cols(c)))]
     dw2 = [c for c in dw2 if ok(c, (n, c.block_m * cons(c)), (d, c.block_n))]
     dw1 = [c for c in dw1 if ok(c, (d, c.block_m), (2 * n, c.block_n * cons(c)))]
     dx = [c for i, c in enumerate(dx) if ok(c, (d, c.block_n)) and c not in dx[:i]]

@@ -758,7 +758,7 @@ def test_dh_split_m_no_races(buffers):
 def test_split_m_config_is_valid_at_real_widths(n, block_n, buffers):
     """`split_m_config` gives a config the kernel accepts (slots free beside the overlaid
     epilogue, SMEM within budget) at 7B's, Qwen3's and the 1408-wide experts' n, and names
-    `n` where no split-M item fits."""
+    `n` (or `block_n`) where no split-M item fits."""
     base = BackwardConfig.for_shape(1536, n).dh
     config = split_m_config(base, n)
     assert (config.block_n, config.epilogue_buffers, config.persistent_ctas) == (
@@ -769,6 +769,14 @@ def test_split_m_config_is_valid_at_real_widths(n, block_n, buffers):
                    plan.group_sizes, plan.scores, w2)
     with pytest.raises(ValueError, match="n=2880 must be a multiple of 128"):
         split_m_config(base, 2880)
+    with pytest.raises(ValueError, match="block_n=64 must be 128 or 256"):
+        split_m_config(base, n, block_n=64)
+    if n % 256:
+        with pytest.raises(ValueError, match=f"n={n} must be a multiple of 256"):
+            split_m_config(base, n, block_n=256)
+    else:  # the narrow form on request (what the benchmark sweep times beside the wide one)
+        narrow = split_m_config(base, n, block_n=128)
+        assert (narrow.block_n, narrow.num_stages, narrow.epilogue_buffers) == (128, 6, 1)
 
 
 # CI time (an opt-in extra): test_dh_kernel_no_races runs 1 and 2 CTAs, each bitwise its

@@ -756,10 +756,11 @@ def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int,
 
 def cp_async_load_rows(src_ref, dsts, row_count, first_row: int = 0) -> None:
     """Issues `dsts[j][r, :] = src[r, c*j : c*(j+1)]` for the rows r < `row_count[0] -
-    first_row` and zero-fills the rest (their cp.async copies 0 source bytes and reads nothing), as one
-    cp.async group, `c` as in `cp_async_gather_rows`. Called by a whole warpgroup in Lane
-    semantics; it waits for nothing (`cp_async_stage_done`, then a warpgroup barrier such
-    as `plgpu.commit_smem`, before any thread reads rows another thread loaded).
+    first_row` and zero-fills the rest (their cp.async copies 0 source bytes and read
+    nothing), as one cp.async group, `c` as in `cp_async_gather_rows`. Called by a whole
+    warpgroup in Lane semantics; it waits for nothing (`cp_async_stage_done`, then a
+    warpgroup barrier such as `plgpu.commit_smem`, before any thread reads rows another
+    thread loaded).
 
     What it is for: rows of a tile whose TMA boxes would be the row-exact ladder of
     `load_rows`, straight into the 128-byte-swizzled layout whose register reads are free

@@ -211,29 +211,35 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
             "streaming epilogue's chunk buffers per consumer)."
         )
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
-    cols = _item_cols(config)
+    cols = item_cols(config)
     why = (f"a split-M item computes block_n = {cols} columns of dA'" if config.split_m
            else f"a CTA computes block_n * num_consumers = {cols} columns of dA'")
     _common.require_multiple("n (w_down.shape[1])", n, cols, why)
     return d, n, num_experts
 
 
-def split_m_config(config: DHConfig, n: int) -> DHConfig:
+def split_m_config(config: DHConfig, n: int, block_n: int | None = None) -> DHConfig:
     """`config` (e.g. `BackwardConfig.for_shape(d, n).dh`: its loaders, CTAs and exp kept)
-    with split-M items at expert width `n` (a multiple of 128): 256 columns, 4 stages and
-    the double-buffered streaming epilogue where n allows (3 of the 4 W2 slots overlaid),
-    else 128 columns, 6 stages and one chunk buffer (what fits beside 6 stages)."""
+    with split-M items at expert width `n` (a multiple of 128): `block_n` = 256 columns (the
+    default where n allows), 4 stages and the double-buffered streaming epilogue (3 of the 4
+    W2 slots overlaid), or 128 columns, 6 stages and one chunk buffer (what fits beside 6
+    stages)."""
     _common.require_multiple("n", n, 128, "split-M items cover 128 or 256 columns of dA'")
-    wide = n % 256 == 0
+    if block_n is None:
+        block_n = 256 if n % 256 == 0 else 128
+    if block_n not in (128, 256):
+        raise ValueError(f"block_n={block_n} must be 128 or 256 (split-M item columns).")
+    _common.require_multiple("n", n, block_n, f"a split-M item covers block_n={block_n} columns")
+    wide = block_n == 256
     return dataclasses.replace(
         config, block_m=128, block_n=256 if wide else 128, num_stages=4 if wide else 6,
         num_consumers=2, epilogue_cols=64, split_m=True, epilogue_buffers=2 if wide else 1,
     )
 
 
-def _item_cols(config: DHConfig) -> int:
-    """Columns of dA' one item covers: the consumers' `block_n` each, or split-M the
-    `block_n` both consumers share."""
+def item_cols(config: DHConfig) -> int:
+    """Columns of dA' one item covers (they must divide n): the consumers' `block_n` each,
+    or split-M the `block_n` both consumers share."""
     return config.block_n if config.split_m else config.block_n * config.num_consumers
 
 
@@ -575,7 +581,7 @@ def _persistent_layout(config: DHConfig):
     """(overlaid, W2 slot bytes, epilogue bytes) of the kernel's SMEM: the epilogue's A' and
     H tiles overlay the last `overlaid` W2 slots, so the next item's first
     `stages - overlaid` steps can load while the consumers run the epilogue."""
-    slot_bytes = _item_cols(config) * config.block_k * 2
+    slot_bytes = item_cols(config) * config.block_k * 2
     ap_views, h_views = _persistent_epilogue_types(config)
     epilogue_bytes = _common.group_spans([ap_views[-1], h_views[-1]])[-1][1]
     return -(-epilogue_bytes // slot_bytes), slot_bytes, epilogue_bytes
@@ -620,7 +626,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     cons = config.num_consumers
     split = config.split_m  # consumer c: rows [64 c, 64 c + 64) of the item, all its columns
     rows_c = bm // cons if split else bm  # rows of one consumer's accumulator
-    cols = _item_cols(config)
+    cols = item_cols(config)
     ep_cols = config.epilogue_cols or bn
     num_k = d // bk
     grid_n = n // cols
