@@ -604,7 +604,6 @@ def test_dh_configs_write_the_same_bits(shape):
     )
 
 
-
 @pytest.mark.parametrize(
     "shape", [(6000, 1536, 256, 32, 8), (3000, 4096, 512, 16, 4), (4000, 2048, 768, 32, 8)],
     ids=["7b_widths", "30b_widths", "qwen3_widths"],
