@@ -233,7 +233,7 @@ def split_m_config(config: DHConfig, n: int, block_n: int | None = None) -> DHCo
     _common.require_multiple("n", n, block_n, f"a split-M item covers block_n={block_n} columns")
     wide = block_n == 256
     return dataclasses.replace(
-        config, block_m=128, block_n=256 if wide else 128, num_stages=4 if wide else 6,
+        config, block_m=128, block_n=block_n, num_stages=4 if wide else 6,
         num_consumers=2, epilogue_cols=64, split_m=True, epilogue_buffers=2 if wide else 1,
     )
 
