@@ -41,7 +41,7 @@ from benchmarks.forward import sweep as forward_sweep
 from benchmarks.logs import open_log
 
 from pallas_moe.kernels import _common
-from pallas_moe.kernels.dh import dh_kernel, item_cols, split_m_config
+from pallas_moe.kernels.dh import dh_kernel, item_cols
 from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
@@ -271,17 +271,6 @@ def configs_for(d, n, sweep: str):
         dw2 += [rep(base.dw_down, num_stages=base.dw_down.num_stages - 1),
                 rep(base.dw_down, gather_completion="wait_group"),
                 rep(base.dw_down, persistent_ctas=0, output_chunks=0)]
-    if sweep == "splitm":
-        # Session 46: dH with split-M items (two consumers share each W2 tile, 64 rows each,
-        # 128-row tiles; a streaming 64-column epilogue) against today's 64-row items whose
-        # consumers split the columns: 1.7x fewer SMEM fills per FLOP at block_n = 256 (1.25x
-        # at 128). The streaming epilogue double-buffered (the next chunk's H loading) or
-        # single-buffered (which frees W2 slots: 128 columns fit 6 stages).
-        rep = dataclasses.replace
-        split = split_m_config(base.dh, n)
-        dh += [split, rep(split, gather_completion="mbarrier")]
-        if split.block_n == 256:  # also one buffer, and the 128 columns n % 256 != 0 gets
-            dh += [rep(split, epilogue_buffers=1), split_m_config(base.dh, n, block_n=128)]
     if sweep == "full":
         dh += [dataclasses.replace(base.dh, block_n=128, num_stages=4, num_consumers=1),
                dataclasses.replace(base.dh, block_n=64, num_stages=4, num_consumers=2)]
@@ -451,7 +440,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "splitm", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each sweep's configs round-robin this many rounds (the median, "

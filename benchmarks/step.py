@@ -46,7 +46,6 @@ from benchmarks.forward import (
 )
 from benchmarks.layer import dense_bound_fns, gemm_bound_fn
 from pallas_moe.kernels import KernelConfig
-from pallas_moe.kernels.dh import split_m_config
 from pallas_moe.kernels.moe_forward import PINGPONG_DOWN, default_num_sms, split_m_up_config
 from pallas_moe.nn.functional import router_logits
 
@@ -263,9 +262,6 @@ CONFIG_FLAGS = {
     # that session 30 made the H200's default at d <= 1536 from n = 512 on.
     "pingpong-up": lambda c, n: _replace_up(
         c, dataclasses.replace(pingpong_up(), pingpong_ctas=default_num_sms())),
-    # dH's split-M items (session 46, opt-in until timed: `dh.split_m_config`).
-    "split-m-dh": lambda c, n: dataclasses.replace(c, backward=dataclasses.replace(
-        c.backward, dh=split_m_config(c.backward.dh, n))),
     # The cooperative up-proj (one CTA per tile), the default before session 24 at d > 1536.
     "cooperative-up": lambda c, n: _replace_up(c, cooperative_up_cfg(n)),
     # Both weight gradients as persistent CTAs (session 23), 3 stages (what fits beside

@@ -525,13 +525,10 @@ def test_chunked_row_ffn_equals_moe_ffn_bitwise(skew):
         assert bool(jnp.array_equal(got, whole)), f"{num_chunks} chunks"
 
 
-def _assert_dh_configs_write_the_same_bits(shape, seed, configs, empty_expert=None,
-                                           ds_close_from=None):
+def _assert_dh_configs_write_the_same_bits(shape, seed, configs, empty_expert=None):
     """dH under each `DHConfig` of `configs` on one problem (fresh random data, skewed
     routing, optionally an expert no token picks), outputs poisoned before each run: every
-    written row of dH and A', and dS, finite and bitwise the same for all configs. With
-    `ds_close_from=i`, dS of configs[i:] is only within 1e-5 (relative) of the first's
-    and bitwise that of configs[i] (another grouping of the same column sums)."""
+    written row of dH and A', and dS, finite and bitwise the same for all configs."""
     from pallas_moe.kernels.dh import dh_kernel
 
     T, d, n, E, K = shape
@@ -555,13 +552,8 @@ def _assert_dh_configs_write_the_same_bits(shape, seed, configs, empty_expert=No
     for name, per_config in zip(("dH", "A'", "dS"), zip(*outs)):  # one output, every config
         first = per_config[0]
         assert np.all(np.isfinite(first.astype(np.float32))), f"{name} under {configs[0]}"
-        for i, (cfg, other) in enumerate(zip(configs[1:], per_config[1:]), start=1):
-            if name == "dS" and ds_close_from is not None and i >= ds_close_from:
-                err = np.linalg.norm(other - first) / np.linalg.norm(first)
-                assert err < 1e-5, f"dS under {cfg}: relative error {err:.3g}"
-                assert np.array_equal(other, per_config[ds_close_from]), f"dS under {cfg}"
-            else:
-                assert np.array_equal(first, other), f"{name} under {cfg}"
+        for cfg, other in zip(configs[1:], per_config[1:]):
+            assert np.array_equal(first, other), f"{name} under {cfg}"
 
 
 def dh_same_bits_configs(d, n):
@@ -602,35 +594,6 @@ def test_dh_configs_write_the_same_bits(shape):
     _assert_dh_configs_write_the_same_bits(
         shape, T + d + n, dh_same_bits_configs(d, n), empty_expert=3,
     )
-
-
-@pytest.mark.parametrize(
-    "shape", [(6000, 1536, 256, 32, 8), (3000, 4096, 512, 16, 4), (4000, 2048, 768, 32, 8)],
-    ids=["7b_widths", "30b_widths", "qwen3_widths"],
-)
-def test_dh_split_m_writes_the_defaults_bits(shape):
-    """dH's split-M items (128-row tiles whose two consumers share each [256, 64] W2 tile,
-    64 rows each, with the streaming 64-column epilogue; `DHConfig.split_m`, session 46)
-    write the default config's dH and A' bits: each element is the same wgmma K loop and
-    the same epilogue math. Also 7 CTAs, per-slot mbarriers and H by TMA boxes under
-    split-M. dS is summed over 256-column items instead of 128-column consumers, so it is
-    only close to the default's, and bitwise the same across the split-M configs. Skewed
-    routing with an empty expert (tiles of 1..128 rows, so a second consumer often has no
-    rows), poisoned outputs, fresh random data."""
-    import dataclasses
-
-    from pallas_moe.kernels.dh import split_m_config
-    from pallas_moe.kernels.moe_backward import BackwardConfig
-
-    T, d, n, E, K = shape
-    base = BackwardConfig.for_shape(d, n).dh
-    split = split_m_config(base, n)
-    assert (split.block_n, split.epilogue_buffers) == (256, 2), split
-    configs = (base, split, dataclasses.replace(split, persistent_ctas=7),
-               dataclasses.replace(split, gather_completion="mbarrier"),
-               dataclasses.replace(split, h_loader="tma"))
-    _assert_dh_configs_write_the_same_bits(shape, T + d + n + 46, configs, empty_expert=3,
-                                           ds_close_from=1)
 
 
 @pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])

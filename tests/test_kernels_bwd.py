@@ -20,7 +20,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import pallas_moe as pm
-from pallas_moe.kernels.dh import DHConfig, dh_kernel, split_m_config
+from pallas_moe.kernels.dh import DHConfig, dh_kernel
 from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
@@ -132,8 +132,7 @@ def dh_kernel_order_reference(grad_out, h, plan, w_down, config: DHConfig, activ
     """dh_kernel's outputs (dh bf16 [P_pad, 2n], a_scaled bf16 [P_pad, n], d_scores f32 [P])
     computed in interpret mode's order, to compare bitwise: per (row tile, column block) of
     `config.block_n` columns, dA' accumulates `np.matmul` of the gathered bf16 dO rows
-    [block_m, 64] (split-M: each consumer's [64, 64]) and the W2 tile [64, block_n] in f32
-    one 64-wide K step at a time (as
+    [block_m, 64] and the W2 tile [64, block_n] in f32 one 64-wide K step at a time (as
     interpret mode runs each wgmma: `acc + np.matmul(a, b, dtype=f32)`), then the kernel's
     own `dswiglu_epilogue` runs on the same [block_m, epilogue_cols] chunks, the dS partials
     of the chunks added in order and reduced by the kernel's `reduce_row_partials`. Rows
@@ -143,8 +142,8 @@ def dh_kernel_order_reference(grad_out, h, plan, w_down, config: DHConfig, activ
 
     activation = pm.ops.activation.SwiGLU() if activation is None else activation
     # Compiled, as the interpreted kernel compiles it: XLA's fused elementwise code rounds
-    # a few elements of d gate differently from op-by-op execution (1 bf16 ulp, seen with
-    # the split-M kernel's chunks).
+    # a few elements of d gate differently from op-by-op execution (1 bf16 ulp, seen in
+    # session 46 with 64-row chunks).
     jitted_epilogue = jax.jit(functools.partial(dswiglu_epilogue, activation=activation))
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     ep = config.epilogue_cols or bn
@@ -165,33 +164,23 @@ def dh_kernel_order_reference(grad_out, h, plan, w_down, config: DHConfig, activ
             continue
         e, r0 = int(expert[t]), int(start[t])
         do_rows = do[row_ids[t]]  # [bm, d] bf16, gathered as the kernel gathers them
-        # one consumer's rows (of a wgmma and of the epilogue): 64 split-M, else the tile's
-        mma_rows = bm // 2 if config.split_m else bm
         s = jax.lax.broadcast_in_dim(jnp.asarray(s_tiles[t]), (bm, ep), [0])
-
-        def epilogue(da, gate, up, s):  # the kernel's, on each consumer's rows
-            outs = [jitted_epilogue(jnp.asarray(da[m0:m0 + mma_rows]),
-                                    jnp.asarray(gate[m0:m0 + mma_rows]).astype(jnp.float32),
-                                    jnp.asarray(up[m0:m0 + mma_rows]).astype(jnp.float32),
-                                    s[m0:m0 + mma_rows])
-                    for m0 in range(0, bm, mma_rows)]
-            return [jnp.concatenate(parts) for parts in zip(*outs)]
 
         for j in range(n // bn):
             c0 = j * bn
             da = np.zeros((bm, bn), np.float32)
             for k0 in range(0, d, bk):
-                for m0 in range(0, bm, mma_rows):
-                    da[m0:m0 + mma_rows] = da[m0:m0 + mma_rows] + np.matmul(
-                        do_rows[m0:m0 + mma_rows, k0:k0 + bk], w[e, c0:c0 + bn, k0:k0 + bk].T,
-                        dtype=np.float32)
+                da = da + np.matmul(do_rows[:, k0:k0 + bk], w[e, c0:c0 + bn, k0:k0 + bk].T,
+                                    dtype=np.float32)
             gate, up = (np.zeros((bm, bn), hh.dtype) for _ in range(2))
             gate[:rows] = hh[r0:r0 + rows, c0:c0 + bn]
             up[:rows] = hh[r0:r0 + rows, n + c0:n + c0 + bn]
             ds = None
             for q in range(bn // ep):
                 cs = slice(q * ep, (q + 1) * ep)
-                d_gate, d_up, a_s, ds_q = epilogue(da[:, cs], gate[:, cs], up[:, cs], s)
+                d_gate, d_up, a_s, ds_q = jitted_epilogue(
+                    jnp.asarray(da[:, cs]), jnp.asarray(gate[:, cs]).astype(jnp.float32),
+                    jnp.asarray(up[:, cs]).astype(jnp.float32), s)
                 ds = ds_q if ds is None else ds + ds_q
                 out_rows = slice(r0, r0 + rows)
                 dh[out_rows, c0 + q * ep:c0 + (q + 1) * ep] = np.asarray(d_gate.astype(BF16))[:rows]
@@ -677,28 +666,6 @@ def test_lowers_for_cuda_large(shape):
 
 
 @pytest.mark.parametrize(
-    "shape, h_loader",
-    [((32768, 4096, 512, 128, 8), "cp_async"),
-     # CI time: the other width and H loader are opt-in extras
-     pytest.param((32768, 4096, 512, 128, 8), "tma", marks=pytest.mark.slow),
-     pytest.param((24576, 1536, 256, 128, 8), "cp_async", marks=pytest.mark.slow),
-     pytest.param((24576, 1536, 256, 128, 8), "tma", marks=pytest.mark.slow)],
-    ids=["30b", "30b_tma_h", "7b", "7b_tma_h"],
-)
-def test_dh_split_m_lowers_for_cuda(shape, h_loader):
-    """dH's split-M items at production block sizes (128-row tiles, 256 columns, 4 stages,
-    the cp.async dO gather) lower for cuda, with either H loader."""
-    T, d, n, E, K = shape
-    x, h, plan, w1, w2, grad_out = _abstract_args(T, d, n, E, K)
-    config = dataclasses.replace(
-        split_m_config(BackwardConfig.for_shape(d, n, num_sms=132).dh, n), h_loader=h_loader)
-    assert (config.block_n, config.num_stages, config.epilogue_buffers) == (256, 4, 2)
-    f = jax.jit(functools.partial(dh_kernel, config=config))
-    f.trace(grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2).lower(
-        lowering_platforms=("cuda",))
-
-
-@pytest.mark.parametrize(
     "num_tokens, d, stages, num_ctas, block_n, consumers",
     [(60, 448, 5, 1, 64, 2), (60, 64, 4, 2, 64, 2), (70, 192, 5, 2, 128, 2),
      # CI time: the same item walk as two CTAs (item = cta + j * num_ctas), and one
@@ -727,58 +694,6 @@ def test_dh_kernel_no_races(num_tokens, d, stages, num_ctas, block_n, consumers)
     check_dh(got, grad_out, h, plan, w2, config)
 
 
-SPLIT_M = dict(block_m=128, num_consumers=2, epilogue_cols=64, split_m=True)
-
-
-# CI time: the single buffer (an opt-in knob of an opt-in mode) is a slow extra.
-@pytest.mark.parametrize("buffers", [2, pytest.param(1, marks=pytest.mark.slow)])
-def test_dh_split_m_no_races(buffers):
-    """Split-M items (`DHConfig.split_m`): 128-row tiles whose two consumers share each
-    [256, 64] W2 tile, 64 rows each, and run the streaming epilogue (4 chunks of 64 columns),
-    bitwise against the kernel-order reference and close to the f32 one. Skewed routing with
-    an empty expert: a tile of 98 rows (the second consumer has 34) and tiles of 47 and 55
-    (the second consumer has none: it still runs the K loop, loads nothing and stores
-    nothing). H double-buffered, with the race detector: 3 K steps over 4 slots, 3 of them
-    overlaid by the epilogue (the producer waits for the previous item's epilogue before
-    its second step), 2 column blocks walked by 2 CTAs. Single-buffered (each chunk's H
-    loads once the previous chunk's stores read the buffer): 2 K steps, one column block,
-    one CTA (CI time)."""
-    d, n, ctas = (192, 512, 2) if buffers == 2 else (128, 256, 1)
-    x, h, plan, w1, w2, grad_out = make_problem(8, 100, d, n, 4, 2, skew=2.0, empty=(1,))
-    assert list(np.asarray(plan.group_sizes)) == [98, 0, 47, 55]
-    config = DHConfig(block_n=256, num_stages=4, persistent_ctas=ctas, h_loader="cp_async",
-                      epilogue_buffers=buffers, **SPLIT_M)
-    got = dh_kernel(grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2,
-                    config=config, interpret=interp(detect_races=buffers == 2))
-    assert not races_found()
-    check_dh(got, grad_out, h, plan, w2, config)
-
-
-@pytest.mark.parametrize("n, block_n, buffers", [(256, 256, 2), (768, 256, 2), (1408, 128, 1)])
-def test_split_m_config_is_valid_at_real_widths(n, block_n, buffers):
-    """`split_m_config` gives a config the kernel accepts (slots free beside the overlaid
-    epilogue, SMEM within budget) at 7B's, Qwen3's and the 1408-wide experts' n, and names
-    `n` (or `block_n`) where no split-M item fits."""
-    base = BackwardConfig.for_shape(1536, n).dh
-    config = split_m_config(base, n)
-    assert (config.block_n, config.epilogue_buffers, config.persistent_ctas) == (
-        block_n, buffers, base.persistent_ctas)
-    args = _abstract_args(64, 128, n, 4, 2)
-    grad_out, h, plan, w2 = args[5], args[1], args[2], args[4]
-    jax.eval_shape(functools.partial(dh_kernel, config=config), grad_out, h, plan.token_ids,
-                   plan.group_sizes, plan.scores, w2)
-    with pytest.raises(ValueError, match="n=2880 must be a multiple of 128"):
-        split_m_config(base, 2880)
-    with pytest.raises(ValueError, match="block_n=64 must be 128 or 256"):
-        split_m_config(base, n, block_n=64)
-    if n % 256:
-        with pytest.raises(ValueError, match=f"n={n} must be a multiple of 256"):
-            split_m_config(base, n, block_n=256)
-    else:  # the narrow form on request (what the benchmark sweep times beside the wide one)
-        narrow = split_m_config(base, n, block_n=128)
-        assert (narrow.block_n, narrow.num_stages, narrow.epilogue_buffers) == (128, 6, 1)
-
-
 # CI time (an opt-in extra): test_dh_kernel_no_races runs 1 and 2 CTAs, each bitwise its
 # kernel-order reference (which no CTA count changes); epilogue_cols=0 is no default.
 @pytest.mark.slow
@@ -804,8 +719,8 @@ def test_dh_kernel_same_bits_for_every_cta_count_and_epilogue_chunk():
 
 
 def test_dh_config_errors():
-    """Bad configs are refused naming the field; the removed knobs (session 42) no longer
-    exist; the kernel loads H after the K loop and needs a free W2 slot."""
+    """Bad configs are refused naming the field; the removed knobs (sessions 42 and 48) no
+    longer exist; the kernel loads H after the K loop and needs a free W2 slot."""
     x, h, plan, w1, w2, grad_out = make_problem(8, 20, 128, 128, 2, 2)
     args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
     base = DHConfig(block_n=64, num_stages=4, num_consumers=2, persistent_ctas=2)
@@ -817,24 +732,13 @@ def test_dh_config_errors():
                        (dict(epilogue_cols=32),
                         "epilogue_cols=32 must be 0 or a multiple of 64 dividing block_n=64"),
                        (dict(epilogue_cols=128),
-                        "epilogue_cols=128 must be 0 or a multiple of 64 dividing block_n=64")]:
+                        "epilogue_cols=128 must be 0 or a multiple of 64 dividing block_n=64"),
+                       (dict(num_stages=10), "needs 245760 B of SMEM for 10 stages")]:
         with pytest.raises(ValueError, match=match):
             dh_kernel(*args, config=dataclasses.replace(base, **bad), interpret=True)
-    split = dataclasses.replace(base, block_n=128, **SPLIT_M)  # n = 128: one column block
-    for bad, match in [(dict(block_m=64), "split_m=True .* needs block_m=128"),
-                       (dict(num_consumers=1), "num_consumers=2 .* got .*num_consumers=1"),
-                       (dict(epilogue_cols=0), "epilogue_cols=64, got .*epilogue_cols=0"),
-                       (dict(block_n=256), "n \\(w_down.shape\\[1\\]\\)=128 must be a "
-                        "multiple of 256 \\(a split-M item computes block_n = 256"),
-                       (dict(num_stages=6), "num_stages=6 is too few .* num_stages >= 7"),
-                       (dict(num_stages=7), "needs 229376 B of SMEM for 7 stages"),
-                       (dict(epilogue_buffers=3), "epilogue_buffers=3 must be 1 or 2"),
-                       (dict(epilogue_buffers=1, num_stages=3),
-                        "num_stages=3 is too few .* num_stages >= 4")]:
-        with pytest.raises(ValueError, match=match):
-            dh_kernel(*args, config=dataclasses.replace(split, **bad), interpret=True)
     for removed in (dict(prefetch_h=True), dict(early_h=True),
-                    dict(epilogue_layout="untiled"), dict(epilogue_layout="swizzled")):
+                    dict(epilogue_layout="untiled"), dict(epilogue_layout="swizzled"),
+                    dict(split_m=True), dict(epilogue_buffers=2)):
         with pytest.raises(TypeError, match=next(iter(removed))):
             DHConfig(**removed)
     assert DHConfig().persistent_ctas == 132

@@ -754,13 +754,12 @@ def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int,
     _cp_async_rows(src_ref, token_ids, dsts, num_rows, source)
 
 
-def cp_async_load_rows(src_ref, dsts, row_count, first_row: int = 0) -> None:
-    """Issues `dsts[j][r, :] = src[r, c*j : c*(j+1)]` for the rows r < `row_count[0] -
-    first_row` and zero-fills the rest (their cp.async copies 0 source bytes and read
-    nothing), as one cp.async group, `c` as in `cp_async_gather_rows`. Called by a whole
-    warpgroup in Lane semantics; it waits for nothing (`cp_async_stage_done`, then a
-    warpgroup barrier such as `plgpu.commit_smem`, before any thread reads rows another
-    thread loaded).
+def cp_async_load_rows(src_ref, dsts, row_count) -> None:
+    """Issues `dsts[j][r, :] = src[r, c*j : c*(j+1)]` for the rows r < `row_count[0]` and
+    zero-fills the rest (their cp.async copies 0 source bytes and reads nothing), as one
+    cp.async group, `c` as in `cp_async_gather_rows`. Called by a whole warpgroup in Lane
+    semantics; it waits for nothing (`cp_async_stage_done`, then a warpgroup barrier such
+    as `plgpu.commit_smem`, before any thread reads rows another thread loaded).
 
     What it is for: rows of a tile whose TMA boxes would be the row-exact ladder of
     `load_rows`, straight into the 128-byte-swizzled layout whose register reads are free
@@ -771,17 +770,13 @@ def cp_async_load_rows(src_ref, dsts, row_count, first_row: int = 0) -> None:
         `row_count[0]` may lie past the array's end: they are not read).
       dsts: SMEM refs [R, c] with `mma_transforms`, as in `cp_async_gather_rows`; R is a
         multiple of 16.
-      row_count: ref i32 [1] (GMEM or SMEM): the rows of the whole tile, of which `src_ref`
-        starts at row `first_row` (a static offset: split-M consumers load their half of a
-        tile, so they may load 0 rows); rows past the count are zero-filled.
+      row_count: ref i32 [1] (GMEM or SMEM): the rows to load, in [1, R].
     """
     from jax._src.lib.mlir.dialects import arith, memref
 
     def source(row, count_ref):  # rows past the count: the first row's address, 0 bytes
         i32, i64, _, index = _mlir_int_types()
         count = memref.load(count_ref, [arith.constant(index, 0)])
-        if first_row:
-            count = arith.subi(count, arith.constant(i32, first_row))
         valid = arith.cmpi(arith.CmpIPredicate.slt, row, count)
         src_row = arith.select(valid, row, arith.constant(i32, 0))
         size = arith.select(valid, arith.constant(i32, CP_ASYNC_BYTES), arith.constant(i32, 0))

@@ -40,13 +40,6 @@ slab by slab. dS is reduced over the consumer's `bn` columns in registers and wr
 per-(tile, column block) partial `[num_tiles, grid_n, bm]` (each consumer owns its slot: no
 atomics); `reduce_row_partials` sums the partials in a fixed order.
 
-Split-M items (`DHConfig.split_m`, opt-in: on the H100 they spill registers and run at
-best 0.85x the default at 30B, 0.77x at 7B; docs/kernels.md): 128-row tiles whose two
-consumers each take 64 rows of every gathered stage and the whole `[block_n, block_k]` W2
-tile, so each W2 byte filled into SMEM serves 128 rows; their epilogue streams one
-64-column chunk of H at a time (`_streaming_dswiglu`), since whole H and A' tiles of a
-128 x 256 item would not fit.
-
 Removed forms, none a default and each measured slower (benchmarks/RESULTS.md): the
 one-warpgroup kernel (session 22: 52 TF/s against 156 with 2 consumers at 7B on the H100);
 in session 42 the ping-pong schedule (0.58x at 7B on an H200), the one-CTA-per-tile kernel
@@ -54,7 +47,12 @@ in session 42 the ping-pong schedule (0.58x at 7B on an H200), the one-CTA-per-t
 kernel took 7B from 582.0 to 556.5 us in session 14, and with swizzled slabs 30B from 2848.7
 to 2731.5 us in session 21) and the persistent kernel's untiled [bm, bn] epilogue tiles
 (`epilogue_layout="untiled"`: 8-way bank conflicts, 0.81x of the swizzled slabs at 7B on an
-H200, 538.9 against 437.7 us).
+H200, 538.9 against 437.7 us). Removed in session 48: session 46's split-M items (128-row
+tiles whose two consumers each took 64 rows of every gathered stage and the whole W2 tile,
+so each W2 byte filled into SMEM served 128 rows, with an epilogue streaming one 64-column
+chunk of H at a time). They wrote the default's bits but ran at best 0.85x the default at
+30B and 0.77x at 7B on the H100 (session 47): every such kernel spilled registers, the
+[64, 256] f32 accumulator beside the dSwiGLU chunk.
 """
 
 from __future__ import annotations
@@ -85,15 +83,14 @@ class DHConfig:
       block_k: contraction step over d; must be 64 (one 128-byte swizzle row of bf16).
       num_stages: SMEM pipeline depth. The epilogue tiles overlay the last W2 slots and at
         least one slot must stay free (`_persistent_layout`): >= 4 at block_m=64, where the
-        tiles overlay 3 slots whatever block_n and num_consumers; split-M >= 4 at 256
-        columns with 2 epilogue buffers, >= 7 at 128 (or >= 4 with one buffer). The stages
-        must also fit the SMEM budget (ValueError naming the bytes otherwise).
+        tiles overlay 3 slots whatever block_n and num_consumers. The stages must also
+        fit the SMEM budget (ValueError naming the bytes otherwise).
       pad_rows_to: dH and A' get `P` rounded up to a multiple of this (the dX and weight-
         gradient kernels load whole aligned row blocks); padding rows are not written.
       num_consumers: C >= 1 consumer warpgroups beside the producer warpgroup (which issues
         the gathered row copies from its 4 warps); they share each gathered stage, each
         computing its own `block_n` columns (an item covers C * block_n columns, which must
-        divide n), or split-M (`split_m`) its own 64 rows of the item's `block_n` columns.
+        divide n).
       gather: how the producer gathers rows: "tma" (one `[1, 64]` TMA copy per row chunk;
         the loader interpret mode runs) or "cp_async" (16-byte cp.async loads from all 128
         producer threads, `_common.cp_async_gather_rows`; compiled kernels only, needs
@@ -123,23 +120,11 @@ class DHConfig:
         the consumer's own 128 threads issue 16-byte cp.async loads straight into the
         swizzled layout, rows past the tile's zero-filled (`_common.cp_async_load_rows`;
         compiled kernels only, interpret mode runs "tma").
-      split_m: the two consumers split each item's rows instead of its columns: with
-        `block_m=128` and `num_consumers=2`, consumer c multiplies rows [64 c, 64 c + 64) of
-        every gathered dO stage by the stage's whole `[block_n, block_k]` W2 tile, so an item
-        covers `block_n` columns (not `2 * block_n`) and each W2 byte read serves 128 rows
-        (at block_n=256, 11.4 KB of SMEM fills per MFLOP against 19.5 at block_m=64 with two
-        128-column consumers: dH is bound by those fills, see docs/kernels.md). Its epilogue
-        streams: one 64-column chunk of H gate and up at a time, double-buffered (the next
-        chunk's H loads while this one computes and stores), so the epilogue's SMEM does not
-        grow with block_n. Needs `epilogue_cols=64`.
-      epilogue_buffers: split-M only: the streaming epilogue's chunk buffers per consumer
-        (1 or 2; each holds H gate, H up and A' [64, 64], 24 KB): with 2 the next chunk's H
-        loads while this one computes, with 1 it loads after this chunk's stores have read
-        the buffer (what fits beside more stages at block_n=128, whose W2 slots are 16 KB).
 
     Removed in session 42 (a config naming them is a TypeError): `persistent_ctas=0` (one
     CTA per item) with its `prefetch_h` and `early_h`, and `epilogue_layout` (only the
-    swizzled slabs remain); see the module docstring.
+    swizzled slabs remain); session 48 removed `split_m` and `epilogue_buffers` (the
+    split-M items, slower on the H100); see the module docstring.
     """
 
     block_m: int = 64
@@ -156,8 +141,6 @@ class DHConfig:
     approx_math: bool = True
     persistent_ctas: int = 132
     h_loader: str = "tma"
-    split_m: bool = False
-    epilogue_buffers: int = 2
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -198,50 +181,16 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         )
     if config.h_loader not in H_LOADERS:
         raise ValueError(f"config.h_loader={config.h_loader!r} must be one of {H_LOADERS}.")
-    if config.split_m and (config.block_m != 128 or config.num_consumers != 2
-                           or config.epilogue_cols != 64):
-        raise ValueError(
-            "config.split_m=True (two consumers sharing each item's W2 tiles, 64 rows each, "
-            "with a streaming 64-column epilogue) needs block_m=128, num_consumers=2 and "
-            f"epilogue_cols=64, got block_m={config.block_m}, num_consumers="
-            f"{config.num_consumers}, epilogue_cols={config.epilogue_cols}."
-        )
-    if config.epilogue_buffers not in (1, 2):
-        raise ValueError(
-            f"config.epilogue_buffers={config.epilogue_buffers} must be 1 or 2 (the split-M "
-            "streaming epilogue's chunk buffers per consumer)."
-        )
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
     cols = item_cols(config)
-    why = (f"a split-M item computes block_n = {cols} columns of dA'" if config.split_m
-           else f"a CTA computes block_n * num_consumers = {cols} columns of dA'")
-    _common.require_multiple("n (w_down.shape[1])", n, cols, why)
+    _common.require_multiple("n (w_down.shape[1])", n, cols,
+                             f"a CTA computes block_n * num_consumers = {cols} columns of dA'")
     return d, n, num_experts
 
 
-def split_m_config(config: DHConfig, n: int, block_n: int | None = None) -> DHConfig:
-    """`config` (e.g. `BackwardConfig.for_shape(d, n).dh`: its loaders, CTAs and exp kept)
-    with split-M items at expert width `n` (a multiple of 128): `block_n` = 256 columns (the
-    default where n allows), 4 stages and the double-buffered streaming epilogue (3 of the 4
-    W2 slots overlaid), or 128 columns, 6 stages and one chunk buffer (what fits beside 6
-    stages)."""
-    _common.require_multiple("n", n, 128, "split-M items cover 128 or 256 columns of dA'")
-    if block_n is None:
-        block_n = 256 if n % 256 == 0 else 128
-    if block_n not in (128, 256):
-        raise ValueError(f"block_n={block_n} must be 128 or 256 (split-M item columns).")
-    _common.require_multiple("n", n, block_n, f"a split-M item covers block_n={block_n} columns")
-    wide = block_n == 256
-    return dataclasses.replace(
-        config, block_m=128, block_n=block_n, num_stages=4 if wide else 6,
-        num_consumers=2, epilogue_cols=64, split_m=True, epilogue_buffers=2 if wide else 1,
-    )
-
-
 def item_cols(config: DHConfig) -> int:
-    """Columns of dA' one item covers (they must divide n): the consumers' `block_n` each,
-    or split-M the `block_n` both consumers share."""
-    return config.block_n if config.split_m else config.block_n * config.num_consumers
+    """Columns of dA' one item covers (they must divide n): the consumers' `block_n` each."""
+    return config.block_n * config.num_consumers
 
 
 def ladder_len(max_rows: int) -> int:
@@ -347,99 +296,6 @@ def _dswiglu_and_store(da, s_smem, hg_tile, hu_tile, ap_tile, ds_ref, dh_out, ap
         store(ap_tile, ap_out.at[:, pl.ds(c0, bn)])
         plgpu.copy_smem_to_gmem(ds_ref, ds_dst)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _streaming_dswiglu(da, s_smem, h_tiles, ap_tiles, ds_ref, h_ref, dh_out, ap_out, ds_dst,
-                       c0, n: int, row0, num_rows, row_count, first_row: int, h_cp_async: bool,
-                       h_bars, bar0, num_ladder: int, activation: SwiGLU):
-    """A split-M consumer's epilogue: dSwiGLU one 64-column chunk at a time, the H of the
-    next `buffers - 1` chunks loading while this one computes and stores.
-
-    Chunk q (columns c0 + 64 q of dA'): H gate and up land in buffer q % buffers (cp.async,
-    rows past the consumer's zero-filled; or the row-exact TMA ladder), are overwritten in
-    place with dH gate and up, A' goes beside them, and the three tiles are TMA-stored
-    row-exactly. Before a chunk's H loads into a buffer, the stores of the buffer's previous
-    chunk have read it.
-
-    Args:
-      da: f32 [rows, bn] accumulator (rows = 64: this consumer's rows of the item).
-      s_smem: f32 [rows] scores of the consumer's rows; ds_ref: f32 [rows] staging.
-      h_tiles: (copy view, wgmma view) [buffers, 2, 1, rows, 64] bf16 (gate, up);
-        ap_tiles: [buffers, 1, rows, 64] bf16; both `_common.row_tile_types` slabs.
-      h_ref: bf16 [P, 2n] the saved H; dh_out, ap_out: bf16 [P_pad, 2n] and [P_pad, n].
-      ds_dst: f32 [rows] slot of the dS partials.
-      row0, num_rows: the consumer's first row and row count (i32, in [0, rows]).
-      row_count, first_row: ref i32 [1] of the tile's row count and the static offset of
-        the consumer's rows in the tile (what the cp.async loads zero-fill by).
-      h_bars, bar0, num_ladder: the TMA ladder's barriers, `num_ladder` per buffer from bar0.
-
-    Returns once the stores have read every buffer (the caller may reuse them).
-    """
-    rows, bn = da.shape
-    slab = ap_tiles[1].shape[-1]
-    h_copy, h_mma = h_tiles
-    ap_copy, ap_mma = ap_tiles
-    buffers = h_mma.shape[0]
-    dtype = h_mma.dtype
-    chunks = bn // slab
-    s = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1))  # [rows] f32
-    s = jax.lax.broadcast_in_dim(s, (rows, slab), [0])
-
-    def h_cols(q, half):  # first H column of chunk q's gate (half 0) or up (half 1) slab
-        return half * n + c0 + q * slab
-
-    def load_h(q, issue: bool):
-        b = q % buffers
-        if h_cp_async:
-            if issue:  # two cp.async groups: the gate slab, the up slab
-                for half in range(2):
-                    _common.cp_async_load_rows(
-                        h_ref.at[pl.ds(row0, rows), pl.ds(h_cols(q, half), slab)],
-                        [h_mma.at[b, half, 0]], row_count, first_row,
-                    )
-            return
-        for half in range(2 if issue else 1):  # the wait covers both (2 arrivals per box)
-            load_row_tile(h_ref.at[:, pl.ds(h_cols(q, half), slab)], h_copy.at[b, half],
-                          row0, num_rows, rows, h_bars, issue, bar0 + b * num_ladder)
-
-    for q in range(min(buffers - 1, chunks)):  # the chunks loading ahead of the first
-        load_h(q, True)
-    ds = None
-    for q in range(chunks):
-        b = q % buffers
-        nxt = q + buffers - 1  # the chunk whose H starts loading now
-        if nxt < chunks:
-            if q >= 1:  # its buffer held chunk q - 1: those stores have read it
-                with jax.named_scope("previous_store"):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            load_h(nxt, True)
-        with jax.named_scope("h_wait"):
-            if h_cp_async:  # chunk q's two groups landed (later chunks' may be in flight)
-                _common.cp_async_stage_done(2 * (min(nxt, chunks - 1) - q))
-                plgpu.commit_smem()  # every thread's rows, to all of them
-            else:
-                load_h(q, False)
-        with jax.named_scope("dswiglu"):
-            d_gate, d_up, a_scaled, ds_q = dswiglu_epilogue(
-                da[:, q * slab:(q + 1) * slab], h_mma[b, 0, 0].astype(jnp.float32),
-                h_mma[b, 1, 0].astype(jnp.float32), s, activation,
-            )
-            ds = ds_q if ds is None else ds + ds_q
-            h_mma[b, 0, 0] = d_gate.astype(dtype)
-            h_mma[b, 1, 0] = d_up.astype(dtype)
-            ap_mma[b, 0] = a_scaled.astype(dtype)
-            plgpu.commit_smem()
-        with jax.named_scope("store"):
-            for half in range(2):
-                _common.store_row_tile(h_copy.at[b, half],
-                                       dh_out.at[:, pl.ds(h_cols(q, half), slab)],
-                                       row0, num_rows, rows)
-            _common.store_row_tile(ap_copy.at[b], ap_out.at[:, pl.ds(c0 + q * slab, slab)],
-                                   row0, num_rows, rows)
-    ds_ref[...] = ds
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(ds_ref, ds_dst)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def load_row_tile(src_gmem, copy_view, row0, num_rows, max_rows: int, bars, issue: bool,
@@ -563,19 +419,13 @@ def _persistent_epilogue_types(config: DHConfig):
     """The epilogue tiles, per consumer, bf16, as ((A' copy view, wgmma view), (H copy view,
     wgmma view)): the `_common.row_tile_types` pairs of 128-byte-swizzled 64-column slabs.
 
-    Whole tiles: A' [bm, bn] and H gate / up [2, bm, bn] (overwritten with dH). Split-M
-    (streaming): `epilogue_buffers` chunk buffers of A' [64, 64] and H gate / up
-    [2, 64, 64].
+    Whole tiles: A' [bm, bn] and H gate / up [2, bm, bn] (overwritten with dH).
     Measured on the H100 (session 19, `benchmarks/timeline.py`): with the removed untiled
     [bm, bn] tiles the epilogue's SMEM reads and writes (8-way bank conflicts) took ~4.7 of
     its ~7.5 us per 7B item."""
     cons, bm, bn = config.num_consumers, config.block_m, config.block_n
-    if config.split_m:
-        lead, bm, bn = (cons, config.epilogue_buffers), bm // cons, config.epilogue_cols
-    else:
-        lead = (cons,)
-    return (_common.row_tile_types((*lead, bm, bn), jnp.bfloat16),
-            _common.row_tile_types((*lead, 2, bm, bn), jnp.bfloat16))
+    return (_common.row_tile_types((cons, bm, bn), jnp.bfloat16),
+            _common.row_tile_types((cons, 2, bm, bn), jnp.bfloat16))
 
 
 def _persistent_layout(config: DHConfig):
@@ -625,8 +475,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
-    split = config.split_m  # consumer c: rows [64 c, 64 c + 64) of the item, all its columns
-    rows_c = bm // cons if split else bm  # rows of one consumer's accumulator
     cols = item_cols(config)
     ep_cols = config.epilogue_cols or bn
     num_k = d // bk
@@ -634,11 +482,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     num_items = num_tiles * grid_n
     num_ctas = min(config.persistent_ctas, num_items)
     dtype = jnp.bfloat16
-    num_ladder = ladder_len(rows_c)
-    # H barrier sets per consumer (one per streaming buffer) and arrivals per ladder box
-    # (gate and up, in their slabs)
-    h_sets = config.epilogue_buffers if split else 1
-    h_box_arrivals = 2 if split else 2 * (bn // 64)
+    num_ladder = ladder_len(bm)
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
@@ -651,8 +495,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     if free < 1:
         raise ValueError(
             f"config.num_stages={stages} is too few for the persistent dH kernel at "
-            f"block_m={bm}, block_n={bn}, {cons} consumers and split_m={split}: its epilogue "
-            "tiles "
+            f"block_m={bm}, block_n={bn} and {cons} consumers: its epilogue tiles "
             f"({epilogue_bytes} B) overlay {overlaid} W2 slots of {slot_bytes} B, and at least "
             f"one slot must stay free; use num_stages >= {overlaid + 1}."
         )
@@ -767,7 +610,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
             def _consumer(c=c):
                 if config.rebalance_registers:
                     _common.role_registers("consumer", cons)
-                bar0 = c * h_sets * num_ladder
+                bar0 = c * num_ladder
 
                 def per_item(j, done):
                     mi, ni = item(j)
@@ -776,12 +619,8 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                     @pl.when(num_rows > 0)
                     def _():
                         p = done % 2
-                        row0, count = start_ref[mi], num_rows
-                        if split:  # this consumer's rows of the item
-                            row0 = row0 + c * rows_c
-                            count = jnp.clip(count - c * rows_c, 0, rows_c)
-                        # first dA' column of this consumer
-                        c0 = ni * cols + (0 if split else c * bn)
+                        row0 = start_ref[mi]
+                        c0 = ni * cols + c * bn  # first dA' column of this consumer
 
                         def mma_scope(acc):
                             def wait(ki, slot):
@@ -792,13 +631,9 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                                         a_landed[0].at[slot], uses % 2
                                     )
 
-                            def mma(slot):
-                                if split:  # this consumer's rows, the whole W2 tile
-                                    a = a_mma.at[slot, pl.ds(c * rows_c, rows_c)]
-                                    w_t = b_smem.at[slot]  # [bn, bk]
-                                else:  # the whole stage, this consumer's W2 rows
-                                    a, w_t = a_mma.at[slot], b_smem.at[slot, pl.ds(c * bn, bn)]
-                                plgpu.wgmma(acc, a, w_t.transpose((1, 0)))
+                            def mma(slot):  # the whole stage, this consumer's W2 rows
+                                w_t = b_smem.at[slot, pl.ds(c * bn, bn)]
+                                plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
 
                             _common.consumer_k_loop(num_k, stages, wait, mma, empty,
                                                     mmas_per_step=1)
@@ -806,26 +641,12 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                             return acc[...]
 
                         with jax.named_scope("k_loop"):
-                            da = pl.run_scoped(mma_scope,
-                                               plgpu.ACC((rows_c, bn), jnp.float32))
+                            da = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))
                         # The epilogue's tiles overlay W2 slots: both consumers are done
                         # with every K step first.
                         with jax.named_scope("epilogue_sync"):
                             plgpu.barrier_arrive(epi_bar)
                             plgpu.barrier_wait(epi_bar)
-                        if split:
-                            plgpu.barrier_wait(s_bar.at[p])
-                            with jax.named_scope("streaming_epilogue"):
-                                _streaming_dswiglu(
-                                    da, s_smem.at[p, pl.ds(c * rows_c, rows_c)],
-                                    tile(h_smem, c), tile(ap_smem, c), ds_smem.at[c], h_ref,
-                                    dh_out, ap_out,
-                                    ds_out.at[mi, ni, pl.ds(c * rows_c, rows_c)], c0, n,
-                                    row0, count, rows_ref.at[pl.ds(mi, 1)], c * rows_c,
-                                    h_cp_async, h_bars, bar0, num_ladder, activation,
-                                )
-                            plgpu.barrier_arrive(epi_done)  # the tiles' bytes are free again
-                            return
                         h_gate = h_ref.at[:, pl.ds(c0, bn)]  # [P, bn]
                         h_up = h_ref.at[:, pl.ds(n + c0, bn)]  # [P, bn]
                         with jax.named_scope("h_load"):
@@ -865,7 +686,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         w_scratch,  # W2 stages [stages, C*bn, bk]; the last `overlaid` hold A' and H later
         plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
         plgpu.SMEM((2, bm), jnp.float32),  # scores, double-buffered
-        plgpu.SMEM((cons, rows_c), jnp.float32),  # per consumer: dS partial
+        plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: dS partial
         plgpu.Barrier(  # full: the W2 copy plus what the row loader adds
             num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 1,
             num_barriers=stages,
@@ -873,9 +694,8 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty
         plgpu.Barrier(num_barriers=2),  # ids
         plgpu.Barrier(num_barriers=2),  # scores
-        # H boxes: per ladder box, the gate and up halves, each in bn / 64 slabs (split-M:
-        # one slab each, a set per streaming buffer)
-        plgpu.Barrier(num_arrivals=h_box_arrivals, num_barriers=cons * h_sets * num_ladder),
+        # H boxes: per ladder box, the gate and up halves, each in bn / 64 slabs
+        plgpu.Barrier(num_arrivals=2 * (bn // 64), num_barriers=cons * num_ladder),
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the item's K loop
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the epilogue's tiles
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
