@@ -42,7 +42,7 @@ from pallas_moe.kernels.aggregate import aggregate
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_forward import (
-    ForwardConfig, aggregate_width, moe_forward, split_m_up_config,
+    PINGPONG_UP_MAX_D, ForwardConfig, aggregate_width, moe_forward, split_m_up_config,
 )
 from pallas_moe.kernels.up_proj import UpProjConfig, _cta_cols, up_proj
 from pallas_moe.routing.topk import topk_plan
@@ -569,6 +569,22 @@ def cards_up_cfgs(d, n):
                              cooperative_up_cfg(n)], n)
 
 
+def persistent_up_cfgs(d, n):
+    """Session 48: can the persistent kernel be the only up-proj? This width's default
+    against split-M items (128-row items shared by both consumers; `block_n` = 128, or 64
+    where 128 does not divide n), the ping-pong (64-row items) at d <= 1536, and the
+    cooperative kernel (one CTA per tile: the default above d = 4096 and where 128 does not
+    divide n; never measured against split-M there)."""
+    split = dataclasses.replace(split_m_up_config(132), gather="cp_async")  # as for_shape's
+    if n % split.block_n:
+        split = dataclasses.replace(split, block_n=64)
+    cands = [ForwardConfig.for_shape(d, n).up, split, cooperative_up_cfg(n)]
+    if d <= PINGPONG_UP_MAX_D:
+        ping = pingpong_up()
+        cands.append(ping if n % ping.block_n == 0 else dataclasses.replace(ping, block_n=64))
+    return _fitting_up_cfgs(cands, n)
+
+
 def pingpong_up_cfgs(d, n):
     """Session 20: the ping-pong up-proj (`UpProjConfig.pingpong_ctas`, the default for
     d <= 1536) against the cooperative kernel (the previous default, and still the default
@@ -631,7 +647,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
@@ -654,6 +670,7 @@ def main():
                            "completion": completion_up_cfgs,
                            "approx": approx_up_cfgs, "pingpong": pingpong_up_cfgs,
                            "cards": cards_up_cfgs,
+                           "persistent": persistent_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "slabs": staged_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
