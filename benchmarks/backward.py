@@ -64,6 +64,7 @@ SHAPES = {
     # weight gradients run ~1.2x their time here (session 39), is the plan the cause?
     "7b-router": (24576, 1536, 256, 128, 8),
     "30b-router": (32768, 4096, 512, 128, 8),
+    "gpt-oss-20b": (8192, 2880, 2880, 32, 4),  # n % 128 != 0: 64-column configs
     "smoke": (40, 128, 128, 4, 2),
 }
 ITERS = 20
@@ -206,6 +207,14 @@ def configs_for(d, n, sweep: str):
         dh += [rep(base.dh, num_stages=4)]
         for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
             lst += [rep(cfg, num_stages=3), rep(cfg, num_stages=3, expert_major=False)]
+    if sweep == "narrow":
+        # Session 48: where 128 does not divide n (gpt-oss: n = 2880) dH's default is one
+        # consumer of 64 columns (151 TF/s on the H100). Wider items that divide such n:
+        # one consumer of 192 columns, three consumers of 64.
+        rep = dataclasses.replace
+        for bn, cons in ((192, 1), (64, 3)):
+            if n % (bn * cons) == 0:
+                dh.append(rep(base.dh, block_n=bn, num_consumers=cons))
     if sweep == "completion":
         # Session 4: hardware-tracked cp.async stages (mbarrier, the default) against the
         # previous lagged publish (wait_group), and one stage fewer for dH.
@@ -440,7 +449,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each sweep's configs round-robin this many rounds (the median, "

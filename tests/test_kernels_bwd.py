@@ -628,7 +628,7 @@ def test_bad_config_and_shapes_raise():
 
 
 @pytest.mark.parametrize("d, n", [(1536, 256), (2880, 1408), (4096, 512), (7168, 2048),
-                                  (4096, 768), (1536, 1024)])
+                                  (4096, 768), (1536, 1024), (2880, 2880), (1536, 320)])
 def test_real_widths_have_configs(d, n):
     cfg = BackwardConfig.for_shape(d, n)
     cons = lambda c: c.num_consumers
@@ -665,6 +665,22 @@ def test_lowers_for_cuda_large(shape):
     _lower_for_cuda(*shape)
 
 
+def test_dh_three_consumers_lower_for_cuda_at_gpt_oss_widths():
+    """Where 128 does not divide n but 192 does (gpt-oss-20b: d = n = 2880), dH's default
+    is three consumer warpgroups of 64 columns beside the producer (session 48: 2.07x the
+    single consumer on the H100), on every card; it lowers for cuda at production sizes."""
+    t, d, n, e, k = 8192, 2880, 2880, 32, 4
+    for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", ""):
+        dh = BackwardConfig.for_shape(d, n, device_kind=kind, num_sms=132).dh
+        assert (dh.block_n, dh.num_consumers, dh.num_stages) == (64, 3, 4), kind
+    x, h, plan, w1, w2, grad_out = _abstract_args(t, d, n, e, k)
+    jax.jit(functools.partial(dh_kernel, config=dh)).trace(
+        grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2).lower(
+        lowering_platforms=("cuda",))
+    # 64 * 5: neither 128 nor 192 divides n, so one consumer stays
+    assert BackwardConfig.for_shape(1536, 320).dh.num_consumers == 1
+
+
 @pytest.mark.parametrize(
     "num_tokens, d, stages, num_ctas, block_n, consumers",
     [(60, 448, 5, 1, 64, 2), (60, 64, 4, 2, 64, 2), (70, 192, 5, 2, 128, 2),
@@ -692,6 +708,24 @@ def test_dh_kernel_no_races(num_tokens, d, stages, num_ctas, block_n, consumers)
     got = dh_kernel(*args, config=config, interpret=interp(detect_races=True))
     assert not races_found()
     check_dh(got, grad_out, h, plan, w2, config)
+
+
+def test_dh_three_consumers_write_one_consumers_bits():
+    """Three consumers of 64 columns (the default where 192 but not 128 divides n, e.g.
+    gpt-oss's 2880) compute each element with the same K loop and epilogue as one consumer,
+    and write the same 64-column partial sums of dS, so all three outputs are bitwise the
+    single consumer's (the kernel-order reference's too); race-free with four warpgroups;
+    skewed routing with an empty expert, tiles ending mid-tile."""
+    x, h, plan, w1, w2, grad_out = make_problem(21, 50, 128, 192, 3, 2, skew=2.0, empty=(1,))
+    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    three = BackwardConfig.for_shape(128, 192, num_sms=2).dh
+    assert (three.block_n, three.num_consumers) == (64, 3)
+    got = dh_kernel(*args, config=three, interpret=interp(detect_races=True))
+    assert not races_found()
+    check_dh(got, grad_out, h, plan, w2, three)
+    one = dataclasses.replace(three, num_consumers=1)
+    assert_dh_outputs_equal(got, dh_kernel(*args, config=one, interpret=True),
+                            int(plan.num_rows))
 
 
 # CI time (an opt-in extra): test_dh_kernel_no_races runs 1 and 2 CTAs, each bitwise its

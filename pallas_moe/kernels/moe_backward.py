@@ -86,6 +86,14 @@ class BackwardConfig:
             dh = DHConfig(block_n=128, num_stages=5, num_consumers=2, pad_rows_to=k)
         elif n % 128 == 0:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=2, pad_rows_to=k)
+        elif n % 192 == 0:
+            # Three consumers of 64 columns where 128 does not divide n but 192 does (gpt-oss:
+            # n = 2880). Measured on the H100 (session 48, `benchmarks/backward.py --shapes
+            # gpt-oss-20b --sweep narrow`, 2 rounds, same error against the reference): one
+            # consumer of 64 columns 3605.3 us (151 TFLOP/s), three 1742.7 (2.069x), one of
+            # 192 columns 1781.1 (2.024x). Three consumers write the same partial sums of dS
+            # as one (64 columns each), so every output keeps its bits.
+            dh = DHConfig(block_n=64, num_stages=4, num_consumers=3, pad_rows_to=k)
         else:
             dh = DHConfig(block_n=64, num_stages=4, num_consumers=1, pad_rows_to=k)
         # Persistent CTAs (one per SM) walk the tiles, the producer loading the next tile's

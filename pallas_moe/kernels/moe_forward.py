@@ -98,8 +98,8 @@ class ForwardConfig:
         # up-proj with two consumers sharing each gathered stage is fastest, and the
         # persistent down-proj (132 CTAs) beats one CTA per tile.
         h200 = "H200" in device_kind
-        split_m = n % 128 == 0 and d <= SPLIT_M_UP_MAX_D and (
-            d > PINGPONG_UP_MAX_D or (h200 and n >= SPLIT_M_UP_MIN_N))
+        split_m = d <= SPLIT_M_UP_MAX_D and (
+            d > PINGPONG_UP_MAX_D or (h200 and n % 128 == 0 and n >= SPLIT_M_UP_MIN_N))
         if split_m:
             # Measured on an H200 (session 24, same runs, bitwise equal): persistent CTAs
             # walking 128-row items, both consumers taking every item with 64 rows each
@@ -128,7 +128,15 @@ class ForwardConfig:
             # 2.848 -> 2.762), although there the split-M kernel itself measured slower at
             # n = 512 (0.59 vs 0.54 ms; level at 1024): why the step's context reverses
             # the kernels' order at n = 512 is open (benchmarks/NOTES.md, session 30).
-            up = split_m_up_config(num_sms)
+            # Session 48 on the H100 (`forward.py --up-sweep persistent`, same run, 3 rounds,
+            # equal error): above PINGPONG_UP_MAX_D split-M also wins where 128 does not
+            # divide n, with 64-column items: gpt-oss-20b's widths (d = n = 2880) 3972.5 ->
+            # 2798.7 us (1.433x, spread 1.3%) against the cooperative kernel's one consumer of
+            # 64 columns; and it confirmed the H100 rule at d = 2048 (1800.9 -> 1456.9 us,
+            # 1.236x) and 2880 (n = 1408: 1284.4 -> 970.3, 1.324x). Not above
+            # SPLIT_M_UP_MAX_D: at d = 7168 (n = 2048) split-M lost, 1617.7 -> 1894.4 us
+            # (0.854x, spread 10.1%), so the cooperative kernel stays there.
+            up = split_m_up_config(num_sms, n)
         elif n % 128 == 0 and d <= PINGPONG_UP_MAX_D:
             # Measured on the H100 (session 20, same run, bitwise equal): the ping-pong
             # up-proj (two consumers taking alternate 64-row items, 5 stages, one-tile
@@ -174,13 +182,15 @@ class ForwardConfig:
 
 
 # The ping-pong grouped GEMM the down-proj (and dX~ with a short K loop) runs by default.
-def split_m_up_config(num_sms: int) -> UpProjConfig:
+def split_m_up_config(num_sms: int, n: int | None = None) -> UpProjConfig:
     """The persistent split-M up-proj (`UpProjConfig.pingpong_ctas` with block_m = 128) as
     every card runs it above `PINGPONG_UP_MAX_D`, and an H200 below it from
     `SPLIT_M_UP_MIN_N` on:
     `num_sms` CTAs, 4 stages on mbarriers, one-tile epilogue buffers, W1's halves (two
-    N = 128 wgmmas per consumer and step)."""
-    return UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
+    N = 128 wgmmas per consumer and step; N = 64 where 128 does not divide the expert width
+    `n`, e.g. gpt-oss's 2880). `n=None`: 128-column items."""
+    block_n = 64 if n is not None and n % 128 else 128
+    return UpProjConfig(block_m=128, block_n=block_n, num_stages=4, num_consumers=2,
                         pingpong_ctas=num_sms, epilogue_tiles=1, gather_completion="mbarrier")
 
 
