@@ -26,7 +26,8 @@ Two kernel structures, both warp-specialized: a producer warpgroup issues the co
 C consumer warpgroups (`config.num_consumers`) run the wgmmas, through `num_stages` SMEM
 slots.
 - cooperative, one CTA per (row tile, column block) (`_warp_specialized_kernel`, the default
-  for d > 4096, and on the H100 for 1536 < d <= 4096 until session 45): the consumers
+  for d > 4096 and, where 128 does not divide n, for d <= 1536; on the H100 for 1536 < d <=
+  4096 until session 45, and where 128 does not divide n until session 48): the consumers
   either share each gathered stage and split the columns (C*block_n gate columns per CTA,
   so a row is gathered n / (C*block_n) times) or, with block_m = 64*C, split the rows and
   share the weight tiles. Measured on the H100: benchmarks/RESULTS.md.
@@ -35,8 +36,9 @@ slots.
   n = 512 on): the two consumers take alternate (64-row tile, `block_n` columns) items,
   each gathering its own rows, so one consumer's SwiGLU epilogue and stores run while the
   other's wgmmas keep the tensor cores busy. Above, split-M: both consumers take every
-  128-row item, 64 rows each, so each weight tile feeds 128 rows. Same bits as the
-  cooperative kernel.
+  128-row item, 64 rows each, so each weight tile feeds 128 rows (items 64 columns wide
+  where 128 does not divide n). Same bits as the cooperative kernel. Split-M lost to the
+  cooperative kernel at d = 7168 on the H100 (0.854x, session 48), so both stay.
 (Session 22 removed a third, one-warpgroup kernel, in which the single warpgroup issued every
 row copy and every wgmma: 3-4x slower, and no default used it.)
 
