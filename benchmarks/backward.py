@@ -208,13 +208,20 @@ def configs_for(d, n, sweep: str):
         for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
             lst += [rep(cfg, num_stages=3), rep(cfg, num_stages=3, expert_major=False)]
     if sweep == "narrow":
-        # Session 48: where 128 does not divide n (gpt-oss: n = 2880) dH's default is one
-        # consumer of 64 columns (151 TF/s on the H100). Wider items that divide such n:
-        # one consumer of 192 columns, three consumers of 64.
+        # Session 48: where 128 does not divide n (gpt-oss: n = 2880) dH's default was one
+        # consumer of 64 columns (151 TF/s on the H100); three consumers of 64 (now the
+        # default where 192 divides n) and one of 192 both measured ~2.05x.
         rep = dataclasses.replace
-        for bn, cons in ((192, 1), (64, 3)):
-            if n % (bn * cons) == 0:
+        for bn, cons in ((192, 1), (64, 3), (64, 1)):  # (64, 1): the default before
+            if n % (bn * cons) == 0 and (bn, cons) != (base.dh.block_n, base.dh.num_consumers):
                 dh.append(rep(base.dh, block_n=bn, num_consumers=cons))
+        # The weight gradients with three consumers where two do not divide the width they
+        # split: dW2's consumers split n (one consumer of 64 rows at gpt-oss, 294 TFLOP/s),
+        # dW1's split 2n (two of 64 columns there).
+        if n % (3 * base.dw_down.block_m) == 0 and base.dw_down.num_consumers != 3:
+            dw2.append(rep(base.dw_down, num_consumers=3))
+        if (2 * n) % (3 * base.dw_gate_up.block_n) == 0 and base.dw_gate_up.num_consumers != 3:
+            dw1.append(rep(base.dw_gate_up, num_consumers=3))
     if sweep == "completion":
         # Session 4: hardware-tracked cp.async stages (mbarrier, the default) against the
         # previous lagged publish (wait_group), and one stage fewer for dH.

@@ -257,7 +257,10 @@ CONFIG_FLAGS = {
     "mbarrier-up": lambda c, n: _replace(c, "up", gather_completion="mbarrier"),
     # The persistent split-M up-proj (session 24: the H200's default for 1536 < d <= 4096)
     # at any width and on any card, e.g. to measure it on an H100 or at 7B.
-    "split-m-up": lambda c, n: _replace_up(c, split_m_up_config(default_num_sms())),
+    "split-m-up": lambda c, n: _replace_up(c, split_m_up_config(default_num_sms(), n)),
+    # dH with one consumer warpgroup: the default before session 48 where 192 but not 128
+    # divides n (gpt-oss), which now runs three of 64 columns.
+    "one-consumer-dh": lambda c, n: _replace(c, "dh", num_consumers=1),
     # The ping-pong up-proj (64-row items) at any width, e.g. against the split-M kernel
     # that session 30 made the H200's default at d <= 1536 from n = 512 on.
     "pingpong-up": lambda c, n: _replace_up(

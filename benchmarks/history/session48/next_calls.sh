@@ -16,7 +16,31 @@ if [ "$PART" = auto ]; then
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then PART=P; else PART=G; fi
   echo "auto -> part $PART"
 fi
+# Ran in session 48: P and G (calls 1, 2), F and R (calls 3, 4). For the next GPU session,
+# in this order:
+#   N (any card): gpt-oss-20b's backward with `--sweep narrow` (both weight gradients with
+#     three consumers; dH's forms again), then dH's GPU bitwise test at gpt-oss widths
+#     (three consumers against one and the other configs).
+#   S (an H100): the gpt-oss step with the new dH against one consumer (paired), then 7B
+#     and 30B on today's defaults (nothing at their widths changed since session 45).
+#   B: the forward's bound ratios at 7B and 30B with ragged_dot_mgpu (issue 16's table).
 case "$PART" in
+N)
+  timeout 330 python3 benchmarks/backward.py --shapes gpt-oss-20b --sweep narrow --rounds 3 \
+    --out $OUT/bw > $OUT/bw.log 2>&1
+  echo "backward rc=$? at $(( $(date +%s) - T0 )) s"
+  grep "  dH \|  dW\|^|" $OUT/bw.log | cut -c1-260
+  timeout 220 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
+    -k "dh_configs_write_the_same_bits and gpt_oss" > $OUT/gpu_dh.log 2>&1
+  echo "gpu dH rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_dh.log ;;
+S)
+  timeout 300 python3 benchmarks/step.py --shapes gpt-oss-20b --gpt-oss \
+    --variants topk/cp_async,topk/cp_async/one-consumer-dh --rounds 3 --out $OUT/step_oss \
+    > $OUT/step_oss.log 2>&1
+  echo "step gpt-oss rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step_oss.log | tail -4
+  timeout 260 python3 benchmarks/step.py --shapes 7b,30b --variants topk/cp_async --rounds 3 \
+    --out $OUT/step > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step.log | tail -4 ;;
 P)
   timeout 540 python3 benchmarks/forward.py --shapes w7168,gpt-oss-20b,qwen3-30b-a3b,w2880 \
     --skew '' --up-sweep persistent --down-sweep none --no-baselines --rounds 3 \
