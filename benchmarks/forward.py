@@ -601,6 +601,10 @@ def default_down_cfgs(d, n):
         GroupedMatmulConfig(block_m=128, block_n=128, num_stages=4, num_sms=132),
         GroupedMatmulConfig(block_m=64, block_n=256, num_stages=4, num_sms=132),  # ping-pong
         GroupedMatmulConfig(block_m=128, block_n=192, num_stages=3, num_sms=132),
+        # Session 48: 64-row ping-pong items 192 wide, for d that 128 does not divide
+        # (gpt-oss's 2880, whose default is the split-M row above at 0.73 of the bound).
+        GroupedMatmulConfig(block_m=64, block_n=192, num_stages=4, num_sms=132),
+        GroupedMatmulConfig(block_m=64, block_n=192, num_stages=5, num_sms=132),
     ]
     return [c for i, c in enumerate(cands) if d % c.block_n == 0 and c not in cands[:i]]
 
