@@ -44,7 +44,7 @@ from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_forward import (
     PINGPONG_UP_MAX_D, ForwardConfig, aggregate_width, moe_forward, split_m_up_config,
 )
-from pallas_moe.kernels.up_proj import UpProjConfig, _cta_cols, up_proj
+from pallas_moe.kernels.up_proj import UpProjConfig, _cta_cols, interleave_gate_up, up_proj
 from pallas_moe.routing.topk import topk_plan
 
 # The card whose defaults a sweep names as the previous ones where an H200's now differ.
@@ -355,6 +355,13 @@ def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True, rounds
     # ---- timings: each sweep checks its configs first, then times them round-robin
     def build_up(cfg):
         meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(plan.group_sizes, plan.token_ids)
+        if cfg.fused_gate_up and cfg.pingpong_ctas:
+            # One N = 2 * block_n wgmma per K step on W1 interleaved per block_n (what the
+            # fused forms read in one box), interleaved once here, outside the timing.
+            w = jax.jit(lambda w: interleave_gate_up(w, cfg.block_n))(w1)
+            f = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=cfg, meta=m,
+                                                      gate_up_blocks=cfg.block_n))
+            return f, (x, plan.token_ids, plan.group_sizes, w, meta)
         f = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=cfg, meta=m))
         return f, (x, plan.token_ids, plan.group_sizes, w1, meta)
 
@@ -580,6 +587,8 @@ def persistent_up_cfgs(d, n):
     if n % split.block_n:
         split = dataclasses.replace(split, block_n=64)
     cands = [ForwardConfig.for_shape(d, n).up, split, cooperative_up_cfg(n)]
+    if split.block_n == 64:  # one N = 128 wgmma per K step instead of two of N = 64
+        cands.append(dataclasses.replace(split, fused_gate_up=True))
     if d <= PINGPONG_UP_MAX_D:
         ping = pingpong_up()
         cands.append(ping if n % ping.block_n == 0 else dataclasses.replace(ping, block_n=64))

@@ -25,13 +25,16 @@ fi
 #     and 30B on today's defaults (nothing at their widths changed since session 45).
 #   B: the forward's bound ratios at 7B and 30B with ragged_dot_mgpu (issue 16's table).
 #   O: gpt-oss's down-proj against 64-row ping-pong items 192 wide (d = 2880: 128 does not
-#     divide it; the default runs at 0.73 of the bound).
+#     divide it; the default runs at 0.73 of the bound), and its up-proj's 64-column split-M
+#     items with one N = 128 wgmma per K step on interleaved W1 (`fused_gate_up`) against
+#     two of N = 64 (the default: 0.50 of the bound). If fused wins by much, storing W1
+#     interleaved (a module / op layout decision) is what would buy it.
 case "$PART" in
 O)
-  timeout 300 python3 benchmarks/forward.py --shapes gpt-oss-20b --skew '' --up-sweep none \
+  timeout 400 python3 benchmarks/forward.py --shapes gpt-oss-20b --skew '' --up-sweep persistent \
     --down-sweep default --no-baselines --rounds 3 --out $OUT/fw_oss > $OUT/fw_oss.log 2>&1
   echo "forward rc=$? at $(( $(date +%s) - T0 )) s"
-  grep "^  down \|^==\|errors" $OUT/fw_oss.log | cut -c1-230 ;;
+  grep "^  up \|^  down \|^==\|errors" $OUT/fw_oss.log | cut -c1-230 ;;
 N)
   timeout 330 python3 benchmarks/backward.py --shapes gpt-oss-20b --sweep narrow --rounds 3 \
     --out $OUT/bw > $OUT/bw.log 2>&1
