@@ -583,9 +583,7 @@ def persistent_up_cfgs(d, n):
     cooperative kernel (one CTA per tile: the default above d = 4096, and where 128 does not
     divide n until session 48, whose run of this sweep found split-M 1.433x at gpt-oss's
     widths and 0.854x at d = 7168)."""
-    split = dataclasses.replace(split_m_up_config(132), gather="cp_async")  # as for_shape's
-    if n % split.block_n:
-        split = dataclasses.replace(split, block_n=64)
+    split = dataclasses.replace(split_m_up_config(132, n), gather="cp_async")  # as for_shape's
     cands = [ForwardConfig.for_shape(d, n).up, split, cooperative_up_cfg(n)]
     if split.block_n == 64:  # one N = 128 wgmma per K step instead of two of N = 64
         cands.append(dataclasses.replace(split, fused_gate_up=True))
