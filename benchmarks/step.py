@@ -261,6 +261,13 @@ CONFIG_FLAGS = {
     # dH with one consumer warpgroup: the default before session 48 where 192 but not 128
     # divides n (gpt-oss), which now runs three of 64 columns.
     "one-consumer-dh": lambda c, n: _replace(c, "dh", num_consumers=1),
+    # The weight gradients' consumers before session 49 where three of 64 now tile the
+    # split side (gpt-oss: dW2 one consumer, dW1 two).
+    "fewer-consumer-wg": lambda c, n: _replace(
+        _replace(c, "dw_down", num_consumers=1 if c.backward.dw_down.num_consumers == 3
+                 else c.backward.dw_down.num_consumers),
+        "dw_gate_up", num_consumers=2 if c.backward.dw_gate_up.num_consumers == 3
+        else c.backward.dw_gate_up.num_consumers),
     # The ping-pong up-proj (64-row items) at any width, e.g. against the split-M kernel
     # that session 30 made the H200's default at d <= 1536 from n = 512 on.
     "pingpong-up": lambda c, n: _replace_up(

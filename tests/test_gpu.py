@@ -605,8 +605,9 @@ def test_dh_configs_write_the_same_bits(shape):
 @pytest.mark.parametrize(
     "shape, num_ctas",
     [((6000, 1536, 256, 32, 8), 132), ((3000, 4096, 512, 16, 4), 132),
-     ((4000, 2048, 768, 32, 8), 7), ((3000, 2880, 1408, 16, 4), 132)],
-    ids=["7b_widths", "30b_widths", "qwen3_widths_7_ctas", "w2880_widths"],
+     ((4000, 2048, 768, 32, 8), 7), ((3000, 2880, 1408, 16, 4), 132),
+     ((3000, 2880, 2880, 16, 4), 132)],
+    ids=["7b_widths", "30b_widths", "qwen3_widths_7_ctas", "w2880_widths", "gpt_oss_widths"],
 )
 def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas, completion):
     """Both weight gradients as persistent CTAs (`WeightGradConfig.persistent_ctas`, 3
@@ -616,7 +617,8 @@ def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas, complet
     the jnp reference: skewed routing with an empty expert, NaN in the contiguous operand's
     padding rows, poisoned outputs, fresh random data; 7 CTAs make every CTA walk many items
     of different K-block counts; at d = 2880 a dW1 tile is three 64-row chunks taking turns
-    in one buffer."""
+    in one buffer. At gpt-oss's widths (n = 2880: three consumers of 64 since session 49)
+    the default also writes the bits of the consumer count before (dW2 one, dW1 two)."""
     import dataclasses
 
     from pallas_moe.kernels.moe_backward import BackwardConfig
@@ -646,13 +648,17 @@ def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas, complet
         outs = []
         for c in (base, dataclasses.replace(base, num_stages=3, persistent_ctas=num_ctas),
                   # the default: 4 stages beside one output buffer per consumer
-                  dataclasses.replace(fast, gather_completion=completion)):
+                  dataclasses.replace(fast, gather_completion=completion),
+                  *([dataclasses.replace(fast, gather_completion=completion,
+                                         num_consumers=1 if gathered == "rhs" else 2)]
+                    if fast.num_consumers == 3 else [])):
             f = jax.jit(lambda l, r, t, g, c=c: weight_grad(
                 l, r, t, g, gathered=gathered, out_dtype=jnp.bfloat16, config=c))
             _poison(E * lhs.shape[1] * rhs.shape[1] * 2)
             outs.append(np.asarray(f(lhs, rhs, plan.token_ids, plan.group_sizes), np.float32))
         assert np.array_equal(outs[0], outs[1]), gathered
         assert np.array_equal(outs[0], outs[2]), (gathered, "output_chunks=1")
+        assert all(np.array_equal(outs[0], o) for o in outs[3:]), (gathered, "consumers")
         assert np.all(np.isfinite(outs[1])) and not np.any(outs[1][3]), gathered
         lf = np.asarray(lhs, np.float32)
         rf = np.asarray(rhs, np.float32)

@@ -505,20 +505,23 @@ def test_persistent_weight_grad_detect_races(gathered, output_chunks):
     assert not races_found()
 
 
-# An opt-in extra until a default uses it: three consumers are what `backward.py --sweep
-# narrow` times for gpt-oss's widths (session 48), where two do not divide the split side.
-@pytest.mark.slow
 @pytest.mark.parametrize("gathered", ["rhs", "lhs"])
 def test_weight_grad_three_consumers_no_races(gathered):
     """Three consumer warpgroups splitting the contiguous side (dW2: 3 x 64 output rows,
-    dW1: 3 x 64 output columns), two persistent CTAs on a 2-slot ring, an empty expert:
-    race-free and equal to the f32 reference, the empty expert exactly 0."""
+    dW1: 3 x 64 output columns; the default at gpt-oss's widths since session 49), two
+    persistent CTAs on a 2-slot ring, an empty expert: race-free, equal to the f32
+    reference with the empty expert exactly 0, and bitwise what one consumer writes (each
+    output element is one consumer's K loop either way)."""
     plan = make_plan(23, 120, 3, 2, empty=(1,))
     config = WeightGradConfig(block_m=64, block_n=64, num_stages=2, num_consumers=3,
                               persistent_ctas=2)
     m_dim, n_dim = (192, 128) if gathered == "rhs" else (128, 192)
-    _wgrad_case(24, gathered, plan, m_dim, n_dim, config, interpret=interp(detect_races=True))
+    three = _wgrad_case(24, gathered, plan, m_dim, n_dim, config,
+                        interpret=interp(detect_races=True))
     assert not races_found()
+    one = _wgrad_case(24, gathered, plan, m_dim, n_dim,
+                      dataclasses.replace(config, num_consumers=1))
+    np.testing.assert_array_equal(np.asarray(three, np.float32), np.asarray(one, np.float32))
 
 
 def test_weight_grad_config_errors():
@@ -681,20 +684,24 @@ def test_lowers_for_cuda_large(shape):
     _lower_for_cuda(*shape)
 
 
-def test_dh_three_consumers_lower_for_cuda_at_gpt_oss_widths():
-    """Where 128 does not divide n but 192 does (gpt-oss-20b: d = n = 2880), dH's default
-    is three consumer warpgroups of 64 columns beside the producer (session 48: 2.07x the
-    single consumer on the H100), on every card; it lowers for cuda at production sizes."""
+def test_three_consumers_lower_for_cuda_at_gpt_oss_widths():
+    """Where 128 does not divide n but 192 does (gpt-oss-20b: d = n = 2880), dH and both
+    weight gradients default to three consumer warpgroups of 64 beside the producer
+    (on the H100, session 48: dH 2.07x one consumer; session 49: dW2 1.80x one, dW1 1.21x
+    two), on every card; the whole backward lowers for cuda at production sizes."""
     t, d, n, e, k = 8192, 2880, 2880, 32, 4
     for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", ""):
-        dh = BackwardConfig.for_shape(d, n, device_kind=kind, num_sms=132).dh
-        assert (dh.block_n, dh.num_consumers, dh.num_stages) == (64, 3, 4), kind
-    x, h, plan, w1, w2, grad_out = _abstract_args(t, d, n, e, k)
-    jax.jit(functools.partial(dh_kernel, config=dh)).trace(
-        grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2).lower(
-        lowering_platforms=("cuda",))
-    # 64 * 5: neither 128 nor 192 divides n, so one consumer stays
-    assert BackwardConfig.for_shape(1536, 320).dh.num_consumers == 1
+        cfg = BackwardConfig.for_shape(d, n, device_kind=kind, num_sms=132)
+        assert (cfg.dh.block_n, cfg.dh.num_consumers, cfg.dh.num_stages) == (64, 3, 4), kind
+        assert (cfg.dw_down.block_m, cfg.dw_down.num_consumers) == (64, 3), kind
+        assert (cfg.dw_gate_up.block_n, cfg.dw_gate_up.num_consumers) == (64, 3), kind
+        # both stay persistent: 4 stages and three output buffers fit in SMEM
+        assert cfg.dw_down.persistent_ctas == cfg.dw_gate_up.persistent_ctas == 132, kind
+    _lower_for_cuda(t, d, n, e, k)
+    # 64 * 5: neither 128 nor 192 divides n, so one consumer stays (two in dW1: 2n = 640)
+    narrow = BackwardConfig.for_shape(1536, 320)
+    assert (narrow.dh.num_consumers, narrow.dw_down.num_consumers,
+            narrow.dw_gate_up.num_consumers) == (1, 1, 2)
 
 
 @pytest.mark.parametrize(

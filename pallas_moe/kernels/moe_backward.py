@@ -121,17 +121,24 @@ class BackwardConfig:
         # persistent CTAs, 3 stages beside whole output tiles, measured level at 7B and 30B
         # on an H200, 1.04-1.07x only at ~1000 rows per expert; the 4-stage form below won.)
         # dW2 = A'^T dO[tok]: consumers split n (A' columns), the gathered dO chunks span d.
+        # Three consumers of 64 where 3 x 64 tiles the split side and the tiles below do not
+        # (dW2: two consumers; dW1: 256 columns). gpt-oss (n = 2880), measured on the H100
+        # (session 49, `benchmarks/backward.py --shapes gpt-oss-20b --sweep narrow`, 3
+        # rounds, same error against the reference): dW2 one consumer 1842.4 us (295
+        # TFLOP/s) -> three 1023.0 (531, 1.801x); dW1 two consumers 2602.5 -> three 2143.1
+        # (1.214x). Other such widths are not measured. Each output element is still one
+        # consumer's K loop in the same order, so the bits do not change.
         bm2 = 128 if n % 256 == 0 else 64
         dw_down = WeightGradConfig(
-            block_m=bm2, block_n=_largest_block(d, (128, 192, 64)), block_k=k,
-            num_stages=4, num_consumers=2 if n % (2 * bm2) == 0 else 1,
+            block_m=bm2, block_n=_largest_block(d, (128, 192, 64)), block_k=k, num_stages=4,
+            num_consumers=next((c for c in (2, 3) if n % (c * bm2) == 0), 1),
         )
         # dW1 = X[tok]^T dH: the gathered X chunks span d, consumers split 2n (dH columns).
         bm1 = _largest_block(d, (128, 192, 64))
         wide = bm1 == 128 and (2 * n) % 256 == 0  # 256-column CTA tiles
         dw_gate_up = WeightGradConfig(
             block_m=bm1, block_n=128 if wide else 64, block_k=k, num_stages=4,
-            num_consumers=2,
+            num_consumers=3 if not wide and (2 * n) % (3 * 64) == 0 else 2,
         )
         # Persistent CTAs with 4 stages beside one output buffer per consumer, where they fit
         # (bitwise the same outputs as one CTA per item). Measured on an H200 (session 25,

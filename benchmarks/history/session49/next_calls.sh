@@ -1,0 +1,23 @@
+# Session 49's GPU plan: `bash benchmarks/history/session49/next_calls.sh PART` from the repo
+# root; each part < 10 min, logs under $OUT.
+#   W (an H100): gpt-oss-20b with the weight gradients' new three-consumer default: the
+#     step against the consumers before (paired), the backward's kernel table, and the
+#     weight gradients' GPU bitwise test at gpt-oss widths.
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+T0=$(date +%s)
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
+PART=${1:-W}
+case "$PART" in
+W)
+  timeout 150 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
+    -k "weight_grad_persistent and gpt_oss" > $OUT/gpu_wg.log 2>&1
+  echo "gpu wg rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_wg.log
+  timeout 200 python3 benchmarks/step.py --shapes gpt-oss-20b --gpt-oss \
+    --variants topk/cp_async,topk/cp_async/fewer-consumer-wg --rounds 3 --out $OUT/step_oss \
+    > $OUT/step_oss.log 2>&1
+  echo "step gpt-oss rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step_oss.log | tail -4
+  timeout 150 python3 benchmarks/backward.py --shapes gpt-oss-20b --rounds 3 --out $OUT/bw \
+    > $OUT/bw.log 2>&1
+  echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/bw.log | cut -c1-260 ;;
+esac
+echo "done in $(( $(date +%s) - T0 )) s"
