@@ -258,6 +258,9 @@ CONFIG_FLAGS = {
     # The persistent split-M up-proj (session 24: the H200's default for 1536 < d <= 4096)
     # at any width and on any card, e.g. to measure it on an H100 or at 7B.
     "split-m-up": lambda c, n: _replace_up(c, split_m_up_config(default_num_sms(), n)),
+    # Split-M items of 192 rows, three consumers sharing each weight tile (session 49).
+    "split-m-192-up": lambda c, n: _replace_up(
+        c, split_m_up_config(default_num_sms(), n, rows=192)),
     # dH with one consumer warpgroup: the default before session 48 where 192 but not 128
     # divides n (gpt-oss), which now runs three of 64 columns.
     "one-consumer-dh": lambda c, n: _replace(c, "dh", num_consumers=1),

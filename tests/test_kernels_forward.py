@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from pallas_moe.kernels.aggregate import aggregate
 from pallas_moe.kernels.down_proj import down_proj
-from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward
+from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward, split_m_up_config
 from pallas_moe.kernels.reference import moe_forward_reference
 from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
 from pallas_moe.routing import token_rounding_plan, topk_plan
@@ -221,3 +221,25 @@ def test_pingpong_up_proj_lowers_for_cuda_at_30b(prefetch_steps, inference, fuse
     _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg, inference=inference),
            sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
            sds((e, d, 2 * n), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("shape", [(8192, 2880, 2880, 32, 4), (16384, 2048, 768, 128, 8)],
+                         ids=["gpt_oss_64_columns", "qwen3_128_columns"])
+def test_three_consumer_split_m_up_proj_lowers_for_cuda(shape):
+    """Split-M items of 192 rows (three consumers of 64 rows sharing each weight tile, what
+    `forward.py --up-sweep rows` times) lower for cuda at production widths: 64-column items
+    with 4 stages at gpt-oss's, 128-column items with 3 (4 do not fit beside the epilogue
+    tiles) at Qwen3-30B-A3B's."""
+    t, d, n, e, k = shape
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    cfg = dataclasses.replace(split_m_up_config(132, n, rows=192), gather="cp_async")
+    stages = 4 if n % 128 else 3
+    assert (cfg.block_m, cfg.num_consumers, cfg.num_stages) == (192, 3, stages)
+    _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg),
+           sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
+           sds((e, d, 2 * n), jnp.bfloat16))
+    with pytest.raises(ValueError, match=f"needs .* B of SMEM for {stages + 1} stages"):
+        _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=dataclasses.replace(
+                   cfg, num_stages=stages + 1)),
+               sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
+               sds((e, d, 2 * n), jnp.bfloat16))

@@ -255,16 +255,20 @@ def test_pingpong_equals_cooperative_no_races(config, inference):
 
 
 @pytest.mark.parametrize(
-    "fused", [False, pytest.param(True, marks=pytest.mark.slow)],  # CI: the halves layout;
-    ids=["halves", "fused_interleaved"])  # fused differs only in the weight tiles it reads
-def test_persistent_split_m_equals_cooperative_no_races(fused):
+    "fused, block_m",
+    [(False, 128), pytest.param(True, 128, marks=pytest.mark.slow), (False, 192)],
+    # CI: the halves layout; fused differs only in the weight tiles it reads
+    ids=["halves", "fused_interleaved", "three_consumers"])
+def test_persistent_split_m_equals_cooperative_no_races(fused, block_m):
     """Persistent split-M tiles (`pingpong_ctas` with block_m=128: both consumers take every
     128-row item, 64 rows each; two N = block_n wgmmas on W1's halves, or one N = 2 * block_n
-    on interleaved W1) give bit for bit the cooperative kernel's H and A, race-free, with an
-    expert bias and the clamped
-    SwiGLU. Groups of 136, 0, 142 and 124 rows: full items, items whose second consumer has
-    no rows (8 and 14 rows), one whose second consumer has 60, an empty expert; 2 CTAs walk
-    8 items each on a 3-slot ring (2 K steps per item, so slots refill across items)."""
+    on interleaved W1; block_m=192: three consumers) give bit for bit the cooperative
+    kernel's H and A, race-free, with an expert bias and the clamped
+    SwiGLU. Groups of 136, 0, 142 and 124 rows: full items, items whose last consumer has
+    no rows (8 and 14 rows), one whose second consumer has 60 (with 192-row items: items of
+    136 and 142 rows whose third consumer has 8 and 14, one of 124 whose third has none), an
+    empty expert; 2 CTAs walk the items on a 3-slot ring (2 K steps per item, so slots
+    refill across items)."""
     ks = jax.random.split(jax.random.key(0), 4)
     x = random_x(ks[1], 300, 128)
     w1, _ = random_weights(ks[2], 4, 128, 128)  # n = 128: two 64-column blocks
@@ -275,8 +279,9 @@ def test_persistent_split_m_equals_cooperative_no_races(fused):
     kw = dict(bias=bias, activation=CLAMPED)
     coop = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
     want_h, want_a = up_proj(*args, w1, config=coop, interpret=True, **kw)
-    config = UpProjConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2,
-                          pingpong_ctas=2, epilogue_tiles=2, fused_gate_up=fused)
+    config = UpProjConfig(block_m=block_m, block_n=64, num_stages=3,
+                          num_consumers=block_m // 64, pingpong_ctas=2, epilogue_tiles=2,
+                          fused_gate_up=fused)
     h, a = up_proj(*args, interleave_gate_up(w1, 64) if fused else w1, config=config,
                    gate_up_blocks=64 if fused else 0, **kw,
                    interpret=plgpu.InterpretGPUParams(detect_races=True))
@@ -358,9 +363,12 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
 @pytest.mark.parametrize(
     "config, match",
     [
-        (dataclasses.replace(PINGPONG, num_consumers=1), "needs num_consumers=2 and block_m=64"),
-        (dataclasses.replace(PINGPONG, block_m=192), "needs num_consumers=2 and block_m=64 "
-         "\\(ping-pong\\) or 128 \\(split-M\\)"),
+        (dataclasses.replace(PINGPONG, num_consumers=1),
+         "needs block_m=64 with num_consumers=2"),
+        (dataclasses.replace(PINGPONG, block_m=192), "block_m=128 or 192 with num_consumers = "
+         "block_m // 64 \\(split-M\\), got num_consumers=2, block_m=192"),
+        (dataclasses.replace(PINGPONG, block_m=256, num_consumers=4),
+         "block_m=128 or 192 .* got num_consumers=4, block_m=256"),
         # One CTA per tile is 64-row tiles only: split-M items are the persistent kernel's.
         (UpProjConfig(block_m=128, block_n=64, num_consumers=2),
          "block_m=128 needs the persistent kernel.*set pingpong_ctas > 0"),

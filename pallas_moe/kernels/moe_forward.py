@@ -27,7 +27,7 @@ from pallas_moe.kernels.decode import moe_decode
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.schedules import PlanSchedules, require_block
-from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
+from pallas_moe.kernels.up_proj import UpProjConfig, persistent_smem_bytes, up_proj
 from pallas_moe.ops.activation import SwiGLU
 
 
@@ -182,16 +182,22 @@ class ForwardConfig:
 
 
 # The ping-pong grouped GEMM the down-proj (and dX~ with a short K loop) runs by default.
-def split_m_up_config(num_sms: int, n: int | None = None) -> UpProjConfig:
+def split_m_up_config(num_sms: int, n: int | None = None, *, rows: int = 128) -> UpProjConfig:
     """The persistent split-M up-proj (`UpProjConfig.pingpong_ctas` with block_m = 128) as
     every card runs it above `PINGPONG_UP_MAX_D`, and an H200 below it from
     `SPLIT_M_UP_MIN_N` on:
     `num_sms` CTAs, 4 stages on mbarriers, one-tile epilogue buffers, W1's halves (two
     N = 128 wgmmas per consumer and step; N = 64 where 128 does not divide the expert width
-    `n`, e.g. gpt-oss's 2880). `n=None`: 128-column items."""
+    `n`, e.g. gpt-oss's 2880). `n=None`: 128-column items. `rows=192`: items of 192 rows
+    that three consumers share (64 rows each), with 4 stages where they fit in SMEM, else 3.
+    """
     block_n = 64 if n is not None and n % 128 else 128
-    return UpProjConfig(block_m=128, block_n=block_n, num_stages=4, num_consumers=2,
-                        pingpong_ctas=num_sms, epilogue_tiles=1, gather_completion="mbarrier")
+    config = UpProjConfig(block_m=rows, block_n=block_n, num_stages=4,
+                          num_consumers=rows // 64, pingpong_ctas=num_sms, epilogue_tiles=1,
+                          gather_completion="mbarrier")
+    if persistent_smem_bytes(config) > _common.SMEM_BUDGET:
+        config = dataclasses.replace(config, num_stages=3)
+    return config
 
 
 PINGPONG_DOWN = GroupedMatmulConfig(block_m=128, block_n=128, num_stages=5, pingpong=True)

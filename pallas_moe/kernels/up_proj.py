@@ -215,11 +215,16 @@ def _check_pingpong(config: UpProjConfig) -> None:
                 "set pingpong_ctas > 0 too, or leave it 0."
             )
         return
-    if config.num_consumers != 2 or config.block_m not in (64, 128):
+    if config.block_m == 64:
+        ok = config.num_consumers == 2  # ping-pong: two consumers take alternate items
+    else:  # split-M: every consumer takes 64 rows of every item
+        ok = config.block_m in (128, 192) and config.num_consumers == config.block_m // 64
+    if not ok:
         raise ValueError(
-            "config.pingpong_ctas > 0 (the persistent kernel) needs num_consumers=2 and "
-            "block_m=64 (ping-pong) or 128 (split-M), got "
-            f"num_consumers={config.num_consumers}, block_m={config.block_m}."
+            "config.pingpong_ctas > 0 (the persistent kernel) needs block_m=64 with "
+            "num_consumers=2 (ping-pong), or block_m=128 or 192 with num_consumers = "
+            f"block_m // 64 (split-M), got num_consumers={config.num_consumers}, "
+            f"block_m={config.block_m}."
         )
 
 
@@ -550,8 +555,8 @@ def _pingpong_kernel(
     consumers' releases.
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
-    cons = 2
-    split = _split_m(config)  # both consumers take every item, 64 rows each
+    cons = config.num_consumers  # 2 in ping-pong; block_m / 64 in split-M
+    split = _split_m(config)  # every consumer takes every item, 64 rows each
     rows_c = 64  # rows of one consumer's accumulator (the whole item unless split-M)
     sets = 1 if split else cons  # sets of `full` barriers: one per consumer in ping-pong
     num_k = d // bk
@@ -568,7 +573,7 @@ def _pingpong_kernel(
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     ahead = min(config.prefetch_steps, num_k) if cp_async else 0  # L2 prefetch distance
     fused = config.fused_gate_up
-    smem = (stages * (bm * bk + 2 * bk * bn) + cons * per_fill * rows_c * slab) * 2
+    smem = persistent_smem_bytes(config, inference)
     if smem > _common.SMEM_BUDGET:  # the margin: ids, biases, barriers
         raise ValueError(
             f"the persistent up-proj needs {smem} B of SMEM for {stages} stages of [{bm}, {bk}] "
@@ -811,6 +816,19 @@ def _pingpong_kernel(
     )
 
 
+def persistent_smem_bytes(config: UpProjConfig, inference: bool = False) -> int:
+    """SMEM of the persistent kernel's ring (`num_stages` gathered [block_m, block_k] row
+    stages and two [block_k, block_n] weight tiles each) and its consumers' epilogue tiles
+    ([64, 64] each, `epilogue_tiles` of the item's per consumer), bf16. The kernel raises a
+    ValueError above `_common.SMEM_BUDGET`."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    slab = 64
+    per_item = (1 if inference else 3) * (bn // slab)
+    per_fill = min(config.epilogue_tiles or per_item, per_item)
+    return (config.num_stages * (bm * bk + 2 * bk * bn)
+            + config.num_consumers * per_fill * 64 * slab) * 2
+
+
 def _gate_up_weight_copies(fused: bool, interleaved: bool, bk: int) -> int:
     """TMA copies `_copy_gate_up_weights` issues per K step (each one barrier arrival)."""
     if fused and interleaved:
@@ -912,9 +930,9 @@ def _bias_columns(bias_smem, barrier, rows: int):
 
 
 def _split_m(config: UpProjConfig) -> bool:
-    """The persistent kernel's consumers split each 128-row item's rows (64 each) and share
-    the weight tiles, instead of taking alternate 64-row items."""
-    return config.pingpong_ctas > 0 and config.block_m == 128
+    """The persistent kernel's consumers split each item's rows (64 each, `block_m` = 128
+    or 192) and share the weight tiles, instead of taking alternate 64-row items."""
+    return config.pingpong_ctas > 0 and config.block_m > 64
 
 
 def _cta_cols(config: UpProjConfig) -> int:

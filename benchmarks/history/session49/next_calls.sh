@@ -3,6 +3,9 @@
 #   W (an H100): gpt-oss-20b with the weight gradients' new three-consumer default: the
 #     step against the consumers before (paired), the backward's kernel table, and the
 #     weight gradients' GPU bitwise test at gpt-oss widths.
+#   R (an H100): split-M up-proj items of 192 rows (three consumers sharing each weight
+#     tile) against 128-row items at gpt-oss, Qwen3, d = 2880 and 30B widths; then the
+#     gpt-oss step with them (paired against the default).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -19,5 +22,15 @@ W)
   timeout 150 python3 benchmarks/backward.py --shapes gpt-oss-20b --rounds 3 --out $OUT/bw \
     > $OUT/bw.log 2>&1
   echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/bw.log | cut -c1-260 ;;
+R)
+  timeout 380 python3 benchmarks/forward.py --shapes gpt-oss-20b,qwen3-30b-a3b,w2880,30b \
+    --skew '' --up-sweep rows --down-sweep none --no-baselines --rounds 3 \
+    --out $OUT/fw > $OUT/forward.log 2>&1
+  echo "forward rc=$? at $(( $(date +%s) - T0 )) s"
+  grep "^  up \|^==\|errors\|FAIL\|Error" $OUT/forward.log | sed 's/UpProjConfig(\(.\{0,100\}\).*): /UP(\1) /' | cut -c1-230
+  timeout 170 python3 benchmarks/step.py --shapes gpt-oss-20b --gpt-oss \
+    --variants topk/cp_async,topk/cp_async/split-m-192-up --rounds 3 --out $OUT/step_oss \
+    > $OUT/step_oss.log 2>&1
+  echo "step gpt-oss rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step_oss.log | tail -4 ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
