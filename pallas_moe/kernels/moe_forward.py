@@ -135,7 +135,8 @@ class ForwardConfig:
             # 64 columns; and it confirmed the H100 rule at d = 2048 (1800.9 -> 1456.9 us,
             # 1.236x) and 2880 (n = 1408: 1284.4 -> 970.3, 1.324x). Not above
             # SPLIT_M_UP_MAX_D: at d = 7168 (n = 2048) split-M lost, 1617.7 -> 1894.4 us
-            # (0.854x, spread 10.1%), so the cooperative kernel stays there.
+            # (0.854x, spread 10.1%), so the cooperative kernel stays there. Session 49:
+            # 64-column items take 192 rows and three consumers (see split_m_up_config).
             up = split_m_up_config(num_sms, n)
         elif n % 128 == 0 and d <= PINGPONG_UP_MAX_D:
             # Measured on the H100 (session 20, same run, bitwise equal): the ping-pong
@@ -181,17 +182,29 @@ class ForwardConfig:
         return dataclasses.replace(cfg, **overrides)
 
 
-# The ping-pong grouped GEMM the down-proj (and dX~ with a short K loop) runs by default.
-def split_m_up_config(num_sms: int, n: int | None = None, *, rows: int = 128) -> UpProjConfig:
-    """The persistent split-M up-proj (`UpProjConfig.pingpong_ctas` with block_m = 128) as
+def split_m_up_config(num_sms: int, n: int | None = None, *, rows: int | None = None
+                      ) -> UpProjConfig:
+    """The persistent split-M up-proj (`UpProjConfig.pingpong_ctas` with block_m > 64) as
     every card runs it above `PINGPONG_UP_MAX_D`, and an H200 below it from
     `SPLIT_M_UP_MIN_N` on:
-    `num_sms` CTAs, 4 stages on mbarriers, one-tile epilogue buffers, W1's halves (two
-    N = 128 wgmmas per consumer and step; N = 64 where 128 does not divide the expert width
-    `n`, e.g. gpt-oss's 2880). `n=None`: 128-column items. `rows=192`: items of 192 rows
-    that three consumers share (64 rows each), with 4 stages where they fit in SMEM, else 3.
+    `num_sms` CTAs, 4 stages on mbarriers (3 where 4 do not fit in SMEM), one-tile epilogue
+    buffers, W1's halves. 128-row items that two consumers share (64 rows each), two
+    N = 128 wgmmas per consumer and step; where 128 does not divide the expert width `n`
+    (e.g. gpt-oss's 2880), items 64 columns wide (two N = 64 wgmmas) and 192 rows that three
+    consumers share. `n=None`: 128-column items. `rows`: 128 or 192 instead of that choice.
+
+    Why 192 rows only with 64-column items: measured on the H100 (session 49,
+    `benchmarks/forward.py --up-sweep rows`, same run, 3 rounds, error 0 against the XLA
+    tiles), gpt-oss-20b's widths (d = n = 2880) 2919.7 -> 2603.8 us (1.116x, spreads
+    1.0% / 0.8%): each weight tile feeds 192 rows instead of 128, which cuts the L2 -> SMEM
+    bytes the item reads (docs/kernels.md counts them); the whole gpt-oss training step
+    13.567 -> 13.282 ms (1.021x, paired). With 128-column items the three consumers' two
+    [64, 128] f32 accumulators do not fit their registers beside the epilogue (152 each):
+    0.137-0.144x at the Qwen3-30B-A3B, d = 2880 (n = 1408) and 30B widths.
     """
     block_n = 64 if n is not None and n % 128 else 128
+    if rows is None:
+        rows = 192 if block_n == 64 else 128
     config = UpProjConfig(block_m=rows, block_n=block_n, num_stages=4,
                           num_consumers=rows // 64, pingpong_ctas=num_sms, epilogue_tiles=1,
                           gather_completion="mbarrier")
@@ -200,6 +213,7 @@ def split_m_up_config(num_sms: int, n: int | None = None, *, rows: int = 128) ->
     return config
 
 
+# The ping-pong grouped GEMM the down-proj (and dX~ with a short K loop) runs by default.
 PINGPONG_DOWN = GroupedMatmulConfig(block_m=128, block_n=128, num_stages=5, pingpong=True)
 
 

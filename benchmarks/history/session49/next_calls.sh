@@ -6,6 +6,8 @@
 #   R (an H100): split-M up-proj items of 192 rows (three consumers sharing each weight
 #     tile) against 128-row items at gpt-oss, Qwen3, d = 2880 and 30B widths; then the
 #     gpt-oss step with them (paired against the default).
+#   T (any card; after 192-row items became gpt-oss's default): their GPU bitwise test, and
+#     gpt-oss's forward table (bound ratios, ragged_dot_mgpu).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -32,5 +34,12 @@ R)
     --variants topk/cp_async,topk/cp_async/split-m-192-up --rounds 3 --out $OUT/step_oss \
     > $OUT/step_oss.log 2>&1
   echo "step gpt-oss rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step_oss.log | tail -4 ;;
+T)
+  timeout 200 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k "192_row" \
+    > $OUT/gpu_up.log 2>&1
+  echo "gpu up rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_up.log
+  timeout 200 python3 benchmarks/forward.py --shapes gpt-oss-20b --skew '' --up-sweep none \
+    --down-sweep none --rounds 3 --out $OUT/fw > $OUT/forward.log 2>&1
+  echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/forward.log | cut -c1-260 | tail -3 ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
