@@ -35,10 +35,12 @@ slots.
   (`ForwardConfig.for_shape`). At d <= 1536 a ping-pong (an H200 takes split-M there from
   n = 512 on): the two consumers take alternate (64-row tile, `block_n` columns) items,
   each gathering its own rows, so one consumer's SwiGLU epilogue and stores run while the
-  other's wgmmas keep the tensor cores busy. Above, split-M: both consumers take every
-  128-row item, 64 rows each, so each weight tile feeds 128 rows (items 64 columns wide
-  where 128 does not divide n). Same bits as the cooperative kernel. Split-M lost to the
-  cooperative kernel at d = 7168 on the H100 (0.854x, session 48), so both stay.
+  other's wgmmas keep the tensor cores busy. Above, split-M: every consumer takes every
+  item, 64 rows each, so each weight tile feeds the whole item: 128 rows and two consumers,
+  or, where 128 does not divide n, 192 rows, three consumers and 64 columns (gpt-oss:
+  1.116x 128 rows on the H100, session 49). Same bits as the cooperative kernel. Split-M
+  lost to the cooperative kernel at d = 7168 on the H100 (0.854x, session 48), so both
+  stay.
 (Session 22 removed a third, one-warpgroup kernel, in which the single warpgroup issued every
 row copy and every wgmma: 3-4x slower, and no default used it.)
 
@@ -65,8 +67,8 @@ class UpProjConfig:
     """Block sizes of the up-proj kernel.
 
     Attributes:
-      block_m: rows per tile: 64, or 128 for the persistent kernel's split-M items
-        (`pingpong_ctas`).
+      block_m: rows per tile: 64, or 128 or 192 for the persistent kernel's split-M items
+        (`pingpong_ctas`; `num_consumers = block_m // 64`).
       block_n: gate (and up) columns per CTA; the CTA computes 2*block_n columns of H.
         Must divide n and be a multiple of 64.
       block_k: contraction step; must divide d and be 64 (one 128-byte swizzle row of bf16).
@@ -102,8 +104,9 @@ class UpProjConfig:
         CTA's consumers take its items in turn, so one consumer's SwiGLU epilogue and
         stores run while the other's wgmmas keep the tensor cores busy. Each item's rows
         are gathered for it (a row is gathered `n / block_n` times, from L2 after the
-        first). With block_m = 128 (split-M) the same persistent kernel gives every item
-        to both consumers, 64 rows each, so each weight tile feeds 128 rows and the ring
+        first). With block_m = 128 or 192 (split-M) the same persistent kernel gives every
+        item to all `block_m // 64` consumers, 64 rows each, so each weight tile feeds
+        `block_m` rows and the ring
         streams across items (the one-CTA-per-tile kernel drains and refills it per tile):
         the H200's default for 1536 < d <= 4096 (`ForwardConfig.for_shape`; session 24:
         1.10-1.27x the cooperative kernel at d = 2048-4096). Bitwise the same outputs as
@@ -544,8 +547,9 @@ def _pingpong_kernel(
     and H up tiles into the buffer, and TMA-stores the buffer whenever it is full; before
     it starts refilling the buffer it waits for its previous stores to have read it.
 
-    Split-M (`block_m = 128`, `_split_m`): the same persistent walk over 128-row items, but
-    both consumers take every item, consumer c multiplying rows [64 c, 64 c + 64) of each
+    Split-M (`block_m` = 128 or 192, `_split_m`): the same persistent walk over items of
+    `block_m` rows, but all `block_m // 64` consumers take every item (below, "both" means
+    all of them), consumer c multiplying rows [64 c, 64 c + 64) of each
     gathered stage by the stage's gate and up weight tiles (or, fused, its one [block_k,
     2 block_n] tile); so each weight tile serves 128 rows, and the producer streams the
     next item's stages while both consumers run their epilogues. (A one-CTA-per-tile form
