@@ -53,7 +53,7 @@ def main():
     for d in [int(w) for w in args.widths.split(",")]:
         x, w1, w2, plan, do = case(T, d, n, E, K)
         fcfg, bcfg = ForwardConfig.for_shape(d, n), BackwardConfig.for_shape(d, n)
-        meta = jax.jit(lambda g, t: _common.tile_meta(g, t, fcfg.up.block_m))(plan.group_sizes, plan.token_ids)
+        meta = jax.jit(lambda g, t: _common.tile_meta(g, t, fcfg.up.tile_rows))(plan.group_sizes, plan.token_ids)
         up = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=fcfg.up, meta=m))
         up_inf = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=fcfg.up, meta=m, inference=True))
         row = dict(d=d, up_us=1e3 * gpu_time_ms(up, x, plan.token_ids, plan.group_sizes, w1, meta))
@@ -61,7 +61,7 @@ def main():
         # Contiguous rows: the same tiles over a pre-gathered X.
         xg = x[plan.token_ids]
         ident = jnp.arange(plan.token_ids.shape[0], dtype=jnp.int32)
-        meta_c = jax.jit(lambda g, t: _common.tile_meta(g, t, fcfg.up.block_m))(plan.group_sizes, ident)
+        meta_c = jax.jit(lambda g, t: _common.tile_meta(g, t, fcfg.up.tile_rows))(plan.group_sizes, ident)
         row["up_contiguous_us"] = 1e3 * gpu_time_ms(up, xg, ident, plan.group_sizes, w1, meta_c)
         h, _ = up(x, plan.token_ids, plan.group_sizes, w1, meta)
         dmeta = jax.jit(lambda g, t: _common.tile_meta(g, t, bcfg.dh.block_m))(plan.group_sizes, plan.token_ids)

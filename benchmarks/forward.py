@@ -326,7 +326,7 @@ def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True, rounds
 
     # ---- correctness, every kernel alone and chained, all real rows
     base = ForwardConfig.for_shape(d, n)
-    up_meta = jax.jit(lambda g, t: _common.tile_meta(g, t, base.up.block_m))(plan.group_sizes, plan.token_ids)
+    up_meta = jax.jit(lambda g, t: _common.tile_meta(g, t, base.up.tile_rows))(plan.group_sizes, plan.token_ids)
     up_fn = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=base.up, meta=m))
     h, a = poison_then(up_fn, x, plan.token_ids, plan.group_sizes, w1, up_meta, nbytes=P * 3 * n * 2)
     res["err_h"] = rel_err(h, h_ref, rows)
@@ -604,6 +604,16 @@ def rows_up_cfgs(d, n):
            for rows in (128, 192)], n)
 
 
+def cluster_up_cfgs(d, n):
+    """Session 49: split-M items on clusters of two CTAs that share each weight tile by
+    multicast (`UpProjConfig.cluster_m=2`): each weight byte from L2 feeds twice the rows.
+    Against this width's default and its split-M form without clusters (at d <= 1536 and
+    above 4096, where the default is not split-M, both split-M forms are the candidates)."""
+    split = dataclasses.replace(split_m_up_config(132, n), gather="cp_async")
+    return _fitting_up_cfgs([ForwardConfig.for_shape(d, n).up, split,
+                             dataclasses.replace(split, cluster_m=2)], n)
+
+
 def pingpong_up_cfgs(d, n):
     """Session 20: the ping-pong up-proj (`UpProjConfig.pingpong_ctas`, the default for
     d <= 1536) against the cooperative kernel (the previous default, and still the default
@@ -670,7 +680,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
@@ -695,6 +705,7 @@ def main():
                            "cards": cards_up_cfgs,
                            "persistent": persistent_up_cfgs,
                            "rows": rows_up_cfgs,
+                           "cluster": cluster_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "slabs": staged_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

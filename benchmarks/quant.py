@@ -481,7 +481,7 @@ def run_fp8_case(name, shape, log, interpret=False, more=False, sweeps=(), round
 
     # ---- timings: each kernel alone on the same inputs, then the whole forwards
     # (--interpret: each kernel runs once in interpret mode; times are NaN)
-    up_meta = jax.jit(lambda g, t: _common.tile_meta(g, t, base.up.block_m))(plan.group_sizes, plan.token_ids)
+    up_meta = jax.jit(lambda g, t: _common.tile_meta(g, t, base.up.tile_rows))(plan.group_sizes, plan.token_ids)
     up16 = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=base.up, inference=True, meta=m, **kw)[1])
     res["bf16_up_us"] = timed(up16, x, plan.token_ids, plan.group_sizes, w1, up_meta) * 1e3
     res["quant_x_us"] = timed(qt, x) * 1e3

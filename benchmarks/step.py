@@ -258,6 +258,10 @@ CONFIG_FLAGS = {
     # The persistent split-M up-proj (session 24: the H200's default for 1536 < d <= 4096)
     # at any width and on any card, e.g. to measure it on an H100 or at 7B.
     "split-m-up": lambda c, n: _replace_up(c, split_m_up_config(default_num_sms(), n)),
+    # Split-M items on clusters of two CTAs sharing each weight tile (`cluster_m=2`,
+    # session 49), from this width's split-M form.
+    "cluster-up": lambda c, n: _replace_up(
+        c, dataclasses.replace(split_m_up_config(default_num_sms(), n), cluster_m=2)),
     # Split-M items of 192 rows, three consumers sharing each weight tile (session 49).
     "split-m-192-up": lambda c, n: _replace_up(
         c, split_m_up_config(default_num_sms(), n, rows=192)),

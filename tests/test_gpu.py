@@ -253,6 +253,54 @@ def test_up_proj_192_row_split_m_equals_cooperative():
             assert bool(jnp.array_equal(h[:rows], want_h[:rows])), name
 
 
+@pytest.mark.parametrize("shape", [(6000, 4096, 512, 16, 4), (3000, 2880, 2880, 16, 4)],
+                         ids=["30b_widths", "gpt_oss_widths"])
+def test_up_proj_cluster_split_m_writes_the_default_bits(shape):
+    """Split-M items on clusters of two CTAs (`cluster_m=2`: each K step's weight tiles
+    multicast to both CTAs, a slot refilled once both CTAs' consumers released it) write the
+    bits of the width's default (one CTA per item) and match the jnp reference: an expert
+    bias, skewed routing with an empty expert (cluster items whose second CTA has few or no
+    rows), poisoned outputs, 132 and 8 CTAs (4 clusters walk many items), inference's A."""
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+    from pallas_moe.kernels.up_proj import up_proj
+
+    T, d, n, E, K = shape
+    ks = jax.random.split(jax.random.key(T + d + n + 2), 4)
+    x = jax.random.normal(ks[0], (T, d), jnp.bfloat16)
+    w1 = (jax.random.normal(ks[1], (E, d, 2 * n)) * d**-0.5).astype(jnp.bfloat16)
+    logits = jax.random.normal(ks[2], (T, E)).at[:, 0].add(2.0).at[:, 3].add(-1e4)
+    plan = pm.routing.topk_plan(logits, K)
+    assert int(plan.group_sizes[3]) == 0
+    bias = (0.5 * jax.random.normal(ks[3], (E, 2 * n))).astype(jnp.bfloat16)
+    default = ForwardConfig.for_shape(d, n).up
+    assert default.pingpong_ctas and default.block_m > 64 and default.cluster_m == 1, default
+    rows = int(plan.num_rows)
+
+    def run(config, inference=False):
+        _poison(plan.capacity * 3 * n * 2)
+        return jax.jit(lambda x, t, g, w: up_proj(x, t, g, w, config=config, bias=bias,
+                                                  inference=inference))(
+            x, plan.token_ids, plan.group_sizes, w1)
+
+    want_h, want_a = run(default)
+    starts = [0, *jnp.cumsum(plan.group_sizes).tolist()]
+    h_ref = jnp.concatenate([
+        (jnp.dot(x[plan.token_ids[starts[e]:starts[e + 1]]], w1[e],
+                 preferred_element_type=jnp.float32)
+         + bias[e].astype(jnp.float32)).astype(jnp.bfloat16)
+        for e in range(E)
+    ])
+    assert rel_err(want_h[:rows], h_ref[:rows]) < 1e-2
+    cluster = dataclasses.replace(default, cluster_m=2)
+    for name, config, inference in (
+            ("132 CTAs", cluster, False), ("8 CTAs", dataclasses.replace(cluster, pingpong_ctas=8),
+                                           False), ("inference", cluster, True)):
+        h, a = run(config, inference)
+        assert bool(jnp.array_equal(a[:rows], want_a[:rows])), name
+        if not inference:
+            assert bool(jnp.array_equal(h[:rows], want_h[:rows])), name
+
+
 @pytest.mark.parametrize("shape", [(32768, 128), (16384, 512), (1000, 60), (1000, 4)])
 def test_router_softmax_is_one_program(shape):
     """On the GPU `routing.formulas.softmax` is the Pallas kernel `kernels.softmax_rows`:

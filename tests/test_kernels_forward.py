@@ -246,3 +246,19 @@ def test_three_consumer_split_m_up_proj_lowers_for_cuda(shape):
                    cfg, num_stages=stages + 1)),
                sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
                sds((e, d, 2 * n), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (8192, 2880, 2880, 32, 4)],
+                         ids=["30b", "gpt_oss"])
+def test_cluster_split_m_up_proj_lowers_for_cuda(shape):
+    """Split-M items on clusters of two CTAs (`cluster_m=2`, the weight tiles multicast to
+    both) lower for cuda at production widths, from each width's split-M default (30B:
+    128 rows, 128 columns; gpt-oss: 192 rows, 64 columns), training and inference."""
+    t, d, n, e, k = shape
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    up = dataclasses.replace(ForwardConfig.for_shape(d, n).up, cluster_m=2)
+    assert up.pingpong_ctas and up.block_m > 64 and up.tile_rows == 2 * up.block_m, up
+    for inference in (False, True):
+        _lower(lambda x, tok, g, w, i=inference: up_proj(x, tok, g, w, config=up, inference=i),
+               sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
+               sds((e, d, 2 * n), jnp.bfloat16))

@@ -291,6 +291,38 @@ def test_persistent_split_m_equals_cooperative_no_races(fused, block_m):
     assert_untouched(h, rows)
 
 
+@pytest.mark.parametrize("block_m", [128, pytest.param(192, marks=pytest.mark.slow)])
+def test_cluster_split_m_equals_cooperative_no_races(block_m):
+    """Split-M items on clusters of two CTAs (`cluster_m=2`: the CTAs take two consecutive
+    row blocks of one expert and share each weight tile through a cluster multicast copy;
+    a slot is refilled once the consumers of both CTAs released it) give bit for bit the
+    cooperative kernel's H and A, race-free, with an expert bias. Groups of 136, 0, 142 and
+    124 rows (with 128-row blocks: cluster items of 256 rows whose second CTA has 8, 14 or
+    no rows, so a CTA runs items it stores nothing of); 2 clusters walk the items on a
+    3-slot ring (2 K steps per item, so slots refill across items). Interpret mode has no
+    multicast (each CTA loads the whole tile), so this checks the cluster protocol: a
+    wrong arrival count on the cluster barrier hangs or races here."""
+    ks = jax.random.split(jax.random.key(0), 4)
+    x = random_x(ks[1], 300, 128)
+    w1, _ = random_weights(ks[2], 4, 128, 128)  # n = 128: two 64-column blocks
+    bias = (0.5 * jax.random.normal(ks[3], (4, 256))).astype(jnp.bfloat16)
+    plan = assignment_plan(jax.random.key(0), 300, 4, p=0.42, empty=(1,), extra=5)
+    assert plan.group_sizes.tolist() == [136, 0, 142, 124]
+    args = (x, plan.token_ids, plan.group_sizes, w1)
+    coop = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
+    want_h, want_a = up_proj(*args, config=coop, interpret=True, bias=bias)
+    config = UpProjConfig(block_m=block_m, block_n=64, num_stages=3,
+                          num_consumers=block_m // 64, pingpong_ctas=4, epilogue_tiles=2,
+                          cluster_m=2)
+    assert config.tile_rows == 2 * block_m
+    h, a = up_proj(*args, config=config, bias=bias,
+                   interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+    rows = int(plan.num_rows)
+    assert_same_rows(h, a, want_h, want_a, rows)
+    assert_untouched(h, rows)
+
+
 @pytest.mark.parametrize(
     "kernel, fused",
     # CI: the fused ping-pong form (interleaved W1 is what the fused forms exist for); the
@@ -369,6 +401,13 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
          "block_m // 64 \\(split-M\\), got num_consumers=2, block_m=192"),
         (dataclasses.replace(PINGPONG, block_m=256, num_consumers=4),
          "block_m=128 or 192 .* got num_consumers=4, block_m=256"),
+        (dataclasses.replace(SPLIT_M, cluster_m=3), "config.cluster_m=3 must be 1 or 2"),
+        (dataclasses.replace(PINGPONG, cluster_m=2), "cluster_m=2 .* needs the persistent "
+         "split-M kernel with an even CTA count.*got block_m=64, pingpong_ctas="),
+        (dataclasses.replace(SPLIT_M, pingpong_ctas=3, cluster_m=2),
+         "got block_m=128, pingpong_ctas=3"),
+        (UpProjConfig(block_m=64, block_n=64, num_consumers=2, cluster_m=2),
+         "cluster_m=2 .* needs the persistent split-M kernel"),
         # One CTA per tile is 64-row tiles only: split-M items are the persistent kernel's.
         (UpProjConfig(block_m=128, block_n=64, num_consumers=2),
          "block_m=128 needs the persistent kernel.*set pingpong_ctas > 0"),

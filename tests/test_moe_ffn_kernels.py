@@ -60,20 +60,22 @@ def test_interpret_backend_forward_and_gradients_match_xla(router):
 # detector), its schedules by test_persistent_split_m_schedules_trace below, and the op on
 # the GPU by test_gpu's test_mosaic_matches_xla_at_d_2048; this is the interpret-mode extra.
 @pytest.mark.slow
-def test_interpret_backend_with_the_persistent_split_m_up_proj_matches_xla():
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_interpret_backend_with_the_persistent_split_m_up_proj_matches_xla(cluster_m):
     """The op with the up-proj every card runs above d = 1536 (persistent split-M, 128-row
     items: `ForwardConfig.for_shape`), whose 128-row tiles differ from dH's 64 (two row-tile
     schedules per plan): forward and every gradient against the xla backend, on the inputs
     of test_interpret_backend_forward_and_gradients_match_xla (ragged, skewed groups). The
     kernel's row patterns (items over 64 and 128 rows): test_kernels_up_proj's persistent
-    split-M test."""
+    split-M test. `cluster_m=2`: the items on clusters of two CTAs (256-row tiles)."""
     from pallas_moe.kernels.moe_backward import BackwardConfig
     from pallas_moe.kernels.moe_forward import ForwardConfig
     from pallas_moe.kernels.up_proj import UpProjConfig
 
     logits, x, w1, w2, cot = make_inputs(0, 40, 64, 64, 4, skew=1.5)
-    up = UpProjConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2, pingpong_ctas=3,
-                      epilogue_tiles=1)
+    up = UpProjConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2,
+                      pingpong_ctas=3 if cluster_m == 1 else 4,
+                      epilogue_tiles=1, cluster_m=cluster_m)
     forward = dataclasses.replace(ForwardConfig.for_shape(64, 64, num_sms=3), up=up)
     config = pm.kernels.KernelConfig(forward=forward,
                                      backward=BackwardConfig.for_shape(64, 64, num_sms=3))
@@ -315,10 +317,12 @@ def test_tile_metadata_is_computed_once_per_plan(monkeypatch):
     assert sorted(calls) == sorted(want), calls
 
 
-def test_persistent_split_m_schedules_trace(monkeypatch):
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_persistent_split_m_schedules_trace(monkeypatch, cluster_m):
     """The op's forward and backward trace with 128-row up-proj tiles (the H200's persistent
     split-M kernel above d = 1536) beside dH's 64-row tiles: each block size's row tiles
-    are derived once per plan and handed to its kernel."""
+    are derived once per plan and handed to its kernel. With `cluster_m=2` the up-proj's
+    tiles are a cluster item's 256 rows (`UpProjConfig.tile_rows`)."""
     from pallas_moe.kernels import _common
     from pallas_moe.kernels.moe_backward import BackwardConfig
     from pallas_moe.kernels.moe_forward import ForwardConfig
@@ -326,8 +330,8 @@ def test_persistent_split_m_schedules_trace(monkeypatch):
 
     logits, x, w1, w2, cot = make_inputs(0, 40, 64, 64, 4)
     plan = pm.routing.topk_plan(logits, 2)
-    up = UpProjConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2, pingpong_ctas=3,
-                      epilogue_tiles=1)
+    up = UpProjConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2, pingpong_ctas=4,
+                      epilogue_tiles=1, cluster_m=cluster_m)
     forward = dataclasses.replace(ForwardConfig.for_shape(64, 64, num_sms=3), up=up)
     backward = BackwardConfig.for_shape(64, 64, num_sms=3)
     config = pm.kernels.KernelConfig(forward=forward, backward=backward)
@@ -341,7 +345,7 @@ def test_persistent_split_m_schedules_trace(monkeypatch):
     monkeypatch.setattr(_common, "tile_meta",
                         lambda *a, **kw: blocks.append(a[-1]) or original(*a, **kw))
     jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, w1, w2)
-    assert sorted(blocks) == sorted({128, backward.dh.block_m}), blocks
+    assert sorted(blocks) == sorted({128 * cluster_m, backward.dh.block_m}), blocks
 
 
 def test_precomputed_schedules_must_match_the_config():

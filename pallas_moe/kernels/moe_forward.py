@@ -388,10 +388,10 @@ def moe_forward(
     # Tile metadata, once per plan and block size: from the op (`plan_schedules`, shared
     # with the backward), or computed here for a standalone call.
     if schedules is None:
-        up_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.up.block_m)
+        up_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.up.tile_rows)
         down_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
     else:
-        require_block("up", schedules.up, config.up.block_m)
+        require_block("up", schedules.up, config.up.tile_rows)
         require_block("down", schedules.down, config.down.block_m)
         up_meta, down_meta = schedules.up, schedules.down
 

@@ -35,7 +35,7 @@ class PlanSchedules:
     """The tile metadata of every kernel of one plan (integer arrays; no gradient).
 
     Attributes:
-      up: row tiles of `ForwardConfig.up.block_m` rows, with token ids (up-proj). None
+      up: row tiles of `ForwardConfig.up.tile_rows` rows, with token ids (up-proj). None
         when the forward is the decode megakernel, which schedules its own tasks.
       down: aligned row tiles of `ForwardConfig.down.block_m` rows (down-proj). None as `up`.
       dh: row tiles of `BackwardConfig.dh.block_m` rows, with token ids (dH kernel).
@@ -73,7 +73,7 @@ def plan_schedules(plan, forward: "ForwardConfig", backward: "BackwardConfig") -
 
     by_kernels = forward.decode is None
     return PlanSchedules(
-        up=row_tiles(forward.up.block_m) if by_kernels else None,
+        up=row_tiles(forward.up.tile_rows) if by_kernels else None,
         down=aligned_tiles(forward.down.block_m) if by_kernels else None,
         dh=row_tiles(backward.dh.block_m),
         weight_grad=k_block_meta(plan.group_sizes, plan.token_ids, backward.dw_down.block_k),

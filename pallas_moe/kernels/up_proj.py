@@ -51,6 +51,7 @@ a tile never writes rows of the next expert; empty tiles return before loading a
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,16 @@ class UpProjConfig:
         either layout (the halves layout costs 16 eight-row TMA boxes per step, measured
         0.63x on an H200; interleaved W1, `up_proj(gate_up_blocks=block_n)`, one box:
         1.025x); so do its split-M items. Persistent kernel only.
+      cluster_m: 1 (default), or 2: split-M items run on clusters of two CTAs (the grid's
+        `pingpong_ctas` CTAs, an even count, as pingpong_ctas / 2 clusters) that take two
+        consecutive row blocks of one expert (`block_m` rows each, `tile_rows` = 2 *
+        block_m rows of metadata per cluster item) and share each K step's weight tiles:
+        every CTA asks for the whole tile with a cluster multicast copy, which the hardware
+        splits (each CTA loads half and both receive all), so each weight byte read from L2
+        feeds 2 * block_m rows. A slot is refilled once the consumers of both CTAs released
+        it (`plgpu.ClusterBarrier`). Same products in the same order, so bitwise the same
+        outputs. Interpret mode runs the same protocol with each CTA loading the whole tile
+        (it has no multicast), so its tests check the barriers, not the multicast itself.
     """
 
     block_m: int = 64
@@ -148,6 +159,13 @@ class UpProjConfig:
     epilogue_tiles: int = 0
     prefetch_steps: int = 0
     fused_gate_up: bool = False
+    cluster_m: int = 1
+
+    @property
+    def tile_rows(self) -> int:
+        """Rows of one metadata tile (`TileMeta.block_m`): a cluster item's `cluster_m`
+        row blocks of `block_m` rows."""
+        return self.block_m * self.cluster_m
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -197,6 +215,15 @@ def _check_pingpong(config: UpProjConfig) -> None:
         raise ValueError(
             f"config.fused_gate_up=True needs 2 * block_n <= 256 (one wgmma's widest N), got "
             f"block_n={config.block_n}."
+        )
+    if config.cluster_m not in (1, 2):
+        raise ValueError(f"config.cluster_m={config.cluster_m} must be 1 or 2.")
+    if config.cluster_m == 2 and (not _split_m(config) or config.pingpong_ctas % 2):
+        raise ValueError(
+            "config.cluster_m=2 (two CTAs sharing each weight tile) needs the persistent "
+            "split-M kernel with an even CTA count: block_m=128 or 192 and pingpong_ctas a "
+            f"positive even number, got block_m={config.block_m}, "
+            f"pingpong_ctas={config.pingpong_ctas}."
         )
     if not config.pingpong_ctas:
         # One CTA per tile: 64-row tiles whose consumers split the columns. (Its split-M
@@ -280,9 +307,12 @@ def up_proj(
     capacity = token_ids.shape[0]
     bm, bn = config.block_m, config.block_n
     if meta is None:
-        meta = _common.tile_meta(group_sizes, token_ids, bm)
-    if meta.block_m != bm:
-        raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
+        meta = _common.tile_meta(group_sizes, token_ids, config.tile_rows)
+    if meta.block_m != config.tile_rows:
+        raise ValueError(
+            f"meta.block_m={meta.block_m} must equal config.tile_rows={config.tile_rows} "
+            f"(block_m={bm} times cluster_m={config.cluster_m})."
+        )
     has_bias = bias is not None
     if has_bias:
         _common.require_dtype("bias", bias, jnp.bfloat16)
@@ -565,7 +595,10 @@ def _pingpong_kernel(
     sets = 1 if split else cons  # sets of `full` barriers: one per consumer in ping-pong
     num_k = d // bk
     grid_n = n // bn
-    num_ctas = min(config.pingpong_ctas, num_tiles * grid_n)
+    clusters = config.cluster_m  # CTAs per cluster, sharing each item's weight tiles
+    # Walkers of the item list: CTAs, or clusters of `clusters` CTAs (`cluster_m`).
+    num_ctas = min(config.pingpong_ctas // clusters, num_tiles * grid_n)
+    multicast = "cluster" if clusters > 1 else None  # collective axis of the weight copies
     slab = 64  # SwiGLU columns computed at a time (one swizzled slab)
     num_out = 1 if inference else 3
     num_tiles_out = num_out * (bn // slab)  # output tiles per item
@@ -601,7 +634,9 @@ def _pingpong_kernel(
         if stage_bars:
             _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
-        cta = jax.lax.axis_index("cta")
+        cta = jax.lax.axis_index("cta")  # the walker: a CTA, or a cluster of `clusters`
+        # This CTA's row block of each (cluster) item: rows [half * bm, half * bm + bm).
+        half = jax.lax.axis_index("cluster") if clusters > 1 else 0
         num_items = real_ref[0] * grid_n
         my_items = jnp.maximum(num_items - cta + num_ctas - 1, 0) // num_ctas
 
@@ -614,9 +649,10 @@ def _pingpong_kernel(
                 return full.at[step % stages]
             return _common.pingpong_full_barrier(full, step, num_k, stages, cons)
 
-        def load_ids(j):  # item j's source token ids -> ids_smem[j % 2]
+        def load_ids(j):  # item j's source token ids (this CTA's rows) -> ids_smem[j % 2]
             mi, _ = item(j)
-            plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem.at[j % 2], ids_bar.at[j % 2])
+            ids = ids_ref.at[mi] if clusters == 1 else ids_ref.at[mi, pl.ds(half * bm, bm)]
+            plgpu.copy_gmem_to_smem(ids, ids_smem.at[j % 2], ids_bar.at[j % 2])
 
         @pl.when(wg == cons)
         def _producer():
@@ -679,7 +715,8 @@ def _pingpong_kernel(
                     with jax.named_scope("weights"):
                         _copy_gate_up_weights(w_e, k0, bk, ni, bn, n,
                                               [b.at[slot] for b in b_bufs], bar,
-                                              interleaved=interleaved)
+                                              interleaved=interleaved,
+                                              collective_axes=multicast)
                     if cp_async:
                         with jax.named_scope("gather"):
                             _common.cp_async_gather_rows(  # [bm, bk] of X[tok], one group
@@ -720,6 +757,8 @@ def _pingpong_kernel(
                     j = jj if split else c + cons * jj
                     mi, ni = item(j)
                     row0, count = start_ref[mi], rows_ref[mi]
+                    if clusters > 1:  # this CTA's row block of the cluster item
+                        row0, count = row0 + half * bm, jnp.clip(count - half * bm, 0, bm)
                     if split:  # this consumer's rows of the item: [c*64, c*64 + 64)
                         row0, count = row0 + c * rows_c, jnp.clip(count - c * rows_c, 0, rows_c)
                     col = ni * bn  # first gate column of the item
@@ -800,8 +839,11 @@ def _pingpong_kernel(
             + _gate_up_weight_copies(fused, interleaved, bk),
             num_barriers=sets * stages,
         ),
-        # empty: the slot's consumer (split-M: both)
-        plgpu.Barrier(num_arrivals=cons if split else 1, num_barriers=stages),
+        # empty: the slot's consumer (split-M: every consumer; with clusters, every
+        # consumer of every CTA of the cluster, whose multicast copies refill this slot)
+        plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=cons,
+                             num_barriers=stages) if clusters > 1
+        else plgpu.Barrier(num_arrivals=cons if split else 1, num_barriers=stages),
         plgpu.Barrier(num_barriers=2),  # ids
         *(_bias_scratch(bn, dtype, cons) if has_bias else ()),
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
@@ -813,6 +855,7 @@ def _pingpong_kernel(
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("cta",),
+        **(dict(cluster=(clusters,), cluster_names=("cluster",)) if clusters > 1 else {}),
         num_threads=cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(**params),
@@ -841,7 +884,7 @@ def _gate_up_weight_copies(fused: bool, interleaved: bool, bk: int) -> int:
 
 
 def _copy_gate_up_weights(w_e, k0, bk: int, block, cols: int, n: int, dsts, bar, *,
-                          interleaved: bool) -> None:
+                          interleaved: bool, collective_axes: str | None = None) -> None:
     """TMA copies of the K step at row `k0` of W1[e] (`w_e` [d, 2n]): gate column block
     `block` (`cols` columns) and its up columns, into `dsts` = [[bk, cols] gate, [bk, cols]
     up] or [one [bk, 2 cols] tile, gate columns first] (`fused_gate_up`), arriving on `bar`.
@@ -849,11 +892,13 @@ def _copy_gate_up_weights(w_e, k0, bk: int, block, cols: int, n: int, dsts, bar,
     W1's columns are the halves layout or interleaved per `cols` (`gate_up_blocks`). A fused
     tile from interleaved columns is one box; from the halves layout it takes one gate and
     one up box per 8-row tile row, since a half's columns of several tile rows are not
-    contiguous in the (8, 64)-tiled tile (TMA needs a contiguous destination)."""
+    contiguous in the (8, 64)-tiled tile (TMA needs a contiguous destination).
+    `collective_axes`: multicast each box to every CTA of the cluster (`cluster_m`)."""
+    copy = functools.partial(plgpu.copy_gmem_to_smem, collective_axes=collective_axes)
     gate0, up0 = (2 * block * cols, 2 * block * cols + cols) if interleaved \
         else (block * cols, n + block * cols)
     if len(dsts) == 1 and interleaved:
-        plgpu.copy_gmem_to_smem(w_e.at[pl.ds(k0, bk), pl.ds(gate0, 2 * cols)], dsts[0], bar)
+        copy(w_e.at[pl.ds(k0, bk), pl.ds(gate0, 2 * cols)], dsts[0], bar)
         return
     if len(dsts) == 1:
         (tile,) = dsts
@@ -862,8 +907,8 @@ def _copy_gate_up_weights(w_e, k0, bk: int, block, cols: int, n: int, dsts, bar,
         halves, rows = dsts, bk
     for r0 in range(0, bk, rows):
         for col0, dst in zip((gate0, up0), halves, strict=True):
-            plgpu.copy_gmem_to_smem(w_e.at[pl.ds(k0 + r0 if r0 else k0, rows), pl.ds(col0, cols)],
-                                    dst if rows == bk else dst.at[pl.ds(r0, rows)], bar)
+            copy(w_e.at[pl.ds(k0 + r0 if r0 else k0, rows), pl.ds(col0, cols)],
+                 dst if rows == bk else dst.at[pl.ds(r0, rows)], bar)
 
 
 def interleave_gate_up(w_gate_up: jax.Array, block: int) -> jax.Array:

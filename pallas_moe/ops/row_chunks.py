@@ -230,7 +230,7 @@ def _forward_kernels(x, plan, w_gate_up, w_down, biases, row_bounds, chunking, i
     b_gate_up, b_down = biases
     h, a = up_proj(
         x, plan.token_ids, plan.group_sizes, w_gate_up, config=config.up, interpret=interpret,
-        meta=_common.tile_meta(plan.group_sizes, plan.token_ids, config.up.block_m),
+        meta=_common.tile_meta(plan.group_sizes, plan.token_ids, config.up.tile_rows),
         pad_a_rows_to=bm, bias=b_gate_up, activation=activation,
     )  # a [ceil(P/bm)*bm, n]: the down-proj loads whole aligned row blocks
     meta = _common.aligned_tile_meta(plan.group_sizes, plan.capacity, bm)

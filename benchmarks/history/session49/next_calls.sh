@@ -8,6 +8,13 @@
 #     gpt-oss step with them (paired against the default).
 #   T (any card; after 192-row items became gpt-oss's default): their GPU bitwise test, and
 #     gpt-oss's forward table (bound ratios, ragged_dot_mgpu).
+# For the next GPU session, in this order:
+#   C (an H100): split-M up-proj items on clusters of two CTAs sharing each weight tile by
+#     multicast (`cluster_m=2`; never run on a GPU yet): first the GPU bitwise test (if it
+#     fails or hangs, stop there), then the up-proj sweep at 30B, 7B, gpt-oss, Qwen3 and
+#     d = 7168 (default vs split-M vs split-M on clusters).
+#   D: the 30B and 7B steps with `cluster-up` against the default, paired (only if C's
+#     sweep found clusters faster at that width).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -41,5 +48,20 @@ T)
   timeout 200 python3 benchmarks/forward.py --shapes gpt-oss-20b --skew '' --up-sweep none \
     --down-sweep none --rounds 3 --out $OUT/fw > $OUT/forward.log 2>&1
   echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/forward.log | cut -c1-260 | tail -3 ;;
+C)
+  timeout 240 python3 -m pytest -p no:xdist -q -x -m gpu tests/test_gpu.py -k "cluster_split_m" \
+    > $OUT/gpu_cluster.log 2>&1
+  rc=$?; echo "gpu cluster rc=$rc at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_cluster.log
+  if [ $rc -eq 0 ]; then
+    timeout 330 python3 benchmarks/forward.py --shapes 30b,7b,gpt-oss-20b,qwen3-30b-a3b,w7168 \
+      --skew '' --up-sweep cluster --down-sweep none --no-baselines --rounds 3 --out $OUT/fw \
+      > $OUT/forward.log 2>&1
+    echo "forward rc=$? at $(( $(date +%s) - T0 )) s"
+    grep "^  up \|^==\|errors\|FAIL\|Error" $OUT/forward.log | sed 's/UpProjConfig(\(.\{0,100\}\).*cluster_m=\(.\)).*: /UP(\1 cl=\2) /' | cut -c1-230
+  fi ;;
+D)
+  timeout 560 python3 benchmarks/step.py --shapes 30b,7b --variants topk/cp_async,topk/cp_async/cluster-up \
+    --rounds 3 --out $OUT/step > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step.log | tail -6 ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
