@@ -202,28 +202,21 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, comp
             assert bool(jnp.array_equal(h[:rows], want_h[:rows])), ("persistent split-M", ctas)
 
 
-def test_up_proj_192_row_split_m_equals_cooperative():
-    """At gpt-oss's widths (d = n = 2880: 128 does not divide n) the default up-proj is
-    split-M items of 192 rows and 64 columns that three consumers share (session 49). It
-    writes the bits of the cooperative kernel (one consumer of 64 columns, the default
-    before session 48) and of 128-row split-M items, and matches the jnp reference: an
-    expert bias, skewed routing with an empty expert (items whose second or third consumer
-    has no rows), poisoned outputs, 132 and 8 CTAs (each walks many items), and inference
-    mode's A."""
+def _assert_up_proj_configs_write_the_same_bits(shape, seed, reference, cases):
+    """The up-proj under `reference` (an `UpProjConfig`) against the jnp reference, then every
+    `(name, config, inference)` of `cases` bitwise against it (A; H unless inference): an
+    expert bias, skewed routing with an empty expert (expert 3), poisoned outputs, fresh
+    random data of `shape` (T, d, n, E, K)."""
+    from pallas_moe.kernels.up_proj import up_proj
 
-    from pallas_moe.kernels.moe_forward import ForwardConfig, split_m_up_config
-    from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
-
-    T, d, n, E, K = 3000, 2880, 2880, 16, 4
-    ks = jax.random.split(jax.random.key(T + d + n), 4)
+    T, d, n, E, K = shape
+    ks = jax.random.split(jax.random.key(seed), 4)
     x = jax.random.normal(ks[0], (T, d), jnp.bfloat16)
     w1 = (jax.random.normal(ks[1], (E, d, 2 * n)) * d**-0.5).astype(jnp.bfloat16)
     logits = jax.random.normal(ks[2], (T, E)).at[:, 0].add(2.0).at[:, 3].add(-1e4)
     plan = pm.routing.topk_plan(logits, K)
     assert int(plan.group_sizes[3]) == 0
     bias = (0.5 * jax.random.normal(ks[3], (E, 2 * n))).astype(jnp.bfloat16)
-    default = ForwardConfig.for_shape(d, n).up
-    assert (default.block_m, default.block_n, default.num_consumers) == (192, 64, 3), default
     rows = int(plan.num_rows)
 
     def run(config, inference=False):
@@ -232,8 +225,7 @@ def test_up_proj_192_row_split_m_equals_cooperative():
                                                   inference=inference))(
             x, plan.token_ids, plan.group_sizes, w1)
 
-    coop = UpProjConfig(block_n=64, num_stages=4, num_consumers=1, gather="cp_async")
-    want_h, want_a = run(coop)
+    want_h, want_a = run(reference)
     starts = [0, *jnp.cumsum(plan.group_sizes).tolist()]
     h_ref = jnp.concatenate([
         (jnp.dot(x[plan.token_ids[starts[e]:starts[e + 1]]], w1[e],
@@ -242,15 +234,31 @@ def test_up_proj_192_row_split_m_equals_cooperative():
         for e in range(E)
     ])
     assert rel_err(want_h[:rows], h_ref[:rows]) < 1e-2
-    split_128 = dataclasses.replace(split_m_up_config(132, n, rows=128), gather="cp_async")
-    for name, config, inference in (
-            ("default", default, False), ("8 CTAs", dataclasses.replace(default, pingpong_ctas=8),
-                                          False),
-            ("inference", default, True), ("128 rows", split_128, False)):
+    for name, config, inference in cases:
         h, a = run(config, inference)
         assert bool(jnp.array_equal(a[:rows], want_a[:rows])), name
         if not inference:
             assert bool(jnp.array_equal(h[:rows], want_h[:rows])), name
+
+
+def test_up_proj_192_row_split_m_equals_cooperative():
+    """At gpt-oss's widths (d = n = 2880: 128 does not divide n) the default up-proj is
+    split-M items of 192 rows and 64 columns that three consumers share (session 49). It
+    writes the bits of the cooperative kernel (one consumer of 64 columns, the default
+    before session 48) and of 128-row split-M items: 132 and 8 CTAs (each walks many
+    items), inference mode's A, items whose second or third consumer has no rows."""
+    from pallas_moe.kernels.moe_forward import ForwardConfig, split_m_up_config
+    from pallas_moe.kernels.up_proj import UpProjConfig
+
+    shape = (3000, 2880, 2880, 16, 4)
+    default = ForwardConfig.for_shape(2880, 2880).up
+    assert (default.block_m, default.block_n, default.num_consumers) == (192, 64, 3), default
+    coop = UpProjConfig(block_n=64, num_stages=4, num_consumers=1, gather="cp_async")
+    split_128 = dataclasses.replace(split_m_up_config(132, 2880, rows=128), gather="cp_async")
+    _assert_up_proj_configs_write_the_same_bits(shape, sum(shape[:3]), coop, [
+        ("default", default, False),
+        ("8 CTAs", dataclasses.replace(default, pingpong_ctas=8), False),
+        ("inference", default, True), ("128 rows", split_128, False)])
 
 
 @pytest.mark.parametrize("shape", [(6000, 4096, 512, 16, 4), (3000, 2880, 2880, 16, 4)],
@@ -258,47 +266,18 @@ def test_up_proj_192_row_split_m_equals_cooperative():
 def test_up_proj_cluster_split_m_writes_the_default_bits(shape):
     """Split-M items on clusters of two CTAs (`cluster_m=2`: each K step's weight tiles
     multicast to both CTAs, a slot refilled once both CTAs' consumers released it) write the
-    bits of the width's default (one CTA per item) and match the jnp reference: an expert
-    bias, skewed routing with an empty expert (cluster items whose second CTA has few or no
-    rows), poisoned outputs, 132 and 8 CTAs (4 clusters walk many items), inference's A."""
+    bits of the width's default (one CTA per item): 132 and 8 CTAs (4 clusters walk many
+    items), inference's A, cluster items whose second CTA has few or no rows."""
     from pallas_moe.kernels.moe_forward import ForwardConfig
-    from pallas_moe.kernels.up_proj import up_proj
 
     T, d, n, E, K = shape
-    ks = jax.random.split(jax.random.key(T + d + n + 2), 4)
-    x = jax.random.normal(ks[0], (T, d), jnp.bfloat16)
-    w1 = (jax.random.normal(ks[1], (E, d, 2 * n)) * d**-0.5).astype(jnp.bfloat16)
-    logits = jax.random.normal(ks[2], (T, E)).at[:, 0].add(2.0).at[:, 3].add(-1e4)
-    plan = pm.routing.topk_plan(logits, K)
-    assert int(plan.group_sizes[3]) == 0
-    bias = (0.5 * jax.random.normal(ks[3], (E, 2 * n))).astype(jnp.bfloat16)
     default = ForwardConfig.for_shape(d, n).up
     assert default.pingpong_ctas and default.block_m > 64 and default.cluster_m == 1, default
-    rows = int(plan.num_rows)
-
-    def run(config, inference=False):
-        _poison(plan.capacity * 3 * n * 2)
-        return jax.jit(lambda x, t, g, w: up_proj(x, t, g, w, config=config, bias=bias,
-                                                  inference=inference))(
-            x, plan.token_ids, plan.group_sizes, w1)
-
-    want_h, want_a = run(default)
-    starts = [0, *jnp.cumsum(plan.group_sizes).tolist()]
-    h_ref = jnp.concatenate([
-        (jnp.dot(x[plan.token_ids[starts[e]:starts[e + 1]]], w1[e],
-                 preferred_element_type=jnp.float32)
-         + bias[e].astype(jnp.float32)).astype(jnp.bfloat16)
-        for e in range(E)
-    ])
-    assert rel_err(want_h[:rows], h_ref[:rows]) < 1e-2
     cluster = dataclasses.replace(default, cluster_m=2)
-    for name, config, inference in (
-            ("132 CTAs", cluster, False), ("8 CTAs", dataclasses.replace(cluster, pingpong_ctas=8),
-                                           False), ("inference", cluster, True)):
-        h, a = run(config, inference)
-        assert bool(jnp.array_equal(a[:rows], want_a[:rows])), name
-        if not inference:
-            assert bool(jnp.array_equal(h[:rows], want_h[:rows])), name
+    _assert_up_proj_configs_write_the_same_bits(shape, T + d + n + 2, default, [
+        ("132 CTAs", cluster, False),
+        ("8 CTAs", dataclasses.replace(cluster, pingpong_ctas=8), False),
+        ("inference", cluster, True)])
 
 
 @pytest.mark.parametrize("shape", [(32768, 128), (16384, 512), (1000, 60), (1000, 4)])

@@ -255,11 +255,13 @@ def test_pingpong_equals_cooperative_no_races(config, inference):
 
 
 @pytest.mark.parametrize(
-    "fused, block_m",
-    [(False, 128), pytest.param(True, 128, marks=pytest.mark.slow), (False, 192)],
+    "fused, block_m, cluster_m",
+    [(False, 128, 1), pytest.param(True, 128, 1, marks=pytest.mark.slow), (False, 192, 1),
+     (False, 128, 2), pytest.param(False, 192, 2, marks=pytest.mark.slow)],
     # CI: the halves layout; fused differs only in the weight tiles it reads
-    ids=["halves", "fused_interleaved", "three_consumers"])
-def test_persistent_split_m_equals_cooperative_no_races(fused, block_m):
+    ids=["halves", "fused_interleaved", "three_consumers", "clusters",
+         "three_consumers_clusters"])
+def test_persistent_split_m_equals_cooperative_no_races(fused, block_m, cluster_m):
     """Persistent split-M tiles (`pingpong_ctas` with block_m=128: both consumers take every
     128-row item, 64 rows each; two N = block_n wgmmas on W1's halves, or one N = 2 * block_n
     on interleaved W1; block_m=192: three consumers) give bit for bit the cooperative
@@ -268,7 +270,15 @@ def test_persistent_split_m_equals_cooperative_no_races(fused, block_m):
     no rows (8 and 14 rows), one whose second consumer has 60 (with 192-row items: items of
     136 and 142 rows whose third consumer has 8 and 14, one of 124 whose third has none), an
     empty expert; 2 CTAs walk the items on a 3-slot ring (2 K steps per item, so slots
-    refill across items)."""
+    refill across items).
+
+    `cluster_m=2`: the items on 2 clusters of two CTAs, which take two consecutive row
+    blocks of one expert and share each weight tile through a cluster multicast copy (a
+    slot refilled once the consumers of both CTAs released it); with 128-row blocks the
+    cluster items of 256 rows give the second CTA 8, 14 or no rows, so a CTA runs items it
+    stores nothing of. Interpret mode has no multicast (each CTA loads the whole tile), so
+    this checks the cluster protocol and the row split: a wrong arrival count on the
+    cluster barrier hangs or races here."""
     ks = jax.random.split(jax.random.key(0), 4)
     x = random_x(ks[1], 300, 128)
     w1, _ = random_weights(ks[2], 4, 128, 128)  # n = 128: two 64-column blocks
@@ -280,42 +290,11 @@ def test_persistent_split_m_equals_cooperative_no_races(fused, block_m):
     coop = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
     want_h, want_a = up_proj(*args, w1, config=coop, interpret=True, **kw)
     config = UpProjConfig(block_m=block_m, block_n=64, num_stages=3,
-                          num_consumers=block_m // 64, pingpong_ctas=2, epilogue_tiles=2,
-                          fused_gate_up=fused)
+                          num_consumers=block_m // 64, pingpong_ctas=2 * cluster_m,
+                          epilogue_tiles=2, fused_gate_up=fused, cluster_m=cluster_m)
+    assert config.tile_rows == cluster_m * block_m
     h, a = up_proj(*args, interleave_gate_up(w1, 64) if fused else w1, config=config,
                    gate_up_blocks=64 if fused else 0, **kw,
-                   interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert not races_found()
-    rows = int(plan.num_rows)
-    assert_same_rows(h, a, want_h, want_a, rows)
-    assert_untouched(h, rows)
-
-
-@pytest.mark.parametrize("block_m", [128, pytest.param(192, marks=pytest.mark.slow)])
-def test_cluster_split_m_equals_cooperative_no_races(block_m):
-    """Split-M items on clusters of two CTAs (`cluster_m=2`: the CTAs take two consecutive
-    row blocks of one expert and share each weight tile through a cluster multicast copy;
-    a slot is refilled once the consumers of both CTAs released it) give bit for bit the
-    cooperative kernel's H and A, race-free, with an expert bias. Groups of 136, 0, 142 and
-    124 rows (with 128-row blocks: cluster items of 256 rows whose second CTA has 8, 14 or
-    no rows, so a CTA runs items it stores nothing of); 2 clusters walk the items on a
-    3-slot ring (2 K steps per item, so slots refill across items). Interpret mode has no
-    multicast (each CTA loads the whole tile), so this checks the cluster protocol: a
-    wrong arrival count on the cluster barrier hangs or races here."""
-    ks = jax.random.split(jax.random.key(0), 4)
-    x = random_x(ks[1], 300, 128)
-    w1, _ = random_weights(ks[2], 4, 128, 128)  # n = 128: two 64-column blocks
-    bias = (0.5 * jax.random.normal(ks[3], (4, 256))).astype(jnp.bfloat16)
-    plan = assignment_plan(jax.random.key(0), 300, 4, p=0.42, empty=(1,), extra=5)
-    assert plan.group_sizes.tolist() == [136, 0, 142, 124]
-    args = (x, plan.token_ids, plan.group_sizes, w1)
-    coop = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
-    want_h, want_a = up_proj(*args, config=coop, interpret=True, bias=bias)
-    config = UpProjConfig(block_m=block_m, block_n=64, num_stages=3,
-                          num_consumers=block_m // 64, pingpong_ctas=4, epilogue_tiles=2,
-                          cluster_m=2)
-    assert config.tile_rows == 2 * block_m
-    h, a = up_proj(*args, config=config, bias=bias,
                    interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not races_found()
     rows = int(plan.num_rows)
