@@ -207,6 +207,10 @@ def configs_for(d, n, sweep: str):
         dh += [rep(base.dh, num_stages=4)]
         for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
             lst += [rep(cfg, num_stages=3), rep(cfg, num_stages=3, expert_major=False)]
+    if sweep == "cluster":
+        # Session 49: dX~ on clusters of two CTAs sharing each weight tile by multicast
+        # (`GroupedMatmulConfig.cluster_m=2`; the bitwise checks compare it to the default).
+        dx.append(dataclasses.replace(base.dx, cluster_m=2))
     if sweep == "narrow":
         # Session 48: where 128 does not divide n (gpt-oss: n = 2880) dH's default was one
         # consumer of 64 columns (151 TF/s on the H100); three consumers of 64 (now the
@@ -393,7 +397,7 @@ def run_shape(name, shape, log, sweep_kind: str):
     width = aggregate_width(d)
 
     def build_dx(cfg):
-        meta = jax.jit(lambda g: _common.aligned_tile_meta(g, P, cfg.block_m))(plan.group_sizes)
+        meta = jax.jit(lambda g: _common.aligned_tile_meta(g, P, cfg.tile_rows))(plan.group_sizes)
         return lambda a, g, w: dx_rows(a, g, w, capacity=P, config=cfg, meta=meta,
                                        out_cols=width, **interp)
 
@@ -456,7 +460,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "cluster", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each sweep's configs round-robin this many rounds (the median, "

@@ -354,7 +354,7 @@ def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True, rounds
 
     # ---- timings: each sweep checks its configs first, then times them round-robin
     def build_up(cfg):
-        meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.block_m))(plan.group_sizes, plan.token_ids)
+        meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.tile_rows))(plan.group_sizes, plan.token_ids)
         if cfg.fused_gate_up and cfg.pingpong_ctas:
             # One N = 2 * block_n wgmma per K step on W1 interleaved per block_n (what the
             # fused forms read in one box), interleaved once here, outside the timing.
@@ -370,7 +370,7 @@ def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True, rounds
         return max(rel_err(hh, h_ref, rows), rel_err(aa, a_ref, rows))
 
     def build_down(cfg):
-        meta = jax.jit(lambda g: _common.aligned_tile_meta(g, P, cfg.block_m))(plan.group_sizes)
+        meta = jax.jit(lambda g: _common.aligned_tile_meta(g, P, cfg.tile_rows))(plan.group_sizes)
         f = jax.jit(lambda a, g, w, m: down_proj(a, g, w, config=cfg, meta=m))
         return f, (a_ref, plan.group_sizes, w2, meta)
 
@@ -622,6 +622,13 @@ def pingpong_up_cfgs(d, n):
                              pingpong_up()], n)
 
 
+def cluster_down_cfgs(d, n):
+    """Session 49: the default down-proj on clusters of two CTAs sharing each weight tile
+    by multicast (`GroupedMatmulConfig.cluster_m=2`), against the default."""
+    base = ForwardConfig.for_shape(d, n).down
+    return [base, dataclasses.replace(base, cluster_m=2)]
+
+
 def default_down_cfgs(d, n):
     cands = [
         ForwardConfig.for_shape(d, n).down,
@@ -681,7 +688,7 @@ def main():
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
     p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "none"])
-    p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "none"])
+    p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "cluster", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
                    help="time each sweep's configs round-robin this many rounds (the median, "
@@ -708,7 +715,7 @@ def main():
                            "cluster": cluster_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
-                             "slabs": staged_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
+                             "slabs": staged_down_cfgs, "cluster": cluster_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
                 results.append(run_shape(name, SHAPES[name], skew, up_cfgs, down_cfgs, log,
                                          baselines=not args.no_baselines, rounds=args.rounds))
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape

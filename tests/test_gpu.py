@@ -280,6 +280,51 @@ def test_up_proj_cluster_split_m_writes_the_default_bits(shape):
         ("inference", cluster, True)])
 
 
+@pytest.mark.parametrize("shape", [(6000, 4096, 512, 16, 4), (3000, 2880, 2880, 16, 4)],
+                         ids=["30b_widths", "gpt_oss_widths"])
+def test_grouped_gemm_clusters_write_the_default_bits(shape):
+    """The down-proj (with an expert bias) and dX~ on clusters of two CTAs (`cluster_m=2`:
+    two consecutive aligned boxes of one expert per cluster item, each K step's weight tile
+    multicast to both CTAs) write the bits of each width's default and match numpy on the
+    largest experts: skewed routing with an empty expert (boxes holding rows of two experts,
+    cluster items whose second box has no rows), poisoned outputs, 132 and 8 CTAs."""
+    from pallas_moe.kernels.down_proj import down_proj
+    from pallas_moe.kernels.dx import dx_rows
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+
+    T, d, n, E, K = shape
+    ks = jax.random.split(jax.random.key(T + d + n + 3), 6)
+    logits = jax.random.normal(ks[0], (T, E)).at[:, 0].add(2.0).at[:, 3].add(-1e4)
+    plan = pm.routing.topk_plan(logits, K)
+    assert int(plan.group_sizes[3]) == 0
+    P, rows = plan.capacity, int(plan.num_rows)
+    a = jax.random.normal(ks[1], (P, n), jnp.bfloat16)
+    w2 = (jax.random.normal(ks[2], (E, n, d)) * n**-0.5).astype(jnp.bfloat16)
+    b2 = (0.5 * jax.random.normal(ks[3], (E, d))).astype(jnp.bfloat16)
+    dh = jax.random.normal(ks[4], (P, 2 * n), jnp.bfloat16)
+    w1 = (jax.random.normal(ks[5], (E, d, 2 * n)) * (2 * n)**-0.5).astype(jnp.bfloat16)
+    lo = np.concatenate([[0], np.cumsum(np.asarray(plan.group_sizes))])
+    for name, default, run, ref in (
+            ("down", ForwardConfig.for_shape(d, n).down,
+             lambda c: down_proj(a, plan.group_sizes, w2, config=c, bias=b2),
+             lambda e: np.asarray(a[lo[e]:lo[e + 1]], np.float32) @ np.asarray(w2[e], np.float32)
+             + np.asarray(b2[e], np.float32)),
+            ("dx", BackwardConfig.for_shape(d, n).dx,
+             lambda c: dx_rows(dh, plan.group_sizes, w1, capacity=P, config=c),
+             lambda e: np.asarray(dh[lo[e]:lo[e + 1]], np.float32)
+             @ np.asarray(w1[e], np.float32).T)):
+        outs = []
+        for config in (default, dataclasses.replace(default, cluster_m=2),
+                       dataclasses.replace(default, cluster_m=2, num_sms=8)):
+            _poison(P * d * 2)
+            outs.append(np.asarray(run(config), np.float32)[:rows])
+        assert np.array_equal(outs[0], outs[1]), name
+        assert np.array_equal(outs[0], outs[2]), (name, "8 CTAs")
+        for e in (0, 1):  # the two largest experts against numpy
+            assert rel_err(outs[0][lo[e]:lo[e + 1]], ref(e)) < 1e-2, (name, e)
+
+
 @pytest.mark.parametrize("shape", [(32768, 128), (16384, 512), (1000, 60), (1000, 4)])
 def test_router_softmax_is_one_program(shape):
     """On the GPU `routing.formulas.softmax` is the Pallas kernel `kernels.softmax_rows`:

@@ -87,6 +87,22 @@ def test_ragged_with_empty_experts_and_padding(spec, config):
     spec(plan, 128, 128, 5, config, jax.random.key(33))
 
 
+@SCHEDULES
+@pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
+def test_clusters_no_races(spec, config):
+    """`cluster_m=2`: 2 clusters of two CTAs; a cluster item is two consecutive aligned boxes
+    of one expert's rows (each CTA loads and multiplies its own box, both share each weight
+    tile by a multicast copy; a slot is refilled once the consumers of both CTAs released
+    it). Groups start and end anywhere inside the aligned blocks, so a tile's rows fall in
+    one box, the other, or both, and a CTA runs items it stores nothing of; against the
+    reference, rows outside the plan untouched, race-free. Interpret mode has no multicast
+    (each CTA loads the whole tile): this checks the protocol and the row split."""
+    plan = token_rounding_plan(jax.random.normal(jax.random.key(32), (75, 5)), 2, tile=8)
+    spec(plan, 128, 128, 5, dataclasses.replace(config, num_sms=4, cluster_m=2),
+         jax.random.key(33), interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+
+
 @pytest.mark.parametrize("config", [
     pytest.param(GroupedMatmulConfig(block_m=128, block_n=128, num_stages=3, num_sms=1,
                                      pingpong=True), id="ping_pong_128"),
@@ -188,6 +204,15 @@ def test_empty_plan_writes_nothing():
         (lambda: GroupedMatmulConfig(block_n=320), "config.block_n=320 must be at most 256"),
         (lambda: GroupedMatmulConfig(block_m=192), "config.block_m=192 must be 64 or 128"),
         (lambda: GroupedMatmulConfig(num_sms=0), "config.num_sms=0 must be >= 1"),
+        (lambda: GroupedMatmulConfig(cluster_m=4), "config.cluster_m=4 must be 1 or 2"),
+        (lambda: GroupedMatmulConfig(num_sms=3, cluster_m=2),
+         "config.cluster_m=2 runs num_sms / 2 clusters .* num_sms must be even, got 3"),
+        (lambda: grouped_matmul(jnp.zeros((16, 128), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32),
+                                jnp.zeros((2, 128, 128), jnp.float8_e4m3fn), transpose_w=True,
+                                config=GroupedMatmulConfig(block_k=128, cluster_m=2),
+                                row_scales=jnp.ones((16,)), col_scales=jnp.ones((2, 128)),
+                                interpret=True),
+         "config.cluster_m=2 .* is a bf16-mode option over the whole plan"),
         (lambda: GroupedMatmulConfig(block_n=256, pingpong=True),
          "pingpong with block_m=128 .* block_n must be <= 128, got 256"),
         (lambda: grouped_matmul(jnp.zeros((16, 128), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32),
@@ -288,6 +313,30 @@ def test_default_schedules_lower_for_cuda(d, n, bias, device_kind):
     with h100_target():
         down_f.trace(sds((P, n), bf16), sds((E,), i32), sds((E, n, d), bf16),
                      sds((E, d), bf16) if bias else None).lower(lowering_platforms=("cuda",))
+        dx_f.trace(sds((P, 2 * n), bf16), sds((E,), i32),
+                   sds((E, d, 2 * n), bf16)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("d, n", [(4096, 512), (2880, 2880)], ids=["30b", "gpt_oss"])
+def test_cluster_schedules_lower_for_cuda(d, n):
+    """The default down-proj and dX~ configs on clusters of two CTAs (`cluster_m=2`, the
+    weight tiles multicast to both) lower for cuda at production widths, the down-proj with
+    an expert bias (the GPU test `test_grouped_gemm_clusters_write_the_default_bits` and
+    `forward.py --down-sweep cluster` run them)."""
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+    from tests.cuda_target import h100_target
+
+    E, P = 16, 4096 * 8
+    down_cfg = dataclasses.replace(ForwardConfig.for_shape(d, n).down, cluster_m=2)
+    dx_cfg = dataclasses.replace(BackwardConfig.for_shape(d, n).dx, cluster_m=2)
+    assert down_cfg.tile_rows == dx_cfg.tile_rows == 256
+    sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    down_f = jax.jit(lambda a, g, w, b: down_proj(a, g, w, config=down_cfg, bias=b))
+    dx_f = jax.jit(lambda h, g, w: dx_rows(h, g, w, capacity=P, config=dx_cfg))
+    with h100_target():
+        down_f.trace(sds((P, n), bf16), sds((E,), i32), sds((E, n, d), bf16),
+                     sds((E, d), bf16)).lower(lowering_platforms=("cuda",))
         dx_f.trace(sds((P, 2 * n), bf16), sds((E,), i32),
                    sds((E, d, 2 * n), bf16)).lower(lowering_platforms=("cuda",))
 

@@ -148,6 +148,16 @@ class GroupedMatmulConfig:
         out_slabs); `out_slabs * out_buffers` slabs per consumer take the SMEM of the whole
         tile at the most. A consumer still waits, at each item's first round, for all its
         earlier stores to have read SMEM.
+      cluster_m: 1 (default), or 2: the bf16 mode on clusters of two CTAs (`num_sms` CTAs,
+        an even count, as num_sms / 2 clusters). A cluster item is two consecutive aligned
+        `block_m`-row boxes of one expert's rows (metadata tiles of `tile_rows` = 2 *
+        block_m rows); each CTA loads and multiplies its own box, and both ask for each K
+        step's weight tile with a cluster multicast copy, which the hardware splits (each
+        CTA loads half and both receive all), so each weight byte read from L2 feeds 2 *
+        block_m rows. A slot is refilled once the consumers of both CTAs released it
+        (`plgpu.ClusterBarrier`). Same products in the same order, so bitwise the same
+        outputs. Not with the 8-bit modes or `chunks`. Interpret mode runs the same
+        protocol with each CTA loading the whole tile (it has no multicast).
     """
 
     block_m: int = 128
@@ -162,10 +172,18 @@ class GroupedMatmulConfig:
     approx_math: bool = True
     out_slabs: int = 0
     out_buffers: int = 1
+    cluster_m: int = 1
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
             raise ValueError(f"config.block_m={self.block_m} must be 64 or 128.")
+        if self.cluster_m not in (1, 2):
+            raise ValueError(f"config.cluster_m={self.cluster_m} must be 1 or 2.")
+        if self.cluster_m == 2 and self.num_sms % 2:
+            raise ValueError(
+                f"config.cluster_m=2 runs num_sms / 2 clusters of two CTAs: num_sms must be "
+                f"even, got {self.num_sms}."
+            )
         if self.pingpong and self.block_m == 128 and self.block_n > PINGPONG_MAX_BLOCK_N:
             raise ValueError(
                 f"config.pingpong with block_m=128 keeps a 128 x block_n f32 accumulator per "
@@ -200,6 +218,12 @@ class GroupedMatmulConfig:
     def num_consumers(self) -> int:
         """Consumer warpgroups of the kernel (always 2; the gather checks read it)."""
         return 2
+
+    @property
+    def tile_rows(self) -> int:
+        """Rows of one metadata tile (`TileMeta.block_m`): a cluster item's `cluster_m`
+        aligned boxes of `block_m` rows."""
+        return self.block_m * self.cluster_m
 
     @property
     def split_m(self) -> bool:
@@ -436,6 +460,11 @@ def grouped_matmul(
                 f"fp8_promote_every=0 and N={n_dim} <= {FUSED_REQUANT_MAX_BLOCKS} * "
                 f"block_n={bn}; got block_m={bm}, fp8_promote_every={config.fp8_promote_every}."
             )
+    if config.cluster_m > 1 and (eight_bit or chunks is not None):
+        raise ValueError(
+            f"config.cluster_m={config.cluster_m} (two CTAs sharing each weight tile) is a "
+            "bf16-mode option over the whole plan: not with 8-bit inputs or chunks."
+        )
     if chunks is not None and (gathered or requant):
         raise ValueError(
             "chunks (a call over a range of the plan's tiles) is not supported with token_ids "
@@ -445,16 +474,19 @@ def grouped_matmul(
     if meta is None:
         if chunks is not None:
             raise ValueError("chunks cut the tiles of a given meta: pass meta too.")
-        meta = _common.aligned_tile_meta(group_sizes, capacity, bm)
-    if meta.block_m != bm:
-        raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
+        meta = _common.aligned_tile_meta(group_sizes, capacity, config.tile_rows)
+    if meta.block_m != config.tile_rows:
+        raise ValueError(
+            f"meta.block_m={meta.block_m} must equal config.tile_rows={config.tile_rows} "
+            f"(block_m={bm} times cluster_m={config.cluster_m})."
+        )
     if chunks is None:
         chunks, chunk = _common.whole_tile_chunk(meta, capacity), 0
     if not 0 <= chunk < chunks.num_chunks:
         raise ValueError(f"chunk={chunk} must be in [0, {chunks.num_chunks}) (chunks.num_chunks).")
     # Each item loads its whole aligned block: make `a` (or the gathered rows' ids) a whole
-    # number of blocks.
-    padded = -(-capacity // bm) * bm
+    # number of blocks (of a cluster item's blocks).
+    padded = -(-capacity // config.tile_rows) * config.tile_rows
     row_ids = ()
     if gathered:  # padding rows read row 0: multiplied like the rest and never stored
         row_ids = (jnp.pad(token_ids, (0, padded - capacity)),)
@@ -502,7 +534,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     split_m = config.split_m
     mb = bm // 2 if split_m else bm  # rows per consumer
-    num_sms = config.num_sms
+    clusters = config.cluster_m  # CTAs per cluster, sharing each item's weight tiles
+    tile_rows = config.tile_rows  # rows of a metadata tile: the cluster's boxes
+    num_sms = config.num_sms // clusters  # walkers of the item list: CTAs or clusters
+    multicast = "cluster" if clusters > 1 else None  # collective axis of the weight copies
     num_k = k_dim // bk
     # With `requant` an item is a tile with all its column blocks (whole rows of A); its
     # K steps run column block by column block.
@@ -586,6 +621,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         total = (bounds_ref[0, chunk + 1] - first_tile) * grid_n  # work items
         out_row0 = bounds_ref[1, chunk]  # grouped row of output row 0
         my_items = jnp.maximum(total - sm + num_sms - 1, 0) // num_sms
+        # This CTA's box of each (cluster) item: rows [half * bm, half * bm + bm) of it.
+        half = jax.lax.axis_index("cluster") if clusters > 1 else 0
 
         def item(j):
             w = sm + j * num_sms
@@ -593,6 +630,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
 
         def box_start(j):
             tile, _ = item(j)
+            if clusters > 1:  # this CTA's box of the cluster's aligned block
+                return (start_ref[tile] // tile_rows) * tile_rows + half * bm
             return (start_ref[tile] // bm) * bm  # the aligned block holding the tile
 
         def load_ids(j):  # gathered mode: item j's box rows' source rows -> SMEM
@@ -662,7 +701,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                             w_tile = w_e.at[pl.ds(col0, bn), pl.ds(k0, bk)]
                         else:  # [bk, bn]
                             w_tile = w_e.at[pl.ds(k0, bk), pl.ds(col0, bn)]
-                        plgpu.copy_gmem_to_smem(w_tile, b_smem.at[h, slot], full.at[c, slot])
+                        plgpu.copy_gmem_to_smem(w_tile, b_smem.at[h, slot], full.at[c, slot],
+                                                collective_axes=multicast)
                     if cp_async:  # after the weight copies: publishing may wait
                         _common.cp_async_publish(g, full.at[0], a_landed, stages)
                     return carry
@@ -804,10 +844,17 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                     num_rows = rows_ref[tile]
                     box0 = (row0 // bm) * bm
                     shift = row0 - box0  # box row of the tile's first row
-                    if split_m:  # this consumer's box rows [c*mb, c*mb + mb) ∩ the tile's
-                        lo = jnp.maximum(shift, c * mb)
-                        count = jnp.maximum(jnp.minimum(shift + num_rows, c * mb + mb) - lo, 0)
-                        dst0, src0 = box0 + lo, lo - c * mb
+                    if clusters > 1:  # this CTA's box of the cluster item: [0, bm) ∩ the
+                        # tile's rows, which start at `shift` (< 0: in the partner's box)
+                        box0 = (row0 // tile_rows) * tile_rows + half * bm
+                        shift = row0 - box0
+                    if split_m or clusters > 1:
+                        # this consumer's box rows [c*mb, c*mb + mb) ∩ the tile's (ping-pong:
+                        # the whole box, c = 0 and mb = bm)
+                        c_lo = c * mb if split_m else 0
+                        lo = jnp.maximum(shift, c_lo)
+                        count = jnp.maximum(jnp.minimum(shift + num_rows, c_lo + mb) - lo, 0)
+                        dst0, src0 = box0 + lo, lo - c_lo
                     else:
                         count, dst0, src0 = num_rows, row0, shift
                     if has_bias:  # lands while the K loop runs
@@ -893,7 +940,11 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         plgpu.Barrier(
             num_arrivals=a_arrivals + num_b, num_barriers=(1 if split_m else 2, stages)
         ),
-        plgpu.Barrier(num_arrivals=2 if split_m else 1, num_barriers=stages),
+        # empty: the slot's consumer (split M: both; with clusters, those of both CTAs of
+        # the cluster, whose multicast copies refill this slot)
+        plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2 if split_m else 1,
+                             num_barriers=stages) if clusters > 1
+        else plgpu.Barrier(num_arrivals=2 if split_m else 1, num_barriers=stages),
     ]
     if has_bias:  # per consumer: the item's bias columns and the barrier their copy arrives on
         scratch += [plgpu.SMEM((2, bn), dtype), plgpu.Barrier(num_barriers=2)]
@@ -927,6 +978,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         scratch_types=scratch,
         grid=(num_sms,),
         grid_names=("sm",),
+        **(dict(cluster=(clusters,), cluster_names=("cluster",)) if clusters > 1 else {}),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(

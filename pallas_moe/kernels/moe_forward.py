@@ -389,16 +389,16 @@ def moe_forward(
     # with the backward), or computed here for a standalone call.
     if schedules is None:
         up_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.up.tile_rows)
-        down_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
+        down_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.tile_rows)
     else:
         require_block("up", schedules.up, config.up.tile_rows)
-        require_block("down", schedules.down, config.down.block_m)
+        require_block("down", schedules.down, config.down.tile_rows)
         up_meta, down_meta = schedules.up, schedules.down
 
     h, a = up_proj(
         x, plan.token_ids, plan.group_sizes, w_gate_up,
         config=config.up, inference=inference and fuse_swiglu, interpret=interpret,
-        meta=up_meta, pad_a_rows_to=config.down.block_m, bias=b_gate_up, activation=activation,
+        meta=up_meta, pad_a_rows_to=config.down.tile_rows, bias=b_gate_up, activation=activation,
     )
     if not fuse_swiglu:
         # Same rows as the epilogue's A (padded to whole down-proj tiles); padding rows of H

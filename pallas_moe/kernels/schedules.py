@@ -37,10 +37,10 @@ class PlanSchedules:
     Attributes:
       up: row tiles of `ForwardConfig.up.tile_rows` rows, with token ids (up-proj). None
         when the forward is the decode megakernel, which schedules its own tasks.
-      down: aligned row tiles of `ForwardConfig.down.block_m` rows (down-proj). None as `up`.
+      down: aligned row tiles of `ForwardConfig.down.tile_rows` rows (down-proj). None as `up`.
       dh: row tiles of `BackwardConfig.dh.block_m` rows, with token ids (dH kernel).
       weight_grad: K-blocks of `BackwardConfig.dw_down.block_k` rows (both weight gradients).
-      dx: aligned row tiles of `BackwardConfig.dx.block_m` rows (dX~ GEMM).
+      dx: aligned row tiles of `BackwardConfig.dx.tile_rows` rows (dX~ GEMM).
     """
 
     up: _common.TileMeta | None
@@ -74,10 +74,10 @@ def plan_schedules(plan, forward: "ForwardConfig", backward: "BackwardConfig") -
     by_kernels = forward.decode is None
     return PlanSchedules(
         up=row_tiles(forward.up.tile_rows) if by_kernels else None,
-        down=aligned_tiles(forward.down.block_m) if by_kernels else None,
+        down=aligned_tiles(forward.down.tile_rows) if by_kernels else None,
         dh=row_tiles(backward.dh.block_m),
         weight_grad=k_block_meta(plan.group_sizes, plan.token_ids, backward.dw_down.block_k),
-        dx=aligned_tiles(backward.dx.block_m),
+        dx=aligned_tiles(backward.dx.tile_rows),
     )
 
 

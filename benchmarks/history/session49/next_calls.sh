@@ -9,12 +9,15 @@
 #   T (any card; after 192-row items became gpt-oss's default): their GPU bitwise test, and
 #     gpt-oss's forward table (bound ratios, ragged_dot_mgpu).
 # For the next GPU session, in this order:
-#   C (an H100): split-M up-proj items on clusters of two CTAs sharing each weight tile by
-#     multicast (`cluster_m=2`; never run on a GPU yet): first the GPU bitwise test (if it
-#     fails or hangs, stop there), then the up-proj sweep at 30B, 7B, gpt-oss, Qwen3 and
-#     d = 7168 (default vs split-M vs split-M on clusters).
+#   C (an H100): clusters of two CTAs sharing each weight tile by multicast (`cluster_m=2`,
+#     never run on a GPU yet) in the up-proj's split-M items and in the grouped GEMM (the
+#     down-proj, dX~): first their GPU bitwise tests (if one fails or hangs, stop there),
+#     then the forward sweep at 30B, 7B, gpt-oss, Qwen3 and d = 7168 (up-proj: default vs
+#     split-M vs split-M on clusters; down-proj: default vs clusters).
+#   C2: dX~ on clusters (`backward.py --sweep cluster`) at 30B, 7B and gpt-oss.
 #   D: the 30B and 7B steps with `cluster-up` against the default, paired (only if C's
-#     sweep found clusters faster at that width).
+#     sweep found clusters faster at that width; extend step.py's variants to the down-proj
+#     and dX~ if those won).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -49,16 +52,20 @@ T)
     --down-sweep none --rounds 3 --out $OUT/fw > $OUT/forward.log 2>&1
   echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/forward.log | cut -c1-260 | tail -3 ;;
 C)
-  timeout 240 python3 -m pytest -p no:xdist -q -x -m gpu tests/test_gpu.py -k "cluster_split_m" \
+  timeout 300 python3 -m pytest -p no:xdist -q -x -m gpu tests/test_gpu.py -k "cluster" \
     > $OUT/gpu_cluster.log 2>&1
   rc=$?; echo "gpu cluster rc=$rc at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_cluster.log
   if [ $rc -eq 0 ]; then
-    timeout 330 python3 benchmarks/forward.py --shapes 30b,7b,gpt-oss-20b,qwen3-30b-a3b,w7168 \
-      --skew '' --up-sweep cluster --down-sweep none --no-baselines --rounds 3 --out $OUT/fw \
+    timeout 280 python3 benchmarks/forward.py --shapes 30b,7b,gpt-oss-20b,qwen3-30b-a3b,w7168 \
+      --skew '' --up-sweep cluster --down-sweep cluster --no-baselines --rounds 3 --out $OUT/fw \
       > $OUT/forward.log 2>&1
     echo "forward rc=$? at $(( $(date +%s) - T0 )) s"
-    grep "^  up \|^==\|errors\|FAIL\|Error" $OUT/forward.log | sed 's/UpProjConfig(\(.\{0,100\}\).*cluster_m=\(.\)).*: /UP(\1 cl=\2) /' | cut -c1-230
+    grep "^  up \|^  down \|^==\|errors\|FAIL\|Error" $OUT/forward.log | sed 's/UpProjConfig(\(.\{0,100\}\).*cluster_m=\(.\)).*: /UP(\1 cl=\2) /' | sed 's/fp8_promote_every.*out_buffers=., //' | cut -c1-230
   fi ;;
+C2)
+  timeout 500 python3 benchmarks/backward.py --shapes 30b,7b,gpt-oss-20b --sweep cluster \
+    --rounds 3 --out $OUT/bw > $OUT/bw.log 2>&1
+  echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; grep "  dX~ \\|^|" $OUT/bw.log | cut -c1-260 ;;
 D)
   timeout 560 python3 benchmarks/step.py --shapes 30b,7b --variants topk/cp_async,topk/cp_async/cluster-up \
     --rounds 3 --out $OUT/step > $OUT/step.log 2>&1
