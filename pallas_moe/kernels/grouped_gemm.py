@@ -84,6 +84,12 @@ current item's epilogue.
   between the consumers as with 64 rows, and each consumer multiplies all 128 rows of its
   item (a 128 x block_n accumulator, two m64 wgmmas per step), so the weight tile still
   feeds 128 rows and one consumer's epilogue overlaps the other's wgmmas.
+- `cluster_m == 2` (bf16, opt-in, any of the above): clusters of two CTAs walk the items in
+  lockstep. A cluster item is two consecutive aligned boxes of one expert's rows (metadata
+  tiles of 2 * block_m rows); each CTA loads and multiplies its own box, and both ask for
+  each K step's weight tile with a cluster multicast copy, so a weight byte read from L2
+  feeds both boxes. `empty` is then a cluster barrier: the partner's multicast refills this
+  CTA's slot too, so both CTAs' consumers must have released it.
 
 With a bias, each consumer TMA-loads its item's `[block_n]` bias columns into its own SMEM
 when the item starts (they land while the K loop runs) and adds them to the fp32
