@@ -262,6 +262,8 @@ CONFIG_FLAGS = {
     # session 49), from this width's split-M form.
     "cluster-up": lambda c, n: _replace_up(
         c, dataclasses.replace(split_m_up_config(default_num_sms(), n), cluster_m=2)),
+    # The down-proj and dX~ on clusters of two CTAs sharing each weight tile (session 49).
+    "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
     # Split-M items of 192 rows, three consumers sharing each weight tile (session 49).
     "split-m-192-up": lambda c, n: _replace_up(
         c, split_m_up_config(default_num_sms(), n, rows=192)),

@@ -15,9 +15,8 @@
 #     then the forward sweep at 30B, 7B, gpt-oss, Qwen3 and d = 7168 (up-proj: default vs
 #     split-M vs split-M on clusters; down-proj: default vs clusters).
 #   C2: dX~ on clusters (`backward.py --sweep cluster`) at 30B, 7B and gpt-oss.
-#   D: the 30B and 7B steps with `cluster-up` against the default, paired (only if C's
-#     sweep found clusters faster at that width; extend step.py's variants to the down-proj
-#     and dX~ if those won).
+#   D: the 30B and 7B steps with `cluster-up` (the up-proj) and `cluster-gemm` (down-proj
+#     and dX~) against the default, paired (only if C / C2 found clusters faster there).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -67,7 +66,8 @@ C2)
     --rounds 3 --out $OUT/bw > $OUT/bw.log 2>&1
   echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; grep "  dX~ \\|^|" $OUT/bw.log | cut -c1-260 ;;
 D)
-  timeout 560 python3 benchmarks/step.py --shapes 30b,7b --variants topk/cp_async,topk/cp_async/cluster-up \
+  timeout 560 python3 benchmarks/step.py --shapes 30b,7b \
+    --variants topk/cp_async,topk/cp_async/cluster-up,topk/cp_async/cluster-gemm \
     --rounds 3 --out $OUT/step > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step.log | tail -6 ;;
 esac
