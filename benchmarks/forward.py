@@ -576,6 +576,12 @@ def cards_up_cfgs(d, n):
                              cooperative_up_cfg(n)], n)
 
 
+def split_m_up_cfg(n, rows=None):
+    """The split-M up-proj as `ForwardConfig.for_shape` builds it (`split_m_up_config` on
+    132 CTAs, the cp.async gather), with `rows`-row items if given."""
+    return dataclasses.replace(split_m_up_config(132, n, rows=rows), gather="cp_async")
+
+
 def persistent_up_cfgs(d, n):
     """Session 48: can the persistent kernel be the only up-proj? This width's default
     against split-M items (128-row items shared by both consumers; `block_n` = 128, or 64
@@ -583,7 +589,7 @@ def persistent_up_cfgs(d, n):
     cooperative kernel (one CTA per tile: the default above d = 4096, and where 128 does not
     divide n until session 48, whose run of this sweep found split-M 1.433x at gpt-oss's
     widths and 0.854x at d = 7168)."""
-    split = dataclasses.replace(split_m_up_config(132, n), gather="cp_async")  # as for_shape's
+    split = split_m_up_cfg(n)
     cands = [ForwardConfig.for_shape(d, n).up, split, cooperative_up_cfg(n)]
     if split.block_n == 64:  # one N = 128 wgmma per K step instead of two of N = 64
         cands.append(dataclasses.replace(split, fused_gate_up=True))
@@ -599,9 +605,7 @@ def rows_up_cfgs(d, n):
     Each weight tile then feeds 192 rows: at gpt-oss's widths (64-column items) the counted
     L2 -> SMEM traffic drops from ~17 GB to ~14 GB per call."""
     return _fitting_up_cfgs(
-        [ForwardConfig.for_shape(d, n).up]
-        + [dataclasses.replace(split_m_up_config(132, n, rows=rows), gather="cp_async")
-           for rows in (128, 192)], n)
+        [ForwardConfig.for_shape(d, n).up] + [split_m_up_cfg(n, rows=r) for r in (128, 192)], n)
 
 
 def cluster_up_cfgs(d, n):
@@ -609,7 +613,7 @@ def cluster_up_cfgs(d, n):
     multicast (`UpProjConfig.cluster_m=2`): each weight byte from L2 feeds twice the rows.
     Against this width's default and its split-M form without clusters (at d <= 1536 and
     above 4096, where the default is not split-M, both split-M forms are the candidates)."""
-    split = dataclasses.replace(split_m_up_config(132, n), gather="cp_async")
+    split = split_m_up_cfg(n)
     return _fitting_up_cfgs([ForwardConfig.for_shape(d, n).up, split,
                              dataclasses.replace(split, cluster_m=2)], n)
 

@@ -634,11 +634,13 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             w = sm + j * num_sms
             return first_tile + w // grid_n, w % grid_n  # (tile, column block)
 
+        def box_of(row0):  # first row of this CTA's aligned box of the tile starting at row0
+            box = (row0 // tile_rows) * tile_rows  # the aligned block holding the tile
+            return box + half * bm if clusters > 1 else box  # clusters: this CTA's half
+
         def box_start(j):
             tile, _ = item(j)
-            if clusters > 1:  # this CTA's box of the cluster's aligned block
-                return (start_ref[tile] // tile_rows) * tile_rows + half * bm
-            return (start_ref[tile] // bm) * bm  # the aligned block holding the tile
+            return box_of(start_ref[tile])
 
         def load_ids(j):  # gathered mode: item j's box rows' source rows -> SMEM
             plgpu.copy_gmem_to_smem(
@@ -848,12 +850,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                     tile, ni = item(j)
                     row0 = start_ref[tile]
                     num_rows = rows_ref[tile]
-                    box0 = (row0 // bm) * bm
-                    shift = row0 - box0  # box row of the tile's first row
-                    if clusters > 1:  # this CTA's box of the cluster item: [0, bm) ∩ the
-                        # tile's rows, which start at `shift` (< 0: in the partner's box)
-                        box0 = (row0 // tile_rows) * tile_rows + half * bm
-                        shift = row0 - box0
+                    box0 = box_of(row0)
+                    # box row of the tile's first row (with clusters < 0 where the tile
+                    # starts in the partner's box: this CTA takes [0, bm) ∩ the tile's rows)
+                    shift = row0 - box0
                     if split_m or clusters > 1:
                         # this consumer's box rows [c*mb, c*mb + mb) ∩ the tile's (ping-pong:
                         # the whole box, c = 0 and mb = bm)

@@ -599,10 +599,8 @@ def _pingpong_kernel(
     # Walkers of the item list: CTAs, or clusters of `clusters` CTAs (`cluster_m`).
     num_ctas = min(config.pingpong_ctas // clusters, num_tiles * grid_n)
     multicast = "cluster" if clusters > 1 else None  # collective axis of the weight copies
-    slab = 64  # SwiGLU columns computed at a time (one swizzled slab)
-    num_out = 1 if inference else 3
-    num_tiles_out = num_out * (bn // slab)  # output tiles per item
-    per_fill = min(config.epilogue_tiles or num_tiles_out, num_tiles_out)
+    slab = _EPILOGUE_SLAB  # SwiGLU columns computed at a time (one swizzled slab)
+    per_fill = _epilogue_fill(config, inference)
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
     interpret = interpret_mode is not None
@@ -869,11 +867,19 @@ def persistent_smem_bytes(config: UpProjConfig, inference: bool = False) -> int:
     ([64, 64] each, `epilogue_tiles` of the item's per consumer), bf16. The kernel raises a
     ValueError above `_common.SMEM_BUDGET`."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    slab = 64
-    per_item = (1 if inference else 3) * (bn // slab)
-    per_fill = min(config.epilogue_tiles or per_item, per_item)
     return (config.num_stages * (bm * bk + 2 * bk * bn)
-            + config.num_consumers * per_fill * 64 * slab) * 2
+            + config.num_consumers * _epilogue_fill(config, inference) * 64 * _EPILOGUE_SLAB) * 2
+
+
+_EPILOGUE_SLAB = 64  # columns of one swizzled [64, 64] epilogue tile
+
+
+def _epilogue_fill(config: UpProjConfig, inference: bool) -> int:
+    """[64, 64] output tiles a consumer of the persistent kernel stages before it stores them:
+    `epilogue_tiles`, at most the item's (A, and H gate and up unless `inference`, per
+    64-column slab); 0 = all of the item's."""
+    per_item = (1 if inference else 3) * (config.block_n // _EPILOGUE_SLAB)
+    return min(config.epilogue_tiles or per_item, per_item)
 
 
 def _gate_up_weight_copies(fused: bool, interleaved: bool, bk: int) -> int:
