@@ -259,9 +259,11 @@ CONFIG_FLAGS = {
     # at any width and on any card, e.g. to measure it on an H100 or at 7B.
     "split-m-up": lambda c, n: _replace_up(c, split_m_up_config(default_num_sms(), n)),
     # Split-M items on clusters of two CTAs sharing each weight tile (`cluster_m=2`,
-    # session 49), from this width's split-M form.
+    # session 49), from this width's split-M form; session 50 made them the default from
+    # d = 2880 on, and "no-cluster-up" runs those widths' items on single CTAs.
     "cluster-up": lambda c, n: _replace_up(
-        c, dataclasses.replace(split_m_up_config(default_num_sms(), n), cluster_m=2)),
+        c, split_m_up_config(default_num_sms(), n, cluster_m=2)),
+    "no-cluster-up": lambda c, n: _replace(c, "up", cluster_m=1),
     # The down-proj and dX~ on clusters of two CTAs sharing each weight tile (session 49).
     "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
     # Split-M items of 192 rows, three consumers sharing each weight tile (session 49).

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 
 from pallas_moe.kernels.aggregate import aggregate
 from pallas_moe.kernels.down_proj import down_proj
-from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward, split_m_up_config
+from pallas_moe.kernels.moe_forward import (
+    CLUSTER_UP_MIN_D, ForwardConfig, moe_forward, split_m_up_config,
+)
 from pallas_moe.kernels.reference import moe_forward_reference
 from pallas_moe.kernels.up_proj import UpProjConfig, up_proj
 from pallas_moe.routing import token_rounding_plan, topk_plan
@@ -178,11 +180,15 @@ def test_split_m_up_proj_follows_the_device_and_width(kind, d, n, split_m):
     measured); wider models keep the cooperative kernel (split-M measured 0.854x at d =
     7168 on the H100, session 48). Its items are 128 rows and 128 columns, or, where 128
     does not divide n, 192 rows (three consumers; session 49: 1.116x 128 rows at gpt-oss's
-    widths on the H100) and 64 columns. The form lowers for cuda at its widths."""
+    widths on the H100) and 64 columns. From d = CLUSTER_UP_MIN_D on its items run on
+    clusters of two CTAs sharing each weight tile (session 50: 1.03-1.05x at 30B's and
+    gpt-oss's widths on the H100, 0.984x at d = 2048). The form lowers for cuda at its
+    widths."""
     up = ForwardConfig.for_shape(d, n, device_kind=kind).up
     assert (up.block_m > 64 and up.pingpong_ctas > 0) == split_m, up
     if split_m:
         assert not up.fused_gate_up and up.gather_completion == "mbarrier", up
+        assert up.cluster_m == (2 if d >= CLUSTER_UP_MIN_D else 1), up
         narrow = n % 128 != 0
         assert (up.block_m, up.block_n, up.num_consumers, up.num_stages) == (
             (192, 64, 3, 4) if narrow else (128, 128, 2, 4)), up
@@ -248,15 +254,15 @@ def test_three_consumer_split_m_up_proj_lowers_for_cuda(shape):
                sds((e, d, 2 * n), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (8192, 2880, 2880, 32, 4)],
-                         ids=["30b", "gpt_oss"])
-def test_cluster_split_m_up_proj_lowers_for_cuda(shape):
+def test_cluster_split_m_up_proj_lowers_for_cuda():
     """Split-M items on clusters of two CTAs (`cluster_m=2`, the weight tiles multicast to
-    both) lower for cuda at production widths, from each width's split-M default (30B:
-    128 rows, 128 columns; gpt-oss: 192 rows, 64 columns), training and inference."""
-    t, d, n, e, k = shape
+    both) lower for cuda, training and inference, where they are opt-in: the Qwen3-30B-A3B
+    widths (below CLUSTER_UP_MIN_D). `test_split_m_up_proj_follows_the_device_and_width`
+    lowers them where they are the default (30B's and gpt-oss's widths)."""
+    t, d, n, e, k = 16384, 2048, 768, 128, 8
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
-    up = dataclasses.replace(ForwardConfig.for_shape(d, n).up, cluster_m=2)
+    assert ForwardConfig.for_shape(d, n).up.cluster_m == 1
+    up = dataclasses.replace(split_m_up_config(132, n, d=d, cluster_m=2), gather="cp_async")
     assert up.pingpong_ctas and up.block_m > 64 and up.tile_rows == 2 * up.block_m, up
     for inference in (False, True):
         _lower(lambda x, tok, g, w, i=inference: up_proj(x, tok, g, w, config=up, inference=i),

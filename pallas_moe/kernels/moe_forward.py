@@ -48,6 +48,9 @@ SPLIT_M_UP_MAX_D = 4096
 # The narrowest expert width n at which an H200 runs the split-M up-proj at d <=
 # PINGPONG_UP_MAX_D too (measured at n = 512 and 1024; see `ForwardConfig.for_shape`).
 SPLIT_M_UP_MIN_N = 512
+# The narrowest d at which the split-M up-proj runs its items on clusters of two CTAs that
+# share each weight tile by multicast (`UpProjConfig.cluster_m=2`; see `split_m_up_config`).
+CLUSTER_UP_MIN_D = 2880
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +139,10 @@ class ForwardConfig:
             # 1.236x) and 2880 (n = 1408: 1284.4 -> 970.3, 1.324x). Not above
             # SPLIT_M_UP_MAX_D: at d = 7168 (n = 2048) split-M lost, 1617.7 -> 1894.4 us
             # (0.854x, spread 10.1%), so the cooperative kernel stays there. Session 49:
-            # 64-column items take 192 rows and three consumers (see split_m_up_config).
-            up = split_m_up_config(num_sms, n)
+            # 64-column items take 192 rows and three consumers, and from d =
+            # CLUSTER_UP_MIN_D on items run on clusters of two CTAs (session 50; see
+            # split_m_up_config).
+            up = split_m_up_config(num_sms, n, d=d)
         elif n % 128 == 0 and d <= PINGPONG_UP_MAX_D:
             # Measured on the H100 (session 20, same run, bitwise equal): the ping-pong
             # up-proj (two consumers taking alternate 64-row items, 5 stages, one-tile
@@ -182,8 +187,8 @@ class ForwardConfig:
         return dataclasses.replace(cfg, **overrides)
 
 
-def split_m_up_config(num_sms: int, n: int | None = None, *, rows: int | None = None
-                      ) -> UpProjConfig:
+def split_m_up_config(num_sms: int, n: int | None = None, *, d: int | None = None,
+                      rows: int | None = None, cluster_m: int | None = None) -> UpProjConfig:
     """The persistent split-M up-proj (`UpProjConfig.pingpong_ctas` with block_m > 64) as
     every card runs it above `PINGPONG_UP_MAX_D`, and an H200 below it from
     `SPLIT_M_UP_MIN_N` on:
@@ -192,6 +197,9 @@ def split_m_up_config(num_sms: int, n: int | None = None, *, rows: int | None = 
     N = 128 wgmmas per consumer and step; where 128 does not divide the expert width `n`
     (e.g. gpt-oss's 2880), items 64 columns wide (two N = 64 wgmmas) and 192 rows that three
     consumers share. `n=None`: 128-column items. `rows`: 128 or 192 instead of that choice.
+    From the model width `d` = `CLUSTER_UP_MIN_D` on (and with an even `num_sms`), items run
+    on clusters of two CTAs sharing each weight tile by multicast (`cluster_m=2`); `d=None`:
+    no clusters. `cluster_m`: 1 or 2 instead of that choice.
 
     Why 192 rows only with 64-column items: measured on the H100 (session 49,
     `benchmarks/forward.py --up-sweep rows`, same run, 3 rounds, error 0 against the XLA
@@ -201,13 +209,24 @@ def split_m_up_config(num_sms: int, n: int | None = None, *, rows: int | None = 
     13.567 -> 13.282 ms (1.021x, paired). With 128-column items the three consumers' two
     [64, 128] f32 accumulators do not fit their registers beside the epilogue (152 each):
     0.137-0.144x at the Qwen3-30B-A3B, d = 2880 (n = 1408) and 30B widths.
+
+    Why clusters from d = 2880 on: measured on the H100 (session 50, `benchmarks/forward.py
+    --up-sweep cluster`, same runs, error 0 against the XLA tiles), clusters against the
+    same items on single CTAs: gpt-oss-20b's widths 2627.5 -> 2503.3 us (1.050x, spreads
+    0.7% / 2.0%), and its whole training step 13.487 -> 13.335 ms (1.011x, paired); 30B
+    3651.1 -> 3401.8 us (1.036x) and, in a second run, 3677.0 -> 3521.0 (1.030x; spreads
+    4-22%). Each weight byte read from L2 feeds twice the rows. At the Qwen3-30B-A3B
+    widths (d = 2048) they lost, 1426.7 -> 1450.4 us (0.984x); our guess (not measured) is
+    that its shorter K loop leaves less time to hide the two CTAs' lock-step on each slot.
     """
     block_n = 64 if n is not None and n % 128 else 128
     if rows is None:
         rows = 192 if block_n == 64 else 128
+    if cluster_m is None:
+        cluster_m = 2 if d is not None and d >= CLUSTER_UP_MIN_D and num_sms % 2 == 0 else 1
     config = UpProjConfig(block_m=rows, block_n=block_n, num_stages=4,
                           num_consumers=rows // 64, pingpong_ctas=num_sms, epilogue_tiles=1,
-                          gather_completion="mbarrier")
+                          gather_completion="mbarrier", cluster_m=cluster_m)
     if persistent_smem_bytes(config) > _common.SMEM_BUDGET:
         config = dataclasses.replace(config, num_stages=3)
     return config
