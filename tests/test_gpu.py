@@ -243,7 +243,8 @@ def _assert_up_proj_configs_write_the_same_bits(shape, seed, reference, cases):
 
 def test_up_proj_192_row_split_m_equals_cooperative():
     """At gpt-oss's widths (d = n = 2880: 128 does not divide n) the default up-proj is
-    split-M items of 192 rows and 64 columns that three consumers share (session 49). It
+    split-M items of 192 rows and 64 columns that three consumers share (session 49), on
+    clusters of two CTAs (session 50). It
     writes the bits of the cooperative kernel (one consumer of 64 columns, the default
     before session 48) and of 128-row split-M items: 132 and 8 CTAs (each walks many
     items), inference mode's A, items whose second or third consumer has no rows."""
@@ -265,16 +266,17 @@ def test_up_proj_192_row_split_m_equals_cooperative():
                          ids=["30b_widths", "gpt_oss_widths"])
 def test_up_proj_cluster_split_m_writes_the_default_bits(shape):
     """Split-M items on clusters of two CTAs (`cluster_m=2`: each K step's weight tiles
-    multicast to both CTAs, a slot refilled once both CTAs' consumers released it) write the
-    bits of the width's default (one CTA per item): 132 and 8 CTAs (4 clusters walk many
-    items), inference's A, cluster items whose second CTA has few or no rows."""
+    multicast to both CTAs, a slot refilled once both CTAs' consumers released it; the
+    default at these widths since session 50) write the bits of the same items on single
+    CTAs: 132 and 8 CTAs (4 clusters walk many items), inference's A, cluster items whose
+    second CTA has few or no rows."""
     from pallas_moe.kernels.moe_forward import ForwardConfig
 
     T, d, n, E, K = shape
-    default = ForwardConfig.for_shape(d, n).up
-    assert default.pingpong_ctas and default.block_m > 64 and default.cluster_m == 1, default
-    cluster = dataclasses.replace(default, cluster_m=2)
-    _assert_up_proj_configs_write_the_same_bits(shape, T + d + n + 2, default, [
+    cluster = ForwardConfig.for_shape(d, n).up
+    assert cluster.pingpong_ctas and cluster.block_m > 64 and cluster.cluster_m == 2, cluster
+    single = dataclasses.replace(cluster, cluster_m=1)
+    _assert_up_proj_configs_write_the_same_bits(shape, T + d + n + 2, single, [
         ("132 CTAs", cluster, False),
         ("8 CTAs", dataclasses.replace(cluster, pingpong_ctas=8), False),
         ("inference", cluster, True)])
