@@ -1,0 +1,28 @@
+# Session 50's GPU plan: `bash benchmarks/history/session50/next_calls.sh PART` from the repo
+# root; logs under $OUT.
+#   V (an H100; after clusters became the split-M up-proj's default from d = 2880): the
+#     cluster GPU bitwise tests (the new default against single CTAs), the forward table at
+#     30B and gpt-oss widths with the new default (bmm bound, ragged_dot_mgpu), the cluster
+#     sweep at d = 2880 with 128-column items (w2880: inside the new rule, not measured
+#     before), and dX~ on clusters at 30B (`backward.py --sweep cluster`).
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+T0=$(date +%s)
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
+PART=${1:-V}
+case "$PART" in
+V)
+  timeout 130 python3 -m pytest -p no:xdist -q -x -m gpu tests/test_gpu.py \
+    -k "up_proj_cluster_split_m" > $OUT/gpu_cluster.log 2>&1
+  echo "gpu cluster rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_cluster.log
+  timeout 140 python3 benchmarks/forward.py --shapes 30b,gpt-oss-20b --skew '' \
+    --up-sweep none --down-sweep none --rounds 3 --out $OUT/fw > $OUT/forward.log 2>&1
+  echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/forward.log | cut -c1-260 | tail -4
+  timeout 90 python3 benchmarks/forward.py --shapes w2880 --skew '' --up-sweep cluster \
+    --down-sweep none --no-baselines --rounds 3 --out $OUT/fw2880 > $OUT/forward2880.log 2>&1
+  echo "w2880 rc=$? at $(( $(date +%s) - T0 )) s"
+  grep "^  up " $OUT/forward2880.log | sed 's/UpProjConfig(\(.\{0,40\}\).*cluster_m=\(.\)).*: /UP(\1 cl=\2) /' | cut -c1-200
+  timeout 190 python3 benchmarks/backward.py --shapes 30b --sweep cluster --rounds 3 \
+    --out $OUT/bw > $OUT/bw.log 2>&1
+  echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; grep "  dX~ \\|^|" $OUT/bw.log | cut -c1-230 ;;
+esac
+echo "done in $(( $(date +%s) - T0 )) s"
