@@ -213,9 +213,10 @@ def split_m_up_config(num_sms: int, n: int | None = None, *, d: int | None = Non
     Why clusters from d = 2880 on: measured on the H100 (session 50, `benchmarks/forward.py
     --up-sweep cluster`, same runs, error 0 against the XLA tiles), clusters against the
     same items on single CTAs: gpt-oss-20b's widths 2627.5 -> 2503.3 us (1.050x, spreads
-    0.7% / 2.0%), and its whole training step 13.487 -> 13.335 ms (1.011x, paired); 30B
-    3651.1 -> 3401.8 us (1.036x) and, in a second run, 3677.0 -> 3521.0 (1.030x; spreads
-    4-22%). Each weight byte read from L2 feeds twice the rows. At the Qwen3-30B-A3B
+    0.7% / 2.0%), and its whole training step 13.487 -> 13.335 ms (1.011x, paired); d =
+    2880 with 128-column items (n = 1408) 935.8 -> 885.4 us (1.057x, spreads 0.3% / 0.2%);
+    30B in three runs 3651.1 -> 3401.8 us (1.036x), 3677.0 -> 3521.0 (1.030x) and 3669.4
+    -> 3460.7 (1.060x; spreads 4-22%). Each weight byte read from L2 feeds twice the rows. At the Qwen3-30B-A3B
     widths (d = 2048) they lost, 1426.7 -> 1450.4 us (0.984x); our guess (not measured) is
     that its shorter K loop leaves less time to hide the two CTAs' lock-step on each slot.
     """
