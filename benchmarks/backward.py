@@ -211,6 +211,9 @@ def configs_for(d, n, sweep: str):
         # Session 49: dX~ on clusters of two CTAs sharing each weight tile by multicast
         # (`GroupedMatmulConfig.cluster_m=2`; the bitwise checks compare it to the default).
         dx.append(dataclasses.replace(base.dx, cluster_m=2))
+        # Session 50: dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`).
+        if base.dh.persistent_ctas % 2 == 0:
+            dh.append(dataclasses.replace(base.dh, cluster_m=2))
     if sweep == "narrow":
         # Session 48: where 128 does not divide n (gpt-oss: n = 2880) dH's default was one
         # consumer of 64 columns (151 TF/s on the H100); three consumers of 64 (now the
@@ -363,7 +366,7 @@ def run_shape(name, shape, log, sweep_kind: str):
         return e
 
     def build_dh(cfg):
-        meta = dh_meta(cfg.block_m)
+        meta = dh_meta(cfg.tile_rows)
         return lambda go, h, t, g, s, w: dh_kernel(go, h, t, g, s, w, config=cfg, meta=meta,
                                                    **interp)
 

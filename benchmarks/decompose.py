@@ -64,7 +64,7 @@ def main():
         meta_c = jax.jit(lambda g, t: _common.tile_meta(g, t, fcfg.up.tile_rows))(plan.group_sizes, ident)
         row["up_contiguous_us"] = 1e3 * gpu_time_ms(up, xg, ident, plan.group_sizes, w1, meta_c)
         h, _ = up(x, plan.token_ids, plan.group_sizes, w1, meta)
-        dmeta = jax.jit(lambda g, t: _common.tile_meta(g, t, bcfg.dh.block_m))(plan.group_sizes, plan.token_ids)
+        dmeta = jax.jit(lambda g, t: _common.tile_meta(g, t, bcfg.dh.tile_rows))(plan.group_sizes, plan.token_ids)
         dh = jax.jit(lambda o, h, t, g, s, w, m: dh_kernel(o, h, t, g, s, w, config=bcfg.dh, meta=m))
         row["dh_us"] = 1e3 * gpu_time_ms(dh, do, h, plan.token_ids, plan.group_sizes, plan.scores, w2, dmeta)
         row["num_tiles"] = int(jnp.sum(meta.num_rows > 0))

@@ -275,11 +275,11 @@ def moe_backward(
     # Metadata, once per plan and block size: from the op (`plan_schedules`, computed in the
     # forward and saved), or computed here for a standalone call.
     if schedules is None:
-        dh_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.dh.block_m)
+        dh_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.dh.tile_rows)
         k_meta = k_block_meta(plan.group_sizes, plan.token_ids, block_k)
         dx_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.dx.tile_rows)
     else:
-        require_block("dh", schedules.dh, config.dh.block_m)
+        require_block("dh", schedules.dh, config.dh.tile_rows)
         require_block("weight_grad", schedules.weight_grad, block_k, field="block_k")
         require_block("dx", schedules.dx, config.dx.tile_rows)
         dh_meta, k_meta, dx_meta = schedules.dh, schedules.weight_grad, schedules.dx
