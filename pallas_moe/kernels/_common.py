@@ -237,6 +237,18 @@ def require_dtype(arg: str, x: jax.Array, dtype) -> None:
     data_fields=["expert", "row_start", "num_rows", "row_ids"],
     meta_fields=["block_m"],
 )
+class ClusterTiles:
+    """Mixin of the kernel configs whose items may run on clusters of CTAs (`block_m` and
+    `cluster_m` fields): a cluster item is `cluster_m` consecutive blocks of `block_m` rows,
+    one per CTA, so its tile metadata is made for `tile_rows` rows."""
+
+    @property
+    def tile_rows(self) -> int:
+        """Rows of one metadata tile (`TileMeta.block_m`): a cluster item's `cluster_m`
+        row blocks of `block_m` rows."""
+        return self.block_m * self.cluster_m
+
+
 @dataclasses.dataclass(frozen=True)
 class TileMeta:
     """What the kernels read per row tile, derived once per plan from `TileSchedule`.

@@ -73,7 +73,7 @@ H_LOADERS = ("tma", "cp_async")
 
 
 @dataclasses.dataclass(frozen=True)
-class DHConfig:
+class DHConfig(_common.ClusterTiles):
     """Block sizes of the dH kernel (`_dh_persistent`).
 
     Attributes:
@@ -155,12 +155,6 @@ class DHConfig:
     persistent_ctas: int = 132
     h_loader: str = "tma"
     cluster_m: int = 1
-
-    @property
-    def tile_rows(self) -> int:
-        """Rows of one metadata tile (`TileMeta.block_m`): a cluster item's `cluster_m` row
-        blocks of `block_m` rows."""
-        return self.block_m * self.cluster_m
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):

@@ -113,7 +113,7 @@ from pallas_moe.quant.reference import QUANTIZED_DTYPES, apply_row_scale, row_sc
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupedMatmulConfig:
+class GroupedMatmulConfig(_common.ClusterTiles):
     """Block sizes of the persistent grouped GEMM (down-proj, dX~).
 
     Attributes:
@@ -224,12 +224,6 @@ class GroupedMatmulConfig:
     def num_consumers(self) -> int:
         """Consumer warpgroups of the kernel (always 2; the gather checks read it)."""
         return 2
-
-    @property
-    def tile_rows(self) -> int:
-        """Rows of one metadata tile (`TileMeta.block_m`): a cluster item's `cluster_m`
-        aligned boxes of `block_m` rows."""
-        return self.block_m * self.cluster_m
 
     @property
     def split_m(self) -> bool:

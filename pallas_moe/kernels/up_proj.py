@@ -64,7 +64,7 @@ from pallas_moe.ops.activation import SwiGLU
 
 
 @dataclasses.dataclass(frozen=True)
-class UpProjConfig:
+class UpProjConfig(_common.ClusterTiles):
     """Block sizes of the up-proj kernel.
 
     Attributes:
@@ -160,12 +160,6 @@ class UpProjConfig:
     prefetch_steps: int = 0
     fused_gate_up: bool = False
     cluster_m: int = 1
-
-    @property
-    def tile_rows(self) -> int:
-        """Rows of one metadata tile (`TileMeta.block_m`): a cluster item's `cluster_m`
-        row blocks of `block_m` rows."""
-        return self.block_m * self.cluster_m
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
