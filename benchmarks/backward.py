@@ -211,9 +211,15 @@ def configs_for(d, n, sweep: str):
         # Session 49: dX~ on clusters of two CTAs sharing each weight tile by multicast
         # (`GroupedMatmulConfig.cluster_m=2`; the bitwise checks compare it to the default).
         dx.append(dataclasses.replace(base.dx, cluster_m=2))
-        # Session 50: dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`).
+        # Session 50: dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`)
+        # and both weight gradients on clusters of two neighbouring tiles sharing each
+        # contiguous K-block (`WeightGradConfig.cluster_m=2`; dropped below where the
+        # gathered side has no neighbouring tile pairs).
         if base.dh.persistent_ctas % 2 == 0:
             dh.append(dataclasses.replace(base.dh, cluster_m=2))
+        for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
+            if cfg.persistent_ctas and cfg.persistent_ctas % 2 == 0:
+                lst.append(dataclasses.replace(cfg, cluster_m=2))
     if sweep == "narrow":
         # Session 48: where 128 does not divide n (gpt-oss: n = 2880) dH's default was one
         # consumer of 64 columns (151 TF/s on the H100); three consumers of 64 (now the
@@ -311,8 +317,12 @@ def configs_for(d, n, sweep: str):
     ok = lambda c, *dims: all(dim % m == 0 for dim, m in dims)
     cons = lambda c: c.num_consumers
     dh = [c for c in dh if ok(c, (n, item_cols(c)))]
-    dw2 = [c for c in dw2 if ok(c, (n, c.block_m * cons(c)), (d, c.block_n))]
-    dw1 = [c for c in dw1 if ok(c, (d, c.block_m), (2 * n, c.block_n * cons(c)))]
+    # (A weight-gradient cluster's two tiles neighbour along the gathered side: dW2's d,
+    # dW1's d.)
+    dw2 = [c for c in dw2
+           if ok(c, (n, c.block_m * cons(c)), (d, c.block_n * c.cluster_m))]
+    dw1 = [c for c in dw1
+           if ok(c, (d, c.block_m * c.cluster_m), (2 * n, c.block_n * cons(c)))]
     dx = [c for i, c in enumerate(dx) if ok(c, (d, c.block_n)) and c not in dx[:i]]
     return base, dh, dw2, dw1, dx
 

@@ -268,6 +268,10 @@ CONFIG_FLAGS = {
     "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
     # dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`, session 50).
     "cluster-dh": lambda c, n: _replace(c, "dh", cluster_m=2),
+    # Both weight gradients on clusters of two neighbouring tiles sharing each contiguous
+    # K-block (`WeightGradConfig.cluster_m=2`, session 50).
+    "cluster-wg": lambda c, n: _replace(_replace(c, "dw_down", cluster_m=2), "dw_gate_up",
+                                        cluster_m=2),
     # Split-M items of 192 rows, three consumers sharing each weight tile (session 49).
     "split-m-192-up": lambda c, n: _replace_up(
         c, split_m_up_config(default_num_sms(), n, rows=192)),

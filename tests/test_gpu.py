@@ -750,6 +750,40 @@ def test_dh_clusters_write_the_default_bits(shape):
         dataclasses.replace(few, h_loader="tma")), empty_expert=3)
 
 
+def _weight_grad_problem(shape, seed):
+    """(plan, X, dO, dH, A') of a weight-gradient check at `shape` (T, d, n, E, K): skewed
+    routing with an empty expert (3), fresh random bf16 data, NaN in the contiguous
+    operands' padding rows past P (rounded up to 64)."""
+    T, d, n, E, K = shape
+    ks = jax.random.split(jax.random.key(seed), 5)
+    logits = jax.random.normal(ks[0], (T, E)).at[:, :2].add(1.5).at[:, 3].add(-1e4)
+    plan = pm.routing.topk_plan(logits, K)
+    assert int(plan.group_sizes[3]) == 0
+    P = plan.capacity
+    p64 = -(-P // 64) * 64
+    pad = lambda a: jnp.concatenate(  # noqa: E731  padding rows past P: NaN
+        [a, jnp.full((p64 - P, a.shape[1]), jnp.nan, a.dtype)])
+    x = jax.random.normal(ks[1], (T, d), jnp.bfloat16)
+    go = jax.random.normal(ks[2], (T, d), jnp.bfloat16)
+    dh = pad(jax.random.normal(ks[3], (P, 2 * n), jnp.bfloat16))
+    ap = pad(jax.random.normal(ks[4], (P, n), jnp.bfloat16))
+    return plan, x, go, dh, ap
+
+
+def _assert_weight_grad_matches_numpy(out, lhs, rhs, plan, gathered):
+    """`out` (f32 [E, M, N]) against numpy's `L[rows e]^T R[rows e]` for the two largest
+    experts and the last one, the gathered side indexed through the plan's token ids."""
+    rows = np.asarray(plan.token_ids)
+    lo = np.concatenate([[0], np.cumsum(np.asarray(plan.group_sizes))])
+    lf = np.asarray(lhs, np.float32)
+    rf = np.asarray(rhs, np.float32)
+    for e in (0, 1, plan.num_experts - 1):
+        r = slice(lo[e], lo[e + 1])
+        lr = lf[rows[r]] if gathered == "lhs" else lf[r]
+        rr = rf[r] if gathered == "lhs" else rf[rows[r]]
+        assert rel_err(out[e], lr.T @ rr) < 1e-2, (gathered, e)
+
+
 @pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])
 @pytest.mark.parametrize(
     "shape, num_ctas",
@@ -774,21 +808,8 @@ def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas, complet
     from pallas_moe.kernels.weight_grad import weight_grad
 
     T, d, n, E, K = shape
-    ks = jax.random.split(jax.random.key(T + d), 5)
-    logits = jax.random.normal(ks[0], (T, E)).at[:, :2].add(1.5).at[:, 3].add(-1e4)
-    plan = pm.routing.topk_plan(logits, K)
-    assert int(plan.group_sizes[3]) == 0
-    P = plan.capacity
-    p64 = -(-P // 64) * 64
-    pad = lambda a: jnp.concatenate(  # noqa: E731  padding rows past P: NaN
-        [a, jnp.full((p64 - P, a.shape[1]), jnp.nan, a.dtype)])
-    x = jax.random.normal(ks[1], (T, d), jnp.bfloat16)
-    go = jax.random.normal(ks[2], (T, d), jnp.bfloat16)
-    dh = pad(jax.random.normal(ks[3], (P, 2 * n), jnp.bfloat16))
-    ap = pad(jax.random.normal(ks[4], (P, n), jnp.bfloat16))
+    plan, x, go, dh, ap = _weight_grad_problem(shape, T + d)
     default = BackwardConfig.for_shape(d, n, num_sms=num_ctas)
-    rows = np.asarray(plan.token_ids)
-    lo = np.concatenate([[0], np.cumsum(np.asarray(plan.group_sizes))])
     for gathered, lhs, rhs, fast in (("lhs", x, dh, default.dw_gate_up),
                                      ("rhs", ap, go, default.dw_down)):
         base = dataclasses.replace(fast, persistent_ctas=0, output_chunks=0,
@@ -809,13 +830,41 @@ def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas, complet
         assert np.array_equal(outs[0], outs[2]), (gathered, "output_chunks=1")
         assert all(np.array_equal(outs[0], o) for o in outs[3:]), (gathered, "consumers")
         assert np.all(np.isfinite(outs[1])) and not np.any(outs[1][3]), gathered
-        lf = np.asarray(lhs, np.float32)
-        rf = np.asarray(rhs, np.float32)
-        for e in (0, 1, E - 1):  # the two largest experts and one other, against numpy
-            r = slice(lo[e], lo[e + 1])
-            lr = lf[rows[r]] if gathered == "lhs" else lf[r]
-            rr = rf[r] if gathered == "lhs" else rf[rows[r]]
-            assert rel_err(outs[1][e], lr.T @ rr) < 1e-2, (gathered, e)
+        _assert_weight_grad_matches_numpy(outs[1], lhs, rhs, plan, gathered)
+
+
+@pytest.mark.parametrize("shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8)],
+                         ids=["30b_widths", "7b_widths"])
+def test_weight_grad_clusters_write_the_default_bits(shape):
+    """Both weight gradients on clusters of two CTAs (`WeightGradConfig.cluster_m=2`,
+    session 50: neighbouring tiles of one expert sharing each contiguous K-block by
+    multicast) write the bits of the width's default and match numpy on the largest
+    experts: 132 and 8 CTAs (4 clusters walk many items), both ways of publishing a
+    cp.async stage, skewed routing with an empty expert, NaN in the contiguous operand's
+    padding rows, poisoned outputs, fresh random data."""
+    import dataclasses
+
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.weight_grad import weight_grad
+
+    T, d, n, E, K = shape
+    plan, x, go, dh, ap = _weight_grad_problem(shape, T + d + 7)
+    default = BackwardConfig.for_shape(d, n, num_sms=132)
+    for gathered, lhs, rhs, base in (("lhs", x, dh, default.dw_gate_up),
+                                     ("rhs", ap, go, default.dw_down)):
+        cluster = dataclasses.replace(base, cluster_m=2)
+        other = "wait_group" if base.gather_completion == "mbarrier" else "mbarrier"
+        outs = []
+        for c in (base, cluster, dataclasses.replace(cluster, persistent_ctas=8),
+                  dataclasses.replace(cluster, gather_completion=other)):
+            f = jax.jit(lambda l, r, t, g, c=c: weight_grad(
+                l, r, t, g, gathered=gathered, out_dtype=jnp.bfloat16, config=c))
+            _poison(E * lhs.shape[1] * rhs.shape[1] * 2)
+            outs.append(np.asarray(f(lhs, rhs, plan.token_ids, plan.group_sizes), np.float32))
+        for c, o in zip(("132 CTAs", "8 CTAs", other), outs[1:]):
+            assert np.array_equal(outs[0], o), (gathered, c)
+        assert np.all(np.isfinite(outs[1])) and not np.any(outs[1][3]), gathered
+        _assert_weight_grad_matches_numpy(outs[1], lhs, rhs, plan, gathered)
 
 
 def test_shared_kernel_compilations_are_bitwise_neutral(monkeypatch):

@@ -546,6 +546,28 @@ def test_weight_grad_three_consumers_no_races(gathered):
     np.testing.assert_array_equal(np.asarray(three, np.float32), np.asarray(one, np.float32))
 
 
+@pytest.mark.parametrize("gathered", ["lhs", "rhs"])
+def test_weight_grad_clusters_no_races(gathered):
+    """Both weight gradients on clusters of two CTAs (`cluster_m=2`: neighbouring tiles of
+    one expert along the gathered side, each contiguous K-block a cluster multicast copy,
+    `empty` cluster-wide), two clusters walking many items (two output-tile pairs per
+    expert) on a 3-slot ring, an empty expert, and experts of different K-block counts:
+    race-free, equal to the f32 reference with the empty expert exactly 0, and bitwise
+    the single-CTA kernel. Interpret mode has no multicast (each CTA loads the whole
+    block), so this checks the cluster protocol and the tile split;
+    `test_weight_grad_clusters_write_the_default_bits` (GPU) checks the multicast."""
+    plan = make_plan(27, 120, 3, 2, empty=(1,))
+    config = WeightGradConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2,
+                              persistent_ctas=4, output_chunks=1, cluster_m=2)
+    m_dim, n_dim = (256, 128) if gathered == "lhs" else (128, 256)
+    got = _wgrad_case(28, gathered, plan, m_dim, n_dim, config,
+                      interpret=interp(detect_races=True))
+    assert not races_found()
+    single = _wgrad_case(28, gathered, plan, m_dim, n_dim,
+                         dataclasses.replace(config, cluster_m=1))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(single, np.float32))
+
+
 def test_weight_grad_config_errors():
     plan = make_plan(25, 16, 2, 1)
     x = jnp.zeros((16, 128), BF16)
@@ -564,6 +586,15 @@ def test_weight_grad_config_errors():
         with pytest.raises(ValueError, match="output_chunks=-?[13] needs persistent_ctas > 0 "
                                              "and must divide the 2 output chunks"):
             call(config=dataclasses.replace(wide4, **bad))
+    fits = dataclasses.replace(wide4, num_stages=2, cluster_m=2)
+    for bad, match in [(dict(cluster_m=3), "config.cluster_m=3 must be 1 or 2"),
+                       (dict(persistent_ctas=0), "cluster_m=2 .* needs the persistent kernel"),
+                       (dict(persistent_ctas=131), "cluster_m=2 .* even CTA count"),
+                       # M = 128: one 128-row tile, no neighbour for the second CTA
+                       (dict(), "with cluster_m=2 a cluster computes two neighbouring "
+                                "tiles of 128")]:
+        with pytest.raises(ValueError, match=match):
+            call(config=dataclasses.replace(fits, **bad))
 
 
 @pytest.mark.parametrize("gathered", ["lhs", "rhs"])
@@ -584,6 +615,26 @@ def test_persistent_weight_grads_lower_for_cuda(shape, gathered):
         config = cfg.dw_gate_up if gathered == "lhs" else cfg.dw_down
         got = (config.persistent_ctas, config.num_stages, config.output_chunks)
         assert got == (132, 4, 1), kind
+    p = t * k
+    sds = jax.ShapeDtypeStruct
+    lhs, rhs = ((sds((t, d), BF16), sds((p, 2 * n), BF16)) if gathered == "lhs"
+                else (sds((p, n), BF16), sds((t, d), BF16)))
+    f = functools.partial(weight_grad, gathered=gathered, out_dtype=BF16, config=config)
+    jax.jit(f).trace(lhs, rhs, sds((p,), jnp.int32), sds((e,), jnp.int32)).lower(
+        lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("gathered", ["lhs", "rhs"])
+@pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (24576, 1536, 256, 128, 8)],
+                         ids=["30b", "7b"])
+def test_weight_grad_clusters_lower_for_cuda(shape, gathered):
+    """Both weight gradients on clusters of two CTAs (`cluster_m=2`: neighbouring tiles
+    sharing each contiguous K-block by multicast) lower for cuda from the widths' defaults
+    (persistent, 4 stages beside one output buffer per consumer)."""
+    t, d, n, e, k = shape
+    cfg = BackwardConfig.for_shape(d, n, num_sms=132)
+    config = dataclasses.replace(cfg.dw_gate_up if gathered == "lhs" else cfg.dw_down,
+                                 cluster_m=2)
     p = t * k
     sds = jax.ShapeDtypeStruct
     lhs, rhs = ((sds((t, d), BF16), sds((p, 2 * n), BF16)) if gathered == "lhs"

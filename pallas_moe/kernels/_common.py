@@ -232,11 +232,6 @@ def require_dtype(arg: str, x: jax.Array, dtype) -> None:
         raise TypeError(f"{arg} must have dtype {jnp.dtype(dtype).name}, got {x.dtype}.")
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["expert", "row_start", "num_rows", "row_ids"],
-    meta_fields=["block_m"],
-)
 class ClusterTiles:
     """Mixin of the kernel configs whose items may run on clusters of CTAs (`block_m` and
     `cluster_m` fields): a cluster item is `cluster_m` consecutive blocks of `block_m` rows,
@@ -249,6 +244,11 @@ class ClusterTiles:
         return self.block_m * self.cluster_m
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["expert", "row_start", "num_rows", "row_ids"],
+    meta_fields=["block_m"],
+)
 @dataclasses.dataclass(frozen=True)
 class TileMeta:
     """What the kernels read per row tile, derived once per plan from `TileSchedule`.
