@@ -366,6 +366,15 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     consumer (`output_chunks` of the tile's chunks, default all), whose TMA stores drain
     while the next item's K loop runs (before it rewrites a buffer, the consumer waits only
     until the store that last read it has read it).
+
+    Clusters (`config.cluster_m=2`, persistent only): the walkers are clusters of two CTAs,
+    an item is a pair of neighbouring tiles along the gathered side, and CTA `rank` of the
+    cluster computes tile `rank` of the pair. Both tiles read the same contiguous K-blocks
+    (the same expert, the same columns of dH or A'), so both CTAs walk the same steps; each
+    producer asks for the whole contiguous block with a multicast copy (half of each CTA's
+    block is written by the partner's copy), so `empty` is a cluster barrier that the
+    consumers of both CTAs arrive on, and each producer's final waits observe the last
+    partner-inclusive releases before it exits.
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers

@@ -6,12 +6,13 @@
 #     sweep at d = 2880 with 128-column items (w2880: inside the new rule, not measured
 #     before), and dX~ on clusters at 30B (`backward.py --sweep cluster`).
 # For the next GPU session, in this order:
-#   H (an H100): dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`,
-#     never run on a GPU yet): first its GPU bitwise test (if it fails or hangs, stop
-#     there), then `backward.py --sweep cluster` at 30B, 7B and gpt-oss widths (dH and dX~:
-#     default against clusters).
-#   S (only if H found dH clusters faster): the 30B and 7B steps with `cluster-dh` against
-#     the default, paired.
+#   H (an H100): dH and the weight gradients on clusters of two CTAs sharing each W2 tile
+#     or contiguous K-block (`DHConfig.cluster_m=2`, `WeightGradConfig.cluster_m=2`, never
+#     run on a GPU yet): first their GPU bitwise tests (if one fails or hangs, stop there),
+#     then `backward.py --sweep cluster` at 30B, 7B and gpt-oss widths (dH, dW2, dW1 and dX~:
+#     default against clusters; gpt-oss has no weight-gradient clusters: odd tile counts).
+#   S (only if H found clusters faster): the 30B and 7B steps with `cluster-dh` and
+#     `cluster-wg` against the default, paired.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -33,18 +34,18 @@ V)
   echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; grep "  dX~ \\|^|" $OUT/bw.log | cut -c1-230 ;;
 H)
   timeout 240 python3 -m pytest -p no:xdist -q -x -m gpu tests/test_gpu.py \
-    -k "dh_clusters" > $OUT/gpu_dh_cluster.log 2>&1
+    -k "dh_clusters or weight_grad_clusters" > $OUT/gpu_dh_cluster.log 2>&1
   rc=$?; echo "gpu dh cluster rc=$rc at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_dh_cluster.log
   if [ $rc -eq 0 ]; then
     timeout 330 python3 benchmarks/backward.py --shapes 30b,7b,gpt-oss-20b --sweep cluster \
       --rounds 3 --out $OUT/bw > $OUT/bw.log 2>&1
     echo "backward rc=$? at $(( $(date +%s) - T0 )) s"
-    grep "  dH \|  dX~ \|^|" $OUT/bw.log | sed 's/DHConfig(.*cluster_m=\(.\)).*: /dH(cl=\1) /' \
-      | sed 's/GroupedMatmulConfig(.*cluster_m=\(.\)).*: /GG(cl=\1) /' | cut -c1-230
+    grep "  dH \|  dW\|  dX~ \|^|" $OUT/bw.log | sed 's/Config(.*cluster_m=\(.\)).*: /(cl=\1) /' \
+      | cut -c1-230
   fi ;;
 S)
   timeout 560 python3 benchmarks/step.py --shapes 30b,7b \
-    --variants topk/cp_async,topk/cp_async/cluster-dh --rounds 3 --out $OUT/step > $OUT/step.log 2>&1
+    --variants topk/cp_async,topk/cp_async/cluster-dh,topk/cp_async/cluster-wg --rounds 3 --out $OUT/step > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step.log | tail -5 ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
