@@ -527,6 +527,15 @@ def test_persistent_weight_grad_detect_races(gathered, output_chunks):
     assert not races_found()
 
 
+def _wgrad_race_free_and_bitwise(seed, gathered, plan, dims, config, other):
+    """`_wgrad_case` under `config` with the race detector (no races), then under `other`
+    (no detector): both close to the reference and bitwise equal."""
+    got = _wgrad_case(seed, gathered, plan, *dims, config, interpret=interp(detect_races=True))
+    assert not races_found()
+    want = _wgrad_case(seed, gathered, plan, *dims, other)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize("gathered", ["rhs", "lhs"])
 def test_weight_grad_three_consumers_no_races(gathered):
     """Three consumer warpgroups splitting the contiguous side (dW2: 3 x 64 output rows,
@@ -537,13 +546,9 @@ def test_weight_grad_three_consumers_no_races(gathered):
     plan = make_plan(23, 120, 3, 2, empty=(1,))
     config = WeightGradConfig(block_m=64, block_n=64, num_stages=2, num_consumers=3,
                               persistent_ctas=2)
-    m_dim, n_dim = (192, 128) if gathered == "rhs" else (128, 192)
-    three = _wgrad_case(24, gathered, plan, m_dim, n_dim, config,
-                        interpret=interp(detect_races=True))
-    assert not races_found()
-    one = _wgrad_case(24, gathered, plan, m_dim, n_dim,
-                      dataclasses.replace(config, num_consumers=1))
-    np.testing.assert_array_equal(np.asarray(three, np.float32), np.asarray(one, np.float32))
+    dims = (192, 128) if gathered == "rhs" else (128, 192)
+    _wgrad_race_free_and_bitwise(24, gathered, plan, dims, config,
+                                 dataclasses.replace(config, num_consumers=1))
 
 
 @pytest.mark.parametrize("gathered", ["lhs", "rhs"])
@@ -559,13 +564,9 @@ def test_weight_grad_clusters_no_races(gathered):
     plan = make_plan(27, 120, 3, 2, empty=(1,))
     config = WeightGradConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2,
                               persistent_ctas=4, output_chunks=1, cluster_m=2)
-    m_dim, n_dim = (256, 128) if gathered == "lhs" else (128, 256)
-    got = _wgrad_case(28, gathered, plan, m_dim, n_dim, config,
-                      interpret=interp(detect_races=True))
-    assert not races_found()
-    single = _wgrad_case(28, gathered, plan, m_dim, n_dim,
-                         dataclasses.replace(config, cluster_m=1))
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(single, np.float32))
+    dims = (256, 128) if gathered == "lhs" else (128, 256)
+    _wgrad_race_free_and_bitwise(28, gathered, plan, dims, config,
+                                 dataclasses.replace(config, cluster_m=1))
 
 
 def test_weight_grad_config_errors():
@@ -597,6 +598,19 @@ def test_weight_grad_config_errors():
             call(config=dataclasses.replace(fits, **bad))
 
 
+def _lower_weight_grad_for_cuda(shape, gathered, config):
+    """Lowers `weight_grad` for cuda at `shape` (T, d, n, E, K): dW1 (`gathered="lhs"`) or
+    dW2 under `config`."""
+    t, d, n, e, k = shape
+    p = t * k
+    sds = jax.ShapeDtypeStruct
+    lhs, rhs = ((sds((t, d), BF16), sds((p, 2 * n), BF16)) if gathered == "lhs"
+                else (sds((p, n), BF16), sds((t, d), BF16)))
+    f = functools.partial(weight_grad, gathered=gathered, out_dtype=BF16, config=config)
+    jax.jit(f).trace(lhs, rhs, sds((p,), jnp.int32), sds((e,), jnp.int32)).lower(
+        lowering_platforms=("cuda",))
+
+
 @pytest.mark.parametrize("gathered", ["lhs", "rhs"])
 @pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8),
                                    (16384, 2048, 768, 128, 8), (8192, 2880, 1408, 32, 4),
@@ -609,19 +623,13 @@ def test_persistent_weight_grads_lower_for_cuda(shape, gathered):
     the exact bytes when it lowers) at the 7B, 30B, Qwen3, d = 2880 (192-wide gathered
     tiles: three chunks take turns in one buffer), d = 7168 and gpt-oss-20b (d = n = 2880:
     dW2 with one consumer) widths."""
-    t, d, n, e, k = shape
+    _, d, n, _, _ = shape
     for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ""):
         cfg = BackwardConfig.for_shape(d, n, device_kind=kind, num_sms=132)
         config = cfg.dw_gate_up if gathered == "lhs" else cfg.dw_down
         got = (config.persistent_ctas, config.num_stages, config.output_chunks)
         assert got == (132, 4, 1), kind
-    p = t * k
-    sds = jax.ShapeDtypeStruct
-    lhs, rhs = ((sds((t, d), BF16), sds((p, 2 * n), BF16)) if gathered == "lhs"
-                else (sds((p, n), BF16), sds((t, d), BF16)))
-    f = functools.partial(weight_grad, gathered=gathered, out_dtype=BF16, config=config)
-    jax.jit(f).trace(lhs, rhs, sds((p,), jnp.int32), sds((e,), jnp.int32)).lower(
-        lowering_platforms=("cuda",))
+    _lower_weight_grad_for_cuda(shape, gathered, config)
 
 
 @pytest.mark.parametrize("gathered", ["lhs", "rhs"])
@@ -631,17 +639,11 @@ def test_weight_grad_clusters_lower_for_cuda(shape, gathered):
     """Both weight gradients on clusters of two CTAs (`cluster_m=2`: neighbouring tiles
     sharing each contiguous K-block by multicast) lower for cuda from the widths' defaults
     (persistent, 4 stages beside one output buffer per consumer)."""
-    t, d, n, e, k = shape
+    _, d, n, _, _ = shape
     cfg = BackwardConfig.for_shape(d, n, num_sms=132)
     config = dataclasses.replace(cfg.dw_gate_up if gathered == "lhs" else cfg.dw_down,
                                  cluster_m=2)
-    p = t * k
-    sds = jax.ShapeDtypeStruct
-    lhs, rhs = ((sds((t, d), BF16), sds((p, 2 * n), BF16)) if gathered == "lhs"
-                else (sds((p, n), BF16), sds((t, d), BF16)))
-    f = functools.partial(weight_grad, gathered=gathered, out_dtype=BF16, config=config)
-    jax.jit(f).trace(lhs, rhs, sds((p,), jnp.int32), sds((e,), jnp.int32)).lower(
-        lowering_platforms=("cuda",))
+    _lower_weight_grad_for_cuda(shape, gathered, config)
 
 
 # ----------------------------------------------------------------------------- dX~
