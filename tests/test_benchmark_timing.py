@@ -260,3 +260,14 @@ def test_decode_benchmark_small_routing_variants_trace_in_their_context(monkeypa
     assert res["static_jnp+blocks_err"] < 1e-2
     assert "routing_small_us" in res
     assert any("plan bitwise the default's: True" in line for line in logs)
+
+
+def test_bias_grads_benchmark_checks_both_versions_on_the_cpu(tmp_path):
+    """`benchmarks/bias_grads.py --smoke`: the dense-product bias gradients and the previous
+    scan agree and repeat bitwise at its tiny shape (the GPU run times them)."""
+    import benchmarks.bias_grads as bg
+
+    lines = []
+    result = bg.run_shape("smoke", bg.SMOKE_SHAPE, 1, True, lines.append)
+    assert result["err"] < 1e-5 and result["bitwise"], result
+    assert result["old_us"] > 0 and result["new_us"] > 0

@@ -141,3 +141,45 @@ def test_backward_ignores_unwritten_padding_rows_of_h():
     dx, ds, dw1, dw2 = moe_ffn_backward(x, h, plan, w1, w2, cot)
     for g in (dx, ds, dw1, dw2):
         assert not np.any(np.asarray(g)), "gradients of an empty plan must be exactly zero"
+
+
+@pytest.mark.parametrize("router", ["topk", "token_rounding"])
+def test_expert_bias_gradients_against_numpy(router):
+    """`expert_bias_gradients` (db1, db2 and dS's b2 term as dense products) against a
+    numpy loop over the plan's rows: ragged groups with an empty expert, token rounding's
+    padding rows holding NaN in dH (and rows past P), bitwise the same on a second call."""
+    from pallas_moe.ops.minimal_backward import expert_bias_gradients
+
+    logits, _, _, _, cot = make_inputs(8, 40, 64, 16, 5, dtype=jnp.bfloat16)
+    logits = logits.at[:, 3].add(-1e4)  # expert 3: no rows
+    plan = ROUTERS[router](logits)
+    num_rows, capacity = int(plan.num_rows), plan.capacity
+    if router == "token_rounding":
+        assert num_rows < capacity
+    k = jax.random.split(jax.random.key(9), 2)
+    pad = -(-capacity // 64) * 64
+    dh = jax.random.normal(k[0], (pad, 32)).astype(jnp.bfloat16)
+    dh = jnp.where((jnp.arange(pad) < num_rows)[:, None], dh, jnp.nan).astype(jnp.bfloat16)
+    b_down = jax.random.normal(k[1], (5, 64)).astype(jnp.bfloat16)
+    f = jax.jit(expert_bias_gradients)
+    got = f(dh, plan, cot, b_down)
+    again = f(dh, plan, cot, b_down)
+    for g, a in zip(got, again):
+        assert bool(jnp.array_equal(g, a))
+
+    dh_np, do_np, b2_np = (np.asarray(a, np.float64) for a in (dh, cot, b_down))
+    tok, s = np.asarray(plan.token_ids), np.asarray(plan.scores, np.float64)
+    expert = np.repeat(np.arange(5), np.asarray(plan.group_sizes))
+    want_ds = np.zeros(capacity)
+    want_db1, want_db2 = np.zeros((5, 32)), np.zeros((5, 64))
+    for r in range(num_rows):
+        e = expert[r]
+        want_ds[r] = do_np[tok[r]] @ b2_np[e]
+        want_db1[e] += dh_np[r]
+        want_db2[e] += s[r] * do_np[tok[r]]
+    for name, g, w in (("dS_b", got[0], want_ds), ("db1", got[1], want_db1),
+                       ("db2", got[2], want_db2)):
+        assert g.dtype == jnp.float32, name
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert not np.any(np.asarray(got[1][3])) and not np.any(np.asarray(got[2][3]))
+    assert not np.any(np.asarray(got[0])[num_rows:])

@@ -8,8 +8,9 @@
 
 The activation (plain or clamped SwiGLU) is the dH epilogue's. With expert biases, H
 already holds b1 (the up-proj adds it before rounding), so the kernels above are unchanged;
-db1, db2 and the b2 term of dS come from `ops.minimal_backward.expert_bias_gradients`, a
-deterministic jnp walk over the row tiles that reads dH and the gathered dO rows once.
+db1, db2 and the b2 term of dS come from `ops.minimal_backward.expert_bias_gradients`:
+three deterministic dense products over the plan (a one-hot GEMM over dH's rows, a
+[E, T] score matrix times dO, and dO @ b2^T gathered per row).
 
 Same contract as `pallas_moe.ops.minimal_backward.moe_ffn_backward`, which is its reference.
 """

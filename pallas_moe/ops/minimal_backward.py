@@ -36,9 +36,6 @@ def expert_bias_gradients(
     plan: DispatchPlan,
     grad_out: jax.Array,
     b_down: jax.Array,
-    *,
-    block_m: int = 128,
-    tiles_per_step: int = 8,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The expert-bias terms of the backward, from a computed dH (the kernel backward's).
 
@@ -46,47 +43,48 @@ def expert_bias_gradients(
         db1[e]  = sum over rows r of e of dH[r]            f32 [E, 2n]
         db2[e]  = sum over rows r of e of s[r] * dO[tok[r]]   f32 [E, d]
 
-    Deterministic without atomics: the plan's row tiles (one expert each) are walked in
-    ascending expert order (`scan_row_tiles`), each tile's rows are summed in fp32, and the
-    tile sums are added to their expert's total one tile after another; each row's dS term
-    is written once. The same sums as `moe_ffn_backward`'s (up to the order inside a tile).
+    As three dense products over the plan, each one fixed-order XLA GEMM (no scatter adds,
+    no atomics, so bitwise the same from run to run), with fp32 accumulation:
+
+        db1  = onehot[P, E]^T @ dH[:P]     the real rows' experts, exact 0/1 in dH's dtype
+        db2  = W[E, T] @ dO                W[e, t]: the score of token t's row of expert e
+                                           (each (e, t) pair at most once), else 0
+        dS_b = (dO @ b2^T)[tok[r], e(r)]   [T, E] products, one gathered per row
+
+    Padding rows (unwritten in dH, possibly non-finite) are selected away before the GEMM.
+    Unlike a per-expert walk, a non-finite value in one row of dH or one token of dO
+    reaches every expert's db1 or db2 (it is multiplied by the others' zeros); such a
+    gradient is non-finite anyway. What this replaces, a scan over the plan's 128-row tiles
+    8 at a time, cast to fp32: in gpt-oss-20b's step on the H100 (session 50's breakdown,
+    `benchmarks/step.py`) the XLA fusions launched once per scan step (36 launches each)
+    took about 1.5 ms of the 13.1-ms step.
 
     Args:
       dh: [P_pad, 2n] (P_pad >= P) dH in grouped row order, rounded to the compute dtype.
       plan: the plan with the scores the forward multiplied by.
-      grad_out: [T, d] cotangent of the output.
+      grad_out: [T, d] cotangent of the output (rounded to dH's dtype, as the kernels read it).
       b_down: [E, d] down-projection bias (zeros for a layer with only `b_gate_up`).
-      block_m, tiles_per_step: the row-tile walk (as `moe_ffn_xla`).
 
     Returns:
       (dS_b f32 [P] (0 on padding rows), db1 f32 [E, 2n], db2 f32 [E, d]).
     """
-    num_experts, d = b_down.shape
-    two_n = dh.shape[1]
-    grad_out = grad_out.astype(dh.dtype)
-
-    def step(carry, rows, valid, tok, s, e):  # [c, bm] x4, [c]
-        ds_b, db1, db2 = carry
-        slot_is_row = valid[..., None]  # [c, bm, 1]; selects keep NaNs where they are
-        dh_t = jnp.where(slot_is_row, dh[rows].astype(jnp.float32), 0.0)  # [c, bm, 2n]
-        do_t = jnp.where(slot_is_row, grad_out[tok].astype(jnp.float32), 0.0)  # [c, bm, d]
-        ds_t = jnp.einsum("cmd,cd->cm", do_t, b_down[e].astype(jnp.float32))
-        ds_b = ds_b.at[jnp.where(valid, rows, plan.capacity).reshape(-1)].set(
-            ds_t.reshape(-1), mode="drop"
-        )
-        db1_t = jnp.sum(dh_t, axis=1)  # [c, 2n]
-        db2_t = jnp.einsum("cm,cmd->cd", s, do_t)  # [c, d]
-        for i in range(rows.shape[0]):  # one tile after another: no colliding scatter
-            db1 = db1.at[e[i]].add(db1_t[i])
-            db2 = db2.at[e[i]].add(db2_t[i])
-        return ds_b, db1, db2
-
-    init = (
-        jnp.zeros((plan.capacity,), jnp.float32),
-        jnp.zeros((num_experts, two_n), jnp.float32),
-        jnp.zeros((num_experts, d), jnp.float32),
-    )
-    return scan_row_tiles(plan, step, init, block_m=block_m, tiles_per_step=tiles_per_step)
+    num_experts = b_down.shape[0]
+    capacity, num_tokens = plan.capacity, plan.num_tokens
+    f32, highest = jnp.float32, jax.lax.Precision.HIGHEST
+    valid = plan.row_is_valid  # [P]
+    expert = jnp.where(valid, plan.expert_ids, num_experts)  # [P]; E on padding rows
+    token = jnp.clip(plan.token_ids, 0, num_tokens - 1)  # [P]
+    rows = jnp.where(valid[:, None], dh[:capacity], jnp.zeros((), dh.dtype))  # [P, 2n]
+    onehot = (expert[:, None] == jnp.arange(num_experts)[None, :]).astype(dh.dtype)  # [P, E]
+    db1 = jnp.einsum("pe,pn->en", onehot, rows, preferred_element_type=f32,
+                     precision=highest)
+    grad_out = grad_out.astype(dh.dtype).astype(f32)  # [T, d]
+    weights = jnp.zeros((num_experts, num_tokens), f32).at[expert, token].set(
+        jnp.where(valid, plan.scores.astype(f32), 0.0), mode="drop")  # [E, T]
+    db2 = jnp.dot(weights, grad_out, precision=highest)  # [E, d]
+    per_token = jnp.dot(grad_out, b_down.astype(f32).T, precision=highest)  # [T, E]
+    ds_b = jnp.where(valid, per_token[token, jnp.minimum(expert, num_experts - 1)], 0.0)
+    return ds_b, db1, db2
 
 
 def dswiglu(h: jax.Array, grad_a: jax.Array) -> jax.Array:
