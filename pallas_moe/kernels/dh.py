@@ -670,9 +670,12 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                         p = done % 2
                         row0, count = start_ref[mi], num_rows
                         count_ref = rows_ref.at[pl.ds(mi, 1)]  # [1]: the rows H loads
+                        h_row0 = row0  # where H's cp.async rows start (a row of H)
                         if clusters > 1:  # this CTA's row block of the cluster item
                             row0, count = row0 + rank * bm, block_rows_ref[mi, rank]
                             count_ref = block_rows_ref.at[mi, pl.ds(rank, 1)]
+                            # A block without rows loads none, from a row inside H.
+                            h_row0 = jnp.where(count > 0, row0, h_row0)
                         c0 = ni * cols + c * bn  # first dA' column of this consumer
 
                         def mma_scope(acc):
@@ -706,7 +709,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                             if h_cp_async:  # this consumer's threads: cp.async, zero-filled
                                 for half, col in enumerate((c0, n + c0)):
                                     _common.cp_async_load_rows(
-                                        h_ref.at[pl.ds(row0, bm), pl.ds(col, bn)],
+                                        h_ref.at[pl.ds(h_row0, bm), pl.ds(col, bn)],
                                         [h_smem[1].at[c, half, s] for s in range(bn // 64)],
                                         count_ref,
                                     )
