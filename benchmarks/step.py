@@ -313,13 +313,42 @@ CONFIG_FLAGS = {
 }
 
 
+def _scan_bias_gradients(step):
+    """`step` traced with the previous expert-bias gradients (a row-tile scan, until session
+    50; `benchmarks/bias_grads.py`) in place of today's dense products: it is patched in
+    while `step` runs, so its first call (the trace) takes it; later calls reuse that trace."""
+    import importlib
+    import unittest.mock
+
+    from benchmarks.bias_grads import scan_bias_gradients
+
+    # The module (`pallas_moe.kernels.moe_backward` as an attribute is its function).
+    moe_backward_module = importlib.import_module("pallas_moe.kernels.moe_backward")
+
+    def patched(*args):
+        with unittest.mock.patch.object(moe_backward_module, "expert_bias_gradients",
+                                        scan_bias_gradients):
+            return step(*args)
+
+    return patched
+
+
+# Code flags (`--variants .../flag`): the step traced with a previous code path, for paired
+# timings against it; each wraps the step.
+CODE_FLAGS = {
+    # The expert-bias gradients as the row-tile scan before session 50 (`--gpt-oss`).
+    "scan-bias": _scan_bias_gradients,
+}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--variants", default="topk/cp_async,token_rounding/cp_async",
                     help="routing/gather[/harness][/flag...], harness as --harness; flags "
-                         f"change the default config: {', '.join(CONFIG_FLAGS)} (CONFIG_FLAGS)")
+                         f"change the default config: {', '.join(CONFIG_FLAGS)} (CONFIG_FLAGS), "
+                         f"or trace a previous code path: {', '.join(CODE_FLAGS)} (CODE_FLAGS)")
     ap.add_argument("--harness", default="vjp", choices=("vjp", "loss"),
                     help="vjp: forward + backward of a bf16 output cotangent (SonicMoE's "
                          "timing); loss: value_and_grad of sum(out * f32 cotangent)")
@@ -366,7 +395,8 @@ def main():
         for variant in args.variants.split(","):
             routing, gather, *rest = variant.split("/")
             flags = [r for r in rest if r in CONFIG_FLAGS]  # config changes, in order
-            rest = [r for r in rest if r not in CONFIG_FLAGS]
+            code_flags = [r for r in rest if r in CODE_FLAGS]  # previous code paths
+            rest = [r for r in rest if r not in CONFIG_FLAGS and r not in CODE_FLAGS]
             harness = rest[0] if rest else args.harness
             inputs = (x, router, w1, w2, cots[harness], *biases)
             config = KernelConfig.for_shape(d, n, gather=gather, approx_math=not args.exact_math)
@@ -375,6 +405,9 @@ def main():
             step = make_step(shape, routing, "mosaic", config,
                              skew=args.skew, gpt_oss=args.gpt_oss, harness=harness,
                              router_dtype=args.router_dtype)
+            for flag in code_flags:
+                step = CODE_FLAGS[flag](step)
+            flags += code_flags
             variant = "/".join([routing, gather, harness, *flags])
             row = dict(shape=name, routing=routing, gather=" ".join([gather, *flags]),
                        harness=harness,

@@ -271,3 +271,52 @@ def test_bias_grads_benchmark_checks_both_versions_on_the_cpu(tmp_path):
     result = bg.run_shape("smoke", bg.SMOKE_SHAPE, 1, True, lines.append)
     assert result["err"] < 1e-5 and result["bitwise"], result
     assert result["old_us"] > 0 and result["new_us"] > 0
+
+
+def test_step_scan_bias_flag_traces_the_previous_bias_gradients():
+    """`step.py --variants .../scan-bias` runs the step with the kernel backward's
+    expert-bias gradients swapped for the previous scan while it runs (its trace), and puts
+    today's back after."""
+    import importlib
+
+    import benchmarks.step as st
+    from benchmarks.bias_grads import scan_bias_gradients
+
+    mb = importlib.import_module("pallas_moe.kernels.moe_backward")
+
+    today = mb.expert_bias_gradients
+    wrapped = st.CODE_FLAGS["scan-bias"](lambda: mb.expert_bias_gradients)
+    assert wrapped() is scan_bias_gradients
+    assert mb.expert_bias_gradients is today and today is not scan_bias_gradients
+
+
+
+@pytest.mark.slow
+def test_step_scan_bias_flag_reaches_the_traced_backward(monkeypatch):
+    """The `scan-bias` step really traces the scan, also after the default step traced the
+    same cached layer (`_kernel_moe_ffn` is one function per config): interpret mode, a
+    tiny gpt-oss-like layer (expert biases, clamped SwiGLU), gradients close to the
+    default's."""
+    import jax.numpy as jnp
+
+    import benchmarks.bias_grads as bg
+    import benchmarks.step as st
+
+    calls = []
+    scan = bg.scan_bias_gradients
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return scan(*args, **kwargs)
+
+    monkeypatch.setattr(bg, "scan_bias_gradients", spy)
+    shape = (64, 128, 64, 4, 2)
+    x, router, w1, w2, cot = st.step_inputs(shape, 0)
+    inputs = (x, router, w1, w2, cot.astype(jnp.bfloat16), *st.step_bias_inputs(shape, 0))
+    make = lambda: st.make_step(shape, "topk", "interpret", None, gpt_oss=True)  # noqa: E731
+    _, grads = make()(*inputs)
+    assert not calls
+    _, scan_grads = st.CODE_FLAGS["scan-bias"](make())(*inputs)
+    assert calls, "the scan-bias step did not trace the scan"
+    for g, r in zip(scan_grads, grads):
+        assert st.rel_err(g, r) < 1e-2

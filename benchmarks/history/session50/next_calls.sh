@@ -6,6 +6,9 @@
 #     sweep at d = 2880 with 128-column items (w2880: inside the new rule, not measured
 #     before), and dX~ on clusters at 30B (`backward.py --sweep cluster`).
 # For the next GPU session, in this order:
+#   B (an H100): the expert-bias gradients as dense products (session 50, not yet run on a
+#     GPU) against the previous row-tile scan (`benchmarks/bias_grads.py`, paired), then
+#     gpt-oss-20b's step with them against the scan (`scan-bias`, paired).
 #   H (an H100): dH and the weight gradients on clusters of two CTAs sharing each W2 tile
 #     or contiguous K-block (`DHConfig.cluster_m=2`, `WeightGradConfig.cluster_m=2`, never
 #     run on a GPU yet): first their GPU bitwise tests (if one fails or hangs, stop there),
@@ -32,6 +35,14 @@ V)
   timeout 190 python3 benchmarks/backward.py --shapes 30b --sweep cluster --rounds 3 \
     --out $OUT/bw > $OUT/bw.log 2>&1
   echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; grep "  dX~ \\|^|" $OUT/bw.log | cut -c1-230 ;;
+B)
+  timeout 150 python3 benchmarks/bias_grads.py --shapes gpt-oss-20b,30b --rounds 3 \
+    --out $OUT/bias > $OUT/bias.log 2>&1
+  echo "bias grads rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|\|rel err" $OUT/bias.log
+  timeout 220 python3 benchmarks/step.py --shapes gpt-oss-20b --gpt-oss \
+    --variants topk/cp_async,topk/cp_async/scan-bias --rounds 3 --out $OUT/step_oss \
+    > $OUT/step_oss.log 2>&1
+  echo "step gpt-oss rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|\|kernels" $OUT/step_oss.log | cut -c1-300 | tail -6 ;;
 H)
   timeout 240 python3 -m pytest -p no:xdist -q -x -m gpu tests/test_gpu.py \
     -k "dh_clusters or weight_grad_clusters" > $OUT/gpu_dh_cluster.log 2>&1
