@@ -560,7 +560,7 @@ def main():
                     k: type(getattr(cfg, k))(v) if not isinstance(getattr(cfg, k), bool)
                     else v == "True" for k, v in overrides.items()})
             if base in ("up", "dh"):  # the gathering kernels' per-plan row tiles
-                meta = jax.jit(lambda g, t, bm=cfg.block_m: _common.tile_meta(g, t, bm))(
+                meta = jax.jit(lambda g, t, bm=cfg.tile_rows: _common.tile_meta(g, t, bm))(
                     plan.group_sizes, plan.token_ids)
                 roles = {c: f"consumer{c}" for c in range(cfg.num_consumers)}
             if base == "up":

@@ -16,6 +16,9 @@
 #     default against clusters; gpt-oss has no weight-gradient clusters: odd tile counts).
 #   S (only if H found clusters faster): the 30B and 7B steps with `cluster-dh` and
 #     `cluster-wg` against the default, paired.
+#   N (any card, when time is left): where the 30B up-proj's warps wait (Nsight Compute's
+#     stall samples per SASS instruction, `benchmarks/ncu_source.py`): session 50 ruled out
+#     L2 -> SMEM bytes as its main limit (clusters cut them by a third for 3-6%).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -58,5 +61,14 @@ S)
   timeout 560 python3 benchmarks/step.py --shapes 30b,7b \
     --variants topk/cp_async,topk/cp_async/cluster-dh,topk/cp_async/cluster-wg --rounds 3 --out $OUT/step > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step.log | tail -5 ;;
+N)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 420 ncu --clock-control none \
+    --section WarpStateStats --section SourceCounters --kernel-name regex:moe_up_proj \
+    --launch-skip 1 --launch-count 1 -o $OUT/up30b python3 benchmarks/timeline.py --run-only \
+    --out $OUT/t --shapes 30b --kernels up > $OUT/ncu.log 2>&1
+  echo "ncu rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/ncu.log
+  ncu -i $OUT/up30b.ncu-rep --page source --csv --print-source sass > $OUT/up30b.csv 2>&1
+  python3 benchmarks/ncu_source.py $OUT/up30b.csv > $OUT/up30b_stalls.txt 2>&1
+  head -40 $OUT/up30b_stalls.txt ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
