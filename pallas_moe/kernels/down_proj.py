@@ -38,7 +38,7 @@ def down_proj(
       w_down: bf16 [E, n, d].
       config: block sizes of the persistent grouped GEMM.
       interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
-      meta: precomputed `aligned_tile_meta(group_sizes, capacity, config.block_m)`.
+      meta: precomputed `aligned_tile_meta(group_sizes, capacity, config.tile_rows)`.
       capacity: the plan's row capacity P (default a.shape[0]).
       out_cols: width of the returned array (default d); columns past d are not written.
       bias: optional bf16 [E, d] expert bias.

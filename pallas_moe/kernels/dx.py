@@ -36,7 +36,7 @@ def dx_rows(
       capacity: the plan's row capacity P.
       config: block sizes of the persistent grouped GEMM.
       interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
-      meta: precomputed `aligned_tile_meta(group_sizes, capacity, config.block_m)`.
+      meta: precomputed `aligned_tile_meta(group_sizes, capacity, config.tile_rows)`.
       out_cols: width of the result (default d); columns past d are not written.
 
     Returns:

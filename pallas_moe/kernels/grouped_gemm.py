@@ -307,7 +307,7 @@ def grouped_matmul(
         in the fp8 mode: 8-bit wgmma takes B only K-major).
       config: block sizes.
       interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
-      meta: precomputed `aligned_tile_meta(group_sizes, capacity, config.block_m)`.
+      meta: precomputed `aligned_tile_meta(group_sizes, capacity, config.tile_rows)`.
       capacity: the plan's row capacity P (default a.shape[0]).
       out_cols: width of the result (default N); columns past N are not written.
       names: how errors name `a` and `w` (the caller's argument names).

@@ -277,7 +277,7 @@ def up_proj(
       config: block sizes.
       inference: if True, only A is written (H is not needed without a backward).
       interpret: run in Mosaic GPU interpret mode (CPU) if True or an InterpretGPUParams.
-      meta: precomputed `tile_meta(group_sizes, token_ids, config.block_m)`; computed here
+      meta: precomputed `tile_meta(group_sizes, token_ids, config.tile_rows)`; computed here
         if None.
       pad_a_rows_to: A gets `P` rounded up to a multiple of this many rows (the down-proj
         loads whole aligned row blocks of A; padding here saves it a copy).

@@ -132,7 +132,7 @@ class RowChunking:
             from pallas_moe.kernels.moe_forward import ForwardConfig
 
             down = ForwardConfig.for_shape(d, n, num_sms=4 if backend == "interpret" else None).down
-            block_m, items_per_tile, wave = down.block_m, d // down.block_n, down.num_sms
+            block_m, items_per_tile, wave = down.tile_rows, d // down.block_n, down.num_sms
         rows, count = chunk_layout(capacity, num_chunks, block_m)
         if count > 1:  # a bound may move up to a wave of tiles and a block from the equal split
             rows += (-(-wave // items_per_tile) + 1) * block_m
