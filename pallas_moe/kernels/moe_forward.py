@@ -216,9 +216,10 @@ def split_m_up_config(num_sms: int, n: int | None = None, *, d: int | None = Non
     0.7% / 2.0%), and its whole training step 13.487 -> 13.335 ms (1.011x, paired); d =
     2880 with 128-column items (n = 1408) 935.8 -> 885.4 us (1.057x, spreads 0.3% / 0.2%);
     30B in three runs 3651.1 -> 3401.8 us (1.036x), 3677.0 -> 3521.0 (1.030x) and 3669.4
-    -> 3460.7 (1.060x; spreads 4-22%). Each weight byte read from L2 feeds twice the rows. At the Qwen3-30B-A3B
-    widths (d = 2048) they lost, 1426.7 -> 1450.4 us (0.984x); our guess (not measured) is
-    that its shorter K loop leaves less time to hide the two CTAs' lock-step on each slot.
+    -> 3460.7 (1.060x; spreads 4-22%). Each weight byte read from L2 feeds twice the rows.
+    At the Qwen3-30B-A3B widths (d = 2048) they lost, 1426.7 -> 1450.4 us (0.984x); our
+    guess (not measured) is that its shorter K loop leaves less time to hide the two CTAs'
+    lock-step on each slot.
     """
     block_n = 64 if n is not None and n % 128 else 128
     if rows is None:
