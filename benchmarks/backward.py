@@ -35,7 +35,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from benchmarks.forward import H100_KIND, other_card_kind, unique_configs
+from benchmarks.forward import H100_KIND, other_card_kind, three_consumer_gemm, unique_configs
 from benchmarks.forward import gpu_time_ms as forward_gpu_time_ms
 from benchmarks.forward import sweep as forward_sweep
 from benchmarks.logs import open_log
@@ -220,6 +220,10 @@ def configs_for(d, n, sweep: str):
         for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
             if cfg.persistent_ctas and cfg.persistent_ctas % 2 == 0:
                 lst.append(dataclasses.replace(cfg, cluster_m=2))
+    if sweep == "rows":
+        # Session 50: dX~ with split-M items of 192 rows (three consumers of 64 rows sharing
+        # each weight tile, `GroupedMatmulConfig(block_m=192)`; gpt-oss: 128 x 192 items).
+        dx.append(three_consumer_gemm(base.dx))
     if sweep == "narrow":
         # Session 48: where 128 does not divide n (gpt-oss: n = 2880) dH's default was one
         # consumer of 64 columns (151 TF/s on the H100); three consumers of 64 (now the
@@ -473,7 +477,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "cluster", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "cluster", "rows", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each sweep's configs round-robin this many rounds (the median, "

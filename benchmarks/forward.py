@@ -626,6 +626,21 @@ def pingpong_up_cfgs(d, n):
                              pingpong_up()], n)
 
 
+def three_consumer_gemm(config):
+    """Session 50: a grouped-GEMM config (down-proj, dX~) as split-M items of 192 rows, three
+    consumers of 64 rows sharing each weight tile (`GroupedMatmulConfig(block_m=192)`), the
+    whole output tile staged, 4 stages (3 above 128 columns: what fits in SMEM)."""
+    return dataclasses.replace(config, block_m=192, pingpong=False, out_slabs=0, out_buffers=1,
+                               num_stages=3 if config.block_n > 128 else 4)
+
+
+def rows_down_cfgs(d, n):
+    """Session 50: the down-proj's 192-row split-M items (`three_consumer_gemm`) against the
+    default."""
+    base = ForwardConfig.for_shape(d, n).down
+    return [base, three_consumer_gemm(base)]
+
+
 def cluster_down_cfgs(d, n):
     """Session 49: the default down-proj on clusters of two CTAs sharing each weight tile
     by multicast (`GroupedMatmulConfig.cluster_m=2`), against the default."""
@@ -692,7 +707,7 @@ def main():
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
     p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "none"])
-    p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "cluster", "none"])
+    p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "cluster", "rows", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
                    help="time each sweep's configs round-robin this many rounds (the median, "
@@ -719,7 +734,7 @@ def main():
                            "cluster": cluster_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
-                             "slabs": staged_down_cfgs, "cluster": cluster_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
+                             "slabs": staged_down_cfgs, "cluster": cluster_down_cfgs, "rows": rows_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
                 results.append(run_shape(name, SHAPES[name], skew, up_cfgs, down_cfgs, log,
                                          baselines=not args.no_baselines, rounds=args.rounds))
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape

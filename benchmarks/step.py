@@ -42,7 +42,7 @@ import pallas_moe as pm
 from benchmarks.logs import open_log
 from benchmarks.forward import (
     SHAPES, cooperative_up_cfg, pingpong_up, gpu_time_ms, interleaved_times_ms, pipelined_ms,
-    wall_time_ms,
+    three_consumer_gemm, wall_time_ms,
 )
 from benchmarks.layer import dense_bound_fns, gemm_bound_fn
 from pallas_moe.kernels import KernelConfig
@@ -268,6 +268,10 @@ CONFIG_FLAGS = {
     "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
     # dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`, session 50).
     "cluster-dh": lambda c, n: _replace(c, "dh", cluster_m=2),
+    # The down-proj and dX~ with split-M items of 192 rows, three consumers (session 50).
+    "split-m-192-gemm": lambda c, n: dataclasses.replace(
+        c, forward=dataclasses.replace(c.forward, down=three_consumer_gemm(c.forward.down)),
+        backward=dataclasses.replace(c.backward, dx=three_consumer_gemm(c.backward.dx))),
     # Both weight gradients on clusters of two neighbouring tiles sharing each contiguous
     # K-block (`WeightGradConfig.cluster_m=2`, session 50).
     "cluster-wg": lambda c, n: _replace(_replace(c, "dw_down", cluster_m=2), "dw_gate_up",

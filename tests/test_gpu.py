@@ -290,6 +290,27 @@ def test_grouped_gemm_clusters_write_the_default_bits(shape):
     multicast to both CTAs) write the bits of each width's default and match numpy on the
     largest experts: skewed routing with an empty expert (boxes holding rows of two experts,
     cluster items whose second box has no rows), poisoned outputs, 132 and 8 CTAs."""
+    _assert_grouped_gemm_variants_write_the_default_bits(shape, lambda c: (
+        dataclasses.replace(c, cluster_m=2), dataclasses.replace(c, cluster_m=2, num_sms=8)))
+
+
+@pytest.mark.parametrize("shape", [(3000, 2880, 2880, 16, 4), (6000, 4096, 512, 16, 4)],
+                         ids=["gpt_oss_widths", "30b_widths"])
+def test_grouped_gemm_192_row_split_m_writes_the_default_bits(shape):
+    """The down-proj (with an expert bias) and dX~ with split-M items of 192 rows (three
+    consumers of 64 rows sharing each weight tile, `GroupedMatmulConfig(block_m=192)`,
+    session 50) write the bits of each width's default and match numpy: 132 and 8 CTAs,
+    skewed routing with an empty expert, poisoned outputs."""
+    from benchmarks.forward import three_consumer_gemm
+
+    _assert_grouped_gemm_variants_write_the_default_bits(shape, lambda c: (
+        three_consumer_gemm(c), dataclasses.replace(three_consumer_gemm(c), num_sms=8)))
+
+
+def _assert_grouped_gemm_variants_write_the_default_bits(shape, variants):
+    """The down-proj (with an expert bias) and dX~ under each width's default config and
+    under `variants(default)`: every variant bitwise the default, the default against numpy
+    on the two largest experts; skewed routing with an empty expert, poisoned outputs."""
     from pallas_moe.kernels.down_proj import down_proj
     from pallas_moe.kernels.dx import dx_rows
     from pallas_moe.kernels.moe_backward import BackwardConfig
@@ -317,12 +338,11 @@ def test_grouped_gemm_clusters_write_the_default_bits(shape):
              lambda e: np.asarray(dh[lo[e]:lo[e + 1]], np.float32)
              @ np.asarray(w1[e], np.float32).T)):
         outs = []
-        for config in (default, dataclasses.replace(default, cluster_m=2),
-                       dataclasses.replace(default, cluster_m=2, num_sms=8)):
+        for config in (default, *variants(default)):
             _poison(P * d * 2)
             outs.append(np.asarray(run(config), np.float32)[:rows])
-        assert np.array_equal(outs[0], outs[1]), name
-        assert np.array_equal(outs[0], outs[2]), (name, "8 CTAs")
+        for i, out in enumerate(outs[1:]):
+            assert np.array_equal(outs[0], out), (name, i)
         for e in (0, 1):  # the two largest experts against numpy
             assert rel_err(outs[0][lo[e]:lo[e + 1]], ref(e)) < 1e-2, (name, e)
 

@@ -103,6 +103,29 @@ def test_clusters_no_races(spec, config):
     assert not races_found()
 
 
+@pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
+def test_three_consumer_split_m_no_races(spec):
+    """`block_m=192`: three consumers of 64 rows share every item's weight tile (split M
+    with each weight tile feeding 192 rows), 3 CTAs walking 2 column blocks of ragged tiles
+    in 192-row aligned boxes (token rounding: groups start and end anywhere inside a box,
+    so a consumer's 64 rows may hold none of the tile's), race-free, against the reference,
+    rows outside the plan untouched, and bitwise the 128-row split-M kernel."""
+    plan = token_rounding_plan(jax.random.normal(jax.random.key(34), (75, 5)), 2, tile=8)
+    config = dataclasses.replace(SPLIT_M, block_m=192)
+    assert (config.num_consumers, config.tile_rows) == (3, 192)
+    spec(plan, 128, 128, 5, config, jax.random.key(35),
+         interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+    ka, kw = jax.random.split(jax.random.key(35))
+    a = jax.random.normal(ka, (plan.capacity, 128), jnp.float32).astype(jnp.bfloat16)
+    _, w2 = random_weights(kw, 5, 128, 128)
+    bias = jax.random.normal(kw, (5, 128)).astype(jnp.bfloat16)
+    rows = int(plan.num_rows)
+    got, want = (down_proj(a, plan.group_sizes, w2, config=c, bias=bias, interpret=True)
+                 for c in (config, SPLIT_M))
+    assert bool(jnp.array_equal(got[:rows], want[:rows]))
+
+
 @pytest.mark.parametrize("config", [
     pytest.param(GroupedMatmulConfig(block_m=128, block_n=128, num_stages=3, num_sms=1,
                                      pingpong=True), id="ping_pong_128"),
@@ -202,7 +225,18 @@ def test_empty_plan_writes_nothing():
                            jnp.zeros((2, 64, 64), jnp.bfloat16), interpret=True),
          "a must have dtype bfloat16"),
         (lambda: GroupedMatmulConfig(block_n=320), "config.block_n=320 must be at most 256"),
-        (lambda: GroupedMatmulConfig(block_m=192), "config.block_m=192 must be 64 or 128"),
+        (lambda: GroupedMatmulConfig(block_m=256), "config.block_m=256 must be 64, 128 or 192"),
+        (lambda: GroupedMatmulConfig(block_m=192, pingpong=True),
+         "config.block_m=192 runs split M with three consumers .* not with pingpong"),
+        (lambda: GroupedMatmulConfig(block_m=192, num_sms=4, cluster_m=2),
+         "config.block_m=192 .* not with pingpong or clusters"),
+        (lambda: grouped_matmul(jnp.zeros((16, 128), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32),
+                                jnp.zeros((2, 128, 128), jnp.float8_e4m3fn), transpose_w=True,
+                                config=GroupedMatmulConfig(block_m=192, block_k=128,
+                                                           fp8_promote_every=0),
+                                row_scales=jnp.ones((16,)), col_scales=jnp.ones((2, 128)),
+                                interpret=True),
+         "config.block_m=192 .* is a bf16-mode option"),
         (lambda: GroupedMatmulConfig(num_sms=0), "config.num_sms=0 must be >= 1"),
         (lambda: GroupedMatmulConfig(cluster_m=4), "config.cluster_m=4 must be 1 or 2"),
         (lambda: GroupedMatmulConfig(num_sms=3, cluster_m=2),
@@ -295,7 +329,6 @@ def test_default_schedules_lower_for_cuda(d, n, bias, device_kind):
     staged at a time (the down-proj 5 stages, dX~ the 6th that frees; session 37)."""
     from pallas_moe.kernels.moe_backward import BackwardConfig
     from pallas_moe.kernels.moe_forward import ForwardConfig
-    from tests.cuda_target import h100_target
 
     E, P = 16, 4096 * 8
     down_cfg = ForwardConfig.for_shape(d, n, device_kind=device_kind).down
@@ -307,6 +340,16 @@ def test_default_schedules_lower_for_cuda(d, n, bias, device_kind):
         assert (dx_cfg.num_stages, dx_cfg.out_slabs) == ((6, 1) if h200 else (5, 0))
     else:  # split M, 256 columns: one slab measured slower (0.89x at 30B)
         assert (dx_cfg.num_stages, dx_cfg.out_slabs, dx_cfg.block_n) == (3, 0, 256)
+    _lower_down_and_dx_for_cuda(d, n, E, P, down_cfg, dx_cfg, bias=bias)
+
+
+def _lower_down_and_dx_for_cuda(d, n, num_experts, rows, down_cfg, dx_cfg, bias=True):
+    """Lowers the down-proj (with an expert bias unless `bias=False`) under `down_cfg` and
+    dX~ under `dx_cfg` for cuda (an H100 target) at widths (d, n), `num_experts` experts
+    and `rows` rows."""
+    from tests.cuda_target import h100_target
+
+    E, P = num_experts, rows
     sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     down_f = jax.jit(lambda a, g, w, b: down_proj(a, g, w, config=down_cfg, bias=b))
     dx_f = jax.jit(lambda h, g, w: dx_rows(h, g, w, capacity=P, config=dx_cfg))
@@ -317,6 +360,21 @@ def test_default_schedules_lower_for_cuda(d, n, bias, device_kind):
                    sds((E, d, 2 * n), bf16)).lower(lowering_platforms=("cuda",))
 
 
+def test_three_consumer_split_m_lowers_for_cuda_at_gpt_oss_widths():
+    """192-row split-M items (three consumers of 64 rows) lower for cuda at gpt-oss-20b's
+    widths (d = n = 2880: 128 x 192 items by default, 3 stages) for the down-proj with an
+    expert bias and for dX~ (`forward.py --down-sweep rows`, `backward.py --sweep rows`)."""
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+
+    d = n = 2880
+    E, P = 32, 8192 * 4
+    down_cfg = dataclasses.replace(ForwardConfig.for_shape(d, n).down, block_m=192)
+    dx_cfg = dataclasses.replace(BackwardConfig.for_shape(d, n).dx, block_m=192)
+    assert down_cfg.block_n == dx_cfg.block_n == 192 and down_cfg.num_consumers == 3
+    _lower_down_and_dx_for_cuda(d, n, E, P, down_cfg, dx_cfg)
+
+
 @pytest.mark.parametrize("d, n", [(4096, 512), (2880, 2880)], ids=["30b", "gpt_oss"])
 def test_cluster_schedules_lower_for_cuda(d, n):
     """The default down-proj and dX~ configs on clusters of two CTAs (`cluster_m=2`, the
@@ -325,20 +383,12 @@ def test_cluster_schedules_lower_for_cuda(d, n):
     `forward.py --down-sweep cluster` run them)."""
     from pallas_moe.kernels.moe_backward import BackwardConfig
     from pallas_moe.kernels.moe_forward import ForwardConfig
-    from tests.cuda_target import h100_target
 
     E, P = 16, 4096 * 8
     down_cfg = dataclasses.replace(ForwardConfig.for_shape(d, n).down, cluster_m=2)
     dx_cfg = dataclasses.replace(BackwardConfig.for_shape(d, n).dx, cluster_m=2)
     assert down_cfg.tile_rows == dx_cfg.tile_rows == 256
-    sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
-    down_f = jax.jit(lambda a, g, w, b: down_proj(a, g, w, config=down_cfg, bias=b))
-    dx_f = jax.jit(lambda h, g, w: dx_rows(h, g, w, capacity=P, config=dx_cfg))
-    with h100_target():
-        down_f.trace(sds((P, n), bf16), sds((E,), i32), sds((E, n, d), bf16),
-                     sds((E, d), bf16)).lower(lowering_platforms=("cuda",))
-        dx_f.trace(sds((P, 2 * n), bf16), sds((E,), i32),
-                   sds((E, d, 2 * n), bf16)).lower(lowering_platforms=("cuda",))
+    _lower_down_and_dx_for_cuda(d, n, E, P, down_cfg, dx_cfg)
 
 
 # CI time: the 7B widths run the same sweep builders and SMEM arithmetic; 30B's sweep configs

@@ -64,7 +64,8 @@ sits in SMEM as 128-byte-swizzled slabs (`_common.row_tile_types`): the accumula
 register stores are then free of bank conflicts (untiled rows put a warp's 8 rows in one
 bank), which made the down-proj 0.81x and dX~ 0.83x of their time on the H100 (session 5).
 
-The kernel is persistent: `num_sms` CTAs of one producer and two consumer warpgroups. Work
+The kernel is persistent: `num_sms` CTAs of one producer and two consumer warpgroups (three
+with 192-row split-M items). Work
 item w = (tile w // grid_n, column block w % grid_n); CTA s takes items s, s + num_sms, ...
 over the real tiles (`aligned_tile_meta` puts them first), or over one chunk's range of them
 (`_common.TileChunks`: the chunked EP overlap runs the down-proj as several calls over the
@@ -80,6 +81,10 @@ current item's epilogue.
   feeds 128 rows (~11 KB of SMEM operands per MFLOP instead of ~19 KB); both release each
   slot, and a consumer's epilogue store drains while the next item's wgmmas run. But both
   consumers reach their epilogue together, so the tensor cores idle through it.
+- `block_m == 192` (split M with three consumers, bf16; opt-in since session 50, not yet
+  timed): as 128, consumer c multiplying rows [64c, 64c + 64), so each weight tile feeds
+  192 rows. It exists for widths where the item is narrow in N (gpt-oss's 2880 = 15 x 192),
+  as the up-proj's 192-row items (1.116x its 128-row ones there on the H100, session 49).
 - `block_m == 128` with `pingpong` (CUTLASS's ping-pong at 128 rows): items alternate
   between the consumers as with 64 rows, and each consumer multiplies all 128 rows of its
   item (a 128 x block_n accumulator, two m64 wgmmas per step), so the weight tile still
@@ -117,8 +122,9 @@ class GroupedMatmulConfig(_common.ClusterTiles):
     """Block sizes of the persistent grouped GEMM (down-proj, dX~).
 
     Attributes:
-      block_m: rows per work item: 64 (ping-pong consumers) or 128 (split M, or ping-pong
-        with `pingpong`).
+      block_m: rows per work item: 64 (ping-pong consumers), 128 (split M, or ping-pong
+        with `pingpong`) or 192 (split M with three consumers of 64 rows; bf16 over the
+        whole plan, no clusters).
       block_n: output columns per work item (multiple of 64, divides N, at most 256).
       block_k: contraction step, one 128-byte swizzle row: 64 for bf16, 128 for the fp8
         mode; must divide K.
@@ -181,8 +187,14 @@ class GroupedMatmulConfig(_common.ClusterTiles):
     cluster_m: int = 1
 
     def __post_init__(self):
-        if self.block_m not in (64, 128):
-            raise ValueError(f"config.block_m={self.block_m} must be 64 or 128.")
+        if self.block_m not in (64, 128, 192):
+            raise ValueError(f"config.block_m={self.block_m} must be 64, 128 or 192.")
+        if self.block_m == 192 and (self.pingpong or self.cluster_m > 1):
+            raise ValueError(
+                "config.block_m=192 runs split M with three consumers of 64 rows: not with "
+                f"pingpong or clusters, got pingpong={self.pingpong}, "
+                f"cluster_m={self.cluster_m}."
+            )
         if self.cluster_m not in (1, 2):
             raise ValueError(f"config.cluster_m={self.cluster_m} must be 1 or 2.")
         if self.cluster_m == 2 and self.num_sms % 2:
@@ -222,13 +234,14 @@ class GroupedMatmulConfig(_common.ClusterTiles):
 
     @property
     def num_consumers(self) -> int:
-        """Consumer warpgroups of the kernel (always 2; the gather checks read it)."""
-        return 2
+        """Consumer warpgroups of the kernel: block_m / 64 with split M (2 or 3), else 2."""
+        return self.block_m // 64 if self.split_m else 2
 
     @property
     def split_m(self) -> bool:
-        """Both consumers share every item, 64 rows each (block_m=128 without pingpong)."""
-        return self.block_m == 128 and not self.pingpong
+        """Every consumer shares every item, 64 rows each (block_m=128 or 192 without
+        pingpong)."""
+        return self.block_m in (128, 192) and not self.pingpong
 
 
 # A ping-pong consumer of 128 rows holds a 128 x block_n f32 accumulator: 128 registers per
@@ -460,6 +473,11 @@ def grouped_matmul(
                 f"fp8_promote_every=0 and N={n_dim} <= {FUSED_REQUANT_MAX_BLOCKS} * "
                 f"block_n={bn}; got block_m={bm}, fp8_promote_every={config.fp8_promote_every}."
             )
+    if config.block_m == 192 and eight_bit:
+        raise ValueError(
+            "config.block_m=192 (three consumers of 64 rows) is a bf16-mode option; "
+            f"{a_name} is {a.dtype}."
+        )
     if config.cluster_m > 1 and (eight_bit or chunks is not None):
         raise ValueError(
             f"config.cluster_m={config.cluster_m} (two CTAs sharing each weight tile) is a "
@@ -533,7 +551,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             chunk: int = 0):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     split_m = config.split_m
-    mb = bm // 2 if split_m else bm  # rows per consumer
+    cons = config.num_consumers  # consumer warpgroups (split M: block_m / 64)
+    mb = bm // cons if split_m else bm  # rows per consumer
     clusters = config.cluster_m  # CTAs per cluster, sharing each item's weight tiles
     tile_rows = config.tile_rows  # rows of a metadata tile: the cluster's boxes
     num_sms = config.num_sms // clusters  # walkers of the item list: CTAs or clusters
@@ -615,7 +634,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         # The fp8 consumers hold up to two 64x128 (or one 64x256) f32 accumulators plus
         # the broadcast scales of the epilogue, a 128-row ping-pong consumer a 128 x
         # block_n one: give them the producer's registers.
-        rebalance = eight_bit or mb == 128
+        rebalance = eight_bit or mb == 128 or cons > 2
         # This call's tiles [first_tile, end_tile) of the whole metadata (`TileChunks`).
         first_tile = bounds_ref[0, chunk]
         total = (bounds_ref[0, chunk + 1] - first_tile) * grid_n  # work items
@@ -641,10 +660,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                 ids_ref.at[pl.ds(box_start(j), bm)], ids_smem.at[j % 2], ids_bar.at[j % 2]
             )
 
-        @pl.when(wg == 2)
+        @pl.when(wg == cons)
         def _producer():
             if rebalance:
-                _common.role_registers("producer", 2)
+                _common.role_registers("producer", cons)
             if gathered:
                 @pl.when(my_items > 0)
                 def _():
@@ -831,11 +850,11 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
 
             plgpu.warp_map(store_scales)
 
-        for c in range(2):
+        for c in range(cons):
             @pl.when(wg == c)
             def _consumer(c=c):
                 if rebalance:
-                    _common.role_registers("consumer", 2)
+                    _common.role_registers("consumer", cons)
                 bar_c = 0 if split_m else c
                 a_rows = pl.ds(c * mb, mb) if split_m else slice(None)
 
@@ -931,7 +950,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         o_scratch, o_views = plgpu.SMEM((2, blocks_per_item, mb, bn), E4M3), None
     else:  # per consumer: the output tile (or `out_slabs` of its slabs), swizzled 128-byte slabs
         o_scratch, o_views = _common.row_tile_buffers(
-            (2, out_buffers, mb, staged_cols), out_dtype, interpret_mode is not None
+            (cons, out_buffers, mb, staged_cols), out_dtype, interpret_mode is not None
         )
     scratch = [
         a_scratch,
@@ -942,12 +961,12 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         ),
         # empty: the slot's consumer (split M: both; with clusters, those of both CTAs of
         # the cluster, whose multicast copies refill this slot)
-        plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2 if split_m else 1,
+        plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=cons if split_m else 1,
                              num_barriers=stages) if clusters > 1
-        else plgpu.Barrier(num_arrivals=2 if split_m else 1, num_barriers=stages),
+        else plgpu.Barrier(num_arrivals=cons if split_m else 1, num_barriers=stages),
     ]
     if has_bias:  # per consumer: the item's bias columns and the barrier their copy arrives on
-        scratch += [plgpu.SMEM((2, bn), dtype), plgpu.Barrier(num_barriers=2)]
+        scratch += [plgpu.SMEM((cons, bn), dtype), plgpu.Barrier(num_barriers=cons)]
     if eight_bit:  # per consumer: its rows' scales, the item's column scales, their barrier
         scratch += [
             plgpu.SMEM((2, mb), jnp.float32),
@@ -979,7 +998,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         grid=(num_sms,),
         grid_names=("sm",),
         **(dict(cluster=(clusters,), cluster_names=("cluster",)) if clusters > 1 else {}),
-        num_threads=3,
+        num_threads=cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=config.approx_math,
