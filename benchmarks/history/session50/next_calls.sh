@@ -16,6 +16,10 @@
 #     default against clusters; gpt-oss has no weight-gradient clusters: odd tile counts).
 #   S (only if H found clusters faster): the 30B and 7B steps with `cluster-dh` and
 #     `cluster-wg` against the default, paired.
+#   G (an H100): the down-proj and dX~ with split-M items of 192 rows, three consumers
+#     (`GroupedMatmulConfig(block_m=192)`, not yet run on a GPU) at gpt-oss widths: the GPU
+#     bitwise test, then the down-proj and dX~ sweeps (paired against the default), then the
+#     gpt-oss step with `split-m-192-gemm` if either won.
 #   N (any card, when time is left): where the 30B up-proj's warps wait (Nsight Compute's
 #     stall samples per SASS instruction, `benchmarks/ncu_source.py`): session 50 ruled out
 #     L2 -> SMEM bytes as its main limit (clusters cut them by a third for 3-6%).
@@ -61,6 +65,20 @@ S)
   timeout 560 python3 benchmarks/step.py --shapes 30b,7b \
     --variants topk/cp_async,topk/cp_async/cluster-dh,topk/cp_async/cluster-wg --rounds 3 --out $OUT/step > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step.log | tail -5 ;;
+G)
+  timeout 200 python3 -m pytest -p no:xdist -q -x -m gpu tests/test_gpu.py \
+    -k "192_row_split_m_writes" > $OUT/gpu_gemm192.log 2>&1
+  rc=$?; echo "gpu gemm 192 rc=$rc at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_gemm192.log
+  if [ $rc -eq 0 ]; then
+    timeout 150 python3 benchmarks/forward.py --shapes gpt-oss-20b,w2880 --skew '' \
+      --up-sweep none --down-sweep rows --no-baselines --rounds 3 --out $OUT/fw > $OUT/fw.log 2>&1
+    echo "forward rc=$? at $(( $(date +%s) - T0 )) s"
+    grep "^  down " $OUT/fw.log | sed 's/GroupedMatmulConfig(block_m=\([0-9]*\).*: /GG(bm=\1) /' | cut -c1-200
+    timeout 200 python3 benchmarks/backward.py --shapes gpt-oss-20b --sweep rows --rounds 3 \
+      --out $OUT/bw > $OUT/bw.log 2>&1
+    echo "backward rc=$? at $(( $(date +%s) - T0 )) s"
+    grep "  dX~ " $OUT/bw.log | sed 's/GroupedMatmulConfig(block_m=\([0-9]*\).*: /GG(bm=\1) /' | cut -c1-200
+  fi ;;
 N)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 420 ncu --clock-control none \
     --section WarpStateStats --section SourceCounters --kernel-name regex:moe_up_proj \
