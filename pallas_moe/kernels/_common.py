@@ -232,6 +232,35 @@ def require_dtype(arg: str, x: jax.Array, dtype) -> None:
         raise TypeError(f"{arg} must have dtype {jnp.dtype(dtype).name}, got {x.dtype}.")
 
 
+# The grid axis of a kernel's clusters of CTAs (`cluster_m` of the configs below): the
+# cluster rank of a CTA, the collective axis of multicast copies and of cluster barriers.
+CLUSTER_AXIS = "cluster"
+
+
+def cluster_grid(clusters: int) -> dict:
+    """`plgpu.kernel` keyword arguments for a grid of clusters of `clusters` CTAs (none for
+    one CTA: a plain grid)."""
+    return dict(cluster=(clusters,), cluster_names=(CLUSTER_AXIS,)) if clusters > 1 else {}
+
+
+def cluster_multicast(clusters: int) -> str | None:
+    """The `collective_axes` of a copy every CTA of the cluster receives (None: one CTA)."""
+    return CLUSTER_AXIS if clusters > 1 else None
+
+
+def cluster_rank(clusters: int):
+    """This CTA's rank in its cluster (0 with one CTA per cluster)."""
+    return jax.lax.axis_index(CLUSTER_AXIS) if clusters > 1 else 0
+
+
+def cluster_barrier(clusters: int, **kwargs):
+    """A barrier the arrivals of every CTA of the cluster complete (`plgpu.ClusterBarrier`:
+    each `num_arrivals` per CTA), or with one CTA a `plgpu.Barrier`; `kwargs` as theirs."""
+    if clusters > 1:
+        return plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,), **kwargs)
+    return plgpu.Barrier(**kwargs)
+
+
 class ClusterTiles:
     """Mixin of the kernel configs whose items may run on clusters of CTAs (`block_m` and
     `cluster_m` fields): a cluster item is `cluster_m` consecutive blocks of `block_m` rows,

@@ -521,7 +521,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     clusters = config.cluster_m  # CTAs per cluster, sharing each item's W2 tiles
     # Walkers of the item list: CTAs, or clusters of `clusters` CTAs (`cluster_m`).
     num_ctas = min(config.persistent_ctas // clusters, num_items)
-    multicast = "cluster" if clusters > 1 else None  # collective axis of the W2 copies
+    multicast = _common.cluster_multicast(clusters)  # collective axis of the W2 copies
     dtype = jnp.bfloat16
     num_ladder = ladder_len(bm)
     interpret = interpret_mode is not None
@@ -584,7 +584,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         cta = jax.lax.axis_index("cta")  # the walker: a CTA, or a cluster of `clusters`
         my_items = (num_items - cta + num_ctas - 1) // num_ctas  # >= 1: num_ctas <= items
         # This CTA's row block of each (cluster) item: rows [rank * bm, rank * bm + bm).
-        rank = jax.lax.axis_index("cluster") if clusters > 1 else 0
+        rank = _common.cluster_rank(clusters)
 
         def my_block(ref, mi):  # this CTA's [bm] slots of tile mi's row of `ref`
             return ref.at[mi] if clusters == 1 else ref.at[mi, pl.ds(rank * bm, bm)]
@@ -738,11 +738,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
 
                 jax.lax.fori_loop(0, my_items, per_item, jnp.int32(0))
 
-    def cluster_barrier(**kw):  # a barrier the consumers of every CTA of the cluster arrive on
-        if clusters > 1:
-            return plgpu.ClusterBarrier(collective_axes=("cluster",), **kw)
-        return plgpu.Barrier(**kw)
-
     scratch = [
         a_scratch,  # gathered dO stages [stages, bm, bk]
         w_scratch,  # W2 stages [stages, C*bn, bk]; the last `overlaid` hold A' and H later
@@ -755,7 +750,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         ),
         # empty: the consumers (with clusters, those of every CTA of the cluster, whose
         # multicast copies refill this slot)
-        cluster_barrier(num_arrivals=cons, num_barriers=stages),
+        _common.cluster_barrier(clusters, num_arrivals=cons, num_barriers=stages),
         plgpu.Barrier(num_barriers=2),  # ids
         plgpu.Barrier(num_barriers=2),  # scores
         # H boxes: per ladder box, the gate and up halves, each in bn / 64 slabs
@@ -763,7 +758,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the item's K loop
         # epi_done: consumers done with the epilogue's tiles (with clusters, every CTA's:
         # the partner's multicast copies refill the overlaid slots too)
-        cluster_barrier(num_arrivals=cons),
+        _common.cluster_barrier(clusters, num_arrivals=cons),
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
     return _persistent_call(body, scratch, num_ctas, cons, out_types, config, interpret_mode)
@@ -782,7 +777,7 @@ def _persistent_call(body, scratch, num_ctas: int, consumers: int, out_types, co
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("cta",),
-        **(dict(cluster=(clusters,), cluster_names=("cluster",)) if clusters > 1 else {}),
+        **_common.cluster_grid(clusters),
         num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,

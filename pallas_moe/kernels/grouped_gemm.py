@@ -556,7 +556,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     clusters = config.cluster_m  # CTAs per cluster, sharing each item's weight tiles
     tile_rows = config.tile_rows  # rows of a metadata tile: the cluster's boxes
     num_sms = config.num_sms // clusters  # walkers of the item list: CTAs or clusters
-    multicast = "cluster" if clusters > 1 else None  # collective axis of the weight copies
+    multicast = _common.cluster_multicast(clusters)  # collective axis of the weight copies
     num_k = k_dim // bk
     # With `requant` an item is a tile with all its column blocks (whole rows of A); its
     # K steps run column block by column block.
@@ -641,7 +641,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         out_row0 = bounds_ref[1, chunk]  # grouped row of output row 0
         my_items = jnp.maximum(total - sm + num_sms - 1, 0) // num_sms
         # This CTA's box of each (cluster) item: rows [half * bm, half * bm + bm) of it.
-        half = jax.lax.axis_index("cluster") if clusters > 1 else 0
+        half = _common.cluster_rank(clusters)
 
         def item(j):
             w = sm + j * num_sms
@@ -961,9 +961,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         ),
         # empty: the slot's consumer (split M: both; with clusters, those of both CTAs of
         # the cluster, whose multicast copies refill this slot)
-        plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=cons if split_m else 1,
-                             num_barriers=stages) if clusters > 1
-        else plgpu.Barrier(num_arrivals=cons if split_m else 1, num_barriers=stages),
+        _common.cluster_barrier(clusters, num_arrivals=cons if split_m else 1,
+                                num_barriers=stages),
     ]
     if has_bias:  # per consumer: the item's bias columns and the barrier their copy arrives on
         scratch += [plgpu.SMEM((cons, bn), dtype), plgpu.Barrier(num_barriers=cons)]
@@ -997,7 +996,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         scratch_types=scratch,
         grid=(num_sms,),
         grid_names=("sm",),
-        **(dict(cluster=(clusters,), cluster_names=("cluster",)) if clusters > 1 else {}),
+        **_common.cluster_grid(clusters),
         num_threads=cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(

@@ -592,7 +592,7 @@ def _pingpong_kernel(
     clusters = config.cluster_m  # CTAs per cluster, sharing each item's weight tiles
     # Walkers of the item list: CTAs, or clusters of `clusters` CTAs (`cluster_m`).
     num_ctas = min(config.pingpong_ctas // clusters, num_tiles * grid_n)
-    multicast = "cluster" if clusters > 1 else None  # collective axis of the weight copies
+    multicast = _common.cluster_multicast(clusters)  # collective axis of the weight copies
     slab = _EPILOGUE_SLAB  # SwiGLU columns computed at a time (one swizzled slab)
     per_fill = _epilogue_fill(config, inference)
     dtype = jnp.bfloat16
@@ -628,7 +628,7 @@ def _pingpong_kernel(
         wg = jax.lax.axis_index("wg")
         cta = jax.lax.axis_index("cta")  # the walker: a CTA, or a cluster of `clusters`
         # This CTA's row block of each (cluster) item: rows [half * bm, half * bm + bm).
-        half = jax.lax.axis_index("cluster") if clusters > 1 else 0
+        half = _common.cluster_rank(clusters)
         num_items = real_ref[0] * grid_n
         my_items = jnp.maximum(num_items - cta + num_ctas - 1, 0) // num_ctas
 
@@ -833,9 +833,8 @@ def _pingpong_kernel(
         ),
         # empty: the slot's consumer (split-M: every consumer; with clusters, every
         # consumer of every CTA of the cluster, whose multicast copies refill this slot)
-        plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=cons,
-                             num_barriers=stages) if clusters > 1
-        else plgpu.Barrier(num_arrivals=cons if split else 1, num_barriers=stages),
+        _common.cluster_barrier(clusters, num_arrivals=cons if split else 1,
+                                num_barriers=stages),
         plgpu.Barrier(num_barriers=2),  # ids
         *(_bias_scratch(bn, dtype, cons) if has_bias else ()),
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
@@ -847,7 +846,7 @@ def _pingpong_kernel(
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("cta",),
-        **(dict(cluster=(clusters,), cluster_names=("cluster",)) if clusters > 1 else {}),
+        **_common.cluster_grid(clusters),
         num_threads=cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(**params),

@@ -393,7 +393,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     buffers = (config.output_chunks or chunks) if persistent else chunks  # output buffers
     # Walkers of the item list: CTAs, or clusters of `clusters` CTAs.
     num_ctas = min(config.persistent_ctas // clusters, num_items) if persistent else num_items
-    multicast = "cluster" if clusters > 1 else None  # collective axis of the contiguous copies
+    multicast = _common.cluster_multicast(clusters)  # collective axis of the contiguous copies
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
     rows_per_warp = bk // 4
@@ -423,7 +423,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
             if clusters == 1:
                 return order_ref[e], (t // grid_n) * cta_m, (t % grid_n) * cta_n
             # This CTA's tile of the cluster's pair: tile `rank` along the gathered side.
-            rank = jax.lax.axis_index("cluster")
+            rank = _common.cluster_rank(clusters)
             tm, tn = t // grid_n, t % grid_n
             if gather_lhs:
                 return order_ref[e], (tm * clusters + rank) * cta_m, tn * cta_n
@@ -624,9 +624,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
         ),
         # empty: the consumers (with clusters, those of both CTAs, whose multicast copies
         # refill this slot)
-        plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=cons,
-                             num_barriers=stages) if clusters > 1
-        else plgpu.Barrier(num_arrivals=cons, num_barriers=stages),
+        _common.cluster_barrier(clusters, num_arrivals=cons, num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),  # ids
         *([] if persistent else [plgpu.Barrier(num_arrivals=cons)]),  # done with the pipeline
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
@@ -638,7 +636,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("cta",),
-        **(dict(cluster=(clusters,), cluster_names=("cluster",)) if clusters > 1 else {}),
+        **_common.cluster_grid(clusters),
         num_threads=cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
