@@ -41,6 +41,7 @@ from pallas_moe.kernels import _common
 from pallas_moe.kernels.aggregate import aggregate
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
+from pallas_moe.kernels.grouped_gemm import smem_bytes as grouped_gemm_smem_bytes
 from pallas_moe.kernels.moe_forward import (
     PINGPONG_UP_MAX_D, ForwardConfig, aggregate_width, moe_forward, split_m_up_config,
 )
@@ -618,6 +619,18 @@ def cluster_up_cfgs(d, n):
                              dataclasses.replace(split, cluster_m=2)], n)
 
 
+def prefetch_up_cfgs(d, n):
+    """Session 51: this width's default with the L2 prefetch of the gathered rows
+    (`prefetch_steps`) 2, 4 and 8 K steps ahead. Nsight Compute's stall samples of the 30B
+    up-proj (session 51) had the consumers waiting on a filled stage ~32% of their samples
+    while the producer waited on a freed one ~half of its: a pipeline too shallow for the
+    gather's latency, and 5 stages do not fit in SMEM. The persistent kernels only."""
+    base = ForwardConfig.for_shape(d, n).up
+    if not base.pingpong_ctas:
+        return [base]
+    return [base] + [dataclasses.replace(base, prefetch_steps=s) for s in (2, 4, 8)]
+
+
 def pingpong_up_cfgs(d, n):
     """Session 20: the ping-pong up-proj (`UpProjConfig.pingpong_ctas`, the default for
     d <= 1536) against the cooperative kernel (the previous default, and still the default
@@ -628,10 +641,20 @@ def pingpong_up_cfgs(d, n):
 
 def three_consumer_gemm(config):
     """Session 50: a grouped-GEMM config (down-proj, dX~) as split-M items of 192 rows, three
-    consumers of 64 rows sharing each weight tile (`GroupedMatmulConfig(block_m=192)`), the
-    whole output tile staged, 4 stages (3 above 128 columns: what fits in SMEM)."""
-    return dataclasses.replace(config, block_m=192, pingpong=False, out_slabs=0, out_buffers=1,
-                               num_stages=3 if config.block_n > 128 else 4)
+    consumers of 64 rows sharing each weight tile (`GroupedMatmulConfig(block_m=192)`): the
+    deepest pipeline that fits in SMEM (`grouped_gemm.smem_bytes`, with an expert bias) of 4
+    or 3 stages, the whole output tile staged where it fits beside them, else as few of its
+    128-byte slabs at a time as needed (session 51: 256-column items, 30B's dX~, do not fit
+    3 stages beside the whole tile)."""
+    slabs = config.block_n // 64
+    for stages, out_slabs in ((4, 0), (3, 0), *((3, s) for s in (4, 2, 1) if s < slabs)):
+        cand = dataclasses.replace(config, block_m=192, pingpong=False, out_slabs=out_slabs,
+                                   out_buffers=1, num_stages=stages)
+        if slabs % max(out_slabs, 1) == 0 and grouped_gemm_smem_bytes(
+                cand, config.block_n, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
+                has_bias=True) <= _common.SMEM_MAX:
+            return cand
+    raise ValueError(f"no 192-row split-M form of {config} fits in SMEM.")
 
 
 def rows_down_cfgs(d, n):
@@ -706,7 +729,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "prefetch", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "cluster", "rows", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
@@ -732,6 +755,7 @@ def main():
                            "persistent": persistent_up_cfgs,
                            "rows": rows_up_cfgs,
                            "cluster": cluster_up_cfgs,
+                           "prefetch": prefetch_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "slabs": staged_down_cfgs, "cluster": cluster_down_cfgs, "rows": rows_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

@@ -103,15 +103,20 @@ def test_clusters_no_races(spec, config):
     assert not races_found()
 
 
+@pytest.mark.parametrize("out_slabs", [0, 1], ids=["whole_tile", "one_slab"])
 @pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
-def test_three_consumer_split_m_no_races(spec):
+def test_three_consumer_split_m_no_races(spec, out_slabs):
     """`block_m=192`: three consumers of 64 rows share every item's weight tile (split M
     with each weight tile feeding 192 rows), 3 CTAs walking 2 column blocks of ragged tiles
     in 192-row aligned boxes (token rounding: groups start and end anywhere inside a box,
     so a consumer's 64 rows may hold none of the tile's), race-free, against the reference,
-    rows outside the plan untouched, and bitwise the 128-row split-M kernel."""
+    rows outside the plan untouched, and bitwise the 128-row split-M kernel; the output
+    tile staged whole, or (128-column items) one 64-column slab at a time (`out_slabs=1`:
+    how 256-column items fit 3 stages, `benchmarks.forward.three_consumer_gemm`)."""
     plan = token_rounding_plan(jax.random.normal(jax.random.key(34), (75, 5)), 2, tile=8)
-    config = dataclasses.replace(SPLIT_M, block_m=192)
+    # One slab at a time: 128-column items (one per tile), each stored in two rounds.
+    config = dataclasses.replace(SPLIT_M, block_m=192, block_n=128 if out_slabs else 64,
+                                 out_slabs=out_slabs)
     assert (config.num_consumers, config.tile_rows) == (3, 192)
     spec(plan, 128, 128, 5, config, jax.random.key(35),
          interpret=plgpu.InterpretGPUParams(detect_races=True))
@@ -237,6 +242,12 @@ def test_empty_plan_writes_nothing():
                                 row_scales=jnp.ones((16,)), col_scales=jnp.ones((2, 128)),
                                 interpret=True),
          "config.block_m=192 .* is a bf16-mode option"),
+        (lambda: dx_rows(jnp.zeros((192, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
+                         jnp.zeros((2, 256, 128), jnp.bfloat16), capacity=192,
+                         config=GroupedMatmulConfig(block_m=192, block_n=256, num_stages=3),
+                         interpret=True),
+         r"config needs 270384 B of SMEM .* lower config.num_stages, or stage fewer output "
+         r"columns at a time \(config.out_slabs\)"),
         (lambda: GroupedMatmulConfig(num_sms=0), "config.num_sms=0 must be >= 1"),
         (lambda: GroupedMatmulConfig(cluster_m=4), "config.cluster_m=4 must be 1 or 2"),
         (lambda: GroupedMatmulConfig(num_sms=3, cluster_m=2),
@@ -360,19 +371,27 @@ def _lower_down_and_dx_for_cuda(d, n, num_experts, rows, down_cfg, dx_cfg, bias=
                    sds((E, d, 2 * n), bf16)).lower(lowering_platforms=("cuda",))
 
 
-def test_three_consumer_split_m_lowers_for_cuda_at_gpt_oss_widths():
-    """192-row split-M items (three consumers of 64 rows) lower for cuda at gpt-oss-20b's
-    widths (d = n = 2880: 128 x 192 items by default, 3 stages) for the down-proj with an
-    expert bias and for dX~ (`forward.py --down-sweep rows`, `backward.py --sweep rows`)."""
+@pytest.mark.parametrize("d, n, E, T, K", [(2880, 2880, 32, 8192, 4),
+                                           (4096, 512, 128, 32768, 8)], ids=["gpt_oss", "30b"])
+def test_three_consumer_split_m_lowers_for_cuda(d, n, E, T, K):
+    """192-row split-M items (three consumers of 64 rows) as the benchmarks build them
+    (`three_consumer_gemm`: `forward.py --down-sweep rows`, `backward.py --sweep rows`)
+    lower for cuda for the down-proj with an expert bias and for dX~: at gpt-oss-20b's
+    widths (192-column items, 3 stages, the whole tile staged) and at 30B's (dX~'s
+    256-column items stage two slabs at a time beside 3 stages: the whole tile did not fit,
+    session 51's GPU run)."""
+    from benchmarks.forward import three_consumer_gemm
     from pallas_moe.kernels.moe_backward import BackwardConfig
     from pallas_moe.kernels.moe_forward import ForwardConfig
 
-    d = n = 2880
-    E, P = 32, 8192 * 4
-    down_cfg = dataclasses.replace(ForwardConfig.for_shape(d, n).down, block_m=192)
-    dx_cfg = dataclasses.replace(BackwardConfig.for_shape(d, n).dx, block_m=192)
-    assert down_cfg.block_n == dx_cfg.block_n == 192 and down_cfg.num_consumers == 3
-    _lower_down_and_dx_for_cuda(d, n, E, P, down_cfg, dx_cfg)
+    down_cfg = three_consumer_gemm(ForwardConfig.for_shape(d, n).down)
+    dx_cfg = three_consumer_gemm(BackwardConfig.for_shape(d, n).dx)
+    assert down_cfg.num_consumers == dx_cfg.num_consumers == 3
+    if d == 2880:
+        assert down_cfg.block_n == dx_cfg.block_n == 192 and dx_cfg.out_slabs == 0
+    else:
+        assert dx_cfg.block_n == 256 and (dx_cfg.num_stages, dx_cfg.out_slabs) == (3, 2)
+    _lower_down_and_dx_for_cuda(d, n, E, T * K, down_cfg, dx_cfg)
 
 
 @pytest.mark.parametrize("d, n", [(4096, 512), (2880, 2880)], ids=["30b", "gpt_oss"])
@@ -428,5 +447,42 @@ def test_one_staged_slab_frees_a_stage_at_production_widths(d, n):
         assert deeper.num_stages == default.num_stages + 1 and deeper.out_slabs == 1
         for config in cfgs:
             lower(kind, config)
-        with pytest.raises(ValueError, match="exceeds available shared memory"):
+        with pytest.raises(ValueError, match=r"config needs \d+ B of SMEM .* over the 232448 B"):
             lower(kind, dataclasses.replace(deeper, out_slabs=0))
+
+
+@pytest.mark.parametrize("kind, d, n, config", [
+    ("dx", 4096, 512, GroupedMatmulConfig(block_m=192, block_n=256, num_stages=3)),
+    ("down", 1536, 256, GroupedMatmulConfig(block_m=128, block_n=128, num_stages=6,
+                                            pingpong=True)),
+    ("down_bias", 2880, 2880, GroupedMatmulConfig(block_m=64, block_n=192, num_stages=6)),
+], ids=["dx_192_rows_256_cols", "down_pingpong_6_stages", "down_bias_64_rows"])
+def test_smem_count_is_what_mosaic_counts(monkeypatch, kind, d, n, config):
+    """`grouped_gemm.smem_bytes` counts the SMEM Mosaic GPU counts, byte for byte: with the
+    refusal above `_common.SMEM_MAX` lifted, Mosaic refuses these configs itself and names
+    its count (session 51: the 192-row items of 30B's dX~ took 270384 B, which only Mosaic
+    refused, deep in the compile). So the config check refuses exactly what Mosaic would."""
+    import re
+
+    from pallas_moe.kernels.grouped_gemm import smem_bytes
+    from tests.cuda_target import h100_target
+
+    E, P = 16, 4096
+    sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    bias = kind == "down_bias"
+    if kind == "dx":
+        f = functools.partial(dx_rows, capacity=P, config=config)
+        operands = (sds((P, 2 * n), bf16), sds((E,), i32), sds((E, d, 2 * n), bf16))
+    else:
+        def f(a, group_sizes, w2, b2):
+            return down_proj(a, group_sizes, w2, config=config, bias=b2)
+        operands = (sds((P, n), bf16), sds((E,), i32), sds((E, n, d), bf16),
+                    sds((E, d), bf16) if bias else None)
+    counted = smem_bytes(config, d, in_dtype=bf16, out_dtype=bf16, has_bias=bias)
+    assert counted > _common.SMEM_MAX
+    with h100_target(), pytest.raises(ValueError, match=f"config needs {counted} B of SMEM"):
+        jax.jit(f).trace(*operands).lower(lowering_platforms=("cuda",))
+    monkeypatch.setattr(_common, "SMEM_MAX", 1 << 30)
+    with h100_target(), pytest.raises(ValueError, match="exceeds available shared memory") as e:
+        jax.jit(f).trace(*operands).lower(lowering_platforms=("cuda",))
+    assert int(re.search(r"smem_bytes=(\d+)", str(e.value)).group(1)) == counted

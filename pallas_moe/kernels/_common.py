@@ -24,10 +24,13 @@ from pallas_moe.routing.plan import TileSchedule, count_at_most, tile_schedule
 SWIZZLE_BYTES = 128
 # Pallas starts every SMEM scratch ref, and every member of a RefUnion group, this aligned.
 SMEM_ALIGNMENT = 1024
-# Dynamic SMEM of an H100 CTA (232448 bytes), less a margin for barriers, alignment and
-# Pallas' own scratch (about 3 KB measured by lowering): what the kernels that size their
-# pipelines from a config check their layout against (decode megakernel, ping-pong up-proj).
-SMEM_BUDGET = 232448 - 4096
+# Dynamic SMEM of an H100 (and H200) CTA: what Mosaic GPU refuses a kernel above.
+SMEM_MAX = 232448
+# SMEM_MAX less a margin for barriers, alignment and Pallas' own scratch (about 3 KB
+# measured by lowering): what the kernels that size their pipelines from a config check
+# their main buffers against (decode megakernel, ping-pong up-proj). The grouped GEMM
+# counts every scratch ref, aligned, and its barriers, against SMEM_MAX itself.
+SMEM_BUDGET = SMEM_MAX - 4096
 
 
 def mma_transforms(dtype) -> tuple:
@@ -898,20 +901,26 @@ def _cp_async_rows(src_ref, index_ref, dsts, num_rows: int, source) -> None:
 def prefetch_rows_l2(src_ref, token_ids, *, num_rows: int) -> None:
     """Asks L2 for `src[token_ids[r], :]` for r < num_rows (one 128-byte row chunk each;
     `prefetch.global.L2`), so a later cp.async gather of those chunks hits L2. Called by a
-    whole (producer) warpgroup in Lane semantics; thread r < num_rows prefetches row r. A
-    hint only: no data moves into the CTA and nothing waits.
+    whole (producer) warpgroup in Lane semantics; thread r prefetches rows r, r + 128, ...
+    (a 192-row split-M item takes two rounds). A hint only: no data moves into the CTA and
+    nothing waits.
 
     Args:
       src_ref: GMEM ref [T, 128 bytes of columns] (`x.at[:, pl.ds(col0, 64)]` for bf16).
       token_ids: SMEM ref i32 [>= num_rows], the source row of each row.
-      num_rows: static rows, at most 128.
+      num_rows: static rows, >= 1.
     """
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
 
-    if not 0 < num_rows <= 128:
-        raise ValueError(f"num_rows={num_rows} must be in [1, 128] (one row per thread).")
+    if num_rows < 1:
+        raise ValueError(f"num_rows={num_rows} must be >= 1.")
+    if num_rows > 128:  # one row per thread per round
+        for r0 in range(0, num_rows, 128):
+            count = min(128, num_rows - r0)
+            prefetch_rows_l2(src_ref, token_ids.at[pl.ds(r0, count)], num_rows=count)
+        return
     itemsize = jnp.dtype(src_ref.dtype).itemsize
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))

@@ -545,11 +545,67 @@ def grouped_matmul(
     return kernel(*operands, *scales, *(() if bias is None else (bias,)))
 
 
+def smem_bytes(config: GroupedMatmulConfig, n_dim: int, *, in_dtype, out_dtype,
+               gated: bool = False, has_bias: bool = False, gathered: bool = False,
+               requant: bool = False) -> int:
+    """The SMEM one CTA of the grouped GEMM takes, as `_kernel` lays it out: each scratch
+    ref rounded up to `_common.SMEM_ALIGNMENT` (where Pallas starts them) plus 8 B per
+    barrier. The refs: the A stages [stages, block_m, block_k], the weight stages ([2 if
+    gated], stages, block_k, block_n), each consumer's staged output (the whole [rows,
+    block_n] tile, or `out_slabs` x `out_buffers` slabs; with `requant` the Q of every column
+    block of two items), and the bias columns, scales and gathered ids.
+
+    A lower bound of what Mosaic GPU counts (it adds nothing for these kernels today), so
+    `_kernel` refuses above `_common.SMEM_MAX` only configs Mosaic would refuse too, but
+    with a message naming the config (session 51: 192-row items with 256 columns and the
+    whole tile staged took 270 KB at 30B's dX~)."""
+    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    cons = config.num_consumers
+    mb = bm // cons if config.split_m else bm  # rows per consumer
+    in_size = jnp.dtype(in_dtype).itemsize
+    num_b = 2 if gated else 1
+    eight_bit = in_size == 1
+    blocks_per_item = n_dim // bn if requant else 1
+    refs = [stages * bm * bk * in_size, num_b * stages * bk * bn * in_size]
+    barriers = (1 if config.split_m else 2) * stages + stages
+    if requant:  # Q of every column block, two items
+        refs.append(2 * blocks_per_item * mb * bn)
+    else:
+        out_size = jnp.dtype(out_dtype).itemsize
+        staged_cols = (config.out_slabs * _common.SWIZZLE_BYTES // out_size
+                       if config.out_slabs else bn)
+        refs.append(cons * config.out_buffers * mb * staged_cols * out_size)
+    if has_bias:
+        refs.append(cons * bn * in_size)
+        barriers += cons
+    if eight_bit:  # row scales, column scales
+        refs += [4 * 2 * mb, 4 * 2 * blocks_per_item * num_b * bn]
+        barriers += 2
+    if requant:  # smooth scales, two items' row scales, the parked A of all blocks but one
+        refs += [4 * 2 * blocks_per_item * bn, 4 * 2 * 2 * mb]
+        if blocks_per_item > 1:
+            refs.append(2 * 2 * (blocks_per_item - 1) * mb * bn)
+    if gathered:
+        refs.append(4 * 2 * bm)
+        barriers += 2
+    align = _common.SMEM_ALIGNMENT
+    return sum(-(-r // align) * align for r in refs) + 8 * barriers
+
+
 def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, transpose_w,
             kernel_name, interpret, *, in_dtype, out_dtype, eight_bit: bool, gated: bool,
             has_bias: bool = False, gathered: bool = False, requant: bool = False,
             chunk: int = 0):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
+    smem = smem_bytes(config, n_dim, in_dtype=in_dtype, out_dtype=out_dtype, gated=gated,
+                      has_bias=has_bias, gathered=gathered, requant=requant)
+    if smem > _common.SMEM_MAX:
+        raise ValueError(
+            f"config needs {smem} B of SMEM ({stages} stages of [{bm}, {bk}] rows and "
+            f"[{bk}, {bn}] weights, and each consumer's staged output), over the "
+            f"{_common.SMEM_MAX} B a CTA has: lower config.num_stages, or stage fewer "
+            f"output columns at a time (config.out_slabs); got {config}."
+        )
     split_m = config.split_m
     cons = config.num_consumers  # consumer warpgroups (split M: block_m / 64)
     mb = bm // cons if split_m else bm  # rows per consumer
