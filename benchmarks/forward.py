@@ -631,6 +631,31 @@ def prefetch_up_cfgs(d, n):
     return [base] + [dataclasses.replace(base, prefetch_steps=s) for s in (2, 4, 8)]
 
 
+def depth_up_cfgs(d, n):
+    """Session 51: does pipeline depth limit the split-M up-proj? (Its stall samples at 30B
+    had both the producer and the consumers waiting on each other.) This width's default
+    (128 x 128 items, 4 stages of 48 KB) against 3 stages of the same, and 64-column items
+    (32 KB stages) with 6 stages, with two N = 64 wgmmas or one fused N = 128, and the
+    gpt-oss form (192 x 64 items, 4 stages). Split-M widths only."""
+    base = ForwardConfig.for_shape(d, n).up
+    if base.block_m == 64 or n % 128:
+        return [base]
+    narrow = dataclasses.replace(base, block_n=64, num_stages=6)
+    return [base, dataclasses.replace(base, num_stages=3), narrow,
+            dataclasses.replace(narrow, fused_gate_up=True),
+            dataclasses.replace(base, block_m=192, num_consumers=3, block_n=64)]
+
+
+def lag_up_cfgs(d, n):
+    """Session 51: this width's default against the same with each slot released as soon
+    as its own K step's wgmmas are done (`UpProjConfig.wgmma_lag=0`: one more slot loading,
+    the tensor cores idle between steps unless the other consumer fills them). 3 stages
+    instead of 4 cost the 30B up-proj 0.878x (`--up-sweep depth`), so a slot more in flight
+    may be worth the idle gaps."""
+    base = ForwardConfig.for_shape(d, n).up
+    return [base, dataclasses.replace(base, wgmma_lag=0)]
+
+
 def pingpong_up_cfgs(d, n):
     """Session 20: the ping-pong up-proj (`UpProjConfig.pingpong_ctas`, the default for
     d <= 1536) against the cooperative kernel (the previous default, and still the default
@@ -729,7 +754,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "prefetch", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "prefetch", "depth", "lag", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "cluster", "rows", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
@@ -756,6 +781,8 @@ def main():
                            "rows": rows_up_cfgs,
                            "cluster": cluster_up_cfgs,
                            "prefetch": prefetch_up_cfgs,
+                           "depth": depth_up_cfgs,
+                           "lag": lag_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "slabs": staged_down_cfgs, "cluster": cluster_down_cfgs, "rows": rows_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

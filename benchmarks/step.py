@@ -264,6 +264,9 @@ CONFIG_FLAGS = {
     "cluster-up": lambda c, n: _replace_up(
         c, split_m_up_config(default_num_sms(), n, cluster_m=2)),
     "no-cluster-up": lambda c, n: _replace(c, "up", cluster_m=1),
+    # The up-proj's consumers release each slot as soon as its own step's wgmmas are done
+    # (`UpProjConfig.wgmma_lag=0`, session 51).
+    "lag0-up": lambda c, n: _replace(c, "up", wgmma_lag=0),
     # The down-proj and dX~ on clusters of two CTAs sharing each weight tile (session 49).
     "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
     # dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`, session 50).

@@ -282,6 +282,25 @@ def test_up_proj_cluster_split_m_writes_the_default_bits(shape):
         ("inference", cluster, True)])
 
 
+@pytest.mark.parametrize("shape", [(6000, 4096, 512, 16, 4), (4000, 2048, 768, 16, 4),
+                                   (4000, 1536, 256, 16, 4)],
+                         ids=["30b_widths", "qwen3_widths", "7b_widths"])
+def test_up_proj_wgmma_lag_0_writes_the_default_bits(shape):
+    """Each width's default up-proj (split-M on clusters at 30B, split-M at Qwen3-30B-A3B's,
+    the ping-pong at 7B's) with each slot released as soon as its own step's wgmmas are done
+    (`wgmma_lag=0`, session 51) writes the default's bits: 132 and 8 CTAs, inference's A."""
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+
+    T, d, n, E, K = shape
+    default = ForwardConfig.for_shape(d, n).up
+    assert default.pingpong_ctas and default.wgmma_lag == 1, default
+    lag0 = dataclasses.replace(default, wgmma_lag=0)
+    _assert_up_proj_configs_write_the_same_bits(shape, T + d + n + 5, default, [
+        ("132 CTAs", lag0, False),
+        ("8 CTAs", dataclasses.replace(lag0, pingpong_ctas=8), False),
+        ("inference", lag0, True)])
+
+
 @pytest.mark.parametrize("shape", [(6000, 4096, 512, 16, 4), (3000, 2880, 2880, 16, 4)],
                          ids=["30b_widths", "gpt_oss_widths"])
 def test_grouped_gemm_clusters_write_the_default_bits(shape):

@@ -232,6 +232,24 @@ def test_pingpong_up_proj_lowers_for_cuda_at_30b(prefetch_steps, inference, fuse
            sds((e, d, 2 * n), jnp.bfloat16))
 
 
+@pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (24576, 1536, 256, 128, 8)],
+                         ids=["30b_clusters", "7b_pingpong"])
+def test_wgmma_lag_0_up_proj_lowers_for_cuda(shape):
+    """The H100 default up-proj with each slot released once its own step's wgmmas are done
+    (`wgmma_lag=0`, what `forward.py --up-sweep lag` times) lowers for cuda: split-M items on
+    clusters at 30B, the ping-pong at 7B."""
+    from tests.cuda_target import h100_target
+
+    t, d, n, e, k = shape
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    with h100_target():
+        cfg = dataclasses.replace(ForwardConfig.for_shape(d, n).up, wgmma_lag=0)
+        assert cfg.pingpong_ctas and cfg.cluster_m == (2 if d == 4096 else 1), cfg
+        _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg),
+               sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
+               sds((e, d, 2 * n), jnp.bfloat16))
+
+
 @pytest.mark.parametrize("shape", [(8192, 2880, 2880, 32, 4), (16384, 2048, 768, 128, 8)],
                          ids=["gpt_oss_64_columns", "qwen3_128_columns"])
 def test_three_consumer_split_m_up_proj_lowers_for_cuda(shape):

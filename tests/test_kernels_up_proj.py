@@ -221,8 +221,12 @@ PINGPONG = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2, p
      # One wgmma of N = 2 * block_n on a [bk, gate | up] weight tile per K step, filled by
      # 8-row boxes from the halves layout (interleaved W1: test_interleaved_weights_...).
      pytest.param(dataclasses.replace(PINGPONG, fused_gate_up=True), False,
-                  marks=pytest.mark.slow)],
-    ids=["three_ctas", "one_tile_buffer_idle_ctas", "inference", "fused_gate_up"],
+                  marks=pytest.mark.slow),
+     # Each slot released as soon as its own step's wgmmas are done (`wgmma_lag=0`): with 2
+     # stages one loads while the other is multiplied (with the default lag none would).
+     (dataclasses.replace(PINGPONG, wgmma_lag=0), False)],
+    ids=["three_ctas", "one_tile_buffer_idle_ctas", "inference", "fused_gate_up",
+         "wgmma_lag_0"],
 )
 def test_pingpong_equals_cooperative_no_races(config, inference):
     """Bit for bit the cooperative kernel (same wgmmas per consumer, same epilogue), with an
@@ -255,13 +259,14 @@ def test_pingpong_equals_cooperative_no_races(config, inference):
 
 
 @pytest.mark.parametrize(
-    "fused, block_m, cluster_m",
-    [(False, 128, 1), pytest.param(True, 128, 1, marks=pytest.mark.slow), (False, 192, 1),
-     (False, 128, 2), pytest.param(False, 192, 2, marks=pytest.mark.slow)],
+    "fused, block_m, cluster_m, wgmma_lag",
+    [(False, 128, 1, 1), pytest.param(True, 128, 1, 1, marks=pytest.mark.slow),
+     (False, 192, 1, 1), (False, 128, 2, 1), pytest.param(False, 192, 2, 1, marks=pytest.mark.slow),
+     (False, 128, 2, 0)],
     # CI: the halves layout; fused differs only in the weight tiles it reads
     ids=["halves", "fused_interleaved", "three_consumers", "clusters",
-         "three_consumers_clusters"])
-def test_persistent_split_m_equals_cooperative_no_races(fused, block_m, cluster_m):
+         "three_consumers_clusters", "clusters_wgmma_lag_0"])
+def test_persistent_split_m_equals_cooperative_no_races(fused, block_m, cluster_m, wgmma_lag):
     """Persistent split-M tiles (`pingpong_ctas` with block_m=128: both consumers take every
     128-row item, 64 rows each; two N = block_n wgmmas on W1's halves, or one N = 2 * block_n
     on interleaved W1; block_m=192: three consumers) give bit for bit the cooperative
@@ -278,7 +283,10 @@ def test_persistent_split_m_equals_cooperative_no_races(fused, block_m, cluster_
     cluster items of 256 rows give the second CTA 8, 14 or no rows, so a CTA runs items it
     stores nothing of. Interpret mode has no multicast (each CTA loads the whole tile), so
     this checks the cluster protocol and the row split: a wrong arrival count on the
-    cluster barrier hangs or races here."""
+    cluster barrier hangs or races here.
+
+    `wgmma_lag=0`: each consumer releases a slot once its own step's wgmmas are done (on a
+    cluster, the slot refills once all four consumers did)."""
     ks = jax.random.split(jax.random.key(0), 4)
     x = random_x(ks[1], 300, 128)
     w1, _ = random_weights(ks[2], 4, 128, 128)  # n = 128: two 64-column blocks
@@ -291,7 +299,8 @@ def test_persistent_split_m_equals_cooperative_no_races(fused, block_m, cluster_
     want_h, want_a = up_proj(*args, w1, config=coop, interpret=True, **kw)
     config = UpProjConfig(block_m=block_m, block_n=64, num_stages=3,
                           num_consumers=block_m // 64, pingpong_ctas=2 * cluster_m,
-                          epilogue_tiles=2, fused_gate_up=fused, cluster_m=cluster_m)
+                          epilogue_tiles=2, fused_gate_up=fused, cluster_m=cluster_m,
+                          wgmma_lag=wgmma_lag)
     assert config.tile_rows == cluster_m * block_m
     h, a = up_proj(*args, interleave_gate_up(w1, 64) if fused else w1, config=config,
                    gate_up_blocks=64 if fused else 0, **kw,
@@ -381,6 +390,7 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
         (dataclasses.replace(PINGPONG, block_m=256, num_consumers=4),
          "block_m=128 or 192 .* got num_consumers=4, block_m=256"),
         (dataclasses.replace(SPLIT_M, cluster_m=3), "config.cluster_m=3 must be 1 or 2"),
+        (dataclasses.replace(SPLIT_M, wgmma_lag=2), r"config.wgmma_lag=2 must be one of \(0, 1\)"),
         (dataclasses.replace(PINGPONG, cluster_m=2), "cluster_m=2 .* needs the persistent "
          "split-M kernel with an even CTA count.*got block_m=64, pingpong_ctas="),
         (dataclasses.replace(SPLIT_M, pingpong_ctas=3, cluster_m=2),

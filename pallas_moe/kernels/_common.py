@@ -998,28 +998,48 @@ def pingpong_producer_drain(total, full_of, empty, landed, stages: int, cp_async
             plgpu.barrier_wait(empty.at[slot])
 
 
+WGMMA_LAGS = (0, 1)
+
+
 def consumer_k_loop(num_k, stages: int, wait, mma, empty, *, mmas_per_step: int,
-                    step_of=None) -> None:
+                    step_of=None, wgmma_lag: int = 1) -> None:
     """A consumer warpgroup's K loop over a `stages`-slot ring (the one the kernels share).
 
     Step ki is the pipeline's global step g = `step_of(ki)` (g = ki without `step_of`; a
     persistent kernel's steps run on across its items) in slot g % stages: `wait(g, slot)`
-    waits until it landed, `mma(slot)` issues `mmas_per_step` wgmmas reading it, and once
-    step g - 1's wgmmas are done (`wgmma_wait(mmas_per_step)`) its slot is released on
-    `empty`.
+    waits until it landed, `mma(slot)` issues `mmas_per_step` wgmmas reading it, and then:
+
+    - `wgmma_lag=1` (default): once step g - 1's wgmmas are done (`wgmma_wait(
+      mmas_per_step)`) its slot is released on `empty`. Step g's wgmmas run on while the
+      consumer waits for step g + 1, so the tensor cores never idle on the wait, but the
+      consumer holds two slots: `stages - 2` of them load at a time.
+    - `wgmma_lag=0`: once step g's own wgmmas are done (`wgmma_wait(0)`) its slot is
+      released at once, so `stages - 1` slots load while one is multiplied; the tensor
+      cores idle from the last wgmma's end to the next step's issue unless another
+      consumer's wgmmas fill the gap.
+
     Returns with every wgmma finished and the last step's slot still held: the caller
     releases it (or the producer observes it)."""
+    if wgmma_lag not in WGMMA_LAGS:
+        raise ValueError(f"wgmma_lag={wgmma_lag} must be one of {WGMMA_LAGS}.")
 
     def step(ki, carry):
         g = ki if step_of is None else step_of(ki)
         slot = g % stages
         wait(g, slot)
         mma(slot)
-        plgpu.wgmma_wait(mmas_per_step)  # step g - 1 is done: release its slot
+        if wgmma_lag:
+            plgpu.wgmma_wait(mmas_per_step)  # step g - 1 is done: release its slot
 
-        @pl.when(ki >= 1)
-        def _():
-            plgpu.barrier_arrive(empty.at[(g - 1) % stages])
+            @pl.when(ki >= 1)
+            def _():
+                plgpu.barrier_arrive(empty.at[(g - 1) % stages])
+        else:
+            plgpu.wgmma_wait(0)  # step g is done: release its slot (the last one: the caller)
+
+            @pl.when(ki < num_k - 1)
+            def _():
+                plgpu.barrier_arrive(empty.at[slot])
 
         return carry
 

@@ -140,6 +140,16 @@ class UpProjConfig(_common.ClusterTiles):
         it (`plgpu.ClusterBarrier`). Same products in the same order, so bitwise the same
         outputs. Interpret mode runs the same protocol with each CTA loading the whole tile
         (it has no multicast), so its tests check the barriers, not the multicast itself.
+      wgmma_lag: 1 (default): a consumer releases a K step's slot once the next step's
+        wgmmas are issued and its own are done, so it holds two slots and `num_stages - 2`
+        load at a time. 0: it waits for each step's wgmmas and releases the slot at once,
+        so `num_stages - 1` load while one is multiplied, at the price of the tensor cores
+        idling between one step's end and the next one's issue (which the other consumer's
+        wgmmas may fill). Why try it (session 51, the H100): 3 stages instead of 4 cost
+        the 30B up-proj 0.878x and Qwen3-30B-A3B's 0.888x (one slot loading instead of
+        two), a fifth stage does not fit in SMEM, and Nsight Compute had the producer and
+        the consumers waiting on each other. Same products in the same order: bitwise the
+        same outputs.
     """
 
     block_m: int = 64
@@ -160,6 +170,7 @@ class UpProjConfig(_common.ClusterTiles):
     prefetch_steps: int = 0
     fused_gate_up: bool = False
     cluster_m: int = 1
+    wgmma_lag: int = 1
 
 
 def _check(x, w_gate_up, token_ids, config: UpProjConfig):
@@ -212,6 +223,9 @@ def _check_pingpong(config: UpProjConfig) -> None:
         )
     if config.cluster_m not in (1, 2):
         raise ValueError(f"config.cluster_m={config.cluster_m} must be 1 or 2.")
+    if config.wgmma_lag not in _common.WGMMA_LAGS:
+        raise ValueError(
+            f"config.wgmma_lag={config.wgmma_lag} must be one of {_common.WGMMA_LAGS}.")
     if config.cluster_m == 2 and (not _split_m(config) or config.pingpong_ctas % 2):
         raise ValueError(
             "config.cluster_m=2 (two CTAs sharing each weight tile) needs the persistent "
@@ -467,6 +481,7 @@ def _warp_specialized_kernel(
                         lambda slot: a_mma.at[slot, slice(None)],  # [bm, bk], shared
                         # this consumer's columns of the [bk, C bn] gate and up tiles
                         lambda slot: (bg_smem.at[slot, :, csl], bu_smem.at[slot, :, csl]),
+                        config.wgmma_lag,
                     )
                     return accs[0][...], accs[1][...]
 
@@ -774,6 +789,7 @@ def _pingpong_kernel(
                             # [bk, 2 bn] gate | up, or ([bk, bn] gate, [bk, bn] up)
                             lambda slot: ((b_bufs[0].at[slot],) if fused
                                           else (bg_smem.at[slot], bu_smem.at[slot])),
+                            config.wgmma_lag,
                         )
                         # The last step's slot (ping-pong: the other consumer's item is next).
                         plgpu.barrier_arrive(empty.at[(j * num_k + num_k - 1) % stages])
@@ -934,11 +950,11 @@ def _body_refs(rest, has_bias: bool, inference: bool):
 
 
 def _gate_up_k_loop(accs, num_k, stages: int, first_step, wait, empty, a_tile,
-                    b_tiles) -> None:
+                    b_tiles, wgmma_lag: int) -> None:
     """A consumer's K loop (`_common.consumer_k_loop`) over its fp32 accumulators: (gate
     [rows, cols], up [rows, cols]), or one [rows, 2 * cols] of gate then up columns; step g
     multiplies `a_tile(slot)` [rows, bk] by the matching tile of `b_tiles(slot)` ([bk, cols]
-    gate and up, or one [bk, 2 * cols])."""
+    gate and up, or one [bk, 2 * cols]); `wgmma_lag` as `UpProjConfig.wgmma_lag`."""
 
     def mma(slot):
         a = a_tile(slot)
@@ -946,7 +962,7 @@ def _gate_up_k_loop(accs, num_k, stages: int, first_step, wait, empty, a_tile,
             plgpu.wgmma(acc, a, b)
 
     _common.consumer_k_loop(num_k, stages, wait, mma, empty, mmas_per_step=len(accs),
-                            step_of=lambda ki: first_step + ki)
+                            step_of=lambda ki: first_step + ki, wgmma_lag=wgmma_lag)
 
 
 def _bias_scratch(cols: int, dtype, consumers: int | None = None) -> tuple:

@@ -57,7 +57,8 @@ def expert_bias_gradients(
     gradient is non-finite anyway. What this replaces, a scan over the plan's 128-row tiles
     8 at a time, cast to fp32: in gpt-oss-20b's step on the H100 (session 50's breakdown,
     `benchmarks/step.py`) the XLA fusions launched once per scan step (36 launches each)
-    took about 1.5 ms of the 13.1-ms step.
+    took about 1.5 ms of the 13.1-ms step; these products take gpt-oss's step to 11.67 ms
+    from 13.25 (session 51, paired; the bias gradients alone 3.8x faster).
 
     Args:
       dh: [P_pad, 2n] (P_pad >= P) dH in grouped row order, rounded to the compute dtype.
