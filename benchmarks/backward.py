@@ -220,6 +220,13 @@ def configs_for(d, n, sweep: str):
         for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
             if cfg.persistent_ctas and cfg.persistent_ctas % 2 == 0:
                 lst.append(dataclasses.replace(cfg, cluster_m=2))
+    if sweep == "lag":
+        # Session 51: each kernel with every slot released as soon as its own K step's
+        # wgmmas are done (`wgmma_lag=0`: one more stage loading; 3 stages instead of 4 cost
+        # the 30B up-proj 0.878x, so the held slot may be what starves these loops too).
+        for lst, cfg in ((dh, base.dh), (dw2, base.dw_down), (dw1, base.dw_gate_up),
+                         (dx, base.dx)):
+            lst.append(dataclasses.replace(cfg, wgmma_lag=0))
     if sweep == "rows":
         # Session 50: dX~ with split-M items of 192 rows (three consumers of 64 rows sharing
         # each weight tile, `GroupedMatmulConfig(block_m=192)`; gpt-oss: 128 x 192 items).
@@ -477,7 +484,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "cluster", "rows", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "cluster", "rows", "lag", "full"),
                     help="configs timed besides the defaults, on the first shape (see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each sweep's configs round-robin this many rounds (the median, "

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -267,6 +268,10 @@ CONFIG_FLAGS = {
     # The up-proj's consumers release each slot as soon as its own step's wgmmas are done
     # (`UpProjConfig.wgmma_lag=0`, session 51).
     "lag0-up": lambda c, n: _replace(c, "up", wgmma_lag=0),
+    # The same release in every other grouped GEMM of the step (down-proj, dH, dW2, dW1, dX~).
+    "lag0-rest": lambda c, n: functools.reduce(
+        lambda cfg, k: _replace(cfg, k, wgmma_lag=0),
+        ("down", "dh", "dw_down", "dw_gate_up", "dx"), c),
     # The down-proj and dX~ on clusters of two CTAs sharing each weight tile (session 49).
     "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
     # dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`, session 50).

@@ -569,6 +569,20 @@ def test_weight_grad_clusters_no_races(gathered):
                                  dataclasses.replace(config, cluster_m=1))
 
 
+@pytest.mark.parametrize("gathered", ["lhs", "rhs"])
+def test_weight_grad_wgmma_lag_0_no_races(gathered):
+    """Each slot released as soon as its own K step's wgmmas are done (`wgmma_lag=0`,
+    session 51), two persistent CTAs on a 3-slot ring (two slots load while one is
+    multiplied) reused across items, experts of 2 and 3 K-blocks and an empty one, two
+    consumers: race-free, equal to the f32 reference, and bitwise the default release."""
+    plan = make_plan(23, 120, 3, 2, empty=(1,))
+    config = WeightGradConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2,
+                              persistent_ctas=2, wgmma_lag=0)
+    dims = (128, 128)
+    _wgrad_race_free_and_bitwise(24, gathered, plan, dims, config,
+                                 dataclasses.replace(config, wgmma_lag=1))
+
+
 def test_weight_grad_config_errors():
     plan = make_plan(25, 16, 2, 1)
     x = jnp.zeros((16, 128), BF16)
@@ -589,6 +603,7 @@ def test_weight_grad_config_errors():
             call(config=dataclasses.replace(wide4, **bad))
     fits = dataclasses.replace(wide4, num_stages=2, cluster_m=2)
     for bad, match in [(dict(cluster_m=3), "config.cluster_m=3 must be 1 or 2"),
+                       (dict(wgmma_lag=2), r"config.wgmma_lag=2 must be one of \(0, 1\)"),
                        (dict(persistent_ctas=0), "cluster_m=2 .* needs the persistent kernel"),
                        (dict(persistent_ctas=131), "cluster_m=2 .* even CTA count"),
                        # M = 128: one 128-row tile, no neighbour for the second CTA
@@ -735,9 +750,15 @@ def test_real_widths_have_configs(d, n):
 # ----------------------------------------------------------------------------- cuda lowering
 
 
-def _lower_for_cuda(num_tokens, d, n, num_experts, k, gather="cp_async"):
+def _lower_for_cuda(num_tokens, d, n, num_experts, k, gather="cp_async", **overrides):
+    """Lowers the whole backward for cuda at the width's default configs, with `overrides`
+    set on every kernel's config (e.g. `wgmma_lag=0`)."""
     args = _abstract_args(num_tokens, d, n, num_experts, k)
     config = BackwardConfig.for_shape(d, n, gather=gather)
+    if overrides:
+        config = dataclasses.replace(config, **{
+            f.name: dataclasses.replace(getattr(config, f.name), **overrides)
+            for f in dataclasses.fields(config) if f.name in ("dh", "dw_down", "dw_gate_up", "dx")})
     f = jax.jit(functools.partial(moe_backward, interpret=False, config=config))
     return f.trace(*args).lower(lowering_platforms=("cuda",))
 
@@ -757,6 +778,16 @@ def test_lowers_for_cuda_7b(gather):
 )
 def test_lowers_for_cuda_large(shape):
     _lower_for_cuda(*shape)
+
+
+@pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (8192, 2880, 2880, 32, 4)],
+                         ids=["30b", "gpt_oss"])
+def test_wgmma_lag_0_backward_lowers_for_cuda(shape):
+    """The whole backward with every kernel releasing each slot as soon as its own K step's
+    wgmmas are done (`wgmma_lag=0`, what `backward.py --sweep lag` times) lowers for cuda at
+    production widths (30B: dH's lagged cp.async publish, 3-stage dX~; gpt-oss: three
+    consumers)."""
+    _lower_for_cuda(*shape, wgmma_lag=0)
 
 
 def test_three_consumers_lower_for_cuda_at_gpt_oss_widths():
@@ -838,6 +869,23 @@ def test_dh_clusters_no_races(num_tokens, d, stages, clusters, skew):
                             int(plan.num_rows))
 
 
+def test_dh_wgmma_lag_0_no_races():
+    """dH with each W2 slot released as soon as its own K step's wgmma is done
+    (`wgmma_lag=0`, session 51): one CTA walking every item, 7 K steps over 5 slots (two of
+    them overlaid by the epilogue), two consumers, an empty expert; race-free and bitwise
+    the default release (and its kernel-order reference)."""
+    x, h, plan, w1, w2, grad_out = make_problem(8, 60, 448, 128, 3, 2, empty=(1,))
+    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    default = DHConfig(block_n=64, num_stages=5, num_consumers=2, persistent_ctas=1,
+                       h_loader="cp_async")
+    config = dataclasses.replace(default, wgmma_lag=0)
+    got = dh_kernel(*args, config=config, interpret=interp(detect_races=True))
+    assert not races_found()
+    check_dh(got, grad_out, h, plan, w2, config)
+    assert_dh_outputs_equal(got, dh_kernel(*args, config=default, interpret=True),
+                            int(plan.num_rows))
+
+
 @pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (8192, 2880, 2880, 32, 4)],
                          ids=["30b", "gpt_oss"])
 def test_dh_clusters_lower_for_cuda(shape):
@@ -854,6 +902,7 @@ def test_dh_clusters_lower_for_cuda(shape):
     jax.jit(functools.partial(dh_kernel, config=config)).trace(*args).lower(
         lowering_platforms=("cuda",))
     for bad, match in [(dict(cluster_m=3), "config.cluster_m=3 must be 1 or 2"),
+                       (dict(wgmma_lag=2), r"config.wgmma_lag=2 must be one of \(0, 1\)"),
                        (dict(persistent_ctas=131), "cluster_m=2 .* needs an even CTA count")]:
         with pytest.raises(ValueError, match=match):
             jax.eval_shape(functools.partial(dh_kernel, config=dataclasses.replace(

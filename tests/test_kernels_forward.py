@@ -235,19 +235,23 @@ def test_pingpong_up_proj_lowers_for_cuda_at_30b(prefetch_steps, inference, fuse
 @pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (24576, 1536, 256, 128, 8)],
                          ids=["30b_clusters", "7b_pingpong"])
 def test_wgmma_lag_0_up_proj_lowers_for_cuda(shape):
-    """The H100 default up-proj with each slot released once its own step's wgmmas are done
-    (`wgmma_lag=0`, what `forward.py --up-sweep lag` times) lowers for cuda: split-M items on
-    clusters at 30B, the ping-pong at 7B."""
+    """The H100 default up-proj and down-proj with each slot released once its own step's
+    wgmmas are done (`wgmma_lag=0`, what `forward.py --up-sweep lag --down-sweep lag` times)
+    lower for cuda: split-M up-proj items on clusters at 30B, the ping-pong at 7B."""
     from tests.cuda_target import h100_target
 
     t, d, n, e, k = shape
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     with h100_target():
-        cfg = dataclasses.replace(ForwardConfig.for_shape(d, n).up, wgmma_lag=0)
-        assert cfg.pingpong_ctas and cfg.cluster_m == (2 if d == 4096 else 1), cfg
-        _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg),
+        default = ForwardConfig.for_shape(d, n)
+        up = dataclasses.replace(default.up, wgmma_lag=0)
+        down = dataclasses.replace(default.down, wgmma_lag=0)
+        assert up.pingpong_ctas and up.cluster_m == (2 if d == 4096 else 1), up
+        _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=up),
                sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
                sds((e, d, 2 * n), jnp.bfloat16))
+        _lower(lambda a, g, w: down_proj(a, g, w, config=down),
+               sds((t * k, n), jnp.bfloat16), sds((e,), i32), sds((e, n, d), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("shape", [(8192, 2880, 2880, 32, 4), (16384, 2048, 768, 128, 8)],

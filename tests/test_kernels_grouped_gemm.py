@@ -53,6 +53,7 @@ def run_down(plan, n, d, num_experts, config, key, interpret=True):
     rows = int(plan.num_rows)
     close(y, down_proj_reference(a, plan.group_sizes, w2), rows)
     assert_untouched(y, rows)
+    return y
 
 
 def run_dx(plan, n, d, num_experts, config, key, interpret=True):
@@ -64,6 +65,7 @@ def run_dx(plan, n, d, num_experts, config, key, interpret=True):
     rows = int(plan.num_rows)
     close(got, dx_reference(dh, plan.group_sizes, w1), rows)
     assert_untouched(got, rows)
+    return got
 
 
 @SCHEDULES
@@ -101,6 +103,23 @@ def test_clusters_no_races(spec, config):
     spec(plan, 128, 128, 5, dataclasses.replace(config, num_sms=4, cluster_m=2),
          jax.random.key(33), interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not races_found()
+
+
+@pytest.mark.parametrize("config", [PING_PONG, SPLIT_M], ids=["ping_pong", "split_m"])
+@pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
+def test_wgmma_lag_0_no_races(spec, config):
+    """Each slot released as soon as its own K step's wgmmas are done (`wgmma_lag=0`,
+    session 51; dX~'s 4 K steps refill the ring within an item): race-free, against the
+    reference, rows outside the plan untouched, and bitwise the default release."""
+    plan = assignment_plan(jax.random.key(30), 40, 3, p=0.5)
+    lag0 = dataclasses.replace(config, wgmma_lag=0)
+    got = spec(plan, 128, 128, 3, lag0, jax.random.key(31),
+               interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+    want = spec(plan, 128, 128, 3, config, jax.random.key(31))
+    rows = int(plan.num_rows)
+    np.testing.assert_array_equal(np.asarray(got[:rows], np.float32),
+                                  np.asarray(want[:rows], np.float32))
 
 
 @pytest.mark.parametrize("out_slabs", [0, 1], ids=["whole_tile", "one_slab"])
@@ -248,6 +267,7 @@ def test_empty_plan_writes_nothing():
                          interpret=True),
          r"config needs 270384 B of SMEM .* lower config.num_stages, or stage fewer output "
          r"columns at a time \(config.out_slabs\)"),
+        (lambda: GroupedMatmulConfig(wgmma_lag=2), r"config.wgmma_lag=2 must be one of \(0, 1\)"),
         (lambda: GroupedMatmulConfig(num_sms=0), "config.num_sms=0 must be >= 1"),
         (lambda: GroupedMatmulConfig(cluster_m=4), "config.cluster_m=4 must be 1 or 2"),
         (lambda: GroupedMatmulConfig(num_sms=3, cluster_m=2),

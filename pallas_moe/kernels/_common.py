@@ -1019,7 +1019,12 @@ def consumer_k_loop(num_k, stages: int, wait, mma, empty, *, mmas_per_step: int,
       consumer's wgmmas fill the gap.
 
     Returns with every wgmma finished and the last step's slot still held: the caller
-    releases it (or the producer observes it)."""
+    releases it (or the producer observes it).
+
+    Interpret mode runs a wgmma to completion when it is issued, so its race detector
+    checks the barrier protocol (a slot released twice or never fails there), not whether
+    a slot was released before the wgmmas reading it finished: only the GPU tests
+    (poisoned outputs, bitwise the default) can see that."""
     if wgmma_lag not in WGMMA_LAGS:
         raise ValueError(f"wgmma_lag={wgmma_lag} must be one of {WGMMA_LAGS}.")
 
