@@ -1001,6 +1001,12 @@ def pingpong_producer_drain(total, full_of, empty, landed, stages: int, cp_async
 WGMMA_LAGS = (0, 1)
 
 
+def require_wgmma_lag(config) -> None:
+    """A grouped-GEMM config's `wgmma_lag` is one of `WGMMA_LAGS` (see `consumer_k_loop`)."""
+    if config.wgmma_lag not in WGMMA_LAGS:
+        raise ValueError(f"config.wgmma_lag={config.wgmma_lag} must be one of {WGMMA_LAGS}.")
+
+
 def consumer_k_loop(num_k, stages: int, wait, mma, empty, *, mmas_per_step: int,
                     step_of=None, wgmma_lag: int = 1) -> None:
     """A consumer warpgroup's K loop over a `stages`-slot ring (the one the kernels share).

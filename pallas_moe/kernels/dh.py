@@ -133,12 +133,9 @@ class DHConfig(_common.ClusterTiles):
         bitwise the same outputs. Interpret mode runs the same protocol with each CTA
         loading the whole tile (it has no multicast): its tests check the barriers and the
         row split, not the multicast itself.
-      wgmma_lag: 1 (default) or 0: when a consumer releases a K step's slot
-        (`_common.consumer_k_loop`): 1 = once the next step's wgmmas are issued and its own
-        are done (two slots held, `num_stages - 2` loading); 0 = as soon as its own wgmmas
-        are done (`num_stages - 1` loading; the tensor cores idle between steps unless
-        another consumer fills them). Same products in the same order: bitwise the same
-        outputs. Session 51, not yet timed on a GPU (the up-proj's option of the same name).
+      wgmma_lag: when a consumer releases a K step's slot, 1 (default) or 0 (one more
+        stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
+        Same bits either way; session 51, not yet timed on a GPU.
 
     Removed in session 42 (a config naming them is a TypeError): `persistent_ctas=0` (one
     CTA per item) with its `prefetch_h` and `early_h`, and `epilogue_layout` (only the
@@ -204,9 +201,7 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         raise ValueError(f"config.h_loader={config.h_loader!r} must be one of {H_LOADERS}.")
     if config.cluster_m not in (1, 2):
         raise ValueError(f"config.cluster_m={config.cluster_m} must be 1 or 2.")
-    if config.wgmma_lag not in _common.WGMMA_LAGS:
-        raise ValueError(
-            f"config.wgmma_lag={config.wgmma_lag} must be one of {_common.WGMMA_LAGS}.")
+    _common.require_wgmma_lag(config)
     if config.cluster_m == 2 and config.persistent_ctas % 2:
         raise ValueError(
             "config.cluster_m=2 (two CTAs sharing each W2 tile) needs an even CTA count, got "

@@ -170,12 +170,9 @@ class GroupedMatmulConfig(_common.ClusterTiles):
         (`plgpu.ClusterBarrier`). Same products in the same order, so bitwise the same
         outputs. Not with the 8-bit modes or `chunks`. Interpret mode runs the same
         protocol with each CTA loading the whole tile (it has no multicast).
-      wgmma_lag: 1 (default) or 0: when a consumer releases a K step's slot
-        (`_common.consumer_k_loop`): 1 = once the next step's wgmmas are issued and its own
-        are done (two slots held, `num_stages - 2` loading); 0 = as soon as its own wgmmas
-        are done (`num_stages - 1` loading; the tensor cores idle between steps unless
-        another consumer fills them). Same products in the same order: bitwise the same
-        outputs. Session 51, not yet timed on a GPU (the up-proj's option of the same name).
+      wgmma_lag: when a consumer releases a K step's slot, 1 (default) or 0 (one more
+        stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
+        Same bits either way; session 51, not yet timed on a GPU.
     """
 
     block_m: int = 128
@@ -204,9 +201,7 @@ class GroupedMatmulConfig(_common.ClusterTiles):
             )
         if self.cluster_m not in (1, 2):
             raise ValueError(f"config.cluster_m={self.cluster_m} must be 1 or 2.")
-        if self.wgmma_lag not in _common.WGMMA_LAGS:
-            raise ValueError(
-                f"config.wgmma_lag={self.wgmma_lag} must be one of {_common.WGMMA_LAGS}.")
+        _common.require_wgmma_lag(self)
         if self.cluster_m == 2 and self.num_sms % 2:
             raise ValueError(
                 f"config.cluster_m=2 runs num_sms / 2 clusters of two CTAs: num_sms must be "

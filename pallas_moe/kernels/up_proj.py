@@ -223,9 +223,7 @@ def _check_pingpong(config: UpProjConfig) -> None:
         )
     if config.cluster_m not in (1, 2):
         raise ValueError(f"config.cluster_m={config.cluster_m} must be 1 or 2.")
-    if config.wgmma_lag not in _common.WGMMA_LAGS:
-        raise ValueError(
-            f"config.wgmma_lag={config.wgmma_lag} must be one of {_common.WGMMA_LAGS}.")
+    _common.require_wgmma_lag(config)
     if config.cluster_m == 2 and (not _split_m(config) or config.pingpong_ctas % 2):
         raise ValueError(
             "config.cluster_m=2 (two CTAs sharing each weight tile) needs the persistent "

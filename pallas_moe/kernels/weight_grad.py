@@ -120,12 +120,9 @@ class WeightGradConfig:
         Interpret mode runs the same protocol with each CTA loading the whole block (it has
         no multicast), so its tests check the barriers and the tile split, not the
         multicast itself.
-      wgmma_lag: 1 (default) or 0: when a consumer releases a K step's slot
-        (`_common.consumer_k_loop`): 1 = once the next step's wgmmas are issued and its own
-        are done (two slots held, `num_stages - 2` loading); 0 = as soon as its own wgmmas
-        are done (`num_stages - 1` loading; the tensor cores idle between steps unless
-        another consumer fills them). Same products in the same order: bitwise the same
-        outputs. Session 51, not yet timed on a GPU (the up-proj's option of the same name).
+      wgmma_lag: when a consumer releases a K step's slot, 1 (default) or 0 (one more
+        stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
+        Same bits either way; session 51, not yet timed on a GPU.
     """
 
     block_m: int = 128
@@ -277,9 +274,7 @@ def weight_grad(
     _common.require_multiple("N (rhs.shape[1])", n_dim, cta_n, f"a CTA computes {cta_n} columns")
     if config.cluster_m not in (1, 2):
         raise ValueError(f"config.cluster_m={config.cluster_m} must be 1 or 2.")
-    if config.wgmma_lag not in _common.WGMMA_LAGS:
-        raise ValueError(
-            f"config.wgmma_lag={config.wgmma_lag} must be one of {_common.WGMMA_LAGS}.")
+    _common.require_wgmma_lag(config)
     if config.cluster_m == 2:
         if config.persistent_ctas <= 0 or config.persistent_ctas % 2:
             raise ValueError(
