@@ -1083,18 +1083,30 @@ def test_fp8_out_slabs_bad_values_raise(config, kwargs, match):
 
 @pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (24576, 1536, 256, 128, 8)],
                          ids=["30b", "7b"])
-def test_fp8_up_four_stages_with_one_staged_slab_lowers_for_cuda(shape):
+def test_fp8_up_four_stages_with_one_staged_slab_lowers_for_cuda(shape, monkeypatch):
     """The default gathered up-proj: 128 columns with 4 stages fits the SMEM only with one
-    output slab staged at a time (229 KB of 227 with the whole tile, which Mosaic refuses)."""
+    output slab staged at a time (234592 B of 232448 with the whole tile). The config check
+    refuses the whole tile with `grouped_gemm.smem_bytes`' count (its cp.async stage
+    barriers included), and with that check lifted Mosaic refuses it with the same count."""
+    import re
+
+    from pallas_moe.kernels import _common
+
     up = pm.quant.Fp8ForwardConfig.for_shape(*shape[1:3], num_sms=132).up
     assert (up.num_stages, up.out_slabs) == (4, 1)  # the default since session 36
     lower_gathered_up(up, shape)
-    with pytest.raises(ValueError, match="exceeds available shared memory"):
-        lower_gathered_up(dataclasses.replace(up, out_slabs=0), shape)
+    whole = dataclasses.replace(up, out_slabs=0)
     # Nor does a ring of two staged slabs (`out_buffers=2`) beside the 4 stages: the gathered
     # mode's token-id buffers make it 229 KB (234592 bytes of 232448).
-    with pytest.raises(ValueError, match="exceeds available shared memory"):
-        lower_gathered_up(dataclasses.replace(up, out_buffers=2), shape)
+    ring = dataclasses.replace(up, out_buffers=2)
+    for config in (whole, ring):
+        with pytest.raises(ValueError, match="config needs 234592 B of SMEM .* over the 232448 B"):
+            lower_gathered_up(config, shape)
+    monkeypatch.setattr(_common, "SMEM_MAX", 1 << 30)
+    for config in (whole, ring):
+        with pytest.raises(ValueError, match="exceeds available shared memory") as e:
+            lower_gathered_up(config, shape)
+        assert re.search(r"smem_bytes=(\d+)", str(e.value)).group(1) == "234592"
 
 
 @pytest.mark.parametrize(

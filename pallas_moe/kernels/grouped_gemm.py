@@ -558,7 +558,8 @@ def smem_bytes(config: GroupedMatmulConfig, n_dim: int, *, in_dtype, out_dtype,
     barrier. The refs: the A stages [stages, block_m, block_k], the weight stages ([2 if
     gated], stages, block_k, block_n), each consumer's staged output (the whole [rows,
     block_n] tile, or `out_slabs` x `out_buffers` slabs; with `requant` the Q of every column
-    block of two items), and the bias columns, scales and gathered ids.
+    block of two items), and the bias columns, scales, gathered ids and (compiled cp.async
+    gather on mbarriers) the stage barriers.
 
     A lower bound of what Mosaic GPU counts (it adds nothing for these kernels today), so
     `_kernel` refuses above `_common.SMEM_MAX` only configs Mosaic would refuse too, but
@@ -590,9 +591,11 @@ def smem_bytes(config: GroupedMatmulConfig, n_dim: int, *, in_dtype, out_dtype,
         refs += [4 * 2 * blocks_per_item * bn, 4 * 2 * 2 * mb]
         if blocks_per_item > 1:
             refs.append(2 * 2 * (blocks_per_item - 1) * mb * bn)
-    if gathered:
+    if gathered:  # two items' row ids; compiled cp.async on mbarriers: one per slot
         refs.append(4 * 2 * bm)
         barriers += 2
+        if _common.uses_stage_mbarriers(config, interpret=False):
+            refs.append(_common.cp_async_stage_barriers(stages).shape[0] * 8)
     align = _common.SMEM_ALIGNMENT
     return sum(-(-r // align) * align for r in refs) + 8 * barriers
 
