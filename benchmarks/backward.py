@@ -485,7 +485,8 @@ def main():
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
     ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "cluster", "rows", "lag", "full"),
-                    help="configs timed besides the defaults, on the first shape (see configs_for)")
+                    help="configs timed besides the defaults, on every shape (\"full\": its block-size "
+                         "sweep on the first shape, \"previous\" on the rest; see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each sweep's configs round-robin this many rounds (the median, "
                          "and paired speed-ups over the sweep's first config)")
