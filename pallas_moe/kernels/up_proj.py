@@ -72,7 +72,11 @@ class UpProjConfig(_common.ClusterTiles):
         (`pingpong_ctas`; `num_consumers = block_m // 64`).
       block_n: gate (and up) columns per CTA; the CTA computes 2*block_n columns of H.
         Must divide n and be a multiple of 64.
-      block_k: contraction step; must divide d and be 64 (one 128-byte swizzle row of bf16).
+      block_k: contraction step; must divide d and be 64 (one 128-byte swizzle row of bf16),
+        or 32 in the persistent kernel (`pingpong_ctas` > 0): the gathered rows and weight
+        tiles then take a 64-byte swizzle and a stage half the bytes, so twice the stages
+        fit and, with a consumer holding two, 6 of 8 load at a time instead of 2 of 4
+        (session 51; not yet timed on a GPU: `forward.py --up-sweep k32`).
       num_stages: SMEM pipeline depth.
       num_consumers: C >= 1 consumer warpgroups beside one producer warpgroup (whose 4
         warps issue the row copies in parallel); they share each gathered A stage and own
