@@ -278,6 +278,12 @@ def cluster_barrier(clusters: int, **kwargs):
     return plgpu.Barrier(**kwargs)
 
 
+def require_cluster_m(config) -> None:
+    """A kernel config's `cluster_m` (CTAs per cluster) is 1 or 2."""
+    if config.cluster_m not in (1, 2):
+        raise ValueError(f"config.cluster_m={config.cluster_m} must be 1 or 2.")
+
+
 class ClusterTiles:
     """Mixin of the kernel configs whose items may run on clusters of CTAs (`block_m` and
     `cluster_m` fields): a cluster item is `cluster_m` consecutive blocks of `block_m` rows,

@@ -199,8 +199,7 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         )
     if config.h_loader not in H_LOADERS:
         raise ValueError(f"config.h_loader={config.h_loader!r} must be one of {H_LOADERS}.")
-    if config.cluster_m not in (1, 2):
-        raise ValueError(f"config.cluster_m={config.cluster_m} must be 1 or 2.")
+    _common.require_cluster_m(config)
     _common.require_wgmma_lag(config)
     if config.cluster_m == 2 and config.persistent_ctas % 2:
         raise ValueError(

@@ -199,8 +199,7 @@ class GroupedMatmulConfig(_common.ClusterTiles):
                 f"pingpong or clusters, got pingpong={self.pingpong}, "
                 f"cluster_m={self.cluster_m}."
             )
-        if self.cluster_m not in (1, 2):
-            raise ValueError(f"config.cluster_m={self.cluster_m} must be 1 or 2.")
+        _common.require_cluster_m(self)
         _common.require_wgmma_lag(self)
         if self.cluster_m == 2 and self.num_sms % 2:
             raise ValueError(

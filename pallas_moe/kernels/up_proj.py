@@ -228,8 +228,7 @@ def _check_pingpong(config: UpProjConfig) -> None:
             f"config.fused_gate_up=True needs 2 * block_n <= 256 (one wgmma's widest N), got "
             f"block_n={config.block_n}."
         )
-    if config.cluster_m not in (1, 2):
-        raise ValueError(f"config.cluster_m={config.cluster_m} must be 1 or 2.")
+    _common.require_cluster_m(config)
     _common.require_wgmma_lag(config)
     if config.cluster_m == 2 and (not _split_m(config) or config.pingpong_ctas % 2):
         raise ValueError(

@@ -272,8 +272,7 @@ def weight_grad(
     cta_n = bn * (cons if gathered == "lhs" else 1)
     _common.require_multiple("M (lhs.shape[1])", m_dim, cta_m, f"a CTA computes {cta_m} rows")
     _common.require_multiple("N (rhs.shape[1])", n_dim, cta_n, f"a CTA computes {cta_n} columns")
-    if config.cluster_m not in (1, 2):
-        raise ValueError(f"config.cluster_m={config.cluster_m} must be 1 or 2.")
+    _common.require_cluster_m(config)
     _common.require_wgmma_lag(config)
     if config.cluster_m == 2:
         if config.persistent_ctas <= 0 or config.persistent_ctas % 2:
