@@ -670,6 +670,14 @@ def k32_up_cfgs(d, n):
     return [base, k32, dataclasses.replace(k32, wgmma_lag=0)]
 
 
+def pipeline_up_cfgs(d, n):
+    """Session 52: `lag_up_cfgs` and `k32_up_cfgs` in one round-robin (default, lag 0,
+    32-wide, 32-wide with lag 0), so one call times both ways of keeping more stages
+    loading against the same default."""
+    base, *k32 = k32_up_cfgs(d, n)
+    return [base, lag_up_cfgs(d, n)[1], *k32]
+
+
 def deepest_up_config(config):
     """`config` (a persistent up-proj) with the most stages that fit in SMEM."""
     stages = config.num_stages
@@ -784,7 +792,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "prefetch", "depth", "lag", "k32", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "prefetch", "depth", "lag", "k32", "pipeline", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "cluster", "rows", "lag", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
@@ -814,6 +822,7 @@ def main():
                            "depth": depth_up_cfgs,
                            "lag": lag_up_cfgs,
                            "k32": k32_up_cfgs,
+                           "pipeline": pipeline_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "slabs": staged_down_cfgs, "cluster": cluster_down_cfgs, "rows": rows_down_cfgs, "lag": lag_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
