@@ -37,6 +37,13 @@ A)  # session 52: device time was short after failed starts, so the up-proj firs
   timeout $(( 570 - $(date +%s) + T0 )) python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
     -k "(up_proj_wgmma_lag_0 or 32_wide_k_steps) and not 30b_widths" > $OUT/gpu_up_rest.log 2>&1
   echo "gpu up rest rc=$? at $(( $(date +%s) - T0 )) s"; grep "PASSED\|FAILED\|passed\|failed" $OUT/gpu_up_rest.log | tail -6 ;;
+B)  # session 52: the backward's lag 0 at 30B (its GPU test, then the sweep), 7B if time is left
+  timeout 200 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
+    -k "test_wgmma_lag_0_writes_the_default_bits and 30b_widths" > $OUT/gpu_bw_lag30b.log 2>&1
+  echo "gpu backward lag 0 (30B) rc=$? at $(( $(date +%s) - T0 )) s"; grep "PASSED\|FAILED\|passed\|failed" $OUT/gpu_bw_lag30b.log | tail -4
+  timeout $(( 570 - $(date +%s) + T0 )) python3 benchmarks/backward.py --shapes 30b,7b --sweep lag \
+    --rounds 3 --out $OUT/bw > $OUT/bw.log 2>&1
+  echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; short $OUT/bw.log; grep "^|" $OUT/bw.log ;;
 T)
   timeout 560 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
     -k "wgmma_lag_0 or 32_wide_k_steps" > $OUT/gpu_lag.log 2>&1
