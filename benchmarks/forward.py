@@ -45,9 +45,7 @@ from pallas_moe.kernels.grouped_gemm import smem_bytes as grouped_gemm_smem_byte
 from pallas_moe.kernels.moe_forward import (
     PINGPONG_UP_MAX_D, ForwardConfig, aggregate_width, moe_forward, split_m_up_config,
 )
-from pallas_moe.kernels.up_proj import (
-    UpProjConfig, _cta_cols, interleave_gate_up, persistent_smem_bytes, up_proj,
-)
+from pallas_moe.kernels.up_proj import UpProjConfig, _cta_cols, interleave_gate_up, up_proj
 from pallas_moe.routing.topk import topk_plan
 
 # The card whose defaults a sweep names as the previous ones where an H200's now differ.
@@ -658,35 +656,6 @@ def lag_up_cfgs(d, n):
     return [base, dataclasses.replace(base, wgmma_lag=0)]
 
 
-def k32_up_cfgs(d, n):
-    """Session 51: this width's default against 32-wide K steps (`block_k=32`, 64-byte
-    swizzled stages of half the bytes) with as many stages as fit in SMEM (8 of 24 KB at
-    30B's 128 x 128 items, where 4 of 48 KB leave 2 loading: 6 load), and the same with
-    `wgmma_lag=0`. Persistent kernels only."""
-    base = ForwardConfig.for_shape(d, n).up
-    if not base.pingpong_ctas:
-        return [base]
-    k32 = deepest_up_config(dataclasses.replace(base, block_k=32))
-    return [base, k32, dataclasses.replace(k32, wgmma_lag=0)]
-
-
-def pipeline_up_cfgs(d, n):
-    """Session 52: `lag_up_cfgs` and `k32_up_cfgs` in one round-robin (default, lag 0,
-    32-wide, 32-wide with lag 0), so one call times both ways of keeping more stages
-    loading against the same default."""
-    base, *k32 = k32_up_cfgs(d, n)
-    return [base, lag_up_cfgs(d, n)[1], *k32]
-
-
-def deepest_up_config(config):
-    """`config` (a persistent up-proj) with the most stages that fit in SMEM."""
-    stages = config.num_stages
-    while persistent_smem_bytes(dataclasses.replace(config, num_stages=stages + 1)) <= \
-            _common.SMEM_BUDGET:
-        stages += 1
-    return dataclasses.replace(config, num_stages=stages)
-
-
 def pingpong_up_cfgs(d, n):
     """Session 20: the ping-pong up-proj (`UpProjConfig.pingpong_ctas`, the default for
     d <= 1536) against the cooperative kernel (the previous default, and still the default
@@ -792,7 +761,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "prefetch", "depth", "lag", "k32", "pipeline", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "prefetch", "depth", "lag", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "cluster", "rows", "lag", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
@@ -821,8 +790,6 @@ def main():
                            "prefetch": prefetch_up_cfgs,
                            "depth": depth_up_cfgs,
                            "lag": lag_up_cfgs,
-                           "k32": k32_up_cfgs,
-                           "pipeline": pipeline_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "slabs": staged_down_cfgs, "cluster": cluster_down_cfgs, "rows": rows_down_cfgs, "lag": lag_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

@@ -42,8 +42,8 @@ from jax.experimental.mosaic.gpu import profiler
 import pallas_moe as pm
 from benchmarks.logs import open_log
 from benchmarks.forward import (
-    SHAPES, cooperative_up_cfg, deepest_up_config, pingpong_up, gpu_time_ms,
-    interleaved_times_ms, pipelined_ms, three_consumer_gemm, wall_time_ms,
+    SHAPES, cooperative_up_cfg, pingpong_up, gpu_time_ms, interleaved_times_ms, pipelined_ms,
+    three_consumer_gemm, wall_time_ms,
 )
 from benchmarks.layer import dense_bound_fns, gemm_bound_fn
 from pallas_moe.kernels import KernelConfig
@@ -268,9 +268,6 @@ CONFIG_FLAGS = {
     # The up-proj's consumers release each slot as soon as its own step's wgmmas are done
     # (`UpProjConfig.wgmma_lag=0`, session 51).
     "lag0-up": lambda c, n: _replace(c, "up", wgmma_lag=0),
-    # The up-proj's 32-wide K steps with as many stages as fit (`block_k=32`, session 51).
-    "k32-up": lambda c, n: _replace_up(c, deepest_up_config(
-        dataclasses.replace(c.forward.up, block_k=32))),
     # The same release in every other grouped GEMM of the step (down-proj, dH, dW2, dW1, dX~).
     "lag0-rest": lambda c, n: functools.reduce(
         lambda cfg, k: _replace(cfg, k, wgmma_lag=0),

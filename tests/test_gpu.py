@@ -789,27 +789,6 @@ def test_dh_clusters_write_the_default_bits(shape):
         dataclasses.replace(few, h_loader="tma")), empty_expert=3)
 
 
-@pytest.mark.parametrize("shape", [(6000, 4096, 512, 16, 4), (3000, 2880, 2880, 16, 4),
-                                   (4000, 1536, 256, 16, 4)],
-                         ids=["30b_widths", "gpt_oss_widths", "7b_widths"])
-def test_up_proj_32_wide_k_steps_write_the_default_bits(shape):
-    """Each width's default up-proj with 32-wide K steps and as many stages as fit
-    (`block_k=32`, session 51: 64-byte swizzled stages the cp.async gather fills with 4
-    threads a row) writes the default's bits (the same k16 wgmma instructions in the same
-    order), with `wgmma_lag=0` too: 132 and 8 CTAs, inference's A. Interpret mode cannot
-    check the 64-byte swizzle's addresses; this test is what does."""
-    from benchmarks.forward import k32_up_cfgs
-
-    T, d, n, E, K = shape
-    default, k32, k32_lag0 = k32_up_cfgs(d, n)
-    assert default.block_k == 64 and k32.block_k == 32, k32
-    _assert_up_proj_configs_write_the_same_bits(shape, T + d + n + 13, default, [
-        ("132 CTAs", k32, False),
-        ("8 CTAs", dataclasses.replace(k32, pingpong_ctas=8), False),
-        ("inference", k32, True),
-        ("wgmma_lag=0", k32_lag0, False)])
-
-
 @pytest.mark.parametrize(
     "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8), (3000, 2880, 2880, 16, 4)],
     ids=["30b_widths", "7b_widths", "gpt_oss_widths"])

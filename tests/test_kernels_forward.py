@@ -254,29 +254,6 @@ def test_wgmma_lag_0_up_proj_lowers_for_cuda(shape):
                sds((t * k, n), jnp.bfloat16), sds((e,), i32), sds((e, n, d), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (8192, 2880, 2880, 32, 4),
-                                   (24576, 1536, 256, 128, 8)],
-                         ids=["30b_clusters", "gpt_oss_three_consumers", "7b_pingpong"])
-def test_32_wide_k_steps_up_proj_lowers_for_cuda(shape):
-    """The H100 default up-proj with 32-wide K steps and as many stages as fit
-    (`block_k=32`, what `forward.py --up-sweep k32` times: 64-byte swizzled gathered rows
-    and weight tiles, the cp.async gather's 4-thread rows) lowers for cuda, training and
-    inference."""
-    from benchmarks.forward import k32_up_cfgs
-    from tests.cuda_target import h100_target
-
-    t, d, n, e, k = shape
-    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
-    with h100_target():
-        _, cfg, _ = k32_up_cfgs(d, n)
-        assert cfg.block_k == 32 and cfg.num_stages >= 8, cfg
-        for inference in (False, True):
-            _lower(lambda x, tok, g, w, i=inference: up_proj(x, tok, g, w, config=cfg,
-                                                             inference=i),
-                   sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
-                   sds((e, d, 2 * n), jnp.bfloat16))
-
-
 @pytest.mark.parametrize("shape", [(8192, 2880, 2880, 32, 4), (16384, 2048, 768, 128, 8)],
                          ids=["gpt_oss_64_columns", "qwen3_128_columns"])
 def test_three_consumer_split_m_up_proj_lowers_for_cuda(shape):

@@ -33,24 +33,10 @@ SMEM_MAX = 232448
 SMEM_BUDGET = SMEM_MAX - 4096
 
 
-def mma_transforms(dtype, swizzle: int = SWIZZLE_BYTES) -> tuple:
-    """SMEM transforms for a wgmma operand tile whose minor dim is a multiple of
-    `swizzle` bytes (64 bf16 with the default 128-byte swizzle; 32 with `swizzle=64`, the
-    up-proj's 32-wide K steps). Both operands of one wgmma take the same swizzle."""
-    elems = swizzle // jnp.dtype(dtype).itemsize
-    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
-
-
-def row_swizzle(block_k: int, dtype) -> int:
-    """The swizzle (bytes) of K-step tiles `block_k` wide: one swizzled row per tile row,
-    128 bytes (64 bf16) or 64 (32 bf16)."""
-    swizzle = block_k * jnp.dtype(dtype).itemsize
-    if swizzle not in (64, SWIZZLE_BYTES):
-        raise ValueError(
-            f"block_k={block_k} of {jnp.dtype(dtype).name} must span 64 or 128 bytes (one "
-            f"swizzled row), got {swizzle}."
-        )
-    return swizzle
+def mma_transforms(dtype) -> tuple:
+    """SMEM transforms for a wgmma operand tile whose minor dim is a multiple of 64 bf16."""
+    elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
 
 
 # The XLA CPU thread pool interpret mode needs so that its blocked callbacks cannot take
@@ -380,13 +366,11 @@ def _two_view_buffer(copy_view, mma_view, interpret: bool):
 
 def _gather_view_types(shape, dtype):
     """(copy view, wgmma view) SMEM types of the same gathered-A bytes: tiled (1, 64) for
-    one-row TMA copies and (8, 64) for wgmma, both 128-byte swizzled (rows of 32 bf16:
-    (1, 32) and (8, 32), 64-byte swizzled)."""
-    swizzle = row_swizzle(shape[-1], dtype)
-    elems = shape[-1]
-    copy_view = plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((1, elems)),
-                                                     plgpu.SwizzleTransform(swizzle)))
-    return copy_view, plgpu.SMEM(shape, dtype, transforms=mma_transforms(dtype, swizzle))
+    one-row TMA copies and (8, 64) for wgmma, both 128-byte swizzled."""
+    sw = plgpu.SwizzleTransform(SWIZZLE_BYTES)
+    elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    copy_view = plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((1, elems)), sw))
+    return copy_view, plgpu.SMEM(shape, dtype, transforms=mma_transforms(dtype))
 
 
 def swiglu_epilogue(gate_acc, up_acc, dtype, activation=SwiGLU(), gate_bias=None, up_bias=None):
@@ -853,24 +837,19 @@ def cp_async_load_rows(src_ref, dsts, row_count) -> None:
 
 def _cp_async_rows(src_ref, index_ref, dsts, num_rows: int, source) -> None:
     """The 16-byte cp.async loads of `cp_async_gather_rows` / `cp_async_load_rows`: thread
-    t of the warpgroup copies chunk `t % 8` of rows `t // 8 + 16 p` (64-byte rows: chunk
-    `t % 4` of rows `t // 4 + 32 p`), row r's source row and
+    t of the warpgroup copies chunk `t % 8` of rows `t // 8 + 16 p`, row r's source row and
     byte count given by `source(r, index_ref) -> (i64 row, i32 bytes or None for all 16)`."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, nvvm
 
+    rows_per_pass = 128 // CP_ASYNC_ROW_THREADS
+    if num_rows % rows_per_pass:
+        raise ValueError(f"num_rows={num_rows} must be a multiple of {rows_per_pass}.")
     dsts = tuple(dsts)
     dtype = jnp.dtype(dsts[0].dtype)
     itemsize = dtype.itemsize
-    # One swizzled row per destination row: 128 bytes (8 threads a row, 16 rows a pass), or
-    # 64 (32-wide bf16 K steps: 4 threads a row, 32 rows a pass).
-    row_bytes = row_swizzle(dsts[0].shape[-1], dtype)
-    row_threads = row_bytes // CP_ASYNC_BYTES
-    rows_per_pass = 128 // row_threads
-    if num_rows % rows_per_pass:
-        raise ValueError(f"num_rows={num_rows} must be a multiple of {rows_per_pass}.")
-    dst_type = plgpu.RefType(transforms=mma_transforms(dtype, row_bytes))
+    dst_type = plgpu.RefType(transforms=mma_transforms(dtype))
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), (dst_type,) * len(dsts)))
     def _issue(ctx, src, index, dst_refs):
@@ -879,25 +858,17 @@ def _cp_async_rows(src_ref, index_ref, dsts, num_rows: int, source) -> None:
         i32, i64, i8, _ = _mlir_int_types()
         src_ty = ir.MemRefType(src.type)
         (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
-        if col_stride != 1 or src_ty.shape[-1] * itemsize != row_bytes * len(dst_refs):
+        if col_stride != 1 or src_ty.shape[-1] * itemsize != SWIZZLE_BYTES * len(dst_refs):
             raise ValueError(
-                f"src must be a contiguous window of one {row_bytes}-byte row per dst, got "
-                f"{src_ty}."
+                f"src must be a contiguous window of one 128-byte row per dst, got {src_ty}."
             )
         tid = arith.remui(utils.thread_idx(), utils.c(128, i32))  # thread in the warpgroup
-        chunk = arith.remui(tid, utils.c(row_threads, i32))  # 16-byte chunk of a row
-        row_in_pass = arith.divui(tid, utils.c(row_threads, i32))
-        # Mosaic's swizzle XORs a 16-byte chunk's index with (byte offset // 128) % (swizzle
-        # // 16). 128-byte rows: row r's chunks with r % 8, and passes step by 16 rows, so
-        # `r % 8 == row_in_pass % 8` in every pass. 64-byte rows: with (r // 2) % 4, and
-        # passes step by 32 rows, so `(r // 2) % 4 == (row_in_pass // 2) % 4` in every pass.
-        if row_bytes == SWIZZLE_BYTES:
-            group = arith.andi(row_in_pass, utils.c(7, i32))
-        else:
-            group = arith.andi(arith.shrui(row_in_pass, utils.c(1, i32)), utils.c(3, i32))
-        swizzled = arith.xori(chunk, group)
+        chunk = arith.remui(tid, utils.c(CP_ASYNC_ROW_THREADS, i32))  # 16-byte chunk of a row
+        row_in_pass = arith.divui(tid, utils.c(CP_ASYNC_ROW_THREADS, i32))
+        # Passes step by 16 rows, so `r % 8 == row_in_pass % 8` in every pass.
+        swizzled = arith.xori(chunk, arith.andi(row_in_pass, utils.c(7, i32)))
         dst_offset = arith.addi(
-            arith.muli(row_in_pass, utils.c(row_bytes, i32)),
+            arith.muli(row_in_pass, utils.c(SWIZZLE_BYTES, i32)),
             arith.muli(swizzled, utils.c(CP_ASYNC_BYTES, i32)),
         )
         dst_bases = [utils.getelementptr(utils.memref_ptr(d), [dst_offset], i8) for d in dst_refs]
@@ -922,8 +893,8 @@ def _cp_async_rows(src_ref, index_ref, dsts, num_rows: int, source) -> None:
         for p, (src_row, size) in enumerate(sources):
             for j, dst_base in enumerate(dst_bases):
                 nvvm.cp_async_shared_global(
-                    utils.getelementptr(dst_base, [p * rows_per_pass * row_bytes], i8),
-                    utils.getelementptr(src_row, [j * row_bytes], i8),
+                    utils.getelementptr(dst_base, [p * rows_per_pass * SWIZZLE_BYTES], i8),
+                    utils.getelementptr(src_row, [j * SWIZZLE_BYTES], i8),
                     CP_ASYNC_BYTES,
                     nvvm.LoadCacheModifierKind.CG,
                     cp_size=size,

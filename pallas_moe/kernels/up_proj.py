@@ -72,11 +72,9 @@ class UpProjConfig(_common.ClusterTiles):
         (`pingpong_ctas`; `num_consumers = block_m // 64`).
       block_n: gate (and up) columns per CTA; the CTA computes 2*block_n columns of H.
         Must divide n and be a multiple of 64.
-      block_k: contraction step; must divide d and be 64 (one 128-byte swizzle row of bf16),
-        or 32 in the persistent kernel (`pingpong_ctas` > 0): the gathered rows and weight
-        tiles then take a 64-byte swizzle and a stage half the bytes, so twice the stages
-        fit and, with a consumer holding two, 6 of 8 load at a time instead of 2 of 4
-        (session 51; not yet timed on a GPU: `forward.py --up-sweep k32`).
+      block_k: contraction step; must divide d and be 64 (one 128-byte swizzle row of
+        bf16). 32-wide steps in twice the stages measured 0.59-0.92x on the H100 and were
+        removed (`docs/kernels.md`).
       num_stages: SMEM pipeline depth.
       num_consumers: C >= 1 consumer warpgroups beside one producer warpgroup (whose 4
         warps issue the row copies in parallel); they share each gathered A stage and own
@@ -186,11 +184,8 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     _common.require_multiple("config.block_m", bm, 64, "wgmma tiles rows by 64")
     _common.require_multiple("config.block_n", bn, 64, "output tiles are 128-byte swizzled")
-    if bk != 64 and not (bk == 32 and config.pingpong_ctas):
-        raise ValueError(
-            f"config.block_k={bk} must be 64 (one 128-byte swizzle row of bf16), or 32 (a "
-            "64-byte swizzle) in the persistent kernel (pingpong_ctas > 0)."
-        )
+    if bk != 64:
+        raise ValueError(f"config.block_k={bk} must be 64 (one 128-byte swizzle row of bf16).")
     if config.num_stages < 2:
         raise ValueError(f"config.num_stages={config.num_stages} must be >= 2.")
     _common.require_multiple("d (x.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
@@ -615,14 +610,12 @@ def _pingpong_kernel(
     slab = _EPILOGUE_SLAB  # SwiGLU columns computed at a time (one swizzled slab)
     per_fill = _epilogue_fill(config, inference)
     dtype = jnp.bfloat16
+    tf = _common.mma_transforms(dtype)
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     ahead = min(config.prefetch_steps, num_k) if cp_async else 0  # L2 prefetch distance
     fused = config.fused_gate_up
-    # The weight stages' swizzle: a wgmma's operands share one, the gathered rows' (one
-    # 128-byte swizzled row per K step of 64, or 64-byte per K step of 32).
-    tf = _common.mma_transforms(dtype, _common.row_swizzle(bk, dtype))
     smem = persistent_smem_bytes(config, inference)
     if smem > _common.SMEM_BUDGET:  # the margin: ids, biases, barriers
         raise ValueError(
