@@ -135,7 +135,8 @@ class DHConfig(_common.ClusterTiles):
         row split, not the multicast itself.
       wgmma_lag: when a consumer releases a K step's slot, 1 (default) or 0 (one more
         stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
-        Same bits either way; session 51, not yet timed on a GPU.
+        Same bits either way (session 51). Opt-in: on the H100 (session 52)
+        0.955x at 30B (`docs/kernels.md`).
 
     Removed in session 42 (a config naming them is a TypeError): `persistent_ctas=0` (one
     CTA per item) with its `prefetch_h` and `early_h`, and `epilogue_layout` (only the

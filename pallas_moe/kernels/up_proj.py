@@ -151,7 +151,8 @@ class UpProjConfig(_common.ClusterTiles):
         the 30B up-proj 0.878x and Qwen3-30B-A3B's 0.888x (one slot loading instead of
         two), a fifth stage does not fit in SMEM, and Nsight Compute had the producer and
         the consumers waiting on each other. Same products in the same order: bitwise the
-        same outputs.
+        same outputs (checked on the H100). Measured level (session 52, paired): 0.998x at
+        30B, 1.013x at Qwen3-30B-A3B's widths, so it stays opt-in.
     """
 
     block_m: int = 64
