@@ -19,6 +19,7 @@ logits) it:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -34,6 +35,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from benchmarks.gpu_clocks import ClockLog
 from benchmarks.logs import markdown_report, open_log
 from jax.experimental.mosaic.gpu import profiler
 
@@ -133,18 +135,21 @@ def kernels_after_flush(run, flush_name: str) -> float:
     return sum(ms for i, (_, ms) in enumerate(run) if i != matches[0])
 
 
-def interleaved_times_ms(calls, rounds, time_ms=None):
+def interleaved_times_ms(calls, rounds, time_ms=None, clocks=None):
     """Times each `(f, args)` of `calls` round-robin, `rounds` times over, with `time_ms(f,
     *args)` (default `gpu_time_ms`), so that a drift of the card's clocks between configs
     (sessions 37-38 saw the same config 7% apart in two runs on one machine) lands on all of
     them alike. Returns, per call, `(median ms over the rounds, median over the rounds of
     calls[0]'s time / this call's time in the same round, (max - min) / median of its own
-    rounds)`: the middle one is the paired speed-up over the first call."""
+    rounds)`: the middle one is the paired speed-up over the first call. `clocks` (a
+    `gpu_clocks.ClockLog`, optional): the card's clocks are sampled under key i while call i
+    is timed, so a drift the pairing hides can still be seen."""
     time_ms = time_ms or gpu_time_ms
     per = [[] for _ in calls]
     for _ in range(rounds):
-        for times, (f, args) in zip(per, calls):
-            times.append(time_ms(f, *args))
+        for i, (times, (f, args)) in enumerate(zip(per, calls)):
+            with clocks.sampling(i) if clocks is not None else contextlib.nullcontext():
+                times.append(time_ms(f, *args))
     return [(statistics.median(t), statistics.median(a / b for a, b in zip(per[0], t)),
              (max(t) - min(t)) / statistics.median(t)) for t in per]
 
@@ -171,13 +176,16 @@ def sweep(name, configs, build, check, flops, log, rounds=1, time_ms=None, tol=2
     best = (float("inf"), None)
     if not calls:
         return best, rows
-    timings = interleaved_times_ms([(f, args) for _, f, args, _ in calls], rounds, time_ms)
-    for (cfg, _, _, err), (t, speedup, spread) in zip(calls, timings):
+    clocks = ClockLog()
+    timings = interleaved_times_ms([(f, args) for _, f, args, _ in calls], rounds, time_ms,
+                                   clocks)
+    for i, ((cfg, _, _, err), (t, speedup, spread)) in enumerate(zip(calls, timings)):
         paired = (f", x{speedup:.3f} of the first over {rounds} rounds (spread {spread:.1%})"
                   if rounds > 1 else "")
-        log(f"  {name} {cfg}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s, err {err:.1e}{paired}")
+        log(f"  {name} {cfg}: {t * 1e3:.1f} us, {flops / t / 1e9:.0f} TFLOP/s, err {err:.1e}"
+            f"{paired}{clocks.describe(i)}")
         rows.append(dict(config=str(cfg), us=t * 1e3, err=err, speedup_vs_first=speedup,
-                         spread=spread))
+                         spread=spread, clocks=clocks.summary(i)))
         if t < best[0]:
             best = (t, cfg)
     return best, rows

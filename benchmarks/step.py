@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
 
 import pallas_moe as pm
+from benchmarks.gpu_clocks import ClockLog
 from benchmarks.logs import open_log
 from benchmarks.forward import (
     SHAPES, cooperative_up_cfg, pingpong_up, gpu_time_ms, interleaved_times_ms, pipelined_ms,
@@ -464,14 +465,18 @@ def main():
             with open(os.path.join(args.out, "step.json"), "w") as f:
                 json.dump(rows, f, indent=1)
         if len(paired) > 1:  # the card's drift between variants paired out
+            clocks = ClockLog()
             timings = interleaved_times_ms([(f, a) for _, f, a in paired], args.rounds,
-                                           lambda f, *a: gpu_time_ms(f, *a, iters=ITERS))
-            for (row, _, _), (t, vs_bound, spread) in zip(paired[1:], timings[1:]):
+                                           lambda f, *a: gpu_time_ms(f, *a, iters=ITERS),
+                                           clocks)
+            log(f"  the bound's clocks: {clocks.describe(0)[2:] or clocks.unavailable_reason}")
+            for i, ((row, _, _), (t, vs_bound, spread)) in enumerate(
+                    zip(paired[1:], timings[1:]), start=1):
                 row.update(rounds=args.rounds, paired_gpu_ms=t, paired_vs_bound=vs_bound,
-                           paired_spread=spread)
+                           paired_spread=spread, paired_clocks=clocks.summary(i))
                 log(f"  paired over {args.rounds} rounds: {row['routing']}/{row['gather']}/"
                     f"{row['harness']} {t:.3f} ms, {vs_bound:.3f} of the bound "
-                    f"({timings[0][0]:.3f} ms), spread {spread:.1%}")
+                    f"({timings[0][0]:.3f} ms), spread {spread:.1%}{clocks.describe(i)}")
         paired.clear()
         # The profiler traces run last: after a `jax.profiler.trace`, the next CUPTI
         # measurement in the process aborted once ("activity records were dropped").

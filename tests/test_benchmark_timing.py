@@ -320,3 +320,97 @@ def test_step_scan_bias_flag_reaches_the_traced_backward(monkeypatch):
     assert calls, "the scan-bias step did not trace the scan"
     for g, r in zip(scan_grads, grads):
         assert st.rel_err(g, r) < 1e-2
+
+
+class FakeNVML:
+    """Stands in for `pynvml`: each read returns the next of `samples` (SM MHz, mW, C, bits),
+    repeating the last; `fail_after` reads, the clock read raises."""
+
+    def __init__(self, samples, fail_after=None):
+        self.samples, self.reads, self.fail_after = samples, 0, fail_after
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        if index != 0:
+            raise RuntimeError("NVML_ERROR_INVALID_ARGUMENT")
+        return "card0"
+
+    def _now(self):
+        return self.samples[min(self.reads, len(self.samples) - 1)]
+
+    def nvmlDeviceGetClockInfo(self, handle, clock_type):
+        assert handle == "card0" and clock_type == 1  # NVML_CLOCK_SM
+        if self.fail_after is not None and self.reads >= self.fail_after:
+            raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+        return self._now()[0]
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return self._now()[1]
+
+    def nvmlDeviceGetTemperature(self, handle, sensor):
+        assert sensor == 0  # NVML_TEMPERATURE_GPU
+        return self._now()[2]
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+        bits = self._now()[3]
+        self.reads += 1
+        return bits
+
+
+def test_clock_log_summarizes_what_each_timed_call_ran_at():
+    """`interleaved_times_ms(..., clocks=)` samples the card under each call's index while it
+    is timed; the summary gives the median and lowest SM clock, the power, the hottest
+    reading and the share of samples each slowdown reason was set in (idle and
+    application-clock bits are not slowdowns)."""
+    from benchmarks.gpu_clocks import ClockLog
+
+    nvml = FakeNVML([(1980, 500_000, 60, 0x1), (1755, 700_000, 71, 0x4),
+                     (1755, 699_000, 72, 0x4 | 0x20), (1830, 650_000, 70, 0x2)])
+    log = ClockLog(period_s=1e-4, nvml=nvml)
+    assert log.available
+
+    def time_ms(f, *args):  # the timed call lasts until the sampler read 4 times
+        while nvml.reads < 4:
+            pass
+        return 1.0
+
+    interleaved_times_ms([(make("a"), ())], 1, time_ms, clocks=log)
+    s = log.summary(0)
+    assert s["samples"] >= 4 and s["errors"] == []
+    assert s["sm_mhz_min"] == 1755 and s["temp_c_max"] == 72 and s["power_w_max"] == 700.0
+    assert set(s["slowdown"]) == {"power cap", "thermal (software)"}
+    assert 0 < s["slowdown"]["thermal (software)"] < s["slowdown"]["power cap"] < 1
+    text = log.describe(0)
+    assert "min 1755" in text and "slowed by power cap" in text and "thermal (software)" in text
+    assert log.summary(1) is None and log.describe(1) == ""  # nothing sampled under key 1
+
+
+def test_clock_log_never_stops_the_timing(monkeypatch):
+    """Without NVML (no module, or no such card) nothing is sampled and the timing is
+    unchanged; a read that fails mid-call ends that call's sampling with the error
+    recorded, and the call's time stands."""
+    import sys
+
+    from benchmarks import gpu_clocks
+    from benchmarks.gpu_clocks import ClockLog
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
+    no_module = ClockLog()
+    assert not no_module.available and "could not be loaded" in no_module.unavailable_reason
+    assert gpu_clocks._load_nvml() is None
+    no_card = ClockLog(nvml=FakeNVML([(1980, 1, 1, 0)]), device_index=3)
+    assert not no_card.available and "no device 3" in no_card.unavailable_reason
+    for log in (no_module, no_card):
+        time_ms, order = fake_clock({"a": 2.0, "b": 1.0}, drift=[1.0])
+        (ta, _, _), (tb, rb, _) = interleaved_times_ms([(make("a"), ()), (make("b"), ())], 1,
+                                                       time_ms, clocks=log)
+        assert (ta, tb, rb) == (2.0, 1.0, 2.0) and order == ["a", "b"]
+        assert log.summary(0) is None and log.describe(0) == ""
+
+    failing = ClockLog(period_s=1e-4, nvml=FakeNVML([(1980, 1000, 50, 0)], fail_after=2))
+    with failing.sampling("k"):
+        while not failing._samples["k"]["errors"]:
+            pass
+    s = failing.summary("k")
+    assert s["samples"] == 2 and "GPU_IS_LOST" in s["errors"][0]
+    with pytest.raises(ValueError, match="period_s=0 must be > 0"):
+        ClockLog(period_s=0, nvml=FakeNVML([(1980, 1, 1, 0)]))
