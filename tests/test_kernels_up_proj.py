@@ -262,8 +262,10 @@ def test_pingpong_equals_cooperative_no_races(config, inference):
     "fused, block_m, cluster_m, wgmma_lag",
     [(False, 128, 1, 1), pytest.param(True, 128, 1, 1, marks=pytest.mark.slow),
      (False, 192, 1, 1), (False, 128, 2, 1), pytest.param(False, 192, 2, 1, marks=pytest.mark.slow),
-     (False, 128, 2, 0)],
-    # CI: the halves layout; fused differs only in the weight tiles it reads
+     pytest.param(False, 128, 2, 0, marks=pytest.mark.slow)],
+    # CI: the halves layout; fused differs only in the weight tiles it reads. wgmma_lag=0
+    # is opt-in (level on the H100, session 52; its GPU test passed): CI races it in the
+    # ping-pong (test_pingpong_equals_cooperative_no_races[wgmma_lag_0])
     ids=["halves", "fused_interleaved", "three_consumers", "clusters",
          "three_consumers_clusters", "clusters_wgmma_lag_0"])
 def test_persistent_split_m_equals_cooperative_no_races(fused, block_m, cluster_m, wgmma_lag):
