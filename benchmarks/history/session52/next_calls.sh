@@ -8,8 +8,10 @@
 #   M (an H100, ~6 min): the backward's lag sweep at 30B (again: dW1 measured 1.045x there
 #     inside a 6.6% spread), 7B and gpt-oss widths. Adopt lag 0 for a kernel only where T
 #     passed and it wins by more than the spreads at two widths.
-#   L (an H100, ~4 min): the forward's lag sweeps at 7B and gpt-oss widths (session 52's were
-#     cut at 7B): up-proj and down-proj.
+#   L (an H100, ~6 min): the forward's lag sweeps at 7B and gpt-oss widths (session 52's were
+#     cut at 7B), up-proj and down-proj, then 30B again: its default moved 16% between
+#     session 52's rounds, and the sweeps now log each config's SM clock, power and
+#     slowdown reasons (`benchmarks/gpu_clocks.py`), which say whether a power cap did it.
 #   R (in T): the 192-row grouped GEMM GPU test at 30B widths (it failed in session 51 on
 #     SMEM; `grouped_gemm.smem_bytes` now refuses over-budget configs and
 #     `three_consumer_gemm` stages two slabs at a time there).
@@ -36,7 +38,7 @@ M)
     --rounds 3 --out $OUT/bw > $OUT/bw.log 2>&1
   echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; short $OUT/bw.log; grep "^|" $OUT/bw.log ;;
 L)
-  timeout 300 python3 benchmarks/forward.py --shapes 7b,gpt-oss-20b \
+  timeout 420 python3 benchmarks/forward.py --shapes 7b,gpt-oss-20b,30b \
     --skew '' --up-sweep lag --down-sweep lag --no-baselines --rounds 3 --out $OUT/fw \
     > $OUT/fw.log 2>&1
   echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; short $OUT/fw.log ;;
