@@ -469,7 +469,8 @@ def main():
             timings = interleaved_times_ms([(f, a) for _, f, a in paired], args.rounds,
                                            lambda f, *a: gpu_time_ms(f, *a, iters=ITERS),
                                            clocks)
-            log(f"  the bound's clocks: {clocks.describe(0)[2:] or clocks.unavailable_reason or 'no samples'}")
+            seen = clocks.describe(0)[2:] or clocks.unavailable_reason or "no samples"
+            log(f"  the bound's clocks: {seen}")
             for i, ((row, _, _), (t, vs_bound, spread)) in enumerate(
                     zip(paired[1:], timings[1:]), start=1):
                 row.update(rounds=args.rounds, paired_gpu_ms=t, paired_vs_bound=vs_bound,
