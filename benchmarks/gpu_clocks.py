@@ -57,6 +57,9 @@ class ClockLog:
                 self._handle = self._nvml.nvmlDeviceGetHandleByIndex(device_index)
             except Exception as e:  # noqa: BLE001 - a card NVML cannot name is reported
                 self.unavailable_reason = f"NVML has no device {device_index}: {e}"
+            # nvidia-ml-py renamed the reasons query; older releases have only the old name.
+            self._reasons = getattr(self._nvml, "nvmlDeviceGetCurrentClocksEventReasons",
+                                    None) or self._nvml.nvmlDeviceGetCurrentClocksThrottleReasons
         self._samples: dict = {}
 
     @property
@@ -66,12 +69,10 @@ class ClockLog:
     def read(self) -> tuple[float, float, float, int]:
         """One sample now: (SM clock MHz, power W, GPU temperature C, clock-event bits)."""
         nv, h = self._nvml, self._handle
-        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            nv.nvmlDeviceGetCurrentClocksThrottleReasons
         return (float(nv.nvmlDeviceGetClockInfo(h, NVML_CLOCK_SM)),
                 nv.nvmlDeviceGetPowerUsage(h) / 1000.0,  # milliwatts
                 float(nv.nvmlDeviceGetTemperature(h, NVML_TEMPERATURE_GPU)),
-                int(reasons(h)))
+                int(self._reasons(h)))
 
     @contextlib.contextmanager
     def sampling(self, key):
