@@ -66,6 +66,13 @@ class SmoothQuantConfig:
         same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
         full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
         "cvt" (`cvt.rni.sat.s8.f32`, the quarter-rate conversion pipe).
+      x_per_row: with smooth scales, hold the token's X row in x's dtype (`d / 256`
+        registers per thread) and widen it to f32 for each of its rows, instead of holding
+        the f32 row (`d / 128` registers); the same bits. The widening takes a zero only the
+        row knows (OR-ed into the bits), so the compiler cannot hoist it out of the row loop
+        and hold the f32 row after all, as it did to session 34's form of this option.
+        Meant to let more CTAs share an SM at wide rows (the kernel is latency-bound at
+        the occupancy its registers set); opt-in until measured.
     """
 
     block_t: int = 1
@@ -73,6 +80,7 @@ class SmoothQuantConfig:
     vec: int | None = None
     scale_rows_ahead: int = 0
     int8_rounding: str = "fadd"
+    x_per_row: bool = False
 
     def __post_init__(self):
         if self.int8_rounding not in ("cvt", "fadd"):
@@ -340,10 +348,11 @@ def smoothquant_kernel(
 
         def smoothed_rows(xt, start, stop):
             """Rows [start, stop) of one token from its [1, d] X row (`row_layout`)."""
-            # The token's row, converted to f32 once and held across its rows. (Held in x's
-            # dtype and converted per row instead, ptxas kept the same 56 registers per thread
-            # at 7B: session 34, ncu on an H200; that option was removed.)
-            held = xt.astype(jnp.float32)
+            # The token's row, converted to f32 once and held across its rows, or held in x's
+            # dtype and widened per row (`config.x_per_row`). Session 34's per-row widening
+            # was hoisted back out of the loop (the same 56 registers per thread at 7B, ncu
+            # on an H200); here it depends on the row (`widened`).
+            held = xt if config.x_per_row else xt.astype(jnp.float32)
             last = stop - 1
             ahead = config.scale_rows_ahead
             reduced = row_layout.reduce(1)  # [1]: the row's max, scale, reciprocal
@@ -357,6 +366,16 @@ def smoothquant_kernel(
             def smooth_row(e):  # [1, d]
                 return plgpu.load(sm_ref.at[pl.ds(e, 1)], layout=row_layout, optimized=False)
 
+            def widened(out_row):
+                """The held row as f32. With `x_per_row`, its bits are OR-ed with a zero
+                made from the output row (never negative, which the compiler cannot know)
+                before widening, so the widening stays inside the loop."""
+                if not config.x_per_row:
+                    return held
+                salt = jnp.minimum(out_row, 0).astype(jnp.int16)
+                bits = jax.lax.bitcast_convert_type(held, jnp.int16) | salt
+                return jax.lax.bitcast_convert_type(bits, held.dtype).astype(jnp.float32)
+
             def row(j, carry):
                 # Each load's address was loaded a row earlier, so no load waits on another
                 # within a row: the scale row `ahead` rows on (its expert id came with the
@@ -367,7 +386,7 @@ def smoothquant_kernel(
                 *smooth, next_expert, out_row = carry
                 smooth = (*smooth, smooth_row(next_expert))  # entries j .. j + ahead
                 later = (expert(j + ahead + 1), rows_ref[jnp.minimum(j + 1, last)])
-                y = held.astype(jnp.float32) * smooth[0]  # [1, d]
+                y = widened(out_row) * smooth[0]  # [1, d]
                 amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
                 scale, inv = row_scale(amax, out_dtype, rcp)
                 inv = plgpu.layout_cast(jax.lax.broadcast_in_dim(inv, y.shape, (0,)), row_layout)

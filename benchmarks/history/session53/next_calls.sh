@@ -1,17 +1,24 @@
 # Session 53's GPU calls: `bash benchmarks/history/session53/next_calls.sh PART` from the repo
 # root; logs under $OUT.
-#   Q: issue 13's quant kernel, what limits it (quant_diag.py), then session 52's part T
-#      (the backward's lag-0 GPU tests at 3 widths).
+#   Q: issue 13's quant kernel, what limits it (quant_diag.py: one-expert, no-smooth and
+#      x_per_row beside the default, paired; ncu's registers and occupancy of the default
+#      and x_per_row), then session 52's part T (the backward's lag-0 GPU tests).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
 PART=${1:-Q}
 case "$PART" in
 Q)
-  timeout 170 python3 benchmarks/history/session53/quant_diag.py d7168,7b,30b,d2048 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 ncu --metrics \
+    launch__registers_per_thread,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__t_sector_hit_rate.pct \
+    --kernel-name regex:smoothquant python3 benchmarks/history/session53/quant_diag.py \
+    d7168,7b,30b --once > $OUT/quant_ncu.log 2>&1
+  echo "ncu rc=$? at $(( $(date +%s) - T0 )) s"
+  grep "moe_smoothquant\|registers_per_thread\|occupancy_limit\|warps_active\|duration\|lts__\|l1tex" $OUT/quant_ncu.log | tail -40
+  timeout 200 python3 benchmarks/history/session53/quant_diag.py d7168,7b,30b,d2048 \
     > $OUT/quant_diag.log 2>&1
-  echo "quant diag rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/quant_diag.log | tail -7
-  timeout 380 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
+  echo "quant diag rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|\|bitwise" $OUT/quant_diag.log | tail -12
+  timeout 240 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
     -k "test_wgmma_lag_0_writes_the_default_bits and not up_proj" > $OUT/gpu_lag.log 2>&1
   echo "gpu backward lag 0 rc=$? at $(( $(date +%s) - T0 )) s"; grep "PASSED\|FAILED\|passed\|failed" $OUT/gpu_lag.log | tail -6 ;;
 esac
