@@ -261,6 +261,27 @@ def test_scale_rows_ahead_same_bits(ahead):
     assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), INT8))
 
 
+@pytest.mark.parametrize("x_dtype,out_dtype", [(jnp.bfloat16, E4M3), (jnp.float16, INT8)],
+                         ids=["bf16-e4m3", "fp16-int8"])
+def test_x_per_row_same_bits(x_dtype, out_dtype):
+    """`SmoothQuantConfig(x_per_row=True)`: the X row held in x's dtype and widened for each
+    of the token's rows (through an OR with a zero made from the output row) gives the numpy
+    formula's bits, negative zeros included: tokens with 0..3 rows, padding CTAs, several
+    tokens per CTA, races watched."""
+    num_tokens, d, num_experts = 13, 256, 4
+    ks = jax.random.split(jax.random.key(11), 3)
+    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, extra=5)
+    x = special_x(ks[1], num_tokens, d, dtype=x_dtype)
+    x = x.at[6, ::2].set(-0.0)  # -0 * S is -0: its bits must survive the widening's OR
+    smooth = smooth_scales(ks[2], num_experts, d)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    q, s = pm.quant.moe_smoothquant(
+        x, smooth, plan, out_dtype=out_dtype, backend="interpret", interpret_params=params,
+        config=SmoothQuantConfig(block_t=2, block_pad=8, x_per_row=True))
+    assert not races_found()
+    assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), out_dtype))
+
+
 def test_scale_rows_ahead_must_be_non_negative():
     with pytest.raises(ValueError, match="scale_rows_ahead=-1 must be >= 0"):
         SmoothQuantConfig(scale_rows_ahead=-1)
@@ -377,6 +398,16 @@ def test_scale_rows_ahead_and_cvt_rounding_lower_for_cuda(d):
                            SmoothQuantConfig(scale_rows_ahead=2, int8_rounding="cvt"))
     with pytest.raises(ValueError, match='int8_rounding must be "cvt" or "fadd", got .rne.'):
         SmoothQuantConfig(int8_rounding="rne")
+
+
+@pytest.mark.parametrize("d", [1536, 7168])
+def test_x_per_row_lowers_for_cuda(d):
+    """X widened per row (`x_per_row`) at the 7B width and DeepSeek-V3's, the widths where
+    the default's f32 row costs the most CTAs per SM."""
+    from tests.cuda_target import h100_target
+
+    with h100_target():
+        _lower_smoothquant(8192, 256, 8, d, E4M3, SmoothQuantConfig(x_per_row=True))
 
 
 def _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype, config=None):
@@ -534,8 +565,8 @@ def test_kernel_without_smooth_scales_on_gpu():
     SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"),
     SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2),
     SmoothQuantConfig(scale_rows_ahead=1), SmoothQuantConfig(block_t=2),
-    SmoothQuantConfig(vec=8)],
-    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "vec8"])
+    SmoothQuantConfig(vec=8), SmoothQuantConfig(x_per_row=True)],
+    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "vec8", "x_per_row"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
     # Token rounding (padding rows) at a production width; every row, bit for bit. The
