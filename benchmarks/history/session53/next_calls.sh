@@ -9,16 +9,19 @@ nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
 PART=${1:-Q}
 case "$PART" in
 Q)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 ncu --metrics \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 ncu --metrics \
     launch__registers_per_thread,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active,gpu__time_duration.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__t_sector_hit_rate.pct \
     --kernel-name regex:smoothquant python3 benchmarks/history/session53/quant_diag.py \
     d7168,7b,30b --once > $OUT/quant_ncu.log 2>&1
   echo "ncu rc=$? at $(( $(date +%s) - T0 )) s"
   grep "moe_smoothquant\|registers_per_thread\|occupancy_limit\|warps_active\|duration\|lts__\|l1tex" $OUT/quant_ncu.log | tail -40
-  timeout 200 python3 benchmarks/history/session53/quant_diag.py d7168,7b,30b,d2048 \
+  timeout 250 python3 benchmarks/history/session53/quant_diag.py d7168,7b,d7168:e4m3,7b:e4m3,30b,d2048 \
     > $OUT/quant_diag.log 2>&1
   echo "quant diag rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|\|bitwise" $OUT/quant_diag.log | tail -12
-  timeout 240 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
+  timeout 60 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant.py -k "x_per_row or default" \
+    > $OUT/gpu_quant.log 2>&1
+  echo "gpu quant rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_quant.log
+  timeout 170 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
     -k "test_wgmma_lag_0_writes_the_default_bits and not up_proj" > $OUT/gpu_lag.log 2>&1
   echo "gpu backward lag 0 rc=$? at $(( $(date +%s) - T0 )) s"; grep "PASSED\|FAILED\|passed\|failed" $OUT/gpu_lag.log | tail -6 ;;
 esac

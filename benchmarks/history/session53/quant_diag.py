@@ -22,9 +22,9 @@ from benchmarks.quant import SHAPES, kernel_args, make_case  # noqa: E402
 from pallas_moe.quant import SmoothQuantConfig, smoothquant_kernel  # noqa: E402
 
 
-def main(shapes, out_dtype=jnp.int8, rounds=3, once=False):
+def main(cases, rounds=3, once=False):
     rows = []
-    for name in shapes:
+    for name, out_dtype in cases:
         T, d, E, K = SHAPES[name]
         x, smooth, plan = make_case(SHAPES[name], "topk", seed=7)
         P = plan.capacity
@@ -73,5 +73,7 @@ def main(shapes, out_dtype=jnp.int8, rounds=3, once=False):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["d7168", "7b", "30b", "d2048"],
-         once="--once" in sys.argv)
+    # cases: "shape" (int8) or "shape:e4m3", comma-separated
+    names = sys.argv[1].split(",") if len(sys.argv) > 1 else ["d7168", "7b", "30b", "d2048"]
+    main([(n.split(":")[0], jnp.float8_e4m3fn if n.endswith(":e4m3") else jnp.int8)
+          for n in names], once="--once" in sys.argv)
