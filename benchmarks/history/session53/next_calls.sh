@@ -2,7 +2,8 @@
 # root; logs under $OUT.
 #   Q: issue 13's quant kernel, what limits it (quant_diag.py: one-expert, no-smooth and
 #      x_per_row beside the default, paired; ncu's registers and occupancy of the default
-#      and x_per_row), then session 52's part T (the backward's lag-0 GPU tests).
+#      and x_per_row), and x_per_row's GPU tests (~400 s).
+#   T: session 52's part T (the backward's lag-0 GPU tests at 3 widths).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -15,13 +16,14 @@ Q)
     d7168,7b,30b --once > $OUT/quant_ncu.log 2>&1
   echo "ncu rc=$? at $(( $(date +%s) - T0 )) s"
   grep "moe_smoothquant\|registers_per_thread\|occupancy_limit\|warps_active\|duration\|lts__\|l1tex" $OUT/quant_ncu.log | tail -40
-  timeout 250 python3 benchmarks/history/session53/quant_diag.py d7168,7b,d7168:e4m3,7b:e4m3,30b,d2048 \
+  timeout 230 python3 benchmarks/history/session53/quant_diag.py d7168,7b,d7168:e4m3,7b:e4m3,30b \
     > $OUT/quant_diag.log 2>&1
   echo "quant diag rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|\|bitwise" $OUT/quant_diag.log | tail -12
   timeout 60 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant.py -k "x_per_row or default" \
     > $OUT/gpu_quant.log 2>&1
-  echo "gpu quant rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_quant.log
-  timeout 170 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
+  echo "gpu quant rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_quant.log ;;
+T)
+  timeout 400 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
     -k "test_wgmma_lag_0_writes_the_default_bits and not up_proj" > $OUT/gpu_lag.log 2>&1
   echo "gpu backward lag 0 rc=$? at $(( $(date +%s) - T0 )) s"; grep "PASSED\|FAILED\|passed\|failed" $OUT/gpu_lag.log | tail -6 ;;
 esac
