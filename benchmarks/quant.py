@@ -80,7 +80,8 @@ CONFIGS = [
     SmoothQuantConfig(vec=1),
     SmoothQuantConfig(block_t=2, vec=2),
     SmoothQuantConfig(block_pad=256),
-    SmoothQuantConfig(x_per_row=True),  # session 53: X widened per row (fewer registers)
+    SmoothQuantConfig(x_per_row=True),  # X widened per row: the default from d = 4096 on
+    SmoothQuantConfig(x_per_row=False),  # the f32 row held: the default below d = 4096
 ]
 POISON = {jnp.dtype(jnp.int8): 0x80, jnp.dtype(jnp.float8_e4m3fn): 0xFF}
 NUMPY_SAMPLE_ROWS = 2048

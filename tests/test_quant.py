@@ -400,14 +400,16 @@ def test_scale_rows_ahead_and_cvt_rounding_lower_for_cuda(d):
         SmoothQuantConfig(int8_rounding="rne")
 
 
-@pytest.mark.parametrize("d", [1536, 7168])
-def test_x_per_row_lowers_for_cuda(d):
-    """X widened per row (`x_per_row`) at the 7B width and DeepSeek-V3's, the widths where
-    the default's f32 row costs the most CTAs per SM."""
+@pytest.mark.parametrize("d,x_per_row", [(1536, True), (7168, False)])
+def test_x_per_row_lowers_for_cuda(d, x_per_row):
+    """`x_per_row` against its width default (the default lowers in
+    `test_lowers_for_cuda_at_production_widths`): X widened per row at the 7B width, and the
+    f32 row held at DeepSeek-V3's."""
     from tests.cuda_target import h100_target
 
+    assert SmoothQuantConfig().resolve_x_per_row(d) != x_per_row
     with h100_target():
-        _lower_smoothquant(8192, 256, 8, d, E4M3, SmoothQuantConfig(x_per_row=True))
+        _lower_smoothquant(8192, 256, 8, d, E4M3, SmoothQuantConfig(x_per_row=x_per_row))
 
 
 def _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype, config=None):

@@ -43,6 +43,10 @@ _WG = 128  # threads in a warpgroup
 # The default's choices of `vec`, best first. 8 (16-byte loads) is taken only when asked:
 # at d = 4096 it was 0.94-0.95x of 4 (H200, session 31, same bits); see `docs/quant.md`.
 _VECS = (4, 2, 1)
+# Rows at least this wide hold X in its own dtype by default (`SmoothQuantConfig.x_per_row`):
+# there the f32 row's registers cost a CTA per SM (H100, session 53: 1.02-1.05x at d = 4096
+# and 7168; at 1536 the CTAs per SM do not change and it measured 0.98x).
+X_PER_ROW_MIN_D = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +75,11 @@ class SmoothQuantConfig:
         the f32 row (`d / 128` registers); the same bits. The widening takes a zero only the
         row knows (OR-ed into the bits), so the compiler cannot hoist it out of the row loop
         and hold the f32 row after all, as it did to session 34's form of this option.
-        Meant to let more CTAs share an SM at wide rows (the kernel is latency-bound at
-        the occupancy its registers set); opt-in until measured.
+        None (default) picks it where the row is at least `X_PER_ROW_MIN_D` wide. Measured
+        on an H100 (session 53, paired, same bits; ncu registers per thread and CTAs per SM
+        by registers): d = 7168 150 -> 119 registers, 3 -> 4 CTAs, 1.049x int8 and 1.032x
+        e4m3; d = 4096 96 -> 80, 5 -> 6, 1.019x; d = 1536 56 -> 53, 9 CTAs either way,
+        0.977x / 0.987x.
     """
 
     block_t: int = 1
@@ -80,7 +87,7 @@ class SmoothQuantConfig:
     vec: int | None = None
     scale_rows_ahead: int = 0
     int8_rounding: str = "fadd"
-    x_per_row: bool = False
+    x_per_row: bool | None = None
 
     def __post_init__(self):
         if self.int8_rounding not in ("cvt", "fadd"):
@@ -92,6 +99,9 @@ class SmoothQuantConfig:
                 f"config.scale_rows_ahead={self.scale_rows_ahead} must be >= 0 (smooth-scale "
                 "rows loaded ahead of the row being quantized)."
             )
+
+    def resolve_x_per_row(self, d: int) -> bool:
+        return d >= X_PER_ROW_MIN_D if self.x_per_row is None else self.x_per_row
 
     def resolve_vec(self, d: int) -> int:
         if self.vec is not None:
@@ -294,6 +304,7 @@ def smoothquant_kernel(
     if bt < 1 or bp < 1:
         raise ValueError(f"config.block_t={bt} and config.block_pad={bp} must be >= 1.")
     vec = config.resolve_vec(d)
+    x_per_row = config.resolve_x_per_row(d)
     layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
     row_layout = _row_layout(vec)  # [1, d]: a smoothed row
     # Interpret mode cannot run inline PTX; the jnp reciprocal gives the same bits.
@@ -352,7 +363,7 @@ def smoothquant_kernel(
             # dtype and widened per row (`config.x_per_row`). Session 34's per-row widening
             # was hoisted back out of the loop (the same 56 registers per thread at 7B, ncu
             # on an H200); here it depends on the row (`widened`).
-            held = xt if config.x_per_row else xt.astype(jnp.float32)
+            held = xt if x_per_row else xt.astype(jnp.float32)
             last = stop - 1
             ahead = config.scale_rows_ahead
             reduced = row_layout.reduce(1)  # [1]: the row's max, scale, reciprocal
@@ -370,7 +381,7 @@ def smoothquant_kernel(
                 """The held row as f32. With `x_per_row`, its bits are OR-ed with a zero
                 made from the output row (never negative, which the compiler cannot know)
                 before widening, so the widening stays inside the loop."""
-                if not config.x_per_row:
+                if not x_per_row:
                     return held
                 salt = jnp.minimum(out_row, 0).astype(jnp.int16)
                 bits = jax.lax.bitcast_convert_type(held, jnp.int16) | salt
