@@ -4,6 +4,7 @@
 #      x_per_row beside the default, paired; ncu's registers and occupancy of the default
 #      and x_per_row), and x_per_row's GPU tests (~400 s).
 #   T: session 52's part T (the backward's lag-0 GPU tests at 3 widths).
+#   W: the SmoothQuant expert walk (quant_walk.py) and its GPU test (~300 s).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -26,5 +27,12 @@ T)
   timeout 400 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
     -k "test_wgmma_lag_0_writes_the_default_bits and not up_proj" > $OUT/gpu_lag.log 2>&1
   echo "gpu backward lag 0 rc=$? at $(( $(date +%s) - T0 )) s"; grep "PASSED\|FAILED\|passed\|failed" $OUT/gpu_lag.log | tail -6 ;;
+W)
+  timeout 240 python3 benchmarks/history/session53/quant_walk.py d7168,7b,30b,d7168:e4m3 \
+    > $OUT/quant_walk.log 2>&1
+  echo "quant walk rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|\|copy" $OUT/quant_walk.log | tail -24
+  timeout 60 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant.py -k "expert_walk" \
+    > $OUT/gpu_walk.log 2>&1
+  echo "gpu walk rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_walk.log ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
