@@ -34,5 +34,9 @@ W)
   timeout 60 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant.py -k "expert_walk" \
     > $OUT/gpu_walk.log 2>&1
   echo "gpu walk rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_walk.log ;;
+w)  # W cut to fit session 53's last 287 s of device time
+  timeout 170 python3 benchmarks/history/session53/quant_walk.py d7168,7b \
+    > $OUT/quant_walk.log 2>&1
+  echo "quant walk rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|\|copy" $OUT/quant_walk.log | tail -12 ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
