@@ -19,6 +19,10 @@ registers for more CTAs per SM (`SmoothQuantConfig.scale_rows_ahead`).
 Output rows that no token owns (the plan's padding rows `[num_rows, P)`) are written as
 Q = 0, s = 0 by extra CTAs at the end of the grid.
 
+The same loop also walks experts (`SmoothQuantConfig.expert_chunk`, `held_rows`): each CTA
+then holds an expert's scale row and loads, per row, the X row of its token; the product
+`x[t] * S[e]` and everything after it are unchanged.
+
 Rows that are already in grouped order (the fp8 forward's A) take the row-block quantizer
 below instead (`quantize_row_blocks`): whole 64-row blocks through SMEM, each row reduced
 inside one quad of threads of the wgmma register layout, with no barrier per row.

@@ -6,7 +6,9 @@ saturation in `quant/reference.py`). Two layouts:
 
 - `moe_smoothquant(x, S, plan)`: rows in the plan's grouped order, `Q [P, d]` and `s [P]`,
   ready for a grouped GEMM; padding rows get Q = 0, s = 0. The kernel backends run the
-  token-walking CSR kernel (`quant.kernel.smoothquant_kernel`).
+  token-walking CSR kernel (`quant.kernel.smoothquant_kernel`), or with
+  `SmoothQuantConfig(expert_chunk=C)` the same kernel walking (token chunk, expert) entries
+  (`expert_walk`).
 - `moe_smoothquant_topk(x, S, topk_ids)`: the CK-tile operator's own layout,
   `Q [T, K, d]` and `s [T, K]` (the CSR kernel: its rows are in token order, so
   consecutive rows belong to different experts and no block shares a scale row).
