@@ -237,6 +237,28 @@ def test_no_races_and_padding_ctas():
     assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), INT8))
 
 
+def _config_matches_numpy(seed, config, *, x_dtype=jnp.bfloat16, out_dtype=INT8, empty=(),
+                          edit_x=None):
+    """`moe_smoothquant` in interpret mode with `config`, races watched, against the numpy
+    formula bit for bit: 13 tokens with 0..3+ rows each over 4 experts (`empty` get none),
+    padding rows, the special rows of `special_x` on tokens that own rows. Returns the plan."""
+    num_tokens, d, num_experts = 13, 256, 4
+    ks = jax.random.split(jax.random.key(seed), 3)
+    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, empty=empty, extra=5)
+    rows_per_token = np.asarray(plan.rows_per_token)
+    x = special_x(ks[1], num_tokens, d, dtype=x_dtype,
+                  at=tuple(np.flatnonzero(rows_per_token)[:5]))
+    x = x if edit_x is None else edit_x(x)
+    smooth = smooth_scales(ks[2], num_experts, d)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    q, s = pm.quant.moe_smoothquant(
+        x, smooth, plan, out_dtype=out_dtype, backend="interpret", interpret_params=params,
+        config=config)
+    assert not races_found()
+    assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), out_dtype))
+    return plan
+
+
 # CI time: 1 and 3 rows ahead are slow extras ([2] runs the same carry code; the default,
 # 0, runs in test_no_races_and_padding_ctas; the GPU test times 1).
 @pytest.mark.parametrize("ahead", [pytest.param(1, marks=pytest.mark.slow), 2,
@@ -246,19 +268,10 @@ def test_scale_rows_ahead_same_bits(ahead):
     (the default, 0, loads each with its own row; past a token's last row the loads repeat
     its last entry) give the bits of the numpy formula: tokens with 0..3 rows, padding CTAs,
     several tokens per CTA, races watched."""
-    num_tokens, d, num_experts = 13, 128, 4
-    ks = jax.random.split(jax.random.key(9), 3)
-    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, extra=5)
+    plan = _config_matches_numpy(
+        9, SmoothQuantConfig(block_t=2, block_pad=8, scale_rows_ahead=ahead))
     rows_per_token = np.asarray(plan.rows_per_token)
     assert rows_per_token.min() == 0 and rows_per_token.max() >= 3
-    x = special_x(ks[1], num_tokens, d, at=tuple(np.flatnonzero(rows_per_token)[:5]))
-    smooth = smooth_scales(ks[2], num_experts, d)
-    params = plgpu.InterpretGPUParams(detect_races=True)
-    q, s = pm.quant.moe_smoothquant(
-        x, smooth, plan, out_dtype=INT8, backend="interpret", interpret_params=params,
-        config=SmoothQuantConfig(block_t=2, block_pad=8, scale_rows_ahead=ahead))
-    assert not races_found()
-    assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), INT8))
 
 
 @pytest.mark.parametrize("x_dtype,out_dtype", [(jnp.bfloat16, E4M3), (jnp.float16, INT8)],
@@ -268,18 +281,10 @@ def test_x_per_row_same_bits(x_dtype, out_dtype):
     of the token's rows (through an OR with a zero made from the output row) gives the numpy
     formula's bits, negative zeros included: tokens with 0..3 rows, padding CTAs, several
     tokens per CTA, races watched."""
-    num_tokens, d, num_experts = 13, 256, 4
-    ks = jax.random.split(jax.random.key(11), 3)
-    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, extra=5)
-    x = special_x(ks[1], num_tokens, d, dtype=x_dtype)
-    x = x.at[6, ::2].set(-0.0)  # -0 * S is -0: its bits must survive the widening's OR
-    smooth = smooth_scales(ks[2], num_experts, d)
-    params = plgpu.InterpretGPUParams(detect_races=True)
-    q, s = pm.quant.moe_smoothquant(
-        x, smooth, plan, out_dtype=out_dtype, backend="interpret", interpret_params=params,
-        config=SmoothQuantConfig(block_t=2, block_pad=8, x_per_row=True))
-    assert not races_found()
-    assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), out_dtype))
+    _config_matches_numpy(
+        11, SmoothQuantConfig(block_t=2, block_pad=8, x_per_row=True), x_dtype=x_dtype,
+        out_dtype=out_dtype,  # -0 * S is -0: its bits must survive the widening's OR
+        edit_x=lambda x: x.at[6, ::2].set(-0.0))
 
 
 @pytest.mark.parametrize("chunk,x_dtype,out_dtype", [
@@ -290,17 +295,9 @@ def test_expert_walk_same_bits(chunk, x_dtype, out_dtype):
     holding the expert's scale row and loading its rows' tokens: the numpy formula's bits
     for a ragged plan with an empty expert, padding rows and chunks that split groups (and
     one chunk holding every token), races watched."""
-    num_tokens, d, num_experts = 13, 256, 4
-    ks = jax.random.split(jax.random.key(12), 3)
-    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, empty=(2,), extra=5)
-    x = special_x(ks[1], num_tokens, d, dtype=x_dtype)
-    smooth = smooth_scales(ks[2], num_experts, d)
-    params = plgpu.InterpretGPUParams(detect_races=True)
-    q, s = pm.quant.moe_smoothquant(
-        x, smooth, plan, out_dtype=out_dtype, backend="interpret", interpret_params=params,
-        config=SmoothQuantConfig(block_t=2, block_pad=8, expert_chunk=chunk))
-    assert not races_found()
-    assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), out_dtype))
+    _config_matches_numpy(
+        12, SmoothQuantConfig(block_t=2, block_pad=8, expert_chunk=chunk), x_dtype=x_dtype,
+        out_dtype=out_dtype, empty=(2,))
 
 
 def test_expert_walk_covers_every_row_once_even_out_of_token_order():
