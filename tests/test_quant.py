@@ -287,55 +287,6 @@ def test_x_per_row_same_bits(x_dtype, out_dtype):
         edit_x=lambda x: x.at[6, ::2].set(-0.0))
 
 
-@pytest.mark.parametrize("chunk,x_dtype,out_dtype", [
-    (3, jnp.bfloat16, E4M3), (1, jnp.float16, INT8), (64, jnp.bfloat16, INT8)],
-    ids=["chunk3-bf16-e4m3", "chunk1-fp16-int8", "chunk64-bf16-int8"])
-def test_expert_walk_same_bits(chunk, x_dtype, out_dtype):
-    """`SmoothQuantConfig(expert_chunk=...)`: CTAs walk (token chunk, expert) entries, each
-    holding the expert's scale row and loading its rows' tokens: the numpy formula's bits
-    for a ragged plan with an empty expert, padding rows and chunks that split groups (and
-    one chunk holding every token), races watched."""
-    _config_matches_numpy(
-        12, SmoothQuantConfig(block_t=2, block_pad=8, expert_chunk=chunk), x_dtype=x_dtype,
-        out_dtype=out_dtype, empty=(2,))
-
-
-def test_expert_walk_covers_every_row_once_even_out_of_token_order():
-    """`expert_walk`'s entries: each real row exactly once, in an entry of its own expert
-    whose chunk holds its token; a plan whose groups are not in token order (rows shuffled
-    inside each group) still gets every row once, from its own expert (only locality is
-    lost), and the kernel still writes the formula's bits."""
-    from pallas_moe.quant.smoothquant import expert_walk
-
-    num_tokens, num_experts, chunk = 29, 5, 4
-    plan = assignment_plan(jax.random.key(13), num_tokens, num_experts, p=0.4, empty=(0,), extra=7)
-    rng = np.random.default_rng(0)
-    groups = np.asarray(plan.group_offsets)
-    shuffled = np.asarray(plan.token_ids).copy()
-    for e in range(num_experts):
-        rng.shuffle(shuffled[groups[e]:groups[e + 1]])
-    out_of_order = dataclasses.replace(plan, token_ids=jnp.asarray(shuffled))
-    num_chunks = -(-num_tokens // chunk)
-    for p, in_order in ((plan, True), (out_of_order, False)):
-        offsets, rows, row_tokens, held = map(np.asarray, expert_walk(p, chunk))
-        num_rows = int(p.num_rows)
-        assert offsets.shape == (num_chunks * num_experts + 1,) and offsets[-1] == num_rows
-        listed = rows[:num_rows]
-        np.testing.assert_array_equal(np.sort(listed), np.arange(num_rows))
-        np.testing.assert_array_equal(row_tokens[:num_rows], np.asarray(p.token_ids)[listed])
-        expert_of_row = np.asarray(p.expert_ids)
-        for w in range(num_chunks * num_experts):
-            mine = listed[offsets[w]:offsets[w + 1]]
-            assert held[w] == w % num_experts and np.all(expert_of_row[mine] == held[w])
-            if in_order:  # the entry's chunk holds its tokens
-                assert np.all(np.asarray(p.token_ids)[mine] // chunk == w // num_experts)
-    x = special_x(jax.random.key(14), num_tokens, 128)
-    smooth = smooth_scales(jax.random.key(15), num_experts, 128)
-    q, s = pm.quant.moe_smoothquant(x, smooth, out_of_order, out_dtype=INT8, backend="interpret",
-                                    config=SmoothQuantConfig(expert_chunk=chunk))
-    assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(out_of_order), INT8))
-
-
 def test_scale_rows_ahead_must_be_non_negative():
     with pytest.raises(ValueError, match="scale_rows_ahead=-1 must be >= 0"):
         SmoothQuantConfig(scale_rows_ahead=-1)
@@ -398,11 +349,7 @@ def test_bad_inputs_raise():
         pm.quant.moe_smoothquant_topk(x, smooth, jnp.zeros((4, 2), jnp.int32))
     with pytest.raises(TypeError, match="topk_ids must be an integer array"):
         pm.quant.moe_smoothquant_topk(x, smooth, jnp.zeros((8, 2)))
-    with pytest.raises(ValueError, match="expert_chunk must be None for moe_smoothquant_topk"):
-        pm.quant.moe_smoothquant_topk(x, smooth, jnp.zeros((8, 2), jnp.int32),
-                                      config=SmoothQuantConfig(expert_chunk=4))
-    with pytest.raises(ValueError, match=r"expert_chunk=0 must be None or >= 1"):
-        SmoothQuantConfig(expert_chunk=0)
+
     narrow = jnp.zeros((8, 192), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"d \(x.shape\[1\]\)=192 must be a multiple of 128"):
         q(narrow, smooth[:, :192], plan, backend="interpret")
@@ -469,24 +416,6 @@ def test_x_per_row_lowers_for_cuda(d, x_per_row):
     assert SmoothQuantConfig().resolve_x_per_row(d) != x_per_row
     with h100_target():
         _lower_smoothquant(8192, 256, 8, d, E4M3, SmoothQuantConfig(x_per_row=x_per_row))
-
-
-@pytest.mark.parametrize("d", [1536, 7168])
-def test_expert_walk_lowers_for_cuda(d):
-    """The expert walk (f32 scale rows held, bf16 token rows loaded per row) at the 7B
-    width and DeepSeek-V3's, int8 and e4m3."""
-    from tests.cuda_target import h100_target
-
-    sds = jax.ShapeDtypeStruct
-    num_tokens, num_experts, k = 8192, 256, 8
-    plan = _abstract_plan(num_tokens, num_experts, k)
-    for out_dtype in (INT8, E4M3):
-        f = functools.partial(pm.quant.moe_smoothquant, out_dtype=out_dtype, backend="mosaic",
-                              config=SmoothQuantConfig(expert_chunk=512))
-        with h100_target():
-            jax.jit(f).trace(sds((num_tokens, d), jnp.bfloat16),
-                             sds((num_experts, d), jnp.float32), plan).lower(
-                lowering_platforms=("cuda",))
 
 
 def _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype, config=None):
@@ -644,9 +573,8 @@ def test_kernel_without_smooth_scales_on_gpu():
     SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"),
     SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2),
     SmoothQuantConfig(scale_rows_ahead=1), SmoothQuantConfig(block_t=2),
-    SmoothQuantConfig(vec=8), SmoothQuantConfig(x_per_row=True),
-    SmoothQuantConfig(expert_chunk=256)],
-    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "vec8", "x_per_row", "expert_walk"])
+    SmoothQuantConfig(vec=8), SmoothQuantConfig(x_per_row=True)],
+    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "vec8", "x_per_row"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
     # Token rounding (padding rows) at a production width; every row, bit for bit. The
@@ -660,8 +588,6 @@ def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
     smooth = smooth_scales(ks[2], num_experts, d)
     q, s = plan_quant(out_dtype, "mosaic", config)(x, smooth, plan)
     assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), out_dtype))
-    if config.expert_chunk is not None:  # the token-ordered layout refuses the expert walk
-        return
     ids = jax.random.randint(ks[0], (num_tokens, k), 0, num_experts)
     q, s = pm.quant.moe_smoothquant_topk(x, smooth, ids, out_dtype=out_dtype, backend="mosaic",
                                          config=config)

@@ -19,10 +19,6 @@ registers for more CTAs per SM (`SmoothQuantConfig.scale_rows_ahead`).
 Output rows that no token owns (the plan's padding rows `[num_rows, P)`) are written as
 Q = 0, s = 0 by extra CTAs at the end of the grid.
 
-The same loop also walks experts (`SmoothQuantConfig.expert_chunk`, `held_rows`): each CTA
-then holds an expert's scale row and loads, per row, the X row of its token; the product
-`x[t] * S[e]` and everything after it are unchanged.
-
 Rows that are already in grouped order (the fp8 forward's A) take the row-block quantizer
 below instead (`quantize_row_blocks`): whole 64-row blocks through SMEM, each row reduced
 inside one quad of threads of the wgmma register layout, with no barrier per row.
@@ -84,14 +80,6 @@ class SmoothQuantConfig:
         by registers): d = 7168 150 -> 119 registers, 3 -> 4 CTAs, 1.049x int8 and 1.032x
         e4m3; d = 4096 96 -> 80, 5 -> 6, 1.019x; d = 1536 56 -> 53, 9 CTAs either way,
         0.977x / 0.987x.
-      expert_chunk: None (default) walks tokens: each CTA holds a token's X row and loads
-        one f32 scale row (4d bytes, from L2) per output row. An int walks (token chunk,
-        expert) items instead (`moe_smoothquant` only; `smoothquant.expert_walk`): each
-        CTA holds expert e's scale row and loads the bf16 X row (2d bytes) of each of its
-        rows whose token lies in a chunk of this many tokens; the CTAs of one chunk run
-        together, so the chunk's X stays in L2. Same bits. Why: with every row's scale row
-        an L1 hit (all rows of expert 0), the kernel ran at 0.92 of copy at d = 7168
-        against the default's 0.69-0.70 (H100, session 53).
     """
 
     block_t: int = 1
@@ -100,17 +88,11 @@ class SmoothQuantConfig:
     scale_rows_ahead: int = 0
     int8_rounding: str = "fadd"
     x_per_row: bool | None = None
-    expert_chunk: int | None = None
 
     def __post_init__(self):
         if self.int8_rounding not in ("cvt", "fadd"):
             raise ValueError(
                 f'config.int8_rounding must be "cvt" or "fadd", got {self.int8_rounding!r}.'
-            )
-        if self.expert_chunk is not None and self.expert_chunk < 1:
-            raise ValueError(
-                f"config.expert_chunk={self.expert_chunk} must be None or >= 1 (tokens per "
-                "chunk of the expert walk)."
             )
         if self.scale_rows_ahead < 0:
             raise ValueError(
@@ -281,7 +263,6 @@ def smoothquant_kernel(
     num_out_rows: int,
     out_dtype,
     config: SmoothQuantConfig = SmoothQuantConfig(),
-    held_rows: jax.Array | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the fused gather + smooth + quantize over a token-major (CSR) row list.
@@ -306,33 +287,24 @@ def smoothquant_kernel(
       num_out_rows: static P, rows of the outputs.
       out_dtype: int8 or float8_e4m3fn.
       config: block sizes.
-      held_rows: None (walk entry t holds X row t), or i32 [W]: the row of `x` walk entry t
-        holds, with `row_offsets` then [W + 1]. The expert walk (`smoothquant.
-        expert_walk`) passes the smooth scales as `x` (f32 [E, d], entry (chunk, e) holding
-        S[e]) and the tokens as `smooth_scales` (each CSR entry's "expert" its token): the
-        product `x[t] * S[e]` is the same f32 either way round.
       interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
 
     Returns:
       `(q [P, d] out_dtype, s f32 [P])`.
     """
-    d = x.shape[1]
-    num_tokens = x.shape[0] if held_rows is None else held_rows.shape[0]  # walk entries
+    num_tokens, d = x.shape
     out_dtype = jnp.dtype(out_dtype)
     qmax_of(out_dtype)  # validates out_dtype
     smoothed = smooth_scales is not None
     if smoothed:
         _common.require_shape("smooth_scales", smooth_scales, (smooth_scales.shape[0], d))
-    elif held_rows is not None:
-        raise ValueError("held_rows needs smooth_scales (a walk without smoothing holds X rows).")
     _common.require_shape("row_offsets", row_offsets, (num_tokens + 1,))
     _common.require_shape("row_experts", row_experts, out_rows.shape)
     bt, bp = config.block_t, config.block_pad
     if bt < 1 or bp < 1:
         raise ValueError(f"config.block_t={bt} and config.block_pad={bp} must be >= 1.")
     vec = config.resolve_vec(d)
-    # An f32 held row (the expert walk's scale rows) has nothing to widen.
-    x_per_row = config.resolve_x_per_row(d) and x.dtype.itemsize == 2
+    x_per_row = config.resolve_x_per_row(d)
     layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
     row_layout = _row_layout(vec)  # [1, d]: a smoothed row
     # Interpret mode cannot run inline PTX; the jnp reciprocal gives the same bits.
@@ -348,9 +320,7 @@ def smoothquant_kernel(
         refs = list(refs)
         off_ref, rows_ref, exp_ref = refs[:3]
         nr_ref = None if num_rows is None else refs[3]
-        rest = refs[3 if num_rows is None else 4:]
-        held_ref = None if held_rows is None else rest.pop(0)
-        x_ref, *rest = rest
+        x_ref, *rest = refs[3 if num_rows is None else 4:]
         sm_ref, q_ref, s_ref = rest if smoothed else (None, *rest)
         cta = jax.lax.axis_index("cta")
 
@@ -361,8 +331,7 @@ def smoothquant_kernel(
             start = off_ref[t]
             first_row = start if smoothed else rows_ref[jnp.minimum(start, num_entries - 1)]
             if smoothed:  # [1, d]
-                held_row = t if held_ref is None else held_ref[t]
-                xt = plgpu.load(x_ref.at[pl.ds(held_row, 1)], layout=row_layout, optimized=False)
+                xt = plgpu.load(x_ref.at[pl.ds(t, 1)], layout=row_layout, optimized=False)
             else:
                 xt = plgpu.load(x_ref.at[t], layout=layout)
             return xt, start, off_ref[t + 1], first_row
@@ -516,11 +485,9 @@ def smoothquant_kernel(
     args = [row_offsets.astype(jnp.int32), out_rows.astype(jnp.int32), row_experts.astype(jnp.int32)]
     if num_rows is not None:
         args.append(jnp.reshape(num_rows, (1,)).astype(jnp.int32))
-    if held_rows is not None:
-        args.append(held_rows.astype(jnp.int32))
     args.append(x)
-    if smoothed:  # f32 scales (the op checks), or the expert walk's token rows
-        args.append(smooth_scales)
+    if smoothed:
+        args.append(smooth_scales.astype(jnp.float32))
     return kernel(*args)
 
 

@@ -6,9 +6,7 @@ saturation in `quant/reference.py`). Two layouts:
 
 - `moe_smoothquant(x, S, plan)`: rows in the plan's grouped order, `Q [P, d]` and `s [P]`,
   ready for a grouped GEMM; padding rows get Q = 0, s = 0. The kernel backends run the
-  token-walking CSR kernel (`quant.kernel.smoothquant_kernel`), or with
-  `SmoothQuantConfig(expert_chunk=C)` the same kernel walking (token chunk, expert) entries
-  (`expert_walk`).
+  token-walking CSR kernel (`quant.kernel.smoothquant_kernel`).
 - `moe_smoothquant_topk(x, S, topk_ids)`: the CK-tile operator's own layout,
   `Q [T, K, d]` and `s [T, K]` (the CSR kernel: its rows are in token order, so
   consecutive rows belong to different experts and no block shares a scale row).
@@ -122,60 +120,13 @@ def moe_smoothquant(
             x, smooth_scales, plan.token_ids, plan.expert_ids, plan.row_is_valid, out_dtype
         )
     interpret = _interpret(backend, interpret_params)
-    config = config or SmoothQuantConfig()
-    if config.expert_chunk is not None:
-        # Roles swapped: each walk entry holds an expert's scale row, each row loads its token.
-        offsets, rows, row_tokens, held = expert_walk(plan, config.expert_chunk)
-        return smoothquant_kernel(
-            smooth_scales, x, offsets, rows, row_tokens, plan.num_rows,
-            num_out_rows=plan.capacity, out_dtype=out_dtype, config=config, held_rows=held,
-            interpret=interpret,
-        )
     # The CSR kernel walks tokens: each token's rows from the plan's CSR, with their experts.
     row_experts = jnp.minimum(plan.expert_ids[plan.rows_by_token], plan.num_experts - 1)
     return smoothquant_kernel(
         x, smooth_scales, plan.token_row_offsets, plan.rows_by_token, row_experts,
         plan.num_rows, num_out_rows=plan.capacity, out_dtype=out_dtype,
-        config=config, interpret=interpret,
+        config=config or SmoothQuantConfig(), interpret=interpret,
     )
-
-
-def expert_walk(plan: DispatchPlan, chunk: int):
-    """The CSR of the expert walk (`SmoothQuantConfig.expert_chunk`): one entry per (token
-    chunk c, expert e), chunk-major, holding the real rows of expert e whose tokens lie in
-    `[c * chunk, (c + 1) * chunk)`.
-
-    Rows are grouped by expert and stable by token inside a group (`DispatchPlan`), so each
-    entry's rows are a contiguous run of e's group, found by a binary search. The bounds
-    are then clipped into e's group and made non-decreasing, so every real row belongs to
-    exactly one entry of its own expert even for a plan out of token order (only the
-    chunk's L2 reuse would suffer).
-
-    Returns:
-      `(offsets i32 [W + 1], rows i32 [P], row_tokens i32 [P], held i32 [W])` with
-      W = cdiv(T, chunk) * E: entry w's rows are `rows[offsets[w]:offsets[w + 1]]` (grouped
-      row indices), `row_tokens` their tokens, and `held[w]` its expert.
-    """
-    num_tokens, num_experts, capacity = plan.num_tokens, plan.num_experts, plan.capacity
-    num_chunks = -(-num_tokens // chunk)
-    group = plan.group_offsets  # [E + 1]
-    row = jnp.arange(capacity, dtype=jnp.int32)
-    expert = jnp.searchsorted(group[1:], row, side="right").astype(jnp.int32)  # E on padding
-    key = expert * num_chunks + plan.token_ids // chunk  # sorted for a plan in token order
-    firsts = jnp.arange(num_experts * num_chunks, dtype=jnp.int32)
-    bounds = jnp.searchsorted(key, firsts, side="left").astype(jnp.int32).reshape(
-        num_experts, num_chunks)
-    lo = jnp.clip(bounds, group[:-1, None], group[1:, None])
-    lo = jax.lax.cummax(lo.at[:, 0].set(group[:-1]), axis=1)  # [E, C], non-decreasing
-    hi = jnp.concatenate([lo[:, 1:], group[1:, None]], axis=1)  # [E, C]
-    start, count = lo.T.reshape(-1), (hi - lo).T.reshape(-1)  # chunk-major: w = c * E + e
-    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(count, dtype=jnp.int32)])
-    # Entry j (of the first num_rows) is row start[w] + (j - offsets[w]) of its walk entry w.
-    walk = jnp.searchsorted(offsets[1:], row, side="right").astype(jnp.int32)
-    walk = jnp.minimum(walk, num_experts * num_chunks - 1)
-    rows = jnp.where(row < offsets[-1], start[walk] + row - offsets[walk], row)
-    held = jnp.tile(jnp.arange(num_experts, dtype=jnp.int32), num_chunks)
-    return offsets, rows, plan.token_ids[rows], held
 
 
 def moe_smoothquant_topk(
@@ -203,11 +154,6 @@ def moe_smoothquant_topk(
       `(q [T, K, d] out_dtype, s f32 [T, K])`.
     """
     _check_inputs(x, smooth_scales, out_dtype)
-    if config.expert_chunk is not None:
-        raise ValueError(
-            "config.expert_chunk must be None for moe_smoothquant_topk: its rows are in token "
-            "order, so no (chunk, expert) entry owns a contiguous run (use moe_smoothquant)."
-        )
     if not hasattr(topk_ids, "dtype") or not jnp.issubdtype(topk_ids.dtype, jnp.integer):
         raise TypeError(f"topk_ids must be an integer array, got {getattr(topk_ids, 'dtype', type(topk_ids))}.")
     num_tokens, d = x.shape
