@@ -4,7 +4,12 @@
 #      x_per_row beside the default, paired; ncu's registers and occupancy of the default
 #      and x_per_row), and x_per_row's GPU tests (~400 s).
 #   T: session 52's part T (the backward's lag-0 GPU tests at 3 widths).
-#   W: the SmoothQuant expert walk (quant_walk.py) and its GPU test (~300 s).
+#   W: the SmoothQuant expert walk (quant_walk.py) and its GPU test (~300 s). Ran (part w,
+#      cut); the walk was then removed (history/session53/expert_walk.patch), so W and w
+#      no longer run.
+#   P (for session 54, ~5 min): issue 13's table on the H100 with the x_per_row default,
+#      every CSR config of `benchmarks/quant.py` (scale_rows_ahead=1 among them), int8 and
+#      e4m3, at 7B, d7168, 30B and d2048 (token rounding at 30B).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -38,5 +43,9 @@ w)  # W cut to fit session 53's last 287 s of device time
   timeout 170 python3 benchmarks/history/session53/quant_walk.py d7168,7b \
     > $OUT/quant_walk.log 2>&1
   echo "quant walk rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|\|copy" $OUT/quant_walk.log | tail -12 ;;
+P)
+  timeout 540 python3 benchmarks/quant.py --shapes 7b,d7168,30b,d2048 --out $OUT/quant \
+    > $OUT/quant.log 2>&1
+  echo "quant rc=$? at $(( $(date +%s) - T0 )) s"; grep "RATIOS\|WRONG\|failed" $OUT/quant.log | tail -14 ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
