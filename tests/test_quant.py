@@ -259,17 +259,22 @@ def _config_matches_numpy(seed, config, *, x_dtype=jnp.bfloat16, out_dtype=INT8,
     return plan
 
 
-# CI time: 1 and 3 rows ahead are slow extras ([2] runs the same carry code; the default,
-# 0, runs in test_no_races_and_padding_ctas; the GPU test times 1).
-@pytest.mark.parametrize("ahead", [pytest.param(1, marks=pytest.mark.slow), 2,
-                                   pytest.param(3, marks=pytest.mark.slow)])
-def test_scale_rows_ahead_same_bits(ahead):
+# CI time: 1 and 3 rows ahead with the f32 row held are slow extras ([2] runs the same carry
+# code; the default, 0, runs in test_no_races_and_padding_ctas; the GPU test times 1). One row
+# ahead with X widened per row (the default from d = 4096 on) is what benchmarks/quant.py
+# times next, so it runs in CI.
+@pytest.mark.parametrize("ahead,x_per_row", [
+    pytest.param(1, False, marks=pytest.mark.slow), (1, True), (2, False),
+    pytest.param(3, False, marks=pytest.mark.slow)])
+def test_scale_rows_ahead_same_bits(ahead, x_per_row):
     """`SmoothQuantConfig.scale_rows_ahead`: smooth-scale rows loaded 1, 2 or 3 rows ahead
     (the default, 0, loads each with its own row; past a token's last row the loads repeat
-    its last entry) give the bits of the numpy formula: tokens with 0..3 rows, padding CTAs,
-    several tokens per CTA, races watched."""
+    its last entry), with the f32 X row held or X widened per row, give the bits of the
+    numpy formula: tokens with 0..3 rows, padding CTAs, several tokens per CTA, races
+    watched."""
     plan = _config_matches_numpy(
-        9, SmoothQuantConfig(block_t=2, block_pad=8, scale_rows_ahead=ahead))
+        9, SmoothQuantConfig(block_t=2, block_pad=8, scale_rows_ahead=ahead,
+                             x_per_row=x_per_row))
     rows_per_token = np.asarray(plan.rows_per_token)
     assert rows_per_token.min() == 0 and rows_per_token.max() >= 3
 
