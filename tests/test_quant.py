@@ -237,14 +237,13 @@ def test_no_races_and_padding_ctas():
     assert_bitwise(q, s, *numpy_smoothquant(x, smooth, *plan_rows(plan), INT8))
 
 
-def _config_matches_numpy(seed, config, *, x_dtype=jnp.bfloat16, out_dtype=INT8, empty=(),
-                          edit_x=None):
+def _config_matches_numpy(seed, config, *, x_dtype=jnp.bfloat16, out_dtype=INT8, edit_x=None):
     """`moe_smoothquant` in interpret mode with `config`, races watched, against the numpy
-    formula bit for bit: 13 tokens with 0..3+ rows each over 4 experts (`empty` get none),
-    padding rows, the special rows of `special_x` on tokens that own rows. Returns the plan."""
+    formula bit for bit: 13 tokens with 0..3+ rows each over 4 experts, padding rows, the
+    special rows of `special_x` on tokens that own rows. Returns the plan."""
     num_tokens, d, num_experts = 13, 256, 4
     ks = jax.random.split(jax.random.key(seed), 3)
-    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, empty=empty, extra=5)
+    plan = assignment_plan(ks[0], num_tokens, num_experts, p=0.5, extra=5)
     rows_per_token = np.asarray(plan.rows_per_token)
     x = special_x(ks[1], num_tokens, d, dtype=x_dtype,
                   at=tuple(np.flatnonzero(rows_per_token)[:5]))
@@ -354,7 +353,6 @@ def test_bad_inputs_raise():
         pm.quant.moe_smoothquant_topk(x, smooth, jnp.zeros((4, 2), jnp.int32))
     with pytest.raises(TypeError, match="topk_ids must be an integer array"):
         pm.quant.moe_smoothquant_topk(x, smooth, jnp.zeros((8, 2)))
-
     narrow = jnp.zeros((8, 192), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"d \(x.shape\[1\]\)=192 must be a multiple of 128"):
         q(narrow, smooth[:, :192], plan, backend="interpret")
