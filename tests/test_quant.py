@@ -291,9 +291,40 @@ def test_x_per_row_same_bits(x_dtype, out_dtype):
         edit_x=lambda x: x.at[6, ::2].set(-0.0))
 
 
+@pytest.mark.parametrize("slots,block_t", [(1, 2), (2, 1), pytest.param(3, 2, marks=pytest.mark.slow)])
+def test_scale_rows_smem_same_bits(slots, block_t):
+    """`SmoothQuantConfig.scale_rows_smem`: smooth-scale rows copied to 1-3 SMEM slots by
+    TMA, each slot refilled once every thread has read it, give the numpy formula's bits:
+    tokens with 0..3+ rows (fewer rows than slots, and more), padding CTAs, one and several
+    tokens per CTA (the slots' barriers carry their phases from token to token), races
+    watched (a refill before the slot's reads would be one)."""
+    plan = _config_matches_numpy(
+        13, SmoothQuantConfig(block_t=block_t, block_pad=8, scale_rows_smem=slots))
+    rows_per_token = np.asarray(plan.rows_per_token)
+    assert rows_per_token.min() == 0 and rows_per_token.max() > slots
+
+
 def test_scale_rows_ahead_must_be_non_negative():
     with pytest.raises(ValueError, match="scale_rows_ahead=-1 must be >= 0"):
         SmoothQuantConfig(scale_rows_ahead=-1)
+
+
+def test_scale_rows_smem_is_validated():
+    """Negative slots, slots together with register rows ahead, and slots over the SMEM a CTA
+    may stage are refused with the argument named."""
+    from pallas_moe.quant.kernel import smoothquant_kernel
+
+    with pytest.raises(ValueError, match="scale_rows_smem=-1 must be >= 0"):
+        SmoothQuantConfig(scale_rows_smem=-1)
+    with pytest.raises(ValueError, match="scale_rows_smem=2 and config.scale_rows_ahead=1"):
+        SmoothQuantConfig(scale_rows_smem=2, scale_rows_ahead=1)
+    d = 7168
+    x, smooth = jnp.zeros((4, d), jnp.bfloat16), jnp.ones((2, d), jnp.float32)
+    offsets, rows = jnp.arange(5, dtype=jnp.int32), jnp.arange(4, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="scale_rows_smem=8 rows of d=7168 .* bytes of SMEM"):
+        smoothquant_kernel(x, smooth, offsets, rows, rows % 2, None, num_out_rows=4,
+                           out_dtype=INT8, config=SmoothQuantConfig(scale_rows_smem=8),
+                           interpret=True)
 
 
 def test_kernel_without_smooth_scales_equals_ones():
@@ -407,6 +438,16 @@ def test_scale_rows_ahead_and_cvt_rounding_lower_for_cuda(d):
                            SmoothQuantConfig(scale_rows_ahead=2, int8_rounding="cvt"))
     with pytest.raises(ValueError, match='int8_rounding must be "cvt" or "fadd", got .rne.'):
         SmoothQuantConfig(int8_rounding="rne")
+
+
+@pytest.mark.parametrize("d,slots", [(1536, 4), (7168, 2)])
+def test_scale_rows_smem_lowers_for_cuda(d, slots):
+    """Smooth-scale rows staged in SMEM by TMA at the 7B width and DeepSeek-V3's (2 slots of
+    28 KB there)."""
+    from tests.cuda_target import h100_target
+
+    with h100_target():
+        _lower_smoothquant(8192, 256, 8, d, INT8, SmoothQuantConfig(scale_rows_smem=slots))
 
 
 @pytest.mark.parametrize("d,x_per_row", [(1536, True), (7168, False)])
@@ -576,8 +617,10 @@ def test_kernel_without_smooth_scales_on_gpu():
     SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"),
     SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2),
     SmoothQuantConfig(scale_rows_ahead=1), SmoothQuantConfig(block_t=2),
-    SmoothQuantConfig(vec=8), SmoothQuantConfig(x_per_row=True)],
-    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "vec8", "x_per_row"])
+    SmoothQuantConfig(vec=8), SmoothQuantConfig(x_per_row=True),
+    SmoothQuantConfig(scale_rows_smem=2), SmoothQuantConfig(scale_rows_smem=3, block_t=2)],
+    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "vec8", "x_per_row", "smem2",
+         "smem3_bt2"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
     # Token rounding (padding rows) at a production width; every row, bit for bit. The

@@ -47,6 +47,9 @@ _VECS = (4, 2, 1)
 # there the f32 row's registers cost a CTA per SM (H100, session 53: 1.02-1.05x at d = 4096
 # and 7168; at 1536 the CTAs per SM do not change and it measured 0.98x).
 X_PER_ROW_MIN_D = 4096
+# SMEM the staged smooth-scale rows may take per CTA (`SmoothQuantConfig.scale_rows_smem`):
+# the 227 KB a CTA can have, less room for the row reductions' scratch.
+_STAGED_SMEM_BYTES = 220 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +83,11 @@ class SmoothQuantConfig:
         by registers): d = 7168 150 -> 119 registers, 3 -> 4 CTAs, 1.049x int8 and 1.032x
         e4m3; d = 4096 96 -> 80, 5 -> 6, 1.019x; d = 1536 56 -> 53, 9 CTAs either way,
         0.977x / 0.987x.
+      scale_rows_smem: with smooth scales, how many smooth-scale rows are in flight to SMEM
+        (TMA bulk copies, one mbarrier per slot; each slot costs `4 * d` bytes of SMEM and no
+        registers): row j's copy is issued when row j - scale_rows_smem has read its slot,
+        so the L2 round trip of a scale row overlaps the rows before it. 0 (default) loads
+        each row's scale row straight into registers in its own iteration.
     """
 
     block_t: int = 1
@@ -88,6 +96,7 @@ class SmoothQuantConfig:
     scale_rows_ahead: int = 0
     int8_rounding: str = "fadd"
     x_per_row: bool | None = None
+    scale_rows_smem: int = 0
 
     def __post_init__(self):
         if self.int8_rounding not in ("cvt", "fadd"):
@@ -98,6 +107,17 @@ class SmoothQuantConfig:
             raise ValueError(
                 f"config.scale_rows_ahead={self.scale_rows_ahead} must be >= 0 (smooth-scale "
                 "rows loaded ahead of the row being quantized)."
+            )
+        if self.scale_rows_smem < 0:
+            raise ValueError(
+                f"config.scale_rows_smem={self.scale_rows_smem} must be >= 0 (smooth-scale "
+                "rows in flight to SMEM; 0 loads them straight into registers)."
+            )
+        if self.scale_rows_smem and self.scale_rows_ahead:
+            raise ValueError(
+                f"config.scale_rows_smem={self.scale_rows_smem} and config.scale_rows_ahead="
+                f"{self.scale_rows_ahead} cannot both be set: staged rows are already loaded "
+                "ahead, without registers."
             )
 
     def resolve_x_per_row(self, d: int) -> bool:
@@ -305,6 +325,13 @@ def smoothquant_kernel(
         raise ValueError(f"config.block_t={bt} and config.block_pad={bp} must be >= 1.")
     vec = config.resolve_vec(d)
     x_per_row = config.resolve_x_per_row(d)
+    slots = config.scale_rows_smem if smoothed else 0
+    staged = slots > 0
+    if slots * d * 4 > _STAGED_SMEM_BYTES:
+        raise ValueError(
+            f"config.scale_rows_smem={slots} rows of d={d} f32 smooth scales take "
+            f"{slots * d * 4} bytes of SMEM, over the {_STAGED_SMEM_BYTES} a CTA may stage."
+        )
     layout = plgpu.Layout.WG_STRIDED((d,), vec_size=vec)
     row_layout = _row_layout(vec)  # [1, d]: a smoothed row
     # Interpret mode cannot run inline PTX; the jnp reciprocal gives the same bits.
@@ -321,6 +348,9 @@ def smoothquant_kernel(
         off_ref, rows_ref, exp_ref = refs[:3]
         nr_ref = None if num_rows is None else refs[3]
         x_ref, *rest = refs[3 if num_rows is None else 4:]
+        stage_ref = bars_ref = None
+        if staged:  # the scratch: [slots, 1, d] f32 scale rows and their barriers
+            *rest, stage_ref, bars_ref = rest
         sm_ref, q_ref, s_ref = rest if smoothed else (None, *rest)
         cta = jax.lax.axis_index("cta")
 
@@ -386,6 +416,42 @@ def smoothquant_kernel(
                 salt = jnp.minimum(out_row, 0).astype(jnp.int16)
                 bits = jax.lax.bitcast_convert_type(held, jnp.int16) | salt
                 return jax.lax.bitcast_convert_type(bits, held.dtype).astype(jnp.float32)
+
+            def staged_row(j, out_row):
+                """Row j with its scale row from SMEM slot j % slots (`scale_rows_smem`);
+                then, once every thread has read the slot, row j + slots's copy into it."""
+                slot = j % slots
+                later = rows_ref[jnp.minimum(j + 1, last)]
+                plgpu.barrier_wait(bars_ref.at[slot])
+                smooth = plgpu.load(stage_ref.at[slot], layout=row_layout, optimized=False)
+                y = widened(out_row) * smooth  # [1, d]
+                # Orders every thread's read of the slot before the copy that refills it.
+                plgpu.commit_smem()
+                stage_copy(j + slots)
+                amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
+                scale, inv = row_scale(amax, out_dtype, rcp)
+                inv = plgpu.layout_cast(jax.lax.broadcast_in_dim(inv, y.shape, (0,)), row_layout)
+                q = scaled(y, inv, row_layout)
+                _store_gmem(q_ref.at[pl.ds(out_row, 1)], q, row_layout, interpret)
+                _store_gmem(s_ref.at[pl.ds(out_row, 1)], scale, reduced, interpret)
+                return later
+
+            def stage_copy(j):  # entry j's scale row into slot j % slots, if j is a row
+                @pl.when(j < stop)
+                def _():
+                    slot = j % slots
+                    # Expert ids are in [0, E) (the caller clamps), so the row is in
+                    # bounds: a plain bulk copy of 4 * d contiguous bytes, which no 256-wide
+                    # TMA box limits.
+                    plgpu.copy_gmem_to_smem(sm_ref.at[pl.ds(exp_ref[j], 1)],
+                                            stage_ref.at[slot], bars_ref.at[slot],
+                                            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+            if staged:
+                for i in range(slots):
+                    stage_copy(start + i)
+                jax.lax.fori_loop(start, stop, staged_row, rows_ref[start])
+                return
 
             def row(j, carry):
                 # Each load's address was loaded a row earlier, so no load waits on another
@@ -472,6 +538,10 @@ def smoothquant_kernel(
         grid=(token_ctas + pad_ctas,),
         grid_names=("cta",),
         kernel_name="moe_smoothquant_csr",
+        scratch_types=(
+            [plgpu.SMEM((slots, 1, d), jnp.float32), plgpu.Barrier(num_barriers=slots)]
+            if staged else []
+        ),
         interpret=_common.interpret_params(interpret),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane,
