@@ -82,9 +82,13 @@ CONFIGS = [
     SmoothQuantConfig(block_pad=256),
     SmoothQuantConfig(x_per_row=True),  # X widened per row: the default from d = 4096 on
     SmoothQuantConfig(x_per_row=False),  # the f32 row held: the default below d = 4096
-    # The next row's scale row in flight during this row's reduction: measured slower when the
-    # f32 X row held its registers (session 26); X per row frees them from d = 4096 on.
-    SmoothQuantConfig(scale_rows_ahead=1),
+    # Smooth-scale rows: into registers in their own row (the default below d = 4096), or
+    # 1 / 2 rows in flight to SMEM (2: the default from d = 4096 on; session 54). One row
+    # ahead in registers was slower at every width, with and without X per row (sessions
+    # 26 and 54); `benchmarks/history/session54/quant_smem.py` times 1-4 staged rows.
+    SmoothQuantConfig(scale_rows_smem=0),
+    SmoothQuantConfig(scale_rows_smem=1),
+    SmoothQuantConfig(scale_rows_smem=2),
 ]
 POISON = {jnp.dtype(jnp.int8): 0x80, jnp.dtype(jnp.float8_e4m3fn): 0xFF}
 NUMPY_SAMPLE_ROWS = 2048
