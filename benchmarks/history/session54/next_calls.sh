@@ -5,7 +5,9 @@
 #      the default, bitwise-checked on poisoned outputs) at d7168, 7B, 30B, d2048.
 #   D: the staged default (2 rows from d = 4096 on): its GPU tests at d = 7168, issue 13's
 #      table (`benchmarks/quant.py`) at d7168, 30B and 7B, then Nsight Compute on the
-#      kernel at 7B and d = 7168 (staged and not): occupancy, stalls, L2 and issue rates.
+#      kernel at 7B and d = 7168 (staged and not): occupancy, stalls, L2 and issue rates;
+#      then gpt-oss widths' forward lag sweep again (its up-proj gained 1.080x with lag 0 in
+#      call 3, the only width where it won by much).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -19,18 +21,22 @@ G)
     > $OUT/quant_smem.log 2>&1
   echo "quant smem rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|\|bitwise\|failed" $OUT/quant_smem.log | tail -24 ;;
 D)
-  timeout 150 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant.py -k "wide_rows or smem" \
+  timeout 100 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant.py -k "wide_rows or smem" \
     > $OUT/gpu_wide.log 2>&1
   echo "gpu wide rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_wide.log
-  timeout 240 python3 benchmarks/quant.py --shapes d7168,30b,7b --token-rounding '' --out $OUT/quant \
+  timeout 150 python3 benchmarks/quant.py --shapes d7168,30b --token-rounding '' --out $OUT/quant \
     > $OUT/quant.log 2>&1
   echo "quant rc=$? at $(( $(date +%s) - T0 )) s"; grep "RATIOS\|WRONG\|failed" $OUT/quant.log | tail -8
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 ncu --section LaunchStats --section Occupancy \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 ncu --section LaunchStats --section Occupancy \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis --kernel-name regex:smoothquant \
     python3 benchmarks/history/session54/quant_profile.py 7b:default,d7168:default,d7168:smem0 \
     > $OUT/quant_ncu.log 2>&1
   echo "ncu rc=$? at $(( $(date +%s) - T0 )) s"
-  grep "moe_smoothquant\|Registers Per\|Achieved Occupancy\|Block Limit\|Duration\|L2 Cache Throughput\|L1/TEX Hit\|L2 Hit\|Issued Warp Per\|No Eligible\|Stall\|Dynamic Shared\|Memory Throughput" $OUT/quant_ncu.log | cut -c1-150 | head -80 ;;
+  grep "moe_smoothquant\|Registers Per\|Achieved Occupancy\|Block Limit\|Duration\|L2 Cache Throughput\|L1/TEX Hit\|L2 Hit\|Issued Warp Per\|No Eligible\|Stall\|Dynamic Shared\|Memory Throughput" $OUT/quant_ncu.log | cut -c1-150 | head -80
+  timeout 120 python3 benchmarks/forward.py --shapes gpt-oss-20b --skew '' --up-sweep lag \
+    --down-sweep lag --no-baselines --rounds 3 --out $OUT/fw > $OUT/fw.log 2>&1
+  echo "forward gpt-oss lag rc=$? at $(( $(date +%s) - T0 )) s"
+  grep "^  up \|^  down " $OUT/fw.log | cut -c1-120 ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
