@@ -430,6 +430,15 @@ def smoothquant_kernel(
                 bits = jax.lax.bitcast_convert_type(held, jnp.int16) | salt
                 return jax.lax.bitcast_convert_type(bits, held.dtype).astype(jnp.float32)
 
+            def quantize_and_store(y, out_row):
+                """Q and s of a smoothed [1, d] row, stored at `out_row`."""
+                amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
+                scale, inv = row_scale(amax, out_dtype, rcp)
+                inv = plgpu.layout_cast(jax.lax.broadcast_in_dim(inv, y.shape, (0,)), row_layout)
+                q = scaled(y, inv, row_layout)
+                _store_gmem(q_ref.at[pl.ds(out_row, 1)], q, row_layout, interpret)
+                _store_gmem(s_ref.at[pl.ds(out_row, 1)], scale, reduced, interpret)
+
             def staged_row(j, out_row):
                 """Row j with its scale row from SMEM slot j % slots (`scale_rows_smem`);
                 then, once every thread has read the slot, row j + slots's copy into it."""
@@ -441,12 +450,7 @@ def smoothquant_kernel(
                 # Orders every thread's read of the slot before the copy that refills it.
                 plgpu.commit_smem()
                 stage_copy(j + slots)
-                amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
-                scale, inv = row_scale(amax, out_dtype, rcp)
-                inv = plgpu.layout_cast(jax.lax.broadcast_in_dim(inv, y.shape, (0,)), row_layout)
-                q = scaled(y, inv, row_layout)
-                _store_gmem(q_ref.at[pl.ds(out_row, 1)], q, row_layout, interpret)
-                _store_gmem(s_ref.at[pl.ds(out_row, 1)], scale, reduced, interpret)
+                quantize_and_store(y, out_row)
                 return later
 
             def stage_copy(j):  # entry j's scale row into slot j % slots, if j is a row
@@ -477,12 +481,7 @@ def smoothquant_kernel(
                 smooth = (*smooth, smooth_row(next_expert))  # entries j .. j + ahead
                 later = (expert(j + ahead + 1), rows_ref[jnp.minimum(j + 1, last)])
                 y = widened(out_row) * smooth[0]  # [1, d]
-                amax = jnp.max(jnp.abs(y), axis=1)  # [1]: one warpgroup reduction
-                scale, inv = row_scale(amax, out_dtype, rcp)
-                inv = plgpu.layout_cast(jax.lax.broadcast_in_dim(inv, y.shape, (0,)), row_layout)
-                q = scaled(y, inv, row_layout)
-                _store_gmem(q_ref.at[pl.ds(out_row, 1)], q, row_layout, interpret)
-                _store_gmem(s_ref.at[pl.ds(out_row, 1)], scale, reduced, interpret)
+                quantize_and_store(y, out_row)
                 return (*smooth[1:], *later)
 
             first = (*(smooth_row(expert(start + i)) for i in range(ahead)),
