@@ -282,23 +282,26 @@ def test_up_proj_cluster_split_m_writes_the_default_bits(shape):
         ("inference", cluster, True)])
 
 
-@pytest.mark.parametrize("shape", [(6000, 4096, 512, 16, 4), (4000, 2048, 768, 16, 4),
-                                   (4000, 1536, 256, 16, 4)],
-                         ids=["30b_widths", "qwen3_widths", "7b_widths"])
-def test_up_proj_wgmma_lag_0_writes_the_default_bits(shape):
-    """Each width's default up-proj (split-M on clusters at 30B, split-M at Qwen3-30B-A3B's,
-    the ping-pong at 7B's) with each slot released as soon as its own step's wgmmas are done
-    (`wgmma_lag=0`, session 51) writes the default's bits: 132 and 8 CTAs, inference's A."""
+@pytest.mark.parametrize("shape,default_lag", [
+    ((6000, 4096, 512, 16, 4), 1), ((4000, 2048, 768, 16, 4), 1), ((4000, 1536, 256, 16, 4), 1),
+    ((3000, 2880, 2880, 16, 4), 0)],
+    ids=["30b_widths", "qwen3_widths", "7b_widths", "gpt_oss_widths"])
+def test_up_proj_wgmma_lag_0_writes_the_default_bits(shape, default_lag):
+    """Each width's default up-proj (split-M on clusters at 30B and gpt-oss's, split-M at
+    Qwen3-30B-A3B's, the ping-pong at 7B's) with each slot released one K step later or
+    earlier than its default (`wgmma_lag` 1 or 0, session 51; lag 0 is the H100's default
+    for gpt-oss's 192-row items since session 54) writes the default's bits: 132 and 8 CTAs,
+    inference's A."""
     from pallas_moe.kernels.moe_forward import ForwardConfig
 
     T, d, n, E, K = shape
     default = ForwardConfig.for_shape(d, n).up
-    assert default.pingpong_ctas and default.wgmma_lag == 1, default
-    lag0 = dataclasses.replace(default, wgmma_lag=0)
+    assert default.pingpong_ctas and default.wgmma_lag == default_lag, default
+    other = dataclasses.replace(default, wgmma_lag=1 - default_lag)
     _assert_up_proj_configs_write_the_same_bits(shape, T + d + n + 5, default, [
-        ("132 CTAs", lag0, False),
-        ("8 CTAs", dataclasses.replace(lag0, pingpong_ctas=8), False),
-        ("inference", lag0, True)])
+        ("132 CTAs", other, False),
+        ("8 CTAs", dataclasses.replace(other, pingpong_ctas=8), False),
+        ("inference", other, True)])
 
 
 @pytest.mark.parametrize("shape", [(6000, 4096, 512, 16, 4), (3000, 2880, 2880, 16, 4)],
@@ -821,8 +824,11 @@ def test_wgmma_lag_0_writes_the_default_bits(shape):
         for name, o in zip(("132 CTAs", "8 CTAs"), outs[1:]):
             assert np.array_equal(outs[0], o), (gathered, name)
         _assert_weight_grad_matches_numpy(outs[1], lhs, rhs, plan, gathered)
+    # The down-proj and dX~ at the other lag than their default (the H100's down-proj runs
+    # lag 0 at gpt-oss's widths since session 54).
     _assert_grouped_gemm_variants_write_the_default_bits(shape, lambda c: (
-        dataclasses.replace(c, wgmma_lag=0), dataclasses.replace(c, wgmma_lag=0, num_sms=8)))
+        dataclasses.replace(c, wgmma_lag=1 - c.wgmma_lag),
+        dataclasses.replace(c, wgmma_lag=1 - c.wgmma_lag, num_sms=8)))
 
 
 def _weight_grad_problem(shape, seed):

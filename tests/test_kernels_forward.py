@@ -201,6 +201,27 @@ def test_split_m_up_proj_follows_the_device_and_width(kind, d, n, split_m):
                    sds((e, d, 2 * n), jnp.bfloat16))
 
 
+@pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_wgmma_lag_follows_the_device_and_items(kind):
+    """On the H100 the 192-row three-consumer split-M up-proj and the three-stage down-proj
+    of 192-column items release each slot as soon as its own step's wgmmas are done
+    (`wgmma_lag=0`; session 54: 1.069-1.080x and 1.043-1.065x at gpt-oss's widths); every
+    other default keeps lag 1, and the H200 (not measured) keeps lag 1 everywhere. Lag 0
+    lowers at gpt-oss's widths."""
+    h100 = not kind.endswith("H200")
+    gpt_oss = ForwardConfig.for_shape(2880, 2880, num_sms=132, device_kind=kind)
+    assert (gpt_oss.up.block_m, gpt_oss.down.block_n, gpt_oss.down.num_stages) == (192, 192, 3)
+    assert gpt_oss.up.wgmma_lag == gpt_oss.down.wgmma_lag == (0 if h100 else 1), gpt_oss
+    for d, n in ((1536, 256), (2048, 768), (4096, 512), (7168, 2048)):
+        cfg = ForwardConfig.for_shape(d, n, num_sms=132, device_kind=kind)
+        assert cfg.up.wgmma_lag == cfg.down.wgmma_lag == 1, (d, n, cfg)
+    if h100:
+        t, d, n, e, k = 4096, 2880, 2880, 16, 4
+        sds = jax.ShapeDtypeStruct
+        _lower(lambda a, g, w: down_proj(a, g, w, config=gpt_oss.down),
+               sds((t * k, n), jnp.bfloat16), sds((e,), jnp.int32), sds((e, n, d), jnp.bfloat16))
+
+
 def test_each_kernel_lowers_at_7b_production_config():
     t, d, n, e, k = 24576, 1536, 256, 128, 8
     p = t * k

@@ -178,6 +178,20 @@ class ForwardConfig:
             bn = _largest_block(d, (128, 192, 256, 64))
             stages = 4 if bn <= 128 else 3
             down = GroupedMatmulConfig(block_m=128, block_n=bn, num_stages=stages, num_sms=num_sms)
+        if not h200:
+            # Measured on the H100 (session 54, two runs of `forward.py --up-sweep lag
+            # --down-sweep lag`, paired, every config checked against the reference on
+            # poisoned outputs): releasing each K step's slot as soon as its own wgmmas are
+            # done (`wgmma_lag=0`) pays where the ring is short for its consumers: the
+            # 192-row, three-consumer split-M up-proj (gpt-oss's d = n = 2880: 1.080x and
+            # 1.069x, spreads <= 2.9%) and the three-stage down-proj of 192-column items
+            # (1.043x and 1.065x). Elsewhere lag 0 was level or slower (up-proj 0.985x at 7B,
+            # 1.007x at 30B, 1.013x at d = 2048; down-proj 1.017x at 7B, 0.961x at 30B).
+            # Not measured on an H200.
+            if up.block_m == 192:
+                up = dataclasses.replace(up, wgmma_lag=0)
+            if down.block_n == 192 and down.num_stages == 3:
+                down = dataclasses.replace(down, wgmma_lag=0)
         agg = _aggregate_config(d)
         if gather not in _common.GATHER_MODES:
             raise ValueError(f"gather must be one of {_common.GATHER_MODES}, got {gather!r}.")
