@@ -273,6 +273,9 @@ CONFIG_FLAGS = {
     "lag0-rest": lambda c, n: functools.reduce(
         lambda cfg, k: _replace(cfg, k, wgmma_lag=0),
         ("down", "dh", "dw_down", "dw_gate_up", "dx"), c),
+    # The up-proj and down-proj at lag 1, the forward's default before session 54 (which
+    # made lag 0 the H100's for the 192-row up-proj and the 192-column 3-stage down-proj).
+    "lag1-forward": lambda c, n: _replace(_replace(c, "up", wgmma_lag=1), "down", wgmma_lag=1),
     # The down-proj and dX~ on clusters of two CTAs sharing each weight tile (session 49).
     "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
     # dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`, session 50).

@@ -8,6 +8,10 @@
 #      kernel at 7B and d = 7168 (staged and not): occupancy, stalls, L2 and issue rates;
 #      then gpt-oss widths' forward lag sweep again (its up-proj gained 1.080x with lag 0 in
 #      call 3, the only width where it won by much).
+#   N (for session 55, ~6 min, H100): the GPU tests of the forward's new lag-0 defaults at
+#      gpt-oss's widths (the up-proj's bitwise lag test there has not run; the 192-row and
+#      cluster tests now run lag 0 as the default), then gpt-oss's whole training step with
+#      the new default against `lag1-forward` (the forward before session 54), paired.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -38,5 +42,14 @@ D)
     --down-sweep lag --no-baselines --rounds 3 --out $OUT/fw > $OUT/fw.log 2>&1
   echo "forward gpt-oss lag rc=$? at $(( $(date +%s) - T0 )) s"
   grep "^  up \|^  down " $OUT/fw.log | cut -c1-120 ;;
+N)
+  timeout 300 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
+    "test_up_proj_wgmma_lag_0_writes_the_default_bits or test_up_proj_192_row_split_m_equals_cooperative or (gpt_oss_widths and (cluster or grouped_gemm))" \
+    > $OUT/gpu_lag_gpt_oss.log 2>&1
+  echo "gpu lag rc=$? at $(( $(date +%s) - T0 )) s"; grep "PASSED\|FAILED\|passed\|failed" $OUT/gpu_lag_gpt_oss.log | tail -8
+  timeout 240 python3 benchmarks/step.py --shapes gpt-oss-20b --gpt-oss \
+    --variants topk/cp_async,topk/cp_async/lag1-forward --rounds 3 --out $OUT/step \
+    > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step.log | tail -6 ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
