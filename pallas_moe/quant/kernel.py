@@ -560,7 +560,8 @@ def smoothquant_kernel(
             # Pallas would put a warpgroup barrier before and after every store to a ref
             # (Q and s: up to four per row). They only order memory that one thread both
             # reads and writes; this kernel reads only its inputs and writes only its
-            # outputs, and the reductions' SMEM scratch has barriers of its own.
+            # outputs, and the reductions' SMEM scratch has barriers of its own (as do the
+            # staged scale rows: an mbarrier per slot, and a fence and barrier per refill).
             unsafe_no_auto_barriers=True,
         ),
     )
