@@ -12,6 +12,9 @@
 #      gpt-oss's widths (the up-proj's bitwise lag test there has not run; the 192-row and
 #      cluster tests now run lag 0 as the default), then gpt-oss's whole training step with
 #      the new default against `lag1-forward` (the forward before session 54), paired.
+#   H (an H200, ~6 min, when no H100 comes): whether session 54's H100 choices hold there:
+#      `quant.py` at d7168, 30B and 7B (its CONFIGS time 0, 1 and 2 staged scale rows) and
+#      gpt-oss's forward lag sweep (the H200 keeps lag 1 until this runs).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -51,5 +54,14 @@ N)
     --variants topk/cp_async,topk/cp_async/lag1-forward --rounds 3 --out $OUT/step \
     > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step.log | tail -6 ;;
+H)
+  timeout 300 python3 benchmarks/quant.py --shapes d7168,30b,7b --token-rounding '' --out $OUT/quant \
+    > $OUT/quant.log 2>&1
+  echo "quant rc=$? at $(( $(date +%s) - T0 )) s"; grep "RATIOS\|WRONG\|failed" $OUT/quant.log | tail -8
+  grep "scale_rows_smem=[012])" $OUT/quant.log | sed 's/.*scale_rows_smem=\([012]\)): /smem\1 /' | tail -12
+  timeout 150 python3 benchmarks/forward.py --shapes gpt-oss-20b --skew '' --up-sweep lag \
+    --down-sweep lag --no-baselines --rounds 3 --out $OUT/fw > $OUT/fw.log 2>&1
+  echo "forward gpt-oss lag rc=$? at $(( $(date +%s) - T0 )) s"
+  grep "^  up \|^  down " $OUT/fw.log | sed 's/Config(.*wgmma_lag=\(.\)).*: /(lag=\1) /' | cut -c1-200 ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
