@@ -290,15 +290,18 @@ def test_x_per_row_same_bits(x_dtype, out_dtype):
         edit_x=lambda x: x.at[6, ::2].set(-0.0))
 
 
-@pytest.mark.parametrize("slots,block_t", [(1, 2), (2, 1), pytest.param(3, 2, marks=pytest.mark.slow)])
-def test_scale_rows_smem_same_bits(slots, block_t):
+@pytest.mark.parametrize("slots,block_t,x_per_row", [
+    (1, 2, False), (2, 1, True), (2, 2, False), pytest.param(3, 2, False, marks=pytest.mark.slow)])
+def test_scale_rows_smem_same_bits(slots, block_t, x_per_row):
     """`SmoothQuantConfig.scale_rows_smem`: smooth-scale rows copied to 1-3 SMEM slots by
     TMA, each slot refilled once every thread has read it, give the numpy formula's bits:
     tokens with 0..3+ rows (fewer rows than slots, and more), padding CTAs, one and several
-    tokens per CTA (the slots' barriers carry their phases from token to token), races
-    watched (a refill before the slot's reads would be one)."""
+    tokens per CTA (the slots' barriers carry their phases from token to token), with the
+    f32 X row held or X widened per row (2 slots with X per row: the default from d = 4096
+    on), races watched (a refill before the slot's reads would be one)."""
     plan = _config_matches_numpy(
-        13, SmoothQuantConfig(block_t=block_t, block_pad=8, scale_rows_smem=slots))
+        13, SmoothQuantConfig(block_t=block_t, block_pad=8, scale_rows_smem=slots,
+                              x_per_row=x_per_row))
     rows_per_token = np.asarray(plan.rows_per_token)
     assert rows_per_token.min() == 0 and rows_per_token.max() > slots
 

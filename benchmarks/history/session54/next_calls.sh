@@ -11,7 +11,9 @@
 #   N (for session 55, ~6 min, H100): the GPU tests of the forward's new lag-0 defaults at
 #      gpt-oss's widths (the up-proj's bitwise lag test there has not run; the 192-row and
 #      cluster tests now run lag 0 as the default), then gpt-oss's whole training step with
-#      the new default against `lag1-forward` (the forward before session 54), paired.
+#      the new default against `lag1-forward` (the forward before session 54), paired;
+#      then `quant.py` at 7B, whose CONFIGS now time 2 staged rows with X per row (do the
+#      two together free enough registers for a tenth CTA per SM?).
 #   H (an H200, ~6 min, when no H100 comes): whether session 54's H100 choices hold there:
 #      `quant.py` at d7168, 30B and 7B (its CONFIGS time 0, 1 and 2 staged scale rows) and
 #      gpt-oss's forward lag sweep (the H200 keeps lag 1 until this runs).
@@ -53,7 +55,11 @@ N)
   timeout 240 python3 benchmarks/step.py --shapes gpt-oss-20b --gpt-oss \
     --variants topk/cp_async,topk/cp_async/lag1-forward --rounds 3 --out $OUT/step \
     > $OUT/step.log 2>&1
-  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step.log | tail -6 ;;
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/step.log | tail -6
+  timeout 100 python3 benchmarks/quant.py --shapes 7b --token-rounding '' --out $OUT/quant \
+    > $OUT/quant.log 2>&1
+  echo "quant 7b rc=$? at $(( $(date +%s) - T0 )) s"; grep "RATIOS\|WRONG\|failed" $OUT/quant.log | tail -4
+  grep "scale_rows_smem=[012]\|x_per_row=True" $OUT/quant.log | sed 's/.*x_per_row=\([a-zA-Z]*\), scale_rows_smem=\([a-zA-Z0-9]*\)): /xpr=\1 smem=\2 /' | tail -12 ;;
 H)
   timeout 300 python3 benchmarks/quant.py --shapes d7168,30b,7b --token-rounding '' --out $OUT/quant \
     > $OUT/quant.log 2>&1
