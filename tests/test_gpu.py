@@ -282,20 +282,21 @@ def test_up_proj_cluster_split_m_writes_the_default_bits(shape):
         ("inference", cluster, True)])
 
 
-@pytest.mark.parametrize("shape,default_lag", [
+@pytest.mark.parametrize("shape,h100_lag", [
     ((6000, 4096, 512, 16, 4), 1), ((4000, 2048, 768, 16, 4), 1), ((4000, 1536, 256, 16, 4), 1),
     ((3000, 2880, 2880, 16, 4), 0)],
     ids=["30b_widths", "qwen3_widths", "7b_widths", "gpt_oss_widths"])
-def test_up_proj_wgmma_lag_0_writes_the_default_bits(shape, default_lag):
+def test_up_proj_wgmma_lag_0_writes_the_default_bits(shape, h100_lag):
     """Each width's default up-proj (split-M on clusters at 30B and gpt-oss's, split-M at
     Qwen3-30B-A3B's, the ping-pong at 7B's) with each slot released one K step later or
     earlier than its default (`wgmma_lag` 1 or 0, session 51; lag 0 is the H100's default
-    for gpt-oss's 192-row items since session 54) writes the default's bits: 132 and 8 CTAs,
-    inference's A."""
-    from pallas_moe.kernels.moe_forward import ForwardConfig
+    for gpt-oss's 192-row items since session 54, an H200 keeps 1) writes the default's
+    bits: 132 and 8 CTAs, inference's A."""
+    from pallas_moe.kernels.moe_forward import ForwardConfig, default_device_kind
 
     T, d, n, E, K = shape
     default = ForwardConfig.for_shape(d, n).up
+    default_lag = 1 if "H200" in default_device_kind() else h100_lag
     assert default.pingpong_ctas and default.wgmma_lag == default_lag, default
     other = dataclasses.replace(default, wgmma_lag=1 - default_lag)
     _assert_up_proj_configs_write_the_same_bits(shape, T + d + n + 5, default, [
