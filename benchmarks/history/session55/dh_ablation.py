@@ -1,0 +1,117 @@
+"""What dH's epilogue costs today (issue 9): the default persistent dH kernel against
+ablations of its per-item epilogue, same run, paired rounds (GPU us, CUPTI).
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/history/session55/dh_ablation.py 7b,30b [rounds]
+
+Variants (each a monkeypatch of `pallas_moe.kernels.dh` / `_common` at trace time; only the
+default writes valid outputs, the others are timing probes):
+  default     the library's kernel (checked against XLA's dH, A', dS first, poisoned outputs)
+  no_hload    the consumers do not load H (the slabs hold whatever is there)
+  no_math     dSwiGLU replaced by a pass-through (dH = H, A' = H gate, dS = row sums of dA')
+  no_store    the dH and A' TMA stores skipped (dS still copied)
+  no_epi      all three: the K loop plus the item hand-offs only
+
+If no_epi is far below default, an epilogue that overlaps the next item's K loop (a fourth
+warpgroup fed through SMEM, or per-consumer ping-pong buffers) is worth building for dH;
+if it is close, the K loop itself is the limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.backward import SHAPES, make_case, poison_then, reference_intermediates, rel_err, saved_h
+from benchmarks.forward import gpu_time_ms
+from pallas_moe.kernels import _common, dh as dh_mod
+from pallas_moe.kernels.moe_backward import BackwardConfig
+
+
+def _no_math(da, g, u, s, activation=None):
+    return g, u, g, jnp.sum(da, axis=1)
+
+
+def _skip(*args, **kwargs):
+    return None
+
+
+PATCHES = {
+    "default": [],
+    "no_hload": [(_common, "cp_async_load_rows", _skip)],
+    "no_math": [(dh_mod, "dswiglu_epilogue", _no_math)],
+    "no_store": [(_common, "store_row_tile", _skip)],
+    "no_epi": [(_common, "cp_async_load_rows", _skip), (dh_mod, "dswiglu_epilogue", _no_math),
+               (_common, "store_row_tile", _skip)],
+}
+
+
+@contextlib.contextmanager
+def patched(variant):
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in PATCHES[variant]]
+    try:
+        for mod, name, fn in PATCHES[variant]:
+            setattr(mod, name, fn)
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+def main():
+    shapes = sys.argv[1].split(",") if len(sys.argv) > 1 else ["7b", "30b"]
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    rows_out = []
+    for name in shapes:
+        shape = SHAPES[name]
+        T, d, n, E, K = shape
+        x, w1, w2, plan, go = make_case(shape, seed=len(name) * 7 + 1)
+        P, rows = plan.capacity, int(plan.num_rows)
+        h = jax.block_until_ready(saved_h(x, plan, w1))
+        r_dh, r_ap, r_ds, _ = jax.block_until_ready(reference_intermediates(h, plan, w1, w2, go))
+        cfg = BackwardConfig.for_shape(d, n).dh
+        print(f"== {name} {shape}: {cfg}", flush=True)
+        meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.tile_rows))(
+            plan.group_sizes, plan.token_ids)
+        args = (go, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+        fns = {}
+        for variant in PATCHES:
+            with patched(variant):
+                f = jax.jit(lambda go, h, t, g, s, w: dh_mod.dh_kernel(
+                    go, h, t, g, s, w, config=cfg, meta=meta))
+                f = f.lower(*args).compile()  # traced and compiled under the patch
+            fns[variant] = f
+        out = poison_then(fns["default"], *args, nbytes=P * 3 * n * 2)
+        err = max(rel_err(out[0], r_dh, rows), rel_err(out[1], r_ap, rows), rel_err(out[2], r_ds))
+        again = fns["default"](*args)
+        bitwise = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(out, again))
+        print(f"  default vs XLA: max rel err {err:.2e}, bitwise repeat {bitwise}", flush=True)
+        del out, again
+        times = {v: [] for v in PATCHES}
+        for r in range(rounds):
+            order = list(PATCHES) if r % 2 == 0 else list(reversed(PATCHES))
+            for v in order:
+                times[v].append(gpu_time_ms(fns[v], *args) * 1e3)
+        base = statistics.median(times["default"])
+        for v in PATCHES:
+            med = statistics.median(times[v])
+            spread = (max(times[v]) - min(times[v])) / med
+            ratio = statistics.median(a / b for a, b in zip(times["default"], times[v]))
+            print(f"  {v:9s} {med:9.1f} us  default/this paired {ratio:.3f}  spread {spread:.1%}",
+                  flush=True)
+            rows_out.append((name, v, med, ratio, spread, base))
+        flops = 2 * P * n * d
+        print(f"  dH FLOPs {flops / 1e9:.1f} G: default {flops / base / 1e6:.0f} TFLOP/s", flush=True)
+    print("\n| shape | variant | us (median) | default / variant, paired | spread |")
+    print("|---|---|---|---|---|")
+    for name, v, med, ratio, spread, _ in rows_out:
+        print(f"| {name} | {v} | {med:.1f} | {ratio:.3f} | {spread:.1%} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+# Session 55's GPU calls: `bash benchmarks/history/session55/next_calls.sh PART` from the repo
+# root; logs under $OUT.
+#   N: session 54's part N (gpt-oss lag-0 GPU tests, gpt-oss step default vs lag1-forward,
+#      quant.py at 7B): `benchmarks/history/session54/next_calls.sh N`.
+#   A (~5 min, H100): what dH's per-item epilogue costs today (issue 9): the default
+#      persistent dH against its ablations (no H load, no dSwiGLU math, no stores, none of
+#      them) at 7B and 30B, paired over 3 rounds (`dh_ablation.py`).
+#   F (~5 min, H100): session 39's part L, never run: the backward kernels at 7B timed
+#      plainly and after a 256-MB XLA pass (`backward.py --flush-l2`): are the isolated
+#      figures flattered by their own previous call's bytes in the L2 (the step runs its
+#      weight gradients ~1.2x and dH ~1.15x slower than alone)?
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+T0=$(date +%s)
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
+PART=${1:-A}
+case "$PART" in
+N)
+  bash benchmarks/history/session54/next_calls.sh N ;;
+A)
+  timeout 400 python3 benchmarks/history/session55/dh_ablation.py 7b,30b 3 > $OUT/dh_ablation.log 2>&1
+  echo "dh ablation rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_ablation.log | tail -18
+  grep "^|" $OUT/dh_ablation.log ;;
+F)
+  for flush in 0 256; do
+    timeout 250 python3 benchmarks/backward.py --shapes 7b --sweep none --flush-l2 $flush \
+      --out $OUT/bw_flush$flush > $OUT/bw_flush$flush.log 2>&1
+    echo "flush $flush rc=$? at $(( $(date +%s) - T0 )) s"
+    grep "^| 7b" $OUT/bw_flush$flush.log | tail -2
+  done ;;
+esac
+echo "done in $(( $(date +%s) - T0 )) s"
