@@ -891,6 +891,44 @@ def test_dh_wgmma_lag_0_no_races():
                             int(plan.num_rows))
 
 
+def test_dh_h_prefetch_is_a_hint_in_interpret_mode():
+    """`h_prefetch_steps` (the producer's L2 prefetch of each item's H rows) changes no
+    result: interpret mode skips the hint, race-free, bitwise the default; an item shorter
+    than the prefetch distance (3 K steps, prefetch 8 ahead) included."""
+    x, h, plan, w1, w2, grad_out = make_problem(8, 60, 192, 128, 3, 2, empty=(1,))
+    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    default = DHConfig(block_n=64, num_stages=5, num_consumers=2, persistent_ctas=2,
+                       h_loader="cp_async")
+    config = dataclasses.replace(default, h_prefetch_steps=8)
+    got = dh_kernel(*args, config=config, interpret=interp(detect_races=True))
+    assert not races_found()
+    check_dh(got, grad_out, h, plan, w2, config)
+    assert_dh_outputs_equal(got, dh_kernel(*args, config=default, interpret=True),
+                            int(plan.num_rows))
+
+
+@pytest.mark.parametrize("shape,cluster_m", [((32768, 4096, 512, 128, 8), 1),
+                                             ((24576, 1536, 256, 128, 8), 2)],
+                         ids=["30b", "7b_clusters"])
+def test_dh_h_prefetch_lowers_for_cuda(shape, cluster_m):
+    """The dH producer's L2 prefetch of each item's H rows (`h_prefetch_steps`, compiled
+    kernels only) lowers for cuda at production widths, on single CTAs and on clusters (the
+    CTA's own row block); bad values are refused naming the field."""
+    t, d, n, e, k = shape
+    sds, p = jax.ShapeDtypeStruct, t * k
+    config = dataclasses.replace(BackwardConfig.for_shape(d, n, num_sms=132).dh,
+                                 h_prefetch_steps=8, cluster_m=cluster_m)
+    args = (sds((t, d), BF16), sds((p, 2 * n), BF16), sds((p,), jnp.int32),
+            sds((e,), jnp.int32), sds((p,), jnp.float32), sds((e, n, d), BF16))
+    text = jax.jit(functools.partial(dh_kernel, config=config)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "prefetch.global.L2" in text
+    for bad in (-1, 2.0):
+        with pytest.raises(ValueError, match="config.h_prefetch_steps=.* must be an int >= 0"):
+            jax.eval_shape(functools.partial(dh_kernel, config=dataclasses.replace(
+                config, h_prefetch_steps=bad)), *args)
+
+
 @pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (8192, 2880, 2880, 32, 4)],
                          ids=["30b", "gpt_oss"])
 def test_dh_clusters_lower_for_cuda(shape):

@@ -137,6 +137,11 @@ class DHConfig(_common.ClusterTiles):
         stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
         Same bits either way (session 51). Opt-in: on the H100 (session 52)
         0.955x at 30B (`docs/kernels.md`).
+      h_prefetch_steps: 0 (default), or S >= 1: compiled kernels only (interpret mode skips
+        it): the producer asks L2 for the item's H rows (its gate and up columns,
+        `prefetch.global.L2`, `_common.prefetch_row_block_l2`) when it issues the item's K
+        step `num_k - S` (step 0 if the item has fewer), so the consumers' H loads after the
+        K loop find them in L2 instead of waiting on HBM. A hint: the same bits either way.
 
     Removed in session 42 (a config naming them is a TypeError): `persistent_ctas=0` (one
     CTA per item) with its `prefetch_h` and `early_h`, and `epilogue_layout` (only the
@@ -160,6 +165,7 @@ class DHConfig(_common.ClusterTiles):
     h_loader: str = "tma"
     cluster_m: int = 1
     wgmma_lag: int = 1
+    h_prefetch_steps: int = 0
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -202,6 +208,11 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         raise ValueError(f"config.h_loader={config.h_loader!r} must be one of {H_LOADERS}.")
     _common.require_cluster_m(config)
     _common.require_wgmma_lag(config)
+    if not isinstance(config.h_prefetch_steps, int) or config.h_prefetch_steps < 0:
+        raise ValueError(
+            f"config.h_prefetch_steps={config.h_prefetch_steps!r} must be an int >= 0 (K steps "
+            "before an item's end at which the producer prefetches its H rows into L2; 0 = off)."
+        )
     if config.cluster_m == 2 and config.persistent_ctas % 2:
         raise ValueError(
             "config.cluster_m=2 (two CTAs sharing each W2 tile) needs an even CTA count, got "
@@ -533,6 +544,8 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     h_cp_async = config.h_loader == "cp_async" and not interpret
+    h_prefetch = config.h_prefetch_steps > 0 and not interpret  # a hint interpret mode skips
+    h_prefetch_step = max(num_k - config.h_prefetch_steps, 0)
     overlaid, slot_bytes, epilogue_bytes = _persistent_layout(config)
     free = stages - overlaid  # W2 slots the epilogue leaves alone
     # The K step before which the producer waits for the previous item's epilogue: the first
@@ -642,6 +655,17 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                                       full.at[slot], cp_async, multicast)
                         if cp_async:
                             _common.cp_async_publish(ki, full, a_landed, stages)
+                        if h_prefetch:
+                            @pl.when(ki == h_prefetch_step)
+                            def _():
+                                h_row0, h_rows = start_ref[mi], num_rows
+                                if clusters > 1:  # this CTA's row block of the item
+                                    h_row0 = h_row0 + rank * bm
+                                    h_rows = block_rows_ref[mi, rank]
+                                for col in (ni * cols, n + ni * cols):  # gate, up
+                                    _common.prefetch_row_block_l2(
+                                        h_ref.at[:, pl.ds(col, cols)], h_row0, h_rows,
+                                        max_rows=bm)
                         return carry
 
                     jax.lax.fori_loop(0, num_k, step, None)

@@ -2,9 +2,11 @@
 # root; logs under $OUT.
 #   N: session 54's part N (gpt-oss lag-0 GPU tests, gpt-oss step default vs lag1-forward,
 #      quant.py at 7B): `benchmarks/history/session54/next_calls.sh N`.
-#   A (~5 min, H100): what dH's per-item epilogue costs today (issue 9): the default
+#   A (~7 min, H100): what dH's per-item epilogue costs today (issue 9): the default
 #      persistent dH against its ablations (no H load, no dSwiGLU math, no stores, none of
-#      them) at 7B and 30B, paired over 3 rounds (`dh_ablation.py`).
+#      them) and the new opt-in L2 prefetch of each item's H rows (`h_prefetch_steps` 4, 8)
+#      at 7B and 30B, paired over 3 rounds (`dh_ablation.py`); then the prefetch's GPU test
+#      (bitwise the default, poisoned outputs, 132 and 8 CTAs).
 #   F (~5 min, H100): session 39's part L, never run: the backward kernels at 7B timed
 #      plainly and after a 256-MB XLA pass (`backward.py --flush-l2`): are the isolated
 #      figures flattered by their own previous call's bytes in the L2 (the step runs its
@@ -19,7 +21,10 @@ N)
 A)
   timeout 400 python3 benchmarks/history/session55/dh_ablation.py 7b,30b 3 > $OUT/dh_ablation.log 2>&1
   echo "dh ablation rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_ablation.log | tail -18
-  grep "^|" $OUT/dh_ablation.log ;;
+  grep "^|" $OUT/dh_ablation.log
+  timeout 150 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k "h_prefetch" \
+    > $OUT/gpu_h_prefetch.log 2>&1
+  echo "gpu h_prefetch rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_h_prefetch.log ;;
 F)
   for flush in 0 256; do
     timeout 250 python3 benchmarks/backward.py --shapes 7b --sweep none --flush-l2 $flush \
