@@ -874,32 +874,22 @@ def test_dh_clusters_no_races(num_tokens, d, stages, clusters, skew):
                             int(plan.num_rows))
 
 
-def test_dh_wgmma_lag_0_no_races():
-    """dH with each W2 slot released as soon as its own K step's wgmma is done
-    (`wgmma_lag=0`, session 51): one CTA walking every item, 7 K steps over 5 slots (two of
-    them overlaid by the epilogue), two consumers, an empty expert; race-free and bitwise
-    the default release (and its kernel-order reference)."""
-    x, h, plan, w1, w2, grad_out = make_problem(8, 60, 448, 128, 3, 2, empty=(1,))
+@pytest.mark.parametrize("d,ctas,option", [(448, 1, dict(wgmma_lag=0)),
+                                             (192, 2, dict(h_prefetch_steps=8))],
+                         ids=["wgmma_lag_0", "h_prefetch"])
+def test_dh_options_that_keep_the_default_bits_no_races(d, ctas, option):
+    """dH options that must not change a bit, race-free and bitwise the default (and its
+    kernel-order reference), two consumers, an empty expert:
+    - each W2 slot released as soon as its own K step's wgmma is done (`wgmma_lag=0`,
+      session 51): one CTA walking every item, 7 K steps over 5 slots (two of them overlaid
+      by the epilogue);
+    - the producer's L2 prefetch of each item's H rows (`h_prefetch_steps`, session 55; a
+      hint interpret mode skips): items of 3 K steps, shorter than the prefetch distance."""
+    x, h, plan, w1, w2, grad_out = make_problem(8, 60, d, 128, 3, 2, empty=(1,))
     args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
-    default = DHConfig(block_n=64, num_stages=5, num_consumers=2, persistent_ctas=1,
+    default = DHConfig(block_n=64, num_stages=5, num_consumers=2, persistent_ctas=ctas,
                        h_loader="cp_async")
-    config = dataclasses.replace(default, wgmma_lag=0)
-    got = dh_kernel(*args, config=config, interpret=interp(detect_races=True))
-    assert not races_found()
-    check_dh(got, grad_out, h, plan, w2, config)
-    assert_dh_outputs_equal(got, dh_kernel(*args, config=default, interpret=True),
-                            int(plan.num_rows))
-
-
-def test_dh_h_prefetch_is_a_hint_in_interpret_mode():
-    """`h_prefetch_steps` (the producer's L2 prefetch of each item's H rows) changes no
-    result: interpret mode skips the hint, race-free, bitwise the default; an item shorter
-    than the prefetch distance (3 K steps, prefetch 8 ahead) included."""
-    x, h, plan, w1, w2, grad_out = make_problem(8, 60, 192, 128, 3, 2, empty=(1,))
-    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
-    default = DHConfig(block_n=64, num_stages=5, num_consumers=2, persistent_ctas=2,
-                       h_loader="cp_async")
-    config = dataclasses.replace(default, h_prefetch_steps=8)
+    config = dataclasses.replace(default, **option)
     got = dh_kernel(*args, config=config, interpret=interp(detect_races=True))
     assert not races_found()
     check_dh(got, grad_out, h, plan, w2, config)

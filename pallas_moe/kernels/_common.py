@@ -904,6 +904,35 @@ def _cp_async_rows(src_ref, index_ref, dsts, num_rows: int, source) -> None:
     _issue(src_ref, index_ref, dsts)
 
 
+def _global_rows(src, itemsize: int):
+    """(global-space pointer to `src`'s first element, bytes between its rows) of a GMEM
+    memref with contiguous rows, inside `inline_mgpu`."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+
+    src_ty = ir.MemRefType(src.type)
+    (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
+    if col_stride != 1:
+        raise ValueError(f"src must have contiguous rows, got {src_ty}.")
+    ptr = mgpu.utils.memref_ptr(src)
+    return llvm.addrspacecast(llvm.PointerType.get(address_space=1), ptr), row_stride * itemsize
+
+
+def _prefetch_l2(base, byte_offset, active) -> None:
+    """`prefetch.global.L2` of the line at `base + byte_offset` (i64) where `active` (i1)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+
+    i64, i8 = _mlir_int_types()[1:3]
+    addr = mgpu.utils.getelementptr(base, [byte_offset], i8)
+    llvm.inline_asm(
+        ir.Type.parse("!llvm.void"), [active, llvm.ptrtoint(i64, addr)],
+        "@$0 prefetch.global.L2 [$1];", "b,l", has_side_effects=True,
+    )
+
+
 def prefetch_rows_l2(src_ref, token_ids, *, num_rows: int) -> None:
     """Asks L2 for `src[token_ids[r], :]` for r < num_rows (one 128-byte row chunk each;
     `prefetch.global.L2`), so a later cp.async gather of those chunks hits L2. Called by a
@@ -917,8 +946,7 @@ def prefetch_rows_l2(src_ref, token_ids, *, num_rows: int) -> None:
       num_rows: static rows, >= 1.
     """
     import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref
+    from jax._src.lib.mlir.dialects import arith, memref
 
     if num_rows < 1:
         raise ValueError(f"num_rows={num_rows} must be >= 1.")
@@ -933,23 +961,13 @@ def prefetch_rows_l2(src_ref, token_ids, *, num_rows: int) -> None:
     def _prefetch(ctx, src, ids):
         del ctx
         utils = mgpu.utils
-        i32, i64, i8, index = _mlir_int_types()
-        src_ty = ir.MemRefType(src.type)
-        (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
-        if col_stride != 1:
-            raise ValueError(f"src must have contiguous rows, got {src_ty}.")
+        i32, i64, _, index = _mlir_int_types()
+        base, row_bytes = _global_rows(src, itemsize)
         tid = arith.remui(utils.thread_idx(), utils.c(128, i32))
         active = arith.cmpi(arith.CmpIPredicate.ult, tid, utils.c(num_rows, i32))
         row = arith.select(active, tid, utils.c(0, i32))  # idle threads read a valid id
         tok = memref.load(ids, [arith.index_cast(index, row)])
-        base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), utils.memref_ptr(src))
-        addr = utils.getelementptr(
-            base, [arith.muli(arith.extui(i64, tok), utils.c(row_stride * itemsize, i64))], i8
-        )
-        llvm.inline_asm(
-            ir.Type.parse("!llvm.void"), [active, llvm.ptrtoint(i64, addr)],
-            "@$0 prefetch.global.L2 [$1];", "b,l", has_side_effects=True,
-        )
+        _prefetch_l2(base, arith.muli(arith.extui(i64, tok), utils.c(row_bytes, i64)), active)
 
     _prefetch(src_ref, token_ids)
 
@@ -968,10 +986,10 @@ def prefetch_row_block_l2(src_ref, row0, num_rows, *, max_rows: int) -> None:
       max_rows: static bound on num_rows (the tile height).
     """
     import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax._src.lib.mlir.dialects import arith
 
-    width_bytes = src_ref.shape[-1] * jnp.dtype(src_ref.dtype).itemsize
+    itemsize = jnp.dtype(src_ref.dtype).itemsize
+    width_bytes = src_ref.shape[-1] * itemsize
     if width_bytes % 128:
         raise ValueError(f"src rows must be whole 128-byte lines, got {width_bytes} bytes.")
     lines_per_row = width_bytes // 128
@@ -983,29 +1001,19 @@ def prefetch_row_block_l2(src_ref, row0, num_rows, *, max_rows: int) -> None:
     def _prefetch(ctx, src, first, count):
         del ctx
         utils = mgpu.utils
-        i32, i64, i8, _ = _mlir_int_types()
-        src_ty = ir.MemRefType(src.type)
-        (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
-        if col_stride != 1:
-            raise ValueError(f"src must have contiguous rows, got {src_ty}.")
+        i32, i64, _, _ = _mlir_int_types()
+        base, row_bytes = _global_rows(src, itemsize)
         first, count = first.registers.item(), count.registers.item()
         tid = arith.remui(utils.thread_idx(), utils.c(128, i32))
-        base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), utils.memref_ptr(src))
         for i in range(rounds):
             line = arith.addi(tid, utils.c(i * 128, i32))
             row = arith.divui(line, utils.c(lines_per_row, i32))
             col = arith.remui(line, utils.c(lines_per_row, i32))
-            active = arith.cmpi(arith.CmpIPredicate.ult, row, count)
             offset = arith.addi(
-                arith.muli(arith.extui(i64, arith.addi(first, row)),
-                           utils.c(row_stride * jnp.dtype(src_ref.dtype).itemsize, i64)),
+                arith.muli(arith.extui(i64, arith.addi(first, row)), utils.c(row_bytes, i64)),
                 arith.muli(arith.extui(i64, col), utils.c(128, i64)),
             )
-            addr = utils.getelementptr(base, [offset], i8)
-            llvm.inline_asm(
-                ir.Type.parse("!llvm.void"), [active, llvm.ptrtoint(i64, addr)],
-                "@$0 prefetch.global.L2 [$1];", "b,l", has_side_effects=True,
-            )
+            _prefetch_l2(base, offset, arith.cmpi(arith.CmpIPredicate.ult, row, count))
 
     _prefetch(src_ref, jnp.asarray(row0, jnp.int32), jnp.asarray(num_rows, jnp.int32))
 
