@@ -11,6 +11,10 @@
 #      plainly and after a 256-MB XLA pass (`backward.py --flush-l2`): are the isolated
 #      figures flattered by their own previous call's bytes in the L2 (the step runs its
 #      weight gradients ~1.2x and dH ~1.15x slower than alone)?
+#   D (~4 min, H100): issue 15 at T = 1 and 2: split K of the megakernel's up tasks
+#      (`up_split_k` 2 and 4, and 128-column up tasks split 2) against the default, twice in
+#      opposite orders. Never measured on an H100, nor on any card since session 32 removed
+#      the gather hot spot that every earlier T = 1 verdict ran with.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -31,6 +35,17 @@ F)
       --out $OUT/bw_flush$flush > $OUT/bw_flush$flush.log 2>&1
     echo "flush $flush rc=$? at $(( $(date +%s) - T0 )) s"
     grep "^| 7b" $OUT/bw_flush$flush.log | tail -2
+  done ;;
+D)
+  V=static,static_split2,static_split4,static_u128_split2
+  R=static_u128_split2,static_split4,static_split2,static
+  i=0
+  for vs in $V $R; do
+    i=$((i + 1))
+    timeout 250 python3 benchmarks/decode.py --tokens 1,2 --iters 30 --variants $vs \
+      --out $OUT/dec$i > $OUT/dec$i.log 2>&1
+    echo "decode run $i ($vs) rc=$? at $(( $(date +%s) - T0 )) s"
+    grep "^  static" $OUT/dec$i.log | cut -c1-60
   done ;;
 esac
 echo "done in $(( $(date +%s) - T0 )) s"
