@@ -1,7 +1,7 @@
 """What dH's epilogue costs today (issue 9): the default persistent dH kernel against
 ablations of its per-item epilogue, same run, paired rounds (GPU us, CUPTI).
 
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/history/session55/dh_ablation.py 7b,30b [rounds]
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/history/session55/dh_ablation.py 7b,30b [rounds] [variants]
 
 Variants (each a monkeypatch of `pallas_moe.kernels.dh` / `_common` at trace time; only the
 default writes valid outputs, the others are timing probes):
@@ -74,6 +74,8 @@ def patched(variant):
 def main():
     shapes = sys.argv[1].split(",") if len(sys.argv) > 1 else ["7b", "30b"]
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    variants = sys.argv[3].split(",") if len(sys.argv) > 3 else list(PATCHES)
+    assert variants[0] == "default" and set(variants) <= set(PATCHES), variants
     rows_out = []
     for name in shapes:
         shape = SHAPES[name]
@@ -88,7 +90,7 @@ def main():
             plan.group_sizes, plan.token_ids)
         args = (go, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
         fns = {}
-        for variant in PATCHES:
+        for variant in variants:
             vcfg = dataclasses.replace(cfg, **OVERRIDES.get(variant, {}))
             with patched(variant):
                 f = jax.jit(functools.partial(dh_mod.dh_kernel, config=vcfg, meta=meta))
@@ -99,20 +101,20 @@ def main():
         again = fns["default"](*args)
         bitwise = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(out, again))
         print(f"  default vs XLA: max rel err {err:.2e}, bitwise repeat {bitwise}", flush=True)
-        for v in OVERRIDES:
+        for v in (v for v in variants if v in OVERRIDES):
             got = poison_then(fns[v], *args, nbytes=P * 3 * n * 2)
             same = all(np.array_equal(np.asarray(a)[:rows], np.asarray(b)[:rows])
                        for a, b in zip(out, got))
             print(f"  {v} bitwise the default (poisoned, real rows): {same}", flush=True)
             del got
         del out, again
-        times = {v: [] for v in PATCHES}
+        times = {v: [] for v in variants}
         for r in range(rounds):
-            order = list(PATCHES) if r % 2 == 0 else list(reversed(PATCHES))
+            order = variants if r % 2 == 0 else variants[::-1]
             for v in order:
                 times[v].append(gpu_time_ms(fns[v], *args) * 1e3)
         base = statistics.median(times["default"])
-        for v in PATCHES:
+        for v in variants:
             med = statistics.median(times[v])
             spread = (max(times[v]) - min(times[v])) / med
             ratio = statistics.median(a / b for a, b in zip(times["default"], times[v]))
