@@ -15,9 +15,9 @@
 #      (`up_split_k` 2 and 4, and 128-column up tasks split 2) against the default, twice in
 #      opposite orders. Never measured on an H100, nor on any card since session 32 removed
 #      the gather hot spot that every earlier T = 1 verdict ran with.
-#   C (~9 min, one H100 call when few device seconds are left): part N's never-run GPU test
-#      (the up-proj's lag-0 default at gpt-oss widths, bitwise the other lag), part A with
-#      five variants, and the prefetch's GPU test at the 7B widths.
+#   C (~8 min, one call when few device seconds are left; H100 or H200): part N's never-run
+#      GPU test (the up-proj's lag-0 default at gpt-oss widths, bitwise the other lag), part
+#      A with four variants over 2 rounds, and the prefetch's GPU test at the 7B widths.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -40,14 +40,14 @@ F)
     grep "^| 7b" $OUT/bw_flush$flush.log | tail -2
   done ;;
 C)
-  timeout 170 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
+  timeout 150 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
     "test_up_proj_wgmma_lag_0_writes_the_default_bits and gpt_oss" > $OUT/gpu_lag_gpt_oss.log 2>&1
   echo "gpu up-proj lag gpt-oss rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_lag_gpt_oss.log
-  timeout 300 python3 benchmarks/history/session55/dh_ablation.py 7b,30b 3 \
-    default,no_hload,no_store,no_epi,pf8 > $OUT/dh_ablation.log 2>&1
+  timeout 260 python3 benchmarks/history/session55/dh_ablation.py 7b,30b 2 \
+    default,no_hload,no_epi,pf8 > $OUT/dh_ablation.log 2>&1
   echo "dh ablation rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_ablation.log | tail -14
   grep "^|" $OUT/dh_ablation.log
-  timeout 100 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
+  timeout 90 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
     "h_prefetch and 7b" > $OUT/gpu_h_prefetch.log 2>&1
   echo "gpu h_prefetch rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_h_prefetch.log ;;
 D)
