@@ -40,14 +40,14 @@ F)
     grep "^| 7b" $OUT/bw_flush$flush.log | tail -2
   done ;;
 C)
-  timeout 150 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
+  timeout 140 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
     "test_up_proj_wgmma_lag_0_writes_the_default_bits and gpt_oss" > $OUT/gpu_lag_gpt_oss.log 2>&1
   echo "gpu up-proj lag gpt-oss rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_lag_gpt_oss.log
-  timeout 260 python3 benchmarks/history/session55/dh_ablation.py 7b,30b 2 \
+  timeout 230 python3 benchmarks/history/session55/dh_ablation.py 7b,30b 2 \
     default,no_hload,no_epi,pf8 > $OUT/dh_ablation.log 2>&1
   echo "dh ablation rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_ablation.log | tail -14
   grep "^|" $OUT/dh_ablation.log
-  timeout 90 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
+  timeout 80 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
     "h_prefetch and 7b" > $OUT/gpu_h_prefetch.log 2>&1
   echo "gpu h_prefetch rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_h_prefetch.log ;;
 D)
