@@ -50,6 +50,14 @@ C)
   timeout 80 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
     "h_prefetch and 7b" > $OUT/gpu_h_prefetch.log 2>&1
   echo "gpu h_prefetch rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_h_prefetch.log ;;
+E)  # part C cut to ~5.5 min (the session's last device seconds)
+  timeout 130 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
+    "test_up_proj_wgmma_lag_0_writes_the_default_bits and gpt_oss" > $OUT/gpu_lag_gpt_oss.log 2>&1
+  echo "gpu up-proj lag gpt-oss rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_lag_gpt_oss.log
+  timeout 200 python3 benchmarks/history/session55/dh_ablation.py 7b,30b 2 \
+    default,no_epi,pf8 > $OUT/dh_ablation.log 2>&1
+  echo "dh ablation rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_ablation.log | tail -12
+  grep "^|" $OUT/dh_ablation.log ;;
 D)
   V=static,static_split2,static_split4,static_u128_split2
   R=static_u128_split2,static_split4,static_split2,static
