@@ -58,6 +58,14 @@ E)  # part C cut to ~5.5 min (the session's last device seconds)
     default,no_epi,pf8 > $OUT/dh_ablation.log 2>&1
   echo "dh ablation rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_ablation.log | tail -12
   grep "^|" $OUT/dh_ablation.log ;;
+G)  # the last ~4 min: the lag test, then the ablation at 7B only
+  timeout 120 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
+    "test_up_proj_wgmma_lag_0_writes_the_default_bits and gpt_oss" > $OUT/gpu_lag_gpt_oss.log 2>&1
+  echo "gpu up-proj lag gpt-oss rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_lag_gpt_oss.log
+  timeout 120 python3 benchmarks/history/session55/dh_ablation.py 7b 2 \
+    default,no_epi,pf8 > $OUT/dh_ablation.log 2>&1
+  echo "dh ablation rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_ablation.log | tail -8
+  grep "^|" $OUT/dh_ablation.log ;;
 D)
   V=static,static_split2,static_split4,static_u128_split2
   R=static_u128_split2,static_split4,static_split2,static
