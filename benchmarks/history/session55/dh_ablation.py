@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import statistics
 import sys
+from unittest import mock
 
 import numpy as np
 
@@ -61,14 +62,10 @@ OVERRIDES = {"pf4": dict(h_prefetch_steps=4), "pf8": dict(h_prefetch_steps=8)}
 
 @contextlib.contextmanager
 def patched(variant):
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in PATCHES[variant]]
-    try:
+    with contextlib.ExitStack() as stack:
         for mod, name, fn in PATCHES[variant]:
-            setattr(mod, name, fn)
+            stack.enter_context(mock.patch.object(mod, name, fn))
         yield
-    finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
 
 
 def main():
