@@ -236,11 +236,12 @@ def small_batch_routing(max_tokens: int = SMALL_BATCH_TOKENS):
         _small_batch_limit = previous
 
 
-def _topk_small_kernel(scores_ref, experts_ref, rows_ref, sizes_ref, token_ids_ref, *,
-                       k: int, num_tokens: int, num_experts: int, t_pad: int, e_pad: int):
+def _topk_small_kernel(scores_ref, experts_ref, rows_ref, sizes_ref, token_ids_ref, pairs_ref,
+                       offsets_ref, *, k: int, num_tokens: int, num_experts: int, t_pad: int,
+                       e_pad: int, o_pad: int):
     """The whole batch in one program: top-K, the expert histogram, its prefix sum, each
     pair's grouped row (expert start plus the pairs of the same expert from earlier
-    tokens), and each grouped row's token."""
+    tokens), each grouped row's token and pair, and the plan's CSR offsets."""
     rows = jnp.arange(t_pad, dtype=jnp.int32)  # [Tp]
     cols = jnp.arange(e_pad, dtype=jnp.int32)  # [Ep]
     row_ok = rows < num_tokens
@@ -261,8 +262,13 @@ def _topk_small_kernel(scores_ref, experts_ref, rows_ref, sizes_ref, token_ids_r
     plt.store(experts_ref.at[flat], col_b, mask=chosen)
     plt.store(rows_ref.at[flat], grouped, mask=chosen)
     plt.store(sizes_ref.at[pl.ds(0, e_pad)], sizes, mask=col_ok)
-    plt.store(token_ids_ref.at[jnp.where(chosen, grouped, num_tokens * k)],
-              jnp.broadcast_to(rows[:, None], grouped.shape), mask=chosen)
+    at_row = jnp.where(chosen, grouped, num_tokens * k)
+    plt.store(token_ids_ref.at[at_row], jnp.broadcast_to(rows[:, None], grouped.shape), mask=chosen)
+    plt.store(pairs_ref.at[at_row], rows[:, None] * k + slot, mask=chosen)
+    # Each token holds K rows: offsets[t] = t * K (written here rather than by an XLA iota
+    # fusion, one launch fewer per decode step).
+    tokens = jnp.arange(o_pad, dtype=jnp.int32)
+    plt.store(offsets_ref.at[pl.ds(0, o_pad)], tokens * k, mask=tokens <= num_tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret"))
@@ -280,7 +286,12 @@ def topk_small(scores: jax.Array, k: int, *, interpret: bool = False):
 
     Returns:
       experts i32[T, K] (each token's experts, ascending), rows i32[T, K] (each pair's
-      grouped row), group_sizes i32[E], token_ids i32[T*K] (each grouped row's token).
+      grouped row), group_sizes i32[E], token_ids i32[T*K] (each grouped row's token),
+      pair_ids i32[T*K] (each grouped row's pair `t * K + slot`, the inverse of `rows`), and
+      offsets i32[T + 1] (the plan's CSR offsets, `t * K`). `pair_ids` lets the caller
+      put the pairs' weights in grouped order with a gather, which XLA fuses into the
+      weights' own formula, instead of a scatter into zeros (two launches; decode steps
+      are launch-bound).
     """
     num_tokens, num_experts = scores.shape
     if num_tokens > SMALL_BATCH_TOKENS:
@@ -291,22 +302,22 @@ def topk_small(scores: jax.Array, k: int, *, interpret: bool = False):
     t_pad, e_pad = next_pow2(num_tokens), next_pow2(num_experts)
     kernel = functools.partial(
         _topk_small_kernel, k=k, num_tokens=num_tokens, num_experts=num_experts,
-        t_pad=t_pad, e_pad=e_pad,
+        t_pad=t_pad, e_pad=e_pad, o_pad=next_pow2(num_tokens + 1),
     )
-    experts, rows, sizes, token_ids = pallas_call(
+    pairs = jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32)
+    experts, rows, sizes, token_ids, pair_ids, offsets = pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32),
-            jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32),
-            jax.ShapeDtypeStruct((num_experts,), jnp.int32),
-            jax.ShapeDtypeStruct((num_tokens * k,), jnp.int32),
+            pairs, pairs, jax.ShapeDtypeStruct((num_experts,), jnp.int32), pairs, pairs,
+            jax.ShapeDtypeStruct((num_tokens + 1,), jnp.int32),
         ),
         grid=(1,),
         compiler_params=_params(max(1, min(8, t_pad * e_pad // 256))),
         interpret=interpret,
         name="moe_topk_small",
     )(scores.astype(jnp.float32))
-    return experts.reshape(num_tokens, k), rows.reshape(num_tokens, k), sizes, token_ids
+    return (experts.reshape(num_tokens, k), rows.reshape(num_tokens, k), sizes, token_ids,
+            pair_ids, offsets)
 
 
 PLACE_SPAN_BLOCKS = 8  # top-K blocks per span of `place_pairs`' bases

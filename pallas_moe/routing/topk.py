@@ -225,6 +225,8 @@ class TopKPairs(NamedTuple):
       group_sizes: i32[E] pairs per expert.
       token_ids: i32[T*K] token of each grouped row (ascending within an expert's group).
       scores: f32[T*K] weight of each grouped row.
+      token_row_offsets: i32[T + 1] the plan's CSR offsets (`t * K`) where the routing
+        program wrote them, else None (`_topk_plan` computes them).
     """
 
     experts: jax.Array
@@ -233,6 +235,7 @@ class TopKPairs(NamedTuple):
     group_sizes: jax.Array
     token_ids: jax.Array
     scores: jax.Array
+    token_row_offsets: jax.Array | None = None
 
 
 def topk_plan(
@@ -270,7 +273,8 @@ def topk_plan(
         logits, k, score=score, renormalize=renormalize, bias=bias,
         num_groups=num_groups, topk_groups=topk_groups, impl=impl,
     )
-    return _topk_plan(pairs.token_ids, pairs.scores, pairs.rows, pairs.group_sizes)
+    return _topk_plan(pairs.token_ids, pairs.scores, pairs.rows, pairs.group_sizes,
+                      pairs.token_row_offsets)
 
 
 def topk_pairs(
@@ -310,12 +314,16 @@ def topk_pairs(
 
     interpret = impl == "interpret"
     if logits.shape[0] <= kernels.small_batch_limit():  # decode sizes: one program
-        experts, rows, group_sizes, token_ids = kernels.topk_small(
+        experts, rows, group_sizes, token_ids, pair_ids, offsets = kernels.topk_small(
             jax.lax.stop_gradient(sel), k, interpret=interpret
         )
         weights = topk_reference_weights(logits, probs, sel, experts, score, renormalize)
-        return TopKPairs(experts, weights, rows, group_sizes, token_ids,
-                         _scatter_scores(rows, weights))
+        # The grouped scores by a gather through each row's pair (fused by XLA into the
+        # weights' formula), not a scatter into zeros: the same values, one launch less.
+        scores = weights.reshape(-1).astype(jnp.float32).at[pair_ids].get(
+            unique_indices=True, mode="promise_in_bounds"
+        )
+        return TopKPairs(experts, weights, rows, group_sizes, token_ids, scores, offsets)
     block_t = kernels.block_tokens(num_experts)
     experts, local_rank, block_counts = kernels.topk_blocks(  # selection: no gradient
         jax.lax.stop_gradient(sel), k, interpret=interpret, block_t=block_t
@@ -407,15 +415,18 @@ def _scatter_scores(rows: jax.Array, weights: jax.Array) -> jax.Array:
     )
 
 
-def _topk_plan(token_ids, scores, rows, group_sizes) -> DispatchPlan:
-    """The top-K `DispatchPlan`: every row is a token-choice row, each token holds K rows."""
+def _topk_plan(token_ids, scores, rows, group_sizes, offsets=None) -> DispatchPlan:
+    """The top-K `DispatchPlan`: every row is a token-choice row, each token holds K rows
+    (`offsets`, i32[T + 1], are `t * K`: computed here unless the routing program wrote them)."""
     num_tokens, k = rows.shape
     capacity = token_ids.shape[0]
+    if offsets is None:
+        offsets = jnp.arange(num_tokens + 1, dtype=jnp.int32) * k
     return DispatchPlan(
         token_ids=token_ids,
         scores=scores,
         group_sizes=group_sizes.astype(jnp.int32),
         is_token_choice=jnp.ones((capacity,), bool),
         rows_by_token=rows.reshape(-1).astype(jnp.int32),
-        token_row_offsets=jnp.arange(num_tokens + 1, dtype=jnp.int32) * k,
+        token_row_offsets=offsets,
     )
