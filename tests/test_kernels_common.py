@@ -395,3 +395,17 @@ def test_interpret_mode_warns_on_a_cpu_pool_that_can_deadlock(monkeypatch, env, 
         assert f"PJRT_NPROC={INTERPRET_MIN_CPU_THREADS}" in str(deadlock[0].message)
     else:
         assert not deadlock
+
+
+@pytest.mark.parametrize("consumers", range(1, 8))
+def test_consumer_registers_come_from_what_the_producer_frees(consumers):
+    """`setmaxnreg.inc` only takes registers the CTA's producer released (session 56: four
+    dH consumers asking for 112 each, beside a launch count of 96, hung on the H100). The
+    consumers' raise must fit in the producer's drop, and the defaults' counts stay."""
+    launch = _common.launch_registers(consumers + 1)
+    assert launch * 128 * (consumers + 1) <= 65536 and launch % 8 == 0
+    raised = _common.consumer_registers(consumers)
+    assert raised % 8 == 0 and raised <= 240
+    freed = (launch - _common.PRODUCER_REGISTERS) * 128
+    assert max(raised - launch, 0) * 128 * consumers <= freed
+    assert {1: 240, 2: 232, 3: 152, 4: 104}.get(consumers, raised) == raised

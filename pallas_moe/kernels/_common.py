@@ -100,11 +100,26 @@ def require_wgmma_blocks(config, block_n_why: str, block_ks: tuple[int, ...] = (
 PRODUCER_REGISTERS = 40  # per thread of a producer warpgroup after `role_registers`
 
 
+def launch_registers(num_warpgroups: int) -> int:
+    """Registers per thread a CTA of `num_warpgroups` warpgroups launches with: the 64K
+    register file over its threads, a multiple of 8, at most 248 (a thread's limit is 255)."""
+    return min(65536 // (128 * num_warpgroups) // 8 * 8, 248)
+
+
 def consumer_registers(num_consumers: int) -> int:
     """Registers per consumer thread once the producer warpgroup drops to
-    `PRODUCER_REGISTERS`: the 64K-register file split evenly (multiple of 8, at most 240)."""
-    free = 65536 // 128 - PRODUCER_REGISTERS
-    return min(free // num_consumers // 8 * 8, 240)
+    `PRODUCER_REGISTERS` (a multiple of 8, at most 240).
+
+    `setmaxnreg.inc` takes registers only from those the CTA's own `setmaxnreg.dec` released,
+    not from the SM's unallocated ones, and blocks until they are there. So the consumers
+    may share out only what the producer frees: launch + (launch - 40) / C each. Session 56
+    found the old formula (the whole file split evenly: 112 for four consumers, against a
+    launch count of 96 and 56 freed per producer thread, 14 per consumer thread) hanging a
+    four-consumer dH on the H100; two and three consumers (232 and 152) are unchanged.
+    """
+    launch = launch_registers(num_consumers + 1)
+    freed = (launch - PRODUCER_REGISTERS) // num_consumers
+    return min(launch + freed // 8 * 8, 240)
 
 
 def role_registers(role: str, num_consumers: int) -> None:
