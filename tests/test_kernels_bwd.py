@@ -819,9 +819,11 @@ def test_three_consumers_lower_for_cuda_at_gpt_oss_widths():
      # CI time: the same item walk as two CTAs (item = cta + j * num_ctas), and one
      # consumer warpgroup (the default below n = 128); opt-in extras.
      pytest.param(90, 128, 4, 3, 64, 2, marks=pytest.mark.slow),
-     pytest.param(50, 256, 4, 2, 64, 1, marks=pytest.mark.slow)],
+     pytest.param(50, 256, 4, 2, 64, 1, marks=pytest.mark.slow),
+     # four consumers of 64 columns (session 56's c4 probe; opt-in)
+     pytest.param(60, 448, 5, 1, 64, 4, marks=pytest.mark.slow)],
     ids=["one_cta_7_k_steps", "k_steps_within_free_slots", "two_slab_tiles", "three_ctas",
-         "one_consumer"],
+         "one_consumer", "four_consumers"],
 )
 def test_dh_kernel_no_races(num_tokens, d, stages, num_ctas, block_n, consumers):
     """The dH kernel with the race detector, bitwise against the kernel-order reference
@@ -832,8 +834,8 @@ def test_dh_kernel_no_races(num_tokens, d, stages, num_ctas, block_n, consumers)
     expert gives empty tiles to skip, and with one consumer each tile has 2 column blocks.
     H is loaded by the TMA ladder here: interpret mode runs that loader for
     `h_loader="cp_async"` too (the cp.async loader: lowering and GPU tests)."""
-    x, h, plan, w1, w2, grad_out = make_problem(8, num_tokens, d, 2 * block_n, 3, 2,
-                                                empty=(1,))
+    n = max(2, consumers) * block_n
+    x, h, plan, w1, w2, grad_out = make_problem(8, num_tokens, d, n, 3, 2, empty=(1,))
     args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
     config = DHConfig(block_n=block_n, num_stages=stages, num_consumers=consumers,
                       persistent_ctas=num_ctas, h_loader="cp_async")
