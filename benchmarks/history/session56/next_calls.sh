@@ -42,6 +42,14 @@ C3)  # C2 cut to ~6 min (the session's last device seconds)
     > $OUT/dh_c4.log 2>&1
   echo "dh c4 rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_c4.log | tail -6
   grep "^|" $OUT/dh_c4.log ;;
+C4)  # C3 cut to ~3.7 min, 7B only
+  timeout 130 python3 benchmarks/history/session55/dh_ablation.py 7b 2 \
+    default,no_epi,pf8 > $OUT/dh_ablation.log 2>&1
+  echo "dh ablation rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_ablation.log | tail -8
+  grep "^|" $OUT/dh_ablation.log
+  timeout 90 python3 benchmarks/history/session55/dh_ablation.py 7b 1 default,c4 \
+    > $OUT/dh_c4.log 2>&1
+  echo "dh c4 rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_c4.log | tail -6 ;;
 R)
   nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
   timeout 150 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
