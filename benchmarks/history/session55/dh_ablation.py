@@ -15,7 +15,8 @@ default writes valid outputs, the others are timing probes):
               checked bitwise against the default on poisoned outputs
   c4, c4s4    (session 56) four consumer warpgroups of 64 columns instead of two of 128 (the
               same 256-column items; 5 / 4 stages): each consumer's epilogue is half as
-              long, with 112 registers a thread instead of 232. dH and A' checked bitwise
+              long, with 104 registers a thread instead of 232 (112 until session 56's
+              `consumer_registers` fix; 112 hung the H100). dH and A' checked bitwise
               against the default; dS sums its 64-column partials in another order, so it
               is checked against XLA's
 
