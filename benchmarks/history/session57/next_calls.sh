@@ -1,0 +1,20 @@
+# Session 57's GPU calls: `bash benchmarks/history/session57/next_calls.sh PART` from the repo
+# root; logs under $OUT.
+#   S (~4 min, H100): issue 9: do dH's epilogue stores wait on each other across SMs? The
+#      default dH against CTAs started out of phase (`dh_stagger.py`: stag2, stag4), 7B and
+#      30B, 2 rounds paired, bitwise checked on poisoned outputs.
+#   R, N, F, D: session 56's R and session 55's N, F, D (`session56/next_calls.sh PART`).
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+T0=$(date +%s)
+PART=${1:-S}
+case "$PART" in
+S)
+  nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
+  timeout 400 python3 benchmarks/history/session57/dh_stagger.py 7b,30b 2 \
+    default,stag2,stag4 > $OUT/dh_stagger.log 2>&1
+  echo "dh stagger rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_stagger.log | tail -20
+  grep "^|" $OUT/dh_stagger.log ;;
+*)
+  bash benchmarks/history/session56/next_calls.sh "$PART" ;;
+esac
+echo "session 57 part $PART done in $(( $(date +%s) - T0 )) s"
