@@ -815,6 +815,26 @@ def test_dh_h_prefetch_writes_the_default_bits(shape):
 @pytest.mark.parametrize(
     "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8), (3000, 2880, 2880, 16, 4)],
     ids=["30b_widths", "7b_widths", "gpt_oss_widths"])
+def test_dh_register_stores_write_the_default_bits(shape):
+    """dH whose consumers store dH and A' from registers (`DHConfig(store="registers")`,
+    session 57: predicated 4-byte `st.global`, the slabs carrying only H) writes the TMA
+    stores' bits (a row written past a tile's end would land in the next tile's rows and
+    race with its writer): 132 and 8 CTAs, skewed routing with an empty expert, poisoned
+    outputs, fresh random data."""
+    import dataclasses
+
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+
+    T, d, n, E, K = shape
+    base = BackwardConfig.for_shape(d, n, num_sms=132).dh
+    registers = dataclasses.replace(base, store="registers")
+    _assert_dh_configs_write_the_same_bits(shape, T + d + n + 17, (
+        base, registers, dataclasses.replace(registers, persistent_ctas=8)), empty_expert=3)
+
+
+@pytest.mark.parametrize(
+    "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8), (3000, 2880, 2880, 16, 4)],
+    ids=["30b_widths", "7b_widths", "gpt_oss_widths"])
 def test_wgmma_lag_0_writes_the_default_bits(shape):
     """dH, both weight gradients, the down-proj (with an expert bias) and dX~ with each slot
     released as soon as its own K step's wgmmas are done (`wgmma_lag=0`, session 51) write

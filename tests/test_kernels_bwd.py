@@ -921,6 +921,42 @@ def test_dh_h_prefetch_lowers_for_cuda(shape, cluster_m):
                 config, h_prefetch_steps=bad)), *args)
 
 
+@pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (8192, 2880, 2880, 32, 4)],
+                         ids=["7b", "gpt_oss"])
+def test_dh_register_stores_lower_for_cuda(shape):
+    """`DHConfig(store="registers")` (dH and A' stored from registers by predicated
+    `st.global`, compiled kernels only) lowers for cuda at production widths (two consumers
+    of 128 columns; three of 64), its SMEM tiles carry only H (one W2 slot fewer overlaid
+    than H and A' take), and a bad value is refused naming the field."""
+    from pallas_moe.kernels import dh as dh_module
+
+    t, d, n, e, k = shape
+    sds, p = jax.ShapeDtypeStruct, t * k
+    config = dataclasses.replace(BackwardConfig.for_shape(d, n, num_sms=132).dh,
+                                 store="registers")
+    args = (sds((t, d), BF16), sds((p, 2 * n), BF16), sds((p,), jnp.int32),
+            sds((e,), jnp.int32), sds((p,), jnp.float32), sds((e, n, d), BF16))
+    text = jax.jit(functools.partial(dh_kernel, config=config)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "st.global.b32" in text
+    with_ap = dh_module._persistent_layout(config)[0]
+    assert dh_module._persistent_layout(config, with_ap=False)[0] == with_ap - 1 == 2
+    with pytest.raises(ValueError, match="config.store='smem' must be one of"):
+        jax.eval_shape(functools.partial(dh_kernel, config=dataclasses.replace(
+            config, store="smem")), *args)
+
+
+def test_dh_register_stores_fall_back_to_tma_in_interpret_mode():
+    """Interpret mode cannot run `store="registers"`' inline PTX: it runs the TMA stores,
+    the default's bits (an empty expert, tiles ending mid-tile)."""
+    x, h, plan, w1, w2, grad_out = make_problem(23, 24, 128, 128, 3, 2, skew=2.0, empty=(1,))
+    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    base = DHConfig(block_n=64, num_stages=4, num_consumers=2, persistent_ctas=2)
+    want = dh_kernel(*args, config=base, interpret=True)
+    got = dh_kernel(*args, config=dataclasses.replace(base, store="registers"), interpret=True)
+    assert_dh_outputs_equal(got, want, int(plan.num_rows))
+
+
 @pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (8192, 2880, 2880, 32, 4)],
                          ids=["30b", "gpt_oss"])
 def test_dh_clusters_lower_for_cuda(shape):

@@ -987,6 +987,64 @@ def prefetch_rows_l2(src_ref, token_ids, *, num_rows: int) -> None:
     _prefetch(src_ref, token_ids)
 
 
+def store_rows_from_registers(dst_ref, value, row0, num_rows) -> None:
+    """`dst[row0 + r, c] = value[r, c]` for `r < num_rows`, straight from registers: each
+    thread writes its pairs of adjacent columns with predicated 4-byte `st.global` (rows at
+    or past `num_rows` are not written, as with the TMA row ladder of `store_rows`).
+    Compiled kernels only (inline PTX; interpret mode cannot run it).
+
+    Why: a TMA store reads an SMEM tile, and the tile can be reused only once the store has
+    read it (`wait_smem_to_gmem(..., wait_read_only=True)`). The persistent dH kernel's
+    consumers waited for that before the producer could refill the W2 slots that the tiles
+    overlay (session 56: its stores were 21% of dH at 7B, and session 57 found no
+    cross-SM collision behind them). Register stores leave no SMEM to wait for: they drain
+    through the LSU while the next item's K loop runs.
+
+    Args:
+      dst_ref: GMEM ref [P, w] with contiguous rows, 2-byte elements (a column window of a
+        bf16 output, `out.at[:, pl.ds(col0, w)]`).
+      value: [bm, w] array of the same dtype in the WGMMA layout (each thread holds pairs of
+        adjacent columns, so every store is 4 bytes and 4-byte aligned).
+      row0, num_rows: i32 scalars, the tile's first row in `dst` and its rows.
+    """
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+
+    itemsize = jnp.dtype(value.dtype).itemsize
+    if itemsize != 2 or jnp.dtype(dst_ref.dtype) != jnp.dtype(value.dtype):
+        raise ValueError(
+            f"store_rows_from_registers writes 2-byte pairs: value {value.dtype} into "
+            f"dst {dst_ref.dtype}."
+        )
+    scalar = plgpu.Layout.WG_SPLAT(shape=())
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA, scalar, scalar))
+    def _store(ctx, dst, val, first, count):
+        del ctx
+        utils = mgpu.utils
+        i32, i64, i8, _ = _mlir_int_types()
+        base, row_bytes = _global_rows(dst, itemsize)
+        first, count = first.registers.item(), count.registers.item()
+        # Registers in `thread_idxs` order; each is a vector of 2 adjacent columns, indexed
+        # by its first.
+        for idx, reg in zip(val.layout.thread_idxs(val.shape), val.registers.flat):
+            row, col = (arith.index_cast(i32, i) for i in idx)
+            offset = arith.addi(
+                arith.muli(arith.extui(i64, arith.addi(first, row)), utils.c(row_bytes, i64)),
+                arith.muli(arith.extui(i64, col), utils.c(itemsize, i64)),
+            )
+            addr = utils.getelementptr(base, [offset], i8)
+            llvm.inline_asm(
+                ir.Type.parse("!llvm.void"),
+                [arith.cmpi(arith.CmpIPredicate.ult, row, count), llvm.ptrtoint(i64, addr),
+                 utils.bitcast(reg, i32)],
+                "@$0 st.global.b32 [$1], $2;", "b,l,r", has_side_effects=True,
+            )
+
+    _store(dst_ref, value, jnp.asarray(row0, jnp.int32), jnp.asarray(num_rows, jnp.int32))
+
+
 def prefetch_row_block_l2(src_ref, row0, num_rows, *, max_rows: int) -> None:
     """Asks L2 for rows `[row0, row0 + num_rows)` of `src` (every 128-byte line of each row;
     `prefetch.global.L2`), e.g. the saved H rows a later epilogue loads. Called by a whole

@@ -70,6 +70,7 @@ from pallas_moe.ops.activation import SwiGLU
 
 
 H_LOADERS = ("tma", "cp_async")
+STORES = ("tma", "registers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +145,14 @@ class DHConfig(_common.ClusterTiles):
         K loop find them in L2 instead of waiting on HBM. A hint: the same bits either way.
         Measured level with the default on the H100 (session 56: 0.997x at 7B, 1.010x at
         30B with S = 8), so it stays off.
+      store: how dH and A' leave the consumers. "tma" (default): each dSwiGLU chunk is
+        written into SMEM slabs (H's, overwritten, and an A' tile) and TMA-stored
+        row-exactly; the consumers wait until the stores have read the slabs before the
+        producer may refill the W2 slots they overlay. "registers": compiled kernels only
+        (interpret mode runs "tma"): each chunk is stored from registers with predicated
+        4-byte `st.global` (`_common.store_rows_from_registers`), so the slabs only bring H
+        in (no A' tile: they overlay one W2 slot fewer at the 7B and 30B widths) and are free
+        once read; nothing waits for the stores. The same values, so the same bits.
 
     Removed in session 42 (a config naming them is a TypeError): `persistent_ctas=0` (one
     CTA per item) with its `prefetch_h` and `early_h`, and `epilogue_layout` (only the
@@ -168,6 +177,7 @@ class DHConfig(_common.ClusterTiles):
     cluster_m: int = 1
     wgmma_lag: int = 1
     h_prefetch_steps: int = 0
+    store: str = "tma"
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -208,6 +218,8 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         )
     if config.h_loader not in H_LOADERS:
         raise ValueError(f"config.h_loader={config.h_loader!r} must be one of {H_LOADERS}.")
+    if config.store not in STORES:
+        raise ValueError(f"config.store={config.store!r} must be one of {STORES}.")
     _common.require_cluster_m(config)
     _common.require_wgmma_lag(config)
     if not isinstance(config.h_prefetch_steps, int) or config.h_prefetch_steps < 0:
@@ -278,21 +290,26 @@ def dswiglu_epilogue(da, g, u, s, activation: SwiGLU = SwiGLU()):
 
 
 def _dswiglu_and_store(da, s_smem, hg_tile, hu_tile, ap_tile, ds_ref, dh_out, ap_out, ds_dst,
-                       c0, n: int, row0, num_rows, bm: int, ep_cols: int, activation: SwiGLU):
+                       c0, n: int, row0, num_rows, bm: int, ep_cols: int, activation: SwiGLU,
+                       from_registers: bool = False):
     """A consumer's epilogue, once its H tile is in SMEM: dSwiGLU in column chunks, then the
     row-exact TMA stores of dH and A' and the copy of its dS partial.
 
     Args:
       da: f32 [bm, bn] accumulator (dA' of the consumer's `bn` columns, from column c0).
       s_smem: f32 [bm] scores of the tile's rows; ds_ref: f32 [bm].
-      hg_tile, hu_tile: the H gate and up columns, overwritten with dH; ap_tile: the A' tile.
+      hg_tile, hu_tile: the H gate and up columns, overwritten with dH; ap_tile: the A' tile,
+        or None when `ap_tile` is not needed (`from_registers`).
         Each is a `_common.row_tile_types` pair (copy view, wgmma view) of [bn / 64, bm, 64]
         bf16 128-byte-swizzled slabs, whose register reads and writes are free of bank
         conflicts. `ep_cols` must be a multiple of 64 (whole slabs).
       dh_out, ap_out: the GMEM outputs bf16 [P_pad, 2n] and [P_pad, n]; ds_dst: f32 [bm] slot
         of the dS partials.
+      from_registers: store each chunk's dH and A' from registers
+        (`_common.store_rows_from_registers`, `DHConfig.store="registers"`) instead of
+        writing them into the slabs and TMA-storing those; H's slabs are then only read.
 
-    Returns once the stores have read the SMEM tiles (the caller may reuse them).
+    Returns once the SMEM tiles may be reused (TMA stores: once they have read them).
     """
     layout = plgpu.Layout.WGMMA
     slab = hg_tile[1].shape[-1]
@@ -324,11 +341,21 @@ def _dswiglu_and_store(da, s_smem, hg_tile, hu_tile, ap_tile, ds_ref, dh_out, ap
                 u.astype(jnp.float32), s, activation,
             )
             ds = ds_q if ds is None else ds + ds_q
-            write(hg_tile, q, d_gate.astype(dtype))
-            write(hu_tile, q, d_up.astype(dtype))
-            write(ap_tile, q, a_scaled.astype(dtype))
+            outputs = ((hg_tile, dh_out, c0, d_gate), (hu_tile, dh_out, n + c0, d_up),
+                       (ap_tile, ap_out, c0, a_scaled))
+            for tile, out, col, value in outputs:
+                if from_registers:
+                    _common.store_rows_from_registers(
+                        out.at[:, pl.ds(col + q * ep_cols, ep_cols)], value.astype(dtype),
+                        row0, num_rows)
+                else:
+                    write(tile, q, value.astype(dtype))
         ds_ref[...] = ds
         plgpu.commit_smem()
+    if from_registers:  # only dS's copy reads SMEM
+        plgpu.copy_smem_to_gmem(ds_ref, ds_dst)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return
     with jax.named_scope("store"):
         store(hg_tile, dh_out.at[:, pl.ds(c0, bn)])
         store(hu_tile, dh_out.at[:, pl.ds(n + c0, bn)])
@@ -460,26 +487,29 @@ def _issue_k_step(do_ref, ids, w_e, col0, cols: int, k0, bk: int, a_copy, a_mma,
     plgpu.warp_map(per_warp)
 
 
-def _persistent_epilogue_types(config: DHConfig):
+def _persistent_epilogue_types(config: DHConfig, with_ap: bool = True):
     """The epilogue tiles, per consumer, bf16, as ((A' copy view, wgmma view), (H copy view,
     wgmma view)): the `_common.row_tile_types` pairs of 128-byte-swizzled 64-column slabs.
 
-    Whole tiles: A' [bm, bn] and H gate / up [2, bm, bn] (overwritten with dH).
+    Whole tiles: A' [bm, bn] and H gate / up [2, bm, bn] (overwritten with dH). Without
+    `with_ap` (dH and A' stored from registers, `DHConfig.store="registers"`) the A' entry is
+    None.
     Measured on the H100 (session 19, `benchmarks/timeline.py`): with the removed untiled
     [bm, bn] tiles the epilogue's SMEM reads and writes (8-way bank conflicts) took ~4.7 of
     its ~7.5 us per 7B item."""
     cons, bm, bn = config.num_consumers, config.block_m, config.block_n
-    return (_common.row_tile_types((cons, bm, bn), jnp.bfloat16),
+    return (_common.row_tile_types((cons, bm, bn), jnp.bfloat16) if with_ap else None,
             _common.row_tile_types((cons, 2, bm, bn), jnp.bfloat16))
 
 
-def _persistent_layout(config: DHConfig):
+def _persistent_layout(config: DHConfig, with_ap: bool = True):
     """(overlaid, W2 slot bytes, epilogue bytes) of the kernel's SMEM: the epilogue's A' and
-    H tiles overlay the last `overlaid` W2 slots, so the next item's first
-    `stages - overlaid` steps can load while the consumers run the epilogue."""
+    H tiles (H's only, without `with_ap`) overlay the last `overlaid` W2 slots, so the next
+    item's first `stages - overlaid` steps can load while the consumers run the epilogue."""
     slot_bytes = item_cols(config) * config.block_k * 2
-    ap_views, h_views = _persistent_epilogue_types(config)
-    epilogue_bytes = _common.group_spans([ap_views[-1], h_views[-1]])[-1][1]
+    ap_views, h_views = _persistent_epilogue_types(config, with_ap)
+    tiles = [ap_views[-1], h_views[-1]] if with_ap else [h_views[-1]]
+    epilogue_bytes = _common.group_spans(tiles)[-1][1]
     return -(-epilogue_bytes // slot_bytes), slot_bytes, epilogue_bytes
 
 
@@ -548,7 +578,8 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     h_cp_async = config.h_loader == "cp_async" and not interpret
     h_prefetch = config.h_prefetch_steps > 0 and not interpret  # a hint interpret mode skips
     h_prefetch_step = max(num_k - config.h_prefetch_steps, 0)
-    overlaid, slot_bytes, epilogue_bytes = _persistent_layout(config)
+    reg_store = config.store == "registers" and not interpret  # inline PTX: compiled only
+    overlaid, slot_bytes, epilogue_bytes = _persistent_layout(config, with_ap=not reg_store)
     free = stages - overlaid  # W2 slots the epilogue leaves alone
     # The K step before which the producer waits for the previous item's epilogue: the first
     # overlaid slot's, or the last step of an item that fits in the free slots.
@@ -572,7 +603,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     tf = _common.mma_transforms(dtype)
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
     w_type = plgpu.SMEM((stages, cols, bk), dtype, transforms=tf)
-    ap_types, h_types = _persistent_epilogue_types(config)
+    ap_types, h_types = _persistent_epilogue_types(config, with_ap=not reg_store)
     if interpret:  # interpret mode does not alias RefUnion members: plain buffers, and
         # one ref serves as every view (it allows one-row slices of the wgmma tiling)
         w_scratch = (w_type, ap_types[-1], h_types[-1])
@@ -580,6 +611,13 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         def w_views(refs):
             w, ap, h = refs
             return w, (ap,) * len(ap_types), (h,) * len(h_types)
+    elif reg_store:  # H's tiles only
+        pad = plgpu.SMEM((free * slot_bytes // 2,), dtype)  # the free slots' bytes
+        w_scratch = plgpu.RefUnion(w_type, *((pad, h) for h in h_types))
+
+        def w_views(refs):
+            w, *views = refs
+            return w, None, tuple(v[1] for v in views)
     else:
         pad = plgpu.SMEM((free * slot_bytes // 2,), dtype)  # the free slots' bytes
         w_scratch = plgpu.RefUnion(w_type, *((pad, a, h) for a, h in zip(ap_types, h_types)))
@@ -759,10 +797,12 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                         with jax.named_scope("epilogue"):
                             _dswiglu_and_store(
                                 da, s_smem.at[p], tile(h_smem, c, 0), tile(h_smem, c, 1),
-                                tile(ap_smem, c), ds_smem.at[c], dh_out, ap_out,
+                                None if reg_store else tile(ap_smem, c), ds_smem.at[c],
+                                dh_out, ap_out,
                                 ds_out.at[mi, ni * cons + c] if clusters == 1 else
                                 ds_out.at[mi, ni * cons + c, pl.ds(rank * bm, bm)],
                                 c0, n, row0, count, bm, ep_cols, activation,
+                                from_registers=reg_store,
                             )
                         plgpu.barrier_arrive(epi_done)  # the tiles' bytes are free again
 

@@ -3,7 +3,7 @@
 #   S (~4 min, H100): issue 9: do dH's epilogue stores wait on each other across SMs? The
 #      default dH against CTAs started out of phase (`dh_stagger.py`: stag2, stag4), 7B and
 #      30B, 2 rounds paired, bitwise checked on poisoned outputs.
-#   W (~3 min, H100): issue 9: dH with its dH / A' stores from registers (`dh_regstore.py`:
+#   W (~3 min, H100): issue 9: dH with its dH / A' stores from registers (`dh_regstore.py`, `DHConfig(store="registers")`:
 #      predicated st.global, no wait for TMA stores to leave SMEM) against the default and
 #      no_store, 7B and 30B, 2 rounds paired, bitwise checked on poisoned outputs.
 #   R, N, F, D: session 56's R and session 55's N, F, D (`session56/next_calls.sh PART`).
@@ -20,7 +20,7 @@ S)
 W)
   nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
   timeout 400 python3 benchmarks/history/session57/dh_regstore.py 7b,30b 2 \
-    default,regstore,no_store > $OUT/dh_regstore.log 2>&1
+    default,registers,no_store > $OUT/dh_regstore.log 2>&1
   echo "dh regstore rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_regstore.log | tail -20
   grep "^|" $OUT/dh_regstore.log ;;
 *)
