@@ -3,9 +3,10 @@
 #   S (~4 min, H100): issue 9: do dH's epilogue stores wait on each other across SMs? The
 #      default dH against CTAs started out of phase (`dh_stagger.py`: stag2, stag4), 7B and
 #      30B, 2 rounds paired, bitwise checked on poisoned outputs.
-#   W (~3 min, H100): issue 9: dH with its dH / A' stores from registers (`dh_regstore.py`, `DHConfig(store="registers")`:
+#   W (~5 min, H100): issue 9: dH with its dH / A' stores from registers (`dh_regstore.py`, `DHConfig(store="registers")`:
 #      predicated st.global, no wait for TMA stores to leave SMEM) against the default and
-#      no_store, 7B and 30B, 2 rounds paired, bitwise checked on poisoned outputs.
+#      no_store, 7B and 30B, 2 rounds paired, bitwise checked on poisoned outputs; then its
+#      GPU test (bitwise the default at three widths, 132 and 8 CTAs).
 #   R, N, F, D: session 56's R and session 55's N, F, D (`session56/next_calls.sh PART`).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -22,7 +23,10 @@ W)
   timeout 400 python3 benchmarks/history/session57/dh_regstore.py 7b,30b 2 \
     default,registers,no_store > $OUT/dh_regstore.log 2>&1
   echo "dh regstore rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_regstore.log | tail -20
-  grep "^|" $OUT/dh_regstore.log ;;
+  grep "^|" $OUT/dh_regstore.log
+  timeout 120 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
+    "test_dh_register_stores_write_the_default_bits" > $OUT/gpu_dh_registers.log 2>&1
+  echo "gpu dh registers rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_dh_registers.log ;;
 *)
   bash benchmarks/history/session56/next_calls.sh "$PART" ;;
 esac
