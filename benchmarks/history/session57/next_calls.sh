@@ -27,6 +27,14 @@ W)
   timeout 120 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
     "test_dh_register_stores_write_the_default_bits" > $OUT/gpu_dh_registers.log 2>&1
   echo "gpu dh registers rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_dh_registers.log ;;
+W2)  # W cut to ~4 min (the session's last device seconds)
+  timeout 200 python3 benchmarks/history/session57/dh_regstore.py 7b,30b 2 \
+    default,registers > $OUT/dh_regstore.log 2>&1
+  echo "dh regstore rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_regstore.log | tail -14
+  grep "^|" $OUT/dh_regstore.log
+  timeout 70 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
+    "test_dh_register_stores_write_the_default_bits and 7b" > $OUT/gpu_dh_registers.log 2>&1
+  echo "gpu dh registers rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_dh_registers.log ;;
 *)
   bash benchmarks/history/session56/next_calls.sh "$PART" ;;
 esac
