@@ -813,6 +813,50 @@ def test_dh_h_prefetch_writes_the_default_bits(shape):
 
 
 @pytest.mark.parametrize(
+    "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8)], ids=["30b_widths", "7b_widths"])
+def test_dh_pingpong_writes_the_default_bits(shape):
+    """The ping-pong dH (`DHConfig.pingpong()`, session 57: 128 x 128 items taken whole by
+    two consumers in turn) writes the default's dH and A' bit for bit, with TMA and with
+    register stores, 132 and 8 CTAs; its dS matches to rounding (32-column pieces), and
+    with 64-column pieces bitwise. Skewed routing with an empty expert, poisoned outputs,
+    fresh random data."""
+    import dataclasses
+
+    from pallas_moe.kernels.dh import DHConfig, dh_kernel
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+
+    T, d, n, E, K = shape
+    ks = jax.random.split(jax.random.key(T + d + n + 19), 4)
+    logits = jax.random.normal(ks[0], (T, E)).at[:, :2].add(1.5).at[:, 3].add(-1e4)
+    plan = pm.routing.topk_plan(logits, K)
+    assert int(plan.group_sizes[3]) == 0
+    do = jax.random.normal(ks[1], (T, d), jnp.bfloat16)
+    h = jax.random.normal(ks[2], (plan.capacity, 2 * n), jnp.bfloat16)
+    w2 = (jax.random.normal(ks[3], (E, n, d)) * n**-0.5).astype(jnp.bfloat16)
+    rows = int(plan.num_rows)
+
+    def run(cfg):
+        _poison(plan.capacity * 3 * n * 2)
+        out = jax.jit(lambda *a: dh_kernel(*a, config=cfg))(
+            do, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+        return np.asarray(out[0][:rows]), np.asarray(out[1][:rows]), np.asarray(out[2])
+
+    want = run(BackwardConfig.for_shape(d, n, num_sms=132).dh)
+    assert all(np.all(np.isfinite(w.astype(np.float32))) for w in want)
+    pp = DHConfig.pingpong(persistent_ctas=132)
+    for cfg in (pp, dataclasses.replace(pp, store="registers"),
+                dataclasses.replace(pp, store="registers", persistent_ctas=8),
+                dataclasses.replace(pp, epilogue_cols=64)):
+        got = run(cfg)
+        assert np.array_equal(got[0], want[0]), f"dH under {cfg}"
+        assert np.array_equal(got[1], want[1]), f"A' under {cfg}"
+        if cfg.epilogue_cols == 64:
+            assert np.array_equal(got[2], want[2]), f"dS under {cfg}"
+        else:
+            np.testing.assert_allclose(got[2], want[2], rtol=1e-4, atol=1e-4, err_msg=str(cfg))
+
+
+@pytest.mark.parametrize(
     "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8), (3000, 2880, 2880, 16, 4)],
     ids=["30b_widths", "7b_widths", "gpt_oss_widths"])
 def test_dh_register_stores_write_the_default_bits(shape):

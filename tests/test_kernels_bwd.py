@@ -957,6 +957,52 @@ def test_dh_register_stores_fall_back_to_tma_in_interpret_mode():
     assert_dh_outputs_equal(got, want, int(plan.num_rows))
 
 
+def test_dh_pingpong_writes_the_cooperative_bits():
+    """The ping-pong schedule (`DHConfig.pingpong()`: 128 x 128 items taken whole by two
+    consumers in turn, the dSwiGLU in 32-column pieces) writes the cooperative kernel's dH
+    and A' bit for bit and its dS to rounding, race-free, with 3 CTAs; with 64-column
+    pieces and one CTA walking every item, dS is bitwise too. Tiles of more than 64 rows
+    (both row halves) and tiles ending mid-half."""
+    x, h, plan, w1, w2, grad_out = make_problem(32, 150, 128, 256, 3, 2, skew=1.0)
+    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    rows = int(plan.num_rows)
+    assert int(jnp.max(plan.group_sizes)) > 128, plan.group_sizes  # a second 128-row tile
+    base = DHConfig(block_n=128, num_stages=4, num_consumers=2, persistent_ctas=2)
+    want = dh_kernel(*args, config=base, interpret=True)
+    pp = DHConfig.pingpong(num_stages=4, persistent_ctas=3, gather="tma")
+    got = dh_kernel(*args, config=pp, interpret=interp(detect_races=True))
+    assert not races_found()
+    assert_dh_outputs_equal(got[:2], want[:2], rows)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-5, atol=1e-5)
+    wide = dataclasses.replace(pp, epilogue_cols=64, num_stages=3, persistent_ctas=1)
+    assert_dh_outputs_equal(dh_kernel(*args, config=wide, interpret=True), want, rows)
+
+
+@pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8)],
+                         ids=["7b", "30b"])
+def test_dh_pingpong_lowers_for_cuda(shape):
+    """The ping-pong dH lowers for cuda at production widths with TMA stores and with
+    register stores (the `st.global` pieces); configs it cannot run are refused naming the
+    field."""
+    t, d, n, e, k = shape
+    sds, p = jax.ShapeDtypeStruct, t * k
+    args = (sds((t, d), BF16), sds((p, 2 * n), BF16), sds((p,), jnp.int32),
+            sds((e,), jnp.int32), sds((p,), jnp.float32), sds((e, n, d), BF16))
+    for store in ("tma", "registers"):
+        config = DHConfig.pingpong(persistent_ctas=132, store=store)
+        text = jax.jit(functools.partial(dh_kernel, config=config)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert ("st.global.b32" in text) == (store == "registers")
+    for bad, match in [(dict(num_consumers=3), "config.num_consumers=3 must be 2"),
+                       (dict(cluster_m=2), "config.cluster_m=2 must be 1"),
+                       (dict(h_prefetch_steps=4), "config.h_prefetch_steps=4 must be 0"),
+                       (dict(epilogue_cols=128), "config.epilogue_cols=128 must be 32 or 64"),
+                       (dict(schedule="zigzag"), "config.schedule='zigzag' must be one of"),
+                       (dict(num_stages=7), "the ping-pong dH needs .* B of SMEM")]:
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(functools.partial(dh_kernel, config=DHConfig.pingpong(**bad)), *args)
+
+
 @pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (8192, 2880, 2880, 32, 4)],
                          ids=["30b", "gpt_oss"])
 def test_dh_clusters_lower_for_cuda(shape):

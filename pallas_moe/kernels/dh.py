@@ -218,6 +218,8 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
     _common.require_shape("scores", scores, (capacity,))
     bn, bk = config.block_n, config.block_k
     _common.require_wgmma_blocks(config, "B tiles are 128-byte swizzled")
+    if config.schedule not in SCHEDULES:
+        raise ValueError(f"config.schedule={config.schedule!r} must be one of {SCHEDULES}.")
     if config.pad_rows_to < 1:
         raise ValueError(f"config.pad_rows_to={config.pad_rows_to} must be >= 1.")
     if config.num_consumers < 1:
@@ -241,8 +243,6 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         raise ValueError(f"config.h_loader={config.h_loader!r} must be one of {H_LOADERS}.")
     if config.store not in STORES:
         raise ValueError(f"config.store={config.store!r} must be one of {STORES}.")
-    if config.schedule not in SCHEDULES:
-        raise ValueError(f"config.schedule={config.schedule!r} must be one of {SCHEDULES}.")
     if config.schedule == "pingpong":
         unsupported = {"num_consumers": (config.num_consumers, 2),
                        "cluster_m": (config.cluster_m, 1),

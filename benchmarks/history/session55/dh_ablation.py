@@ -101,8 +101,11 @@ def main():
         fns = {}
         for variant in variants:
             vcfg = dataclasses.replace(cfg, **OVERRIDES.get(variant, {}))
+            vmeta = meta if vcfg.tile_rows == cfg.tile_rows else jax.jit(  # (session 57)
+                lambda g, t: _common.tile_meta(g, t, vcfg.tile_rows))(
+                plan.group_sizes, plan.token_ids)
             with patched(variant):
-                f = jax.jit(functools.partial(dh_mod.dh_kernel, config=vcfg, meta=meta))
+                f = jax.jit(functools.partial(dh_mod.dh_kernel, config=vcfg, meta=vmeta))
                 f = f.lower(*args).compile()  # traced and compiled under the patch
             fns[variant] = f
         out = poison_then(fns["default"], *args, nbytes=P * 3 * n * 2)

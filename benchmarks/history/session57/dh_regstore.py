@@ -16,6 +16,12 @@ on poisoned outputs; dS too).
 
 Variants (beside `dh_ablation.py`'s, `default` first):
   registers  `DHConfig(store="registers")`
+  pp         `DHConfig.pingpong()` (session 57): SonicMoE's dH shape, 128 x 128 items taken
+             whole by two consumers in turn, the dSwiGLU in 32-column pieces, TMA stores
+  pp_reg     the same with register stores
+  pp64       the same with 64-column pieces (expected to spill, as the removed 64-row
+             ping-pong did)
+dH and A' of each are checked bitwise against the default; dS against XLA's.
 """
 
 from __future__ import annotations
@@ -25,10 +31,19 @@ import sys
 sys.path.insert(0, "benchmarks/history/session55")
 import dh_ablation  # noqa: E402
 
-dh_ablation.PATCHES["registers"] = []
-dh_ablation.OVERRIDES["registers"] = dict(store="registers")
+PINGPONG = dict(schedule="pingpong", block_m=128, block_n=128, num_stages=5, num_consumers=2,
+                epilogue_cols=32)  # `DHConfig.pingpong()` on the default's gather settings
+VARIANTS = {
+    "registers": dict(store="registers"),
+    "pp": PINGPONG,  # the ping-pong schedule, TMA stores, 32-column dSwiGLU pieces
+    "pp_reg": dict(PINGPONG, store="registers"),  # ... register stores
+    "pp64": dict(PINGPONG, epilogue_cols=64),  # ... 64-column pieces (the removed kernel's)
+}
+for _name, _fields in VARIANTS.items():
+    dh_ablation.PATCHES[_name] = []
+    dh_ablation.OVERRIDES[_name] = _fields
 
 if __name__ == "__main__":
     if len(sys.argv) < 4:
-        sys.argv[3:] = ["default,registers,no_store"]
+        sys.argv[3:] = ["default,registers,pp,pp_reg"]
     dh_ablation.main()

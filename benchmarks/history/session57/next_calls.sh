@@ -7,6 +7,10 @@
 #      predicated st.global, no wait for TMA stores to leave SMEM) against the default and
 #      no_store, 7B and 30B, 2 rounds paired, bitwise checked on poisoned outputs; then its
 #      GPU test (bitwise the default at three widths, 132 and 8 CTAs).
+#   P (~9 min, H100): issue 9: the ping-pong dH (`DHConfig.pingpong()`, SonicMoE's shape):
+#      ptxas registers and spills of its variants at 7B, then `dh_regstore.py` 7B and 30B
+#      paired over 2 rounds (default, pp, pp_reg, registers; bitwise dH / A'), then the GPU
+#      tests of the ping-pong and of the register stores.
 #   R, N, F, D: session 56's R and session 55's N, F, D (`session56/next_calls.sh PART`).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -35,6 +39,19 @@ W2)  # W cut to ~4 min (the session's last device seconds)
   timeout 70 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
     "test_dh_register_stores_write_the_default_bits and 7b" > $OUT/gpu_dh_registers.log 2>&1
   echo "gpu dh registers rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_dh_registers.log ;;
+P)  # the ping-pong dH (~5 min): ptxas registers first, then paired timings, then its GPU test
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 150 python3 benchmarks/history/session57/dh_regstore.py 7b 1 \
+    default,pp,pp_reg,pp64 > $OUT/dh_pp_ptxas.log 2>&1
+  echo "ptxas rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -i -E "registers|spill|bytes stack" $OUT/dh_pp_ptxas.log | sort | uniq -c | head -20
+  grep "^|" $OUT/dh_pp_ptxas.log
+  timeout 260 python3 benchmarks/history/session57/dh_regstore.py 7b,30b 2 \
+    default,pp,pp_reg,registers > $OUT/dh_pp.log 2>&1
+  echo "dh pp rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/dh_pp.log | tail -22
+  grep "^|" $OUT/dh_pp.log
+  timeout 150 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
+    "test_dh_pingpong_writes_the_default_bits or test_dh_register_stores_write" > $OUT/gpu_dh_pp.log 2>&1
+  echo "gpu dh pp rc=$? at $(( $(date +%s) - T0 )) s"; tail -4 $OUT/gpu_dh_pp.log ;;
 *)
   bash benchmarks/history/session56/next_calls.sh "$PART" ;;
 esac
