@@ -52,6 +52,16 @@ P)  # the ping-pong dH (~5 min): ptxas registers first, then paired timings, the
   timeout 150 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
     "test_dh_pingpong_writes_the_default_bits or test_dh_register_stores_write" > $OUT/gpu_dh_pp.log 2>&1
   echo "gpu dh pp rc=$? at $(( $(date +%s) - T0 )) s"; tail -4 $OUT/gpu_dh_pp.log ;;
+P2)  # P cut to ~4.5 min (the session's last device seconds): ptxas's lines from the timing run
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 230 python3 benchmarks/history/session57/dh_regstore.py \
+    7b,30b 1 default,pp,pp_reg > $OUT/dh_pp.log 2>&1
+  echo "dh pp rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -i -E "registers|spill|bytes stack" $OUT/dh_pp.log | sort | uniq -c | head -20
+  grep -v "^|" $OUT/dh_pp.log | grep -v -i -E "ptxas|registers|spill|bytes stack|^ *$" | tail -16
+  grep "^|" $OUT/dh_pp.log
+  timeout 60 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
+    "test_dh_pingpong_writes_the_default_bits and 7b" > $OUT/gpu_dh_pp.log 2>&1
+  echo "gpu dh pp rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_dh_pp.log ;;
 *)
   bash benchmarks/history/session56/next_calls.sh "$PART" ;;
 esac
