@@ -62,6 +62,16 @@ P2)  # P cut to ~4.5 min (the session's last device seconds): ptxas's lines from
   timeout 60 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
     "test_dh_pingpong_writes_the_default_bits and 7b" > $OUT/gpu_dh_pp.log 2>&1
   echo "gpu dh pp rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_dh_pp.log ;;
+P3)  # P2 cut to ~3.5 min: 7B first (default, pp, pp_reg), then 30B (default, pp)
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 130 python3 benchmarks/history/session57/dh_regstore.py \
+    7b 1 default,pp,pp_reg > $OUT/dh_pp_7b.log 2>&1
+  echo "dh pp 7b rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -i -E "registers|spill|bytes stack" $OUT/dh_pp_7b.log | sort | uniq -c | head -12
+  grep -E "bitwise|rel err|TFLOP|  (default|pp)" $OUT/dh_pp_7b.log | grep -v -i ptxas | tail -10
+  timeout 90 python3 benchmarks/history/session57/dh_regstore.py 30b 1 default,pp \
+    > $OUT/dh_pp_30b.log 2>&1
+  echo "dh pp 30b rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "bitwise|rel err|TFLOP|  (default|pp)" $OUT/dh_pp_30b.log | tail -8 ;;
 *)
   bash benchmarks/history/session56/next_calls.sh "$PART" ;;
 esac
