@@ -931,23 +931,25 @@ def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, in
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     reg_store = config.store == "registers" and not interpret  # inline PTX: compiled only
-    smem = stages * (bm + bn) * bk * 2 + cons * 3 * sub_rows * slab * 2
+    num_slabs = 2 if reg_store else 3  # H gate and up (-> dH), and A' unless from registers
+    smem = stages * (bm + bn) * bk * 2 + cons * num_slabs * sub_rows * slab * 2
     if smem > _common.SMEM_BUDGET:  # the margin: ids, scores, dS, barriers
         raise ValueError(
             f"the ping-pong dH needs {smem} B of SMEM for {stages} stages of [{bm}, {bk}] rows "
-            f"+ [{bn}, {bk}] weights and {cons} x 3 epilogue slabs of [{sub_rows}, "
+            f"+ [{bn}, {bk}] weights and {cons} x {num_slabs} epilogue slabs of [{sub_rows}, "
             f"{slab}], over the {_common.SMEM_BUDGET} B available: lower config.num_stages."
         )
     tf = _common.mma_transforms(dtype)
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
-    o_scratch, o_views = _common.row_tile_buffers((cons, 3, sub_rows, slab), dtype, interpret)
+    o_scratch, o_views = _common.row_tile_buffers((cons, num_slabs, sub_rows, slab), dtype,
+                                                  interpret)
     layout = plgpu.Layout.WGMMA
 
     def body(real_ref, expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
              dh_out, ap_out, ds_out, a_bufs, w_bufs, o_bufs, ids_smem, s_smem, ds_smem, full,
              empty, ids_bar, s_bar, h_bars, *a_landed):
         a_copy, a_mma = a_views(a_bufs)
-        # [cons, 3 (H gate -> dH gate, H up -> dH up, A'), 1, sub_rows, slab]
+        # [cons, num_slabs (H gate -> dH gate, H up -> dH up, A'), 1, sub_rows, slab]
         o_copy, o_mma = o_views(o_bufs)
         if stage_bars:
             _common.cp_async_stage_barriers_init(a_landed[0])
@@ -1018,7 +1020,7 @@ def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, in
             def _consumer(c=c):
                 if config.rebalance_registers:
                     _common.role_registers("consumer", cons)
-                gate_t, up_t, ap_t = (o_mma.at[c, t] for t in range(3))  # [1, 64, 64]
+                gate_t, up_t, *ap_t = (o_mma.at[c, t] for t in range(num_slabs))  # [1, 64, 64]
                 bar0 = c * num_ladder
 
                 def per_item(jj, carry):
@@ -1099,7 +1101,7 @@ def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, in
                                     else:
                                         outs.append(values)
                                 if not reg_store:
-                                    for t, tile_ref in enumerate((gate_t, up_t, ap_t)):
+                                    for t, tile_ref in enumerate((gate_t, up_t, *ap_t)):
                                         _common.write_row_tile(tile_ref, jnp.concatenate(
                                             [o[t] for o in outs], axis=1))
                                 if q == bn // slab - 1:
@@ -1123,7 +1125,7 @@ def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, in
     scratch = [
         a_scratch,  # gathered dO stages [stages, bm, bk]
         plgpu.SMEM((stages, bn, bk), dtype, transforms=tf),  # W2 stages
-        o_scratch,  # per consumer: H gate / H up (-> dH) and A' slabs of one subtile
+        o_scratch,  # per consumer: H gate / H up (-> dH) and A' slabs of one chunk
         plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
         plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: its item's scores
         plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: its item's dS partial
