@@ -43,7 +43,7 @@ P)  # the ping-pong dH (~5 min): ptxas registers first, then paired timings, the
   MOSAIC_GPU_DUMP_PTXAS=1 timeout 150 python3 benchmarks/history/session57/dh_regstore.py 7b 1 \
     default,pp,pp_reg,pp64 > $OUT/dh_pp_ptxas.log 2>&1
   echo "ptxas rc=$? at $(( $(date +%s) - T0 )) s"
-  grep -i -E "registers|spill|bytes stack|^== " $OUT/dh_pp_ptxas.log | head -40  # in compile order
+  grep -i -E "entry function|registers|spill|bytes stack|^== " $OUT/dh_pp_ptxas.log | head -40  # in compile order
   grep "^|" $OUT/dh_pp_ptxas.log
   timeout 260 python3 benchmarks/history/session57/dh_regstore.py 7b,30b 2 \
     default,pp,pp_reg,registers > $OUT/dh_pp.log 2>&1
@@ -56,7 +56,7 @@ P2)  # P cut to ~4.5 min (the session's last device seconds): ptxas's lines from
   MOSAIC_GPU_DUMP_PTXAS=1 timeout 230 python3 benchmarks/history/session57/dh_regstore.py \
     7b,30b 1 default,pp,pp_reg > $OUT/dh_pp.log 2>&1
   echo "dh pp rc=$? at $(( $(date +%s) - T0 )) s"
-  grep -i -E "registers|spill|bytes stack|^== " $OUT/dh_pp.log | head -40  # in compile order
+  grep -i -E "entry function|registers|spill|bytes stack|^== " $OUT/dh_pp.log | head -40  # in compile order
   grep -v "^|" $OUT/dh_pp.log | grep -v -i -E "ptxas|registers|spill|bytes stack|^ *$" | tail -16
   grep "^|" $OUT/dh_pp.log
   timeout 60 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k \
@@ -66,7 +66,7 @@ P3)  # P2 cut to ~3.5 min: 7B first (default, pp, pp_reg), then 30B (default, pp
   MOSAIC_GPU_DUMP_PTXAS=1 timeout 130 python3 benchmarks/history/session57/dh_regstore.py \
     7b 1 default,pp,pp_reg > $OUT/dh_pp_7b.log 2>&1
   echo "dh pp 7b rc=$? at $(( $(date +%s) - T0 )) s"
-  grep -i -E "registers|spill|bytes stack|^== " $OUT/dh_pp_7b.log | head -24  # in compile order
+  grep -i -E "entry function|registers|spill|bytes stack|^== " $OUT/dh_pp_7b.log | head -24  # in compile order
   grep -E "bitwise|rel err|TFLOP|  (default|pp)" $OUT/dh_pp_7b.log | grep -v -i ptxas | tail -10
   timeout 90 python3 benchmarks/history/session57/dh_regstore.py 30b 1 default,pp \
     > $OUT/dh_pp_30b.log 2>&1
