@@ -12,7 +12,9 @@ computed by the spec's own `apply` / `grad_halves`, the formula of the `xla` bac
 the saved biased pre-activation, so the up-proj bias needs nothing here; the down-proj
 bias's term of dS, `<dO[tok[r]], b2[e]>`, is added by `moe_backward` (`bias_grad`).
 
-One kernel, `_dh_persistent`: `DHConfig.persistent_ctas` persistent CTAs walk the work
+The default kernel, `_dh_persistent` (for an opt-in second schedule built in session 57 and
+not yet measured, `_dh_pingpong`, see `DHConfig.schedule`; one of the two goes once the
+GPU has timed them): `DHConfig.persistent_ctas` persistent CTAs walk the work
 items. An item is one (row tile, column block) pair, as in the up-proj: a row tile holds at
 most `block_m` rows of one expert (`tile_meta`), a column block `j` holds columns
 `[j*bn, (j+1)*bn)` of dA' and therefore gate columns `j*bn + [0, bn)` and up columns
@@ -194,7 +196,7 @@ class DHConfig(_common.ClusterTiles):
     @classmethod
     def pingpong(cls, **overrides) -> "DHConfig":
         """The ping-pong schedule at SonicMoE's dH shape: 128 x 128 items, two consumers,
-        5 stages, 64 x 32 epilogue subtiles, the cp.async dO gather."""
+        5 stages, the dSwiGLU in 64 x 32 pieces, the cp.async dO gather."""
         fields = dict(schedule="pingpong", block_m=128, block_n=128, num_stages=5,
                       num_consumers=2, epilogue_cols=32, gather="cp_async")
         return cls(**{**fields, **overrides})
