@@ -31,8 +31,9 @@ import sys
 sys.path.insert(0, "benchmarks/history/session55")
 import dh_ablation  # noqa: E402
 
-PINGPONG = dict(schedule="pingpong", block_m=128, block_n=128, num_stages=5, num_consumers=2,
-                epilogue_cols=32)  # `DHConfig.pingpong()` on the default's gather settings
+from pallas_moe.kernels.dh import PINGPONG_FIELDS  # noqa: E402
+
+PINGPONG = PINGPONG_FIELDS  # `DHConfig.pingpong()` on the default's gather settings
 VARIANTS = {
     "registers": dict(store="registers"),
     "pp": PINGPONG,  # the ping-pong schedule, TMA stores, 32-column dSwiGLU pieces
