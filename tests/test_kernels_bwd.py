@@ -899,6 +899,15 @@ def test_dh_options_that_keep_the_default_bits_no_races(d, ctas, option):
                             int(plan.num_rows))
 
 
+def dh_abstract_args(shape):
+    """`dh_kernel`'s arguments as ShapeDtypeStructs at a `(T, d, n, E, K)` shape (P = T * K
+    rows), for lowering tests."""
+    t, d, n, e, k = shape
+    sds, p = jax.ShapeDtypeStruct, t * k
+    return (sds((t, d), BF16), sds((p, 2 * n), BF16), sds((p,), jnp.int32),
+            sds((e,), jnp.int32), sds((p,), jnp.float32), sds((e, n, d), BF16))
+
+
 @pytest.mark.parametrize("shape,cluster_m", [((32768, 4096, 512, 128, 8), 1),
                                              ((24576, 1536, 256, 128, 8), 2)],
                          ids=["30b", "7b_clusters"])
@@ -906,12 +915,10 @@ def test_dh_h_prefetch_lowers_for_cuda(shape, cluster_m):
     """The dH producer's L2 prefetch of each item's H rows (`h_prefetch_steps`, compiled
     kernels only) lowers for cuda at production widths, on single CTAs and on clusters (the
     CTA's own row block); bad values are refused naming the field."""
-    t, d, n, e, k = shape
-    sds, p = jax.ShapeDtypeStruct, t * k
+    _, d, n, _, _ = shape
     config = dataclasses.replace(BackwardConfig.for_shape(d, n, num_sms=132).dh,
                                  h_prefetch_steps=8, cluster_m=cluster_m)
-    args = (sds((t, d), BF16), sds((p, 2 * n), BF16), sds((p,), jnp.int32),
-            sds((e,), jnp.int32), sds((p,), jnp.float32), sds((e, n, d), BF16))
+    args = dh_abstract_args(shape)
     text = jax.jit(functools.partial(dh_kernel, config=config)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "prefetch.global.L2" in text
@@ -930,12 +937,10 @@ def test_dh_register_stores_lower_for_cuda(shape):
     than H and A' take), and a bad value is refused naming the field."""
     from pallas_moe.kernels import dh as dh_module
 
-    t, d, n, e, k = shape
-    sds, p = jax.ShapeDtypeStruct, t * k
+    _, d, n, _, _ = shape
     config = dataclasses.replace(BackwardConfig.for_shape(d, n, num_sms=132).dh,
                                  store="registers")
-    args = (sds((t, d), BF16), sds((p, 2 * n), BF16), sds((p,), jnp.int32),
-            sds((e,), jnp.int32), sds((p,), jnp.float32), sds((e, n, d), BF16))
+    args = dh_abstract_args(shape)
     text = jax.jit(functools.partial(dh_kernel, config=config)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "st.global.b32" in text
@@ -984,10 +989,7 @@ def test_dh_pingpong_lowers_for_cuda(shape):
     """The ping-pong dH lowers for cuda at production widths with TMA stores and with
     register stores (the `st.global` pieces); configs it cannot run are refused naming the
     field."""
-    t, d, n, e, k = shape
-    sds, p = jax.ShapeDtypeStruct, t * k
-    args = (sds((t, d), BF16), sds((p, 2 * n), BF16), sds((p,), jnp.int32),
-            sds((e,), jnp.int32), sds((p,), jnp.float32), sds((e, n, d), BF16))
+    args = dh_abstract_args(shape)
     for store in ("tma", "registers"):
         config = DHConfig.pingpong(persistent_ctas=132, store=store)
         text = jax.jit(functools.partial(dh_kernel, config=config)).trace(*args).lower(
@@ -1010,12 +1012,10 @@ def test_dh_clusters_lower_for_cuda(shape):
     `epi_done` cluster barriers) lowers for cuda at production widths from each width's
     default (30B: two consumers of 128 columns, 5 stages; gpt-oss: three of 64, 4 stages);
     bad cluster settings are refused naming the field."""
-    t, d, n, e, k = shape
-    sds, p = jax.ShapeDtypeStruct, t * k
+    _, d, n, _, _ = shape
     config = dataclasses.replace(BackwardConfig.for_shape(d, n, num_sms=132).dh, cluster_m=2)
     assert config.tile_rows == 2 * config.block_m
-    args = (sds((t, d), BF16), sds((p, 2 * n), BF16), sds((p,), jnp.int32),
-            sds((e,), jnp.int32), sds((p,), jnp.float32), sds((e, n, d), BF16))
+    args = dh_abstract_args(shape)
     jax.jit(functools.partial(dh_kernel, config=config)).trace(*args).lower(
         lowering_platforms=("cuda",))
     for bad, match in [(dict(cluster_m=3), "config.cluster_m=3 must be 1 or 2"),
