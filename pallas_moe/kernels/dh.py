@@ -334,6 +334,17 @@ def dswiglu_epilogue(da, g, u, s, activation: SwiGLU = SwiGLU()):
     return d_gate, d_up, s * act, jnp.sum(da * act, axis=1)
 
 
+def _store_from_registers(dh_out, ap_out, n: int, col, values, row0, num_rows) -> None:
+    """Stores one dSwiGLU piece's `values` = (dH gate, dH up, A'), bf16 [rows, w] each in the
+    WGMMA layout, from registers (`_common.store_rows_from_registers`): gate columns
+    `[col, col + w)` of dH, the same up columns `n + col` on, and A' columns `col` on; rows
+    `[row0, row0 + num_rows)` only."""
+    width = values[0].shape[1]
+    for out, out_col, value in zip((dh_out, dh_out, ap_out), (col, n + col, col), values):
+        _common.store_rows_from_registers(out.at[:, pl.ds(out_col, width)], value, row0,
+                                          num_rows)
+
+
 def _dswiglu_and_store(da, s_smem, hg_tile, hu_tile, ap_tile, ds_ref, dh_out, ap_out, ds_dst,
                        c0, n: int, row0, num_rows, bm: int, ep_cols: int, activation: SwiGLU,
                        from_registers: bool = False):
@@ -386,14 +397,12 @@ def _dswiglu_and_store(da, s_smem, hg_tile, hu_tile, ap_tile, ds_ref, dh_out, ap
                 u.astype(jnp.float32), s, activation,
             )
             ds = ds_q if ds is None else ds + ds_q
-            outputs = ((hg_tile, dh_out, c0, d_gate), (hu_tile, dh_out, n + c0, d_up),
-                       (ap_tile, ap_out, c0, a_scaled))
-            for tile, out, col, value in outputs:
-                if from_registers:
-                    _common.store_rows_from_registers(
-                        out.at[:, pl.ds(col + q * ep_cols, ep_cols)], value.astype(dtype),
-                        row0, num_rows)
-                else:
+            if from_registers:
+                values = tuple(v.astype(dtype) for v in (d_gate, d_up, a_scaled))
+                _store_from_registers(dh_out, ap_out, n, c0 + q * ep_cols, values, row0,
+                                      num_rows)
+            else:
+                for tile, value in zip((hg_tile, hu_tile, ap_tile), (d_gate, d_up, a_scaled)):
                     write(tile, q, value.astype(dtype))
         ds_ref[...] = ds
         plgpu.commit_smem()
@@ -660,20 +669,15 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         def w_views(refs):
             w, ap, h = refs
             return w, (ap,) * len(ap_types), (h,) * len(h_types)
-    elif reg_store:  # H's tiles only
+    else:  # the epilogue tiles (A' unless stored from registers, then H) overlay W2 slots
         pad = plgpu.SMEM((free * slot_bytes // 2,), dtype)  # the free slots' bytes
-        w_scratch = plgpu.RefUnion(w_type, *((pad, h) for h in h_types))
+        tiles = (h_types,) if reg_store else (ap_types, h_types)
+        w_scratch = plgpu.RefUnion(w_type, *((pad, *views) for views in zip(*tiles)))
 
         def w_views(refs):
             w, *views = refs
-            return w, None, tuple(v[1] for v in views)
-    else:
-        pad = plgpu.SMEM((free * slot_bytes // 2,), dtype)  # the free slots' bytes
-        w_scratch = plgpu.RefUnion(w_type, *((pad, a, h) for a, h in zip(ap_types, h_types)))
-
-        def w_views(refs):
-            w, *views = refs
-            return w, tuple(v[1] for v in views), tuple(v[2] for v in views)
+            ap = None if reg_store else tuple(v[1] for v in views)
+            return w, ap, tuple(v[-1] for v in views)
 
     def tile(views, *idx):  # an epilogue tile: its (copy view, wgmma view) pair
         return tuple(v.at[idx] for v in views)
@@ -1093,15 +1097,12 @@ def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, in
                                         g_chunk[:, cols_p].astype(jnp.float32),
                                         u_chunk[:, cols_p].astype(jnp.float32), s, activation)
                                     ds = ds_p if ds is None else ds + ds_p
-                                    values = tuple(v.astype(dtype) for v in (d_gate, d_up, a_scaled))
+                                    values = tuple(v.astype(dtype)
+                                                   for v in (d_gate, d_up, a_scaled))
                                     if reg_store:  # stored now: nothing finished stays live
-                                        c_p = col + p * piece
-                                        for out, out_col, v in ((dh_out, c_p, values[0]),
-                                                                (dh_out, n + c_p, values[1]),
-                                                                (ap_out, c_p, values[2])):
-                                            _common.store_rows_from_registers(
-                                                out.at[:, pl.ds(out_col, piece)], v,
-                                                row0 + rh * sub_rows, rows_h)
+                                        _store_from_registers(
+                                            dh_out, ap_out, n, col + p * piece, values,
+                                            row0 + rh * sub_rows, rows_h)
                                     else:
                                         outs.append(values)
                                 if not reg_store:
