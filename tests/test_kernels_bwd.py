@@ -965,22 +965,32 @@ def test_dh_register_stores_fall_back_to_tma_in_interpret_mode():
 def test_dh_pingpong_writes_the_cooperative_bits():
     """The ping-pong schedule (`DHConfig.pingpong()`: 128 x 128 items taken whole by two
     consumers in turn, the dSwiGLU in 32-column pieces) writes the cooperative kernel's dH
-    and A' bit for bit and its dS to rounding, race-free, with 3 CTAs; with 64-column
-    pieces and one CTA walking every item, dS is bitwise too. Tiles of more than 64 rows
-    (both row halves) and tiles ending mid-half."""
-    x, h, plan, w1, w2, grad_out = make_problem(32, 150, 128, 256, 3, 2, skew=1.0)
-    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
-    rows = int(plan.num_rows)
-    assert int(jnp.max(plan.group_sizes)) > 128, plan.group_sizes  # a second 128-row tile
-    base = DHConfig(block_n=128, num_stages=4, num_consumers=2, persistent_ctas=2)
-    want = dh_kernel(*args, config=base, interpret=True)
+    and A' bit for bit and its dS to rounding, race-free, with 3 CTAs. Tiles of more than
+    64 rows (both row halves) and tiles ending mid-half."""
+    args, want, rows = _pingpong_problem()
     pp = DHConfig.pingpong(num_stages=4, persistent_ctas=3, gather="tma")
     got = dh_kernel(*args, config=pp, interpret=interp(detect_races=True))
     assert not races_found()
     assert_dh_outputs_equal(got[:2], want[:2], rows)
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-5, atol=1e-5)
-    wide = dataclasses.replace(pp, epilogue_cols=64, num_stages=3, persistent_ctas=1)
+
+
+@pytest.mark.slow  # ~20 s of CI for an opt-in piece width; the 32-column test above stays
+def test_dh_pingpong_with_64_column_pieces_writes_every_cooperative_bit():
+    """With 64-column dSwiGLU pieces (the cooperative kernel's chunks) and one CTA walking
+    every item, the ping-pong dH's dS is bitwise the cooperative kernel's too."""
+    args, want, rows = _pingpong_problem()
+    wide = DHConfig.pingpong(num_stages=3, persistent_ctas=1, gather="tma", epilogue_cols=64)
     assert_dh_outputs_equal(dh_kernel(*args, config=wide, interpret=True), want, rows)
+
+
+def _pingpong_problem():
+    """dH's arguments with a second 128-row tile, the cooperative kernel's outputs, rows."""
+    x, h, plan, w1, w2, grad_out = make_problem(32, 150, 128, 256, 3, 2, skew=1.0)
+    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    assert int(jnp.max(plan.group_sizes)) > 128, plan.group_sizes  # a second 128-row tile
+    base = DHConfig(block_n=128, num_stages=4, num_consumers=2, persistent_ctas=2)
+    return args, dh_kernel(*args, config=base, interpret=True), int(plan.num_rows)
 
 
 @pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8)],
