@@ -795,25 +795,6 @@ def test_dh_clusters_write_the_default_bits(shape):
 
 @pytest.mark.parametrize(
     "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8)], ids=["30b_widths", "7b_widths"])
-def test_dh_h_prefetch_writes_the_default_bits(shape):
-    """dH whose producer prefetches each item's H rows into L2 (`h_prefetch_steps` 4 and 8,
-    session 55; a hint) writes the default's bits: 132 and 8 CTAs, skewed routing with an
-    empty expert, poisoned outputs, fresh random data."""
-    import dataclasses
-
-    from pallas_moe.kernels.moe_backward import BackwardConfig
-
-    T, d, n, E, K = shape
-    base = BackwardConfig.for_shape(d, n, num_sms=132).dh
-    assert base.h_prefetch_steps == 0, base
-    pf8 = dataclasses.replace(base, h_prefetch_steps=8)
-    _assert_dh_configs_write_the_same_bits(shape, T + d + n + 13, (
-        base, pf8, dataclasses.replace(base, h_prefetch_steps=4),
-        dataclasses.replace(pf8, persistent_ctas=8)), empty_expert=3)
-
-
-@pytest.mark.parametrize(
-    "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8)], ids=["30b_widths", "7b_widths"])
 def test_dh_pingpong_writes_the_default_bits(shape):
     """The ping-pong dH (`DHConfig.pingpong()`, session 57: 128 x 128 items taken whole by
     two consumers in turn) writes the default's dH and A' bit for bit, with TMA and with

@@ -876,22 +876,16 @@ def test_dh_clusters_no_races(num_tokens, d, stages, clusters, skew):
                             int(plan.num_rows))
 
 
-@pytest.mark.parametrize("d,ctas,option", [(448, 1, dict(wgmma_lag=0)),
-                                             (192, 2, dict(h_prefetch_steps=8))],
-                         ids=["wgmma_lag_0", "h_prefetch"])
-def test_dh_options_that_keep_the_default_bits_no_races(d, ctas, option):
-    """dH options that must not change a bit, race-free and bitwise the default (and its
-    kernel-order reference), two consumers, an empty expert:
-    - each W2 slot released as soon as its own K step's wgmma is done (`wgmma_lag=0`,
-      session 51): one CTA walking every item, 7 K steps over 5 slots (two of them overlaid
-      by the epilogue);
-    - the producer's L2 prefetch of each item's H rows (`h_prefetch_steps`, session 55; a
-      hint interpret mode skips): items of 3 K steps, shorter than the prefetch distance."""
-    x, h, plan, w1, w2, grad_out = make_problem(8, 60, d, 128, 3, 2, empty=(1,))
+def test_dh_wgmma_lag_0_keeps_the_default_bits_no_races():
+    """dH with each W2 slot released as soon as its own K step's wgmma is done
+    (`wgmma_lag=0`, session 51) must not change a bit: race-free and bitwise the default (and
+    its kernel-order reference), two consumers, an empty expert, one CTA walking every item,
+    7 K steps over 5 slots (two of them overlaid by the epilogue)."""
+    x, h, plan, w1, w2, grad_out = make_problem(8, 60, 448, 128, 3, 2, empty=(1,))
     args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
-    default = DHConfig(block_n=64, num_stages=5, num_consumers=2, persistent_ctas=ctas,
+    default = DHConfig(block_n=64, num_stages=5, num_consumers=2, persistent_ctas=1,
                        h_loader="cp_async")
-    config = dataclasses.replace(default, **option)
+    config = dataclasses.replace(default, wgmma_lag=0)
     got = dh_kernel(*args, config=config, interpret=interp(detect_races=True))
     assert not races_found()
     check_dh(got, grad_out, h, plan, w2, config)
@@ -906,26 +900,6 @@ def dh_abstract_args(shape):
     sds, p = jax.ShapeDtypeStruct, t * k
     return (sds((t, d), BF16), sds((p, 2 * n), BF16), sds((p,), jnp.int32),
             sds((e,), jnp.int32), sds((p,), jnp.float32), sds((e, n, d), BF16))
-
-
-@pytest.mark.parametrize("shape,cluster_m", [((32768, 4096, 512, 128, 8), 1),
-                                             ((24576, 1536, 256, 128, 8), 2)],
-                         ids=["30b", "7b_clusters"])
-def test_dh_h_prefetch_lowers_for_cuda(shape, cluster_m):
-    """The dH producer's L2 prefetch of each item's H rows (`h_prefetch_steps`, compiled
-    kernels only) lowers for cuda at production widths, on single CTAs and on clusters (the
-    CTA's own row block); bad values are refused naming the field."""
-    _, d, n, _, _ = shape
-    config = dataclasses.replace(BackwardConfig.for_shape(d, n, num_sms=132).dh,
-                                 h_prefetch_steps=8, cluster_m=cluster_m)
-    args = dh_abstract_args(shape)
-    text = jax.jit(functools.partial(dh_kernel, config=config)).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert "prefetch.global.L2" in text
-    for bad in (-1, 2.0):
-        with pytest.raises(ValueError, match="config.h_prefetch_steps=.* must be an int >= 0"):
-            jax.eval_shape(functools.partial(dh_kernel, config=dataclasses.replace(
-                config, h_prefetch_steps=bad)), *args)
 
 
 @pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (8192, 2880, 2880, 32, 4)],
@@ -1007,7 +981,6 @@ def test_dh_pingpong_lowers_for_cuda(shape):
         assert ("st.global.b32" in text) == (store == "registers")
     for bad, match in [(dict(num_consumers=3), "config.num_consumers=3 must be 2"),
                        (dict(cluster_m=2), "config.cluster_m=2 must be 1"),
-                       (dict(h_prefetch_steps=4), "config.h_prefetch_steps=4 must be 0"),
                        (dict(epilogue_cols=128), "config.epilogue_cols=128 must be 32 or 64"),
                        (dict(schedule="zigzag"), "config.schedule='zigzag' must be one of"),
                        (dict(num_stages=7), "the ping-pong dH needs .* B of SMEM")]:

@@ -1045,52 +1045,6 @@ def store_rows_from_registers(dst_ref, value, row0, num_rows) -> None:
     _store(dst_ref, value, jnp.asarray(row0, jnp.int32), jnp.asarray(num_rows, jnp.int32))
 
 
-def prefetch_row_block_l2(src_ref, row0, num_rows, *, max_rows: int) -> None:
-    """Asks L2 for rows `[row0, row0 + num_rows)` of `src` (every 128-byte line of each row;
-    `prefetch.global.L2`), e.g. the saved H rows a later epilogue loads. Called by a whole
-    warpgroup in Lane semantics: the block's lines are dealt to the 128 threads in turn. A
-    hint only: no data moves into the CTA, nothing waits, no row past `num_rows` is touched.
-
-    Args:
-      src_ref: GMEM ref [P, W] with contiguous rows of W * itemsize bytes, a multiple of 128
-        (`h.at[:, pl.ds(col0, cols)]`).
-      row0: i32 scalar, the block's first row.
-      num_rows: i32 scalar, rows to prefetch (at most `max_rows`).
-      max_rows: static bound on num_rows (the tile height).
-    """
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir.dialects import arith
-
-    itemsize = jnp.dtype(src_ref.dtype).itemsize
-    width_bytes = src_ref.shape[-1] * itemsize
-    if width_bytes % 128:
-        raise ValueError(f"src rows must be whole 128-byte lines, got {width_bytes} bytes.")
-    lines_per_row = width_bytes // 128
-    rounds = -(-max_rows * lines_per_row // 128)  # lines per thread
-
-    scalar = plgpu.Layout.WG_SPLAT(shape=())
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), scalar, scalar))
-    def _prefetch(ctx, src, first, count):
-        del ctx
-        utils = mgpu.utils
-        i32, i64, _, _ = _mlir_int_types()
-        base, row_bytes = _global_rows(src, itemsize)
-        first, count = first.registers.item(), count.registers.item()
-        tid = arith.remui(utils.thread_idx(), utils.c(128, i32))
-        for i in range(rounds):
-            line = arith.addi(tid, utils.c(i * 128, i32))
-            row = arith.divui(line, utils.c(lines_per_row, i32))
-            col = arith.remui(line, utils.c(lines_per_row, i32))
-            offset = arith.addi(
-                arith.muli(arith.extui(i64, arith.addi(first, row)), utils.c(row_bytes, i64)),
-                arith.muli(arith.extui(i64, col), utils.c(128, i64)),
-            )
-            _prefetch_l2(base, offset, arith.cmpi(arith.CmpIPredicate.ult, row, count))
-
-    _prefetch(src_ref, jnp.asarray(row0, jnp.int32), jnp.asarray(num_rows, jnp.int32))
-
-
 def cp_async_publish(ki, full, landed, stages: int) -> None:
     """After issuing step `ki`'s cp.async group, publish it the kernel's way
     (`config.gather_completion`): with per-slot mbarriers (`landed` = [the

@@ -54,7 +54,10 @@ tiles whose two consumers each took 64 rows of every gathered stage and the whol
 so each W2 byte filled into SMEM served 128 rows, with an epilogue streaming one 64-column
 chunk of H at a time). They wrote the default's bits but ran at best 0.85x the default at
 30B and 0.77x at 7B on the H100 (session 47): every such kernel spilled registers, the
-[64, 256] f32 accumulator beside the dSwiGLU chunk.
+[64, 256] f32 accumulator beside the dSwiGLU chunk. Removed in session 58: the producer's
+L2 prefetch of each item's H rows (`h_prefetch_steps`, session 55), bitwise the default and
+level with it on the H100 (session 56); `benchmarks/history/session58/dh_h_prefetch.patch`
+restores it.
 """
 
 from __future__ import annotations
@@ -145,13 +148,6 @@ class DHConfig(_common.ClusterTiles):
         stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
         Same bits either way (session 51). Opt-in: on the H100 (session 52)
         0.955x at 30B (`docs/kernels.md`).
-      h_prefetch_steps: 0 (default), or S >= 1: compiled kernels only (interpret mode skips
-        it): the producer asks L2 for the item's H rows (its gate and up columns,
-        `prefetch.global.L2`, `_common.prefetch_row_block_l2`) when it issues the item's K
-        step `num_k - S` (step 0 if the item has fewer), so the consumers' H loads after the
-        K loop find them in L2 instead of waiting on HBM. A hint: the same bits either way.
-        Measured level with the default on the H100 (session 56: 0.997x at 7B, 1.010x at
-        30B with S = 8), so it stays off.
       store: how dH and A' leave the consumers. "tma" (default): each dSwiGLU chunk is
         written into SMEM slabs (H's, overwritten, and an A' tile) and TMA-stored
         row-exactly; the consumers wait until the stores have read the slabs before the
@@ -167,14 +163,16 @@ class DHConfig(_common.ClusterTiles):
         `DHConfig.pingpong()`), so one's epilogue runs beside the other's K loop; the
         epilogue works on 64 x 64 chunks through slabs of its own, H loaded by TMA boxes
         (`h_loader` is not used), its math in pieces of `epilogue_cols` (32 or 64) columns,
-        dH and A' stored by TMA or from registers (`store`); `cluster_m=1` and no
-        `h_prefetch_steps`. dH and A' are the cooperative kernel's bits; dS matches to
-        rounding (with 32-column pieces its partial sums add in another order).
+        dH and A' stored by TMA or from registers (`store`); `cluster_m=1`. dH and A' are
+        the cooperative kernel's bits; dS matches to rounding (with 32-column pieces its
+        partial sums add in another order).
 
     Removed in session 42 (a config naming them is a TypeError): `persistent_ctas=0` (one
     CTA per item) with its `prefetch_h` and `early_h`, and `epilogue_layout` (only the
     swizzled slabs remain); session 48 removed `split_m` and `epilogue_buffers` (the
-    split-M items, slower on the H100); see the module docstring.
+    split-M items, slower on the H100); session 58 removed `h_prefetch_steps` (the
+    producer's L2 prefetch of each item's H rows, level on the H100: 0.997x at 7B, 1.010x at
+    30B in session 56); see the module docstring.
     """
 
     block_m: int = 64
@@ -193,7 +191,6 @@ class DHConfig(_common.ClusterTiles):
     h_loader: str = "tma"
     cluster_m: int = 1
     wgmma_lag: int = 1
-    h_prefetch_steps: int = 0
     store: str = "tma"
     schedule: str = "cooperative"
 
@@ -249,8 +246,7 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         raise ValueError(f"config.store={config.store!r} must be one of {STORES}.")
     if config.schedule == "pingpong":
         unsupported = {"num_consumers": (config.num_consumers, 2),
-                       "cluster_m": (config.cluster_m, 1),
-                       "h_prefetch_steps": (config.h_prefetch_steps, 0)}
+                       "cluster_m": (config.cluster_m, 1)}
         for name, (value, want) in unsupported.items():
             if value != want:
                 raise ValueError(
@@ -264,11 +260,6 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
             )
     _common.require_cluster_m(config)
     _common.require_wgmma_lag(config)
-    if not isinstance(config.h_prefetch_steps, int) or config.h_prefetch_steps < 0:
-        raise ValueError(
-            f"config.h_prefetch_steps={config.h_prefetch_steps!r} must be an int >= 0 (K steps "
-            "before an item's end at which the producer prefetches its H rows into L2; 0 = off)."
-        )
     if config.cluster_m == 2 and config.persistent_ctas % 2:
         raise ValueError(
             "config.cluster_m=2 (two CTAs sharing each W2 tile) needs an even CTA count, got "
@@ -634,8 +625,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     h_cp_async = config.h_loader == "cp_async" and not interpret
-    h_prefetch = config.h_prefetch_steps > 0 and not interpret  # a hint interpret mode skips
-    h_prefetch_step = max(num_k - config.h_prefetch_steps, 0)
     reg_store = config.store == "registers" and not interpret  # inline PTX: compiled only
     overlaid, slot_bytes, epilogue_bytes = _persistent_layout(config, with_ap=not reg_store)
     free = stages - overlaid  # W2 slots the epilogue leaves alone
@@ -748,17 +737,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                                       full.at[slot], cp_async, multicast)
                         if cp_async:
                             _common.cp_async_publish(ki, full, a_landed, stages)
-                        if h_prefetch:
-                            @pl.when(ki == h_prefetch_step)
-                            def _():
-                                h_row0, h_rows = start_ref[mi], num_rows
-                                if clusters > 1:  # this CTA's row block of the item
-                                    h_row0 = h_row0 + rank * bm
-                                    h_rows = block_rows_ref[mi, rank]
-                                for col in (ni * cols, n + ni * cols):  # gate, up
-                                    _common.prefetch_row_block_l2(
-                                        h_ref.at[:, pl.ds(col, cols)], h_row0, h_rows,
-                                        max_rows=bm)
                         return carry
 
                     jax.lax.fori_loop(0, num_k, step, None)
