@@ -14,9 +14,6 @@ T, in the same run:
 - `kernels_inf` (with --variants): `moe_forward(..., inference=True)`, the same kernels
   called directly;
 - `static`, `dynamic`: the megakernel (`pallas_moe.kernels.decode`) with each scheduler;
-- `static_ahead`, `dynamic_ahead`: the same with `lookahead_steps=16` (each producer's L2
-  prefetches run 16 K steps ahead of its ring loads, into the CTA's next task too);
-  `static_ahead8`, `static_ahead32` (with --variants): other distances;
 - `unfused` (and `unfused_dyn` with --variants): the megakernel's control, the same task code
   with a global barrier between stages;
 - `bound`: the weight-read bound, the bytes of the distinct experts the batch touches over the
@@ -61,12 +58,6 @@ MEGA_VARIANTS = {
     "dynamic": dict(scheduler="dynamic"),
     "unfused": dict(fused=False),
     "unfused_dyn": dict(fused=False, scheduler="dynamic"),
-    # L2 lookahead: each producer's L2 prefetches run 16 K steps ahead of its ring loads,
-    # within a task and into the CTA's next one (the dynamic queue is claimed a task ahead).
-    "static_ahead": dict(lookahead_steps=16),
-    "dynamic_ahead": dict(scheduler="dynamic", lookahead_steps=16),
-    "static_ahead8": dict(lookahead_steps=8),
-    "static_ahead32": dict(lookahead_steps=32),
     # Block-size alternatives (not run by default).
     "static_u128": dict(up_block_n=128, num_stages=3),
     "dynamic_u128": dict(scheduler="dynamic", up_block_n=128, num_stages=3),
@@ -81,20 +72,6 @@ MEGA_VARIANTS = {
     "static_exact": dict(approx_math=False),
     "static_bt16": dict(token_block=16),
     "static_regs": dict(rebalance_registers=True),
-    # Split K of the up tasks (session 25; `docs/decode.md`, "Where T = 1 loses").
-    "static_split2": dict(up_split_k=2),
-    "static_split4": dict(up_split_k=4),
-    "dynamic_split4": dict(scheduler="dynamic", up_split_k=4),
-    # Wider up boxes (256-byte pieces of W1's rows) with as many up tasks at T = 1 as U = 64
-    # (session 32: does the strip order of the up tasks' W1 reads cost the per-SM rate?).
-    "static_u128_split2": dict(up_block_n=128, num_stages=3, up_split_k=2),
-    # An up task's first weight tiles before its row ids land (session 32).
-    "static_early": dict(early_weights=True),
-    "static_early_ahead": dict(early_weights=True, lookahead_steps=16),
-    # The lookahead into the CTA's next task only (no up task's own steps ahead).
-    "static_next16": dict(lookahead_steps=16, lookahead_within_task=False),
-    "static_early_next16": dict(early_weights=True, lookahead_steps=16,
-                                lookahead_within_task=False),
     # The per-plan metadata from one Pallas program instead of six small XLA kernels
     # (session 40, `pallas_moe/kernels/decode_meta.py`) at every T, or never (the default,
     # "auto", takes it up to `decode_meta.META_KERNEL_MAX_TOKENS` tokens).
@@ -118,7 +95,7 @@ def split_variant(variant: str) -> tuple[str, str]:
         if variant.endswith(suffix):
             return variant.removesuffix(suffix), suffix
     return variant, ""
-DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused", "static_ahead", "dynamic_ahead")
+DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused")
 # CUPTI kernel names of the MoE kernels (everything else is routing or metadata).
 MOE_KERNELS = ("moe_decode", "moe_up_proj", "moe_down_proj", "moe_aggregate")
 BYTES_PER_EXPERT = (D * 2 * N + N * D) * 2

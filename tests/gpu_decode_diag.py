@@ -117,8 +117,6 @@ def main():
         "tma": dict(gather="tma"),
         "no_l2_prefetch": dict(prefetch_l2=False),
         "depth1": dict(mailbox_depth=1),
-        "lookahead": dict(lookahead_steps=16),
-        "dynamic_lookahead": dict(scheduler="dynamic", lookahead_steps=16),
     }
     if INTERPRET:
         variants = {"static": {}, "dynamic": dict(scheduler="dynamic", num_sms=2)}

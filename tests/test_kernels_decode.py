@@ -27,8 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_moe.kernels import _events
 from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
 from pallas_moe.kernels.decode import (
-    DecodeConfig, decode_meta, decode_tasks, lookahead_share, lookahead_step, max_decode_tiles,
-    moe_decode,
+    DecodeConfig, decode_meta, decode_tasks, max_decode_tiles, moe_decode,
 )
 from pallas_moe.kernels.reference import (
     down_proj_reference, moe_forward_reference, up_proj_reference,
@@ -80,15 +79,11 @@ def _expected_counts(meta, config, num_events, n, d, fused=True):
     want = np.zeros(num_events, np.int64)
     up_blocks, down_blocks = n // config.up_block_n, d // config.down_block_n
     num_blocks = meta.block_target.shape[0]
-    # With split K: part_done[tile * up_blocks + cb] reaches S for every real tile, fused or not.
-    num_parts = max_tiles * up_blocks if config.up_split_k > 1 else 0
-    part_done = max_tiles + num_blocks
-    want[part_done:part_done + real * up_blocks] = config.up_split_k if num_parts else 0
     if fused:
         want[:real] = up_blocks
         want[max_tiles:max_tiles + num_blocks] = np.asarray(meta.block_target)
     else:
-        stage_up = part_done + num_parts
+        stage_up = max_tiles + num_blocks
         want[stage_up] = real * up_blocks
         want[stage_up + 1] = real * down_blocks
     return want
@@ -238,20 +233,11 @@ def test_decode_meta_impl_errors():
 # --------------------------------------------------------------------- task functions alone
 
 
-@pytest.mark.parametrize("split, num_tokens", [
-    pytest.param(1, 40, id="whole"),
-    # CI time: split K is an opt-in (`DecodeConfig.up_split_k`); its tasks lower in CI in
-    # test_lowers_for_cuda_at_qwen3_widths[T1-split4], and run in the slow extras here and
-    # in test_whole_kernel_split_k.
-    pytest.param(2, 20, id="split_k2", marks=pytest.mark.slow),
-])
-def test_up_tasks_alone_match_reference_with_h(split, num_tokens):
-    """The up tasks alone, one CTA, the race detector watching. With split K
-    (`up_split_k=2`) the partial and reduce tasks: the consumers hand the partial sums over
-    through GMEM, ordered by part_done, which ends at S for every real tile."""
-    d = 128  # 2 K steps: one per partial with split K
-    x, plan, w1, w2 = _case(1, num_tokens=num_tokens, d=d, num_experts=4, k=2)
-    config = dataclasses.replace(BASE, up_split_k=split)
+def test_up_tasks_alone_match_reference_with_h():
+    """The up tasks alone, one CTA, the race detector watching."""
+    d = 128
+    x, plan, w1, w2 = _case(1, num_tokens=40, d=d, num_experts=4, k=2)
+    config = BASE
     outs = decode_tasks(
         x, plan, w1, w2, config=config, kinds=("up",), write_h=True,
         interpret=plgpu.InterpretGPUParams(detect_races=True),
@@ -262,13 +248,6 @@ def test_up_tasks_alone_match_reference_with_h(split, num_tokens):
     rows = int(plan.num_rows)
     close(_slab_to_rows(outs.a_slab, meta, plan.capacity), a_ref, rows)
     close(outs.h, h_ref, rows)
-    if split > 1:
-        events = np.asarray(outs.events)
-        assert np.all(events[:, -1] == 0), "a wait timed out"
-        real, up_blocks = int(meta.counts[0]), 128 // config.up_block_n
-        part_done = meta.expert.shape[0] + meta.block_target.shape[0]
-        counts = events[:, :-1].sum(axis=0)
-        np.testing.assert_array_equal(counts[part_done:part_done + real * up_blocks], split)
 
 
 def test_down_tasks_alone_match_reference():
@@ -356,92 +335,6 @@ def test_whole_kernel_dynamic_queue_hands_out_every_task_once():
     total = real * 2 + real * 1 + meta.block_target.shape[0]
     # Every task once, plus one failed fetch per CTA (its exit).
     assert fetched == total + config.num_sms
-
-
-@pytest.mark.parametrize("overrides, d", [
-    # CI time: split K is an opt-in (`DecodeConfig.up_split_k`), so all three cases are slow
-    # extras: its kernel lowers in CI in test_lowers_for_cuda_at_qwen3_widths[T1-split4] (and
-    # dynamic in [T8-dynamic-split2-early-weights]). [static-S4] checks the partial and
-    # reduce tasks; the other two the unfused stage counter with split K and the dynamic
-    # queue (every partial and reduce task fetched once).
-    pytest.param(dict(up_split_k=4), 256, marks=pytest.mark.slow),
-    pytest.param(dict(up_split_k=2, fused=False), 128, marks=pytest.mark.slow),
-    pytest.param(dict(up_split_k=2, scheduler="dynamic", num_sms=3), 128, marks=pytest.mark.slow),
-], ids=["static-S4", "unfused-S2", "dynamic-S2"])
-def test_whole_kernel_split_k(overrides, d):
-    """Split K of the up tasks: S partial tasks per (tile, column block) and a reduce task
-    that adds their f32 sums in a fixed order; the output and H against the reference,
-    every counter at its target (part_done at S), and for the dynamic queue every task
-    (S partials + 1 reduce per up task) handed out once."""
-    x, plan, w1, w2 = _case(6, num_tokens=9, d=d, num_experts=4, k=2)
-    config = dataclasses.replace(BASE, **overrides)
-    _, meta, fetched = _run_whole(x, plan, w1, w2, config, write_h=True)
-    real, split = int(meta.counts[0]), config.up_split_k
-    tasks = real * 2 * (split + 1) + real * (d // 128) + meta.block_target.shape[0]
-    assert fetched == (tasks + config.num_sms if config.scheduler == "dynamic" else 0)
-
-
-# CI time (15 s): opt-in extras, like the lookahead's below. `early_weights` measured
-# slower than the default on an H200 (session 33) and stays opt-in; its CUDA lowering is
-# in CI (`test_lowers_for_cuda_at_qwen3_widths`) and its bitwise equality with the default
-# on the GPU (`test_gpu_decode.py::test_early_weights_is_bitwise_the_default`, passed on
-# an H200 in session 33).
-@pytest.mark.slow
-@pytest.mark.parametrize("overrides, d", [
-    (dict(num_stages=3), 256),
-    (dict(up_split_k=2), 128),  # one K step per partial task: all of it goes out early
-], ids=["whole", "split_k2"])
-def test_whole_kernel_early_weights_is_bitwise_the_default(overrides, d):
-    """`early_weights`: an up task's first weight tiles go out before its row ids land;
-    the same data, so the output and H equal the default kernel's bit for bit (and the
-    reference, and every counter its target, in `_run_whole`). At d = 256 an up task has 4
-    K steps: 3 issued early, 1 in the loop."""
-    x, plan, w1, w2 = _case(7, num_tokens=4, d=d, num_experts=2, k=1)  # 2 tiles (CI time)
-    config = dataclasses.replace(BASE, **overrides)
-    want, _, _ = _run_whole(x, plan, w1, w2, config, write_h=True)
-    got, _, _ = _run_whole(x, plan, w1, w2, dataclasses.replace(config, early_weights=True),
-                           write_h=True)
-    np.testing.assert_array_equal(np.asarray(got.out), np.asarray(want.out))
-    np.testing.assert_array_equal(np.asarray(got.h), np.asarray(want.h))
-
-
-@pytest.mark.slow  # 9 s of CI each; both also run on the H100 (static_ahead, dynamic_ahead)
-@pytest.mark.parametrize("scheduler, num_sms", [("static", 1), ("dynamic", 2)])
-def test_whole_kernel_lookahead_claims_each_task_once(scheduler, num_sms):
-    # With lookahead the producer claims its next task while it issues the current one: still
-    # every task exactly once (dynamic: one failed fetch per CTA; static: no fetch), and the
-    # same result. (A small case, for CI time: 2 tiles, 7 tasks.)
-    x, plan, w1, w2 = _case(6, num_tokens=4, num_experts=2, k=1)
-    config = dataclasses.replace(BASE, scheduler=scheduler, num_sms=num_sms, lookahead_steps=2)
-    _, meta, fetched = _run_whole(x, plan, w1, w2, config)
-    real = int(meta.counts[0])
-    assert real == 2
-    tasks = real * 2 + real * 1 + meta.block_target.shape[0]
-    assert fetched == (tasks + num_sms if scheduler == "dynamic" else 0)
-
-
-@pytest.mark.parametrize(
-    "current_steps, next_steps, lookahead",
-    [(32, 12, 32), (12, 32, 32), (32, 32, 32), (12, 12, 12), (12, 32, 8), (1, 5, 5), (3, 2, 100)],
-)
-def test_lookahead_share_prefetches_each_next_step_once_ending_with_the_last(
-    current_steps, next_steps, lookahead
-):
-    # Every one of the first min(lookahead, next_steps) steps of the next task is prefetched
-    # exactly once, in order, and the last ones with the current task's last step.
-    ahead, per = lookahead_share(current_steps, next_steps, lookahead)
-    assert ahead == min(lookahead, next_steps)
-    order = []
-    for k in range(current_steps):
-        for q in range(per):
-            i = lookahead_step(k, q, current_steps, ahead, per)
-            assert i < ahead
-            if i >= 0:
-                order.append((k, i))
-    assert [i for _, i in order] == list(range(ahead))
-    assert order[-1][0] == current_steps - 1
-    assert per * current_steps < ahead + current_steps  # no step carries more than needed
-    assert lookahead_share(current_steps, next_steps, 0) == (0, 0)
 
 
 @pytest.mark.parametrize("scheduler", [
@@ -582,12 +475,12 @@ def test_bad_inputs_raise_clear_errors():
         DecodeConfig(gather="cp_async", num_stages=2)
     with pytest.raises(ValueError, match="config.token_block"):
         DecodeConfig(token_block=0)
-    with pytest.raises(ValueError, match="config.lookahead_steps=-1"):
-        DecodeConfig(lookahead_steps=-1)
-    with pytest.raises(ValueError, match="config.early_weights must be a bool"):
-        DecodeConfig(early_weights=1)
-    with pytest.raises(ValueError, match="config.lookahead_within_task=False only"):
-        DecodeConfig(lookahead_within_task=False)
+    with pytest.raises(ValueError, match="config.prefetch_l2 must be a bool"):
+        DecodeConfig(prefetch_l2=1)
+    # The options removed in session 58 (measured slower) are refused, not ignored.
+    for removed in ("lookahead_steps", "lookahead_within_task", "up_split_k", "early_weights"):
+        with pytest.raises(TypeError, match=removed):
+            DecodeConfig(**{removed: 1})
     with pytest.raises(ValueError, match="static scheduler's cross-CTA waits"):
         decode_tasks(x, plan, w1, w2, config=dataclasses.replace(BASE, num_sms=2), interpret=True)
     with pytest.raises(ValueError, match="need a_slab"):
@@ -608,13 +501,6 @@ def test_bad_inputs_raise_clear_errors():
         )
     with pytest.raises(TypeError, match="w_down must have dtype bfloat16"):
         moe_decode(x, plan, w1, w2.astype(jnp.float32), config=BASE, interpret=True)
-    with pytest.raises(ValueError, match="config.up_split_k=0 must be a positive int"):
-        DecodeConfig(up_split_k=0)
-    with pytest.raises(ValueError, match="config.up_split_k=2 and config.lookahead_steps=4"):
-        DecodeConfig(up_split_k=2, lookahead_steps=4)
-    # d = 128 is 2 K steps: 4 partials cannot split them.
-    with pytest.raises(ValueError, match="d \\(x.shape\\[1\\]\\)=128 must be a multiple of 256.*up_split_k=4"):
-        moe_decode(x, plan, w1, w2, config=dataclasses.replace(BASE, up_split_k=4), interpret=True)
 
 
 # --------------------------------------------------------------------- CUDA lowering
@@ -630,16 +516,12 @@ def _abstract_plan(t, e, k):
     "num_tokens, overrides, write_h",
     # CI time (~4 s a case): CI lowers what the defaults run (T1-static: the static
     # scheduler, fused, the cp.async loader, and at T = 1 the metadata kernel of
-    # meta_impl="auto"), the dynamic scheduler, the unfused control, the TMA loader, and each
-    # opt-in knob once: the lookahead (T8-dynamic-lookahead32, with the dynamic claim
-    # ahead; T1-next-task-lookahead-early, the next task only), split K (T1-split4 static,
-    # T8-dynamic-split2-early-weights dynamic) and early_weights (the latter two). Slow
-    # extras: cases that only lower a knob another case lowers (T1-static-lookahead16,
-    # T8-dynamic-unfused-split2, T1-early-weights; T32-meta-kernel: the metadata kernel
-    # lowers in T1-static and in test_decode_meta_kernel_lowers_for_cuda[32]), setmaxnreg
-    # (off by default; `_common.role_registers` lowers in the forward kernels' tests), and
-    # u128 and s6 (opt-in sizes: by `_smem_bytes`, T1-static with H, 205 KB, holds more
-    # SMEM than either, 189 and 197 KB).
+    # meta_impl="auto"), the dynamic scheduler, the unfused control and the TMA loader. Slow
+    # extras: T32-meta-kernel (the metadata kernel lowers in T1-static and in
+    # test_decode_meta_kernel_lowers_for_cuda[32]), setmaxnreg (off by default;
+    # `_common.role_registers` lowers in the forward kernels' tests), and u128 and s6 (opt-in
+    # sizes: by `_smem_bytes`, T1-static with H, 205 KB, holds more SMEM than either, 189
+    # and 197 KB).
     [
         (1, dict(), True),
         (64, dict(scheduler="dynamic"), True),
@@ -649,25 +531,11 @@ def _abstract_plan(t, e, k):
         pytest.param(8, dict(up_block_n=128, num_stages=3), False, marks=pytest.mark.slow),
         pytest.param(8, dict(num_stages=6), False, marks=pytest.mark.slow),
         pytest.param(64, dict(rebalance_registers=True), True, marks=pytest.mark.slow),
-        # The L2 lookahead (prefetches and the dynamic scheduler's claim a task ahead).
-        pytest.param(1, dict(lookahead_steps=16), False, marks=pytest.mark.slow),
-        (8, dict(scheduler="dynamic", lookahead_steps=32), False),
-        # Split K of the up tasks (session 25, not yet run on a GPU).
-        (1, dict(up_split_k=4), True),
-        pytest.param(8, dict(up_split_k=2, scheduler="dynamic", fused=False), False,
-                     marks=pytest.mark.slow),
-        # Weight tiles before the row ids (session 32; GPU-tested in session 33).
-        pytest.param(1, dict(early_weights=True), True, marks=pytest.mark.slow),
-        (8, dict(early_weights=True, up_split_k=2, scheduler="dynamic"), False),
-        # The lookahead into the next task only (session 32; GPU-tested in session 33).
-        (1, dict(lookahead_steps=16, lookahead_within_task=False, early_weights=True), False),
         # The metadata from one Pallas program (session 40, not yet run on a GPU).
         pytest.param(32, dict(meta_impl="kernel"), True, marks=pytest.mark.slow),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused", "u128", "s6",
-         "setmaxnreg", "T1-static-lookahead16", "T8-dynamic-lookahead32", "T1-split4",
-         "T8-dynamic-unfused-split2", "T1-early-weights", "T8-dynamic-split2-early-weights",
-         "T1-next-task-lookahead-early", "T32-meta-kernel"],
+         "setmaxnreg", "T32-meta-kernel"],
 )
 def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
     from tests.cuda_target import h100_target

@@ -35,10 +35,6 @@ each task to a consumer through an SMEM mailbox, together with the ring step its
 start at, so both schedulers share every line of task code:
 - static: CTA s runs tasks s, s + num_sms, ... (round robin over the global order);
 - dynamic: the producer takes the next task from a global atomic counter.
-With `lookahead_steps = D > 0` the producer's L2 prefetches run D K steps ahead of its ring
-loads: within an up task, and into the CTA's next task (the dynamic scheduler claims it a
-task ahead, from the CTA's second task on), a share with each K step (`lookahead_share`), so a CTA's weight stream does not
-stop at a task boundary or an event wait.
 `fused=False` is the control of the seed paper ("unfused"): the same tasks, but every down
 task waits for all up tasks and every aggregation task for all down tasks (a global stage
 barrier), so comparing the two measures what the fine-grained events buy.
@@ -104,24 +100,6 @@ class DecodeConfig:
         CTAs must be resident at once, or a wait could block forever).
       mailbox_depth: tasks the producer may hand a consumer ahead of it.
       prefetch_l2: down tasks prefetch their remaining weight tiles into L2 before waiting.
-      lookahead_steps: D, how far (in K steps) the producer's L2 prefetches run ahead of
-        the weight tiles it loads into the ring; 0: no lookahead. An up task's step k
-        prefetches its own step k + D (the CTA's first task its first D steps at its start;
-        down tasks' own steps are `prefetch_l2`'s), and every task prefetches the first
-        min(D, its steps) steps of the CTA's *next* task, spread over its own steps and
-        ending with its last (`lookahead_share`); the dynamic scheduler then claims each
-        task a task ahead (from the CTA's second task on), so the next task is known. Why: the ring holds `num_stages`
-        steps, so a CTA keeps about 48 KB in flight, and at T = 1 the 92 CTAs that run an up
-        then a down task start loading their down task's 192 KB of W2 only when the up task
-        ends (`docs/decode.md`, "Where T = 1 loses"). Measured on the H100 (session 7):
-        1.1-1.6x slower at every T with D = 16 (the benchmark's `*_ahead` variants), so 0.
-        (Those runs had the padding-row gather hot spot, removed in session 32.)
-      lookahead_within_task: with `lookahead_steps`, whether up tasks also prefetch their
-        own steps D ahead (True, default) or only the next task's first steps (False: at
-        T = 1 the 92 CTAs that run an up then a down task then request their down task's
-        W2 during their up task's last steps, without 24 MB of W1 requested ahead of the
-        ring; session 32). Measured on an H200 (session 33, MoE kernels at T = 1): 34.0-34.3
-        us against the default's 30.9-31.1, and 1.2x slower at T = 8, so opt-in.
       rebalance_registers: move registers from the producer warpgroup to the consumers
         (`_common.role_registers`, setmaxnreg). Off by default: unlike the other
         kernels' producers, this one also schedules tasks and waits on events, and whether
@@ -130,31 +108,17 @@ class DecodeConfig:
         hardware's `ex2.approx` (True, default) or the full-precision `exp` (False), as
         `UpProjConfig.approx_math` does for the kernel-by-kernel forward; the backward's
         `DHConfig.approx_math` must match it (`KernelConfig` checks it).
-      up_split_k: S, how many up tasks share one (tile, column block)'s contraction. S = 1
-        (default): one up task computes it whole. S > 1 (session 25, for T = 1, where 8
-        tiles give only `8 n / U` up tasks for 132 SMs, `docs/decode.md`): S partial tasks
-        each multiply `d / S` of it and store their f32 gate and up sums to a GMEM scratch
-        (`[max tiles, n/U, S, 2, 64, U]` f32, so meant for small T), then one reduce task
-        per (tile, column block) waits for the S partials, adds them in the order s = 0..S-1
-        (deterministic; not bitwise the S = 1 result), applies the SwiGLU and writes A (and
-        H). `d / 64` must be a multiple of S; not with `lookahead_steps`. GPU-tested; on
-        an H200 (session 26) S = 4 at T = 1 ran 1.065x, 0.93x and 0.94x the speed of whole
-        tasks in three runs (no clear gain) and slower from T = 2 on, so the defaults keep
-        S = 1.
-      early_weights: True: the producer issues an up task's first `min(num_stages, K
-        steps)` weight tiles before it waits for the task's row ids (a TMA round trip), and
-        gathers their rows once the ids landed; False (default): it waits for the ids
-        first, and each step issues its weights then its rows. Why: at T = 1 each CTA runs
-        one up task, so that wait sits on the critical path of every CTA before its first
-        load (session 32). Same data, so bitwise the same results. Measured on an H200
-        (session 33, MoE kernels at T = 1): 32.6-34.0 us against the default's 30.9-31.1,
-        level at T = 8, so opt-in.
       meta_impl: how the per-plan metadata is computed (`decode_meta.py`): "jnp" (the
         reference: six small XLA kernels at T = 1, ~7 us of GPU time on an H200),
         "kernel" (the same arrays, bit for bit, from one Pallas program; in interpret mode
         it runs interpreted) or "auto" (default): "kernel" for batches of at most
         `decode_meta.META_KERNEL_MAX_TOKENS` tokens, "jnp" above (on an H200 the kernel
         took the call from 50.8 to 42.0 us at T = 1 and lost from T = 8 on, session 41).
+
+    Removed in session 58 (a config naming them is a TypeError), each measured slower than
+    the default or level with it (`docs/decode.md`): `lookahead_steps` and
+    `lookahead_within_task` (L2 prefetches of the next task's weights), `up_split_k` (split K
+    of the up tasks) and `early_weights` (an up task's first weights before its row ids).
     """
 
     scheduler: str = "static"
@@ -168,12 +132,8 @@ class DecodeConfig:
     num_sms: int = 132
     mailbox_depth: int = 2
     prefetch_l2: bool = True
-    lookahead_steps: int = 0
     rebalance_registers: bool = False
     approx_math: bool = True
-    up_split_k: int = 1
-    early_weights: bool = False
-    lookahead_within_task: bool = True
     meta_impl: str = "auto"
 
     def __post_init__(self):
@@ -200,28 +160,11 @@ class DecodeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"config.{name}={value!r} must be a positive int.")
-        if not isinstance(self.lookahead_steps, int) or self.lookahead_steps < 0:
-            raise ValueError(
-                f"config.lookahead_steps={self.lookahead_steps!r} must be an int >= 0."
-            )
-        if not isinstance(self.up_split_k, int) or self.up_split_k < 1:
-            raise ValueError(f"config.up_split_k={self.up_split_k!r} must be a positive int.")
-        if self.lookahead_within_task is False and not self.lookahead_steps:
-            raise ValueError(
-                "config.lookahead_within_task=False only selects what the lookahead prefetches; "
-                "set config.lookahead_steps > 0 with it."
-            )
-        if self.up_split_k > 1 and self.lookahead_steps:
-            raise ValueError(
-                f"config.up_split_k={self.up_split_k} and config.lookahead_steps="
-                f"{self.lookahead_steps}: the lookahead only prefetches whole up tasks; use one."
-            )
         if self.meta_impl not in ("auto", "jnp", "kernel"):
             raise ValueError(
                 f"config.meta_impl must be 'auto', 'jnp' or 'kernel', got {self.meta_impl!r}."
             )
-        for name in ("prefetch_l2", "rebalance_registers", "approx_math", "early_weights",
-                     "lookahead_within_task"):
+        for name in ("prefetch_l2", "rebalance_registers", "approx_math"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}.")
 
@@ -262,34 +205,23 @@ class _Dims:
     agg_vec: int  # elements per thread per Y load
     up_blocks: int
     down_blocks: int
-    split: int = 1  # `DecodeConfig.up_split_k`
 
     @property
     def agg_width(self) -> int:
         return 128 * self.agg_vec
 
     @property
-    def num_parts(self) -> int:
-        """part_done counters: one per (tile, up column block) when the up tasks split K."""
-        return self.max_tiles * self.up_blocks if self.split > 1 else 0
-
-    @property
     def num_events(self) -> int:
-        return self.max_tiles + self.num_blocks + self.num_parts + 3
+        return self.max_tiles + self.num_blocks + 3
 
-    # Event layout: up_done[max_tiles], tok_done[num_blocks], part_done[num_parts],
-    # stage_up, stage_down, queue.
+    # Event layout: up_done[max_tiles], tok_done[num_blocks], stage_up, stage_down, queue.
     @property
     def tok_done(self) -> int:
         return self.max_tiles
 
     @property
-    def part_done(self) -> int:
-        return self.max_tiles + self.num_blocks
-
-    @property
     def stage_up(self) -> int:
-        return self.part_done + self.num_parts
+        return self.max_tiles + self.num_blocks
 
     @property
     def stage_down(self) -> int:
@@ -298,27 +230,6 @@ class _Dims:
     @property
     def queue(self) -> int:
         return self.stage_up + 2
-
-
-def lookahead_share(current_steps: int, next_steps: int, lookahead_steps: int) -> tuple[int, int]:
-    """How a producer spreads the L2 prefetch of its next task over its current task.
-
-    The first `ahead = min(lookahead_steps, next_steps)` K steps of the next task are
-    prefetched, `per = ceil(ahead / current_steps)` with each of the current task's K steps,
-    ending with its last: current step k prefetches next steps
-    `lookahead_step(k, q, current_steps, ahead, per)` for q < per, those that are >= 0
-    (every next step exactly once). Returns (ahead, per); (0, 0) when there is nothing to do.
-    """
-    ahead = min(lookahead_steps, next_steps)
-    if ahead <= 0 or current_steps <= 0:
-        return 0, 0
-    return ahead, -(-ahead // current_steps)
-
-
-def lookahead_step(k, q, current_steps: int, ahead: int, per: int):
-    """The next task's K step prefetched as share q of current step k (see `lookahead_share`);
-    negative: none. Works on Python and traced ints."""
-    return ahead - (current_steps - k) * per + q
 
 
 @functools.partial(
@@ -360,10 +271,6 @@ def _check_inputs(x, plan, w_gate_up, w_down, config: DecodeConfig):
     _common.require_multiple(
         "d (x.shape[1])", d, config.down_block_n,
         f"a down task computes config.down_block_n={config.down_block_n} columns",
-    )
-    _common.require_multiple(
-        "d (x.shape[1])", d, BLOCK_K * config.up_split_k,
-        f"config.up_split_k={config.up_split_k} partial up tasks split d's {BLOCK_K}-row K steps",
     )
     return num_tokens, d, n, num_experts
 
@@ -524,7 +431,6 @@ def decode_tasks(
         num_tokens=num_tokens, d=d, n=n, num_experts=num_experts, capacity=plan.capacity,
         max_tiles=max_tiles, num_blocks=-(-num_tokens // config.token_block), agg_vec=agg_vec,
         up_blocks=n // config.up_block_n, down_blocks=d // config.down_block_n,
-        split=config.up_split_k,
     )
     if meta is None:
         impl = resolve_meta_impl(config.meta_impl, num_tokens)
@@ -555,8 +461,6 @@ def decode_tasks(
     out, a_out, y_out = outs[:3]
     rest = outs[3:]
     h = rest.pop(0) if write_h else None
-    if dims.split > 1:
-        rest.pop(0)  # the partial up sums (GMEM scratch)
     events = rest.pop(0) if interpret_mode is not None else None
     return DecodeOutputs(out=out, a_slab=a_out, y_slab=y_out, h=h, events=events)
 
@@ -568,8 +472,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
     bt = config.token_block
     d, n = dims.d, dims.n
     num_k_up, num_k_down = d // BLOCK_K, n // BLOCK_K
-    split = dims.split  # partial up tasks per (tile, column block); 1: whole up tasks
-    num_k_task = num_k_up // split  # K steps of one up (or partial up) task
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
     dtype = jnp.bfloat16
@@ -582,11 +484,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
     num_chunks = d // dims.agg_width
     agg_group = max(1, AGG_LOADS_IN_FLIGHT // num_chunks)  # rows per load group
     prefetch_steps = min(stages, num_k_down)  # down-task weight steps issued before the wait
-    # Lookahead: the dynamic scheduler claims tasks one ahead whenever it is on, interpret
-    # mode included (so the claim logic runs in the CPU tests); the L2 prefetches of the next
-    # task's weights are compiled only (interpret mode has no L2).
-    claim_ahead = config.lookahead_steps > 0
-    l2_lookahead = claim_ahead and not interpret
 
     def body(*refs):
         (counts_ref, expert_ref, start_ref, rows_ref, ids_ref, blo_ref, bcnt_ref, btgt_ref,
@@ -595,7 +492,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
         y_in = rest.pop(0) if read_y else None
         out_ref, a_slab, y_slab, *rest = rest
         h_ref = rest.pop(0) if write_h else None
-        part_ref = rest.pop(0) if split > 1 else None  # f32 [M, n/U, S, 2, bm, U]
         ev_out = rest.pop(0) if interpret else None
         (ids_smem, a_bufs, w_bufs, o_up, o_dn, box, queue_smem,
          full_up, full_dn, empty, ids_bar, box_full, box_empty) = rest
@@ -619,27 +515,12 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
         sm = jax.lax.axis_index("sm")
         real_tiles = counts_ref[0]
         n_up = real_tiles * dims.up_blocks if runs_up else jnp.int32(0)
-        # With split K the up region is the partial tasks, then one reduce task per (tile,
-        # column block): n_part + n_up of them.
-        n_finished_up = n_up  # tasks that raise up_done / stage_up (whole or reduce)
-        n_part = n_up * split if split > 1 else jnp.int32(0)
-        n_up = n_part + n_up if split > 1 else n_up
         n_down = real_tiles * dims.down_blocks if runs_down else jnp.int32(0)
         n_agg = dims.num_blocks if runs_agg else 0
         total = n_up + n_down + n_agg
 
         def decode_task(task):
-            """(is_up, is_down, tile, column block, token block) of a global task index.
-            With split K, `is_up` marks the partial up tasks (the ones with weight loads);
-            `decode_split` tells the reduce tasks and a partial's index."""
-            if split > 1:
-                is_part, is_red, tile_up, cb_up, _ = decode_split(task)
-                in_up = is_part | is_red
-                is_down = (task >= n_up) & (task < n_up + n_down)
-                j_down = task - n_up
-                tile = jnp.where(in_up, tile_up, j_down // dims.down_blocks)
-                cb = jnp.where(in_up, cb_up, j_down % dims.down_blocks)
-                return is_part, is_down, tile, cb, task - n_up - n_down
+            """(is_up, is_down, tile, column block, token block) of a global task index."""
             is_up = task < n_up
             is_down = (task >= n_up) & (task < n_up + n_down)
             j_up = task
@@ -648,17 +529,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
             cb = jnp.where(is_up, j_up % dims.up_blocks, j_down % dims.down_blocks)
             block = task - n_up - n_down
             return is_up, is_down, tile, cb, block
-
-        def decode_split(task):
-            """Split K: (is partial, is reduce, tile, column block, partial index s) of an
-            up-region task. Partials: `(tile * (n/U) + cb) * S + s`; reduce tasks:
-            `n_part + tile * (n/U) + cb`."""
-            is_part = task < n_part
-            is_red = (task >= n_part) & (task < n_up)
-            j_red = task - n_part
-            tile = jnp.where(is_part, task // (dims.up_blocks * split), j_red // dims.up_blocks)
-            cb = jnp.where(is_part, (task // split) % dims.up_blocks, j_red % dims.up_blocks)
-            return is_part, is_red, tile, cb, task % split
 
         # ------------------------------------------------------------------ producer
         @pl.when(wg == _PRODUCER)
@@ -683,81 +553,19 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 box[c, slot, 1] = g
                 plgpu.barrier_arrive(box_full.at[c, slot])
 
-            def lookahead_target(following, first):
-                """What the lookahead prefetches need of task `following` (the CTA's next
-                task; >= total: none), read once per task: no GMEM read in the step loops.
-                `first`: the current task is the CTA's first (no task before it prefetched
-                its first steps)."""
-                if not l2_lookahead:
-                    return None
-                is_up, is_down, tile, cb, _ = decode_task(following)
-                live = following < total
-                # Aggregation tasks and "no task" decode to out-of-range tiles: clamp the
-                # address, the predicates drop their prefetches.
-                expert = expert_ref[jnp.clip(tile, 0, dims.max_tiles - 1)]
-                cb_up = jnp.minimum(cb, dims.up_blocks - 1)
-                cb_dn = jnp.minimum(cb, dims.down_blocks - 1)
-                return live & is_up, live & is_down, expert, cb_up, cb_dn, first
-
-            def prefetch_ahead(target, k, current_steps):
-                """L2 prefetch of the share of the next task (`lookahead_target`) that goes
-                with step k of the current, `current_steps`-step task."""
-                if target is None:
-                    return
-                next_up, next_down, expert, cb_up, cb_dn, _ = target
-                w1_e, w2_e = w1_ref.at[expert], w2_ref.at[expert]
-                for next_is_up, next_steps in ((True, num_k_up), (False, num_k_down)):
-                    ahead, per = lookahead_share(current_steps, next_steps, config.lookahead_steps)
-                    for q in range(per):
-                        i = lookahead_step(k, q, current_steps, ahead, per)
-                        if isinstance(i, int) and i < 0:  # a static step with no share
-                            continue
-                        go = (next_up if next_is_up else next_down) & (i >= 0)
-                        rows = pl.ds(jnp.maximum(i, 0) * BLOCK_K, BLOCK_K)
-                        if next_is_up:
-                            boxes = (w1_e.at[rows, pl.ds(cb_up * u_cols, u_cols)],
-                                     w1_e.at[rows, pl.ds(n + cb_up * u_cols, u_cols)])
-                        else:
-                            boxes = (w2_e.at[rows, pl.ds(cb_dn * bn, bn)],)
-                        for box in boxes:
-                            plgpu.async_prefetch(box, predicate=go)
-
-            def issue_up(tile, cb, c, g0, ahead, part=0):
-                """The loads of an up task, or of partial `part` of it (K steps
-                `[part * num_k_task, (part + 1) * num_k_task)`) with split K."""
+            def issue_up(tile, cb, c, g0):
+                """The loads of an up task."""
                 w_e = w1_ref.at[expert_ref[tile]]  # [d, 2n]
-                k_first = part * num_k_task
-
-                def up_boxes(k):  # the gate and up weight tiles [64, U] of step k
-                    rows = pl.ds(k * BLOCK_K, BLOCK_K)
-                    return (w_e.at[rows, pl.ds(cb * u_cols, u_cols)],
-                            w_e.at[rows, pl.ds(n + cb * u_cols, u_cols)])
-
-                # Lookahead within the task: step k also prefetches its own step k + D into
-                # L2 (an up task is 32 K steps at d = 2048; the ring holds `stages`), and the
-                # CTA's first task prefetches its first D steps now (no task before it did).
-                own_ahead = (min(config.lookahead_steps, num_k_up)
-                             if ahead is not None and config.lookahead_within_task else 0)
-                for k in range(stages, own_ahead):
-                    for box in up_boxes(k):
-                        plgpu.async_prefetch(box, predicate=ahead[-1])
 
                 def full_of(k):  # the barrier the task's step k completes on
                     return full_up.at[c, (g0 + k) % stages]
 
-                def k_offset(k):  # first K row of the task's step k
-                    # (Without split K, no `0 + k`: the kernel stays the GPU-tested one.)
-                    return ((k_first + k) if split > 1 else k) * BLOCK_K
-
-                def step_refs(k):  # (ring step, slot, first K row, the slot's `full` barrier)
-                    g = g0 + k
-                    slot = g % stages
-                    return g, slot, k_offset(k), full_up.at[c, slot]
-
                 def issue_weights(k):
                     """Waits for step k's slot, then issues its gate and up weight tiles;
-                    returns `step_refs(k)`."""
-                    g, slot, k0, bar = refs = step_refs(k)
+                    returns (slot, first K row, the slot's `full` barrier)."""
+                    g = g0 + k
+                    slot = g % stages
+                    k0, bar = k * BLOCK_K, full_up.at[c, slot]
 
                     @pl.when(g >= stages)
                     def _():
@@ -771,38 +579,17 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         plgpu.copy_gmem_to_smem(  # [64, U] the matching up columns
                             w_e.at[pl.ds(k0, BLOCK_K), pl.ds(n + cb * u_cols, u_cols)],
                             wu_smem(slot), bar)
-                    return refs
+                    return slot, k0, bar
 
                 # Every producer lane is done reading the previous tile's ids (generic
                 # proxy) before the TMA (async proxy) overwrites them.
-                early = min(stages, num_k_task) if config.early_weights else 0
                 with jax.named_scope("ids"):
                     plgpu.commit_smem()
                     plgpu.copy_gmem_to_smem(ids_ref.at[tile], ids_smem, ids_bar)
-                    if not early:
-                        plgpu.barrier_wait(ids_bar)
-                if early:
-                    # `early_weights`: the first steps' weights do not need the ids, so they
-                    # go out before the wait (each still waits until its slot is free).
-                    for k in range(early):
-                        issue_weights(k)
-                    with jax.named_scope("ids"):
-                        plgpu.barrier_wait(ids_bar)
+                    plgpu.barrier_wait(ids_bar)
 
                 def step(k, carry):
-                    if early:
-                        @pl.when(k >= early)
-                        def _():
-                            issue_weights(k)
-
-                        _, slot, k0, bar = step_refs(k)
-                    else:
-                        _, slot, k0, bar = issue_weights(k)
-                    prefetch_ahead(ahead, k, num_k_task)
-                    if 0 < own_ahead < num_k_up:
-                        own = k + own_ahead
-                        for box in up_boxes(jnp.minimum(own, num_k_up - 1)):
-                            plgpu.async_prefetch(box, predicate=own < num_k_up)
+                    slot, k0, bar = issue_weights(k)
                     if cp_async:
                         with jax.named_scope("gather"):
                             _common.cp_async_gather_rows(x_ref.at[:, pl.ds(k0, BLOCK_K)], ids_smem,
@@ -825,11 +612,11 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         plgpu.warp_map(per_warp)
                     return carry
 
-                jax.lax.fori_loop(0, num_k_task, step, None)
+                jax.lax.fori_loop(0, num_k_up, step, None)
                 if cp_async:  # publish the last stages - 2 steps
-                    _common.cp_async_publish_rest(num_k_task, full_of, [], stages)
+                    _common.cp_async_publish_rest(num_k_up, full_of, [], stages)
 
-            def issue_down(tile, cb, c, g0, ahead):
+            def issue_down(tile, cb, c, g0):
                 w_e = w2_ref.at[expert_ref[tile]]  # [n, d]
                 a_rows = pl.ds(tile * bm, bm)
 
@@ -846,7 +633,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     g = g0 + k
                     wait_slot(g)
                     plgpu.copy_gmem_to_smem(w_tile(k), wd_smem(g % stages), full_dn.at[c, g % stages])
-                    prefetch_ahead(ahead, k, num_k_down)
                 if config.prefetch_l2 and not interpret:
                     for k in range(prefetch_steps, num_k_down):
                         plgpu.async_prefetch(w_tile(k))
@@ -855,7 +641,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                         if config.fused:
                             events.wait(tile, dims.up_blocks)  # up_done[tile]
                         else:
-                            events.wait(dims.stage_up, n_finished_up)
+                            events.wait(dims.stage_up, n_up)
                 for k in range(prefetch_steps):
                     g = g0 + k
                     plgpu.copy_gmem_to_smem(
@@ -868,7 +654,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     slot = g % stages
                     wait_slot(g)
                     plgpu.copy_gmem_to_smem(w_tile(k), wd_smem(slot), full_dn.at[c, slot])
-                    prefetch_ahead(ahead, k, num_k_down)
                     plgpu.copy_gmem_to_smem(
                         a_src.at[a_rows, pl.ds(k * BLOCK_K, BLOCK_K)], a_mma.at[slot],
                         full_dn.at[c, slot],
@@ -881,27 +666,15 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 return events.fetch_add(dims.queue, 1)
 
             def schedule(carry):
-                j, g, k0, k1, claimed, _ = carry
+                j, g, k0, k1, _ = carry
                 if config.scheduler == "static":
                     task = sm + j * num_sms
-                    following = sm + (j + 1) * num_sms
-                elif not claim_ahead:
-                    task = fetch_task()
-                    following = total
                 else:
-                    # With lookahead the next task is claimed now, so its weights can be
-                    # prefetched while this one's are issued; but not during the CTA's first
-                    # task: CTAs start a little apart, and an early one claiming two of the
-                    # first tasks would carry two (at T = 1, two 512 KB up tasks).
-                    task = jax.lax.cond(claimed >= 0, lambda: claimed, fetch_task)
-                    ahead_now = (task < total) & (j >= 1)
-                    following = jax.lax.cond(ahead_now, fetch_task, lambda: jnp.int32(-1))
+                    task = fetch_task()
                 valid = task < total
                 c = j % 2
                 is_up, is_down, tile, cb, _ = decode_task(task)
-                steps = jnp.where(is_up, num_k_task, jnp.where(is_down, num_k_down, 0))
-                # (The GMEM read of the next task's expert overlaps the post.)
-                ahead = lookahead_target(jnp.where(following >= 0, following, total), j == 0)
+                steps = jnp.where(is_up, num_k_up, jnp.where(is_down, num_k_down, 0))
                 for ci, kc in ((0, k0), (1, k1)):
                     @pl.when(valid & (c == ci))
                     def _(ci=ci, kc=kc):
@@ -909,22 +682,20 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                         @pl.when(is_up)
                         def _():
-                            issue_up(tile, cb, ci, g, ahead,
-                                     decode_split(task)[4] if split > 1 else 0)
+                            issue_up(tile, cb, ci, g)
 
                         @pl.when(is_down)
                         def _():
-                            issue_down(tile, cb, ci, g, ahead)
+                            issue_down(tile, cb, ci, g)
 
                 g = g + jnp.where(valid, steps, 0)
                 took0 = (valid & (c == 0)).astype(jnp.int32)
                 took1 = (valid & (c == 1)).astype(jnp.int32)
-                return j + valid.astype(jnp.int32), g, k0 + took0, k1 + took1, following, ~valid
+                return j + valid.astype(jnp.int32), g, k0 + took0, k1 + took1, ~valid
 
             zero = jnp.int32(0)
-            # `claimed`: the dynamic scheduler's task claimed a task ahead, -1: none yet.
-            init = (zero, zero, zero, zero, jnp.int32(-1), jnp.bool_(False))
-            _, g_end, k0, k1, _, _ = jax.lax.while_loop(lambda c: ~c[5], schedule, init)
+            init = (zero, zero, zero, zero, jnp.bool_(False))
+            _, g_end, k0, k1, _ = jax.lax.while_loop(lambda c: ~c[4], schedule, init)
             # No more tasks: a sentinel to each consumer.
             post(0, k0, jnp.int32(-1), g_end)
             post(1, k1, jnp.int32(-1), g_end)
@@ -952,7 +723,7 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                 events = Events(ev_ref, interpret=interpret, row=c, num_events=dims.num_events)
 
                 def up_sums(g0):
-                    """f32 [bm, U] gate and up sums over the task's `num_k_task` K steps."""
+                    """f32 [bm, U] gate and up sums over the task's `num_k_up` K steps."""
                     def mma_scope(acc_g, acc_u):
                         def mma(slot):
                             plgpu.wgmma(acc_g, a_mma.at[slot], wg_smem(slot))  # [64,64]@[64,U]
@@ -960,10 +731,10 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                         with jax.named_scope("k_loop"):
                             _common.consumer_k_loop(
-                                num_k_task, stages, lambda g, slot: plgpu.barrier_wait(
+                                num_k_up, stages, lambda g, slot: plgpu.barrier_wait(
                                     full_up.at[c, slot]), mma, empty, mmas_per_step=2,
                                 step_of=lambda k: g0 + k)
-                        plgpu.barrier_arrive(empty.at[(g0 + num_k_task - 1) % stages])
+                        plgpu.barrier_arrive(empty.at[(g0 + num_k_up - 1) % stages])
                         return acc_g[...], acc_u[...]
 
                     return pl.run_scoped(
@@ -973,29 +744,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
 
                 def run_up(tile, cb, g0):
                     finish_up(tile, cb, *up_sums(g0))
-
-                def run_partial(tile, cb, part, g0):
-                    """Split K: this partial's f32 sums into the scratch, then part_done."""
-                    gate, up = up_sums(g0)
-                    part_ref[tile, cb, part, 0] = gate
-                    part_ref[tile, cb, part, 1] = up
-                    events.notify(dims.part_done + tile * dims.up_blocks + cb)
-
-                def run_reduce(tile, cb):
-                    """Split K: once the S partials are stored, their sums in the order
-                    s = 0..S-1 (the same for every run and scheduler), then the epilogue."""
-                    events.wait(dims.part_done + tile * dims.up_blocks + cb, split)
-                    wgmma = plgpu.Layout.WGMMA
-
-                    def partial(part, which):
-                        return plgpu.load(part_ref.at[tile, cb, part, which], layout=wgmma,
-                                          optimized=False)  # GMEM: plain loads
-
-                    gate, up = partial(0, 0), partial(0, 1)
-                    for part in range(1, split):
-                        gate = gate + partial(part, 0)
-                        up = up + partial(part, 1)
-                    finish_up(tile, cb, gate, up)
 
                 @jax.named_scope("epilogue")  # a region of the on-device profiler
                 def finish_up(tile, cb, gate, up):
@@ -1119,28 +867,16 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                     plgpu.barrier_arrive(box_empty.at[c, slot])
                     valid = task >= 0
                     is_up, is_down, tile, cb, block = decode_task(task)
-                    if split > 1:
-                        _, is_red, _, _, part = decode_split(task)
 
-                        @pl.when(valid & is_up)
-                        def _():
-                            run_partial(tile, cb, part, g0)
-
-                        @pl.when(valid & is_red)
-                        def _():
-                            run_reduce(tile, cb)
-                    else:
-                        @pl.when(valid & is_up)
-                        def _():
-                            run_up(tile, cb, g0)
+                    @pl.when(valid & is_up)
+                    def _():
+                        run_up(tile, cb, g0)
 
                     @pl.when(valid & is_down)
                     def _():
                         run_down(tile, cb, g0)
 
                     is_agg = valid & ~is_up & ~is_down
-                    if split > 1:
-                        is_agg = is_agg & ~is_red
 
                     @pl.when(is_agg)
                     def _():
@@ -1180,9 +916,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
     ]
     if write_h:
         out_types.append(jax.ShapeDtypeStruct((dims.capacity, 2 * n), dtype))
-    if split > 1:  # the partial up sums (GMEM scratch)
-        out_types.append(jax.ShapeDtypeStruct(
-            (dims.max_tiles, dims.up_blocks, split, 2, bm, u_cols), jnp.float32))
     if interpret:
         out_types.append(jax.ShapeDtypeStruct((INTERPRET_ROWS, dims.num_events + 1), jnp.int32))
     return plgpu.kernel(
