@@ -4,6 +4,9 @@
 #      timings at 7B and 30B, GPU tests).
 #   S (~9 min, H100): issue 9: the training step with the ping-pong dH (TMA stores and
 #      register stores) against the default, 30B and 7B, 3 rounds paired.
+#   D (~3 min, H100 or H200): issue 15: the decode megakernel after session 58 removed its
+#      refuted options (its default jaxprs lost only dead scalar ops): the quick GPU subset
+#      (T = 1, 8, 64 static, dynamic, unfused, skew, 100 runs bitwise) and T = 1, 2 timings.
 #   Q (~9.5 min, H100): P and S in one machine start: the ping-pong dH's ptxas registers and
 #      paired timings (7B, 30B, 2 rounds: default, pp, pp_reg; bitwise dH / A'), then, only
 #      if a ping-pong variant was bitwise and >= 1.03x the default at 30B, the step with it
@@ -48,6 +51,16 @@ PY
       "test_dh_pingpong_writes_the_default_bits or test_dh_register_stores_write" > $OUT/gpu_dh_pp.log 2>&1
     echo "gpu dh pp rc=$? at $(( $(date +%s) - T0 )) s"; tail -4 $OUT/gpu_dh_pp.log
   fi ;;
+D)
+  timeout 200 python3 -m pytest -p no:xdist -q -m gpu \
+    "tests/test_gpu_decode.py::test_matches_xla[1-static]" "tests/test_gpu_decode.py::test_matches_xla[8-static]" \
+    "tests/test_gpu_decode.py::test_matches_xla[64-static]" "tests/test_gpu_decode.py::test_matches_xla[1-dynamic]" \
+    "tests/test_gpu_decode.py::test_matches_xla[8-unfused]" "tests/test_gpu_decode.py::test_routing_edge_cases[static-skewed]" \
+    tests/test_gpu_decode.py::test_hundred_runs_no_hang_bitwise_equal > $OUT/gpu_decode.log 2>&1
+  echo "gpu decode rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_decode.log
+  timeout 150 python3 benchmarks/decode.py --out $OUT/decode --tokens 1,2 --iters 30 \
+    --variants static,dynamic > $OUT/decode.log 2>&1
+  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/decode.log | tail -6 ;;
 *)
   bash benchmarks/history/session57/next_calls.sh "$PART" ;;
 esac
