@@ -627,18 +627,6 @@ def cluster_up_cfgs(d, n):
                              dataclasses.replace(split, cluster_m=2)], n)
 
 
-def prefetch_up_cfgs(d, n):
-    """Session 51: this width's default with the L2 prefetch of the gathered rows
-    (`prefetch_steps`) 2, 4 and 8 K steps ahead. Nsight Compute's stall samples of the 30B
-    up-proj (session 51) had the consumers waiting on a filled stage ~32% of their samples
-    while the producer waited on a freed one ~half of its: a pipeline too shallow for the
-    gather's latency, and 5 stages do not fit in SMEM. The persistent kernels only."""
-    base = ForwardConfig.for_shape(d, n).up
-    if not base.pingpong_ctas:
-        return [base]
-    return [base] + [dataclasses.replace(base, prefetch_steps=s) for s in (2, 4, 8)]
-
-
 def depth_up_cfgs(d, n):
     """Session 51: does pipeline depth limit the split-M up-proj? (Its stall samples at 30B
     had both the producer and the consumers waiting on each other.) This width's default
@@ -769,7 +757,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "prefetch", "depth", "lag", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "depth", "lag", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "cluster", "rows", "lag", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
@@ -795,7 +783,6 @@ def main():
                            "persistent": persistent_up_cfgs,
                            "rows": rows_up_cfgs,
                            "cluster": cluster_up_cfgs,
-                           "prefetch": prefetch_up_cfgs,
                            "depth": depth_up_cfgs,
                            "lag": lag_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]

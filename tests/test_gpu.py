@@ -131,20 +131,19 @@ def test_up_proj_cp_async_gather_matches_reference(shape, cfg, completion):
 
 
 @pytest.mark.parametrize(
-    "shape, stages, epilogue_tiles, completion, with_bias, prefetch",
-    [((2048, 512, 256, 8, 4), 5, 1, "wait_group", False, 0),
-     ((2048, 512, 256, 8, 4), 4, 3, "mbarrier", True, 0),
-     ((3000, 1536, 512, 16, 8), 5, 1, "mbarrier", False, 0),
-     ((1024, 256, 128, 5, 2), 3, 0, "wait_group", True, 0),
-     ((3000, 4096, 512, 16, 8), 5, 1, "wait_group", False, 8)],
+    "shape, stages, epilogue_tiles, completion, with_bias",
+    [((2048, 512, 256, 8, 4), 5, 1, "wait_group", False),
+     ((2048, 512, 256, 8, 4), 4, 3, "mbarrier", True),
+     ((3000, 1536, 512, 16, 8), 5, 1, "mbarrier", False),
+     ((1024, 256, 128, 5, 2), 3, 0, "wait_group", True),
+     ((3000, 4096, 512, 16, 8), 5, 1, "wait_group", False)],
 )
-def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, completion, with_bias,
-                                             prefetch):
+def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, completion, with_bias):
     """The persistent ping-pong up-proj (`UpProjConfig.pingpong_ctas`) against the jnp
     reference and bit for bit against the cooperative kernel, poisoned outputs, skewed
-    routing; inference mode writes the same A; 8 CTAs make every CTA walk many items; the
-    L2 prefetch of the gathered rows (`prefetch_steps`) changes no bit, nor does one
-    N = 256 wgmma per K step (`fused_gate_up`), nor W1 interleaved (`gate_up_blocks`);
+    routing; inference mode writes the same A; 8 CTAs make every CTA walk many items; one
+    N = 256 wgmma per K step (`fused_gate_up`) changes no bit, nor does W1 interleaved
+    (`gate_up_blocks`);
     split-M tiles with the fused wgmma on interleaved W1 give the same bits too."""
     from pallas_moe.kernels.up_proj import UpProjConfig, interleave_gate_up, up_proj
 
@@ -174,8 +173,7 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, comp
                                            (8, True, True, 0), (132, False, True, 128)):
         config = UpProjConfig(block_n=128, num_stages=stages, num_consumers=2, gather="cp_async",
                               gather_completion=completion, pingpong_ctas=ctas,
-                              epilogue_tiles=epilogue_tiles, prefetch_steps=prefetch,
-                              fused_gate_up=fused)
+                              epilogue_tiles=epilogue_tiles, fused_gate_up=fused)
         f = jax.jit(lambda x, t, g, w, c=config, i=inference, b=blocks: up_proj(
             x, t, g, w, config=c, bias=bias, inference=i, gate_up_blocks=b))
         _poison(plan.capacity * 3 * n * 2)

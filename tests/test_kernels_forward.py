@@ -236,18 +236,15 @@ def test_each_kernel_lowers_at_7b_production_config():
            sds((p, d), jnp.bfloat16), sds((p,), i32), sds((t + 1,), i32), sds((p,), jnp.float32))
 
 
-@pytest.mark.parametrize("prefetch_steps, inference, fused", [(0, True, False), (8, False, False),
-                                                              (0, False, True)])
-def test_pingpong_up_proj_lowers_for_cuda_at_30b(prefetch_steps, inference, fused):
-    """The ping-pong up-proj off its default widths (d = 4096, 64-step items), with the L2
-    prefetch of the gathered rows (compiled kernels only: interpret mode skips it), in
-    inference mode (A only, one-tile epilogue buffers) and with one N = 256 wgmma per K
-    step (`fused_gate_up`)."""
+@pytest.mark.parametrize("inference, fused", [(True, False), (False, False), (False, True)])
+def test_pingpong_up_proj_lowers_for_cuda_at_30b(inference, fused):
+    """The ping-pong up-proj off its default widths (d = 4096, 64-step items), in inference
+    mode (A only, one-tile epilogue buffers) and with one N = 256 wgmma per K step
+    (`fused_gate_up`)."""
     t, d, n, e, k = 32768, 4096, 512, 128, 8
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     cfg = UpProjConfig(block_n=128, num_stages=5, num_consumers=2, gather="cp_async",
-                       pingpong_ctas=132, epilogue_tiles=1, prefetch_steps=prefetch_steps,
-                       fused_gate_up=fused)
+                       pingpong_ctas=132, epilogue_tiles=1, fused_gate_up=fused)
     _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg, inference=inference),
            sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
            sds((e, d, 2 * n), jnp.bfloat16))

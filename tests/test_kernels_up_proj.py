@@ -406,10 +406,6 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
         (dataclasses.replace(PINGPONG, epilogue_tiles=-2), "epilogue_tiles=-2 must be >= 0"),
         (UpProjConfig(block_n=64, num_consumers=2, epilogue_tiles=1),
          "belongs to the ping-pong kernel"),
-        (dataclasses.replace(PINGPONG, prefetch_steps=4), "belongs to the ping-pong kernel's "
-         "cp.async gather"),
-        (dataclasses.replace(PINGPONG, gather="cp_async", num_stages=3, prefetch_steps=-1),
-         "prefetch_steps=-1 must be >= 0"),
         (UpProjConfig(block_n=64, num_consumers=2, fused_gate_up=True),
          "fused_gate_up=True needs the persistent kernel"),
         (dataclasses.replace(PINGPONG, block_n=256, fused_gate_up=True),

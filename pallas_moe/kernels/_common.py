@@ -934,59 +934,6 @@ def _global_rows(src, itemsize: int):
     return llvm.addrspacecast(llvm.PointerType.get(address_space=1), ptr), row_stride * itemsize
 
 
-def _prefetch_l2(base, byte_offset, active) -> None:
-    """`prefetch.global.L2` of the line at `base + byte_offset` (i64) where `active` (i1)."""
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-
-    i64, i8 = _mlir_int_types()[1:3]
-    addr = mgpu.utils.getelementptr(base, [byte_offset], i8)
-    llvm.inline_asm(
-        ir.Type.parse("!llvm.void"), [active, llvm.ptrtoint(i64, addr)],
-        "@$0 prefetch.global.L2 [$1];", "b,l", has_side_effects=True,
-    )
-
-
-def prefetch_rows_l2(src_ref, token_ids, *, num_rows: int) -> None:
-    """Asks L2 for `src[token_ids[r], :]` for r < num_rows (one 128-byte row chunk each;
-    `prefetch.global.L2`), so a later cp.async gather of those chunks hits L2. Called by a
-    whole (producer) warpgroup in Lane semantics; thread r prefetches rows r, r + 128, ...
-    (a 192-row split-M item takes two rounds). A hint only: no data moves into the CTA and
-    nothing waits.
-
-    Args:
-      src_ref: GMEM ref [T, 128 bytes of columns] (`x.at[:, pl.ds(col0, 64)]` for bf16).
-      token_ids: SMEM ref i32 [>= num_rows], the source row of each row.
-      num_rows: static rows, >= 1.
-    """
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir.dialects import arith, memref
-
-    if num_rows < 1:
-        raise ValueError(f"num_rows={num_rows} must be >= 1.")
-    if num_rows > 128:  # one row per thread per round
-        for r0 in range(0, num_rows, 128):
-            count = min(128, num_rows - r0)
-            prefetch_rows_l2(src_ref, token_ids.at[pl.ds(r0, count)], num_rows=count)
-        return
-    itemsize = jnp.dtype(src_ref.dtype).itemsize
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def _prefetch(ctx, src, ids):
-        del ctx
-        utils = mgpu.utils
-        i32, i64, _, index = _mlir_int_types()
-        base, row_bytes = _global_rows(src, itemsize)
-        tid = arith.remui(utils.thread_idx(), utils.c(128, i32))
-        active = arith.cmpi(arith.CmpIPredicate.ult, tid, utils.c(num_rows, i32))
-        row = arith.select(active, tid, utils.c(0, i32))  # idle threads read a valid id
-        tok = memref.load(ids, [arith.index_cast(index, row)])
-        _prefetch_l2(base, arith.muli(arith.extui(i64, tok), utils.c(row_bytes, i64)), active)
-
-    _prefetch(src_ref, token_ids)
-
-
 def store_rows_from_registers(dst_ref, value, row0, num_rows) -> None:
     """`dst[row0 + r, c] = value[r, c]` for `r < num_rows`, straight from registers: each
     thread writes its pairs of adjacent columns with predicated 4-byte `st.global` (rows at

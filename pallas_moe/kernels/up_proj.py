@@ -42,7 +42,10 @@ slots.
   lost to the cooperative kernel at d = 7168 on the H100 (0.854x, session 48), so both
   stay.
 (Session 22 removed a third, one-warpgroup kernel, in which the single warpgroup issued every
-row copy and every wgmma: 3-4x slower, and no default used it.)
+row copy and every wgmma: 3-4x slower, and no default used it. Session 58 removed
+`prefetch_steps`, the persistent kernel's L2 prefetch of the gathered rows some K steps
+ahead: 0.92-0.96x at 30B and level at 7B and gpt-oss on the H100, session 52;
+`benchmarks/history/session58/up_prefetch.patch` restores it.)
 
 Epilogue: the tile's real rows are TMA-stored with a power-of-two ladder (`store_rows`), so
 a tile never writes rows of the next expert; empty tiles return before loading anything.
@@ -120,10 +123,6 @@ class UpProjConfig(_common.ClusterTiles):
         them (0 = all of the item's). Fewer tiles leave
         SMEM for more pipeline stages; the consumer then waits for its previous stores to
         read the buffer before it refills it.
-      prefetch_steps: persistent kernel with the cp.async gather only (interpret mode skips
-        it): the producer asks L2 for the rows of the K step this many steps ahead (the
-        next item's first steps near an item's end) with `prefetch.global.L2`, so the
-        gather's cp.async loads hit L2. 0 = no prefetch.
       fused_gate_up: each K step's gate and up weight tiles land side by side in one
         [block_k, 2 * block_n] SMEM tile and one wgmma of N = 2 * block_n multiplies it into
         one [64, 2 * block_n] accumulator per consumer (gate columns first), instead of two
@@ -170,7 +169,6 @@ class UpProjConfig(_common.ClusterTiles):
     approx_math: bool = True
     pingpong_ctas: int = 0
     epilogue_tiles: int = 0
-    prefetch_steps: int = 0
     fused_gate_up: bool = False
     cluster_m: int = 1
     wgmma_lag: int = 1
@@ -206,19 +204,12 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
 
 
 def _check_pingpong(config: UpProjConfig) -> None:
-    """The ping-pong kernel's own constraints (`pingpong_ctas`, `epilogue_tiles`,
-    `prefetch_steps`) and the fused gate and up wgmma's (`fused_gate_up`)."""
+    """The ping-pong kernel's own constraints (`pingpong_ctas`, `epilogue_tiles`) and the
+    fused gate and up wgmma's (`fused_gate_up`)."""
     if config.pingpong_ctas < 0:
         raise ValueError(f"config.pingpong_ctas={config.pingpong_ctas} must be >= 0.")
     if config.epilogue_tiles < 0:
         raise ValueError(f"config.epilogue_tiles={config.epilogue_tiles} must be >= 0.")
-    if config.prefetch_steps < 0:
-        raise ValueError(f"config.prefetch_steps={config.prefetch_steps} must be >= 0.")
-    if config.prefetch_steps and (not config.pingpong_ctas or config.gather != "cp_async"):
-        raise ValueError(
-            f"config.prefetch_steps={config.prefetch_steps} belongs to the ping-pong kernel's "
-            "cp.async gather: set pingpong_ctas > 0 and gather='cp_async', or leave it 0."
-        )
     if config.fused_gate_up and 2 * config.block_n > 256:
         raise ValueError(
             f"config.fused_gate_up=True needs 2 * block_n <= 256 (one wgmma's widest N), got "
@@ -615,7 +606,6 @@ def _pingpong_kernel(
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
-    ahead = min(config.prefetch_steps, num_k) if cp_async else 0  # L2 prefetch distance
     fused = config.fused_gate_up
     smem = persistent_smem_bytes(config, inference)
     if smem > _common.SMEM_BUDGET:  # the margin: ids, biases, barriers
@@ -674,12 +664,7 @@ def _pingpong_kernel(
                 mi, ni = item(j)
                 has_next = j + 1 < my_items
                 with jax.named_scope("ids"):
-                    if ahead:  # item j's ids were awaited during item j - 1's prefetches
-                        @pl.when(j == 0)
-                        def _():
-                            plgpu.barrier_wait(ids_bar.at[0])
-                    else:
-                        plgpu.barrier_wait(ids_bar.at[j % 2])
+                    plgpu.barrier_wait(ids_bar.at[j % 2])
                     # Every producer thread is done reading item j - 1's ids before the
                     # next item's land in their buffer.
                     plgpu.commit_smem()
@@ -690,23 +675,6 @@ def _pingpong_kernel(
 
                 ids = ids_smem.at[j % 2]
                 w_e = w_ref.at[expert_ref[mi]]  # [d, 2n]
-
-                def prefetch(ki):  # the rows of K step ki + ahead (of this item or the next)
-                    pk = ki + ahead
-
-                    @pl.when(pk < num_k)
-                    def _():
-                        _common.prefetch_rows_l2(x_ref.at[:, pl.ds(pk * bk, bk)], ids,
-                                                 num_rows=bm)
-
-                    @pl.when((pk == num_k) & has_next)  # the next item's ids: land first
-                    def _():
-                        plgpu.barrier_wait(ids_bar.at[(j + 1) % 2])
-
-                    @pl.when((pk >= num_k) & has_next)
-                    def _():
-                        _common.prefetch_rows_l2(x_ref.at[:, pl.ds((pk - num_k) * bk, bk)],
-                                                 ids_smem.at[(j + 1) % 2], num_rows=bm)
 
                 def step(ki, carry):
                     g = j * num_k + ki
@@ -731,8 +699,6 @@ def _pingpong_kernel(
                             )
                         with jax.named_scope("publish"):  # waits for an older step's rows
                             _common.cp_async_publish(g, full_of, a_landed, stages)
-                        if ahead:
-                            prefetch(ki)
                     else:
                         def per_warp(w):
                             _common.gather_rows(  # [1, bk] of X[tok] per row
