@@ -49,7 +49,6 @@ from benchmarks.forward import (
 from benchmarks.layer import dense_bound_fns, gemm_bound_fn
 from pallas_moe.kernels import KernelConfig
 from pallas_moe.kernels.moe_forward import PINGPONG_DOWN, default_num_sms, split_m_up_config
-from pallas_moe.kernels.dh import PINGPONG_FIELDS
 from pallas_moe.nn.functional import router_logits
 
 ITERS = 5
@@ -281,12 +280,6 @@ CONFIG_FLAGS = {
     "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
     # dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`, session 50).
     "cluster-dh": lambda c, n: _replace(c, "dh", cluster_m=2),
-    # dH on the ping-pong schedule at SonicMoE's shape (`DHConfig.pingpong()`, session 57:
-    # 128 x 128 items taken whole by two consumers in turn), with TMA or register stores.
-    "pingpong-dh": lambda c, n: _replace(c, "dh", **PINGPONG_FIELDS),
-    "pingpong-dh-reg": lambda c, n: _replace(c, "dh", **PINGPONG_FIELDS, store="registers"),
-    # dH's cooperative kernel with dH and A' stored from registers (session 57).
-    "registers-dh": lambda c, n: _replace(c, "dh", store="registers"),
     # The down-proj and dX~ with split-M items of 192 rows, three consumers (session 50).
     "split-m-192-gemm": lambda c, n: dataclasses.replace(
         c, forward=dataclasses.replace(c.forward, down=three_consumer_gemm(c.forward.down)),

@@ -902,92 +902,6 @@ def dh_abstract_args(shape):
             sds((e,), jnp.int32), sds((p,), jnp.float32), sds((e, n, d), BF16))
 
 
-@pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (8192, 2880, 2880, 32, 4)],
-                         ids=["7b", "gpt_oss"])
-def test_dh_register_stores_lower_for_cuda(shape):
-    """`DHConfig(store="registers")` (dH and A' stored from registers by predicated
-    `st.global`, compiled kernels only) lowers for cuda at production widths (two consumers
-    of 128 columns; three of 64), its SMEM tiles carry only H (one W2 slot fewer overlaid
-    than H and A' take), and a bad value is refused naming the field."""
-    from pallas_moe.kernels import dh as dh_module
-
-    _, d, n, _, _ = shape
-    config = dataclasses.replace(BackwardConfig.for_shape(d, n, num_sms=132).dh,
-                                 store="registers")
-    args = dh_abstract_args(shape)
-    text = jax.jit(functools.partial(dh_kernel, config=config)).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert "st.global.b32" in text
-    with_ap = dh_module._persistent_layout(config)[0]
-    assert dh_module._persistent_layout(config, with_ap=False)[0] == with_ap - 1 == 2
-    with pytest.raises(ValueError, match="config.store='smem' must be one of"):
-        jax.eval_shape(functools.partial(dh_kernel, config=dataclasses.replace(
-            config, store="smem")), *args)
-
-
-def test_dh_register_stores_fall_back_to_tma_in_interpret_mode():
-    """Interpret mode cannot run `store="registers"`' inline PTX: it runs the TMA stores,
-    the default's bits (an empty expert, tiles ending mid-tile)."""
-    x, h, plan, w1, w2, grad_out = make_problem(23, 24, 128, 128, 3, 2, skew=2.0, empty=(1,))
-    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
-    base = DHConfig(block_n=64, num_stages=4, num_consumers=2, persistent_ctas=2)
-    want = dh_kernel(*args, config=base, interpret=True)
-    got = dh_kernel(*args, config=dataclasses.replace(base, store="registers"), interpret=True)
-    assert_dh_outputs_equal(got, want, int(plan.num_rows))
-
-
-def test_dh_pingpong_writes_the_cooperative_bits():
-    """The ping-pong schedule (`DHConfig.pingpong()`: 128 x 128 items taken whole by two
-    consumers in turn, the dSwiGLU in 32-column pieces) writes the cooperative kernel's dH
-    and A' bit for bit and its dS to rounding, race-free, with 3 CTAs. Tiles of more than
-    64 rows (both row halves) and tiles ending mid-half."""
-    args, want, rows = _pingpong_problem()
-    pp = DHConfig.pingpong(num_stages=4, persistent_ctas=3, gather="tma")
-    got = dh_kernel(*args, config=pp, interpret=interp(detect_races=True))
-    assert not races_found()
-    assert_dh_outputs_equal(got[:2], want[:2], rows)
-    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.slow  # ~20 s of CI for an opt-in piece width; the 32-column test above stays
-def test_dh_pingpong_with_64_column_pieces_writes_every_cooperative_bit():
-    """With 64-column dSwiGLU pieces (the cooperative kernel's chunks) and one CTA walking
-    every item, the ping-pong dH's dS is bitwise the cooperative kernel's too."""
-    args, want, rows = _pingpong_problem()
-    wide = DHConfig.pingpong(num_stages=3, persistent_ctas=1, gather="tma", epilogue_cols=64)
-    assert_dh_outputs_equal(dh_kernel(*args, config=wide, interpret=True), want, rows)
-
-
-def _pingpong_problem():
-    """dH's arguments with a second 128-row tile, the cooperative kernel's outputs, rows."""
-    x, h, plan, w1, w2, grad_out = make_problem(32, 150, 128, 256, 3, 2, skew=1.0)
-    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
-    assert int(jnp.max(plan.group_sizes)) > 128, plan.group_sizes  # a second 128-row tile
-    base = DHConfig(block_n=128, num_stages=4, num_consumers=2, persistent_ctas=2)
-    return args, dh_kernel(*args, config=base, interpret=True), int(plan.num_rows)
-
-
-@pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8)],
-                         ids=["7b", "30b"])
-def test_dh_pingpong_lowers_for_cuda(shape):
-    """The ping-pong dH lowers for cuda at production widths with TMA stores and with
-    register stores (the `st.global` pieces); configs it cannot run are refused naming the
-    field."""
-    args = dh_abstract_args(shape)
-    for store in ("tma", "registers"):
-        config = DHConfig.pingpong(persistent_ctas=132, store=store)
-        text = jax.jit(functools.partial(dh_kernel, config=config)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert ("st.global.b32" in text) == (store == "registers")
-    for bad, match in [(dict(num_consumers=3), "config.num_consumers=3 must be 2"),
-                       (dict(cluster_m=2), "config.cluster_m=2 must be 1"),
-                       (dict(epilogue_cols=128), "config.epilogue_cols=128 must be 32 or 64"),
-                       (dict(schedule="zigzag"), "config.schedule='zigzag' must be one of"),
-                       (dict(num_stages=7), "the ping-pong dH needs .* B of SMEM")]:
-        with pytest.raises(ValueError, match=match):
-            jax.eval_shape(functools.partial(dh_kernel, config=DHConfig.pingpong(**bad)), *args)
-
-
 @pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (8192, 2880, 2880, 32, 4)],
                          ids=["30b", "gpt_oss"])
 def test_dh_clusters_lower_for_cuda(shape):
@@ -1071,7 +985,8 @@ def test_dh_config_errors():
             dh_kernel(*args, config=dataclasses.replace(base, **bad), interpret=True)
     for removed in (dict(prefetch_h=True), dict(early_h=True),
                     dict(epilogue_layout="untiled"), dict(epilogue_layout="swizzled"),
-                    dict(split_m=True), dict(epilogue_buffers=2)):
+                    dict(split_m=True), dict(epilogue_buffers=2), dict(h_prefetch_steps=8),
+                    dict(schedule="pingpong"), dict(store="registers")):
         with pytest.raises(TypeError, match=next(iter(removed))):
             DHConfig(**removed)
     assert DHConfig().persistent_ctas == 132

@@ -12,9 +12,7 @@ computed by the spec's own `apply` / `grad_halves`, the formula of the `xla` bac
 the saved biased pre-activation, so the up-proj bias needs nothing here; the down-proj
 bias's term of dS, `<dO[tok[r]], b2[e]>`, is added by `moe_backward` (`bias_grad`).
 
-The default kernel, `_dh_persistent` (for an opt-in second schedule built in session 57 and
-not yet measured, `_dh_pingpong`, see `DHConfig.schedule`; one of the two goes once the
-GPU has timed them): `DHConfig.persistent_ctas` persistent CTAs walk the work
+The kernel, `_dh_persistent`: `DHConfig.persistent_ctas` persistent CTAs walk the work
 items. An item is one (row tile, column block) pair, as in the up-proj: a row tile holds at
 most `block_m` rows of one expert (`tile_meta`), a column block `j` holds columns
 `[j*bn, (j+1)*bn)` of dA' and therefore gate columns `j*bn + [0, bn)` and up columns
@@ -57,7 +55,13 @@ chunk of H at a time). They wrote the default's bits but ran at best 0.85x the d
 [64, 256] f32 accumulator beside the dSwiGLU chunk. Removed in session 58: the producer's
 L2 prefetch of each item's H rows (`h_prefetch_steps`, session 55), bitwise the default and
 level with it on the H100 (session 56); `benchmarks/history/session58/dh_h_prefetch.patch`
-restores it.
+restores it. Removed in session 59, after one H100 run each: session 57's ping-pong schedule
+at SonicMoE's dH shape (the two consumers taking whole 128 x 128 items in turn, the dSwiGLU in
+32-column pieces; the third ping-pong dH, after sessions 14 and 42), 0.44x the default at 7B
+and 0.63x at 30B (0.47x / 0.65x with register stores), and the cooperative kernel's register
+stores of dH and A' (`store="registers"`, predicated `st.global` from the accumulator layout,
+H-only slabs), 0.70x at 7B and 0.84x at 30B. Both wrote the default's bits; ptxas spilled
+436-772 B in each. `benchmarks/history/session59/dh_pingpong_registers.patch` restores them.
 """
 
 from __future__ import annotations
@@ -75,12 +79,6 @@ from pallas_moe.ops.activation import SwiGLU
 
 
 H_LOADERS = ("tma", "cp_async")
-STORES = ("tma", "registers")
-SCHEDULES = ("cooperative", "pingpong")
-# The ping-pong schedule's block sizes (`DHConfig.pingpong()`), to apply over another dH
-# config (the benchmarks keep its CTAs and gather).
-PINGPONG_FIELDS = dict(schedule="pingpong", block_m=128, block_n=128, num_stages=5,
-                       num_consumers=2, epilogue_cols=32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,31 +146,14 @@ class DHConfig(_common.ClusterTiles):
         stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
         Same bits either way (session 51). Opt-in: on the H100 (session 52)
         0.955x at 30B (`docs/kernels.md`).
-      store: how dH and A' leave the consumers. "tma" (default): each dSwiGLU chunk is
-        written into SMEM slabs (H's, overwritten, and an A' tile) and TMA-stored
-        row-exactly; the consumers wait until the stores have read the slabs before the
-        producer may refill the W2 slots they overlay. "registers": compiled kernels only
-        (interpret mode runs "tma"): each chunk is stored from registers with predicated
-        4-byte `st.global` (`_common.store_rows_from_registers`), so the slabs only bring H
-        in (no A' tile: they overlay one W2 slot fewer at the 7B and 30B widths) and are free
-        once read; nothing waits for the stores. The same values, so the same bits.
-      schedule: "cooperative" (default): the consumers share each item's gathered dO stage,
-        each computing its own `block_n` columns (`_dh_persistent`). "pingpong" (session
-        57, opt-in, SonicMoE's dH shape; `_dh_pingpong`): the two consumers
-        (`num_consumers` must be 2) take whole `block_m` x `block_n` items in turn (128 x 128:
-        `DHConfig.pingpong()`), so one's epilogue runs beside the other's K loop; the
-        epilogue works on 64 x 64 chunks through slabs of its own, H loaded by TMA boxes
-        (`h_loader` is not used), its math in pieces of `epilogue_cols` (32 or 64) columns,
-        dH and A' stored by TMA or from registers (`store`); `cluster_m=1`. dH and A' are
-        the cooperative kernel's bits; dS matches to rounding (with 32-column pieces its
-        partial sums add in another order).
 
     Removed in session 42 (a config naming them is a TypeError): `persistent_ctas=0` (one
     CTA per item) with its `prefetch_h` and `early_h`, and `epilogue_layout` (only the
     swizzled slabs remain); session 48 removed `split_m` and `epilogue_buffers` (the
     split-M items, slower on the H100); session 58 removed `h_prefetch_steps` (the
     producer's L2 prefetch of each item's H rows, level on the H100: 0.997x at 7B, 1.010x at
-    30B in session 56); see the module docstring.
+    30B in session 56); session 59 removed `schedule` (the ping-pong schedule) and `store`
+    (register stores), both slower on the H100; see the module docstring.
     """
 
     block_m: int = 64
@@ -191,14 +172,6 @@ class DHConfig(_common.ClusterTiles):
     h_loader: str = "tma"
     cluster_m: int = 1
     wgmma_lag: int = 1
-    store: str = "tma"
-    schedule: str = "cooperative"
-
-    @classmethod
-    def pingpong(cls, **overrides) -> "DHConfig":
-        """The ping-pong schedule at SonicMoE's dH shape: 128 x 128 items, two consumers,
-        5 stages, the dSwiGLU in 64 x 32 pieces, the cp.async dO gather."""
-        return cls(**{**PINGPONG_FIELDS, "gather": "cp_async", **overrides})
 
 
 def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
@@ -219,8 +192,6 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
     _common.require_shape("scores", scores, (capacity,))
     bn, bk = config.block_n, config.block_k
     _common.require_wgmma_blocks(config, "B tiles are 128-byte swizzled")
-    if config.schedule not in SCHEDULES:
-        raise ValueError(f"config.schedule={config.schedule!r} must be one of {SCHEDULES}.")
     if config.pad_rows_to < 1:
         raise ValueError(f"config.pad_rows_to={config.pad_rows_to} must be >= 1.")
     if config.num_consumers < 1:
@@ -228,8 +199,7 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
             f"config.num_consumers={config.num_consumers} must be >= 1 (consumer warpgroups "
             "beside the producer)."
         )
-    if (config.schedule != "pingpong" and config.epilogue_cols
-            and (config.epilogue_cols % 64 or bn % config.epilogue_cols)):
+    if config.epilogue_cols and (config.epilogue_cols % 64 or bn % config.epilogue_cols):
         raise ValueError(
             f"config.epilogue_cols={config.epilogue_cols} must be 0 or a multiple of 64 "
             f"dividing block_n={bn}: the epilogue tiles are 64-column slabs."
@@ -242,22 +212,6 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         )
     if config.h_loader not in H_LOADERS:
         raise ValueError(f"config.h_loader={config.h_loader!r} must be one of {H_LOADERS}.")
-    if config.store not in STORES:
-        raise ValueError(f"config.store={config.store!r} must be one of {STORES}.")
-    if config.schedule == "pingpong":
-        unsupported = {"num_consumers": (config.num_consumers, 2),
-                       "cluster_m": (config.cluster_m, 1)}
-        for name, (value, want) in unsupported.items():
-            if value != want:
-                raise ValueError(
-                    f"config.{name}={value!r} must be {want!r} with config.schedule='pingpong' "
-                    "(two consumers taking whole items in turn, single CTAs)."
-                )
-        if config.epilogue_cols not in (32, 64):
-            raise ValueError(
-                f"config.epilogue_cols={config.epilogue_cols} must be 32 or 64 with "
-                "config.schedule='pingpong' (the dSwiGLU's pieces of each 64-column chunk)."
-            )
     _common.require_cluster_m(config)
     _common.require_wgmma_lag(config)
     if config.cluster_m == 2 and config.persistent_ctas % 2:
@@ -273,10 +227,7 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
 
 
 def item_cols(config: DHConfig) -> int:
-    """Columns of dA' one item covers (they must divide n): the consumers' `block_n` each,
-    or `block_n` on the ping-pong schedule (each consumer takes whole items)."""
-    if config.schedule == "pingpong":
-        return config.block_n
+    """Columns of dA' one item covers (they must divide n): the consumers' `block_n` each."""
     return config.block_n * config.num_consumers
 
 
@@ -325,38 +276,22 @@ def dswiglu_epilogue(da, g, u, s, activation: SwiGLU = SwiGLU()):
     return d_gate, d_up, s * act, jnp.sum(da * act, axis=1)
 
 
-def _store_from_registers(dh_out, ap_out, n: int, col, values, row0, num_rows) -> None:
-    """Stores one dSwiGLU piece's `values` = (dH gate, dH up, A'), bf16 [rows, w] each in the
-    WGMMA layout, from registers (`_common.store_rows_from_registers`): gate columns
-    `[col, col + w)` of dH, the same up columns `n + col` on, and A' columns `col` on; rows
-    `[row0, row0 + num_rows)` only."""
-    width = values[0].shape[1]
-    for out, out_col, value in zip((dh_out, dh_out, ap_out), (col, n + col, col), values):
-        _common.store_rows_from_registers(out.at[:, pl.ds(out_col, width)], value, row0,
-                                          num_rows)
-
-
 def _dswiglu_and_store(da, s_smem, hg_tile, hu_tile, ap_tile, ds_ref, dh_out, ap_out, ds_dst,
-                       c0, n: int, row0, num_rows, bm: int, ep_cols: int, activation: SwiGLU,
-                       from_registers: bool = False):
+                       c0, n: int, row0, num_rows, bm: int, ep_cols: int, activation: SwiGLU):
     """A consumer's epilogue, once its H tile is in SMEM: dSwiGLU in column chunks, then the
     row-exact TMA stores of dH and A' and the copy of its dS partial.
 
     Args:
       da: f32 [bm, bn] accumulator (dA' of the consumer's `bn` columns, from column c0).
       s_smem: f32 [bm] scores of the tile's rows; ds_ref: f32 [bm].
-      hg_tile, hu_tile: the H gate and up columns, overwritten with dH; ap_tile: the A' tile,
-        or None when `ap_tile` is not needed (`from_registers`).
+      hg_tile, hu_tile: the H gate and up columns, overwritten with dH; ap_tile: the A' tile.
         Each is a `_common.row_tile_types` pair (copy view, wgmma view) of [bn / 64, bm, 64]
         bf16 128-byte-swizzled slabs, whose register reads and writes are free of bank
         conflicts. `ep_cols` must be a multiple of 64 (whole slabs).
       dh_out, ap_out: the GMEM outputs bf16 [P_pad, 2n] and [P_pad, n]; ds_dst: f32 [bm] slot
         of the dS partials.
-      from_registers: store each chunk's dH and A' from registers
-        (`_common.store_rows_from_registers`, `DHConfig.store="registers"`) instead of
-        writing them into the slabs and TMA-storing those; H's slabs are then only read.
 
-    Returns once the SMEM tiles may be reused (TMA stores: once they have read them).
+    Returns once the SMEM tiles may be reused (once the TMA stores have read them).
     """
     layout = plgpu.Layout.WGMMA
     slab = hg_tile[1].shape[-1]
@@ -388,19 +323,10 @@ def _dswiglu_and_store(da, s_smem, hg_tile, hu_tile, ap_tile, ds_ref, dh_out, ap
                 u.astype(jnp.float32), s, activation,
             )
             ds = ds_q if ds is None else ds + ds_q
-            if from_registers:
-                values = tuple(v.astype(dtype) for v in (d_gate, d_up, a_scaled))
-                _store_from_registers(dh_out, ap_out, n, c0 + q * ep_cols, values, row0,
-                                      num_rows)
-            else:
-                for tile, value in zip((hg_tile, hu_tile, ap_tile), (d_gate, d_up, a_scaled)):
-                    write(tile, q, value.astype(dtype))
+            for tile, value in zip((hg_tile, hu_tile, ap_tile), (d_gate, d_up, a_scaled)):
+                write(tile, q, value.astype(dtype))
         ds_ref[...] = ds
         plgpu.commit_smem()
-    if from_registers:  # only dS's copy reads SMEM
-        plgpu.copy_smem_to_gmem(ds_ref, ds_dst)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        return
     with jax.named_scope("store"):
         store(hg_tile, dh_out.at[:, pl.ds(c0, bn)])
         store(hu_tile, dh_out.at[:, pl.ds(n + c0, bn)])
@@ -501,11 +427,7 @@ def dh_kernel(
     if config.cluster_m > 1:  # [nt, cluster_m]: the rows of each CTA's block of each tile
         blocks = jnp.arange(config.cluster_m, dtype=jnp.int32) * bm
         args = (*args, jnp.clip(meta.num_rows[:, None] - blocks[None, :], 0, bm))
-    if config.schedule == "pingpong":
-        args = (meta.real_tiles(), *args)
-        kernel = _dh_pingpong(config, d, n, num_tiles, out_types, interpret_mode, activation)
-    else:
-        kernel = _dh_persistent(config, d, n, num_tiles, out_types, interpret_mode, activation)
+    kernel = _dh_persistent(config, d, n, num_tiles, out_types, interpret_mode, activation)
     dh, a_scaled, ds_part = kernel(*args)
     return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
 
@@ -536,29 +458,26 @@ def _issue_k_step(do_ref, ids, w_e, col0, cols: int, k0, bk: int, a_copy, a_mma,
     plgpu.warp_map(per_warp)
 
 
-def _persistent_epilogue_types(config: DHConfig, with_ap: bool = True):
+def _persistent_epilogue_types(config: DHConfig):
     """The epilogue tiles, per consumer, bf16, as ((A' copy view, wgmma view), (H copy view,
     wgmma view)): the `_common.row_tile_types` pairs of 128-byte-swizzled 64-column slabs.
 
-    Whole tiles: A' [bm, bn] and H gate / up [2, bm, bn] (overwritten with dH). Without
-    `with_ap` (dH and A' stored from registers, `DHConfig.store="registers"`) the A' entry is
-    None.
+    Whole tiles: A' [bm, bn] and H gate / up [2, bm, bn] (overwritten with dH).
     Measured on the H100 (session 19, `benchmarks/timeline.py`): with the removed untiled
     [bm, bn] tiles the epilogue's SMEM reads and writes (8-way bank conflicts) took ~4.7 of
     its ~7.5 us per 7B item."""
     cons, bm, bn = config.num_consumers, config.block_m, config.block_n
-    return (_common.row_tile_types((cons, bm, bn), jnp.bfloat16) if with_ap else None,
+    return (_common.row_tile_types((cons, bm, bn), jnp.bfloat16),
             _common.row_tile_types((cons, 2, bm, bn), jnp.bfloat16))
 
 
-def _persistent_layout(config: DHConfig, with_ap: bool = True):
+def _persistent_layout(config: DHConfig):
     """(overlaid, W2 slot bytes, epilogue bytes) of the kernel's SMEM: the epilogue's A' and
-    H tiles (H's only, without `with_ap`) overlay the last `overlaid` W2 slots, so the next
-    item's first `stages - overlaid` steps can load while the consumers run the epilogue."""
+    H tiles overlay the last `overlaid` W2 slots, so the next item's first
+    `stages - overlaid` steps can load while the consumers run the epilogue."""
     slot_bytes = item_cols(config) * config.block_k * 2
-    ap_views, h_views = _persistent_epilogue_types(config, with_ap)
-    tiles = [ap_views[-1], h_views[-1]] if with_ap else [h_views[-1]]
-    epilogue_bytes = _common.group_spans(tiles)[-1][1]
+    ap_views, h_views = _persistent_epilogue_types(config)
+    epilogue_bytes = _common.group_spans([ap_views[-1], h_views[-1]])[-1][1]
     return -(-epilogue_bytes // slot_bytes), slot_bytes, epilogue_bytes
 
 
@@ -625,8 +544,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     h_cp_async = config.h_loader == "cp_async" and not interpret
-    reg_store = config.store == "registers" and not interpret  # inline PTX: compiled only
-    overlaid, slot_bytes, epilogue_bytes = _persistent_layout(config, with_ap=not reg_store)
+    overlaid, slot_bytes, epilogue_bytes = _persistent_layout(config)
     free = stages - overlaid  # W2 slots the epilogue leaves alone
     # The K step before which the producer waits for the previous item's epilogue: the first
     # overlaid slot's, or the last step of an item that fits in the free slots.
@@ -650,7 +568,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     tf = _common.mma_transforms(dtype)
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
     w_type = plgpu.SMEM((stages, cols, bk), dtype, transforms=tf)
-    ap_types, h_types = _persistent_epilogue_types(config, with_ap=not reg_store)
+    ap_types, h_types = _persistent_epilogue_types(config)
     if interpret:  # interpret mode does not alias RefUnion members: plain buffers, and
         # one ref serves as every view (it allows one-row slices of the wgmma tiling)
         w_scratch = (w_type, ap_types[-1], h_types[-1])
@@ -658,15 +576,13 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         def w_views(refs):
             w, ap, h = refs
             return w, (ap,) * len(ap_types), (h,) * len(h_types)
-    else:  # the epilogue tiles (A' unless stored from registers, then H) overlay W2 slots
+    else:  # the epilogue tiles (A' and H) overlay the last W2 slots
         pad = plgpu.SMEM((free * slot_bytes // 2,), dtype)  # the free slots' bytes
-        tiles = (h_types,) if reg_store else (ap_types, h_types)
-        w_scratch = plgpu.RefUnion(w_type, *((pad, *views) for views in zip(*tiles)))
+        w_scratch = plgpu.RefUnion(w_type, *((pad, a, h) for a, h in zip(ap_types, h_types)))
 
         def w_views(refs):
             w, *views = refs
-            ap = None if reg_store else tuple(v[1] for v in views)
-            return w, ap, tuple(v[-1] for v in views)
+            return w, tuple(v[1] for v in views), tuple(v[2] for v in views)
 
     def tile(views, *idx):  # an epilogue tile: its (copy view, wgmma view) pair
         return tuple(v.at[idx] for v in views)
@@ -828,12 +744,11 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                         with jax.named_scope("epilogue"):
                             _dswiglu_and_store(
                                 da, s_smem.at[p], tile(h_smem, c, 0), tile(h_smem, c, 1),
-                                None if reg_store else tile(ap_smem, c), ds_smem.at[c],
+                                tile(ap_smem, c), ds_smem.at[c],
                                 dh_out, ap_out,
                                 ds_out.at[mi, ni * cons + c] if clusters == 1 else
                                 ds_out.at[mi, ni * cons + c, pl.ds(rank * bm, bm)],
                                 c0, n, row0, count, bm, ep_cols, activation,
-                                from_registers=reg_store,
                             )
                         plgpu.barrier_arrive(epi_done)  # the tiles' bytes are free again
 
@@ -862,265 +777,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         # epi_done: consumers done with the epilogue's tiles (with clusters, every CTA's:
         # the partner's multicast copies refill the overlaid slots too)
         _common.cluster_barrier(clusters, num_arrivals=cons),
-        *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
-    ]
-    return _persistent_call(body, scratch, num_ctas, cons, out_types, config, interpret_mode)
-
-
-def _dh_pingpong(config: DHConfig, d: int, n: int, num_tiles: int, out_types, interpret_mode,
-                 activation: SwiGLU = SwiGLU()):
-    """The persistent dH kernel on a ping-pong schedule (`DHConfig.schedule="pingpong"`).
-
-    Work item w = (row tile w % R, column block w // R) of the R tiles with rows (a prefix of
-    the schedule): `block_m` rows (128 by default) and `block_n` columns of dA'. CTA i takes
-    items i, i + num_ctas, ..., and its j-th item goes to consumer j % 2, which computes it
-    whole with one [block_m, block_n] accumulator (two wgmmas of M = 64 per K step). While
-    one consumer runs its epilogue, the other's K loop keeps the tensor cores busy; and each
-    W2 byte a stage brings serves `block_m` rows, each gathered dO byte `block_n` columns:
-    (bm + bn) / (bm bn) L2 bytes per FLOP, 0.0156 at 128 x 128 against the cooperative
-    kernel's 0.0195 at 64 x 256. SonicMoE's dH on Hopper has this shape.
-
-    Pipeline: one ring of `num_stages` slots (gathered dO rows [bm, 64] and the W2 tile
-    [bn, 64]), filled by the producer step after step across its items (global step
-    g = j * num_k + ki in slot g % stages); step g arrives on the `full` barrier of its
-    item's consumer (`_common.pingpong_full_barrier`), and that consumer releases it on
-    `empty[slot]`. The producer stages the next item's token ids (double-buffered) while it
-    loads this one; each consumer TMA-loads its own item's scores when the item starts.
-
-    Epilogue, per 64-row half of the item and 64-column chunk: each consumer owns three
-    128-byte-swizzled [64, 64] slabs (`_common.row_tile_types`). It waits for its previous
-    stores to have read them, TMA-loads the chunk's H gate and up rows (`load_row_tile`,
-    row-exact) and computes the dSwiGLU in pieces of `epilogue_cols` columns (32 by default:
-    five [64, 32] f32 temporaries, ~80 registers, beside the accumulator's 128; [64, 64]
-    pieces spilled in the removed 64-row ping-pong; Mosaic cannot slice a 128-byte slab at
-    32 columns, so the pieces are cut from the chunk in registers). With `store="tma"` the
-    pieces' dH and A' are written into the slabs (H's overwritten, A' into the third) and
-    TMA-stored row-exactly; with `store="registers"` (compiled kernels only) each piece is
-    stored from registers as it is computed (`_common.store_rows_from_registers`), so no
-    finished piece stays live. dS is summed per row over the pieces in column order and
-    copied out per item as the partial of its column block. The first chunk's H is issued
-    before the item's K loop, so its latency hides under it.
-
-    dH and A' are bitwise the cooperative kernel's (every element is the same K-ordered sum
-    and the same `dswiglu_epilogue` formula); dS's partial sums over 32-column pieces add in
-    another order than the cooperative 64-column chunks, so dS matches to rounding.
-    """
-    bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
-    cons = 2  # consumer warpgroups, each taking every other item
-    sub_rows, slab, piece = 64, 64, config.epilogue_cols  # H chunk [64, 64], math [64, piece]
-    num_k = d // bk
-    grid_n = n // bn
-    num_ctas = min(config.persistent_ctas, num_tiles * grid_n)
-    dtype = jnp.bfloat16
-    num_ladder = ladder_len(sub_rows)
-    interpret = interpret_mode is not None
-    cp_async = config.gather == "cp_async" and not interpret
-    stage_bars = _common.uses_stage_mbarriers(config, interpret)
-    reg_store = config.store == "registers" and not interpret  # inline PTX: compiled only
-    num_slabs = 2 if reg_store else 3  # H gate and up (-> dH), and A' unless from registers
-    smem = stages * (bm + bn) * bk * 2 + cons * num_slabs * sub_rows * slab * 2
-    if smem > _common.SMEM_BUDGET:  # the margin: ids, scores, dS, barriers
-        raise ValueError(
-            f"the ping-pong dH needs {smem} B of SMEM for {stages} stages of [{bm}, {bk}] rows "
-            f"+ [{bn}, {bk}] weights and {cons} x {num_slabs} epilogue slabs of [{sub_rows}, "
-            f"{slab}], over the {_common.SMEM_BUDGET} B available: lower config.num_stages."
-        )
-    tf = _common.mma_transforms(dtype)
-    a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
-    o_scratch, o_views = _common.row_tile_buffers((cons, num_slabs, sub_rows, slab), dtype,
-                                                  interpret)
-    layout = plgpu.Layout.WGMMA
-
-    def body(real_ref, expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref,
-             dh_out, ap_out, ds_out, a_bufs, w_bufs, o_bufs, ids_smem, s_smem, ds_smem, full,
-             empty, ids_bar, s_bar, h_bars, *a_landed):
-        a_copy, a_mma = a_views(a_bufs)
-        # [cons, num_slabs (H gate -> dH gate, H up -> dH up, A'), 1, sub_rows, slab]
-        o_copy, o_mma = o_views(o_bufs)
-        if stage_bars:
-            _common.cp_async_stage_barriers_init(a_landed[0])
-        wg = jax.lax.axis_index("wg")
-        cta = jax.lax.axis_index("cta")
-        real = real_ref[0]
-        num_items = real * grid_n
-        my_items = jnp.maximum(num_items - cta + num_ctas - 1, 0) // num_ctas
-
-        def item(j):  # (row tile, column block) of this CTA's j-th item
-            w = cta + j * num_ctas
-            return w % real, w // real
-
-        def full_of(step):  # the full barrier of global step `step`: its item's consumer's
-            return _common.pingpong_full_barrier(full, step, num_k, stages, cons)
-
-        def load_ids(j):  # item j's source token ids -> ids_smem[j % 2]
-            mi, _ = item(j)
-            plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem.at[j % 2], ids_bar.at[j % 2])
-
-        @pl.when(wg == cons)
-        def _producer():
-            if config.rebalance_registers:
-                _common.role_registers("producer", cons)
-
-            @pl.when(my_items > 0)
-            def _():
-                load_ids(0)
-
-            def per_item(j, carry):
-                mi, ni = item(j)
-                plgpu.barrier_wait(ids_bar.at[j % 2])
-                # Every producer thread is done reading item j - 1's ids before the next
-                # item's land in their buffer.
-                plgpu.commit_smem()
-
-                @pl.when(j + 1 < my_items)
-                def _():
-                    load_ids(j + 1)
-
-                ids = ids_smem.at[j % 2]
-                w_e = w_ref.at[expert_ref[mi]]  # [n, d]
-
-                def step(ki, carry):
-                    g = j * num_k + ki
-                    slot = g % stages
-
-                    @pl.when(g >= stages)  # the slot's previous use was released
-                    def _():
-                        plgpu.barrier_wait(empty.at[slot])
-
-                    _issue_k_step(do_ref, ids, w_e, ni * bn, bn, ki * bk, bk,
-                                  a_copy.at[slot], a_mma.at[slot], w_bufs.at[slot],
-                                  full_of(g), cp_async)
-                    if cp_async:
-                        _common.cp_async_publish(g, full_of, a_landed, stages)
-                    return carry
-
-                jax.lax.fori_loop(0, num_k, step, None)
-                return carry
-
-            jax.lax.fori_loop(0, my_items, per_item, None)
-            _common.pingpong_producer_drain(my_items * num_k, full_of, empty, a_landed,
-                                            stages, cp_async)
-
-        for c in range(cons):
-            @pl.when(wg == c)
-            def _consumer(c=c):
-                if config.rebalance_registers:
-                    _common.role_registers("consumer", cons)
-                gate_t, up_t, *ap_t = (o_mma.at[c, t] for t in range(num_slabs))  # [1, 64, 64]
-                bar0 = c * num_ladder
-
-                def per_item(jj, carry):
-                    j = c + cons * jj
-                    mi, ni = item(j)
-                    row0, num_rows = start_ref[mi], rows_ref[mi]
-
-                    def sub_rows_of(rh):  # rows of row half rh: [0, 64]
-                        return jnp.clip(num_rows - rh * sub_rows, 0, sub_rows)
-
-                    def h_tile(rh, col, issue):  # chunk (rh, col)'s H gate / up rows
-                        for t, src_col in ((0, col), (1, n + col)):
-                            if issue or t == 0:  # one wait covers both halves' boxes
-                                load_row_tile(h_ref.at[:, pl.ds(src_col, slab)],
-                                              o_copy.at[c, t], row0 + rh * sub_rows,
-                                              sub_rows_of(rh), sub_rows, h_bars, issue, bar0)
-
-                    # The previous item's stores have read the slabs (and its dS copy
-                    # ds_smem): the first subtile's H loads while the K loop runs.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    plgpu.copy_gmem_to_smem(s_ref.at[mi], s_smem.at[c], s_bar.at[c])
-                    h_tile(0, ni * bn, True)
-
-                    def wait(g, slot):  # this consumer's full barrier of the slot
-                        plgpu.barrier_wait(full.at[c * stages + slot])
-                        _common.cp_async_consumer_wait(g, a_landed, stages)
-
-                    def mma_scope(acc):
-                        def mma(slot):  # the whole item: [bm, 64] x [64, bn]
-                            w_t = w_bufs.at[slot]  # [bn, bk]
-                            plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
-
-                        _common.consumer_k_loop(num_k, stages, wait, mma, empty,
-                                                mmas_per_step=1,
-                                                step_of=lambda ki: j * num_k + ki,
-                                                wgmma_lag=config.wgmma_lag)
-                        # The last step's slot (the other consumer's item is next).
-                        plgpu.barrier_arrive(empty.at[(j * num_k + num_k - 1) % stages])
-                        return acc[...]
-
-                    with jax.named_scope("k_loop"):
-                        da = pl.run_scoped(mma_scope, plgpu.ACC((bm, bn), jnp.float32))
-                    plgpu.barrier_wait(s_bar.at[c])
-                    for rh in range(bm // sub_rows):
-                        s = plgpu.load(s_smem.at[c, pl.ds(rh * sub_rows, sub_rows)],
-                                       layout=layout.reduce(1))  # [64] f32
-                        s = jax.lax.broadcast_in_dim(s, (sub_rows, piece), [0])
-                        rows_h = sub_rows_of(rh)
-                        ds = None
-                        for q in range(bn // slab):
-                            col = ni * bn + q * slab  # the chunk's gate column
-                            with jax.named_scope("h_load"):
-                                if rh or q:  # the slabs: free once the last stores read them
-                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                                    h_tile(rh, col, True)
-                                h_tile(rh, col, False)
-                            with jax.named_scope("dswiglu"):
-                                g_chunk = _common.read_row_tile(gate_t)  # [64, 64] bf16
-                                u_chunk = _common.read_row_tile(up_t)
-                                outs = []  # per piece: (dH gate, dH up, A') in bf16
-                                for p in range(slab // piece):
-                                    cols_p = slice(p * piece, (p + 1) * piece)
-                                    d_gate, d_up, a_scaled, ds_p = dswiglu_epilogue(
-                                        da[rh * sub_rows:(rh + 1) * sub_rows,
-                                           q * slab + p * piece:q * slab + (p + 1) * piece],
-                                        g_chunk[:, cols_p].astype(jnp.float32),
-                                        u_chunk[:, cols_p].astype(jnp.float32), s, activation)
-                                    ds = ds_p if ds is None else ds + ds_p
-                                    values = tuple(v.astype(dtype)
-                                                   for v in (d_gate, d_up, a_scaled))
-                                    if reg_store:  # stored now: nothing finished stays live
-                                        _store_from_registers(
-                                            dh_out, ap_out, n, col + p * piece, values,
-                                            row0 + rh * sub_rows, rows_h)
-                                    else:
-                                        outs.append(values)
-                                if not reg_store:
-                                    for t, tile_ref in enumerate((gate_t, up_t, *ap_t)):
-                                        _common.write_row_tile(tile_ref, jnp.concatenate(
-                                            [o[t] for o in outs], axis=1))
-                                if q == bn // slab - 1:
-                                    ds_smem.at[c, pl.ds(rh * sub_rows, sub_rows)][...] = ds
-                                plgpu.commit_smem()
-                            if not reg_store:
-                                with jax.named_scope("store"):
-                                    for t, dst in ((0, dh_out.at[:, pl.ds(col, slab)]),
-                                                   (1, dh_out.at[:, pl.ds(n + col, slab)]),
-                                                   (2, ap_out.at[:, pl.ds(col, slab)])):
-                                        _common.store_row_tile(o_copy.at[c, t], dst,
-                                                               row0 + rh * sub_rows, rows_h,
-                                                               sub_rows)
-                    plgpu.copy_smem_to_gmem(ds_smem.at[c], ds_out.at[mi, ni])
-                    return carry
-
-                mine = (my_items - c + cons - 1) // cons
-                jax.lax.fori_loop(0, mine, per_item, None)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    scratch = [
-        a_scratch,  # gathered dO stages [stages, bm, bk]
-        plgpu.SMEM((stages, bn, bk), dtype, transforms=tf),  # W2 stages
-        o_scratch,  # per consumer: H gate / H up (-> dH) and A' slabs of one chunk
-        plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
-        plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: its item's scores
-        plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: its item's dS partial
-        plgpu.Barrier(  # full, one set per consumer: the W2 copy plus the row loader's
-            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 1,
-            num_barriers=cons * stages,
-        ),
-        plgpu.Barrier(num_barriers=stages),  # empty: the slot's consumer
-        plgpu.Barrier(num_barriers=2),  # ids
-        plgpu.Barrier(num_barriers=cons),  # scores, per consumer
-        # H boxes (the TMA ladder): per ladder box, the subtile's gate and up slabs
-        plgpu.Barrier(num_arrivals=2, num_barriers=cons * num_ladder),
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
     return _persistent_call(body, scratch, num_ctas, cons, out_types, config, interpret_mode)
