@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -349,11 +350,49 @@ def _scan_bias_gradients(step):
     return patched
 
 
+@contextlib.contextmanager
+def rows_first_dh_items():
+    """While active, dH kernels traced walk their work items in the order before session 59:
+    row tiles fastest (`w % num_tiles, w // num_tiles`), each column block a pass over every
+    row tile; today's `dh.item_coords` puts a row tile's column blocks side by side. The
+    same items computed the same way: the same bits."""
+    import importlib
+    import unittest.mock
+
+    dh_module = importlib.import_module("pallas_moe.kernels.dh")
+    persistent = dh_module._dh_persistent
+    num_tiles = [0]
+
+    def recording(config, d, n, tiles, *args, **kwargs):  # the previous order needs the count
+        num_tiles[0] = tiles
+        return persistent(config, d, n, tiles, *args, **kwargs)
+
+    def rows_first(w, grid_n):
+        return w % num_tiles[0], w // num_tiles[0]
+
+    with unittest.mock.patch.object(dh_module, "_dh_persistent", recording), \
+            unittest.mock.patch.object(dh_module, "item_coords", rows_first):
+        yield
+
+
+def _rows_first_dh(step):
+    """`step` traced with dH's previous item order (`rows_first_dh_items`); as
+    `_scan_bias_gradients`, its first call (the trace) takes the patch."""
+
+    def patched(*args):
+        with rows_first_dh_items():
+            return step(*args)
+
+    return patched
+
+
 # Code flags (`--variants .../flag`): the step traced with a previous code path, for paired
 # timings against it; each wraps the step.
 CODE_FLAGS = {
     # The expert-bias gradients as the row-tile scan before session 50 (`--gpt-oss`).
     "scan-bias": _scan_bias_gradients,
+    # dH's work items row tiles fastest, the order before session 59.
+    "rows-first-dh": _rows_first_dh,
 }
 
 

@@ -965,6 +965,22 @@ def test_dh_kernel_same_bits_for_every_cta_count_and_epilogue_chunk():
     assert_dh_outputs_equal(got[:2], want[:2], rows)
 
 
+@pytest.mark.parametrize("grid_n", [1, 2, 15])
+def test_dh_items_walk_each_row_tiles_column_blocks_together(grid_n):
+    """The persistent dH's work items (`dh.item_coords`) cover every (row tile, column
+    block) once, with a row tile's column blocks consecutive, so neighbouring CTAs gather
+    the same dO rows at once (session 59; row tiles fastest made each column block a
+    separate pass over dO)."""
+    from pallas_moe.kernels.dh import item_coords
+
+    num_tiles = 7
+    walk = [tuple(int(v) for v in item_coords(jnp.int32(w), grid_n))
+            for w in range(num_tiles * grid_n)]
+    assert sorted(walk) == [(t, j) for t in range(num_tiles) for j in range(grid_n)]
+    assert walk[:grid_n] == [(0, j) for j in range(grid_n)]
+    assert walk[grid_n] == (1, 0)
+
+
 def test_dh_config_errors():
     """Bad configs are refused naming the field; the removed knobs (sessions 42 and 48) no
     longer exist; the kernel loads H after the K loop and needs a free W2 slot."""

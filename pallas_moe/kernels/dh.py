@@ -231,6 +231,17 @@ def item_cols(config: DHConfig) -> int:
     return config.block_n * config.num_consumers
 
 
+def item_coords(w, grid_n: int):
+    """(row tile, column block) of work item `w` of the persistent dH: column blocks
+    fastest, so the `grid_n` items of one row tile run at once on neighbouring CTAs and
+    gather the same dO rows while L2 still holds them, as the up-proj's and the grouped
+    GEMM's items do. With row tiles fastest (the order until session 59) each column block
+    was a separate pass over every tile: where n needs more than one column block (30B:
+    2, gpt-oss-20b: 15) every pass gathered all of dO again from HBM (at 30B, 2.1 GB a
+    pass, as dO's 268 MB do not fit the 50 MB L2 between a token's uses)."""
+    return w // grid_n, w % grid_n
+
+
 def ladder_len(max_rows: int) -> int:
     """Number of boxes (and barriers) `load_row_tile` uses for tiles of `max_rows` rows."""
     return max_rows.bit_length()
@@ -487,7 +498,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     `config.num_consumers` consumer warpgroups.
 
     CTA `i` walks the work items `i, i + num_ctas, ...` (item = (row tile, column block),
-    row tiles fastest). Every item is computed the same way whichever CTA takes it (the same
+    column blocks fastest: `item_coords`). Every item is computed the same way whichever CTA takes it (the same
     wgmmas in the same order, one 64-wide K step each, the same epilogue), so the outputs
     are bitwise the same for every CTA count. What persistence buys: the producer runs ahead
     into the next item (its token ids, scores and first K steps) while the consumers run the
@@ -606,8 +617,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
             return ref.at[mi] if clusters == 1 else ref.at[mi, pl.ds(rank * bm, bm)]
 
         def item(j):  # (row tile, column block) of this CTA's j-th item
-            w = cta + j * num_ctas
-            return w % num_tiles, w // num_tiles
+            return item_coords(cta + j * num_ctas, grid_n)
 
         @pl.when(wg == cons)
         def _producer():

@@ -5,6 +5,12 @@
 #      paired timings at 7B and 30B (2 rounds, bitwise dH / A' on poisoned outputs), then,
 #      only if it was bitwise and >= 1.03x the default at 7B or 30B, the step with it
 #      (`step.py --shapes 7b,30b --rounds 2`).
+#   O (~6-8 min, H100 or H200): issue 9: dH's work items column blocks fastest
+#      (`dh.item_coords`, session 59) against the previous order (row tiles fastest),
+#      `dh_order.py` at 30B, 7B, 7b-n1024 and gpt-oss-20b (2 paired rounds; bitwise the
+#      previous order and against XLA on poisoned outputs); then, if the new order is
+#      >= 1.03x at 30B, the step paired against `rows-first-dh` (30B and 7B, 2 rounds);
+#      else the dH GPU tests.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 PART=${1:-R}
@@ -32,6 +38,28 @@ PY
       --rounds 2 --out $OUT/step > $OUT/step.log 2>&1
     echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | tail -6
     grep "^|" $OUT/step.log | tail -8
+  fi ;;
+O)
+  nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
+  timeout 300 python3 benchmarks/history/session59/dh_order.py 30b,7b,7b-n1024,gpt-oss-20b 2 \
+    > $OUT/dh_order.log 2>&1
+  echo "dh order rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -v "^|" $OUT/dh_order.log | tail -14; grep "^|" $OUT/dh_order.log
+  WIN=$(python3 - $OUT/dh_order.log <<'PY'
+import re, sys
+rows = re.findall(r"^\| 30b \| \d+ \| [\d.]+ \| [\d.]+ \| ([\d.]+) \| \S+ \| True \|", open(sys.argv[1]).read(), re.M)
+print("yes" if rows and float(rows[0]) >= 1.03 else "")
+PY
+)
+  echo "30B win: '${WIN}'"
+  if [ -n "$WIN" ]; then
+    timeout 330 python3 benchmarks/step.py --shapes 30b,7b \
+      --variants topk/cp_async,topk/cp_async/rows-first-dh --rounds 2 --out $OUT/step > $OUT/step.log 2>&1
+    echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | tail -8
+    grep "^|" $OUT/step.log | tail -8
+  else
+    timeout 200 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k "dh" > $OUT/gpu_dh.log 2>&1
+    echo "gpu dh rc=$? at $(( $(date +%s) - T0 )) s"; tail -4 $OUT/gpu_dh.log
   fi ;;
 esac
 echo "session 59 part $PART done in $(( $(date +%s) - T0 )) s"
