@@ -65,6 +65,7 @@ SHAPES = {
     "7b-router": (24576, 1536, 256, 128, 8),
     "30b-router": (32768, 4096, 512, 128, 8),
     "gpt-oss-20b": (8192, 2880, 2880, 32, 4),  # n % 128 != 0: 64-column configs
+    "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),  # issue 15's widths at a training batch
     "smoke": (40, 128, 128, 4, 2),
 }
 ITERS = 20

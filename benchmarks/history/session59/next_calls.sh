@@ -11,6 +11,8 @@
 #      previous order and against XLA on poisoned outputs); then, if the new order is
 #      >= 1.03x at 30B, the step paired against `rows-first-dh` (30B and 7B, 2 rounds);
 #      else the dH GPU tests.
+#   Q3 (~5 min): dh_order.py at Qwen3-30B-A3B's widths (3 column blocks) and 7b-n512 (2),
+#      3 rounds; then the 30B step paired against `rows-first-dh` (2 rounds).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 PART=${1:-R}
@@ -61,5 +63,13 @@ PY
     timeout 200 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k "dh" > $OUT/gpu_dh.log 2>&1
     echo "gpu dh rc=$? at $(( $(date +%s) - T0 )) s"; tail -4 $OUT/gpu_dh.log
   fi ;;
+Q3)
+  timeout 200 python3 benchmarks/history/session59/dh_order.py qwen3-30b-a3b,7b-n512 3 \
+    > $OUT/dh_order_q3.log 2>&1
+  echo "dh order rc=$? at $(( $(date +%s) - T0 )) s"; grep "^|" $OUT/dh_order_q3.log
+  timeout 270 python3 benchmarks/step.py --shapes 30b --variants topk/cp_async,topk/cp_async/rows-first-dh \
+    --rounds 2 --out $OUT/step > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | tail -6
+  grep "^|" $OUT/step.log | tail -6 ;;
 esac
 echo "session 59 part $PART done in $(( $(date +%s) - T0 )) s"
