@@ -239,8 +239,9 @@ def item_coords(w, grid_n: int):
     was a separate pass over every row tile, gathering all of dO again.
 
     Measured on the H100 (session 59, paired, bitwise the previous order): 1.061x at
-    d = 1536, n = 1024 (4 column blocks; 486.8 -> 458.9 us), level at 30B (2 blocks, 1.006x)
-    and gpt-oss-20b (15 blocks, 1.004x), the same walk at 7B (one block)."""
+    d = 1536, n = 1024, E = 32 (4 column blocks) and 1.074x at n = 512, E = 64 (2); level at
+    30B (2 blocks, 1.006x; the training step too), Qwen3-30B-A3B (3, 0.998x) and
+    gpt-oss-20b (15, 1.004x); the same walk at 7B (one block)."""
     return w // grid_n, w % grid_n
 
 
