@@ -3,7 +3,8 @@
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/timeline.py --out $OUT \
         [--shapes 7b,30b] [--kernels up,up_inference,dh,down,dx]
 
-A kernel name is `up`, `dh`, `down`, `dx` or `decode` (the decode megakernel, at the
+A kernel name is `up`, `dh`, `down`, `dx`, `dw1` / `dw2` (the weight gradients, with
+`--run-only` or `--plain` only: they mark no regions) or `decode` (the decode megakernel, at the
 `decode<T>` shapes only: the Qwen3-30B-A3B layer at T = 1, 8, 64, 128, 1024 tokens; its
 regions: the producer's `post_wait`, `ids`, `empty_wait`, `weights`, `gather`, `publish`,
 `event_wait`; the consumers' `task_wait`, `k_loop`, `epilogue`, `event_wait`), optionally
@@ -71,6 +72,7 @@ from pallas_moe.kernels.dx import dx_rows  # noqa: E402
 from pallas_moe.kernels.moe_backward import BackwardConfig  # noqa: E402
 from pallas_moe.kernels.moe_forward import ForwardConfig  # noqa: E402
 from pallas_moe.kernels.up_proj import interleave_gate_up, up_proj  # noqa: E402
+from pallas_moe.kernels.weight_grad import weight_grad  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -95,7 +97,10 @@ ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights", "nomma", "nofeed"
 # "storel2" folds every output row into the first rows of its output (`STOREL2_ROWS`): the
 # same stores (count, boxes, SMEM reads, TMA issue) on a footprint that stays in L2.
 STOREL2_ROWS = 4096
-KERNELS = ("up", "dh", "down", "dx", "decode")
+KERNELS = ("up", "dh", "down", "dx", "decode", "dw1", "dw2")
+# The weight gradients have no named regions for the on-device profiler: they run only with
+# --run-only (a target for Nsight Compute) or --plain.
+UNPROFILED = ("dw1", "dw2")
 # The decode megakernel's shapes: the Qwen3-30B-A3B MoE layer at serving batch sizes.
 DECODE_SHAPES = {f"decode{T}": (T, 2048, 768, 128, 8) for T in (1, 8, 64, 128, 1024)}
 
@@ -544,8 +549,12 @@ def main():
             if (base == "decode") != (name in DECODE_SHAPES):
                 raise ValueError(f"kernel {kernel!r} at shape {name!r}: the decode kernel "
                                  f"runs at the {sorted(DECODE_SHAPES)} shapes, only it does")
+            if base in UNPROFILED and not (args.run_only or args.plain):
+                raise ValueError(f"kernel {kernel!r} marks no regions for the profiler: run it "
+                                 "with --run-only (Nsight Compute) or --plain")
             cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx,
-                   "decode": DecodeConfig.for_shape(d, n)}[base]
+                   "decode": DecodeConfig.for_shape(d, n), "dw1": bcfg.dw_gate_up,
+                   "dw2": bcfg.dw_down}[base]
             if "pingpong" in variants:  # the persistent ping-pong up-proj
                 cfg = PINGPONG_UP
             elif "coop" in variants:  # the cooperative up-proj (the default before session 20)
@@ -601,6 +610,20 @@ def main():
                 tiles = meta.num_tiles
                 ctas = cfg.persistent_ctas
                 regions = 8 * (-(-tiles // ctas)) + 8
+            elif base in UNPROFILED:  # dW1 = X[tok]^T dH, dW2 = A'^T dO[tok] (varlen K)
+                pad = -(-plan.capacity // cfg.block_k) * cfg.block_k
+                grouped = jax.random.normal(jax.random.key(5), (pad, 2 * n if base == "dw1" else n),
+                                            jnp.float32).astype(jnp.bfloat16)  # dH or A'
+                tokens = x if base == "dw1" else jax.random.normal(
+                    jax.random.key(6), (T, d), jnp.float32).astype(jnp.bfloat16)  # X or dO
+                gathered = "lhs" if base == "dw1" else "rhs"
+
+                def f(tokens, grouped, tok, g, cfg=cfg, gathered=gathered):
+                    lhs, rhs = (tokens, grouped) if gathered == "lhs" else (grouped, tokens)
+                    return weight_grad(lhs, rhs, tok, g, gathered=gathered,
+                                       out_dtype=jnp.bfloat16, config=cfg)
+
+                fargs = (tokens, grouped, plan.token_ids, plan.group_sizes)
             else:  # the persistent grouped-GEMM engine: down-proj or dX~
                 pad = -(-plan.capacity // 128) * 128
                 width, w = (n, w2) if base == "down" else (2 * n, w1)
