@@ -11,6 +11,10 @@
 #      previous order and against XLA on poisoned outputs); then, if the new order is
 #      >= 1.03x at 30B, the step paired against `rows-first-dh` (30B and 7B, 2 rounds);
 #      else the dH GPU tests.
+#   P (~1.5 min, H100): issue 9, for session 60: where the ping-pong dH's time goes. Applies
+#      `dh_pingpong_registers.patch` to the device's copy of the tree, then Nsight Compute
+#      source counters of it and of the default at 30B (`timeline.py --run-only`), each
+#      summarized by `ncu_source.py`.
 #   Q3 (~5 min): dh_order.py at Qwen3-30B-A3B's widths (3 column blocks) and 7b-n512 (2),
 #      3 rounds; then the 30B step paired against `rows-first-dh` (2 rounds).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -71,5 +75,23 @@ Q3)
     --rounds 2 --out $OUT/step > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | tail -6
   grep "^|" $OUT/step.log | tail -6 ;;
+P)
+  git apply benchmarks/history/session59/dh_pingpong_registers.patch || exit 1
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  PP=dh_schedule=pingpong+block_m=128+block_n=128+num_stages=5+epilogue_cols=32
+  for K in dh $PP; do
+    tag=$([ "$K" = dh ] && echo default || echo pingpong)
+    timeout 150 ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
+      --section SourceCounters --kernel-name regex:moe_dh --launch-skip 1 --launch-count 1 \
+      -o /tmp/$tag python3 benchmarks/timeline.py --run-only --out /tmp/t --shapes 30b \
+      --kernels $K > $OUT/ncu_$tag.log 2>&1
+    echo "ncu $tag rc=$? at $(( $(date +%s) - T0 )) s"
+    ncu -i /tmp/$tag.ncu-rep --page details > $OUT/${tag}_details.txt 2>&1
+    ncu -i /tmp/$tag.ncu-rep --page source --csv --print-source sass > /tmp/$tag.csv 2>/dev/null
+    gzip -c /tmp/$tag.csv > $OUT/${tag}_sass.csv.gz
+    python3 benchmarks/ncu_source.py /tmp/$tag.csv --listing 3000 > $OUT/${tag}_stalls.txt 2>&1
+    grep -E "Duration|Compute \(SM\)|L2 Cache Throughput" $OUT/${tag}_details.txt
+    sed -n 3,12p $OUT/${tag}_stalls.txt
+  done ;;
 esac
 echo "session 59 part $PART done in $(( $(date +%s) - T0 )) s"
