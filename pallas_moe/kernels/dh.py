@@ -75,6 +75,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels._common import TileMeta
+from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
 from pallas_moe.ops.activation import SwiGLU
 
 
@@ -174,7 +175,8 @@ class DHConfig(_common.ClusterTiles):
     wgmma_lag: int = 1
 
 
-def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
+def _check_operands(grad_out, h, w_down, token_ids, scores) -> tuple[int, int, int]:
+    """(d, n, E) of dH's operands, their ranks, dtypes and shapes checked (errors name them)."""
     if grad_out.ndim != 2:
         raise ValueError(f"grad_out must be [T, d], got shape {tuple(grad_out.shape)}.")
     if w_down.ndim != 3:
@@ -190,6 +192,11 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
     capacity = token_ids.shape[0]
     _common.require_shape("h", h, (capacity, 2 * n))
     _common.require_shape("scores", scores, (capacity,))
+    return d, n, num_experts
+
+
+def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
+    d, n, num_experts = _check_operands(grad_out, h, w_down, token_ids, scores)
     bn, bk = config.block_n, config.block_k
     _common.require_wgmma_blocks(config, "B tiles are 128-byte swizzled")
     if config.pad_rows_to < 1:
@@ -284,10 +291,12 @@ def dswiglu_epilogue(da, g, u, s, activation: SwiGLU = SwiGLU()):
 
     Returns:
       (d gate, d up, A' = s * A, dS partial [bm] = sum over the tile's columns of dA' * A).
+      The split dH's row pass (`dswiglu_rows`) calls it on one row ([n] arrays, s a
+      scalar): the same operations in the same order, so the same dH and A' bits.
     """
     act = activation.apply(g, u)
     d_gate, d_up = activation.grad_halves(g, u, s * da)
-    return d_gate, d_up, s * act, jnp.sum(da * act, axis=1)
+    return d_gate, d_up, s * act, jnp.sum(da * act, axis=1 if da.ndim == 2 else None)
 
 
 def _dswiglu_and_store(da, s_smem, hg_tile, hu_tile, ap_tile, ds_ref, dh_out, ap_out, ds_dst,
@@ -444,6 +453,172 @@ def dh_kernel(
     kernel = _dh_persistent(config, d, n, num_tiles, out_types, interpret_mode, activation)
     dh, a_scaled, ds_part = kernel(*args)
     return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
+
+
+# The split dH's row pass: rows per CTA (each loaded before any is computed, so a CTA keeps
+# this many rows' loads in flight), and the widest per-thread vector that tiles n.
+DSWIGLU_ROWS_PER_CTA = 4
+
+
+def dswiglu_rows(
+    da: jax.Array,
+    h: jax.Array,
+    scores: jax.Array,
+    num_rows: jax.Array,
+    *,
+    out_rows: int,
+    approx_math: bool = True,
+    activation: SwiGLU = SwiGLU(),
+    rows_per_cta: int = DSWIGLU_ROWS_PER_CTA,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The split dH's second kernel: the dSwiGLU of each row from a dA' computed before.
+
+        dH[r] = act'(H_g[r], H_u[r], s[r] * dA'[r]);  A'[r] = s[r] * A[r];  dS[r] = <dA'[r], A[r]>
+
+    A memory-bound pass (no SMEM, no barriers but dS's reduction): one warpgroup per
+    `rows_per_cta` rows, each row's dA', H gate and H up loaded straight from HBM into a
+    strided register layout (16-byte f32 loads where 512 divides n), the math of the fused
+    kernel's epilogue (`dswiglu_epilogue`, so dH and A' are its bits for the same dA'), the
+    results stored from registers. dS sums the whole row (a warpgroup reduction).
+
+    Args:
+      da: f32 [P_a, n], P_a >= P: dA' = dO[tok] @ W2[e]^T (unscaled), grouped row order.
+      h: bf16 [P, 2n] saved up-proj output (gate columns first).
+      scores: f32 [P] router weight of each row.
+      num_rows: i32 [1]: rows [0, num_rows) are real (`sum(group_sizes)`); the others'
+        dA' and H are never trusted (read, then dropped).
+      out_rows: rows of the dh and a_scaled outputs (>= P; the padded capacity).
+      approx_math: the sigmoid's exp from `ex2.approx` (compiled kernels), as the forward.
+      activation: the forward's `SwiGLU` spec.
+      rows_per_cta: rows one CTA loads, then computes (unrolled).
+      interpret: run in Mosaic GPU interpret mode if True or an InterpretGPUParams.
+
+    Returns:
+      (dh bf16 [out_rows, 2n], a_scaled bf16 [out_rows, n], d_scores f32 [P]). Rows of dh
+      and a_scaled from num_rows on are not written (unspecified); d_scores is 0 there.
+    """
+    if da.ndim != 2 or h.ndim != 2:
+        raise ValueError(f"da and h must be 2-D, got shapes {tuple(da.shape)}, {tuple(h.shape)}.")
+    _common.require_dtype("da", da, jnp.float32)
+    _common.require_dtype("h", h, jnp.bfloat16)
+    _common.require_dtype("scores", scores, jnp.float32)
+    capacity = scores.shape[0]
+    n = da.shape[1]
+    _common.require_shape("h", h, (capacity, 2 * n))
+    _common.require_shape("num_rows", num_rows, (1,))
+    if da.shape[0] < capacity:
+        raise ValueError(f"da.shape[0]={da.shape[0]} must be >= scores.shape[0]={capacity}.")
+    if out_rows < capacity:
+        raise ValueError(f"out_rows={out_rows} must be >= scores.shape[0]={capacity}.")
+    _common.require_multiple("n (da.shape[1])", n, 128,
+                             "each of a warpgroup's 128 threads holds whole vectors of a row")
+    if rows_per_cta < 1:
+        raise ValueError(f"rows_per_cta={rows_per_cta} must be >= 1.")
+    vec = next(v for v in (4, 2, 1) if n % (128 * v) == 0)
+    layout = plgpu.Layout.WG_STRIDED((n,), vec_size=vec)
+    br = rows_per_cta
+    dtype = h.dtype
+
+    def body(count_ref, s_ref, da_ref, h_ref, dh_ref, ap_ref, ds_ref):
+        first = jax.lax.axis_index("r") * br
+        count = count_ref[0]
+        loaded = []
+        for i in range(br):  # every row's loads first: br rows in flight per warpgroup
+            src = jnp.minimum(first + i, capacity - 1)  # past P: a row read and dropped
+            loaded.append((
+                plgpu.load(da_ref.at[src, pl.ds(0, n)], layout=layout),
+                plgpu.load(h_ref.at[src, pl.ds(0, n)], layout=layout),
+                plgpu.load(h_ref.at[src, pl.ds(n, n)], layout=layout),
+                s_ref[src],
+            ))
+        for i, (da_r, g, u, s) in enumerate(loaded):
+            r = first + i
+            d_gate, d_up, a_scaled, ds = dswiglu_epilogue(
+                da_r, g.astype(jnp.float32), u.astype(jnp.float32), s, activation)
+
+            @pl.when(r < count)
+            def _():
+                dh_ref[r, pl.ds(0, n)] = d_gate.astype(dtype)
+                dh_ref[r, pl.ds(n, n)] = d_up.astype(dtype)
+                ap_ref[r, pl.ds(0, n)] = a_scaled.astype(dtype)
+                ds_ref[r] = ds
+
+            @pl.when((r >= count) & (r < capacity))
+            def _():
+                ds_ref[r] = jnp.float32(0.0)
+
+    kernel = plgpu.kernel(
+        body,
+        kernel_name="moe_dh_rows",
+        out_type=(
+            jax.ShapeDtypeStruct((out_rows, 2 * n), dtype),
+            jax.ShapeDtypeStruct((out_rows, n), dtype),
+            jax.ShapeDtypeStruct((capacity,), jnp.float32),
+        ),
+        grid=(pl.cdiv(capacity, br),),
+        grid_names=("r",),
+        compiler_params=plgpu.CompilerParams(approx_math=approx_math),
+        interpret=_common.interpret_params(interpret),
+    )
+    return kernel(num_rows.astype(jnp.int32), scores, da, h)
+
+
+def dh_split(
+    grad_out: jax.Array,
+    h: jax.Array,
+    token_ids: jax.Array,
+    group_sizes: jax.Array,
+    scores: jax.Array,
+    w_down: jax.Array,
+    *,
+    gemm: GroupedMatmulConfig,
+    pad_rows_to: int = 64,
+    approx_math: bool = True,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    meta: TileMeta | None = None,
+    activation: SwiGLU = SwiGLU(),
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dH, A' and dS as two kernels: the grouped GEMM, then the dSwiGLU row pass.
+
+        dA' = dO[tok] @ W2[e]^T    f32 [P, n]: `grouped_matmul`'s gathered mode (cp.async
+                                   or one-row TMA copies), 128-row items, no epilogue math
+        dH, A', dS = dswiglu_rows(dA', H, s)
+
+    The fused kernel (`dh_kernel`) keeps dA' in registers, so its 64-row items keep each
+    consumer's accumulator small enough for the dSwiGLU beside it; the GEMM here runs the
+    up-proj's 128 x 256 items instead (each W2 byte staged in SMEM feeds 128 rows), at the
+    price of writing dA' in f32 and reading it back. `BackwardConfig.for_shape` picks it
+    where that measured faster (benchmarks/RESULTS.md, session 60). dA' is the fused
+    kernel's accumulator bit for bit (the same K order per output element), so dH and A'
+    are the fused kernel's bits; dS sums each row in another order (f32 rounding apart).
+
+    Args:
+      grad_out, h, token_ids, group_sizes, scores, w_down: as `dh_kernel`.
+      gemm: the GEMM's blocks (`block_m=128`, no pingpong, no clusters: the gathered mode).
+      pad_rows_to: dH and A' get P rounded up to a multiple of this (as `DHConfig`).
+      approx_math: the row pass's sigmoid from `ex2.approx` (as the forward's).
+      interpret: run in Mosaic GPU interpret mode (CPU) if True or an InterpretGPUParams.
+      meta: precomputed `aligned_tile_meta(group_sizes, P, gemm.tile_rows)`.
+      activation: the forward's `SwiGLU` spec.
+
+    Returns:
+      As `dh_kernel`: (dh bf16 [P_pad, 2n], a_scaled bf16 [P_pad, n], d_scores f32 [P]).
+    """
+    _, n, num_experts = _check_operands(grad_out, h, w_down, token_ids, scores)
+    _common.require_shape("group_sizes", group_sizes, (num_experts,))
+    if pad_rows_to < 1:
+        raise ValueError(f"pad_rows_to={pad_rows_to} must be >= 1.")
+    capacity = token_ids.shape[0]
+    da = grouped_matmul(
+        grad_out, group_sizes, w_down, transpose_w=True, config=gemm, interpret=interpret,
+        meta=meta, capacity=capacity, names=("grad_out", "w_down"), kernel_name="moe_dh_gemm",
+        out_dtype=jnp.float32, token_ids=token_ids,
+    )
+    num_rows = jnp.sum(group_sizes, dtype=jnp.int32).reshape(1)
+    rows_pad = -(-capacity // pad_rows_to) * pad_rows_to
+    return dswiglu_rows(da, h, scores, num_rows, out_rows=rows_pad, approx_math=approx_math,
+                        activation=activation, interpret=interpret)
 
 
 def _issue_k_step(do_ref, ids, w_e, col0, cols: int, k0, bk: int, a_copy, a_mma, b_slot,

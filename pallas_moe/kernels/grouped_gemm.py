@@ -4,9 +4,10 @@
     out[r] = A[r] @ W[e(r)]^T        A bf16 [P_a, K], W bf16 [E, N, K]   (`transpose_w=True`)
     (+ bias[e(r)])                   optional bias bf16 [E, N], added in fp32 before rounding
 
-Two kernels are specs on it: the forward's down-proj (`Y = A @ W2[e] + b2[e]`, `down_proj.py`) and
-the backward's dX~ (`dX~ = dH @ W1[e]^T`, `dx.py`, which reads the public `[E, d, 2n]`
-layout as is by feeding K-minor weight tiles to wgmma transposed).
+Three kernels are specs on it: the forward's down-proj (`Y = A @ W2[e] + b2[e]`,
+`down_proj.py`), the backward's dX~ (`dX~ = dH @ W1[e]^T`, `dx.py`, which reads the public
+`[E, d, 2n]` layout as is by feeding K-minor weight tiles to wgmma transposed) and the split
+dH's GEMM (`dA' = dO[tok] @ W2[e]^T`, gathered, f32 out; `dh.dh_split`).
 
 The fp8 mode (e4m3 A and W, f32 accumulation; the quantized inference path, `pallas_moe/quant/`)
 runs the same pipeline with 128-element (128-byte) K steps. 8-bit wgmma takes B only
@@ -39,8 +40,11 @@ accumulator, waits for it, and adds it into f32 accumulators carried in register
 K loop (CUDA-core adds, exact f32 rounding). A second accumulator set doubles the registers:
 `block_n * (2 if gated else 1) <= 128` then (64 for the gated up-proj, 128 for the down-proj).
 
-The gathered fp8 mode (`token_ids`, the fp8 forward's up-proj without smooth scales): A is
-the [T, K] e4m3 tokens, quantized once each, and an item's box rows are gathered by token id:
+The gathered mode (`token_ids`): A is [T, K] source rows, and an item's box rows are gathered
+by token id. Two specs use it: the fp8 forward's up-proj without smooth scales (A the e4m3
+tokens, quantized once each) and the split dH's GEMM (`dh.dh_split`: `dA' = dO[tok] @
+W2[e]^T` in bf16 with f32 out, the up-proj's 128-row items with 128-register accumulators and
+no epilogue math). In either,
 the producer stages the box's ids in SMEM (two buffers: the next item's land while this one
 loads) and issues 16-byte cp.async loads from all 128 threads straight into the swizzled
 wgmma layout (`_common.cp_async_gather_rows`, as the bf16 up-proj; published the
@@ -316,8 +320,8 @@ def grouped_matmul(
     Args:
       a: bf16 [P_a, K] rows in grouped order, or e4m3 / int8 (the 8-bit mode). `P_a` may
         exceed `capacity` (a producer may pad to a multiple of block_m, which saves a copy
-        here); extra rows are ignored. With `token_ids`: e4m3 or int8 [T, K] source rows
-        (quantized tokens), gathered by the kernel.
+        here); extra rows are ignored. With `token_ids`: [T, K] source rows (bf16 tokens,
+        or quantized ones), gathered by the kernel.
       group_sizes: i32 [E] rows per expert; rows past the sum are padding.
       w: bf16 [E, K, N], or [E, N, K] with `transpose_w`; e4m3 [E, N, K] (or [E, 2N, K]
         with `gated`) of a's dtype in the 8-bit mode.
@@ -340,10 +344,11 @@ def grouped_matmul(
       out_dtype: bf16 (default) or f32.
       bias: bf16 mode only: optional bf16 [E, N]: `out[r] += bias[e(r)]` in fp32 before
         rounding.
-      token_ids: fp8 mode only: i32 [P] source row of `a` of each grouped row
-        (`plan.token_ids`; padding rows may name any row in range): the gathered mode, where
-        grouped row r multiplies `a[token_ids[r]]` and `row_scales` is f32 [T], one scale per
-        row of `a` (gathered here). Needs `config.block_m == 128` (module docstring).
+      token_ids: i32 [P] source row of `a` of each grouped row (`plan.token_ids`; padding
+        rows may name any row in range): the gathered mode, where grouped row r multiplies
+        `a[token_ids[r]]` (bf16: the split dH's GEMM `dO[tok] @ W2[e]^T`; 8-bit: the fp8
+        up-proj, with `row_scales` f32 [T], one scale per row of `a`, gathered here). Needs
+        `config.block_m == 128` without pingpong or clusters (module docstring).
       requant_smooth: gated fp8 mode only: f32 [E, N] smooth scales: quantize A's rows in
         the epilogue (`Q[r], s[r] = quantize_row(A[r] * requant_smooth[e(r)], e4m3)`, the
         formula of `quant/reference.py`, bit for bit) and return `(Q, s)` instead of A.
@@ -414,18 +419,15 @@ def grouped_matmul(
         )
     gathered = token_ids is not None
     if gathered:
-        if not eight_bit:
-            raise ValueError(
-                f"token_ids (the gathered mode) is an 8-bit-mode option; {a_name} is {a.dtype}."
-            )
         if token_ids.ndim != 1:
             raise ValueError(f"token_ids must be 1-D [P], got shape {tuple(token_ids.shape)}.")
         _common.require_dtype("token_ids", token_ids, jnp.int32)
-        if not config.split_m:
+        if config.block_m != 128 or config.pingpong or config.cluster_m != 1:
             raise ValueError(
                 f"the gathered mode (token_ids) needs config.block_m=128 without pingpong "
-                f"(both consumers share each gathered stage), got block_m={config.block_m}, "
-                f"pingpong={config.pingpong}."
+                f"or clusters (both consumers of one CTA share each gathered stage), got "
+                f"block_m={config.block_m}, pingpong={config.pingpong}, "
+                f"cluster_m={config.cluster_m}."
             )
         _common.require_gather_mode(config)
         if capacity is not None and capacity != token_ids.shape[0]:
@@ -683,7 +685,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             bias_ref, bias_scratch = None, ()
         else:
             bias_ref, *refs = refs if has_bias else (None, *refs)
-            out_ref, a_smem, b_smem, o_bufs, full, empty, *bias_scratch = refs
+            out_ref, a_smem, b_smem, o_bufs, full, empty, *refs = refs
+            bias_scratch, gather_scratch = (refs[:2], refs[2:]) if has_bias else ((), refs)
         if not requant:  # the output tile: its wgmma view and its (1, w) TMA view
             o_copy, o_mma = o_views(o_bufs)
         if gathered:  # ids of the item's box rows (double-buffered), their barriers
