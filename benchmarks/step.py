@@ -281,6 +281,9 @@ CONFIG_FLAGS = {
     "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
     # dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`, session 50).
     "cluster-dh": lambda c, n: _replace(c, "dh", cluster_m=2),
+    # The fused dH kernel where the default splits dH in two (d >= 4096 since session 60).
+    "fused-dh": lambda c, n: dataclasses.replace(
+        c, backward=dataclasses.replace(c.backward, dh_gemm=None)),
     # The down-proj and dX~ with split-M items of 192 rows, three consumers (session 50).
     "split-m-192-gemm": lambda c, n: dataclasses.replace(
         c, forward=dataclasses.replace(c.forward, down=three_consumer_gemm(c.forward.down)),

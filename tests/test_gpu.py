@@ -768,6 +768,53 @@ def test_dh_configs_write_the_same_bits(shape):
 
 
 @pytest.mark.parametrize(
+    "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8), (4000, 2048, 768, 32, 8)],
+    ids=["30b_widths", "7b_widths", "qwen3_widths"])
+def test_dh_split_writes_the_fused_kernels_bits(shape):
+    """dH split in two (`dh_split`: the gathered bf16 grouped GEMM writing dA' in f32, then
+    the dSwiGLU row pass; the default at d >= 4096 since session 60) writes the fused
+    kernel's dH and A' bit for bit on every real row, dS within 1e-5 of it (another
+    summation order) and 0 on padding, under the GEMM's default (the SM count of CTAs,
+    cp.async rows published by `wait_group`), 7 CTAs, `mbarrier` publishing and the TMA row
+    loader; skewed routing with an empty expert, poisoned outputs, fresh random data, and
+    bitwise on repeat."""
+    from pallas_moe.kernels.dh import dh_kernel, dh_split
+    from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+
+    T, d, n, E, K = shape
+    ks = jax.random.split(jax.random.key(T + d + n + 9), 5)
+    logits = jax.random.normal(ks[0], (T, E)).at[:, :2].add(1.5).at[:, 3].add(-1e4)
+    plan = pm.routing.topk_plan(logits, K)
+    assert int(plan.group_sizes[3]) == 0
+    do = jax.random.normal(ks[1], (T, d), jnp.bfloat16)
+    h = jax.random.normal(ks[2], (plan.capacity, 2 * n), jnp.bfloat16)
+    w2 = (jax.random.normal(ks[3], (E, n, d)) * n**-0.5).astype(jnp.bfloat16)
+    args = (do, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    rows = int(plan.num_rows)
+    cfg = BackwardConfig.for_shape(d, n)
+    nbytes = plan.capacity * (3 * n * 2 + n * 4)
+    _poison(nbytes)
+    fused = [np.asarray(o) for o in jax.jit(lambda *a: dh_kernel(*a, config=cfg.dh))(*args)]
+    base = cfg.dh_gemm or GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4,
+                                              out_slabs=1, num_sms=cfg.dh.persistent_ctas)
+    assert (d >= 4096) == (cfg.dh_gemm is not None)
+    for gemm in (base, dataclasses.replace(base, num_sms=7),
+                 dataclasses.replace(base, gather_completion="mbarrier"),
+                 dataclasses.replace(base, gather="tma")):
+        f = jax.jit(lambda *a, gemm=gemm: dh_split(*a, gemm=gemm))
+        _poison(nbytes)
+        got = [np.asarray(o) for o in f(*args)]
+        for name, g, w in (("dH", got[0], fused[0]), ("A'", got[1], fused[1])):
+            assert np.all(np.isfinite(g[:rows].astype(np.float32))), (name, gemm)
+            assert np.array_equal(g[:rows], w[:rows]), (name, gemm)
+        assert rel_err(got[2], fused[2]) < 1e-5, gemm
+        assert not np.any(got[2][rows:]), gemm
+        again = [np.asarray(o) for o in f(*args)]
+        assert all(np.array_equal(a[:rows], g[:rows]) for a, g in zip(again, got)), gemm
+
+
+@pytest.mark.parametrize(
     "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8), (3000, 2880, 2880, 16, 4)],
     ids=["30b_widths", "7b_widths", "gpt_oss_widths"])
 def test_dh_clusters_write_the_default_bits(shape):

@@ -1048,3 +1048,171 @@ def _source_line(frame) -> str:
     import linecache
 
     return linecache.getline(frame.file_name, frame.start_line)
+
+
+# ----------------------------------------------------------------------------- split dH
+
+
+def test_gathered_bf16_grouped_gemm_equals_contiguous_rows_no_races():
+    """The grouped GEMM's gathered mode in bf16 (the split dH's `dA' = dO[tok] @ W2[e]^T`,
+    f32 out): bitwise the contiguous mode over rows gathered beforehand, close to the f32
+    reference, padding rows untouched, race-free with two CTAs walking items of two
+    column blocks (skewed routing with an empty expert: tiles ending mid-box)."""
+    from pallas_moe.kernels.grouped_gemm import grouped_matmul
+
+    x, h, plan, w1, w2, grad_out = make_problem(31, 70, 128, 256, 3, 2, skew=2.0, empty=(1,))
+    cfg = GroupedMatmulConfig(block_m=128, block_n=128, num_stages=3, num_sms=2)
+    common = dict(transpose_w=True, config=cfg, out_dtype=jnp.float32, capacity=plan.capacity)
+    got = grouped_matmul(grad_out, plan.group_sizes, w2, token_ids=plan.token_ids,
+                         interpret=interp(detect_races=True), **common)
+    assert not races_found()
+    want = grouped_matmul(grad_out[plan.token_ids], plan.group_sizes, w2, interpret=True,
+                          **common)
+    rows = int(plan.num_rows)
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == np.float32 and np.all(np.isfinite(got[:rows]))
+    assert np.array_equal(got[:rows], want[:rows])
+    assert_untouched(got, rows)
+    expert = np.minimum(np.asarray(plan.expert_ids), 2)[:rows]
+    do = np.asarray(grad_out, np.float32)[np.asarray(plan.token_ids)[:rows]]
+    ref = np.einsum("pd,pnd->pn", do, np.asarray(w2, np.float32)[expert])
+    assert rel_err(got[:rows], ref) < 1e-5
+
+
+@pytest.mark.parametrize("n, vec", [(128, 1), (256, 2), (512, 4)])
+@pytest.mark.parametrize("clamped", [False, True], ids=["silu", "clamped"])
+def test_dswiglu_rows_is_the_fused_epilogue_per_row(n, vec, clamped):
+    """The split dH's row pass on its own: each real row's dH and A' are the bits of the
+    fused kernel's epilogue math (`dswiglu_epilogue`, jitted, on the same f32 dA'), dS its
+    row sum within f32 rounding and 0 past the real rows, whose dH / A' rows stay unwritten
+    (their dA' and H hold NaN); every width's vector size (n / 128 = 1, 2, 4 f32 per
+    thread); rows past P in the last CTA; both SwiGLU kinds; race-free (dS's reduction
+    goes through SMEM)."""
+    from pallas_moe.kernels.dh import dswiglu_epilogue, dswiglu_rows
+
+    assert next(v for v in (4, 2, 1) if n % (128 * v) == 0) == vec
+    act = pm.ops.SwiGLU.clamped(limit=1.5) if clamped else pm.ops.SwiGLU()
+    capacity, real = 23, 19  # 6 CTAs of 4 rows: the last holds a row past P
+    ks = jax.random.split(jax.random.key(n + clamped), 3)
+    da = jax.random.normal(ks[0], (capacity + 5, n), jnp.float32)
+    h = jax.random.normal(ks[1], (capacity, 2 * n)).astype(BF16)
+    valid = jnp.arange(capacity) < real
+    h = jnp.where(valid[:, None], h, jnp.nan).astype(BF16)
+    da = da.at[real:].set(jnp.nan)
+    s = jax.random.uniform(ks[2], (capacity,), jnp.float32)
+    out_rows = 32
+    dh, ap, ds = dswiglu_rows(da, h, s, jnp.array([real], jnp.int32), out_rows=out_rows,
+                              activation=act, interpret=interp(detect_races=True))
+    assert not races_found()
+    assert dh.shape == (out_rows, 2 * n) and ap.shape == (out_rows, n) and ds.shape == (capacity,)
+    hf = h[:real].astype(jnp.float32)
+    want = jax.jit(functools.partial(dswiglu_epilogue, activation=act))(
+        da[:real], hf[:, :n], hf[:, n:], jnp.broadcast_to(s[:real, None], (real, n)))
+    d_gate, d_up, a_s, ds_want = (np.asarray(w) for w in want)
+    np.testing.assert_array_equal(np.asarray(dh[:real, :n]), d_gate.astype(BF16))
+    np.testing.assert_array_equal(np.asarray(dh[:real, n:]), d_up.astype(BF16))
+    np.testing.assert_array_equal(np.asarray(ap[:real]), a_s.astype(BF16))
+    np.testing.assert_allclose(np.asarray(ds[:real]), ds_want, rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(ds[real:]))
+    assert_untouched(dh, real)
+    assert_untouched(ap, real)
+
+
+def test_dswiglu_rows_errors():
+    """Bad operands are refused naming the argument."""
+    from pallas_moe.kernels.dh import dswiglu_rows
+
+    da = jnp.zeros((8, 128), jnp.float32)
+    h, s, nr = jnp.zeros((8, 256), BF16), jnp.zeros((8,), jnp.float32), jnp.array([8], jnp.int32)
+    cases = [
+        ((da[:, :64], h[:, :128], s, nr), {}, ValueError, r"n \(da.shape\[1\]\)=64 must be a multiple of 128"),
+        ((da.astype(BF16), h, s, nr), {}, TypeError, "da must have dtype float32"),
+        ((da, h.astype(jnp.float32), s, nr), {}, TypeError, "h must have dtype bfloat16"),
+        ((da[:4], h, s, nr), {}, ValueError, r"da.shape\[0\]=4 must be >= scores.shape\[0\]=8"),
+        ((da, h[:, :128], s, nr), {}, ValueError, "h must have shape"),
+        ((da, h, s, nr), dict(out_rows=4), ValueError, "out_rows=4 must be >= scores.shape"),
+        ((da, h, s, nr), dict(rows_per_cta=0), ValueError, "rows_per_cta=0 must be >= 1"),
+    ]
+    for args, kw, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            jax.eval_shape(functools.partial(dswiglu_rows, **{"out_rows": 8, **kw},
+                                             interpret=True), *args)
+
+
+@pytest.mark.parametrize("plan_kw", [dict(skew=2.0, empty=(1,)),
+                                     dict(router="token_rounding", tile=16)],
+                         ids=["skewed_empty_expert", "token_rounding_padding"])
+def test_dh_split_writes_the_fused_kernels_bits(plan_kw):
+    """dH split in two (`dh_split`: the gathered GEMM, then the row pass) writes the fused
+    kernel's dH and A' bit for bit (each element's dA' sums the same K steps in the same
+    order; the same epilogue math), dS within f32 rounding of it and 0 on padding rows, the
+    padding rows of dH and A' unwritten; close to the f32 reference; skewed routing with
+    an empty expert, and token rounding's padding rows (NaN in H there)."""
+    from pallas_moe.kernels.dh import dh_split
+
+    x, h, plan, w1, w2, grad_out = make_problem(33, 70, 128, 256, 3, 2, **plan_kw)
+    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    gemm = GroupedMatmulConfig(block_m=128, block_n=256, num_stages=3, num_sms=2, out_slabs=1)
+    got = dh_split(*args, gemm=gemm, interpret=True)
+    fused = dh_kernel(*args, config=BackwardConfig.for_shape(128, 256, num_sms=2).dh,
+                      interpret=True)
+    rows = int(plan.num_rows)
+    assert_dh_outputs_equal(got[:2], fused[:2], rows)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(fused[2]), rtol=1e-5, atol=1e-6)
+    assert not np.any(np.asarray(got[2])[rows:])
+    assert_untouched(got[0], rows)
+    assert_untouched(got[1], rows)
+    ref_dh, ref_a, ref_ds = dh_reference(grad_out, h, plan, w2)
+    assert_close(got[0][:rows], ref_dh[:rows], 1e-2, "dh")
+    assert_close(got[1][:rows], ref_a[:rows], 1e-2, "a_scaled")
+    assert_close(got[2], ref_ds, 1e-4, "d_scores")
+
+
+def test_backward_with_split_dh():
+    """The whole backward with dH split in two (what `for_shape` picks at d >= 4096, here
+    forced at small widths) against `moe_ffn_backward`: a token-rounding plan (padding
+    rows) with an empty expert (zero weight gradients), dS 0 on padding; then with the
+    metadata from `plan_schedules` (the GEMM's aligned 128-row tiles), bitwise the same."""
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+    from pallas_moe.kernels.schedules import plan_schedules
+
+    problem = make_problem(35, 60, 128, 256, 4, 2, router="token_rounding", empty=(2,))
+    x, h, plan, w1, w2, grad_out = problem
+    config = BackwardConfig.for_shape(128, 256, num_sms=4)
+    assert config.dh_gemm is None  # d < 4096: the fused kernel by default
+    config = dataclasses.replace(config, dh_gemm=GroupedMatmulConfig(
+        block_m=128, block_n=128, num_stages=3, num_sms=4))
+    got = check_backward(problem, config)
+    schedules = plan_schedules(plan, ForwardConfig.for_shape(128, 256, num_sms=4), config)
+    assert schedules.dh.block_m == 128
+    again = moe_backward(x, h, plan, w1, w2, grad_out, interpret=True, config=config,
+                         schedules=schedules)
+    for g, a in zip(got, again):
+        assert bool(jnp.array_equal(g, a))
+
+
+def test_split_dh_is_picked_where_measured_and_validated():
+    """`for_shape` splits dH at d >= 4096 (30B: 1.150x the fused kernel on the H100,
+    session 60) with the up-proj's 128 x 256 items; not at 7B (0.866x) or Qwen3's d = 2048
+    (0.979x). A config the gathered mode cannot run is refused naming the field."""
+    split = BackwardConfig.for_shape(4096, 512, num_sms=132).dh_gemm
+    assert (split.block_m, split.block_n, split.num_stages, split.out_slabs,
+            split.gather, split.num_sms) == (128, 256, 4, 1, "cp_async", 132)
+    assert BackwardConfig.for_shape(4096, 512, gather="tma").dh_gemm.gather == "tma"
+    for d, n in ((1536, 256), (2048, 768), (4096, 384)):
+        assert BackwardConfig.for_shape(d, n).dh_gemm is None, (d, n)
+    for bad in (dict(block_m=64), dict(block_m=128, pingpong=True),
+                dict(block_m=128, cluster_m=2)):
+        with pytest.raises(ValueError, match="dh_gemm runs the grouped GEMM's gathered mode"):
+            BackwardConfig(dh_gemm=GroupedMatmulConfig(**bad))
+    with pytest.raises(TypeError, match="dh_gemm must be a GroupedMatmulConfig or None"):
+        BackwardConfig(dh_gemm=DHConfig())
+
+
+def test_split_dh_lowers_for_cuda_30b():
+    """The 30B backward's default, dH split in two, lowers for cuda at production sizes
+    (the gathered GEMM's 4 stages of 48 KB beside one f32 output slab per consumer, then
+    the row pass with 16-byte f32 loads)."""
+    config = BackwardConfig.for_shape(4096, 512)
+    assert config.dh_gemm is not None
+    _lower_for_cuda(32768, 4096, 512, 128, 8)

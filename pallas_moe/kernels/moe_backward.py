@@ -1,6 +1,8 @@
 """Backward of one MoE layer through the Mosaic GPU kernels (docs/math.md, without Y).
 
     dH, A', dS = dh_kernel(dO, H, plan)       gather of dO fused into the load, dSwiGLU epilogue
+                 (or, d >= 4096: dh_split, the gathered GEMM dA' = dO[tok] W2^T in f32,
+                 then the dSwiGLU row pass)
     dW2        = weight_grad(A', dO)          varlen-K, gather of dO fused into the load
     dW1        = weight_grad(X, dH)           varlen-K, gather of X fused into the load
     dX~        = dx_rows(dH, W1)              varlen-M grouped GEMM, dX~ transient
@@ -24,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
-from pallas_moe.kernels.dh import DHConfig, dh_kernel
+from pallas_moe.kernels.dh import DHConfig, dh_kernel, dh_split
 from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_forward import (
@@ -51,10 +53,29 @@ class BackwardConfig:
     """Block sizes of the five backward kernels."""
 
     dh: DHConfig = DHConfig()
+    # dH split in two (`dh.dh_split`) where set: this gathered grouped GEMM writes dA' in
+    # f32, then the dSwiGLU row pass (with `dh.approx_math` and `dh.pad_rows_to`); None runs
+    # the fused dH kernel with `dh`.
+    dh_gemm: GroupedMatmulConfig | None = None
     dw_down: WeightGradConfig = WeightGradConfig()  # dW2 = A'^T dO: M = n, N = d (gathered)
     dw_gate_up: WeightGradConfig = WeightGradConfig()  # dW1 = X^T dH: M = d (gathered), N = 2n
     dx: GroupedMatmulConfig = GroupedMatmulConfig()
     aggregate: AggregateConfig = AggregateConfig()
+
+    def __post_init__(self):
+        gemm = self.dh_gemm
+        if gemm is None:
+            return
+        if not isinstance(gemm, GroupedMatmulConfig):
+            raise TypeError(
+                f"dh_gemm must be a GroupedMatmulConfig or None, got {type(gemm).__name__}."
+            )
+        if gemm.block_m != 128 or gemm.pingpong or gemm.cluster_m != 1:
+            raise ValueError(
+                "dh_gemm runs the grouped GEMM's gathered mode: it needs block_m=128 without "
+                f"pingpong or clusters, got block_m={gemm.block_m}, pingpong={gemm.pingpong}, "
+                f"cluster_m={gemm.cluster_m}."
+            )
 
     @classmethod
     def for_shape(
@@ -116,6 +137,16 @@ class BackwardConfig:
             dh, gather_completion="wait_group",
             persistent_ctas=num_sms, h_loader="cp_async",
         )
+        # Long K loops (d >= 4096): dH split in two, the up-proj's 128 x 256 items writing
+        # dA' in f32, then the dSwiGLU as a pass at copy speed. Measured on the H100
+        # (session 60, `history/session60/dh_split.py`, 2 paired rounds, dH and A' bitwise
+        # the fused kernel's): 30B 2638.8 -> 2295.4 us (1.150x; GEMM 1660 us, 662 TFLOP/s;
+        # pass 616 us, 3.05 TB/s), Qwen3-30B-A3B widths (d = 2048) 0.979x, 7B 0.866x. Four
+        # stages of 48 KB beside one staged 64-column f32 output slab per consumer.
+        dh_gemm = None
+        if d >= 4096 and n % 256 == 0:
+            dh_gemm = GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4,
+                                          out_slabs=1, num_sms=num_sms, gather=gather)
         # Weight gradients: measured on the H100 (benchmarks/RESULTS.md, 7B sweep), a CTA
         # tile of 256 x 128 with 2 consumers beats 128 x 128 by ~20%; the output tile reuses
         # the pipeline's SMEM, which leaves room for 4 stages of 48 KB. (Session 23's
@@ -158,6 +189,7 @@ class BackwardConfig:
             )
         cfg = cls(
             dh=dh,
+            dh_gemm=dh_gemm,
             dw_down=dw_down,
             dw_gate_up=dw_gate_up,
             dx=_dx_config(d, n, num_sms, device_kind),
@@ -275,20 +307,31 @@ def moe_backward(
 
     # Metadata, once per plan and block size: from the op (`plan_schedules`, computed in the
     # forward and saved), or computed here for a standalone call.
+    split = config.dh_gemm is not None  # dH as the GEMM, then the row pass
+    dh_rows = config.dh_gemm.tile_rows if split else config.dh.tile_rows
     if schedules is None:
-        dh_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.dh.tile_rows)
+        dh_meta = (_common.aligned_tile_meta(plan.group_sizes, capacity, dh_rows) if split
+                   else _common.tile_meta(plan.group_sizes, plan.token_ids, dh_rows))
         k_meta = k_block_meta(plan.group_sizes, plan.token_ids, block_k)
         dx_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.dx.tile_rows)
     else:
-        require_block("dh", schedules.dh, config.dh.tile_rows)
+        require_block("dh", schedules.dh, dh_rows)
         require_block("weight_grad", schedules.weight_grad, block_k, field="block_k")
         require_block("dx", schedules.dx, config.dx.tile_rows)
         dh_meta, k_meta, dx_meta = schedules.dh, schedules.weight_grad, schedules.dx
 
-    dh, a_scaled, d_scores = dh_kernel(
-        grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w_down,
-        config=config.dh, interpret=interpret, meta=dh_meta, activation=activation,
-    )
+    dh_operands = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w_down)
+    if split:
+        dh, a_scaled, d_scores = dh_split(
+            *dh_operands, gemm=config.dh_gemm, pad_rows_to=config.dh.pad_rows_to,
+            approx_math=config.dh.approx_math, interpret=interpret, meta=dh_meta,
+            activation=activation,
+        )
+    else:
+        dh, a_scaled, d_scores = dh_kernel(
+            *dh_operands, config=config.dh, interpret=interpret, meta=dh_meta,
+            activation=activation,
+        )
     dw_down = weight_grad(
         a_scaled, grad_out, plan.token_ids, plan.group_sizes, gathered="rhs",
         out_dtype=w_down.dtype, config=config.dw_down, interpret=interpret, meta=k_meta,

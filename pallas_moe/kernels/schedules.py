@@ -38,7 +38,8 @@ class PlanSchedules:
       up: row tiles of `ForwardConfig.up.tile_rows` rows, with token ids (up-proj). None
         when the forward is the decode megakernel, which schedules its own tasks.
       down: aligned row tiles of `ForwardConfig.down.tile_rows` rows (down-proj). None as `up`.
-      dh: row tiles of `BackwardConfig.dh.tile_rows` rows, with token ids (dH kernel).
+      dh: row tiles of `BackwardConfig.dh.tile_rows` rows, with token ids (dH kernel), or
+        aligned row tiles of `BackwardConfig.dh_gemm.tile_rows` rows (the split dH's GEMM).
       weight_grad: K-blocks of `BackwardConfig.dw_down.block_k` rows (both weight gradients).
       dx: aligned row tiles of `BackwardConfig.dx.tile_rows` rows (dX~ GEMM).
     """
@@ -75,7 +76,8 @@ def plan_schedules(plan, forward: "ForwardConfig", backward: "BackwardConfig") -
     return PlanSchedules(
         up=row_tiles(forward.up.tile_rows) if by_kernels else None,
         down=aligned_tiles(forward.down.tile_rows) if by_kernels else None,
-        dh=row_tiles(backward.dh.tile_rows),
+        dh=(aligned_tiles(backward.dh_gemm.tile_rows) if backward.dh_gemm is not None
+            else row_tiles(backward.dh.tile_rows)),
         weight_grad=k_block_meta(plan.group_sizes, plan.token_ids, backward.dw_down.block_k),
         dx=aligned_tiles(backward.dx.tile_rows),
     )

@@ -1,0 +1,27 @@
+# Session 60's GPU calls: `bash benchmarks/history/session60/next_calls.sh PART` from the
+# repo root; logs under $OUT.
+#   T (~5 min, H100): issue 9: the split dH's GPU tests (bitwise the fused kernel at 30B,
+#      7B and Qwen3 widths under four GEMM configs; the whole backward with cp.async at
+#      d = 4096, where it is the default), then `backward.py --shapes 30b` (every backward
+#      kernel, the split dH beside the fused one, the whole backward against the bound).
+#   S (~5 min, H100): issue 9: the 30B training step with the split dH (the default)
+#      against the fused dH (`fused-dh`), paired over 2 rounds, with the kernel breakdown.
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+T0=$(date +%s)
+PART=${1:-T}
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
+case "$PART" in
+T)
+  timeout 300 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
+    -k "dh_split or backward_cp_async or empty_experts_on_gpu" > $OUT/gpu_tests.log 2>&1
+  echo "gpu tests rc=$? at $(( $(date +%s) - T0 )) s"; tail -5 $OUT/gpu_tests.log
+  timeout 250 python3 benchmarks/backward.py --shapes 30b --out $OUT > $OUT/backward.log 2>&1
+  echo "backward rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "dH split|whole backward|^  dH |^  dW|^  dX" $OUT/backward.log | cut -c1-300 | tail -14
+  grep '"bwd_default_us"' $OUT/backward.log | tr ',' '\n' | grep -E "bwd_default_us|dh_us|dh_split_us|dw2_us|dw1_us|dx_us|bmm_bound_us|correct|err_dh_split" ;;
+S)
+  timeout 450 python3 benchmarks/step.py --shapes 30b \
+    --variants topk/cp_async,topk/cp_async/fused-dh --rounds 2 --out $OUT > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | cut -c1-600 | tail -10
+  grep "^|" $OUT/step.log | tail -6 ;;
+esac
