@@ -1191,6 +1191,27 @@ def test_backward_with_split_dh():
         assert bool(jnp.array_equal(g, a))
 
 
+def test_split_dh_with_a_plan_that_dropped_every_row():
+    """An empty plan (token rounding down, every row dropped) through the backward with dH
+    split: the GEMM has no tiles, the row pass writes dS = 0 and no dH / A' row, and every
+    gradient is exactly zero although H and dO's padding would be NaN if read."""
+    num_tokens, d, n, num_experts = 16, 128, 128, 4
+    logits = jax.random.normal(jax.random.key(41), (num_tokens, num_experts))
+    plan = pm.routing.token_rounding_plan(logits, 1, tile=64, rounding="down")
+    assert int(plan.num_rows) == 0
+    ks = jax.random.split(jax.random.key(42), 3)
+    x = jax.random.normal(ks[0], (num_tokens, d)).astype(BF16)
+    w1 = (jax.random.normal(ks[1], (num_experts, d, 2 * n)) / np.sqrt(d)).astype(BF16)
+    w2 = (jax.random.normal(ks[2], (num_experts, n, d)) / np.sqrt(n)).astype(BF16)
+    h = jnp.full((plan.capacity, 2 * n), jnp.nan, BF16)
+    grad_out = jnp.ones((num_tokens, d), BF16)
+    config = dataclasses.replace(BackwardConfig.for_shape(d, n, num_sms=2), dh_gemm=(
+        GroupedMatmulConfig(block_m=128, block_n=128, num_stages=3, num_sms=2)))
+    grads = moe_backward(x, h, plan, w1, w2, grad_out, interpret=True, config=config)
+    for g in grads:
+        assert not np.any(np.asarray(g, np.float32)), "an empty plan gives zero gradients"
+
+
 def test_split_dh_is_picked_where_measured_and_validated():
     """`for_shape` splits dH at d >= 4096 (30B: 1.150x the fused kernel on the H100,
     session 60) with the up-proj's 128 x 256 items; not at 7B (0.866x) or Qwen3's d = 2048

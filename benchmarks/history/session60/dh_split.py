@@ -12,6 +12,7 @@ import numpy as np
 
 from benchmarks.backward import (SHAPES, gpu_time_ms, make_case, poison_then,
                                  reference_intermediates, rel_err, saved_h)
+from benchmarks.forward import SHAPES as FORWARD_SHAPES
 from benchmarks.forward import interleaved_times_ms
 from pallas_moe.kernels import _common
 from pallas_moe.kernels.dh import dh_kernel, dh_split, dswiglu_rows
@@ -22,7 +23,7 @@ names = (sys.argv[1] if len(sys.argv) > 1 else "30b,7b").split(",")
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 table = []
 for name in names:
-    shape = SHAPES[name]
+    shape = SHAPES.get(name) or FORWARD_SHAPES[name]  # e.g. w2880, w7168: forward.py's
     T, d, n, E, K = shape
     x, w1, w2, plan, go = make_case(shape, seed=11)
     P = plan.capacity

@@ -25,3 +25,13 @@ S)
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | cut -c1-600 | tail -10
   grep "^|" $OUT/step.log | tail -6 ;;
 esac
+# For session 61:
+#   G (~3 min, H100): issue 9: the split dH at the widths the rule has not measured alone:
+#      d = 2880, n = 1408 (w2880: 128-column GEMM items only; between Qwen3's d = 2048,
+#      0.979x, and 30B's 4096, 1.150x) and d = 7168 (w7168), 2 paired rounds, bitwise checks.
+case "$PART" in
+G)
+  timeout 400 python3 benchmarks/history/session60/dh_split.py w2880,w7168 2 > $OUT/dh_split_g.log 2>&1
+  echo "dh split rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -v "^|" $OUT/dh_split_g.log | grep -v -i warn | tail -24; grep "^|" $OUT/dh_split_g.log ;;
+esac
