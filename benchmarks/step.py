@@ -31,6 +31,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import gc
 import glob
 import json
 import os
@@ -432,6 +433,10 @@ def main():
     log = open_log(args.out, "step_log.txt")
     rows = []
     for name in args.shapes.split(","):
+        # The previous shape's arrays go before this shape's are made: in session 60 the
+        # 120b shape after 30b ran out of memory in its dense bound with 30B's still held.
+        x = router = w1 = w2 = cot = biases = cots = inputs = val = None
+        gc.collect()
         shape = SHAPES[name]
         num_tokens, d, n, num_experts, k = shape
         x, router, w1, w2, cot = step_inputs(shape, seed=0)
