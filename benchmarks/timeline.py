@@ -3,8 +3,9 @@
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/timeline.py --out $OUT \
         [--shapes 7b,30b] [--kernels up,up_inference,dh,down,dx]
 
-A kernel name is `up`, `dh`, `down`, `dx`, `dw1` / `dw2` (the weight gradients, with
-`--run-only` or `--plain` only: they mark no regions) or `decode` (the decode megakernel, at the
+A kernel name is `up`, `dh`, `down`, `dx`, `dw1` / `dw2` (the weight gradients) and
+`dhsplit` (the split dH's GEMM then row pass, `dh.dh_split`) with `--run-only` or `--plain`
+only (they mark no regions) or `decode` (the decode megakernel, at the
 `decode<T>` shapes only: the Qwen3-30B-A3B layer at T = 1, 8, 64, 128, 1024 tokens; its
 regions: the producer's `post_wait`, `ids`, `empty_wait`, `weights`, `gather`, `publish`,
 `event_wait`; the consumers' `task_wait`, `k_loop`, `epilogue`, `event_wait`), optionally
@@ -66,9 +67,10 @@ from benchmarks.logs import open_log  # noqa: E402
 from pallas_moe.kernels import _common  # noqa: E402
 from pallas_moe.kernels import dh as dh_module  # noqa: E402
 from pallas_moe.kernels.decode import DecodeConfig, moe_decode  # noqa: E402
-from pallas_moe.kernels.dh import dh_kernel  # noqa: E402
+from pallas_moe.kernels.dh import dh_kernel, dh_split  # noqa: E402
 from pallas_moe.kernels.down_proj import down_proj  # noqa: E402
 from pallas_moe.kernels.dx import dx_rows  # noqa: E402
+from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig  # noqa: E402
 from pallas_moe.kernels.moe_backward import BackwardConfig  # noqa: E402
 from pallas_moe.kernels.moe_forward import ForwardConfig  # noqa: E402
 from pallas_moe.kernels.up_proj import interleave_gate_up, up_proj  # noqa: E402
@@ -97,10 +99,11 @@ ABLATIONS = ("nostore", "nomath", "noepilogue", "halfweights", "nomma", "nofeed"
 # "storel2" folds every output row into the first rows of its output (`STOREL2_ROWS`): the
 # same stores (count, boxes, SMEM reads, TMA issue) on a footprint that stays in L2.
 STOREL2_ROWS = 4096
-KERNELS = ("up", "dh", "down", "dx", "decode", "dw1", "dw2")
-# The weight gradients have no named regions for the on-device profiler: they run only with
+KERNELS = ("up", "dh", "down", "dx", "decode", "dw1", "dw2", "dhsplit")
+# The weight gradients and the split dH (its gathered GEMM `moe_dh_gemm`, then the row pass
+# `moe_dh_rows`) have no named regions for the on-device profiler: they run only with
 # --run-only (a target for Nsight Compute) or --plain.
-UNPROFILED = ("dw1", "dw2")
+UNPROFILED = ("dw1", "dw2", "dhsplit")
 # The decode megakernel's shapes: the Qwen3-30B-A3B MoE layer at serving batch sizes.
 DECODE_SHAPES = {f"decode{T}": (T, 2048, 768, 128, 8) for T in (1, 8, 64, 128, 1024)}
 
@@ -552,9 +555,11 @@ def main():
             if base in UNPROFILED and not (args.run_only or args.plain):
                 raise ValueError(f"kernel {kernel!r} marks no regions for the profiler: run it "
                                  "with --run-only (Nsight Compute) or --plain")
+            split_gemm = bcfg.dh_gemm or GroupedMatmulConfig(  # the split below d = 4096 too
+                block_m=128, block_n=256 if n % 256 == 0 else 128, num_stages=4, out_slabs=1)
             cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx,
                    "decode": DecodeConfig.for_shape(d, n), "dw1": bcfg.dw_gate_up,
-                   "dw2": bcfg.dw_down}[base]
+                   "dw2": bcfg.dw_down, "dhsplit": split_gemm}[base]
             if "pingpong" in variants:  # the persistent ping-pong up-proj
                 cfg = PINGPONG_UP
             elif "coop" in variants:  # the cooperative up-proj (the default before session 20)
@@ -610,6 +615,15 @@ def main():
                 tiles = meta.num_tiles
                 ctas = cfg.persistent_ctas
                 regions = 8 * (-(-tiles // ctas)) + 8
+            elif base == "dhsplit":  # dA' = dO[tok] @ W2^T (f32), then the dSwiGLU row pass
+                h = jax.random.normal(jax.random.key(5), (plan.capacity, 2 * n),
+                                      jnp.float32).astype(jnp.bfloat16)
+                go = jax.random.normal(jax.random.key(6), (T, d), jnp.float32).astype(jnp.bfloat16)
+
+                def f(go, h, tok, g, s, w, cfg=cfg):
+                    return dh_split(go, h, tok, g, s, w, gemm=cfg)
+
+                fargs = (go, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
             elif base in UNPROFILED:  # dW1 = X[tok]^T dH, dW2 = A'^T dO[tok] (varlen K)
                 pad = -(-plan.capacity // cfg.block_k) * cfg.block_k
                 grouped = jax.random.normal(jax.random.key(5), (pad, 2 * n if base == "dw1" else n),
