@@ -26,10 +26,26 @@ S)
   grep "^|" $OUT/step.log | tail -6 ;;
 esac
 # For session 61:
+#   N (~1.5 min, H100): issue 9: Nsight Compute of the split dH's GEMM (`moe_dh_gemm`) at
+#      30B: tensor-busy, L2, DRAM and source counters, to set it beside the up-proj's (81%
+#      busy in session 59) before tuning it.
 #   G (~3 min, H100): issue 9: the split dH at the widths the rule has not measured alone:
 #      d = 2880, n = 1408 (w2880: 128-column GEMM items only; between Qwen3's d = 2048,
 #      0.979x, and 30B's 4096, 1.150x) and d = 7168 (w7168), 2 paired rounds, bitwise checks.
 case "$PART" in
+N)
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  timeout 150 ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
+    --section SourceCounters --kernel-name regex:moe_dh_gemm --launch-skip 1 --launch-count 1 \
+    -o /tmp/dhgemm python3 benchmarks/timeline.py --run-only --out /tmp/t --shapes 30b \
+    --kernels dhsplit > $OUT/ncu_dhgemm.log 2>&1
+  echo "ncu rc=$? at $(( $(date +%s) - T0 )) s"
+  ncu -i /tmp/dhgemm.ncu-rep --page details > $OUT/dhgemm_details.txt 2>&1
+  ncu -i /tmp/dhgemm.ncu-rep --page source --csv --print-source sass > /tmp/dhgemm.csv 2>/dev/null
+  gzip -c /tmp/dhgemm.csv > $OUT/dhgemm_sass.csv.gz
+  python3 benchmarks/ncu_source.py /tmp/dhgemm.csv --listing 3000 > $OUT/dhgemm_stalls.txt 2>&1
+  grep -E "Duration|Compute \(SM\)|L2 Cache Throughput|DRAM Throughput" $OUT/dhgemm_details.txt
+  sed -n 3,14p $OUT/dhgemm_stalls.txt ;;
 G)
   timeout 400 python3 benchmarks/history/session60/dh_split.py w2880,w7168 2 > $OUT/dh_split_g.log 2>&1
   echo "dh split rc=$? at $(( $(date +%s) - T0 )) s"
