@@ -142,7 +142,8 @@ class BackwardConfig:
         # (session 60, `history/session60/dh_split.py`, 2 paired rounds, dH and A' bitwise
         # the fused kernel's): 30B 2638.8 -> 2295.4 us (1.150x; GEMM 1660 us, 662 TFLOP/s;
         # pass 616 us, 3.05 TB/s), Qwen3-30B-A3B widths (d = 2048) 0.979x, 7B 0.866x. Four
-        # stages of 48 KB beside one staged 64-column f32 output slab per consumer.
+        # stages of 48 KB beside one staged 64-column f32 output slab per consumer. The same
+        # rule on an H200 (not measured there; its faster HBM makes the pass cheaper).
         dh_gemm = None
         if d >= 4096 and n % 256 == 0:
             dh_gemm = GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4,
