@@ -1,6 +1,6 @@
 """dH: the backward's first grouped GEMM, the mirror image of the up-proj.
 
-    dA'[r] = dO[tok[r]] @ W2[e(r)]^T           f32 [bm, bn] per work item, never written
+    dA'[r] = dO[tok[r]] @ W2[e(r)]^T           f32 (the fused kernel: in registers only)
     A[r]   = act(H_g[r], H_u[r])               recomputed from the saved H (fp32)
     dH[r]  = act'(H_g[r], H_u[r], s[r] * dA'[r])   bf16 [P_pad, 2n]
     A'[r]  = s[r] * A[r]                       bf16 [P_pad, n]   (feeds dW2)
@@ -12,7 +12,16 @@ computed by the spec's own `apply` / `grad_halves`, the formula of the `xla` bac
 the saved biased pre-activation, so the up-proj bias needs nothing here; the down-proj
 bias's term of dS, `<dO[tok[r]], b2[e]>`, is added by `moe_backward` (`bias_grad`).
 
-The kernel, `_dh_persistent`: `DHConfig.persistent_ctas` persistent CTAs walk the work
+Two ways to compute them, chosen by `BackwardConfig.dh_gemm` (`for_shape`: the split at
+d >= 4096, where it measured 1.150x at 30B; the fused kernel below, where the split was
+0.979x at d = 2048 and 0.866x at 7B):
+- `dh_kernel`, one fused kernel: dA' stays in registers and the dSwiGLU is its epilogue.
+- `dh_split`, two kernels: the grouped GEMM's gathered mode writes dA' in f32 with the
+  up-proj's 128 x 256 items (no epilogue math beside their 128-register accumulators), then
+  `dswiglu_rows` runs the same epilogue math per row at copy speed. dH and A' are the fused
+  kernel's bits.
+
+The fused kernel, `_dh_persistent`: `DHConfig.persistent_ctas` persistent CTAs walk the work
 items. An item is one (row tile, column block) pair, as in the up-proj: a row tile holds at
 most `block_m` rows of one expert (`tile_meta`), a column block `j` holds columns
 `[j*bn, (j+1)*bn)` of dA' and therefore gate columns `j*bn + [0, bn)` and up columns
@@ -455,8 +464,8 @@ def dh_kernel(
     return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
 
 
-# The split dH's row pass: rows per CTA (each loaded before any is computed, so a CTA keeps
-# this many rows' loads in flight), and the widest per-thread vector that tiles n.
+# The split dH's row pass: rows per CTA, each loaded before any is computed, so a CTA keeps
+# this many rows' loads in flight (2, 4 and 8 measured level on the H100, session 60).
 DSWIGLU_ROWS_PER_CTA = 4
 
 
