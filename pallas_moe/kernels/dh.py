@@ -531,7 +531,7 @@ def dswiglu_rows(
 
     def body(count_ref, s_ref, da_ref, h_ref, dh_ref, ap_ref, ds_ref):
         first = jax.lax.axis_index("r") * br
-        count = count_ref[0]
+        count = jnp.minimum(count_ref[0], capacity)  # never a row past P, whatever it says
         loaded = []
         for i in range(br):  # every row's loads first: br rows in flight per warpgroup
             src = jnp.minimum(first + i, capacity - 1)  # past P: a row read and dropped
