@@ -400,7 +400,8 @@ def run_shape(name, shape, log, sweep_kind: str):
         split_meta = jax.jit(lambda g: _common.aligned_tile_meta(g, P, base.dh_gemm.tile_rows))(
             plan.group_sizes)
         split = jax.jit(lambda *a: dh_split(*a, gemm=base.dh_gemm, meta=split_meta,
-                                            pad_rows_to=base.dh.pad_rows_to, **interp))
+                                            pad_rows_to=base.dh.pad_rows_to,
+                                            approx_math=base.dh.approx_math, **interp))
         res["err_dh_split"] = check_dh(poison_then(split, *dh_args, nbytes=P * 5 * n * 2))
         res["dh_split_us"] = gpu_time_ms(split, *dh_args) * 1e3
         log(f"  dH split (the default: {base.dh_gemm}): {res['dh_split_us']:.1f} us, "

@@ -251,6 +251,22 @@ def check_backward(problem, config=None, tol=1e-2):
     return got
 
 
+def assert_plan_schedules_give_the_same_gradients(problem, config, got, dh_rows: int):
+    """The backward again under `config`, with the tile metadata `plan_schedules` computes
+    for it (whose dH tiles must have `dh_rows` rows), writes `got` bit for bit."""
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+    from pallas_moe.kernels.schedules import plan_schedules
+
+    x, h, plan, w1, w2, grad_out = problem
+    _, n, d = w2.shape
+    schedules = plan_schedules(plan, ForwardConfig.for_shape(d, n, num_sms=2), config)
+    assert schedules.dh.block_m == dh_rows
+    again = moe_backward(x, h, plan, w1, w2, grad_out, interpret=True, config=config,
+                         schedules=schedules)
+    for g, a in zip(got, again):
+        assert bool(jnp.array_equal(g, a))
+
+
 def test_backward_token_rounding_with_padding_and_empty_expert():
     # Token rounding pads rows (P_max = T*K + E*tile); expert 2 gets no rows; T*K is not a
     # multiple of any block, so every tile and K-block edge is ragged.
@@ -267,20 +283,11 @@ def test_backward_with_dh_on_clusters():
     metadata computed here and passed in from `plan_schedules`, which must then use
     `tile_rows` too (bitwise the same gradients); a token-rounding plan with padding rows
     and an empty expert."""
-    from pallas_moe.kernels.moe_forward import ForwardConfig
-    from pallas_moe.kernels.schedules import plan_schedules
-
     problem = make_problem(5, 37, 128, 64, 4, 2, router="token_rounding", empty=(2,))
-    x, h, plan, w1, w2, grad_out = problem
     base = BackwardConfig.for_shape(128, 64, num_sms=2)
     config = dataclasses.replace(base, dh=dataclasses.replace(base.dh, cluster_m=2))
     got = check_backward(problem, config=config)
-    schedules = plan_schedules(plan, ForwardConfig.for_shape(128, 64, num_sms=2), config)
-    assert schedules.dh.block_m == 128
-    again = moe_backward(x, h, plan, w1, w2, grad_out, interpret=True, config=config,
-                         schedules=schedules)
-    for g, a in zip(got, again):
-        assert bool(jnp.array_equal(g, a))
+    assert_plan_schedules_give_the_same_gradients(problem, config, got, dh_rows=128)
 
 
 @pytest.mark.slow
@@ -1173,22 +1180,13 @@ def test_backward_with_split_dh():
     forced at small widths) against `moe_ffn_backward`: a token-rounding plan (padding
     rows) with an empty expert (zero weight gradients), dS 0 on padding; then with the
     metadata from `plan_schedules` (the GEMM's aligned 128-row tiles), bitwise the same."""
-    from pallas_moe.kernels.moe_forward import ForwardConfig
-    from pallas_moe.kernels.schedules import plan_schedules
-
     problem = make_problem(35, 60, 128, 256, 4, 2, router="token_rounding", empty=(2,))
-    x, h, plan, w1, w2, grad_out = problem
     config = BackwardConfig.for_shape(128, 256, num_sms=4)
     assert config.dh_gemm is None  # d < 4096: the fused kernel by default
     config = dataclasses.replace(config, dh_gemm=GroupedMatmulConfig(
         block_m=128, block_n=128, num_stages=3, num_sms=4))
     got = check_backward(problem, config)
-    schedules = plan_schedules(plan, ForwardConfig.for_shape(128, 256, num_sms=4), config)
-    assert schedules.dh.block_m == 128
-    again = moe_backward(x, h, plan, w1, w2, grad_out, interpret=True, config=config,
-                         schedules=schedules)
-    for g, a in zip(got, again):
-        assert bool(jnp.array_equal(g, a))
+    assert_plan_schedules_give_the_same_gradients(problem, config, got, dh_rows=128)
 
 
 def test_split_dh_with_a_plan_that_dropped_every_row():
