@@ -691,12 +691,10 @@ def test_chunked_row_ffn_equals_moe_ffn_bitwise(skew):
         assert bool(jnp.array_equal(got, whole)), f"{num_chunks} chunks"
 
 
-def _assert_dh_configs_write_the_same_bits(shape, seed, configs, empty_expert=None):
-    """dH under each `DHConfig` of `configs` on one problem (fresh random data, skewed
-    routing, optionally an expert no token picks), outputs poisoned before each run: every
-    written row of dH and A', and dS, finite and bitwise the same for all configs."""
-    from pallas_moe.kernels.dh import dh_kernel
-
+def _dh_problem(shape, seed, empty_expert=None):
+    """dH's operands `(dO, H, token_ids, group_sizes, scores, W2)` on fresh random data,
+    skewed routing (experts 0 and 1 preferred), optionally an expert no token picks; and
+    the plan's real row count."""
     T, d, n, E, K = shape
     ks = jax.random.split(jax.random.key(seed), 5)
     logits = jax.random.normal(ks[0], (T, E)).at[:, :2].add(1.5)
@@ -708,12 +706,22 @@ def _assert_dh_configs_write_the_same_bits(shape, seed, configs, empty_expert=No
     do = jax.random.normal(ks[1], (T, d), jnp.bfloat16)
     h = jax.random.normal(ks[2], (plan.capacity, 2 * n), jnp.bfloat16)
     w2 = (jax.random.normal(ks[3], (E, n, d)) * n**-0.5).astype(jnp.bfloat16)
-    rows = int(plan.num_rows)
+    return (do, h, plan.token_ids, plan.group_sizes, plan.scores, w2), int(plan.num_rows)
+
+
+def _assert_dh_configs_write_the_same_bits(shape, seed, configs, empty_expert=None):
+    """dH under each `DHConfig` of `configs` on one problem (`_dh_problem`), outputs poisoned
+    before each run: every written row of dH and A', and dS, finite and bitwise the same
+    for all configs."""
+    from pallas_moe.kernels.dh import dh_kernel
+
+    n = shape[2]
+    args, rows = _dh_problem(shape, seed, empty_expert)
     outs = []
     for cfg in configs:
         f = jax.jit(lambda *a, cfg=cfg: dh_kernel(*a, config=cfg))
-        _poison(plan.capacity * 3 * n * 2)
-        dh, ap, ds = f(do, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+        _poison(args[1].shape[0] * 3 * n * 2)
+        dh, ap, ds = f(*args)
         outs.append((np.asarray(dh[:rows]), np.asarray(ap[:rows]), np.asarray(ds)))
     for name, per_config in zip(("dH", "A'", "dS"), zip(*outs)):  # one output, every config
         first = per_config[0]
@@ -783,17 +791,9 @@ def test_dh_split_writes_the_fused_kernels_bits(shape):
     from pallas_moe.kernels.moe_backward import BackwardConfig
 
     T, d, n, E, K = shape
-    ks = jax.random.split(jax.random.key(T + d + n + 9), 5)
-    logits = jax.random.normal(ks[0], (T, E)).at[:, :2].add(1.5).at[:, 3].add(-1e4)
-    plan = pm.routing.topk_plan(logits, K)
-    assert int(plan.group_sizes[3]) == 0
-    do = jax.random.normal(ks[1], (T, d), jnp.bfloat16)
-    h = jax.random.normal(ks[2], (plan.capacity, 2 * n), jnp.bfloat16)
-    w2 = (jax.random.normal(ks[3], (E, n, d)) * n**-0.5).astype(jnp.bfloat16)
-    args = (do, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
-    rows = int(plan.num_rows)
+    args, rows = _dh_problem(shape, T + d + n + 9, empty_expert=3)
     cfg = BackwardConfig.for_shape(d, n)
-    nbytes = plan.capacity * (3 * n * 2 + n * 4)
+    nbytes = args[1].shape[0] * (3 * n * 2 + n * 4)
     _poison(nbytes)
     fused = [np.asarray(o) for o in jax.jit(lambda *a: dh_kernel(*a, config=cfg.dh))(*args)]
     base = cfg.dh_gemm or GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4,
