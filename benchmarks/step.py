@@ -50,6 +50,7 @@ from benchmarks.forward import (
 )
 from benchmarks.layer import dense_bound_fns, gemm_bound_fn
 from pallas_moe.kernels import KernelConfig
+from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_forward import PINGPONG_DOWN, default_num_sms, split_m_up_config
 from pallas_moe.nn.functional import router_logits
 
@@ -285,6 +286,11 @@ CONFIG_FLAGS = {
     # The fused dH kernel where the default splits dH in two (d >= 4096 since session 60).
     "fused-dh": lambda c, n: dataclasses.replace(
         c, backward=dataclasses.replace(c.backward, dh_gemm=None)),
+    # The down-proj with split-M items of 128 rows by 256 columns, 3 stages (dX~'s form
+    # where its K loop is long), against the 128 x 128 ping-pong (session 61: long K loops).
+    "split-m-down": lambda c, n: dataclasses.replace(c, forward=dataclasses.replace(
+        c.forward, down=GroupedMatmulConfig(block_m=128, block_n=256, num_stages=3,
+                                            num_sms=c.forward.down.num_sms))),
     # The down-proj and dX~ with split-M items of 192 rows, three consumers (session 50).
     "split-m-192-gemm": lambda c, n: dataclasses.replace(
         c, forward=dataclasses.replace(c.forward, down=three_consumer_gemm(c.forward.down)),

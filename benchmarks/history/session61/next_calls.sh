@@ -1,0 +1,36 @@
+# Session 61's GPU calls: `bash benchmarks/history/session61/next_calls.sh PART` from the
+# repo root; logs under $OUT.
+#   A (~6 min, H100): issue 9: the split dH's GPU test (session 60's row-count clamp and the
+#      test's `_dh_problem` refactor had not run on a GPU); issue 16: the down-proj's
+#      configs where its K loop is long (n = 1024 and 2048), where the default 128 x 128
+#      ping-pong was never measured against the split-M 128 x 256 items (chosen at n <= 512).
+#      `SHAPES=... bash ... A` for other shapes (then the tests run again too).
+#   B (~4 min, H100): issue 16: the training step with the down-proj on split-M 128 x 256
+#      items (`split-m-down`) against the default, paired, at `SHAPES` (default
+#      30b-n1024,w7168).
+#   D (~3 min, H100): issue 15: the decode megakernel's phases at T = 1 on the H100 (up
+#      tasks alone, up + down, down alone, the aggregation; the bare W1 stream on the up
+#      tasks' 96 CTAs and on twice as many).
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+T0=$(date +%s)
+PART=${1:-A}
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
+case "$PART" in
+A)
+  timeout 200 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py -k "dh_split" \
+    > $OUT/gpu_tests.log 2>&1
+  echo "gpu tests rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/gpu_tests.log
+  timeout 330 python3 benchmarks/forward.py --shapes ${SHAPES:-30b-n1024,w7168} --skew '' \
+    --up-sweep none --down-sweep default --no-baselines --rounds 2 --out $OUT > $OUT/fwd.log 2>&1
+  echo "forward rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "^  down|down .*us|paired|FAILED" $OUT/fwd.log | cut -c1-260 | tail -30 ;;
+B)
+  timeout 500 python3 benchmarks/step.py --shapes ${SHAPES:-30b-n1024,w7168} \
+    --variants topk/cp_async,topk/cp_async/split-m-down --rounds 2 --out $OUT > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | cut -c1-700 | tail -12
+  grep "^|" $OUT/step.log | tail -6 ;;
+D)
+  timeout 300 python3 benchmarks/history/session61/decode_phases.py --tokens 1 --rounds 3 \
+    --out $OUT > $OUT/phases.log 2>&1
+  echo "phases rc=$? at $(( $(date +%s) - T0 )) s"; tail -8 $OUT/phases.log | cut -c1-900 ;;
+esac
