@@ -50,8 +50,8 @@ from benchmarks.forward import (
 )
 from benchmarks.layer import dense_bound_fns, gemm_bound_fn
 from pallas_moe.kernels import KernelConfig
-from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
-from pallas_moe.kernels.moe_forward import PINGPONG_DOWN, default_num_sms, split_m_up_config
+from pallas_moe.kernels.moe_forward import (PINGPONG_DOWN, default_device_kind, default_num_sms,
+                                            pingpong_down_config, split_m_up_config)
 from pallas_moe.nn.functional import router_logits
 
 ITERS = 5
@@ -286,11 +286,10 @@ CONFIG_FLAGS = {
     # The fused dH kernel where the default splits dH in two (d >= 4096 since session 60).
     "fused-dh": lambda c, n: dataclasses.replace(
         c, backward=dataclasses.replace(c.backward, dh_gemm=None)),
-    # The down-proj with split-M items of 128 rows by 256 columns, 3 stages (dX~'s form
-    # where its K loop is long), against the 128 x 128 ping-pong (session 61: long K loops).
-    "split-m-down": lambda c, n: dataclasses.replace(c, forward=dataclasses.replace(
-        c.forward, down=GroupedMatmulConfig(block_m=128, block_n=256, num_stages=3,
-                                            num_sms=c.forward.down.num_sms))),
+    # The down-proj as the 128-row ping-pong where session 61 made split-M items 256 columns
+    # wide the default (n >= 768: long K loops).
+    "pingpong-down": lambda c, n: dataclasses.replace(c, forward=dataclasses.replace(
+        c.forward, down=pingpong_down_config(c.forward.down.num_sms, default_device_kind()))),
     # The down-proj and dX~ with split-M items of 192 rows, three consumers (session 50).
     "split-m-192-gemm": lambda c, n: dataclasses.replace(
         c, forward=dataclasses.replace(c.forward, down=three_consumer_gemm(c.forward.down)),

@@ -40,13 +40,15 @@ def test_mosaic_matches_xla(router, seed, approx_math):
 
 def test_mosaic_matches_xla_at_d_2048():
     """The defaults above the ping-pong up-proj's widths (the persistent split-M up-proj,
-    128-row items, beside dH's 64-row tiles)."""
+    128-row items, beside dH's 64-row tiles; at n = 768 the down-proj's split-M 128 x 256
+    items, session 61)."""
     _check_mosaic_matches_xla("topk", 3, None, (4096, 2048, 768, 16))
 
 
 def test_mosaic_matches_xla_with_wide_experts_at_d_1536():
     """The defaults at the ping-pong's widths with wide experts (on an H200, from n =
-    SPLIT_M_UP_MIN_N on, the persistent split-M up-proj; elsewhere the ping-pong)."""
+    SPLIT_M_UP_MIN_N on, the persistent split-M up-proj; elsewhere the ping-pong; the
+    down-proj's split-M 128 x 256 items from n = SPLIT_M_DOWN_MIN_N on, session 61)."""
     _check_mosaic_matches_xla("topk", 4, None, (4096, 1536, 1024, 8))
 
 

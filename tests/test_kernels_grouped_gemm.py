@@ -364,27 +364,56 @@ def test_chunked_calls_write_the_whole_calls_rows(config, num_tokens):
 
 
 @pytest.mark.parametrize("device_kind", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"], ids=["h100", "h200"])
-@pytest.mark.parametrize("d, n, bias", [(1536, 256, True), (4096, 512, False)], ids=["7b", "30b"])
+@pytest.mark.parametrize("d, n, bias", [(1536, 256, True), (4096, 512, False), (2048, 768, True)],
+                         ids=["7b", "30b", "qwen3"])
 def test_default_schedules_lower_for_cuda(d, n, bias, device_kind):
     """The default down-proj and dX~ configs of each card lower for cuda at production
     widths, the down-proj with its expert bias (interpret mode does not model the SMEM
     budget; the GPU runs them in benchmarks/ and test_gpu.py). The 128-row ping-pong: on an
     H100 5 stages beside the whole output tiles (224 KB); on an H200 one 64-column slab
-    staged at a time (the down-proj 5 stages, dX~ the 6th that frees; session 37)."""
+    staged at a time (the down-proj 5 stages, dX~ the 6th that frees; session 37). From
+    n = 768 on the down-proj runs split-M items 256 columns wide (session 61)."""
     from pallas_moe.kernels.moe_backward import BackwardConfig
     from pallas_moe.kernels.moe_forward import ForwardConfig
 
     E, P = 16, 4096 * 8
     down_cfg = ForwardConfig.for_shape(d, n, device_kind=device_kind).down
     dx_cfg = BackwardConfig.for_shape(d, n, device_kind=device_kind).dx
-    assert down_cfg.pingpong and dx_cfg.pingpong == (n <= 256)
+    assert down_cfg.pingpong == (n <= 512) and dx_cfg.pingpong == (n <= 256)
     h200 = device_kind == "NVIDIA H200"
-    assert (down_cfg.num_stages, down_cfg.out_slabs) == (5, int(h200))
+    if down_cfg.pingpong:
+        assert (down_cfg.num_stages, down_cfg.out_slabs) == (5, int(h200))
+    else:
+        assert (down_cfg.block_m, down_cfg.block_n, down_cfg.num_stages) == (128, 256, 3)
     if dx_cfg.pingpong:
         assert (dx_cfg.num_stages, dx_cfg.out_slabs) == ((6, 1) if h200 else (5, 0))
     else:  # split M, 256 columns: one slab measured slower (0.89x at 30B)
         assert (dx_cfg.num_stages, dx_cfg.out_slabs, dx_cfg.block_n) == (3, 0, 256)
     _lower_down_and_dx_for_cuda(d, n, E, P, down_cfg, dx_cfg, bias=bias)
+
+
+@pytest.mark.parametrize("device_kind", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"], ids=["h100", "h200"])
+def test_down_proj_takes_split_m_items_where_its_k_loop_is_long(device_kind):
+    """The down-proj's K is n: the 128-row ping-pong (its epilogue under the other
+    consumer's wgmmas) up to n = 512, split-M items 128 x 256 (3 stages) from
+    `SPLIT_M_DOWN_MIN_N` = 768 on where 256 divides d (session 61 on the H100: 1.05-1.25x at
+    n = 768 to 2048, 0.96-0.97x at n = 512), the widest block that divides d elsewhere."""
+    from pallas_moe.kernels.moe_forward import PINGPONG_DOWN, SPLIT_M_DOWN_MIN_N, ForwardConfig
+
+    assert SPLIT_M_DOWN_MIN_N == 768
+    for d, n, want in [(1536, 256, "pingpong"), (4096, 512, "pingpong"), (1536, 512, "pingpong"),
+                       (2048, 768, "split"), (1536, 1024, "split"), (4096, 1024, "split"),
+                       (4096, 2048, "split"), (7168, 2048, "split"), (1152, 1024, "pingpong"),
+                       (2880, 2880, 192)]:
+        down = ForwardConfig.for_shape(d, n, num_sms=132, device_kind=device_kind).down
+        if want == "pingpong":
+            assert down.pingpong and down.block_n == PINGPONG_DOWN.block_n, (d, n, down)
+        elif want == "split":
+            assert not down.pingpong, (d, n, down)
+            assert (down.block_m, down.block_n, down.num_stages, down.num_sms) == (
+                128, 256, 3, 132), (d, n, down)
+        else:
+            assert not down.pingpong and down.block_n == want, (d, n, down)
 
 
 def _lower_down_and_dx_for_cuda(d, n, num_experts, rows, down_cfg, dx_cfg, bias=True):

@@ -48,6 +48,9 @@ SPLIT_M_UP_MAX_D = 4096
 # The narrowest expert width n at which an H200 runs the split-M up-proj at d <=
 # PINGPONG_UP_MAX_D too (measured at n = 512 and 1024; see `ForwardConfig.for_shape`).
 SPLIT_M_UP_MIN_N = 512
+# The down-proj's expert width (its K) from which split-M items 256 columns wide replace the
+# 128-row ping-pong (session 61; see `ForwardConfig.for_shape`).
+SPLIT_M_DOWN_MIN_N = 768
 # The narrowest d at which the split-M up-proj runs its items on clusters of two CTAs that
 # share each weight tile by multicast (`UpProjConfig.cluster_m=2`; see `split_m_up_config`).
 CLUSTER_UP_MIN_D = 2880
@@ -169,11 +172,19 @@ class ForwardConfig:
         # (n=256) and 1794 vs 1858 us at 30B (n=512, against 256-column split-M items): the
         # K loop is short (n / 64 steps), so overlapping one consumer's epilogue with the
         # other's wgmmas pays. 4 stages hold only one item's steps and serialize the two
-        # consumers (463 us at 7B).
-        if d % PINGPONG_DOWN.block_n == 0:
-            down = pingpong_down_config(num_sms, device_kind)
-        elif n >= 512 and d % 256 == 0:
+        # consumers (463 us at 7B). From n = 768 on (12 K steps and more) the split-M items
+        # 256 columns wide win instead, as dX~'s do at its K = 2n: each 48-KB stage feeds
+        # 4.2 MFLOP, against 2.1 for the ping-pong's 32 KB (session 61, H100,
+        # `forward.py --down-sweep default --rounds 2`, paired, error 0 against the
+        # reference): Qwen3-30B-A3B widths (n = 768) 807.4 -> 689.6 us (1.171x),
+        # (24576, 1536, 1024, 32, 2) 1.047x, (32768, 4096, 1024, 64, 4) 2062.8 -> 1692.0
+        # (1.219x), (32768, 4096, 2048, 64, 4) 1.249x, d = 7168 with n = 2048 1.199x; at
+        # n = 512 the ping-pong still wins (30B 0.971x, (24576, 1536, 512, 64, 4) 0.963x).
+        # The same rule on an H200 (not measured there).
+        if n >= SPLIT_M_DOWN_MIN_N and d % 256 == 0:
             down = GroupedMatmulConfig(block_m=128, block_n=256, num_stages=3, num_sms=num_sms)
+        elif d % PINGPONG_DOWN.block_n == 0:
+            down = pingpong_down_config(num_sms, device_kind)
         else:
             bn = _largest_block(d, (128, 192, 256, 64))
             stages = 4 if bn <= 128 else 3

@@ -6,8 +6,9 @@
 #      ping-pong was never measured against the split-M 128 x 256 items (chosen at n <= 512).
 #      `SHAPES=... bash ... A` for other shapes (then the tests run again too).
 #   B (~4 min, H100): issue 16: the training step with the down-proj on split-M 128 x 256
-#      items (`split-m-down`) against the default, paired, at `SHAPES` (default
-#      30b-n1024,w7168).
+#      items against the 128-row ping-pong, paired, at `SHAPES` (default 30b-n1024,w7168).
+#      Call 2 ran it as `split-m-down` against the default of the time; since the rule
+#      changed (n >= 768) the flag is `pingpong-down`, the old default.
 #   D (~3 min, H100): issue 15: the decode megakernel's phases at T = 1 on the H100 (up
 #      tasks alone, up + down, down alone, the aggregation; the bare W1 stream on the up
 #      tasks' 96 CTAs and on twice as many).
@@ -26,7 +27,7 @@ A)
   grep -E "^  down|down .*us|paired|FAILED" $OUT/fwd.log | cut -c1-260 | tail -30 ;;
 B)
   timeout 500 python3 benchmarks/step.py --shapes ${SHAPES:-30b-n1024,w7168} \
-    --variants topk/cp_async,topk/cp_async/split-m-down --rounds 2 --out $OUT > $OUT/step.log 2>&1
+    --variants topk/cp_async,topk/cp_async/pingpong-down --rounds 2 --out $OUT > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | cut -c1-700 | tail -12
   grep "^|" $OUT/step.log | tail -6 ;;
 D)
