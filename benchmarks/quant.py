@@ -295,6 +295,9 @@ def markdown(results, cmd, device):
 FP8_SHAPES = {
     "7b": (24576, 1536, 256, 128, 8),
     "30b": (32768, 4096, 512, 128, 8),
+    # Wide experts (session 61: where the bf16 down-proj left the ping-pong).
+    "30b-n1024": (32768, 4096, 1024, 64, 4),
+    "qwen3": (16384, 2048, 768, 128, 8),
     "tiny": (40, 256, 128, 4, 2),  # for --interpret
 }
 
@@ -326,7 +329,11 @@ QUANT_SWEEP = (SmoothQuantConfig(), SmoothQuantConfig(block_t=4), SmoothQuantCon
 FP8_SWEEPS = {
     "up": (dict(num_stages=3, out_slabs=0), dict(num_stages=3, out_slabs=1)),
     "down": (dict(out_slabs=0, out_buffers=1), dict(out_slabs=1, out_buffers=1),
-             dict(out_slabs=1, out_buffers=2), dict(out_slabs=1, stages_plus=1)),
+             dict(out_slabs=1, out_buffers=2), dict(out_slabs=1, stages_plus=1),
+             # Session 61: split-M items 256 columns wide, the bf16 down-proj's default from
+             # n = 768 on (1.05-1.25x the ping-pong there); the fp8 ping-pong runs from
+             # n = 512 on (session 9: 1.14x the split-M items at 30B).
+             dict(pingpong=False, block_n=256, num_stages=3, out_slabs=0, out_buffers=1)),
 }
 
 

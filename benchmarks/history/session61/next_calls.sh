@@ -19,6 +19,10 @@
 #      W2 tiles asked for at the start with `prefetch.global.L2::evict_last`) against the
 #      default at T = 1 and 2 (whole jitted call, error against xla; `static_s5` is the
 #      default again, timed last), then its GPU tests (bitwise the default).
+#   F (~6 min, H100): issue 13: the fp8 down-proj's split-M 256-column items against its
+#      ping-pong at wide experts (30b-n1024, Qwen3 widths; 30B as the control), bitwise
+#      against the default, paired.
+# For session 62: E first (the only unmeasured build), then F.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 PART=${1:-A}
@@ -54,4 +58,8 @@ E)
   timeout 120 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu_decode.py -k "early_down_l2" \
     > $OUT/gpu_tests.log 2>&1
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_tests.log ;;
+F)
+  timeout 500 python3 benchmarks/quant.py --fp8 --shapes 30b-n1024,qwen3,30b --down-sweep \
+    --rounds 2 --token-rounding '' --out $OUT > $OUT/fp8.log 2>&1
+  echo "fp8 rc=$? at $(( $(date +%s) - T0 )) s"; tail -30 $OUT/fp8.log | cut -c1-250 ;;
 esac
