@@ -222,6 +222,26 @@ def test_the_race_detector_sees_a_ring_slot_reused_before_its_store_read_it(monk
     assert races_found()
 
 
+def test_wide_expert_down_proj_default_no_races_and_the_ping_pongs_bits():
+    """The down-proj's default from n = 768 on (session 61: split-M 128 x 256 items, 3
+    stages, the whole tile staged) over a 12-step K loop on 2 CTAs, with the race detector,
+    against the reference, and bit for bit the 128-row ping-pong's output (the same K loop
+    per element) on a plan with an empty expert."""
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+
+    wide = dataclasses.replace(ForwardConfig.for_shape(256, 768, num_sms=132).down, num_sms=2)
+    assert (wide.pingpong, wide.block_m, wide.block_n, wide.num_stages) == (False, 128, 256, 3)
+    plan = assignment_plan(jax.random.key(39), 40, 3, p=0.5, empty=(1,))
+    got = run_down(plan, 768, 256, 3, wide, jax.random.key(40),
+                   interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not races_found()
+    pingpong = GroupedMatmulConfig(block_m=128, block_n=128, num_stages=5, num_sms=2,
+                                   pingpong=True)
+    want = run_down(plan, 768, 256, 3, pingpong, jax.random.key(40))
+    rows = int(plan.num_rows)
+    assert bool(jnp.array_equal(got[:rows], want[:rows]))
+
+
 def test_groups_crossing_aligned_blocks_one_expert_holding_all():
     plan = assignment_plan(jax.random.key(24), 70, 3, only=1)
     run_down(plan, 64, 64, 3, SPLIT_M, jax.random.key(25))
