@@ -66,6 +66,10 @@ SHAPES = {
     "30b-router": (32768, 4096, 512, 128, 8),
     "gpt-oss-20b": (8192, 2880, 2880, 32, 4),  # n % 128 != 0: 64-column configs
     "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),  # issue 15's widths at a training batch
+    # Wide experts, where session 61 found the down-proj's default (chosen at n <= 512) wrong;
+    # their weight gradients ran at 420-521 TFLOP/s in the steps.
+    "30b-n1024": (32768, 4096, 1024, 64, 4),
+    "w7168": (8192, 7168, 2048, 16, 2),
     "smoke": (40, 128, 128, 4, 2),
 }
 ITERS = 20

@@ -22,7 +22,11 @@
 #   F (~6 min, H100): issue 13: the fp8 down-proj's split-M 256-column items against its
 #      ping-pong at wide experts (30b-n1024, Qwen3 widths; 30B as the control), bitwise
 #      against the default, paired.
-# For session 62: E first (the only unmeasured build), then F.
+#   G (~9 min, H100): issues 9 and 16: every backward kernel's block-size sweep (`--sweep
+#      full`) at wide experts (`SHAPES`, default 30b-n1024; also w7168), where the weight
+#      gradients ran at 420-521 TFLOP/s in the steps: are their 7B-chosen tiles wrong there,
+#      as the down-proj's were?
+# For session 62: E first (the only unmeasured build), then G and F.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 PART=${1:-A}
@@ -58,6 +62,11 @@ E)
   timeout 120 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu_decode.py -k "early_down_l2" \
     > $OUT/gpu_tests.log 2>&1
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"; tail -2 $OUT/gpu_tests.log ;;
+G)
+  timeout 550 python3 benchmarks/backward.py --shapes ${SHAPES:-30b-n1024} --sweep full \
+    --rounds 2 --out $OUT > $OUT/backward.log 2>&1
+  echo "backward rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "^  (dH|dW2|dW1|dX)" $OUT/backward.log | cut -c1-300 | tail -30 ;;
 F)
   timeout 500 python3 benchmarks/quant.py --fp8 --shapes 30b-n1024,qwen3,30b --down-sweep \
     --rounds 2 --token-rounding '' --out $OUT > $OUT/fp8.log 2>&1
