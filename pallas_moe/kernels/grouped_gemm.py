@@ -252,6 +252,12 @@ class GroupedMatmulConfig(_common.ClusterTiles):
         pingpong)."""
         return self.block_m in (128, 192) and not self.pingpong
 
+    @property
+    def gathers_rows(self) -> bool:
+        """Whether the gathered mode (`token_ids`) can run this config: 128-row split-M items
+        on single CTAs, both consumers sharing each gathered stage."""
+        return self.block_m == 128 and not self.pingpong and self.cluster_m == 1
+
 
 # A ping-pong consumer of 128 rows holds a 128 x block_n f32 accumulator: 128 registers per
 # thread at block_n = 128, beside the epilogue's.
@@ -422,7 +428,7 @@ def grouped_matmul(
         if token_ids.ndim != 1:
             raise ValueError(f"token_ids must be 1-D [P], got shape {tuple(token_ids.shape)}.")
         _common.require_dtype("token_ids", token_ids, jnp.int32)
-        if config.block_m != 128 or config.pingpong or config.cluster_m != 1:
+        if not config.gathers_rows:
             raise ValueError(
                 f"the gathered mode (token_ids) needs config.block_m=128 without pingpong "
                 f"or clusters (both consumers of one CTA share each gathered stage), got "

@@ -33,9 +33,9 @@ from pallas_moe.kernels.moe_forward import (
     PINGPONG_DOWN, ForwardConfig, aggregate_width, default_device_kind, default_num_sms,
     pingpong_down_config,
 )
-from pallas_moe.kernels.schedules import PlanSchedules, require_block
+from pallas_moe.kernels.schedules import PlanSchedules, backward_schedules, require_block
 from pallas_moe.kernels.weight_grad import (
-    PERSISTENT_SMEM_BUDGET, WeightGradConfig, k_block_meta, persistent_smem_bytes, weight_grad,
+    PERSISTENT_SMEM_BUDGET, WeightGradConfig, persistent_smem_bytes, weight_grad,
 )
 from pallas_moe.ops.activation import SwiGLU
 from pallas_moe.ops.minimal_backward import expert_bias_gradients
@@ -70,7 +70,7 @@ class BackwardConfig:
             raise TypeError(
                 f"dh_gemm must be a GroupedMatmulConfig or None, got {type(gemm).__name__}."
             )
-        if gemm.block_m != 128 or gemm.pingpong or gemm.cluster_m != 1:
+        if not gemm.gathers_rows:
             raise ValueError(
                 "dh_gemm runs the grouped GEMM's gathered mode: it needs block_m=128 without "
                 f"pingpong or clusters, got block_m={gemm.block_m}, pingpong={gemm.pingpong}, "
@@ -311,10 +311,7 @@ def moe_backward(
     split = config.dh_gemm is not None  # dH as the GEMM, then the row pass
     dh_rows = config.dh_gemm.tile_rows if split else config.dh.tile_rows
     if schedules is None:
-        dh_meta = (_common.aligned_tile_meta(plan.group_sizes, capacity, dh_rows) if split
-                   else _common.tile_meta(plan.group_sizes, plan.token_ids, dh_rows))
-        k_meta = k_block_meta(plan.group_sizes, plan.token_ids, block_k)
-        dx_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.dx.tile_rows)
+        dh_meta, k_meta, dx_meta = backward_schedules(plan, config)
     else:
         require_block("dh", schedules.dh, dh_rows)
         require_block("weight_grad", schedules.weight_grad, block_k, field="block_k")

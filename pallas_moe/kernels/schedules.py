@@ -58,29 +58,46 @@ def plan_schedules(plan, forward: "ForwardConfig", backward: "BackwardConfig") -
       plan: the dispatch plan (its `group_sizes` and `token_ids` are read).
       forward, backward: the resolved kernel configs (`forward_config` / `backward_config`).
     """
-    computed: dict[tuple[str, int], _common.TileMeta] = {}
-
-    def row_tiles(block_m: int) -> _common.TileMeta:
-        if ("rows", block_m) not in computed:
-            computed["rows", block_m] = _common.tile_meta(plan.group_sizes, plan.token_ids, block_m)
-        return computed["rows", block_m]
-
-    def aligned_tiles(block_m: int) -> _common.TileMeta:
-        if ("aligned", block_m) not in computed:
-            computed["aligned", block_m] = _common.aligned_tile_meta(
-                plan.group_sizes, plan.capacity, block_m
-            )
-        return computed["aligned", block_m]
-
+    tiles = _TileMetas(plan)
     by_kernels = forward.decode is None
-    return PlanSchedules(
-        up=row_tiles(forward.up.tile_rows) if by_kernels else None,
-        down=aligned_tiles(forward.down.tile_rows) if by_kernels else None,
-        dh=(aligned_tiles(backward.dh_gemm.tile_rows) if backward.dh_gemm is not None
-            else row_tiles(backward.dh.tile_rows)),
-        weight_grad=k_block_meta(plan.group_sizes, plan.token_ids, backward.dw_down.block_k),
-        dx=aligned_tiles(backward.dx.tile_rows),
-    )
+    up = tiles.rows(forward.up.tile_rows) if by_kernels else None
+    down = tiles.aligned(forward.down.tile_rows) if by_kernels else None
+    dh, weight_grad, dx = backward_schedules(plan, backward, tiles)
+    return PlanSchedules(up=up, down=down, dh=dh, weight_grad=weight_grad, dx=dx)
+
+
+def backward_schedules(plan, backward: "BackwardConfig", tiles: "_TileMetas | None" = None
+                       ) -> tuple[_common.TileMeta, KBlockMeta, _common.TileMeta]:
+    """The backward kernels' metadata for `plan`: (dH's tiles, the weight gradients'
+    K-blocks, dX~'s aligned tiles). dH takes row tiles with token ids for the fused kernel,
+    or aligned tiles for the split dH's GEMM (`backward.dh_gemm`). `tiles`: the cache of a
+    caller that also computes the forward's (`plan_schedules`); None starts one."""
+    tiles = _TileMetas(plan) if tiles is None else tiles
+    dh = (tiles.aligned(backward.dh_gemm.tile_rows) if backward.dh_gemm is not None
+          else tiles.rows(backward.dh.tile_rows))
+    weight_grad = k_block_meta(plan.group_sizes, plan.token_ids, backward.dw_down.block_k)
+    return dh, weight_grad, tiles.aligned(backward.dx.tile_rows)
+
+
+class _TileMetas:
+    """One plan's row tiles (`_common.tile_meta`) and aligned tiles
+    (`_common.aligned_tile_meta`), each block size computed once."""
+
+    def __init__(self, plan):
+        self._plan = plan
+        self._computed: dict[tuple[str, int], _common.TileMeta] = {}
+
+    def rows(self, block_m: int) -> _common.TileMeta:
+        if ("rows", block_m) not in self._computed:
+            self._computed["rows", block_m] = _common.tile_meta(
+                self._plan.group_sizes, self._plan.token_ids, block_m)
+        return self._computed["rows", block_m]
+
+    def aligned(self, block_m: int) -> _common.TileMeta:
+        if ("aligned", block_m) not in self._computed:
+            self._computed["aligned", block_m] = _common.aligned_tile_meta(
+                self._plan.group_sizes, self._plan.capacity, block_m)
+        return self._computed["aligned", block_m]
 
 
 def require_block(name: str, meta, block: int, field: str = "block_m") -> None:
