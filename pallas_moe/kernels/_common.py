@@ -799,7 +799,8 @@ def prefetch_l2_evict_last(src_ref) -> None:
     from jax._src.lib.mlir.dialects import arith, llvm
 
     rows, cols = src_ref.shape
-    row_bytes = cols * jnp.dtype(src_ref.dtype).itemsize
+    itemsize = jnp.dtype(src_ref.dtype).itemsize
+    row_bytes = cols * itemsize
     if row_bytes % 128:
         raise ValueError(f"src rows must be whole 128-byte lines, got {row_bytes} bytes.")
     lines_per_row = row_bytes // 128
@@ -814,7 +815,7 @@ def prefetch_l2_evict_last(src_ref) -> None:
         (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
         if col_stride != 1:
             raise ValueError(f"src must have contiguous rows, got {src_ty}.")
-        stride_bytes = row_stride * jnp.dtype(src_ref.dtype).itemsize
+        stride_bytes = row_stride * itemsize
         base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), utils.memref_ptr(src))
         tid = arith.remui(utils.thread_idx(), utils.c(128, i32))
         for first in range(0, num_lines, 128):
