@@ -26,7 +26,7 @@ from pallas_moe.kernels.decode import DecodeConfig, default_config as default_de
 from pallas_moe.kernels.decode import moe_decode
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
-from pallas_moe.kernels.schedules import PlanSchedules, require_block
+from pallas_moe.kernels.schedules import PlanSchedules, forward_schedules, require_block
 from pallas_moe.kernels.up_proj import UpProjConfig, persistent_smem_bytes, up_proj
 from pallas_moe.ops.activation import SwiGLU
 
@@ -429,13 +429,10 @@ def moe_forward(
             x, plan, w_gate_up, w_down, config=config.decode, write_h=not inference,
             aggregation=aggregation, interpret=interpret, activation=activation,
         )
-    capacity = plan.capacity
-
     # Tile metadata, once per plan and block size: from the op (`plan_schedules`, shared
     # with the backward), or computed here for a standalone call.
     if schedules is None:
-        up_meta = _common.tile_meta(plan.group_sizes, plan.token_ids, config.up.tile_rows)
-        down_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.tile_rows)
+        up_meta, down_meta = forward_schedules(plan, config)
     else:
         require_block("up", schedules.up, config.up.tile_rows)
         require_block("down", schedules.down, config.down.tile_rows)
@@ -458,7 +455,7 @@ def moe_forward(
     width = aggregate_width(d)
     y = down_proj(
         a, plan.group_sizes, w_down, config=config.down, interpret=interpret, meta=down_meta,
-        capacity=capacity, out_cols=width, bias=b_down,
+        capacity=plan.capacity, out_cols=width, bias=b_down,
     )
     out = aggregate(
         y, plan.rows_by_token, plan.token_row_offsets, plan.scores, aggregation=aggregation,

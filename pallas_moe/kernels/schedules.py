@@ -59,11 +59,19 @@ def plan_schedules(plan, forward: "ForwardConfig", backward: "BackwardConfig") -
       forward, backward: the resolved kernel configs (`forward_config` / `backward_config`).
     """
     tiles = _TileMetas(plan)
-    by_kernels = forward.decode is None
-    up = tiles.rows(forward.up.tile_rows) if by_kernels else None
-    down = tiles.aligned(forward.down.tile_rows) if by_kernels else None
+    up, down = (forward_schedules(plan, forward, tiles) if forward.decode is None
+                else (None, None))
     dh, weight_grad, dx = backward_schedules(plan, backward, tiles)
     return PlanSchedules(up=up, down=down, dh=dh, weight_grad=weight_grad, dx=dx)
+
+
+def forward_schedules(plan, forward: "ForwardConfig", tiles: "_TileMetas | None" = None
+                      ) -> tuple[_common.TileMeta, _common.TileMeta]:
+    """The kernel-by-kernel forward's metadata for `plan`: (the up-proj's row tiles with
+    token ids, the down-proj's aligned tiles). `tiles`: the cache of a caller that also
+    computes the backward's (`plan_schedules`); None starts one."""
+    tiles = _TileMetas(plan) if tiles is None else tiles
+    return tiles.rows(forward.up.tile_rows), tiles.aligned(forward.down.tile_rows)
 
 
 def backward_schedules(plan, backward: "BackwardConfig", tiles: "_TileMetas | None" = None
