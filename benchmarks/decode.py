@@ -72,11 +72,6 @@ MEGA_VARIANTS = {
     "static_exact": dict(approx_math=False),
     "static_bt16": dict(token_block=16),
     "static_regs": dict(rebalance_registers=True),
-    # Each CTA's next down task's W2 tile asked for at the kernel's start and kept in L2
-    # ahead of the W1 stream (`DecodeConfig.early_down_l2`, session 61; 2: the next two
-    # tasks).
-    "static_l2first": dict(early_down_l2=1),
-    "static_l2first2": dict(early_down_l2=2),
     # The per-plan metadata from one Pallas program instead of six small XLA kernels
     # (session 40, `pallas_moe/kernels/decode_meta.py`) at every T, or never (the default,
     # "auto", takes it up to `decode_meta.META_KERNEL_MAX_TOKENS` tokens).

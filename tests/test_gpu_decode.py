@@ -29,8 +29,6 @@ VARIANTS = {
     # The per-plan metadata from one Pallas program instead of jnp (`decode_meta.py`).
     "static_meta": dict(meta_impl="kernel"),
     "dynamic_meta": dict(scheduler="dynamic", meta_impl="kernel"),
-    # Each CTA's next down tasks' W2 tiles kept in L2 from the start (session 61).
-    "static_l2first": dict(early_down_l2=2),
 }
 
 
@@ -86,8 +84,7 @@ def _run(variant, x, plan, write_h=False):
     + [(t, "dynamic") for t in (1, 128, 1024)]
     + [(t, "unfused") for t in (8, 512)]
     + [(t, "static_meta") for t in (1, 8, 32, 128, 1024)]
-    + [(t, "dynamic_meta") for t in (1, 64)]
-    + [(t, "static_l2first") for t in (1, 8, 64)],
+    + [(t, "dynamic_meta") for t in (1, 64)],
 )
 def test_matches_xla(num_tokens, variant):
     x, plan = _case(num_tokens, seed=0)
@@ -187,15 +184,3 @@ def test_moe_ffn_default_at_the_smallest_batches_matches_xla_with_gradients(num_
     assert bool(jnp.array_equal(out, again))
     for g, h in zip(grads, grads_again):
         assert bool(jnp.array_equal(g, h))
-
-
-@pytest.mark.parametrize("num_tokens", [1, 2, 8, 128])
-def test_early_down_l2_writes_the_default_bits(num_tokens):
-    """`early_down_l2` only asks L2 for bytes early (a hint): the output and H (its real
-    rows) are the default static kernel's bit for bit, on poisoned buffers, skewed routing."""
-    x, plan = _case(num_tokens, seed=3, routing="skewed")
-    rows = int(plan.num_rows)
-    want_out, want_h = (np.asarray(a) for a in _run("static", x, plan, write_h=True))
-    got_out, got_h = (np.asarray(a) for a in _run("static_l2first", x, plan, write_h=True))
-    assert np.array_equal(got_out, want_out)
-    assert np.array_equal(got_h[:rows], want_h[:rows])

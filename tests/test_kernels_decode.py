@@ -477,8 +477,10 @@ def test_bad_inputs_raise_clear_errors():
         DecodeConfig(token_block=0)
     with pytest.raises(ValueError, match="config.prefetch_l2 must be a bool"):
         DecodeConfig(prefetch_l2=1)
-    # The options removed in session 58 (measured slower) are refused, not ignored.
-    for removed in ("lookahead_steps", "lookahead_within_task", "up_split_k", "early_weights"):
+    # The options removed in sessions 58 and 62 (measured slower or level) are refused, not
+    # ignored.
+    for removed in ("lookahead_steps", "lookahead_within_task", "up_split_k", "early_weights",
+                    "early_down_l2"):
         with pytest.raises(TypeError, match=removed):
             DecodeConfig(**{removed: 1})
     with pytest.raises(ValueError, match="static scheduler's cross-CTA waits"):
@@ -527,8 +529,6 @@ def _abstract_plan(t, e, k):
         (64, dict(scheduler="dynamic"), True),
         (1024, dict(fused=False), True),
         (128, dict(gather="tma", scheduler="dynamic", fused=False), True),
-        # Session 61's early W2 requests (`early_down_l2`; not yet run on a GPU).
-        (1, dict(early_down_l2=1), False),
         # The largest SMEM footprints the budget check lets through must fit the H100.
         pytest.param(8, dict(up_block_n=128, num_stages=3), False, marks=pytest.mark.slow),
         pytest.param(8, dict(num_stages=6), False, marks=pytest.mark.slow),
@@ -537,7 +537,7 @@ def _abstract_plan(t, e, k):
         pytest.param(32, dict(meta_impl="kernel"), True, marks=pytest.mark.slow),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused",
-         "T1-early-down-l2", "u128", "s6",
+         "u128", "s6",
          "setmaxnreg", "T32-meta-kernel"],
 )
 def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
@@ -689,14 +689,3 @@ def test_named_regions_for_the_timeline():
                    "epilogue"):
         assert f"{region}/" in text, region  # e.g. "empty_wait/barrier_wait"
 
-
-def test_early_down_l2_config_is_checked():
-    """`DecodeConfig.early_down_l2` (session 61): an int >= 0, and only with the static
-    scheduler (a CTA must know its later tasks when it starts)."""
-    assert DecodeConfig.for_shape(2048, 768, num_sms=132).early_down_l2 == 0
-    assert DecodeConfig(early_down_l2=2).early_down_l2 == 2
-    for bad in (-1, True, 1.0):
-        with pytest.raises(ValueError, match="early_down_l2"):
-            DecodeConfig(early_down_l2=bad)
-    with pytest.raises(ValueError, match="scheduler='static'"):
-        DecodeConfig(early_down_l2=1, scheduler="dynamic")

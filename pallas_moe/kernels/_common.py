@@ -782,60 +782,6 @@ def _mlir_int_types():
             ir.IntegerType.get_signless(8), ir.IndexType.get())
 
 
-def prefetch_l2_evict_last(src_ref) -> None:
-    """Asks L2 for every 128-byte line of the GMEM block `src` ([R, C], any row stride, each
-    row a whole number of lines) with `prefetch.global.L2::evict_last`: the lines are kept
-    ahead of normally cached ones when L2 must evict. Called by a whole warpgroup in Lane
-    semantics; thread t takes lines t, t + 128, ... of the block in row order. A hint only:
-    nothing moves into the CTA, nothing waits, and interpret mode has no L2 (callers skip it
-    there).
-
-    What it is for: weights a CTA will read only after a long stream of other bytes passes
-    through L2 (the decode megakernel's down tasks, whose W2 tiles wait behind the up
-    tasks' W1 stream; `DecodeConfig.early_down_l2`).
-    """
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-
-    rows, cols = src_ref.shape
-    itemsize = jnp.dtype(src_ref.dtype).itemsize
-    row_bytes = cols * itemsize
-    if row_bytes % 128:
-        raise ValueError(f"src rows must be whole 128-byte lines, got {row_bytes} bytes.")
-    lines_per_row = row_bytes // 128
-    num_lines = rows * lines_per_row
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def _prefetch(ctx, src):
-        del ctx
-        utils = mgpu.utils
-        i32, i64, i8, _ = _mlir_int_types()
-        src_ty = ir.MemRefType(src.type)
-        (row_stride, col_stride), _ = src_ty.get_strides_and_offset()
-        if col_stride != 1:
-            raise ValueError(f"src must have contiguous rows, got {src_ty}.")
-        stride_bytes = row_stride * itemsize
-        base = llvm.addrspacecast(llvm.PointerType.get(address_space=1), utils.memref_ptr(src))
-        tid = arith.remui(utils.thread_idx(), utils.c(128, i32))
-        for first in range(0, num_lines, 128):
-            line = arith.addi(tid, utils.c(first, i32))
-            active = arith.cmpi(arith.CmpIPredicate.ult, line, utils.c(num_lines, i32))
-            row = arith.divui(line, utils.c(lines_per_row, i32))
-            part = arith.remui(line, utils.c(lines_per_row, i32))
-            offset = arith.addi(
-                arith.muli(arith.extui(i64, row), utils.c(stride_bytes, i64)),
-                arith.muli(arith.extui(i64, part), utils.c(128, i64)),
-            )
-            addr = utils.getelementptr(base, [offset], i8)
-            llvm.inline_asm(
-                ir.Type.parse("!llvm.void"), [active, llvm.ptrtoint(i64, addr)],
-                "@$0 prefetch.global.L2::evict_last [$1];", "b,l", has_side_effects=True,
-            )
-
-    _prefetch(src_ref)
-
-
 def cp_async_gather_rows(src_ref, token_ids, dsts, *, num_rows: int,
                          zero_negative: bool = False) -> None:
     """Issues `dsts[j][r, :] = src[token_ids[r], c*j : c*(j+1)]` for r < num_rows, as one

@@ -108,17 +108,6 @@ class DecodeConfig:
         hardware's `ex2.approx` (True, default) or the full-precision `exp` (False), as
         `UpProjConfig.approx_math` does for the kernel-by-kernel forward; the backward's
         `DHConfig.approx_math` must match it (`KernelConfig` checks it).
-      early_down_l2: static scheduler only. At the kernel's start, each CTA asks L2 to keep
-        (`prefetch.global.L2::evict_last`, `_common.prefetch_l2_evict_last`) the W2 tile of
-        each of its tasks 1 .. `early_down_l2` that is a down task; 0 (default) = off. Why:
-        on the H100 at T = 1 (session 61, `history/session61/decode_phases.py`) the phases
-        run one after another, the up tasks 21.7 us of kernel, then the down tasks 12.1 us
-        (9.6 alone), while the bare W1 stream takes 17.2 us: the down tasks of the 92 CTAs
-        that run an up task first ask for their W2 only when they reach it. Their tiles are
-        25 MB beside W1's 50 MB in a 50-MB L2, so the hint asks L2 to evict W1's lines
-        first. (Session 33's next-task lookahead, a plain `cp.async.bulk.prefetch` during
-        the up task's last steps, measured 1.05-1.11x slower on an H200 and was removed in
-        session 58.) Opt-in until measured.
       meta_impl: how the per-plan metadata is computed (`decode_meta.py`): "jnp" (the
         reference: six small XLA kernels at T = 1, ~7 us of GPU time on an H200),
         "kernel" (the same arrays, bit for bit, from one Pallas program; in interpret mode
@@ -130,6 +119,9 @@ class DecodeConfig:
     the default or level with it (`docs/decode.md`): `lookahead_steps` and
     `lookahead_within_task` (L2 prefetches of the next task's weights), `up_split_k` (split K
     of the up tasks) and `early_weights` (an up task's first weights before its row ids).
+    Removed in session 62: `early_down_l2` (each CTA's next down tasks' W2 tiles asked of L2
+    at the start with `prefetch.global.L2::evict_last`), level at T = 1 on the H100 (44.9 us
+    against the default's 44.8-46.1 in the same run) and 0.92x at T = 2 with two tasks ahead.
     """
 
     scheduler: str = "static"
@@ -146,7 +138,6 @@ class DecodeConfig:
     rebalance_registers: bool = False
     approx_math: bool = True
     meta_impl: str = "auto"
-    early_down_l2: int = 0
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULERS:
@@ -175,16 +166,6 @@ class DecodeConfig:
         if self.meta_impl not in ("auto", "jnp", "kernel"):
             raise ValueError(
                 f"config.meta_impl must be 'auto', 'jnp' or 'kernel', got {self.meta_impl!r}."
-            )
-        if (not isinstance(self.early_down_l2, int) or isinstance(self.early_down_l2, bool)
-                or self.early_down_l2 < 0):
-            raise ValueError(
-                f"config.early_down_l2={self.early_down_l2!r} must be an int >= 0 (0: off)."
-            )
-        if self.early_down_l2 and self.scheduler != "static":
-            raise ValueError(
-                f"config.early_down_l2={self.early_down_l2} needs scheduler='static' (a CTA "
-                f"must know its later tasks at the start), got {self.scheduler!r}."
             )
         for name in ("prefetch_l2", "rebalance_registers", "approx_math"):
             if not isinstance(getattr(self, name), bool):
@@ -561,17 +542,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
                             num_events=dims.num_events, scratch=queue_smem)
             if interpret:
                 pl.when(sm == 0)(events.zero)
-
-            if config.early_down_l2 and runs_down and not interpret:
-                # The W2 tiles of this CTA's next down tasks, asked for now and kept in L2
-                # ahead of the up tasks' W1 stream (`DecodeConfig.early_down_l2`).
-                for j in range(1, 1 + config.early_down_l2):
-                    _, later_down, later_tile, later_cb, _ = decode_task(sm + j * num_sms)
-
-                    @pl.when(later_down)
-                    def _(tile=later_tile, cb=later_cb):
-                        _common.prefetch_l2_evict_last(
-                            w2_ref.at[expert_ref[tile], :, pl.ds(cb * bn, bn)])
 
             def post(c, k, task, g):
                 """Hands `task` (starting at ring step g) to consumer c's k-th mailbox."""
