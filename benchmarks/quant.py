@@ -332,7 +332,9 @@ FP8_SWEEPS = {
              dict(out_slabs=1, out_buffers=2), dict(out_slabs=1, stages_plus=1),
              # Session 61: split-M items 256 columns wide, the bf16 down-proj's default from
              # n = 768 on (1.05-1.25x the ping-pong there); the fp8 ping-pong runs from
-             # n = 512 on (session 9: 1.14x the split-M items at 30B).
+             # n = 512 on (session 9: 1.14x the split-M items at 30B). Session 62 (H100):
+             # 0.870x at (32768, 4096, 1024, 64, 4) and 0.897x at the Qwen3 widths, so the
+             # fp8 default stays.
              dict(pingpong=False, block_n=256, num_stages=3, out_slabs=0, out_buffers=1)),
 }
 
