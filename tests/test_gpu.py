@@ -817,6 +817,45 @@ def test_dh_split_writes_the_fused_kernels_bits(shape):
 
 
 @pytest.mark.parametrize(
+    "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8), (4000, 2048, 768, 32, 8)],
+    ids=["30b_widths", "7b_widths", "qwen3_widths"])
+def test_dh_split_with_bf16_da_rounds_only_da(shape):
+    """dH split with dA' in bf16 (`BackwardConfig.dh_da_dtype`, opt-in since session 62):
+    the GEMM writes its f32 accumulator rounded to bf16, so dH and dS are the row pass's on
+    the f32 split's dA' rounded, bit for bit, and A' is the f32 split's; dH within the
+    fused kernel's tolerance of it; skewed routing with an empty expert, poisoned outputs,
+    fresh random data, bitwise on repeat."""
+    from pallas_moe.kernels.dh import dh_split, dswiglu_rows
+    from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+
+    T, d, n, E, K = shape
+    args, rows = _dh_problem(shape, T + d + n + 11, empty_expert=3)
+    grad_out, h, token_ids, group_sizes, scores, w2 = args
+    cfg = BackwardConfig.for_shape(d, n)
+    gemm = cfg.dh_gemm or GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4,
+                                              out_slabs=1, num_sms=cfg.dh.persistent_ctas)
+    nbytes = h.shape[0] * (3 * n * 2 + n * 4)
+    f = jax.jit(lambda *a: dh_split(*a, gemm=gemm, da_dtype=jnp.bfloat16))
+    _poison(nbytes)
+    got = [np.asarray(o) for o in f(*args)]
+    f32 = [np.asarray(o) for o in jax.jit(lambda *a: dh_split(*a, gemm=gemm))(*args)]
+    da = jax.jit(lambda g, gs, w, t: grouped_matmul(
+        g, gs, w, transpose_w=True, config=gemm, capacity=h.shape[0], out_dtype=jnp.float32,
+        token_ids=t))(grad_out, group_sizes, w2, token_ids)
+    want = [np.asarray(o) for o in jax.jit(lambda da, h, s: dswiglu_rows(
+        da.astype(jnp.bfloat16), h, s, jnp.array([rows], jnp.int32),
+        out_rows=got[0].shape[0]))(da, h, scores)]
+    assert np.all(np.isfinite(got[0][:rows].astype(np.float32)))
+    assert np.array_equal(got[0][:rows], want[0][:rows])
+    assert np.array_equal(got[1][:rows], f32[1][:rows])
+    assert np.array_equal(got[2], want[2])
+    assert rel_err(got[0][:rows].astype(np.float32), f32[0][:rows].astype(np.float32)) < 1e-2
+    again = [np.asarray(o) for o in f(*args)]
+    assert all(np.array_equal(a[:rows], g[:rows]) for a, g in zip(again, got))
+
+
+@pytest.mark.parametrize(
     "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8), (3000, 2880, 2880, 16, 4)],
     ids=["30b_widths", "7b_widths", "gpt_oss_widths"])
 def test_dh_clusters_write_the_default_bits(shape):

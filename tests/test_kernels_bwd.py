@@ -1125,6 +1125,60 @@ def test_dswiglu_rows_is_the_fused_epilogue_per_row(n, vec, clamped):
     assert_untouched(ap, real)
 
 
+def test_dswiglu_rows_widens_a_bf16_da():
+    """The row pass on a bf16 dA' (`dh_split(da_dtype=bfloat16)`): each real row's dH, A'
+    and dS are the f32 pass's on the same values widened to f32, bit for bit (the load
+    widens; the math is unchanged); rows past the real ones stay unwritten."""
+    from pallas_moe.kernels.dh import dswiglu_rows
+
+    capacity, real, n = 21, 17, 256
+    ks = jax.random.split(jax.random.key(5), 3)
+    da = jax.random.normal(ks[0], (capacity, n)).astype(BF16).at[real:].set(jnp.nan)
+    h = jnp.where((jnp.arange(capacity) < real)[:, None],
+                  jax.random.normal(ks[1], (capacity, 2 * n)), jnp.nan).astype(BF16)
+    s = jax.random.uniform(ks[2], (capacity,), jnp.float32)
+    rows = jnp.array([real], jnp.int32)
+    got = dswiglu_rows(da, h, s, rows, out_rows=24, interpret=True)
+    want = dswiglu_rows(da.astype(jnp.float32), h, s, rows, out_rows=24, interpret=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g)[:real], np.asarray(w)[:real])
+    assert not np.any(np.asarray(got[2])[real:])
+    assert_untouched(got[0], real)
+    assert_untouched(got[1], real)
+
+
+def test_dh_split_with_a_bf16_da_rounds_only_da():
+    """`dh_split(da_dtype=bfloat16)`: the GEMM's dA' is its f32 accumulator rounded to bf16,
+    so dH and dS are the row pass's on the f32 split's dA' rounded, bit for bit, and A'
+    (which does not read dA') is the f32 split's; close to the f32 reference at the same
+    tolerance as the fused kernel; skewed routing with an empty expert."""
+    from pallas_moe.kernels.dh import dh_split, dswiglu_rows
+    from pallas_moe.kernels.grouped_gemm import grouped_matmul
+
+    x, h, plan, w1, w2, grad_out = make_problem(33, 70, 128, 256, 3, 2, skew=2.0, empty=(1,))
+    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
+    gemm = GroupedMatmulConfig(block_m=128, block_n=256, num_stages=3, num_sms=2, out_slabs=1)
+    got = dh_split(*args, gemm=gemm, interpret=True, da_dtype=BF16)
+    f32 = dh_split(*args, gemm=gemm, interpret=True)
+    da = grouped_matmul(grad_out, plan.group_sizes, w2, transpose_w=True, config=gemm,
+                        interpret=True, capacity=plan.capacity, out_dtype=jnp.float32,
+                        token_ids=plan.token_ids)
+    rows = int(plan.num_rows)
+    want = dswiglu_rows(da.astype(BF16), h, plan.scores, jnp.array([rows], jnp.int32),
+                        out_rows=got[0].shape[0], interpret=True)
+    np.testing.assert_array_equal(np.asarray(got[0])[:rows], np.asarray(want[0])[:rows])
+    np.testing.assert_array_equal(np.asarray(got[1])[:rows], np.asarray(f32[1])[:rows])
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
+    assert not np.array_equal(np.asarray(got[0])[:rows], np.asarray(f32[0])[:rows])
+    assert_untouched(got[0], rows)
+    assert_untouched(got[1], rows)
+    ref_dh, ref_a, ref_ds = dh_reference(grad_out, h, plan, w2)
+    assert_close(got[0][:rows], ref_dh[:rows], 1e-2, "dh")
+    assert_close(got[2], ref_ds, 1e-2, "d_scores")
+    with pytest.raises(TypeError, match="da_dtype must be float32 or bfloat16"):
+        dh_split(*args, gemm=gemm, interpret=True, da_dtype=jnp.float16)
+
+
 def test_dswiglu_rows_errors():
     """Bad operands are refused naming the argument."""
     from pallas_moe.kernels.dh import dswiglu_rows
@@ -1133,7 +1187,8 @@ def test_dswiglu_rows_errors():
     h, s, nr = jnp.zeros((8, 256), BF16), jnp.zeros((8,), jnp.float32), jnp.array([8], jnp.int32)
     cases = [
         ((da[:, :64], h[:, :128], s, nr), {}, ValueError, r"n \(da.shape\[1\]\)=64 must be a multiple of 128"),
-        ((da.astype(BF16), h, s, nr), {}, TypeError, "da must have dtype float32"),
+        ((da.astype(jnp.float16), h, s, nr), {}, TypeError,
+         "da must have dtype float32 or bfloat16"),
         ((da, h.astype(jnp.float32), s, nr), {}, TypeError, "h must have dtype bfloat16"),
         ((da[:4], h, s, nr), {}, ValueError, r"da.shape\[0\]=4 must be >= scores.shape\[0\]=8"),
         ((da, h[:, :128], s, nr), {}, ValueError, "h must have shape"),
@@ -1175,15 +1230,17 @@ def test_dh_split_writes_the_fused_kernels_bits(plan_kw):
     assert_close(got[2], ref_ds, 1e-4, "d_scores")
 
 
-def test_backward_with_split_dh():
+@pytest.mark.parametrize("da_dtype", ["float32", "bfloat16"])
+def test_backward_with_split_dh(da_dtype):
     """The whole backward with dH split in two (what `for_shape` picks at d >= 4096, here
-    forced at small widths) against `moe_ffn_backward`: a token-rounding plan (padding
-    rows) with an empty expert (zero weight gradients), dS 0 on padding; then with the
-    metadata from `plan_schedules` (the GEMM's aligned 128-row tiles), bitwise the same."""
+    forced at small widths), dA' in f32 (the default) or bf16 (`dh_da_dtype`), against
+    `moe_ffn_backward`: a token-rounding plan (padding rows) with an empty expert (zero
+    weight gradients), dS 0 on padding; then with the metadata from `plan_schedules` (the
+    GEMM's aligned 128-row tiles), bitwise the same."""
     problem = make_problem(35, 60, 128, 256, 4, 2, router="token_rounding", empty=(2,))
     config = BackwardConfig.for_shape(128, 256, num_sms=4)
     assert config.dh_gemm is None  # d < 4096: the fused kernel by default
-    config = dataclasses.replace(config, dh_gemm=GroupedMatmulConfig(
+    config = dataclasses.replace(config, dh_da_dtype=da_dtype, dh_gemm=GroupedMatmulConfig(
         block_m=128, block_n=128, num_stages=3, num_sms=4))
     got = check_backward(problem, config)
     assert_plan_schedules_give_the_same_gradients(problem, config, got, dh_rows=128)
@@ -1226,6 +1283,29 @@ def test_split_dh_is_picked_where_measured_and_validated():
             BackwardConfig(dh_gemm=GroupedMatmulConfig(**bad))
     with pytest.raises(TypeError, match="dh_gemm must be a GroupedMatmulConfig or None"):
         BackwardConfig(dh_gemm=DHConfig())
+    # dA' in bf16 (opt-in): only for the split dH, and only the two dtypes.
+    assert BackwardConfig.for_shape(4096, 512).dh_da_dtype == "float32"
+    assert BackwardConfig(dh_gemm=split, dh_da_dtype="bfloat16").dh_da_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="dh_da_dtype must be 'float32' or 'bfloat16'"):
+        BackwardConfig(dh_gemm=split, dh_da_dtype="float16")
+    with pytest.raises(ValueError, match="needs dh_gemm"):
+        BackwardConfig(dh_da_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (24576, 1536, 256, 128, 8)],
+                         ids=["30b", "7b"])
+def test_split_dh_with_bf16_da_lowers_for_cuda(shape):
+    """dH split in two with dA' in bf16 (`dh_da_dtype`, opt-in) lowers for cuda at
+    production sizes: the gathered GEMM's bf16 output slabs, the row pass's bf16 dA' loads
+    (8 bytes a thread at n = 512, 4 at n = 256); at 7B forced (its default is fused)."""
+    T, d, n, E, K = shape
+    config = BackwardConfig.for_shape(d, n)
+    gemm = config.dh_gemm or GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4,
+                                                 out_slabs=1, num_sms=132)
+    config = dataclasses.replace(config, dh_gemm=gemm, dh_da_dtype="bfloat16")
+    f = jax.jit(functools.partial(moe_backward, interpret=False, config=config))
+    text = f.trace(*_abstract_args(T, d, n, E, K)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "moe_dh_gemm" in text and "moe_dh_rows" in text
 
 
 def test_split_dh_lowers_for_cuda_30b():

@@ -467,6 +467,8 @@ def dh_kernel(
 # The split dH's row pass: rows per CTA, each loaded before any is computed, so a CTA keeps
 # this many rows' loads in flight (2, 4 and 8 measured level on the H100, session 60).
 DSWIGLU_ROWS_PER_CTA = 4
+# dA' between the split dH's two kernels (`dh_split(da_dtype=...)`).
+DA_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def dswiglu_rows(
@@ -485,6 +487,8 @@ def dswiglu_rows(
 
         dH[r] = act'(H_g[r], H_u[r], s[r] * dA'[r]);  A'[r] = s[r] * A[r];  dS[r] = <dA'[r], A[r]>
 
+    (dA' in bf16 is widened to f32 as it is loaded; the math is the same.)
+
     A memory-bound pass (no SMEM, no barriers but dS's reduction): one warpgroup per
     `rows_per_cta` rows, each row's dA', H gate and H up loaded straight from HBM into a
     strided register layout (16-byte f32 loads where 512 divides n), the math of the fused
@@ -492,7 +496,8 @@ def dswiglu_rows(
     results stored from registers. dS sums the whole row (a warpgroup reduction).
 
     Args:
-      da: f32 [P_a, n], P_a >= P: dA' = dO[tok] @ W2[e]^T (unscaled), grouped row order.
+      da: f32 or bf16 [P_a, n], P_a >= P: dA' = dO[tok] @ W2[e]^T (unscaled), grouped
+        row order.
       h: bf16 [P, 2n] saved up-proj output (gate columns first).
       scores: f32 [P] router weight of each row.
       num_rows: i32 [1]: rows [0, num_rows) are real (`sum(group_sizes)`); the others'
@@ -509,7 +514,8 @@ def dswiglu_rows(
     """
     if da.ndim != 2 or h.ndim != 2:
         raise ValueError(f"da and h must be 2-D, got shapes {tuple(da.shape)}, {tuple(h.shape)}.")
-    _common.require_dtype("da", da, jnp.float32)
+    if da.dtype not in DA_DTYPES:
+        raise TypeError(f"da must have dtype float32 or bfloat16, got {da.dtype}.")
     _common.require_dtype("h", h, jnp.bfloat16)
     _common.require_dtype("scores", scores, jnp.float32)
     capacity = scores.shape[0]
@@ -543,6 +549,8 @@ def dswiglu_rows(
             ))
         for i, (da_r, g, u, s) in enumerate(loaded):
             r = first + i
+            if da_r.dtype != jnp.float32:
+                da_r = da_r.astype(jnp.float32)
             d_gate, d_up, a_scaled, ds = dswiglu_epilogue(
                 da_r, g.astype(jnp.float32), u.astype(jnp.float32), s, activation)
 
@@ -587,6 +595,7 @@ def dh_split(
     interpret: bool | plgpu.InterpretGPUParams = False,
     meta: TileMeta | None = None,
     activation: SwiGLU = SwiGLU(),
+    da_dtype=jnp.float32,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """dH, A' and dS as two kernels: the grouped GEMM, then the dSwiGLU row pass.
 
@@ -601,6 +610,9 @@ def dh_split(
     where that measured faster (benchmarks/RESULTS.md, session 60). dA' is the fused
     kernel's accumulator bit for bit (the same K order per output element), so dH and A'
     are the fused kernel's bits; dS sums each row in another order (f32 rounding apart).
+    With `da_dtype=bfloat16` the GEMM rounds dA' to bf16 (half the bytes written and read
+    back): A' keeps its bits, dH and dS are those of the rounded dA' (one more bf16
+    rounding than the fused kernel's dH, which rounds only its output).
 
     Args:
       grad_out, h, token_ids, group_sizes, scores, w_down: as `dh_kernel`.
@@ -610,10 +622,13 @@ def dh_split(
       interpret: run in Mosaic GPU interpret mode (CPU) if True or an InterpretGPUParams.
       meta: precomputed `aligned_tile_meta(group_sizes, P, gemm.tile_rows)`.
       activation: the forward's `SwiGLU` spec.
+      da_dtype: dA' between the two kernels, float32 (default) or bfloat16.
 
     Returns:
       As `dh_kernel`: (dh bf16 [P_pad, 2n], a_scaled bf16 [P_pad, n], d_scores f32 [P]).
     """
+    if jnp.dtype(da_dtype) not in DA_DTYPES:
+        raise TypeError(f"da_dtype must be float32 or bfloat16, got {jnp.dtype(da_dtype).name}.")
     _, n, num_experts = _check_operands(grad_out, h, w_down, token_ids, scores)
     _common.require_shape("group_sizes", group_sizes, (num_experts,))
     if pad_rows_to < 1:
@@ -622,7 +637,7 @@ def dh_split(
     da = grouped_matmul(
         grad_out, group_sizes, w_down, transpose_w=True, config=gemm, interpret=interpret,
         meta=meta, capacity=capacity, names=("grad_out", "w_down"), kernel_name="moe_dh_gemm",
-        out_dtype=jnp.float32, token_ids=token_ids,
+        out_dtype=da_dtype, token_ids=token_ids,
     )
     num_rows = jnp.sum(group_sizes, dtype=jnp.int32).reshape(1)
     rows_pad = -(-capacity // pad_rows_to) * pad_rows_to

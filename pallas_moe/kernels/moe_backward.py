@@ -57,14 +57,27 @@ class BackwardConfig:
     # f32, then the dSwiGLU row pass (with `dh.approx_math` and `dh.pad_rows_to`); None runs
     # the fused dH kernel with `dh`.
     dh_gemm: GroupedMatmulConfig | None = None
+    # dA' between the split dH's two kernels: "float32" (default; dH and A' bitwise the
+    # fused kernel's) or "bfloat16" (half its bytes written and read back; dH from the
+    # rounded dA'). Opt-in until measured; only with `dh_gemm`.
+    dh_da_dtype: str = "float32"
     dw_down: WeightGradConfig = WeightGradConfig()  # dW2 = A'^T dO: M = n, N = d (gathered)
     dw_gate_up: WeightGradConfig = WeightGradConfig()  # dW1 = X^T dH: M = d (gathered), N = 2n
     dx: GroupedMatmulConfig = GroupedMatmulConfig()
     aggregate: AggregateConfig = AggregateConfig()
 
     def __post_init__(self):
+        if self.dh_da_dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"dh_da_dtype must be 'float32' or 'bfloat16', got {self.dh_da_dtype!r}."
+            )
         gemm = self.dh_gemm
         if gemm is None:
+            if self.dh_da_dtype != "float32":
+                raise ValueError(
+                    f"dh_da_dtype={self.dh_da_dtype!r} is the split dH's intermediate: it "
+                    "needs dh_gemm (None runs the fused dH, which keeps dA' in registers)."
+                )
             return
         if not isinstance(gemm, GroupedMatmulConfig):
             raise TypeError(
@@ -323,7 +336,7 @@ def moe_backward(
         dh, a_scaled, d_scores = dh_split(
             *dh_operands, gemm=config.dh_gemm, pad_rows_to=config.dh.pad_rows_to,
             approx_math=config.dh.approx_math, interpret=interpret, meta=dh_meta,
-            activation=activation,
+            activation=activation, da_dtype=config.dh_da_dtype,
         )
     else:
         dh, a_scaled, d_scores = dh_kernel(
