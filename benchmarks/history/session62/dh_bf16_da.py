@@ -4,10 +4,11 @@ d >= 4096) and the fused dH kernel (the default below), same run, paired rounds.
 
 Why: session 60's split pays for writing dA' in f32 and reading it back (P x n x 8 bytes);
 it won at 30B (1.150x) and lost at d = 2048 (0.979x) and 7B (0.866x). In bf16 that round
-trip halves (7B: ~200 of 400 MB; Qwen3: ~400 of 800 MB), which by counting (~3 TB/s) is
-worth ~65 us at 7B and ~135 us at Qwen3's widths: enough to turn both. Prediction: the bf16
-split >= 1.03x the fused kernel at Qwen3's widths, level (0.97-1.03x) at 7B, >= 1.05x the
-f32 split at 30B. Refuted where it is slower than the shape's default.
+trip halves. By counting, the row pass moves P x 12n bytes instead of P x 14n (Qwen3 widths
+462 -> ~396 us, 7B 233 -> ~200, 30B 616 -> ~528 at 3.05 TB/s), and the GEMM writes half as
+much (mostly hidden behind its K loop). Prediction: the bf16 split 1.03-1.07x the fused
+kernel at Qwen3's widths, still slower than it at 7B (0.92-0.96x), 1.03-1.06x the f32 split
+at 30B. Refuted where it is no faster than the shape's default.
 
 Checks first, on poisoned outputs: the f32 split bitwise the fused kernel (dH, A'); the
 bf16 split's A' bitwise the fused kernel's and its dH within 1e-2 of it; all against XLA.
