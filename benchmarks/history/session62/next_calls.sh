@@ -1,6 +1,6 @@
 # GPU calls prepared in session 62 for the next session: `bash
 # benchmarks/history/session62/next_calls.sh PART` from the repo root; logs under $OUT.
-# (Session 62 ran session 61's parts E, G and F with this file's earlier version: `git log`.)
+# (Session 62 ran session 61's parts E, G and F: `history/session61/next_calls.sh`.)
 #   H (~4 min, H100): issue 9: the split dH with dA' in bf16 (`BackwardConfig.dh_da_dtype`,
 #      built in session 62, never on a GPU) against the f32 split and the fused kernel,
 #      paired, at 30B, Qwen3-30B-A3B widths and 7B (`history/session62/dh_bf16_da.py`; the
