@@ -216,12 +216,10 @@ def configs_for(d, n, sweep: str):
         # Session 49: dX~ on clusters of two CTAs sharing each weight tile by multicast
         # (`GroupedMatmulConfig.cluster_m=2`; the bitwise checks compare it to the default).
         dx.append(dataclasses.replace(base.dx, cluster_m=2))
-        # Session 50: dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`)
-        # and both weight gradients on clusters of two neighbouring tiles sharing each
-        # contiguous K-block (`WeightGradConfig.cluster_m=2`; dropped below where the
-        # gathered side has no neighbouring tile pairs).
-        if base.dh.persistent_ctas % 2 == 0:
-            dh.append(dataclasses.replace(base.dh, cluster_m=2))
+        # Session 50: both weight gradients on clusters of two neighbouring tiles sharing
+        # each contiguous K-block (`WeightGradConfig.cluster_m=2`; dropped below where the
+        # gathered side has no neighbouring tile pairs). (dH's clusters, 0.90-1.00x on the
+        # H100 in session 51, were removed in session 62.)
         for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
             if cfg.persistent_ctas and cfg.persistent_ctas % 2 == 0:
                 lst.append(dataclasses.replace(cfg, cluster_m=2))

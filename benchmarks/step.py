@@ -282,8 +282,6 @@ CONFIG_FLAGS = {
     "lag1-forward": lambda c, n: _replace(_replace(c, "up", wgmma_lag=1), "down", wgmma_lag=1),
     # The down-proj and dX~ on clusters of two CTAs sharing each weight tile (session 49).
     "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
-    # dH on clusters of two CTAs sharing each W2 tile (`DHConfig.cluster_m=2`, session 50).
-    "cluster-dh": lambda c, n: _replace(c, "dh", cluster_m=2),
     # The fused dH kernel where the default splits dH in two (d >= 4096 since session 60).
     "fused-dh": lambda c, n: dataclasses.replace(
         c, backward=dataclasses.replace(c.backward, dh_gemm=None)),

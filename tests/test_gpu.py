@@ -858,30 +858,6 @@ def test_dh_split_with_bf16_da_rounds_only_da(shape):
 @pytest.mark.parametrize(
     "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8), (3000, 2880, 2880, 16, 4)],
     ids=["30b_widths", "7b_widths", "gpt_oss_widths"])
-def test_dh_clusters_write_the_default_bits(shape):
-    """dH on clusters of two CTAs (`DHConfig.cluster_m=2`, session 50: each K step's W2 tile
-    multicast to both CTAs, which take consecutive 64-row blocks of one expert; `empty` and
-    `epi_done` cluster-wide) writes the bits of the width's default: 132 and 8 CTAs (4
-    clusters walk many items), both ways of publishing a cp.async dO stage, H by TMA boxes;
-    skewed routing with an empty expert (cluster items whose second CTA has few or no
-    rows), poisoned outputs, fresh random data."""
-    import dataclasses
-
-    from pallas_moe.kernels.moe_backward import BackwardConfig
-
-    T, d, n, E, K = shape
-    base = BackwardConfig.for_shape(d, n).dh
-    assert base.cluster_m == 1, base
-    cluster = dataclasses.replace(base, cluster_m=2)
-    few = dataclasses.replace(cluster, persistent_ctas=8)
-    _assert_dh_configs_write_the_same_bits(shape, T + d + n + 5, (
-        base, cluster, few, dataclasses.replace(cluster, gather_completion="mbarrier"),
-        dataclasses.replace(few, h_loader="tma")), empty_expert=3)
-
-
-@pytest.mark.parametrize(
-    "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8), (3000, 2880, 2880, 16, 4)],
-    ids=["30b_widths", "7b_widths", "gpt_oss_widths"])
 def test_wgmma_lag_0_writes_the_default_bits(shape):
     """dH, both weight gradients, the down-proj (with an expert bias) and dX~ with each slot
     released as soon as its own K step's wgmmas are done (`wgmma_lag=0`, session 51) write

@@ -276,20 +276,6 @@ def test_backward_token_rounding_with_padding_and_empty_expert():
     check_backward(problem)
 
 
-@pytest.mark.slow  # dH clusters are opt-in (no gain on the H100, session 51); CI races them
-def test_backward_with_dh_on_clusters():
-    """The whole backward with dH on clusters of two CTAs (`DHConfig.cluster_m=2`: its
-    metadata tiles are `tile_rows` = 128 rows) against `moe_ffn_backward`, with the tile
-    metadata computed here and passed in from `plan_schedules`, which must then use
-    `tile_rows` too (bitwise the same gradients); a token-rounding plan with padding rows
-    and an empty expert."""
-    problem = make_problem(5, 37, 128, 64, 4, 2, router="token_rounding", empty=(2,))
-    base = BackwardConfig.for_shape(128, 64, num_sms=2)
-    config = dataclasses.replace(base, dh=dataclasses.replace(base.dh, cluster_m=2))
-    got = check_backward(problem, config=config)
-    assert_plan_schedules_give_the_same_gradients(problem, config, got, dh_rows=128)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
@@ -851,38 +837,6 @@ def test_dh_kernel_no_races(num_tokens, d, stages, num_ctas, block_n, consumers)
     check_dh(got, grad_out, h, plan, w2, config)
 
 
-@pytest.mark.parametrize("num_tokens, d, stages, clusters, skew",
-                         [pytest.param(70, 448, 5, 2, 2.0, marks=pytest.mark.slow),
-                          (90, 64, 4, 1, 2.0)],
-                         # opt-in (no gain on the H100, session 51): CI races one cluster
-                         ids=["two_clusters_7_k_steps", "one_cluster_k_steps_within_free_slots"])
-def test_dh_clusters_no_races(num_tokens, d, stages, clusters, skew):
-    """dH on clusters of two CTAs (`cluster_m=2`: two consecutive 64-row blocks of one
-    expert per cluster item, each K step's W2 tile a cluster multicast copy, the `empty` and
-    `epi_done` barriers cluster-wide) with the race detector: bitwise the single-CTA kernel
-    and its kernel-order reference. Skewed routing with an empty expert gives cluster items
-    whose second CTA has a few rows or none (it still runs the K loop and stores nothing);
-    two clusters walk many items, and one cluster walks every item with one K step fewer
-    than the free slots (its producer waits for both CTAs' epilogues). Interpret mode has
-    no multicast (each CTA loads the whole tile), so this checks the cluster protocol and
-    the row split; `test_dh_clusters_write_the_default_bits` (GPU) checks the multicast."""
-    x, h, plan, w1, w2, grad_out = make_problem(31, num_tokens, d, 128, 4, 2, skew=skew,
-                                                empty=(1,))
-    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
-    single = DHConfig(block_n=64, num_stages=stages, num_consumers=2,
-                      persistent_ctas=2 * clusters, h_loader="cp_async")
-    config = dataclasses.replace(single, cluster_m=2)
-    assert config.tile_rows == 128
-    sizes = np.asarray(plan.group_sizes)
-    assert any(0 < m % 128 <= 64 for m in sizes), sizes  # a second CTA without rows
-    assert any(m % 128 > 64 for m in sizes), sizes  # a second CTA with some rows
-    got = dh_kernel(*args, config=config, interpret=interp(detect_races=True))
-    assert not races_found()
-    check_dh(got, grad_out, h, plan, w2, config)
-    assert_dh_outputs_equal(got, dh_kernel(*args, config=single, interpret=True),
-                            int(plan.num_rows))
-
-
 def test_dh_wgmma_lag_0_keeps_the_default_bits_no_races():
     """dH with each W2 slot released as soon as its own K step's wgmma is done
     (`wgmma_lag=0`, session 51) must not change a bit: race-free and bitwise the default (and
@@ -909,25 +863,16 @@ def dh_abstract_args(shape):
             sds((e,), jnp.int32), sds((p,), jnp.float32), sds((e, n, d), BF16))
 
 
-@pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (8192, 2880, 2880, 32, 4)],
-                         ids=["30b", "gpt_oss"])
-def test_dh_clusters_lower_for_cuda(shape):
-    """dH on clusters of two CTAs (`cluster_m=2`: the W2 copies multicast, `empty` and
-    `epi_done` cluster barriers) lowers for cuda at production widths from each width's
-    default (30B: two consumers of 128 columns, 5 stages; gpt-oss: three of 64, 4 stages);
-    bad cluster settings are refused naming the field."""
-    _, d, n, _, _ = shape
-    config = dataclasses.replace(BackwardConfig.for_shape(d, n, num_sms=132).dh, cluster_m=2)
-    assert config.tile_rows == 2 * config.block_m
-    args = dh_abstract_args(shape)
-    jax.jit(functools.partial(dh_kernel, config=config)).trace(*args).lower(
-        lowering_platforms=("cuda",))
-    for bad, match in [(dict(cluster_m=3), "config.cluster_m=3 must be 1 or 2"),
-                       (dict(wgmma_lag=2), r"config.wgmma_lag=2 must be one of \(0, 1\)"),
-                       (dict(persistent_ctas=131), "cluster_m=2 .* needs an even CTA count")]:
-        with pytest.raises(ValueError, match=match):
-            jax.eval_shape(functools.partial(dh_kernel, config=dataclasses.replace(
-                config, **bad)), *args)
+def test_dh_refuses_bad_and_removed_settings():
+    """A bad `wgmma_lag` is refused naming the field; `cluster_m` (removed in session 62:
+    no gain on the H100) is a TypeError, not ignored."""
+    config = BackwardConfig.for_shape(4096, 512, num_sms=132).dh
+    args = dh_abstract_args((32768, 4096, 512, 128, 8))
+    with pytest.raises(ValueError, match=r"config.wgmma_lag=2 must be one of \(0, 1\)"):
+        jax.eval_shape(functools.partial(dh_kernel, config=dataclasses.replace(
+            config, wgmma_lag=2)), *args)
+    with pytest.raises(TypeError, match="cluster_m"):
+        DHConfig(cluster_m=2)
 
 
 def test_dh_three_consumers_write_one_consumers_bits():

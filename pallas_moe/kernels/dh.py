@@ -92,7 +92,7 @@ H_LOADERS = ("tma", "cp_async")
 
 
 @dataclasses.dataclass(frozen=True)
-class DHConfig(_common.ClusterTiles):
+class DHConfig:
     """Block sizes of the dH kernel (`_dh_persistent`).
 
     Attributes:
@@ -139,19 +139,6 @@ class DHConfig(_common.ClusterTiles):
         the consumer's own 128 threads issue 16-byte cp.async loads straight into the
         swizzled layout, rows past the tile's zero-filled (`_common.cp_async_load_rows`;
         compiled kernels only, interpret mode runs "tma").
-      cluster_m: 1 (default), or 2: the persistent CTAs (an even `persistent_ctas`) run as
-        clusters of two that take two consecutive `block_m`-row blocks of one expert (a
-        metadata tile of `tile_rows` = 2 * block_m rows per cluster item) and share each K
-        step's W2 tile: every CTA asks for the whole tile with a cluster multicast copy,
-        which the hardware splits (each CTA loads half and both receive all), so each W2
-        byte read from L2 feeds 2 * block_m rows. A slot is refilled once the consumers of
-        both CTAs released it, and an overlaid slot once both CTAs' epilogues are done
-        (`plgpu.ClusterBarrier`s): the partner's multicast writes into this CTA's slots.
-        A CTA whose half of an item has no rows still runs its K loop (the partner needs
-        its share of the copies) and stores nothing. Same products in the same order, so
-        bitwise the same outputs. Interpret mode runs the same protocol with each CTA
-        loading the whole tile (it has no multicast): its tests check the barriers and the
-        row split, not the multicast itself.
       wgmma_lag: when a consumer releases a K step's slot, 1 (default) or 0 (one more
         stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
         Same bits either way (session 51). Opt-in: on the H100 (session 52)
@@ -163,7 +150,11 @@ class DHConfig(_common.ClusterTiles):
     split-M items, slower on the H100); session 58 removed `h_prefetch_steps` (the
     producer's L2 prefetch of each item's H rows, level on the H100: 0.997x at 7B, 1.010x at
     30B in session 56); session 59 removed `schedule` (the ping-pong schedule) and `store`
-    (register stores), both slower on the H100; see the module docstring.
+    (register stores), both slower on the H100; see the module docstring. Session 62 removed
+    `cluster_m` (items on clusters of two CTAs sharing each W2 tile by multicast: bitwise
+    the default but 0.998x at 30B, 0.954x at 7B and 0.896x at gpt-oss on the H100, session
+    51; since session 60 the split dH runs at 30B;
+    `benchmarks/history/session62/dh_clusters.patch` restores it).
     """
 
     block_m: int = 64
@@ -180,8 +171,12 @@ class DHConfig(_common.ClusterTiles):
     approx_math: bool = True
     persistent_ctas: int = 132
     h_loader: str = "tma"
-    cluster_m: int = 1
     wgmma_lag: int = 1
+
+    @property
+    def tile_rows(self) -> int:
+        """Rows of one metadata tile (`TileMeta.block_m`): an item's `block_m` rows."""
+        return self.block_m
 
 
 def _check_operands(grad_out, h, w_down, token_ids, scores) -> tuple[int, int, int]:
@@ -228,13 +223,7 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         )
     if config.h_loader not in H_LOADERS:
         raise ValueError(f"config.h_loader={config.h_loader!r} must be one of {H_LOADERS}.")
-    _common.require_cluster_m(config)
     _common.require_wgmma_lag(config)
-    if config.cluster_m == 2 and config.persistent_ctas % 2:
-        raise ValueError(
-            "config.cluster_m=2 (two CTAs sharing each W2 tile) needs an even CTA count, got "
-            f"persistent_ctas={config.persistent_ctas}."
-        )
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
     cols = item_cols(config)
     _common.require_multiple("n (w_down.shape[1])", n, cols,
@@ -442,8 +431,7 @@ def dh_kernel(
     if meta is None:
         meta = _common.tile_meta(group_sizes, token_ids, tm)
     if meta.block_m != tm:
-        raise ValueError(f"meta.block_m={meta.block_m} must equal config.tile_rows={tm} "
-                         f"(block_m={bm} times cluster_m={config.cluster_m}).")
+        raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={tm}.")
     num_tiles = meta.num_tiles
     grid_n = n // bn
     dtype = grad_out.dtype
@@ -456,9 +444,6 @@ def dh_kernel(
     )
     interpret_mode = _common.interpret_params(interpret)
     args = (meta.expert, meta.row_start, meta.num_rows, meta.row_ids, s_tiles, grad_out, w_down, h)
-    if config.cluster_m > 1:  # [nt, cluster_m]: the rows of each CTA's block of each tile
-        blocks = jnp.arange(config.cluster_m, dtype=jnp.int32) * bm
-        args = (*args, jnp.clip(meta.num_rows[:, None] - blocks[None, :], 0, bm))
     kernel = _dh_persistent(config, d, n, num_tiles, out_types, interpret_mode, activation)
     dh, a_scaled, ds_part = kernel(*args)
     return dh, a_scaled, reduce_row_partials(ds_part, meta, capacity)
@@ -646,16 +631,14 @@ def dh_split(
 
 
 def _issue_k_step(do_ref, ids, w_e, col0, cols: int, k0, bk: int, a_copy, a_mma, b_slot,
-                  full_bar, cp_async: bool, multicast: str | None = None) -> None:
+                  full_bar, cp_async: bool) -> None:
     """Producer warpgroup, one K step of an item: the `[cols, bk]` W2
     tile `w_e[col0:col0+cols, k0:k0+bk]` (K-minor) and the gathered dO rows
     `dO[ids[r], k0:k0+bk]` of the slot, arriving on `full_bar`. With cp.async the rows are
     one cp.async group the caller publishes (`_common.cp_async_publish`); otherwise each of
     the 4 warps issues a quarter of the one-row TMA copies (the loader interpret mode runs).
-    `multicast`: the W2 tile goes to every CTA of the cluster (`DHConfig.cluster_m`).
     """
-    plgpu.copy_gmem_to_smem(w_e.at[pl.ds(col0, cols), pl.ds(k0, bk)], b_slot, full_bar,
-                            collective_axes=multicast)
+    plgpu.copy_gmem_to_smem(w_e.at[pl.ds(col0, cols), pl.ds(k0, bk)], b_slot, full_bar)
     bm = a_mma.shape[0]
     if cp_async:
         _common.cp_async_gather_rows(do_ref.at[:, pl.ds(k0, bk)], ids, [a_mma], num_rows=bm)
@@ -728,17 +711,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     cp.async publish the producer publishes an item's last steps at its end (a short stall
     while the consumers still have the item's last steps to compute); with per-slot
     mbarriers the consumers wait on each slot's phase parity counted across items.
-
-    Clusters (`config.cluster_m=2`): the walkers are clusters of two CTAs, an item is a
-    `tile_rows`-row tile's column block, and CTA `rank` of the cluster gathers, computes
-    and stores rows `[rank * bm, rank * bm + bm)` of it. Each producer asks for the whole
-    W2 tile of every step with a multicast copy, so half of each CTA's tile is written by
-    the partner's copy. Hence `empty` and `epi_done` are cluster barriers that the consumers
-    of both CTAs arrive on: a producer refills a slot only once both CTAs' consumers
-    released it, and an overlaid slot only once both CTAs' epilogues are done. Both CTAs
-    skip only items with no rows at all (the same `done` count in both), and each
-    producer's drain observes the last partner-inclusive releases and epilogue before it
-    exits, so no copy or arrival targets an exited CTA.
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
@@ -747,10 +719,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     num_k = d // bk
     grid_n = n // cols
     num_items = num_tiles * grid_n
-    clusters = config.cluster_m  # CTAs per cluster, sharing each item's W2 tiles
-    # Walkers of the item list: CTAs, or clusters of `clusters` CTAs (`cluster_m`).
-    num_ctas = min(config.persistent_ctas // clusters, num_items)
-    multicast = _common.cluster_multicast(clusters)  # collective axis of the W2 copies
+    num_ctas = min(config.persistent_ctas, num_items)
     dtype = jnp.bfloat16
     num_ladder = ladder_len(bm)
     interpret = interpret_mode is not None
@@ -801,8 +770,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         return tuple(v.at[idx] for v in views)
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref, *refs):
-        # With clusters, i32 [nt, clusters]: the rows of each CTA's block of each tile.
-        block_rows_ref, *refs = refs if clusters > 1 else (None, *refs)
         (dh_out, ap_out, ds_out, a_bufs, w_bufs, ids_smem, s_smem, ds_smem,
          full, empty, ids_bar, s_bar, h_bars, epi_bar, epi_done, *a_landed) = refs
         a_copy, a_mma = a_views(a_bufs)
@@ -810,13 +777,8 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         if stage_bars:
             _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
-        cta = jax.lax.axis_index("cta")  # the walker: a CTA, or a cluster of `clusters`
+        cta = jax.lax.axis_index("cta")
         my_items = (num_items - cta + num_ctas - 1) // num_ctas  # >= 1: num_ctas <= items
-        # This CTA's row block of each (cluster) item: rows [rank * bm, rank * bm + bm).
-        rank = _common.cluster_rank(clusters)
-
-        def my_block(ref, mi):  # this CTA's [bm] slots of tile mi's row of `ref`
-            return ref.at[mi] if clusters == 1 else ref.at[mi, pl.ds(rank * bm, bm)]
 
         def item(j):  # (row tile, column block) of this CTA's j-th item
             return item_coords(cta + j * num_ctas, grid_n)
@@ -828,15 +790,15 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
 
             def per_item(j, done):  # done: this CTA's non-empty items so far
                 mi, ni = item(j)
-                num_rows = rows_ref[mi]  # with clusters the item's: both CTAs run it
+                num_rows = rows_ref[mi]
 
                 @pl.when(num_rows > 0)
                 def _():
                     p = done % 2
                     # Every producer thread is done reading ids[p] (item done - 2) first.
                     plgpu.commit_smem()
-                    plgpu.copy_gmem_to_smem(my_block(s_ref, mi), s_smem.at[p], s_bar.at[p])
-                    plgpu.copy_gmem_to_smem(my_block(ids_ref, mi), ids_smem.at[p],
+                    plgpu.copy_gmem_to_smem(s_ref.at[mi], s_smem.at[p], s_bar.at[p])
+                    plgpu.copy_gmem_to_smem(ids_ref.at[mi], ids_smem.at[p],
                                             ids_bar.at[p])
                     plgpu.barrier_wait(ids_bar.at[p])
                     ids = ids_smem.at[p]
@@ -862,7 +824,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
 
                         _issue_k_step(do_ref, ids, w_e, ni * cols, cols, k0, bk,
                                       a_copy.at[slot], a_mma.at[slot], b_smem.at[slot],
-                                      full.at[slot], cp_async, multicast)
+                                      full.at[slot], cp_async)
                         if cp_async:
                             _common.cp_async_publish(ki, full, a_landed, stages)
                         return carry
@@ -898,12 +860,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                         p = done % 2
                         row0, count = start_ref[mi], num_rows
                         count_ref = rows_ref.at[pl.ds(mi, 1)]  # [1]: the rows H loads
-                        h_row0 = row0  # where H's cp.async rows start (a row of H)
-                        if clusters > 1:  # this CTA's row block of the cluster item
-                            row0, count = row0 + rank * bm, block_rows_ref[mi, rank]
-                            count_ref = block_rows_ref.at[mi, pl.ds(rank, 1)]
-                            # A block without rows loads none, from a row inside H.
-                            h_row0 = jnp.where(count > 0, row0, h_row0)
                         c0 = ni * cols + c * bn  # first dA' column of this consumer
 
                         def mma_scope(acc):
@@ -938,7 +894,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                             if h_cp_async:  # this consumer's threads: cp.async, zero-filled
                                 for half, col in enumerate((c0, n + c0)):
                                     _common.cp_async_load_rows(
-                                        h_ref.at[pl.ds(h_row0, bm), pl.ds(col, bn)],
+                                        h_ref.at[pl.ds(row0, bm), pl.ds(col, bn)],
                                         [h_smem[1].at[c, half, s] for s in range(bn // 64)],
                                         count_ref,
                                     )
@@ -958,8 +914,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                                 da, s_smem.at[p], tile(h_smem, c, 0), tile(h_smem, c, 1),
                                 tile(ap_smem, c), ds_smem.at[c],
                                 dh_out, ap_out,
-                                ds_out.at[mi, ni * cons + c] if clusters == 1 else
-                                ds_out.at[mi, ni * cons + c, pl.ds(rank * bm, bm)],
+                                ds_out.at[mi, ni * cons + c],
                                 c0, n, row0, count, bm, ep_cols, activation,
                             )
                         plgpu.barrier_arrive(epi_done)  # the tiles' bytes are free again
@@ -978,17 +933,13 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
             num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 1,
             num_barriers=stages,
         ),
-        # empty: the consumers (with clusters, those of every CTA of the cluster, whose
-        # multicast copies refill this slot)
-        _common.cluster_barrier(clusters, num_arrivals=cons, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty: the consumers
         plgpu.Barrier(num_barriers=2),  # ids
         plgpu.Barrier(num_barriers=2),  # scores
         # H boxes: per ladder box, the gate and up halves, each in bn / 64 slabs
         plgpu.Barrier(num_arrivals=2 * (bn // 64), num_barriers=cons * num_ladder),
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the item's K loop
-        # epi_done: consumers done with the epilogue's tiles (with clusters, every CTA's:
-        # the partner's multicast copies refill the overlaid slots too)
-        _common.cluster_barrier(clusters, num_arrivals=cons),
+        plgpu.Barrier(num_arrivals=cons),  # epi_done: consumers done with the epilogue's tiles
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
     return _persistent_call(body, scratch, num_ctas, cons, out_types, config, interpret_mode)
@@ -996,10 +947,8 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
 
 def _persistent_call(body, scratch, num_ctas: int, consumers: int, out_types, config: DHConfig,
                      interpret_mode):
-    """`plgpu.kernel` of a persistent dH body: `num_ctas` CTAs (with `config.cluster_m`,
-    clusters of that many CTAs) of `consumers` consumer warpgroups and one producer, Lane
-    semantics."""
-    clusters = config.cluster_m
+    """`plgpu.kernel` of a persistent dH body: `num_ctas` CTAs of `consumers` consumer
+    warpgroups and one producer, Lane semantics."""
     return plgpu.kernel(
         body,
         kernel_name="moe_dh",
@@ -1007,7 +956,6 @@ def _persistent_call(body, scratch, num_ctas: int, consumers: int, out_types, co
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("cta",),
-        **_common.cluster_grid(clusters),
         num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
