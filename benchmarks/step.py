@@ -50,7 +50,7 @@ from benchmarks.forward import (
 )
 from benchmarks.layer import dense_bound_fns, gemm_bound_fn
 from pallas_moe.kernels import KernelConfig
-from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
+from pallas_moe.kernels.moe_backward import dh_split_gemm_config
 from pallas_moe.kernels.moe_forward import (PINGPONG_DOWN, default_device_kind, default_num_sms,
                                             pingpong_down_config, split_m_up_config)
 from pallas_moe.nn.functional import router_logits
@@ -289,9 +289,8 @@ CONFIG_FLAGS = {
     # session 62, opt-in): at d >= 4096 the default split's GEMM; below, where the default
     # is the fused kernel, the same split forced (the up-proj's 128 x 256 items, 4 stages).
     "split-dh-bf16": lambda c, n: dataclasses.replace(c, backward=dataclasses.replace(
-        c.backward, dh_da_dtype="bfloat16", dh_gemm=c.backward.dh_gemm or GroupedMatmulConfig(
-            block_m=128, block_n=256, num_stages=4, out_slabs=1,
-            num_sms=c.backward.dh.persistent_ctas))),
+        c.backward, dh_da_dtype="bfloat16",
+        dh_gemm=c.backward.dh_gemm or dh_split_gemm_config(c.backward.dh.persistent_ctas))),
     # The down-proj as the 128-row ping-pong where session 61 made split-M items 256 columns
     # wide the default (n >= 768: long K loops).
     "pingpong-down": lambda c, n: dataclasses.replace(c, forward=dataclasses.replace(

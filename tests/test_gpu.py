@@ -789,8 +789,7 @@ def test_dh_split_writes_the_fused_kernels_bits(shape):
     loader; skewed routing with an empty expert, poisoned outputs, fresh random data, and
     bitwise on repeat."""
     from pallas_moe.kernels.dh import dh_kernel, dh_split
-    from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
-    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.moe_backward import BackwardConfig, dh_split_gemm_config
 
     T, d, n, E, K = shape
     args, rows = _dh_problem(shape, T + d + n + 9, empty_expert=3)
@@ -798,8 +797,7 @@ def test_dh_split_writes_the_fused_kernels_bits(shape):
     nbytes = args[1].shape[0] * (3 * n * 2 + n * 4)
     _poison(nbytes)
     fused = [np.asarray(o) for o in jax.jit(lambda *a: dh_kernel(*a, config=cfg.dh))(*args)]
-    base = cfg.dh_gemm or GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4,
-                                              out_slabs=1, num_sms=cfg.dh.persistent_ctas)
+    base = cfg.dh_gemm or dh_split_gemm_config(cfg.dh.persistent_ctas)
     assert (d >= 4096) == (cfg.dh_gemm is not None)
     for gemm in (base, dataclasses.replace(base, num_sms=7),
                  dataclasses.replace(base, gather_completion="mbarrier"),
@@ -826,15 +824,14 @@ def test_dh_split_with_bf16_da_rounds_only_da(shape):
     fused kernel's tolerance of it; skewed routing with an empty expert, poisoned outputs,
     fresh random data, bitwise on repeat."""
     from pallas_moe.kernels.dh import dh_split, dswiglu_rows
-    from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig, grouped_matmul
-    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.grouped_gemm import grouped_matmul
+    from pallas_moe.kernels.moe_backward import BackwardConfig, dh_split_gemm_config
 
     T, d, n, E, K = shape
     args, rows = _dh_problem(shape, T + d + n + 11, empty_expert=3)
     grad_out, h, token_ids, group_sizes, scores, w2 = args
     cfg = BackwardConfig.for_shape(d, n)
-    gemm = cfg.dh_gemm or GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4,
-                                              out_slabs=1, num_sms=cfg.dh.persistent_ctas)
+    gemm = cfg.dh_gemm or dh_split_gemm_config(cfg.dh.persistent_ctas)
     nbytes = h.shape[0] * (3 * n * 2 + n * 4)
     f = jax.jit(lambda *a: dh_split(*a, gemm=gemm, da_dtype=jnp.bfloat16))
     _poison(nbytes)

@@ -23,7 +23,7 @@ import pallas_moe as pm
 from pallas_moe.kernels.dh import DHConfig, dh_kernel
 from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
-from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
+from pallas_moe.kernels.moe_backward import BackwardConfig, dh_split_gemm_config, moe_backward
 from pallas_moe.kernels.reference import moe_forward_reference, up_proj_reference
 from pallas_moe.kernels.weight_grad import WeightGradConfig, weight_grad
 from pallas_moe.ops.minimal_backward import dswiglu, moe_ffn_backward
@@ -1245,8 +1245,7 @@ def test_split_dh_with_bf16_da_lowers_for_cuda(shape):
     (8 bytes a thread at n = 512, 4 at n = 256); at 7B forced (its default is fused)."""
     T, d, n, E, K = shape
     config = BackwardConfig.for_shape(d, n)
-    gemm = config.dh_gemm or GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4,
-                                                 out_slabs=1, num_sms=132)
+    gemm = config.dh_gemm or dh_split_gemm_config(132)
     config = dataclasses.replace(config, dh_gemm=gemm, dh_da_dtype="bfloat16")
     f = jax.jit(functools.partial(moe_backward, interpret=False, config=config))
     text = f.trace(*_abstract_args(T, d, n, E, K)).lower(lowering_platforms=("cuda",)).as_text()

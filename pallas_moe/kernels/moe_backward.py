@@ -159,8 +159,7 @@ class BackwardConfig:
         # rule on an H200 (not measured there; its faster HBM makes the pass cheaper).
         dh_gemm = None
         if d >= 4096 and n % 256 == 0:
-            dh_gemm = GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4,
-                                          out_slabs=1, num_sms=num_sms, gather=gather)
+            dh_gemm = dh_split_gemm_config(num_sms, gather)
         # Weight gradients: measured on the H100 (benchmarks/RESULTS.md, 7B sweep), a CTA
         # tile of 256 x 128 with 2 consumers beats 128 x 128 by ~20%; the output tile reuses
         # the pipeline's SMEM, which leaves room for 4 stages of 48 KB. (Session 23's
@@ -210,6 +209,15 @@ class BackwardConfig:
             aggregate=ForwardConfig.for_shape(d, n).aggregate,
         )
         return dataclasses.replace(cfg, **overrides)
+
+
+def dh_split_gemm_config(num_sms: int, gather: str = "cp_async") -> GroupedMatmulConfig:
+    """The split dH's GEMM (`BackwardConfig.dh_gemm`) as `for_shape` sets it where it splits
+    dH: the up-proj's 128 x 256 items, 4 stages of 48 KB beside one staged output slab per
+    consumer, `num_sms` persistent CTAs. Also what benchmarks and tests force where the
+    default keeps the fused kernel."""
+    return GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4, out_slabs=1,
+                               num_sms=num_sms, gather=gather)
 
 
 def _persistent_weight_grad(config: WeightGradConfig, gathered: str,

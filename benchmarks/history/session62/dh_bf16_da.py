@@ -26,8 +26,7 @@ from benchmarks.forward import SHAPES as FORWARD_SHAPES
 from benchmarks.forward import interleaved_times_ms
 from pallas_moe.kernels import _common
 from pallas_moe.kernels.dh import dh_kernel, dh_split
-from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
-from pallas_moe.kernels.moe_backward import BackwardConfig
+from pallas_moe.kernels.moe_backward import BackwardConfig, dh_split_gemm_config
 
 names = (sys.argv[1] if len(sys.argv) > 1 else "30b,qwen3-30b-a3b,7b").split(",")
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
@@ -50,8 +49,7 @@ for name in names:
     print(f"== {name} {shape} (default: {default}): fused vs XLA dH "
           f"{rel_err(ref[0], r_dh, rows):.1e} A' {rel_err(ref[1], r_ap, rows):.1e} "
           f"dS {rel_err(ref[2], r_ds):.1e}", flush=True)
-    gemm = cfg.dh_gemm or GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4,
-                                              out_slabs=1)
+    gemm = cfg.dh_gemm or dh_split_gemm_config(cfg.dh.persistent_ctas)
     gmeta = jax.jit(lambda gs: _common.aligned_tile_meta(gs, P, gemm.tile_rows))(plan.group_sizes)
     variants = [("fused", fused)]
     for label, dtype in (("split f32", jnp.float32), ("split bf16", jnp.bfloat16)):
