@@ -398,15 +398,17 @@ def run_shape(name, shape, log, sweep_kind: str):
     poison_then(jax.jit(build_dh(base.dh)), *dh_args, nbytes=P * 3 * n * 2)
     (t_dh, c_dh), res["dh_sweep"] = sweep("dH", dh_cfgs, build_dh, dh_args, check_dh,
                                           2 * P * n * d, log)
-    if base.dh_gemm is not None:  # the default splits dH in two (d >= 4096): time that too
+    if base.dh_gemm is not None:  # the default splits dH in two (d >= 2048): time that too
         split_meta = jax.jit(lambda g: _common.aligned_tile_meta(g, P, base.dh_gemm.tile_rows))(
             plan.group_sizes)
         split = jax.jit(lambda *a: dh_split(*a, gemm=base.dh_gemm, meta=split_meta,
                                             pad_rows_to=base.dh.pad_rows_to,
-                                            approx_math=base.dh.approx_math, **interp))
+                                            approx_math=base.dh.approx_math,
+                                            da_dtype=base.dh_da_dtype, **interp))
         res["err_dh_split"] = check_dh(poison_then(split, *dh_args, nbytes=P * 5 * n * 2))
         res["dh_split_us"] = gpu_time_ms(split, *dh_args) * 1e3
-        log(f"  dH split (the default: {base.dh_gemm}): {res['dh_split_us']:.1f} us, "
+        log(f"  dH split (the default: {base.dh_gemm}, dA' {base.dh_da_dtype}): "
+            f"{res['dh_split_us']:.1f} us, "
             f"{2 * P * n * d / res['dh_split_us'] / 1e6:.0f} TFLOP/s, err {res['err_dh_split']:.1e}")
 
     p64 = -(-P // 64) * 64

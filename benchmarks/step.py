@@ -282,14 +282,20 @@ CONFIG_FLAGS = {
     "lag1-forward": lambda c, n: _replace(_replace(c, "up", wgmma_lag=1), "down", wgmma_lag=1),
     # The down-proj and dX~ on clusters of two CTAs sharing each weight tile (session 49).
     "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
-    # The fused dH kernel where the default splits dH in two (d >= 4096 since session 60).
-    "fused-dh": lambda c, n: dataclasses.replace(
-        c, backward=dataclasses.replace(c.backward, dh_gemm=None)),
+    # The fused dH kernel where the default splits dH in two (d >= 4096 since session 60,
+    # d >= 2048 since session 63).
+    "fused-dh": lambda c, n: dataclasses.replace(c, backward=dataclasses.replace(
+        c.backward, dh_gemm=None, dh_da_dtype="float32")),
     # dH split in two with dA' in bf16 between its kernels (`BackwardConfig.dh_da_dtype`,
-    # session 62, opt-in): at d >= 4096 the default split's GEMM; below, where the default
-    # is the fused kernel, the same split forced (the up-proj's 128 x 256 items, 4 stages).
+    # the default where it splits since session 63): below d = 2048, where the default is
+    # the fused kernel, the same split forced (the up-proj's 128 x 256 items, 4 stages).
     "split-dh-bf16": lambda c, n: dataclasses.replace(c, backward=dataclasses.replace(
         c.backward, dh_da_dtype="bfloat16",
+        dh_gemm=c.backward.dh_gemm or dh_split_gemm_config(c.backward.dh.persistent_ctas))),
+    # The same split with dA' in f32 (dH and A' the fused kernel's bits): the default at
+    # d >= 4096 from session 60 to 62.
+    "split-dh-f32": lambda c, n: dataclasses.replace(c, backward=dataclasses.replace(
+        c.backward, dh_da_dtype="float32",
         dh_gemm=c.backward.dh_gemm or dh_split_gemm_config(c.backward.dh.persistent_ctas))),
     # The down-proj as the 128-row ping-pong where session 61 made split-M items 256 columns
     # wide the default (n >= 768: long K loops).

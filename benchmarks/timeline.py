@@ -555,7 +555,7 @@ def main():
             if base in UNPROFILED and not (args.run_only or args.plain):
                 raise ValueError(f"kernel {kernel!r} marks no regions for the profiler: run it "
                                  "with --run-only (Nsight Compute) or --plain")
-            split_gemm = bcfg.dh_gemm or GroupedMatmulConfig(  # the split below d = 4096 too
+            split_gemm = bcfg.dh_gemm or GroupedMatmulConfig(  # the split below d = 2048 too
                 block_m=128, block_n=256 if n % 256 == 0 else 128, num_stages=4, out_slabs=1)
             cfg = {"up": fcfg.up, "dh": bcfg.dh, "down": fcfg.down, "dx": bcfg.dx,
                    "decode": DecodeConfig.for_shape(d, n), "dw1": bcfg.dw_gate_up,
@@ -615,13 +615,16 @@ def main():
                 tiles = meta.num_tiles
                 ctas = cfg.persistent_ctas
                 regions = 8 * (-(-tiles // ctas)) + 8
-            elif base == "dhsplit":  # dA' = dO[tok] @ W2^T (f32), then the dSwiGLU row pass
+            elif base == "dhsplit":  # dA' = dO[tok] @ W2^T, then the dSwiGLU row pass
                 h = jax.random.normal(jax.random.key(5), (plan.capacity, 2 * n),
                                       jnp.float32).astype(jnp.bfloat16)
                 go = jax.random.normal(jax.random.key(6), (T, d), jnp.float32).astype(jnp.bfloat16)
 
-                def f(go, h, tok, g, s, w, cfg=cfg):
-                    return dh_split(go, h, tok, g, s, w, gemm=cfg)
+                # dA' in the default split's dtype (bf16 where `for_shape` splits dH)
+                da_dtype = bcfg.dh_da_dtype if bcfg.dh_gemm is not None else "bfloat16"
+
+                def f(go, h, tok, g, s, w, cfg=cfg, da_dtype=da_dtype):
+                    return dh_split(go, h, tok, g, s, w, gemm=cfg, da_dtype=da_dtype)
 
                 fargs = (go, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
             elif base in UNPROFILED:  # dW1 = X[tok]^T dH, dW2 = A'^T dO[tok] (varlen K)

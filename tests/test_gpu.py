@@ -781,8 +781,9 @@ def test_dh_configs_write_the_same_bits(shape):
     "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8), (4000, 2048, 768, 32, 8)],
     ids=["30b_widths", "7b_widths", "qwen3_widths"])
 def test_dh_split_writes_the_fused_kernels_bits(shape):
-    """dH split in two (`dh_split`: the gathered bf16 grouped GEMM writing dA' in f32, then
-    the dSwiGLU row pass; the default at d >= 4096 since session 60) writes the fused
+    """dH split in two with dA' in f32 (`dh_split`: the gathered bf16 grouped GEMM writing
+    dA' in f32, then the dSwiGLU row pass; `for_shape`'s split at d >= 2048 rounds dA' to
+    bf16 since session 63, `dh_da_dtype="float32"` keeps f32) writes the fused
     kernel's dH and A' bit for bit on every real row, dS within 1e-5 of it (another
     summation order) and 0 on padding, under the GEMM's default (the SM count of CTAs,
     cp.async rows published by `wait_group`), 7 CTAs, `mbarrier` publishing and the TMA row
@@ -798,7 +799,7 @@ def test_dh_split_writes_the_fused_kernels_bits(shape):
     _poison(nbytes)
     fused = [np.asarray(o) for o in jax.jit(lambda *a: dh_kernel(*a, config=cfg.dh))(*args)]
     base = cfg.dh_gemm or dh_split_gemm_config(cfg.dh.persistent_ctas)
-    assert (d >= 4096) == (cfg.dh_gemm is not None)
+    assert (d >= 2048) == (cfg.dh_gemm is not None)
     for gemm in (base, dataclasses.replace(base, num_sms=7),
                  dataclasses.replace(base, gather_completion="mbarrier"),
                  dataclasses.replace(base, gather="tma")):
@@ -818,11 +819,11 @@ def test_dh_split_writes_the_fused_kernels_bits(shape):
     "shape", [(3000, 4096, 512, 16, 4), (6000, 1536, 256, 32, 8), (4000, 2048, 768, 32, 8)],
     ids=["30b_widths", "7b_widths", "qwen3_widths"])
 def test_dh_split_with_bf16_da_rounds_only_da(shape):
-    """dH split with dA' in bf16 (`BackwardConfig.dh_da_dtype`, opt-in since session 62):
-    the GEMM writes its f32 accumulator rounded to bf16, so dH and dS are the row pass's on
-    the f32 split's dA' rounded, bit for bit, and A' is the f32 split's; dH within the
-    fused kernel's tolerance of it; skewed routing with an empty expert, poisoned outputs,
-    fresh random data, bitwise on repeat."""
+    """dH split with dA' in bf16 (`BackwardConfig.dh_da_dtype`, `for_shape`'s at d >= 2048
+    since session 63): the GEMM writes its f32 accumulator rounded to bf16, so dH and dS are
+    the row pass's on the f32 split's dA' rounded, bit for bit, and A' is the f32 split's;
+    dH within the fused kernel's tolerance of it; skewed routing with an empty expert,
+    poisoned outputs, fresh random data, bitwise on repeat."""
     from pallas_moe.kernels.dh import dh_split, dswiglu_rows
     from pallas_moe.kernels.grouped_gemm import grouped_matmul
     from pallas_moe.kernels.moe_backward import BackwardConfig, dh_split_gemm_config

@@ -1177,14 +1177,14 @@ def test_dh_split_writes_the_fused_kernels_bits(plan_kw):
 
 @pytest.mark.parametrize("da_dtype", ["float32", "bfloat16"])
 def test_backward_with_split_dh(da_dtype):
-    """The whole backward with dH split in two (what `for_shape` picks at d >= 4096, here
-    forced at small widths), dA' in f32 (the default) or bf16 (`dh_da_dtype`), against
+    """The whole backward with dH split in two (what `for_shape` picks at d >= 2048, here
+    forced at small widths), dA' in bf16 (`for_shape`'s) or f32 (`dh_da_dtype`), against
     `moe_ffn_backward`: a token-rounding plan (padding rows) with an empty expert (zero
     weight gradients), dS 0 on padding; then with the metadata from `plan_schedules` (the
     GEMM's aligned 128-row tiles), bitwise the same."""
     problem = make_problem(35, 60, 128, 256, 4, 2, router="token_rounding", empty=(2,))
     config = BackwardConfig.for_shape(128, 256, num_sms=4)
-    assert config.dh_gemm is None  # d < 4096: the fused kernel by default
+    assert config.dh_gemm is None  # d < 2048: the fused kernel by default
     config = dataclasses.replace(config, dh_da_dtype=da_dtype, dh_gemm=GroupedMatmulConfig(
         block_m=128, block_n=128, num_stages=3, num_sms=4))
     got = check_backward(problem, config)
@@ -1213,23 +1213,32 @@ def test_split_dh_with_a_plan_that_dropped_every_row():
 
 
 def test_split_dh_is_picked_where_measured_and_validated():
-    """`for_shape` splits dH at d >= 4096 (30B: 1.150x the fused kernel on the H100,
-    session 60) with the up-proj's 128 x 256 items; not at 7B (0.866x) or Qwen3's d = 2048
-    (0.979x). A config the gathered mode cannot run is refused naming the field."""
+    """`for_shape` splits dH at d >= 2048 with the up-proj's 128 x 256 items and dA' in
+    bf16 (on the H100, session 63: 30B 1.235x the fused kernel, Qwen3's d = 2048 1.083x);
+    not at 7B (0.994x) or where 256 does not divide n. A config the gathered mode cannot
+    run is refused naming the field."""
     split = BackwardConfig.for_shape(4096, 512, num_sms=132).dh_gemm
     assert (split.block_m, split.block_n, split.num_stages, split.out_slabs,
             split.gather, split.num_sms) == (128, 256, 4, 1, "cp_async", 132)
+    assert split == dh_split_gemm_config(132)
     assert BackwardConfig.for_shape(4096, 512, gather="tma").dh_gemm.gather == "tma"
-    for d, n in ((1536, 256), (2048, 768), (4096, 384)):
-        assert BackwardConfig.for_shape(d, n).dh_gemm is None, (d, n)
+    for d, n in ((4096, 512), (2048, 768), (7168, 2048)):
+        cfg = BackwardConfig.for_shape(d, n)
+        assert cfg.dh_gemm is not None and cfg.dh_da_dtype == "bfloat16", (d, n)
+    for d, n in ((1536, 256), (1536, 1024), (4096, 384), (2880, 2880)):
+        cfg = BackwardConfig.for_shape(d, n)
+        assert cfg.dh_gemm is None and cfg.dh_da_dtype == "float32", (d, n)
+    # The fused dH asked for by name drops the split's dA' dtype; f32 dA' kept on request.
+    assert BackwardConfig.for_shape(4096, 512, dh_gemm=None).dh_da_dtype == "float32"
+    assert BackwardConfig.for_shape(4096, 512, dh_da_dtype="float32").dh_gemm == split
     for bad in (dict(block_m=64), dict(block_m=128, pingpong=True),
                 dict(block_m=128, cluster_m=2)):
         with pytest.raises(ValueError, match="dh_gemm runs the grouped GEMM's gathered mode"):
             BackwardConfig(dh_gemm=GroupedMatmulConfig(**bad))
     with pytest.raises(TypeError, match="dh_gemm must be a GroupedMatmulConfig or None"):
         BackwardConfig(dh_gemm=DHConfig())
-    # dA' in bf16 (opt-in): only for the split dH, and only the two dtypes.
-    assert BackwardConfig.for_shape(4096, 512).dh_da_dtype == "float32"
+    # The dA' dtype: only for the split dH, and only the two dtypes.
+    assert BackwardConfig(dh_gemm=split).dh_da_dtype == "float32"  # the field's default
     assert BackwardConfig(dh_gemm=split, dh_da_dtype="bfloat16").dh_da_dtype == "bfloat16"
     with pytest.raises(ValueError, match="dh_da_dtype must be 'float32' or 'bfloat16'"):
         BackwardConfig(dh_gemm=split, dh_da_dtype="float16")
@@ -1237,25 +1246,32 @@ def test_split_dh_is_picked_where_measured_and_validated():
         BackwardConfig(dh_da_dtype="bfloat16")
 
 
-@pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (24576, 1536, 256, 128, 8)],
-                         ids=["30b", "7b"])
-def test_split_dh_with_bf16_da_lowers_for_cuda(shape):
-    """dH split in two with dA' in bf16 (`dh_da_dtype`, opt-in) lowers for cuda at
-    production sizes: the gathered GEMM's bf16 output slabs, the row pass's bf16 dA' loads
-    (8 bytes a thread at n = 512, 4 at n = 256); at 7B forced (its default is fused)."""
+@pytest.mark.parametrize("shape,da_dtype", [((32768, 4096, 512, 128, 8), "float32"),
+                                            ((24576, 1536, 256, 128, 8), "bfloat16")],
+                         ids=["30b_f32", "7b_bf16"])
+def test_split_dh_forms_off_the_defaults_lower_for_cuda(shape, da_dtype):
+    """dH split in two in the forms `for_shape` does not pick lower for cuda at production
+    sizes: at 30B with dA' in f32 (`dh_da_dtype="float32"`: the GEMM's f32 output slabs, the
+    row pass's 16-byte f32 loads), at 7B forced with dA' in bf16 (its default is fused; 4-byte
+    bf16 loads a thread at n = 256)."""
     T, d, n, E, K = shape
     config = BackwardConfig.for_shape(d, n)
     gemm = config.dh_gemm or dh_split_gemm_config(132)
-    config = dataclasses.replace(config, dh_gemm=gemm, dh_da_dtype="bfloat16")
+    config = dataclasses.replace(config, dh_gemm=gemm, dh_da_dtype=da_dtype)
     f = jax.jit(functools.partial(moe_backward, interpret=False, config=config))
     text = f.trace(*_abstract_args(T, d, n, E, K)).lower(lowering_platforms=("cuda",)).as_text()
     assert "moe_dh_gemm" in text and "moe_dh_rows" in text
 
 
-def test_split_dh_lowers_for_cuda_30b():
-    """The 30B backward's default, dH split in two, lowers for cuda at production sizes
-    (the gathered GEMM's 4 stages of 48 KB beside one f32 output slab per consumer, then
-    the row pass with 16-byte f32 loads)."""
-    config = BackwardConfig.for_shape(4096, 512)
-    assert config.dh_gemm is not None
-    _lower_for_cuda(32768, 4096, 512, 128, 8)
+@pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (32768, 2048, 768, 128, 8)],
+                         ids=["30b", "qwen3_30b_a3b"])
+def test_split_dh_lowers_for_cuda(shape):
+    """The backward's default at d >= 2048, dH split in two with dA' in bf16, lowers for
+    cuda at production sizes (the gathered GEMM's 4 stages of 48 KB beside one bf16 output
+    slab per consumer, then the row pass's bf16 dA' loads: 8 bytes a thread at n = 512, 4
+    at n = 768)."""
+    T, d, n, E, K = shape
+    config = BackwardConfig.for_shape(d, n)
+    assert config.dh_gemm is not None and config.dh_da_dtype == "bfloat16"
+    text = _lower_for_cuda(*shape).as_text()
+    assert "moe_dh_gemm" in text and "moe_dh_rows" in text

@@ -12,14 +12,14 @@ computed by the spec's own `apply` / `grad_halves`, the formula of the `xla` bac
 the saved biased pre-activation, so the up-proj bias needs nothing here; the down-proj
 bias's term of dS, `<dO[tok[r]], b2[e]>`, is added by `moe_backward` (`bias_grad`).
 
-Two ways to compute them, chosen by `BackwardConfig.dh_gemm` (`for_shape`: the split at
-d >= 4096, where it measured 1.150x at 30B; the fused kernel below, where the split was
-0.979x at d = 2048 and 0.866x at 7B):
+Two ways to compute them, chosen by `BackwardConfig.dh_gemm` (`for_shape`: the split with
+dA' in bf16 at d >= 2048, where it measured 1.235x at 30B and 1.083x at d = 2048; the fused
+kernel below, where it was 0.994x at 7B):
 - `dh_kernel`, one fused kernel: dA' stays in registers and the dSwiGLU is its epilogue.
-- `dh_split`, two kernels: the grouped GEMM's gathered mode writes dA' in f32 with the
-  up-proj's 128 x 256 items (no epilogue math beside their 128-register accumulators), then
-  `dswiglu_rows` runs the same epilogue math per row at copy speed. dH and A' are the fused
-  kernel's bits.
+- `dh_split`, two kernels: the grouped GEMM's gathered mode writes dA' (bf16, or f32 with
+  `BackwardConfig.dh_da_dtype`) with the up-proj's 128 x 256 items (no epilogue math beside
+  their 128-register accumulators), then `dswiglu_rows` runs the same epilogue math per row
+  at copy speed. With dA' in f32, dH and A' are the fused kernel's bits; in bf16, A' is.
 
 The fused kernel, `_dh_persistent`: `DHConfig.persistent_ctas` persistent CTAs walk the work
 items. An item is one (row tile, column block) pair, as in the up-proj: a row tile holds at
@@ -591,8 +591,8 @@ def dh_split(
     The fused kernel (`dh_kernel`) keeps dA' in registers, so its 64-row items keep each
     consumer's accumulator small enough for the dSwiGLU beside it; the GEMM here runs the
     up-proj's 128 x 256 items instead (each W2 byte staged in SMEM feeds 128 rows), at the
-    price of writing dA' in f32 and reading it back. `BackwardConfig.for_shape` picks it
-    where that measured faster (benchmarks/RESULTS.md, session 60). dA' is the fused
+    price of writing dA' and reading it back. `BackwardConfig.for_shape` picks it, with dA'
+    in bf16, where that measured faster (benchmarks/RESULTS.md, sessions 60 and 63). dA' is the fused
     kernel's accumulator bit for bit (the same K order per output element), so dH and A'
     are the fused kernel's bits; dS sums each row in another order (f32 rounding apart).
     With `da_dtype=bfloat16` the GEMM rounds dA' to bf16 (half the bytes written and read

@@ -1,8 +1,8 @@
 """Backward of one MoE layer through the Mosaic GPU kernels (docs/math.md, without Y).
 
     dH, A', dS = dh_kernel(dO, H, plan)       gather of dO fused into the load, dSwiGLU epilogue
-                 (or, d >= 4096: dh_split, the gathered GEMM dA' = dO[tok] W2^T in f32,
-                 then the dSwiGLU row pass)
+                 (or, d >= 2048: dh_split, the gathered GEMM dA' = dO[tok] W2^T rounded
+                 to bf16, then the dSwiGLU row pass)
     dW2        = weight_grad(A', dO)          varlen-K, gather of dO fused into the load
     dW1        = weight_grad(X, dH)           varlen-K, gather of X fused into the load
     dX~        = dx_rows(dH, W1)              varlen-M grouped GEMM, dX~ transient
@@ -57,9 +57,10 @@ class BackwardConfig:
     # f32, then the dSwiGLU row pass (with `dh.approx_math` and `dh.pad_rows_to`); None runs
     # the fused dH kernel with `dh`.
     dh_gemm: GroupedMatmulConfig | None = None
-    # dA' between the split dH's two kernels: "float32" (default; dH and A' bitwise the
-    # fused kernel's) or "bfloat16" (half its bytes written and read back; dH from the
-    # rounded dA'). Opt-in until measured; only with `dh_gemm`.
+    # dA' between the split dH's two kernels: "float32" (dH and A' bitwise the fused
+    # kernel's) or "bfloat16" (half its bytes written and read back; dH and dS from the
+    # rounded dA', A' unchanged; `for_shape`'s choice wherever it splits dH, measured
+    # faster in session 63). Only with `dh_gemm`: the fused kernel keeps dA' in registers.
     dh_da_dtype: str = "float32"
     dw_down: WeightGradConfig = WeightGradConfig()  # dW2 = A'^T dO: M = n, N = d (gathered)
     dw_gate_up: WeightGradConfig = WeightGradConfig()  # dW1 = X^T dH: M = d (gathered), N = 2n
@@ -76,7 +77,8 @@ class BackwardConfig:
             if self.dh_da_dtype != "float32":
                 raise ValueError(
                     f"dh_da_dtype={self.dh_da_dtype!r} is the split dH's intermediate: it "
-                    "needs dh_gemm (None runs the fused dH, which keeps dA' in registers)."
+                    "needs dh_gemm (None runs the fused dH, which keeps dA' in registers; "
+                    "pass dh_da_dtype='float32' with dh_gemm=None)."
                 )
             return
         if not isinstance(gemm, GroupedMatmulConfig):
@@ -102,7 +104,8 @@ class BackwardConfig:
         the device's SM count). `gather`: the row loader of dH and both weight gradients,
         "cp_async" (default) or "tma" (see `DHConfig.gather`). `device_kind`: the GPU the
         defaults are tuned for (default: the default device's `device_kind`); an H200 gets
-        its own measured choices. `overrides` may replace any of the five configs.
+        its own measured choices. `overrides` may replace any of the five configs or
+        `dh_da_dtype` (`dh_gemm=None`, the fused dH, implies `dh_da_dtype="float32"`).
         """
         if num_sms is None:
             num_sms = default_num_sms()
@@ -150,16 +153,23 @@ class BackwardConfig:
             dh, gather_completion="wait_group",
             persistent_ctas=num_sms, h_loader="cp_async",
         )
-        # Long K loops (d >= 4096): dH split in two, the up-proj's 128 x 256 items writing
-        # dA' in f32, then the dSwiGLU as a pass at copy speed. Measured on the H100
-        # (session 60, `history/session60/dh_split.py`, 2 paired rounds, dH and A' bitwise
-        # the fused kernel's): 30B 2638.8 -> 2295.4 us (1.150x; GEMM 1660 us, 662 TFLOP/s;
-        # pass 616 us, 3.05 TB/s), Qwen3-30B-A3B widths (d = 2048) 0.979x, 7B 0.866x. Four
-        # stages of 48 KB beside one staged 64-column f32 output slab per consumer. The same
-        # rule on an H200 (not measured there; its faster HBM makes the pass cheaper).
-        dh_gemm = None
-        if d >= 4096 and n % 256 == 0:
-            dh_gemm = dh_split_gemm_config(num_sms, gather)
+        # Long K loops (d >= 2048): dH split in two, the up-proj's 128 x 256 items writing
+        # dA' rounded to bf16, then the dSwiGLU as a pass at copy speed. Measured on the
+        # H100: session 60 (`history/session60/dh_split.py`, 2 paired rounds) with dA' in
+        # f32 (dH and A' bitwise the fused kernel's): 30B 2638.8 -> 2295.4 us (1.150x; GEMM
+        # 1660 us, 662 TFLOP/s; pass 616 us, 3.05 TB/s), Qwen3-30B-A3B widths (d = 2048)
+        # 0.979x, 7B 0.866x. Session 63 (`history/session62/dh_bf16_da.py`, 2 paired
+        # rounds), dA' in bf16 against the fused kernel: 30B 1.235x (the f32 split 1.154x),
+        # Qwen3-30B-A3B widths 1.083x (f32 0.973x), 7B 0.994x (f32 0.868x); in the training
+        # step's profiles dH 2.331 -> 2.157 ms at 30B, 1.214 -> 1.090 at Qwen3 widths. dH
+        # from the rounded dA' has one more bf16 rounding than the fused kernel's (0.28%
+        # against the XLA reference, 0.01% with dA' in f32): the rounding an unfused bf16
+        # backward makes; `dh_da_dtype="float32"` keeps the fused kernel's bits. Four stages
+        # of 48 KB beside one staged 64-column output slab per consumer. The same rule on an
+        # H200 (not measured there; its faster HBM makes the pass cheaper).
+        dh_gemm, dh_da_dtype = None, "float32"
+        if d >= 2048 and n % 256 == 0:
+            dh_gemm, dh_da_dtype = dh_split_gemm_config(num_sms, gather), "bfloat16"
         # Weight gradients: measured on the H100 (benchmarks/RESULTS.md, 7B sweep), a CTA
         # tile of 256 x 128 with 2 consumers beats 128 x 128 by ~20%; the output tile reuses
         # the pipeline's SMEM, which leaves room for 4 stages of 48 KB. (Session 23's
@@ -203,11 +213,14 @@ class BackwardConfig:
         cfg = cls(
             dh=dh,
             dh_gemm=dh_gemm,
+            dh_da_dtype=dh_da_dtype,
             dw_down=dw_down,
             dw_gate_up=dw_gate_up,
             dx=_dx_config(d, n, num_sms, device_kind),
             aggregate=ForwardConfig.for_shape(d, n).aggregate,
         )
+        if "dh_gemm" in overrides and overrides["dh_gemm"] is None:
+            overrides.setdefault("dh_da_dtype", "float32")  # the fused dH has no dA' dtype
         return dataclasses.replace(cfg, **overrides)
 
 
