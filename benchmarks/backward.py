@@ -216,13 +216,9 @@ def configs_for(d, n, sweep: str):
         # Session 49: dX~ on clusters of two CTAs sharing each weight tile by multicast
         # (`GroupedMatmulConfig.cluster_m=2`; the bitwise checks compare it to the default).
         dx.append(dataclasses.replace(base.dx, cluster_m=2))
-        # Session 50: both weight gradients on clusters of two neighbouring tiles sharing
-        # each contiguous K-block (`WeightGradConfig.cluster_m=2`; dropped below where the
-        # gathered side has no neighbouring tile pairs). (dH's clusters, 0.90-1.00x on the
-        # H100 in session 51, were removed in session 62.)
-        for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
-            if cfg.persistent_ctas and cfg.persistent_ctas % 2 == 0:
-                lst.append(dataclasses.replace(cfg, cluster_m=2))
+        # (dH's clusters, 0.90-1.00x on the H100 in session 51, were removed in session 62;
+        # the weight gradients' (`WeightGradConfig.cluster_m=2`, session 50: 0.98-1.02x in
+        # session 51) in session 63.)
     if sweep == "lag":
         # Session 51: each kernel with every slot released as soon as its own K step's
         # wgmmas are done (`wgmma_lag=0`: one more stage loading; 3 stages instead of 4 cost
@@ -331,12 +327,8 @@ def configs_for(d, n, sweep: str):
     ok = lambda c, *dims: all(dim % m == 0 for dim, m in dims)
     cons = lambda c: c.num_consumers
     dh = [c for c in dh if ok(c, (n, item_cols(c)))]
-    # (A weight-gradient cluster's two tiles neighbour along the gathered side: dW2's d,
-    # dW1's d.)
-    dw2 = [c for c in dw2
-           if ok(c, (n, c.block_m * cons(c)), (d, c.block_n * c.cluster_m))]
-    dw1 = [c for c in dw1
-           if ok(c, (d, c.block_m * c.cluster_m), (2 * n, c.block_n * cons(c)))]
+    dw2 = [c for c in dw2 if ok(c, (n, c.block_m * cons(c)), (d, c.block_n))]
+    dw1 = [c for c in dw1 if ok(c, (d, c.block_m), (2 * n, c.block_n * cons(c)))]
     dx = [c for i, c in enumerate(dx) if ok(c, (d, c.block_n)) and c not in dx[:i]]
     return base, dh, dw2, dw1, dx
 

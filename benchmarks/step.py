@@ -305,10 +305,8 @@ CONFIG_FLAGS = {
     "split-m-192-gemm": lambda c, n: dataclasses.replace(
         c, forward=dataclasses.replace(c.forward, down=three_consumer_gemm(c.forward.down)),
         backward=dataclasses.replace(c.backward, dx=three_consumer_gemm(c.backward.dx))),
-    # Both weight gradients on clusters of two neighbouring tiles sharing each contiguous
-    # K-block (`WeightGradConfig.cluster_m=2`, session 50).
-    "cluster-wg": lambda c, n: _replace(_replace(c, "dw_down", cluster_m=2), "dw_gate_up",
-                                        cluster_m=2),
+    # (Session 63 removed "cluster-wg", both weight gradients on clusters of two CTAs
+    # sharing each contiguous K-block: 0.98-1.02x on the H100 in session 51.)
     # Split-M items of 192 rows, three consumers sharing each weight tile (session 49).
     "split-m-192-up": lambda c, n: _replace_up(
         c, split_m_up_config(default_num_sms(), n, rows=192)),

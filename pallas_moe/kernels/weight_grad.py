@@ -107,23 +107,15 @@ class WeightGradConfig:
         divide the chunk count. Fewer buffers leave room for another stage (at the 7B,
         30B and Qwen3 defaults, 4 stages beside one 16-KB buffer per consumer); before it
         rewrites a buffer the consumer waits until the store that last read it has read it.
-      cluster_m: 1 (default), or 2: persistent kernel only. The CTAs (an even
-        `persistent_ctas`) run as clusters of two that take two neighbouring output tiles
-        of one expert which read the same contiguous K-blocks (dW1: two consecutive row
-        blocks of X's columns beside one block of dH's; dW2: two consecutive column blocks
-        of dO's beside one block of A'), so their K loops are the same steps. Each asks
-        for the step's whole contiguous K-block with a cluster multicast copy, which the
-        hardware splits (each CTA loads half and both receive all): each contiguous byte
-        read from L2 feeds both tiles. A slot is refilled once the consumers of both CTAs
-        released it (`plgpu.ClusterBarrier`). Each CTA gathers its own rows' columns and
-        stores its own tile. Same products in the same order: bitwise the same result.
-        Interpret mode runs the same protocol with each CTA loading the whole block (it has
-        no multicast), so its tests check the barriers and the tile split, not the
-        multicast itself.
       wgmma_lag: when a consumer releases a K step's slot, 1 (default) or 0 (one more
         stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
         Same bits either way (session 51). Opt-in: on the H100 (session 52)
         dW2 0.985x, dW1 1.045x at 30B, inside the default's 6.6% spread (`docs/kernels.md`).
+
+    Session 63 removed `cluster_m` (neighbouring tiles of one expert on two CTAs of a cluster
+    sharing each contiguous K-block by TMA multicast: bitwise the default but 0.98-1.02x at
+    30B and 7B on the H100, session 51, paired: no gain;
+    `benchmarks/history/session63/weight_grad_clusters.patch` restores it).
     """
 
     block_m: int = 128
@@ -139,7 +131,6 @@ class WeightGradConfig:
     expert_major: bool = True
     persistent_ctas: int = 0
     output_chunks: int = 0
-    cluster_m: int = 1
     wgmma_lag: int = 1
 
 
@@ -273,21 +264,7 @@ def weight_grad(
     cta_n = bn * (cons if gathered == "lhs" else 1)
     _common.require_multiple("M (lhs.shape[1])", m_dim, cta_m, f"a CTA computes {cta_m} rows")
     _common.require_multiple("N (rhs.shape[1])", n_dim, cta_n, f"a CTA computes {cta_n} columns")
-    _common.require_cluster_m(config)
     _common.require_wgmma_lag(config)
-    if config.cluster_m == 2:
-        if config.persistent_ctas <= 0 or config.persistent_ctas % 2:
-            raise ValueError(
-                "config.cluster_m=2 (two CTAs sharing each contiguous K-block) needs the "
-                "persistent kernel with an even CTA count, got "
-                f"persistent_ctas={config.persistent_ctas}."
-            )
-        # The cluster's tiles neighbour along the gathered side's columns.
-        pair_name, pair_dim, pair_tile = (("M (lhs.shape[1])", m_dim, cta_m) if gathered == "lhs"
-                                          else ("N (rhs.shape[1])", n_dim, cta_n))
-        _common.require_multiple(pair_name, pair_dim, 2 * pair_tile,
-                                 "with cluster_m=2 a cluster computes two neighbouring tiles "
-                                 f"of {pair_tile}")
     smem = persistent_smem_bytes(config, gathered, jnp.dtype(out_dtype).itemsize)
     if config.persistent_ctas and smem > PERSISTENT_SMEM_BUDGET:
         raise ValueError(
@@ -371,15 +348,6 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     consumer (`output_chunks` of the tile's chunks, default all), whose TMA stores drain
     while the next item's K loop runs (before it rewrites a buffer, the consumer waits only
     until the store that last read it has read it).
-
-    Clusters (`config.cluster_m=2`, persistent only): the walkers are clusters of two CTAs,
-    an item is a pair of neighbouring tiles along the gathered side, and CTA `rank` of the
-    cluster computes tile `rank` of the pair. Both tiles read the same contiguous K-blocks
-    (the same expert, the same columns of dH or A'), so both CTAs walk the same steps; each
-    producer asks for the whole contiguous block with a multicast copy (half of each CTA's
-    block is written by the partner's copy), so `empty` is a cluster barrier that the
-    consumers of both CTAs arrive on, and each producer's final waits observe the last
-    partner-inclusive releases before it exits.
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
@@ -387,18 +355,13 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     chunks = (bm if gather_lhs else bn) // _CHUNK
     cta_m = bm * (1 if gather_lhs else cons)
     cta_n = bn * (cons if gather_lhs else 1)
-    clusters = config.cluster_m  # CTAs per cluster, sharing each contiguous K-block
-    # A cluster's tiles neighbour along the gathered side (dW1: M, dW2: N): they read the
-    # same contiguous columns. An item is the cluster's pair of tiles (one per CTA).
-    grid_m = m_dim // cta_m // (clusters if gather_lhs else 1)
-    grid_n = n_dim // cta_n // (1 if gather_lhs else clusters)
+    grid_m = m_dim // cta_m
+    grid_n = n_dim // cta_n
     num_tiles = grid_m * grid_n
     num_items = num_experts * num_tiles
     persistent = config.persistent_ctas > 0
     buffers = (config.output_chunks or chunks) if persistent else chunks  # output buffers
-    # Walkers of the item list: CTAs, or clusters of `clusters` CTAs.
-    num_ctas = min(config.persistent_ctas // clusters, num_items) if persistent else num_items
-    multicast = _common.cluster_multicast(clusters)  # collective axis of the contiguous copies
+    num_ctas = min(config.persistent_ctas, num_items) if persistent else num_items
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
     rows_per_warp = bk // 4
@@ -416,7 +379,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
         if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
             _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
-        cta = jax.lax.axis_index("cta")  # the walker: a CTA, or a cluster of `clusters`
+        cta = jax.lax.axis_index("cta")
         my_items = (num_items - cta + num_ctas - 1) // num_ctas  # >= 1: num_ctas <= items
 
         def item(j):  # (expert, first output row, first output column) of item j of this CTA
@@ -425,14 +388,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                 e, t = w // num_tiles, w % num_tiles
             else:
                 t, e = w // num_experts, w % num_experts
-            if clusters == 1:
-                return order_ref[e], (t // grid_n) * cta_m, (t % grid_n) * cta_n
-            # This CTA's tile of the cluster's pair: tile `rank` along the gathered side.
-            rank = _common.cluster_rank(clusters)
-            tm, tn = t // grid_n, t % grid_n
-            if gather_lhs:
-                return order_ref[e], (tm * clusters + rank) * cta_m, tn * cta_n
-            return order_ref[e], tm * cta_m, (tn * clusters + rank) * cta_n
+            return order_ref[e], (t // grid_n) * cta_m, (t % grid_n) * cta_n
 
         def k_blocks(expert):  # (first entry in ids_ref, K-blocks) of an expert's rows
             return off_ref[expert], off_ref[expert + 1] - off_ref[expert]
@@ -488,8 +444,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                         c_src = c_ref.at[pl.ds(k0, bk), pl.ds(n0, cta_n)]
                     else:  # [bk, C*bm] of A'
                         c_src = c_ref.at[pl.ds(k0, bk), pl.ds(m0, cta_m)]
-                    plgpu.copy_gmem_to_smem(c_src, c_smem.at[slot], full.at[slot],
-                                            collective_axes=multicast)
+                    plgpu.copy_gmem_to_smem(c_src, c_smem.at[slot], full.at[slot])
                     plgpu.barrier_wait(ids_bars.at[slot])
 
                     def per_warp(w):
@@ -628,9 +583,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
             ) + 1,
             num_barriers=stages,
         ),
-        # empty: the consumers (with clusters, those of both CTAs, whose multicast copies
-        # refill this slot)
-        _common.cluster_barrier(clusters, num_arrivals=cons, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty: the consumers
         plgpu.Barrier(num_barriers=stages),  # ids
         *([] if persistent else [plgpu.Barrier(num_arrivals=cons)]),  # done with the pipeline
         *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
@@ -642,7 +595,6 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
         scratch_types=scratch,
         grid=(num_ctas,),
         grid_names=("cta",),
-        **_common.cluster_grid(clusters),
         num_threads=cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
