@@ -46,7 +46,9 @@ from pallas_moe.kernels.dx import dx_rows
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
 from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
 from pallas_moe.kernels.moe_forward import aggregate_width
-from pallas_moe.kernels.weight_grad import WeightGradConfig, k_block_meta, weight_grad
+from pallas_moe.kernels.weight_grad import (
+    PERSISTENT_SMEM_BUDGET, WeightGradConfig, k_block_meta, persistent_smem_bytes, weight_grad,
+)
 from pallas_moe.nn.functional import router_logits
 from pallas_moe.ops.minimal_backward import dswiglu, moe_ffn_backward
 from pallas_moe.ops.xla import scan_row_tiles
@@ -310,6 +312,29 @@ def configs_for(d, n, sweep: str):
         dw2 += [rep(base.dw_down, num_stages=base.dw_down.num_stages - 1),
                 rep(base.dw_down, gather_completion="wait_group"),
                 rep(base.dw_down, persistent_ctas=0, output_chunks=0)]
+    if sweep == "persistent":
+        # Session 63: other tiles of the persistent weight gradients (the "full" sweep's
+        # alternatives below are the one-CTA-per-item kernel of sessions before 44). Each
+        # candidate keeps the default's persistent CTAs and loader and is kept only where
+        # its stages and output buffers fit in SMEM: wider gathered chunks (192 columns:
+        # each contiguous K-block feeds 1.5x the rows), narrower contiguous tiles with one
+        # more consumer, every output chunk buffered (3 stages), one stage fewer.
+        rep = dataclasses.replace
+        for lst, cfg, gathered in ((dw2, base.dw_down, "rhs"), (dw1, base.dw_gate_up, "lhs")):
+            if not cfg.persistent_ctas:
+                continue
+            wide = "block_n" if gathered == "rhs" else "block_m"  # the gathered side's width
+            narrow = "block_m" if gathered == "rhs" else "block_n"
+            candidates = [
+                rep(cfg, **{wide: 192}, num_stages=3),
+                rep(cfg, **{wide: 256}, num_stages=3),
+                rep(cfg, **{narrow: 64}, num_consumers=cfg.num_consumers * 2),
+                rep(cfg, **{narrow: 64}, **{wide: 256}),
+                rep(cfg, num_stages=3, output_chunks=0),
+                rep(cfg, num_stages=cfg.num_stages - 1),
+            ]
+            lst += [c for c in candidates
+                    if persistent_smem_bytes(c, gathered, 2) <= PERSISTENT_SMEM_BUDGET]
     if sweep == "full":
         dh += [dataclasses.replace(base.dh, block_n=128, num_stages=4, num_consumers=1),
                dataclasses.replace(base.dh, block_n=64, num_stages=4, num_consumers=2)]
@@ -491,7 +516,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "cluster", "rows", "lag", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "cluster", "rows", "lag", "persistent", "full"),
                     help="configs timed besides the defaults, on every shape (\"full\": its block-size "
                          "sweep on the first shape, \"previous\" on the rest; see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,

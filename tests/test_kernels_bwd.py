@@ -619,6 +619,25 @@ def test_persistent_weight_grads_lower_for_cuda(shape, gathered):
     _lower_weight_grad_for_cuda(shape, gathered, config)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8)],
+                         ids=["7b", "30b"])
+def test_persistent_sweep_weight_grads_lower_for_cuda(shape):
+    """Every weight-gradient candidate of `backward.py --sweep persistent` (session 63: other
+    persistent tiles, kept where `persistent_smem_bytes` says they fit) lowers for cuda at
+    production sizes, so a GPU run of the sweep times each instead of failing to compile."""
+    from benchmarks.backward import configs_for
+
+    _, d, n, _, _ = shape
+    base, _, dw2, dw1, _ = configs_for(d, n, "persistent")
+    assert dw2[0] == base.dw_down and dw1[0] == base.dw_gate_up
+    assert len(dw2) >= 5 and len(dw1) >= 5  # the default and its alternatives
+    for gathered, cfgs in (("rhs", dw2), ("lhs", dw1)):
+        for config in cfgs:
+            assert config.persistent_ctas > 0, config
+            _lower_weight_grad_for_cuda(shape, gathered, config)
+
+
 # ----------------------------------------------------------------------------- dX~
 
 

@@ -3,6 +3,18 @@
 #   A (~7 min, H100): issue 9: the new default (dH split with dA' in bf16 from d >= 2048)
 #      through its GPU tests, then the step against the previous defaults (`split-dh-f32`:
 #      30B's from session 60 to 62; `fused-dh`: Qwen3 widths'), paired over 3 rounds.
+#      (Ran as call 8; its tests then as calls 9-10.) Parts for the next session:
+#   B (~7 min, H100): issue 9: the persistent weight gradients' other tiles (`backward.py
+#      --sweep persistent`, built in session 63: 192/256-wide gathered chunks with 3 stages,
+#      64-wide contiguous tiles with twice the consumers, every output chunk buffered, one
+#      stage fewer; all lower for cuda) at 7B and 30B, 2 rounds. Adopt one only where it
+#      beats the default by more than the rounds' spread, then time the step paired.
+#   C (~6 min, H100): issue 9: the bf16-dA' split at the other d >= 4096 shapes, paired
+#      against `split-dh-f32`: (32768, 4096, 1024, 128, 8) and d = 7168 (w7168).
+#   D (~4 min, an H200 when one comes): issue 9: the same probe as session 62's part H on an
+#      H200, where the d >= 2048 rule was never measured (its faster HBM should help the
+#      split's row pass).
+# B first (it can move the 7B step, whose dW1 is its largest kernel), then C, then D.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 PART=${1:-A}
@@ -17,4 +29,17 @@ A)
     --out $OUT > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | grep -v "^ *{" | cut -c1-400 | tail -14
   grep "^|" $OUT/step.log | tail -8 ;;
+B)
+  timeout 540 python3 benchmarks/backward.py --shapes ${SHAPES:-7b,30b} --sweep persistent \
+    --rounds 2 --out $OUT > $OUT/backward.log 2>&1
+  echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^\||speed|paired" $OUT/backward.log | cut -c1-300 | tail -30 ;;
+C)
+  timeout 540 python3 benchmarks/step.py --shapes ${SHAPES:-120b,w7168} \
+    --variants topk/cp_async,topk/cp_async/split-dh-f32 --rounds 2 --out $OUT > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | grep -v "^ *{" | cut -c1-400 | tail -12
+  grep "^|" $OUT/step.log | tail -6 ;;
+D)
+  timeout 330 python3 benchmarks/history/session62/dh_bf16_da.py 30b,qwen3-30b-a3b,7b 2 \
+    > $OUT/dh_bf16_da.log 2>&1
+  echo "dh_bf16_da rc=$? at $(( $(date +%s) - T0 )) s"; tail -16 $OUT/dh_bf16_da.log | cut -c1-300 ;;
 esac
