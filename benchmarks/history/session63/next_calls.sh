@@ -14,7 +14,12 @@
 #   D (~4 min, an H200 when one comes): issue 9: the same probe as session 62's part H on an
 #      H200, where the d >= 2048 rule was never measured (its faster HBM should help the
 #      split's row pass).
-# B first (it can move the 7B step, whose dW1 is its largest kernel), then C, then D.
+#   E (~4 min, H100): issue 16: the grouped GEMM's clusters (`GroupedMatmulConfig.cluster_m=2`,
+#      opt-in) on today's split-M down-proj at n >= 768 (session 50 measured them against the
+#      old ping-pong: 1.035x at the Qwen3 widths, 0.84-0.92x elsewhere). Both lower for cuda
+#      (checked in session 63). Where they are still not faster, remove them (the up-proj's
+#      clusters, its default from d = 2880 to 4096, stay).
+# B first (it can move the 7B step, whose dW1 is its largest kernel), then C, E, then D.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 PART=${1:-A}
@@ -38,6 +43,10 @@ C)
     --variants topk/cp_async,topk/cp_async/split-dh-f32 --rounds 2 --out $OUT > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | grep -v "^ *{" | cut -c1-400 | tail -12
   grep "^|" $OUT/step.log | tail -6 ;;
+E)
+  timeout 540 python3 benchmarks/forward.py --shapes ${SHAPES:-qwen3-30b-a3b,30b-n1024} \
+    --up-sweep none --down-sweep cluster --no-baselines --rounds 2 --out $OUT > $OUT/forward.log 2>&1
+  echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^\||paired" $OUT/forward.log | cut -c1-300 | tail -20 ;;
 D)
   timeout 330 python3 benchmarks/history/session62/dh_bf16_da.py 30b,qwen3-30b-a3b,7b 2 \
     > $OUT/dh_bf16_da.log 2>&1
