@@ -318,6 +318,26 @@ def test_kernel_config_rejects_mismatched_approx_math():
         )
 
 
+def test_kernel_config_sets_the_split_dhs_da_dtype():
+    """`KernelConfig.for_shape(dh_da_dtype=...)`: None keeps `BackwardConfig.for_shape`'s
+    choice (bf16 where it splits dH, d >= 2048); "float32" keeps the split with dA' in f32;
+    below d = 2048 (the fused dH) only "float32" is valid, and "bfloat16" is refused naming
+    the field."""
+    from pallas_moe.kernels.config import KernelConfig
+
+    wide = KernelConfig.for_shape(4096, 512, num_sms=132)
+    assert wide.backward.dh_gemm is not None and wide.backward.dh_da_dtype == "bfloat16"
+    exact = KernelConfig.for_shape(4096, 512, num_sms=132, dh_da_dtype="float32")
+    assert exact.backward.dh_gemm == wide.backward.dh_gemm
+    assert exact.backward.dh_da_dtype == "float32"
+    narrow = KernelConfig.for_shape(1536, 256, num_sms=132, dh_da_dtype="float32")
+    assert narrow.backward.dh_gemm is None and narrow.backward.dh_da_dtype == "float32"
+    with pytest.raises(ValueError, match="dh_da_dtype='bfloat16' is the split dH's"):
+        KernelConfig.for_shape(1536, 256, num_sms=132, dh_da_dtype="bfloat16")
+    with pytest.raises(ValueError, match="dh_da_dtype must be"):
+        KernelConfig.for_shape(4096, 512, num_sms=132, dh_da_dtype="float16")
+
+
 def test_identical_kernels_share_one_hash_and_compilation(monkeypatch):
     """Mosaic GPU compiles one kernel per `kernel_hash`; Pallas stamps every module with a
     counter (`mosaic_gpu.dump_basename`), so without `pallas_moe._kernel_dedup` the same

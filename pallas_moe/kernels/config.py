@@ -57,6 +57,7 @@ class KernelConfig:
     def for_shape(
         cls, d: int, n: int, *, gather: str = "cp_async", num_sms: int | None = None,
         decode: DecodeConfig | None = None, approx_math: bool = True,
+        dh_da_dtype: str | None = None,
     ) -> "KernelConfig":
         """The default configs for model width `d` and expert width `n`, with the given row
         loader ("tma" or "cp_async") in every gathering kernel and `num_sms` persistent CTAs
@@ -65,11 +66,17 @@ class KernelConfig:
         SwiGLU kernels (up-proj or decode megakernel, and dH) take their exp from the
         hardware's `ex2.approx` (True, default: 3-7% faster kernels on the H100, A differing
         from the exact formula's in the last bit of rare elements) or the full-precision
-        `exp` (False); it overrides the `approx_math` of `decode` too."""
+        `exp` (False); it overrides the `approx_math` of `decode` too. `dh_da_dtype`: dA'
+        between the split dH's kernels where `BackwardConfig.for_shape` splits dH (d >=
+        2048): None (default) keeps its choice, bf16; "float32" gives the fused kernel's dH
+        bits (`BackwardConfig.dh_da_dtype`)."""
         if decode is not None:
             decode = dataclasses.replace(decode, approx_math=approx_math)
         forward = ForwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms, decode=decode)
-        backward = BackwardConfig.for_shape(d, n, gather=gather, num_sms=num_sms)
+        backward = BackwardConfig.for_shape(
+            d, n, gather=gather, num_sms=num_sms,
+            **({} if dh_da_dtype is None else {"dh_da_dtype": dh_da_dtype}),
+        )
         forward = dataclasses.replace(
             forward, up=dataclasses.replace(forward.up, approx_math=approx_math)
         )
