@@ -19,7 +19,11 @@
 #      old ping-pong: 1.035x at the Qwen3 widths, 0.84-0.92x elsewhere). Both lower for cuda
 #      (checked in session 63). Where they are still not faster, remove them (the up-proj's
 #      clusters, its default from d = 2880 to 4096, stay).
-# B first (it can move the 7B step, whose dW1 is its largest kernel), then C, E, then D.
+#   F (~4 min, H100): issue 9: the split dH's GEMM with more of its output staged
+#      (`history/session63/dh_gemm_out.py 30b,qwen3-30b-a3b 2`: a ring of two slabs, two
+#      slabs a round, the whole tile or a 4-slab ring with 3 stages; prediction in its
+#      docstring). Adopt in `dh_split_gemm_config` where one wins beyond the spread.
+# B first (it can move the 7B step, whose dW1 is its largest kernel), then F, C, E, then D.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 PART=${1:-A}
@@ -47,6 +51,10 @@ E)
   timeout 540 python3 benchmarks/forward.py --shapes ${SHAPES:-qwen3-30b-a3b,30b-n1024} \
     --up-sweep none --down-sweep cluster --no-baselines --rounds 2 --out $OUT > $OUT/forward.log 2>&1
   echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^\||paired" $OUT/forward.log | cut -c1-300 | tail -20 ;;
+F)
+  timeout 420 python3 benchmarks/history/session63/dh_gemm_out.py ${SHAPES:-30b,qwen3-30b-a3b} 2 \
+    > $OUT/dh_gemm_out.log 2>&1
+  echo "dh_gemm_out rc=$? at $(( $(date +%s) - T0 )) s"; tail -24 $OUT/dh_gemm_out.log | cut -c1-300 ;;
 D)
   timeout 330 python3 benchmarks/history/session62/dh_bf16_da.py 30b,qwen3-30b-a3b,7b 2 \
     > $OUT/dh_bf16_da.log 2>&1
