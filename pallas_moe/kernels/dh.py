@@ -592,9 +592,10 @@ def dh_split(
     consumer's accumulator small enough for the dSwiGLU beside it; the GEMM here runs the
     up-proj's 128 x 256 items instead (each W2 byte staged in SMEM feeds 128 rows), at the
     price of writing dA' and reading it back. `BackwardConfig.for_shape` picks it, with dA'
-    in bf16, where that measured faster (benchmarks/RESULTS.md, sessions 60 and 63). dA' is the fused
-    kernel's accumulator bit for bit (the same K order per output element), so dH and A'
-    are the fused kernel's bits; dS sums each row in another order (f32 rounding apart).
+    in bf16, where that measured faster (benchmarks/RESULTS.md, sessions 60 and 63). In
+    f32, dA' is the fused kernel's accumulator bit for bit (the same K order per output
+    element), so dH and A' are the fused kernel's bits; dS sums each row in another order
+    (f32 rounding apart).
     With `da_dtype=bfloat16` the GEMM rounds dA' to bf16 (half the bytes written and read
     back): A' keeps its bits, dH and dS are those of the rounded dA' (one more bf16
     rounding than the fused kernel's dH, which rounds only its output).

@@ -53,9 +53,9 @@ class BackwardConfig:
     """Block sizes of the five backward kernels."""
 
     dh: DHConfig = DHConfig()
-    # dH split in two (`dh.dh_split`) where set: this gathered grouped GEMM writes dA' in
-    # f32, then the dSwiGLU row pass (with `dh.approx_math` and `dh.pad_rows_to`); None runs
-    # the fused dH kernel with `dh`.
+    # dH split in two (`dh.dh_split`) where set: this gathered grouped GEMM writes dA' (in
+    # `dh_da_dtype`), then the dSwiGLU row pass (with `dh.approx_math` and
+    # `dh.pad_rows_to`); None runs the fused dH kernel with `dh`.
     dh_gemm: GroupedMatmulConfig | None = None
     # dA' between the split dH's two kernels: "float32" (dH and A' bitwise the fused
     # kernel's) or "bfloat16" (half its bytes written and read back; dH and dS from the
