@@ -19,7 +19,7 @@
 #      old ping-pong: 1.035x at the Qwen3 widths, 0.84-0.92x elsewhere). Both lower for cuda
 #      (checked in session 63). Where they are still not faster, remove them (the up-proj's
 #      clusters, its default from d = 2880 to 4096, stay).
-#   F (~4 min, H100): issue 9: the split dH's GEMM with more of its output staged
+#   F (~8 min, H100): issue 9: the split dH's GEMM with more of its output staged
 #      (`history/session63/dh_gemm_out.py 30b,qwen3-30b-a3b 2`: a ring of two slabs, two
 #      slabs a round, the whole tile or a 4-slab ring with 3 stages; prediction in its
 #      docstring). Adopt in `dh_split_gemm_config` where one wins beyond the spread.
@@ -52,7 +52,7 @@ E)
     --up-sweep none --down-sweep cluster --no-baselines --rounds 2 --out $OUT > $OUT/forward.log 2>&1
   echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^\||paired" $OUT/forward.log | cut -c1-300 | tail -20 ;;
 F)
-  timeout 420 python3 benchmarks/history/session63/dh_gemm_out.py ${SHAPES:-30b,qwen3-30b-a3b} 2 \
+  timeout 540 python3 benchmarks/history/session63/dh_gemm_out.py ${SHAPES:-30b,qwen3-30b-a3b} 2 \
     > $OUT/dh_gemm_out.log 2>&1
   echo "dh_gemm_out rc=$? at $(( $(date +%s) - T0 )) s"; tail -24 $OUT/dh_gemm_out.log | cut -c1-300 ;;
 D)
