@@ -1172,10 +1172,12 @@ def test_backward_with_split_dh(da_dtype):
     assert_plan_schedules_give_the_same_gradients(problem, config, got, dh_rows=128)
 
 
-def test_split_dh_with_a_plan_that_dropped_every_row():
+@pytest.mark.parametrize("da_dtype", ["bfloat16", "float32"])
+def test_split_dh_with_a_plan_that_dropped_every_row(da_dtype):
     """An empty plan (token rounding down, every row dropped) through the backward with dH
-    split: the GEMM has no tiles, the row pass writes dS = 0 and no dH / A' row, and every
-    gradient is exactly zero although H and dO's padding would be NaN if read."""
+    split, dA' in bf16 (`for_shape`'s from d = 2048) or f32: the GEMM has no tiles, the row
+    pass writes dS = 0 and no dH / A' row, and every gradient is exactly zero although H
+    and dO's padding would be NaN if read."""
     num_tokens, d, n, num_experts = 16, 128, 128, 4
     logits = jax.random.normal(jax.random.key(41), (num_tokens, num_experts))
     plan = pm.routing.token_rounding_plan(logits, 1, tile=64, rounding="down")
@@ -1187,7 +1189,8 @@ def test_split_dh_with_a_plan_that_dropped_every_row():
     h = jnp.full((plan.capacity, 2 * n), jnp.nan, BF16)
     grad_out = jnp.ones((num_tokens, d), BF16)
     config = dataclasses.replace(BackwardConfig.for_shape(d, n, num_sms=2), dh_gemm=(
-        GroupedMatmulConfig(block_m=128, block_n=128, num_stages=3, num_sms=2)))
+        GroupedMatmulConfig(block_m=128, block_n=128, num_stages=3, num_sms=2)),
+        dh_da_dtype=da_dtype)
     grads = moe_backward(x, h, plan, w1, w2, grad_out, interpret=True, config=config)
     for g in grads:
         assert not np.any(np.asarray(g, np.float32)), "an empty plan gives zero gradients"
