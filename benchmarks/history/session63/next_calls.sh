@@ -23,7 +23,15 @@
 #      (`history/session63/dh_gemm_out.py 30b,qwen3-30b-a3b 2`: a ring of two slabs, two
 #      slabs a round, the whole tile or a 4-slab ring with 3 stages; prediction in its
 #      docstring). Adopt in `dh_split_gemm_config` where one wins beyond the spread.
-# B first (it can move the 7B step, whose dW1 is its largest kernel), then F, C, E, then D.
+#   G (~7 min, H100): issue 16: the opt-ins session 63's audit could not settle without a
+#      run: dH and the weight gradients at `wgmma_lag=0` (dH 1.033x once at gpt-oss; dW1
+#      1.045x then 0.987x at 30B), paired over 3 rounds at gpt-oss-20b and 7B
+#      (`backward.py --sweep lag`). Remove each lag-0 option that does not win beyond spread.
+#   H (~3 min, H100): issue 15: `DecodeConfig.rebalance_registers=True` (session 12: 57.7
+#      against 60.2 us at T = 1 on the old 4-stage default) against today's default, T = 1, 2.
+#      Remove it unless it wins.
+# B first (it can move the 7B step, whose dW1 is its largest kernel), then F, C, E, G, H,
+# then D.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 PART=${1:-A}
@@ -55,6 +63,14 @@ F)
   timeout 540 python3 benchmarks/history/session63/dh_gemm_out.py ${SHAPES:-30b,qwen3-30b-a3b} 2 \
     > $OUT/dh_gemm_out.log 2>&1
   echo "dh_gemm_out rc=$? at $(( $(date +%s) - T0 )) s"; tail -24 $OUT/dh_gemm_out.log | cut -c1-300 ;;
+G)
+  timeout 540 python3 benchmarks/backward.py --shapes ${SHAPES:-gpt-oss-20b,7b} --sweep lag \
+    --rounds 3 --out $OUT > $OUT/backward.log 2>&1
+  echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^\||speed|paired" $OUT/backward.log | cut -c1-300 | tail -30 ;;
+H)
+  timeout 400 python3 benchmarks/decode.py --tokens 1,2 --iters 30 \
+    --variants static,static_regs,static_s5 --out $OUT > $OUT/decode.log 2>&1
+  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; tail -20 $OUT/decode.log | cut -c1-300 ;;
 D)
   timeout 330 python3 benchmarks/history/session62/dh_bf16_da.py 30b,qwen3-30b-a3b,7b 2 \
     > $OUT/dh_bf16_da.log 2>&1
