@@ -198,8 +198,7 @@ def sweep(name, configs, build, args, check, flops, log):
 
 def configs_for(d, n, sweep: str):
     """The default configs, plus per kernel: "previous" = the previous versions' settings
-    (3 stages; tile-major weight-gradient grids); "full" = the block-size sweep of earlier
-    sessions."""
+    (3 stages); "full" = the block-size sweep of earlier sessions."""
     base = BackwardConfig.for_shape(d, n)
     W = WeightGradConfig
     dh = [base.dh]
@@ -213,7 +212,10 @@ def configs_for(d, n, sweep: str):
         rep = dataclasses.replace
         dh += [rep(base.dh, num_stages=4)]
         for lst, cfg in ((dw2, base.dw_down), (dw1, base.dw_gate_up)):
-            lst += [rep(cfg, num_stages=3), rep(cfg, num_stages=3, expert_major=False)]
+            lst.append(rep(cfg, num_stages=3))
+        # (Session 63 removed tile-major weight-gradient items, `expert_major=False`:
+        # measured 1064 / 536 us against expert-major's 652 / 365 for dW1 / dW2 at 7B on the
+        # H100 in session 4.)
     if sweep == "cluster":
         # Session 49: dX~ on clusters of two CTAs sharing each weight tile by multicast
         # (`GroupedMatmulConfig.cluster_m=2`; the bitwise checks compare it to the default).
@@ -248,12 +250,13 @@ def configs_for(d, n, sweep: str):
         if (2 * n) % (3 * base.dw_gate_up.block_n) == 0 and base.dw_gate_up.num_consumers != 3:
             dw1.append(rep(base.dw_gate_up, num_consumers=3))
     if sweep == "completion":
-        # Session 4: hardware-tracked cp.async stages (mbarrier, the default) against the
-        # previous lagged publish (wait_group), and one stage fewer for dH.
+        # Session 4: hardware-tracked cp.async stages (mbarrier) against the lagged publish
+        # (wait_group, dH's default), and one stage fewer for dH.
         rep = dataclasses.replace
-        dh += [rep(base.dh, gather_completion="wait_group"), rep(base.dh, num_stages=4)]
-        dw2.append(rep(base.dw_down, gather_completion="wait_group"))
-        dw1.append(rep(base.dw_gate_up, gather_completion="wait_group"))
+        dh += [rep(base.dh, gather_completion="mbarrier"), rep(base.dh, num_stages=4)]
+        # (Session 63 removed the weight gradients' lagged publish: measured dW1 615 / 4164
+        # and dW2 335 / 2086 us against mbarrier's 575 / 3877 and 323 / 1933 at 7B / 30B on
+        # the H100 in session 4.)
     if sweep == "epilogue":
         # Session 6: the dSwiGLU epilogue in column chunks (64 by default) against the
         # previous version's whole block at once (epilogue_cols=0).
@@ -303,15 +306,16 @@ def configs_for(d, n, sweep: str):
         # hardware-tracked cp.async stages ("mbarrier": every stage in flight), last timed on
         # the H100 in session 4 against the one-CTA-per-tile dH (0.96x at 7B, 1.03x at 30B;
         # the H200's up-proj gained 1.07x from it in session 22), with 5 and 4 stages; dW2
-        # (0.72 of its dense bound at 7B) with one stage fewer, the lagged publish, and one CTA
-        # per item (5 stages do not fit beside the persistent kernel's output buffer).
+        # (0.72 of its dense bound at 7B) with one stage fewer and one CTA per item (5 stages
+        # do not fit beside the persistent kernel's output buffer).
         rep = dataclasses.replace
         dh += [rep(base.dh, gather_completion="mbarrier"),
                rep(base.dh, gather_completion="mbarrier", num_stages=base.dh.num_stages - 1),
                rep(base.dh, num_stages=base.dh.num_stages - 1)]
         dw2 += [rep(base.dw_down, num_stages=base.dw_down.num_stages - 1),
-                rep(base.dw_down, gather_completion="wait_group"),
                 rep(base.dw_down, persistent_ctas=0, output_chunks=0)]
+        # (Session 63 removed dW2's lagged publish, "wait_group": 0.931x / 0.898x paired at
+        # 7B / 30B on the H200 in session 39.)
     if sweep == "persistent":
         # Session 63: other tiles of the persistent weight gradients (the "full" sweep's
         # alternatives below are the one-CTA-per-item kernel of sessions before 44). Each

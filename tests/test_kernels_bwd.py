@@ -477,13 +477,13 @@ def test_weight_grad_detect_races(gathered, consumers):
 @pytest.mark.slow
 @pytest.mark.parametrize("gathered", ["lhs", "rhs"])
 @pytest.mark.parametrize(
-    "plan_kw, ctas, expert_major",
-    [(dict(num_tokens=90, k=2, empty=(2,), skew=3.0), 3, True),
-     pytest.param(dict(num_tokens=72, k=2, router="token_rounding", skew=3.0), 2, False,
+    "plan_kw, ctas",
+    [(dict(num_tokens=90, k=2, empty=(2,), skew=3.0), 3),
+     pytest.param(dict(num_tokens=72, k=2, router="token_rounding", skew=3.0), 2,
                   marks=pytest.mark.slow)],
-    ids=["topk_empty_expert_major", "token_rounding_skewed_tile_major"],
+    ids=["topk_empty", "token_rounding_skewed"],
 )
-def test_persistent_weight_grad_equals_one_cta_per_item(gathered, plan_kw, ctas, expert_major):
+def test_persistent_weight_grad_equals_one_cta_per_item(gathered, plan_kw, ctas):
     """Persistent CTAs walk several (expert, tile) items each, experts of different K-block
     counts and an empty one among them, so the producer's global steps, its token-id
     look-ahead across items and the consumers' separate output tiles are all exercised.
@@ -492,8 +492,7 @@ def test_persistent_weight_grad_equals_one_cta_per_item(gathered, plan_kw, ctas,
     plan_kw = dict(plan_kw)
     plan = make_plan(21, plan_kw.pop("num_tokens"), 5, plan_kw.pop("k"), **plan_kw)
     assert int(np.max(np.asarray(plan.group_sizes))) > 64  # an expert of several K-blocks
-    base = WeightGradConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2,
-                            expert_major=expert_major)
+    base = WeightGradConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
     one = _wgrad_case(22, gathered, plan, 128, 128, base)
     many = _wgrad_case(22, gathered, plan, 128, 128,
                        dataclasses.replace(base, persistent_ctas=ctas))
@@ -580,9 +579,16 @@ def test_weight_grad_config_errors():
             call(config=dataclasses.replace(wide4, **bad))
     with pytest.raises(ValueError, match=r"config.wgmma_lag=2 must be one of \(0, 1\)"):
         call(config=dataclasses.replace(wide4, num_stages=2, wgmma_lag=2))
-    # `cluster_m` (removed in session 63: no gain on the H100) is a TypeError, not ignored.
-    with pytest.raises(TypeError, match="cluster_m"):
-        WeightGradConfig(cluster_m=2)
+    # `cluster_m` and `expert_major` (removed in session 63: no faster than the default on
+    # the H100) are a TypeError, not ignored; the lagged cp.async publish ("wait_group",
+    # removed with them) a ValueError naming the field.
+    for removed in (dict(cluster_m=2), dict(expert_major=False)):
+        with pytest.raises(TypeError, match=next(iter(removed))):
+            WeightGradConfig(**removed)
+    with pytest.raises(ValueError, match="config.gather_completion='wait_group'"):
+        WeightGradConfig(gather="cp_async", gather_completion="wait_group")
+    with pytest.raises(ValueError, match="config.gather_completion='wait_group'"):
+        dataclasses.replace(wide4, gather_completion="wait_group")
 
 
 def _lower_weight_grad_for_cuda(shape, gathered, config):

@@ -83,16 +83,13 @@ class WeightGradConfig:
       gather: how the producer gathers rows: "tma" (one `[1, 64]` TMA copy per row chunk;
         the loader interpret mode runs) or "cp_async" (16-byte cp.async loads from all 128
         producer threads, `_common.cp_async_gather_rows`; compiled kernels only, needs
-        `num_stages >= 3`; interpret mode falls back to "tma").
-      gather_completion: with gather="cp_async", "mbarrier" (hardware-tracked stages, all in
-        flight) or "wait_group" (lagged publish); see `_common.GATHER_COMPLETIONS`.
+        `num_stages >= 3`; interpret mode falls back to "tma"). Its stages are published
+        by hardware-tracked mbarriers (`_common.cp_async_stage_barriers`: every stage in
+        flight).
+      gather_completion: "mbarrier", the only value (kept because the shared gather
+        checks of `_common` read it; any other value is refused).
       rebalance_registers: the producer drops to 40 registers per thread and the consumers
         take the rest (`_common.role_registers`).
-      expert_major: launch the output tiles of one expert consecutively (the tile index is
-        the fastest grid axis), so the CTAs reading the same expert's rows of the
-        contiguous operand run together and share them through L2. False launches one
-        tile of every expert before the next tile: each tile then re-reads the expert's
-        rows from DRAM (measured on the H100 at 7B: dW1 moved ~3x its operand bytes).
       persistent_ctas: 0 = one CTA per (expert, output tile) item. P > 0 = P persistent
         CTAs (e.g. the SM count) walk the items in the same order, CTA i taking items i,
         i + P, ...: the producer runs on into the next item's K-steps (and has its token
@@ -116,6 +113,14 @@ class WeightGradConfig:
     sharing each contiguous K-block by TMA multicast: bitwise the default but 0.98-1.02x at
     30B and 7B on the H100, session 51, paired: no gain;
     `benchmarks/history/session63/weight_grad_clusters.patch` restores it).
+    Session 63 also removed `expert_major=False` (tile-major items: one tile of every expert
+    before the next tile, so each tile re-read its expert's rows from DRAM; expert-major took
+    dW1 1064 -> 652 us and dW2 536 -> 365 us on the H100 at 7B, session 4) and
+    `gather_completion="wait_group"` (the lagged cp.async publish: dW1 615 / 4164 us against
+    mbarrier's 575 / 3877, dW2 335 / 2086 against 323 / 1933 on the H100 at 7B / 30B, session
+    4; dW2 0.931x / 0.898x paired on the H200, session 39);
+    `benchmarks/history/session63/weight_grad_order_completion.patch` restores both. Items
+    are always expert-major (the largest expert first).
     """
 
     block_m: int = 128
@@ -125,13 +130,18 @@ class WeightGradConfig:
     num_consumers: int = 1
     gather: str = "tma"
     rebalance_registers: bool = True
-    # Measured on the H100 (session 4, same run): hardware-tracked stages dW1 575 / 3877 us,
-    # dW2 323 / 1933 us against the lagged publish's 615 / 4164 and 335 / 2086 (7B / 30B).
     gather_completion: str = "mbarrier"
-    expert_major: bool = True
     persistent_ctas: int = 0
     output_chunks: int = 0
     wgmma_lag: int = 1
+
+    def __post_init__(self):
+        if self.gather_completion != "mbarrier":
+            raise ValueError(
+                f"config.gather_completion={self.gather_completion!r}: the weight gradients "
+                'publish cp.async stages by mbarrier only ("wait_group" was removed in '
+                "session 63: slower on the H100 and the H200)."
+            )
 
 
 @functools.partial(
@@ -328,7 +338,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     """The weight gradient as one producer warpgroup + `config.num_consumers` consumers.
 
     Work items are (expert, output tile) pairs, numbered expert-major (`item = e * tiles +
-    tile`, e in `order`, the largest expert first) or tile-major (`expert_major=False`).
+    tile`, e in `order`, the largest expert first).
     One CTA per item, or `config.persistent_ctas` CTAs where CTA i takes items i, i + C, ...
 
     Producer (warpgroup C): walks its items' K-steps as one run of global steps g (slot
@@ -367,7 +377,6 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
     rows_per_warp = bk // 4
     # Interpret mode cannot run cp.async: it runs the same kernel with the TMA row loader.
     cp_async = config.gather == "cp_async" and interpret_mode is None
-    stage_bars = _common.uses_stage_mbarriers(config, interpret_mode is not None)
 
     def body(order_ref, lo_ref, hi_ref, off_ref, ids_ref, l_ref, r_ref, out_ref, *scratch):
         if persistent:
@@ -376,7 +385,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
         else:
             ids_smem, bufs, full, empty, ids_bars, epi_bar, *a_landed = scratch
             g_copy, g_mma, (c_smem,), (o_smem,) = views(bufs)
-        if stage_bars:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
+        if cp_async:  # a_landed[0]: per-slot mbarriers the cp.async loads complete
             _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
         cta = jax.lax.axis_index("cta")
@@ -384,10 +393,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
 
         def item(j):  # (expert, first output row, first output column) of item j of this CTA
             w = cta + j * num_ctas
-            if config.expert_major:
-                e, t = w // num_tiles, w % num_tiles
-            else:
-                t, e = w // num_experts, w % num_experts
+            e, t = w // num_tiles, w % num_tiles
             return order_ref[e], (t // grid_n) * cta_m, (t % grid_n) * cta_n
 
         def k_blocks(expert):  # (first entry in ids_ref, K-blocks) of an expert's rows
@@ -460,7 +466,8 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                             g_ref.at[:, pl.ds(g_col0, chunks * _CHUNK)], ids_smem.at[slot],
                             [g_mma.at[slot * chunks + j] for j in range(chunks)], num_rows=bk,
                         )
-                        _common.cp_async_publish(g, full, a_landed, stages)
+                        # every thread arrives on the slot's mbarrier as its loads land
+                        _common.cp_async_stage_arrive(a_landed[0].at[g % stages])
                     else:
                         plgpu.warp_map(per_warp)
 
@@ -474,7 +481,8 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                 return jax.lax.fori_loop(0, num_k, step, carry)
 
             total, _ = jax.lax.fori_loop(0, my_items, per_item, (jnp.int32(0), ahead))
-            if cp_async:
+            if cp_async:  # publishes nothing with the per-slot mbarriers; kept because
+                # dropping it changes the traced kernel (an empty branch) that was measured
                 @pl.when(total > 0)
                 def _():
                     _common.cp_async_publish_rest(total, full, a_landed, stages)
@@ -505,7 +513,8 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                         def wait(g, slot):  # landed, then rows outside [lo, hi) zeroed
                             k0 = (kb0 + g - g0) * bk
                             plgpu.barrier_wait(full.at[slot])
-                            _common.cp_async_consumer_wait(g, a_landed, stages)
+                            if cp_async:  # and its cp.async rows
+                                _common.cp_async_stage_wait(a_landed[0], g, stages)
 
                             @pl.when((k0 < lo) | (k0 + bk > hi))
                             def _():
@@ -586,7 +595,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty: the consumers
         plgpu.Barrier(num_barriers=stages),  # ids
         *([] if persistent else [plgpu.Barrier(num_arrivals=cons)]),  # done with the pipeline
-        *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
+        *([_common.cp_async_stage_barriers(stages)] if cp_async else []),
     ]
     return plgpu.kernel(
         body,
