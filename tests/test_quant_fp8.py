@@ -17,9 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_moe.kernels.grouped_gemm import (
-    INT8_MAX_K, GroupedMatmulConfig, fused_requant_fits, grouped_matmul,
-)
+from pallas_moe.kernels.grouped_gemm import INT8_MAX_K, GroupedMatmulConfig, grouped_matmul
 from pallas_moe.kernels.reference import (
     aggregate_reference, fp8_epilogue_reference, fp8_grouped_matmul_reference,
 )
@@ -190,13 +188,12 @@ def test_fp8_reference_matches_numpy():
         # The int8 mode (tests/test_quant_int8.py).
         (dict(a=jnp.zeros((16, 128), jnp.int8)), "w must have dtype int8"),
         (dict(a=jnp.zeros((16, 128), jnp.uint8)), "must have dtype bfloat16"),
-        (dict(a=jnp.zeros((16, 128), jnp.int8), w=jnp.zeros((2, 256, 128), jnp.int8),
-              col_scales=jnp.ones((2, 256), jnp.float32), gated=True,
-              requant_smooth=jnp.ones((2, 128), jnp.float32)),
-         "requant_smooth quantizes the gated fp8 mode's A"),
         (dict(a=jnp.zeros((16, INT8_MAX_K + 128), jnp.int8),
               w=jnp.zeros((2, 128, INT8_MAX_K + 128), jnp.int8)),
          f"a.shape\\[1\\]={INT8_MAX_K + 128} must be <= {INT8_MAX_K} in the int8 mode"),
+        # Removed in session 63 (the fused re-quantization): an unknown argument now.
+        (dict(requant_smooth=jnp.ones((2, 128), jnp.float32)),
+         "unexpected keyword argument 'requant_smooth'"),
     ],
 )
 def test_fp8_bad_inputs_raise(kwargs, match):
@@ -351,6 +348,9 @@ def test_fp8_forward_bad_inputs_raise():
         f(x, plan, ex, backend="xla", config=pm.quant.Fp8ForwardConfig.for_shape(128, 128))
     with pytest.raises(ValueError, match="n=192 must be a multiple of 128"):
         pm.quant.Fp8ForwardConfig.for_shape(128, 192)
+    config = pm.quant.Fp8ForwardConfig.for_shape(128, 128)
+    with pytest.raises(TypeError, match="fuse_requant"):  # removed in session 63
+        dataclasses_replace(config, fuse_requant=True)
     w1n, w2n = random_weights(jax.random.key(54), 2, 128, 64)
     narrow = pm.quant.quantize_experts(w1n, w2n)
     with pytest.raises(ValueError, match="the fp8 kernels need d and n multiples of 128"):
@@ -370,7 +370,7 @@ def dataclasses_replace(obj, **changes):
 
 @pytest.mark.parametrize("shape, promote_every", [
     # CI time: promotion's configs lower at 30B ([30b-promoted]), the 7B shape unpromoted
-    # (the default, with the fused requant) in [7b-unpromoted].
+    # (the default) in [7b-unpromoted].
     pytest.param((24576, 1536, 256, 128, 8), 1, id="7b-promoted", marks=pytest.mark.slow),
     pytest.param((24576, 1536, 256, 128, 8), 0, id="7b-unpromoted"),
     pytest.param((32768, 4096, 512, 128, 8), 1, id="30b-promoted"),
@@ -399,9 +399,6 @@ def test_fp8_forward_lowers_for_cuda_at_production_sizes(shape, promote_every):
         # No smooth scales: X quantized per token, the up-proj gathers its rows (cp.async).
         per_token = dataclasses_replace(experts, smooth_up=None, smooth_down=None)
         jax.jit(f).trace(x, plan, per_token).lower(lowering_platforms=("cuda",))
-        if fused_requant_fits(config.up, n):  # 7B unpromoted: A quantized in the up-proj
-            fused = functools.partial(f, config=dataclasses_replace(config, fuse_requant=True))
-            jax.jit(fused).trace(x, plan, per_token).lower(lowering_platforms=("cuda",))
 
 
 def lower_gathered_up(config, shape, dtype=E4M3) -> str:
@@ -885,21 +882,10 @@ def check_fp8_forward_steps(x, plan, w1, w2, *, smoothing, backend):
     num_experts, d, n = experts.shape
     config = pm.quant.Fp8ForwardConfig.for_shape(d, n, num_sms=4 if interpret else None)
     got = jax.jit(functools.partial(pm.quant.moe_ffn_fp8, backend=backend))(x, plan, experts)
-    stages = lambda c: jax.jit(functools.partial(  # noqa: E731
-        fp8_forward_stages, config=c, interpret=interpret))(x, plan, experts)
-    st = stages(config)
+    st = jax.jit(functools.partial(fp8_forward_stages, config=config, interpret=interpret))(
+        x, plan, experts)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16),  # the stages are the forward
                                   np.asarray(st["out"]).view(np.uint16))
-    # The other recipe for A's quantization (`fuse_requant`: the up-proj quantizes A itself
-    # where it fits, here n = 256) gives the same Q, s and output bits; A comes from the
-    # unfused run.
-    other = stages(dataclasses.replace(config, fuse_requant=not config.fuse_requant))
-    unfused, fused = (st, other) if st["a"] is not None else (other, st)
-    assert unfused["a"] is not None
-    if fused_requant_fits(config.up, n):
-        assert fused["a"] is None  # the fused epilogue ran
-    np.testing.assert_array_equal(np.asarray(fused["out"]).view(np.uint16),
-                                  np.asarray(unfused["out"]).view(np.uint16))
     rows = int(plan.num_rows)
     valid = plan.row_is_valid
     row_experts = jnp.minimum(plan.expert_ids, num_experts - 1)
@@ -921,20 +907,18 @@ def check_fp8_forward_steps(x, plan, w1, w2, *, smoothing, backend):
                                   np.asarray(s1[:rows]).view(np.uint32))
     # 2. The up-proj on the kernel's own quantized rows, against the model (sampled rows).
     sample = gpu_test_sample(plan)
-    a = np.asarray(unfused["a"][:rows], np.float32)
+    a = np.asarray(st["a"][:rows], np.float32)
     assert np.all(np.isfinite(a))
     check_against_model(a[sample], sample, plan, up_q, experts.w_gate_up, up_s,
                         experts.gate_up_scales, gated=True, promote_blocks=0)
-    # 3. A's quantization: exactly the row formula on the kernel's own A (fused into the
-    # up-proj or the separate pass: both).
+    # 3. A's quantization: exactly the row formula on the kernel's own A.
     q2, s2 = smoothquant_rows_reference(
-        unfused["a"], experts.smooth_down if experts.smooth_down is not None else ones(n),
+        st["a"], experts.smooth_down if experts.smooth_down is not None else ones(n),
         jnp.arange(plan.capacity, dtype=jnp.int32), row_experts, valid, E4M3)
-    for quantized in (fused, unfused):
-        np.testing.assert_array_equal(np.asarray(quantized["q2"][:rows]).view(np.uint8),
-                                      np.asarray(q2[:rows]).view(np.uint8))
-        np.testing.assert_array_equal(np.asarray(quantized["s2"][:rows]).view(np.uint32),
-                                      np.asarray(s2[:rows]).view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(st["q2"][:rows]).view(np.uint8),
+                                  np.asarray(q2[:rows]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(st["s2"][:rows]).view(np.uint32),
+                                  np.asarray(s2[:rows]).view(np.uint32))
     # 4. The down-proj on the kernel's own Q2, s2, against the model (sampled rows).
     y = np.asarray(st["y"][:rows, :d], np.float32)
     check_against_model(y[sample], sample, plan, st["q2"], experts.w_down, st["s2"],
@@ -975,10 +959,11 @@ def gathered_operands(key, num_tokens, k_dim, w_rows, num_experts):
 
 # CI time (opt-in extras): the gathered mode runs against the reference with races watched in
 # test_fp8_gathered_no_races, and on a token-rounding plan with padding and an empty expert
-# over several CTAs in test_fp8_fused_requant_equals_the_separate_pass[gathered]
+# over several CTAs in [gated-unpromoted] (in CI since session 63 removed the fused
+# re-quantization's test, which covered that case before)
 @pytest.mark.parametrize("gated, promote_every", [
     pytest.param(True, 2, id="gated-promoted", marks=pytest.mark.slow),
-    pytest.param(True, 0, id="gated-unpromoted", marks=pytest.mark.slow),
+    pytest.param(True, 0, id="gated-unpromoted"),
     pytest.param(False, 2, id="plain-promoted", marks=pytest.mark.slow),
     pytest.param(False, 0, id="plain-unpromoted", marks=pytest.mark.slow),
 ])
@@ -1059,26 +1044,24 @@ def test_fp8_out_slabs_equal_the_whole_tile(gathered, out_dtype):
                                   np.asarray(outs[0][:rows]).view(view))
 
 
-@pytest.mark.parametrize("config, kwargs, match", [
-    (dict(block_n=128, out_slabs=3), {}, r"config.out_slabs=3 must be 0 .* or divide the block's 2"),
-    (dict(block_n=64, out_slabs=-1), {}, r"config.out_slabs=-1 must be 0"),
-    (dict(block_n=128, out_slabs=1.0), {}, r"config.out_slabs=1.0 must be 0"),
-    (dict(block_n=128, out_slabs=True), {}, r"config.out_slabs=True must be 0"),
-    (dict(block_n=128, out_slabs=1), dict(requant=True), "requant_smooth stores Q untiled: use out_slabs=0"),
-    (dict(block_n=128, out_buffers=2), {}, r"config.out_buffers=2 must be an int from 1 to the 1 "),
-    (dict(block_n=128, out_slabs=1, out_buffers=3), {}, r"config.out_buffers=3 must be an int from 1 to the 2 "),
-    (dict(block_n=128, out_slabs=1, out_buffers=0), {}, r"config.out_buffers=0 must be"),
-    (dict(block_n=128, out_slabs=1, out_buffers=2.0), {}, r"config.out_buffers=2.0 must be"),
-    (dict(block_n=128, out_slabs=1, out_buffers=True), {}, r"config.out_buffers=True must be"),
+@pytest.mark.parametrize("config, match", [
+    (dict(block_n=128, out_slabs=3), r"config.out_slabs=3 must be 0 .* or divide the block's 2"),
+    (dict(block_n=64, out_slabs=-1), r"config.out_slabs=-1 must be 0"),
+    (dict(block_n=128, out_slabs=1.0), r"config.out_slabs=1.0 must be 0"),
+    (dict(block_n=128, out_slabs=True), r"config.out_slabs=True must be 0"),
+    (dict(block_n=128, out_buffers=2), r"config.out_buffers=2 must be an int from 1 to the 1 "),
+    (dict(block_n=128, out_slabs=1, out_buffers=3), r"config.out_buffers=3 must be an int from 1 to the 2 "),
+    (dict(block_n=128, out_slabs=1, out_buffers=0), r"config.out_buffers=0 must be"),
+    (dict(block_n=128, out_slabs=1, out_buffers=2.0), r"config.out_buffers=2.0 must be"),
+    (dict(block_n=128, out_slabs=1, out_buffers=True), r"config.out_buffers=True must be"),
 ])
-def test_fp8_out_slabs_bad_values_raise(config, kwargs, match):
+def test_fp8_out_slabs_bad_values_raise(config, match):
     with pytest.raises(ValueError, match=match):
         cfg = GroupedMatmulConfig(block_k=128, num_stages=3, num_sms=2, fp8_promote_every=0, **config)
         a, w = jnp.zeros((16, 128), E4M3), jnp.zeros((2, 256, 128), E4M3)
         grouped_matmul(a, jnp.array([10, 6], jnp.int32), w, transpose_w=True, config=cfg,
                        interpret=True, row_scales=jnp.ones((16,), jnp.float32),
-                       col_scales=jnp.ones((2, 256), jnp.float32), gated=True,
-                       requant_smooth=jnp.ones((2, 128), jnp.float32) if kwargs else None)
+                       col_scales=jnp.ones((2, 256), jnp.float32), gated=True)
 
 
 @pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (24576, 1536, 256, 128, 8)],
@@ -1140,63 +1123,19 @@ def test_fp8_gathered_bad_inputs_raise(kwargs, match):
         grouped_matmul(**args)
 
 
-@pytest.mark.parametrize("mode", ["token_ids", "requant_smooth"])
-def test_fp8_chunks_reject_the_gathered_mode_and_the_fused_requant(mode):
-    # A chunked call (`TileChunks`, the EP overlap's down-proj) runs neither the gathered
-    # up-proj nor the fused re-quantization: each names the arguments instead of running.
+def test_fp8_chunks_reject_the_gathered_mode():
+    # A chunked call (`TileChunks`, the EP overlap's down-proj) does not run the gathered
+    # up-proj: it names the arguments instead of running.
     from pallas_moe.kernels import _common
 
     group_sizes = jnp.array([10, 6], jnp.int32)
     meta = _common.aligned_tile_meta(group_sizes, 16, 128)
     config = GroupedMatmulConfig(block_k=128, num_sms=2, fp8_promote_every=0)
-    args = dict(transpose_w=True, config=config, interpret=True, gated=True,
-                w=jnp.zeros((2, 256, 128), E4M3), col_scales=jnp.ones((2, 256), jnp.float32),
-                meta=meta, chunks=_common.whole_tile_chunk(meta, 16))
-    if mode == "token_ids":
-        args.update(a=jnp.zeros((12, 128), E4M3), row_scales=jnp.ones((12,), jnp.float32),
-                    token_ids=jnp.zeros((16,), jnp.int32))
-    else:
-        args.update(a=jnp.zeros((16, 128), E4M3), row_scales=jnp.ones((16,), jnp.float32),
-                    requant_smooth=jnp.ones((2, 128), jnp.float32))
     with pytest.raises(ValueError, match="chunks .* is not supported with token_ids .the "
-                                         "gathered mode. or requant_smooth"):
-        grouped_matmul(group_sizes=group_sizes, **args)
-
-
-# ---- A's quantization fused into the gated GEMM's epilogue (`requant_smooth`)
-
-
-@pytest.mark.parametrize("gathered", [
-    pytest.param(True, id="gathered"),
-    pytest.param(False, id="rows", marks=pytest.mark.slow),
-])
-def test_fp8_fused_requant_equals_the_separate_pass(gathered):
-    # Two column blocks per row (N = 2 * block_n), token rounding (ragged tiles inside
-    # aligned blocks, padding rows, an empty expert), a zero row, under the race detector:
-    # Q and s bit for bit the SmoothQuant formula on the unfused kernel's A.
-    logits = jax.random.normal(jax.random.key(80), (24, 3)).at[:, 2].add(-100.0)
-    plan = token_rounding_plan(logits, 2, tile=8)
-    assert int(plan.group_sizes[2]) == 0
-    rows = int(plan.num_rows)
-    n_out = 128
-    q, w, rs, cs = gathered_operands(jax.random.key(81), 24 if gathered else plan.capacity, 256,
-                                     2 * n_out, 3)
-    w = w.at[0, :n_out].set(0)  # expert 0's gate weights: its rows of A are zero rows
-    smooth = jax.random.uniform(jax.random.key(82), (3, n_out), jnp.float32, 0.5, 2.0)
-    config = dataclasses.replace(SPLIT_M, num_stages=3, fp8_promote_every=0)
-    kw = dict(transpose_w=True, config=config, col_scales=cs, gated=True,
-              token_ids=plan.token_ids if gathered else None, row_scales=rs)
-    q2, s2 = grouped_matmul(q, plan.group_sizes, w, requant_smooth=smooth,
-                            interpret=plgpu.InterpretGPUParams(detect_races=True), **kw)
-    assert not races_found()
-    assert q2.shape == (-(-plan.capacity // 128) * 128, n_out) and s2.shape == q2.shape[:1]
-    a = grouped_matmul(q, plan.group_sizes, w, interpret=True, **kw)
-    experts = jnp.minimum(plan.expert_ids, 2)
-    want_q, want_s = smoothquant_rows_reference(
-        a, smooth, jnp.arange(plan.capacity, dtype=jnp.int32), experts, plan.row_is_valid, E4M3)
-    np.testing.assert_array_equal(np.asarray(q2[:rows]).view(np.uint8),
-                                  np.asarray(want_q[:rows]).view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(s2[:rows]).view(np.uint32),
-                                  np.asarray(want_s[:rows]).view(np.uint32))
-    assert np.sum(np.asarray(s2[:rows]) == 0) == int(plan.group_sizes[0])  # the zero rows
-    assert np.all(np.isnan(np.asarray(s2[rows:])))  # padding rows untouched
+                                         "gathered mode.: run it over the whole plan"):
+        grouped_matmul(jnp.zeros((12, 128), E4M3), group_sizes, jnp.zeros((2, 256, 128), E4M3),
+                       transpose_w=True, config=config, interpret=True, gated=True,
+                       row_scales=jnp.ones((12,), jnp.float32),
+                       col_scales=jnp.ones((2, 256), jnp.float32),
+                       token_ids=jnp.zeros((16,), jnp.int32), meta=meta,
+                       chunks=_common.whole_tile_chunk(meta, 16))

@@ -19,8 +19,7 @@ K-major, so W is `[E, N, K]` (`transpose_w=True`), and the epilogue dequantizes:
 The int8 mode (int8 A and W: W8A8 SmoothQuant) is the same pipeline and epilogue: s8 x s8
 wgmma sums exactly in an s32 accumulator (|sum| <= K * 128^2 < 2^31 for K <= 131,072,
 checked), which the epilogue converts to f32 (one rounding) before it dequantizes. It needs no promotion
-(`fp8_promote_every` is ignored); the gathered mode and `gated` work as with e4m3; the
-fused requantization (`requant_smooth`) targets e4m3 only.
+(`fp8_promote_every` is ignored); the gathered mode and `gated` work as with e4m3.
 
 With `gated`, W is `[E, 2N, K]` (gate rows `[0, N)`, up rows `[N, 2N)`): each K step
 loads the gate and the up tile of the item's column block, into two accumulators, so both
@@ -50,13 +49,6 @@ loads) and issues 16-byte cp.async loads from all 128 threads straight into the 
 wgmma layout (`_common.cp_async_gather_rows`, as the bf16 up-proj; published the
 `gather_completion` way), or one-row TMA copies (`gather="tma"`, what interpret mode runs).
 Split M only (block_m 128): the lagged cp.async publish walks one `full` barrier set.
-
-A's quantization in the epilogue (`requant_smooth`, gated fp8, split M, no promotion,
-N <= FUSED_REQUANT_MAX_BLOCKS * block_n): an item is a whole tile, its steps run column block
-by column block; each consumer keeps the running row maxima of A times the smooth scales in
-registers and every block's A but the last in SMEM (bf16 swizzled row tiles), then quantizes
-its 64 whole rows: scale and e4m3 values by the SmoothQuant formula (`quant/reference.py`),
-Q TMA-stored by rows, s by scalar stores from each warp.
 
 Otherwise A is contiguous, so each stage is one `[block_m, block_k]` TMA box. Mosaic's tiled TMA needs
 the box's first row to be a multiple of 8, so tiles come from `aligned_tile_meta` (computed
@@ -118,7 +110,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels._common import TileChunks, TileMeta
-from pallas_moe.quant.reference import QUANTIZED_DTYPES, apply_row_scale, row_scale
+from pallas_moe.quant.reference import QUANTIZED_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +139,7 @@ class GroupedMatmulConfig(_common.ClusterTiles):
       pingpong: with block_m=128: the consumers alternate items, each multiplying all 128
         rows (`block_n <= 128`: a 128 x block_n f32 accumulator per consumer), instead of
         splitting every item's rows; one consumer's epilogue then overlaps the other's K
-        loop. Not with fp8 promotion, the gathered mode or `requant_smooth`. block_m=64
-        always runs ping-pong.
+        loop. Not with fp8 promotion or the gathered mode. block_m=64 always runs ping-pong.
       approx_math: compiled kernels only: the `gated` (fp8 up-proj) epilogue's SwiGLU takes
         its exp from the hardware's `ex2.approx` (True, default, as `UpProjConfig`) or the
         full-precision `exp`; the other epilogues have no transcendental math.
@@ -156,7 +147,7 @@ class GroupedMatmulConfig(_common.ClusterTiles):
         at a time; 0 (default) = the whole block_n. Fewer free SMEM for a pipeline stage
         (the gated fp8 up-proj at block_n=128 fits 4 stages only with 1: 229 KB otherwise)
         at the cost of waiting, before each slab after the first, until the previous slab's
-        store has read SMEM. Must divide block_n's slab count; not with `requant_smooth`.
+        store has read SMEM. Must divide block_n's slab count.
       out_buffers: with `out_slabs`: staged rounds each consumer keeps in SMEM (a ring of
         `out_buffers` x `out_slabs` slabs), so a round's SMEM writes overlap the TMA stores
         of the rounds before it instead of waiting for the previous one to have read SMEM.
@@ -264,22 +255,6 @@ class GroupedMatmulConfig(_common.ClusterTiles):
 PINGPONG_MAX_BLOCK_N = 128
 
 
-# A fused re-quantization parks the SwiGLU output of each earlier column block of a row in
-# SMEM (bf16, 16 KB per consumer for 64 x 128; in registers beside the next block's 128
-# accumulator registers it made the 7B up-proj 5x slower, session 6): two blocks fit beside
-# the 3-stage pipeline (208 KB), so N <= 2 * block_n (n = 256 at 7B; 30B's 512 keeps the
-# separate SmoothQuant pass).
-FUSED_REQUANT_MAX_BLOCKS = 2
-
-
-def fused_requant_fits(config: "GroupedMatmulConfig", n_dim: int) -> bool:
-    """Whether the gated fp8 GEMM can quantize A's rows in its epilogue (`requant_smooth`):
-    split M (block_m 128), no promotion, N in at most FUSED_REQUANT_MAX_BLOCKS column blocks."""
-    return (config.split_m and not config.fp8_promote_every
-            and n_dim % config.block_n == 0
-            and n_dim // config.block_n <= FUSED_REQUANT_MAX_BLOCKS)
-
-
 # fp8 promotion keeps a second f32 accumulator set: at most this many accumulator columns per
 # consumer (both sets: 128 registers per thread, as one unpromoted 64x256 accumulator).
 FP8_PROMOTED_MAX_COLUMNS = 128
@@ -317,10 +292,9 @@ def grouped_matmul(
     out_dtype=jnp.bfloat16,
     bias: jax.Array | None = None,
     token_ids: jax.Array | None = None,
-    requant_smooth: jax.Array | None = None,
     chunks: TileChunks | None = None,
     chunk: int = 0,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+) -> jax.Array:
     """`out[r] = A[r] @ W[e(r)]` (or `@ W[e(r)]^T`) over rows grouped by expert.
 
     Args:
@@ -355,22 +329,16 @@ def grouped_matmul(
         `a[token_ids[r]]` (bf16: the split dH's GEMM `dO[tok] @ W2[e]^T`; 8-bit: the fp8
         up-proj, with `row_scales` f32 [T], one scale per row of `a`, gathered here). Needs
         `config.block_m == 128` without pingpong or clusters (module docstring).
-      requant_smooth: gated fp8 mode only: f32 [E, N] smooth scales: quantize A's rows in
-        the epilogue (`Q[r], s[r] = quantize_row(A[r] * requant_smooth[e(r)], e4m3)`, the
-        formula of `quant/reference.py`, bit for bit) and return `(Q, s)` instead of A.
-        A CTA must hold whole rows: `config.block_m == 128`, no promotion, and
-        N <= FUSED_REQUANT_MAX_BLOCKS * block_n (module docstring).
       chunks: run only chunk `chunk` of these `TileChunks` of `meta` (which is then
         required): its tiles, read from the whole A, written to a `[chunks.rows, out_cols]`
         output at rows shifted by the chunk's first row (the EP overlap's chunked down-proj).
-        Not with `token_ids` or `requant_smooth`.
+        Not with `token_ids`.
       chunk: static index of the chunk to run.
 
     Returns:
       [P, out_cols] in out_dtype, or `[chunks.rows, out_cols]` with `chunks`: row j holds
-      grouped row `chunks.bounds[1, chunk] + j`; with `requant_smooth`, `(Q e4m3 [P_pad,
-      N], s f32 [P_pad])`, P_pad = P rounded up to block_m (what the next GEMM loads).
-      Padding rows are not written (their contents are unspecified).
+      grouped row `chunks.bounds[1, chunk] + j`. Padding rows are not written (their
+      contents are unspecified).
     """
     a_name, w_name = names
     if a.ndim != 2:
@@ -468,24 +436,6 @@ def grouped_matmul(
     out_cols = n_dim if out_cols is None else out_cols
     if out_cols < n_dim:
         raise ValueError(f"out_cols={out_cols} must be >= {n_dim}.")
-    requant = requant_smooth is not None
-    if requant:
-        if not (a.dtype == E4M3 and gated):
-            raise ValueError("requant_smooth quantizes the gated fp8 mode's A; pass gated=True "
-                             "with e4m3 inputs.")
-        _common.require_shape("requant_smooth", requant_smooth, (num_experts, n_dim))
-        _common.require_dtype("requant_smooth", requant_smooth, jnp.float32)
-        if config.out_slabs:
-            raise ValueError(
-                f"config.out_slabs={config.out_slabs} stages the output tile's slabs; "
-                "requant_smooth stores Q untiled: use out_slabs=0."
-            )
-        if not fused_requant_fits(config, n_dim):
-            raise ValueError(
-                f"requant_smooth needs whole rows of A in one CTA: config.block_m=128, "
-                f"fp8_promote_every=0 and N={n_dim} <= {FUSED_REQUANT_MAX_BLOCKS} * "
-                f"block_n={bn}; got block_m={bm}, fp8_promote_every={config.fp8_promote_every}."
-            )
     if config.block_m == 192 and eight_bit:
         raise ValueError(
             "config.block_m=192 (three consumers of 64 rows) is a bf16-mode option; "
@@ -496,11 +446,10 @@ def grouped_matmul(
             f"config.cluster_m={config.cluster_m} (two CTAs sharing each weight tile) is a "
             "bf16-mode option over the whole plan: not with 8-bit inputs or chunks."
         )
-    if chunks is not None and (gathered or requant):
+    if chunks is not None and gathered:
         raise ValueError(
             "chunks (a call over a range of the plan's tiles) is not supported with token_ids "
-            "(the gathered mode) or requant_smooth (the fused re-quantization): run those "
-            "over the whole plan."
+            "(the gathered mode): run it over the whole plan."
         )
     if meta is None:
         if chunks is not None:
@@ -548,26 +497,23 @@ def grouped_matmul(
         if row_scales.shape[0] < padded:  # each consumer loads whole row blocks too
             row_scales = jnp.pad(row_scales, (0, padded - row_scales.shape[0]))
         scales = (row_scales, col_scales)
-    if requant:
-        scales += (requant_smooth,)
     kernel = _kernel(config, k_dim, n_dim, chunks.rows, out_cols, transpose_w, kernel_name,
                      interpret, in_dtype=a.dtype, out_dtype=out_dtype, eight_bit=eight_bit,
-                     gated=gated, has_bias=bias is not None, gathered=gathered, requant=requant,
-                     chunk=chunk)
+                     gated=gated, has_bias=bias is not None, gathered=gathered, chunk=chunk)
     operands = (meta.expert, meta.row_start, meta.num_rows, chunks.bounds, *row_ids, a, w)
     return kernel(*operands, *scales, *(() if bias is None else (bias,)))
 
 
 def smem_bytes(config: GroupedMatmulConfig, n_dim: int, *, in_dtype, out_dtype,
-               gated: bool = False, has_bias: bool = False, gathered: bool = False,
-               requant: bool = False) -> int:
+               gated: bool = False, has_bias: bool = False, gathered: bool = False) -> int:
     """The SMEM one CTA of the grouped GEMM takes, as `_kernel` lays it out: each scratch
     ref rounded up to `_common.SMEM_ALIGNMENT` (where Pallas starts them) plus 8 B per
     barrier. The refs: the A stages [stages, block_m, block_k], the weight stages ([2 if
     gated], stages, block_k, block_n), each consumer's staged output (the whole [rows,
-    block_n] tile, or `out_slabs` x `out_buffers` slabs; with `requant` the Q of every column
-    block of two items), and the bias columns, scales, gathered ids and (compiled cp.async
-    gather on mbarriers) the stage barriers.
+    block_n] tile, or `out_slabs` x `out_buffers` slabs), and the bias columns, scales,
+    gathered ids and (compiled cp.async gather on mbarriers) the stage barriers. The output
+    width `n_dim` does not change the count (it did for the fused re-quantization, removed
+    in session 63).
 
     A lower bound of what Mosaic GPU counts (it adds nothing for these kernels today), so
     `_kernel` refuses above `_common.SMEM_MAX` only configs Mosaic would refuse too, but
@@ -579,26 +525,17 @@ def smem_bytes(config: GroupedMatmulConfig, n_dim: int, *, in_dtype, out_dtype,
     in_size = jnp.dtype(in_dtype).itemsize
     num_b = 2 if gated else 1
     eight_bit = in_size == 1
-    blocks_per_item = n_dim // bn if requant else 1
     refs = [stages * bm * bk * in_size, num_b * stages * bk * bn * in_size]
     barriers = (1 if config.split_m else 2) * stages + stages
-    if requant:  # Q of every column block, two items
-        refs.append(2 * blocks_per_item * mb * bn)
-    else:
-        out_size = jnp.dtype(out_dtype).itemsize
-        staged_cols = (config.out_slabs * _common.SWIZZLE_BYTES // out_size
-                       if config.out_slabs else bn)
-        refs.append(cons * config.out_buffers * mb * staged_cols * out_size)
+    out_size = jnp.dtype(out_dtype).itemsize
+    staged_cols = config.out_slabs * _common.SWIZZLE_BYTES // out_size if config.out_slabs else bn
+    refs.append(cons * config.out_buffers * mb * staged_cols * out_size)
     if has_bias:
         refs.append(cons * bn * in_size)
         barriers += cons
     if eight_bit:  # row scales, column scales
-        refs += [4 * 2 * mb, 4 * 2 * blocks_per_item * num_b * bn]
+        refs += [4 * 2 * mb, 4 * 2 * num_b * bn]
         barriers += 2
-    if requant:  # smooth scales, two items' row scales, the parked A of all blocks but one
-        refs += [4 * 2 * blocks_per_item * bn, 4 * 2 * 2 * mb]
-        if blocks_per_item > 1:
-            refs.append(2 * 2 * (blocks_per_item - 1) * mb * bn)
     if gathered:  # two items' row ids; compiled cp.async on mbarriers: one per slot
         refs.append(4 * 2 * bm)
         barriers += 2
@@ -610,11 +547,10 @@ def smem_bytes(config: GroupedMatmulConfig, n_dim: int, *, in_dtype, out_dtype,
 
 def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, transpose_w,
             kernel_name, interpret, *, in_dtype, out_dtype, eight_bit: bool, gated: bool,
-            has_bias: bool = False, gathered: bool = False, requant: bool = False,
-            chunk: int = 0):
+            has_bias: bool = False, gathered: bool = False, chunk: int = 0):
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     smem = smem_bytes(config, n_dim, in_dtype=in_dtype, out_dtype=out_dtype, gated=gated,
-                      has_bias=has_bias, gathered=gathered, requant=requant)
+                      has_bias=has_bias, gathered=gathered)
     if smem > _common.SMEM_MAX:
         raise ValueError(
             f"config needs {smem} B of SMEM ({stages} stages of [{bm}, {bk}] rows and "
@@ -629,12 +565,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     tile_rows = config.tile_rows  # rows of a metadata tile: the cluster's boxes
     num_sms = config.num_sms // clusters  # walkers of the item list: CTAs or clusters
     multicast = _common.cluster_multicast(clusters)  # collective axis of the weight copies
-    num_k = k_dim // bk
-    # With `requant` an item is a tile with all its column blocks (whole rows of A); its
-    # K steps run column block by column block.
-    blocks_per_item = n_dim // bn if requant else 1
-    grid_n = 1 if requant else n_dim // bn  # items per tile
-    steps_per_item = blocks_per_item * num_k
+    num_k = k_dim // bk  # K steps per item
+    grid_n = n_dim // bn  # items per tile
     dtype = in_dtype
     tf = _common.mma_transforms(dtype)
     num_b = 2 if gated else 1  # weight tiles per K step (gate and up)
@@ -679,13 +611,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     def body(expert_ref, start_ref, rows_ref, bounds_ref, *refs):
         ids_ref, *refs = refs if gathered else (None, *refs)
         a_ref, w_ref, *refs = refs
-        if requant:  # the smooth scales, Q and s; their SMEM
-            (rs_ref, cs_ref, ss_ref, out_ref, s_out_ref, a_smem, b_smem, o_smem, full, empty,
-             rs_smem, cs_smem, scale_bar, ss_smem, s_smem, *gather_scratch) = refs
-            stash_smem, *gather_scratch = (
-                gather_scratch if blocks_per_item > 1 else (None, *gather_scratch))
-            bias_ref, bias_scratch = None, ()
-        elif eight_bit:
+        if eight_bit:
             (rs_ref, cs_ref, out_ref, a_smem, b_smem, o_bufs, full, empty,
              rs_smem, cs_smem, scale_bar, *gather_scratch) = refs
             bias_ref, bias_scratch = None, ()
@@ -693,8 +619,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             bias_ref, *refs = refs if has_bias else (None, *refs)
             out_ref, a_smem, b_smem, o_bufs, full, empty, *refs = refs
             bias_scratch, gather_scratch = (refs[:2], refs[2:]) if has_bias else ((), refs)
-        if not requant:  # the output tile: its wgmma view and its (1, w) TMA view
-            o_copy, o_mma = o_views(o_bufs)
+        o_copy, o_mma = o_views(o_bufs)  # the output tile: its wgmma and (1, w) TMA views
         if gathered:  # ids of the item's box rows (double-buffered), their barriers
             ids_smem, ids_bar, *a_landed = gather_scratch
             a_copy, a_mma = a_views(a_smem)
@@ -761,14 +686,17 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                     plgpu.barrier_wait(ids_bar.at[j % 2])
                     ids = ids_smem.at[j % 2]
 
-                def per_step(step, carry):  # the item's step: column block, then K block
-                    g = j * steps_per_item + step
+                def per_step(step, carry):  # the item's K step
+                    g = j * num_k + step
                     slot = g % stages
 
                     @pl.when(g >= stages)
                     def _():
                         plgpu.barrier_wait(empty.at[slot])
 
+                    # step < num_k, so `step % num_k` is step and `step // num_k` 0: the
+                    # form of the fused re-quantization's items of several column blocks
+                    # (removed in session 63), kept so the traced kernels stayed the same.
                     k0 = (step % num_k) * bk
                     col_block = ni + step // num_k
                     if cp_async:  # [bm, bk] of a[ids], one cp.async group
@@ -801,11 +729,11 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                         _common.cp_async_publish(g, full.at[0], a_landed, stages)
                     return carry
 
-                jax.lax.fori_loop(0, steps_per_item, per_step, None)
+                jax.lax.fori_loop(0, num_k, per_step, None)
                 return carry
 
             jax.lax.fori_loop(0, my_items, per_item, None)
-            num_steps = my_items * steps_per_item
+            num_steps = my_items * num_k
             if cp_async:
                 _common.cp_async_publish_rest(num_steps, full.at[0], a_landed, stages)
             # Observe the releases of the last `stages` steps too, so every barrier phase is
@@ -818,7 +746,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             jax.lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
 
         def k_steps(j, k0, length, bar_c, a_rows):
-            """The consumer's steps `[k0, k0 + length)` of item j (`length` static) into
+            """The consumer's K steps `[k0, k0 + length)` of item j (`length` static) into
             `num_b` zeroed accumulators; releases each slot once the next step's wgmma is
             issued, the last one after the final wait. Returns num_b [mb, bn] f32."""
 
@@ -836,9 +764,9 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                         plgpu.wgmma(acc, a_mma.at[slot, a_rows], b)  # [mb,bk] @ [bk,bn]
 
                 _common.consumer_k_loop(length, stages, wait, mma, empty, mmas_per_step=num_b,
-                                        step_of=lambda t: j * steps_per_item + k0 + t,
+                                        step_of=lambda t: j * num_k + k0 + t,
                                         wgmma_lag=config.wgmma_lag)
-                plgpu.barrier_arrive(empty.at[(j * steps_per_item + k0 + length - 1) % stages])
+                plgpu.barrier_arrive(empty.at[(j * num_k + k0 + length - 1) % stages])
                 return tuple(acc[...] for acc in accs)
 
             return pl.run_scoped(scope, *[plgpu.ACC((mb, bn), acc_dtype)] * num_b)
@@ -861,68 +789,6 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             if tail:
                 totals = interval(num_full * promote_every, tail, totals)
             return totals
-
-        def quantize_rows(j, c, bar_c, a_rows, dst0, src0, count):
-            """`requant`: the consumer's rows of item j (output rows `[dst0, dst0 + count)`,
-            its rows `[src0, src0 + count)` of the box) across all column blocks.
-
-            Each block's SwiGLU output A (bf16, as the unfused kernel's) times its smooth
-            scales gives the block's row maxima; every block but the last parks its A in SMEM
-            (`stash_smem`, swizzled bf16 tiles), so while a block accumulates the consumer's
-            registers hold only its accumulators and the [mb] running maxima (not the earlier
-            blocks' A: 64 more f32 registers beside the 128 of the accumulators made ptxas
-            spill or serialize the wgmmas; 1895 us against 383 unfused at 7B, session 6).
-            Then each row's scale and e4m3 values (`row_scale`, `apply_row_scale`: the
-            SmoothQuant formula), Q TMA-stored by rows, s by each warp's scalar stores."""
-            layout = plgpu.Layout.WGMMA
-            last = blocks_per_item - 1
-
-            def smoothed(act, cb):  # f32 [mb, bn]: A times the block's smooth scales
-                smooth = plgpu.load(ss_smem.at[c, cb], layout=layout.reduce(0), optimized=False)
-                return act.astype(jnp.float32) * jax.lax.broadcast_in_dim(smooth, (mb, bn), [1])
-
-            amax = None
-            for cb in range(blocks_per_item):
-                accs = k_steps(j, cb * num_k, num_k, bar_c, a_rows)  # [mb, bn] f32 each
-                if cb == 0:
-                    plgpu.barrier_wait(scale_bar.at[c])
-                act = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, cb], jnp.bfloat16)
-                y = smoothed(act, cb)
-                block_max = jnp.max(jnp.abs(y), axis=1)  # [mb]
-                amax = block_max if amax is None else jnp.maximum(amax, block_max)
-                if cb < last:  # read back below; the previous item's reads ended at its commit
-                    _common.write_row_tile(stash_smem.at[c, cb], act)
-            scale, inv = row_scale(amax, E4M3)
-            inv = jax.lax.broadcast_in_dim(inv, (mb, bn), [0])
-            parity = j % 2  # s_smem[c, parity] was last read two items ago (a commit since)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous item's Q stores
-            o_smem[c, last] = apply_row_scale(y, inv, E4M3)
-            for cb in range(last):
-                o_smem[c, cb] = apply_row_scale(
-                    smoothed(_common.read_row_tile(stash_smem.at[c, cb]), cb), inv, E4M3)
-            s_smem[c, parity] = scale
-            plgpu.commit_smem()
-            for cb in range(blocks_per_item):
-                _common.store_rows(
-                    o_smem.at[c, cb], out_ref.at[:, pl.ds(cb * bn, bn)], dst0, count, mb,
-                    src_row0=src0,
-                )
-
-            # s row by row (a 4-byte TMA store is below the 16-byte granule): each warp stores
-            # a quarter of the rows, so every scalar store synchronizes one warp, not the
-            # warpgroup (Lane semantics puts a warpgroup barrier before and after each store).
-            def store_scales(warp):
-                rows_per_warp = mb // 4
-                lo = jnp.minimum(warp * rows_per_warp, count)
-                hi = jnp.minimum(lo + rows_per_warp, count)
-
-                def store_scale(i, carry):
-                    s_out_ref[dst0 + i] = s_smem[c, parity, src0 + i]
-                    return carry
-
-                jax.lax.fori_loop(lo, hi, store_scale, None)
-
-            plgpu.warp_map(store_scales)
 
         for c in range(cons):
             @pl.when(wg == c)
@@ -962,22 +828,15 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                         plgpu.copy_gmem_to_smem(
                             rs_ref.at[pl.ds(scale_rows, mb)], rs_smem.at[c], scale_bar.at[c]
                         )
-                        for cb in range(blocks_per_item):
-                            cols = (ni + cb) * bn
-                            for h in range(num_b):
-                                plgpu.copy_gmem_to_smem(
-                                    cs_ref.at[expert_ref[tile], pl.ds(h * n_dim + cols, bn)],
-                                    cs_smem.at[c, cb, h], scale_bar.at[c],
-                                )
-                            if requant:
-                                plgpu.copy_gmem_to_smem(
-                                    ss_ref.at[expert_ref[tile], pl.ds(cols, bn)],
-                                    ss_smem.at[c, cb], scale_bar.at[c],
-                                )
+                        # `ni + 0` and the column scales' one-block axis: kept from the
+                        # fused re-quantization, as the producer's K step arithmetic.
+                        cols = (ni + 0) * bn
+                        for h in range(num_b):
+                            plgpu.copy_gmem_to_smem(
+                                cs_ref.at[expert_ref[tile], pl.ds(h * n_dim + cols, bn)],
+                                cs_smem.at[c, 0, h], scale_bar.at[c],
+                            )
 
-                    if requant:
-                        quantize_rows(j, c, bar_c, a_rows, dst0 - out_row0, src0, count)
-                        return carry
                     # Named regions: `benchmarks/timeline.py` (no-ops unless profiled).
                     with jax.named_scope("k_loop"):
                         if promote_every:
@@ -1020,12 +879,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     a_arrivals = (
         _common.gather_full_arrivals(config, bm, interpret_mode is not None) if gathered else 1
     )
-    if requant:  # per consumer: Q of every column block, untiled (`store_rows`)
-        o_scratch, o_views = plgpu.SMEM((2, blocks_per_item, mb, bn), E4M3), None
-    else:  # per consumer: the output tile (or `out_slabs` of its slabs), swizzled 128-byte slabs
-        o_scratch, o_views = _common.row_tile_buffers(
-            (cons, out_buffers, mb, staged_cols), out_dtype, interpret_mode is not None
-        )
+    # per consumer: the output tile (or `out_slabs` of its slabs), swizzled 128-byte slabs
+    o_scratch, o_views = _common.row_tile_buffers(
+        (cons, out_buffers, mb, staged_cols), out_dtype, interpret_mode is not None
+    )
     scratch = [
         a_scratch,
         plgpu.SMEM(b_shape, dtype, transforms=tf),
@@ -1043,30 +900,16 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     if eight_bit:  # per consumer: its rows' scales, the item's column scales, their barrier
         scratch += [
             plgpu.SMEM((2, mb), jnp.float32),
-            plgpu.SMEM((2, blocks_per_item, num_b, bn), jnp.float32),
-            plgpu.Barrier(
-                num_arrivals=1 + blocks_per_item * (num_b + requant), num_barriers=2
-            ),
+            plgpu.SMEM((2, 1, num_b, bn), jnp.float32),  # 1 block: as `cols` above
+            plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=2),
         ]
-    if requant:  # per consumer: the smooth scales; the row scales of two items; the A of
-        # every column block but the last (bf16, swizzled tiles: conflict-free for the
-        # accumulator layout's stores and loads)
-        scratch += [plgpu.SMEM((2, blocks_per_item, bn), jnp.float32),
-                    plgpu.SMEM((2, 2, mb), jnp.float32)]
-        if blocks_per_item > 1:
-            scratch.append(_common.row_tile_types((2, blocks_per_item - 1, mb, bn),
-                                                  jnp.bfloat16)[1])
     if gathered:  # the ids of two items' box rows, their barriers, the cp.async stage barriers
         scratch += [plgpu.SMEM((2, bm), jnp.int32), plgpu.Barrier(num_barriers=2)]
         scratch += [_common.cp_async_stage_barriers(stages)] if stage_bars else []
     return plgpu.kernel(
         body,
         kernel_name=kernel_name,
-        out_type=(
-            (jax.ShapeDtypeStruct((-(-out_rows // bm) * bm, n_dim), E4M3),
-             jax.ShapeDtypeStruct((-(-out_rows // bm) * bm,), jnp.float32))
-            if requant else jax.ShapeDtypeStruct((out_rows, out_cols), out_dtype)
-        ),
+        out_type=jax.ShapeDtypeStruct((out_rows, out_cols), out_dtype),
         scratch_types=scratch,
         grid=(num_sms,),
         grid_names=("sm",),

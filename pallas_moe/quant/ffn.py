@@ -26,13 +26,10 @@ from `quantize_experts` (per expert, per output channel e4m3 with f32 scales, st
 `[E, 2n, d]` / `[E, d, n]`: 8-bit wgmma takes B only K-major). The smooth scales S1 [E, d],
 S2 [E, n] multiply the activations (`calibrate_smoothing`); None means no smoothing.
 
-A's quantization needs each row's max over all n columns. By default the up-proj writes A
-in bf16 and the row-block quantizer (`quant.kernel.quantize_row_blocks`) quantizes its
-grouped rows, 64 at a time, no gather (`requantize_rows`). With
-`Fp8ForwardConfig(fuse_requant=True)`, where one CTA holds whole rows (no promotion and
-n <= 2 * up.block_n: the 7B shape's n = 256, not 30B's 512), the up-proj quantizes A in its
-epilogue instead (`grouped_matmul(requant_smooth=)`: `P * n * 5` bytes
-less traffic). Both give the same Q and s (docs/quant.md).
+A's quantization needs each row's max over all n columns: the up-proj writes A in bf16 and
+the row-block quantizer (`quant.kernel.quantize_row_blocks`) quantizes its grouped rows, 64
+at a time, no gather (`requantize_rows`). (Quantizing A in the up-proj's epilogue instead,
+`Fp8ForwardConfig.fuse_requant`, was removed in session 63: it measured slower, docs/quant.md.)
 
 Inference only: differentiating `moe_ffn_fp8` raises a TypeError (the quantizers have no
 useful gradient).
@@ -162,20 +159,15 @@ class Fp8ForwardConfig:
       down: the fp8 down-proj grouped GEMM (`block_k` 128).
       quant: the SmoothQuant kernel quantizing X (per token, or per row with smooth scales).
       aggregate: the aggregation kernel.
-      requant: the row-block quantizer re-quantizing A when the up-proj does not
-        (`quant.kernel.quantize_row_blocks`: A's rows are already grouped, so whole 64-row
-        blocks stream through SMEM; rows wider than `row_blocks_fit` allows go through the
-        SmoothQuant kernel, one CSR entry per row, with its defaults).
-      fuse_requant: quantize A in the up-proj's epilogue where a CTA holds whole rows of A
-        (`grouped_gemm.fused_requant_fits`: no promotion, n <= 2 * up.block_n; the 7B
-        shape's n = 256, not 30B's 512), instead of writing A in bf16 for the separate pass.
-        Off by default, the fastest composition measured: on the H100 (session 6, 7B,
-        `benchmarks/quant.py --fp8`) the fused up-proj took 1895 us against 383 + 187 us for
-        the plain fp8 up-proj and the separate pass, and the forward 2472 us fused. Its
-        epilogue has since been restructured (earlier column blocks of A parked in SMEM, not
-        registers; the scale stores per warp; not yet measured): the benchmark times the
-        forward both ways (`fp8 fwd fused us`). The fused up-proj runs `up` with at most 3
-        stages and no output slab staging (`out_slabs=0`): its SMEM holds A and Q instead.
+      requant: the row-block quantizer re-quantizing A (`quant.kernel.quantize_row_blocks`:
+        A's rows are already grouped, so whole 64-row blocks stream through SMEM; rows wider
+        than `row_blocks_fit` allows go through the SmoothQuant kernel, one CSR entry per
+        row, with its defaults).
+
+    Session 63 removed `fuse_requant` (A quantized in the up-proj's epilogue where a CTA held
+    whole rows: 7B's n = 256 only). It never won on the H100: the forward 0.89x in session 6
+    (1320.7 against 1171.8 us) and 0.86x in session 10 (1295.8 against 1111.2 us);
+    `benchmarks/history/session63/fp8_fused_requant.patch` restores it.
     """
 
     up: "GroupedMatmulConfig"
@@ -183,14 +175,6 @@ class Fp8ForwardConfig:
     quant: "SmoothQuantConfig"
     aggregate: "AggregateConfig"
     requant: "RowBlockQuantConfig | None" = None
-    fuse_requant: bool = False
-
-    def fused_up(self) -> "GroupedMatmulConfig":
-        """`up` as the fused re-quantization runs it: its epilogue parks A's earlier column
-        blocks and Q in SMEM where the plain epilogue stages its output slabs, so at most 3
-        stages fit (208 KB) and no slab staging (`out_slabs=0`)."""
-        return dataclasses.replace(self.up, num_stages=min(self.up.num_stages, 3), out_slabs=0,
-                                   out_buffers=1)
 
     def __post_init__(self):
         if self.requant is None:
@@ -409,17 +393,16 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
     Returns:
       dict: "q1" (the experts' dtype: e4m3 or int8, as "q2") and "s1" f32, the up-proj's quantized input (without smooth scales:
       per token, [T, d] and [T]; with them: per grouped row, [P_up, d] and [P_up]), "a" bf16
-      [P, n] (None when the up-proj quantizes A itself, `config.fuse_requant`), "q2" e4m3
-      [P_down, n], "s2" f32 [P_down], "y" bf16 [P, width] (width = `aggregate_width(d)`),
-      "out" bf16 [T, d] (`moe_ffn_fp8`'s result).
+      [P, n], "q2" [P_down, n] and "s2" f32 [P_down], "y" bf16 [P, width] (width =
+      `aggregate_width(d)`), "out" bf16 [T, d] (`moe_ffn_fp8`'s result).
     """
     from pallas_moe.kernels import _common
     from pallas_moe.kernels.aggregate import aggregate
-    from pallas_moe.kernels.grouped_gemm import fused_requant_fits, grouped_matmul
+    from pallas_moe.kernels.grouped_gemm import grouped_matmul
     from pallas_moe.kernels.moe_forward import aggregate_width
     from pallas_moe.quant.kernel import quantize_tokens_kernel, smoothquant_kernel
 
-    num_experts, d, n = experts.shape
+    d = experts.shape[1]
     qdtype = experts.dtype
     prefix = "moe_fp8" if qdtype == E4M3 else "moe_int8"
     capacity = plan.capacity
@@ -429,34 +412,24 @@ def fp8_forward_stages(x, plan, experts: QuantizedExperts, *, config: Fp8Forward
     down_rows = -(-capacity // config.down.block_m) * config.down.block_m
     row_experts = _row_experts(plan)
     up_meta = _common.aligned_tile_meta(plan.group_sizes, capacity, config.up.block_m)
-    # The fused requantization quantizes A to e4m3 only.
-    fused = config.fuse_requant and fused_requant_fits(config.up, n) and qdtype == E4M3
-    up_config = config.fused_up() if fused else config.up
-    up = dict(transpose_w=True, config=up_config, interpret=interpret, meta=up_meta,
+    up = dict(transpose_w=True, config=config.up, interpret=interpret, meta=up_meta,
               capacity=capacity, col_scales=experts.gate_up_scales, gated=True,
-              names=("q", "experts.w_gate_up"), kernel_name=f"{prefix}_up_proj",
-              # The fused epilogue multiplies by a scale row; the separate pass below
-              # skips it when there is none.
-              requant_smooth=_smooth_or_ones(experts.smooth_down, num_experts, n) if fused else None)
+              names=("q", "experts.w_gate_up"), kernel_name=f"{prefix}_up_proj")
     if experts.smooth_up is None:
         q1, s1 = quantize_tokens_kernel(x, out_dtype=qdtype, config=config.quant,
                                         interpret=interpret)
-        up_out = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1,
-                                token_ids=plan.token_ids, **up)
+        a = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1,
+                           token_ids=plan.token_ids, **up)
     else:
         q1, s1 = smoothquant_kernel(  # tokens' rows at their grouped positions (gather fused)
             x, experts.smooth_up, plan.token_row_offsets, plan.rows_by_token,
             row_experts[plan.rows_by_token], plan.num_rows, num_out_rows=up_rows,
             out_dtype=qdtype, config=config.quant, interpret=interpret,
         )
-        up_out = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1, **up)
-    if fused:  # e4m3 [P_up, n], f32 [P_up]; padding rows unwritten (never stored later)
-        a, (q2, s2) = None, up_out
-    else:
-        a = up_out  # bf16 [P, n]; padding rows unwritten (never read: rows past num_rows
-        # come out as zeros)
-        q2, s2 = requantize_rows(a, experts.smooth_down, plan, num_out_rows=down_rows,
-                                 config=config.requant, interpret=interpret, out_dtype=qdtype)
+        a = grouped_matmul(q1, plan.group_sizes, experts.w_gate_up, row_scales=s1, **up)
+    # a: bf16 [P, n]; padding rows unwritten (never read: rows past num_rows come out as zeros)
+    q2, s2 = requantize_rows(a, experts.smooth_down, plan, num_out_rows=down_rows,
+                             config=config.requant, interpret=interpret, out_dtype=qdtype)
     down_meta = up_meta if config.down.block_m == config.up.block_m else (
         _common.aligned_tile_meta(plan.group_sizes, capacity, config.down.block_m)
     )
