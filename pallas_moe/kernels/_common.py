@@ -520,13 +520,6 @@ def write_row_tile(mma_view, value, first_slab: int = 0) -> None:
         mma_view[first_slab + h] = value[:, h * w:(h + 1) * w]
 
 
-def read_row_tile(mma_view):
-    """[rows, cols] in the wgmma layout: a `row_tile_types` tile's slabs read back (what
-    `write_row_tile` wrote)."""
-    slabs = mma_view.shape[-3]
-    return jnp.concatenate([mma_view[h] for h in range(slabs)], axis=1)
-
-
 def store_row_tile(copy_view, dst_gmem, row0, num_rows, max_rows: int, src_row0=0) -> None:
     """`store_rows` of a `row_tile_types` tile: rows `[src_row0, src_row0 + num_rows)` of
     every slab h to `dst_gmem[row0 + i, w h : w (h + 1)]` (dst_gmem [P, cols])."""

@@ -694,11 +694,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                     def _():
                         plgpu.barrier_wait(empty.at[slot])
 
-                    # step < num_k, so `step % num_k` is step and `step // num_k` 0: the
-                    # form of the fused re-quantization's items of several column blocks
-                    # (removed in session 63), kept so the traced kernels stayed the same.
-                    k0 = (step % num_k) * bk
-                    col_block = ni + step // num_k
+                    k0 = step * bk
                     if cp_async:  # [bm, bk] of a[ids], one cp.async group
                         _common.cp_async_gather_rows(
                             a_ref.at[:, pl.ds(k0, bk)], ids, [a_mma.at[slot]], num_rows=bm
@@ -718,7 +714,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                             full.at[c, slot],
                         )
                     for h in range(num_b):  # h = 1: the matching up columns, n_dim later
-                        col0 = h * n_dim + col_block * bn
+                        col0 = h * n_dim + ni * bn
                         if transpose_w:  # [bn, bk], K-minor
                             w_tile = w_e.at[pl.ds(col0, bn), pl.ds(k0, bk)]
                         else:  # [bk, bn]
@@ -828,13 +824,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                         plgpu.copy_gmem_to_smem(
                             rs_ref.at[pl.ds(scale_rows, mb)], rs_smem.at[c], scale_bar.at[c]
                         )
-                        # `ni + 0` and the column scales' one-block axis: kept from the
-                        # fused re-quantization, as the producer's K step arithmetic.
-                        cols = (ni + 0) * bn
                         for h in range(num_b):
                             plgpu.copy_gmem_to_smem(
-                                cs_ref.at[expert_ref[tile], pl.ds(h * n_dim + cols, bn)],
-                                cs_smem.at[c, 0, h], scale_bar.at[c],
+                                cs_ref.at[expert_ref[tile], pl.ds(h * n_dim + ni * bn, bn)],
+                                cs_smem.at[c, h], scale_bar.at[c],
                             )
 
                     # Named regions: `benchmarks/timeline.py` (no-ops unless profiled).
@@ -846,8 +839,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                     with jax.named_scope("epilogue_math"):
                         if eight_bit:
                             plgpu.barrier_wait(scale_bar.at[c])
-                            y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c, 0],
-                                                     out_dtype)
+                            y = _dequantize_epilogue(accs, rs_smem.at[c], cs_smem.at[c], out_dtype)
                         else:
                             (y,) = accs
                         if has_bias:
@@ -900,7 +892,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     if eight_bit:  # per consumer: its rows' scales, the item's column scales, their barrier
         scratch += [
             plgpu.SMEM((2, mb), jnp.float32),
-            plgpu.SMEM((2, 1, num_b, bn), jnp.float32),  # 1 block: as `cols` above
+            plgpu.SMEM((2, num_b, bn), jnp.float32),
             plgpu.Barrier(num_arrivals=1 + num_b, num_barriers=2),
         ]
     if gathered:  # the ids of two items' box rows, their barriers, the cp.async stage barriers
