@@ -30,13 +30,29 @@
 #   H (~3 min, H100): issue 15: `DecodeConfig.rebalance_registers=True` (session 12: 57.7
 #      against 60.2 us at T = 1 on the old 4-stage default) against today's default, T = 1, 2.
 #      Remove it unless it wins.
-# B first (it can move the 7B step, whose dW1 is its largest kernel), then F, C, E, G, H,
-# then D.
+#   A2 (~9 min, H100, FIRST): the GPU tests of the kernels session 63 changed on the CPU
+#      after its last GPU call: the grouped GEMM (index arithmetic left by the removed fp8
+#      fused requantization, commit "Grouped GEMM: drop the fused requantization's index
+#      vestiges"), the fp8/int8 paths through it, the weight gradients (mbarrier-only
+#      stages, expert-major only): 38 tests, give them the whole call (run with -rA: a
+#      cut run still says which passed). A3 (~4 min): then the 7B and 30B steps, to
+#      compare with calls 4 and 8 (down-proj 0.338 / 1.87 ms, dX~ 0.543 / 3.43 ms).
+# A2 and A3 first, then B (it can move the 7B step, whose dW1 is its largest kernel), then F, C,
+# E, G, H, then D.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 PART=${1:-A}
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
 case "$PART" in
+A2)
+  timeout 560 python3 -m pytest -p no:xdist -q -m gpu tests/test_quant_fp8.py tests/test_quant_int8.py \
+    tests/test_gpu.py -k "fp8 or int8 or grouped_gemm or slabs or weight_grad or backward_cp_async or dh_split" \
+    -rA > $OUT/gpu_tests.log 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" $OUT/gpu_tests.log | tail -45 | cut -c1-160 ;;
+A3)
+  timeout 400 python3 benchmarks/step.py --shapes 7b,30b --variants topk/cp_async --rounds 1 \
+    --out $OUT > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "kernels (ms" $OUT/step.log | cut -c1-400; grep "^|" $OUT/step.log | tail -4 ;;
 A)
   timeout 200 python3 -m pytest -p no:xdist -q -m gpu tests/test_gpu.py \
     -k "dh_split or backward_cp_async or empty_experts_on_gpu" > $OUT/gpu_tests.log 2>&1
