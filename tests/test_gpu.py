@@ -133,14 +133,14 @@ def test_up_proj_cp_async_gather_matches_reference(shape, cfg, completion):
 
 
 @pytest.mark.parametrize(
-    "shape, stages, epilogue_tiles, completion, with_bias",
-    [((2048, 512, 256, 8, 4), 5, 1, "wait_group", False),
-     ((2048, 512, 256, 8, 4), 4, 3, "mbarrier", True),
-     ((3000, 1536, 512, 16, 8), 5, 1, "mbarrier", False),
-     ((1024, 256, 128, 5, 2), 3, 0, "wait_group", True),
-     ((3000, 4096, 512, 16, 8), 5, 1, "wait_group", False)],
+    "shape, stages, completion, with_bias",
+    [((2048, 512, 256, 8, 4), 5, "wait_group", False),
+     ((2048, 512, 256, 8, 4), 4, "mbarrier", True),
+     ((3000, 1536, 512, 16, 8), 5, "mbarrier", False),
+     ((1024, 256, 128, 5, 2), 3, "wait_group", True),
+     ((3000, 4096, 512, 16, 8), 5, "wait_group", False)],
 )
-def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, completion, with_bias):
+def test_up_proj_pingpong_equals_cooperative(shape, stages, completion, with_bias):
     """The persistent ping-pong up-proj (`UpProjConfig.pingpong_ctas`) against the jnp
     reference and bit for bit against the cooperative kernel, poisoned outputs, skewed
     routing; inference mode writes the same A; 8 CTAs make every CTA walk many items; one
@@ -175,7 +175,7 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, comp
                                            (8, True, True, 0), (132, False, True, 128)):
         config = UpProjConfig(block_n=128, num_stages=stages, num_consumers=2, gather="cp_async",
                               gather_completion=completion, pingpong_ctas=ctas,
-                              epilogue_tiles=epilogue_tiles, fused_gate_up=fused)
+                              fused_gate_up=fused)
         f = jax.jit(lambda x, t, g, w, c=config, i=inference, b=blocks: up_proj(
             x, t, g, w, config=c, bias=bias, inference=i, gate_up_blocks=b))
         _poison(plan.capacity * 3 * n * 2)
@@ -189,10 +189,10 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, epilogue_tiles, comp
     # the same A.
     split_m = UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
                            gather="cp_async", gather_completion=completion)
-    for ctas, st, tiles, inference, fused in ((132, 4, 1, False, False),
-                                              (132, 4, 1, False, True), (8, 3, 4, True, True)):
+    for ctas, st, inference, fused in ((132, 4, False, False), (132, 4, False, True),
+                                       (8, 3, True, True)):
         config = dataclasses.replace(split_m, num_stages=st, pingpong_ctas=ctas,
-                                     epilogue_tiles=tiles, fused_gate_up=fused)
+                                     fused_gate_up=fused)
         _poison(plan.capacity * 3 * n * 2)
         h, a = jax.jit(lambda x, t, g, w, c=config, i=inference, b=128 if fused else 0: up_proj(
             x, t, g, w, config=c, bias=bias, inference=i, gate_up_blocks=b))(

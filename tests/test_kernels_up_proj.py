@@ -189,7 +189,7 @@ def test_bias_of_the_wrong_shape_raises():
                 bias=jnp.zeros((2, 64), jnp.bfloat16), config=WS1, interpret=True)
 
 
-# CI time (an opt-in extra): test_pingpong_equals_cooperative_no_races[one_tile_buffer_idle_ctas]
+# CI time (an opt-in extra): test_pingpong_equals_cooperative_no_races[two_slabs_idle_ctas]
 # raced two slabs per tile (block_n=128)
 @pytest.mark.slow
 def test_two_swizzled_slabs_per_consumer_no_races():
@@ -212,12 +212,10 @@ PINGPONG = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2, p
 @pytest.mark.parametrize(
     "config, inference",
     [pytest.param(PINGPONG, False, marks=pytest.mark.slow),  # CI: the default form below
-     # Two slabs per item, a one-tile epilogue buffer (a store wait before every tile), more
-     # CTAs than items: some CTAs and consumers have no work.
-     (dataclasses.replace(PINGPONG, block_n=128, num_stages=3, epilogue_tiles=1,
-                          pingpong_ctas=8), False),
-     pytest.param(dataclasses.replace(PINGPONG, epilogue_tiles=1), True,
-                  marks=pytest.mark.slow),
+     # Two slabs per item (the one-tile epilogue buffer: a store wait before every tile),
+     # more CTAs than items: some CTAs and consumers have no work.
+     (dataclasses.replace(PINGPONG, block_n=128, num_stages=3, pingpong_ctas=8), False),
+     pytest.param(PINGPONG, True, marks=pytest.mark.slow),
      # One wgmma of N = 2 * block_n on a [bk, gate | up] weight tile per K step, filled by
      # 8-row boxes from the halves layout (interleaved W1: test_interleaved_weights_...).
      pytest.param(dataclasses.replace(PINGPONG, fused_gate_up=True), False,
@@ -225,7 +223,7 @@ PINGPONG = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2, p
      # Each slot released as soon as its own step's wgmmas are done (`wgmma_lag=0`): with 2
      # stages one loads while the other is multiplied (with the default lag none would).
      (dataclasses.replace(PINGPONG, wgmma_lag=0), False)],
-    ids=["three_ctas", "one_tile_buffer_idle_ctas", "inference", "fused_gate_up",
+    ids=["three_ctas", "two_slabs_idle_ctas", "inference", "fused_gate_up",
          "wgmma_lag_0"],
 )
 def test_pingpong_equals_cooperative_no_races(config, inference):
@@ -301,8 +299,7 @@ def test_persistent_split_m_equals_cooperative_no_races(fused, block_m, cluster_
     want_h, want_a = up_proj(*args, w1, config=coop, interpret=True, **kw)
     config = UpProjConfig(block_m=block_m, block_n=64, num_stages=3,
                           num_consumers=block_m // 64, pingpong_ctas=2 * cluster_m,
-                          epilogue_tiles=2, fused_gate_up=fused, cluster_m=cluster_m,
-                          wgmma_lag=wgmma_lag)
+                          fused_gate_up=fused, cluster_m=cluster_m, wgmma_lag=wgmma_lag)
     assert config.tile_rows == cluster_m * block_m
     h, a = up_proj(*args, interleave_gate_up(w1, 64) if fused else w1, config=config,
                    gate_up_blocks=64 if fused else 0, **kw,
@@ -403,9 +400,10 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
         (UpProjConfig(block_m=128, block_n=64, num_consumers=2),
          "block_m=128 needs the persistent kernel.*set pingpong_ctas > 0"),
         (dataclasses.replace(PINGPONG, pingpong_ctas=-1), "pingpong_ctas=-1 must be >= 0"),
-        (dataclasses.replace(PINGPONG, epilogue_tiles=-2), "epilogue_tiles=-2 must be >= 0"),
-        (UpProjConfig(block_n=64, num_consumers=2, epilogue_tiles=1),
-         "belongs to the ping-pong kernel"),
+        # One [64, 64] epilogue tile per consumer is the only form left (session 63).
+        (dataclasses.replace(PINGPONG, epilogue_tiles=0), "epilogue_tiles=0 must be 1"),
+        (UpProjConfig(block_n=64, num_consumers=2, epilogue_tiles=3),
+         "epilogue_tiles=3 must be 1"),
         (UpProjConfig(block_n=64, num_consumers=2, fused_gate_up=True),
          "fused_gate_up=True needs the persistent kernel"),
         (dataclasses.replace(PINGPONG, block_n=256, fused_gate_up=True),
@@ -413,7 +411,7 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
         (dataclasses.replace(SPLIT_M, block_n=256, fused_gate_up=True),
          "needs 2 \\* block_n <= 256 .* got block_n=256"),
         (dataclasses.replace(PINGPONG, block_n=128, num_stages=6),
-         "needs \\d+ B of SMEM .* lower config.num_stages or config.epilogue_tiles"),
+         "needs \\d+ B of SMEM .* lower config.num_stages"),
     ],
 )
 def test_pingpong_bad_config_raises(config, match):

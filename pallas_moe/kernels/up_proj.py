@@ -117,12 +117,15 @@ class UpProjConfig(_common.ClusterTiles):
         the H200's default for 1536 < d <= 4096 (`ForwardConfig.for_shape`; session 24:
         1.10-1.27x the cooperative kernel at d = 2048-4096). Bitwise the same outputs as
         the cooperative kernel.
-      epilogue_tiles: persistent kernel (pingpong_ctas > 0) only: how many [64, 64] output
-        tiles (of A, H gate and H up, 3 * block_n / 64 per item and consumer, or
-        block_n / 64 with `inference`) each consumer stages in SMEM before it TMA-stores
-        them (0 = all of the item's). Fewer tiles leave
-        SMEM for more pipeline stages; the consumer then waits for its previous stores to
-        read the buffer before it refills it.
+      epilogue_tiles: must be 1 (the only value left; kept so configs that name it still
+        build): each consumer of the persistent kernel stages one [64, 64] output tile (of
+        A, H gate or H up) in SMEM at a time, waiting for its previous store to have read
+        the buffer before it refills it, which leaves SMEM for 5 ping-pong stages. The
+        cooperative kernel has no such buffer and ignores it. Session 63 removed the
+        other values (more tiles per consumer, 0 = all of the item's): measured on the
+        H100 (session 20, 7B) 3 tiles 692.8 us and 6 tiles 775.5 us against one tile's
+        610.1 us, and on an H200 (session 24, 7B split-M) 4 tiles 592.3 against 569.4 us;
+        `benchmarks/history/session63/up_proj_epilogue_tiles.patch` restores them.
       fused_gate_up: each K step's gate and up weight tiles land side by side in one
         [block_k, 2 * block_n] SMEM tile and one wgmma of N = 2 * block_n multiplies it into
         one [64, 2 * block_n] accumulator per consumer (gate columns first), instead of two
@@ -168,7 +171,7 @@ class UpProjConfig(_common.ClusterTiles):
     gather_completion: str = "wait_group"
     approx_math: bool = True
     pingpong_ctas: int = 0
-    epilogue_tiles: int = 0
+    epilogue_tiles: int = 1
     fused_gate_up: bool = False
     cluster_m: int = 1
     wgmma_lag: int = 1
@@ -208,8 +211,11 @@ def _check_pingpong(config: UpProjConfig) -> None:
     fused gate and up wgmma's (`fused_gate_up`)."""
     if config.pingpong_ctas < 0:
         raise ValueError(f"config.pingpong_ctas={config.pingpong_ctas} must be >= 0.")
-    if config.epilogue_tiles < 0:
-        raise ValueError(f"config.epilogue_tiles={config.epilogue_tiles} must be >= 0.")
+    if config.epilogue_tiles != 1:
+        raise ValueError(
+            f"config.epilogue_tiles={config.epilogue_tiles} must be 1 (one [64, 64] epilogue "
+            "tile per consumer; session 63 removed the other values)."
+        )
     if config.fused_gate_up and 2 * config.block_n > 256:
         raise ValueError(
             f"config.fused_gate_up=True needs 2 * block_n <= 256 (one wgmma's widest N), got "
@@ -237,11 +243,6 @@ def _check_pingpong(config: UpProjConfig) -> None:
             raise ValueError(
                 "config.fused_gate_up=True needs the persistent kernel (pingpong_ctas > 0), or "
                 "leave it False."
-            )
-        if config.epilogue_tiles:
-            raise ValueError(
-                f"config.epilogue_tiles={config.epilogue_tiles} belongs to the ping-pong kernel: "
-                "set pingpong_ctas > 0 too, or leave it 0."
             )
         return
     if config.block_m == 64:
@@ -572,10 +573,10 @@ def _pingpong_kernel(
     consumer that used a slot releases it on `empty[slot]`, which only the producer waits on.
     The producer stages the next item's token ids (double-buffered) while it loads this one.
 
-    Epilogue: each consumer owns `epilogue_tiles` swizzled [64, 64] row tiles outside the
-    ring. It computes the SwiGLU one 64-column slab at a time, writes the slab's A, H gate
-    and H up tiles into the buffer, and TMA-stores the buffer whenever it is full; before
-    it starts refilling the buffer it waits for its previous stores to have read it.
+    Epilogue: each consumer owns one swizzled [64, 64] row tile outside the ring. It
+    computes the SwiGLU one 64-column slab at a time and TMA-stores the slab's A, H gate
+    and H up tiles one after another through it; before it writes each tile it waits for
+    its previous store to have read the buffer.
 
     Split-M (`block_m` = 128 or 192, `_split_m`): the same persistent walk over items of
     `block_m` rows, but all `block_m // 64` consumers take every item (below, "both" means
@@ -600,24 +601,22 @@ def _pingpong_kernel(
     num_ctas = min(config.pingpong_ctas // clusters, num_tiles * grid_n)
     multicast = _common.cluster_multicast(clusters)  # collective axis of the weight copies
     slab = _EPILOGUE_SLAB  # SwiGLU columns computed at a time (one swizzled slab)
-    per_fill = _epilogue_fill(config, inference)
     dtype = jnp.bfloat16
     tf = _common.mma_transforms(dtype)
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
     stage_bars = _common.uses_stage_mbarriers(config, interpret)
     fused = config.fused_gate_up
-    smem = persistent_smem_bytes(config, inference)
+    smem = persistent_smem_bytes(config)
     if smem > _common.SMEM_BUDGET:  # the margin: ids, biases, barriers
         raise ValueError(
             f"the persistent up-proj needs {smem} B of SMEM for {stages} stages of [{bm}, {bk}] "
-            f"rows + 2 x [{bk}, {bn}] weights and {cons} x {per_fill} epilogue tiles of "
+            f"rows + 2 x [{bk}, {bn}] weights and {cons} epilogue tiles of "
             f"[{rows_c}, {slab}], over the {_common.SMEM_BUDGET} B available: lower "
-            "config.num_stages or config.epilogue_tiles."
+            "config.num_stages."
         )
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
-    o_scratch, o_views = _common.row_tile_buffers((cons, per_fill, rows_c, slab), dtype,
-                                                  interpret)
+    o_scratch, o_views = _common.row_tile_buffers((cons, 1, rows_c, slab), dtype, interpret)
 
     def body(real_ref, expert_ref, start_ref, rows_ref, ids_ref, x_ref, w_ref, *rest):
         b_ref, h_out, a_out, scratch = _body_refs(rest, has_bias, inference)
@@ -773,7 +772,6 @@ def _pingpong_kernel(
                     else:
                         biases = (None, None)
                     outs = [a_out] if h_out is None else [a_out, h_out, h_out]
-                    fill = []  # (buffer tile, destination) staged since the last store
                     for h0 in range(0, bn, slab):
                         with jax.named_scope("epilogue_math"):
                             cut = slice(h0, h0 + slab)
@@ -782,20 +780,16 @@ def _pingpong_kernel(
                                 *(None if b is None else b[:, cut] for b in biases),
                             )
                         for t, dst in enumerate(outs):
-                            if not fill:  # the previous stores have read the buffer
-                                with jax.named_scope("previous_store"):
-                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            with jax.named_scope("previous_store"):  # it has read the buffer
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             with jax.named_scope("epilogue_math"):
-                                _common.write_row_tile(o_mma.at[c, len(fill)], tiles[t])
+                                _common.write_row_tile(o_mma.at[c, 0], tiles[t])
                             c0 = col + h0 + (n if t == 2 else 0)  # H up: the second half
-                            fill.append((len(fill), dst.at[:, pl.ds(c0, slab)]))
-                            if len(fill) == per_fill or (h0 + slab == bn and t == len(outs) - 1):
-                                with jax.named_scope("epilogue_store"):
-                                    plgpu.commit_smem()
-                                    for i, tile_dst in fill:
-                                        _common.store_row_tile(o_copy.at[c, i], tile_dst, row0,
-                                                               count, rows_c)
-                                fill = []
+                            tile_dst = dst.at[:, pl.ds(c0, slab)]
+                            with jax.named_scope("epilogue_store"):
+                                plgpu.commit_smem()
+                                _common.store_row_tile(o_copy.at[c, 0], tile_dst, row0, count,
+                                                       rows_c)
                     return carry
 
                 mine = my_items if split else (my_items - c + cons - 1) // cons
@@ -836,25 +830,16 @@ def _pingpong_kernel(
     )
 
 
-def persistent_smem_bytes(config: UpProjConfig, inference: bool = False) -> int:
+def persistent_smem_bytes(config: UpProjConfig) -> int:
     """SMEM of the persistent kernel's ring (`num_stages` gathered [block_m, block_k] row
     stages and two [block_k, block_n] weight tiles each) and its consumers' epilogue tiles
-    ([64, 64] each, `epilogue_tiles` of the item's per consumer), bf16. The kernel raises a
-    ValueError above `_common.SMEM_BUDGET`."""
+    (one [64, 64] each), bf16. The kernel raises a ValueError above `_common.SMEM_BUDGET`."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     return (config.num_stages * (bm * bk + 2 * bk * bn)
-            + config.num_consumers * _epilogue_fill(config, inference) * 64 * _EPILOGUE_SLAB) * 2
+            + config.num_consumers * 64 * _EPILOGUE_SLAB) * 2
 
 
 _EPILOGUE_SLAB = 64  # columns of one swizzled [64, 64] epilogue tile
-
-
-def _epilogue_fill(config: UpProjConfig, inference: bool) -> int:
-    """[64, 64] output tiles a consumer of the persistent kernel stages before it stores them:
-    `epilogue_tiles`, at most the item's (A, and H gate and up unless `inference`, per
-    64-column slab); 0 = all of the item's."""
-    per_item = (1 if inference else 3) * (config.block_n // _EPILOGUE_SLAB)
-    return min(config.epilogue_tiles or per_item, per_item)
 
 
 def _gate_up_weight_copies(fused: bool, interleaved: bool, bk: int) -> int:
