@@ -83,9 +83,11 @@ CONFIGS = [
     SmoothQuantConfig(x_per_row=True),  # X widened per row: the default from d = 4096 on
     SmoothQuantConfig(x_per_row=False),  # the f32 row held: the default below d = 4096
     # Smooth-scale rows: into registers in their own row (the default below d = 4096), or
-    # 1 / 2 rows in flight to SMEM (2: the default from d = 4096 on; session 54). One row
-    # ahead in registers was slower at every width, with and without X per row (sessions
-    # 26 and 54); `benchmarks/history/session54/quant_smem.py` times 1-4 staged rows.
+    # 1 / 2 rows in flight to SMEM (2: the default from d = 4096 on; session 54);
+    # `benchmarks/history/session54/quant_smem.py` times 1-4 staged rows. (Session 63
+    # removed `scale_rows_ahead`, scale rows held in registers 1-3 rows ahead: measured
+    # 0.63-0.81x at 2-3 rows (H200, session 26) and 0.96x at 1 row, d = 4096 and 7168
+    # (H100, session 54); `history/session63/smoothquant_scale_rows_ahead.patch`.)
     SmoothQuantConfig(scale_rows_smem=0),
     SmoothQuantConfig(scale_rows_smem=1),
     SmoothQuantConfig(scale_rows_smem=2),

@@ -258,25 +258,6 @@ def _config_matches_numpy(seed, config, *, x_dtype=jnp.bfloat16, out_dtype=INT8,
     return plan
 
 
-# CI time: 1 and 3 rows ahead are slow extras ([2] runs the same carry code; the default, 0,
-# runs in test_no_races_and_padding_ctas; the GPU test times 1). One row ahead with X widened
-# per row measured slower on the H100 (session 54), and is a slow extra too.
-@pytest.mark.parametrize("ahead,x_per_row", [
-    pytest.param(1, False, marks=pytest.mark.slow), pytest.param(1, True, marks=pytest.mark.slow),
-    (2, False), pytest.param(3, False, marks=pytest.mark.slow)])
-def test_scale_rows_ahead_same_bits(ahead, x_per_row):
-    """`SmoothQuantConfig.scale_rows_ahead`: smooth-scale rows loaded 1, 2 or 3 rows ahead
-    (the default, 0, loads each with its own row; past a token's last row the loads repeat
-    its last entry), with the f32 X row held or X widened per row, give the bits of the
-    numpy formula: tokens with 0..3 rows, padding CTAs, several tokens per CTA, races
-    watched."""
-    plan = _config_matches_numpy(
-        9, SmoothQuantConfig(block_t=2, block_pad=8, scale_rows_ahead=ahead,
-                             x_per_row=x_per_row))
-    rows_per_token = np.asarray(plan.rows_per_token)
-    assert rows_per_token.min() == 0 and rows_per_token.max() >= 3
-
-
 @pytest.mark.parametrize("x_dtype,out_dtype", [(jnp.bfloat16, E4M3), (jnp.float16, INT8)],
                          ids=["bf16-e4m3", "fp16-int8"])
 def test_x_per_row_same_bits(x_dtype, out_dtype):
@@ -306,33 +287,25 @@ def test_scale_rows_smem_same_bits(slots, block_t, x_per_row):
     assert rows_per_token.min() == 0 and rows_per_token.max() > slots
 
 
-def test_scale_rows_ahead_must_be_non_negative():
-    with pytest.raises(ValueError, match="scale_rows_ahead=-1 must be >= 0"):
-        SmoothQuantConfig(scale_rows_ahead=-1)
-
-
 def test_scale_rows_smem_default_by_width():
-    """Two staged rows from d = 4096 on (where they measured faster), none below, and none
-    when rows ahead in registers are asked for; an explicit count is kept at every width."""
+    """Two staged rows from d = 4096 on (where they measured faster), none below; an
+    explicit count is kept at every width."""
     from pallas_moe.quant.kernel import STAGED_MIN_D, STAGED_ROWS
 
     assert (STAGED_MIN_D, STAGED_ROWS) == (4096, 2)
     default = SmoothQuantConfig()
     assert [default.resolve_scale_rows_smem(d) for d in (1536, 2048, 4096, 7168)] == [0, 0, 2, 2]
-    assert SmoothQuantConfig(scale_rows_ahead=1).resolve_scale_rows_smem(7168) == 0
     assert SmoothQuantConfig(scale_rows_smem=0).resolve_scale_rows_smem(7168) == 0
     assert SmoothQuantConfig(scale_rows_smem=3).resolve_scale_rows_smem(1536) == 3
 
 
 def test_scale_rows_smem_is_validated():
-    """Negative slots, slots together with register rows ahead, and slots over the SMEM a CTA
-    may stage are refused with the argument named."""
+    """Negative slots and slots over the SMEM a CTA may stage are refused with the argument
+    named."""
     from pallas_moe.quant.kernel import smoothquant_kernel
 
     with pytest.raises(ValueError, match="scale_rows_smem=-1 must be >= 0"):
         SmoothQuantConfig(scale_rows_smem=-1)
-    with pytest.raises(ValueError, match="scale_rows_smem=2 and config.scale_rows_ahead=1"):
-        SmoothQuantConfig(scale_rows_smem=2, scale_rows_ahead=1)
     d = 7168
     x, smooth = jnp.zeros((4, d), jnp.bfloat16), jnp.ones((2, d), jnp.float32)
     offsets, rows = jnp.arange(5, dtype=jnp.int32), jnp.arange(4, dtype=jnp.int32)
@@ -443,14 +416,13 @@ def test_lowers_for_cuda_at_production_widths(d, out_dtype):
 
 
 @pytest.mark.parametrize("d", [1536, 4096])
-def test_scale_rows_ahead_and_cvt_rounding_lower_for_cuda(d):
-    """Scale rows 2 ahead and int8 rounded by the conversion instruction (the defaults are
-    0 rows and an f32 add), at the 7B and 30B widths; a bad rounding name is refused."""
+def test_cvt_rounding_lowers_for_cuda(d):
+    """int8 rounded by the conversion instruction (the default is an f32 add), at the 7B and
+    30B widths; a bad rounding name is refused."""
     from tests.cuda_target import h100_target
 
     with h100_target():
-        _lower_smoothquant(32768, 128, 8, d, INT8,
-                           SmoothQuantConfig(scale_rows_ahead=2, int8_rounding="cvt"))
+        _lower_smoothquant(32768, 128, 8, d, INT8, SmoothQuantConfig(int8_rounding="cvt"))
     with pytest.raises(ValueError, match='int8_rounding must be "cvt" or "fadd", got .rne.'):
         SmoothQuantConfig(int8_rounding="rne")
 
@@ -630,18 +602,14 @@ def test_kernel_without_smooth_scales_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("config", [
-    SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"),
-    SmoothQuantConfig(int8_rounding="fadd", scale_rows_ahead=2),
-    SmoothQuantConfig(scale_rows_ahead=1), SmoothQuantConfig(block_t=2),
+    SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"), SmoothQuantConfig(block_t=2),
     SmoothQuantConfig(vec=8), SmoothQuantConfig(x_per_row=True),
     SmoothQuantConfig(scale_rows_smem=2), SmoothQuantConfig(scale_rows_smem=3, block_t=2)],
-    ids=["default", "cvt", "fadd_ahead2", "ahead1", "bt2", "vec8", "x_per_row", "smem2",
-         "smem3_bt2"])
+    ids=["default", "cvt", "bt2", "vec8", "x_per_row", "smem2", "smem3_bt2"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
     # Token rounding (padding rows) at a production width; every row, bit for bit. The
-    # default rounds int8 by an f32 add (session 26); also the conversion instruction, and
-    # scale rows loaded 2 rows ahead.
+    # default rounds int8 by an f32 add (session 26); also the conversion instruction.
     _kernel_matches_numpy_on_gpu(out_dtype, config, 2048, 2048, 16, 4)
 
 

@@ -14,7 +14,7 @@ gathered `[P, d]` copy exists: the kernel moves `T*d*sizeof(x) + P*d*sizeof(Q) +
 plus metadata and the L2-resident scales. Each row's loads take their addresses from loads
 issued a row earlier (the expert id with the previous row, then the scale row), so no load
 waits on another inside a row; the scale row is not held a row ahead, which leaves
-registers for more CTAs per SM (`SmoothQuantConfig.scale_rows_ahead`).
+registers for more CTAs per SM (see `SmoothQuantConfig`).
 
 Output rows that no token owns (the plan's padding rows `[num_rows, P)`) are written as
 Q = 0, s = 0 by extra CTAs at the end of the grid.
@@ -65,13 +65,6 @@ class SmoothQuantConfig:
       vec: elements each thread loads per access (4 -> 8-byte bf16 loads, 8 -> 16-byte);
         `d` must be a multiple of `128 * vec`. None picks the largest of 4, 2, 1 that
         divides (8 was slower where both fit; `_VECS`).
-      scale_rows_ahead: with smooth scales, how many rows ahead of the one being quantized
-        the smooth-scale rows are loaded (each costs `d / 128` registers per thread; the
-        expert id one row further is loaded with them, so no scale load waits on its id);
-        0 (default) loads a row's scale row in its own iteration, its expert id having
-        come with the previous row. Measured on an H200 (session 27, TILED rows, same
-        bits): 0 against 1 row ahead 1.07-1.09x at d = 2048 and 4096, level at 1536 (the
-        held row's registers cost CTAs per SM); 2 or 3 ahead were 0.63-0.81x (session 26).
       int8_rounding: how compiled kernels round int8 values (`_saturating_quantize`; the
         same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
         full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
@@ -90,18 +83,24 @@ class SmoothQuantConfig:
         (TMA bulk copies, one mbarrier per slot; each slot costs `4 * d` bytes of SMEM and no
         registers): row j's copy is issued when row j - scale_rows_smem has read its slot,
         so the L2 round trip of a scale row overlaps the rows before it. 0 loads each row's
-        scale row straight into registers in its own iteration (or `scale_rows_ahead` rows
-        ahead). None (default) stages `STAGED_ROWS` rows where the row is at least
-        `STAGED_MIN_D` wide and `scale_rows_ahead` is 0, else 0. Measured on an H100
-        (session 54, paired against 0, same bits): 2 rows 1.065x at d = 7168 and 1.014x at
-        4096, 0.985-1.003x at 1536 and 2048; 1 row 0.94-0.97x except at 7168 (1.04x); 3
-        and 4 rows were slower (at 7168 their SMEM halves the CTAs per SM).
+        scale row straight into registers in its own iteration, its expert id having come
+        with the previous row. None (default) stages `STAGED_ROWS` rows where the row is at
+        least `STAGED_MIN_D` wide, else 0. Measured on an H100 (session 54, paired against
+        0, same bits): 2 rows 1.065x at d = 7168 and 1.014x at 4096, 0.985-1.003x at 1536
+        and 2048; 1 row 0.94-0.97x except at 7168 (1.04x); 3 and 4 rows were slower (at
+        7168 their SMEM halves the CTAs per SM).
+
+    Session 63 removed `scale_rows_ahead` (the next 1-3 rows' scale rows held in registers
+    ahead, `d / 128` registers per thread each; never a default): 2-3 rows ahead measured
+    0.63-0.81x (H200, session 26), 0 rows ahead beat 1 by 1.07-1.09x at d = 2048 and 4096,
+    level at 1536 (H200, session 27), and 1 ahead was 0.96x at d = 4096 and 7168 on the
+    H100 (session 54), where staged rows (`scale_rows_smem`) now win.
+    `benchmarks/history/session63/smoothquant_scale_rows_ahead.patch` restores it.
     """
 
     block_t: int = 1
     block_pad: int = 64
     vec: int | None = None
-    scale_rows_ahead: int = 0
     int8_rounding: str = "fadd"
     x_per_row: bool | None = None
     scale_rows_smem: int | None = None
@@ -111,21 +110,10 @@ class SmoothQuantConfig:
             raise ValueError(
                 f'config.int8_rounding must be "cvt" or "fadd", got {self.int8_rounding!r}.'
             )
-        if self.scale_rows_ahead < 0:
-            raise ValueError(
-                f"config.scale_rows_ahead={self.scale_rows_ahead} must be >= 0 (smooth-scale "
-                "rows loaded ahead of the row being quantized)."
-            )
         if self.scale_rows_smem is not None and self.scale_rows_smem < 0:
             raise ValueError(
                 f"config.scale_rows_smem={self.scale_rows_smem} must be >= 0 (smooth-scale "
                 "rows in flight to SMEM; 0 loads them straight into registers)."
-            )
-        if self.scale_rows_smem and self.scale_rows_ahead:
-            raise ValueError(
-                f"config.scale_rows_smem={self.scale_rows_smem} and config.scale_rows_ahead="
-                f"{self.scale_rows_ahead} cannot both be set: staged rows are already loaded "
-                "ahead, without registers."
             )
 
     def resolve_x_per_row(self, d: int) -> bool:
@@ -134,7 +122,7 @@ class SmoothQuantConfig:
     def resolve_scale_rows_smem(self, d: int) -> int:
         if self.scale_rows_smem is not None:
             return self.scale_rows_smem
-        return STAGED_ROWS if d >= STAGED_MIN_D and not self.scale_rows_ahead else 0
+        return STAGED_ROWS if d >= STAGED_MIN_D else 0
 
     def resolve_vec(self, d: int) -> int:
         if self.vec is not None:
@@ -408,7 +396,6 @@ def smoothquant_kernel(
             # on an H200); here it depends on the row (`widened`).
             held = xt if x_per_row else xt.astype(jnp.float32)
             last = stop - 1
-            ahead = config.scale_rows_ahead
             reduced = row_layout.reduce(1)  # [1]: the row's max, scale, reciprocal
 
             def rcp(v):
@@ -472,21 +459,19 @@ def smoothquant_kernel(
 
             def row(j, carry):
                 # Each load's address was loaded a row earlier, so no load waits on another
-                # within a row: the scale row `ahead` rows on (its expert id came with the
-                # previous row; ahead = 0: this row's own), the expert id one further and
-                # the next output row, all issued before this row's reduction. (Session 29,
-                # H200: asking L1 for the scale row after this one as well,
-                # `prefetch.global.L1`, was 0.83-0.86x at every width, same bits.)
-                *smooth, next_expert, out_row = carry
-                smooth = (*smooth, smooth_row(next_expert))  # entries j .. j + ahead
-                later = (expert(j + ahead + 1), rows_ref[jnp.minimum(j + 1, last)])
-                y = widened(out_row) * smooth[0]  # [1, d]
+                # within a row: this row's scale row (its expert id came with the previous
+                # row), the next row's expert id and output row, all issued before this
+                # row's reduction. (Session 29, H200: asking L1 for the scale row after this
+                # one as well, `prefetch.global.L1`, was 0.83-0.86x at every width, same
+                # bits.)
+                this_expert, out_row = carry
+                smooth = smooth_row(this_expert)
+                later = (expert(j + 1), rows_ref[jnp.minimum(j + 1, last)])
+                y = widened(out_row) * smooth  # [1, d]
                 quantize_and_store(y, out_row)
-                return (*smooth[1:], *later)
+                return later
 
-            first = (*(smooth_row(expert(start + i)) for i in range(ahead)),
-                     expert(start + ahead), rows_ref[start])
-            jax.lax.fori_loop(start, stop, row, first)
+            jax.lax.fori_loop(start, stop, row, (expert(start), rows_ref[start]))
 
         def plain_rows(xt, start, stop, first_row):
             q, s = quantize(xt.astype(jnp.float32))
