@@ -141,8 +141,7 @@ def test_pingpong_up_proj_completion_follows_the_device(kind, completion):
         # One [64, 256] weight box per K step from interleaved W1 columns, one N = 256 wgmma,
         # in the ping-pong kernel and with persistent split-M items (4 stages of 48 KB).
         split_m = UpProjConfig(block_m=128, block_n=128, num_stages=4, num_consumers=2,
-                               gather="cp_async", fused_gate_up=True, pingpong_ctas=132,
-                               epilogue_tiles=1)
+                               gather="cp_async", fused_gate_up=True, pingpong_ctas=132)
         for fused in (dataclasses.replace(up, fused_gate_up=True), split_m):
             _lower(lambda x, tok, g, w, c=fused: up_proj(x, tok, g, w, config=c,
                                                          gate_up_blocks=128),
@@ -244,7 +243,7 @@ def test_pingpong_up_proj_lowers_for_cuda_at_30b(inference, fused):
     t, d, n, e, k = 32768, 4096, 512, 128, 8
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     cfg = UpProjConfig(block_n=128, num_stages=5, num_consumers=2, gather="cp_async",
-                       pingpong_ctas=132, epilogue_tiles=1, fused_gate_up=fused)
+                       pingpong_ctas=132, fused_gate_up=fused)
     _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg, inference=inference),
            sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
            sds((e, d, 2 * n), jnp.bfloat16))

@@ -75,8 +75,7 @@ def test_interpret_backend_with_the_persistent_split_m_up_proj_matches_xla(clust
 
     logits, x, w1, w2, cot = make_inputs(0, 40, 64, 64, 4, skew=1.5)
     up = UpProjConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2,
-                      pingpong_ctas=3 if cluster_m == 1 else 4,
-                      epilogue_tiles=1, cluster_m=cluster_m)
+                      pingpong_ctas=3 if cluster_m == 1 else 4, cluster_m=cluster_m)
     forward = dataclasses.replace(ForwardConfig.for_shape(64, 64, num_sms=3), up=up)
     backward = BackwardConfig.for_shape(64, 64, num_sms=3)
     if cluster_m == 2:  # the down-proj and dX~ on clusters of two CTAs too
@@ -337,7 +336,7 @@ def test_persistent_split_m_schedules_trace(monkeypatch, cluster_m):
     logits, x, w1, w2, cot = make_inputs(0, 40, 64, 64, 4)
     plan = pm.routing.topk_plan(logits, 2)
     up = UpProjConfig(block_m=128, block_n=64, num_stages=3, num_consumers=2, pingpong_ctas=4,
-                      epilogue_tiles=1, cluster_m=cluster_m)
+                      cluster_m=cluster_m)
     forward = dataclasses.replace(ForwardConfig.for_shape(64, 64, num_sms=3), up=up)
     backward = BackwardConfig.for_shape(64, 64, num_sms=3)
     config = pm.kernels.KernelConfig(forward=forward, backward=backward)

@@ -158,7 +158,7 @@ class ForwardConfig:
             # 567.8 / 569.3 us: the lagged publish's producer stalls on its own cp.async
             # groups. On the H100 (session 20, same run) they lost, 610.1 -> 638.7 us.
             up = UpProjConfig(block_n=128, num_stages=5, num_consumers=2,
-                              pingpong_ctas=num_sms, epilogue_tiles=1,
+                              pingpong_ctas=num_sms,
                               gather_completion="mbarrier" if h200 else "wait_group")
         elif n % 256 == 0:
             up = UpProjConfig(block_n=128, num_stages=3, num_consumers=2)
@@ -252,7 +252,7 @@ def split_m_up_config(num_sms: int, n: int | None = None, *, d: int | None = Non
     if cluster_m is None:
         cluster_m = 2 if d is not None and d >= CLUSTER_UP_MIN_D and num_sms % 2 == 0 else 1
     config = UpProjConfig(block_m=rows, block_n=block_n, num_stages=4,
-                          num_consumers=rows // 64, pingpong_ctas=num_sms, epilogue_tiles=1,
+                          num_consumers=rows // 64, pingpong_ctas=num_sms,
                           gather_completion="mbarrier", cluster_m=cluster_m)
     if persistent_smem_bytes(config) > _common.SMEM_BUDGET:
         config = dataclasses.replace(config, num_stages=3)

@@ -117,15 +117,6 @@ class UpProjConfig(_common.ClusterTiles):
         the H200's default for 1536 < d <= 4096 (`ForwardConfig.for_shape`; session 24:
         1.10-1.27x the cooperative kernel at d = 2048-4096). Bitwise the same outputs as
         the cooperative kernel.
-      epilogue_tiles: must be 1 (the only value left; kept so configs that name it still
-        build): each consumer of the persistent kernel stages one [64, 64] output tile (of
-        A, H gate or H up) in SMEM at a time, waiting for its previous store to have read
-        the buffer before it refills it, which leaves SMEM for 5 ping-pong stages. The
-        cooperative kernel has no such buffer and ignores it. Session 63 removed the
-        other values (more tiles per consumer, 0 = all of the item's): measured on the
-        H100 (session 20, 7B) 3 tiles 692.8 us and 6 tiles 775.5 us against one tile's
-        610.1 us, and on an H200 (session 24, 7B split-M) 4 tiles 592.3 against 569.4 us;
-        `benchmarks/history/session63/up_proj_epilogue_tiles.patch` restores them.
       fused_gate_up: each K step's gate and up weight tiles land side by side in one
         [block_k, 2 * block_n] SMEM tile and one wgmma of N = 2 * block_n multiplies it into
         one [64, 2 * block_n] accumulator per consumer (gate columns first), instead of two
@@ -155,6 +146,14 @@ class UpProjConfig(_common.ClusterTiles):
         the consumers waiting on each other. Same products in the same order: bitwise the
         same outputs (checked on the H100). Measured level (session 52, paired): 0.998x at
         30B, 1.013x at Qwen3-30B-A3B's widths, so it stays opt-in.
+
+    Each consumer of the persistent kernel stages one [64, 64] output tile (of A, H gate or
+    H up) in SMEM at a time, waiting for its previous store to have read the buffer before
+    it refills it, which leaves SMEM for 5 ping-pong stages. Session 63 removed
+    `epilogue_tiles` (more staged tiles per consumer, 0 = all of the item's): on the H100
+    (session 20, 7B) 3 tiles 692.8 us and 6 tiles 775.5 us against one tile's 610.1 us, on an
+    H200 (session 24, 7B split-M) 4 tiles 592.3 against 569.4 us;
+    `benchmarks/history/session63/up_proj_epilogue_tiles.patch` restores them.
     """
 
     block_m: int = 64
@@ -171,7 +170,6 @@ class UpProjConfig(_common.ClusterTiles):
     gather_completion: str = "wait_group"
     approx_math: bool = True
     pingpong_ctas: int = 0
-    epilogue_tiles: int = 1
     fused_gate_up: bool = False
     cluster_m: int = 1
     wgmma_lag: int = 1
@@ -207,15 +205,10 @@ def _check(x, w_gate_up, token_ids, config: UpProjConfig):
 
 
 def _check_pingpong(config: UpProjConfig) -> None:
-    """The ping-pong kernel's own constraints (`pingpong_ctas`, `epilogue_tiles`) and the
-    fused gate and up wgmma's (`fused_gate_up`)."""
+    """The ping-pong kernel's own constraints (`pingpong_ctas`) and the fused gate and up
+    wgmma's (`fused_gate_up`)."""
     if config.pingpong_ctas < 0:
         raise ValueError(f"config.pingpong_ctas={config.pingpong_ctas} must be >= 0.")
-    if config.epilogue_tiles != 1:
-        raise ValueError(
-            f"config.epilogue_tiles={config.epilogue_tiles} must be 1 (one [64, 64] epilogue "
-            "tile per consumer; session 63 removed the other values)."
-        )
     if config.fused_gate_up and 2 * config.block_n > 256:
         raise ValueError(
             f"config.fused_gate_up=True needs 2 * block_n <= 256 (one wgmma's widest N), got "
