@@ -466,8 +466,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                             g_ref.at[:, pl.ds(g_col0, chunks * _CHUNK)], ids_smem.at[slot],
                             [g_mma.at[slot * chunks + j] for j in range(chunks)], num_rows=bk,
                         )
-                        # every thread arrives on the slot's mbarrier as its loads land
-                        _common.cp_async_stage_arrive(a_landed[0].at[g % stages])
+                        _common.cp_async_publish(g, full, a_landed, stages)
                     else:
                         plgpu.warp_map(per_warp)
 
@@ -481,8 +480,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                 return jax.lax.fori_loop(0, num_k, step, carry)
 
             total, _ = jax.lax.fori_loop(0, my_items, per_item, (jnp.int32(0), ahead))
-            if cp_async:  # publishes nothing with the per-slot mbarriers; kept because
-                # dropping it changes the traced kernel (an empty branch) that was measured
+            if cp_async:
                 @pl.when(total > 0)
                 def _():
                     _common.cp_async_publish_rest(total, full, a_landed, stages)
@@ -513,8 +511,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
                         def wait(g, slot):  # landed, then rows outside [lo, hi) zeroed
                             k0 = (kb0 + g - g0) * bk
                             plgpu.barrier_wait(full.at[slot])
-                            if cp_async:  # and its cp.async rows
-                                _common.cp_async_stage_wait(a_landed[0], g, stages)
+                            _common.cp_async_consumer_wait(g, a_landed, stages)
 
                             @pl.when((k0 < lo) | (k0 + bk > hi))
                             def _():
