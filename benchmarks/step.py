@@ -250,6 +250,16 @@ def _whole_tile(config: KernelConfig, kernel: str) -> KernelConfig:
     return _replace(config, kernel, out_slabs=0, num_stages=PINGPONG_DOWN.num_stages)
 
 
+def _split_dh(config: KernelConfig, da_dtype: str) -> KernelConfig:
+    """`config` with dH split in two and dA' in `da_dtype` between its kernels: the default
+    split's GEMM where `for_shape` splits dH, else the same split forced
+    (`dh_split_gemm_config`: the up-proj's 128 x 256 items, 4 stages)."""
+    bwd = config.backward
+    gemm = bwd.dh_gemm or dh_split_gemm_config(bwd.dh.persistent_ctas)
+    return dataclasses.replace(config, backward=dataclasses.replace(
+        bwd, dh_gemm=gemm, dh_da_dtype=da_dtype))
+
+
 # Variant flags (`--variants routing/gather/.../flag`): an A/B change of the default config,
 # a function of (config, n).
 CONFIG_FLAGS = {
@@ -287,16 +297,11 @@ CONFIG_FLAGS = {
     "fused-dh": lambda c, n: dataclasses.replace(c, backward=dataclasses.replace(
         c.backward, dh_gemm=None, dh_da_dtype="float32")),
     # dH split in two with dA' in bf16 between its kernels (`BackwardConfig.dh_da_dtype`,
-    # the default where it splits since session 63): below d = 2048, where the default is
-    # the fused kernel, the same split forced (the up-proj's 128 x 256 items, 4 stages).
-    "split-dh-bf16": lambda c, n: dataclasses.replace(c, backward=dataclasses.replace(
-        c.backward, dh_da_dtype="bfloat16",
-        dh_gemm=c.backward.dh_gemm or dh_split_gemm_config(c.backward.dh.persistent_ctas))),
+    # the default where it splits since session 63): below d = 2048 the split forced.
+    "split-dh-bf16": lambda c, n: _split_dh(c, "bfloat16"),
     # The same split with dA' in f32 (dH and A' the fused kernel's bits): the default at
     # d >= 4096 from session 60 to 62.
-    "split-dh-f32": lambda c, n: dataclasses.replace(c, backward=dataclasses.replace(
-        c.backward, dh_da_dtype="float32",
-        dh_gemm=c.backward.dh_gemm or dh_split_gemm_config(c.backward.dh.persistent_ctas))),
+    "split-dh-f32": lambda c, n: _split_dh(c, "float32"),
     # The down-proj as the 128-row ping-pong where session 61 made split-M items 256 columns
     # wide the default (n >= 768: long K loops).
     "pingpong-down": lambda c, n: dataclasses.replace(c, forward=dataclasses.replace(
