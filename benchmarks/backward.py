@@ -329,16 +329,21 @@ def configs_for(d, n, sweep: str):
                 continue
             wide = "block_n" if gathered == "rhs" else "block_m"  # the gathered side's width
             narrow = "block_m" if gathered == "rhs" else "block_n"
+            # Session 64 made 192-wide gathered chunks with 3 stages 7B's default; there the
+            # previous default (128 wide, 4 stages) is the first alternative.
+            other_width = (rep(cfg, **{wide: 128}, num_stages=4) if getattr(cfg, wide) == 192
+                           else rep(cfg, **{wide: 192}, num_stages=3))
             candidates = [
-                rep(cfg, **{wide: 192}, num_stages=3),
+                other_width,
                 rep(cfg, **{wide: 256}, num_stages=3),
                 rep(cfg, **{narrow: 64}, num_consumers=cfg.num_consumers * 2),
                 rep(cfg, **{narrow: 64}, **{wide: 256}),
                 rep(cfg, num_stages=3, output_chunks=0),
                 rep(cfg, num_stages=cfg.num_stages - 1),
             ]
-            lst += [c for c in candidates
-                    if persistent_smem_bytes(c, gathered, 2) <= PERSISTENT_SMEM_BUDGET]
+            lst += [c for c in candidates if c != cfg and c.num_stages >= 3
+                    and d % getattr(c, wide) == 0
+                    and persistent_smem_bytes(c, gathered, 2) <= PERSISTENT_SMEM_BUDGET]
     if sweep == "full":
         dh += [dataclasses.replace(base.dh, block_n=128, num_stages=4, num_consumers=1),
                dataclasses.replace(base.dh, block_n=64, num_stages=4, num_consumers=2)]

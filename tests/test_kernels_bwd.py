@@ -520,6 +520,23 @@ def test_persistent_weight_grad_detect_races(gathered, output_chunks):
     assert not races_found()
 
 
+@pytest.mark.parametrize("gathered", ["lhs", pytest.param("rhs", marks=pytest.mark.slow)])
+def test_persistent_weight_grad_192_wide_chunks_detect_races(gathered):
+    """The 7B default's tile (session 64): 192-wide gathered chunks beside 128-wide tiles
+    with 3 stages, two persistent CTAs over 3 experts (one empty) and two tiles, three
+    64-wide output chunks taking turns in one buffer per consumer: race-free and equal to
+    the f32 reference. (CI time: dW2's chunks are column blocks, the same buffer walk as
+    dW1's row blocks, so "rhs" is an opt-in extra.)"""
+    plan = make_plan(23, 100, 3, 2, empty=(1,))
+    tiles = dict(block_m=192, block_n=128) if gathered == "lhs" else dict(block_m=128,
+                                                                         block_n=192)
+    config = WeightGradConfig(**tiles, num_stages=3, num_consumers=2, persistent_ctas=2,
+                              output_chunks=1)
+    dims = (192, 256) if gathered == "lhs" else (256, 192)
+    _wgrad_case(25, gathered, plan, *dims, config, interpret=interp(detect_races=True))
+    assert not races_found()
+
+
 def _wgrad_race_free_and_bitwise(seed, gathered, plan, dims, config, other):
     """`_wgrad_case` under `config` with the race detector (no races), then under `other`
     (no detector): both close to the reference and bitwise equal."""
@@ -611,17 +628,20 @@ def _lower_weight_grad_for_cuda(shape, gathered, config):
                          ids=["7b", "30b", "qwen3", "w2880", "w7168", "gpt_oss_20b"])
 def test_persistent_weight_grads_lower_for_cuda(shape, gathered):
     """Every card's default weight gradients (`BackwardConfig.for_shape`; the H100's since
-    session 44, the H200's since session 25) are persistent CTAs with 4 stages beside one
-    output buffer per consumer (`output_chunks=1`), and they fit a CTA's SMEM (Mosaic checks
-    the exact bytes when it lowers) at the 7B, 30B, Qwen3, d = 2880 (192-wide gathered
-    tiles: three chunks take turns in one buffer), d = 7168 and gpt-oss-20b (d = n = 2880:
-    dW2 with one consumer) widths."""
+    session 44, the H200's since session 25) are persistent CTAs beside one output buffer
+    per consumer (`output_chunks=1`), and they fit a CTA's SMEM (Mosaic checks the exact
+    bytes when it lowers) at the 7B (192-wide gathered chunks with 3 stages beside 128-wide
+    tiles, session 64), 30B, Qwen3, d = 2880 (192-wide gathered chunks: three output chunks
+    take turns in one buffer), d = 7168 and gpt-oss-20b (d = n = 2880: dW2 with one
+    consumer) widths; 4 stages everywhere but 7B."""
     _, d, n, _, _ = shape
+    gathered_width, stages = (192, 3) if d == 1536 else (192 if d % 128 else 128, 4)
     for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", ""):
         cfg = BackwardConfig.for_shape(d, n, device_kind=kind, num_sms=132)
         config = cfg.dw_gate_up if gathered == "lhs" else cfg.dw_down
-        got = (config.persistent_ctas, config.num_stages, config.output_chunks)
-        assert got == (132, 4, 1), kind
+        width = config.block_m if gathered == "lhs" else config.block_n
+        got = (config.persistent_ctas, config.num_stages, config.output_chunks, width)
+        assert got == (132, stages, 1, gathered_width), kind
     _lower_weight_grad_for_cuda(shape, gathered, config)
 
 

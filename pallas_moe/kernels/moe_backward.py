@@ -184,17 +184,22 @@ class BackwardConfig:
         # (1.214x). Other such widths are not measured. Each output element is still one
         # consumer's K loop in the same order, so the bits do not change.
         bm2 = 128 if n % 256 == 0 else 64
-        dw_down = WeightGradConfig(
-            block_m=bm2, block_n=_largest_block(d, (128, 192, 64)), block_k=k, num_stages=4,
-            num_consumers=next((c for c in (2, 3) if n % (c * bm2) == 0), 1),
-        )
+        dw_down = [
+            WeightGradConfig(
+                block_m=bm2, block_n=width, block_k=k, num_stages=stages,
+                num_consumers=next((c for c in (2, 3) if n % (c * bm2) == 0), 1),
+            )
+            for width, stages in _gathered_chunks(d)
+        ]
         # dW1 = X[tok]^T dH: the gathered X chunks span d, consumers split 2n (dH columns).
-        bm1 = _largest_block(d, (128, 192, 64))
-        wide = bm1 == 128 and (2 * n) % 256 == 0  # 256-column CTA tiles
-        dw_gate_up = WeightGradConfig(
-            block_m=bm1, block_n=128 if wide else 64, block_k=k, num_stages=4,
-            num_consumers=3 if not wide and (2 * n) % (3 * 64) == 0 else 2,
-        )
+        wide = d % 128 == 0 and (2 * n) % 256 == 0  # 256-column CTA tiles
+        dw_gate_up = [
+            WeightGradConfig(
+                block_m=width, block_n=128 if wide else 64, block_k=k, num_stages=stages,
+                num_consumers=3 if not wide and (2 * n) % (3 * 64) == 0 else 2,
+            )
+            for width, stages in _gathered_chunks(d)
+        ]
         # Persistent CTAs with 4 stages beside one output buffer per consumer, where they fit
         # (bitwise the same outputs as one CTA per item). Measured on an H200 (session 25,
         # same run): 7B dW1 573.0 -> 567.4 us (1.010x), dW2 309.7 -> 303.8 (1.019x); 30B dW1
@@ -203,8 +208,8 @@ class BackwardConfig:
         # 542.9 us (1.060x), dW2 326.7 -> 309.6 (1.056x), spreads <= 0.3%; 30B dW1 level
         # (3876.6 vs 3881.4), dW2 2136.4 -> 2066.9 (1.034x), both with spreads of 4-10%.
         dw_down, dw_gate_up = (
-            _persistent_weight_grad(c, gathered, num_sms)
-            for c, gathered in ((dw_down, "rhs"), (dw_gate_up, "lhs"))
+            _persistent_weight_grad(candidates, gathered, num_sms)
+            for candidates, gathered in ((dw_down, "rhs"), (dw_gate_up, "lhs"))
         )
         if gather == "cp_async":  # needs >= 3 stages; the defaults above all have them
             dh, dw_down, dw_gate_up = (
@@ -233,13 +238,32 @@ def dh_split_gemm_config(num_sms: int, gather: str = "cp_async") -> GroupedMatmu
                                num_sms=num_sms, gather=gather)
 
 
-def _persistent_weight_grad(config: WeightGradConfig, gathered: str,
+def _gathered_chunks(d: int) -> list[tuple[int, int]]:
+    """The weight gradients' gathered chunks along `d` (dW2's `block_n`, dW1's `block_m`) as
+    (width, stages) candidates, in order of preference: 192 wide where 192 divides d, with 4
+    or 3 stages, then the widest of 128, 192, 64 dividing d with 4 stages.
+
+    Why 192 first: each contiguous K block then feeds 1.5x the gathered rows. Measured on
+    the H100 at 7B (d = 1536; session 64, `benchmarks/backward.py --sweep persistent`, 2
+    paired rounds, the same error against the reference): dW2 309.3 -> 302.8 us (1.021x),
+    dW1 543.8 -> 535.9 (1.015x), spreads 0.2%, with 3 stages (4 do not fit beside the
+    output buffer); 256-wide chunks spill (0.29-0.33x at 7B and 30B). gpt-oss (d = 2880,
+    which 128 does not divide) had 192 already. Not measured on an H200.
+    """
+    preferred = [(192, 4), (192, 3)] if d % 192 == 0 else []
+    return preferred + [(_largest_block(d, (128, 192, 64)), 4)]
+
+
+def _persistent_weight_grad(candidates: list[WeightGradConfig], gathered: str,
                             num_sms: int) -> WeightGradConfig:
-    """`config` as `num_sms` persistent CTAs with one output buffer per consumer, if its
-    stages fit beside that buffer in SMEM (bf16 weights); else `config` unchanged."""
-    persistent = dataclasses.replace(config, persistent_ctas=num_sms, output_chunks=1)
-    fits = persistent_smem_bytes(persistent, gathered, 2) <= PERSISTENT_SMEM_BUDGET
-    return persistent if fits else config
+    """The first of `candidates` whose stages fit beside one output buffer per consumer in
+    SMEM (bf16 weights), as `num_sms` persistent CTAs; if none fits, the last candidate
+    unchanged (one CTA per item)."""
+    for config in candidates:
+        persistent = dataclasses.replace(config, persistent_ctas=num_sms, output_chunks=1)
+        if persistent_smem_bytes(persistent, gathered, 2) <= PERSISTENT_SMEM_BUDGET:
+            return persistent
+    return candidates[-1]
 
 
 def _dx_config(d: int, n: int, num_sms: int | None, device_kind: str) -> GroupedMatmulConfig:
