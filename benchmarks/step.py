@@ -302,6 +302,10 @@ CONFIG_FLAGS = {
     # The same split with dA' in f32 (dH and A' the fused kernel's bits): the default at
     # d >= 4096 from session 60 to 62.
     "split-dh-f32": lambda c, n: _split_dh(c, "float32"),
+    # The weight gradients' gathered chunks 128 wide with 4 stages, the default before
+    # session 64 made them 192 wide with 3 stages where 192 divides d (7B).
+    "wg-128": lambda c, n: _replace(_replace(c, "dw_down", block_n=128, num_stages=4),
+                                    "dw_gate_up", block_m=128, num_stages=4),
     # The down-proj as the 128-row ping-pong where session 61 made split-M items 256 columns
     # wide the default (n >= 768: long K loops).
     "pingpong-down": lambda c, n: dataclasses.replace(c, forward=dataclasses.replace(
