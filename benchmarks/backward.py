@@ -224,12 +224,13 @@ def configs_for(d, n, sweep: str):
         # the weight gradients' (`WeightGradConfig.cluster_m=2`, session 50: 0.98-1.02x in
         # session 51) in session 63.)
     if sweep == "lag":
-        # Session 51: each kernel with every slot released as soon as its own K step's
-        # wgmmas are done (`wgmma_lag=0`: one more stage loading; 3 stages instead of 4 cost
-        # the 30B up-proj 0.878x, so the held slot may be what starves these loops too).
-        for lst, cfg in ((dh, base.dh), (dw2, base.dw_down), (dw1, base.dw_gate_up),
-                         (dx, base.dx)):
-            lst.append(dataclasses.replace(cfg, wgmma_lag=0))
+        # Session 51: dX~ with every slot released as soon as its own K step's wgmmas are
+        # done (`wgmma_lag=0`: one more stage loading; 3 stages instead of 4 cost the 30B
+        # up-proj 0.878x, so the held slot may be what starves this loop too). (Session 64
+        # removed dH's and the weight gradients' lag 0: on the H100 at gpt-oss's widths dH
+        # 0.994x, dW2 0.989x, dW1 0.995x over 3 rounds;
+        # `benchmarks/history/session64/dh_weight_grad_lag0.patch` restores them.)
+        dx.append(dataclasses.replace(base.dx, wgmma_lag=0))
     if sweep == "rows":
         # Session 50: dX~ with split-M items of 192 rows (three consumers of 64 rows sharing
         # each weight tile, `GroupedMatmulConfig(block_m=192)`; gpt-oss: 128 x 192 items).

@@ -71,7 +71,8 @@ MEGA_VARIANTS = {
     # The full-precision exp in the up tasks' SwiGLU (the default is ex2.approx, session 12).
     "static_exact": dict(approx_math=False),
     "static_bt16": dict(token_block=16),
-    "static_regs": dict(rebalance_registers=True),
+    # (Session 64 removed "static_regs", setmaxnreg's register split, `rebalance_registers`:
+    # 0.95x at T = 1, 1.008x at T = 2 on the H100.)
     # The per-plan metadata from one Pallas program instead of six small XLA kernels
     # (session 40, `pallas_moe/kernels/decode_meta.py`) at every T, or never (the default,
     # "auto", takes it up to `decode_meta.META_KERNEL_MAX_TOKENS` tokens).

@@ -283,10 +283,10 @@ CONFIG_FLAGS = {
     # The up-proj's consumers release each slot as soon as its own step's wgmmas are done
     # (`UpProjConfig.wgmma_lag=0`, session 51).
     "lag0-up": lambda c, n: _replace(c, "up", wgmma_lag=0),
-    # The same release in every other grouped GEMM of the step (down-proj, dH, dW2, dW1, dX~).
+    # The same release in the other grouped GEMMs that take it (down-proj, dX~; dH's and
+    # the weight gradients' was removed in session 64: level on the H100).
     "lag0-rest": lambda c, n: functools.reduce(
-        lambda cfg, k: _replace(cfg, k, wgmma_lag=0),
-        ("down", "dh", "dw_down", "dw_gate_up", "dx"), c),
+        lambda cfg, k: _replace(cfg, k, wgmma_lag=0), ("down", "dx"), c),
     # The up-proj and down-proj at lag 1, the forward's default before session 54 (which
     # made lag 0 the H100's for the 192-row up-proj and the 192-column 3-stage down-proj).
     "lag1-forward": lambda c, n: _replace(_replace(c, "up", wgmma_lag=1), "down", wgmma_lag=1),

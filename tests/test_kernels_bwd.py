@@ -561,21 +561,6 @@ def test_weight_grad_three_consumers_no_races(gathered):
                                  dataclasses.replace(config, num_consumers=1))
 
 
-# Opt-in (level or slower on the H100, session 52): CI races the gathered-LHS form.
-@pytest.mark.parametrize("gathered", ["lhs", pytest.param("rhs", marks=pytest.mark.slow)])
-def test_weight_grad_wgmma_lag_0_no_races(gathered):
-    """Each slot released as soon as its own K step's wgmmas are done (`wgmma_lag=0`,
-    session 51), two persistent CTAs on a 3-slot ring (two slots load while one is
-    multiplied) reused across items, experts of 2 and 3 K-blocks and an empty one, two
-    consumers: race-free, equal to the f32 reference, and bitwise the default release."""
-    plan = make_plan(23, 120, 3, 2, empty=(1,))
-    config = WeightGradConfig(block_m=64, block_n=64, num_stages=3, num_consumers=2,
-                              persistent_ctas=2, wgmma_lag=0)
-    dims = (128, 128)
-    _wgrad_race_free_and_bitwise(24, gathered, plan, dims, config,
-                                 dataclasses.replace(config, wgmma_lag=1))
-
-
 def test_weight_grad_config_errors():
     plan = make_plan(25, 16, 2, 1)
     x = jnp.zeros((16, 128), BF16)
@@ -594,12 +579,10 @@ def test_weight_grad_config_errors():
         with pytest.raises(ValueError, match="output_chunks=-?[13] needs persistent_ctas > 0 "
                                              "and must divide the 2 output chunks"):
             call(config=dataclasses.replace(wide4, **bad))
-    with pytest.raises(ValueError, match=r"config.wgmma_lag=2 must be one of \(0, 1\)"):
-        call(config=dataclasses.replace(wide4, num_stages=2, wgmma_lag=2))
     # `cluster_m` and `expert_major` (removed in session 63: no faster than the default on
-    # the H100) are a TypeError, not ignored; the lagged cp.async publish ("wait_group",
-    # removed with them) a ValueError naming the field.
-    for removed in (dict(cluster_m=2), dict(expert_major=False)):
+    # the H100) and `wgmma_lag` (session 64) are a TypeError, not ignored; the lagged
+    # cp.async publish ("wait_group", removed in session 63) a ValueError naming the field.
+    for removed in (dict(cluster_m=2), dict(expert_major=False), dict(wgmma_lag=0)):
         with pytest.raises(TypeError, match=next(iter(removed))):
             WeightGradConfig(**removed)
     with pytest.raises(ValueError, match="config.gather_completion='wait_group'"):
@@ -753,15 +736,13 @@ def test_real_widths_have_configs(d, n):
 # ----------------------------------------------------------------------------- cuda lowering
 
 
-def _lower_for_cuda(num_tokens, d, n, num_experts, k, gather="cp_async", **overrides):
-    """Lowers the whole backward for cuda at the width's default configs, with `overrides`
-    set on every kernel's config (e.g. `wgmma_lag=0`)."""
+def _lower_for_cuda(num_tokens, d, n, num_experts, k, gather="cp_async", **dx_overrides):
+    """Lowers the whole backward for cuda at the width's default configs, with
+    `dx_overrides` set on dX~'s config (e.g. `wgmma_lag=0`)."""
     args = _abstract_args(num_tokens, d, n, num_experts, k)
     config = BackwardConfig.for_shape(d, n, gather=gather)
-    if overrides:
-        config = dataclasses.replace(config, **{
-            f.name: dataclasses.replace(getattr(config, f.name), **overrides)
-            for f in dataclasses.fields(config) if f.name in ("dh", "dw_down", "dw_gate_up", "dx")})
+    if dx_overrides:
+        config = dataclasses.replace(config, dx=dataclasses.replace(config.dx, **dx_overrides))
     f = jax.jit(functools.partial(moe_backward, interpret=False, config=config))
     return f.trace(*args).lower(lowering_platforms=("cuda",))
 
@@ -786,10 +767,10 @@ def test_lowers_for_cuda_large(shape):
 @pytest.mark.parametrize("shape", [(32768, 4096, 512, 128, 8), (8192, 2880, 2880, 32, 4)],
                          ids=["30b", "gpt_oss"])
 def test_wgmma_lag_0_backward_lowers_for_cuda(shape):
-    """The whole backward with every kernel releasing each slot as soon as its own K step's
-    wgmmas are done (`wgmma_lag=0`, what `backward.py --sweep lag` times) lowers for cuda at
-    production widths (30B: dH's lagged cp.async publish, 3-stage dX~; gpt-oss: three
-    consumers)."""
+    """The whole backward with dX~ releasing each slot as soon as its own K step's wgmmas
+    are done (`wgmma_lag=0`, what `backward.py --sweep lag` times; dH and the weight
+    gradients lost the option in session 64) lowers for cuda at production widths (30B:
+    3-stage dX~; gpt-oss: 3-stage 192-column items)."""
     _lower_for_cuda(*shape, wgmma_lag=0)
 
 
@@ -844,42 +825,12 @@ def test_dh_kernel_no_races(num_tokens, d, stages, num_ctas, block_n, consumers)
     check_dh(got, grad_out, h, plan, w2, config)
 
 
-def test_dh_wgmma_lag_0_keeps_the_default_bits_no_races():
-    """dH with each W2 slot released as soon as its own K step's wgmma is done
-    (`wgmma_lag=0`, session 51) must not change a bit: race-free and bitwise the default (and
-    its kernel-order reference), two consumers, an empty expert, one CTA walking every item,
-    7 K steps over 5 slots (two of them overlaid by the epilogue)."""
-    x, h, plan, w1, w2, grad_out = make_problem(8, 60, 448, 128, 3, 2, empty=(1,))
-    args = (grad_out, h, plan.token_ids, plan.group_sizes, plan.scores, w2)
-    default = DHConfig(block_n=64, num_stages=5, num_consumers=2, persistent_ctas=1,
-                       h_loader="cp_async")
-    config = dataclasses.replace(default, wgmma_lag=0)
-    got = dh_kernel(*args, config=config, interpret=interp(detect_races=True))
-    assert not races_found()
-    check_dh(got, grad_out, h, plan, w2, config)
-    assert_dh_outputs_equal(got, dh_kernel(*args, config=default, interpret=True),
-                            int(plan.num_rows))
-
-
-def dh_abstract_args(shape):
-    """`dh_kernel`'s arguments as ShapeDtypeStructs at a `(T, d, n, E, K)` shape (P = T * K
-    rows), for lowering tests."""
-    t, d, n, e, k = shape
-    sds, p = jax.ShapeDtypeStruct, t * k
-    return (sds((t, d), BF16), sds((p, 2 * n), BF16), sds((p,), jnp.int32),
-            sds((e,), jnp.int32), sds((p,), jnp.float32), sds((e, n, d), BF16))
-
-
-def test_dh_refuses_bad_and_removed_settings():
-    """A bad `wgmma_lag` is refused naming the field; `cluster_m` (removed in session 62:
-    no gain on the H100) is a TypeError, not ignored."""
-    config = BackwardConfig.for_shape(4096, 512, num_sms=132).dh
-    args = dh_abstract_args((32768, 4096, 512, 128, 8))
-    with pytest.raises(ValueError, match=r"config.wgmma_lag=2 must be one of \(0, 1\)"):
-        jax.eval_shape(functools.partial(dh_kernel, config=dataclasses.replace(
-            config, wgmma_lag=2)), *args)
-    with pytest.raises(TypeError, match="cluster_m"):
-        DHConfig(cluster_m=2)
+def test_dh_refuses_removed_settings():
+    """`cluster_m` (removed in session 62: no gain on the H100) and `wgmma_lag` (session
+    64: level on the H100) are a TypeError, not ignored."""
+    for removed in (dict(cluster_m=2), dict(wgmma_lag=0)):
+        with pytest.raises(TypeError, match=next(iter(removed))):
+            DHConfig(**removed)
 
 
 def test_dh_three_consumers_write_one_consumers_bits():

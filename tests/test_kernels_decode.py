@@ -477,10 +477,10 @@ def test_bad_inputs_raise_clear_errors():
         DecodeConfig(token_block=0)
     with pytest.raises(ValueError, match="config.prefetch_l2 must be a bool"):
         DecodeConfig(prefetch_l2=1)
-    # The options removed in sessions 58 and 62 (measured slower or level) are refused, not
-    # ignored.
+    # The options removed in sessions 58, 62 and 64 (measured slower or level) are refused,
+    # not ignored.
     for removed in ("lookahead_steps", "lookahead_within_task", "up_split_k", "early_weights",
-                    "early_down_l2"):
+                    "early_down_l2", "rebalance_registers"):
         with pytest.raises(TypeError, match=removed):
             DecodeConfig(**{removed: 1})
     with pytest.raises(ValueError, match="static scheduler's cross-CTA waits"):
@@ -520,10 +520,8 @@ def _abstract_plan(t, e, k):
     # scheduler, fused, the cp.async loader, and at T = 1 the metadata kernel of
     # meta_impl="auto"), the dynamic scheduler, the unfused control and the TMA loader. Slow
     # extras: T32-meta-kernel (the metadata kernel lowers in T1-static and in
-    # test_decode_meta_kernel_lowers_for_cuda[32]), setmaxnreg (off by default;
-    # `_common.role_registers` lowers in the forward kernels' tests), and u128 and s6 (opt-in
-    # sizes: by `_smem_bytes`, T1-static with H, 205 KB, holds more SMEM than either, 189
-    # and 197 KB).
+    # test_decode_meta_kernel_lowers_for_cuda[32]), and u128 and s6 (opt-in sizes: by
+    # `_smem_bytes`, T1-static with H, 205 KB, holds more SMEM than either, 189 and 197 KB).
     [
         (1, dict(), True),
         (64, dict(scheduler="dynamic"), True),
@@ -532,13 +530,11 @@ def _abstract_plan(t, e, k):
         # The largest SMEM footprints the budget check lets through must fit the H100.
         pytest.param(8, dict(up_block_n=128, num_stages=3), False, marks=pytest.mark.slow),
         pytest.param(8, dict(num_stages=6), False, marks=pytest.mark.slow),
-        pytest.param(64, dict(rebalance_registers=True), True, marks=pytest.mark.slow),
         # The metadata from one Pallas program (session 40, not yet run on a GPU).
         pytest.param(32, dict(meta_impl="kernel"), True, marks=pytest.mark.slow),
     ],
     ids=["T1-static", "T64-dynamic", "T1024-unfused", "T128-tma-dynamic-unfused",
-         "u128", "s6",
-         "setmaxnreg", "T32-meta-kernel"],
+         "u128", "s6", "T32-meta-kernel"],
 )
 def test_lowers_for_cuda_at_qwen3_widths(num_tokens, overrides, write_h):
     from tests.cuda_target import h100_target

@@ -43,6 +43,12 @@ Interpret mode runs the same kernel with plain-memory counters (`_events.Events`
 `gather="tma"` semantics (it always runs the TMA row loader) and, for the static scheduler,
 `num_sms=1` (CTAs are simulated one after another, so a wait on a later CTA could never be
 satisfied).
+
+Removed in session 64: `DecodeConfig.rebalance_registers=True` (setmaxnreg: the producer at
+40 registers per thread, the consumers taking the rest), 0.95x at T = 1 (38.5 against 36.7
+us) and level at T = 2 (1.008x) on the H100 (session 64, `benchmarks/decode.py --tokens 1,2
+--variants static,static_regs`; session 12's gain was on the old 4-stage default);
+`benchmarks/history/session64/decode_rebalance_registers.patch` restores it.
 """
 
 from __future__ import annotations
@@ -100,10 +106,6 @@ class DecodeConfig:
         CTAs must be resident at once, or a wait could block forever).
       mailbox_depth: tasks the producer may hand a consumer ahead of it.
       prefetch_l2: down tasks prefetch their remaining weight tiles into L2 before waiting.
-      rebalance_registers: move registers from the producer warpgroup to the consumers
-        (`_common.role_registers`, setmaxnreg). Off by default: unlike the other
-        kernels' producers, this one also schedules tasks and waits on events, and whether
-        40 registers cost it spills is for the H100 to tell (benchmark variant `static_regs`).
       approx_math: compiled kernels only: the up tasks' SwiGLU takes its exp from the
         hardware's `ex2.approx` (True, default) or the full-precision `exp` (False), as
         `UpProjConfig.approx_math` does for the kernel-by-kernel forward; the backward's
@@ -122,6 +124,8 @@ class DecodeConfig:
     Removed in session 62: `early_down_l2` (each CTA's next down tasks' W2 tiles asked of L2
     at the start with `prefetch.global.L2::evict_last`), level at T = 1 on the H100 (44.9 us
     against the default's 44.8-46.1 in the same run) and 0.92x at T = 2 with two tasks ahead.
+    Removed in session 64: `rebalance_registers` (setmaxnreg moving the producer's registers
+    to the consumers; see the module docstring). The three warpgroups keep the even split.
     """
 
     scheduler: str = "static"
@@ -135,7 +139,6 @@ class DecodeConfig:
     num_sms: int = 132
     mailbox_depth: int = 2
     prefetch_l2: bool = True
-    rebalance_registers: bool = False
     approx_math: bool = True
     meta_impl: str = "auto"
 
@@ -167,7 +170,7 @@ class DecodeConfig:
             raise ValueError(
                 f"config.meta_impl must be 'auto', 'jnp' or 'kernel', got {self.meta_impl!r}."
             )
-        for name in ("prefetch_l2", "rebalance_registers", "approx_math"):
+        for name in ("prefetch_l2", "approx_math"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name} must be a bool, got {getattr(self, name)!r}.")
 
@@ -536,8 +539,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
         # ------------------------------------------------------------------ producer
         @pl.when(wg == _PRODUCER)
         def _producer():
-            if config.rebalance_registers:
-                _common.role_registers("producer", 2)
             events = Events(ev_ref, interpret=interpret, row=_PRODUCER,
                             num_events=dims.num_events, scratch=queue_smem)
             if interpret:
@@ -721,8 +722,6 @@ def _kernel(config: DecodeConfig, dims: _Dims, kinds, write_h: bool, round_bf16:
         for c in range(2):
             @pl.when(wg == c)
             def _consumer(c=c):
-                if config.rebalance_registers:
-                    _common.role_registers("consumer", 2)
                 events = Events(ev_ref, interpret=interpret, row=c, num_events=dims.num_events)
 
                 def up_sums(g0):

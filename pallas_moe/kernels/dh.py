@@ -71,6 +71,10 @@ and 0.63x at 30B (0.47x / 0.65x with register stores), and the cooperative kerne
 stores of dH and A' (`store="registers"`, predicated `st.global` from the accumulator layout,
 H-only slabs), 0.70x at 7B and 0.84x at 30B. Both wrote the default's bits; ptxas spilled
 436-772 B in each. `benchmarks/history/session59/dh_pingpong_registers.patch` restores them.
+Removed in session 64: `DHConfig.wgmma_lag=0` (each slot released as soon as its own K
+step's wgmma is done; bitwise the default), 0.994x at gpt-oss's widths on the H100 (session
+64, 3 paired rounds, spread 1.4%; 0.955x / 0.959x at 30B in sessions 52 and 54, 1.033x once at
+gpt-oss); `benchmarks/history/session64/dh_weight_grad_lag0.patch` restores it.
 """
 
 from __future__ import annotations
@@ -139,10 +143,6 @@ class DHConfig:
         the consumer's own 128 threads issue 16-byte cp.async loads straight into the
         swizzled layout, rows past the tile's zero-filled (`_common.cp_async_load_rows`;
         compiled kernels only, interpret mode runs "tma").
-      wgmma_lag: when a consumer releases a K step's slot, 1 (default) or 0 (one more
-        stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
-        Same bits either way (session 51). Opt-in: on the H100 (session 52)
-        0.955x at 30B (`docs/kernels.md`).
 
     Removed in session 42 (a config naming them is a TypeError): `persistent_ctas=0` (one
     CTA per item) with its `prefetch_h` and `early_h`, and `epilogue_layout` (only the
@@ -154,7 +154,9 @@ class DHConfig:
     `cluster_m` (items on clusters of two CTAs sharing each W2 tile by multicast: bitwise
     the default but 0.998x at 30B, 0.954x at 7B and 0.896x at gpt-oss on the H100, session
     51; since session 60 the split dH runs at 30B;
-    `benchmarks/history/session62/dh_clusters.patch` restores it).
+    `benchmarks/history/session62/dh_clusters.patch` restores it). Session 64 removed
+    `wgmma_lag` (each consumer releases a K step's slot once the next step's wgmmas are
+    issued and its own are done, `_common.consumer_k_loop`'s lag 1; see the module docstring).
     """
 
     block_m: int = 64
@@ -171,7 +173,6 @@ class DHConfig:
     approx_math: bool = True
     persistent_ctas: int = 132
     h_loader: str = "tma"
-    wgmma_lag: int = 1
 
     @property
     def tile_rows(self) -> int:
@@ -223,7 +224,6 @@ def _check(grad_out, h, w_down, token_ids, scores, config: DHConfig):
         )
     if config.h_loader not in H_LOADERS:
         raise ValueError(f"config.h_loader={config.h_loader!r} must be one of {H_LOADERS}.")
-    _common.require_wgmma_lag(config)
     _common.require_multiple("d (grad_out.shape[1])", d, bk, f"the K loop steps by block_k={bk}")
     cols = item_cols(config)
     _common.require_multiple("n (w_down.shape[1])", n, cols,
@@ -877,8 +877,7 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                                 plgpu.wgmma(acc, a_mma.at[slot], w_t.transpose((1, 0)))
 
                             _common.consumer_k_loop(num_k, stages, wait, mma, empty,
-                                                    mmas_per_step=1,
-                                                    wgmma_lag=config.wgmma_lag)
+                                                    mmas_per_step=1)
                             plgpu.barrier_arrive(empty.at[(num_k - 1) % stages])
                             return acc[...]
 

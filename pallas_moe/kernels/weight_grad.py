@@ -46,6 +46,12 @@ consumer, whose chunks take turns in it: on an H200 (session 25, same run, bitwi
 (session 44, paired over 3 rounds) 7B dW1 1.060x and dW2 1.056x, 30B level and 1.034x (noisy).
 It is every card's default (`BackwardConfig.for_shape`) where its stages fit beside the
 buffers; one CTA per item is the default elsewhere.
+
+Removed in session 64: `WeightGradConfig.wgmma_lag=0` (each slot released as soon as its own
+K step's wgmmas are done; bitwise the default), dW2 0.989x and dW1 0.995x at gpt-oss's widths
+on the H100 (session 64, 3 paired rounds, spreads 2.7% / 3.0%; at 30B dW2 0.985x / 0.960x,
+dW1 1.045x / 0.987x in sessions 52 and 54); `benchmarks/history/session64/dh_weight_grad_lag0.patch`
+restores it.
 """
 
 from __future__ import annotations
@@ -104,10 +110,6 @@ class WeightGradConfig:
         divide the chunk count. Fewer buffers leave room for another stage (at the 7B,
         30B and Qwen3 defaults, 4 stages beside one 16-KB buffer per consumer); before it
         rewrites a buffer the consumer waits until the store that last read it has read it.
-      wgmma_lag: when a consumer releases a K step's slot, 1 (default) or 0 (one more
-        stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
-        Same bits either way (session 51). Opt-in: on the H100 (session 52)
-        dW2 0.985x, dW1 1.045x at 30B, inside the default's 6.6% spread (`docs/kernels.md`).
 
     Session 63 removed `cluster_m` (neighbouring tiles of one expert on two CTAs of a cluster
     sharing each contiguous K-block by TMA multicast: bitwise the default but 0.98-1.02x at
@@ -120,7 +122,9 @@ class WeightGradConfig:
     mbarrier's 575 / 3877, dW2 335 / 2086 against 323 / 1933 on the H100 at 7B / 30B, session
     4; dW2 0.931x / 0.898x paired on the H200, session 39);
     `benchmarks/history/session63/weight_grad_order_completion.patch` restores both. Items
-    are always expert-major (the largest expert first).
+    are always expert-major (the largest expert first). Session 64 removed `wgmma_lag`
+    (each consumer releases a K step's slot once the next step's wgmmas are issued and its
+    own are done, `_common.consumer_k_loop`'s lag 1; see the module docstring).
     """
 
     block_m: int = 128
@@ -133,7 +137,6 @@ class WeightGradConfig:
     gather_completion: str = "mbarrier"
     persistent_ctas: int = 0
     output_chunks: int = 0
-    wgmma_lag: int = 1
 
     def __post_init__(self):
         if self.gather_completion != "mbarrier":
@@ -274,7 +277,6 @@ def weight_grad(
     cta_n = bn * (cons if gathered == "lhs" else 1)
     _common.require_multiple("M (lhs.shape[1])", m_dim, cta_m, f"a CTA computes {cta_m} rows")
     _common.require_multiple("N (rhs.shape[1])", n_dim, cta_n, f"a CTA computes {cta_n} columns")
-    _common.require_wgmma_lag(config)
     smem = persistent_smem_bytes(config, gathered, jnp.dtype(out_dtype).itemsize)
     if config.persistent_ctas and smem > PERSISTENT_SMEM_BUDGET:
         raise ValueError(
@@ -527,8 +529,7 @@ def _weight_grad_ws(config: WeightGradConfig, gathered: str, m_dim: int, n_dim: 
 
                         _common.consumer_k_loop(num_k, stages, wait, mma, empty,
                                                 mmas_per_step=chunks,
-                                                step_of=lambda ki: g0 + ki,
-                                                wgmma_lag=config.wgmma_lag)
+                                                step_of=lambda ki: g0 + ki)
 
                         @pl.when(num_k > 0)
                         def _():
