@@ -858,7 +858,8 @@ def test_dh_split_with_bf16_da_rounds_only_da(shape):
 def test_wgmma_lag_0_writes_the_default_bits(shape):
     """The down-proj (with an expert bias) and dX~ at the other `wgmma_lag` than their
     default (lag 0: each slot released as soon as its own K step's wgmmas are done, session
-    51; the H100's down-proj runs lag 0 at gpt-oss's widths since session 54) write the bits
+    51; the H100's down-proj runs lag 0 at gpt-oss's widths since session 54, dX~ since session
+    64) write the bits
     of each width's default: 132 and 8 CTAs, skewed routing with an empty expert, poisoned
     outputs, fresh random data. Interpret mode runs wgmma synchronously, so only this test
     can see a slot released before the wgmmas reading it finished. (dH and the weight

@@ -774,6 +774,21 @@ def test_wgmma_lag_0_backward_lowers_for_cuda(shape):
     _lower_for_cuda(*shape, wgmma_lag=0)
 
 
+@pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_dx_wgmma_lag_follows_the_device_and_items(kind):
+    """dX~'s 192-column, 3-stage items (gpt-oss's d = 2880) release each slot as soon as
+    its own step's wgmmas are done on the H100 (`wgmma_lag=0`, session 64: 1.047x), as the
+    forward's down-proj of the same items does; every other dX~ default keeps lag 1, and
+    the H200 (not measured) keeps lag 1 everywhere. (The whole backward at gpt-oss's widths,
+    lag 0 included, lowers in `test_three_consumers_lower_for_cuda_at_gpt_oss_widths`.)"""
+    h100 = not kind.endswith("H200")
+    dx = BackwardConfig.for_shape(2880, 2880, num_sms=132, device_kind=kind).dx
+    assert (dx.block_n, dx.num_stages, dx.wgmma_lag) == (192, 3, 0 if h100 else 1), dx
+    for d, n in ((1536, 256), (1536, 1024), (2048, 768), (4096, 512), (7168, 2048)):
+        dx = BackwardConfig.for_shape(d, n, num_sms=132, device_kind=kind).dx
+        assert dx.block_n != 192 and dx.wgmma_lag == 1, (d, n, dx)
+
+
 def test_three_consumers_lower_for_cuda_at_gpt_oss_widths():
     """Where 128 does not divide n but 192 does (gpt-oss-20b: d = n = 2880), dH and both
     weight gradients default to three consumer warpgroups of 64 beside the producer

@@ -275,7 +275,14 @@ def _dx_config(d: int, n: int, num_sms: int | None, device_kind: str) -> Grouped
     stage (session 37, `benchmarks/backward.py --sweep slabs`, same run, bitwise equal): 7B
     500.2 -> 488.9 us with the slab alone, 483.0 with the 6th stage (1.036x). The split-M
     items keep the whole tile: at 30B one slab was 0.89x (3138.5 -> 3519.9 us; with the 4th
-    stage it frees 3248.7)."""
+    stage it frees 3248.7).
+
+    On the H100, 192-column items (3 stages) release each K step's slot as soon as its own
+    wgmmas are done (`wgmma_lag=0`), as the forward's down-proj of the same items does since
+    session 54: gpt-oss widths (d = n = 2880; session 64, `benchmarks/backward.py --shapes
+    gpt-oss-20b --sweep lag`, 3 paired rounds, bitwise the same output) 1971.9 -> 1883.9 us
+    (1.047x, spreads <= 1.1%); 256-column items were 0.961x with it at 30B (session 52).
+    Not measured on an H200, which keeps lag 1 like its down-proj."""
     num_sms = default_num_sms() if num_sms is None else num_sms
     if 2 * n <= 512 and d % PINGPONG_DOWN.block_n == 0:
         stages = PINGPONG_DOWN.num_stages + 1 if "H200" in device_kind else None
@@ -283,6 +290,7 @@ def _dx_config(d: int, n: int, num_sms: int | None, device_kind: str) -> Grouped
     bn = _largest_block(d, (256, 192, 128, 64))
     return GroupedMatmulConfig(
         block_m=128, block_n=bn, num_stages=3 if bn > 128 else 4, num_sms=num_sms,
+        wgmma_lag=0 if bn == 192 and "H200" not in device_kind else 1,
     )
 
 
