@@ -250,14 +250,11 @@ def configs_for(d, n, sweep: str):
             dw2.append(rep(base.dw_down, num_consumers=3))
         if (2 * n) % (3 * base.dw_gate_up.block_n) == 0 and base.dw_gate_up.num_consumers != 3:
             dw1.append(rep(base.dw_gate_up, num_consumers=3))
-    if sweep == "completion":
-        # Session 4: hardware-tracked cp.async stages (mbarrier) against the lagged publish
-        # (wait_group, dH's default), and one stage fewer for dH.
-        rep = dataclasses.replace
-        dh += [rep(base.dh, gather_completion="mbarrier"), rep(base.dh, num_stages=4)]
-        # (Session 63 removed the weight gradients' lagged publish: measured dW1 615 / 4164
-        # and dW2 335 / 2086 us against mbarrier's 575 / 3877 and 323 / 1933 at 7B / 30B on
-        # the H100 in session 4.)
+    # (Session 4's "completion" sweep, hardware-tracked cp.async stages against the lagged
+    # publish, went in session 64: session 63 removed the weight gradients' lagged publish
+    # (dW1 615 / 4164 and dW2 335 / 2086 us against mbarrier's 575 / 3877 and 323 / 1933 at
+    # 7B / 30B on the H100, session 4), session 64 dH's mbarrier stages (1.001x / 0.927x on
+    # an H200, session 39); `benchmarks/history/session64/dh_mbarrier_completion.patch`.)
     if sweep == "epilogue":
         # Session 6: the dSwiGLU epilogue in column chunks (64 by default) against the
         # previous version's whole block at once (epilogue_cols=0).
@@ -303,16 +300,14 @@ def configs_for(d, n, sweep: str):
             (dh, other.dh), (dw2, other.dw_down), (dw1, other.dw_gate_up), (dx, other.dx)))
     if sweep == "retune":
         # Session 39, on today's kernels (persistent dH with swizzled slabs, the H200's
-        # persistent weight gradients, session 27's precomputed cp.async addresses): dH's
-        # hardware-tracked cp.async stages ("mbarrier": every stage in flight), last timed on
-        # the H100 in session 4 against the one-CTA-per-tile dH (0.96x at 7B, 1.03x at 30B;
-        # the H200's up-proj gained 1.07x from it in session 22), with 5 and 4 stages; dW2
-        # (0.72 of its dense bound at 7B) with one stage fewer and one CTA per item (5 stages
-        # do not fit beside the persistent kernel's output buffer).
+        # persistent weight gradients, session 27's precomputed cp.async addresses): dH with
+        # one stage fewer; dW2 (0.72 of its dense bound at 7B) with one stage fewer and one
+        # CTA per item (5 stages do not fit beside the persistent kernel's output buffer).
+        # (dH's hardware-tracked cp.async stages, "mbarrier", with 5 and 4 stages measured
+        # 1.001x / 0.927x and 0.925x / 0.925x at 7B / 30B on an H200 here; removed in
+        # session 64.)
         rep = dataclasses.replace
-        dh += [rep(base.dh, gather_completion="mbarrier"),
-               rep(base.dh, gather_completion="mbarrier", num_stages=base.dh.num_stages - 1),
-               rep(base.dh, num_stages=base.dh.num_stages - 1)]
+        dh += [rep(base.dh, num_stages=base.dh.num_stages - 1)]
         dw2 += [rep(base.dw_down, num_stages=base.dw_down.num_stages - 1),
                 rep(base.dw_down, persistent_ctas=0, output_chunks=0)]
         # (Session 63 removed dW2's lagged publish, "wait_group": 0.931x / 0.898x paired at
@@ -526,7 +521,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "cluster", "rows", "lag", "persistent", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "cluster", "rows", "lag", "persistent", "full"),
                     help="configs timed besides the defaults, on every shape (\"full\": its block-size "
                          "sweep on the first shape, \"previous\" on the rest; see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,

@@ -546,13 +546,10 @@ def test_module_routes_token_rounding_on_the_fast_path(rounding):
 
 
 @pytest.mark.parametrize("shape", [(4096, 1536, 256, 32, 8), (2048, 4096, 512, 16, 4), (1000, 512, 256, 8, 2)])
-@pytest.mark.parametrize("completion", ["mbarrier", "wait_group"])
-def test_backward_cp_async_matches_reference(shape, completion):
-    """dH and both weight gradients with the cp.async row gather, against the jnp backward,
-    with either way of publishing a dH stage (`_common.GATHER_COMPLETIONS`; the weight
-    gradients publish theirs by mbarrier only since session 63)."""
-    import dataclasses
-
+def test_backward_cp_async_matches_reference(shape):
+    """dH and both weight gradients with the cp.async row gather, against the jnp backward
+    (dH publishes a stage by the lagged wait_group only since session 64, the weight
+    gradients by mbarrier only since session 63)."""
     from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
     from pallas_moe.ops.minimal_backward import moe_ffn_backward
 
@@ -565,8 +562,6 @@ def test_backward_cp_async_matches_reference(shape, completion):
     h = jax.random.normal(ks[4], (plan.capacity, 2 * n), jnp.bfloat16)
     go = jax.random.normal(ks[5], (T, d), jnp.bfloat16)
     config = BackwardConfig.for_shape(d, n, gather="cp_async")
-    config = dataclasses.replace(
-        config, dh=dataclasses.replace(config.dh, gather_completion=completion))
     f = jax.jit(lambda *a: moe_backward(*a, config=config))
     _poison(plan.capacity * (5 * n + d) * 2)
     got = f(x, h, plan, w1, w2, go)
@@ -734,22 +729,18 @@ def _assert_dh_configs_write_the_same_bits(shape, seed, configs, empty_expert=No
 def dh_same_bits_configs(d, n):
     """The dH configs that must write the default's bits at widths (d, n): the default
     (`BackwardConfig.for_shape`: the device's SM count of CTAs, the cp.async dO gather
-    published by `wait_group`, H by cp.async), 7 CTAs and one CTA (each walks many items),
-    the other stage publishing (`mbarrier`) at both 132 and 7 CTAs, the TMA dO gather, and
-    H loaded by TMA boxes. (Not `epilogue_cols=0`: its dS sums the whole block's columns at
-    once, another rounding than the sum of 64-column chunks; the CPU tests compare its dH
-    and A'.)"""
+    published by `wait_group`, the only way since session 64; H by cp.async), 7 CTAs and
+    one CTA (each walks many items), the TMA dO gather, and H loaded by TMA boxes. (Not
+    `epilogue_cols=0`: its dS sums the whole block's columns at once, another rounding than
+    the sum of 64-column chunks; the CPU tests compare its dH and A'.)"""
     import dataclasses
 
     from pallas_moe.kernels.moe_backward import BackwardConfig
 
     base = BackwardConfig.for_shape(d, n).dh
-    assert (base.gather, base.gather_completion, base.h_loader) == (
-        "cp_async", "wait_group", "cp_async"), base
+    assert (base.gather, base.h_loader) == ("cp_async", "cp_async"), base
     few = dataclasses.replace(base, persistent_ctas=7)
     return (base, few, dataclasses.replace(base, persistent_ctas=1),
-            dataclasses.replace(base, gather_completion="mbarrier"),
-            dataclasses.replace(few, gather_completion="mbarrier"),
             dataclasses.replace(base, gather="tma"), dataclasses.replace(few, h_loader="tma"))
 
 
@@ -761,11 +752,11 @@ def dh_same_bits_configs(d, n):
 def test_dh_configs_write_the_same_bits(shape):
     """dH writes the same bits under every config of `dh_same_bits_configs`: the SM count of
     CTAs against 7 and one (every CTA walks many items; the Qwen3 widths have 3 column
-    blocks per row tile), both ways of publishing a cp.async dO stage, both dO row
-    loaders, and both H loaders (cp.async rows past a tile zero-filled, never read past the
-    array; TMA boxes row-exact); at gpt-oss's widths (n = 2880: three consumers of 64
-    columns since session 48) also one consumer, the default before; skewed routing with
-    an empty expert (partial tiles of every size), poisoned outputs, fresh random data.
+    blocks per row tile), both dO row loaders, and both H loaders (cp.async rows past a
+    tile zero-filled, never read past the array; TMA boxes row-exact); at gpt-oss's widths
+    (n = 2880: three consumers of 64 columns since session 48) also one consumer, the
+    default before; skewed routing with an empty expert (partial tiles of every size),
+    poisoned outputs, fresh random data.
     (Until session 42 the oracle was the one-CTA-per-tile kernel, removed.)"""
     import dataclasses
 

@@ -841,9 +841,10 @@ def test_dh_kernel_no_races(num_tokens, d, stages, num_ctas, block_n, consumers)
 
 
 def test_dh_refuses_removed_settings():
-    """`cluster_m` (removed in session 62: no gain on the H100) and `wgmma_lag` (session
-    64: level on the H100) are a TypeError, not ignored."""
-    for removed in (dict(cluster_m=2), dict(wgmma_lag=0)):
+    """`cluster_m` (removed in session 62: no gain on the H100), `wgmma_lag` (session
+    64: level on the H100) and `gather_completion` (session 64: mbarrier stages 0.93-1.00x
+    on an H200) are a TypeError, not ignored."""
+    for removed in (dict(cluster_m=2), dict(wgmma_lag=0), dict(gather_completion="mbarrier")):
         with pytest.raises(TypeError, match=next(iter(removed))):
             DHConfig(**removed)
 

@@ -415,18 +415,6 @@ def test_lowers_for_cuda_at_production_widths(d, out_dtype):
         _lower_smoothquant(num_tokens, num_experts, k, d, out_dtype)
 
 
-@pytest.mark.parametrize("d", [1536, 4096])
-def test_cvt_rounding_lowers_for_cuda(d):
-    """int8 rounded by the conversion instruction (the default is an f32 add), at the 7B and
-    30B widths; a bad rounding name is refused."""
-    from tests.cuda_target import h100_target
-
-    with h100_target():
-        _lower_smoothquant(32768, 128, 8, d, INT8, SmoothQuantConfig(int8_rounding="cvt"))
-    with pytest.raises(ValueError, match='int8_rounding must be "cvt" or "fadd", got .rne.'):
-        SmoothQuantConfig(int8_rounding="rne")
-
-
 @pytest.mark.parametrize("d,slots", [(1536, 4), (7168, 1)])
 def test_scale_rows_smem_lowers_for_cuda(d, slots):
     """Smooth-scale rows staged in SMEM by TMA against the width defaults (2 slots from
@@ -602,14 +590,14 @@ def test_kernel_without_smooth_scales_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_hopper, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("config", [
-    SmoothQuantConfig(), SmoothQuantConfig(int8_rounding="cvt"), SmoothQuantConfig(block_t=2),
+    SmoothQuantConfig(), SmoothQuantConfig(block_t=2),
     SmoothQuantConfig(vec=8), SmoothQuantConfig(x_per_row=True),
     SmoothQuantConfig(scale_rows_smem=2), SmoothQuantConfig(scale_rows_smem=3, block_t=2)],
-    ids=["default", "cvt", "bt2", "vec8", "x_per_row", "smem2", "smem3_bt2"])
+    ids=["default", "bt2", "vec8", "x_per_row", "smem2", "smem3_bt2"])
 @pytest.mark.parametrize("out_dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mosaic_kernel_matches_numpy_on_gpu(out_dtype, config):
     # Token rounding (padding rows) at a production width; every row, bit for bit. The
-    # default rounds int8 by an f32 add (session 26); also the conversion instruction.
+    # default rounds int8 by an f32 add (session 26; the only rounding since session 64).
     _kernel_matches_numpy_on_gpu(out_dtype, config, 2048, 2048, 16, 4)
 
 

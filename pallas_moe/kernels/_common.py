@@ -178,10 +178,11 @@ def require_gather_mode(config) -> None:
             raise ValueError(
                 f"config.gather='cp_async' needs num_stages >= 3, got {config.num_stages}."
             )
-    if config.gather_completion not in GATHER_COMPLETIONS:
+    # dH has no `gather_completion` (session 64): it publishes by the lagged wait_group only.
+    completion = getattr(config, "gather_completion", "wait_group")
+    if completion not in GATHER_COMPLETIONS:
         raise ValueError(
-            f"config.gather_completion must be one of {GATHER_COMPLETIONS}, "
-            f"got {config.gather_completion!r}."
+            f"config.gather_completion must be one of {GATHER_COMPLETIONS}, got {completion!r}."
         )
 
 
@@ -1153,8 +1154,9 @@ def cp_async_stage_wait(bars, ki, stages: int) -> None:
 def cp_async_stage_wait_parity(bar, parity) -> None:
     """Consumer: waits for the phase of one slot's mbarrier (`bars.at[slot]`) with the given
     parity (traced 0 or 1: the slot's uses so far, mod 2), then fences the async proxy so
-    wgmma sees the generic-proxy cp.async writes. For kernels whose slot order is not
-    `ki % stages` over one run of steps (the persistent dH restarts it per item)."""
+    wgmma sees the generic-proxy cp.async writes. `cp_async_stage_wait`'s body, kept apart
+    (the jaxprs name it) since the persistent dH, whose slot order restarted per item, passed
+    its own parity (its hardware-tracked stages were removed in session 64)."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, nvvm

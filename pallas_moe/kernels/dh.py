@@ -75,6 +75,11 @@ Removed in session 64: `DHConfig.wgmma_lag=0` (each slot released as soon as its
 step's wgmma is done; bitwise the default), 0.994x at gpt-oss's widths on the H100 (session
 64, 3 paired rounds, spread 1.4%; 0.955x / 0.959x at 30B in sessions 52 and 54, 1.033x once at
 gpt-oss); `benchmarks/history/session64/dh_weight_grad_lag0.patch` restores it.
+Removed in session 64: `DHConfig.gather_completion="mbarrier"` (the cp.async dO stages
+completing on per-slot mbarriers, every stage in flight; bitwise the default), 1.001x at 7B
+and 0.927x at 30B against the lagged publish on an H200 (session 39, 5 paired rounds; on
+the H100 last measured in session 4, on the removed one-CTA-per-tile kernel);
+`benchmarks/history/session64/dh_mbarrier_completion.patch` restores it.
 """
 
 from __future__ import annotations
@@ -117,9 +122,11 @@ class DHConfig:
       gather: how the producer gathers rows: "tma" (one `[1, 64]` TMA copy per row chunk;
         the loader interpret mode runs) or "cp_async" (16-byte cp.async loads from all 128
         producer threads, `_common.cp_async_gather_rows`; compiled kernels only, needs
-        `num_stages >= 3`; interpret mode falls back to "tma").
-      gather_completion: with gather="cp_async", "mbarrier" (hardware-tracked stages, all in
-        flight) or "wait_group" (lagged publish); see `_common.GATHER_COMPLETIONS`.
+        `num_stages >= 3`; interpret mode falls back to "tma"). A cp.async stage is
+        published by the lagged `cp.async.wait_group` (`_common.cp_async_publish_lagged`):
+        each producer thread waits for its own loads of step k at step k + num_stages - 2,
+        fences them and arrives on the slot's `full` barrier, so `num_stages - 2` steps load
+        at a time.
       rebalance_registers: the producer drops to 40 registers per thread and the consumers
         take the rest (`_common.role_registers`); False keeps the even split, where the
         dSwiGLU epilogue spills.
@@ -156,7 +163,9 @@ class DHConfig:
     51; since session 60 the split dH runs at 30B;
     `benchmarks/history/session62/dh_clusters.patch` restores it). Session 64 removed
     `wgmma_lag` (each consumer releases a K step's slot once the next step's wgmmas are
-    issued and its own are done, `_common.consumer_k_loop`'s lag 1; see the module docstring).
+    issued and its own are done, `_common.consumer_k_loop`'s lag 1; see the module docstring)
+    and `gather_completion` (cp.async stages on per-slot mbarriers; only the lagged publish
+    remains, see `gather`).
     """
 
     block_m: int = 64
@@ -167,8 +176,6 @@ class DHConfig:
     num_consumers: int = 1
     gather: str = "tma"
     rebalance_registers: bool = True
-    # BackwardConfig.for_shape picks per width (measured: see there).
-    gather_completion: str = "wait_group"
     epilogue_cols: int = 64
     approx_math: bool = True
     persistent_ctas: int = 132
@@ -636,7 +643,7 @@ def _issue_k_step(do_ref, ids, w_e, col0, cols: int, k0, bk: int, a_copy, a_mma,
     """Producer warpgroup, one K step of an item: the `[cols, bk]` W2
     tile `w_e[col0:col0+cols, k0:k0+bk]` (K-minor) and the gathered dO rows
     `dO[ids[r], k0:k0+bk]` of the slot, arriving on `full_bar`. With cp.async the rows are
-    one cp.async group the caller publishes (`_common.cp_async_publish`); otherwise each of
+    one cp.async group the caller publishes (`_common.cp_async_publish_lagged`); otherwise each of
     the 4 warps issues a quarter of the one-row TMA copies (the loader interpret mode runs).
     """
     plgpu.copy_gmem_to_smem(w_e.at[pl.ds(col0, cols), pl.ds(k0, bk)], b_slot, full_bar)
@@ -708,10 +715,9 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     phase before the producer observed the previous one). Every slot use is released by the
     consumers, and the producer waits for the release of a slot's previous use (across
     items), then observes the last ones before exit. Token ids and scores are
-    double-buffered by the parity of the CTA's count of non-empty items. With the lagged
-    cp.async publish the producer publishes an item's last steps at its end (a short stall
-    while the consumers still have the item's last steps to compute); with per-slot
-    mbarriers the consumers wait on each slot's phase parity counted across items.
+    double-buffered by the parity of the CTA's count of non-empty items. With cp.async the
+    producer publishes each step `stages - 2` steps later, and an item's last steps at its
+    end (a short stall while the consumers still have the item's last steps to compute).
     """
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
@@ -725,7 +731,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
     num_ladder = ladder_len(bm)
     interpret = interpret_mode is not None
     cp_async = config.gather == "cp_async" and not interpret
-    stage_bars = _common.uses_stage_mbarriers(config, interpret)
     h_cp_async = config.h_loader == "cp_async" and not interpret
     overlaid, slot_bytes, epilogue_bytes = _persistent_layout(config)
     free = stages - overlaid  # W2 slots the epilogue leaves alone
@@ -746,8 +751,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
             f"[{bm}, {bk}] gathered dO rows and [{cols}, {bk}] W2, over the "
             f"{_common.SMEM_BUDGET} B available: lower config.num_stages."
         )
-    # Uses of slot s per item (the K loop restarts at slot 0): the mbarrier phase parity.
-    uses_per_item = lambda slot: (num_k - slot + stages - 1) // stages  # noqa: E731
     tf = _common.mma_transforms(dtype)
     a_scratch, a_views = _common.row_gather_buffers(stages, bm, bk, dtype, interpret)
     w_type = plgpu.SMEM((stages, cols, bk), dtype, transforms=tf)
@@ -772,11 +775,9 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
 
     def body(expert_ref, start_ref, rows_ref, ids_ref, s_ref, do_ref, w_ref, h_ref, *refs):
         (dh_out, ap_out, ds_out, a_bufs, w_bufs, ids_smem, s_smem, ds_smem,
-         full, empty, ids_bar, s_bar, h_bars, epi_bar, epi_done, *a_landed) = refs
+         full, empty, ids_bar, s_bar, h_bars, epi_bar, epi_done) = refs
         a_copy, a_mma = a_views(a_bufs)
         b_smem, ap_smem, h_smem = w_views(w_bufs)
-        if stage_bars:
-            _common.cp_async_stage_barriers_init(a_landed[0])
         wg = jax.lax.axis_index("wg")
         cta = jax.lax.axis_index("cta")
         my_items = (num_items - cta + num_ctas - 1) // num_ctas  # >= 1: num_ctas <= items
@@ -826,13 +827,13 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
                         _issue_k_step(do_ref, ids, w_e, ni * cols, cols, k0, bk,
                                       a_copy.at[slot], a_mma.at[slot], b_smem.at[slot],
                                       full.at[slot], cp_async)
-                        if cp_async:
-                            _common.cp_async_publish(ki, full, a_landed, stages)
+                        if cp_async:  # step ki - (stages - 2), once its rows landed
+                            _common.cp_async_publish_lagged(ki, stages - 2, full, stages)
                         return carry
 
                     jax.lax.fori_loop(0, num_k, step, None)
-                    if cp_async:
-                        _common.cp_async_publish_rest(num_k, full, a_landed, stages)
+                    if cp_async:  # the item's last steps
+                        _common.cp_async_publish_tail(num_k, stages - 2, full, stages)
 
                 return done + (num_rows > 0).astype(jnp.int32)
 
@@ -865,12 +866,8 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
 
                         def mma_scope(acc):
                             def wait(ki, slot):
+                                del ki
                                 plgpu.barrier_wait(full.at[slot])
-                                if stage_bars:
-                                    uses = done * uses_per_item(slot) + ki // stages
-                                    _common.cp_async_stage_wait_parity(
-                                        a_landed[0].at[slot], uses % 2
-                                    )
 
                             def mma(slot):  # the whole stage, this consumer's W2 rows
                                 w_t = b_smem.at[slot, pl.ds(c * bn, bn)]
@@ -929,8 +926,8 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
         plgpu.SMEM((2, bm), jnp.float32),  # scores, double-buffered
         plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: dS partial
-        plgpu.Barrier(  # full: the W2 copy plus what the row loader adds
-            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 1,
+        plgpu.Barrier(  # full: the W2 copy plus each TMA row copy, or one lagged publish
+            num_arrivals=(1 if cp_async else bm) + 1,
             num_barriers=stages,
         ),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty: the consumers
@@ -940,7 +937,6 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         plgpu.Barrier(num_arrivals=2 * (bn // 64), num_barriers=cons * num_ladder),
         plgpu.Barrier(num_arrivals=cons),  # consumers done with the item's K loop
         plgpu.Barrier(num_arrivals=cons),  # epi_done: consumers done with the epilogue's tiles
-        *([_common.cp_async_stage_barriers(stages)] if stage_bars else []),
     ]
     return _persistent_call(body, scratch, num_ctas, cons, out_types, config, interpret_mode)
 

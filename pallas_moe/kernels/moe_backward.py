@@ -149,10 +149,7 @@ class BackwardConfig:
         # 2848.7 (one CTA per tile) -> 2731.5 us (step 20.610 -> 20.374 ms, dH 3.322 ->
         # 2.932 in it), d = 7168 1152.2 (one CTA per tile) -> 1131.8. The same slabs loaded
         # by TMA boxes were 0.92-0.95x (session 19's finding, reproduced).
-        dh = dataclasses.replace(
-            dh, gather_completion="wait_group",
-            persistent_ctas=num_sms, h_loader="cp_async",
-        )
+        dh = dataclasses.replace(dh, persistent_ctas=num_sms, h_loader="cp_async")
         # Long K loops (d >= 2048): dH split in two, the up-proj's 128 x 256 items writing
         # dA' rounded to bf16, then the dSwiGLU as a pass at copy speed. Measured on the
         # H100: session 60 (`history/session60/dh_split.py`, 2 paired rounds) with dA' in

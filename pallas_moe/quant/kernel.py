@@ -22,6 +22,13 @@ Q = 0, s = 0 by extra CTAs at the end of the grid.
 Rows that are already in grouped order (the fp8 forward's A) take the row-block quantizer
 below instead (`quantize_row_blocks`): whole 64-row blocks through SMEM, each row reduced
 inside one quad of threads of the wgmma register layout, with no barrier per row.
+
+Removed in session 64: `SmoothQuantConfig.int8_rounding="cvt"` (int8 rounded by
+`cvt.rni.sat.s8.f32` per element on the quarter-rate conversion pipe: round half to even and
+saturate, the same bits for every finite row; never a default), 0.95x / 0.91x of the f32 add
+at 7B / 30B (H200, session 26, bitwise: 161.1 against 153.2 us, 633.7 against 577.5; not
+measured on the H100);
+`benchmarks/history/session64/smoothquant_int8_cvt.patch` restores it.
 """
 
 from __future__ import annotations
@@ -65,10 +72,6 @@ class SmoothQuantConfig:
       vec: elements each thread loads per access (4 -> 8-byte bf16 loads, 8 -> 16-byte);
         `d` must be a multiple of `128 * vec`. None picks the largest of 4, 2, 1 that
         divides (8 was slower where both fit; `_VECS`).
-      int8_rounding: how compiled kernels round int8 values (`_saturating_quantize`; the
-        same bits for every finite row): "fadd" (default: an f32 add of 1.5 * 2^23 on the
-        full-rate FP32 pipe; H200, session 26, bitwise: int8 1.05x at 7B, 1.10x at 30B) or
-        "cvt" (`cvt.rni.sat.s8.f32`, the quarter-rate conversion pipe).
       x_per_row: with smooth scales, hold the token's X row in x's dtype (`d / 256`
         registers per thread) and widen it to f32 for each of its rows, instead of holding
         the f32 row (`d / 128` registers); the same bits. The widening takes a zero only the
@@ -96,20 +99,19 @@ class SmoothQuantConfig:
     level at 1536 (H200, session 27), and 1 ahead was 0.96x at d = 4096 and 7168 on the
     H100 (session 54), where staged rows (`scale_rows_smem`) now win.
     `benchmarks/history/session63/smoothquant_scale_rows_ahead.patch` restores it.
+
+    Compiled kernels round int8 values by an f32 add of 1.5 * 2^23 on the full-rate FP32 pipe
+    (`_saturating_quantize`: round half to even; a finite row needs no saturation). Session
+    64 removed `int8_rounding` and its "cvt" (`cvt.rni.sat.s8.f32`; see the module docstring).
     """
 
     block_t: int = 1
     block_pad: int = 64
     vec: int | None = None
-    int8_rounding: str = "fadd"
     x_per_row: bool | None = None
     scale_rows_smem: int | None = None
 
     def __post_init__(self):
-        if self.int8_rounding not in ("cvt", "fadd"):
-            raise ValueError(
-                f'config.int8_rounding must be "cvt" or "fadd", got {self.int8_rounding!r}.'
-            )
         if self.scale_rows_smem is not None and self.scale_rows_smem < 0:
             raise ValueError(
                 f"config.scale_rows_smem={self.scale_rows_smem} must be >= 0 (smooth-scale "
@@ -208,27 +210,22 @@ def _store_gmem(ref, value, layout, interpret: bool) -> None:
     store(value, ref)
 
 
-# int8 rounding by an f32 add (`int8_rounding="fadd"`): 1.5 * 2^23, whose ulp is 1, so
+# int8 rounding by an f32 add: 1.5 * 2^23, whose ulp is 1, so
 # `add.rn.f32 v, 0f4B400000` rounds v half to even to an integer held in the low mantissa
 # bits, as two's complement in the low byte. `.rn` keeps ptxas from fusing the add with the
 # multiply `y * rcp(s)` before it into an fma (which would round the exact product instead).
 _INT8_ROUND_ASM = "{ .reg .f32 t; add.rn.f32 t, $1, 0f4B400000; mov.b32 $0, t; }"
 
 
-_INT8_ROUNDINGS = {"cvt": "cvt.rni.sat.s8.f32 $0, $1;", "fadd": _INT8_ROUND_ASM}
-
-
-def _saturating_quantize(v: jax.Array, out_dtype, layout, int8_rounding: str) -> jax.Array:
+def _saturating_quantize(v: jax.Array, out_dtype, layout) -> jax.Array:
     """`apply_row_scale`'s `saturate(round(v))` on the GPU, in fewer instructions, for the
     values `v = y * rcp(s)` of a finite row (|v| <= qmax within a few ulp):
       e4m3: the cast alone (`cvt.rn.satfinite.e4m3x2.f32` rounds half to even and clips to
         +-448 itself, as the clip would; NaN stays NaN);
-      int8, `int8_rounding="cvt"`: `cvt.rni.sat.s8.f32` per element (round half to even,
-        then saturate to [-128, 127]; |v| < 127.5 here, so never -128, as the clip to +-127
-        guarantees);
-      int8, "fadd": an f32 add of 1.5 * 2^23 (`_INT8_ROUND_ASM`, the full-rate FP32 pipe
-        instead of the conversion pipe) and the low byte of its bits: round half to even,
-        the same integer, since |v| < 127.5 needs no saturation. Rows whose scale is NaN or
+      int8: an f32 add of 1.5 * 2^23 (`_INT8_ROUND_ASM`, the full-rate FP32 pipe instead
+        of the conversion pipe's `cvt.rni.sat.s8.f32`, removed in session 64) and the low
+        byte of its bits: round half to even, the integer the clip to +-127 and conversion
+        give, since |v| < 127.5 needs no saturation (never -128). Rows whose scale is NaN or
         infinite have meaningless Q (`quant/reference.py`); NaN gives -1 there, not 0.
     Interpret mode runs `apply_row_scale` itself.
 
@@ -257,7 +254,7 @@ def _saturating_quantize(v: jax.Array, out_dtype, layout, int8_rounding: str) ->
             n = ir.VectorType(reg.type).shape[0]
             out = [
                 arith.trunci(i8, llvm.inline_asm(
-                    i32, [vector.extract(reg, [], [i])], _INT8_ROUNDINGS[int8_rounding], "=r,f",
+                    i32, [vector.extract(reg, [], [i])], _INT8_ROUND_ASM, "=r,f",
                     has_side_effects=False))
                 for i in range(n)
             ]
@@ -376,7 +373,7 @@ def smoothquant_kernel(
             y's shape), the compiled kernel's way on the GPU."""
             if interpret:
                 return apply_row_scale(y, inv, out_dtype)
-            return _saturating_quantize(y * inv, out_dtype, y_layout, config.int8_rounding)
+            return _saturating_quantize(y * inv, out_dtype, y_layout)
 
         def quantize(y):
             """`quantize_row(y)`: one warpgroup reduction for the row's max, then the scale
