@@ -216,13 +216,9 @@ def configs_for(d, n, sweep: str):
         # (Session 63 removed tile-major weight-gradient items, `expert_major=False`:
         # measured 1064 / 536 us against expert-major's 652 / 365 for dW1 / dW2 at 7B on the
         # H100 in session 4.)
-    if sweep == "cluster":
-        # Session 49: dX~ on clusters of two CTAs sharing each weight tile by multicast
-        # (`GroupedMatmulConfig.cluster_m=2`; the bitwise checks compare it to the default).
-        dx.append(dataclasses.replace(base.dx, cluster_m=2))
-        # (dH's clusters, 0.90-1.00x on the H100 in session 51, were removed in session 62;
-        # the weight gradients' (`WeightGradConfig.cluster_m=2`, session 50: 0.98-1.02x in
-        # session 51) in session 63.)
+    # (Session 64 removed the "cluster" sweep with the grouped GEMM's clusters, dX~'s
+    # `cluster_m=2`; dH's clusters, 0.90-1.00x on the H100 in session 51, were removed in
+    # session 62, the weight gradients' (0.98-1.02x in session 51) in session 63.)
     if sweep == "lag":
         # Session 51: each kernel with every slot released as soon as its own K step's
         # wgmmas are done (`wgmma_lag=0`: one more stage loading; 3 stages instead of 4 cost
@@ -520,7 +516,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "cluster", "rows", "lag", "persistent", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "rows", "lag", "persistent", "full"),
                     help="configs timed besides the defaults, on every shape (\"full\": its block-size "
                          "sweep on the first shape, \"previous\" on the rest; see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,

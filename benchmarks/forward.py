@@ -692,13 +692,6 @@ def lag_down_cfgs(d, n):
     return [base, dataclasses.replace(base, wgmma_lag=0)]
 
 
-def cluster_down_cfgs(d, n):
-    """Session 49: the default down-proj on clusters of two CTAs sharing each weight tile
-    by multicast (`GroupedMatmulConfig.cluster_m=2`), against the default."""
-    base = ForwardConfig.for_shape(d, n).down
-    return [base, dataclasses.replace(base, cluster_m=2)]
-
-
 def default_down_cfgs(d, n):
     cands = [
         ForwardConfig.for_shape(d, n).down,
@@ -758,7 +751,7 @@ def main():
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
     p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "depth", "lag", "none"])
-    p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "cluster", "rows", "lag", "none"])
+    p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "rows", "lag", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
                    help="time each sweep's configs round-robin this many rounds (the median, "
@@ -787,7 +780,7 @@ def main():
                            "lag": lag_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
-                             "slabs": staged_down_cfgs, "cluster": cluster_down_cfgs, "rows": rows_down_cfgs, "lag": lag_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
+                             "slabs": staged_down_cfgs, "rows": rows_down_cfgs, "lag": lag_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
                 results.append(run_shape(name, SHAPES[name], skew, up_cfgs, down_cfgs, log,
                                          baselines=not args.no_baselines, rounds=args.rounds))
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape

@@ -290,8 +290,8 @@ CONFIG_FLAGS = {
     # The up-proj and down-proj at lag 1, the forward's default before session 54 (which
     # made lag 0 the H100's for the 192-row up-proj and the 192-column 3-stage down-proj).
     "lag1-forward": lambda c, n: _replace(_replace(c, "up", wgmma_lag=1), "down", wgmma_lag=1),
-    # The down-proj and dX~ on clusters of two CTAs sharing each weight tile (session 49).
-    "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
+    # (Session 64 removed "cluster-gemm", the down-proj and dX~ on clusters of two CTAs
+    # sharing each weight tile: 0.893x / 0.981x the split-M down-proj on the H100.)
     # The fused dH kernel where the default splits dH in two (d >= 4096 since session 60,
     # d >= 2048 since session 63).
     "fused-dh": lambda c, n: dataclasses.replace(c, backward=dataclasses.replace(

@@ -89,30 +89,6 @@ def test_ragged_with_empty_experts_and_padding(spec, config):
     spec(plan, 128, 128, 5, config, jax.random.key(33))
 
 
-# Clusters are opt-in (no gain on the H100, session 51): CI races each kernel's default form
-# (the down-proj's 128-row ping-pong, dX~'s split-M); the other forms are slow extras.
-@pytest.mark.parametrize(
-    "spec, config",
-    [pytest.param(run_down, PING_PONG, marks=pytest.mark.slow),
-     pytest.param(run_down, SPLIT_M, marks=pytest.mark.slow), (run_down, PING_PONG_128),
-     pytest.param(run_dx, PING_PONG, marks=pytest.mark.slow), (run_dx, SPLIT_M),
-     pytest.param(run_dx, PING_PONG_128, marks=pytest.mark.slow)],
-    ids=["down_proj-ping_pong", "down_proj-split_m", "down_proj-ping_pong_128",
-         "dx_rows-ping_pong", "dx_rows-split_m", "dx_rows-ping_pong_128"])
-def test_clusters_no_races(spec, config):
-    """`cluster_m=2`: 2 clusters of two CTAs; a cluster item is two consecutive aligned boxes
-    of one expert's rows (each CTA loads and multiplies its own box, both share each weight
-    tile by a multicast copy; a slot is refilled once the consumers of both CTAs released
-    it). Groups start and end anywhere inside the aligned blocks, so a tile's rows fall in
-    one box, the other, or both, and a CTA runs items it stores nothing of; against the
-    reference, rows outside the plan untouched, race-free. Interpret mode has no multicast
-    (each CTA loads the whole tile): this checks the protocol and the row split."""
-    plan = token_rounding_plan(jax.random.normal(jax.random.key(32), (75, 5)), 2, tile=8)
-    spec(plan, 128, 128, 5, dataclasses.replace(config, num_sms=4, cluster_m=2),
-         jax.random.key(33), interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert not races_found()
-
-
 # wgmma_lag=0 is opt-in (level or slower on the H100, session 52): CI races one form per
 # kernel, the other two are slow extras.
 @pytest.mark.parametrize(
@@ -285,8 +261,6 @@ def test_empty_plan_writes_nothing():
         (lambda: GroupedMatmulConfig(block_m=256), "config.block_m=256 must be 64, 128 or 192"),
         (lambda: GroupedMatmulConfig(block_m=192, pingpong=True),
          "config.block_m=192 runs split M with three consumers .* not with pingpong"),
-        (lambda: GroupedMatmulConfig(block_m=192, num_sms=4, cluster_m=2),
-         "config.block_m=192 .* not with pingpong or clusters"),
         (lambda: grouped_matmul(jnp.zeros((16, 128), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32),
                                 jnp.zeros((2, 128, 128), jnp.float8_e4m3fn), transpose_w=True,
                                 config=GroupedMatmulConfig(block_m=192, block_k=128,
@@ -302,15 +276,6 @@ def test_empty_plan_writes_nothing():
          r"columns at a time \(config.out_slabs\)"),
         (lambda: GroupedMatmulConfig(wgmma_lag=2), r"config.wgmma_lag=2 must be one of \(0, 1\)"),
         (lambda: GroupedMatmulConfig(num_sms=0), "config.num_sms=0 must be >= 1"),
-        (lambda: GroupedMatmulConfig(cluster_m=4), "config.cluster_m=4 must be 1 or 2"),
-        (lambda: GroupedMatmulConfig(num_sms=3, cluster_m=2),
-         "config.cluster_m=2 runs num_sms / 2 clusters .* num_sms must be even, got 3"),
-        (lambda: grouped_matmul(jnp.zeros((16, 128), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32),
-                                jnp.zeros((2, 128, 128), jnp.float8_e4m3fn), transpose_w=True,
-                                config=GroupedMatmulConfig(block_k=128, cluster_m=2),
-                                row_scales=jnp.ones((16,)), col_scales=jnp.ones((2, 128)),
-                                interpret=True),
-         "config.cluster_m=2 .* is a bf16-mode option over the whole plan"),
         (lambda: GroupedMatmulConfig(block_n=256, pingpong=True),
          "pingpong with block_m=128 .* block_n must be <= 128, got 256"),
         (lambda: grouped_matmul(jnp.zeros((16, 128), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32),
@@ -324,6 +289,15 @@ def test_empty_plan_writes_nothing():
 def test_bad_inputs_raise_naming_the_argument(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make()
+
+
+@pytest.mark.parametrize("removed", [dict(cluster_m=2)], ids=["cluster_m"])
+def test_removed_fields_are_refused(removed):
+    """Fields removed in session 64 (no gain on the GPU; the module docstring says which
+    patch restores each) are a TypeError, not ignored: `cluster_m` (items on clusters of two
+    CTAs sharing each weight tile by multicast)."""
+    with pytest.raises(TypeError, match=next(iter(removed))):
+        GroupedMatmulConfig(**removed)
 
 
 @SCHEDULES
@@ -474,22 +448,6 @@ def test_three_consumer_split_m_lowers_for_cuda(d, n, E, T, K):
     else:
         assert dx_cfg.block_n == 256 and (dx_cfg.num_stages, dx_cfg.out_slabs) == (3, 2)
     _lower_down_and_dx_for_cuda(d, n, E, T * K, down_cfg, dx_cfg)
-
-
-@pytest.mark.parametrize("d, n", [(4096, 512), (2880, 2880)], ids=["30b", "gpt_oss"])
-def test_cluster_schedules_lower_for_cuda(d, n):
-    """The default down-proj and dX~ configs on clusters of two CTAs (`cluster_m=2`, the
-    weight tiles multicast to both) lower for cuda at production widths, the down-proj with
-    an expert bias (the GPU test `test_grouped_gemm_clusters_write_the_default_bits` and
-    `forward.py --down-sweep cluster` run them)."""
-    from pallas_moe.kernels.moe_backward import BackwardConfig
-    from pallas_moe.kernels.moe_forward import ForwardConfig
-
-    E, P = 16, 4096 * 8
-    down_cfg = dataclasses.replace(ForwardConfig.for_shape(d, n).down, cluster_m=2)
-    dx_cfg = dataclasses.replace(BackwardConfig.for_shape(d, n).dx, cluster_m=2)
-    assert down_cfg.tile_rows == dx_cfg.tile_rows == 256
-    _lower_down_and_dx_for_cuda(d, n, E, P, down_cfg, dx_cfg)
 
 
 # CI time: the 7B widths run the same sweep builders and SMEM arithmetic; 30B's sweep configs

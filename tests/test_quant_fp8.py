@@ -1095,9 +1095,9 @@ def test_fp8_up_four_stages_with_one_staged_slab_lowers_for_cuda(shape, monkeypa
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        # bf16 rows are gathered too (the split dH's GEMM), on single CTAs only
+        # bf16 rows are gathered too (the split dH's GEMM), with split-M items only
         (dict(a=jnp.zeros((12, 128), jnp.bfloat16)),
-         "the gathered mode .token_ids. needs config.block_m=128 without pingpong or clusters.*cluster_m=2"),
+         "the gathered mode .token_ids. needs config.block_m=128 without pingpong.*pingpong=True"),
         (dict(config=GroupedMatmulConfig(block_m=64, block_k=128, num_sms=2)),
          "the gathered mode .token_ids. needs config.block_m=128"),
         (dict(config=GroupedMatmulConfig(block_k=128, num_stages=2, num_sms=2)),
@@ -1118,7 +1118,7 @@ def test_fp8_gathered_bad_inputs_raise(kwargs, match):
     args.update(kwargs)
     if args["a"].dtype == jnp.bfloat16:
         args.update(w=jnp.zeros((2, 128, 128), jnp.bfloat16), row_scales=None, col_scales=None,
-                    config=GroupedMatmulConfig(block_m=128, block_k=64, num_sms=4, cluster_m=2))
+                    config=GroupedMatmulConfig(block_m=128, block_k=64, num_sms=4, pingpong=True))
     with pytest.raises((ValueError, TypeError), match=match):
         grouped_matmul(**args)
 

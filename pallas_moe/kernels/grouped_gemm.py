@@ -85,18 +85,17 @@ current item's epilogue.
   between the consumers as with 64 rows, and each consumer multiplies all 128 rows of its
   item (a 128 x block_n accumulator, two m64 wgmmas per step), so the weight tile still
   feeds 128 rows and one consumer's epilogue overlaps the other's wgmmas.
-- `cluster_m == 2` (bf16, opt-in, any of the above): clusters of two CTAs walk the items in
-  lockstep. A cluster item is two consecutive aligned boxes of one expert's rows (metadata
-  tiles of 2 * block_m rows); each CTA loads and multiplies its own box, and both ask for
-  each K step's weight tile with a cluster multicast copy, so a weight byte read from L2
-  feeds both boxes. `empty` is then a cluster barrier: the partner's multicast refills this
-  CTA's slot too, so both CTAs' consumers must have released it.
 
 With a bias, each consumer TMA-loads its item's `[block_n]` bias columns into its own SMEM
 when the item starts (they land while the K loop runs) and adds them to the fp32
 accumulator in the epilogue (`_common.bias_columns`). The SMEM is rewritten only after the
 previous item's epilogue has read it: the epilogue's `commit_smem` (a warpgroup barrier)
 comes between the reads and the next copy.
+
+Removed in session 64, none a default (a config naming a removed field is a TypeError):
+- `cluster_m=2` (items on clusters of two CTAs sharing each weight tile by multicast): 0.893x
+  / 0.981x the split-M down-proj on the H100 (session 64; 0.84-1.04x, session 50);
+  `benchmarks/history/session64/grouped_gemm_clusters.patch` restores it.
 """
 
 from __future__ import annotations
@@ -114,13 +113,13 @@ from pallas_moe.quant.reference import QUANTIZED_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupedMatmulConfig(_common.ClusterTiles):
+class GroupedMatmulConfig:
     """Block sizes of the persistent grouped GEMM (down-proj, dX~).
 
     Attributes:
       block_m: rows per work item: 64 (ping-pong consumers), 128 (split M, or ping-pong
         with `pingpong`) or 192 (split M with three consumers of 64 rows; bf16 over the
-        whole plan, no clusters).
+        whole plan).
       block_n: output columns per work item (multiple of 64, divides N, at most 256).
       block_k: contraction step, one 128-byte swizzle row: 64 for bf16, 128 for the fp8
         mode; must divide K.
@@ -155,16 +154,6 @@ class GroupedMatmulConfig(_common.ClusterTiles):
         out_slabs); `out_slabs * out_buffers` slabs per consumer take the SMEM of the whole
         tile at the most. A consumer still waits, at each item's first round, for all its
         earlier stores to have read SMEM.
-      cluster_m: 1 (default), or 2: the bf16 mode on clusters of two CTAs (`num_sms` CTAs,
-        an even count, as num_sms / 2 clusters). A cluster item is two consecutive aligned
-        `block_m`-row boxes of one expert's rows (metadata tiles of `tile_rows` = 2 *
-        block_m rows); each CTA loads and multiplies its own box, and both ask for each K
-        step's weight tile with a cluster multicast copy, which the hardware splits (each
-        CTA loads half and both receive all), so each weight byte read from L2 feeds 2 *
-        block_m rows. A slot is refilled once the consumers of both CTAs released it
-        (`plgpu.ClusterBarrier`). Same products in the same order, so bitwise the same
-        outputs. Not with the 8-bit modes or `chunks`. Interpret mode runs the same
-        protocol with each CTA loading the whole tile (it has no multicast).
       wgmma_lag: when a consumer releases a K step's slot, 1 (default) or 0 (one more
         stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
         Same bits either way (session 51). Opt-in: on the H100 (session 52)
@@ -183,25 +172,17 @@ class GroupedMatmulConfig(_common.ClusterTiles):
     approx_math: bool = True
     out_slabs: int = 0
     out_buffers: int = 1
-    cluster_m: int = 1
     wgmma_lag: int = 1
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 192):
             raise ValueError(f"config.block_m={self.block_m} must be 64, 128 or 192.")
-        if self.block_m == 192 and (self.pingpong or self.cluster_m > 1):
+        if self.block_m == 192 and self.pingpong:
             raise ValueError(
                 "config.block_m=192 runs split M with three consumers of 64 rows: not with "
-                f"pingpong or clusters, got pingpong={self.pingpong}, "
-                f"cluster_m={self.cluster_m}."
+                "pingpong."
             )
-        _common.require_cluster_m(self)
         _common.require_wgmma_lag(self)
-        if self.cluster_m == 2 and self.num_sms % 2:
-            raise ValueError(
-                f"config.cluster_m=2 runs num_sms / 2 clusters of two CTAs: num_sms must be "
-                f"even, got {self.num_sms}."
-            )
         if self.pingpong and self.block_m == 128 and self.block_n > PINGPONG_MAX_BLOCK_N:
             raise ValueError(
                 f"config.pingpong with block_m=128 keeps a 128 x block_n f32 accumulator per "
@@ -244,10 +225,15 @@ class GroupedMatmulConfig(_common.ClusterTiles):
         return self.block_m in (128, 192) and not self.pingpong
 
     @property
+    def tile_rows(self) -> int:
+        """Rows of one metadata tile (`TileMeta.block_m`): an item's `block_m` rows."""
+        return self.block_m
+
+    @property
     def gathers_rows(self) -> bool:
-        """Whether the gathered mode (`token_ids`) can run this config: 128-row split-M items
-        on single CTAs, both consumers sharing each gathered stage."""
-        return self.block_m == 128 and not self.pingpong and self.cluster_m == 1
+        """Whether the gathered mode (`token_ids`) can run this config: 128-row split-M items,
+        both consumers sharing each gathered stage."""
+        return self.block_m == 128 and not self.pingpong
 
 
 # A ping-pong consumer of 128 rows holds a 128 x block_n f32 accumulator: 128 registers per
@@ -328,7 +314,7 @@ def grouped_matmul(
         rows may name any row in range): the gathered mode, where grouped row r multiplies
         `a[token_ids[r]]` (bf16: the split dH's GEMM `dO[tok] @ W2[e]^T`; 8-bit: the fp8
         up-proj, with `row_scales` f32 [T], one scale per row of `a`, gathered here). Needs
-        `config.block_m == 128` without pingpong or clusters (module docstring).
+        `config.block_m == 128` without pingpong (module docstring).
       chunks: run only chunk `chunk` of these `TileChunks` of `meta` (which is then
         required): its tiles, read from the whole A, written to a `[chunks.rows, out_cols]`
         output at rows shifted by the chunk's first row (the EP overlap's chunked down-proj).
@@ -399,9 +385,8 @@ def grouped_matmul(
         if not config.gathers_rows:
             raise ValueError(
                 f"the gathered mode (token_ids) needs config.block_m=128 without pingpong "
-                f"or clusters (both consumers of one CTA share each gathered stage), got "
-                f"block_m={config.block_m}, pingpong={config.pingpong}, "
-                f"cluster_m={config.cluster_m}."
+                f"(both consumers of one CTA share each gathered stage), got "
+                f"block_m={config.block_m}, pingpong={config.pingpong}."
             )
         _common.require_gather_mode(config)
         if capacity is not None and capacity != token_ids.shape[0]:
@@ -441,11 +426,6 @@ def grouped_matmul(
             "config.block_m=192 (three consumers of 64 rows) is a bf16-mode option; "
             f"{a_name} is {a.dtype}."
         )
-    if config.cluster_m > 1 and (eight_bit or chunks is not None):
-        raise ValueError(
-            f"config.cluster_m={config.cluster_m} (two CTAs sharing each weight tile) is a "
-            "bf16-mode option over the whole plan: not with 8-bit inputs or chunks."
-        )
     if chunks is not None and gathered:
         raise ValueError(
             "chunks (a call over a range of the plan's tiles) is not supported with token_ids "
@@ -454,19 +434,16 @@ def grouped_matmul(
     if meta is None:
         if chunks is not None:
             raise ValueError("chunks cut the tiles of a given meta: pass meta too.")
-        meta = _common.aligned_tile_meta(group_sizes, capacity, config.tile_rows)
-    if meta.block_m != config.tile_rows:
-        raise ValueError(
-            f"meta.block_m={meta.block_m} must equal config.tile_rows={config.tile_rows} "
-            f"(block_m={bm} times cluster_m={config.cluster_m})."
-        )
+        meta = _common.aligned_tile_meta(group_sizes, capacity, bm)
+    if meta.block_m != bm:
+        raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
     if chunks is None:
         chunks, chunk = _common.whole_tile_chunk(meta, capacity), 0
     if not 0 <= chunk < chunks.num_chunks:
         raise ValueError(f"chunk={chunk} must be in [0, {chunks.num_chunks}) (chunks.num_chunks).")
     # Each item loads its whole aligned block: make `a` (or the gathered rows' ids) a whole
-    # number of blocks (of a cluster item's blocks).
-    padded = -(-capacity // config.tile_rows) * config.tile_rows
+    # number of blocks.
+    padded = -(-capacity // bm) * bm
     row_ids = ()
     if gathered:  # padding rows read row 0: multiplied like the rest and never stored
         row_ids = (jnp.pad(token_ids, (0, padded - capacity)),)
@@ -561,10 +538,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     split_m = config.split_m
     cons = config.num_consumers  # consumer warpgroups (split M: block_m / 64)
     mb = bm // cons if split_m else bm  # rows per consumer
-    clusters = config.cluster_m  # CTAs per cluster, sharing each item's weight tiles
-    tile_rows = config.tile_rows  # rows of a metadata tile: the cluster's boxes
-    num_sms = config.num_sms // clusters  # walkers of the item list: CTAs or clusters
-    multicast = _common.cluster_multicast(clusters)  # collective axis of the weight copies
+    num_sms = config.num_sms  # persistent CTAs walking the item list
     num_k = k_dim // bk  # K steps per item
     grid_n = n_dim // bn  # items per tile
     dtype = in_dtype
@@ -638,16 +612,13 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         total = (bounds_ref[0, chunk + 1] - first_tile) * grid_n  # work items
         out_row0 = bounds_ref[1, chunk]  # grouped row of output row 0
         my_items = jnp.maximum(total - sm + num_sms - 1, 0) // num_sms
-        # This CTA's box of each (cluster) item: rows [half * bm, half * bm + bm) of it.
-        half = _common.cluster_rank(clusters)
 
         def item(j):
             w = sm + j * num_sms
             return first_tile + w // grid_n, w % grid_n  # (tile, column block)
 
         def box_of(row0):  # first row of this CTA's aligned box of the tile starting at row0
-            box = (row0 // tile_rows) * tile_rows  # the aligned block holding the tile
-            return box + half * bm if clusters > 1 else box  # clusters: this CTA's half
+            return (row0 // bm) * bm  # the aligned block holding the tile
 
         def box_start(j):
             tile, _ = item(j)
@@ -719,8 +690,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                             w_tile = w_e.at[pl.ds(col0, bn), pl.ds(k0, bk)]
                         else:  # [bk, bn]
                             w_tile = w_e.at[pl.ds(k0, bk), pl.ds(col0, bn)]
-                        plgpu.copy_gmem_to_smem(w_tile, b_smem.at[h, slot], full.at[c, slot],
-                                                collective_axes=multicast)
+                        plgpu.copy_gmem_to_smem(w_tile, b_smem.at[h, slot], full.at[c, slot])
                     if cp_async:  # after the weight copies: publishing may wait
                         _common.cp_async_publish(g, full.at[0], a_landed, stages)
                     return carry
@@ -800,13 +770,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                     row0 = start_ref[tile]
                     num_rows = rows_ref[tile]
                     box0 = box_of(row0)
-                    # box row of the tile's first row (with clusters < 0 where the tile
-                    # starts in the partner's box: this CTA takes [0, bm) ∩ the tile's rows)
-                    shift = row0 - box0
-                    if split_m or clusters > 1:
-                        # this consumer's box rows [c*mb, c*mb + mb) ∩ the tile's (ping-pong:
-                        # the whole box, c = 0 and mb = bm)
-                        c_lo = c * mb if split_m else 0
+                    shift = row0 - box0  # box row of the tile's first row
+                    if split_m:
+                        # this consumer's box rows [c*mb, c*mb + mb) ∩ the tile's
+                        c_lo = c * mb
                         lo = jnp.maximum(shift, c_lo)
                         count = jnp.maximum(jnp.minimum(shift + num_rows, c_lo + mb) - lo, 0)
                         dst0, src0 = box0 + lo, lo - c_lo
@@ -882,10 +849,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         plgpu.Barrier(
             num_arrivals=a_arrivals + num_b, num_barriers=(1 if split_m else 2, stages)
         ),
-        # empty: the slot's consumer (split M: both; with clusters, those of both CTAs of
-        # the cluster, whose multicast copies refill this slot)
-        _common.cluster_barrier(clusters, num_arrivals=cons if split_m else 1,
-                                num_barriers=stages),
+        # empty: the slot's consumer (split M: all of them)
+        plgpu.Barrier(num_arrivals=cons if split_m else 1, num_barriers=stages),
     ]
     if has_bias:  # per consumer: the item's bias columns and the barrier their copy arrives on
         scratch += [plgpu.SMEM((cons, bn), dtype), plgpu.Barrier(num_barriers=cons)]
@@ -905,7 +870,6 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         scratch_types=scratch,
         grid=(num_sms,),
         grid_names=("sm",),
-        **_common.cluster_grid(clusters),
         num_threads=cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
