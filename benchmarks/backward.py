@@ -282,12 +282,8 @@ def configs_for(d, n, sweep: str):
         dx += [whole, rep(whole, out_slabs=1), rep(more, out_slabs=1)]
         if not whole.pingpong and whole.block_n // 64 % 2 == 0:
             dx.append(rep(more, out_slabs=2))
-        # A ring of staged slabs in the whole tile's SMEM (`out_buffers`): each slab's
-        # store issued as soon as it is written, the next written while it reads.
-        slabs = whole.block_n // 64
-        dx.append(rep(whole, out_slabs=1, out_buffers=slabs))
-        if slabs == 4:  # split M's 256 columns: also two rounds of two slabs
-            dx.append(rep(whole, out_slabs=2, out_buffers=2))
+        # (Session 64 removed the ring of staged slabs in the whole tile's SMEM,
+        # `out_buffers`: level on both cards.)
         dx = unique_configs(dx)
     if sweep == "cards":
         # Session 43: the other card's defaults on this card (on the H100 the H200's persistent

@@ -462,15 +462,13 @@ def staged_down_cfgs(d, n):
     until session 37), one output slab staged at a time (`out_slabs=1`), and one slab with
     the stage that frees (the 128-row ping-pong: 6 stages of 32 KB beside 2 x 16 KB of
     staged slabs instead of 5 beside the whole 2 x 32-KB tiles; session 36 gave the fp8
-    up-proj 1.03x at 30B this way), and one slab at a time in a ring of two (`out_buffers=2`:
-    the whole tile's SMEM, each slab's store issued as soon as it is written, the next slab
-    written while it reads); each config once, in that order."""
+    up-proj 1.03x at 30B this way); each config once, in that order. (Session 64 removed
+    the ring of two staged slabs, `out_buffers=2`: level on both cards.)"""
     base = ForwardConfig.for_shape(d, n).down
     whole = ForwardConfig.for_shape(d, n, device_kind=H100_KIND).down
     rep = dataclasses.replace
     return unique_configs([base, whole, rep(whole, out_slabs=1),
-                           rep(whole, out_slabs=1, num_stages=whole.num_stages + 1),
-                           rep(whole, out_slabs=1, out_buffers=2)])
+                           rep(whole, out_slabs=1, num_stages=whole.num_stages + 1)])
 
 
 def unique_configs(configs):
@@ -670,7 +668,7 @@ def three_consumer_gemm(config):
     slabs = config.block_n // 64
     for stages, out_slabs in ((4, 0), (3, 0), *((3, s) for s in (4, 2, 1) if s < slabs)):
         cand = dataclasses.replace(config, block_m=192, pingpong=False, out_slabs=out_slabs,
-                                   out_buffers=1, num_stages=stages)
+                                   num_stages=stages)
         if slabs % max(out_slabs, 1) == 0 and grouped_gemm_smem_bytes(
                 cand, config.block_n, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
                 has_bias=True) <= _common.SMEM_MAX:

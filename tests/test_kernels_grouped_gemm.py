@@ -156,48 +156,6 @@ def test_one_staged_output_slab_at_a_time_no_races(spec, config):
     assert not races_found()
 
 
-# A ring of two staged slabs (`out_buffers=2`): the 128-row ping-pong's two rounds per item
-# write both slots without waiting in between; split M's four rounds reuse each slot once
-# per item, after a wait that lets only the other slot's store stay in flight (its second
-# consumer has no rows in some items: that branch waits for everything).
-RING_CONFIGS = pytest.mark.parametrize("config", [
-    pytest.param(GroupedMatmulConfig(block_m=128, block_n=128, num_stages=3, num_sms=1,
-                                     pingpong=True, out_slabs=1, out_buffers=2),
-                 id="ping_pong_128"),
-    pytest.param(GroupedMatmulConfig(block_m=128, block_n=256, num_stages=2, num_sms=1,
-                                     out_slabs=1, out_buffers=2), id="split_m_256"),
-])
-
-
-@RING_CONFIGS
-@pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
-def test_a_ring_of_staged_output_slabs_no_races(spec, config):
-    plan = assignment_plan(jax.random.key(36), 40, 3, p=0.5, empty=(2,))
-    spec(plan, 128, 256, 3, config, jax.random.key(37),
-         interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert not races_found()
-
-
-def test_the_race_detector_sees_a_ring_slot_reused_before_its_store_read_it(monkeypatch):
-    """The ring's wait is what keeps split M's third and fourth rounds off the slots the
-    first two rounds' stores still read: without it (waits that would leave one store in
-    flight dropped) the race detector reports the overwrite."""
-    wait = plgpu.wait_smem_to_gmem
-
-    def dropping_partial_waits(n, wait_read_only=False):
-        if n == 0:
-            wait(n, wait_read_only=wait_read_only)
-
-    monkeypatch.setattr(plgpu, "wait_smem_to_gmem", dropping_partial_waits)
-    # 44 tokens: a kernel shape no other test traces (a cached trace would keep the waits)
-    plan = assignment_plan(jax.random.key(38), 44, 3, p=0.5, empty=(2,))
-    config = GroupedMatmulConfig(block_m=128, block_n=256, num_stages=2, num_sms=1,
-                                 out_slabs=1, out_buffers=2)
-    run_down(plan, 128, 256, 3, config, jax.random.key(37),
-             interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert races_found()
-
-
 def test_wide_expert_down_proj_default_no_races_and_the_ping_pongs_bits():
     """The down-proj's default from n = 768 on (session 61: split-M 128 x 256 items, 3
     stages, the whole tile staged) over a 12-step K loop on 2 CTAs, with the race detector,
@@ -291,12 +249,14 @@ def test_bad_inputs_raise_naming_the_argument(make, match):
         make()
 
 
-@pytest.mark.parametrize("removed", [dict(cluster_m=2)], ids=["cluster_m"])
+@pytest.mark.parametrize("removed", [dict(cluster_m=2), dict(out_slabs=1, out_buffers=2)],
+                         ids=["cluster_m", "out_buffers"])
 def test_removed_fields_are_refused(removed):
     """Fields removed in session 64 (no gain on the GPU; the module docstring says which
     patch restores each) are a TypeError, not ignored: `cluster_m` (items on clusters of two
-    CTAs sharing each weight tile by multicast)."""
-    with pytest.raises(TypeError, match=next(iter(removed))):
+    CTAs sharing each weight tile by multicast) and `out_buffers` (a ring of staged output
+    rounds)."""
+    with pytest.raises(TypeError, match=list(removed)[-1]):
         GroupedMatmulConfig(**removed)
 
 
@@ -458,8 +418,7 @@ def test_one_staged_slab_frees_a_stage_at_production_widths(d, n):
     """The `out_slabs` configs the benchmarks sweep (`forward.py --down-sweep slabs`,
     `backward.py --sweep slabs`) lower for cuda: one more stage than the whole-tile default
     fits in SMEM only with fewer output slabs staged at a time (Mosaic refuses the same
-    stages beside the whole tile), and a ring of staged slabs (`out_buffers`) as large as
-    the whole tile fits beside the whole tile's stages."""
+    stages beside the whole tile)."""
     from benchmarks.backward import configs_for
     from benchmarks.forward import staged_down_cfgs
     from tests.cuda_target import h100_target
@@ -468,8 +427,7 @@ def test_one_staged_slab_frees_a_stage_at_production_widths(d, n):
     sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     down_cfgs = staged_down_cfgs(d, n)
     dx_cfgs = configs_for(d, n, "slabs")[-1]
-    assert len(down_cfgs) == 4 and len(dx_cfgs) == (4 if n <= 256 else 6)
-    assert any(c.out_buffers == c.block_n // 64 for c in down_cfgs + dx_cfgs)
+    assert len(down_cfgs) == 3 and len(dx_cfgs) == (3 if n <= 256 else 4)
     operands = dict(
         down=(sds((P, n), bf16), sds((E,), i32), sds((E, n, d), bf16)),
         dx=(sds((P, 2 * n), bf16), sds((E,), i32), sds((E, d, 2 * n), bf16)),

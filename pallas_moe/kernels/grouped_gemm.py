@@ -96,6 +96,9 @@ Removed in session 64, none a default (a config naming a removed field is a Type
 - `cluster_m=2` (items on clusters of two CTAs sharing each weight tile by multicast): 0.893x
   / 0.981x the split-M down-proj on the H100 (session 64; 0.84-1.04x, session 50);
   `benchmarks/history/session64/grouped_gemm_clusters.patch` restores it.
+- `out_buffers >= 2` (a ring of staged output rounds with `out_slabs`): 1.002x on the H200
+  (session 38), 0.997x / 1.005x on the split dH's GEMM on the H100 (session 64);
+  `benchmarks/history/session64/grouped_gemm_out_buffers.patch` restores it.
 """
 
 from __future__ import annotations
@@ -147,13 +150,6 @@ class GroupedMatmulConfig:
         (the gated fp8 up-proj at block_n=128 fits 4 stages only with 1: 229 KB otherwise)
         at the cost of waiting, before each slab after the first, until the previous slab's
         store has read SMEM. Must divide block_n's slab count.
-      out_buffers: with `out_slabs`: staged rounds each consumer keeps in SMEM (a ring of
-        `out_buffers` x `out_slabs` slabs), so a round's SMEM writes overlap the TMA stores
-        of the rounds before it instead of waiting for the previous one to have read SMEM.
-        1 (default) = one round at a time; at most the rounds per item (block_n's slabs /
-        out_slabs); `out_slabs * out_buffers` slabs per consumer take the SMEM of the whole
-        tile at the most. A consumer still waits, at each item's first round, for all its
-        earlier stores to have read SMEM.
       wgmma_lag: when a consumer releases a K step's slot, 1 (default) or 0 (one more
         stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
         Same bits either way (session 51). Opt-in: on the H100 (session 52)
@@ -171,7 +167,6 @@ class GroupedMatmulConfig:
     pingpong: bool = False
     approx_math: bool = True
     out_slabs: int = 0
-    out_buffers: int = 1
     wgmma_lag: int = 1
 
     def __post_init__(self):
@@ -199,14 +194,6 @@ class GroupedMatmulConfig:
             raise ValueError(
                 f"config.out_slabs={self.out_slabs} must be 0 (the whole block) or divide the "
                 f"block's {slabs} output slabs of 64 bf16 columns (block_n={self.block_n})."
-            )
-        rounds = slabs // self.out_slabs if self.out_slabs else 1
-        if (not isinstance(self.out_buffers, int) or isinstance(self.out_buffers, bool)
-                or not 1 <= self.out_buffers <= rounds):
-            raise ValueError(
-                f"config.out_buffers={self.out_buffers} must be an int from 1 to the {rounds} "
-                f"staged round(s) of an item (block_n={self.block_n}, out_slabs="
-                f"{self.out_slabs}; more than 1 needs out_slabs)."
             )
         if self.fp8_promote_every < 0:
             raise ValueError(
@@ -487,7 +474,7 @@ def smem_bytes(config: GroupedMatmulConfig, n_dim: int, *, in_dtype, out_dtype,
     ref rounded up to `_common.SMEM_ALIGNMENT` (where Pallas starts them) plus 8 B per
     barrier. The refs: the A stages [stages, block_m, block_k], the weight stages ([2 if
     gated], stages, block_k, block_n), each consumer's staged output (the whole [rows,
-    block_n] tile, or `out_slabs` x `out_buffers` slabs), and the bias columns, scales,
+    block_n] tile, or `out_slabs` of its slabs), and the bias columns, scales,
     gathered ids and (compiled cp.async gather on mbarriers) the stage barriers. The output
     width `n_dim` does not change the count (it did for the fused re-quantization, removed
     in session 63).
@@ -506,7 +493,7 @@ def smem_bytes(config: GroupedMatmulConfig, n_dim: int, *, in_dtype, out_dtype,
     barriers = (1 if config.split_m else 2) * stages + stages
     out_size = jnp.dtype(out_dtype).itemsize
     staged_cols = config.out_slabs * _common.SWIZZLE_BYTES // out_size if config.out_slabs else bn
-    refs.append(cons * config.out_buffers * mb * staged_cols * out_size)
+    refs.append(cons * mb * staged_cols * out_size)
     if has_bias:
         refs.append(cons * bn * in_size)
         barriers += cons
@@ -547,26 +534,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     # Output columns each consumer stages in SMEM per store round (`config.out_slabs`).
     slab_cols = _common.SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize
     staged_cols = config.out_slabs * slab_cols if config.out_slabs else bn
-    rounds = bn // staged_cols  # store rounds per item (>= out_buffers: the config checks
-    out_buffers = config.out_buffers  # bf16's slabs; f32 outputs have twice as many)
-
-    def wait_for_round_buffer(r: int, count):
-        """Before round r of an item writes its ring slot: that slot's previous store has
-        read SMEM. The first round (every round with one slot) waits for every earlier
-        store (the previous item's end lies a whole K loop back); rounds r < out_buffers
-        then own fresh slots; later ones wait for the round out_buffers back, i.e. let the
-        out_buffers - 1 rounds since then (one or more stores each when the item has rows,
-        none when it has none) stay in flight."""
-        if r == 0 or out_buffers == 1:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        elif r >= out_buffers:
-            @pl.when(count > 0)
-            def _():
-                plgpu.wait_smem_to_gmem(out_buffers - 1, wait_read_only=True)
-
-            @pl.when(count <= 0)
-            def _():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    rounds = bn // staged_cols  # store rounds per item
 
     promote_every = config.fp8_promote_every if promotes(config, in_dtype) else 0
     # int8 wgmma sums exactly in s32 (no promotion needed); e4m3 and bf16 in f32.
@@ -814,15 +782,15 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                             y = y + _common.bias_columns(bias_smem.at[c], mb)
                     y = y.astype(out_dtype)
                     for r in range(rounds):  # one round unless `out_slabs`
-                        buf = r % out_buffers  # the staged ring's slot of this round
                         with jax.named_scope("previous_store"):
-                            wait_for_round_buffer(r, count)
+                            # the staged buffer's previous store has read SMEM
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         with jax.named_scope("epilogue_store"):
                             cols = slice(r * staged_cols, (r + 1) * staged_cols)
-                            _common.write_row_tile(o_mma.at[c, buf], y[:, cols])
+                            _common.write_row_tile(o_mma.at[c, 0], y[:, cols])
                             plgpu.commit_smem()
                             _common.store_row_tile(
-                                o_copy.at[c, buf],
+                                o_copy.at[c, 0],
                                 out_ref.at[:, pl.ds(ni * bn + r * staged_cols, staged_cols)],
                                 dst0 - out_row0, count, mb, src_row0=src0,
                             )
@@ -839,8 +807,9 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         _common.gather_full_arrivals(config, bm, interpret_mode is not None) if gathered else 1
     )
     # per consumer: the output tile (or `out_slabs` of its slabs), swizzled 128-byte slabs
+    # (the size-1 axis: one staged buffer, as the up-proj's)
     o_scratch, o_views = _common.row_tile_buffers(
-        (cons, out_buffers, mb, staged_cols), out_dtype, interpret_mode is not None
+        (cons, 1, mb, staged_cols), out_dtype, interpret_mode is not None
     )
     scratch = [
         a_scratch,
