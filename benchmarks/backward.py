@@ -35,7 +35,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from benchmarks.forward import H100_KIND, other_card_kind, three_consumer_gemm, unique_configs
+from benchmarks.forward import H100_KIND, other_card_kind, unique_configs
 from benchmarks.forward import gpu_time_ms as forward_gpu_time_ms
 from benchmarks.forward import sweep as forward_sweep
 from benchmarks.logs import open_log
@@ -226,10 +226,8 @@ def configs_for(d, n, sweep: str):
         for lst, cfg in ((dh, base.dh), (dw2, base.dw_down), (dw1, base.dw_gate_up),
                          (dx, base.dx)):
             lst.append(dataclasses.replace(cfg, wgmma_lag=0))
-    if sweep == "rows":
-        # Session 50: dX~ with split-M items of 192 rows (three consumers of 64 rows sharing
-        # each weight tile, `GroupedMatmulConfig(block_m=192)`; gpt-oss: 128 x 192 items).
-        dx.append(three_consumer_gemm(base.dx))
+    # (Session 64 removed the "rows" sweep, dX~'s split-M items of 192 rows on three
+    # consumers: 1.013x at gpt-oss in session 51, inside the spread.)
     if sweep == "narrow":
         # Session 48: where 128 does not divide n (gpt-oss: n = 2880) dH's default was one
         # consumer of 64 columns (151 TF/s on the H100); three consumers of 64 (now the
@@ -343,8 +341,7 @@ def configs_for(d, n, sweep: str):
                 W(block_m=128, block_n=128, num_stages=3, num_consumers=2),
                 W(block_m=64, block_n=128, num_stages=4, num_consumers=2),
                 W(block_m=128, block_n=128, num_stages=4, num_consumers=1)]
-        dx += [GroupedMatmulConfig(block_m=64, block_n=256, num_stages=4),
-               GroupedMatmulConfig(block_m=128, block_n=128, num_stages=4)]
+        dx += [GroupedMatmulConfig(block_m=128, block_n=128, num_stages=4)]
     ok = lambda c, *dims: all(dim % m == 0 for dim, m in dims)
     cons = lambda c: c.num_consumers
     dh = [c for c in dh if ok(c, (n, item_cols(c)))]
@@ -512,7 +509,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "rows", "lag", "persistent", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "completion", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "lag", "persistent", "full"),
                     help="configs timed besides the defaults, on every shape (\"full\": its block-size "
                          "sweep on the first shape, \"previous\" on the rest; see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,

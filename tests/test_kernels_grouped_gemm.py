@@ -26,12 +26,11 @@ from tests.test_kernels_common import (
 )
 
 # 3 CTAs walk the work items (interpret mode simulates every CTA).
-PING_PONG = GroupedMatmulConfig(block_m=64, block_n=64, num_stages=3, num_sms=3)
 SPLIT_M = GroupedMatmulConfig(block_m=128, block_n=64, num_stages=3, num_sms=3)
 PING_PONG_128 = GroupedMatmulConfig(block_m=128, block_n=64, num_stages=3, num_sms=3,
                                     pingpong=True)
 SCHEDULES = pytest.mark.parametrize(
-    "config", [PING_PONG, SPLIT_M, PING_PONG_128], ids=["ping_pong", "split_m", "ping_pong_128"]
+    "config", [SPLIT_M, PING_PONG_128], ids=["split_m", "ping_pong_128"]
 )
 
 
@@ -93,8 +92,8 @@ def test_ragged_with_empty_experts_and_padding(spec, config):
 # kernel, the other two are slow extras.
 @pytest.mark.parametrize(
     "spec, config",
-    [(run_down, PING_PONG), pytest.param(run_down, SPLIT_M, marks=pytest.mark.slow),
-     pytest.param(run_dx, PING_PONG, marks=pytest.mark.slow), (run_dx, SPLIT_M)],
+    [(run_down, PING_PONG_128), pytest.param(run_down, SPLIT_M, marks=pytest.mark.slow),
+     pytest.param(run_dx, PING_PONG_128, marks=pytest.mark.slow), (run_dx, SPLIT_M)],
     ids=["down_proj-ping_pong", "down_proj-split_m", "dx_rows-ping_pong", "dx_rows-split_m"])
 def test_wgmma_lag_0_no_races(spec, config):
     """Each slot released as soon as its own K step's wgmmas are done (`wgmma_lag=0`,
@@ -109,34 +108,6 @@ def test_wgmma_lag_0_no_races(spec, config):
     rows = int(plan.num_rows)
     np.testing.assert_array_equal(np.asarray(got[:rows], np.float32),
                                   np.asarray(want[:rows], np.float32))
-
-
-@pytest.mark.parametrize("out_slabs", [0, 1], ids=["whole_tile", "one_slab"])
-@pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
-def test_three_consumer_split_m_no_races(spec, out_slabs):
-    """`block_m=192`: three consumers of 64 rows share every item's weight tile (split M
-    with each weight tile feeding 192 rows), 3 CTAs walking 2 column blocks of ragged tiles
-    in 192-row aligned boxes (token rounding: groups start and end anywhere inside a box,
-    so a consumer's 64 rows may hold none of the tile's), race-free, against the reference,
-    rows outside the plan untouched, and bitwise the 128-row split-M kernel; the output
-    tile staged whole, or (128-column items) one 64-column slab at a time (`out_slabs=1`:
-    how 256-column items fit 3 stages, `benchmarks.forward.three_consumer_gemm`)."""
-    plan = token_rounding_plan(jax.random.normal(jax.random.key(34), (75, 5)), 2, tile=8)
-    # One slab at a time: 128-column items (one per tile), each stored in two rounds.
-    config = dataclasses.replace(SPLIT_M, block_m=192, block_n=128 if out_slabs else 64,
-                                 out_slabs=out_slabs)
-    assert (config.num_consumers, config.tile_rows) == (3, 192)
-    spec(plan, 128, 128, 5, config, jax.random.key(35),
-         interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert not races_found()
-    ka, kw = jax.random.split(jax.random.key(35))
-    a = jax.random.normal(ka, (plan.capacity, 128), jnp.float32).astype(jnp.bfloat16)
-    _, w2 = random_weights(kw, 5, 128, 128)
-    bias = jax.random.normal(kw, (5, 128)).astype(jnp.bfloat16)
-    rows = int(plan.num_rows)
-    got, want = (down_proj(a, plan.group_sizes, w2, config=c, bias=bias, interpret=True)
-                 for c in (config, SPLIT_M))
-    assert bool(jnp.array_equal(got[:rows], want[:rows]))
 
 
 @pytest.mark.parametrize("config", [
@@ -186,8 +157,8 @@ def test_groups_crossing_aligned_blocks_one_expert_holding_all():
 
 def test_single_expert_topk1_more_ctas_than_items():
     plan = topk_plan(jax.random.normal(jax.random.key(26), (24, 1)), 1)
-    run_down(plan, 64, 64, 1, GroupedMatmulConfig(block_m=64, block_n=64, num_stages=2,
-                                                   num_sms=5), jax.random.key(27))
+    run_down(plan, 64, 64, 1, GroupedMatmulConfig(block_m=128, block_n=64, num_stages=2,
+                                                   num_sms=5, pingpong=True), jax.random.key(27))
 
 
 def test_empty_plan_writes_nothing():
@@ -195,7 +166,7 @@ def test_empty_plan_writes_nothing():
     assert int(plan.num_rows) == 0
     a = jnp.ones((plan.capacity, 64), jnp.bfloat16)
     y = grouped_matmul(a, plan.group_sizes, jnp.ones((2, 64, 64), jnp.bfloat16),
-                       transpose_w=False, config=PING_PONG, interpret=True)
+                       transpose_w=False, config=PING_PONG_128, interpret=True)
     assert_untouched(y, 0)
 
 
@@ -203,39 +174,34 @@ def test_empty_plan_writes_nothing():
     "make, match",
     [
         (lambda: down_proj(jnp.zeros((16, 96), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
-                           jnp.zeros((2, 96, 64), jnp.bfloat16), config=PING_PONG, interpret=True),
+                           jnp.zeros((2, 96, 64), jnp.bfloat16), config=SPLIT_M, interpret=True),
          r"a.shape\[1\]=96 must be a multiple of 64"),
         (lambda: down_proj(jnp.zeros((16, 64), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
-                           jnp.zeros((2, 64, 160), jnp.bfloat16), config=PING_PONG, interpret=True),
+                           jnp.zeros((2, 64, 160), jnp.bfloat16), config=SPLIT_M, interpret=True),
          r"w_down.shape\[2\]=160 must be a multiple of 64"),
         (lambda: dx_rows(jnp.zeros((16, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
-                         jnp.zeros((2, 64, 64), jnp.bfloat16), capacity=16, config=PING_PONG,
+                         jnp.zeros((2, 64, 64), jnp.bfloat16), capacity=16, config=SPLIT_M,
                          interpret=True),
          r"w_gate_up.shape\[2\]=64 must equal dh.shape\[1\]=128"),
         (lambda: down_proj(jnp.zeros((16, 64), jnp.float32), jnp.zeros((2,), jnp.int32),
                            jnp.zeros((2, 64, 64), jnp.bfloat16), interpret=True),
          "a must have dtype bfloat16"),
         (lambda: GroupedMatmulConfig(block_n=320), "config.block_n=320 must be at most 256"),
-        (lambda: GroupedMatmulConfig(block_m=256), "config.block_m=256 must be 64, 128 or 192"),
-        (lambda: GroupedMatmulConfig(block_m=192, pingpong=True),
-         "config.block_m=192 runs split M with three consumers .* not with pingpong"),
-        (lambda: grouped_matmul(jnp.zeros((16, 128), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32),
-                                jnp.zeros((2, 128, 128), jnp.float8_e4m3fn), transpose_w=True,
-                                config=GroupedMatmulConfig(block_m=192, block_k=128,
-                                                           fp8_promote_every=0),
-                                row_scales=jnp.ones((16,)), col_scales=jnp.ones((2, 128)),
-                                interpret=True),
-         "config.block_m=192 .* is a bf16-mode option"),
-        (lambda: dx_rows(jnp.zeros((192, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
-                         jnp.zeros((2, 256, 128), jnp.bfloat16), capacity=192,
-                         config=GroupedMatmulConfig(block_m=192, block_n=256, num_stages=3),
+        (lambda: GroupedMatmulConfig(block_m=256), "config.block_m=256 must be 128"),
+        # 64-row ping-pong and 192-row three-consumer items, removed in session 64
+        (lambda: GroupedMatmulConfig(block_m=64), "config.block_m=64 must be 128 .64 and 192 "
+         "were removed in session 64"),
+        (lambda: GroupedMatmulConfig(block_m=192), "config.block_m=192 must be 128"),
+        (lambda: dx_rows(jnp.zeros((128, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
+                         jnp.zeros((2, 256, 128), jnp.bfloat16), capacity=128,
+                         config=GroupedMatmulConfig(block_n=256, num_stages=4),
                          interpret=True),
-         r"config needs 270384 B of SMEM .* lower config.num_stages, or stage fewer output "
+         r"config needs \d+ B of SMEM .* lower config.num_stages, or stage fewer output "
          r"columns at a time \(config.out_slabs\)"),
         (lambda: GroupedMatmulConfig(wgmma_lag=2), r"config.wgmma_lag=2 must be one of \(0, 1\)"),
         (lambda: GroupedMatmulConfig(num_sms=0), "config.num_sms=0 must be >= 1"),
         (lambda: GroupedMatmulConfig(block_n=256, pingpong=True),
-         "pingpong with block_m=128 .* block_n must be <= 128, got 256"),
+         "config.pingpong keeps a 128 x block_n f32 accumulator .* block_n must be <= 128, got 256"),
         (lambda: grouped_matmul(jnp.zeros((16, 128), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32),
                                 jnp.zeros((2, 64, 128), jnp.float8_e4m3fn), transpose_w=True,
                                 config=GroupedMatmulConfig(block_k=128, pingpong=True),
@@ -280,7 +246,7 @@ def test_down_proj_expert_bias_no_races(config):
 
 @pytest.mark.parametrize(
     "config, num_tokens",
-    [pytest.param(PING_PONG, 80, marks=pytest.mark.slow, id="ping_pong"),
+    [pytest.param(PING_PONG_128, 160, marks=pytest.mark.slow, id="ping_pong_128"),
      pytest.param(SPLIT_M, 160, id="split_m")],
 )
 def test_chunked_calls_write_the_whole_calls_rows(config, num_tokens):
@@ -387,29 +353,6 @@ def _lower_down_and_dx_for_cuda(d, n, num_experts, rows, down_cfg, dx_cfg, bias=
                    sds((E, d, 2 * n), bf16)).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("d, n, E, T, K", [(2880, 2880, 32, 8192, 4),
-                                           (4096, 512, 128, 32768, 8)], ids=["gpt_oss", "30b"])
-def test_three_consumer_split_m_lowers_for_cuda(d, n, E, T, K):
-    """192-row split-M items (three consumers of 64 rows) as the benchmarks build them
-    (`three_consumer_gemm`: `forward.py --down-sweep rows`, `backward.py --sweep rows`)
-    lower for cuda for the down-proj with an expert bias and for dX~: at gpt-oss-20b's
-    widths (192-column items, 3 stages, the whole tile staged) and at 30B's (dX~'s
-    256-column items stage two slabs at a time beside 3 stages: the whole tile did not fit,
-    session 51's GPU run)."""
-    from benchmarks.forward import three_consumer_gemm
-    from pallas_moe.kernels.moe_backward import BackwardConfig
-    from pallas_moe.kernels.moe_forward import ForwardConfig
-
-    down_cfg = three_consumer_gemm(ForwardConfig.for_shape(d, n).down)
-    dx_cfg = three_consumer_gemm(BackwardConfig.for_shape(d, n).dx)
-    assert down_cfg.num_consumers == dx_cfg.num_consumers == 3
-    if d == 2880:
-        assert down_cfg.block_n == dx_cfg.block_n == 192 and dx_cfg.out_slabs == 0
-    else:
-        assert dx_cfg.block_n == 256 and (dx_cfg.num_stages, dx_cfg.out_slabs) == (3, 2)
-    _lower_down_and_dx_for_cuda(d, n, E, T * K, down_cfg, dx_cfg)
-
-
 # CI time: the 7B widths run the same sweep builders and SMEM arithmetic; 30B's sweep configs
 # lower again on the GPU whenever the sweep runs.
 @pytest.mark.parametrize("d, n", [(1536, 256), pytest.param(4096, 512, marks=pytest.mark.slow)],
@@ -450,16 +393,17 @@ def test_one_staged_slab_frees_a_stage_at_production_widths(d, n):
 
 
 @pytest.mark.parametrize("kind, d, n, config", [
-    ("dx", 4096, 512, GroupedMatmulConfig(block_m=192, block_n=256, num_stages=3)),
+    ("dx", 4096, 512, GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4)),
     ("down", 1536, 256, GroupedMatmulConfig(block_m=128, block_n=128, num_stages=6,
                                             pingpong=True)),
-    ("down_bias", 2880, 2880, GroupedMatmulConfig(block_m=64, block_n=192, num_stages=6)),
-], ids=["dx_192_rows_256_cols", "down_pingpong_6_stages", "down_bias_64_rows"])
+    ("down_bias", 2880, 2880, GroupedMatmulConfig(block_m=128, block_n=192, num_stages=5)),
+], ids=["dx_256_cols_4_stages", "down_pingpong_6_stages", "down_bias_192_cols_5_stages"])
 def test_smem_count_is_what_mosaic_counts(monkeypatch, kind, d, n, config):
     """`grouped_gemm.smem_bytes` counts the SMEM Mosaic GPU counts, byte for byte: with the
     refusal above `_common.SMEM_MAX` lifted, Mosaic refuses these configs itself and names
-    its count (session 51: the 192-row items of 30B's dX~ took 270384 B, which only Mosaic
-    refused, deep in the compile). So the config check refuses exactly what Mosaic would."""
+    its count (session 51: the since removed 192-row items of 30B's dX~ took 270384 B, which
+    only Mosaic refused, deep in the compile). So the config check refuses exactly what
+    Mosaic would."""
     import re
 
     from pallas_moe.kernels.grouped_gemm import smem_bytes

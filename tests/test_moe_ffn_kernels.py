@@ -349,6 +349,7 @@ def test_persistent_split_m_schedules_trace(monkeypatch, cluster_m):
 
 
 def test_precomputed_schedules_must_match_the_config():
+    from pallas_moe.kernels._common import aligned_tile_meta
     from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
     from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward
     from pallas_moe.kernels.schedules import plan_schedules
@@ -363,9 +364,10 @@ def test_precomputed_schedules_must_match_the_config():
         jax.eval_shape(lambda x: moe_forward(x, plan, w1, w2, interpret=True, config=forward,
                                              schedules=stale), x)
     h = jnp.zeros((plan.capacity, 128), jnp.bfloat16)
-    stale = plan_schedules(plan, forward, dataclasses.replace(
-        backward, dx=dataclasses.replace(backward.dx, block_m=other(backward.dx.block_m))))
-    with pytest.raises(ValueError, match="schedules.dx was computed for block_m="):
+    # dX~'s grouped GEMM takes only 128-row items (session 64): its metadata made for 64.
+    stale = dataclasses.replace(plan_schedules(plan, forward, backward), dx=aligned_tile_meta(
+        plan.group_sizes, plan.capacity, other(backward.dx.block_m)))
+    with pytest.raises(ValueError, match="schedules.dx was computed for block_m=64"):
         jax.eval_shape(lambda x: moe_backward(x, h, plan, w1, w2, cot, interpret=True, config=backward,
                                               schedules=stale), x)
 

@@ -48,7 +48,7 @@ the producer stages the box's ids in SMEM (two buffers: the next item's land whi
 loads) and issues 16-byte cp.async loads from all 128 threads straight into the swizzled
 wgmma layout (`_common.cp_async_gather_rows`, as the bf16 up-proj; published the
 `gather_completion` way), or one-row TMA copies (`gather="tma"`, what interpret mode runs).
-Split M only (block_m 128): the lagged cp.async publish walks one `full` barrier set.
+Split M only (not `pingpong`): the lagged cp.async publish walks one `full` barrier set.
 
 Otherwise A is contiguous, so each stage is one `[block_m, block_k]` TMA box. Mosaic's tiled TMA needs
 the box's first row to be a multiple of 8, so tiles come from `aligned_tile_meta` (computed
@@ -60,31 +60,24 @@ sits in SMEM as 128-byte-swizzled slabs (`_common.row_tile_types`): the accumula
 register stores are then free of bank conflicts (untiled rows put a warp's 8 rows in one
 bank), which made the down-proj 0.81x and dX~ 0.83x of their time on the H100 (session 5).
 
-The kernel is persistent: `num_sms` CTAs of one producer and two consumer warpgroups (three
-with 192-row split-M items). Work
-item w = (tile w // grid_n, column block w % grid_n); CTA s takes items s, s + num_sms, ...
-over the real tiles (`aligned_tile_meta` puts them first), or over one chunk's range of them
-(`_common.TileChunks`: the chunked EP overlap runs the down-proj as several calls over the
-whole A and metadata, each writing its own output). The producer issues every K step
-of every item back to back into a `num_stages`-slot ring (step g uses slot g % num_stages,
-waits `empty[slot]`, arrives on `full[.., slot]`), so the next item's loads run during the
-current item's epilogue.
-- `block_m == 64` (ping-pong): the CTA's j-th item goes to consumer j % 2, so one
-  consumer's epilogue overlaps the other's wgmmas; each consumer waits only on its own
-  `full` barriers, so its phase tracking stays exact.
-- `block_m == 128` (split M): both consumers share every item, consumer c multiplying rows
+The kernel is persistent: `num_sms` CTAs of one producer and two consumer warpgroups, items
+of `block_m` = 128 rows. Work item w = (tile w // grid_n, column block w % grid_n); CTA s
+takes items s, s + num_sms, ... over the real tiles (`aligned_tile_meta` puts them first),
+or over one chunk's range of them (`_common.TileChunks`: the chunked EP overlap runs the
+down-proj as several calls over the whole A and metadata, each writing its own output).
+The producer issues every K step of every item back to back into a `num_stages`-slot ring
+(step g uses slot g % num_stages, waits `empty[slot]`, arrives on `full[.., slot]`), so the
+next item's loads run during the current item's epilogue.
+- split M (the default): both consumers share every item, consumer c multiplying rows
   [64c, 64c + 64) of the A box by the same weight tile, so each weight tile streamed from L2
   feeds 128 rows (~11 KB of SMEM operands per MFLOP instead of ~19 KB); both release each
   slot, and a consumer's epilogue store drains while the next item's wgmmas run. But both
   consumers reach their epilogue together, so the tensor cores idle through it.
-- `block_m == 192` (split M with three consumers, bf16; opt-in since session 50, not yet
-  timed): as 128, consumer c multiplying rows [64c, 64c + 64), so each weight tile feeds
-  192 rows. It exists for widths where the item is narrow in N (gpt-oss's 2880 = 15 x 192),
-  as the up-proj's 192-row items (1.116x its 128-row ones there on the H100, session 49).
-- `block_m == 128` with `pingpong` (CUTLASS's ping-pong at 128 rows): items alternate
-  between the consumers as with 64 rows, and each consumer multiplies all 128 rows of its
-  item (a 128 x block_n accumulator, two m64 wgmmas per step), so the weight tile still
-  feeds 128 rows and one consumer's epilogue overlaps the other's wgmmas.
+- `pingpong` (CUTLASS's ping-pong at 128 rows): the CTA's j-th item goes to consumer j % 2,
+  which multiplies all 128 rows of it (a 128 x block_n accumulator, two m64 wgmmas per
+  step), so the weight tile still feeds 128 rows and one consumer's epilogue overlaps the
+  other's wgmmas; each consumer waits only on its own `full` barriers, so its phase
+  tracking stays exact.
 
 With a bias, each consumer TMA-loads its item's `[block_n]` bias columns into its own SMEM
 when the item starts (they land while the K loop runs) and adds them to the fp32
@@ -99,6 +92,11 @@ Removed in session 64, none a default (a config naming a removed field is a Type
 - `out_buffers >= 2` (a ring of staged output rounds with `out_slabs`): 1.002x on the H200
   (session 38), 0.997x / 1.005x on the split dH's GEMM on the H100 (session 64);
   `benchmarks/history/session64/grouped_gemm_out_buffers.patch` restores it.
+- `block_m` 64 (64-row ping-pong items: 0.667x the 128 x 192 split-M down-proj at gpt-oss's
+  widths on the H100, session 49) and 192 (split M with three consumers of 64 rows:
+  1.013-1.019x inside the spread at gpt-oss, sessions 50-51; never adopted, its 30B GPU test
+  never passed); `benchmarks/history/session64/grouped_gemm_block_m_192_64.patch` restores
+  both.
 """
 
 from __future__ import annotations
@@ -120,9 +118,8 @@ class GroupedMatmulConfig:
     """Block sizes of the persistent grouped GEMM (down-proj, dX~).
 
     Attributes:
-      block_m: rows per work item: 64 (ping-pong consumers), 128 (split M, or ping-pong
-        with `pingpong`) or 192 (split M with three consumers of 64 rows; bf16 over the
-        whole plan).
+      block_m: rows per work item: 128 (split M, or ping-pong with `pingpong`), the only
+        value since session 64 (module docstring).
       block_n: output columns per work item (multiple of 64, divides N, at most 256).
       block_k: contraction step, one 128-byte swizzle row: 64 for bf16, 128 for the fp8
         mode; must divide K.
@@ -138,10 +135,10 @@ class GroupedMatmulConfig:
         (one-row TMA copies, `_common.gather_rows`). Interpret mode always runs "tma".
       gather_completion: the gathered mode with "cp_async": "wait_group" or "mbarrier"
         (`_common.GATHER_COMPLETIONS`).
-      pingpong: with block_m=128: the consumers alternate items, each multiplying all 128
-        rows (`block_n <= 128`: a 128 x block_n f32 accumulator per consumer), instead of
-        splitting every item's rows; one consumer's epilogue then overlaps the other's K
-        loop. Not with fp8 promotion or the gathered mode. block_m=64 always runs ping-pong.
+      pingpong: the consumers alternate items, each multiplying all 128 rows (`block_n <=
+        128`: a 128 x block_n f32 accumulator per consumer), instead of splitting every
+        item's rows; one consumer's epilogue then overlaps the other's K loop. Not with fp8
+        promotion or the gathered mode.
       approx_math: compiled kernels only: the `gated` (fp8 up-proj) epilogue's SwiGLU takes
         its exp from the hardware's `ex2.approx` (True, default, as `UpProjConfig`) or the
         full-precision `exp`; the other epilogues have no transcendental math.
@@ -170,18 +167,16 @@ class GroupedMatmulConfig:
     wgmma_lag: int = 1
 
     def __post_init__(self):
-        if self.block_m not in (64, 128, 192):
-            raise ValueError(f"config.block_m={self.block_m} must be 64, 128 or 192.")
-        if self.block_m == 192 and self.pingpong:
+        if self.block_m != 128:
             raise ValueError(
-                "config.block_m=192 runs split M with three consumers of 64 rows: not with "
-                "pingpong."
+                f"config.block_m={self.block_m} must be 128 (64 and 192 were removed in "
+                "session 64: slower or level on the H100)."
             )
         _common.require_wgmma_lag(self)
-        if self.pingpong and self.block_m == 128 and self.block_n > PINGPONG_MAX_BLOCK_N:
+        if self.pingpong and self.block_n > PINGPONG_MAX_BLOCK_N:
             raise ValueError(
-                f"config.pingpong with block_m=128 keeps a 128 x block_n f32 accumulator per "
-                f"consumer: block_n must be <= {PINGPONG_MAX_BLOCK_N}, got {self.block_n}."
+                f"config.pingpong keeps a 128 x block_n f32 accumulator per consumer: "
+                f"block_n must be <= {PINGPONG_MAX_BLOCK_N}, got {self.block_n}."
             )
         _common.require_wgmma_blocks(
             self, "output tiles are 128-byte swizzled", block_ks=FP8_BLOCK_K_CHOICES
@@ -202,14 +197,13 @@ class GroupedMatmulConfig:
 
     @property
     def num_consumers(self) -> int:
-        """Consumer warpgroups of the kernel: block_m / 64 with split M (2 or 3), else 2."""
-        return self.block_m // 64 if self.split_m else 2
+        """Consumer warpgroups of the kernel: 2."""
+        return 2
 
     @property
     def split_m(self) -> bool:
-        """Every consumer shares every item, 64 rows each (block_m=128 or 192 without
-        pingpong)."""
-        return self.block_m in (128, 192) and not self.pingpong
+        """Both consumers share every item, 64 rows each (without `pingpong`)."""
+        return not self.pingpong
 
     @property
     def tile_rows(self) -> int:
@@ -220,7 +214,7 @@ class GroupedMatmulConfig:
     def gathers_rows(self) -> bool:
         """Whether the gathered mode (`token_ids`) can run this config: 128-row split-M items,
         both consumers sharing each gathered stage."""
-        return self.block_m == 128 and not self.pingpong
+        return not self.pingpong
 
 
 # A ping-pong consumer of 128 rows holds a 128 x block_n f32 accumulator: 128 registers per
@@ -301,7 +295,7 @@ def grouped_matmul(
         rows may name any row in range): the gathered mode, where grouped row r multiplies
         `a[token_ids[r]]` (bf16: the split dH's GEMM `dO[tok] @ W2[e]^T`; 8-bit: the fp8
         up-proj, with `row_scales` f32 [T], one scale per row of `a`, gathered here). Needs
-        `config.block_m == 128` without pingpong (module docstring).
+        a config without pingpong (module docstring).
       chunks: run only chunk `chunk` of these `TileChunks` of `meta` (which is then
         required): its tiles, read from the whole A, written to a `[chunks.rows, out_cols]`
         output at rows shifted by the chunk's first row (the EP overlap's chunked down-proj).
@@ -330,11 +324,11 @@ def grouped_matmul(
             raise ValueError(
                 "the 8-bit mode (e4m3 or int8 inputs) needs row_scales and col_scales."
             )
-        if config.pingpong and config.block_m == 128 and promotes(config, a.dtype):
+        if config.pingpong and promotes(config, a.dtype):
             raise ValueError(
-                "config.pingpong with block_m=128 holds a 128-row accumulator per consumer, "
-                "which leaves no registers for fp8 promotion's second set: pass "
-                "fp8_promote_every=0 (or block_m=64)."
+                "config.pingpong holds a 128-row accumulator per consumer, which leaves no "
+                "registers for fp8 promotion's second set: pass fp8_promote_every=0 (or "
+                "pingpong=False)."
             )
     else:
         _common.require_dtype(a_name, a, jnp.bfloat16)
@@ -371,9 +365,8 @@ def grouped_matmul(
         _common.require_dtype("token_ids", token_ids, jnp.int32)
         if not config.gathers_rows:
             raise ValueError(
-                f"the gathered mode (token_ids) needs config.block_m=128 without pingpong "
-                f"(both consumers of one CTA share each gathered stage), got "
-                f"block_m={config.block_m}, pingpong={config.pingpong}."
+                "the gathered mode (token_ids) needs split-M items, config.pingpong=False "
+                "(both consumers of one CTA share each gathered stage)."
             )
         _common.require_gather_mode(config)
         if capacity is not None and capacity != token_ids.shape[0]:
@@ -408,11 +401,6 @@ def grouped_matmul(
     out_cols = n_dim if out_cols is None else out_cols
     if out_cols < n_dim:
         raise ValueError(f"out_cols={out_cols} must be >= {n_dim}.")
-    if config.block_m == 192 and eight_bit:
-        raise ValueError(
-            "config.block_m=192 (three consumers of 64 rows) is a bf16-mode option; "
-            f"{a_name} is {a.dtype}."
-        )
     if chunks is not None and gathered:
         raise ValueError(
             "chunks (a call over a range of the plan's tiles) is not supported with token_ids "
@@ -481,8 +469,8 @@ def smem_bytes(config: GroupedMatmulConfig, n_dim: int, *, in_dtype, out_dtype,
 
     A lower bound of what Mosaic GPU counts (it adds nothing for these kernels today), so
     `_kernel` refuses above `_common.SMEM_MAX` only configs Mosaic would refuse too, but
-    with a message naming the config (session 51: 192-row items with 256 columns and the
-    whole tile staged took 270 KB at 30B's dX~)."""
+    with a message naming the config (session 51: the since removed 192-row items with 256
+    columns and the whole tile staged took 270 KB at 30B's dX~)."""
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
     mb = bm // cons if config.split_m else bm  # rows per consumer
@@ -523,7 +511,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             f"output columns at a time (config.out_slabs); got {config}."
         )
     split_m = config.split_m
-    cons = config.num_consumers  # consumer warpgroups (split M: block_m / 64)
+    cons = config.num_consumers  # consumer warpgroups
     mb = bm // cons if split_m else bm  # rows per consumer
     num_sms = config.num_sms  # persistent CTAs walking the item list
     num_k = k_dim // bk  # K steps per item
@@ -574,7 +562,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         # The fp8 consumers hold up to two 64x128 (or one 64x256) f32 accumulators plus
         # the broadcast scales of the epilogue, a 128-row ping-pong consumer a 128 x
         # block_n one: give them the producer's registers.
-        rebalance = eight_bit or mb == 128 or cons > 2
+        rebalance = eight_bit or mb == 128
         # This call's tiles [first_tile, end_tile) of the whole metadata (`TileChunks`).
         first_tile = bounds_ref[0, chunk]
         total = (bounds_ref[0, chunk + 1] - first_tile) * grid_n  # work items
@@ -585,8 +573,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             w = sm + j * num_sms
             return first_tile + w // grid_n, w % grid_n  # (tile, column block)
 
-        def box_of(row0):  # first row of this CTA's aligned box of the tile starting at row0
-            return (row0 // bm) * bm  # the aligned block holding the tile
+        def box_of(row0):  # first row of the aligned block holding the tile starting at row0
+            return (row0 // bm) * bm
 
         def box_start(j):
             tile, _ = item(j)
