@@ -35,7 +35,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from benchmarks.forward import H100_KIND, other_card_kind, three_consumer_gemm, unique_configs
+from benchmarks.forward import H100_KIND, other_card_kind, unique_configs
 from benchmarks.forward import gpu_time_ms as forward_gpu_time_ms
 from benchmarks.forward import sweep as forward_sweep
 from benchmarks.logs import open_log
@@ -216,25 +216,20 @@ def configs_for(d, n, sweep: str):
         # (Session 63 removed tile-major weight-gradient items, `expert_major=False`:
         # measured 1064 / 536 us against expert-major's 652 / 365 for dW1 / dW2 at 7B on the
         # H100 in session 4.)
-    if sweep == "cluster":
-        # Session 49: dX~ on clusters of two CTAs sharing each weight tile by multicast
-        # (`GroupedMatmulConfig.cluster_m=2`; the bitwise checks compare it to the default).
-        dx.append(dataclasses.replace(base.dx, cluster_m=2))
-        # (dH's clusters, 0.90-1.00x on the H100 in session 51, were removed in session 62;
-        # the weight gradients' (`WeightGradConfig.cluster_m=2`, session 50: 0.98-1.02x in
-        # session 51) in session 63.)
+    # (Session 64 removed the "cluster" sweep with the grouped GEMM's clusters, dX~'s
+    # `cluster_m=2`; dH's clusters, 0.90-1.00x on the H100 in session 51, were removed in
+    # session 62, the weight gradients' (0.98-1.02x in session 51) in session 63.)
     if sweep == "lag":
         # Session 51: dX~ with every slot released as soon as its own K step's wgmmas are
         # done (`wgmma_lag=0`: one more stage loading; 3 stages instead of 4 cost the 30B
-        # up-proj 0.878x, so the held slot may be what starves this loop too). (Session 64
-        # removed dH's and the weight gradients' lag 0: on the H100 at gpt-oss's widths dH
-        # 0.994x, dW2 0.989x, dW1 0.995x over 3 rounds;
+        # up-proj 0.878x, so the held slot may be what starves this loop too); since session
+        # 64 lag 0 is the H100's default for 192-column items (gpt-oss), timed here against
+        # lag 1. (Session 64 removed dH's and the weight gradients' lag 0: on the H100 at
+        # gpt-oss's widths dH 0.994x, dW2 0.989x, dW1 0.995x over 3 rounds;
         # `benchmarks/history/session64/dh_weight_grad_lag0.patch` restores them.)
-        dx.append(dataclasses.replace(base.dx, wgmma_lag=0))
-    if sweep == "rows":
-        # Session 50: dX~ with split-M items of 192 rows (three consumers of 64 rows sharing
-        # each weight tile, `GroupedMatmulConfig(block_m=192)`; gpt-oss: 128 x 192 items).
-        dx.append(three_consumer_gemm(base.dx))
+        dx.append(dataclasses.replace(base.dx, wgmma_lag=1 - base.dx.wgmma_lag))
+    # (Session 64 removed the "rows" sweep, dX~'s split-M items of 192 rows on three
+    # consumers: 1.013x at gpt-oss in session 51, inside the spread.)
     if sweep == "narrow":
         # Session 48: where 128 does not divide n (gpt-oss: n = 2880) dH's default was one
         # consumer of 64 columns (151 TF/s on the H100); three consumers of 64 (now the
@@ -284,12 +279,8 @@ def configs_for(d, n, sweep: str):
         dx += [whole, rep(whole, out_slabs=1), rep(more, out_slabs=1)]
         if not whole.pingpong and whole.block_n // 64 % 2 == 0:
             dx.append(rep(more, out_slabs=2))
-        # A ring of staged slabs in the whole tile's SMEM (`out_buffers`): each slab's
-        # store issued as soon as it is written, the next written while it reads.
-        slabs = whole.block_n // 64
-        dx.append(rep(whole, out_slabs=1, out_buffers=slabs))
-        if slabs == 4:  # split M's 256 columns: also two rounds of two slabs
-            dx.append(rep(whole, out_slabs=2, out_buffers=2))
+        # (Session 64 removed the ring of staged slabs in the whole tile's SMEM,
+        # `out_buffers`: level on both cards.)
         dx = unique_configs(dx)
     if sweep == "cards":
         # Session 43: the other card's defaults on this card (on the H100 the H200's persistent
@@ -352,8 +343,7 @@ def configs_for(d, n, sweep: str):
                 W(block_m=128, block_n=128, num_stages=3, num_consumers=2),
                 W(block_m=64, block_n=128, num_stages=4, num_consumers=2),
                 W(block_m=128, block_n=128, num_stages=4, num_consumers=1)]
-        dx += [GroupedMatmulConfig(block_m=64, block_n=256, num_stages=4),
-               GroupedMatmulConfig(block_m=128, block_n=128, num_stages=4)]
+        dx += [GroupedMatmulConfig(block_m=128, block_n=128, num_stages=4)]
     ok = lambda c, *dims: all(dim % m == 0 for dim, m in dims)
     cons = lambda c: c.num_consumers
     dh = [c for c in dh if ok(c, (n, item_cols(c)))]
@@ -521,7 +511,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--shapes", default="7b,30b")
     ap.add_argument("--smoke", action="store_true", help="CPU interpret mode, tiny shape")
-    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "cluster", "rows", "lag", "persistent", "full"),
+    ap.add_argument("--sweep", default="previous", choices=("none", "previous", "epilogue", "approx", "pingpong", "slabs", "retune", "cards", "narrow", "lag", "persistent", "full"),
                     help="configs timed besides the defaults, on every shape (\"full\": its block-size "
                          "sweep on the first shape, \"previous\" on the rest; see configs_for)")
     ap.add_argument("--rounds", type=int, default=1,

@@ -43,7 +43,6 @@ from pallas_moe.kernels import _common
 from pallas_moe.kernels.aggregate import aggregate
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
-from pallas_moe.kernels.grouped_gemm import smem_bytes as grouped_gemm_smem_bytes
 from pallas_moe.kernels.moe_forward import (
     PINGPONG_UP_MAX_D, ForwardConfig, aggregate_width, moe_forward, split_m_up_config,
 )
@@ -448,12 +447,12 @@ def variant_up_cfgs(d, n):
 
 
 def variant_down_cfgs(d, n):
-    """Down-proj variants: ping-pong (64-row) vs split-M (128-row) items, widths, stages."""
+    """Down-proj variants: split-M (128-row) items' widths and stages. (Session 64 removed
+    the 64-row ping-pong items, `block_m=64`: 0.667x at gpt-oss in session 49.)"""
     out = []
-    for bm, bn, stages in [(64, 256, 4), (128, 256, 3), (128, 128, 4), (128, 192, 3),
-                           (64, 128, 6)]:
+    for bn, stages in [(256, 3), (128, 4), (192, 3)]:
         if d % bn == 0:
-            out.append(GroupedMatmulConfig(block_m=bm, block_n=bn, num_stages=stages))
+            out.append(GroupedMatmulConfig(block_m=128, block_n=bn, num_stages=stages))
     return out
 
 
@@ -462,15 +461,13 @@ def staged_down_cfgs(d, n):
     until session 37), one output slab staged at a time (`out_slabs=1`), and one slab with
     the stage that frees (the 128-row ping-pong: 6 stages of 32 KB beside 2 x 16 KB of
     staged slabs instead of 5 beside the whole 2 x 32-KB tiles; session 36 gave the fp8
-    up-proj 1.03x at 30B this way), and one slab at a time in a ring of two (`out_buffers=2`:
-    the whole tile's SMEM, each slab's store issued as soon as it is written, the next slab
-    written while it reads); each config once, in that order."""
+    up-proj 1.03x at 30B this way); each config once, in that order. (Session 64 removed
+    the ring of two staged slabs, `out_buffers=2`: level on both cards.)"""
     base = ForwardConfig.for_shape(d, n).down
     whole = ForwardConfig.for_shape(d, n, device_kind=H100_KIND).down
     rep = dataclasses.replace
     return unique_configs([base, whole, rep(whole, out_slabs=1),
-                           rep(whole, out_slabs=1, num_stages=whole.num_stages + 1),
-                           rep(whole, out_slabs=1, out_buffers=2)])
+                           rep(whole, out_slabs=1, num_stages=whole.num_stages + 1)])
 
 
 def unique_configs(configs):
@@ -660,31 +657,6 @@ def pingpong_up_cfgs(d, n):
                              pingpong_up()], n)
 
 
-def three_consumer_gemm(config):
-    """Session 50: a grouped-GEMM config (down-proj, dX~) as split-M items of 192 rows, three
-    consumers of 64 rows sharing each weight tile (`GroupedMatmulConfig(block_m=192)`): the
-    deepest pipeline that fits in SMEM (`grouped_gemm.smem_bytes`, with an expert bias) of 4
-    or 3 stages, the whole output tile staged where it fits beside them, else as few of its
-    128-byte slabs at a time as needed (session 51: 256-column items, 30B's dX~, do not fit
-    3 stages beside the whole tile)."""
-    slabs = config.block_n // 64
-    for stages, out_slabs in ((4, 0), (3, 0), *((3, s) for s in (4, 2, 1) if s < slabs)):
-        cand = dataclasses.replace(config, block_m=192, pingpong=False, out_slabs=out_slabs,
-                                   out_buffers=1, num_stages=stages)
-        if slabs % max(out_slabs, 1) == 0 and grouped_gemm_smem_bytes(
-                cand, config.block_n, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
-                has_bias=True) <= _common.SMEM_MAX:
-            return cand
-    raise ValueError(f"no 192-row split-M form of {config} fits in SMEM.")
-
-
-def rows_down_cfgs(d, n):
-    """Session 50: the down-proj's 192-row split-M items (`three_consumer_gemm`) against the
-    default."""
-    base = ForwardConfig.for_shape(d, n).down
-    return [base, three_consumer_gemm(base)]
-
-
 def lag_down_cfgs(d, n):
     """Session 51: the default down-proj against the same with each slot released as soon
     as its own K step's wgmmas are done (`GroupedMatmulConfig.wgmma_lag=0`)."""
@@ -692,24 +664,14 @@ def lag_down_cfgs(d, n):
     return [base, dataclasses.replace(base, wgmma_lag=0)]
 
 
-def cluster_down_cfgs(d, n):
-    """Session 49: the default down-proj on clusters of two CTAs sharing each weight tile
-    by multicast (`GroupedMatmulConfig.cluster_m=2`), against the default."""
-    base = ForwardConfig.for_shape(d, n).down
-    return [base, dataclasses.replace(base, cluster_m=2)]
-
-
 def default_down_cfgs(d, n):
     cands = [
         ForwardConfig.for_shape(d, n).down,
         GroupedMatmulConfig(block_m=128, block_n=256, num_stages=3, num_sms=132),  # split M
         GroupedMatmulConfig(block_m=128, block_n=128, num_stages=4, num_sms=132),
-        GroupedMatmulConfig(block_m=64, block_n=256, num_stages=4, num_sms=132),  # ping-pong
         GroupedMatmulConfig(block_m=128, block_n=192, num_stages=3, num_sms=132),
-        # Session 48: 64-row ping-pong items 192 wide, for d that 128 does not divide
-        # (gpt-oss's 2880, whose default is the split-M row above at 0.73 of the bound).
-        GroupedMatmulConfig(block_m=64, block_n=192, num_stages=4, num_sms=132),
-        GroupedMatmulConfig(block_m=64, block_n=192, num_stages=5, num_sms=132),
+        # (Session 64 removed the 64-row ping-pong items, 256 or 192 wide: 0.667x / 0.640x
+        # the split-M 128 x 192 default at gpt-oss's widths on the H100 in session 49.)
     ]
     return [c for i, c in enumerate(cands) if d % c.block_n == 0 and c not in cands[:i]]
 
@@ -758,7 +720,7 @@ def main():
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
     p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "depth", "lag", "none"])
-    p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "cluster", "rows", "lag", "none"])
+    p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "lag", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
                    help="time each sweep's configs round-robin this many rounds (the median, "
@@ -787,7 +749,7 @@ def main():
                            "lag": lag_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
-                             "slabs": staged_down_cfgs, "cluster": cluster_down_cfgs, "rows": rows_down_cfgs, "lag": lag_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
+                             "slabs": staged_down_cfgs, "lag": lag_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]
                 results.append(run_shape(name, SHAPES[name], skew, up_cfgs, down_cfgs, log,
                                          baselines=not args.no_baselines, rounds=args.rounds))
             except Exception as e:  # noqa: BLE001 - report and go on to the next shape

@@ -325,19 +325,17 @@ QUANT_SWEEP = (SmoothQuantConfig(), SmoothQuantConfig(block_t=4), SmoothQuantCon
 # output tiles, 7B split M with 3 stages of 48 KB beside 2 x 32 KB. One staged slab per
 # consumer (16 / 8 KB) frees a 6th / 4th stage, as it freed the up-proj's 4th.
 # Session 37 made the 30B down-proj's one slab the default (1.011-1.012x; the 6th stage
-# 0.99x). The down-proj also takes a ring of two staged slabs (`out_buffers=2`: a slab
-# written while the previous one's store reads SMEM) beside its default stages; the up-proj
-# does not (229 KB beside 4 stages).
+# 0.99x). (Session 64 removed the ring of two staged slabs, `out_buffers=2`: level on both
+# cards.)
 FP8_SWEEPS = {
     "up": (dict(num_stages=3, out_slabs=0), dict(num_stages=3, out_slabs=1)),
-    "down": (dict(out_slabs=0, out_buffers=1), dict(out_slabs=1, out_buffers=1),
-             dict(out_slabs=1, out_buffers=2), dict(out_slabs=1, stages_plus=1),
+    "down": (dict(out_slabs=0), dict(out_slabs=1), dict(out_slabs=1, stages_plus=1),
              # Session 61: split-M items 256 columns wide, the bf16 down-proj's default from
              # n = 768 on (1.05-1.25x the ping-pong there); the fp8 ping-pong runs from
              # n = 512 on (session 9: 1.14x the split-M items at 30B). Session 62 (H100):
              # 0.870x at (32768, 4096, 1024, 64, 4) and 0.897x at the Qwen3 widths, so the
              # fp8 default stays.
-             dict(pingpong=False, block_n=256, num_stages=3, out_slabs=0, out_buffers=1)),
+             dict(pingpong=False, block_n=256, num_stages=3, out_slabs=0)),
 }
 
 

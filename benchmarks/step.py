@@ -46,7 +46,7 @@ from benchmarks.gpu_clocks import ClockLog
 from benchmarks.logs import open_log
 from benchmarks.forward import (
     SHAPES, cooperative_up_cfg, pingpong_up, gpu_time_ms, interleaved_times_ms, pipelined_ms,
-    three_consumer_gemm, wall_time_ms,
+    wall_time_ms,
 )
 from benchmarks.layer import dense_bound_fns, gemm_bound_fn
 from pallas_moe.kernels import KernelConfig
@@ -293,8 +293,8 @@ CONFIG_FLAGS = {
     # dX~ at lag 1, its default before session 64 (which made lag 0 the H100's for its
     # 192-column 3-stage items, gpt-oss's widths).
     "lag1-dx": lambda c, n: _replace(c, "dx", wgmma_lag=1),
-    # The down-proj and dX~ on clusters of two CTAs sharing each weight tile (session 49).
-    "cluster-gemm": lambda c, n: _replace(_replace(c, "down", cluster_m=2), "dx", cluster_m=2),
+    # (Session 64 removed "cluster-gemm", the down-proj and dX~ on clusters of two CTAs
+    # sharing each weight tile: 0.893x / 0.981x the split-M down-proj on the H100.)
     # The fused dH kernel where the default splits dH in two (d >= 4096 since session 60,
     # d >= 2048 since session 63).
     "fused-dh": lambda c, n: dataclasses.replace(c, backward=dataclasses.replace(
@@ -313,10 +313,8 @@ CONFIG_FLAGS = {
     # wide the default (n >= 768: long K loops).
     "pingpong-down": lambda c, n: dataclasses.replace(c, forward=dataclasses.replace(
         c.forward, down=pingpong_down_config(c.forward.down.num_sms, default_device_kind()))),
-    # The down-proj and dX~ with split-M items of 192 rows, three consumers (session 50).
-    "split-m-192-gemm": lambda c, n: dataclasses.replace(
-        c, forward=dataclasses.replace(c.forward, down=three_consumer_gemm(c.forward.down)),
-        backward=dataclasses.replace(c.backward, dx=three_consumer_gemm(c.backward.dx))),
+    # (Session 64 removed "split-m-192-gemm", the down-proj and dX~ with split-M items of
+    # 192 rows on three consumers: 1.013-1.019x at gpt-oss, inside the spread.)
     # (Session 63 removed "cluster-wg", both weight gradients on clusters of two CTAs
     # sharing each contiguous K-block: 0.98-1.02x on the H100 in session 51.)
     # Split-M items of 192 rows, three consumers sharing each weight tile (session 49).

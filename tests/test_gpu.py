@@ -305,31 +305,6 @@ def test_up_proj_wgmma_lag_0_writes_the_default_bits(shape, h100_lag):
         ("inference", other, True)])
 
 
-@pytest.mark.parametrize("shape", [(6000, 4096, 512, 16, 4), (3000, 2880, 2880, 16, 4)],
-                         ids=["30b_widths", "gpt_oss_widths"])
-def test_grouped_gemm_clusters_write_the_default_bits(shape):
-    """The down-proj (with an expert bias) and dX~ on clusters of two CTAs (`cluster_m=2`:
-    two consecutive aligned boxes of one expert per cluster item, each K step's weight tile
-    multicast to both CTAs) write the bits of each width's default and match numpy on the
-    largest experts: skewed routing with an empty expert (boxes holding rows of two experts,
-    cluster items whose second box has no rows), poisoned outputs, 132 and 8 CTAs."""
-    _assert_grouped_gemm_variants_write_the_default_bits(shape, lambda c: (
-        dataclasses.replace(c, cluster_m=2), dataclasses.replace(c, cluster_m=2, num_sms=8)))
-
-
-@pytest.mark.parametrize("shape", [(3000, 2880, 2880, 16, 4), (6000, 4096, 512, 16, 4)],
-                         ids=["gpt_oss_widths", "30b_widths"])
-def test_grouped_gemm_192_row_split_m_writes_the_default_bits(shape):
-    """The down-proj (with an expert bias) and dX~ with split-M items of 192 rows (three
-    consumers of 64 rows sharing each weight tile, `GroupedMatmulConfig(block_m=192)`,
-    session 50) write the bits of each width's default and match numpy: 132 and 8 CTAs,
-    skewed routing with an empty expert, poisoned outputs."""
-    from benchmarks.forward import three_consumer_gemm
-
-    _assert_grouped_gemm_variants_write_the_default_bits(shape, lambda c: (
-        three_consumer_gemm(c), dataclasses.replace(three_consumer_gemm(c), num_sms=8)))
-
-
 def _assert_grouped_gemm_variants_write_the_default_bits(shape, variants):
     """The down-proj (with an expert bias) and dX~ under each width's default config and
     under `variants(default)`: every variant bitwise the default, the default against numpy

@@ -26,12 +26,11 @@ from tests.test_kernels_common import (
 )
 
 # 3 CTAs walk the work items (interpret mode simulates every CTA).
-PING_PONG = GroupedMatmulConfig(block_m=64, block_n=64, num_stages=3, num_sms=3)
 SPLIT_M = GroupedMatmulConfig(block_m=128, block_n=64, num_stages=3, num_sms=3)
 PING_PONG_128 = GroupedMatmulConfig(block_m=128, block_n=64, num_stages=3, num_sms=3,
                                     pingpong=True)
 SCHEDULES = pytest.mark.parametrize(
-    "config", [PING_PONG, SPLIT_M, PING_PONG_128], ids=["ping_pong", "split_m", "ping_pong_128"]
+    "config", [SPLIT_M, PING_PONG_128], ids=["split_m", "ping_pong_128"]
 )
 
 
@@ -89,36 +88,12 @@ def test_ragged_with_empty_experts_and_padding(spec, config):
     spec(plan, 128, 128, 5, config, jax.random.key(33))
 
 
-# Clusters are opt-in (no gain on the H100, session 51): CI races each kernel's default form
-# (the down-proj's 128-row ping-pong, dX~'s split-M); the other forms are slow extras.
-@pytest.mark.parametrize(
-    "spec, config",
-    [pytest.param(run_down, PING_PONG, marks=pytest.mark.slow),
-     pytest.param(run_down, SPLIT_M, marks=pytest.mark.slow), (run_down, PING_PONG_128),
-     pytest.param(run_dx, PING_PONG, marks=pytest.mark.slow), (run_dx, SPLIT_M),
-     pytest.param(run_dx, PING_PONG_128, marks=pytest.mark.slow)],
-    ids=["down_proj-ping_pong", "down_proj-split_m", "down_proj-ping_pong_128",
-         "dx_rows-ping_pong", "dx_rows-split_m", "dx_rows-ping_pong_128"])
-def test_clusters_no_races(spec, config):
-    """`cluster_m=2`: 2 clusters of two CTAs; a cluster item is two consecutive aligned boxes
-    of one expert's rows (each CTA loads and multiplies its own box, both share each weight
-    tile by a multicast copy; a slot is refilled once the consumers of both CTAs released
-    it). Groups start and end anywhere inside the aligned blocks, so a tile's rows fall in
-    one box, the other, or both, and a CTA runs items it stores nothing of; against the
-    reference, rows outside the plan untouched, race-free. Interpret mode has no multicast
-    (each CTA loads the whole tile): this checks the protocol and the row split."""
-    plan = token_rounding_plan(jax.random.normal(jax.random.key(32), (75, 5)), 2, tile=8)
-    spec(plan, 128, 128, 5, dataclasses.replace(config, num_sms=4, cluster_m=2),
-         jax.random.key(33), interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert not races_found()
-
-
 # wgmma_lag=0 is opt-in (level or slower on the H100, session 52): CI races one form per
 # kernel, the other two are slow extras.
 @pytest.mark.parametrize(
     "spec, config",
-    [(run_down, PING_PONG), pytest.param(run_down, SPLIT_M, marks=pytest.mark.slow),
-     pytest.param(run_dx, PING_PONG, marks=pytest.mark.slow), (run_dx, SPLIT_M)],
+    [(run_down, PING_PONG_128), pytest.param(run_down, SPLIT_M, marks=pytest.mark.slow),
+     pytest.param(run_dx, PING_PONG_128, marks=pytest.mark.slow), (run_dx, SPLIT_M)],
     ids=["down_proj-ping_pong", "down_proj-split_m", "dx_rows-ping_pong", "dx_rows-split_m"])
 def test_wgmma_lag_0_no_races(spec, config):
     """Each slot released as soon as its own K step's wgmmas are done (`wgmma_lag=0`,
@@ -133,34 +108,6 @@ def test_wgmma_lag_0_no_races(spec, config):
     rows = int(plan.num_rows)
     np.testing.assert_array_equal(np.asarray(got[:rows], np.float32),
                                   np.asarray(want[:rows], np.float32))
-
-
-@pytest.mark.parametrize("out_slabs", [0, 1], ids=["whole_tile", "one_slab"])
-@pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
-def test_three_consumer_split_m_no_races(spec, out_slabs):
-    """`block_m=192`: three consumers of 64 rows share every item's weight tile (split M
-    with each weight tile feeding 192 rows), 3 CTAs walking 2 column blocks of ragged tiles
-    in 192-row aligned boxes (token rounding: groups start and end anywhere inside a box,
-    so a consumer's 64 rows may hold none of the tile's), race-free, against the reference,
-    rows outside the plan untouched, and bitwise the 128-row split-M kernel; the output
-    tile staged whole, or (128-column items) one 64-column slab at a time (`out_slabs=1`:
-    how 256-column items fit 3 stages, `benchmarks.forward.three_consumer_gemm`)."""
-    plan = token_rounding_plan(jax.random.normal(jax.random.key(34), (75, 5)), 2, tile=8)
-    # One slab at a time: 128-column items (one per tile), each stored in two rounds.
-    config = dataclasses.replace(SPLIT_M, block_m=192, block_n=128 if out_slabs else 64,
-                                 out_slabs=out_slabs)
-    assert (config.num_consumers, config.tile_rows) == (3, 192)
-    spec(plan, 128, 128, 5, config, jax.random.key(35),
-         interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert not races_found()
-    ka, kw = jax.random.split(jax.random.key(35))
-    a = jax.random.normal(ka, (plan.capacity, 128), jnp.float32).astype(jnp.bfloat16)
-    _, w2 = random_weights(kw, 5, 128, 128)
-    bias = jax.random.normal(kw, (5, 128)).astype(jnp.bfloat16)
-    rows = int(plan.num_rows)
-    got, want = (down_proj(a, plan.group_sizes, w2, config=c, bias=bias, interpret=True)
-                 for c in (config, SPLIT_M))
-    assert bool(jnp.array_equal(got[:rows], want[:rows]))
 
 
 @pytest.mark.parametrize("config", [
@@ -178,48 +125,6 @@ def test_one_staged_output_slab_at_a_time_no_races(spec, config):
     spec(plan, 128, 256, 3, dataclasses.replace(config, out_slabs=1), jax.random.key(35),
          interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not races_found()
-
-
-# A ring of two staged slabs (`out_buffers=2`): the 128-row ping-pong's two rounds per item
-# write both slots without waiting in between; split M's four rounds reuse each slot once
-# per item, after a wait that lets only the other slot's store stay in flight (its second
-# consumer has no rows in some items: that branch waits for everything).
-RING_CONFIGS = pytest.mark.parametrize("config", [
-    pytest.param(GroupedMatmulConfig(block_m=128, block_n=128, num_stages=3, num_sms=1,
-                                     pingpong=True, out_slabs=1, out_buffers=2),
-                 id="ping_pong_128"),
-    pytest.param(GroupedMatmulConfig(block_m=128, block_n=256, num_stages=2, num_sms=1,
-                                     out_slabs=1, out_buffers=2), id="split_m_256"),
-])
-
-
-@RING_CONFIGS
-@pytest.mark.parametrize("spec", [run_down, run_dx], ids=["down_proj", "dx_rows"])
-def test_a_ring_of_staged_output_slabs_no_races(spec, config):
-    plan = assignment_plan(jax.random.key(36), 40, 3, p=0.5, empty=(2,))
-    spec(plan, 128, 256, 3, config, jax.random.key(37),
-         interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert not races_found()
-
-
-def test_the_race_detector_sees_a_ring_slot_reused_before_its_store_read_it(monkeypatch):
-    """The ring's wait is what keeps split M's third and fourth rounds off the slots the
-    first two rounds' stores still read: without it (waits that would leave one store in
-    flight dropped) the race detector reports the overwrite."""
-    wait = plgpu.wait_smem_to_gmem
-
-    def dropping_partial_waits(n, wait_read_only=False):
-        if n == 0:
-            wait(n, wait_read_only=wait_read_only)
-
-    monkeypatch.setattr(plgpu, "wait_smem_to_gmem", dropping_partial_waits)
-    # 44 tokens: a kernel shape no other test traces (a cached trace would keep the waits)
-    plan = assignment_plan(jax.random.key(38), 44, 3, p=0.5, empty=(2,))
-    config = GroupedMatmulConfig(block_m=128, block_n=256, num_stages=2, num_sms=1,
-                                 out_slabs=1, out_buffers=2)
-    run_down(plan, 128, 256, 3, config, jax.random.key(37),
-             interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert races_found()
 
 
 def test_wide_expert_down_proj_default_no_races_and_the_ping_pongs_bits():
@@ -252,8 +157,8 @@ def test_groups_crossing_aligned_blocks_one_expert_holding_all():
 
 def test_single_expert_topk1_more_ctas_than_items():
     plan = topk_plan(jax.random.normal(jax.random.key(26), (24, 1)), 1)
-    run_down(plan, 64, 64, 1, GroupedMatmulConfig(block_m=64, block_n=64, num_stages=2,
-                                                   num_sms=5), jax.random.key(27))
+    run_down(plan, 64, 64, 1, GroupedMatmulConfig(block_m=128, block_n=64, num_stages=2,
+                                                   num_sms=5, pingpong=True), jax.random.key(27))
 
 
 def test_empty_plan_writes_nothing():
@@ -261,7 +166,7 @@ def test_empty_plan_writes_nothing():
     assert int(plan.num_rows) == 0
     a = jnp.ones((plan.capacity, 64), jnp.bfloat16)
     y = grouped_matmul(a, plan.group_sizes, jnp.ones((2, 64, 64), jnp.bfloat16),
-                       transpose_w=False, config=PING_PONG, interpret=True)
+                       transpose_w=False, config=PING_PONG_128, interpret=True)
     assert_untouched(y, 0)
 
 
@@ -269,50 +174,34 @@ def test_empty_plan_writes_nothing():
     "make, match",
     [
         (lambda: down_proj(jnp.zeros((16, 96), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
-                           jnp.zeros((2, 96, 64), jnp.bfloat16), config=PING_PONG, interpret=True),
+                           jnp.zeros((2, 96, 64), jnp.bfloat16), config=SPLIT_M, interpret=True),
          r"a.shape\[1\]=96 must be a multiple of 64"),
         (lambda: down_proj(jnp.zeros((16, 64), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
-                           jnp.zeros((2, 64, 160), jnp.bfloat16), config=PING_PONG, interpret=True),
+                           jnp.zeros((2, 64, 160), jnp.bfloat16), config=SPLIT_M, interpret=True),
          r"w_down.shape\[2\]=160 must be a multiple of 64"),
         (lambda: dx_rows(jnp.zeros((16, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
-                         jnp.zeros((2, 64, 64), jnp.bfloat16), capacity=16, config=PING_PONG,
+                         jnp.zeros((2, 64, 64), jnp.bfloat16), capacity=16, config=SPLIT_M,
                          interpret=True),
          r"w_gate_up.shape\[2\]=64 must equal dh.shape\[1\]=128"),
         (lambda: down_proj(jnp.zeros((16, 64), jnp.float32), jnp.zeros((2,), jnp.int32),
                            jnp.zeros((2, 64, 64), jnp.bfloat16), interpret=True),
          "a must have dtype bfloat16"),
         (lambda: GroupedMatmulConfig(block_n=320), "config.block_n=320 must be at most 256"),
-        (lambda: GroupedMatmulConfig(block_m=256), "config.block_m=256 must be 64, 128 or 192"),
-        (lambda: GroupedMatmulConfig(block_m=192, pingpong=True),
-         "config.block_m=192 runs split M with three consumers .* not with pingpong"),
-        (lambda: GroupedMatmulConfig(block_m=192, num_sms=4, cluster_m=2),
-         "config.block_m=192 .* not with pingpong or clusters"),
-        (lambda: grouped_matmul(jnp.zeros((16, 128), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32),
-                                jnp.zeros((2, 128, 128), jnp.float8_e4m3fn), transpose_w=True,
-                                config=GroupedMatmulConfig(block_m=192, block_k=128,
-                                                           fp8_promote_every=0),
-                                row_scales=jnp.ones((16,)), col_scales=jnp.ones((2, 128)),
-                                interpret=True),
-         "config.block_m=192 .* is a bf16-mode option"),
-        (lambda: dx_rows(jnp.zeros((192, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
-                         jnp.zeros((2, 256, 128), jnp.bfloat16), capacity=192,
-                         config=GroupedMatmulConfig(block_m=192, block_n=256, num_stages=3),
+        (lambda: GroupedMatmulConfig(block_m=256), "config.block_m=256 must be 128"),
+        # 64-row ping-pong and 192-row three-consumer items, removed in session 64
+        (lambda: GroupedMatmulConfig(block_m=64), "config.block_m=64 must be 128 .64 and 192 "
+         "were removed in session 64"),
+        (lambda: GroupedMatmulConfig(block_m=192), "config.block_m=192 must be 128"),
+        (lambda: dx_rows(jnp.zeros((128, 128), jnp.bfloat16), jnp.zeros((2,), jnp.int32),
+                         jnp.zeros((2, 256, 128), jnp.bfloat16), capacity=128,
+                         config=GroupedMatmulConfig(block_n=256, num_stages=4),
                          interpret=True),
-         r"config needs 270384 B of SMEM .* lower config.num_stages, or stage fewer output "
+         r"config needs \d+ B of SMEM .* lower config.num_stages, or stage fewer output "
          r"columns at a time \(config.out_slabs\)"),
         (lambda: GroupedMatmulConfig(wgmma_lag=2), r"config.wgmma_lag=2 must be one of \(0, 1\)"),
         (lambda: GroupedMatmulConfig(num_sms=0), "config.num_sms=0 must be >= 1"),
-        (lambda: GroupedMatmulConfig(cluster_m=4), "config.cluster_m=4 must be 1 or 2"),
-        (lambda: GroupedMatmulConfig(num_sms=3, cluster_m=2),
-         "config.cluster_m=2 runs num_sms / 2 clusters .* num_sms must be even, got 3"),
-        (lambda: grouped_matmul(jnp.zeros((16, 128), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32),
-                                jnp.zeros((2, 128, 128), jnp.float8_e4m3fn), transpose_w=True,
-                                config=GroupedMatmulConfig(block_k=128, cluster_m=2),
-                                row_scales=jnp.ones((16,)), col_scales=jnp.ones((2, 128)),
-                                interpret=True),
-         "config.cluster_m=2 .* is a bf16-mode option over the whole plan"),
         (lambda: GroupedMatmulConfig(block_n=256, pingpong=True),
-         "pingpong with block_m=128 .* block_n must be <= 128, got 256"),
+         "config.pingpong keeps a 128 x block_n f32 accumulator .* block_n must be <= 128, got 256"),
         (lambda: grouped_matmul(jnp.zeros((16, 128), jnp.float8_e4m3fn), jnp.zeros((2,), jnp.int32),
                                 jnp.zeros((2, 64, 128), jnp.float8_e4m3fn), transpose_w=True,
                                 config=GroupedMatmulConfig(block_k=128, pingpong=True),
@@ -324,6 +213,17 @@ def test_empty_plan_writes_nothing():
 def test_bad_inputs_raise_naming_the_argument(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make()
+
+
+@pytest.mark.parametrize("removed", [dict(cluster_m=2), dict(out_slabs=1, out_buffers=2)],
+                         ids=["cluster_m", "out_buffers"])
+def test_removed_fields_are_refused(removed):
+    """Fields removed in session 64 (no gain on the GPU; the module docstring says which
+    patch restores each) are a TypeError, not ignored: `cluster_m` (items on clusters of two
+    CTAs sharing each weight tile by multicast) and `out_buffers` (a ring of staged output
+    rounds)."""
+    with pytest.raises(TypeError, match=list(removed)[-1]):
+        GroupedMatmulConfig(**removed)
 
 
 @SCHEDULES
@@ -346,7 +246,7 @@ def test_down_proj_expert_bias_no_races(config):
 
 @pytest.mark.parametrize(
     "config, num_tokens",
-    [pytest.param(PING_PONG, 80, marks=pytest.mark.slow, id="ping_pong"),
+    [pytest.param(PING_PONG_128, 160, marks=pytest.mark.slow, id="ping_pong_128"),
      pytest.param(SPLIT_M, 160, id="split_m")],
 )
 def test_chunked_calls_write_the_whole_calls_rows(config, num_tokens):
@@ -453,45 +353,6 @@ def _lower_down_and_dx_for_cuda(d, n, num_experts, rows, down_cfg, dx_cfg, bias=
                    sds((E, d, 2 * n), bf16)).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("d, n, E, T, K", [(2880, 2880, 32, 8192, 4),
-                                           (4096, 512, 128, 32768, 8)], ids=["gpt_oss", "30b"])
-def test_three_consumer_split_m_lowers_for_cuda(d, n, E, T, K):
-    """192-row split-M items (three consumers of 64 rows) as the benchmarks build them
-    (`three_consumer_gemm`: `forward.py --down-sweep rows`, `backward.py --sweep rows`)
-    lower for cuda for the down-proj with an expert bias and for dX~: at gpt-oss-20b's
-    widths (192-column items, 3 stages, the whole tile staged) and at 30B's (dX~'s
-    256-column items stage two slabs at a time beside 3 stages: the whole tile did not fit,
-    session 51's GPU run)."""
-    from benchmarks.forward import three_consumer_gemm
-    from pallas_moe.kernels.moe_backward import BackwardConfig
-    from pallas_moe.kernels.moe_forward import ForwardConfig
-
-    down_cfg = three_consumer_gemm(ForwardConfig.for_shape(d, n).down)
-    dx_cfg = three_consumer_gemm(BackwardConfig.for_shape(d, n).dx)
-    assert down_cfg.num_consumers == dx_cfg.num_consumers == 3
-    if d == 2880:
-        assert down_cfg.block_n == dx_cfg.block_n == 192 and dx_cfg.out_slabs == 0
-    else:
-        assert dx_cfg.block_n == 256 and (dx_cfg.num_stages, dx_cfg.out_slabs) == (3, 2)
-    _lower_down_and_dx_for_cuda(d, n, E, T * K, down_cfg, dx_cfg)
-
-
-@pytest.mark.parametrize("d, n", [(4096, 512), (2880, 2880)], ids=["30b", "gpt_oss"])
-def test_cluster_schedules_lower_for_cuda(d, n):
-    """The default down-proj and dX~ configs on clusters of two CTAs (`cluster_m=2`, the
-    weight tiles multicast to both) lower for cuda at production widths, the down-proj with
-    an expert bias (the GPU test `test_grouped_gemm_clusters_write_the_default_bits` and
-    `forward.py --down-sweep cluster` run them)."""
-    from pallas_moe.kernels.moe_backward import BackwardConfig
-    from pallas_moe.kernels.moe_forward import ForwardConfig
-
-    E, P = 16, 4096 * 8
-    down_cfg = dataclasses.replace(ForwardConfig.for_shape(d, n).down, cluster_m=2)
-    dx_cfg = dataclasses.replace(BackwardConfig.for_shape(d, n).dx, cluster_m=2)
-    assert down_cfg.tile_rows == dx_cfg.tile_rows == 256
-    _lower_down_and_dx_for_cuda(d, n, E, P, down_cfg, dx_cfg)
-
-
 # CI time: the 7B widths run the same sweep builders and SMEM arithmetic; 30B's sweep configs
 # lower again on the GPU whenever the sweep runs.
 @pytest.mark.parametrize("d, n", [(1536, 256), pytest.param(4096, 512, marks=pytest.mark.slow)],
@@ -500,8 +361,7 @@ def test_one_staged_slab_frees_a_stage_at_production_widths(d, n):
     """The `out_slabs` configs the benchmarks sweep (`forward.py --down-sweep slabs`,
     `backward.py --sweep slabs`) lower for cuda: one more stage than the whole-tile default
     fits in SMEM only with fewer output slabs staged at a time (Mosaic refuses the same
-    stages beside the whole tile), and a ring of staged slabs (`out_buffers`) as large as
-    the whole tile fits beside the whole tile's stages."""
+    stages beside the whole tile)."""
     from benchmarks.backward import configs_for
     from benchmarks.forward import staged_down_cfgs
     from tests.cuda_target import h100_target
@@ -510,8 +370,7 @@ def test_one_staged_slab_frees_a_stage_at_production_widths(d, n):
     sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     down_cfgs = staged_down_cfgs(d, n)
     dx_cfgs = configs_for(d, n, "slabs")[-1]
-    assert len(down_cfgs) == 4 and len(dx_cfgs) == (4 if n <= 256 else 6)
-    assert any(c.out_buffers == c.block_n // 64 for c in down_cfgs + dx_cfgs)
+    assert len(down_cfgs) == 3 and len(dx_cfgs) == (3 if n <= 256 else 4)
     operands = dict(
         down=(sds((P, n), bf16), sds((E,), i32), sds((E, n, d), bf16)),
         dx=(sds((P, 2 * n), bf16), sds((E,), i32), sds((E, d, 2 * n), bf16)),
@@ -534,16 +393,17 @@ def test_one_staged_slab_frees_a_stage_at_production_widths(d, n):
 
 
 @pytest.mark.parametrize("kind, d, n, config", [
-    ("dx", 4096, 512, GroupedMatmulConfig(block_m=192, block_n=256, num_stages=3)),
+    ("dx", 4096, 512, GroupedMatmulConfig(block_m=128, block_n=256, num_stages=4)),
     ("down", 1536, 256, GroupedMatmulConfig(block_m=128, block_n=128, num_stages=6,
                                             pingpong=True)),
-    ("down_bias", 2880, 2880, GroupedMatmulConfig(block_m=64, block_n=192, num_stages=6)),
-], ids=["dx_192_rows_256_cols", "down_pingpong_6_stages", "down_bias_64_rows"])
+    ("down_bias", 2880, 2880, GroupedMatmulConfig(block_m=128, block_n=192, num_stages=5)),
+], ids=["dx_256_cols_4_stages", "down_pingpong_6_stages", "down_bias_192_cols_5_stages"])
 def test_smem_count_is_what_mosaic_counts(monkeypatch, kind, d, n, config):
     """`grouped_gemm.smem_bytes` counts the SMEM Mosaic GPU counts, byte for byte: with the
     refusal above `_common.SMEM_MAX` lifted, Mosaic refuses these configs itself and names
-    its count (session 51: the 192-row items of 30B's dX~ took 270384 B, which only Mosaic
-    refused, deep in the compile). So the config check refuses exactly what Mosaic would."""
+    its count (session 51: the since removed 192-row items of 30B's dX~ took 270384 B, which
+    only Mosaic refused, deep in the compile). So the config check refuses exactly what
+    Mosaic would."""
     import re
 
     from pallas_moe.kernels.grouped_gemm import smem_bytes

@@ -67,8 +67,8 @@ def test_interpret_backend_with_the_persistent_split_m_up_proj_matches_xla(clust
     schedules per plan): forward and every gradient against the xla backend, on the inputs
     of test_interpret_backend_forward_and_gradients_match_xla (ragged, skewed groups). The
     kernel's row patterns (items over 64 and 128 rows): test_kernels_up_proj's persistent
-    split-M test. `cluster_m=2`: the up-proj's items, the down-proj's and dX~'s, on clusters
-    of two CTAs (tiles of twice their block rows)."""
+    split-M test. `cluster_m=2`: the up-proj's items on clusters of two CTAs (tiles of
+    twice their block rows)."""
     from pallas_moe.kernels.moe_backward import BackwardConfig
     from pallas_moe.kernels.moe_forward import ForwardConfig
     from pallas_moe.kernels.up_proj import UpProjConfig
@@ -78,11 +78,6 @@ def test_interpret_backend_with_the_persistent_split_m_up_proj_matches_xla(clust
                       pingpong_ctas=3 if cluster_m == 1 else 4, cluster_m=cluster_m)
     forward = dataclasses.replace(ForwardConfig.for_shape(64, 64, num_sms=3), up=up)
     backward = BackwardConfig.for_shape(64, 64, num_sms=3)
-    if cluster_m == 2:  # the down-proj and dX~ on clusters of two CTAs too
-        forward = dataclasses.replace(forward, down=dataclasses.replace(
-            forward.down, num_sms=4, cluster_m=2))
-        backward = dataclasses.replace(backward, dx=dataclasses.replace(
-            backward.dx, num_sms=4, cluster_m=2))
     config = pm.kernels.KernelConfig(forward=forward, backward=backward)
 
     def loss(backend):
@@ -354,6 +349,7 @@ def test_persistent_split_m_schedules_trace(monkeypatch, cluster_m):
 
 
 def test_precomputed_schedules_must_match_the_config():
+    from pallas_moe.kernels._common import aligned_tile_meta
     from pallas_moe.kernels.moe_backward import BackwardConfig, moe_backward
     from pallas_moe.kernels.moe_forward import ForwardConfig, moe_forward
     from pallas_moe.kernels.schedules import plan_schedules
@@ -368,9 +364,10 @@ def test_precomputed_schedules_must_match_the_config():
         jax.eval_shape(lambda x: moe_forward(x, plan, w1, w2, interpret=True, config=forward,
                                              schedules=stale), x)
     h = jnp.zeros((plan.capacity, 128), jnp.bfloat16)
-    stale = plan_schedules(plan, forward, dataclasses.replace(
-        backward, dx=dataclasses.replace(backward.dx, block_m=other(backward.dx.block_m))))
-    with pytest.raises(ValueError, match="schedules.dx was computed for block_m="):
+    # dX~'s grouped GEMM takes only 128-row items (session 64): its metadata made for 64.
+    stale = dataclasses.replace(plan_schedules(plan, forward, backward), dx=aligned_tile_meta(
+        plan.group_sizes, plan.capacity, other(backward.dx.block_m)))
+    with pytest.raises(ValueError, match="schedules.dx was computed for block_m=64"):
         jax.eval_shape(lambda x: moe_backward(x, h, plan, w1, w2, cot, interpret=True, config=backward,
                                               schedules=stale), x)
 

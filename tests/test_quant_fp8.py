@@ -30,7 +30,6 @@ from tests.fp8_wgmma_model import WGMMA_K, h100_fp8_dot, truncation_error_bound
 
 E4M3 = jnp.float8_e4m3fn
 # 3 CTAs walk the work items; block_k = 128 one-byte elements (one 128-byte swizzle row).
-PING_PONG = GroupedMatmulConfig(block_m=64, block_n=64, block_k=128, num_stages=3, num_sms=3)
 SPLIT_M = GroupedMatmulConfig(block_m=128, block_n=64, block_k=128, num_stages=2, num_sms=3)
 PING_PONG_128 = GroupedMatmulConfig(block_m=128, block_n=64, block_k=128, num_stages=2, num_sms=3,
                                     pingpong=True, fp8_promote_every=0)
@@ -80,8 +79,6 @@ def run_fp8(plan, k_dim, n_out, num_experts, config, key, *, gated, interpret=Tr
 
 
 @pytest.mark.parametrize("config, gated", [
-    pytest.param(PING_PONG, False, id="ping_pong-plain", marks=pytest.mark.slow),
-    pytest.param(PING_PONG, True, id="ping_pong-gated", marks=pytest.mark.slow),
     pytest.param(SPLIT_M, False, id="split_m-plain", marks=pytest.mark.slow),
     pytest.param(SPLIT_M, True, id="split_m-gated"),
     pytest.param(PING_PONG_128, False, id="ping_pong_128-plain"),
@@ -89,8 +86,7 @@ def run_fp8(plan, k_dim, n_out, num_experts, config, key, *, gated, interpret=Tr
     # CI time: each gating runs once in CI: [split_m-gated] (the up-proj's schedule,
     # promoted) and [ping_pong_128-plain] (the 30B down-proj's schedule, unpromoted, with the
     # plain cases' float64 check); the other cases are slow extras (the epilogue is gated or
-    # not the same way in each; the 64-row ping-pong, never an fp8 default, runs against the
-    # reference with races watched in test_fp8_promoted_tail_no_races).
+    # not the same way in each).
 ])
 def test_fp8_ragged_groups_empty_experts_and_padding(config, gated):
     # Token rounding: groups start and end inside aligned blocks, padding rows at the end;
@@ -109,13 +105,10 @@ def test_fp8_no_races():
 
 
 @pytest.mark.parametrize("config, gated", [
-    pytest.param(PING_PONG, False, id="ping_pong-plain", marks=pytest.mark.slow),
     pytest.param(SPLIT_M, True, id="split_m-gated"),
     # CI time: the K loop's promotion is one code path over the kernel's accumulators (one,
-    # or two when gated); [split_m-gated] runs it (every 0, 1, 2, 4) over two. The
-    # ping-pong schedule promotes in CI in test_fp8_ragged_groups_empty_experts_and_padding
-    # [ping_pong-gated] (every K block); the other cases are slow extras.
-    pytest.param(PING_PONG, True, id="ping_pong-gated", marks=pytest.mark.slow),
+    # or two when gated); [split_m-gated] runs it (every 0, 1, 2, 4) over two. (The
+    # ping-pong's 128-row accumulators leave no registers for promotion: it refuses it.)
     pytest.param(SPLIT_M, False, id="split_m-plain", marks=pytest.mark.slow),
 ])
 def test_fp8_promotion_equals_reference_and_unpromoted(config, gated):
@@ -150,7 +143,7 @@ def test_fp8_promoted_tail_no_races():
     # slot releases of both kinds of interval, under the race detector.
     plan = assignment_plan(jax.random.key(48), 24, 2, p=0.5)
     a, w, rs, cs = fp8_operands(jax.random.key(49), plan.capacity, 384, 64, 2)
-    config = dataclasses.replace(PING_PONG, fp8_promote_every=2)
+    config = dataclasses.replace(SPLIT_M, fp8_promote_every=2)
     got = grouped_matmul(a, plan.group_sizes, w, transpose_w=True, config=config,
                          interpret=plgpu.InterpretGPUParams(detect_races=True),
                          row_scales=rs, col_scales=cs)
@@ -180,7 +173,7 @@ def test_fp8_reference_matches_numpy():
         (dict(row_scales=jnp.ones((8,), jnp.float32)), r"row_scales must be \[P_a\] with P_a >= capacity=16"),
         (dict(w=jnp.zeros((2, 128, 128), jnp.bfloat16)), "w must have dtype float8_e4m3fn"),
         (dict(out_dtype=jnp.int8), "out_dtype must be bfloat16 or float32"),
-        (dict(config=GroupedMatmulConfig(block_m=64, block_n=128, block_k=128, num_sms=2),
+        (dict(config=GroupedMatmulConfig(block_n=128, block_k=128, num_sms=2),
               w=jnp.zeros((2, 256, 128), E4M3), col_scales=jnp.ones((2, 256), jnp.float32),
               gated=True),
          r"fp8_promote_every=1 keeps a second f32 accumulator set: block_n \* 2 \(gated\) "
@@ -199,7 +192,7 @@ def test_fp8_reference_matches_numpy():
 def test_fp8_bad_inputs_raise(kwargs, match):
     args = dict(a=jnp.zeros((16, 128), E4M3), group_sizes=jnp.array([10, 6], jnp.int32),
                 w=jnp.zeros((2, 128, 128), E4M3), transpose_w=True,
-                config=GroupedMatmulConfig(block_m=64, block_k=128, num_sms=2), interpret=True,
+                config=GroupedMatmulConfig(block_k=128, num_sms=2), interpret=True,
                 row_scales=jnp.ones((16,), jnp.float32), col_scales=jnp.ones((2, 128), jnp.float32))
     args.update(kwargs)
     with pytest.raises((ValueError, TypeError), match=match):
@@ -1049,11 +1042,6 @@ def test_fp8_out_slabs_equal_the_whole_tile(gathered, out_dtype):
     (dict(block_n=64, out_slabs=-1), r"config.out_slabs=-1 must be 0"),
     (dict(block_n=128, out_slabs=1.0), r"config.out_slabs=1.0 must be 0"),
     (dict(block_n=128, out_slabs=True), r"config.out_slabs=True must be 0"),
-    (dict(block_n=128, out_buffers=2), r"config.out_buffers=2 must be an int from 1 to the 1 "),
-    (dict(block_n=128, out_slabs=1, out_buffers=3), r"config.out_buffers=3 must be an int from 1 to the 2 "),
-    (dict(block_n=128, out_slabs=1, out_buffers=0), r"config.out_buffers=0 must be"),
-    (dict(block_n=128, out_slabs=1, out_buffers=2.0), r"config.out_buffers=2.0 must be"),
-    (dict(block_n=128, out_slabs=1, out_buffers=True), r"config.out_buffers=True must be"),
 ])
 def test_fp8_out_slabs_bad_values_raise(config, match):
     with pytest.raises(ValueError, match=match):
@@ -1079,27 +1067,23 @@ def test_fp8_up_four_stages_with_one_staged_slab_lowers_for_cuda(shape, monkeypa
     assert (up.num_stages, up.out_slabs) == (4, 1)  # the default since session 36
     lower_gathered_up(up, shape)
     whole = dataclasses.replace(up, out_slabs=0)
-    # Nor does a ring of two staged slabs (`out_buffers=2`) beside the 4 stages: the gathered
-    # mode's token-id buffers make it 229 KB (234592 bytes of 232448).
-    ring = dataclasses.replace(up, out_buffers=2)
-    for config in (whole, ring):
-        with pytest.raises(ValueError, match="config needs 234592 B of SMEM .* over the 232448 B"):
-            lower_gathered_up(config, shape)
+    with pytest.raises(ValueError, match="config needs 234592 B of SMEM .* over the 232448 B"):
+        lower_gathered_up(whole, shape)
     monkeypatch.setattr(_common, "SMEM_MAX", 1 << 30)
-    for config in (whole, ring):
-        with pytest.raises(ValueError, match="exceeds available shared memory") as e:
-            lower_gathered_up(config, shape)
-        assert re.search(r"smem_bytes=(\d+)", str(e.value)).group(1) == "234592"
+    with pytest.raises(ValueError, match="exceeds available shared memory") as e:
+        lower_gathered_up(whole, shape)
+    assert re.search(r"smem_bytes=(\d+)", str(e.value)).group(1) == "234592"
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        # bf16 rows are gathered too (the split dH's GEMM), on single CTAs only
+        # bf16 rows are gathered too (the split dH's GEMM), with split-M items only
         (dict(a=jnp.zeros((12, 128), jnp.bfloat16)),
-         "the gathered mode .token_ids. needs config.block_m=128 without pingpong or clusters.*cluster_m=2"),
-        (dict(config=GroupedMatmulConfig(block_m=64, block_k=128, num_sms=2)),
-         "the gathered mode .token_ids. needs config.block_m=128"),
+         "the gathered mode .token_ids. needs split-M items, config.pingpong=False"),
+        (dict(config=GroupedMatmulConfig(block_k=128, num_sms=2, pingpong=True,
+                                         fp8_promote_every=0)),
+         "the gathered mode .token_ids. needs split-M items"),
         (dict(config=GroupedMatmulConfig(block_k=128, num_stages=2, num_sms=2)),
          "config.gather='cp_async' needs num_stages >= 3"),
         (dict(config=GroupedMatmulConfig(block_k=128, num_sms=2, gather="dma")),
@@ -1118,7 +1102,7 @@ def test_fp8_gathered_bad_inputs_raise(kwargs, match):
     args.update(kwargs)
     if args["a"].dtype == jnp.bfloat16:
         args.update(w=jnp.zeros((2, 128, 128), jnp.bfloat16), row_scales=None, col_scales=None,
-                    config=GroupedMatmulConfig(block_m=128, block_k=64, num_sms=4, cluster_m=2))
+                    config=GroupedMatmulConfig(block_m=128, block_k=64, num_sms=4, pingpong=True))
     with pytest.raises((ValueError, TypeError), match=match):
         grouped_matmul(**args)
 

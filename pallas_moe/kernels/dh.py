@@ -609,7 +609,7 @@ def dh_split(
 
     Args:
       grad_out, h, token_ids, group_sizes, scores, w_down: as `dh_kernel`.
-      gemm: the GEMM's blocks (`block_m=128`, no pingpong, no clusters: the gathered mode).
+      gemm: the GEMM's blocks (split-M items, no pingpong: the gathered mode).
       pad_rows_to: dH and A' get P rounded up to a multiple of this (as `DHConfig`).
       approx_math: the row pass's sigmoid from `ex2.approx` (as the forward's).
       interpret: run in Mosaic GPU interpret mode (CPU) if True or an InterpretGPUParams.

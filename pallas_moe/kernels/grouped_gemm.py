@@ -48,7 +48,7 @@ the producer stages the box's ids in SMEM (two buffers: the next item's land whi
 loads) and issues 16-byte cp.async loads from all 128 threads straight into the swizzled
 wgmma layout (`_common.cp_async_gather_rows`, as the bf16 up-proj; published the
 `gather_completion` way), or one-row TMA copies (`gather="tma"`, what interpret mode runs).
-Split M only (block_m 128): the lagged cp.async publish walks one `full` barrier set.
+Split M only (not `pingpong`): the lagged cp.async publish walks one `full` barrier set.
 
 Otherwise A is contiguous, so each stage is one `[block_m, block_k]` TMA box. Mosaic's tiled TMA needs
 the box's first row to be a multiple of 8, so tiles come from `aligned_tile_meta` (computed
@@ -60,43 +60,43 @@ sits in SMEM as 128-byte-swizzled slabs (`_common.row_tile_types`): the accumula
 register stores are then free of bank conflicts (untiled rows put a warp's 8 rows in one
 bank), which made the down-proj 0.81x and dX~ 0.83x of their time on the H100 (session 5).
 
-The kernel is persistent: `num_sms` CTAs of one producer and two consumer warpgroups (three
-with 192-row split-M items). Work
-item w = (tile w // grid_n, column block w % grid_n); CTA s takes items s, s + num_sms, ...
-over the real tiles (`aligned_tile_meta` puts them first), or over one chunk's range of them
-(`_common.TileChunks`: the chunked EP overlap runs the down-proj as several calls over the
-whole A and metadata, each writing its own output). The producer issues every K step
-of every item back to back into a `num_stages`-slot ring (step g uses slot g % num_stages,
-waits `empty[slot]`, arrives on `full[.., slot]`), so the next item's loads run during the
-current item's epilogue.
-- `block_m == 64` (ping-pong): the CTA's j-th item goes to consumer j % 2, so one
-  consumer's epilogue overlaps the other's wgmmas; each consumer waits only on its own
-  `full` barriers, so its phase tracking stays exact.
-- `block_m == 128` (split M): both consumers share every item, consumer c multiplying rows
+The kernel is persistent: `num_sms` CTAs of one producer and two consumer warpgroups, items
+of `block_m` = 128 rows. Work item w = (tile w // grid_n, column block w % grid_n); CTA s
+takes items s, s + num_sms, ... over the real tiles (`aligned_tile_meta` puts them first),
+or over one chunk's range of them (`_common.TileChunks`: the chunked EP overlap runs the
+down-proj as several calls over the whole A and metadata, each writing its own output).
+The producer issues every K step of every item back to back into a `num_stages`-slot ring
+(step g uses slot g % num_stages, waits `empty[slot]`, arrives on `full[.., slot]`), so the
+next item's loads run during the current item's epilogue.
+- split M (the default): both consumers share every item, consumer c multiplying rows
   [64c, 64c + 64) of the A box by the same weight tile, so each weight tile streamed from L2
   feeds 128 rows (~11 KB of SMEM operands per MFLOP instead of ~19 KB); both release each
   slot, and a consumer's epilogue store drains while the next item's wgmmas run. But both
   consumers reach their epilogue together, so the tensor cores idle through it.
-- `block_m == 192` (split M with three consumers, bf16; opt-in since session 50, not yet
-  timed): as 128, consumer c multiplying rows [64c, 64c + 64), so each weight tile feeds
-  192 rows. It exists for widths where the item is narrow in N (gpt-oss's 2880 = 15 x 192),
-  as the up-proj's 192-row items (1.116x its 128-row ones there on the H100, session 49).
-- `block_m == 128` with `pingpong` (CUTLASS's ping-pong at 128 rows): items alternate
-  between the consumers as with 64 rows, and each consumer multiplies all 128 rows of its
-  item (a 128 x block_n accumulator, two m64 wgmmas per step), so the weight tile still
-  feeds 128 rows and one consumer's epilogue overlaps the other's wgmmas.
-- `cluster_m == 2` (bf16, opt-in, any of the above): clusters of two CTAs walk the items in
-  lockstep. A cluster item is two consecutive aligned boxes of one expert's rows (metadata
-  tiles of 2 * block_m rows); each CTA loads and multiplies its own box, and both ask for
-  each K step's weight tile with a cluster multicast copy, so a weight byte read from L2
-  feeds both boxes. `empty` is then a cluster barrier: the partner's multicast refills this
-  CTA's slot too, so both CTAs' consumers must have released it.
+- `pingpong` (CUTLASS's ping-pong at 128 rows): the CTA's j-th item goes to consumer j % 2,
+  which multiplies all 128 rows of it (a 128 x block_n accumulator, two m64 wgmmas per
+  step), so the weight tile still feeds 128 rows and one consumer's epilogue overlaps the
+  other's wgmmas; each consumer waits only on its own `full` barriers, so its phase
+  tracking stays exact.
 
 With a bias, each consumer TMA-loads its item's `[block_n]` bias columns into its own SMEM
 when the item starts (they land while the K loop runs) and adds them to the fp32
 accumulator in the epilogue (`_common.bias_columns`). The SMEM is rewritten only after the
 previous item's epilogue has read it: the epilogue's `commit_smem` (a warpgroup barrier)
 comes between the reads and the next copy.
+
+Removed in session 64, none a default (a config naming a removed field is a TypeError):
+- `cluster_m=2` (items on clusters of two CTAs sharing each weight tile by multicast): 0.893x
+  / 0.981x the split-M down-proj on the H100 (session 64; 0.84-1.04x, session 50);
+  `benchmarks/history/session64/grouped_gemm_clusters.patch` restores it.
+- `out_buffers >= 2` (a ring of staged output rounds with `out_slabs`): 1.002x on the H200
+  (session 38), 0.997x / 1.005x on the split dH's GEMM on the H100 (session 64);
+  `benchmarks/history/session64/grouped_gemm_out_buffers.patch` restores it.
+- `block_m` 64 (64-row ping-pong items: 0.667x the 128 x 192 split-M down-proj at gpt-oss's
+  widths on the H100, session 49) and 192 (split M with three consumers of 64 rows:
+  1.013-1.019x inside the spread at gpt-oss, sessions 50-51; never adopted, its 30B GPU test
+  never passed); `benchmarks/history/session64/grouped_gemm_block_m_192_64.patch` restores
+  both.
 """
 
 from __future__ import annotations
@@ -114,13 +114,12 @@ from pallas_moe.quant.reference import QUANTIZED_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupedMatmulConfig(_common.ClusterTiles):
+class GroupedMatmulConfig:
     """Block sizes of the persistent grouped GEMM (down-proj, dX~).
 
     Attributes:
-      block_m: rows per work item: 64 (ping-pong consumers), 128 (split M, or ping-pong
-        with `pingpong`) or 192 (split M with three consumers of 64 rows; bf16 over the
-        whole plan, no clusters).
+      block_m: rows per work item: 128 (split M, or ping-pong with `pingpong`), the only
+        value since session 64 (module docstring).
       block_n: output columns per work item (multiple of 64, divides N, at most 256).
       block_k: contraction step, one 128-byte swizzle row: 64 for bf16, 128 for the fp8
         mode; must divide K.
@@ -136,10 +135,10 @@ class GroupedMatmulConfig(_common.ClusterTiles):
         (one-row TMA copies, `_common.gather_rows`). Interpret mode always runs "tma".
       gather_completion: the gathered mode with "cp_async": "wait_group" or "mbarrier"
         (`_common.GATHER_COMPLETIONS`).
-      pingpong: with block_m=128: the consumers alternate items, each multiplying all 128
-        rows (`block_n <= 128`: a 128 x block_n f32 accumulator per consumer), instead of
-        splitting every item's rows; one consumer's epilogue then overlaps the other's K
-        loop. Not with fp8 promotion or the gathered mode. block_m=64 always runs ping-pong.
+      pingpong: the consumers alternate items, each multiplying all 128 rows (`block_n <=
+        128`: a 128 x block_n f32 accumulator per consumer), instead of splitting every
+        item's rows; one consumer's epilogue then overlaps the other's K loop. Not with fp8
+        promotion or the gathered mode.
       approx_math: compiled kernels only: the `gated` (fp8 up-proj) epilogue's SwiGLU takes
         its exp from the hardware's `ex2.approx` (True, default, as `UpProjConfig`) or the
         full-precision `exp`; the other epilogues have no transcendental math.
@@ -148,23 +147,6 @@ class GroupedMatmulConfig(_common.ClusterTiles):
         (the gated fp8 up-proj at block_n=128 fits 4 stages only with 1: 229 KB otherwise)
         at the cost of waiting, before each slab after the first, until the previous slab's
         store has read SMEM. Must divide block_n's slab count.
-      out_buffers: with `out_slabs`: staged rounds each consumer keeps in SMEM (a ring of
-        `out_buffers` x `out_slabs` slabs), so a round's SMEM writes overlap the TMA stores
-        of the rounds before it instead of waiting for the previous one to have read SMEM.
-        1 (default) = one round at a time; at most the rounds per item (block_n's slabs /
-        out_slabs); `out_slabs * out_buffers` slabs per consumer take the SMEM of the whole
-        tile at the most. A consumer still waits, at each item's first round, for all its
-        earlier stores to have read SMEM.
-      cluster_m: 1 (default), or 2: the bf16 mode on clusters of two CTAs (`num_sms` CTAs,
-        an even count, as num_sms / 2 clusters). A cluster item is two consecutive aligned
-        `block_m`-row boxes of one expert's rows (metadata tiles of `tile_rows` = 2 *
-        block_m rows); each CTA loads and multiplies its own box, and both ask for each K
-        step's weight tile with a cluster multicast copy, which the hardware splits (each
-        CTA loads half and both receive all), so each weight byte read from L2 feeds 2 *
-        block_m rows. A slot is refilled once the consumers of both CTAs released it
-        (`plgpu.ClusterBarrier`). Same products in the same order, so bitwise the same
-        outputs. Not with the 8-bit modes or `chunks`. Interpret mode runs the same
-        protocol with each CTA loading the whole tile (it has no multicast).
       wgmma_lag: when a consumer releases a K step's slot, 1 (default) or 0 (one more
         stage loading, the tensor cores idle between steps): `_common.consumer_k_loop`.
         Same bits either way (session 51). Opt-in: on the H100 (session 52)
@@ -182,30 +164,19 @@ class GroupedMatmulConfig(_common.ClusterTiles):
     pingpong: bool = False
     approx_math: bool = True
     out_slabs: int = 0
-    out_buffers: int = 1
-    cluster_m: int = 1
     wgmma_lag: int = 1
 
     def __post_init__(self):
-        if self.block_m not in (64, 128, 192):
-            raise ValueError(f"config.block_m={self.block_m} must be 64, 128 or 192.")
-        if self.block_m == 192 and (self.pingpong or self.cluster_m > 1):
+        if self.block_m != 128:
             raise ValueError(
-                "config.block_m=192 runs split M with three consumers of 64 rows: not with "
-                f"pingpong or clusters, got pingpong={self.pingpong}, "
-                f"cluster_m={self.cluster_m}."
+                f"config.block_m={self.block_m} must be 128 (64 and 192 were removed in "
+                "session 64: slower or level on the H100)."
             )
-        _common.require_cluster_m(self)
         _common.require_wgmma_lag(self)
-        if self.cluster_m == 2 and self.num_sms % 2:
+        if self.pingpong and self.block_n > PINGPONG_MAX_BLOCK_N:
             raise ValueError(
-                f"config.cluster_m=2 runs num_sms / 2 clusters of two CTAs: num_sms must be "
-                f"even, got {self.num_sms}."
-            )
-        if self.pingpong and self.block_m == 128 and self.block_n > PINGPONG_MAX_BLOCK_N:
-            raise ValueError(
-                f"config.pingpong with block_m=128 keeps a 128 x block_n f32 accumulator per "
-                f"consumer: block_n must be <= {PINGPONG_MAX_BLOCK_N}, got {self.block_n}."
+                f"config.pingpong keeps a 128 x block_n f32 accumulator per consumer: "
+                f"block_n must be <= {PINGPONG_MAX_BLOCK_N}, got {self.block_n}."
             )
         _common.require_wgmma_blocks(
             self, "output tiles are 128-byte swizzled", block_ks=FP8_BLOCK_K_CHOICES
@@ -219,14 +190,6 @@ class GroupedMatmulConfig(_common.ClusterTiles):
                 f"config.out_slabs={self.out_slabs} must be 0 (the whole block) or divide the "
                 f"block's {slabs} output slabs of 64 bf16 columns (block_n={self.block_n})."
             )
-        rounds = slabs // self.out_slabs if self.out_slabs else 1
-        if (not isinstance(self.out_buffers, int) or isinstance(self.out_buffers, bool)
-                or not 1 <= self.out_buffers <= rounds):
-            raise ValueError(
-                f"config.out_buffers={self.out_buffers} must be an int from 1 to the {rounds} "
-                f"staged round(s) of an item (block_n={self.block_n}, out_slabs="
-                f"{self.out_slabs}; more than 1 needs out_slabs)."
-            )
         if self.fp8_promote_every < 0:
             raise ValueError(
                 f"config.fp8_promote_every={self.fp8_promote_every} must be >= 0 (0 = never)."
@@ -234,20 +197,24 @@ class GroupedMatmulConfig(_common.ClusterTiles):
 
     @property
     def num_consumers(self) -> int:
-        """Consumer warpgroups of the kernel: block_m / 64 with split M (2 or 3), else 2."""
-        return self.block_m // 64 if self.split_m else 2
+        """Consumer warpgroups of the kernel: 2."""
+        return 2
 
     @property
     def split_m(self) -> bool:
-        """Every consumer shares every item, 64 rows each (block_m=128 or 192 without
-        pingpong)."""
-        return self.block_m in (128, 192) and not self.pingpong
+        """Both consumers share every item, 64 rows each (without `pingpong`)."""
+        return not self.pingpong
+
+    @property
+    def tile_rows(self) -> int:
+        """Rows of one metadata tile (`TileMeta.block_m`): an item's `block_m` rows."""
+        return self.block_m
 
     @property
     def gathers_rows(self) -> bool:
-        """Whether the gathered mode (`token_ids`) can run this config: 128-row split-M items
-        on single CTAs, both consumers sharing each gathered stage."""
-        return self.block_m == 128 and not self.pingpong and self.cluster_m == 1
+        """Whether the gathered mode (`token_ids`) can run this config: 128-row split-M items,
+        both consumers sharing each gathered stage."""
+        return not self.pingpong
 
 
 # A ping-pong consumer of 128 rows holds a 128 x block_n f32 accumulator: 128 registers per
@@ -328,7 +295,7 @@ def grouped_matmul(
         rows may name any row in range): the gathered mode, where grouped row r multiplies
         `a[token_ids[r]]` (bf16: the split dH's GEMM `dO[tok] @ W2[e]^T`; 8-bit: the fp8
         up-proj, with `row_scales` f32 [T], one scale per row of `a`, gathered here). Needs
-        `config.block_m == 128` without pingpong or clusters (module docstring).
+        a config without pingpong (module docstring).
       chunks: run only chunk `chunk` of these `TileChunks` of `meta` (which is then
         required): its tiles, read from the whole A, written to a `[chunks.rows, out_cols]`
         output at rows shifted by the chunk's first row (the EP overlap's chunked down-proj).
@@ -357,11 +324,11 @@ def grouped_matmul(
             raise ValueError(
                 "the 8-bit mode (e4m3 or int8 inputs) needs row_scales and col_scales."
             )
-        if config.pingpong and config.block_m == 128 and promotes(config, a.dtype):
+        if config.pingpong and promotes(config, a.dtype):
             raise ValueError(
-                "config.pingpong with block_m=128 holds a 128-row accumulator per consumer, "
-                "which leaves no registers for fp8 promotion's second set: pass "
-                "fp8_promote_every=0 (or block_m=64)."
+                "config.pingpong holds a 128-row accumulator per consumer, which leaves no "
+                "registers for fp8 promotion's second set: pass fp8_promote_every=0 (or "
+                "pingpong=False)."
             )
     else:
         _common.require_dtype(a_name, a, jnp.bfloat16)
@@ -398,10 +365,8 @@ def grouped_matmul(
         _common.require_dtype("token_ids", token_ids, jnp.int32)
         if not config.gathers_rows:
             raise ValueError(
-                f"the gathered mode (token_ids) needs config.block_m=128 without pingpong "
-                f"or clusters (both consumers of one CTA share each gathered stage), got "
-                f"block_m={config.block_m}, pingpong={config.pingpong}, "
-                f"cluster_m={config.cluster_m}."
+                "the gathered mode (token_ids) needs split-M items, config.pingpong=False "
+                "(both consumers of one CTA share each gathered stage)."
             )
         _common.require_gather_mode(config)
         if capacity is not None and capacity != token_ids.shape[0]:
@@ -436,16 +401,6 @@ def grouped_matmul(
     out_cols = n_dim if out_cols is None else out_cols
     if out_cols < n_dim:
         raise ValueError(f"out_cols={out_cols} must be >= {n_dim}.")
-    if config.block_m == 192 and eight_bit:
-        raise ValueError(
-            "config.block_m=192 (three consumers of 64 rows) is a bf16-mode option; "
-            f"{a_name} is {a.dtype}."
-        )
-    if config.cluster_m > 1 and (eight_bit or chunks is not None):
-        raise ValueError(
-            f"config.cluster_m={config.cluster_m} (two CTAs sharing each weight tile) is a "
-            "bf16-mode option over the whole plan: not with 8-bit inputs or chunks."
-        )
     if chunks is not None and gathered:
         raise ValueError(
             "chunks (a call over a range of the plan's tiles) is not supported with token_ids "
@@ -454,19 +409,16 @@ def grouped_matmul(
     if meta is None:
         if chunks is not None:
             raise ValueError("chunks cut the tiles of a given meta: pass meta too.")
-        meta = _common.aligned_tile_meta(group_sizes, capacity, config.tile_rows)
-    if meta.block_m != config.tile_rows:
-        raise ValueError(
-            f"meta.block_m={meta.block_m} must equal config.tile_rows={config.tile_rows} "
-            f"(block_m={bm} times cluster_m={config.cluster_m})."
-        )
+        meta = _common.aligned_tile_meta(group_sizes, capacity, bm)
+    if meta.block_m != bm:
+        raise ValueError(f"meta.block_m={meta.block_m} must equal config.block_m={bm}.")
     if chunks is None:
         chunks, chunk = _common.whole_tile_chunk(meta, capacity), 0
     if not 0 <= chunk < chunks.num_chunks:
         raise ValueError(f"chunk={chunk} must be in [0, {chunks.num_chunks}) (chunks.num_chunks).")
     # Each item loads its whole aligned block: make `a` (or the gathered rows' ids) a whole
-    # number of blocks (of a cluster item's blocks).
-    padded = -(-capacity // config.tile_rows) * config.tile_rows
+    # number of blocks.
+    padded = -(-capacity // bm) * bm
     row_ids = ()
     if gathered:  # padding rows read row 0: multiplied like the rest and never stored
         row_ids = (jnp.pad(token_ids, (0, padded - capacity)),)
@@ -510,15 +462,15 @@ def smem_bytes(config: GroupedMatmulConfig, n_dim: int, *, in_dtype, out_dtype,
     ref rounded up to `_common.SMEM_ALIGNMENT` (where Pallas starts them) plus 8 B per
     barrier. The refs: the A stages [stages, block_m, block_k], the weight stages ([2 if
     gated], stages, block_k, block_n), each consumer's staged output (the whole [rows,
-    block_n] tile, or `out_slabs` x `out_buffers` slabs), and the bias columns, scales,
+    block_n] tile, or `out_slabs` of its slabs), and the bias columns, scales,
     gathered ids and (compiled cp.async gather on mbarriers) the stage barriers. The output
     width `n_dim` does not change the count (it did for the fused re-quantization, removed
     in session 63).
 
     A lower bound of what Mosaic GPU counts (it adds nothing for these kernels today), so
     `_kernel` refuses above `_common.SMEM_MAX` only configs Mosaic would refuse too, but
-    with a message naming the config (session 51: 192-row items with 256 columns and the
-    whole tile staged took 270 KB at 30B's dX~)."""
+    with a message naming the config (session 51: the since removed 192-row items with 256
+    columns and the whole tile staged took 270 KB at 30B's dX~)."""
     bm, bn, bk, stages = config.block_m, config.block_n, config.block_k, config.num_stages
     cons = config.num_consumers
     mb = bm // cons if config.split_m else bm  # rows per consumer
@@ -529,7 +481,7 @@ def smem_bytes(config: GroupedMatmulConfig, n_dim: int, *, in_dtype, out_dtype,
     barriers = (1 if config.split_m else 2) * stages + stages
     out_size = jnp.dtype(out_dtype).itemsize
     staged_cols = config.out_slabs * _common.SWIZZLE_BYTES // out_size if config.out_slabs else bn
-    refs.append(cons * config.out_buffers * mb * staged_cols * out_size)
+    refs.append(cons * mb * staged_cols * out_size)
     if has_bias:
         refs.append(cons * bn * in_size)
         barriers += cons
@@ -559,12 +511,9 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
             f"output columns at a time (config.out_slabs); got {config}."
         )
     split_m = config.split_m
-    cons = config.num_consumers  # consumer warpgroups (split M: block_m / 64)
+    cons = config.num_consumers  # consumer warpgroups
     mb = bm // cons if split_m else bm  # rows per consumer
-    clusters = config.cluster_m  # CTAs per cluster, sharing each item's weight tiles
-    tile_rows = config.tile_rows  # rows of a metadata tile: the cluster's boxes
-    num_sms = config.num_sms // clusters  # walkers of the item list: CTAs or clusters
-    multicast = _common.cluster_multicast(clusters)  # collective axis of the weight copies
+    num_sms = config.num_sms  # persistent CTAs walking the item list
     num_k = k_dim // bk  # K steps per item
     grid_n = n_dim // bn  # items per tile
     dtype = in_dtype
@@ -573,26 +522,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
     # Output columns each consumer stages in SMEM per store round (`config.out_slabs`).
     slab_cols = _common.SWIZZLE_BYTES // jnp.dtype(out_dtype).itemsize
     staged_cols = config.out_slabs * slab_cols if config.out_slabs else bn
-    rounds = bn // staged_cols  # store rounds per item (>= out_buffers: the config checks
-    out_buffers = config.out_buffers  # bf16's slabs; f32 outputs have twice as many)
-
-    def wait_for_round_buffer(r: int, count):
-        """Before round r of an item writes its ring slot: that slot's previous store has
-        read SMEM. The first round (every round with one slot) waits for every earlier
-        store (the previous item's end lies a whole K loop back); rounds r < out_buffers
-        then own fresh slots; later ones wait for the round out_buffers back, i.e. let the
-        out_buffers - 1 rounds since then (one or more stores each when the item has rows,
-        none when it has none) stay in flight."""
-        if r == 0 or out_buffers == 1:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        elif r >= out_buffers:
-            @pl.when(count > 0)
-            def _():
-                plgpu.wait_smem_to_gmem(out_buffers - 1, wait_read_only=True)
-
-            @pl.when(count <= 0)
-            def _():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    rounds = bn // staged_cols  # store rounds per item
 
     promote_every = config.fp8_promote_every if promotes(config, in_dtype) else 0
     # int8 wgmma sums exactly in s32 (no promotion needed); e4m3 and bf16 in f32.
@@ -632,22 +562,19 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         # The fp8 consumers hold up to two 64x128 (or one 64x256) f32 accumulators plus
         # the broadcast scales of the epilogue, a 128-row ping-pong consumer a 128 x
         # block_n one: give them the producer's registers.
-        rebalance = eight_bit or mb == 128 or cons > 2
+        rebalance = eight_bit or mb == 128
         # This call's tiles [first_tile, end_tile) of the whole metadata (`TileChunks`).
         first_tile = bounds_ref[0, chunk]
         total = (bounds_ref[0, chunk + 1] - first_tile) * grid_n  # work items
         out_row0 = bounds_ref[1, chunk]  # grouped row of output row 0
         my_items = jnp.maximum(total - sm + num_sms - 1, 0) // num_sms
-        # This CTA's box of each (cluster) item: rows [half * bm, half * bm + bm) of it.
-        half = _common.cluster_rank(clusters)
 
         def item(j):
             w = sm + j * num_sms
             return first_tile + w // grid_n, w % grid_n  # (tile, column block)
 
-        def box_of(row0):  # first row of this CTA's aligned box of the tile starting at row0
-            box = (row0 // tile_rows) * tile_rows  # the aligned block holding the tile
-            return box + half * bm if clusters > 1 else box  # clusters: this CTA's half
+        def box_of(row0):  # first row of the aligned block holding the tile starting at row0
+            return (row0 // bm) * bm
 
         def box_start(j):
             tile, _ = item(j)
@@ -719,8 +646,7 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                             w_tile = w_e.at[pl.ds(col0, bn), pl.ds(k0, bk)]
                         else:  # [bk, bn]
                             w_tile = w_e.at[pl.ds(k0, bk), pl.ds(col0, bn)]
-                        plgpu.copy_gmem_to_smem(w_tile, b_smem.at[h, slot], full.at[c, slot],
-                                                collective_axes=multicast)
+                        plgpu.copy_gmem_to_smem(w_tile, b_smem.at[h, slot], full.at[c, slot])
                     if cp_async:  # after the weight copies: publishing may wait
                         _common.cp_async_publish(g, full.at[0], a_landed, stages)
                     return carry
@@ -800,13 +726,10 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                     row0 = start_ref[tile]
                     num_rows = rows_ref[tile]
                     box0 = box_of(row0)
-                    # box row of the tile's first row (with clusters < 0 where the tile
-                    # starts in the partner's box: this CTA takes [0, bm) ∩ the tile's rows)
-                    shift = row0 - box0
-                    if split_m or clusters > 1:
-                        # this consumer's box rows [c*mb, c*mb + mb) ∩ the tile's (ping-pong:
-                        # the whole box, c = 0 and mb = bm)
-                        c_lo = c * mb if split_m else 0
+                    shift = row0 - box0  # box row of the tile's first row
+                    if split_m:
+                        # this consumer's box rows [c*mb, c*mb + mb) ∩ the tile's
+                        c_lo = c * mb
                         lo = jnp.maximum(shift, c_lo)
                         count = jnp.maximum(jnp.minimum(shift + num_rows, c_lo + mb) - lo, 0)
                         dst0, src0 = box0 + lo, lo - c_lo
@@ -847,15 +770,15 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
                             y = y + _common.bias_columns(bias_smem.at[c], mb)
                     y = y.astype(out_dtype)
                     for r in range(rounds):  # one round unless `out_slabs`
-                        buf = r % out_buffers  # the staged ring's slot of this round
                         with jax.named_scope("previous_store"):
-                            wait_for_round_buffer(r, count)
+                            # the staged buffer's previous store has read SMEM
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         with jax.named_scope("epilogue_store"):
                             cols = slice(r * staged_cols, (r + 1) * staged_cols)
-                            _common.write_row_tile(o_mma.at[c, buf], y[:, cols])
+                            _common.write_row_tile(o_mma.at[c, 0], y[:, cols])
                             plgpu.commit_smem()
                             _common.store_row_tile(
-                                o_copy.at[c, buf],
+                                o_copy.at[c, 0],
                                 out_ref.at[:, pl.ds(ni * bn + r * staged_cols, staged_cols)],
                                 dst0 - out_row0, count, mb, src_row0=src0,
                             )
@@ -872,8 +795,9 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         _common.gather_full_arrivals(config, bm, interpret_mode is not None) if gathered else 1
     )
     # per consumer: the output tile (or `out_slabs` of its slabs), swizzled 128-byte slabs
+    # (the size-1 axis: one staged buffer, as the up-proj's)
     o_scratch, o_views = _common.row_tile_buffers(
-        (cons, out_buffers, mb, staged_cols), out_dtype, interpret_mode is not None
+        (cons, 1, mb, staged_cols), out_dtype, interpret_mode is not None
     )
     scratch = [
         a_scratch,
@@ -882,10 +806,8 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         plgpu.Barrier(
             num_arrivals=a_arrivals + num_b, num_barriers=(1 if split_m else 2, stages)
         ),
-        # empty: the slot's consumer (split M: both; with clusters, those of both CTAs of
-        # the cluster, whose multicast copies refill this slot)
-        _common.cluster_barrier(clusters, num_arrivals=cons if split_m else 1,
-                                num_barriers=stages),
+        # empty: the slot's consumer (split M: all of them)
+        plgpu.Barrier(num_arrivals=cons if split_m else 1, num_barriers=stages),
     ]
     if has_bias:  # per consumer: the item's bias columns and the barrier their copy arrives on
         scratch += [plgpu.SMEM((cons, bn), dtype), plgpu.Barrier(num_barriers=cons)]
@@ -905,7 +827,6 @@ def _kernel(config: GroupedMatmulConfig, k_dim, n_dim, out_rows, out_cols, trans
         scratch_types=scratch,
         grid=(num_sms,),
         grid_names=("sm",),
-        **_common.cluster_grid(clusters),
         num_threads=cons + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(

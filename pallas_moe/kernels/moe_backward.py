@@ -87,9 +87,8 @@ class BackwardConfig:
             )
         if not gemm.gathers_rows:
             raise ValueError(
-                "dh_gemm runs the grouped GEMM's gathered mode: it needs block_m=128 without "
-                f"pingpong or clusters, got block_m={gemm.block_m}, pingpong={gemm.pingpong}, "
-                f"cluster_m={gemm.cluster_m}."
+                "dh_gemm runs the grouped GEMM's gathered mode: it needs split-M items "
+                "(pingpong=False)."
             )
 
     @classmethod
