@@ -1,8 +1,7 @@
 """md5 of the default forward and backward jaxprs (H100 configs) at five widths, to prove a
 removal leaves the defaults' traced kernels unchanged. Run from a checkout's root:
-PYTHONPATH=. python benchmarks/history/session64/jaxpr_hash.py [fp8]"""
+PYTHONPATH=. python benchmarks/history/session64/jaxpr_hash.py (bf16, H100 configs only)."""
 import hashlib
-import sys
 
 import jax
 import jax.numpy as jnp
