@@ -25,7 +25,6 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback

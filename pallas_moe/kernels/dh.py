@@ -434,7 +434,7 @@ def dh_kernel(
     d, n, num_experts = _check(grad_out, h, w_down, token_ids, scores, config)
     _common.require_shape("group_sizes", group_sizes, (num_experts,))
     capacity = token_ids.shape[0]
-    bm, bn, tm = config.block_m, config.block_n, config.tile_rows
+    bn, tm = config.block_n, config.tile_rows
     if meta is None:
         meta = _common.tile_meta(group_sizes, token_ids, tm)
     if meta.block_m != tm:
