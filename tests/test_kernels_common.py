@@ -212,6 +212,10 @@ def test_stage_arrivals_follow_the_loader():
     assert _common.gather_full_arrivals(tma, 64, interpret=False) == 64
     assert _common.gather_full_arrivals(lagged, 64, interpret=False) == 1
     assert _common.gather_full_arrivals(tracked, 64, interpret=False) == 0
+    # dH publishes cp.async stages by the lagged wait only (session 64).
+    from pallas_moe.kernels.dh import DHConfig
+    dh = DHConfig(gather="cp_async", num_consumers=2, num_stages=4)
+    assert _common.gather_full_arrivals(dh, 64, interpret=False) == 1
     # Interpret mode runs the TMA loader whatever the config says.
     assert _common.gather_full_arrivals(tracked, 64, interpret=True) == 64
     assert _common.uses_stage_mbarriers(tracked, interpret=False)

@@ -178,11 +178,10 @@ def require_gather_mode(config) -> None:
             raise ValueError(
                 f"config.gather='cp_async' needs num_stages >= 3, got {config.num_stages}."
             )
-    # dH has no `gather_completion` (session 64): it publishes by the lagged wait_group only.
-    completion = getattr(config, "gather_completion", "wait_group")
-    if completion not in GATHER_COMPLETIONS:
+    if config.gather_completion not in GATHER_COMPLETIONS:
         raise ValueError(
-            f"config.gather_completion must be one of {GATHER_COMPLETIONS}, got {completion!r}."
+            f"config.gather_completion must be one of {GATHER_COMPLETIONS}, "
+            f"got {config.gather_completion!r}."
         )
 
 

@@ -186,6 +186,13 @@ class DHConfig:
         """Rows of one metadata tile (`TileMeta.block_m`): an item's `block_m` rows."""
         return self.block_m
 
+    @property
+    def gather_completion(self) -> str:
+        """How cp.async stages are published: "wait_group" (the lagged publish), the only
+        way since session 64. A property, not a field (naming it is a TypeError), so the
+        shared gather helpers of `_common` read it as they read the other kernels' field."""
+        return "wait_group"
+
 
 def _check_operands(grad_out, h, w_down, token_ids, scores) -> tuple[int, int, int]:
     """(d, n, E) of dH's operands, their ranks, dtypes and shapes checked (errors name them)."""
@@ -926,8 +933,8 @@ def _dh_persistent(config: DHConfig, d: int, n: int, num_tiles: int, out_types,
         plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
         plgpu.SMEM((2, bm), jnp.float32),  # scores, double-buffered
         plgpu.SMEM((cons, bm), jnp.float32),  # per consumer: dS partial
-        plgpu.Barrier(  # full: the W2 copy plus each TMA row copy, or one lagged publish
-            num_arrivals=(1 if cp_async else bm) + 1,
+        plgpu.Barrier(  # full: the W2 copy plus what the row loader adds
+            num_arrivals=_common.gather_full_arrivals(config, bm, interpret) + 1,
             num_barriers=stages,
         ),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),  # empty: the consumers
