@@ -1,0 +1,57 @@
+# GPU calls queued by session 65: `bash benchmarks/history/session65/next_calls.sh PART` from
+# the repo root; logs under $OUT. Parts T, S, G, C, Q, D are session 64's (its queue never ran:
+# see `history/session65/calls.md`), with M added:
+#   T (~9 min, H100, FIRST): the GPU tests of session 64's changes and of what session 63's
+#      A2 did not reach: the backward through cp.async, the staged output slabs, the split dH,
+#      the persistent weight gradients (7B's 192-wide gathered chunks, 3 stages) and dX~ at
+#      lag 0 (gpt-oss widths). `-v`, so a cut run still names each test that finished.
+#   S (~6 min, H100): 7b and 7b-n1024 steps, the weight gradients' 192-wide gathered chunks
+#      against `wg-128`, 3 paired rounds. Revert `_gathered_chunks` if slower beyond spread.
+#   G (~5 min, H100): gpt-oss-20b step, dX~ lag 0 against `lag1-dx`, 3 paired rounds.
+#   M (~4 min, H100): issue 15 at T = 1..16: the megakernel with its one-program metadata
+#      (`static_meta`) against the jnp metadata (`static_jnp`), `static` (auto: the kernel up
+#      to 4 tokens) and the kernel path. The metadata kernel's 4-token limit and the op's
+#      2-token megakernel limit were measured on an H200 (session 41) and an older kernel.
+#      T = 8 misses the 1.3x target by ~8 us (229 against 221), ~19 us of it metadata.
+#   C (~6 min, H100): the bf16-dA' split at (32768, 4096, 1024, 128, 8) and d = 7168.
+#   Q (~8 min, H100): issue 15's whole table on today's kernels.
+#   D (~4 min, an H200 when one comes): session 62's dh_bf16_da probe.
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+T0=$(date +%s)
+PART=${1:-T}
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
+case "$PART" in
+T)
+  timeout 560 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py \
+    -k "backward_cp_async or staged_output_slabs or dh_split or weight_grad_persistent or wgmma_lag_0_writes" \
+    -rA > $OUT/gpu_tests.log 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-160 | tail -40 ;;
+S)
+  timeout 540 python3 benchmarks/step.py --shapes ${SHAPES:-7b,7b-n1024} \
+    --variants topk/cp_async,topk/cp_async/wg-128 --rounds 3 --out $OUT > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "kernels (ms" $OUT/step.log | cut -c1-300
+  grep "^|" $OUT/step.log | tail -6 ;;
+G)
+  timeout 540 python3 benchmarks/step.py --shapes gpt-oss-20b --gpt-oss \
+    --variants topk/cp_async,topk/cp_async/lag1-dx --rounds 3 --out $OUT > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "kernels (ms" $OUT/step.log | cut -c1-300
+  grep "^|" $OUT/step.log | tail -4 ;;
+C)
+  timeout 540 python3 benchmarks/step.py --shapes ${SHAPES:-120b,w7168} \
+    --variants topk/cp_async,topk/cp_async/split-dh-f32 --rounds 2 --out $OUT > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | grep -v "^ *{" | cut -c1-400 | tail -12
+  grep "^|" $OUT/step.log | tail -6 ;;
+M)
+  timeout 300 python3 benchmarks/decode.py --tokens 1,2,4,8,16 --iters 30 \
+    --variants kernels,static,static_meta,static_jnp --out $OUT > $OUT/decode.log 2>&1
+  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; tail -24 $OUT/decode.log | cut -c1-300 ;;
+Q)
+  timeout 540 python3 benchmarks/decode.py --tokens 1,8,64,128,512,1024,4096 --iters 20 \
+    --variants kernels,static,dynamic,unfused --out $OUT > $OUT/decode.log 2>&1
+  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; tail -30 $OUT/decode.log | cut -c1-300 ;;
+D)
+  timeout 330 python3 benchmarks/history/session62/dh_bf16_da.py 30b,qwen3-30b-a3b,7b 2 \
+    > $OUT/dh_bf16_da.log 2>&1
+  echo "dh_bf16_da rc=$? at $(( $(date +%s) - T0 )) s"; tail -16 $OUT/dh_bf16_da.log | cut -c1-300 ;;
+esac
