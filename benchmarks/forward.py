@@ -528,6 +528,30 @@ def approx_up_cfgs(d, n):
     return _fitting_up_cfgs([base, dataclasses.replace(base, approx_math=not base.approx_math)], n)
 
 
+def audit_up_cfgs(d, n):
+    """The audit list (session 63's, still open after session 64: options kept without a
+    measurement on today's kernels; time them, then remove the losers): `UpProjConfig.no_auto_barriers=True` and
+    `rebalance_registers=False` were only ever timed on kernels since removed (the v1
+    up-proj; session 3's cooperative kernel, where the even register split was 1.001x at 7B
+    and 0.964x at 30B), never on today's defaults (the ping-pong at d <= 1536, split-M
+    items above, on clusters from d = 2880). Both against this width's default, each alone.
+
+    `row_unroll` (the unroll factor of the producer warps' one-row TMA copy loop) is read
+    only by the TMA row gather (`gather="tma"`), which no compiled default runs
+    (`ForwardConfig.for_shape` sets "cp_async"; interpret mode always runs the TMA loader,
+    where speed does not count). So its pair is this width's default on the TMA loader
+    (`for_shape(gather="tma")`, row_unroll 4) against the same with `row_unroll=16`: their
+    ratio is the knob's worth; both against the first config are the loaders' (the TMA
+    gather was 0.92x / 0.87x of cp.async at 7B / 30B on the H100 in session 2, on the
+    cooperative kernel)."""
+    base = ForwardConfig.for_shape(d, n).up
+    tma = ForwardConfig.for_shape(d, n, gather="tma").up
+    rep = dataclasses.replace
+    return _fitting_up_cfgs([base, rep(base, no_auto_barriers=True),
+                             rep(base, rebalance_registers=False),
+                             tma, rep(tma, row_unroll=16)], n)
+
+
 def completion_up_cfgs(d, n):
     """Hardware-tracked cp.async stages (the default, `gather_completion="mbarrier"`) against
     the previous lagged publish ("wait_group"), and the 128-row split-M tiles that may pay
@@ -719,7 +743,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--shapes", default="7b,30b")
     p.add_argument("--skew", default="7b", help="shapes also run with skewed routing")
-    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "depth", "lag", "none"])
+    p.add_argument("--up-sweep", default="default", choices=["default", "variants", "gather", "registers", "completion", "approx", "pingpong", "cards", "persistent", "rows", "cluster", "depth", "lag", "audit", "none"])
     p.add_argument("--down-sweep", default="default", choices=["default", "variants", "slabs", "lag", "none"])
     p.add_argument("--no-baselines", action="store_true", help="skip ragged_dot and XLA forward")
     p.add_argument("--rounds", type=int, default=1,
@@ -747,6 +771,7 @@ def main():
                            "cluster": cluster_up_cfgs,
                            "depth": depth_up_cfgs,
                            "lag": lag_up_cfgs,
+                           "audit": audit_up_cfgs,
                            "none": lambda d, n: [ForwardConfig.for_shape(d, n).up]}[args.up_sweep]
                 down_cfgs = {"variants": variant_down_cfgs, "default": default_down_cfgs,
                              "slabs": staged_down_cfgs, "lag": lag_down_cfgs, "none": lambda d, n: [ForwardConfig.for_shape(d, n).down]}[args.down_sweep]

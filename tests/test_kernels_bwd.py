@@ -647,6 +647,47 @@ def test_persistent_sweep_weight_grads_lower_for_cuda(shape):
             _lower_weight_grad_for_cuda(shape, gathered, config)
 
 
+@pytest.mark.parametrize("shape", [
+    pytest.param((24576, 1536, 256, 128, 8), marks=pytest.mark.slow),  # CI time: gpt-oss's
+    pytest.param((32768, 4096, 512, 128, 8), marks=pytest.mark.slow),
+    (8192, 2880, 2880, 32, 4),  # fused dH default, three consumers everywhere
+], ids=["7b", "30b", "gpt_oss"])
+def test_registers_sweep_lowers_for_cuda(shape):
+    """Every candidate of `backward.py --sweep registers` (the even register split,
+    `rebalance_registers=False`, of the fused dH where it is the default, and of both weight
+    gradients) lowers for cuda at the benchmark's widths, without setmaxnreg; where dH is
+    split (30B) the sweep adds no dH candidate."""
+    from benchmarks.backward import configs_for
+    from tests.cuda_target import h100_target
+
+    _, d, n, e, k = shape
+    t = 512  # lowering cost does not depend on T
+    p = t * k
+    sds = jax.ShapeDtypeStruct
+    with h100_target():
+        base, dh, dw2, dw1, _ = configs_for(d, n, "registers")
+        split = base.dh_gemm is not None
+        assert split == (d == 4096), base
+        assert dh == ([base.dh] if split
+                      else [base.dh, dataclasses.replace(base.dh, rebalance_registers=False)])
+        assert dw2 == [base.dw_down, dataclasses.replace(base.dw_down, rebalance_registers=False)]
+        assert dw1 == [base.dw_gate_up,
+                       dataclasses.replace(base.dw_gate_up, rebalance_registers=False)]
+        lowered = [(c, jax.jit(functools.partial(dh_kernel, config=c)).trace(
+            sds((t, d), BF16), sds((p, 2 * n), BF16), sds((p,), jnp.int32), sds((e,), jnp.int32),
+            sds((p,), jnp.float32), sds((e, n, d), BF16)).lower(lowering_platforms=("cuda",)))
+            for c in dh[1:]]
+        for gathered, cfgs in (("rhs", dw2), ("lhs", dw1)):
+            lhs, rhs = ((sds((t, d), BF16), sds((p, 2 * n), BF16)) if gathered == "lhs"
+                        else (sds((p, n), BF16), sds((t, d), BF16)))
+            f = functools.partial(weight_grad, gathered=gathered, out_dtype=BF16)
+            lowered += [(c, jax.jit(functools.partial(f, config=c)).trace(
+                lhs, rhs, sds((p,), jnp.int32), sds((e,), jnp.int32)).lower(
+                    lowering_platforms=("cuda",))) for c in cfgs[1:]]
+    for config, low in lowered:
+        assert "setmaxnreg" not in low.as_text(), config
+
+
 # ----------------------------------------------------------------------------- dX~
 
 

@@ -293,6 +293,36 @@ def test_three_consumer_split_m_up_proj_lowers_for_cuda(shape):
                sds((e, d, 2 * n), jnp.bfloat16))
 
 
+@pytest.mark.parametrize("shape", [
+    pytest.param((24576, 1536, 256, 128, 8), marks=pytest.mark.slow),  # CI time: 30B's
+    (32768, 4096, 512, 128, 8),  # split-M items on clusters: the most of the kernel
+    pytest.param((8192, 2880, 2880, 32, 4), marks=pytest.mark.slow),
+], ids=["7b_pingpong", "30b_clusters", "gpt_oss_192_rows"])
+def test_audit_sweep_up_proj_lowers_for_cuda(shape):
+    """Every candidate of `forward.py --up-sweep audit` (the default up-proj, then with
+    `no_auto_barriers=True`, with `rebalance_registers=False`, and on the TMA row gather
+    with `row_unroll` 4 and 16) lowers for cuda at the benchmark's widths, each option
+    reaching the kernel: no setmaxnreg with the even register split, the TMA gather's
+    longer unrolled row loop with `row_unroll=16`."""
+    from benchmarks.forward import audit_up_cfgs
+    from tests.cuda_target import h100_target
+
+    t, d, n, e, k = shape
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    t = 512  # lowering cost does not depend on T
+    with h100_target():
+        cfgs = audit_up_cfgs(d, n)
+        base = ForwardConfig.for_shape(d, n).up
+        assert cfgs[0] == base and base.gather == "cp_async" and len(cfgs) == 5, cfgs
+        texts = [_lower(lambda x, tok, g, w, cfg=cfg: up_proj(x, tok, g, w, config=cfg),
+                        sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
+                        sds((e, d, 2 * n), jnp.bfloat16)).as_text() for cfg in cfgs]
+    assert [c.no_auto_barriers for c in cfgs] == [False, True, False, False, False]
+    assert [c.gather for c in cfgs] == ["cp_async"] * 3 + ["tma"] * 2
+    assert [t.count("setmaxnreg") > 0 for t in texts] == [True, True, False, True, True]
+    assert len(set(texts)) == 5 and len(texts[4]) > len(texts[3])  # row_unroll reaches it
+
+
 def test_cluster_split_m_up_proj_lowers_for_cuda():
     """Split-M items on clusters of two CTAs (`cluster_m=2`, the weight tiles multicast to
     both) lower for cuda, training and inference, where they are opt-in: the Qwen3-30B-A3B
