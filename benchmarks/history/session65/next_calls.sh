@@ -13,10 +13,10 @@
 #      to 4 tokens) and the kernel path. The metadata kernel's 4-token limit and the op's
 #      2-token megakernel limit were measured on an H200 (session 41) and an older kernel.
 #      T = 8 misses the 1.3x target by ~8 us (229 against 221), ~19 us of it metadata.
-#   A (~8 min, H100): the audit list: up-proj `no_auto_barriers`, `rebalance_registers=False`,
-#      the TMA loader's `row_unroll` 16 against 4 (`forward.py --up-sweep audit`), and the
+#   A1, A2 (~4-5 min each, H100): the audit list: up-proj `no_auto_barriers`, `rebalance_registers=False`,
+#      the TMA loader's `row_unroll` 16 against 4 (A1: `forward.py --up-sweep audit`), and the
 #      backward's `rebalance_registers=False` in dH and both weight gradients
-#      (`backward.py --sweep registers`), 3 paired rounds at 7b, gpt-oss-20b, 30b.
+#      (A2: `backward.py --sweep registers`), 3 paired rounds at 7b, gpt-oss-20b, 30b.
 #      Remove each option that is not faster beyond its spread.
 #   C (~6 min, H100): the bf16-dA' split at (32768, 4096, 1024, 128, 8) and d = 7168.
 #   Q (~8 min, H100): issue 15's whole table on today's kernels.
@@ -51,11 +51,12 @@ M)
   timeout 300 python3 benchmarks/decode.py --tokens 1,2,4,8,16 --iters 30 \
     --variants kernels,static,static_meta,static_jnp --out $OUT > $OUT/decode.log 2>&1
   echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; tail -24 $OUT/decode.log | cut -c1-300 ;;
-A)
-  timeout 270 python3 benchmarks/forward.py --shapes 7b,gpt-oss-20b,30b --skew '' --up-sweep audit \
+A1)
+  timeout 540 python3 benchmarks/forward.py --shapes 7b,gpt-oss-20b,30b --skew '' --up-sweep audit \
     --down-sweep none --no-baselines --rounds 3 --out $OUT/fw > $OUT/fw.log 2>&1
-  echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; grep -iE "up |speed|paired|x\)" $OUT/fw.log | cut -c1-300 | tail -20
-  timeout 290 python3 benchmarks/backward.py --shapes 7b,gpt-oss-20b,30b --sweep registers \
+  echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; grep -iE "up |speed|paired|x\)" $OUT/fw.log | cut -c1-300 | tail -20 ;;
+A2)
+  timeout 540 python3 benchmarks/backward.py --shapes 7b,gpt-oss-20b,30b --sweep registers \
     --rounds 3 --out $OUT/bw > $OUT/bw.log 2>&1
   echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^ *{" $OUT/bw.log | cut -c1-300 | tail -24 ;;
 Q)
