@@ -7,6 +7,13 @@ at aligned boundaries (`_common.aligned_tile_meta`), the weight-gradient kernels
 once per plan; the `mosaic` backend's op (`ops/mosaic.py`) computes it in the forward and
 saves it for the backward as a small integer residual, so no kernel derives metadata again
 (and a dH block equal to the up-proj's reuses its tiles).
+
+The forward's two (the up-proj's row tiles, the down-proj's aligned tiles) can also come
+from one small Pallas program, `moe_forward_schedules` (`forward_schedule_kernel`,
+`ForwardConfig.schedule_impl="kernel"`): bit for bit the same arrays, in one launch instead
+of ~11 launch-bound XLA fusions (~16 us of a T = 8 call on the H100, issue 15). Its row
+tiles are the decode metadata kernel's (`decode_meta.row_tiles`). The default stays the jnp
+formulas until a GPU run measures it.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_moe.kernels import _common
+from pallas_moe.kernels.decode_meta import load_groups, pick, row_tile_prefix, row_tiles
 from pallas_moe.kernels.weight_grad import KBlockMeta, k_block_meta
 
 if TYPE_CHECKING:  # the configs import the kernels, which import this module
@@ -148,7 +156,7 @@ SCHEDULE_IMPLS = ("jnp", "kernel", "auto")
 # sets this threshold.
 SCHEDULE_KERNEL_MAX_TOKENS = 128
 # Tiles per loop step of the schedule kernel, and the most [tiles, row_pad] token ids one
-# step gathers (the up-proj's tiles are 128-384 rows: fewer tiles per step there).
+# step gathers (the up-proj's tiles are 64-384 rows: fewer tiles per step for the tallest).
 TILE_CHUNK = 32
 CHUNK_ELEMENTS = 4096
 
@@ -239,8 +247,6 @@ def _forward_schedules_kernel(
     (`decode_meta.row_tiles`, as `_common.tile_meta` computes them), then the down-proj's
     aligned tiles (`_common.aligned_tile_meta`'s closed form), a chunk of tiles per step."""
     from jax.experimental.pallas import triton as plt
-
-    from pallas_moe.kernels.decode_meta import load_groups, pick, row_tile_prefix, row_tiles
 
     i32 = jnp.int32
     groups = load_groups(group_sizes_ref, num_experts=num_experts, e_pad=e_pad)
