@@ -144,7 +144,7 @@ def test_forward_schedule_kernel_is_bitwise_the_reference(num_tokens, routing):
     _, plan = _case(num_tokens, seed=7, routing=routing)
     jnp_config = ForwardConfig.for_shape(D, N)
     kernel_config = dataclasses.replace(jnp_config, schedule_impl="kernel")
-    pairs = [(jnp_config, kernel_config)] + [(up, down) for up, down in ((64, 64), (192, 128), (256, 128))]
+    pairs = [(jnp_config, kernel_config), (64, 64), (192, 128), (256, 128)]
     for a, b in pairs:
         if isinstance(a, ForwardConfig):
             want = jax.jit(lambda p: forward_schedules(p, a))(plan)
