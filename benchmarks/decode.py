@@ -13,6 +13,9 @@ T, in the same run:
   default: the megakernel up to `moe_forward.decode_max_tokens()` tokens, else `kernels`;
 - `kernels_inf` (with --variants): `moe_forward(..., inference=True)`, the same kernels
   called directly;
+- `kernels_meta` (with --variants): `kernels` with the tile metadata from one Pallas program
+  (`ForwardConfig.schedule_impl="kernel"`, `schedules.forward_schedule_kernel`) instead of
+  ~11 small XLA fusions (issue 15);
 - `static`, `dynamic`: the megakernel (`pallas_moe.kernels.decode`) with each scheduler;
 - `unfused` (and `unfused_dyn` with --variants): the megakernel's control, the same task code
   with a global barrier between stages;
@@ -29,6 +32,7 @@ Writes decode_log.txt, decode.json and decode_RESULTS.md (the table) under --out
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -80,7 +84,7 @@ MEGA_VARIANTS = {
     "dynamic_meta": dict(scheduler="dynamic", meta_impl="kernel"),
     "static_jnp": dict(meta_impl="jnp"),
 }
-VARIANTS = ("kernels", "kernels_inf", "auto", *MEGA_VARIANTS)
+VARIANTS = ("kernels", "kernels_inf", "kernels_meta", "auto", *MEGA_VARIANTS)
 # A variant without a suffix routes as the library does by default (the one-program
 # small-batch kernel up to `routing.kernels.SMALL_BATCH_DEFAULT` tokens). The suffix
 # `+small` routes every batch of up to 32 tokens with it (`small_batch_routing`), e.g.
@@ -99,13 +103,21 @@ def split_variant(variant: str) -> tuple[str, str]:
 DEFAULT_VARIANTS = ("kernels", "static", "dynamic", "unfused")
 # CUPTI kernel names of the MoE kernels (everything else is routing or metadata).
 MOE_KERNELS = ("moe_decode", "moe_up_proj", "moe_down_proj", "moe_aggregate")
+# The metadata kernels (the megakernel's `decode_meta`, the kernel path's
+# `forward_schedule_kernel`): counted in the total, not in "MoE kernels alone". A kernel
+# counts as MoE if one of MOE_KERNELS is in its name, so none may be in these.
+META_KERNELS = ("moe_tile_meta", "moe_forward_schedules")
+assert not any(k in m for k in MOE_KERNELS for m in META_KERNELS)
 BYTES_PER_EXPERT = (D * 2 * N + N * D) * 2
 
 
 def make_ffn(variant: str, overrides: dict):
     """(x, plan, w1, w2) -> out for one variant."""
-    if variant == "kernels":  # an explicit config: never the megakernel
+    if variant in ("kernels", "kernels_meta"):  # an explicit config: never the megakernel
         config = KernelConfig.for_shape(D, N)
+        if variant == "kernels_meta":  # the tile metadata from one Pallas program
+            config = dataclasses.replace(config, forward=dataclasses.replace(
+                config.forward, schedule_impl="kernel"))
         return lambda x, p, w1, w2: pm.moe_ffn(x, p, w1, w2, backend="mosaic", config=config)
     if variant == "auto":  # the library's default (the megakernel up to decode_max_tokens())
         return lambda x, p, w1, w2: pm.moe_ffn(x, p, w1, w2, backend="mosaic")

@@ -262,6 +262,30 @@ def test_decode_benchmark_small_routing_variants_trace_in_their_context(monkeypa
     assert any("plan bitwise the default's: True" in line for line in logs)
 
 
+def test_decode_benchmark_kernels_meta_runs_the_schedule_kernel(monkeypatch):
+    """`benchmarks/decode.py`'s `kernels_meta`: the kernel path with its tile metadata from
+    `moe_forward_schedules` (`ForwardConfig.schedule_impl="kernel"`), `kernels` without it;
+    that kernel counts as metadata, not as an MoE kernel, in "MoE kernels alone"."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import decode
+    from pallas_moe.routing import topk_plan
+    from tests.cuda_target import h100_target
+
+    monkeypatch.setattr(decode, "D", 128)
+    monkeypatch.setattr(decode, "N", 64)
+    sds = jax.ShapeDtypeStruct
+    plan = jax.eval_shape(lambda l: topk_plan(l, 2), sds((8, 8), jnp.float32))
+    args = (sds((8, 128), jnp.bfloat16), plan, sds((8, 128, 128), jnp.bfloat16),
+            sds((8, 64, 128), jnp.bfloat16))
+    for variant, kernel in (("kernels", False), ("kernels_meta", True)):
+        with h100_target():
+            text = str(jax.make_jaxpr(decode.make_ffn(variant, {}))(*args))
+        assert ("moe_forward_schedules" in text) == kernel and "moe_up_proj" in text, variant
+    assert "moe_forward_schedules" in decode.META_KERNELS
+    assert not any(k in "moe_forward_schedules" for k in decode.MOE_KERNELS)
+
 def test_bias_grads_benchmark_checks_both_versions_on_the_cpu(tmp_path):
     """`benchmarks/bias_grads.py --smoke`: the dense-product bias gradients and the previous
     scan agree and repeat bitwise at its tiny shape (the GPU run times them)."""

@@ -8,6 +8,7 @@ is freed, so a row the kernel forgot to write, or a slab row read before its pro
 shows up as NaN. A deadlock hangs the process: run under `timeout`.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -125,6 +126,63 @@ def test_decode_meta_kernel_is_bitwise_the_reference(num_tokens, routing):
             assert g.shape == w.shape and g.dtype == w.dtype, name
             assert np.array_equal(g.view(np.int32), w.view(np.int32)), (name, aggregation)
 
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 128])
+@pytest.mark.parametrize("routing", ["random", "skewed", "empty_experts", "one_expert_all_tokens"])
+def test_forward_schedule_kernel_is_bitwise_the_reference(num_tokens, routing):
+    """The compiled schedule kernel of the kernel-by-kernel forward
+    (`schedules.forward_schedule_kernel`, Triton, `ForwardConfig.schedule_impl="kernel"`)
+    against the jnp TileMetas (`_common.tile_meta`, `_common.aligned_tile_meta`), every
+    array bit for bit, on outputs poisoned first: the config's block sizes through
+    `forward_schedules`, then 64-, 192- and 256-row up tiles with 64- and 128-row aligned
+    tiles."""
+    from pallas_moe.kernels import _common
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+    from pallas_moe.kernels.schedules import forward_schedule_kernel, forward_schedules
+
+    _, plan = _case(num_tokens, seed=7, routing=routing)
+    jnp_config = ForwardConfig.for_shape(D, N)
+    kernel_config = dataclasses.replace(jnp_config, schedule_impl="kernel")
+    pairs = [(jnp_config, kernel_config), (64, 64), (192, 128), (256, 128)]
+    for a, b in pairs:
+        if isinstance(a, ForwardConfig):
+            want = jax.jit(lambda p: forward_schedules(p, a))(plan)
+            _poison(4 * 8 * plan.capacity * 512)
+            got = jax.jit(lambda p: forward_schedules(p, b))(plan)
+        else:
+            want = jax.jit(lambda p: (_common.tile_meta(p.group_sizes, p.token_ids, a),
+                                      _common.aligned_tile_meta(p.group_sizes, p.capacity, b)))(plan)
+            _poison(4 * 8 * plan.capacity * 512)
+            got = jax.jit(lambda p: forward_schedule_kernel(p.group_sizes, p.token_ids, a, b))(plan)
+        for kind, g_meta, w_meta in zip(("up", "down"), got, want):
+            assert g_meta.block_m == w_meta.block_m
+            for name in ("expert", "row_start", "num_rows", "row_ids"):
+                g, w = np.asarray(getattr(g_meta, name)), np.asarray(getattr(w_meta, name))
+                assert g.shape == w.shape and g.dtype == w.dtype, (kind, name)
+                assert np.array_equal(g, w), (kind, name, w_meta.block_m)
+
+
+@pytest.mark.parametrize("num_tokens", [8, 128])
+def test_kernel_path_with_the_schedule_kernel_is_bitwise_the_default(num_tokens):
+    """`pm.moe_ffn` through the kernel-by-kernel forward with its tile metadata from the
+    schedule kernel (`ForwardConfig.schedule_impl="kernel"`): bitwise the default (jnp
+    metadata) and close to the xla backend."""
+    from pallas_moe.kernels import KernelConfig
+
+    x, plan = _case(num_tokens, seed=8)
+    w1, w2 = _weights()
+    base = KernelConfig.for_shape(D, N)
+    meta = dataclasses.replace(
+        base, forward=dataclasses.replace(base.forward, schedule_impl="kernel"))
+    outs = []
+    for config in (base, meta):
+        _poison((num_tokens * D + plan.capacity * (3 * N + 2 * D) + 256 * 64 * (N + D)) * 2)
+        outs.append(jax.block_until_ready(jax.jit(
+            lambda x, p, w1, w2, c=config: pm.moe_ffn(x, p, w1, w2, backend="mosaic", config=c)
+        )(x, plan, w1, w2)))
+    assert np.array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+    assert _rel_err(outs[1], _reference_fn()(x, plan, w1, w2)) < 1e-2
 
 @pytest.mark.parametrize("variant", ["static", "dynamic"])
 def test_h_matches_the_kernel_path(variant):

@@ -337,3 +337,49 @@ def test_cluster_split_m_up_proj_lowers_for_cuda():
         _lower(lambda x, tok, g, w, i=inference: up_proj(x, tok, g, w, config=up, inference=i),
                sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
                sds((e, d, 2 * n), jnp.bfloat16))
+
+
+def test_schedule_kernel_forward_is_bitwise_the_default():
+    """`ForwardConfig.schedule_impl="kernel"`: the tile metadata from one Pallas program
+    (`schedules.forward_schedule_kernel`, interpreted here), bit for bit the jnp formulas'
+    (tests/test_schedules.py), so the whole forward is bitwise the default's."""
+    ks = jax.random.split(jax.random.key(64), 4)
+    t, d, n, e, k = 16, 64, 64, 4, 2
+    x = random_x(ks[0], t, d)
+    w1, w2 = random_weights(ks[1], e, d, n)
+    plan = topk_plan(jax.random.normal(ks[2], (t, e)), k)
+    config = ForwardConfig.for_shape(d, n, num_sms=4)
+    assert config.schedule_impl == "jnp"
+    want = moe_forward(x, plan, w1, w2, interpret=True, config=config)
+    kernel = dataclasses.replace(config, schedule_impl="kernel")
+    text = str(jax.make_jaxpr(lambda x: moe_forward(x, plan, w1, w2, interpret=True, config=kernel))(x))
+    assert "moe_forward_schedules" in text
+    got = moe_forward(x, plan, w1, w2, interpret=True, config=kernel)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert bool(jnp.array_equal(g, w, equal_nan=True))
+
+
+def test_schedule_impl_errors():
+    with pytest.raises(ValueError, match=r"schedule_impl must be one of \('jnp', 'kernel', 'auto'\)"):
+        ForwardConfig(schedule_impl="interpret")
+    with pytest.raises(ValueError, match="schedule_impl must be one of"):
+        ForwardConfig.for_shape(128, 128, schedule_impl="triton")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 128])
+def test_schedule_kernel_lowers_for_cuda(num_tokens):
+    """The forward's schedule kernel (`moe_forward_schedules`, Triton) lowers at the
+    Qwen3-30B-A3B widths (E = 128, K = 8), in the whole kernel-by-kernel forward."""
+    from tests.cuda_target import h100_target
+
+    d, n, e, k = 2048, 768, 128, 8
+    sds = jax.ShapeDtypeStruct
+    config = ForwardConfig.for_shape(d, n, num_sms=132, schedule_impl="kernel")
+    with h100_target():
+        text = _lower(
+            lambda x, p, a, b: moe_forward(x, p, a, b, config=config, inference=True),
+            sds((num_tokens, d), jnp.bfloat16), _abstract_plan(num_tokens, e, k),
+            sds((e, d, 2 * n), jnp.bfloat16), sds((e, n, d), jnp.bfloat16),
+        ).as_text()
+    assert "moe_forward_schedules" in text and "moe_up_proj" in text

@@ -317,6 +317,35 @@ def test_tile_metadata_is_computed_once_per_plan(monkeypatch):
     assert sorted(calls) == sorted(want), calls
 
 
+
+def test_schedule_kernel_feeds_both_passes(monkeypatch):
+    """`ForwardConfig.schedule_impl="kernel"` through the op: the forward's tiles come from
+    the schedule kernel (`moe_forward_schedules`, interpreted under the interpret backend),
+    and the backward's tiles of the same block sizes reuse them (no jnp `tile_meta` or
+    `aligned_tile_meta` at all with these configs); its K-blocks stay jnp."""
+    from pallas_moe.kernels import _common
+    from pallas_moe.kernels.moe_backward import BackwardConfig
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+
+    calls = []
+    for name in ("tile_meta", "aligned_tile_meta"):
+        original = getattr(_common, name)
+        monkeypatch.setattr(_common, name, lambda *a, _f=original, _n=name, **kw: calls.append(
+            (_n, a[-1])) or _f(*a, **kw))
+    logits, x, w1, w2, cot = make_inputs(0, 40, 64, 64, 4)
+    plan = pm.routing.topk_plan(logits, 2)
+    forward = ForwardConfig.for_shape(64, 64, num_sms=4, schedule_impl="kernel")
+    backward = BackwardConfig.for_shape(64, 64, num_sms=4)
+    assert (forward.up.tile_rows, forward.down.tile_rows) == (backward.dh.tile_rows, backward.dx.tile_rows)
+    config = pm.kernels.KernelConfig(forward=forward, backward=backward)
+
+    def loss(x, w1, w2):
+        out = pm.moe_ffn(x, plan, w1, w2, backend="interpret", config=config)
+        return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
+
+    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, w1, w2))
+    assert "name=moe_forward_schedules" in text and calls == []
+
 @pytest.mark.parametrize("cluster_m", [1, 2])
 def test_persistent_split_m_schedules_trace(monkeypatch, cluster_m):
     """The op's forward and backward trace with 128-row up-proj tiles (the H200's persistent

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 import jax
@@ -152,3 +153,118 @@ def test_schedules_equal_the_search_and_sort_formulas(case):
     first_row = (lo[owner] // block + np.arange(owner.shape[0]) - np.asarray(kmeta.block_off)[owner]) * block
     rows = np.clip(first_row[:, None] + np.arange(block)[None, :], lo[owner][:, None], hi[owner][:, None] - 1)
     np.testing.assert_array_equal(kmeta.block_ids, np.asarray(token_ids)[np.clip(rows, 0, capacity - 1)])
+
+
+# ------------------------------------------- the forward's schedules from one Pallas program
+
+
+def _logits_plan(key, num_tokens, num_experts, k, routing="random"):
+    """A top-K plan over random logits, as `tests/test_gpu_decode.py` routes its cases."""
+    from pallas_moe.routing import topk_plan
+
+    logits = jax.random.normal(key, (num_tokens, num_experts), jnp.float32)
+    if routing == "skewed":  # a quarter of the experts preferred: group sizes spread ~10x
+        logits = logits + jnp.where(jnp.arange(num_experts) < num_experts // 4, 1.5, 0.0)
+    elif routing == "empty_experts":  # half the experts never chosen
+        logits = jnp.where(jnp.arange(num_experts) < num_experts // 2, -30.0, logits)
+    elif routing == "one_expert_all_tokens":  # expert 5 is in every token's top-K
+        logits = logits.at[:, 5].add(20.0)
+    return topk_plan(logits, k)
+
+
+def _schedule_plan(kind, key):
+    from pallas_moe.routing import token_rounding_plan
+    from tests.test_kernels_common import assignment_plan
+
+    if kind.startswith("qwen3_T"):  # E = 128, K = 8 (Qwen3-30B-A3B's routing)
+        return _logits_plan(key, int(kind.removeprefix("qwen3_T")), 128, 8)
+    if kind in ("skewed", "empty_experts", "one_expert_all_tokens"):
+        return _logits_plan(key, 64, 128, 8, routing=kind)
+    if kind == "small_e":  # 6 experts, groups ending mid-tile
+        return _logits_plan(key, 37, 6, 3)
+    if kind == "tile_multiples":  # token rounding: every group a multiple of 64 rows, padding rows
+        return token_rounding_plan(jax.random.normal(key, (100, 8)), 2, tile=64)
+    if kind == "one_expert_128":  # one group of exactly 128 rows: ends on a tile boundary
+        return assignment_plan(key, 128, 3, only=1)
+    assert kind == "empty"  # no row at all: no real tile
+    return assignment_plan(key, 9, 4, empty=range(4), extra=5)
+
+
+def assert_tile_metas_bitwise_equal(got, want):
+    """Every array of two `TileMeta`s, padding entries included, bit for bit."""
+    assert got.block_m == want.block_m
+    for name in ("expert", "row_start", "num_rows", "row_ids"):
+        g, w = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+        assert g.shape == w.shape and g.dtype == w.dtype, (name, g.shape, w.shape, g.dtype, w.dtype)
+        np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+@pytest.mark.parametrize("plan_kind, up_rows, down_rows", [
+    ("qwen3_T1", 128, 128),  # 8 one-row tiles among 128 experts
+    pytest.param("qwen3_T2", 64, 128, marks=pytest.mark.slow),  # CI time: T1 and T8 cover it
+    ("qwen3_T8", 128, 128),  # issue 15's case
+    ("qwen3_T64", 128, 64),
+    ("qwen3_T128", 128, 128),  # capacity 1024: 5 chunks of each kind
+    pytest.param("skewed", 64, 64, marks=pytest.mark.slow),  # CI time: skewed-256 covers it
+    ("empty_experts", 128, 128),
+    ("one_expert_all_tokens", 64, 128),  # a 64-row group: whole tiles of both sizes
+    ("small_e", 64, 64),
+    ("tile_multiples", 64, 128),  # groups on tile boundaries, padding rows past them
+    ("one_expert_128", 128, 64),
+    ("empty", 64, 64),
+    ("qwen3_T64", 192, 128),  # the split-M up-proj's 192-row items (tokens padded to 256)
+    ("skewed", 256, 128),  # a cluster item's 256 rows (`UpProjConfig.tile_rows`)
+])
+def test_forward_schedule_kernel_is_bitwise_the_jnp_schedules(plan_kind, up_rows, down_rows):
+    """`forward_schedule_kernel` (one Pallas program, run interpreted) gives
+    `tile_meta(up_rows)` and `aligned_tile_meta(down_rows)` bit for bit, padding tiles and
+    padding rows included; `forward_schedules` takes it with `schedule_impl="kernel"` in
+    interpret mode."""
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+    from pallas_moe.kernels.schedules import _TileMetas, forward_schedule_kernel, forward_schedules
+
+    plan = _schedule_plan(plan_kind, jax.random.key(7))
+    sizes = np.asarray(plan.group_sizes)
+    if plan_kind == "one_expert_all_tokens":
+        assert sizes[5] == 64
+    elif plan_kind == "tile_multiples":
+        assert np.all(sizes % 64 == 0) and int(plan.num_rows) < plan.capacity
+    elif plan_kind == "empty":
+        assert int(plan.num_rows) == 0
+    want = (_common.tile_meta(plan.group_sizes, plan.token_ids, up_rows),
+            _common.aligned_tile_meta(plan.group_sizes, plan.capacity, down_rows))
+    got = forward_schedule_kernel(plan.group_sizes, plan.token_ids, up_rows, down_rows,
+                                  interpret=True)
+    for g, w in zip(got, want):
+        assert_tile_metas_bitwise_equal(g, w)
+    if plan_kind == "qwen3_T8":  # through the config, as `moe_forward` asks for them
+        forward = ForwardConfig.for_shape(2048, 768, num_sms=4, schedule_impl="kernel")
+        assert (forward.up.tile_rows, forward.down.tile_rows) == (up_rows, down_rows)
+        tiles = _TileMetas(plan)
+        for g, w in zip(forward_schedules(plan, forward, tiles, interpret=True), want):
+            assert_tile_metas_bitwise_equal(g, w)
+        assert tiles.has("rows", up_rows) and tiles.has("aligned", down_rows)
+
+
+def test_schedule_impl_picks_the_kernel():
+    """"kernel" runs `moe_forward_schedules` (interpreted where the kernels are), "jnp" (the
+    default) the jnp formulas, "auto" the kernel up to `SCHEDULE_KERNEL_MAX_TOKENS` tokens."""
+    from pallas_moe.kernels.moe_forward import ForwardConfig
+    from pallas_moe.kernels.schedules import (
+        SCHEDULE_KERNEL_MAX_TOKENS, forward_schedules, resolve_schedule_impl,
+    )
+
+    assert ForwardConfig().schedule_impl == "jnp"
+    assert ForwardConfig.for_shape(2048, 768, num_sms=132).schedule_impl == "jnp"
+    assert resolve_schedule_impl("kernel", 8) == "kernel"
+    assert resolve_schedule_impl("kernel", 8, interpret=True) == "interpret"
+    assert resolve_schedule_impl("jnp", 8, interpret=True) == "jnp"
+    assert resolve_schedule_impl("auto", SCHEDULE_KERNEL_MAX_TOKENS) == "kernel"
+    assert resolve_schedule_impl("auto", SCHEDULE_KERNEL_MAX_TOKENS + 1) == "jnp"
+    from pallas_moe.routing import topk_plan
+
+    plan = jax.eval_shape(lambda l: topk_plan(l, 8), jax.ShapeDtypeStruct((8, 128), jnp.float32))
+    for impl, kernel in (("jnp", False), ("kernel", True), ("auto", True)):
+        forward = ForwardConfig.for_shape(2048, 768, num_sms=132, schedule_impl=impl)
+        text = str(jax.make_jaxpr(lambda p: forward_schedules(p, forward))(plan))
+        assert ("moe_forward_schedules" in text) == kernel, impl

@@ -19,12 +19,18 @@ compares in one program), so it is meant for decode sizes: the megakernel's defa
 tokens and the reference above. Measured on an H200 (session 41, the whole jitted call at
 the Qwen3-30B-A3B widths): 42.0 against 50.8 us at T = 1, but 183.4 against 180.7 at T = 8
 and 442.8 against 371.5 at T = 128.
+
+The kernel's row tiles (expert, first row, rows and token ids of each tile of a chunk:
+`load_groups`, `row_tile_prefix`, `row_tiles`) are `_common.tile_meta`'s; the
+kernel-by-kernel forward's schedule kernel (`schedules.forward_schedules`,
+`ForwardConfig.schedule_impl`) calls the same helpers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +182,110 @@ def decode_meta_reference(plan, config, d: int, aggregation: str = "fp32") -> De
 # ------------------------------------------------------------------ the kernel
 
 
+class Groups(NamedTuple):
+    """A plan's expert groups in registers, inside a Pallas (Triton) kernel: E padded to
+    `e_pad` (a power of two) with empty experts (0 rows, 0 tiles).
+
+    Attributes (all i32[e_pad], but `ok` bool and the totals scalars):
+      experts: lane index e; ok: e < E; sizes: rows of expert e (`group_sizes`);
+      starts, ends: its first and one-past-last grouped row; total_rows: sum of the sizes.
+    """
+
+    experts: jax.Array
+    ok: jax.Array
+    sizes: jax.Array
+    starts: jax.Array
+    ends: jax.Array
+    total_rows: jax.Array
+
+
+def load_groups(group_sizes_ref, *, num_experts: int, e_pad: int) -> Groups:
+    """`Groups` from an i32[E] ref of group sizes (one masked load and two prefix sums)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    experts = jnp.arange(e_pad, dtype=jnp.int32)
+    ok = experts < num_experts
+    sizes = plt.load(group_sizes_ref.at[pl.ds(0, e_pad)], mask=ok, other=0)
+    ends = jnp.cumsum(sizes)
+    return Groups(experts=experts, ok=ok, sizes=sizes, starts=ends - sizes, ends=ends,
+                  total_rows=jnp.sum(sizes))
+
+
+def pick(onehot, values):
+    """values[e] for each row of a one-hot [N, Ep] mask: a gather from registers."""
+    return jnp.sum(jnp.where(onehot, values[None, :], 0), axis=1)
+
+
+class RowTiles(NamedTuple):
+    """A chunk of `tile_schedule`'s row tiles with their token ids (`_common.tile_meta`).
+
+    Attributes ([TC] per tile; `tokens` [TC, row_pad]):
+      expert: the tile's expert (tiles past the real ones: the last real tile's expert).
+      start: its first grouped row (past the real ones: the plan's row count).
+      rows: its rows (0 past the real ones).
+      tokens: the source token of each of its rows; columns past `rows` (and the padding
+        columns up to `row_pad`) repeat the last real row's token, empty tiles read token 0:
+        `_common.tile_meta`'s `row_ids`.
+    """
+
+    expert: jax.Array
+    start: jax.Array
+    rows: jax.Array
+    tokens: jax.Array
+
+
+class TilePrefix(NamedTuple):
+    """`tile_schedule`'s per-expert tile counts for one block size, in registers: each
+    expert's inclusive end tile (`tile_ends`) and first tile (`first_tile`), i32[e_pad], and
+    the number of real tiles (`total_tiles`)."""
+
+    tile_ends: jax.Array
+    first_tile: jax.Array
+    total_tiles: jax.Array
+
+
+def row_tile_prefix(groups: Groups, block_m: int) -> TilePrefix:
+    """`TilePrefix` of `block_m`-row tiles (computed once per kernel, outside its loops)."""
+    tiles_of = (groups.sizes + block_m - 1) // block_m  # padding experts: 0 tiles
+    tile_ends = jnp.cumsum(tiles_of)
+    return TilePrefix(tile_ends=tile_ends, first_tile=tile_ends - tiles_of,
+                      total_tiles=jnp.sum(tiles_of))
+
+
+def row_tiles(groups: Groups, prefix: TilePrefix, token_ids_ref, tile, tile_ok, *, capacity: int,
+              block_m: int, row_pad: int) -> RowTiles:
+    """Row tiles `tile` (i32[TC]) of `tile_schedule(group_sizes, capacity, block_m)` with
+    their tokens, the formulas of `tile_schedule` and `_common.tile_meta` in the same cases
+    (so bit for bit theirs). `prefix`: `row_tile_prefix(groups, block_m)`. Lanes where
+    `tile_ok` is False load nothing (their tokens are 0). `row_pad` >= `block_m`, a power of
+    two: the tokens' columns (Triton blocks are powers of two).
+
+    Shared by the decode metadata kernel (`_meta_kernel`) and the kernel-by-kernel
+    forward's (`schedules._forward_schedules_kernel`)."""
+    from jax.experimental.pallas import triton as plt
+
+    i32 = jnp.int32
+    tile_ends, first_tile, total_tiles = prefix
+    # Tiles past the real ones take the last real tile's expert (`tile_schedule`).
+    probe = jnp.minimum(tile, total_tiles - 1)
+    expert = jnp.sum(
+        (groups.ok[None, :] & (tile_ends[None, :] <= probe[:, None])).astype(i32), axis=1
+    )  # [TC]
+    onehot = groups.experts[None, :] == expert[:, None]  # [TC, Ep]
+    is_real = tile < total_tiles
+    start = pick(onehot, groups.starts) + (tile - pick(onehot, first_tile)) * block_m
+    end = jnp.minimum(start + block_m, pick(onehot, groups.ends))
+    start = jnp.where(is_real, start, groups.total_rows)
+    rows_in = jnp.where(is_real, end, groups.total_rows) - start  # [TC]
+    local = jnp.arange(row_pad, dtype=i32)[None, :]  # [1, row_pad]
+    rows = start[:, None] + jnp.minimum(local, jnp.maximum(rows_in - 1, 0)[:, None])
+    rows = jnp.clip(rows, 0, capacity - 1)  # [TC, row_pad]
+    load_ok = jnp.broadcast_to(((rows_in > 0) & tile_ok)[:, None], rows.shape)
+    tokens = plt.load(token_ids_ref.at[jnp.where(load_ok, rows, 0)], mask=load_ok, other=0)
+    return RowTiles(expert=expert, start=start, rows=rows_in, tokens=tokens)
+
+
 def _meta_kernel(
     group_sizes_ref, token_ids_ref, rows_by_token_ref, scores_ref,
     counts_ref, expert_ref, row_start_ref, num_rows_ref, row_ids_ref, block_lo_ref,
@@ -190,19 +300,11 @@ def _meta_kernel(
     from jax.experimental.pallas import triton as plt
 
     i32 = jnp.int32
-    experts = jnp.arange(e_pad, dtype=i32)  # [Ep]
-    expert_ok = experts < num_experts
-    sizes = plt.load(group_sizes_ref.at[pl.ds(0, e_pad)], mask=expert_ok, other=0)  # [Ep]
-    tiles_of = (sizes + block_m - 1) // block_m  # padding experts: 0 rows, 0 tiles
-    tile_ends = jnp.cumsum(tiles_of)  # [Ep] inclusive
-    group_ends = jnp.cumsum(sizes)
-    first_tile = tile_ends - tiles_of
-    group_starts = group_ends - sizes
-    total_tiles = jnp.sum(tiles_of)
-    total_rows = jnp.sum(sizes)
-
-    def pick(onehot, values):  # values[e] per row of a one-hot [N, Ep] (a gather from registers)
-        return jnp.sum(jnp.where(onehot, values[None, :], 0), axis=1)
+    groups = load_groups(group_sizes_ref, num_experts=num_experts, e_pad=e_pad)
+    experts, expert_ok = groups.experts, groups.ok
+    group_starts, group_ends = groups.starts, groups.ends
+    prefix = row_tile_prefix(groups, block_m)
+    first_tile, total_tiles = prefix.first_tile, prefix.total_tiles
 
     local = jnp.arange(block_m, dtype=i32)[None, :]  # [1, bm]
     blocks = jnp.arange(b_pad, dtype=i32)[None, :]  # [1, Bp]
@@ -210,22 +312,10 @@ def _meta_kernel(
     def tile_step(c, target):
         tile = c * tile_chunk + jnp.arange(tile_chunk, dtype=i32)  # [TC]
         tile_ok = tile < max_tiles
-        # Tiles past the real ones take the last real tile's expert (`tile_schedule`).
-        probe = jnp.minimum(tile, total_tiles - 1)
-        expert = jnp.sum(
-            (expert_ok[None, :] & (tile_ends[None, :] <= probe[:, None])).astype(i32), axis=1
-        )  # [TC]
-        onehot = experts[None, :] == expert[:, None]  # [TC, Ep]
-        is_real = tile < total_tiles
-        start = pick(onehot, group_starts) + (tile - pick(onehot, first_tile)) * block_m
-        end = jnp.minimum(start + block_m, pick(onehot, group_ends))
-        start = jnp.where(is_real, start, total_rows)
-        rows_in = jnp.where(is_real, end, total_rows) - start  # [TC]
+        tiles = row_tiles(groups, prefix, token_ids_ref, tile, tile_ok, capacity=capacity,
+                          block_m=block_m, row_pad=block_m)
+        expert, start, rows_in, tokens = tiles
         real = rows_in > 0
-        rows = start[:, None] + jnp.minimum(local, jnp.maximum(rows_in - 1, 0)[:, None])
-        rows = jnp.clip(rows, 0, capacity - 1)  # [TC, bm]
-        load_ok = jnp.broadcast_to((real & tile_ok)[:, None], rows.shape)
-        tokens = plt.load(token_ids_ref.at[jnp.where(load_ok, rows, 0)], mask=load_ok, other=0)
         row_ids = jnp.where(local < rows_in[:, None], tokens, -1 - tokens)
         lo = jnp.min(tokens, axis=1) // token_block
         hi = jnp.max(tokens, axis=1) // token_block
@@ -243,7 +333,7 @@ def _meta_kernel(
         plt.store(num_rows_ref.at[at], rows_in, mask=tile_ok)
         plt.store(block_lo_ref.at[at], block_lo, mask=tile_ok)
         plt.store(block_count_ref.at[at], block_count, mask=tile_ok)
-        store_ok = jnp.broadcast_to(tile_ok[:, None], rows.shape)
+        store_ok = jnp.broadcast_to(tile_ok[:, None], tokens.shape)
         flat = jnp.where(store_ok, tile[:, None] * block_m + local, max_tiles * block_m)
         plt.store(row_ids_ref.at[flat], row_ids, mask=store_ok)
         return target + jnp.sum(covers.astype(i32), axis=0)

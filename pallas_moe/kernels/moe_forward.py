@@ -26,7 +26,9 @@ from pallas_moe.kernels.decode import DecodeConfig, default_config as default_de
 from pallas_moe.kernels.decode import moe_decode
 from pallas_moe.kernels.down_proj import down_proj
 from pallas_moe.kernels.grouped_gemm import GroupedMatmulConfig
-from pallas_moe.kernels.schedules import PlanSchedules, forward_schedules, require_block
+from pallas_moe.kernels.schedules import (
+    SCHEDULE_IMPLS, PlanSchedules, forward_schedules, require_block,
+)
 from pallas_moe.kernels.up_proj import UpProjConfig, persistent_smem_bytes, up_proj
 from pallas_moe.ops.activation import SwiGLU
 
@@ -65,17 +67,35 @@ class ForwardConfig:
     (whose configs are then unused). None (default): the kernel-by-kernel forward. Through
     `pm.moe_ffn` with no config, a batch of at most `decode_max_tokens()` tokens runs the
     megakernel (`forward_config`), where it measured faster.
+
+    `schedule_impl`: how the kernel-by-kernel forward computes its tile metadata per plan
+    (the up-proj's row tiles with token ids and the down-proj's aligned tiles,
+    `schedules.forward_schedules`): "jnp" (default: `_common.tile_meta` and
+    `_common.aligned_tile_meta`, ~11 small XLA fusions), "kernel" (the same arrays, bit for
+    bit, from one Pallas program, `schedules.forward_schedule_kernel`; where the kernels run
+    interpreted it runs interpreted) or "auto" ("kernel" for batches of at most
+    `schedules.SCHEDULE_KERNEL_MAX_TOKENS` tokens, "jnp" above). Why a kernel: at T = 8 on
+    the H100 (Qwen3-30B-A3B widths, issue 15) those 11 launches of 1.1-2.2 us each are ~16
+    us of the call's 228.9 us GPU time. The default stays "jnp" until a GPU run measures the
+    kernel (`benchmarks/decode.py --variants kernels,kernels_meta`). The backward's
+    schedules are always jnp. Unused with `decode` (the megakernel has its own,
+    `DecodeConfig.meta_impl`).
     """
 
     up: UpProjConfig = UpProjConfig()
     down: GroupedMatmulConfig = GroupedMatmulConfig()
     aggregate: AggregateConfig = AggregateConfig()
     decode: DecodeConfig | None = None
+    schedule_impl: str = "jnp"
 
     def __post_init__(self):
         if self.decode is not None and not isinstance(self.decode, DecodeConfig):
             raise TypeError(
                 f"decode must be a DecodeConfig or None, got {type(self.decode).__name__}."
+            )
+        if self.schedule_impl not in SCHEDULE_IMPLS:
+            raise ValueError(
+                f"schedule_impl must be one of {SCHEDULE_IMPLS}, got {self.schedule_impl!r}."
             )
 
     @classmethod
@@ -432,7 +452,7 @@ def moe_forward(
     # Tile metadata, once per plan and block size: from the op (`plan_schedules`, shared
     # with the backward), or computed here for a standalone call.
     if schedules is None:
-        up_meta, down_meta = forward_schedules(plan, config)
+        up_meta, down_meta = forward_schedules(plan, config, interpret=interpret)
     else:
         require_block("up", schedules.up, config.up.tile_rows)
         require_block("down", schedules.down, config.down.tile_rows)

@@ -161,7 +161,8 @@ def _kernel_moe_ffn(interpret: bool, config, numerics: Numerics, activation: Swi
     return minimal_residual_moe_ffn(
         forward, backward, aggregation=numerics.aggregation,
         schedules=lambda plan, w_gate_up, has_biases: plan_schedules(
-            plan, forward_cfg(plan, w_gate_up, has_biases), backward_cfg(w_gate_up)
+            plan, forward_cfg(plan, w_gate_up, has_biases), backward_cfg(w_gate_up),
+            interpret=interpret,
         ),
         inference_forward=functools.partial(forward, inference=True),
     )
