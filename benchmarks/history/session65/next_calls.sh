@@ -8,11 +8,14 @@
 #   S (~6 min, H100): 7b and 7b-n1024 steps, the weight gradients' 192-wide gathered chunks
 #      against `wg-128`, 3 paired rounds. Revert `_gathered_chunks` if slower beyond spread.
 #   G (~5 min, H100): gpt-oss-20b step, dX~ lag 0 against `lag1-dx`, 3 paired rounds.
-#   M (~4 min, H100): issue 15 at T = 1..16: the megakernel with its one-program metadata
-#      (`static_meta`) against the jnp metadata (`static_jnp`), `static` (auto: the kernel up
-#      to 4 tokens) and the kernel path. The metadata kernel's 4-token limit and the op's
-#      2-token megakernel limit were measured on an H200 (session 41) and an older kernel.
-#      T = 8 misses the 1.3x target by ~8 us (229 against 221), ~19 us of it metadata.
+#   M (~8 min, H100): issue 15's metadata at small T. First the GPU tests of session 65's
+#      one-program schedule kernel (`moe_forward_schedules`, never compiled yet) and of the
+#      decode metadata kernel it shares its row-tile step with; then `decode.py` at T = 1,
+#      8, 64, 128: the kernel path with its jnp schedules (`kernels`, ~11 XLA launches, ~16
+#      us at T = 8) against the schedule kernel (`kernels_meta`), and the megakernel with
+#      jnp-above-4-tokens metadata (`static`) against its metadata kernel (`static_meta`).
+#      T = 8 misses the 1.3x target by ~8 us (229 against 221). Adopt `schedule_impl="auto"`
+#      (and set `SCHEDULE_KERNEL_MAX_TOKENS`) where `kernels_meta` wins beyond the spread.
 #   A1, A2 (~4-5 min each, H100): the audit list: up-proj `no_auto_barriers`, `rebalance_registers=False`,
 #      the TMA loader's `row_unroll` 16 against 4 (A1: `forward.py --up-sweep audit`), and the
 #      backward's `rebalance_registers=False` in dH and both weight gradients
@@ -48,8 +51,12 @@ C)
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | grep -v "^ *{" | cut -c1-400 | tail -12
   grep "^|" $OUT/step.log | tail -6 ;;
 M)
-  timeout 300 python3 benchmarks/decode.py --tokens 1,2,4,8,16 --iters 30 \
-    --variants kernels,static,static_meta,static_jnp --out $OUT > $OUT/decode.log 2>&1
+  timeout 240 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu_decode.py \
+    -k "schedule or decode_meta_kernel" -rA > $OUT/gpu_tests.log 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_tests.log
+  grep -E "(FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -10
+  timeout 300 python3 benchmarks/decode.py --tokens 1,8,64,128 --iters 30 \
+    --variants kernels,kernels_meta,static,static_meta --out $OUT > $OUT/decode.log 2>&1
   echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; tail -24 $OUT/decode.log | cut -c1-300 ;;
 A1)
   timeout 540 python3 benchmarks/forward.py --shapes 7b,gpt-oss-20b,30b --skew '' --up-sweep audit \
