@@ -5,6 +5,7 @@
 #      A2 did not reach: the backward through cp.async, the staged output slabs, the split dH,
 #      the persistent weight gradients (7B's 192-wide gathered chunks, 3 stages) and dX~ at
 #      lag 0 (gpt-oss widths). `-v`, so a cut run still names each test that finished.
+#   T2 (~9 min): on a short budget, T's tests of session 64's two new defaults and M's tests.
 #   S (~6 min, H100): 7b and 7b-n1024 steps, the weight gradients' 192-wide gathered chunks
 #      against `wg-128`, 3 paired rounds. Revert `_gathered_chunks` if slower beyond spread.
 #   G (~5 min, H100): gpt-oss-20b step, dX~ lag 0 against `lag1-dx`, 3 paired rounds.
@@ -36,6 +37,17 @@ T)
     -rA > $OUT/gpu_tests.log 2>&1
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
   grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-160 | tail -40 ;;
+T2)
+  # A short budget's T: session 64's two new defaults (the 192-wide persistent weight
+  # gradients, dX~ at lag 0), then M's GPU tests of the new schedule kernel.
+  timeout 300 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py \
+    -k "weight_grad_persistent or wgmma_lag_0_writes" -rA > $OUT/gpu_tests.log 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-160 | tail -20
+  timeout ${TESTS_S:-200} python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu_decode.py \
+    -k "schedule or decode_meta_kernel" -rA > $OUT/gpu_decode_tests.log 2>&1
+  echo "decode tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_decode_tests.log
+  grep -E "(FAILED|ERROR)" $OUT/gpu_decode_tests.log | cut -c1-200 | tail -10 ;;
 S)
   timeout 540 python3 benchmarks/step.py --shapes ${SHAPES:-7b,7b-n1024} \
     --variants topk/cp_async,topk/cp_async/wg-128 --rounds 3 --out $OUT > $OUT/step.log 2>&1
