@@ -20,6 +20,7 @@ import pallas_moe as pm
 from pallas_moe.kernels.decode import DecodeConfig, moe_decode
 
 from tests.test_gpu import _poison, on_hopper
+from tests.test_schedules import routing_logits
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not on_hopper, reason="needs a Hopper GPU")]
 
 D, N, E, K = 2048, 768, 128, 8
@@ -55,13 +56,7 @@ def _reference_fn():
 def _case(num_tokens, seed, routing="random"):
     kx, kl = jax.random.split(jax.random.key(1000 * num_tokens + seed))
     x = jax.random.normal(kx, (num_tokens, D), jnp.float32).astype(jnp.bfloat16)
-    logits = jax.random.normal(kl, (num_tokens, E), jnp.float32)
-    if routing == "skewed":  # a quarter of the experts preferred: group sizes spread ~10x
-        logits = logits + jnp.where(jnp.arange(E) < E // 4, 1.5, 0.0)
-    elif routing == "empty_experts":  # half the experts never chosen
-        logits = jnp.where(jnp.arange(E) < E // 2, -30.0, logits)
-    elif routing == "one_expert_all_tokens":  # expert 5 is in every token's top-K
-        logits = logits.at[:, 5].add(20.0)
+    logits = routing_logits(kl, num_tokens, E, routing)
     plan = jax.jit(lambda l: pm.routing.topk_plan(l, K))(logits)
     return x, plan
 

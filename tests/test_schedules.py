@@ -158,18 +158,27 @@ def test_schedules_equal_the_search_and_sort_formulas(case):
 # ------------------------------------------- the forward's schedules from one Pallas program
 
 
+def routing_logits(key, num_tokens, num_experts, routing="random"):
+    """f32 [T, E] router logits for a routing case (also `tests/test_gpu_decode.py`'s):
+    "random", "skewed" (a quarter of the experts preferred: group sizes spread ~10x),
+    "empty_experts" (half the experts never chosen) or "one_expert_all_tokens" (expert 5
+    in every token's top-K)."""
+    logits = jax.random.normal(key, (num_tokens, num_experts), jnp.float32)
+    if routing == "skewed":
+        return logits + jnp.where(jnp.arange(num_experts) < num_experts // 4, 1.5, 0.0)
+    if routing == "empty_experts":
+        return jnp.where(jnp.arange(num_experts) < num_experts // 2, -30.0, logits)
+    if routing == "one_expert_all_tokens":
+        return logits.at[:, 5].add(20.0)
+    assert routing == "random", routing
+    return logits
+
+
 def _logits_plan(key, num_tokens, num_experts, k, routing="random"):
-    """A top-K plan over random logits, as `tests/test_gpu_decode.py` routes its cases."""
+    """A top-K plan over `routing_logits`."""
     from pallas_moe.routing import topk_plan
 
-    logits = jax.random.normal(key, (num_tokens, num_experts), jnp.float32)
-    if routing == "skewed":  # a quarter of the experts preferred: group sizes spread ~10x
-        logits = logits + jnp.where(jnp.arange(num_experts) < num_experts // 4, 1.5, 0.0)
-    elif routing == "empty_experts":  # half the experts never chosen
-        logits = jnp.where(jnp.arange(num_experts) < num_experts // 2, -30.0, logits)
-    elif routing == "one_expert_all_tokens":  # expert 5 is in every token's top-K
-        logits = logits.at[:, 5].add(20.0)
-    return topk_plan(logits, k)
+    return topk_plan(routing_logits(key, num_tokens, num_experts, routing), k)
 
 
 def _schedule_plan(kind, key):
