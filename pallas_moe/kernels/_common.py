@@ -45,6 +45,12 @@ def mma_transforms(dtype) -> tuple:
 INTERPRET_MIN_CPU_THREADS = 32
 
 
+def is_interpreted(interpret: bool | plgpu.InterpretGPUParams) -> bool:
+    """Whether the public `interpret` flag (True or an `InterpretGPUParams`) asks for
+    interpret mode."""
+    return isinstance(interpret, plgpu.InterpretGPUParams) or bool(interpret)
+
+
 def interpret_params(interpret: bool | plgpu.InterpretGPUParams, detect_races: bool = False):
     """Maps the public `interpret` flag to what `plgpu.kernel` takes.
 
@@ -56,7 +62,7 @@ def interpret_params(interpret: bool | plgpu.InterpretGPUParams, detect_races: b
     default). When blocked callbacks hold every pool thread, the warpgroup they wait for
     never runs: a jitted kernel hangs with no CPU use (seen on 2-core machines; with a
     1-thread pool the jitted interpret backward hangs every time)."""
-    if not (isinstance(interpret, plgpu.InterpretGPUParams) or interpret):
+    if not is_interpreted(interpret):
         return None
     threads = xla_cpu_pool_threads()
     if threads < INTERPRET_MIN_CPU_THREADS:
@@ -570,6 +576,12 @@ def gather_rows(
     jax.lax.fori_loop(0, num_rows, row_copy, None, unroll=unroll)
 
 
+def aligned_max_tiles(capacity: int, num_experts: int, block_m: int) -> int:
+    """`aligned_tile_meta`'s length: each expert adds at most one piece to the
+    `ceil(capacity / block_m)` aligned blocks."""
+    return -(-capacity // block_m) + num_experts
+
+
 def aligned_tile_meta(group_sizes: jax.Array, capacity: int, block_m: int) -> TileMeta:
     """Row tiles that never cross a `block_m`-aligned row boundary nor an expert boundary.
 
@@ -592,7 +604,7 @@ def aligned_tile_meta(group_sizes: jax.Array, capacity: int, block_m: int) -> Ti
     first_block = lo // block_m  # [E]
     pieces = jnp.where(group_sizes > 0, (hi + block_m - 1) // block_m - first_block, 0)  # [E]
     piece_end = jnp.cumsum(pieces, dtype=jnp.int32)  # [E]
-    num_tiles = -(-capacity // block_m) + num_experts
+    num_tiles = aligned_max_tiles(capacity, num_experts, block_m)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
     expert = jnp.minimum(count_at_most(piece_end, tile), num_experts - 1)  # [nt]
     block = first_block[expert] + tile - (piece_end - pieces)[expert]  # aligned block index

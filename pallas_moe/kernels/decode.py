@@ -439,9 +439,8 @@ def decode_tasks(
         up_blocks=n // config.up_block_n, down_blocks=d // config.down_block_n,
     )
     if meta is None:
-        impl = resolve_meta_impl(config.meta_impl, num_tokens)
-        if interpret_mode is not None and impl == "kernel":  # interpreted, it runs interpreted
-            impl = "interpret"
+        # Interpreted, the metadata kernel runs interpreted.
+        impl = resolve_meta_impl(config.meta_impl, num_tokens, interpret=interpret)
         meta = decode_meta(plan, config, d, aggregation, impl=impl)
     elif not isinstance(meta, DecodeMeta):
         raise TypeError(f"meta must be a DecodeMeta or None, got {type(meta).__name__}.")

@@ -44,12 +44,22 @@ META_IMPLS = ("jnp", "kernel", "interpret")
 META_KERNEL_MAX_TOKENS = 4
 
 
-def resolve_meta_impl(meta_impl: str, num_tokens: int) -> str:
-    """`DecodeConfig.meta_impl` for a batch of `num_tokens` tokens: "auto" is "kernel" up to
-    `META_KERNEL_MAX_TOKENS` tokens and "jnp" above; "jnp" and "kernel" stay as they are."""
-    if meta_impl == "auto":
-        return "kernel" if num_tokens <= META_KERNEL_MAX_TOKENS else "jnp"
-    return meta_impl
+def resolve_meta_impl(meta_impl: str, num_tokens: int, *,
+                      max_tokens: int = META_KERNEL_MAX_TOKENS, interpret=False) -> str:
+    """A metadata implementation ("jnp", "kernel" or "auto") for a batch of `num_tokens`
+    tokens: "auto" is "kernel" up to `max_tokens` tokens and "jnp" above; "kernel" is
+    "interpret" where the kernels run interpreted (`interpret` True or an
+    `InterpretGPUParams`). `DecodeConfig.meta_impl` (with `META_KERNEL_MAX_TOKENS`) and
+    `ForwardConfig.schedule_impl` (`schedules.resolve_schedule_impl`) both resolve here."""
+    from pallas_moe.kernels._common import is_interpreted
+
+    impl = meta_impl
+    if impl == "auto":
+        impl = "kernel" if num_tokens <= max_tokens else "jnp"
+    if impl == "kernel" and is_interpreted(interpret):
+        impl = "interpret"
+    return impl
+
 # Tiles and CSR positions the kernel handles per loop step ([chunk, E] compares each).
 TILE_CHUNK = 32
 ROW_CHUNK = 128

@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_moe.kernels import _common
-from pallas_moe.kernels.decode_meta import load_groups, pick, row_tile_prefix, row_tiles
+from pallas_moe.kernels.decode_meta import (
+    TILE_CHUNK, load_groups, pick, resolve_meta_impl, row_tile_prefix, row_tiles,
+)
 from pallas_moe.kernels.weight_grad import KBlockMeta, k_block_meta
 
 if TYPE_CHECKING:  # the configs import the kernels, which import this module
@@ -93,7 +95,7 @@ def forward_schedules(plan, forward: "ForwardConfig", tiles: "_TileMetas | None"
     tiles = _TileMetas(plan) if tiles is None else tiles
     up_rows, down_rows = forward.up.tile_rows, forward.down.tile_rows
     impl = resolve_schedule_impl(forward.schedule_impl, plan.num_tokens, interpret)
-    if impl != "jnp" and not (tiles.has("rows", up_rows) and tiles.has("aligned", down_rows)):
+    if impl != "jnp":
         up, down = forward_schedule_kernel(
             plan.group_sizes, plan.token_ids, up_rows, down_rows,
             interpret=impl == "interpret",
@@ -155,9 +157,9 @@ SCHEDULE_IMPLS = ("jnp", "kernel", "auto")
 # is not the default until a GPU run (`benchmarks/decode.py --variants kernels,kernels_meta`)
 # sets this threshold.
 SCHEDULE_KERNEL_MAX_TOKENS = 128
-# Tiles per loop step of the schedule kernel, and the most [tiles, row_pad] token ids one
-# step gathers (the up-proj's tiles are 64-384 rows: fewer tiles per step for the tallest).
-TILE_CHUNK = 32
+# The most [tiles, row_pad] token ids one loop step of the schedule kernel gathers (steps
+# take the decode metadata kernel's `TILE_CHUNK` tiles; the up-proj's tiles are 64-384 rows:
+# fewer tiles per step for the tallest).
 CHUNK_ELEMENTS = 4096
 
 
@@ -169,18 +171,8 @@ def resolve_schedule_impl(schedule_impl: str, num_tokens: int, interpret=False) 
     if schedule_impl not in SCHEDULE_IMPLS:
         raise ValueError(
             f"schedule_impl must be one of {SCHEDULE_IMPLS}, got {schedule_impl!r}.")
-    impl = schedule_impl
-    if impl == "auto":
-        impl = "kernel" if num_tokens <= SCHEDULE_KERNEL_MAX_TOKENS else "jnp"
-    if impl == "kernel" and _interpreted(interpret):
-        impl = "interpret"
-    return impl
-
-
-def _interpreted(interpret) -> bool:
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return isinstance(interpret, plgpu.InterpretGPUParams) or bool(interpret)
+    return resolve_meta_impl(schedule_impl, num_tokens, max_tokens=SCHEDULE_KERNEL_MAX_TOKENS,
+                             interpret=interpret)
 
 
 def forward_schedule_kernel(group_sizes: jax.Array, token_ids: jax.Array, up_rows: int,
@@ -210,7 +202,7 @@ def forward_schedule_kernel(group_sizes: jax.Array, token_ids: jax.Array, up_row
 
     num_experts, capacity = group_sizes.shape[0], token_ids.shape[0]
     up_tiles = max_tiles(capacity, num_experts, up_rows)  # `tile_schedule`'s length
-    down_tiles = -(-capacity // down_rows) + num_experts  # `aligned_tile_meta`'s
+    down_tiles = _common.aligned_max_tiles(capacity, num_experts, down_rows)
     row_pad = next_pow2(up_rows)
     kernel = functools.partial(
         _forward_schedules_kernel, num_experts=num_experts, capacity=capacity,
