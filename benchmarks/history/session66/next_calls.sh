@@ -1,0 +1,93 @@
+# GPU calls queued by session 65 (copied by session 66, with MD added): `bash benchmarks/history/session66/next_calls.sh PART` from
+# the repo root; logs under $OUT. Parts T, S, G, C, Q, D are session 64's (its queue never ran:
+# see `history/session65/calls.md`), with M added:
+#   T (~9 min, H100, FIRST): the GPU tests of session 64's changes and of what session 63's
+#      A2 did not reach: the backward through cp.async, the staged output slabs, the split dH,
+#      the persistent weight gradients (7B's 192-wide gathered chunks, 3 stages) and dX~ at
+#      lag 0 (gpt-oss widths). `-v`, so a cut run still names each test that finished.
+#   T2 (~9 min): on a short budget, T's tests of session 64's two new defaults and M's tests.
+#   S (~6 min, H100): 7b and 7b-n1024 steps, the weight gradients' 192-wide gathered chunks
+#      against `wg-128`, 3 paired rounds. Revert `_gathered_chunks` if slower beyond spread.
+#   G (~5 min, H100): gpt-oss-20b step, dX~ lag 0 against `lag1-dx`, 3 paired rounds.
+#   M (~8 min, H100): issue 15's metadata at small T. First the GPU tests of session 65's
+#      one-program schedule kernel (`moe_forward_schedules`, never compiled yet) and of the
+#      decode metadata kernel it shares its row-tile step with; then `decode.py` at T = 1,
+#      8, 64, 128: the kernel path with its jnp schedules (`kernels`, ~11 XLA launches, ~16
+#      us at T = 8) against the schedule kernel (`kernels_meta`), and the megakernel with
+#      jnp-above-4-tokens metadata (`static`) against its metadata kernel (`static_meta`).
+#      T = 8 misses the 1.3x target by ~8 us (229 against 221). Adopt `schedule_impl="auto"`
+#      (and set `SCHEDULE_KERNEL_MAX_TOKENS`) where `kernels_meta` wins beyond the spread.
+#      MT: M's GPU tests alone (`TESTS_S=200` to fit what is left of a call). MD: M's
+#      decode timing alone (after T2, which runs M's tests).
+#   A1, A2 (~4-5 min each, H100): the audit list: up-proj `no_auto_barriers`, `rebalance_registers=False`,
+#      the TMA loader's `row_unroll` 16 against 4 (A1: `forward.py --up-sweep audit`), and the
+#      backward's `rebalance_registers=False` in dH and both weight gradients
+#      (A2: `backward.py --sweep registers`), 3 paired rounds at 7b, gpt-oss-20b, 30b.
+#      Remove each option that is not faster beyond its spread.
+#   C (~6 min, H100): the bf16-dA' split at (32768, 4096, 1024, 128, 8) and d = 7168.
+#   Q (~8 min, H100): issue 15's whole table on today's kernels.
+#   D (~4 min, an H200 when one comes): session 62's dh_bf16_da probe.
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+T0=$(date +%s)
+PART=${1:-T}
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
+case "$PART" in
+T)
+  timeout 560 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py \
+    -k "backward_cp_async or staged_output_slabs or dh_split or weight_grad_persistent or wgmma_lag_0_writes" \
+    -rA > $OUT/gpu_tests.log 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-160 | tail -40 ;;
+T2)
+  # A short budget's T: session 64's two new defaults (the 192-wide persistent weight
+  # gradients, dX~ at lag 0), then M's GPU tests of the new schedule kernel.
+  timeout 300 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py \
+    -k "weight_grad_persistent or wgmma_lag_0_writes" -rA > $OUT/gpu_tests.log 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-160 | tail -20
+  timeout ${TESTS_S:-200} python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu_decode.py \
+    -k "schedule or decode_meta_kernel" -rA > $OUT/gpu_decode_tests.log 2>&1
+  echo "decode tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_decode_tests.log
+  grep -E "(FAILED|ERROR)" $OUT/gpu_decode_tests.log | cut -c1-200 | tail -10 ;;
+S)
+  timeout 540 python3 benchmarks/step.py --shapes ${SHAPES:-7b,7b-n1024} \
+    --variants topk/cp_async,topk/cp_async/wg-128 --rounds 3 --out $OUT > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "kernels (ms" $OUT/step.log | cut -c1-300
+  grep "^|" $OUT/step.log | tail -6 ;;
+G)
+  timeout 540 python3 benchmarks/step.py --shapes gpt-oss-20b --gpt-oss \
+    --variants topk/cp_async,topk/cp_async/lag1-dx --rounds 3 --out $OUT > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "kernels (ms" $OUT/step.log | cut -c1-300
+  grep "^|" $OUT/step.log | tail -4 ;;
+C)
+  timeout 540 python3 benchmarks/step.py --shapes ${SHAPES:-120b,w7168} \
+    --variants topk/cp_async,topk/cp_async/split-dh-f32 --rounds 2 --out $OUT > $OUT/step.log 2>&1
+  echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^|" $OUT/step.log | grep -v "^ *{" | cut -c1-400 | tail -12
+  grep "^|" $OUT/step.log | tail -6 ;;
+M|MT)
+  timeout ${TESTS_S:-240} python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu_decode.py \
+    -k "schedule or decode_meta_kernel" -rA > $OUT/gpu_tests.log 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_tests.log
+  grep -E "(FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -10
+  [ "$PART" = MT ] && exit 0 ;&
+MD)
+  timeout 300 python3 benchmarks/decode.py --tokens 1,8,64,128 --iters 30 \
+    --variants kernels,kernels_meta,static,static_meta --out $OUT > $OUT/decode.log 2>&1
+  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; tail -24 $OUT/decode.log | cut -c1-300 ;;
+A1)
+  timeout 540 python3 benchmarks/forward.py --shapes 7b,gpt-oss-20b,30b --skew '' --up-sweep audit \
+    --down-sweep none --no-baselines --rounds 3 --out $OUT/fw > $OUT/fw.log 2>&1
+  echo "forward rc=$? at $(( $(date +%s) - T0 )) s"; grep -iE "up |speed|paired|x\)" $OUT/fw.log | cut -c1-300 | tail -20 ;;
+A2)
+  timeout 540 python3 benchmarks/backward.py --shapes 7b,gpt-oss-20b,30b --sweep registers \
+    --rounds 3 --out $OUT/bw > $OUT/bw.log 2>&1
+  echo "backward rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "^ *{" $OUT/bw.log | cut -c1-300 | tail -24 ;;
+Q)
+  timeout 540 python3 benchmarks/decode.py --tokens 1,8,64,128,512,1024,4096 --iters 20 \
+    --variants kernels,static,dynamic,unfused --out $OUT > $OUT/decode.log 2>&1
+  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; tail -30 $OUT/decode.log | cut -c1-300 ;;
+D)
+  timeout 330 python3 benchmarks/history/session62/dh_bf16_da.py 30b,qwen3-30b-a3b,7b 2 \
+    > $OUT/dh_bf16_da.log 2>&1
+  echo "dh_bf16_da rc=$? at $(( $(date +%s) - T0 )) s"; tail -16 $OUT/dh_bf16_da.log | cut -c1-300 ;;
+esac
