@@ -880,7 +880,9 @@ def _assert_weight_grad_matches_numpy(out, lhs, rhs, plan, gathered):
 )
 def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas):
     """Both weight gradients as persistent CTAs (`WeightGradConfig.persistent_ctas`, 3
-    stages, and the default: 4 beside one output buffer per consumer, `output_chunks=1`;
+    stages with separate output buffers, or where those do not fit the 128-wide chunks of
+    4 stages, and the default: 4 stages (3 with 7B's 192-wide chunks) beside one output
+    buffer per consumer, `output_chunks=1`;
     cp.async gather, stages published by mbarrier) write the bits of the
     one-CTA-per-item kernel (the default where the persistent form does not fit) and match
     the jnp reference: skewed routing with an empty expert, NaN in the contiguous operand's
@@ -891,7 +893,8 @@ def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas):
     import dataclasses
 
     from pallas_moe.kernels.moe_backward import BackwardConfig
-    from pallas_moe.kernels.weight_grad import weight_grad
+    from pallas_moe.kernels.weight_grad import (
+        PERSISTENT_SMEM_BUDGET, persistent_smem_bytes, weight_grad)
 
     T, d, n, E, K = shape
     plan, x, go, dh, ap = _weight_grad_problem(shape, T + d)
@@ -900,9 +903,17 @@ def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas):
                                      ("rhs", ap, go, default.dw_down)):
         base = dataclasses.replace(fast, persistent_ctas=0, output_chunks=0)  # one per item
         assert (fast.persistent_ctas, fast.output_chunks) == (num_ctas, 1), fast
+        # Separate output buffers per consumer at 3 stages (the cp.async gather's fewest).
+        # 7B's 192-wide gathered chunks (the default there since session 64) do not fit
+        # beside them (271104 B): there the second form is the previous default instead,
+        # 128-wide chunks with 4 stages. The chunk width splits the output, not the K order.
+        separate = dataclasses.replace(base, num_stages=3, persistent_ctas=num_ctas)
+        if persistent_smem_bytes(separate, gathered, 2) > PERSISTENT_SMEM_BUDGET:
+            chunk = "block_m" if gathered == "lhs" else "block_n"
+            separate = dataclasses.replace(fast, num_stages=4, **{chunk: 128})
         outs = []
-        for c in (base, dataclasses.replace(base, num_stages=3, persistent_ctas=num_ctas),
-                  # the default: 4 stages beside one output buffer per consumer
+        for c in (base, separate,
+                  # the default: one output buffer per consumer
                   fast,
                   *([dataclasses.replace(fast, num_consumers=1 if gathered == "rhs" else 2)]
                     if fast.num_consumers == 3 else [])):

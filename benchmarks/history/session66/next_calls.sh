@@ -49,8 +49,17 @@ T2)
     -k "schedule or decode_meta_kernel" -rA > $OUT/gpu_decode_tests.log 2>&1
   echo "decode tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_decode_tests.log
   grep -E "(FAILED|ERROR)" $OUT/gpu_decode_tests.log | cut -c1-200 | tail -10 ;;
+W)
+  # Session 66: T2's weight-gradient tests were cut at 300 s, and their 7B case failed in
+  # the test itself (a 3-stage form with separate output buffers does not fit beside
+  # 192-wide chunks). The mended test, then S at 7b alone.
+  timeout 250 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py \
+    -k "weight_grad_persistent" -rA > $OUT/gpu_tests.log 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -12
+  SHAPES=7b; S_S=$(( 560 - ($(date +%s) - T0) )) ;&
 S)
-  timeout 540 python3 benchmarks/step.py --shapes ${SHAPES:-7b,7b-n1024} \
+  timeout ${S_S:-540} python3 benchmarks/step.py --shapes ${SHAPES:-7b,7b-n1024} \
     --variants topk/cp_async,topk/cp_async/wg-128 --rounds 3 --out $OUT > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "kernels (ms" $OUT/step.log | cut -c1-300
   grep "^|" $OUT/step.log | tail -6 ;;
