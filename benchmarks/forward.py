@@ -363,9 +363,10 @@ def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True, rounds
     # ---- timings: each sweep checks its configs first, then times them round-robin
     def build_up(cfg):
         meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.tile_rows))(plan.group_sizes, plan.token_ids)
-        if cfg.fused_gate_up and cfg.pingpong_ctas:
-            # One N = 2 * block_n wgmma per K step on W1 interleaved per block_n (what the
-            # fused forms read in one box), interleaved once here, outside the timing.
+        if cfg.fused_gate_up:
+            # One N = 2 * block_n wgmma per K step on W1 interleaved per block_n (the only
+            # layout the fused form reads, one box per step), interleaved once here,
+            # outside the timing.
             w = jax.jit(lambda w: interleave_gate_up(w, cfg.block_n))(w1)
             f = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=cfg, meta=m,
                                                       gate_up_blocks=cfg.block_n))

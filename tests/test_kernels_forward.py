@@ -239,12 +239,13 @@ def test_each_kernel_lowers_at_7b_production_config():
 def test_pingpong_up_proj_lowers_for_cuda_at_30b(inference, fused):
     """The ping-pong up-proj off its default widths (d = 4096, 64-step items), in inference
     mode (A only, one-tile epilogue buffers) and with one N = 256 wgmma per K step
-    (`fused_gate_up`)."""
+    (`fused_gate_up`, on W1 interleaved per block_n)."""
     t, d, n, e, k = 32768, 4096, 512, 128, 8
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     cfg = UpProjConfig(block_n=128, num_stages=5, num_consumers=2, gather="cp_async",
                        pingpong_ctas=132, fused_gate_up=fused)
-    _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg, inference=inference),
+    _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg, inference=inference,
+                                        gate_up_blocks=128 if fused else 0),
            sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
            sds((e, d, 2 * n), jnp.bfloat16))
 
