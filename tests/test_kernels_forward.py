@@ -368,6 +368,17 @@ def test_schedule_impl_errors():
         ForwardConfig.for_shape(128, 128, schedule_impl="triton")
 
 
+def test_fused_gate_up_forward_config_raises():
+    """The fused up-proj reads W1 interleaved per block_n only and the op's W1 is the halves
+    layout, so a forward config that fuses is rejected when it is built."""
+    match = r"up.fused_gate_up=True cannot run in the forward: the op's W1 is the halves layout"
+    fused = dataclasses.replace(split_m_up_config(132, 256), fused_gate_up=True)
+    with pytest.raises(ValueError, match=match):
+        ForwardConfig(up=fused)
+    with pytest.raises(ValueError, match=match):
+        ForwardConfig.for_shape(2048, 256, num_sms=132, up=fused)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 8, 128])
 def test_schedule_kernel_lowers_for_cuda(num_tokens):
     """The forward's schedule kernel (`moe_forward_schedules`, Triton) lowers at the
