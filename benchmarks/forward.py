@@ -363,9 +363,10 @@ def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True, rounds
     # ---- timings: each sweep checks its configs first, then times them round-robin
     def build_up(cfg):
         meta = jax.jit(lambda g, t: _common.tile_meta(g, t, cfg.tile_rows))(plan.group_sizes, plan.token_ids)
-        if cfg.fused_gate_up and cfg.pingpong_ctas:
-            # One N = 2 * block_n wgmma per K step on W1 interleaved per block_n (what the
-            # fused forms read in one box), interleaved once here, outside the timing.
+        if cfg.fused_gate_up:
+            # One N = 2 * block_n wgmma per K step on W1 interleaved per block_n (the only
+            # layout the fused form reads, one box per step), interleaved once here,
+            # outside the timing.
             w = jax.jit(lambda w: interleave_gate_up(w, cfg.block_n))(w1)
             f = jax.jit(lambda x, t, g, w, m: up_proj(x, t, g, w, config=cfg, meta=m,
                                                       gate_up_blocks=cfg.block_n))
@@ -401,9 +402,14 @@ def run_shape(name, shape, skew, up_cfgs, down_cfgs, log, baselines=True, rounds
     t_copy = gpu_time_ms(jax.jit(lambda v: v + 1), copy_src)
     res["copy_GBs"] = 2 * P * d * 2 / (t_copy * 1e-3) / 1e9
     del copy_src
-    best_cfg = ForwardConfig(
-        up=best_up[1] or base.up, down=best_dn[1] or base.down, aggregate=base.aggregate
-    )
+    fwd_up = best_up[1] or base.up
+    if fwd_up.fused_gate_up:
+        # moe_forward passes W1's halves, which the fused up-proj does not read
+        # (`ForwardConfig` rejects it): the whole forward times the default's up-proj.
+        log(f"  forward: the fastest up-proj {fwd_up} reads interleaved W1 only; timing the "
+            "forward with the default's")
+        fwd_up = base.up
+    best_cfg = ForwardConfig(up=fwd_up, down=best_dn[1] or base.down, aggregate=base.aggregate)
     fwd_best = jax.jit(lambda x, p, w1, w2: moe_forward(x, p, w1, w2, config=best_cfg))
     res["fwd_us"] = gpu_time_ms(fwd_best, x, plan, w1, w2) * 1e3
     res["bmm_up_us"], res["bmm_down_us"] = t_up_bmm * 1e3, t_dn_bmm * 1e3

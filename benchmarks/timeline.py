@@ -18,8 +18,9 @@ H), `up_pingpong` / `up_coop` (the persistent ping-pong kernel,
 `dh`, `_swizzled` / `_hcpasync` (its swizzled epilogue slabs with H loaded by TMA boxes;
 with H loaded by cp.async, the default: `DHConfig.h_loader`; `_untiled`, the untiled tiles
 before session 21, went with them in session 42). Variants combine with `+`, e.g.
-`up_pingpong+noepilogue+halfweights`; `up_pingpong+fused` sets `UpProjConfig.fused_gate_up`,
-`+interleaved` passes W1 with gate and up interleaved per block_n (`gate_up_blocks`),
+`up_pingpong+noepilogue+halfweights`; `up_pingpong+fused` sets `UpProjConfig.fused_gate_up`
+(on W1 interleaved per block_n, the only layout it reads), `+interleaved` passes W1 with gate
+and up interleaved per block_n (`gate_up_blocks`) to the two-wgmma kernels too,
 and a `field=value` token sets any field of the kernel's config (`up_pingpong+num_stages=4`).
 `--plain` skips the profiler and prints only the CUPTI times (a quick A/B of the ablations).
 
@@ -580,7 +581,9 @@ def main():
             if base == "up":
                 inference = "inference" in variants  # ablations write H too
 
-                blocks = cfg.block_n if "interleaved" in variants else 0  # W1 layout
+                # W1's layout: the fused up-proj reads interleaved W1 only.
+                interleaved = "interleaved" in variants or cfg.fused_gate_up
+                blocks = cfg.block_n if interleaved else 0
 
                 def f(x, tok, g, w, cfg=cfg, meta=meta, inference=inference, blocks=blocks):
                     return up_proj(x, tok, g, w, config=cfg, meta=meta, inference=inference,

@@ -144,8 +144,9 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, completion, with_bia
     """The persistent ping-pong up-proj (`UpProjConfig.pingpong_ctas`) against the jnp
     reference and bit for bit against the cooperative kernel, poisoned outputs, skewed
     routing; inference mode writes the same A; 8 CTAs make every CTA walk many items; one
-    N = 256 wgmma per K step (`fused_gate_up`) changes no bit, nor does W1 interleaved
-    (`gate_up_blocks`);
+    N = 256 wgmma per K step (`fused_gate_up`, on W1 interleaved per block_n,
+    `gate_up_blocks=128`, the only layout it reads) changes no bit, with 132 CTAs and with
+    8 in inference mode;
     split-M tiles with the fused wgmma on interleaved W1 give the same bits too."""
     from pallas_moe.kernels.up_proj import UpProjConfig, interleave_gate_up, up_proj
 
@@ -170,16 +171,15 @@ def test_up_proj_pingpong_equals_cooperative(shape, stages, completion, with_bia
     ])
     assert rel_err(want_h[:rows], h_ref[:rows]) < 1e-2
     w1_interleaved = interleave_gate_up(w1, 128)
-    for ctas, inference, fused, blocks in ((132, False, False, 0), (8, False, False, 0),
-                                           (132, True, False, 0), (132, False, True, 0),
-                                           (8, True, True, 0), (132, False, True, 128)):
+    for ctas, inference, fused in ((132, False, False), (8, False, False), (132, True, False),
+                                   (8, True, True), (132, False, True)):
         config = UpProjConfig(block_n=128, num_stages=stages, num_consumers=2, gather="cp_async",
                               gather_completion=completion, pingpong_ctas=ctas,
                               fused_gate_up=fused)
-        f = jax.jit(lambda x, t, g, w, c=config, i=inference, b=blocks: up_proj(
+        f = jax.jit(lambda x, t, g, w, c=config, i=inference, b=128 if fused else 0: up_proj(
             x, t, g, w, config=c, bias=bias, inference=i, gate_up_blocks=b))
         _poison(plan.capacity * 3 * n * 2)
-        h, a = f(x, plan.token_ids, plan.group_sizes, w1_interleaved if blocks else w1)
+        h, a = f(x, plan.token_ids, plan.group_sizes, w1_interleaved if fused else w1)
         assert bool(jnp.array_equal(a[:rows], want_a[:rows])), (ctas, inference, fused)
         if not inference:
             assert bool(jnp.array_equal(h[:rows], want_h[:rows])), (ctas, fused)

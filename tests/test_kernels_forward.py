@@ -239,12 +239,13 @@ def test_each_kernel_lowers_at_7b_production_config():
 def test_pingpong_up_proj_lowers_for_cuda_at_30b(inference, fused):
     """The ping-pong up-proj off its default widths (d = 4096, 64-step items), in inference
     mode (A only, one-tile epilogue buffers) and with one N = 256 wgmma per K step
-    (`fused_gate_up`)."""
+    (`fused_gate_up`, on W1 interleaved per block_n)."""
     t, d, n, e, k = 32768, 4096, 512, 128, 8
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     cfg = UpProjConfig(block_n=128, num_stages=5, num_consumers=2, gather="cp_async",
                        pingpong_ctas=132, fused_gate_up=fused)
-    _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg, inference=inference),
+    _lower(lambda x, tok, g, w: up_proj(x, tok, g, w, config=cfg, inference=inference,
+                                        gate_up_blocks=128 if fused else 0),
            sds((t, d), jnp.bfloat16), sds((t * k,), i32), sds((e,), i32),
            sds((e, d, 2 * n), jnp.bfloat16))
 
@@ -365,6 +366,17 @@ def test_schedule_impl_errors():
         ForwardConfig(schedule_impl="interpret")
     with pytest.raises(ValueError, match="schedule_impl must be one of"):
         ForwardConfig.for_shape(128, 128, schedule_impl="triton")
+
+
+def test_fused_gate_up_forward_config_raises():
+    """The fused up-proj reads W1 interleaved per block_n only and the op's W1 is the halves
+    layout, so a forward config that fuses is rejected when it is built."""
+    match = r"up.fused_gate_up=True cannot run in the forward: the op's W1 is the halves layout"
+    fused = dataclasses.replace(split_m_up_config(132, 256), fused_gate_up=True)
+    with pytest.raises(ValueError, match=match):
+        ForwardConfig(up=fused)
+    with pytest.raises(ValueError, match=match):
+        ForwardConfig.for_shape(2048, 256, num_sms=132, up=fused)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 8, 128])

@@ -216,8 +216,8 @@ PINGPONG = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2, p
      # more CTAs than items: some CTAs and consumers have no work.
      (dataclasses.replace(PINGPONG, block_n=128, num_stages=3, pingpong_ctas=8), False),
      pytest.param(PINGPONG, True, marks=pytest.mark.slow),
-     # One wgmma of N = 2 * block_n on a [bk, gate | up] weight tile per K step, filled by
-     # 8-row boxes from the halves layout (interleaved W1: test_interleaved_weights_...).
+     # One wgmma of N = 2 * block_n on a [bk, gate | up] weight tile per K step, one box of
+     # W1 interleaved per block_n (the only layout it reads).
      pytest.param(dataclasses.replace(PINGPONG, fused_gate_up=True), False,
                   marks=pytest.mark.slow),
      # Each slot released as soon as its own step's wgmmas are done (`wgmma_lag=0`): with 2
@@ -229,7 +229,7 @@ PINGPONG = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2, p
 def test_pingpong_equals_cooperative_no_races(config, inference):
     """Bit for bit the cooperative kernel (same wgmmas per consumer, same epilogue), with an
     expert bias and the clamped SwiGLU, ragged groups and an empty expert; race-free;
-    padding rows untouched."""
+    padding rows untouched. The fused form reads W1 interleaved per block_n."""
     ks = jax.random.split(jax.random.key(18), 4)
     x = random_x(ks[0], 40, 256)  # 4 K steps > the stages: slots are refilled across items
     w1, _ = random_weights(ks[1], 3, 256, 256)
@@ -239,8 +239,10 @@ def test_pingpong_equals_cooperative_no_races(config, inference):
     kw = dict(bias=bias, activation=CLAMPED)
     coop = UpProjConfig(block_m=64, block_n=64, num_stages=2, num_consumers=2)
     want_h, want_a = up_proj(*args, config=coop, interpret=True, **kw)
-    h, a = up_proj(*args, config=config, inference=inference, **kw,
-                   interpret=plgpu.InterpretGPUParams(detect_races=True))
+    blocks = config.block_n if config.fused_gate_up else 0  # fused: interleaved W1 only
+    w = interleave_gate_up(w1, blocks) if blocks else w1
+    h, a = up_proj(*args[:3], w, config=config, inference=inference, **kw,
+                   gate_up_blocks=blocks, interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not races_found()
     rows = int(plan.num_rows)
     np.testing.assert_array_equal(np.asarray(a[:rows], np.float32),
@@ -312,7 +314,7 @@ def test_persistent_split_m_equals_cooperative_no_races(fused, block_m, cluster_
 
 @pytest.mark.parametrize(
     "kernel, fused",
-    # CI: the fused ping-pong form (interleaved W1 is what the fused forms exist for); the
+    # CI: the fused ping-pong form (interleaved W1, the only layout the fused forms read); the
     # two-wgmma forms with interleaved W1 differ only in the weight copies' column offsets.
     # The fused split-M form (opt-in, not a default) is a slow extra: [pingpong-True] runs
     # the same interleaved copies and N = 2 * block_n wgmma, and
@@ -377,6 +379,20 @@ def test_gate_up_blocks_needs_a_kernel_that_reads_them(config, blocks, match):
     with pytest.raises(ValueError, match=match):
         up_proj(x, jnp.zeros((16,), jnp.int32), jnp.zeros((2,), jnp.int32), w1, config=config,
                 gate_up_blocks=blocks, interpret=True)
+
+
+@pytest.mark.parametrize("config", [PINGPONG, SPLIT_M], ids=["pingpong", "split_m"])
+def test_fused_gate_up_needs_interleaved_weights(config):
+    """`fused_gate_up` reads W1 interleaved per block_n only: W1's halves layout
+    (gate_up_blocks=0) is rejected, naming the fix."""
+    x = jnp.zeros((16, 64), jnp.bfloat16)
+    w1 = jnp.zeros((2, 64, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match=(
+            r"config.fused_gate_up=True reads W1 interleaved per block_n, got "
+            r"gate_up_blocks=0 \(the halves layout\): interleave it with "
+            r"interleave_gate_up\(w, 64\) and pass gate_up_blocks=64")):
+        up_proj(x, jnp.zeros((16,), jnp.int32), jnp.zeros((2,), jnp.int32), w1,
+                config=dataclasses.replace(config, fused_gate_up=True), interpret=True)
 
 
 @pytest.mark.parametrize(

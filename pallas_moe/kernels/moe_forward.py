@@ -97,6 +97,15 @@ class ForwardConfig:
             raise ValueError(
                 f"schedule_impl must be one of {SCHEDULE_IMPLS}, got {self.schedule_impl!r}."
             )
+        if self.up.fused_gate_up:
+            # The fused up-proj reads W1 interleaved per block_n only, and the op's W1 is the
+            # halves layout: fail here rather than at the first call.
+            raise ValueError(
+                "up.fused_gate_up=True cannot run in the forward: the op's W1 is the halves "
+                "layout (gate = [..., :n], up = [..., n:]), and the fused up-proj reads W1 "
+                "interleaved per block_n only (up_proj(gate_up_blocks=block_n)); set "
+                "up.fused_gate_up=False."
+            )
 
     @classmethod
     def for_shape(

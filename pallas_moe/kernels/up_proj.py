@@ -121,10 +121,11 @@ class UpProjConfig(_common.ClusterTiles):
         [block_k, 2 * block_n] SMEM tile and one wgmma of N = 2 * block_n multiplies it into
         one [64, 2 * block_n] accumulator per consumer (gate columns first), instead of two
         wgmmas of N = block_n that each re-read the A stage. Same products in the same K
-        order per column, so bitwise the same outputs. The ping-pong kernel takes W1 in
-        either layout (the halves layout costs 16 eight-row TMA boxes per step, measured
-        0.63x on an H200; interleaved W1, `up_proj(gate_up_blocks=block_n)`, one box:
-        1.025x); so do its split-M items. Persistent kernel only.
+        order per column, so bitwise the same outputs. Persistent kernel (ping-pong or
+        split-M) only, and W1 interleaved per block_n only (`interleave_gate_up(w,
+        block_n)`, `up_proj(gate_up_blocks=block_n)`): one [block_k, 2 * block_n] TMA box
+        per step, 1.025-1.040x. (W1's halves layout took 16 eight-row boxes per step and
+        measured 0.63x on an H200, removed in session 66.)
       cluster_m: 1 (default), or 2: split-M items run on clusters of two CTAs (the grid's
         `pingpong_ctas` CTAs, an even count, as pingpong_ctas / 2 clusters) that take two
         consecutive row blocks of one expert (`block_m` rows each, `tile_rows` = 2 *
@@ -287,8 +288,8 @@ def up_proj(
         [..., n:]. b > 0 (the persistent kernel or split-M tiles, b = config.block_n):
         interleaved blocks, columns [2 b j, 2 b j + b) are gate columns [b j, b j + b) and
         the next b their up columns, so an item's gate and up weights are one contiguous
-        [block_k, 2 b] box per K step (`interleave_gate_up` builds it). H and the bias keep
-        the halves layout.
+        [block_k, 2 b] box per K step (`interleave_gate_up` builds it); the only layout
+        `config.fused_gate_up` reads. H and the bias keep the halves layout.
 
     Returns:
       (h, a): h bf16 [P, 2n] (None if `inference`), a bf16 [P_a, n] with P_a = P rounded
@@ -330,6 +331,15 @@ def up_proj(
         raise ValueError(
             f"gate_up_blocks={gate_up_blocks} (interleaved W1 columns) needs the persistent "
             f"kernel (config.pingpong_ctas > 0) and gate_up_blocks == config.block_n={bn}."
+        )
+    if config.fused_gate_up and not gate_up_blocks:
+        # A fused [block_k, 2 * block_n] tile is one box of interleaved W1; from the halves
+        # layout it took 2 * block_k / 8 eight-row boxes per step (0.63x, removed).
+        raise ValueError(
+            "config.fused_gate_up=True reads W1 interleaved per block_n, got "
+            "gate_up_blocks=0 (the halves layout): interleave it with "
+            f"interleave_gate_up(w, {bn}) and pass gate_up_blocks={bn}, or set "
+            "fused_gate_up=False."
         )
     kernel_args = (config, d, n, meta.num_tiles, out_types, inference, interpret_mode, params,
                    has_bias, activation)
@@ -520,7 +530,7 @@ def _warp_specialized_kernel(
         # full[slot]: the weight copies, plus what the row loader adds.
         plgpu.Barrier(
             num_arrivals=_common.gather_full_arrivals(config, bm, interpret)
-            + _gate_up_weight_copies(fused=False, interleaved=False, bk=bk),
+            + _gate_up_weight_copies(fused=False),
             num_barriers=stages,
         ),
         plgpu.Barrier(num_arrivals=cons, num_barriers=stages),
@@ -797,7 +807,7 @@ def _pingpong_kernel(
         plgpu.SMEM((2, bm), jnp.int32),  # token ids, double-buffered
         plgpu.Barrier(  # full, one set per consumer (split-M: one): weight copies + rows
             num_arrivals=_common.gather_full_arrivals(config, bm, interpret)
-            + _gate_up_weight_copies(fused, interleaved, bk),
+            + _gate_up_weight_copies(fused),
             num_barriers=sets * stages,
         ),
         # empty: the slot's consumer (split-M: every consumer; with clusters, every
@@ -835,39 +845,31 @@ def persistent_smem_bytes(config: UpProjConfig) -> int:
 _EPILOGUE_SLAB = 64  # columns of one swizzled [64, 64] epilogue tile
 
 
-def _gate_up_weight_copies(fused: bool, interleaved: bool, bk: int) -> int:
-    """TMA copies `_copy_gate_up_weights` issues per K step (each one barrier arrival)."""
-    if fused and interleaved:
-        return 1
-    return 2 * (bk // 8 if fused else 1)
+def _gate_up_weight_copies(fused: bool) -> int:
+    """TMA copies `_copy_gate_up_weights` issues per K step (each one barrier arrival): one
+    [bk, 2 cols] box fused, a gate and an up box otherwise."""
+    return 1 if fused else 2
 
 
 def _copy_gate_up_weights(w_e, k0, bk: int, block, cols: int, n: int, dsts, bar, *,
                           interleaved: bool, collective_axes: str | None = None) -> None:
-    """TMA copies of the K step at row `k0` of W1[e] (`w_e` [d, 2n]): gate column block
+    """TMA copies of the K step at row `k0` of W1[e] (`w_e` bf16 [d, 2n]): gate column block
     `block` (`cols` columns) and its up columns, into `dsts` = [[bk, cols] gate, [bk, cols]
-    up] or [one [bk, 2 cols] tile, gate columns first] (`fused_gate_up`), arriving on `bar`.
+    up] or, fused (`fused_gate_up`), [one [bk, 2 cols] tile, gate columns first], arriving
+    on `bar`.
 
-    W1's columns are the halves layout or interleaved per `cols` (`gate_up_blocks`). A fused
-    tile from interleaved columns is one box; from the halves layout it takes one gate and
-    one up box per 8-row tile row, since a half's columns of several tile rows are not
-    contiguous in the (8, 64)-tiled tile (TMA needs a contiguous destination).
+    W1's columns are the halves layout or interleaved per `cols` (`gate_up_blocks`); a fused
+    tile needs the interleaved one, where the block's gate and up columns are one box.
     `collective_axes`: multicast each box to every CTA of the cluster (`cluster_m`)."""
     copy = functools.partial(plgpu.copy_gmem_to_smem, collective_axes=collective_axes)
     gate0, up0 = (2 * block * cols, 2 * block * cols + cols) if interleaved \
         else (block * cols, n + block * cols)
-    if len(dsts) == 1 and interleaved:
+    if len(dsts) == 1:
+        assert interleaved, "a fused tile reads interleaved W1 (up_proj checks it)"
         copy(w_e.at[pl.ds(k0, bk), pl.ds(gate0, 2 * cols)], dsts[0], bar)
         return
-    if len(dsts) == 1:
-        (tile,) = dsts
-        halves, rows = (tile.at[:, pl.ds(0, cols)], tile.at[:, pl.ds(cols, cols)]), 8
-    else:
-        halves, rows = dsts, bk
-    for r0 in range(0, bk, rows):
-        for col0, dst in zip((gate0, up0), halves, strict=True):
-            copy(w_e.at[pl.ds(k0 + r0 if r0 else k0, rows), pl.ds(col0, cols)],
-                 dst if rows == bk else dst.at[pl.ds(r0, rows)], bar)
+    for col0, dst in zip((gate0, up0), dsts, strict=True):
+        copy(w_e.at[pl.ds(k0, bk), pl.ds(col0, cols)], dst, bar)
 
 
 def interleave_gate_up(w_gate_up: jax.Array, block: int) -> jax.Array:
