@@ -9,9 +9,9 @@ saves it for the backward as a small integer residual, so no kernel derives meta
 (and a dH block equal to the up-proj's reuses its tiles).
 
 The forward's two (the up-proj's row tiles, the down-proj's aligned tiles) can also come
-from one small Pallas program, `moe_forward_schedules` (`forward_schedule_kernel`,
+from one small Pallas launch, `moe_forward_schedules` (`forward_schedule_kernel`,
 `ForwardConfig.schedule_impl="kernel"`): bit for bit the same arrays, in one launch instead
-of ~11 launch-bound XLA fusions (~16 us of a T = 8 call on the H100, issue 15). Its row
+of ~11 launch-bound XLA fusions (~14.5 us of a T = 8 call on the H100, issue 15). Its row
 tiles are the decode metadata kernel's (`decode_meta.row_tiles`). The default stays the jnp
 formulas until a GPU run measures it.
 """
@@ -179,20 +179,23 @@ def forward_schedule_kernel(group_sizes: jax.Array, token_ids: jax.Array, up_row
                             down_rows: int, *, interpret: bool = False
                             ) -> tuple[_common.TileMeta, _common.TileMeta]:
     """`(tile_meta(group_sizes, token_ids, up_rows), aligned_tile_meta(group_sizes, P,
-    down_rows))` from one small Pallas (Triton backend) program, `moe_forward_schedules`,
+    down_rows))` from one small Pallas (Triton backend) launch, `moe_forward_schedules`,
     bit for bit the jnp formulas' arrays (all integer arithmetic, the same formulas in the
     same cases). P = `token_ids.shape[0]`, the plan's capacity. `interpret`: run it in
     Pallas interpret mode (CPU).
 
-    Why: at decode sizes the jnp formulas are ~11 small XLA fusions of 1.1-2.2 us each (at
-    T = 8 on the H100, Qwen3-30B-A3B widths: ~16 us of the call's 228.9 us GPU time, issue
-    15), every one launch-bound. The program loads the group sizes once, takes the expert
-    prefix sums in registers, then walks the up-proj's row tiles (`decode_meta.row_tiles`,
-    the decode metadata kernel's own tile step: expert, first row, rows and token ids)
-    and the down-proj's aligned tiles in chunks of `TILE_CHUNK` tiles; padding lanes point
-    one past the end. Its work grows with the plan (`[tiles, E]` compares in one program,
-    tiles ~ P / block + E), so it is meant for small batches (`SCHEDULE_KERNEL_MAX_TOKENS`).
-    Not yet measured on a GPU: `ForwardConfig.schedule_impl` defaults to "jnp".
+    Why: at decode sizes the jnp formulas are ~11 small XLA fusions of 1.0-2.2 us each (at
+    T = 8 on the H100, Qwen3-30B-A3B widths: ~14.5 us of the call's 230 us GPU time, issue
+    15), every one launch-bound. Each program of the launch takes one chunk of tiles: the
+    up-proj's row tiles (`decode_meta.row_tiles`, the decode metadata kernel's own tile
+    step: expert, first row, rows and token ids; up to `TILE_CHUNK` tiles and
+    `CHUNK_ELEMENTS` token ids a program) or the down-proj's aligned tiles (`TILE_CHUNK` a
+    program), after loading the group sizes and taking their prefix sums itself; padding
+    lanes point one past the end. Each program's work grows with E (`[tiles, E]` compares),
+    the program count with the plan (tiles ~ P / block + E), so it is meant for small
+    batches (`SCHEDULE_KERNEL_MAX_TOKENS`). Session 66 measured its first form, one program
+    walking the chunks in turn, at 26.6 us (0.94-0.97x the jnp path's whole call at T = 1
+    to 128); this form is not yet measured: `ForwardConfig.schedule_impl` defaults to "jnp".
     """
     from jax.experimental.pallas import triton as plt
 
@@ -204,20 +207,22 @@ def forward_schedule_kernel(group_sizes: jax.Array, token_ids: jax.Array, up_row
     up_tiles = max_tiles(capacity, num_experts, up_rows)  # `tile_schedule`'s length
     down_tiles = _common.aligned_max_tiles(capacity, num_experts, down_rows)
     row_pad = next_pow2(up_rows)
+    up_chunk = min(TILE_CHUNK, max(1, CHUNK_ELEMENTS // row_pad), next_pow2(up_tiles))
+    down_chunk = min(TILE_CHUNK, next_pow2(down_tiles))
+    up_programs = -(-up_tiles // up_chunk)
     kernel = functools.partial(
         _forward_schedules_kernel, num_experts=num_experts, capacity=capacity,
-        up_rows=up_rows, up_tiles=up_tiles, row_pad=row_pad,
-        up_chunk=min(TILE_CHUNK, max(1, CHUNK_ELEMENTS // row_pad), next_pow2(up_tiles)),
-        down_rows=down_rows, down_tiles=down_tiles,
-        down_chunk=min(TILE_CHUNK, next_pow2(down_tiles)), e_pad=next_pow2(num_experts),
+        up_rows=up_rows, up_tiles=up_tiles, row_pad=row_pad, up_chunk=up_chunk,
+        up_programs=up_programs, down_rows=down_rows, down_tiles=down_tiles,
+        down_chunk=down_chunk, e_pad=next_pow2(num_experts),
     )
     i32 = jnp.int32
     up, down = jax.ShapeDtypeStruct((up_tiles,), i32), jax.ShapeDtypeStruct((down_tiles,), i32)
     out_shape = (up, up, up, jax.ShapeDtypeStruct((up_tiles * up_rows,), i32), down, down, down)
     (up_expert, up_start, up_num_rows, row_ids, down_expert, down_start,
      down_num_rows) = pallas_call(
-        kernel, out_shape=out_shape, grid=(1,), interpret=interpret,
-        name="moe_forward_schedules",
+        kernel, out_shape=out_shape, grid=(up_programs + -(-down_tiles // down_chunk),),
+        interpret=interpret, name="moe_forward_schedules",
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
     )(group_sizes.astype(i32), token_ids.astype(i32))
     return (
@@ -233,20 +238,28 @@ def _forward_schedules_kernel(
     up_expert_ref, up_start_ref, up_rows_ref, up_row_ids_ref,
     down_expert_ref, down_start_ref, down_rows_ref, *,
     num_experts: int, capacity: int, up_rows: int, up_tiles: int, row_pad: int,
-    up_chunk: int, down_rows: int, down_tiles: int, down_chunk: int, e_pad: int,
+    up_chunk: int, up_programs: int, down_rows: int, down_tiles: int, down_chunk: int,
+    e_pad: int,
 ):
-    """Both TileMetas of `forward_schedule_kernel` in one program: the up-proj's row tiles
-    (`decode_meta.row_tiles`, as `_common.tile_meta` computes them), then the down-proj's
-    aligned tiles (`_common.aligned_tile_meta`'s closed form), a chunk of tiles per step."""
+    """One chunk of `forward_schedule_kernel`'s tiles per program: programs [0,
+    `up_programs`) write `up_chunk` of the up-proj's row tiles each (`decode_meta.row_tiles`,
+    as `_common.tile_meta` computes them), the rest `down_chunk` of the down-proj's aligned
+    tiles (`_common.aligned_tile_meta`'s closed form). Every program loads the E group sizes
+    and takes their prefix sums itself: O(E) work that saves a serial walk over the chunks
+    (session 66: the one-program walk took 26.6 us at every T, each chunk ~3 us of
+    dependent loads and stores)."""
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
     i32 = jnp.int32
+    program = pl.program_id(0)
     groups = load_groups(group_sizes_ref, num_experts=num_experts, e_pad=e_pad)
-    prefix = row_tile_prefix(groups, up_rows)
-    local = jnp.arange(row_pad, dtype=i32)[None, :]  # [1, row_pad]
 
-    def up_step(c, carry):
-        tile = c * up_chunk + jnp.arange(up_chunk, dtype=i32)  # [TC]
+    @pl.when(program < up_programs)
+    def _up_tiles():
+        prefix = row_tile_prefix(groups, up_rows)
+        local = jnp.arange(row_pad, dtype=i32)[None, :]  # [1, row_pad]
+        tile = program * up_chunk + jnp.arange(up_chunk, dtype=i32)  # [TC]
         tile_ok = tile < up_tiles
         tiles = row_tiles(groups, prefix, token_ids_ref, tile, tile_ok, capacity=capacity,
                           block_m=up_rows, row_pad=row_pad)
@@ -259,21 +272,18 @@ def _forward_schedules_kernel(
         store_ok = tile_ok[:, None] & (local < up_rows)  # [TC, row_pad]
         flat = jnp.where(store_ok, tile[:, None] * up_rows + local, up_tiles * up_rows)
         plt.store(up_row_ids_ref.at[flat], tiles.tokens, mask=store_ok)
-        return carry
 
-    jax.lax.fori_loop(0, -(-up_tiles // up_chunk), up_step, jnp.int32(0))
-
-    # `aligned_tile_meta`: expert e's rows [lo, hi) are the ceil(hi / bm) - floor(lo / bm)
-    # pieces of the aligned blocks they touch, in row order.
-    bm = down_rows
-    first_block = groups.starts // bm
-    pieces = jnp.where(groups.sizes > 0, (groups.ends + bm - 1) // bm - first_block, 0)
-    piece_end = jnp.cumsum(pieces)  # padding experts: 0 pieces
-    piece_start = piece_end - pieces
-    total_pieces = jnp.sum(pieces)
-
-    def down_step(c, carry):
-        tile = c * down_chunk + jnp.arange(down_chunk, dtype=i32)  # [TC]
+    @pl.when(program >= up_programs)
+    def _down_tiles():
+        # `aligned_tile_meta`: expert e's rows [lo, hi) are the ceil(hi / bm) - floor(lo /
+        # bm) pieces of the aligned blocks they touch, in row order.
+        bm = down_rows
+        first_block = groups.starts // bm
+        pieces = jnp.where(groups.sizes > 0, (groups.ends + bm - 1) // bm - first_block, 0)
+        piece_end = jnp.cumsum(pieces)  # padding experts: 0 pieces
+        piece_start = piece_end - pieces
+        total_pieces = jnp.sum(pieces)
+        tile = (program - up_programs) * down_chunk + jnp.arange(down_chunk, dtype=i32)  # [TC]
         tile_ok = tile < down_tiles
         expert = jnp.minimum(jnp.sum(
             (groups.ok[None, :] & (piece_end[None, :] <= tile[:, None])).astype(i32), axis=1
@@ -288,9 +298,6 @@ def _forward_schedules_kernel(
         plt.store(down_start_ref.at[at], jnp.where(is_real, start, groups.total_rows),
                   mask=tile_ok)
         plt.store(down_rows_ref.at[at], jnp.where(is_real, end - start, 0), mask=tile_ok)
-        return carry
-
-    jax.lax.fori_loop(0, -(-down_tiles // down_chunk), down_step, jnp.int32(0))
 
 
 def require_block(name: str, meta, block: int, field: str = "block_m") -> None:
