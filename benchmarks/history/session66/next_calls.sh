@@ -49,6 +49,23 @@ T2)
     -k "schedule or decode_meta_kernel" -rA > $OUT/gpu_decode_tests.log 2>&1
   echo "decode tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_decode_tests.log
   grep -E "(FAILED|ERROR)" $OUT/gpu_decode_tests.log | cut -c1-200 | tail -10 ;;
+X)
+  # Session 66's last call: the weight-gradient tests that T2 did not reach or that failed
+  # in the test itself (mended), the per-chunk schedule kernel's GPU tests and timing
+  # against the jnp schedules, then the 7B step's 192-wide chunks against `wg-128`.
+  timeout 170 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
+    -k "weight_grad_persistent and (7b or qwen3 or w2880 or gpt_oss)" > $OUT/gpu_tests.log 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -8
+  grep -E "^E  " $OUT/gpu_tests.log | head -5 | cut -c1-300
+  timeout 80 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu_decode.py -k "schedule" -rA \
+    > $OUT/gpu_sched_tests.log 2>&1
+  echo "schedule tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_sched_tests.log
+  grep -E "(FAILED|ERROR)" $OUT/gpu_sched_tests.log | cut -c1-200 | tail -4
+  timeout 100 python3 benchmarks/decode.py --tokens 1,8,64 --iters 30 \
+    --variants kernels,kernels_meta --out /tmp/dec > $OUT/decode.log 2>&1
+  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "moe_forward_schedules|^\| [0-9]" $OUT/decode.log | cut -c1-200 | head -12
+  SHAPES=7b; S_S=$(( 570 - ($(date +%s) - T0) )) ;;&
 W)
   # Session 66: T2's weight-gradient tests were cut at 300 s, and their 7B case failed in
   # the test itself (a 3-stage form with separate output buffers does not fit beside
@@ -58,7 +75,7 @@ W)
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
   grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -12
   SHAPES=7b; S_S=$(( 560 - ($(date +%s) - T0) )) ;&
-S)
+S|X)
   timeout ${S_S:-540} python3 benchmarks/step.py --shapes ${SHAPES:-7b,7b-n1024} \
     --variants topk/cp_async,topk/cp_async/wg-128 --rounds 3 --out $OUT > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "kernels (ms" $OUT/step.log | cut -c1-300
