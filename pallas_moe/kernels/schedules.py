@@ -11,7 +11,7 @@ saves it for the backward as a small integer residual, so no kernel derives meta
 The forward's two (the up-proj's row tiles, the down-proj's aligned tiles) can also come
 from one small Pallas launch, `moe_forward_schedules` (`forward_schedule_kernel`,
 `ForwardConfig.schedule_impl="kernel"`): bit for bit the same arrays, in one launch instead
-of ~11 launch-bound XLA fusions (~14.5 us of a T = 8 call on the H100, issue 15). Its row
+of 8 launch-bound XLA fusions (~12 us of a T = 8 call on the H100, issue 15). Its row
 tiles are the decode metadata kernel's (`decode_meta.row_tiles`). The default stays the jnp
 formulas until a GPU run measures it.
 """
@@ -184,8 +184,8 @@ def forward_schedule_kernel(group_sizes: jax.Array, token_ids: jax.Array, up_row
     same cases). P = `token_ids.shape[0]`, the plan's capacity. `interpret`: run it in
     Pallas interpret mode (CPU).
 
-    Why: at decode sizes the jnp formulas are ~11 small XLA fusions of 1.0-2.2 us each (at
-    T = 8 on the H100, Qwen3-30B-A3B widths: ~14.5 us of the call's 230 us GPU time, issue
+    Why: at decode sizes the jnp formulas are 8 small XLA fusions of 1.1-2.2 us each (at
+    T = 8 on the H100, Qwen3-30B-A3B widths: ~12 us of the call's 230 us GPU time, issue
     15), every one launch-bound. Each program of the launch takes one chunk of tiles: the
     up-proj's row tiles (`decode_meta.row_tiles`, the decode metadata kernel's own tile
     step: expert, first row, rows and token ids; up to `TILE_CHUNK` tiles and
