@@ -49,6 +49,17 @@ T2)
     -k "schedule or decode_meta_kernel" -rA > $OUT/gpu_decode_tests.log 2>&1
   echo "decode tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_decode_tests.log
   grep -E "(FAILED|ERROR)" $OUT/gpu_decode_tests.log | cut -c1-200 | tail -10 ;;
+X3)
+  # What fits after a start on the last ~4 min of a budget: the 7B weight-gradient test,
+  # then the schedule kernel at T = 1 and 8.
+  timeout 75 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
+    -k "weight_grad_persistent and 7b" > $OUT/gpu_tests.log 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -3
+  grep -E "^E  " $OUT/gpu_tests.log | head -5 | cut -c1-300
+  timeout 75 python3 benchmarks/decode.py --tokens 8,1 --iters 30 \
+    --variants kernels,kernels_meta --out $OUT/dec > $OUT/decode.log 2>&1
+  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "moe_forward_schedules|^\| [0-9]" $OUT/decode.log | cut -c1-200 | head -12 ;;
 X2)
   # X on what was left after a machine was taken back mid-call (~4 min): the weight
   # gradients at the widths where 192 divides d (7B's 1536, 2880), the schedule kernel's
@@ -91,7 +102,18 @@ W)
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
   grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -12
   SHAPES=7b; S_S=$(( 560 - ($(date +%s) - T0) )) ;&
-S|X2)
+S|X3)
+  # What fits after a start on the last ~4 min of a budget: the 7B weight-gradient test,
+  # then the schedule kernel at T = 1 and 8.
+  timeout 75 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
+    -k "weight_grad_persistent and 7b" > $OUT/gpu_tests.log 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -3
+  grep -E "^E  " $OUT/gpu_tests.log | head -5 | cut -c1-300
+  timeout 75 python3 benchmarks/decode.py --tokens 8,1 --iters 30 \
+    --variants kernels,kernels_meta --out $OUT/dec > $OUT/decode.log 2>&1
+  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "moe_forward_schedules|^\| [0-9]" $OUT/decode.log | cut -c1-200 | head -12 ;;
+X2)
   # X on what was left after a machine was taken back mid-call (~4 min): the weight
   # gradients at the widths where 192 divides d (7B's 1536, 2880), the schedule kernel's
   # timing (its outputs checked bitwise against the jnp path's there), its GPU tests.
