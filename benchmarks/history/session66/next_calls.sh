@@ -1,35 +1,29 @@
-# GPU calls queued by session 65 (copied by session 66, with MD added): `bash benchmarks/history/session66/next_calls.sh PART` from
-# the repo root; logs under $OUT. Parts T, S, G, C, Q, D are session 64's (its queue never ran:
-# see `history/session65/calls.md`), with M added:
-#   T (~9 min, H100, FIRST): the GPU tests of session 64's changes and of what session 63's
-#      A2 did not reach: the backward through cp.async, the staged output slabs, the split dH,
-#      the persistent weight gradients (7B's 192-wide gathered chunks, 3 stages) and dX~ at
-#      lag 0 (gpt-oss widths). `-v`, so a cut run still names each test that finished.
-#   T2 (~9 min): on a short budget, T's tests of session 64's two new defaults and M's tests.
+# GPU calls queued by session 66: `bash benchmarks/history/session66/next_calls.sh PART` from
+# the repo root; logs under $OUT. Session 66 ran T2 (call 1) and MD (call 2); see its calls.md.
+# In order:
+#   X (~9.5 min, FIRST): the persistent weight gradients' GPU test where 192 divides d (7B,
+#      d = 2880: session 64's default, never passed on a GPU; the test itself was mended in
+#      session 66), the per-chunk schedule kernel's GPU tests and `decode.py` at T = 1, 8,
+#      64 (`kernels` against `kernels_meta`; adopt `schedule_impl="auto"` up to the largest
+#      T where it wins beyond the spread, else remove the kernel with a restoring patch),
+#      then S at 7b. X2 / X3: the same cut to fit ~5 / ~2.5 min.
+#   T3 (~6 min): the rest of session 64's GPU tests (the backward through cp.async, the
+#      staged output slabs, the split dH).
 #   S (~6 min, H100): 7b and 7b-n1024 steps, the weight gradients' 192-wide gathered chunks
 #      against `wg-128`, 3 paired rounds. Revert `_gathered_chunks` if slower beyond spread.
 #   G (~5 min, H100): gpt-oss-20b step, dX~ lag 0 against `lag1-dx`, 3 paired rounds.
-#   M (~8 min, H100): issue 15's metadata at small T. First the GPU tests of session 65's
-#      one-program schedule kernel (`moe_forward_schedules`, never compiled yet) and of the
-#      decode metadata kernel it shares its row-tile step with; then `decode.py` at T = 1,
-#      8, 64, 128: the kernel path with its jnp schedules (`kernels`, ~11 XLA launches, ~16
-#      us at T = 8) against the schedule kernel (`kernels_meta`), and the megakernel with
-#      jnp-above-4-tokens metadata (`static`) against its metadata kernel (`static_meta`).
-#      T = 8 misses the 1.3x target by ~8 us (229 against 221). Adopt `schedule_impl="auto"`
-#      (and set `SCHEDULE_KERNEL_MAX_TOKENS`) where `kernels_meta` wins beyond the spread.
-#      MT: M's GPU tests alone (`TESTS_S=200` to fit what is left of a call). MD: M's
-#      decode timing alone (after T2, which runs M's tests).
-#   A1, A2 (~4-5 min each, H100): the audit list: up-proj `no_auto_barriers`, `rebalance_registers=False`,
-#      the TMA loader's `row_unroll` 16 against 4 (A1: `forward.py --up-sweep audit`), and the
-#      backward's `rebalance_registers=False` in dH and both weight gradients
-#      (A2: `backward.py --sweep registers`), 3 paired rounds at 7b, gpt-oss-20b, 30b.
-#      Remove each option that is not faster beyond its spread.
+#   A1, A2 (~4-5 min each, H100): the audit list: up-proj `no_auto_barriers`,
+#      `rebalance_registers=False`, the TMA loader's `row_unroll` 16 against 4 (A1:
+#      `forward.py --up-sweep audit`), and the backward's `rebalance_registers=False` in dH
+#      and both weight gradients (A2: `backward.py --sweep registers`), 3 paired rounds at
+#      7b, gpt-oss-20b, 30b. Remove each option that is not faster beyond its spread.
 #   C (~6 min, H100): the bf16-dA' split at (32768, 4096, 1024, 128, 8) and d = 7168.
 #   Q (~8 min, H100): issue 15's whole table on today's kernels.
 #   D (~4 min, an H200 when one comes): session 62's dh_bf16_da probe.
+#   Kept for the record: T, T2, M, MT, MD, W (session 65/66 parts, run or superseded).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
-PART=${1:-T}
+PART=${1:-X}
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
 case "$PART" in
 T)
@@ -38,6 +32,11 @@ T)
     -rA > $OUT/gpu_tests.log 2>&1
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
   grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-160 | tail -40 ;;
+T3)
+  timeout 420 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py \
+    -k "backward_cp_async or staged_output_slabs or dh_split" -rA > $OUT/gpu_tests.log 2>&1
+  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-160 | tail -20 ;;
 T2)
   # A short budget's T: session 64's two new defaults (the 192-wide persistent weight
   # gradients, dX~ at lag 0), then M's GPU tests of the new schedule kernel.
