@@ -13,9 +13,9 @@ T, in the same run:
   default: the megakernel up to `moe_forward.decode_max_tokens()` tokens, else `kernels`;
 - `kernels_inf` (with --variants): `moe_forward(..., inference=True)`, the same kernels
   called directly;
-- `kernels_meta` (with --variants): `kernels` with the tile metadata from one Pallas program
+- `kernels_meta` (with --variants): `kernels` with the tile metadata from one Pallas launch
   (`ForwardConfig.schedule_impl="kernel"`, `schedules.forward_schedule_kernel`) instead of
-  ~11 small XLA fusions (issue 15);
+  8 small XLA fusions (issue 15);
 - `static`, `dynamic`: the megakernel (`pallas_moe.kernels.decode`) with each scheduler;
 - `unfused` (and `unfused_dyn` with --variants): the megakernel's control, the same task code
   with a global barrier between stages;
@@ -115,7 +115,7 @@ def make_ffn(variant: str, overrides: dict):
     """(x, plan, w1, w2) -> out for one variant."""
     if variant in ("kernels", "kernels_meta"):  # an explicit config: never the megakernel
         config = KernelConfig.for_shape(D, N)
-        if variant == "kernels_meta":  # the tile metadata from one Pallas program
+        if variant == "kernels_meta":  # the tile metadata from one Pallas launch
             config = dataclasses.replace(config, forward=dataclasses.replace(
                 config.forward, schedule_impl="kernel"))
         return lambda x, p, w1, w2: pm.moe_ffn(x, p, w1, w2, backend="mosaic", config=config)

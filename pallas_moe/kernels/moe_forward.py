@@ -71,13 +71,14 @@ class ForwardConfig:
     `schedule_impl`: how the kernel-by-kernel forward computes its tile metadata per plan
     (the up-proj's row tiles with token ids and the down-proj's aligned tiles,
     `schedules.forward_schedules`): "jnp" (default: `_common.tile_meta` and
-    `_common.aligned_tile_meta`, ~11 small XLA fusions), "kernel" (the same arrays, bit for
-    bit, from one Pallas program, `schedules.forward_schedule_kernel`; where the kernels run
+    `_common.aligned_tile_meta`, 8 small XLA fusions), "kernel" (the same arrays, bit for
+    bit, from one Pallas launch, `schedules.forward_schedule_kernel`; where the kernels run
     interpreted it runs interpreted) or "auto" ("kernel" for batches of at most
     `schedules.SCHEDULE_KERNEL_MAX_TOKENS` tokens, "jnp" above). Why a kernel: at T = 8 on
-    the H100 (Qwen3-30B-A3B widths, issue 15) those 11 launches of 1.1-2.2 us each are ~16
-    us of the call's 228.9 us GPU time. The default stays "jnp" until a GPU run measures the
-    kernel (`benchmarks/decode.py --variants kernels,kernels_meta`). The backward's
+    the H100 (Qwen3-30B-A3B widths, issue 15) those 8 launches of 1.1-2.2 us each are ~12
+    us of the call's 230 us GPU time. The default stays "jnp": the kernel's first form (one
+    program walking the tiles) took 26.6 us (session 66); its per-chunk form is not yet
+    timed (`benchmarks/decode.py --variants kernels,kernels_meta`). The backward's
     schedules are always jnp. Unused with `decode` (the megakernel has its own,
     `DecodeConfig.meta_impl`).
     """

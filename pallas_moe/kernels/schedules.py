@@ -87,7 +87,7 @@ def forward_schedules(plan, forward: "ForwardConfig", tiles: "_TileMetas | None"
     computes the backward's (`plan_schedules`); None starts one.
 
     `forward.schedule_impl` picks how (`resolve_schedule_impl`): the jnp formulas
-    (`_common.tile_meta`, `_common.aligned_tile_meta`) or both from one Pallas program
+    (`_common.tile_meta`, `_common.aligned_tile_meta`) or both from one Pallas launch
     (`forward_schedule_kernel`), bit for bit the same arrays. `interpret`: the kernels run
     in interpret mode (True or an `InterpretGPUParams`); then "kernel" runs the Pallas
     program interpreted too. The backward's schedules stay jnp; where its block sizes equal
