@@ -871,52 +871,32 @@ def _assert_weight_grad_matches_numpy(out, lhs, rhs, plan, gathered):
         assert rel_err(out[e], lr.T @ rr) < 1e-2, (gathered, e)
 
 
-@pytest.mark.parametrize(
-    "shape, num_ctas",
-    [((6000, 1536, 256, 32, 8), 132), ((3000, 4096, 512, 16, 4), 132),
-     ((4000, 2048, 768, 32, 8), 7), ((3000, 2880, 1408, 16, 4), 132),
-     ((3000, 2880, 2880, 16, 4), 132)],
-    ids=["7b_widths", "30b_widths", "qwen3_widths_7_ctas", "w2880_widths", "gpt_oss_widths"],
-)
-def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas):
-    """Both weight gradients as persistent CTAs (`WeightGradConfig.persistent_ctas`, 3
-    stages with separate output buffers, or where those do not fit the 128-wide chunks of
-    4 stages, and the default: 4 stages (3 with 7B's 192-wide chunks) beside one output
-    buffer per consumer, `output_chunks=1`;
-    cp.async gather, stages published by mbarrier) write the bits of the
-    one-CTA-per-item kernel (the default where the persistent form does not fit) and match
-    the jnp reference: skewed routing with an empty expert, NaN in the contiguous operand's
-    padding rows, poisoned outputs, fresh random data; 7 CTAs make every CTA walk many items
-    of different K-block counts; at d = 2880 a dW1 tile is three 64-row chunks taking turns
-    in one buffer. At gpt-oss's widths (n = 2880: three consumers of 64 since session 49)
-    the default also writes the bits of the consumer count before (dW2 one, dW1 two)."""
-    import dataclasses
+def _persistent_weight_grad_cases():
+    from tests.test_kernels_bwd import PERSISTENT_WEIGHT_GRAD_GPU_CASES
 
-    from pallas_moe.kernels.moe_backward import BackwardConfig
-    from pallas_moe.kernels.weight_grad import (
-        PERSISTENT_SMEM_BUDGET, persistent_smem_bytes, weight_grad)
+    return [pytest.param(*v, id=k) for k, v in PERSISTENT_WEIGHT_GRAD_GPU_CASES.items()]
+
+
+@pytest.mark.parametrize("shape, num_ctas", _persistent_weight_grad_cases())
+def test_weight_grad_persistent_equals_one_cta_per_item(shape, num_ctas):
+    """Both weight gradients as persistent CTAs (`WeightGradConfig.persistent_ctas`) write
+    the bits of the one-CTA-per-item kernel (the default where the persistent form does
+    not fit) and match the jnp reference, in each form of
+    `test_kernels_bwd.persistent_weight_grad_forms` (separate output buffers per consumer,
+    or 128-wide chunks where those do not fit; the default with one output buffer per
+    consumer, `output_chunks=1`; at gpt-oss's widths the consumer count before): skewed
+    routing with an empty expert, NaN in the contiguous operand's padding rows, poisoned
+    outputs, fresh random data; 7 CTAs make every CTA walk many items of different K-block
+    counts; at d = 2880 a dW1 tile is three 64-row chunks taking turns in one buffer. The
+    CPU test `test_persistent_weight_grad_gpu_test_forms_trace_for_cuda` traces every form."""
+    from pallas_moe.kernels.weight_grad import weight_grad
+    from tests.test_kernels_bwd import persistent_weight_grad_forms
 
     T, d, n, E, K = shape
     plan, x, go, dh, ap = _weight_grad_problem(shape, T + d)
-    default = BackwardConfig.for_shape(d, n, num_sms=num_ctas)
-    for gathered, lhs, rhs, fast in (("lhs", x, dh, default.dw_gate_up),
-                                     ("rhs", ap, go, default.dw_down)):
-        base = dataclasses.replace(fast, persistent_ctas=0, output_chunks=0)  # one per item
-        assert (fast.persistent_ctas, fast.output_chunks) == (num_ctas, 1), fast
-        # Separate output buffers per consumer at 3 stages (the cp.async gather's fewest).
-        # 7B's 192-wide gathered chunks (the default there since session 64) do not fit
-        # beside them (271104 B): there the second form is the previous default instead,
-        # 128-wide chunks with 4 stages. The chunk width splits the output, not the K order.
-        separate = dataclasses.replace(base, num_stages=3, persistent_ctas=num_ctas)
-        if persistent_smem_bytes(separate, gathered, 2) > PERSISTENT_SMEM_BUDGET:
-            chunk = "block_m" if gathered == "lhs" else "block_n"
-            separate = dataclasses.replace(fast, num_stages=4, **{chunk: 128})
+    for gathered, lhs, rhs in (("lhs", x, dh), ("rhs", ap, go)):
         outs = []
-        for c in (base, separate,
-                  # the default: one output buffer per consumer
-                  fast,
-                  *([dataclasses.replace(fast, num_consumers=1 if gathered == "rhs" else 2)]
-                    if fast.num_consumers == 3 else [])):
+        for c in persistent_weight_grad_forms(d, n, num_ctas, gathered):
             f = jax.jit(lambda l, r, t, g, c=c: weight_grad(
                 l, r, t, g, gathered=gathered, out_dtype=jnp.bfloat16, config=c))
             _poison(E * lhs.shape[1] * rhs.shape[1] * 2)

@@ -628,6 +628,61 @@ def test_persistent_weight_grads_lower_for_cuda(shape, gathered):
     _lower_weight_grad_for_cuda(shape, gathered, config)
 
 
+# The widths and CTA counts of the GPU test `test_gpu.py::
+# test_weight_grad_persistent_equals_one_cta_per_item` (T, d, n, E, K), shared with it.
+PERSISTENT_WEIGHT_GRAD_GPU_CASES = {
+    "7b_widths": ((6000, 1536, 256, 32, 8), 132),
+    "30b_widths": ((3000, 4096, 512, 16, 4), 132),
+    "qwen3_widths_7_ctas": ((4000, 2048, 768, 32, 8), 7),
+    "w2880_widths": ((3000, 2880, 1408, 16, 4), 132),
+    "gpt_oss_widths": ((3000, 2880, 2880, 16, 4), 132),
+}
+
+
+def persistent_weight_grad_forms(d: int, n: int, num_ctas: int, gathered: str) -> list:
+    """The weight-gradient configs the GPU test compares bit for bit, at widths (d, n) with
+    `num_ctas` CTAs: one CTA per item, persistent CTAs with separate output buffers per
+    consumer (3 stages, the cp.async gather's fewest; where those do not fit beside 7B's
+    192-wide gathered chunks, 271104 B, the previous default instead: 128-wide chunks with
+    4 stages; the chunk width splits the output, not the K order), the default (one output
+    buffer per consumer, `output_chunks=1`), and at gpt-oss's widths (three consumers) the
+    consumer count before (dW2 one, dW1 two)."""
+    from pallas_moe.kernels.weight_grad import PERSISTENT_SMEM_BUDGET, persistent_smem_bytes
+
+    default = BackwardConfig.for_shape(d, n, num_sms=num_ctas)
+    fast = default.dw_gate_up if gathered == "lhs" else default.dw_down
+    base = dataclasses.replace(fast, persistent_ctas=0, output_chunks=0)  # one per item
+    separate = dataclasses.replace(base, num_stages=3, persistent_ctas=num_ctas)
+    if persistent_smem_bytes(separate, gathered, 2) > PERSISTENT_SMEM_BUDGET:
+        chunk = "block_m" if gathered == "lhs" else "block_n"
+        separate = dataclasses.replace(fast, num_stages=4, **{chunk: 128})
+    fewer_consumers = ([dataclasses.replace(fast, num_consumers=1 if gathered == "rhs" else 2)]
+                       if fast.num_consumers == 3 else [])
+    return [base, separate, fast, *fewer_consumers]
+
+
+@pytest.mark.parametrize("gathered", ["lhs", "rhs"])
+@pytest.mark.parametrize("case", list(PERSISTENT_WEIGHT_GRAD_GPU_CASES))
+def test_persistent_weight_grad_gpu_test_forms_trace_for_cuda(case, gathered):
+    """Every config the GPU test of the persistent weight gradients builds passes the
+    kernel's checks (SMEM, stages) at that test's widths: traced for cuda, ~0.1 s each.
+    Session 66 lost a GPU test to a form that could not fit beside a new default's
+    192-wide chunks; a trace on the CPU raises the same ValueError."""
+    (t, d, n, e, k), num_ctas = PERSISTENT_WEIGHT_GRAD_GPU_CASES[case]
+    forms = persistent_weight_grad_forms(d, n, num_ctas, gathered)
+    assert forms[2].persistent_ctas == num_ctas and forms[2].output_chunks == 1, forms[2]
+    p = t * k
+    sds = jax.ShapeDtypeStruct
+    lhs, rhs = ((sds((t, d), BF16), sds((p + 256, 2 * n), BF16)) if gathered == "lhs"
+                else (sds((p + 256, n), BF16), sds((t, d), BF16)))
+    from tests.cuda_target import h100_target
+
+    for config in forms:
+        f = functools.partial(weight_grad, gathered=gathered, out_dtype=BF16, config=config)
+        with h100_target():
+            jax.jit(f).trace(lhs, rhs, sds((p,), jnp.int32), sds((e,), jnp.int32))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", [(24576, 1536, 256, 128, 8), (32768, 4096, 512, 128, 8)],
                          ids=["7b", "30b"])
