@@ -16,6 +16,9 @@ T, in the same run:
 - `kernels_meta` (with --variants): `kernels` with the tile metadata from one Pallas launch
   (`ForwardConfig.schedule_impl="kernel"`, `schedules.forward_schedule_kernel`) instead of
   8 small XLA fusions (issue 15);
+- `kernels_agg4` (with --variants): `kernels` with the aggregation's configured 4 tokens per
+  CTA at every T (`AggregateConfig.resident_ctas=0`), the form before session 66 (a decode
+  batch's tokens on a few CTAs, each walking its rows as one chain of dependent loads);
 - `static`, `dynamic`: the megakernel (`pallas_moe.kernels.decode`) with each scheduler;
 - `unfused` (and `unfused_dyn` with --variants): the megakernel's control, the same task code
   with a global barrier between stages;
@@ -84,7 +87,7 @@ MEGA_VARIANTS = {
     "dynamic_meta": dict(scheduler="dynamic", meta_impl="kernel"),
     "static_jnp": dict(meta_impl="jnp"),
 }
-VARIANTS = ("kernels", "kernels_inf", "kernels_meta", "auto", *MEGA_VARIANTS)
+VARIANTS = ("kernels", "kernels_inf", "kernels_meta", "kernels_agg4", "auto", *MEGA_VARIANTS)
 # A variant without a suffix routes as the library does by default (the one-program
 # small-batch kernel up to `routing.kernels.SMALL_BATCH_DEFAULT` tokens). The suffix
 # `+small` routes every batch of up to 32 tokens with it (`small_batch_routing`), e.g.
@@ -113,11 +116,15 @@ BYTES_PER_EXPERT = (D * 2 * N + N * D) * 2
 
 def make_ffn(variant: str, overrides: dict):
     """(x, plan, w1, w2) -> out for one variant."""
-    if variant in ("kernels", "kernels_meta"):  # an explicit config: never the megakernel
+    if variant in ("kernels", "kernels_meta", "kernels_agg4"):  # never the megakernel
         config = KernelConfig.for_shape(D, N)
+        forward = config.forward
         if variant == "kernels_meta":  # the tile metadata from one Pallas launch
-            config = dataclasses.replace(config, forward=dataclasses.replace(
-                config.forward, schedule_impl="kernel"))
+            forward = dataclasses.replace(forward, schedule_impl="kernel")
+        if variant == "kernels_agg4":  # the configured tokens per CTA at every T
+            forward = dataclasses.replace(forward, aggregate=dataclasses.replace(
+                forward.aggregate, resident_ctas=0))
+        config = dataclasses.replace(config, forward=forward)
         return lambda x, p, w1, w2: pm.moe_ffn(x, p, w1, w2, backend="mosaic", config=config)
     if variant == "auto":  # the library's default (the megakernel up to decode_max_tokens())
         return lambda x, p, w1, w2: pm.moe_ffn(x, p, w1, w2, backend="mosaic")

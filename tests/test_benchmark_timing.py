@@ -285,6 +285,18 @@ def test_decode_benchmark_kernels_meta_runs_the_schedule_kernel(monkeypatch):
         assert ("moe_forward_schedules" in text) == kernel and "moe_up_proj" in text, variant
     assert "moe_forward_schedules" in decode.META_KERNELS
     assert not any(k in "moe_forward_schedules" for k in decode.MOE_KERNELS)
+    # `kernels_agg4`: the aggregation keeps its configured tokens per CTA at every T.
+    import importlib
+
+    moe_forward = importlib.import_module("pallas_moe.kernels.moe_forward")  # the module
+    seen = []
+    real_aggregate = moe_forward.aggregate
+    monkeypatch.setattr(moe_forward, "aggregate", lambda *a, config, **kw: (
+        seen.append(config.resident_ctas), real_aggregate(*a, config=config, **kw))[1])
+    for variant in ("kernels", "kernels_agg4"):
+        with h100_target():
+            jax.make_jaxpr(decode.make_ffn(variant, {}))(*args)
+    assert seen[0] > 0 and seen[1] == 0, seen
 
 def test_bias_grads_benchmark_checks_both_versions_on_the_cpu(tmp_path):
     """`benchmarks/bias_grads.py --smoke`: the dense-product bias gradients and the previous

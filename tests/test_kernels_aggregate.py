@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_moe.kernels.aggregate import AggregateConfig, aggregate
+from pallas_moe.kernels.aggregate import AggregateConfig, aggregate, token_blocks
 from pallas_moe.kernels.reference import aggregate_reference
 from pallas_moe.routing import token_rounding_plan, topk_plan
 from tests.test_kernels_common import assignment_plan, close, races_found
 
-CFG = AggregateConfig(block_t=3, block_d=256, vec=2)
+# resident_ctas=0: the configured 3 tokens per CTA even on these small grids (the rule that
+# gives small grids fewer tokens per CTA has its own tests below).
+CFG = AggregateConfig(block_t=3, block_d=256, vec=2, resident_ctas=0)
 
 
 def check(plan, d, key, weighted=True, config=CFG, dtype=jnp.bfloat16, interpret=True):
@@ -66,3 +68,43 @@ def test_bad_block_raises():
     with pytest.raises(ValueError, match="config.block_d=200 must be a multiple of 256"):
         aggregate(y, plan.rows_by_token, plan.token_row_offsets,
                   config=AggregateConfig(block_d=200, vec=2), interpret=True)
+
+
+@pytest.mark.parametrize("num_tokens, block_t, col_blocks, resident, want", [
+    (8, 4, 1, 1056, (1, 8)),  # a decode batch: one token per CTA
+    (1024, 4, 1, 1056, (1, 1024)),
+    (2048, 4, 1, 1056, (2, 1024)),  # the fewest tokens per CTA within 1056 CTAs
+    (4096, 4, 1, 1056, (4, 1024)),
+    (24576, 4, 1, 1056, (4, 6144)),  # training sizes keep block_t
+    (4096, 4, 7, 1056, (4, 1024)),  # 7 column blocks (d = 7168)
+    (300, 4, 7, 1056, (2, 150)),
+    (8, 4, 1, 0, (4, 2)),  # resident_ctas=0: always block_t
+    (65535 * 5, 4, 1, 1056, (5, 65535)),  # more where the grid's y dimension would overflow
+])
+def test_token_blocks(num_tokens, block_t, col_blocks, resident, want):
+    """Tokens per CTA: `block_t`, fewer while the grid would stay under `resident_ctas`
+    CTAs (a CTA's rows are one chain of dependent loads), more past `MAX_GRID_Y`."""
+    assert token_blocks(num_tokens, block_t, col_blocks, resident) == want
+
+
+def test_small_grids_take_fewer_tokens_per_cta_with_the_same_bits():
+    """The default `resident_ctas` gives a 12-token batch one token per CTA (12 CTAs per
+    column block instead of 4 of three tokens): the same bits as three tokens per CTA, and
+    no races."""
+    plan = assignment_plan(jax.random.key(52), 12, 3, p=0.7)
+    spread = AggregateConfig(block_t=3, block_d=256, vec=2)
+    assert token_blocks(12, 3, 2, spread.resident_ctas) == (1, 12)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    y, o1 = check(plan, 512, jax.random.key(53), config=spread, interpret=params)
+    assert not races_found()
+    o2 = aggregate(y, plan.rows_by_token, plan.token_row_offsets, plan.scores, config=CFG,
+                   interpret=True)
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+
+
+def test_negative_resident_ctas_raises():
+    plan = topk_plan(jax.random.normal(jax.random.key(54), (8, 2)), 1)
+    y = jnp.zeros((plan.capacity, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="config.resident_ctas=-1 must be >= 0"):
+        aggregate(y, plan.rows_by_token, plan.token_row_offsets,
+                  config=AggregateConfig(block_d=256, vec=2, resident_ctas=-1), interpret=True)

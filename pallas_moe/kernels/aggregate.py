@@ -17,6 +17,9 @@ token it walks the token's rows, loading `Y[r, c0:c0+block_d]` straight from HBM
 registers (a strided warpgroup layout: `vec` contiguous elements per thread per load) and
 accumulating in fp32; the result is stored straight from registers. There is no SMEM
 traffic: the kernel is a pure HBM stream, and latency is hidden by many resident CTAs.
+A CTA's rows are one chain of dependent loads (~0.45 us a row on the H100), so where the
+grid would be small (decode batches) CTAs take fewer tokens, down to one
+(`AggregateConfig.resident_ctas`).
 """
 
 from __future__ import annotations
@@ -44,20 +47,35 @@ class AggregateConfig:
     """Block sizes of the aggregation kernel.
 
     Attributes:
-      block_t: tokens per CTA (walked one after another); more where the token count
-        would need over `MAX_GRID_Y` CTAs.
+      block_t: tokens per CTA (walked one after another); fewer where the grid would have
+        fewer than `resident_ctas` CTAs, more where the token count would need over
+        `MAX_GRID_Y` CTAs (`token_blocks`).
       block_d: columns per CTA; a multiple of 128 * vec that divides d.
       vec: elements each thread loads per row (8 -> 16-byte bf16 loads).
+      resident_ctas: while `block_t` tokens per CTA would give the grid fewer CTAs than
+        this, CTAs take fewer tokens (down to one; the same bits, each output element
+        still one thread's sum in CSR order). A CTA's rows are one chain of dependent
+        loads, so a small grid is latency-bound: on the H100 (session 66) the Qwen3-30B
+        layer's aggregation took 16.4 us for 8 tokens (2 CTAs of 4 tokens, 32 rows each)
+        and 18.0-18.5 us for 64-128 tokens, against 4.1 us for one token's 8 rows. The
+        default, 8 one-warpgroup CTAs on each of 132 SMs, keeps `block_t` at training
+        sizes. 0: always `block_t`.
     """
 
     block_t: int = 4
     block_d: int = 1024
     vec: int = 8
+    resident_ctas: int = 1056
 
 
-def token_blocks(num_tokens: int, block_t: int) -> tuple[int, int]:
-    """(tokens per CTA, CTAs along the tokens): `block_t`, or more where `num_tokens` would
-    need over `MAX_GRID_Y` CTAs."""
+def token_blocks(num_tokens: int, block_t: int, col_blocks: int = 1,
+                 resident_ctas: int = 0) -> tuple[int, int]:
+    """(tokens per CTA, CTAs along the tokens) of a grid with `col_blocks` CTAs along the
+    columns: `block_t`; fewer (the fewest that keep the grid within `resident_ctas` CTAs,
+    at least one) where `block_t` would give it fewer than `resident_ctas`; more where
+    `num_tokens` would need over `MAX_GRID_Y` CTAs."""
+    if resident_ctas:
+        block_t = min(block_t, pl.cdiv(num_tokens, max(resident_ctas // col_blocks, 1)))
     block_t = max(block_t, pl.cdiv(num_tokens, MAX_GRID_Y))
     return block_t, pl.cdiv(num_tokens, block_t)
 
@@ -119,11 +137,13 @@ def aggregate(
     bt, bd, vec = config.block_t, config.block_d, config.vec
     if bt < 1:
         raise ValueError(f"config.block_t={bt} must be >= 1.")
+    if config.resident_ctas < 0:
+        raise ValueError(f"config.resident_ctas={config.resident_ctas} must be >= 0.")
     _common.require_multiple(
         "config.block_d", bd, _WG * vec, f"each of the {_WG} threads loads vec={vec} elements"
     )
     _common.require_multiple("d (y.shape[1])", d, bd, f"a CTA sums block_d={bd} columns")
-    bt, grid_t = token_blocks(num_tokens, bt)
+    bt, grid_t = token_blocks(num_tokens, bt, d // bd, config.resident_ctas)
     layout = plgpu.Layout.WG_STRIDED((bd,), vec_size=vec)
     weighted = scores is not None
 
@@ -156,8 +176,8 @@ def aggregate(
                 acc = jax.lax.fori_loop(off_ref[t], off_ref[t + 1], add_row, acc0)
                 o_ref[t, pl.ds(c0, bd)] = acc.astype(out_dtype)
 
-        if bt == config.block_t:
-            for i in range(bt):  # unrolled: the configured block
+        if bt <= config.block_t:
+            for i in range(bt):  # unrolled: at most the configured block
                 one_token(i)
         else:  # more tokens per CTA than configured (MAX_GRID_Y): a loop, not bt copies
             jax.lax.fori_loop(0, bt, lambda i, carry: (one_token(i), carry)[1], 0)
