@@ -52,24 +52,25 @@ X3)
   # What fits after a start on the last ~4 min of a budget: the 7B weight-gradient test,
   # then the schedule kernel at T = 1 and 8.
   timeout 75 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
-    -k "weight_grad_persistent and 7b" > $OUT/gpu_tests.log 2>&1
+    -k "(weight_grad_persistent and 7b) or aggregate_small" > $OUT/gpu_tests.log 2>&1
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
   grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -3
   grep -E "^E  " $OUT/gpu_tests.log | head -5 | cut -c1-300
   timeout 75 python3 benchmarks/decode.py --tokens 8,1 --iters 30 \
-    --variants kernels,kernels_meta --out $OUT/dec > $OUT/decode.log 2>&1
+    --variants kernels,kernels_meta,kernels_agg4 --out $OUT/dec > $OUT/decode.log 2>&1
   echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "moe_forward_schedules|^\| [0-9]" $OUT/decode.log | cut -c1-200 | head -12 ;;
 X2)
   # X on what was left after a machine was taken back mid-call (~4 min): the weight
   # gradients at the widths where 192 divides d (7B's 1536, 2880), the schedule kernel's
   # timing (its outputs checked bitwise against the jnp path's there), its GPU tests.
   timeout 130 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
-    -k "weight_grad_persistent and (7b or w2880 or gpt_oss)" > $OUT/gpu_tests.log 2>&1
+    -k "(weight_grad_persistent and (7b or w2880 or gpt_oss)) or aggregate_small" \
+    > $OUT/gpu_tests.log 2>&1
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
   grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -6
   grep -E "^E  " $OUT/gpu_tests.log | head -5 | cut -c1-300
   timeout 90 python3 benchmarks/decode.py --tokens 1,8,64 --iters 30 \
-    --variants kernels,kernels_meta --out $OUT/dec > $OUT/decode.log 2>&1
+    --variants kernels,kernels_meta,kernels_agg4 --out $OUT/dec > $OUT/decode.log 2>&1
   echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "moe_forward_schedules|^\| [0-9]" $OUT/decode.log | cut -c1-200 | head -12
   timeout 70 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu_decode.py -k "schedule" -rA \
     > $OUT/gpu_sched_tests.log 2>&1
@@ -79,19 +80,21 @@ X)
   # Session 66's last call: the weight-gradient tests that T2 did not reach or that failed
   # in the test itself (mended), the per-chunk schedule kernel's GPU tests and timing
   # against the jnp schedules, then the 7B step's 192-wide chunks against `wg-128`.
-  timeout 170 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
-    -k "weight_grad_persistent and (7b or qwen3 or w2880 or gpt_oss)" > $OUT/gpu_tests.log 2>&1
+  timeout 200 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
+    -k "(weight_grad_persistent and (7b or qwen3 or w2880 or gpt_oss)) or aggregate_small" \
+    > $OUT/gpu_tests.log 2>&1
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
-  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -8
+  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -10
   grep -E "^E  " $OUT/gpu_tests.log | head -5 | cut -c1-300
-  timeout 80 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu_decode.py -k "schedule" -rA \
+  timeout 70 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu_decode.py -k "schedule" -rA \
     > $OUT/gpu_sched_tests.log 2>&1
   echo "schedule tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_sched_tests.log
   grep -E "(FAILED|ERROR)" $OUT/gpu_sched_tests.log | cut -c1-200 | tail -4
-  timeout 100 python3 benchmarks/decode.py --tokens 1,8,64 --iters 30 \
-    --variants kernels,kernels_meta --out /tmp/dec > $OUT/decode.log 2>&1
+  timeout 110 python3 benchmarks/decode.py --tokens 1,8,64 --iters 30 \
+    --variants kernels,kernels_meta,kernels_agg4 --out /tmp/dec > $OUT/decode.log 2>&1
   echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "moe_forward_schedules|^\| [0-9]" $OUT/decode.log | cut -c1-200 | head -12
-  SHAPES=7b; S_S=$(( 570 - ($(date +%s) - T0) )) ;;&
+  grep -oE "(kernels[a-z_0-9]*: [0-9.]+ us GPU)|moe_aggregate_mosaic_gpu_kernel [0-9.]+" $OUT/decode.log | head -18
+  SHAPES=7b; ROUNDS=2; S_S=$(( 570 - ($(date +%s) - T0) )) ;;&
 W)
   # Session 66: T2's weight-gradient tests were cut at 300 s, and their 7B case failed in
   # the test itself (a 3-stage form with separate output buffers does not fit beside
@@ -101,36 +104,9 @@ W)
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
   grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -12
   SHAPES=7b; S_S=$(( 560 - ($(date +%s) - T0) )) ;&
-S|X3)
-  # What fits after a start on the last ~4 min of a budget: the 7B weight-gradient test,
-  # then the schedule kernel at T = 1 and 8.
-  timeout 75 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
-    -k "weight_grad_persistent and 7b" > $OUT/gpu_tests.log 2>&1
-  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
-  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -3
-  grep -E "^E  " $OUT/gpu_tests.log | head -5 | cut -c1-300
-  timeout 75 python3 benchmarks/decode.py --tokens 8,1 --iters 30 \
-    --variants kernels,kernels_meta --out $OUT/dec > $OUT/decode.log 2>&1
-  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "moe_forward_schedules|^\| [0-9]" $OUT/decode.log | cut -c1-200 | head -12 ;;
-X2)
-  # X on what was left after a machine was taken back mid-call (~4 min): the weight
-  # gradients at the widths where 192 divides d (7B's 1536, 2880), the schedule kernel's
-  # timing (its outputs checked bitwise against the jnp path's there), its GPU tests.
-  timeout 130 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
-    -k "weight_grad_persistent and (7b or w2880 or gpt_oss)" > $OUT/gpu_tests.log 2>&1
-  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
-  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -6
-  grep -E "^E  " $OUT/gpu_tests.log | head -5 | cut -c1-300
-  timeout 90 python3 benchmarks/decode.py --tokens 1,8,64 --iters 30 \
-    --variants kernels,kernels_meta --out $OUT/dec > $OUT/decode.log 2>&1
-  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "moe_forward_schedules|^\| [0-9]" $OUT/decode.log | cut -c1-200 | head -12
-  timeout 70 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu_decode.py -k "schedule" -rA \
-    > $OUT/gpu_sched_tests.log 2>&1
-  echo "schedule tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_sched_tests.log
-  grep -E "(FAILED|ERROR)" $OUT/gpu_sched_tests.log | cut -c1-200 | tail -4 ;;
-X)
+S|X)
   timeout ${S_S:-540} python3 benchmarks/step.py --shapes ${SHAPES:-7b,7b-n1024} \
-    --variants topk/cp_async,topk/cp_async/wg-128 --rounds 3 --out $OUT > $OUT/step.log 2>&1
+    --variants topk/cp_async,topk/cp_async/wg-128 --rounds ${ROUNDS:-3} --out $OUT > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "kernels (ms" $OUT/step.log | cut -c1-300
   grep "^|" $OUT/step.log | tail -6 ;;
 G)
