@@ -16,9 +16,10 @@ T, in the same run:
 - `kernels_meta` (with --variants): `kernels` with the tile metadata from one Pallas launch
   (`ForwardConfig.schedule_impl="kernel"`, `schedules.forward_schedule_kernel`) instead of
   8 small XLA fusions (issue 15);
-- `kernels_agg4` (with --variants): `kernels` with the aggregation's configured 4 tokens per
-  CTA at every T (`AggregateConfig.resident_ctas=0`), the form before session 66 (a decode
-  batch's tokens on a few CTAs, each walking its rows as one chain of dependent loads);
+- `kernels_agg4` (with --variants): `kernels` with the aggregation as before session 66: 4
+  tokens per CTA at every T (`AggregateConfig.resident_ctas=0`) and one row at a time
+  (`rows_in_flight=1`), so a decode batch's tokens sit on a few CTAs, each walking its rows
+  as one chain of dependent loads;
 - `static`, `dynamic`: the megakernel (`pallas_moe.kernels.decode`) with each scheduler;
 - `unfused` (and `unfused_dyn` with --variants): the megakernel's control, the same task code
   with a global barrier between stages;
@@ -121,9 +122,9 @@ def make_ffn(variant: str, overrides: dict):
         forward = config.forward
         if variant == "kernels_meta":  # the tile metadata from one Pallas launch
             forward = dataclasses.replace(forward, schedule_impl="kernel")
-        if variant == "kernels_agg4":  # the configured tokens per CTA at every T
+        if variant == "kernels_agg4":  # the aggregation before session 66
             forward = dataclasses.replace(forward, aggregate=dataclasses.replace(
-                forward.aggregate, resident_ctas=0))
+                forward.aggregate, resident_ctas=0, rows_in_flight=1))
         config = dataclasses.replace(config, forward=forward)
         return lambda x, p, w1, w2: pm.moe_ffn(x, p, w1, w2, backend="mosaic", config=config)
     if variant == "auto":  # the library's default (the megakernel up to decode_max_tokens())

@@ -305,6 +305,14 @@ CONFIG_FLAGS = {
     # The same split with dA' in f32 (dH and A' the fused kernel's bits): the default at
     # d >= 4096 from session 60 to 62.
     "split-dh-f32": lambda c, n: _split_dh(c, "float32"),
+    # Both aggregations (the forward's and dX's) as before session 66: one row at a time
+    # (`AggregateConfig.rows_in_flight=1`) and the configured tokens per CTA at every size
+    # (`resident_ctas=0`); at training sizes only the first differs from the default.
+    "agg-1": lambda c, n: dataclasses.replace(
+        c, forward=dataclasses.replace(c.forward, aggregate=dataclasses.replace(
+            c.forward.aggregate, rows_in_flight=1, resident_ctas=0)),
+        backward=dataclasses.replace(c.backward, aggregate=dataclasses.replace(
+            c.backward.aggregate, rows_in_flight=1, resident_ctas=0))),
     # The weight gradients' gathered chunks 128 wide with 4 stages, the default before
     # session 64 made them 192 wide with 3 stages where 192 divides d (7B).
     "wg-128": lambda c, n: _replace(_replace(c, "dw_down", block_n=128, num_stages=4),

@@ -292,11 +292,12 @@ def test_decode_benchmark_kernels_meta_runs_the_schedule_kernel(monkeypatch):
     seen = []
     real_aggregate = moe_forward.aggregate
     monkeypatch.setattr(moe_forward, "aggregate", lambda *a, config, **kw: (
-        seen.append(config.resident_ctas), real_aggregate(*a, config=config, **kw))[1])
+        seen.append((config.resident_ctas, config.rows_in_flight)),
+        real_aggregate(*a, config=config, **kw))[1])
     for variant in ("kernels", "kernels_agg4"):
         with h100_target():
             jax.make_jaxpr(decode.make_ffn(variant, {}))(*args)
-    assert seen[0] > 0 and seen[1] == 0, seen
+    assert seen[0][0] > 0 and seen[0][1] > 1 and seen[1] == (0, 1), seen
 
 def test_bias_grads_benchmark_checks_both_versions_on_the_cpu(tmp_path):
     """`benchmarks/bias_grads.py --smoke`: the dense-product bias gradients and the previous

@@ -108,3 +108,34 @@ def test_negative_resident_ctas_raises():
     with pytest.raises(ValueError, match="config.resident_ctas=-1 must be >= 0"):
         aggregate(y, plan.rows_by_token, plan.token_row_offsets,
                   config=AggregateConfig(block_d=256, vec=2, resident_ctas=-1), interpret=True)
+
+
+@pytest.mark.parametrize("aggregation", ["fp32", "bf16_per_expert"])
+def test_rows_in_flight_write_the_one_row_at_a_time_bits(aggregation):
+    """Rows loaded in groups before their sums (`rows_in_flight`: here groups of 3, so
+    tokens of 0-10 rows take whole groups and a remainder) give the bits of one row at a
+    time, in both rounding orders, against the reference too; no races."""
+    plan = assignment_plan(jax.random.key(55), 10, 10, p=0.5, empty=(4,))
+    counts = np.diff(np.asarray(plan.token_row_offsets))
+    assert counts.max() >= 7 and np.any(counts % 3), counts  # groups and remainders
+    y = jax.random.normal(jax.random.key(56), (plan.capacity, 256), jnp.float32).astype(
+        jnp.bfloat16)
+    outs = []
+    for rows, interpret in ((3, plgpu.InterpretGPUParams(detect_races=True)), (1, True)):
+        config = AggregateConfig(block_t=2, block_d=256, vec=2, rows_in_flight=rows)
+        outs.append(np.asarray(aggregate(y, plan.rows_by_token, plan.token_row_offsets,
+                                         plan.scores, aggregation=aggregation, config=config,
+                                         interpret=interpret)))
+        if rows == 3:
+            assert not races_found()
+    np.testing.assert_array_equal(outs[0], outs[1])
+    want = aggregate_reference(y, plan.rows_by_token, plan.token_row_offsets, plan.scores)
+    close(outs[0], want, plan.num_tokens)
+
+
+def test_bad_rows_in_flight_raises():
+    plan = topk_plan(jax.random.normal(jax.random.key(57), (8, 2)), 1)
+    y = jnp.zeros((plan.capacity, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="config.rows_in_flight=0 must be >= 1"):
+        aggregate(y, plan.rows_by_token, plan.token_row_offsets,
+                  config=AggregateConfig(block_d=256, vec=2, rows_in_flight=0), interpret=True)

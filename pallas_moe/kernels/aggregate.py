@@ -17,9 +17,10 @@ token it walks the token's rows, loading `Y[r, c0:c0+block_d]` straight from HBM
 registers (a strided warpgroup layout: `vec` contiguous elements per thread per load) and
 accumulating in fp32; the result is stored straight from registers. There is no SMEM
 traffic: the kernel is a pure HBM stream, and latency is hidden by many resident CTAs.
-A CTA's rows are one chain of dependent loads (~0.45 us a row on the H100), so where the
-grid would be small (decode batches) CTAs take fewer tokens, down to one
-(`AggregateConfig.resident_ctas`).
+A CTA walks its rows in groups whose loads it issues before summing them (in CSR order:
+the same bits; `AggregateConfig.rows_in_flight`), and where the grid would be small (decode
+batches) CTAs take fewer tokens, down to one (`AggregateConfig.resident_ctas`): one row at
+a time, a CTA's rows were a chain of dependent loads, ~0.45 us a row on the H100.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ _WG = 128  # threads in a warpgroup
 # more tokens (on two H200s, an expert-parallel receiver's 262144 rows failed to launch
 # with CUDA_ERROR_INVALID_VALUE at block_t = 4).
 MAX_GRID_Y = 65535
+# Y loads a thread issues before summing them: a group of rows times the loads of one row
+# (`block_d / (128 * vec)`); 16 loads of 8 bf16 = 64 registers. The decode megakernel's
+# aggregation tasks take the same budget.
+AGG_LOADS_IN_FLIGHT = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +65,18 @@ class AggregateConfig:
         and 18.0-18.5 us for 64-128 tokens, against 4.1 us for one token's 8 rows. The
         default, 8 one-warpgroup CTAs on each of 132 SMs, keeps `block_t` at training
         sizes. 0: always `block_t`.
+      rows_in_flight: rows whose loads a CTA issues before it adds them (in CSR order, so
+        the same bits), at most `AGG_LOADS_IN_FLIGHT` loads per thread: a token's K rows
+        then cost about one load latency instead of K (session 66; the decode megakernel's
+        aggregation tasks group their loads the same way). 1: one row at a time, the form
+        before session 66.
     """
 
     block_t: int = 4
     block_d: int = 1024
     vec: int = 8
     resident_ctas: int = 1056
+    rows_in_flight: int = 8
 
 
 def token_blocks(num_tokens: int, block_t: int, col_blocks: int = 1,
@@ -139,6 +150,8 @@ def aggregate(
         raise ValueError(f"config.block_t={bt} must be >= 1.")
     if config.resident_ctas < 0:
         raise ValueError(f"config.resident_ctas={config.resident_ctas} must be >= 0.")
+    if config.rows_in_flight < 1:
+        raise ValueError(f"config.rows_in_flight={config.rows_in_flight} must be >= 1.")
     _common.require_multiple(
         "config.block_d", bd, _WG * vec, f"each of the {_WG} threads loads vec={vec} elements"
     )
@@ -146,6 +159,8 @@ def aggregate(
     bt, grid_t = token_blocks(num_tokens, bt, d // bd, config.resident_ctas)
     layout = plgpu.Layout.WG_STRIDED((bd,), vec_size=vec)
     weighted = scores is not None
+    # Rows per load group: every load of a group is issued before the group's sums.
+    group = max(1, min(config.rows_in_flight, AGG_LOADS_IN_FLIGHT // (bd // (_WG * vec))))
 
     def body(off_ref, rows_ref, *refs):
         if weighted:
@@ -161,9 +176,7 @@ def aggregate(
 
             @pl.when(t < num_tokens)
             def _():
-                def add_row(j, acc):
-                    r = rows_ref[j]
-                    yr = plgpu.load(y_ref.at[r, pl.ds(c0, bd)], layout=layout)  # [bd]
+                def add(acc, yr, r):  # acc + row r's contribution (yr: its loaded [bd])
                     yr = yr.astype(jnp.float32)
                     if s_ref is not None:
                         yr = yr * s_ref[r]
@@ -172,8 +185,26 @@ def aggregate(
                     yr = yr.astype(jnp.bfloat16).astype(jnp.float32)  # the row's contribution
                     return (acc + yr).astype(jnp.bfloat16).astype(jnp.float32)
 
-                acc0 = plgpu.layout_cast(jnp.zeros((bd,), jnp.float32), layout)
-                acc = jax.lax.fori_loop(off_ref[t], off_ref[t + 1], add_row, acc0)
+                def load(r):  # [bd] of row r
+                    return plgpu.load(y_ref.at[r, pl.ds(c0, bd)], layout=layout)
+
+                def add_row(j, acc):
+                    r = rows_ref[j]
+                    return add(acc, load(r), r)
+
+                acc = plgpu.layout_cast(jnp.zeros((bd,), jnp.float32), layout)
+                j0, j1 = off_ref[t], off_ref[t + 1]
+                if group > 1:
+                    def add_group(q, acc):  # every load of the group, then its sums in order
+                        rows = [rows_ref[j0 + q * group + i] for i in range(group)]
+                        for r, yr in zip(rows, [load(r) for r in rows], strict=True):
+                            acc = add(acc, yr, r)
+                        return acc
+
+                    num_groups = (j1 - j0) // group
+                    acc = jax.lax.fori_loop(0, num_groups, add_group, acc)
+                    j0 = j0 + num_groups * group
+                acc = jax.lax.fori_loop(j0, j1, add_row, acc)
                 o_ref[t, pl.ds(c0, bd)] = acc.astype(out_dtype)
 
         if bt <= config.block_t:

@@ -63,6 +63,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_moe.kernels import _common
 from pallas_moe.kernels._events import INTERPRET_ROWS, Events
+from pallas_moe.kernels.aggregate import AGG_LOADS_IN_FLIGHT  # the same load budget
 from pallas_moe.kernels.decode_meta import (  # noqa: F401  (re-exported)
     META_IMPLS, DecodeMeta, decode_meta, decode_meta_reference, max_decode_tiles,
     resolve_meta_impl,
@@ -73,9 +74,6 @@ from pallas_moe.ops.activation import SwiGLU
 SCHEDULERS = ("static", "dynamic")
 TASK_KINDS = ("up", "down", "aggregate")
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
-# Y loads an aggregation task issues before summing them (a group of rows times the column
-# chunks of d; 16 loads of 8 bf16 per thread = 64 registers).
-AGG_LOADS_IN_FLIGHT = 16
 
 _PRODUCER = 2  # warpgroup index of the producer; consumers are 0 and 1
 

@@ -5,12 +5,16 @@
 #      d = 2880: session 64's default, never passed on a GPU; the test itself was mended in
 #      session 66), the per-chunk schedule kernel's GPU tests and `decode.py` at T = 1, 8,
 #      64 (`kernels` against `kernels_meta`; adopt `schedule_impl="auto"` up to the largest
-#      T where it wins beyond the spread, else remove the kernel with a restoring patch),
-#      then S at 7b. X2 / X3: the same cut to fit ~5 / ~2.5 min.
+#      T where it wins beyond the spread, else remove the kernel with a restoring patch)
+#      and the aggregation's decode-size form (session 66: one token per CTA on small
+#      grids, rows loaded in groups) against `kernels_agg4` (the previous form) with its GPU
+#      test, then S at 7b (2 rounds). X2 / X3: the same cut to fit ~5 / ~2.5 min.
 #   T3 (~6 min): the rest of session 64's GPU tests (the backward through cp.async, the
 #      staged output slabs, the split dH).
-#   S (~6 min, H100): 7b and 7b-n1024 steps, the weight gradients' 192-wide gathered chunks
-#      against `wg-128`, 3 paired rounds. Revert `_gathered_chunks` if slower beyond spread.
+#   S (~8 min, H100): 7b and 7b-n1024 steps, the weight gradients' 192-wide gathered chunks
+#      against `wg-128`, and both aggregations' row groups (session 66) against `agg-1`, 3
+#      paired rounds. Revert `_gathered_chunks` or `AggregateConfig.rows_in_flight` (to 1)
+#      where the default is slower beyond the spread.
 #   G (~5 min, H100): gpt-oss-20b step, dX~ lag 0 against `lag1-dx`, 3 paired rounds.
 #   A1, A2 (~4-5 min each, H100): the audit list: up-proj `no_auto_barriers`,
 #      `rebalance_registers=False`, the TMA loader's `row_unroll` 16 against 4 (A1:
@@ -106,7 +110,8 @@ W)
   SHAPES=7b; S_S=$(( 560 - ($(date +%s) - T0) )) ;&
 S|X)
   timeout ${S_S:-540} python3 benchmarks/step.py --shapes ${SHAPES:-7b,7b-n1024} \
-    --variants topk/cp_async,topk/cp_async/wg-128 --rounds ${ROUNDS:-3} --out $OUT > $OUT/step.log 2>&1
+    --variants topk/cp_async,topk/cp_async/wg-128,topk/cp_async/agg-1 --rounds ${ROUNDS:-3} \
+    --out $OUT > $OUT/step.log 2>&1
   echo "step rc=$? at $(( $(date +%s) - T0 )) s"; grep "kernels (ms" $OUT/step.log | cut -c1-300
   grep "^|" $OUT/step.log | tail -6 ;;
 G)
