@@ -305,29 +305,31 @@ def test_up_proj_wgmma_lag_0_writes_the_default_bits(shape, h100_lag):
         ("inference", other, True)])
 
 
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 128, 2048])
-def test_aggregate_small_grids_write_the_same_bits(num_tokens):
-    """The aggregation at decode sizes with one token per CTA (the default
-    `AggregateConfig.resident_ctas`, session 66) writes the bits of the configured block of
-    tokens per CTA (`resident_ctas=0`), weighted (the forward) and unweighted (dX), and
-    matches the jnp reference: Qwen3-30B-A3B widths (d = 2048, E = 128, K = 8), poisoned
-    outputs, fresh random data."""
+@pytest.mark.parametrize("num_tokens, d", [(1, 2048), (8, 2048), (64, 2048), (128, 2048),
+                                           (2048, 2048), (24576, 1536)])
+def test_aggregate_writes_the_bits_of_its_previous_form(num_tokens, d):
+    """The aggregation as session 66 made it (rows loaded in groups, `rows_in_flight`; at
+    decode sizes one token per CTA, `resident_ctas`) writes the bits of its previous form
+    (one row at a time, 4 tokens per CTA), weighted (the forward) and unweighted (dX), and
+    matches the jnp reference: Qwen3-30B-A3B widths at T = 1 to 2048 and the 7B training
+    shape (24576 tokens, d = 1536), E = 128, K = 8, poisoned outputs, fresh random data."""
     from pallas_moe.kernels.aggregate import aggregate, token_blocks
     from pallas_moe.kernels.moe_forward import ForwardConfig
     from pallas_moe.kernels.reference import aggregate_reference
 
-    d, E, K = 2048, 128, 8
+    E, K = 128, 8
     ks = jax.random.split(jax.random.key(num_tokens + 66), 2)
     plan = pm.routing.topk_plan(jax.random.normal(ks[0], (num_tokens, E)), K)
     y = jax.random.normal(ks[1], (plan.capacity, d), jnp.bfloat16)
-    spread = ForwardConfig.for_shape(d, 768).aggregate
-    assert spread.resident_ctas > 0
-    # Fewer tokens per CTA than configured at every size here (2048 tokens: two).
-    assert token_blocks(num_tokens, spread.block_t, d // spread.block_d,
-                        spread.resident_ctas)[0] < spread.block_t
+    new = ForwardConfig.for_shape(d, 768).aggregate
+    old = dataclasses.replace(new, resident_ctas=0, rows_in_flight=1)
+    assert new.resident_ctas > 0 and new.rows_in_flight > 1
+    if num_tokens <= 2048:  # fewer tokens per CTA than configured (2048 tokens: two)
+        assert token_blocks(num_tokens, new.block_t, d // new.block_d,
+                            new.resident_ctas)[0] < new.block_t
     for scores in (plan.scores, None):
         outs = []
-        for config in (spread, dataclasses.replace(spread, resident_ctas=0)):
+        for config in (new, old):
             _poison(num_tokens * d * 2 * 4)
             outs.append(np.asarray(jax.jit(lambda y, r, o, s, c=config: aggregate(
                 y, r, o, s, config=c))(y, plan.rows_by_token, plan.token_row_offsets, scores),

@@ -139,3 +139,26 @@ def test_bad_rows_in_flight_raises():
     with pytest.raises(ValueError, match="config.rows_in_flight=0 must be >= 1"):
         aggregate(y, plan.rows_by_token, plan.token_row_offsets,
                   config=AggregateConfig(block_d=256, vec=2, rows_in_flight=0), interpret=True)
+
+
+@pytest.mark.parametrize("num_tokens, d, k", [
+    (24576, 1536, 8),  # 7B training: 5 rows a group (3 loads a row)
+    (32768, 4096, 8),  # 30B: 4 rows a group (block_d = 4096)
+    (8, 2048, 8),  # a decode batch: one token per CTA, 8 rows a group
+    (4096, 7168, 8),  # 7 column blocks
+    (2048, 2880, 4),  # gpt-oss-20b's width padded to 3072: two tokens per CTA
+])
+def test_default_configs_lower_for_cuda(num_tokens, d, k):
+    """Each width's default aggregation (`ForwardConfig.for_shape(...).aggregate`: grouped
+    row loads, the small-grid rule) lowers for cuda at production sizes."""
+    from pallas_moe.kernels.moe_forward import ForwardConfig, aggregate_width
+    from tests.cuda_target import h100_target
+
+    config = ForwardConfig.for_shape(d, 768).aggregate
+    rows = num_tokens * k
+    sds = jax.ShapeDtypeStruct
+    with h100_target():
+        jax.jit(lambda y, r, o, s: aggregate(y, r, o, s, config=config)).trace(
+            sds((rows, aggregate_width(d)), jnp.bfloat16), sds((rows,), jnp.int32),
+            sds((num_tokens + 1,), jnp.int32), sds((rows,), jnp.float32),
+        ).lower(lowering_platforms=("cuda",))

@@ -56,7 +56,7 @@ X3)
   # What fits after a start on the last ~4 min of a budget: the 7B weight-gradient test,
   # then the schedule kernel at T = 1 and 8.
   timeout 75 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
-    -k "(weight_grad_persistent and 7b) or aggregate_small" > $OUT/gpu_tests.log 2>&1
+    -k "(weight_grad_persistent and 7b) or aggregate_writes" > $OUT/gpu_tests.log 2>&1
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
   grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -3
   grep -E "^E  " $OUT/gpu_tests.log | head -5 | cut -c1-300
@@ -68,7 +68,7 @@ X2)
   # gradients at the widths where 192 divides d (7B's 1536, 2880), the schedule kernel's
   # timing (its outputs checked bitwise against the jnp path's there), its GPU tests.
   timeout 130 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
-    -k "(weight_grad_persistent and (7b or w2880 or gpt_oss)) or aggregate_small" \
+    -k "(weight_grad_persistent and (7b or w2880 or gpt_oss)) or aggregate_writes" \
     > $OUT/gpu_tests.log 2>&1
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
   grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -6
@@ -85,7 +85,7 @@ X)
   # in the test itself (mended), the per-chunk schedule kernel's GPU tests and timing
   # against the jnp schedules, then the 7B step's 192-wide chunks against `wg-128`.
   timeout 200 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
-    -k "(weight_grad_persistent and (7b or qwen3 or w2880 or gpt_oss)) or aggregate_small" \
+    -k "(weight_grad_persistent and (7b or qwen3 or w2880 or gpt_oss)) or aggregate_writes" \
     > $OUT/gpu_tests.log 2>&1
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
   grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -10
