@@ -50,14 +50,20 @@ def test_token_rounding_plan_and_k1():
     check(plan, 256, jax.random.key(47), config=AggregateConfig(block_t=4, block_d=128, vec=1))
 
 
-def test_bitwise_reproducible_and_no_races():
-    plan = assignment_plan(jax.random.key(48), 12, 3, p=0.7)
+def assert_race_free_and_bitwise_cfg(plan, d, key, config=CFG):
+    """`config` run with race detection matches the reference, and writes the bits of `CFG`
+    (3 tokens per CTA, one run of the kernel without race detection)."""
     params = plgpu.InterpretGPUParams(detect_races=True)
-    y, o1 = check(plan, 256, jax.random.key(49), interpret=params)
+    y, o1 = check(plan, d, key, config=config, interpret=params)
     assert not races_found()
     o2 = aggregate(y, plan.rows_by_token, plan.token_row_offsets, plan.scores, config=CFG,
                    interpret=True)
     np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+
+
+def test_bitwise_reproducible_and_no_races():
+    assert_race_free_and_bitwise_cfg(assignment_plan(jax.random.key(48), 12, 3, p=0.7), 256,
+                                     jax.random.key(49))
 
 
 def test_bad_block_raises():
@@ -94,20 +100,8 @@ def test_small_grids_take_fewer_tokens_per_cta_with_the_same_bits():
     plan = assignment_plan(jax.random.key(52), 12, 3, p=0.7)
     spread = AggregateConfig(block_t=3, block_d=256, vec=2)
     assert token_blocks(12, 3, 2, spread.resident_ctas) == (1, 12)
-    params = plgpu.InterpretGPUParams(detect_races=True)
-    y, o1 = check(plan, 512, jax.random.key(53), config=spread, interpret=params)
-    assert not races_found()
-    o2 = aggregate(y, plan.rows_by_token, plan.token_row_offsets, plan.scores, config=CFG,
-                   interpret=True)
-    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+    assert_race_free_and_bitwise_cfg(plan, 512, jax.random.key(53), spread)
 
-
-def test_negative_resident_ctas_raises():
-    plan = topk_plan(jax.random.normal(jax.random.key(54), (8, 2)), 1)
-    y = jnp.zeros((plan.capacity, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match="config.resident_ctas=-1 must be >= 0"):
-        aggregate(y, plan.rows_by_token, plan.token_row_offsets,
-                  config=AggregateConfig(block_d=256, vec=2, resident_ctas=-1), interpret=True)
 
 
 @pytest.mark.parametrize("aggregation", ["fp32", "bf16_per_expert"])
@@ -133,12 +127,14 @@ def test_rows_in_flight_write_the_one_row_at_a_time_bits(aggregation):
     close(outs[0], want, plan.num_tokens)
 
 
-def test_bad_rows_in_flight_raises():
-    plan = topk_plan(jax.random.normal(jax.random.key(57), (8, 2)), 1)
+@pytest.mark.parametrize("field, value", [("resident_ctas", -1), ("rows_in_flight", 0)])
+def test_bad_config_field_raises(field, value):
+    plan = topk_plan(jax.random.normal(jax.random.key(54), (8, 2)), 1)
     y = jnp.zeros((plan.capacity, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match="config.rows_in_flight=0 must be >= 1"):
-        aggregate(y, plan.rows_by_token, plan.token_row_offsets,
-                  config=AggregateConfig(block_d=256, vec=2, rows_in_flight=0), interpret=True)
+    config = AggregateConfig(block_d=256, vec=2, **{field: value})
+    with pytest.raises(ValueError, match=f"config.{field}={value} must be >= "):
+        aggregate(y, plan.rows_by_token, plan.token_row_offsets, config=config, interpret=True)
+
 
 
 @pytest.mark.parametrize("num_tokens, d, k", [
