@@ -90,7 +90,7 @@ def forward_schedules(plan, forward: "ForwardConfig", tiles: "_TileMetas | None"
     (`_common.tile_meta`, `_common.aligned_tile_meta`) or both from one Pallas launch
     (`forward_schedule_kernel`), bit for bit the same arrays. `interpret`: the kernels run
     in interpret mode (True or an `InterpretGPUParams`); then "kernel" runs the Pallas
-    program interpreted too. The backward's schedules stay jnp; where its block sizes equal
+    launch interpreted too. The backward's schedules stay jnp; where its block sizes equal
     the forward's it reuses these (`tiles`)."""
     tiles = _TileMetas(plan) if tiles is None else tiles
     up_rows, down_rows = forward.up.tile_rows, forward.down.tile_rows
@@ -157,9 +157,9 @@ SCHEDULE_IMPLS = ("jnp", "kernel", "auto")
 # is not the default until a GPU run (`benchmarks/decode.py --variants kernels,kernels_meta`)
 # sets this threshold.
 SCHEDULE_KERNEL_MAX_TOKENS = 128
-# The most [tiles, row_pad] token ids one loop step of the schedule kernel gathers (steps
+# The most [tiles, row_pad] token ids one program of the schedule kernel gathers (programs
 # take the decode metadata kernel's `TILE_CHUNK` tiles; the up-proj's tiles are 64-384 rows:
-# fewer tiles per step for the tallest).
+# fewer tiles per program for the tallest).
 CHUNK_ELEMENTS = 4096
 
 

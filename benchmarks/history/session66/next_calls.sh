@@ -24,7 +24,7 @@
 #   C (~6 min, H100): the bf16-dA' split at (32768, 4096, 1024, 128, 8) and d = 7168.
 #   Q (~8 min, H100): issue 15's whole table on today's kernels.
 #   D (~4 min, an H200 when one comes): session 62's dh_bf16_da probe.
-#   Kept for the record: T, T2, M, MT, MD, W (session 65/66 parts, run or superseded).
+#   Kept for the record: T, T2, M, MT, MD (session 65/66 parts, run or superseded).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 T0=$(date +%s)
 PART=${1:-X}
@@ -52,62 +52,38 @@ T2)
     -k "schedule or decode_meta_kernel" -rA > $OUT/gpu_decode_tests.log 2>&1
   echo "decode tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_decode_tests.log
   grep -E "(FAILED|ERROR)" $OUT/gpu_decode_tests.log | cut -c1-200 | tail -10 ;;
-X3)
-  # What fits after a start on the last ~4 min of a budget: the 7B weight-gradient test,
-  # then the schedule kernel at T = 1 and 8.
-  timeout 75 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
-    -k "(weight_grad_persistent and 7b) or aggregate_writes" > $OUT/gpu_tests.log 2>&1
-  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
-  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -3
-  grep -E "^E  " $OUT/gpu_tests.log | head -5 | cut -c1-300
-  timeout 75 python3 benchmarks/decode.py --tokens 8,1 --iters 30 \
-    --variants kernels,kernels_meta,kernels_agg4 --out $OUT/dec > $OUT/decode.log 2>&1
-  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "moe_forward_schedules|^\| [0-9]" $OUT/decode.log | cut -c1-200 | head -12 ;;
-X2)
-  # X on what was left after a machine was taken back mid-call (~4 min): the weight
-  # gradients at the widths where 192 divides d (7B's 1536, 2880), the schedule kernel's
-  # timing (its outputs checked bitwise against the jnp path's there), its GPU tests.
-  timeout 130 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
-    -k "(weight_grad_persistent and (7b or w2880 or gpt_oss)) or aggregate_writes" \
-    > $OUT/gpu_tests.log 2>&1
-  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
-  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -6
-  grep -E "^E  " $OUT/gpu_tests.log | head -5 | cut -c1-300
-  timeout 90 python3 benchmarks/decode.py --tokens 1,8,64 --iters 30 \
-    --variants kernels,kernels_meta,kernels_agg4 --out $OUT/dec > $OUT/decode.log 2>&1
-  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "moe_forward_schedules|^\| [0-9]" $OUT/decode.log | cut -c1-200 | head -12
-  timeout 70 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu_decode.py -k "schedule" -rA \
-    > $OUT/gpu_sched_tests.log 2>&1
-  echo "schedule tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_sched_tests.log
-  grep -E "(FAILED|ERROR)" $OUT/gpu_sched_tests.log | cut -c1-200 | tail -4 ;;
-X)
-  # Session 66's last call: the weight-gradient tests that T2 did not reach or that failed
-  # in the test itself (mended), the per-chunk schedule kernel's GPU tests and timing
-  # against the jnp schedules, then the 7B step's 192-wide chunks against `wg-128`.
-  timeout 200 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
-    -k "(weight_grad_persistent and (7b or qwen3 or w2880 or gpt_oss)) or aggregate_writes" \
-    > $OUT/gpu_tests.log 2>&1
+X|X2|X3)
+  # The first call (X, ~9.5 min), or the same cut to fit what is left after a start (X2
+  # ~5 min: no step, no qwen3 width; X3 ~2.5 min: 7B and two token counts only):
+  # the weight gradients where 192 divides d (session 64's default, never passed on a GPU;
+  # the test mended in session 66), the aggregation against its previous form, the
+  # schedule kernel's and the aggregation's decode timing against their previous forms,
+  # the schedule kernel's GPU tests, then the 7B step (S, 2 rounds).
+  case "$PART" in
+    X) WG="7b or qwen3 or w2880 or gpt_oss"; TESTS=200; TOKENS=1,8,64; DEC=110; SCHED=70 ;;
+    X2) WG="7b or w2880 or gpt_oss"; TESTS=130; TOKENS=1,8,64; DEC=90; SCHED=70 ;;
+    X3) WG="7b"; TESTS=75; TOKENS=8,1; DEC=75; SCHED=0 ;;
+  esac
+  timeout $TESTS python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py -rA \
+    -k "(weight_grad_persistent and ($WG)) or aggregate_writes" > $OUT/gpu_tests.log 2>&1
   echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
   grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -10
   grep -E "^E  " $OUT/gpu_tests.log | head -5 | cut -c1-300
-  timeout 70 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu_decode.py -k "schedule" -rA \
-    > $OUT/gpu_sched_tests.log 2>&1
-  echo "schedule tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -cE " PASSED" $OUT/gpu_sched_tests.log
-  grep -E "(FAILED|ERROR)" $OUT/gpu_sched_tests.log | cut -c1-200 | tail -4
-  timeout 110 python3 benchmarks/decode.py --tokens 1,8,64 --iters 30 \
+  timeout $DEC python3 benchmarks/decode.py --tokens $TOKENS --iters 30 \
     --variants kernels,kernels_meta,kernels_agg4 --out /tmp/dec > $OUT/decode.log 2>&1
-  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "moe_forward_schedules|^\| [0-9]" $OUT/decode.log | cut -c1-200 | head -12
-  grep -oE "(kernels[a-z_0-9]*: [0-9.]+ us GPU)|moe_aggregate_mosaic_gpu_kernel [0-9.]+" $OUT/decode.log | head -18
+  echo "decode rc=$? at $(( $(date +%s) - T0 )) s"
+  grep -E "moe_forward_schedules|^\| [0-9]" $OUT/decode.log | cut -c1-200 | head -12
+  grep -oE "(kernels[a-z_0-9]*: [0-9.]+ us GPU)|moe_aggregate_mosaic_gpu_kernel [0-9.]+" \
+    $OUT/decode.log | head -18
+  if [ $SCHED -gt 0 ]; then
+    timeout $SCHED python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu_decode.py \
+      -k "schedule" -rA > $OUT/gpu_sched_tests.log 2>&1
+    echo "schedule tests rc=$? at $(( $(date +%s) - T0 )) s"
+    grep -cE " PASSED" $OUT/gpu_sched_tests.log
+    grep -E "(FAILED|ERROR)" $OUT/gpu_sched_tests.log | cut -c1-200 | tail -4
+  fi
+  [ "$PART" = X ] || exit 0
   SHAPES=7b; ROUNDS=2; S_S=$(( 570 - ($(date +%s) - T0) )) ;;&
-W)
-  # Session 66: T2's weight-gradient tests were cut at 300 s, and their 7B case failed in
-  # the test itself (a 3-stage form with separate output buffers does not fit beside
-  # 192-wide chunks). The mended test, then S at 7b alone.
-  timeout 250 python3 -m pytest -p no:xdist -v -m gpu tests/test_gpu.py \
-    -k "weight_grad_persistent" -rA > $OUT/gpu_tests.log 2>&1
-  echo "tests rc=$? at $(( $(date +%s) - T0 )) s"
-  grep -E "(PASSED|FAILED|ERROR)" $OUT/gpu_tests.log | cut -c1-200 | tail -12
-  SHAPES=7b; S_S=$(( 560 - ($(date +%s) - T0) )) ;&
 S|X)
   timeout ${S_S:-540} python3 benchmarks/step.py --shapes ${SHAPES:-7b,7b-n1024} \
     --variants topk/cp_async,topk/cp_async/wg-128,topk/cp_async/agg-1 --rounds ${ROUNDS:-3} \
