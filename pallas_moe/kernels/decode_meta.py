@@ -35,6 +35,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_moe.kernels._common import is_interpreted
 from pallas_moe.numerics import multiplied_scores
 from pallas_moe.routing.plan import tile_schedule
 
@@ -51,8 +52,6 @@ def resolve_meta_impl(meta_impl: str, num_tokens: int, *,
     "interpret" where the kernels run interpreted (`interpret` True or an
     `InterpretGPUParams`). `DecodeConfig.meta_impl` (with `META_KERNEL_MAX_TOKENS`) and
     `ForwardConfig.schedule_impl` (`schedules.resolve_schedule_impl`) both resolve here."""
-    from pallas_moe.kernels._common import is_interpreted
-
     impl = meta_impl
     if impl == "auto":
         impl = "kernel" if num_tokens <= max_tokens else "jnp"
